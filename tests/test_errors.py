@@ -30,7 +30,7 @@ TREE: dict[str, type | None] = {
 # Distinctions only jax_ucp's own code catches: subclasses in the layer that raises them, not
 # exported (a caller catches their public parent).
 INTERNAL = {
-    "TorchFileError": ("jax_ucp._src.torchfiles.unpickler", "SourceError"),
+    "TorchFileError": ("jax_ucp._src.torchfiles.allow_list", "SourceError"),
     "MegatronImportError": ("jax_ucp._src.importers.megatron.common", "SourceError"),
     "ProcessLostError": ("jax_ucp._src.multihost.agreement", "MultiProcessError"),
     "ShardLayoutError": ("jax_ucp._src.torchfiles.sharded", "SourceError"),
@@ -103,7 +103,7 @@ def test_no_module_binds_an_error_class_under_another_name():
 
 
 def test_a_torch_file_error_keeps_its_path():
-    from jax_ucp._src.torchfiles.unpickler import TorchFileError
+    from jax_ucp._src.torchfiles.allow_list import TorchFileError
 
     error = TorchFileError("/x/model.pt", "global os.system is not allowed")
     assert error.path == "/x/model.pt"

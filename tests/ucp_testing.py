@@ -187,7 +187,7 @@ def hf_torch_folder(tmp_path, shapes: dict, order: list[str], param_names: list[
     an ``optimizer.bin`` of one Adam group whose index ``i`` holds the moments of ``order[i]``
     (exp_avg = the parameter + 1000 * (i + 1), so whose moment it is can be read off);
     ``param_names``: the group's param_names, when given."""
-    from jax_ucp._src.exporters import torch_out  # torch-free torch.save writer
+    from jax_ucp._src.torchfiles import torch_zip
 
     src = tmp_path / "src"
     src.mkdir()
@@ -197,22 +197,22 @@ def hf_torch_folder(tmp_path, shapes: dict, order: list[str], param_names: list[
     }
     arrays = list(weights.values())
     model = {
-        n: torch_out.TensorSlot(i, a.shape, a.dtype) for i, (n, a) in enumerate(weights.items())
+        n: torch_zip.TensorSlot(i, a.shape, a.dtype) for i, (n, a) in enumerate(weights.items())
     }
-    torch_out.save_file(str(src / "pytorch_model.bin"), model, arrays)
+    torch_zip.save_file(str(src / "pytorch_model.bin"), model, arrays)
     arrays, state = [], {}
     for i, name in enumerate(order):
         per = {}
         for k, scale in (("exp_avg", 1000), ("exp_avg_sq", 2000)):
             arrays.append(weights[name] + scale * (i + 1))
-            per[k] = torch_out.TensorSlot(len(arrays) - 1, arrays[-1].shape, arrays[-1].dtype)
+            per[k] = torch_zip.TensorSlot(len(arrays) - 1, arrays[-1].shape, arrays[-1].dtype)
         arrays.append(np.asarray(3.0, np.float32))
-        per["step"] = torch_out.TensorSlot(len(arrays) - 1, (), np.dtype(np.float32))
+        per["step"] = torch_zip.TensorSlot(len(arrays) - 1, (), np.dtype(np.float32))
         state[i] = per
     group = {"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(len(order)))}
     if param_names is not None:
         group["param_names"] = param_names
-    torch_out.save_file(
+    torch_zip.save_file(
         str(src / "optimizer.bin"), {"state": state, "param_groups": [group]}, arrays
     )
     return src, weights

@@ -38,7 +38,7 @@ import numpy as np
 
 from jax_ucp._src.errors import RequestError, SourceError, UnsafeFileError
 from jax_ucp._src.format import files, keypath
-from jax_ucp._src.torchfiles import dcp_reader as safe_dcp
+from jax_ucp._src.torchfiles import dcp as safe_dcp
 
 __all__ = ["Comparison", "compare_with_source", "dcp_reader"]
 
@@ -444,7 +444,7 @@ def dcp_reader(folder: str) -> Any:
     """torch DCP's ``FileSystemReader`` for ``folder``, reading OLMo-core's metadata too.
 
     torch's reader unpickles ``.metadata`` with plain pickle (any class, any callable): the
-    allow-listed reader of :mod:`jax_ucp._src.torchfiles.dcp_reader` reads it first, so a pickle
+    allow-listed reader of :mod:`jax_ucp._src.torchfiles.dcp` reads it first, so a pickle
     naming anything but DCP's own data classes is refused before torch sees it."""
     from torch.distributed.checkpoint import filesystem  # pyright: ignore[reportMissingImports]
 

@@ -5,7 +5,7 @@ A leaf module (it imports nothing of jax_ucp), so every layer — the pure-logic
 included — raises these, and callers catch one class. Each class derives from one builtin besides
 ``UCPError`` (``except ValueError`` / ``OSError`` / ``RuntimeError`` keeps working). There are no
 aliases, and no public subclasses: a distinction only jax_ucp's own code catches is a subclass in
-the layer that raises it (``torchfiles.unpickler.TorchFileError``,
+the layer that raises it (``torchfiles.allow_list.TorchFileError``,
 ``importers.megatron.common.MegatronImportError``, ``multihost.agreement.ProcessLostError``).
 
 TensorStore's own errors are plain ``ValueError``s whose text starts with an absl status code and

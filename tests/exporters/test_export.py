@@ -326,7 +326,7 @@ REPO_TOOLS = os.path.join(REPO, "tools", "fixtures")
 def test_deepspeed_universal_values_equal_deepspeeds_own(tmp_path, fixture):
     """DeepSpeed ZeRO run -> convert -> export: every zero/<param>/<state>.pt holds what
     DeepSpeed's own ds_to_universal wrote (committed as ref_universal.npz), read torch-free."""
-    from jax_ucp._src.torchfiles.unpickler import load_torch_file
+    from jax_ucp._src.torchfiles.torch_zip import load_torch_file
 
     ckpt = jax_ucp.convert(os.path.join(DS, fixture, "ckpt"), str(tmp_path / "ucp"))
     out = jax_ucp.export(ckpt, tmp_path / "uni", DeepSpeedUniversalExport())
@@ -354,7 +354,7 @@ def test_deepspeed_universal_needs_moments(tmp_path):
 def test_optax_state_exports_as_deepspeed_universal(tmp_path):
     import optax
 
-    from jax_ucp._src.torchfiles.unpickler import load_torch_file
+    from jax_ucp._src.torchfiles.torch_zip import load_torch_file
 
     params = {"Dense_0": {"kernel": np.arange(6, dtype=np.float32).reshape(2, 3)}}
     opt_state = optax.adam(1e-3).init(params)

@@ -18,9 +18,9 @@ _TRUNCATED_WHILE_READ = """
 import json, os, sys
 import numpy as np
 import jax_ucp
-from jax_ucp._src.exporters import torch_out
-from jax_ucp._src.torchfiles import dcp_reader
-from jax_ucp._src.torchfiles import unpickler as torch_pickle
+from jax_ucp._src.torchfiles import torch_zip
+from jax_ucp._src.torchfiles import dcp as torch_dcp
+from jax_ucp._src.torchfiles import torch_zip
 
 kind, src, dst = sys.argv[1:]
 shrunk = []
@@ -32,16 +32,16 @@ def shrink(path, size):
 
 if kind == "pt":
     arrays = [np.arange(1 << 20, dtype=np.float32) + i for i in range(3)]
-    slots = {f"w{i}": torch_out.TensorSlot(i, a.shape, a.dtype) for i, a in enumerate(arrays)}
-    torch_out.save_file(src, slots, arrays)
-    real = torch_pickle.load_torch_file
+    slots = {f"w{i}": torch_zip.TensorSlot(i, a.shape, a.dtype) for i, a in enumerate(arrays)}
+    torch_zip.save_file(src, slots, arrays)
+    real = torch_zip.load_torch_file
 
     def load(path, *args, **kwargs):  # planned (every tensor a view of the mapping), then shrunk
         out = real(path, *args, **kwargs)
         shrink(os.fspath(path), os.path.getsize(path) // 2)
         return out
 
-    torch_pickle.load_torch_file = load
+    torch_zip.load_torch_file = load
 elif kind == "safetensors":
     from safetensors.numpy import save_file
     from jax_ucp._src.format import safetensors as safetensors_format
@@ -55,14 +55,14 @@ elif kind == "safetensors":
 
     safetensors_format.SafetensorsFile.__init__ = init
 else:
-    real = dcp_reader._file_range
+    real = torch_dcp._file_range
 
     def file_range(path, offset, *args):  # mapped, then cut where the range starts
         out = real(path, offset, *args)
         shrink(str(path), offset)
         return out
 
-    dcp_reader._file_range = file_range
+    torch_dcp._file_range = file_range
 try:
     jax_ucp.convert(src, dst)
     error = None
@@ -106,9 +106,9 @@ def test_a_file_truncated_after_it_was_mapped_is_an_error_naming_it(tmp_path, ki
 _RANK_FILE_TRUNCATED = """
 import json, os, shutil, sys
 import jax_ucp
-from jax_ucp._src.torchfiles import unpickler as torch_pickle
+from jax_ucp._src.torchfiles import torch_zip
 
-real = torch_pickle.TorchArchive.load
+real = torch_zip.TorchArchive.load
 case = {}
 
 def archive_load(self, *args, **kwargs):  # unpickled: its tensors are views of the mapping
@@ -121,7 +121,7 @@ def archive_load(self, *args, **kwargs):  # unpickled: its tensors are views of 
             case["shrunk"].append(os.path.basename(path))
     return out
 
-torch_pickle.TorchArchive.load = archive_load
+torch_zip.TorchArchive.load = archive_load
 for fixture, prefix, nth, budget, src, dst in json.loads(sys.argv[1]):
     shutil.copytree(fixture, src)
     case.update(prefix=prefix, nth=nth, loads=[], shrunk=[])

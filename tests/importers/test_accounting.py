@@ -23,8 +23,8 @@ from jax_ucp._src.importers.deepspeed import files as deepspeed_files
 from jax_ucp._src.importers.deepspeed import zero as deepspeed_zero
 from jax_ucp._src.importers.megatron import dcp as megatron_dcp
 from jax_ucp._src.importers.megatron import legacy as megatron_legacy
-from jax_ucp._src.torchfiles import dcp_reader
-from jax_ucp._src.torchfiles.unpickler import load_torch_file
+from jax_ucp._src.torchfiles import dcp as torch_dcp
+from jax_ucp._src.torchfiles.torch_zip import load_torch_file
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import REPO
 
@@ -100,7 +100,7 @@ def _torch_tensors(src: str) -> set[str]:
         if dirs:
             names: set[str] = set()
             for d in dirs:
-                ck = dcp_reader.open_dcp(d)
+                ck = torch_dcp.open_dcp(d)
                 names |= set(ck.tensors) | set(ck.objects)
             # a Trainer FSDP checkpoint's RNG states, skipped as whole files
             return names | {os.path.basename(p) for p in glob.glob(f"{src}/rng_state*.pth")}

@@ -37,7 +37,7 @@ def _copy_source(source: str, src) -> None:
         return
     import pickle
 
-    from tests.torchfiles.test_unpickler import write_pt
+    from tests.torchfiles.test_pickle_format import write_pt
 
     shutil.copytree(os.path.join(FIXTURES, "olmo_core", "olmo_fp32"), src / "model_and_optim")
     (src / "train").mkdir()

@@ -150,7 +150,7 @@ def _big_trainer_synthetic(tmp_path, real: str, groups: list[dict]) -> tuple[str
     model's parameters; the weights and moments synthetic."""
     from safetensors.numpy import save_file
 
-    from jax_ucp._src.exporters import torch_out
+    from jax_ucp._src.torchfiles import torch_zip
 
     src = tmp_path / "trainer_big_synthetic" / "checkpoint-3"
     src.mkdir(parents=True)
@@ -188,9 +188,9 @@ def _big_trainer_synthetic(tmp_path, real: str, groups: list[dict]) -> tuple[str
         per = {}
         for key, value in (("exp_avg", 1e-3 * (k + 1)), ("exp_avg_sq", 1e-6 * (k + 1))):
             arrays.append(np.full(shapes[name], value, np.float32))
-            per[key] = torch_out.TensorSlot(len(arrays) - 1, shapes[name], np.dtype(np.float32))
+            per[key] = torch_zip.TensorSlot(len(arrays) - 1, shapes[name], np.dtype(np.float32))
         arrays.append(np.asarray(3.0, np.float32))
-        per["step"] = torch_out.TensorSlot(len(arrays) - 1, (), np.dtype(np.float32))
+        per["step"] = torch_zip.TensorSlot(len(arrays) - 1, (), np.dtype(np.float32))
         state[k] = per
     decayed = [n for n in order if n not in norms]
     param_groups = [
@@ -200,7 +200,7 @@ def _big_trainer_synthetic(tmp_path, real: str, groups: list[dict]) -> tuple[str
         }
         for g, names in zip(groups, (decayed, norms))
     ]
-    torch_out.save_file(
+    torch_zip.save_file(
         str(src / "optimizer.pt"), {"state": state, "param_groups": param_groups}, arrays
     )
     return str(src), order

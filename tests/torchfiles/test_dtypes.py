@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_ucp._src.exporters import torch_out
+from jax_ucp._src.torchfiles import torch_zip
 from jax_ucp._src.torchfiles.dtypes import BY_NAME, STORAGES, TORCH_DTYPES
-from jax_ucp._src.torchfiles.unpickler import load_torch_file
+from jax_ucp._src.torchfiles.torch_zip import load_torch_file
 
 
 def test_the_written_names_read_back_to_the_same_dtype():
@@ -23,7 +23,7 @@ def test_a_tensor_written_by_torch_out_is_read_back_bit_exact(tmp_path, dtype):
     raw = np.arange(6 * dtype.itemsize, dtype=np.uint8) % (2 if dtype == np.bool_ else 251)
     array = raw.view(dtype).reshape(2, 3)
     path = str(tmp_path / "t.pt")
-    torch_out.save_file(path, {"t": torch_out.TensorSlot(0, array.shape, dtype)}, [array])
+    torch_zip.save_file(path, {"t": torch_zip.TensorSlot(0, array.shape, dtype)}, [array])
     got = load_torch_file(path)["t"]
     assert got.dtype == dtype and got.shape == array.shape
     assert got.tobytes() == array.tobytes()

@@ -10,8 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from jax_ucp._src.torchfiles import sharded, unpickler
-from jax_ucp._src.torchfiles.unpickler import TorchFileError
+from jax_ucp._src.torchfiles import allow_list, pickle_format, sharded, torch_zip
+from jax_ucp._src.torchfiles.allow_list import TorchFileError
 from tests.ucp_testing import REPO
 
 ACTOR = os.path.join(REPO, "tests", "fixtures", "verl", "{}", "global_step_3", "actor")
@@ -19,7 +19,7 @@ ACTOR = os.path.join(REPO, "tests", "fixtures", "verl", "{}", "global_step_3", "
 
 def _load(kind: str, rank: int) -> dict:
     path = os.path.join(ACTOR.format(kind), f"model_world_size_2_rank_{rank}.pt")
-    return unpickler.load_torch_file(path, unpickler.SHARDED_TENSOR_CLASSES)
+    return torch_zip.load_torch_file(path, allow_list.SHARDED_TENSOR_CLASSES)
 
 
 @pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])
@@ -43,7 +43,7 @@ def test_a_dtensor_layout_not_stated_plainly_is_refused():
     strided = copy.copy(t)
     strided.state = (None, {**t.state[1], "_spec": copy.copy(spec)})
     strided.state[1]["_spec"].__dict__["placements"] = (
-        unpickler.SHARDED_TENSOR_CLASSES[
+        allow_list.SHARDED_TENSOR_CLASSES[
             "torch.distributed.tensor.placement_types._StridedShard"
         ](),
     )
@@ -58,10 +58,10 @@ def test_getattr_in_a_pickle_reaches_only_sharded_tensors_process_group_state():
     attribute of an allowed global) is refused, and without the sharded classes it is no
     global at all."""
     evil = b"\x80\x02cbuiltins\ngetattr\nccollections\nOrderedDict\nX\x08\x00\x00\x00__call__\x86R."
-    with pytest.raises(unpickler.TorchFileError, match=r"getattr.*is not allowed"):
-        unpickler.restricted_loads(evil, extra_classes=unpickler.SHARDED_TENSOR_CLASSES)
+    with pytest.raises(allow_list.TorchFileError, match=r"getattr.*is not allowed"):
+        pickle_format.restricted_loads(evil, extra_classes=allow_list.SHARDED_TENSOR_CLASSES)
     with pytest.raises(TorchFileError, match=r"builtins\.getattr"):
-        unpickler.restricted_loads(evil)
+        pickle_format.restricted_loads(evil)
 
 
 def test_pieces_of_another_dtype_are_refused_not_cast():

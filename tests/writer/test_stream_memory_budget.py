@@ -261,12 +261,12 @@ def test_a_torch_dcp_import_in_row_slabs_equals_the_default_one(tmp_path, monkey
     """torch DCP tensors read by rows of their chunks (a slab crossing the ranks' row shards):
     under a budget below every tensor, with small inner chunks, the checkpoint is the default
     one file for file, and no tensor over the budget is assembled whole."""
-    from jax_ucp._src.torchfiles import dcp_reader
+    from jax_ucp._src.torchfiles import dcp as torch_dcp
 
     monkeypatch.setattr(store, "DEFAULT_INNER_CHUNK_BYTES", 1 << 10)  # both imports alike
     slabs: list = []
     whole: list = []
-    read_rows, read = dcp_reader.DcpCheckpoint.read_rows, dcp_reader.DcpCheckpoint.read
+    read_rows, read = torch_dcp.DcpCheckpoint.read_rows, torch_dcp.DcpCheckpoint.read
 
     def rows_spy(self, name, start, stop):
         out = read_rows(self, name, start, stop)
@@ -278,8 +278,8 @@ def test_a_torch_dcp_import_in_row_slabs_equals_the_default_one(tmp_path, monkey
         whole.append(out.nbytes)
         return out
 
-    monkeypatch.setattr(dcp_reader.DcpCheckpoint, "read_rows", rows_spy)
-    monkeypatch.setattr(dcp_reader.DcpCheckpoint, "read", read_spy)
+    monkeypatch.setattr(torch_dcp.DcpCheckpoint, "read_rows", rows_spy)
+    monkeypatch.setattr(torch_dcp.DcpCheckpoint, "read", read_spy)
     src = os.path.join(TORCH, fixture)
     small, default = tmp_path / "small", tmp_path / "default"
     jax_ucp.convert(src, str(small), memory_budget="2KiB")
@@ -293,9 +293,9 @@ def test_a_torch_dcp_import_in_row_slabs_equals_the_default_one(tmp_path, monkey
 
 def test_dcp_rows_are_the_rows_of_the_tensor():
     """``read_rows`` at every cut against the whole tensor, and out-of-range rows refused."""
-    from jax_ucp._src.torchfiles import dcp_reader
+    from jax_ucp._src.torchfiles import dcp as torch_dcp
 
-    ck = dcp_reader.open_dcp(os.path.join(TORCH, "fsdp2_fp32"))
+    ck = torch_dcp.open_dcp(os.path.join(TORCH, "fsdp2_fp32"))
     name = "model.tok_embeddings.weight"  # (67, 16) in two row shards, 34 + 33
     full = ck.read(name)
     for start, stop in [(0, 67), (0, 1), (33, 35), (34, 67), (10, 60), (66, 67), (5, 5)]:

@@ -28,12 +28,14 @@ import numpy as np
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import RequestError
-from jax_ucp._src.exporters import source, torch_out
+from jax_ucp._src.exporters import source
 from jax_ucp._src.exporters.options import DeepSpeedUniversalExport, Exported
 from jax_ucp._src.exporters.source import Deferred
 from jax_ucp._src.format import files
 from jax_ucp._src.restoring import ucp_source
 from jax_ucp._src.restoring.model import Request, check_cast
+from jax_ucp._src.torchfiles import torch_zip
+from jax_ucp._src.torchfiles.pickle_format import Call, Global, torch_size
 from jax_ucp._src.writer import durable
 
 #: The DeepSpeed version whose universal format this writes (and what ``ds_version`` says).
@@ -85,14 +87,14 @@ def write_universal(
         "param_groups": [{"params": []} for _ in range(param_groups)],
     }
     path = os.path.join(zero, "optimizer_state.pt")
-    torch_out.save_file(path, optimizer_state)
+    torch_zip.save_file(path, optimizer_state)
     written.append(path)
     module, arrays = {}, []
     for name, weight in model_weights or ():
-        module[name] = torch_out.TensorSlot(len(arrays), tuple(weight.shape), weight.dtype)
+        module[name] = torch_zip.TensorSlot(len(arrays), tuple(weight.shape), weight.dtype)
         arrays.append(weight)
     path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    torch_out.save_file(path, _model_states(params, module, step), arrays)
+    torch_zip.save_file(path, _model_states(params, module, step), arrays, source.pieces)
     written.append(path)
     durable.write_file(os.path.join(root, "latest_universal"), tag)
     written.append(os.path.join(root, "latest_universal"))
@@ -118,13 +120,13 @@ def _write_states(
                 f"wants fp32 {shapes[name]}"
             )
         path = os.path.join(zero, name, f"{state}.pt")
-        slot = torch_out.TensorSlot(0, tuple(array.shape), array.dtype)
-        torch_out.save_file(path, {"param": slot, "cat_dim": 0}, [array])
+        slot = torch_zip.TensorSlot(0, tuple(array.shape), array.dtype)
+        torch_zip.save_file(path, {"param": slot, "cat_dim": 0}, [array], source.pieces)
         written.append(path)
         if state == STATES[-1]:
             step_path = os.path.join(zero, name, "step.pt")
-            slot = torch_out.TensorSlot(0, (), step_tensor.dtype)
-            torch_out.save_file(step_path, slot, [step_tensor])
+            slot = torch_zip.TensorSlot(0, (), step_tensor.dtype)
+            torch_zip.save_file(step_path, slot, [step_tensor])
             written.append(step_path)
     return written
 
@@ -133,15 +135,15 @@ def _model_states(params: list[tuple[str, tuple[int, ...]]], module: dict, step:
     """``mp_rank_00_model_states.pt``'s pickle: one rank, no parallelism, the step counters and
     ``module`` (name -> tensor slot) as an OrderedDict."""
     return {
-        "module": torch_out.Call(
-            torch_out.Global("collections", "OrderedDict"), ([[k, v] for k, v in module.items()],)
+        "module": Call(
+            Global("collections", "OrderedDict"), ([[k, v] for k, v in module.items()],)
         ),
         "buffer_names": [],
         "optimizer": None,
         "param_shapes": [
-            torch_out.Call(
-                torch_out.Global("collections", "OrderedDict"),
-                ([[name, torch_out.torch_size(shape)] for name, shape in params],),
+            Call(
+                Global("collections", "OrderedDict"),
+                ([[name, torch_size(shape)] for name, shape in params],),
             )
         ],
         "frozen_param_shapes": {},

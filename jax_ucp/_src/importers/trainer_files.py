@@ -19,7 +19,7 @@ from typing import Any
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers.plan import jsonable
-from jax_ucp._src.torchfiles import unpickler
+from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
     "ARG_FIELDS",
@@ -128,13 +128,13 @@ def side_file(folder: str, name: str) -> str:
 
 def _arg(value: Any) -> Any:
     """A TrainingArguments field as JSON: str enums (stand-ins) by their value."""
-    if isinstance(value, unpickler.StandIn):
+    if isinstance(value, allow_list.StandIn):
         args = getattr(value, "args", ())
         return jsonable(args[0]) if len(args) == 1 else None
     return jsonable(value)
 
 
-class _TrainingArguments(unpickler.StandIn):
+class _TrainingArguments(allow_list.StandIn):
     """``TrainingArguments`` as data; its ``cached_property`` values (``__cached__*``, pickled
     by transformers 4.x) are dropped, not refused: they are not arguments."""
 
@@ -168,19 +168,19 @@ def trainer_record(folder: str) -> dict:
     args_path = side_file(folder, ARGS_FILE)
     if os.path.isfile(args_path):
         try:
-            classes = {n: unpickler.standin_class(n) for n in ARG_CLASSES}
+            classes = {n: allow_list.standin_class(n) for n in ARG_CLASSES}
             classes[_TrainingArguments.qualname] = _TrainingArguments
-            args = unpickler.load_torch_file(args_path, classes)
-        except unpickler.TorchFileError as e:
+            args = torch_zip.load_torch_file(args_path, classes)
+        except allow_list.TorchFileError as e:
             out["training_args_unread"] = str(e)[:300]
         else:
-            fields = vars(args) if isinstance(args, unpickler.StandIn) else {}
+            fields = vars(args) if isinstance(args, allow_list.StandIn) else {}
             out["training_args"] = {k: _arg(fields[k]) for k in ARG_FIELDS if k in fields}
     sched_path = side_file(folder, SCHEDULER_FILE)
     if os.path.isfile(sched_path):
         try:
-            sched = unpickler.load_torch_file(sched_path)
-        except unpickler.TorchFileError as e:
+            sched = torch_zip.load_torch_file(sched_path)
+        except allow_list.TorchFileError as e:
             out["scheduler_unread"] = str(e)[:300]
         else:
             if isinstance(sched, dict):

@@ -7,7 +7,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-__all__ = ["BY_NAME", "STORAGES", "TORCH_DTYPES"]
+from jax_ucp._src.errors import RequestError
+
+__all__ = ["BY_NAME", "STORAGES", "TORCH_DTYPES", "torch_dtype"]
 
 #: torch dtype name (``torch.<name>``, aliases included) -> numpy dtype (bfloat16 and float8
 #: from ``ml_dtypes``)
@@ -72,3 +74,14 @@ TORCH_DTYPES: dict[np.dtype, tuple[str, str]] = {
 STORAGES: dict[str, str] = {storage: name for name, storage in TORCH_DTYPES.values()} | {
     "UntypedStorage": "uint8"
 }
+
+
+def torch_dtype(tensor: str, dtype: np.dtype) -> tuple[str, str]:
+    """(torch dtype name, storage class) of ``dtype``, or an error naming the tensor."""
+    found = TORCH_DTYPES.get(np.dtype(dtype))
+    if found is None:
+        raise RequestError(
+            f"tensor {tensor!r}: dtype {np.dtype(dtype)} has no torch storage type that "
+            f"torch.save writes; pass dtype= to convert it"
+        )
+    return found

@@ -1,5 +1,5 @@
 """Where a rank's piece of a DTensor or ShardedTensor lies in the whole tensor, read from the
-inert pickled state (:class:`~jax_ucp._src.torchfiles.unpickler.WrapperTensor`) of a ``torch.save``
+inert pickled state (:class:`~jax_ucp._src.torchfiles.allow_list.WrapperTensor`) of a ``torch.save``
 file: what FSDP2 (DTensor, ``Shard(dim)`` over a 1-D mesh) and FSDP1's ``SHARDED_STATE_DICT``
 (ShardedTensor, its shards' offsets recorded) save per rank.
 
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.errors import SourceError
-from jax_ucp._src.torchfiles.unpickler import StandIn, WrapperTensor, short_repr
+from jax_ucp._src.torchfiles.allow_list import StandIn, WrapperTensor, short_repr
 
 __all__ = ["Piece", "ShardLayoutError", "assemble", "covers", "dtensor_box", "local_pieces"]
 

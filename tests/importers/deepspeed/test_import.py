@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp._src.exporters import torch_out
 from jax_ucp._src.importers.deepspeed import files as deepspeed_files
 from jax_ucp._src.importers.deepspeed import is_deepspeed_checkpoint, open_deepspeed_checkpoint
 from jax_ucp._src.importers.deepspeed.zero import optimizer_step
-from jax_ucp._src.torchfiles.unpickler import StandIn, TorchFileError
+from jax_ucp._src.torchfiles import pickle_format, torch_zip
+from jax_ucp._src.torchfiles.allow_list import StandIn, TorchFileError
 from jax_ucp.conversion import convert
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import (
@@ -115,7 +115,7 @@ def test_equals_ds_to_universal_and_zero_to_fp32(converted, name):
 def test_bf16_model_params_are_the_stored_module_weights(converted):
     """Stage 1/2 store the bf16 module; it must come through bit for bit (not re-cast)."""
     from jax_ucp._src.importers.deepspeed import DS_CLASSES
-    from jax_ucp._src.torchfiles.unpickler import load_torch_file
+    from jax_ucp._src.torchfiles.torch_zip import load_torch_file
 
     name = "z2_bf16_dp3"
     ms = load_torch_file(
@@ -274,14 +274,14 @@ def _as_nodes(obj, arrays: list):
     """A loaded DeepSpeed object as the torch-free writer's nodes (tensors -> TensorSlot)."""
     if isinstance(obj, np.ndarray):
         arrays.append(obj)
-        return torch_out.TensorSlot(len(arrays) - 1, tuple(obj.shape), obj.dtype)
+        return torch_zip.TensorSlot(len(arrays) - 1, tuple(obj.shape), obj.dtype)
     if isinstance(obj, StandIn):
         module, name = type(obj).qualname.rsplit(".", 1)
         state = {k: _as_nodes(v, arrays) for k, v in obj.__dict__.items() if k != "args"}
-        return torch_out.New(torch_out.Global(module, name), state)
+        return pickle_format.New(pickle_format.Global(module, name), state)
     if isinstance(obj, int) and hasattr(type(obj), "qualname"):  # an IntEnum stand-in
         module, name = type(obj).qualname.rsplit(".", 1)
-        return torch_out.Call(torch_out.Global(module, name), (int(obj),))
+        return pickle_format.Call(pickle_format.Global(module, name), (int(obj),))
     if isinstance(obj, dict):
         return {k: _as_nodes(v, arrays) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -300,7 +300,7 @@ def _rewrite(path, edit) -> None:
     arrays = [np.array(a) for a in arrays]
     edit(nodes, arrays)
     os.unlink(path)
-    torch_out.save_file(str(path), nodes, arrays)
+    torch_zip.save_file(str(path), nodes, arrays)
 
 
 def _restore_params(path) -> dict:
@@ -349,7 +349,7 @@ def _drop_module_weights(src) -> None:
 
 def _set_shape(src, name: str, shape) -> None:
     def edit(nodes, arrays):
-        nodes["param_shapes"][0][name] = torch_out.torch_size(shape)
+        nodes["param_shapes"][0][name] = pickle_format.torch_size(shape)
 
     _rewrite(src / TAG / MODEL, edit)
 

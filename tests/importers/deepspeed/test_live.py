@@ -90,7 +90,7 @@ def test_torch_reader_on_fresh_deepspeed_files(tmp_path):
     import glob
 
     from jax_ucp._src.importers.deepspeed import DS_CLASSES
-    from jax_ucp._src.torchfiles.unpickler import load_torch_file
+    from jax_ucp._src.torchfiles.torch_zip import load_torch_file
 
     files = glob.glob(
         os.path.join(ROOT, "tests", "fixtures", "deepspeed", "*", "ckpt", "global_step2", "*.pt")

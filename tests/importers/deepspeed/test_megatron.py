@@ -347,7 +347,7 @@ def test_regenerate_and_compare_live(tmp_path):
 def test_restricted_reader_matches_torch_load():
     torch = pytest.importorskip("torch")
     from jax_ucp._src.importers.deepspeed import DS_CLASSES
-    from jax_ucp._src.torchfiles.unpickler import load_torch_file
+    from jax_ucp._src.torchfiles.torch_zip import load_torch_file
 
     for name in MEG:
         for f in glob.glob(os.path.join(FIX, name, "ckpt", TAG, "*.pt")):
@@ -399,7 +399,7 @@ def test_spec_file_form(tmp_path):
     """A TOML spec (the plain file form) can stand in for universal_checkpoint_info."""
     from jax_ucp._src.importers.deepspeed import DS_CLASSES
     from jax_ucp._src.importers.deepspeed.ucp_info import spec_from_ucp_info
-    from jax_ucp._src.torchfiles.unpickler import load_torch_file
+    from jax_ucp._src.torchfiles.torch_zip import load_torch_file
     from jax_ucp.language import dump_spec
 
     name = "megatron_ds_tp2_dp3_z2_fp32_synthetic"

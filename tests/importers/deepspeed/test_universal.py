@@ -189,12 +189,12 @@ def test_universal_missing_parameter_folder_named(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_universal_wrong_size_and_disagreeing_step(tmp_path):
-    from jax_ucp._src.exporters import torch_out
+    from jax_ucp._src.torchfiles import torch_zip
 
     root, tag = _copy_universal("z1_bf16_dp2", tmp_path)
     step = tag / "zero" / "ln_f.bias" / "step.pt"
-    slot = torch_out.TensorSlot(0, (), np.dtype(np.float32))
-    torch_out.save_file(str(step), slot, [np.asarray(7.0, np.float32)])
+    slot = torch_zip.TensorSlot(0, (), np.dtype(np.float32))
+    torch_zip.save_file(str(step), slot, [np.asarray(7.0, np.float32)])
     with pytest.raises(
         SourceError,
         match=r"zero:.*optimizer step: 2 in zero/.*, 7 in zero/ln_f\.bias/step\.pt",
@@ -202,8 +202,8 @@ def test_universal_wrong_size_and_disagreeing_step(tmp_path):
         plan_import(root)
     root, tag = _copy_universal("z3_bf16_dp2", tmp_path / "b")
     fp32 = tag / "zero" / "ln_f.bias" / "exp_avg.pt"
-    slot = torch_out.TensorSlot(0, (15,), np.dtype(np.float32))
-    torch_out.save_file(str(fp32), slot, [np.zeros(15, np.float32)])
+    slot = torch_zip.TensorSlot(0, (15,), np.dtype(np.float32))
+    torch_zip.save_file(str(fp32), slot, [np.zeros(15, np.float32)])
     with pytest.raises(
         SourceError,
         match=r"exp_avg\.pt: parameter 'ln_f\.bias' holds 15 elements \(15,\); param_shapes "
@@ -232,7 +232,7 @@ def test_restricted_reader_equals_torch_load_on_universal_files():
     torch = pytest.importorskip("torch")
     import glob
 
-    from jax_ucp._src.torchfiles.unpickler import load_torch_file
+    from jax_ucp._src.torchfiles.torch_zip import load_torch_file
 
     pattern = os.path.join(FIXTURES, "*", "universal", "*", "**", "*.pt")
     found = glob.glob(pattern, recursive=True)
@@ -294,12 +294,12 @@ def test_universal_frozen_copy_differing_from_the_fragments_is_refused(tmp_path)
     """ds_to_universal writes zero/<name>/fp32.pt for a frozen parameter too; the import reads
     the weights from frozen_param_fragments, as the direct import does, and refuses a copy that
     disagrees (here: rewritten by the test) instead of picking one."""
-    from jax_ucp._src.exporters import torch_out
+    from jax_ucp._src.torchfiles import torch_zip
 
     root, tag = _copy_universal("z2_bf16_dp2_frozen", tmp_path)
     fp32 = tag / "zero" / "h.0.ln_1.bias" / "fp32.pt"
-    slot = torch_out.TensorSlot(0, (16,), np.dtype(np.float32))
-    torch_out.save_file(str(fp32), slot, [np.full(16, 7.0, np.float32)])
+    slot = torch_zip.TensorSlot(0, (16,), np.dtype(np.float32))
+    torch_zip.save_file(str(fp32), slot, [np.full(16, 7.0, np.float32)])
     with pytest.raises(
         SourceError,
         match=r"zero/h\.0\.ln_1\.bias/fp32\.pt: frozen parameter 'h\.0\.ln_1\.bias'.*frozen_param_fragments of \['mp_rank_00_model_states\.pt'\]$",

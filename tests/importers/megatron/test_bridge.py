@@ -353,7 +353,7 @@ def test_bridge_train_state_step_that_only_looks_like_a_tensor_is_named(tmp_path
     of a 0-d tensor but is none (was a raw AttributeError on ``.item()``)."""
     import pickle as P
 
-    from tests.torchfiles.test_unpickler import D, G, prog, write_pt
+    from tests.torchfiles.test_pickle_format import D, G, prog, write_pt
 
     src = _bridge(tmp_path)
     step = G("collections", "OrderedDict") + P.EMPTY_TUPLE + P.REDUCE
@@ -371,7 +371,7 @@ def test_bridge_train_state_step_that_only_looks_like_a_tensor_is_named(tmp_path
 
 def test_bridge_train_state_step_of_5000_digits_is_named(tmp_path):
     """A pickled int past Python's 4300-digit repr limit: the error is built without repr()."""
-    from tests.torchfiles.test_unpickler import D, prog, write_pt
+    from tests.torchfiles.test_pickle_format import D, prog, write_pt
 
     src = _bridge(tmp_path)
     os.remove(src / "latest_train_state.pt")

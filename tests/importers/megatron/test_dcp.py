@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp._src.exporters import torch_out as T
 from jax_ucp._src.importers.megatron import MegatronImportError, dcp
+from jax_ucp._src.torchfiles import dtypes, pickle_format, torch_zip
 from tests.megatron_testing import (
     assert_bit_equal,
     assert_megatron_refused,
@@ -30,27 +30,29 @@ def _dims(values):
     """A torch.Size when the values are ints (as torch pickles them), else the raw tuple (a
     hostile file can hold anything there)."""
     if isinstance(values, (tuple, list)) and all(type(v) is int for v in values):
-        return T.torch_size(values)
+        return pickle_format.torch_size(values)
     return tuple(values) if isinstance(values, (tuple, list)) else values
 
 
-def _properties(dtype) -> T.New:
-    torch_name, _ = T.torch_dtype("t", np.dtype(dtype))
-    return T.New(
-        T.Global(_MD, "TensorProperties"),
+def _properties(dtype) -> pickle_format.New:
+    torch_name, _ = dtypes.torch_dtype("t", np.dtype(dtype))
+    return pickle_format.New(
+        pickle_format.Global(_MD, "TensorProperties"),
         (
-            T.Global("torch", torch_name),
-            T.Call(T.Global("torch.serialization", "_get_layout"), ("torch.strided",)),
+            pickle_format.Global("torch", torch_name),
+            pickle_format.Call(
+                pickle_format.Global("torch.serialization", "_get_layout"), ("torch.strided",)
+            ),
             False,
-            T.Call(T.Global(_MD, "_MEM_FORMAT_ENCODING"), (0,)),
+            pickle_format.Call(pickle_format.Global(_MD, "_MEM_FORMAT_ENCODING"), (0,)),
             False,
         ),
     )
 
 
-def _storage(file, offset, length) -> T.New:
-    return T.New(
-        T.Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+def _storage(file, offset, length) -> pickle_format.New:
+    return pickle_format.New(
+        pickle_format.Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         {"relative_path": file, "offset": offset, "length": length},
     )
 
@@ -91,34 +93,36 @@ def write_layout(src, tensors: dict, objects: dict) -> None:
         chunks = [] if isinstance(t["chunks"], list) else t["chunks"]
         for c in t["chunks"] or ():
             chunks.append(
-                T.New(
-                    T.Global(_MD, "ChunkStorageMetadata"),
+                pickle_format.New(
+                    pickle_format.Global(_MD, "ChunkStorageMetadata"),
                     {"offsets": _dims(c["offsets"]), "sizes": _dims(c["sizes"])},
                 )
             )
-            key = T.New(
-                T.Global(_MD, "MetadataIndex"),
+            key = pickle_format.New(
+                pickle_format.Global(_MD, "MetadataIndex"),
                 {"fqn": name, "offset": _dims(c.get("index_offsets", c["offsets"])), "index": 0},
             )
             storage.append((key, _storage(c["file"], c["offset"], c["length"])))
-        sdm[name] = T.New(
-            T.Global(_MD, "TensorStorageMetadata"),
+        sdm[name] = pickle_format.New(
+            pickle_format.Global(_MD, "TensorStorageMetadata"),
             {"properties": _properties(t["dtype"]), "size": _dims(t["shape"]), "chunks": chunks},
         )
     for name, o in objects.items():
-        sdm[name] = T.New(T.Global(_MD, "BytesStorageMetadata"), {})
-        key = T.New(T.Global(_MD, "MetadataIndex"), {"fqn": name, "offset": None, "index": None})
+        sdm[name] = pickle_format.New(pickle_format.Global(_MD, "BytesStorageMetadata"), {})
+        key = pickle_format.New(
+            pickle_format.Global(_MD, "MetadataIndex"), {"fqn": name, "offset": None, "index": None}
+        )
         storage.append((key, _storage(o["file"], o["offset"], o["length"])))
-    meta = T.New(
-        T.Global(_MD, "Metadata"),
+    meta = pickle_format.New(
+        pickle_format.Global(_MD, "Metadata"),
         {
             "state_dict_metadata": sdm,
             "planner_data": {},
-            "storage_data": T.Pairs(tuple(storage)),
+            "storage_data": pickle_format.Pairs(tuple(storage)),
             "version": "1.0.0",
         },
     )
-    (src / ".metadata").write_bytes(T.dumps(meta))
+    (src / ".metadata").write_bytes(pickle_format.dumps(meta))
 
 
 class ExtraFile:
@@ -132,7 +136,7 @@ class ExtraFile:
         # not mode "a": zipfile seeks back to finish a member's header, which "a" ignores
         with open(self.path, "r+b") as f:
             offset = f.seek(0, os.SEEK_END)
-            return offset, T.write_torch_save(f, **what)
+            return offset, torch_zip.write_torch_save(f, **what)
 
     def tensor(self, array: np.ndarray) -> dict:
         offset, length = self._append(array=array)
@@ -192,7 +196,7 @@ def test_missing_param_groups_points_at_weights_only(tmp_path):
     """fully_reshardable state whose step cannot be recovered (common.pt without param_groups):
     the error says how to import the weights alone."""
     src = copy_megatron_fixture("gpt_distopt_dp2", tmp_path)
-    T.save_file(str(src / "common.pt"), {"optimizer": {"param_state_sharding_type": None}})
+    torch_zip.save_file(str(src / "common.pt"), {"optimizer": {"param_state_sharding_type": None}})
     assert_megatron_refused(
         src,
         tmp_path,

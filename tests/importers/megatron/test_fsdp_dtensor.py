@@ -11,7 +11,7 @@ import os
 import pytest
 
 import jax_ucp
-from jax_ucp._src.torchfiles import dcp_reader
+from jax_ucp._src.torchfiles import dcp as torch_dcp
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import REPO
 
@@ -42,7 +42,7 @@ def test_fsdp_dtensor_is_refused_by_name(tmp_path, src, fmt, weights_only):
 def test_only_the_fsdp_dtensor_optimizer_key_is_refused():
     """The marker is megatron-core's fsdp_dtensor optimizer key, not a wrapped module name
     (``model.module.*`` is also what a DDP- or Float16Module-wrapped torch DCP save holds)."""
-    dcp_reader.refuse_fsdp_dtensor(["model.module.x.weight", "checkpoint_version"], "f")
-    dcp_reader.refuse_fsdp_dtensor(["optimizer.state.exp_avg.x", "optimizer.param_groups"], "f")
+    torch_dcp.refuse_fsdp_dtensor(["model.module.x.weight", "checkpoint_version"], "f")
+    torch_dcp.refuse_fsdp_dtensor(["optimizer.state.exp_avg.x", "optimizer.param_groups"], "f")
     with pytest.raises(SourceError, match=r"^f: a megatron-core fsdp_dtensor"):
-        dcp_reader.refuse_fsdp_dtensor(["optimizer.param_to_group_meta.m.x.lr"], "f")
+        torch_dcp.refuse_fsdp_dtensor(["optimizer.param_to_group_meta.m.x.lr"], "f")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp._src.exporters import torch_out as T
 from jax_ucp._src.importers.megatron import MegatronImportError
+from jax_ucp._src.torchfiles import pickle_format, torch_zip
 from jax_ucp.errors import SourceError
 from tests.megatron_testing import (
     FIX,
@@ -26,9 +26,9 @@ def _rewrite_rank(path, edit, top=None) -> None:
     arguments, version, iteration and model state dict kept, the RNG state left out; ``top``:
     more top-level entries (nested dicts of arrays and values)."""
     from jax_ucp._src.importers.megatron import legacy as megatron_legacy
-    from jax_ucp._src.torchfiles import unpickler as torch_pickle
+    from jax_ucp._src.torchfiles import torch_zip
 
-    saved = torch_pickle.load_torch_file(str(path), megatron_legacy.LEGACY_CLASSES)
+    saved = torch_zip.load_torch_file(str(path), megatron_legacy.LEGACY_CLASSES)
     # copies: the loaded arrays are memory-mapped views of the file rewritten below
     model = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in saved["model"].items()}
     edit(model)
@@ -37,7 +37,7 @@ def _rewrite_rank(path, edit, top=None) -> None:
     def slots(value):
         if isinstance(value, np.ndarray):
             arrays.append(value)
-            return T.TensorSlot(len(arrays) - 1, value.shape, value.dtype)
+            return torch_zip.TensorSlot(len(arrays) - 1, value.shape, value.dtype)
         if isinstance(value, dict):
             return {k: slots(v) for k, v in value.items()}
         if isinstance(value, list):
@@ -51,13 +51,13 @@ def _rewrite_rank(path, edit, top=None) -> None:
         if k != "args" and isinstance(v, (int, float, str, bool, type(None)))
     }
     obj = {
-        "args": T.New(T.Global("argparse", "Namespace"), args),
+        "args": pickle_format.New(pickle_format.Global("argparse", "Namespace"), args),
         "checkpoint_version": saved["checkpoint_version"],
         "iteration": saved["iteration"],
         "model": state,
         **slots(top or {}),
     }
-    T.save_file(str(path), obj, arrays)
+    torch_zip.save_file(str(path), obj, arrays)
 
 
 def _set(name, value):
@@ -228,8 +228,8 @@ def test_legacy_expert_parallel_distrib_optim_is_refused_or_listed(tmp_path):
     src = copy_megatron_fixture("legacy_moe_ep2_synthetic", tmp_path)
     flat = np.zeros(8, np.float32)
     for rank in ("mp_rank_00_000", "mp_rank_00_001"):
-        buffer = {"param": T.TensorSlot(0, flat.shape, flat.dtype), "numel_unpadded": 8}
-        T.save_file(
+        buffer = {"param": torch_zip.TensorSlot(0, flat.shape, flat.dtype), "numel_unpadded": 8}
+        torch_zip.save_file(
             str(src / "iter_0000007" / rank / "distrib_optim.pt"),
             {"buckets_coalesced": True, 0: {"f32": buffer}},
             [flat],

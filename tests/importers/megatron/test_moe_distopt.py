@@ -33,9 +33,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp._src.exporters import torch_out as T
 from jax_ucp._src.importers.megatron import MegatronImportError
 from jax_ucp._src.importers.megatron import dcp as megatron_dcp
+from jax_ucp._src.torchfiles import torch_zip
 from tests.importers.megatron.test_dcp import ExtraFile, read_layout, write_layout
 from tests.megatron_testing import (
     assert_bit_equal,
@@ -279,7 +279,7 @@ def _chained_moe(tmp_path, layout: str):
             for index in (0, 1)
         }
     }
-    T.save_file(str(src / "common.pt"), common)
+    torch_zip.save_file(str(src / "common.pt"), common)
     return src, added
 
 

@@ -16,7 +16,8 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.importers import registry
-from jax_ucp._src.torchfiles import dcp_reader
+from jax_ucp._src.torchfiles import dcp as torch_dcp
+from jax_ucp._src.torchfiles import torch_zip
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched, load_truth
 
@@ -97,7 +98,7 @@ def test_torch_215_several_shards_per_rank_with_padding_and_strides_import_bit_e
 def test_fsdp1_sharded_state_dict_is_read_from_its_sharded_tensors():
     """FSDP1 (flat parameters, one per Block and the root) saves each parameter as a
     ShardedTensor of its rows: 67 vocabulary rows in 34 + 33, the optimizer state alike."""
-    ck = dcp_reader.open_dcp(os.path.join(FIX, "fsdp1_sharded"))
+    ck = torch_dcp.open_dcp(os.path.join(FIX, "fsdp1_sharded"))
     for name in ("model.tok_embeddings.weight", "optim.state.tok_embeddings.weight.exp_avg"):
         chunks = ck.tensors[name].chunks
         assert [(c.offsets, c.sizes, c.file) for c in chunks] == [
@@ -207,7 +208,7 @@ def test_truncated_rank_file_is_an_error(tmp_path):
 
 def test_flipped_byte_in_a_chunk_is_an_error(tmp_path):
     src = _copy(tmp_path)
-    ck = dcp_reader.open_dcp(src)
+    ck = torch_dcp.open_dcp(src)
     tensor = ck.tensors["model.output.weight"]
     values = ck.read_chunk(tensor, tensor.chunks[0]).tobytes()
     f = src / tensor.chunks[0].file
@@ -237,16 +238,16 @@ def test_metadata_naming_code_is_refused_without_running_it(tmp_path):
 
 def test_optimizer_state_of_another_shape_is_an_error(tmp_path, monkeypatch):
     src = _copy(tmp_path)
-    real = dcp_reader.open_dcp
+    real = torch_dcp.open_dcp
 
     def shrunk(path, extra_classes=None):
         ck = real(path, extra_classes)
         name = "optim.state.norm.weight.exp_avg"
         t = ck.tensors[name]
-        ck.tensors[name] = dcp_reader.DcpTensor(t.name, (8,), t.dtype, t.chunks[:1])
+        ck.tensors[name] = torch_dcp.DcpTensor(t.name, (8,), t.dtype, t.chunks[:1])
         return ck
 
-    monkeypatch.setattr(dcp_reader, "open_dcp", shrunk)
+    monkeypatch.setattr(torch_dcp, "open_dcp", shrunk)
     with pytest.raises(
         SourceError,
         match=r"optimizer state 'exp_avg' of 'norm.weight' has shape \[8\], "
@@ -257,13 +258,13 @@ def test_optimizer_state_of_another_shape_is_an_error(tmp_path, monkeypatch):
 
 def test_steps_that_disagree_are_an_error(tmp_path, monkeypatch):
     src = _copy(tmp_path)
-    real = dcp_reader.DcpCheckpoint.read
+    real = torch_dcp.DcpCheckpoint.read
 
     def read(self, name, rows=None):
         value = real(self, name, rows)
         return np.asarray(7.0, value.dtype) if name == "optim.state.norm.weight.step" else value
 
-    monkeypatch.setattr(dcp_reader.DcpCheckpoint, "read", read)
+    monkeypatch.setattr(torch_dcp.DcpCheckpoint, "read", read)
     with pytest.raises(SourceError, match=r"optimizer step: 3 .*7"):
         jax_ucp.convert(src, tmp_path / "out")
 
@@ -281,7 +282,7 @@ def test_chunks_read_into_the_tensor_equal_the_mapped_chunks(monkeypatch, parall
     tensor (CRC-32 on the bytes read; large tensors' chunks on threads): every tensor of four
     fixtures equals its chunks read through the memory map (``read_chunk``, CRC on the map)
     placed at their offsets, byte for byte; ``rows`` cuts through a chunk as ``[:rows]``."""
-    monkeypatch.setattr(dcp_reader, "PARALLEL_BYTES", 0 if parallel else 1 << 62)
+    monkeypatch.setattr(torch_dcp, "PARALLEL_BYTES", 0 if parallel else 1 << 62)
     real_preadv, calls = os.preadv, []
 
     def preadv(fd, buffers, offset):
@@ -291,7 +292,7 @@ def test_chunks_read_into_the_tensor_equal_the_mapped_chunks(monkeypatch, parall
     monkeypatch.setattr(os, "preadv", preadv)
     chunks = 0
     for fixture in ("fsdp2_fp32", "fsdp2_bf16", "torchtitan_fp32", "sgd_single"):
-        ck = dcp_reader.open_dcp(os.path.join(FIX, fixture))
+        ck = torch_dcp.open_dcp(os.path.join(FIX, fixture))
         for name, t in ck.tensors.items():
             got = ck.read(name)
             want = np.zeros(t.shape, t.dtype)
@@ -308,9 +309,9 @@ def test_chunks_read_into_the_tensor_equal_the_mapped_chunks(monkeypatch, parall
 
 
 def test_flipped_byte_in_a_chunk_read_on_threads_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(dcp_reader, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(torch_dcp, "PARALLEL_BYTES", 0)
     src = _copy(tmp_path)
-    ck = dcp_reader.open_dcp(src)
+    ck = torch_dcp.open_dcp(src)
     tensor = ck.tensors["optim.state.output.weight.exp_avg"]
     chunk = tensor.chunks[1]
     values = ck.read_chunk(tensor, chunk).tobytes()
@@ -323,7 +324,7 @@ def test_flipped_byte_in_a_chunk_read_on_threads_is_an_error(tmp_path, monkeypat
         match=r"optim\.state\.output\.weight\.exp_avg' chunk at offsets \[\d+, 0\] in "
         r".*__1_0\.distcp: CRC-32 mismatch",
     ):
-        dcp_reader.open_dcp(src).read("optim.state.output.weight.exp_avg")
+        torch_dcp.open_dcp(src).read("optim.state.output.weight.exp_avg")
 
 
 @pytest.mark.timeout(10)
@@ -336,9 +337,9 @@ def test_the_chunk_crc_is_zips_crc32():
     pieces = [data[:5], data[5 : 1 << 20], data[1 << 20 :]]
     running = 0
     for piece in pieces:
-        running = dcp_reader.zip_crc32(piece, running)
-    assert running == dcp_reader.zip_crc32(data) == zlib.crc32(data.tobytes())
-    assert dcp_reader.zip_crc32(b"123456789") == 0xCBF43926  # CRC-32/ISO-HDLC check value
+        running = torch_zip.zip_crc32(piece, running)
+    assert running == torch_zip.zip_crc32(data) == zlib.crc32(data.tobytes())
+    assert torch_zip.zip_crc32(b"123456789") == 0xCBF43926  # CRC-32/ISO-HDLC check value
 
 
 def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypatch):
@@ -346,16 +347,14 @@ def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypat
     a copy, so it is not at the storage's address) takes the mapped path, not the direct read:
     the storage's CRC-32 is checked on its bytes (read with pread, never by touching the
     mapping), then the tensor copied into place."""
-    from jax_ucp._src.torchfiles import unpickler as torch_pickle
+    from jax_ucp._src.torchfiles import torch_zip
 
-    real_load = torch_pickle.TorchArchive.load
-    monkeypatch.setattr(
-        torch_pickle.TorchArchive, "load", lambda self, *a: real_load(self, *a).copy()
-    )
+    real_load = torch_zip.TorchArchive.load
+    monkeypatch.setattr(torch_zip.TorchArchive, "load", lambda self, *a: real_load(self, *a).copy())
     calls = []
-    monkeypatch.setattr(dcp_reader, "pread_into", lambda *a: calls.append(a))  # not used
+    monkeypatch.setattr(torch_dcp, "pread_into", lambda *a: calls.append(a))  # not used
     src = _copy(tmp_path)
-    ck = dcp_reader.open_dcp(src)
+    ck = torch_dcp.open_dcp(src)
     tensor = ck.tensors["model.output.weight"]
     want = np.concatenate([ck.read_chunk(tensor, c) for c in tensor.chunks])
     assert ck.read("model.output.weight").tobytes() == want.tobytes()
@@ -370,7 +369,7 @@ def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypat
         match=r"'model\.output\.weight' chunk at offsets \[0, 0\] .*CRC-32 mismatch \(the chunk's "
         r"archive records",
     ):
-        dcp_reader.open_dcp(src).read("model.output.weight")
+        torch_dcp.open_dcp(src).read("model.output.weight")
 
 
 @pytest.mark.timeout(60)
@@ -380,13 +379,13 @@ def test_a_forked_child_reads_chunks_on_its_own_threads(monkeypatch):
     import signal
     import time
 
-    monkeypatch.setattr(dcp_reader, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(torch_dcp, "PARALLEL_BYTES", 0)
     src = os.path.join(FIX, "fsdp2_fp32")
-    want = dcp_reader.open_dcp(src).read("model.output.weight").tobytes()
+    want = torch_dcp.open_dcp(src).read("model.output.weight").tobytes()
     time.sleep(0.5)  # the parent's threads idle: an inherited pool would start no new ones
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
-        same = dcp_reader.open_dcp(src).read("model.output.weight").tobytes() == want
+        same = torch_dcp.open_dcp(src).read("model.output.weight").tobytes() == want
         os._exit(0 if same else 3)
     deadline = time.monotonic() + 30
     while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:

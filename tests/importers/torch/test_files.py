@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp._src.exporters import torch_out
 from jax_ucp._src.importers import registry
+from jax_ucp._src.torchfiles import pickle_format, torch_zip
 from jax_ucp.errors import SourceError
 from tests.importers.torch.test_dcp import FIX, assert_matches_run
 from tests.ucp_testing import (
@@ -119,10 +119,10 @@ def test_lightning_keeps_module_names_and_records_what_it_skips(tmp_path):
 def test_ddp_and_compile_prefixes_are_removed_and_recorded(tmp_path):
     arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(2, np.float32)]
     weights = {
-        "module._orig_mod.layer.weight": torch_out.TensorSlot(0, (2, 3), arrays[0].dtype),
-        "module._orig_mod.layer.bias": torch_out.TensorSlot(1, (2,), arrays[1].dtype),
+        "module._orig_mod.layer.weight": torch_zip.TensorSlot(0, (2, 3), arrays[0].dtype),
+        "module._orig_mod.layer.bias": torch_zip.TensorSlot(1, (2,), arrays[1].dtype),
     }
-    torch_out.save_file(str(tmp_path / "ddp.pt"), weights, arrays)
+    torch_zip.save_file(str(tmp_path / "ddp.pt"), weights, arrays)
     out = jax_ucp.convert(tmp_path / "ddp.pt", tmp_path / "ucp")
     restored = jax_ucp.restore(out)
     assert sorted(restored["params"]) == ["layer.bias", "layer.weight"]
@@ -135,16 +135,16 @@ def test_optimizer_indices_that_do_not_match_the_model_are_an_error(tmp_path):
     src = tmp_path / "acc"
     shutil.copytree(os.path.join(FIX, "accelerate_full"), src)
     # a model file with one tensor fewer: index i no longer names the i-th parameter
-    from jax_ucp._src.torchfiles import unpickler as torch_pickle
+    from jax_ucp._src.torchfiles import torch_zip
 
-    sd = torch_pickle.load_torch_file(src / "pytorch_model_fsdp.bin")
+    sd = torch_zip.load_torch_file(src / "pytorch_model_fsdp.bin")
     names = list(sd)[1:]
     arrays = [np.array(sd[n]) for n in names]  # copies: the file is replaced below
     del sd
-    torch_out.save_file(
+    torch_zip.save_file(
         str(src / "new.bin"),
         {
-            n: torch_out.TensorSlot(i, a.shape, a.dtype)
+            n: torch_zip.TensorSlot(i, a.shape, a.dtype)
             for i, (n, a) in enumerate(zip(names, arrays))
         },
         arrays,
@@ -204,8 +204,8 @@ def test_pickled_code_in_a_bin_file_is_refused_without_running_it(tmp_path):
     src = tmp_path / "hf"
     src.mkdir()
     marker = tmp_path / "ran"
-    obj = torch_out.Call(torch_out.Global("os", "system"), (f"touch {marker}",))
-    torch_out.save_file(str(src / "pytorch_model.bin"), {"w": obj})
+    obj = pickle_format.Call(pickle_format.Global("os", "system"), (f"touch {marker}",))
+    torch_zip.save_file(str(src / "pytorch_model.bin"), {"w": obj})
     with pytest.raises(SourceError, match=r"refusing to load global 'os\.system'"):
         jax_ucp.convert(src, tmp_path / "out")
     assert not marker.exists()
@@ -214,10 +214,10 @@ def test_pickled_code_in_a_bin_file_is_refused_without_running_it(tmp_path):
 def _trainer_style_optimizer(src, with_names: bool) -> None:
     """accelerate_full's optimizer.bin re-written as Hugging Face's Trainer groups parameters:
     weight-decayed ones (2-D) first, then norms, numbered group after group as torch does."""
-    from jax_ucp._src.torchfiles import unpickler as torch_pickle
+    from jax_ucp._src.torchfiles import torch_zip
 
-    model = list(torch_pickle.load_torch_file(src / "pytorch_model_fsdp.bin"))
-    opt = torch_pickle.load_torch_file(src / "optimizer.bin")
+    model = list(torch_zip.load_torch_file(src / "pytorch_model_fsdp.bin"))
+    opt = torch_zip.load_torch_file(src / "optimizer.bin")
     (group,) = opt["param_groups"]
     by_name = {model[i]: opt["state"][i] for i in group["params"]}
     decay = [n for n in model if by_name[n]["exp_avg"].ndim == 2]
@@ -232,13 +232,13 @@ def _trainer_style_optimizer(src, with_names: bool) -> None:
             index = len(state)
             per = {}
             for k, v in by_name[name].items():
-                per[k] = torch_out.TensorSlot(len(arrays), v.shape, v.dtype)
+                per[k] = torch_zip.TensorSlot(len(arrays), v.shape, v.dtype)
                 arrays.append(np.array(v))
             state[index] = per
             g["params"].append(index)
         groups.append(g)
     del opt
-    torch_out.save_file(str(src / "new.bin"), {"state": state, "param_groups": groups}, arrays)
+    torch_zip.save_file(str(src / "new.bin"), {"state": state, "param_groups": groups}, arrays)
     os.replace(src / "new.bin", src / "optimizer.bin")
 
 

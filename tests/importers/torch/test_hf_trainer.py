@@ -17,7 +17,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.importers.plan import tensor_names
-from jax_ucp._src.torchfiles import unpickler as torch_pickle
+from jax_ucp._src.torchfiles import torch_zip
 from tests.ucp_testing import (
     REPO,
     assert_bit_exact,
@@ -66,7 +66,7 @@ def assert_accounted(out: str, src: str, optimizer: str) -> None:
     found = {f"model.safetensors:{n}" for n in header if n != "__metadata__"}
     found |= {
         f"{optimizer}:{n}"
-        for n in tensor_names(torch_pickle.load_torch_file(os.path.join(src, optimizer)))
+        for n in tensor_names(torch_zip.load_torch_file(os.path.join(src, optimizer)))
     }
     found |= {n for n in os.listdir(src) if n.startswith("rng_state") and n.endswith(".pth")}
     manifest = jax_ucp.inspect(out)
@@ -125,7 +125,7 @@ def test_trainer_refuses_a_grouping_it_cannot_verify(tmp_path):
     architecture transformers does not ship: each refused naming why; nothing written; the
     weights still import with weights_only."""
     src = _copy(trainer_src("trainer_fp32"), tmp_path / "moved")
-    opt = torch_pickle.load_torch_file(os.path.join(src, "optimizer.pt"))
+    opt = torch_zip.load_torch_file(os.path.join(src, "optimizer.pt"))
     import torch
 
     raw = torch.load(os.path.join(src, "optimizer.pt"), weights_only=True)

@@ -21,7 +21,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers.registry import detect_format
 from tests.importers.torch.test_hf_trainer import assert_matches_run
-from tests.torchfiles.test_unpickler import write_pt
+from tests.torchfiles.test_pickle_format import write_pt
 from tests.ucp_testing import REPO, assert_convert_refused, load_truth
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.importers.registry import detect_format
-from jax_ucp._src.torchfiles import sharded, unpickler
+from jax_ucp._src.torchfiles import allow_list, pickle_format, sharded, torch_zip
 from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,11 +83,11 @@ def test_metadata_pickling_a_callable_is_refused_unexecuted(tmp_path):
 
 def test_a_dtensor_file_loads_only_with_the_dtensor_classes():
     path = os.path.join(SRC, "model_1.pt")
-    with pytest.raises(unpickler.TorchFileError, match=r"_rebuild_wrapper_subclass"):
-        unpickler.load_torch_file(path)
-    state = unpickler.load_torch_file(path, unpickler.SHARDED_TENSOR_CLASSES)
+    with pytest.raises(allow_list.TorchFileError, match=r"_rebuild_wrapper_subclass"):
+        torch_zip.load_torch_file(path)
+    state = torch_zip.load_torch_file(path, allow_list.SHARDED_TENSOR_CLASSES)
     shard = state["3.weight"]
-    assert isinstance(shard, unpickler.WrapperTensor)
+    assert isinstance(shard, allow_list.WrapperTensor)
     (piece,) = sharded.local_pieces(shard, mesh_size=2)
     assert (piece.array.shape, shard.shape, piece.offsets) == ((1, 6), (3, 6), (2, 0))
 
@@ -126,7 +126,7 @@ def _edit_metadata(src, change) -> None:
     """metadata.pkl re-pickled (plain data) after ``change(its entries)``."""
     path = os.path.join(src, "metadata.pkl")
     with open(path, "rb") as f:
-        raw = unpickler.restricted_loads(f.read(), where=path)
+        raw = pickle_format.restricted_loads(f.read(), where=path)
     for groups in raw["metadata"]["model"]["nested_path_to_metadata"].values():
         for group in groups:
             change(group["sharding_metadata"]["data"])

@@ -16,9 +16,8 @@ import pytest
 from safetensors.numpy import load_file
 
 import jax_ucp
-from jax_ucp._src.exporters import torch_out
 from jax_ucp._src.importers.torch import torchtune_order
-from jax_ucp._src.torchfiles import unpickler
+from jax_ucp._src.torchfiles import torch_zip
 from tests.ucp_testing import (
     REPO,
     assert_bit_exact,
@@ -152,13 +151,13 @@ def _rekeyed_recipe(tmp_path, per_parameter: bool = False) -> str:
     parameter (optimizer in backward); written torch-free."""
     src = shutil.copytree(SRC, tmp_path / "tt")
     path = os.path.join(src, "recipe_state", "recipe_state.pt")
-    recipe = unpickler.load_torch_file(path)
+    recipe = torch_zip.load_torch_file(path)
     optimizer = recipe["optimizer"]
     arrays: list[np.ndarray] = []
 
     def slot(value):
         arrays.append(np.array(value))
-        return torch_out.TensorSlot(len(arrays) - 1, value.shape, value.dtype)
+        return torch_zip.TensorSlot(len(arrays) - 1, value.shape, value.dtype)
 
     names = dict(enumerate(ORDER))
     state = {
@@ -170,7 +169,7 @@ def _rekeyed_recipe(tmp_path, per_parameter: bool = False) -> str:
         saved = {n: {"state": {n: s}, "param_groups": groups} for n, s in state.items()}
     else:
         saved = {"state": state, "param_groups": groups}
-    torch_out.save_file(path, {**recipe, "optimizer": saved}, arrays)
+    torch_zip.save_file(path, {**recipe, "optimizer": saved}, arrays)
     return str(src)
 
 

@@ -4,7 +4,7 @@ The entry point of the DeepSpeed importers: finds the tag folder, dispatches on 
 (:mod:`deepspeed.zero` for one model-parallel rank, :mod:`deepspeed.megatron` for a TP/PP grid)
 and returns an :class:`ImportPlan` that :mod:`jax_ucp._src.conversion` streams into the writer, one
 parameter at a time (its fp32 master, Adam moments, model-precision copy), so peak anonymous
-memory is about one parameter, not the checkpoint. Files are read with :mod:`jax_ucp._src.torchfiles.unpickler` (no
+memory is about one parameter, not the checkpoint. Files are read with :mod:`jax_ucp._src.torchfiles.torch_zip` (no
 torch, no pickled code executed; tensors are memory-mapped).
 
 Output tree (the importer contract, docs/FORMAT.md section 2.6): ``params`` = fp32 master weights keyed by DeepSpeed's

@@ -20,7 +20,8 @@ import numpy as np
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers.plan import host_item, tensor_names, trainer_checkpoints
-from jax_ucp._src.torchfiles.unpickler import TorchArchive, int_enum_standin, standin_class
+from jax_ucp._src.torchfiles.allow_list import int_enum_standin, standin_class
+from jax_ucp._src.torchfiles.torch_zip import TorchArchive
 
 _ZERO_STAGES = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weights"}
 

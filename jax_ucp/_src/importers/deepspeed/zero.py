@@ -61,7 +61,7 @@ from jax_ucp._src.importers.plan import (
     skip,
     tensor_names,
 )
-from jax_ucp._src.torchfiles.unpickler import StandIn
+from jax_ucp._src.torchfiles.allow_list import StandIn
 
 #: The optimizer states of a parameter, in output order, with where each goes in the output tree.
 STATE_TREES: tuple[tuple[str, tuple[str, ...]], ...] = (

@@ -16,7 +16,7 @@ channels, SwiGLU, the tokenizer's vocab size before padding, ...) come from ``ru
 ``model`` section. That file is parsed with ``yaml.safe_load`` semantics only (no tag builds an
 object), from at most :data:`MAX_RUN_CONFIG_BYTES`, and refused when its aliases would expand
 past :data:`MAX_YAML_NODES` nodes (a billion-laughs file). ``train_state.pt`` is read by the
-allow-listed unpickler (:mod:`jax_ucp._src.torchfiles.unpickler`); nothing pickled is executed.
+allow-listed unpickler (:mod:`jax_ucp._src.torchfiles.pickle_format`); nothing pickled is executed.
 
 Output: the Megatron importer's tree and source, with ``framework = "megatron-bridge"``,
 ``iteration`` = the train state's step and ``bridge`` = the train state and run-config facts.
@@ -40,7 +40,7 @@ from jax_ucp._src.importers.megatron import MegatronOptions, legacy, plan_megatr
 from jax_ucp._src.importers.megatron.common import MegatronImportError
 from jax_ucp._src.importers.plan import ImportPlan
 from jax_ucp._src.language import Spec, load_spec
-from jax_ucp._src.torchfiles import unpickler
+from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
     "LATEST_TRAIN_STATE_FILE",
@@ -195,12 +195,12 @@ def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
                 f"{path}: {size} bytes, more than the {MAX_TRAIN_STATE_BYTES} a train state may "
                 f"have (Bridge's is a few KB)"
             )
-        raw = unpickler.load_torch_file(path)
-    except (files.UnsafeFileError, unpickler.TorchFileError) as e:
+        raw = torch_zip.load_torch_file(path)
+    except (files.UnsafeFileError, allow_list.TorchFileError) as e:
         raise MegatronImportError(str(e)) from None
     if not isinstance(raw, dict) or "step" not in raw:
         raise MegatronImportError(
-            f"{path}: holds {unpickler.short_repr(raw)}, expected Bridge's train state "
+            f"{path}: holds {allow_list.short_repr(raw)}, expected Bridge's train state "
             f"(a dict with 'step')"
         )
     state: dict[str, Any] = {}
@@ -208,15 +208,15 @@ def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
         # a tensor, not anything else with a ``shape`` (an OrderedDict given one by BUILD)
         if not isinstance(key, str) or not isinstance(value, np.ndarray) or value.shape != ():
             raise MegatronImportError(
-                f"{path}: entry {unpickler.short_repr(key, 80)} is "
-                f"{unpickler.short_repr(value)}, expected a 0-d tensor (Bridge's "
+                f"{path}: entry {allow_list.short_repr(key, 80)} is "
+                f"{allow_list.short_repr(value)}, expected a 0-d tensor (Bridge's "
                 f"TrainState.state_dict)"
             )
         state[key] = value.item()
     step = state["step"]
     if type(step) is not int or step < 0:
         raise MegatronImportError(
-            f"{path}: step {unpickler.short_repr(step, 80)}, expected a non-negative integer"
+            f"{path}: step {allow_list.short_repr(step, 80)}, expected a non-negative integer"
         )
     return state
 
@@ -401,7 +401,7 @@ def _int_field(value: Any, key: str, where: os.PathLike | str) -> int:
         shown = (
             f"an integer of {value.bit_length()} bits"
             if type(value) is int and value.bit_length() > 64
-            else unpickler.short_repr(value, 80)
+            else allow_list.short_repr(value, 80)
         )
         raise MegatronImportError(
             f"{where}: {key if '.' in key else 'model.' + key} is {shown}, expected a "

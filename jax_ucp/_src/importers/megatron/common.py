@@ -12,7 +12,7 @@ import numpy as np
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.importers.plan import agreed_step
-from jax_ucp._src.torchfiles.unpickler import TorchFileError
+from jax_ucp._src.torchfiles.allow_list import TorchFileError
 
 
 class MegatronImportError(SourceError):

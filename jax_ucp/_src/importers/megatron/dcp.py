@@ -1,7 +1,7 @@
 """megatron-core ``torch_dist`` checkpoints: the torch DCP reader plus megatron-core's pieces.
 
 The generic reader (``.metadata`` through the safe unpickler, chunk tiling checks, byte-range
-reads) is :mod:`jax_ucp._src.torchfiles.dcp_reader`, shared with the plain torch DCP importer. Here:
+reads) is :mod:`jax_ucp._src.torchfiles.dcp`, shared with the plain torch DCP importer. Here:
 the classes megatron-core 0.13-0.15 subclass in ``.metadata`` (``MCoreSavePlan``,
 ``MCoreMetadata``), read as the torch classes they extend, and megatron-core's
 ``metadata.json`` (``sharded_backend`` & co.), kept as :attr:`MegatronDcpCheckpoint.mcore_metadata`.
@@ -17,8 +17,8 @@ from typing import Any
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
-from jax_ucp._src.torchfiles import dcp_reader, unpickler
-from jax_ucp._src.torchfiles.dcp_reader import DcpCheckpoint, DcpChunk, DcpTensor, check_coverage
+from jax_ucp._src.torchfiles import allow_list, dcp
+from jax_ucp._src.torchfiles.dcp import DcpCheckpoint, DcpChunk, DcpTensor, check_coverage
 
 __all__ = [
     "MCORE_CLASSES",
@@ -35,10 +35,8 @@ _MCORE = "megatron.core.dist_checkpointing.strategies.torch."
 #: megatron-core 0.13-0.15 subclass two torch classes: MCoreSavePlan (0.13, 0.14) in the cached
 #: save plans, MCoreMetadata (0.15) as the whole ``.metadata``.
 MCORE_CLASSES: dict[str, Any] = {
-    _MCORE + "MCoreSavePlan": unpickler.standin_class(_MCORE + "MCoreSavePlan"),
-    _MCORE + "MCoreMetadata": dcp_reader.DCP_CLASSES[
-        "torch.distributed.checkpoint.metadata.Metadata"
-    ],
+    _MCORE + "MCoreSavePlan": allow_list.standin_class(_MCORE + "MCoreSavePlan"),
+    _MCORE + "MCoreMetadata": dcp.DCP_CLASSES["torch.distributed.checkpoint.metadata.Metadata"],
 }
 
 #: Largest ``metadata.json`` read (megatron-core writes a few hundred bytes).
@@ -54,7 +52,7 @@ class MegatronDcpCheckpoint(DcpCheckpoint):
 
 def open_dcp(path: os.PathLike | str) -> MegatronDcpCheckpoint:
     """Parse ``.metadata`` (and ``metadata.json`` when present) into typed, checked entries."""
-    base = dcp_reader.open_dcp(path, MCORE_CLASSES)
+    base = dcp.open_dcp(path, MCORE_CLASSES)
     mcore = {}
     mj = Path(path) / "metadata.json"
     if os.path.lexists(mj):  # a FIFO, a device or a huge file there is an error, not "none"

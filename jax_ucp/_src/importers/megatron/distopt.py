@@ -22,7 +22,7 @@ from jax_ucp._src.importers.megatron.common import (
 from jax_ucp._src.importers.megatron.module_order import STACKED_EXPERT, in_module_order
 from jax_ucp._src.importers.megatron.rank_states import RankStates
 from jax_ucp._src.importers.plan import agreed_step
-from jax_ucp._src.torchfiles import unpickler
+from jax_ucp._src.torchfiles import allow_list
 
 _BUCKET_KEY = re.compile(
     r"(?:chained_[0-9]+\.)?optimizer\.distributed\.dp_group_idx_([0-9]+)\.gbuf_idx_([0-9]+)\.dtype_(.+)"
@@ -128,7 +128,7 @@ class BucketStates(RankStates):
         except (TypeError, ValueError, AttributeError):
             raise MegatronImportError(
                 f"{self.where}: per_bucket_numel_unpadded of model-parallel rank {rank} is "
-                f"{unpickler.short_repr(value)}, expected [[{{dtypes: [numel per bucket]}}]]"
+                f"{allow_list.short_repr(value)}, expected [[{{dtypes: [numel per bucket]}}]]"
             ) from None
 
     def files(self) -> list[str]:

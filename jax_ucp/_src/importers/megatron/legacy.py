@@ -33,7 +33,7 @@ import numpy as np
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers.plan import tensor_names
-from jax_ucp._src.torchfiles import unpickler
+from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
     "LEGACY_CLASSES",
@@ -52,11 +52,11 @@ __all__ = [
 
 #: Classes a legacy Megatron pickle may reference (beyond torch's), as inert stand-ins.
 LEGACY_CLASSES: dict[str, Any] = {
-    "argparse.Namespace": unpickler.standin_class("argparse.Namespace"),
-    **unpickler.NUMPY_CLASSES,
+    "argparse.Namespace": allow_list.standin_class("argparse.Namespace"),
+    **allow_list.NUMPY_CLASSES,
     # megatron-core enums that Megatron-LM pickles into args
-    "megatron.core.enums.ModelType": unpickler.int_enum_standin("megatron.core.enums.ModelType"),
-    "megatron.core.transformer.enums.AttnBackend": unpickler.int_enum_standin(
+    "megatron.core.enums.ModelType": allow_list.int_enum_standin("megatron.core.enums.ModelType"),
+    "megatron.core.transformer.enums.AttnBackend": allow_list.int_enum_standin(
         "megatron.core.transformer.enums.AttnBackend"
     ),
 }
@@ -173,8 +173,8 @@ def load_rank_file(path: Path) -> Any:
     iteration = path.parent.parent
     try:
         files.inside(iteration, f"{path.parent.name}/{path.name}", str(iteration))
-        return unpickler.load_torch_file(path, LEGACY_CLASSES)
-    except (files.UnsafeFileError, unpickler.TorchFileError) as e:
+        return torch_zip.load_torch_file(path, LEGACY_CLASSES)
+    except (files.UnsafeFileError, allow_list.TorchFileError) as e:
         raise SourceError(str(e)) from None
 
 

@@ -53,7 +53,7 @@ from jax_ucp._src.importers.plan import (
     host_item,
 )
 from jax_ucp._src.language import Spec, Vocab
-from jax_ucp._src.torchfiles import unpickler
+from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 
 @dataclass
@@ -241,8 +241,8 @@ def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.MegatronDcpCheckpoint, Any, Pat
     if os.path.lexists(common_path):  # a FIFO or device there is an error, not "no common.pt"
         try:
             files.in_own_folder(common_path)  # never a common.pt linked to another run's
-            common = unpickler.load_torch_file(common_path, legacy.LEGACY_CLASSES)
-        except (files.UnsafeFileError, unpickler.TorchFileError) as e:
+            common = torch_zip.load_torch_file(common_path, legacy.LEGACY_CLASSES)
+        except (files.UnsafeFileError, allow_list.TorchFileError) as e:
             raise MegatronImportError(str(e)) from None
     elif objects:
         if len(objects) != 1:
@@ -256,7 +256,7 @@ def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.MegatronDcpCheckpoint, Any, Pat
         if not isinstance(common, dict):
             raise MegatronImportError(
                 f"{checkpoint.path / '.metadata'}: object {objects[0]!r} holds "
-                f"{unpickler.short_repr(common)}, expected the common state dict"
+                f"{allow_list.short_repr(common)}, expected the common state dict"
             )
         common_path = checkpoint.path / objects[0]
     return checkpoint, common, common_path

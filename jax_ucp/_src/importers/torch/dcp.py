@@ -3,7 +3,7 @@
 Whatever wrote them: FSDP2 ``fully_shard`` or FSDP1 ``SHARDED_STATE_DICT`` with
 ``get_state_dict`` / ``FSDP.optim_state_dict``, torchtitan's checkpointer, Accelerate's
 ``save_state`` (``pytorch_model_fsdp_0/`` + ``optimizer_0/``), Lightning's sharded ``.ckpt/``
-folders, HF Trainer FSDP checkpoints. Read without torch through :mod:`dcp_reader` (nothing in
+folders, HF Trainer FSDP checkpoints. Read without torch through :mod:`torchfiles.dcp` (nothing in
 ``.metadata`` or a chunk is executed); each tensor is assembled from its own chunks only, one
 tensor at a time.
 
@@ -45,7 +45,7 @@ from jax_ucp._src.importers.torch.optimizer import (
     strip_wrappers,
 )
 from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
-from jax_ucp._src.torchfiles import dcp_reader
+from jax_ucp._src.torchfiles import dcp as torch_dcp
 
 __all__ = [
     "MODEL_CONTAINERS",
@@ -128,7 +128,7 @@ def plan_torch_dcp(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
         for d in dirs:  # Accelerate's folders inside src, never links to another run's
             if d != Path(src):
                 files.inside(src, d.name, str(src))
-        checkpoints = [dcp_reader.open_dcp(d) for d in dirs]
+        checkpoints = [torch_dcp.open_dcp(d) for d in dirs]
         for ck in checkpoints:
             ck.check_files()
             for name in ck.tensors:
@@ -164,7 +164,7 @@ def plan_torch_dcp(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     return plan
 
 
-def _ref(ck: dcp_reader.DcpCheckpoint, name: str) -> TensorRef:
+def _ref(ck: torch_dcp.DcpCheckpoint, name: str) -> TensorRef:
     t = ck.tensors[name]
     return TensorRef(
         name,
@@ -177,7 +177,7 @@ def _ref(ck: dcp_reader.DcpCheckpoint, name: str) -> TensorRef:
 
 
 def _state(
-    checkpoints: list[dcp_reader.DcpCheckpoint],
+    checkpoints: list[torch_dcp.DcpCheckpoint],
     where: str,
     weights_only: bool = False,
     order: Sequence[str] | None = None,
@@ -267,11 +267,11 @@ def _numbered(
     return {to_name[k]: v for k, v in states.items()}, named
 
 
-def _tables(checkpoints: list[dcp_reader.DcpCheckpoint], where: str) -> tuple[dict, dict]:
+def _tables(checkpoints: list[torch_dcp.DcpCheckpoint], where: str) -> tuple[dict, dict]:
     """({name: (checkpoint, name)} of the tensors, the same of the objects) of every DCP
     folder; a name saved in two folders is refused."""
-    tensors: dict[str, tuple[dcp_reader.DcpCheckpoint, str]] = {}
-    objects: dict[str, tuple[dcp_reader.DcpCheckpoint, str]] = {}
+    tensors: dict[str, tuple[torch_dcp.DcpCheckpoint, str]] = {}
+    objects: dict[str, tuple[torch_dcp.DcpCheckpoint, str]] = {}
     for ck in checkpoints:
         for table, names in ((tensors, ck.tensors), (objects, ck.objects)):
             for name in names:

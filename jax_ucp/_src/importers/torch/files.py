@@ -39,7 +39,7 @@ from jax_ucp._src.importers.torch.optimizer import (
     strip_wrappers,
 )
 from jax_ucp._src.importers.torch.options import TorchOptions
-from jax_ucp._src.torchfiles import unpickler
+from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
     "MODEL_FILES",
@@ -210,7 +210,7 @@ def plan_torch_files(src: os.PathLike | str, options: TorchOptions) -> ImportPla
     if os.path.isdir(src) and INDEX_FILE in os.listdir(src):
         _check_index(src, model)
     if optimizer_file is not None:
-        optimizer = unpickler.load_torch_file(optimizer_file)
+        optimizer = torch_zip.load_torch_file(optimizer_file)
         base = os.path.basename(optimizer_file)
         optimizer_at = (optimizer_file, f"{base}:")
         found += [f"{base}:{n}" for n in tensor_names(optimizer)]
@@ -264,7 +264,7 @@ def _read_model_files(src: str, model_files: list[str]):
             sd, prefix = {name: f.tensor(name) for name in f.header}, f"{base}:"
             found += [f"{base}:{n}" for n in sd]
         else:
-            obj = unpickler.load_torch_file(path)
+            obj = torch_zip.load_torch_file(path)
             key, sd, opt_prefix, opt = _split(obj, path)
             found += [f"{base}:{n}" for n in tensor_names(obj)]
             other += [f"{base}:{k}" for k, v in obj.items() if not _has_tensors(v)]
@@ -543,7 +543,7 @@ def _check_unique_names(groups: list, path: str) -> None:
                 raise SourceError(
                     f"{path}: param_names names parameter {clean[:200]!r} twice: as "
                     f"{written[:200]!r} in group {other} and as {name[:200]!r} (params entry "
-                    f"{unpickler.short_repr(index, 40)}) in group {group}; a parameter is "
+                    f"{allow_list.short_repr(index, 40)}) in group {group}; a parameter is "
                     f"optimized once, so which of the two states is its own cannot be told"
                 )
             first[clean] = (group, name)
@@ -689,16 +689,16 @@ def _describe_groups(groups: list) -> str:
     that set it apart from the other groups (``weight_decay`` 0.1 / 0.0)."""
     plain = [g for g in groups if isinstance(g, dict)]
     keys = sorted({str(k) for g in plain for k in g} - {"params", "param_names"})
-    differ = [k for k in keys if len({unpickler.short_repr(g.get(k), 40) for g in plain}) > 1]
+    differ = [k for k in keys if len({allow_list.short_repr(g.get(k), 40) for g in plain}) > 1]
     out = []
     for i, g in enumerate(groups):
         if not isinstance(g, dict):
             out.append(f"group {i}: a {type(g).__name__}")
             continue
         params = g.get("params", [])
-        shown = ", ".join(unpickler.short_repr(p, 20) for p in params[:4])
+        shown = ", ".join(allow_list.short_repr(p, 20) for p in params[:4])
         more = ", ..." if len(params) > 4 else ""
-        hps = "".join(f", {k} {unpickler.short_repr(g.get(k), 40)}" for k in differ[:3])
+        hps = "".join(f", {k} {allow_list.short_repr(g.get(k), 40)}" for k in differ[:3])
         out.append(f"group {i}: {len(params)} parameters (indices {shown}{more}){hps}")
     return "; ".join(out)
 

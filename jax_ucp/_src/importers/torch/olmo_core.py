@@ -22,7 +22,7 @@ from typing import Any
 
 from jax_ucp._src.format import files
 from jax_ucp._src.importers.plan import Detection, numbered_folders
-from jax_ucp._src.torchfiles import unpickler
+from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = ["MODEL_DIR", "TRAIN_DIR", "detect", "is_step_folder", "step_folders", "train_record"]
 
@@ -34,7 +34,7 @@ _RANK_FILE = re.compile(r"rank([0-9]+)\.pt")
 
 #: Classes an OLMo-core trainer state may reference beyond torch's, as inert stand-ins
 #: (numpy's arrays and scalars: np.random.get_state() in the RNG states).
-TRAIN_CLASSES: dict[str, Any] = dict(unpickler.NUMPY_CLASSES)
+TRAIN_CLASSES: dict[str, Any] = dict(allow_list.NUMPY_CLASSES)
 
 
 def is_step_folder(src: os.PathLike | str) -> bool:
@@ -100,8 +100,8 @@ def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:
     else:
         path = files.inside(src, first, f"{src}: OLMo-core's trainer state")
         try:
-            state = unpickler.load_torch_file(path, TRAIN_CLASSES)
-        except (unpickler.TorchFileError, files.UnsafeFileError) as e:
+            state = torch_zip.load_torch_file(path, TRAIN_CLASSES)
+        except (allow_list.TorchFileError, files.UnsafeFileError) as e:
             record["global_step_unread"] = f"{first} was not read ({str(e)[:300]})"
         else:
             _steps(state, first, record)

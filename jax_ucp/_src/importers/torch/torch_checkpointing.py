@@ -6,7 +6,7 @@ mesh and placements, and which ranks hold it).
 
 ``metadata.pkl`` is plain data (dicts, lists, tuples, strings, numbers) and is read through the
 allow-listed unpickler with no class allowed; the rank files with
-:data:`unpickler.SHARDED_TENSOR_CLASSES` (a DTensor becomes an inert ``WrapperTensor``
+:data:`allow_list.SHARDED_TENSOR_CLASSES` (a DTensor becomes an inert ``WrapperTensor``
 holding its local shard).
 Each tensor is assembled from the ranks' shards at the offsets the placements give (DTensor's
 own rule: ``Shard(d)`` splits dim ``d`` in ``ceil(n / mesh size)`` chunks, mesh dimension after
@@ -36,7 +36,7 @@ from jax_ucp._src.importers.plan import (
 )
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, plan_state, scalar_ref
 from jax_ucp._src.importers.torch.options import TorchOptions
-from jax_ucp._src.torchfiles import dtypes, sharded, unpickler
+from jax_ucp._src.torchfiles import allow_list, dtypes, pickle_format, sharded, torch_zip
 
 __all__ = ["METADATA_FILE", "detect", "is_torch_checkpointing", "plan_torch_checkpointing"]
 
@@ -61,12 +61,12 @@ def _metadata(src: str) -> tuple[dict, int]:
     """({item: {nested path tuple: [(sharding data, ranks)]}}, world size) from metadata.pkl."""
     path = os.path.join(src, METADATA_FILE)
     # a bounded read of a regular file of this folder (never a link out, a FIFO, a huge file)
-    raw = unpickler.restricted_loads(
+    raw = pickle_format.restricted_loads(
         read_regular(in_own_folder(path), MAX_METADATA_BYTES), where=path
     )
     if not isinstance(raw, dict) or not isinstance(raw.get("metadata"), dict):
         raise SourceError(
-            f"{path}: expected a dict with 'metadata', found {unpickler.short_repr(raw, 120)}"
+            f"{path}: expected a dict with 'metadata', found {allow_list.short_repr(raw, 120)}"
         )
     if raw.get("version") not in VERSIONS:
         raise SourceError(
@@ -85,7 +85,7 @@ def _metadata(src: str) -> tuple[dict, int]:
         if any(v is not None for v in layouts.values()):
             raise SourceError(
                 f"{path}: item {item!r} was saved with a custom layout "
-                f"({unpickler.short_repr(layouts, 120)}); "
+                f"({allow_list.short_repr(layouts, 120)}); "
                 f"only the default <item>_<rank>.pt layout is read"
             )
         table: dict[tuple, list] = {}
@@ -95,7 +95,7 @@ def _metadata(src: str) -> tuple[dict, int]:
                 table[nested] = [(g["sharding_metadata"], tuple(g["ranks"])) for g in groups]
             except (KeyError, TypeError) as e:
                 raise SourceError(
-                    f"{path}: item {item!r} entry {unpickler.short_repr(key, 80)}: malformed "
+                    f"{path}: item {item!r} entry {allow_list.short_repr(key, 80)}: malformed "
                     f"({type(e).__name__}: {str(e)[:80]})"
                 ) from None
         items[str(item)] = table
@@ -109,7 +109,7 @@ def _json_path(key: Any, where: str) -> list:
         value = None
     if not isinstance(value, list):
         raise SourceError(
-            f"{where}: nested path {unpickler.short_repr(key, 80)} is not a JSON list"
+            f"{where}: nested path {allow_list.short_repr(key, 80)} is not a JSON list"
         )
     return value
 
@@ -121,7 +121,7 @@ def _shard_box(
     if not isinstance(meta, dict) or meta.get("type") != "DTensorShardingMetadata":
         raise SourceError(
             f"{where}: sharding metadata of type "
-            f"{unpickler.short_repr(meta.get('type') if isinstance(meta, dict) else meta, 60)}, expected "
+            f"{allow_list.short_repr(meta.get('type') if isinstance(meta, dict) else meta, 60)}, expected "
             f"DTensorShardingMetadata"
         )
     try:  # untrusted plain data: a missing key or a non-number is an error naming it
@@ -148,7 +148,7 @@ def _shard_box(
         if kind not in ("Shard", "Replicate"):
             raise SourceError(f"{where}: placement {kind!r}; only Shard and Replicate are read")
         if kind == "Shard" and type(dim) is not int:
-            raise SourceError(f"{where}: Shard dim {unpickler.short_repr(dim, 40)} is not an int")
+            raise SourceError(f"{where}: Shard dim {allow_list.short_repr(dim, 40)} is not an int")
         dims.append(dim if kind == "Shard" else None)
     try:
         offset, local = sharded.dtensor_box(shape, mesh_shape, [int(c) for c in coords], dims)
@@ -165,14 +165,14 @@ def _metadata_dtype(meta: dict, where: str) -> np.dtype:
     dtype = dtypes.BY_NAME.get(torch_name) if name == f"torch.{torch_name}" else None
     if dtype is None:
         raise SourceError(
-            f"{where}: metadata dtype {unpickler.short_repr(name, 60)} is not a torch dtype"
+            f"{where}: metadata dtype {allow_list.short_repr(name, 60)} is not a torch dtype"
         )
     return dtype
 
 
 def _local(value: Any) -> tuple[Any, tuple[int, ...] | None]:
     """A DTensor's local shard and its global shape; anything else as is, with no shape."""
-    if not (isinstance(value, unpickler.WrapperTensor) and value.qualname == sharded.DTENSOR):
+    if not (isinstance(value, allow_list.WrapperTensor) and value.qualname == sharded.DTENSOR):
         return value, None
     state = value.state
     if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
@@ -226,7 +226,7 @@ def _same_dtype(
         where: the checkpoint folder.
     """
     found = {"its storage": np.dtype(array.dtype).name}
-    if isinstance(value, unpickler.WrapperTensor):
+    if isinstance(value, allow_list.WrapperTensor):
         found["the DTensor"] = np.dtype(value.dtype).name
     wrong = {k: v for k, v in found.items() if v != dtype.name}
     if wrong:
@@ -338,8 +338,8 @@ def _load_ranks(src: str, items: dict, world: int, files: list[str]) -> dict[str
             name = f"{item}_{rank}.pt"
             if name not in files:
                 raise SourceError(f"{src}: {name} is missing (world size {world}, item {item!r})")
-            loaded.setdefault(item, {})[rank] = unpickler.load_torch_file(
-                in_own_folder(os.path.join(src, name)), unpickler.SHARDED_TENSOR_CLASSES
+            loaded.setdefault(item, {})[rank] = torch_zip.load_torch_file(
+                in_own_folder(os.path.join(src, name)), allow_list.SHARDED_TENSOR_CLASSES
             )
     return loaded
 
@@ -400,8 +400,8 @@ def _unmapped_items(
     their tensors skipped."""
     recorded: dict[str, Any] = {}
     for item in sorted({f.rsplit("_", 1)[0] for f in files} - set(items)):
-        state = unpickler.load_torch_file(
-            in_own_folder(os.path.join(src, f"{item}_0.pt")), unpickler.SHARDED_TENSOR_CLASSES
+        state = torch_zip.load_torch_file(
+            in_own_folder(os.path.join(src, f"{item}_0.pt")), allow_list.SHARDED_TENSOR_CLASSES
         )
         for name in tensor_names(state):
             entry = f"{item}:{name}"

@@ -40,7 +40,8 @@ from jax_ucp._src.importers.torch import dcp, torchtune_order
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
 from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
 from jax_ucp._src.importers.trainer_files import read_json, side_file
-from jax_ucp._src.torchfiles import dcp_reader, unpickler
+from jax_ucp._src.torchfiles import allow_list, torch_zip
+from jax_ucp._src.torchfiles import dcp as torch_dcp
 
 __all__ = [
     "RECIPE_STATE",
@@ -123,7 +124,7 @@ def _dist_order(folder: str) -> tuple[list[str], str] | None:
     when torchtune is installed and builds exactly those parameters."""
     if torchtune_order.torchtune_builder() is None:
         return None
-    checkpoint = dcp_reader.open_dcp(folder)
+    checkpoint = torch_dcp.open_dcp(folder)
     prefix = "model."
     shapes = {
         n[len(prefix) :]: tuple(t.shape)
@@ -150,7 +151,7 @@ def permute_rows(value: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
 
 
 def _names(keys: list, count: int = 3) -> str:
-    shown = ", ".join(unpickler.short_repr(k, 60) for k in keys[:count])
+    shown = ", ".join(allow_list.short_repr(k, 60) for k in keys[:count])
     return shown + (", ..." if len(keys) > count else "")
 
 
@@ -353,7 +354,7 @@ def _optimizer_names(
 def _recipe_optimizer(recipe: str, epoch: str) -> tuple[dict, dict, list]:
     """(the recipe state, its optimizer's ``state``, its ``param_groups``); refused when the
     recipe holds no torch optimizer state dict (the weights still import alone)."""
-    loaded = unpickler.load_torch_file(recipe)
+    loaded = torch_zip.load_torch_file(recipe)
     optimizer = loaded.get(OPTIMIZER_KEY) if isinstance(loaded, dict) else None
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None

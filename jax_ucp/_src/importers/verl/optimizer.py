@@ -13,7 +13,7 @@ import numpy as np
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.importers.plan import agreed_step, jsonable, skip
 from jax_ucp._src.importers.verl import rank_tensors
-from jax_ucp._src.torchfiles import unpickler
+from jax_ucp._src.torchfiles import allow_list
 
 __all__ = ["ADAM_STATE", "optimizer_state"]
 
@@ -91,7 +91,7 @@ def _optimizer(folder, files_, optims, params: rank_tensors.Params, world: int):
         if any(isinstance(v, np.ndarray) and v.ndim == 1 and v.size > 1 for v in entries.values())
     ]
     if flat and not any(
-        isinstance(v, unpickler.WrapperTensor) for e in first.values() for v in e.values()
+        isinstance(v, allow_list.WrapperTensor) for e in first.values() for v in e.values()
     ):
         raise SourceError(
             f"{os.path.join(folder, files_[0])}: FSDP1 flat-parameter optimizer state "

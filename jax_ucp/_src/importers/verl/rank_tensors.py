@@ -14,7 +14,7 @@ from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers.plan import TENSORS, host_item
-from jax_ucp._src.torchfiles import sharded, unpickler
+from jax_ucp._src.torchfiles import allow_list, sharded, torch_zip
 
 __all__ = ["Params", "Pieces", "gather", "item", "load", "parameters", "tied_keys"]
 
@@ -25,8 +25,8 @@ Params = dict[str, tuple[tuple[int, ...], np.dtype, "Pieces"]]
 def load(folder: str, name: str) -> Any:
     path = files.inside(folder, name, f"{folder}: verl's rank file")
     try:
-        return unpickler.load_torch_file(path, unpickler.SHARDED_TENSOR_CLASSES)
-    except (unpickler.TorchFileError, files.UnsafeFileError) as e:
+        return torch_zip.load_torch_file(path, allow_list.SHARDED_TENSOR_CLASSES)
+    except (allow_list.TorchFileError, files.UnsafeFileError) as e:
         raise SourceError(str(e)) from None
 
 
@@ -34,7 +34,7 @@ def _pieces(value: Any, world: int, file: str, key: str) -> list[sharded.Piece]:
     """The blocks of ``value`` (DTensor / ShardedTensor / plain tensor) this rank holds."""
     if isinstance(value, np.ndarray):
         return [sharded.Piece((0,) * value.ndim, value, replicated=True)]
-    if not isinstance(value, unpickler.WrapperTensor):
+    if not isinstance(value, allow_list.WrapperTensor):
         raise SourceError(f"{file}: {key!r} holds a {type(value).__name__}, expected a tensor")
     try:
         return sharded.local_pieces(value, world)

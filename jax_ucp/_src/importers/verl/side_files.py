@@ -14,7 +14,7 @@ from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers.plan import jsonable, skip
 from jax_ucp._src.importers.verl import layout
-from jax_ucp._src.torchfiles import unpickler
+from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
     "extra_state",
@@ -27,7 +27,7 @@ __all__ = [
 MAX_CONFIG_BYTES = 1 << 20
 
 # numpy's pickled RNG state (``np.random.get_state()`` in the extra state) as inert stand-ins
-_EXTRA_CLASSES = unpickler.NUMPY_CLASSES
+_EXTRA_CLASSES = allow_list.NUMPY_CLASSES
 
 
 def extra_state(folder: str, names: list[str], source: dict, found: list[str]) -> None:
@@ -49,8 +49,8 @@ def extra_state(folder: str, names: list[str], source: dict, found: list[str]) -
     for name in names:
         path = files.inside(folder, name, f"{folder}: verl's extra state")
         try:
-            extra = unpickler.load_torch_file(path, _EXTRA_CLASSES)
-        except (unpickler.TorchFileError, files.UnsafeFileError) as e:
+            extra = torch_zip.load_torch_file(path, _EXTRA_CLASSES)
+        except (allow_list.TorchFileError, files.UnsafeFileError) as e:
             source["lr_scheduler_unread"] = f"{name} was not read ({str(e)[:300]})"
             return
         sched = extra.get("lr_scheduler") if isinstance(extra, dict) else None

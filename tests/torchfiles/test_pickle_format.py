@@ -19,17 +19,19 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp._src.torchfiles.unpickler import (
-    MAX_COMPRESSED_MEMBER,
-    MAX_INFLATED_TOTAL,
+from jax_ucp._src.torchfiles.allow_list import (
     StandIn,
     TorchFileError,
     int_enum_standin,
-    load_torch_file,
-    restricted_loads,
-    scan_globals,
     short_repr,
     standin_class,
+)
+from jax_ucp._src.torchfiles.pickle_format import restricted_loads
+from jax_ucp._src.torchfiles.torch_zip import (
+    MAX_COMPRESSED_MEMBER,
+    MAX_INFLATED_TOTAL,
+    load_torch_file,
+    scan_globals,
 )
 from tests.ucp_testing import REPO, python_lines
 
@@ -620,8 +622,8 @@ def test_corrupt_file_in_a_deepspeed_checkpoint_stops_convert(tmp_path):
 def test_expansion_bound_grows_with_the_pickle():
     """The bound is max(4M, 2 per pickle byte): a big real file (a large model's DCP .metadata)
     is never refused for its size, a tiny one for its expansion."""
-    from jax_ucp._src.torchfiles.unpickler import TorchFileError as Refused
-    from jax_ucp._src.torchfiles.unpickler import check_expansion
+    from jax_ucp._src.torchfiles.allow_list import TorchFileError as Refused
+    from jax_ucp._src.torchfiles.pickle_format import check_expansion
 
     flat = list(range(3_000_000))
     check_expansion([flat, flat], "big.pt", pickle_bytes=12_000_000)  # 6M <= 24M: accepted
@@ -788,7 +790,7 @@ def test_deflated_members_within_the_total_read_exactly(tmp_path):
 def test_verify_crc_of_deflated_members_keeps_nothing(tmp_path):
     """verify_crc inflates an unreferenced deflated member only to check it: 2 x 255 MiB pass
     the check without counting against the archive's total (nothing is kept)."""
-    from jax_ucp._src.torchfiles.unpickler import TorchArchive
+    from jax_ucp._src.torchfiles.torch_zip import TorchArchive
 
     src = _bomb(tmp_path / "unreferenced.pt", 2, 255 * MIB, 0)
     arch = TorchArchive(src)
@@ -822,7 +824,8 @@ def test_ordered_dict_built_from_pairs_checks_keys_before_hashing(tmp_path):
     tuple (about 600 bytes of pickle) never finished hashing."""
     import pickle as P
 
-    from jax_ucp._src.torchfiles.unpickler import TorchFileError, restricted_loads
+    from jax_ucp._src.torchfiles.allow_list import TorchFileError
+    from jax_ucp._src.torchfiles.pickle_format import restricted_loads
 
     key = _shared_tuple_key(64)
     bomb = (
@@ -847,7 +850,7 @@ def test_lazy_crc_checks_a_storage_when_its_bytes_are_first_read(tmp_path):
     the file at once; ``verify_crc`` runs the checks left."""
     from jax_ucp._src.format import mapped_file
     from jax_ucp._src.importers.deepspeed import DS_CLASSES
-    from jax_ucp._src.torchfiles.unpickler import TorchArchive
+    from jax_ucp._src.torchfiles.torch_zip import TorchArchive
 
     real = os.path.join(FIX, "z1_fp32_dp2", "ckpt", "global_step2")
     real = os.path.join(real, "zero_pp_rank_0_mp_rank_00_optim_states.pt")  # several storages

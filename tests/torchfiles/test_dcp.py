@@ -1,4 +1,4 @@
-"""The DCP chunk-coverage check (``dcp_reader.check_coverage``, shared by the Megatron
+"""The DCP chunk-coverage check (``dcp.check_coverage``, shared by the Megatron
 torch_dist and plain torch DCP importers): exact, and O(n log n) in the chunk count.
 
 Before, overlaps were found by comparing every chunk with every later one: a ``.metadata``
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp._src.torchfiles import dcp_reader
-from jax_ucp._src.torchfiles.dcp_reader import DcpChunk, DcpTensor
+from jax_ucp._src.torchfiles import dcp
+from jax_ucp._src.torchfiles.dcp import DcpChunk, DcpTensor
 from jax_ucp.errors import SourceError
 from tests.importers.megatron.test_dcp import read_layout, write_layout
 from tests.ucp_testing import (
@@ -80,7 +80,7 @@ def test_coverage_verdict_matches_a_brute_force_count():
     for trial in range(300):
         shape = [int(g) for g in rng.integers(1, 7, size=1 + trial % 3)]
         boxes = _grid(shape, rng)
-        dcp_reader.check_coverage(_tensor(shape, boxes), "m")
+        dcp.check_coverage(_tensor(shape, boxes), "m")
         checked["ok"] += 1
         i = int(rng.integers(len(boxes)))
         offsets, sizes = (list(x) for x in boxes[i])
@@ -102,10 +102,10 @@ def test_coverage_verdict_matches_a_brute_force_count():
         count = _counts(shape, changed)
         t = _tensor(shape, changed)
         if np.all(count == 1):
-            dcp_reader.check_coverage(t, "m")
+            dcp.check_coverage(t, "m")
             continue
         with pytest.raises(SourceError) as error:
-            dcp_reader.check_coverage(t, "m")
+            dcp.check_coverage(t, "m")
         message = str(error.value)
         if "overlapping shards" in message:
             checked["overlap"] += 1
@@ -131,16 +131,16 @@ def test_hundred_thousand_tiny_chunks_are_checked_in_n_log_n():
     pairwise check runs one per pair (2 * 10**8)."""
     n = 100_000
     boxes = [((i // 100, i % 100), (1, 1)) for i in range(n)]
-    dcp_reader.check_coverage(_tensor((n // 100, 100), boxes), "m")
+    dcp.check_coverage(_tensor((n // 100, 100), boxes), "m")
     boxes[-1] = ((0, 0), (1, 1))
     with pytest.raises(
         SourceError,
         match=r"tensor 'w': overlapping shards: \[0, 0\]\+\[1, 1\] in __0_0\.distcp and "
         r"\[0, 0\]\+\[1, 1\] in __0_0\.distcp both hold element \[0, 0\] \(m\)",
     ):
-        dcp_reader.check_coverage(_tensor((n // 100, 100), boxes), "m")
+        dcp.check_coverage(_tensor((n // 100, 100), boxes), "m")
     small = boxes[: n // 5]
-    result, lines = python_lines(dcp_reader.check_coverage, _tensor((n // 500, 100), small), "m")
+    result, lines = python_lines(dcp.check_coverage, _tensor((n // 500, 100), small), "m")
     assert result is None, result
     assert lines < 30 * len(small), lines
 
@@ -151,12 +151,12 @@ def test_gap_and_overlap_with_the_right_element_count_are_found():
     tensor overlap on row 2 and leave row 3 out (8 of 8 elements); chunks of rows 1-3 and of
     row 3 leave row 0 out, which the error names."""
     with pytest.raises(SourceError, match=r"overlapping shards: \[0, 0\]\+\[3, 2\] .* \[2, 0\]\+"):
-        dcp_reader.check_coverage(_tensor((4, 2), [((0, 0), (3, 2)), ((2, 0), (1, 2))]), "m")
+        dcp.check_coverage(_tensor((4, 2), [((0, 0), (3, 2)), ((2, 0), (1, 2))]), "m")
     with pytest.raises(
         SourceError,
         match=r"8 of 8 elements of shape \[4, 2\] .*; element \[0, 0\] is in no chunk",
     ):
-        dcp_reader.check_coverage(_tensor((4, 2), [((1, 0), (3, 2)), ((3, 0), (1, 2))]), "m")
+        dcp.check_coverage(_tensor((4, 2), [((1, 0), (3, 2)), ((3, 0), (1, 2))]), "m")
 
 
 @pytest.mark.timeout(30)
@@ -169,7 +169,7 @@ def test_chunks_split_along_too_many_dimensions_are_refused():
         SourceError,
         match=r"'w' in m: 4096 chunks split along 12 dimensions:.*\(16781312 corners, at most 2581110\)",
     ):
-        dcp_reader.check_coverage(_tensor(shape, boxes), "m")
+        dcp.check_coverage(_tensor(shape, boxes), "m")
 
 
 # Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
@@ -243,7 +243,7 @@ def test_dcp_tensor_pointing_at_another_tensors_bytes_is_refused(tmp_path):
 def test_dcp_entries_overlapping_in_part_across_tensors_are_refused(tmp_path):
     """An entry lying inside a longer one of another tensor (not equal to it) is found too;
     adjacent entries, and equal ranges of two files, are fine."""
-    from jax_ucp._src.torchfiles.dcp_reader import DcpChunk, DcpTensor, check_disjoint
+    from jax_ucp._src.torchfiles.dcp import DcpChunk, DcpTensor, check_disjoint
 
     f32 = np.dtype(np.float32)
     tensors = {
@@ -261,7 +261,7 @@ def test_dcp_entries_overlapping_in_part_across_tensors_are_refused(tmp_path):
 def test_dcp_disjoint_verdict_matches_a_brute_force_pairwise_check():
     """Random storage entries (tensors' chunks and objects over 3 files, some empty): an error
     exactly when some two entries share a byte, naming two entries that do."""
-    from jax_ucp._src.torchfiles.dcp_reader import DcpChunk, DcpObject, DcpTensor, check_disjoint
+    from jax_ucp._src.torchfiles.dcp import DcpChunk, DcpObject, DcpTensor, check_disjoint
 
     rng = np.random.default_rng(3)
     f32 = np.dtype(np.float32)

@@ -1,4 +1,4 @@
-"""Read a torch Distributed Checkpoint (``torch.distributed.checkpoint``) without torch.
+"""A torch Distributed Checkpoint (``torch.distributed.checkpoint``) both ways, without torch.
 
 Shared by the plain DCP importer (:mod:`torch_dcp`: FSDP1/FSDP2, torchtitan, Accelerate,
 Lightning) and megatron-core's ``torch_dist`` (:mod:`jax_ucp._src.importers.megatron.dcp` adds its own pieces).
@@ -9,12 +9,14 @@ shape, dtype and chunk list per tensor, plus a map chunk -> (file, byte offset, 
 a tensor's raw bytes.
 
 Why not ``torch.load``: checkpoints are untrusted. ``.metadata`` is unpickled by
-:mod:`jax_ucp._src.torchfiles.unpickler` with its DCP classes mapped to inert stand-ins, and every
-chunk is an embedded archive read through the same restricted unpickler, memory-mapped.
+:mod:`~jax_ucp._src.torchfiles.pickle_format` with its DCP classes mapped to inert stand-ins, and
+every chunk is an embedded archive (:mod:`~jax_ucp._src.torchfiles.torch_zip`), memory-mapped.
 
 A tensor is assembled one at a time (:meth:`DcpCheckpoint.read`) after its chunks have been
 checked to tile the global shape exactly (no gap, no overlap, inside bounds) and each chunk's
 dtype and shape agree with the metadata.
+
+Written by :func:`write_dcp` as torch's ``FileSystemWriter`` lays it out, in one ``.distcp`` file.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import itertools
 import math
 import os
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -34,31 +36,26 @@ from typing import Any, cast
 import numpy as np
 
 from jax_ucp._src import writer
-from jax_ucp._src.errors import SourceError
+from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
-from jax_ucp._src.torchfiles import unpickler
-from jax_ucp._src.torchfiles.unpickler import zip_crc32
-
-__all__ = [
-    "DCP_CLASSES",
-    "MAX_METADATA_BYTES",
-    "SUPPORTED_TRANSFORMS",
-    "DcpCheckpoint",
-    "DcpChunk",
-    "DcpObject",
-    "DcpTensor",
-    "check_coverage",
-    "check_disjoint",
-    "open_dcp",
-    "path_standin",
-]
-
+from jax_ucp._src.torchfiles import allow_list, torch_zip
+from jax_ucp._src.torchfiles.dtypes import torch_dtype
+from jax_ucp._src.torchfiles.pickle_format import (
+    Call,
+    Global,
+    New,
+    Pairs,
+    dumps,
+    restricted_loads,
+    torch_size,
+)
+from jax_ucp._src.writer import durable
 
 # ----------------------------------------------------------------- stand-ins for .metadata
 
 
-class _MetadataIndex(unpickler.StandIn):
-    """Keys of ``Metadata.storage_data``: must hash, so it cannot be a plain StandIn."""
+class _MetadataIndex(allow_list.StandIn):
+    """Keys of ``Metadata.storage_data``: must hash, so it cannot be a plain allow_list.StandIn."""
 
     qualname = "torch.distributed.checkpoint.metadata.MetadataIndex"
 
@@ -74,7 +71,7 @@ class _MetadataIndex(unpickler.StandIn):
             )
             or not (index is None or type(index) is int)
         ):
-            raise ValueError(f"bad MetadataIndex {unpickler.short_repr(d)}")
+            raise ValueError(f"bad MetadataIndex {allow_list.short_repr(d)}")
         return (fqn, tuple(off) if off is not None else None, index)
 
     def __hash__(self) -> int:  # type: ignore[override]
@@ -94,15 +91,21 @@ def path_standin(*parts: Any) -> str:
     """A pickled ``pathlib`` path (``REDUCE(PosixPath, parts)``) as the plain string it names:
     only strings are accepted and nothing on the file system is touched."""
     if not all(isinstance(p, str) for p in parts) or sum(len(p) for p in parts) > 1 << 16:
-        raise ValueError(f"bad path parts {unpickler.short_repr(parts)}")
+        raise ValueError(f"bad path parts {allow_list.short_repr(parts)}")
     return posixpath.join(*parts) if parts else "."
 
 
+_META = "torch.distributed.checkpoint.metadata"
+_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+METADATA_FILE = ".metadata"
+DATA_FILE = "__0_0.distcp"  # the one file write_dcp writes
+
+
 def _standins() -> dict[str, Any]:
-    m = "torch.distributed.checkpoint.metadata."
+    m = _META + "."
     p = "torch.distributed.checkpoint.planner."
     d: dict[str, Any] = {
-        m + n: unpickler.standin_class(m + n)
+        m + n: allow_list.standin_class(m + n)
         for n in (
             "Metadata",
             "TensorStorageMetadata",
@@ -113,17 +116,17 @@ def _standins() -> dict[str, Any]:
         )
     }
     d[m + "MetadataIndex"] = _MetadataIndex
-    d[m + "_MEM_FORMAT_ENCODING"] = unpickler.int_enum_standin(m + "_MEM_FORMAT_ENCODING")
+    d[m + "_MEM_FORMAT_ENCODING"] = allow_list.int_enum_standin(m + "_MEM_FORMAT_ENCODING")
     # torch's FileSystemWriter, and OLMo-core's RemoteFileSystemWriter (same fields:
     # relative_path, offset, length; each chunk a torch.save archive as torch writes it)
-    for owner in ("torch.distributed.checkpoint", "olmo_core.distributed.checkpoint"):
-        name = f"{owner}.filesystem._StorageInfo"
-        d[name] = unpickler.standin_class(name)
+    for owner in (_FILESYSTEM, "olmo_core.distributed.checkpoint.filesystem"):
+        name = f"{owner}._StorageInfo"
+        d[name] = allow_list.standin_class(name)
     # megatron-core keeps its save plans in Metadata (for cached re-saves): parsed, never used
     for n in ("SavePlan", "WriteItem", "TensorWriteData", "LoadPlan", "ReadItem"):
-        d[p + n] = unpickler.standin_class(p + n)
-    d[p + "WriteItemType"] = unpickler.int_enum_standin(p + "WriteItemType")
-    d[p + "LoadItemType"] = unpickler.int_enum_standin(p + "LoadItemType")
+        d[p + n] = allow_list.standin_class(p + n)
+    d[p + "WriteItemType"] = allow_list.int_enum_standin(p + "WriteItemType")
+    d[p + "LoadItemType"] = allow_list.int_enum_standin(p + "LoadItemType")
     d["torch.serialization._get_layout"] = _get_layout
     d["torch.layout"] = _get_layout
     # StorageMeta.checkpoint_id: the path torch.distributed.checkpoint.save was given
@@ -199,7 +202,7 @@ class DcpCheckpoint:
         real = self._real.get(name)
         if real is None:
             try:
-                real = files.inside(self.path, name, f"{self.path / '.metadata'}: storage file")
+                real = files.inside(self.path, name, f"{self.path / METADATA_FILE}: storage file")
             except files.UnsafeFileError as e:
                 raise SourceError(str(e)) from None
             self._real[name] = real
@@ -208,7 +211,7 @@ class DcpCheckpoint:
     def check_tensor(self, name: str) -> None:
         """:func:`check_coverage` of tensor ``name``, once per checkpoint."""
         if name not in self._covered:
-            check_coverage(self.tensors[name], self.path / ".metadata")
+            check_coverage(self.tensors[name], self.path / METADATA_FILE)
             self._covered.add(name)
 
     def read(self, name: str, rows: int | None = None) -> np.ndarray:
@@ -295,7 +298,7 @@ class DcpCheckpoint:
                         return
                 for start, size, crc in members:  # a view of a larger storage: check all
                     view = raw[start : start + size]
-                    _check_crc(mapped_file.crc32(view, 0, zip_crc32, where), crc, where)
+                    _check_crc(mapped_file.crc32(view, 0, torch_zip.zip_crc32, where), crc, where)
                 mapped_file.copy_into(region, arr, where)
                 return
             if raw.size == region.nbytes:  # raw serialization: the tensor's bytes, no CRC
@@ -384,7 +387,7 @@ class DcpCheckpoint:
             if sizes[file] < 0:
                 raise SourceError(
                     f"tensor {name!r}: shard file {self.path / file} is missing "
-                    f"(referenced by {self.path / '.metadata'})"
+                    f"(referenced by {self.path / METADATA_FILE})"
                 )
             if sizes[file] < end:
                 raise SourceError(
@@ -603,7 +606,7 @@ def pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, whe
                     f"the file is truncated"
                 )
             if crc is not None:
-                found = zip_crc32(piece[:n], found)
+                found = torch_zip.zip_crc32(piece[:n], found)
             pos += n
     finally:
         os.close(fd)
@@ -617,10 +620,10 @@ def _load_embedded(
     file (``archive``: ``<file>@<offset>``); what it holds, and the storages whose CRC-32
     ``defer_crc`` leaves to the caller. Errors name ``where``."""
     try:
-        embedded = unpickler.TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
+        embedded = torch_zip.TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
         with contextlib.closing(embedded) as arch:
             return arch.load(extra_classes), arch.unchecked
-    except unpickler.TorchFileError as e:
+    except allow_list.TorchFileError as e:
         raise SourceError(f"{where}: {e}") from None
 
 
@@ -682,10 +685,9 @@ def _storage_ref(
         or not isinstance(trs, (list, tuple))
         or not all(isinstance(tr, str) for tr in trs)
     ):
-        short = unpickler.short_repr
         raise SourceError(
-            f"tensor {name!r} in {mfile}: {what} storage entry (file {short(rp)}, offset "
-            f"{short(bo)}, length {short(bl)}, transforms {short(trs)}): expected a file name "
+            f"tensor {name!r} in {mfile}: {what} storage entry (file {allow_list.short_repr(rp)}, offset "
+            f"{allow_list.short_repr(bo)}, length {allow_list.short_repr(bl)}, transforms {allow_list.short_repr(trs)}): expected a file name "
             f"in the checkpoint directory, non-negative integer offset and length, strings"
         )
     return rp, cast(int, bo), cast(int, bl), tuple(trs)  # checked by _is_count above
@@ -697,7 +699,7 @@ def _dims(
     """A shape / offsets / sizes field: non-negative ints (torch's int64), ``rank`` of them."""
     if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value):
         raise SourceError(
-            f"tensor {name!r} in {mfile}: {what} {unpickler.short_repr(value)}: expected "
+            f"tensor {name!r} in {mfile}: {what} {allow_list.short_repr(value)}: expected "
             f"non-negative integers below 2**63"
         )
     if rank is not None and len(value) != rank:
@@ -711,17 +713,17 @@ def _dims(
 def _load_metadata(root: Path, extra_classes: dict[str, Any] | None):
     """``.metadata`` unpickled with only the allowed classes: (its path, the pickle, its
     ``state_dict_metadata``, its ``storage_data``), both checked to be dicts."""
-    mfile = root / ".metadata"
+    mfile = root / METADATA_FILE
     if not os.path.lexists(mfile):
         raise SourceError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
     try:
         files.in_own_folder(mfile)  # never another checkpoint's .metadata through a link
-        md = unpickler.restricted_loads(
+        md = restricted_loads(
             files.read_regular(str(mfile), MAX_METADATA_BYTES),
             where=str(mfile),
             extra_classes={**DCP_CLASSES, **(extra_classes or {})},
         )
-    except (unpickler.TorchFileError, files.UnsafeFileError) as e:
+    except (allow_list.TorchFileError, files.UnsafeFileError) as e:
         raise SourceError(str(e)) from None
     sdm = getattr(md, "state_dict_metadata", None)
     storage = getattr(md, "storage_data", None)
@@ -748,7 +750,7 @@ def _tensor_entry(name: str, m: Any, mfile: Path, by_fqn: dict[str, dict[Any, An
     listed = getattr(m, "chunks", None)
     if not isinstance(listed, (list, tuple)):
         raise SourceError(
-            f"tensor {name!r} in {mfile}: chunks {unpickler.short_repr(listed)}: expected a list"
+            f"tensor {name!r} in {mfile}: chunks {allow_list.short_repr(listed)}: expected a list"
         )
     chunks = []
     for index, c in enumerate(listed):
@@ -770,7 +772,7 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
     objects: dict[str, DcpObject] = {}
     for name, m in sdm.items():
         if not isinstance(name, str):
-            raise SourceError(f"{mfile}: entry name {unpickler.short_repr(name)} is not a string")
+            raise SourceError(f"{mfile}: entry name {allow_list.short_repr(name)} is not a string")
         kind = type(m).__name__
         if kind == "TensorStorageMetadata":
             tensors[name] = _tensor_entry(name, m, mfile, by_fqn)
@@ -835,3 +837,96 @@ def check_disjoint(
         f"{where}: {shown[0]} and {shown[1]} share bytes [{first}, {last}) of storage file "
         f"{file}; each entry has its own bytes"
     )
+
+
+# ----------------------------------------------------------------- writing
+
+
+def _meta(cls: str, **state: Any) -> New:
+    """A ``torch.distributed.checkpoint.metadata`` dataclass as torch pickles it."""
+    return New(Global(_META, cls), state)
+
+
+def _properties(torch_name: str) -> New:
+    return New(
+        Global(_META, "TensorProperties"),
+        (
+            Global("torch", torch_name),
+            Call(Global("torch.serialization", "_get_layout"), ("torch.strided",)),
+            False,
+            Call(Global(_META, "_MEM_FORMAT_ENCODING"), (0,)),
+            False,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class DcpItem:
+    """One entry of a DCP state dict: a tensor (``shape``/``dtype``) or a Python value."""
+
+    fqn: str
+    path: tuple[str, ...]  # the nested state-dict keys (DCP's planner_data)
+    shape: tuple[int, ...] | None = None
+    dtype: np.dtype | None = None
+    value: Any = None
+
+
+def write_dcp(
+    directory: str,
+    items: Sequence[DcpItem],
+    arrays: Iterable[Any],
+    save_id: str,
+    slabs: torch_zip.Slabs = None,
+):
+    """A single-file DCP checkpoint of ``items`` (tensors take their values from ``arrays``, in
+    order). Readable by ``torch.distributed.checkpoint.load`` at any world size.
+
+    Args:
+        directory: the DCP folder (exists, empty).
+        items: every entry: tensors and pickled objects, in order.
+        arrays: the tensors' values, in the order of the tensor items.
+        save_id: the ``storage_meta.save_id`` recorded in ``.metadata``.
+        slabs: reads each value (:data:`~jax_ucp._src.torchfiles.torch_zip.Slabs`).
+    """
+    storage_data: list = []
+    metadata: dict = {}
+    tensors = iter(arrays)
+    with durable.durable_file(os.path.join(directory, DATA_FILE)) as f:
+        for item in items:
+            offset = f.tell()
+            if item.shape is None:
+                length = torch_zip.write_torch_save(f, obj=item.value)
+                where: dict = {"index": None, "offset": None}
+                metadata[item.fqn] = _meta("BytesStorageMetadata")
+            else:
+                array = next(tensors)
+                if tuple(array.shape) != item.shape or array.dtype != item.dtype:
+                    raise RequestError(
+                        f"tensor {item.fqn!r}: read {array.shape} {array.dtype}, planned "
+                        f"{item.shape} {item.dtype}"
+                    )
+                torch_name, _ = torch_dtype(item.fqn, array.dtype)  # == item.dtype, checked
+                length = torch_zip.write_torch_save(f, array=array, slabs=slabs)
+                zeros, size = torch_size([0] * len(item.shape)), torch_size(item.shape)
+                where = {"index": 0, "offset": zeros}
+                chunk = _meta("ChunkStorageMetadata", offsets=zeros, sizes=size)
+                properties = _properties(torch_name)
+                metadata[item.fqn] = _meta(
+                    "TensorStorageMetadata", properties=properties, size=size, chunks=[chunk]
+                )
+            info = New(
+                Global(_FILESYSTEM, "_StorageInfo"),
+                {"relative_path": DATA_FILE, "offset": offset, "length": length},
+            )
+            storage_data.append((_meta("MetadataIndex", fqn=item.fqn, **where), info))
+    meta = _meta(
+        "Metadata",
+        state_dict_metadata=metadata,
+        planner_data={item.fqn: item.path for item in items},
+        storage_data=Pairs(tuple(storage_data)),
+        storage_meta=_meta(
+            "StorageMeta", checkpoint_id=None, save_id=save_id, load_id=None, modules=[]
+        ),
+        version="1.0.0",
+    )
+    durable.write_file(os.path.join(directory, METADATA_FILE), dumps(meta))

@@ -1,0 +1,585 @@
+"""The ``torch.save`` zip archive both ways, without torch.
+
+A ``torch.save`` file is a zip archive (members stored, not compressed): ``<name>/data.pkl`` (a
+protocol-2 pickle whose tensors are ``torch._utils._rebuild_tensor_v2`` calls on persistent
+storage references), ``<name>/data/<key>`` (each storage's raw bytes), ``<name>/byteorder`` and
+``<name>/version``.
+
+Read: one read-only ``mmap`` of the file; tensors are read-only ``numpy`` views of it, so loading
+costs page cache, not anonymous memory, and only touched bytes are read. Their bytes are read
+out with :func:`jax_ucp._src.format.mapped_file.read_out` (pread), never by touching the mapping:
+a file truncated meanwhile is then an error naming it, not SIGBUS. Every member's CRC-32 is
+checked, a deflated member is inflated within bounds, a member present twice is refused, and
+persistent ids must be well-formed storage references to members that exist.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import math
+import os
+import pickletools
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src.format import files, mapped_file
+from jax_ucp._src.torchfiles import pickle_format
+from jax_ucp._src.torchfiles.allow_list import Storage, StorageType, TorchFileError, short_repr
+from jax_ucp._src.torchfiles.dtypes import torch_dtype
+from jax_ucp._src.torchfiles.pickle_format import Call, Global, New, Persistent
+from jax_ucp._src.writer import durable
+
+try:  # ISA-L's CRC-32 (carry-less multiply): ~4x zlib's; the same zip polynomial
+    from isal.isal_zlib import crc32 as zip_crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
+    from zlib import crc32 as zip_crc32
+
+#: Largest deflate-compressed member inflated into memory (torch itself never compresses).
+MAX_COMPRESSED_MEMBER = 256 << 20
+#: Most bytes inflated from one archive's deflated members in total: inflated bytes live in
+#: anonymous memory for as long as the tensors viewing them, so many members each under the
+#: per-member cap would otherwise add up to any amount (16 x 255 MiB from a 4 MB file).
+MAX_INFLATED_TOTAL = 256 << 20
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_MAGIC = 0x04034B50
+
+
+class _BufferFile(io.RawIOBase):
+    """A seekable read-only file over a uint8 array (zipfile reads the central directory)."""
+
+    def __init__(self, buf: np.ndarray):
+        self._b = buf
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._b.size}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self._b.size - self._pos))
+        b[:n] = mapped_file.read_bytes(self._b, self._pos, n, "reading the zip directory")
+        self._pos += n
+        return n
+
+
+class TorchArchive:
+    """A torch zip archive opened read-only with one ``mmap``; members resolved lazily.
+
+    ``lazy_crc``: a tensor storage's CRC-32 is checked when its bytes are first read (through
+    :mod:`jax_ucp._src.format.mapped_file`, the only way they are read), not when the pickle
+    references it: loading a ZeRO rank file then reads its pickle only, and a weights-only
+    import never reads the moments it skips. Every byte read is still checked first.
+    """
+
+    def __init__(self, path: os.PathLike | str, *, lazy_crc: bool = False):
+        self.path = os.fspath(path)
+        self.lazy_crc = lazy_crc
+        try:  # a regular file only: a FIFO or device would block or never end
+            mm = mapped_file.map_file(self.path)
+        except files.UnsafeFileError as e:
+            raise TorchFileError(self.path, str(e).split(": ", 1)[-1]) from None
+        except OSError as e:
+            raise TorchFileError(self.path, f"cannot open: {e.strerror}") from None
+        if mm is None:
+            raise TorchFileError(self.path, "file is empty")
+        head = mapped_file.read_bytes(mm, 0, min(8, len(mm)), "reading the file's signature")
+        if not head.startswith(b"PK"):
+            if head[:1] == b"\x80":
+                raise TorchFileError(
+                    self.path,
+                    "legacy (pre-zip, torch<1.6) serialization is not supported; "
+                    "re-save it with torch.save(..., _use_new_zipfile_serialization=True)",
+                )
+            raise TorchFileError(self.path, f"not a torch zip archive (starts with {head!r})")
+        self._filemap: mapped_file.FileMap | None = mm
+        self._open_zip(np.frombuffer(mm, np.uint8), "zip archive")
+
+    #: Storage members handed out with their CRC-32 not checked yet (``defer_crc``): member
+    #: name -> (offset of its bytes in the archive, size, the CRC-32 the archive records).
+    unchecked: dict[str, tuple[int, int, int]]
+    defer_crc = False
+    lazy_crc = False
+    _filemap: mapped_file.FileMap | None = None
+
+    @classmethod
+    def from_buffer(cls, view: np.ndarray, where: str, *, defer_crc: bool = False) -> TorchArchive:
+        """An archive that is a byte range of a larger file (e.g. one torch DCP chunk); its
+        tensors come back as views into it, like those of a whole file.
+
+        Args:
+            view: a read-only uint8 array holding the archive (typically a memory-mapped slice).
+            where: names it in errors.
+            defer_crc: tensor storages are not CRC-checked here but listed in ``unchecked``; the
+                caller checks each CRC-32 on the bytes it copies out (one pass over them, not
+                two).
+        """
+        self = cls.__new__(cls)
+        self.path = where
+        self.defer_crc = defer_crc
+        self._open_zip(view, "embedded archive")
+        return self
+
+    def _open_zip(self, view: np.ndarray, what: str) -> None:
+        """Member table, pickle prefix and byte order: the same for a file and a byte range
+        (``view``: its bytes, the central directory read from them with pread)."""
+        self._mm = view
+        self.size = int(view.size)
+        self._f = _BufferFile(view)
+        self._views: dict[str, np.ndarray] = {}
+        self._inflated = 0  # bytes inflated from deflated members so far (MAX_INFLATED_TOTAL)
+        self.unchecked = {}
+        try:
+            self._zip = zipfile.ZipFile(self._f)
+            infos = self._zip.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+            raise TorchFileError(self.path, f"truncated or corrupt {what} ({e})") from None
+        self._infos = {i.filename: i for i in infos}
+        if len(self._infos) != len(infos):  # torch.load reads the first copy, a dict the last
+            counts = collections.Counter(i.filename for i in infos)
+            twice = sorted(n for n, c in counts.items() if c > 1)
+            raise TorchFileError(
+                self.path,
+                f"{what}: members present twice: {', '.join(map(repr, twice[:4]))}; which copy "
+                "is the tensor is no choice to make (torch.load reads the first), refused",
+            )
+        pkls = [n for n in self._infos if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pkls) != 1:
+            raise TorchFileError(
+                self.path, f"expected one '<archive>/data.pkl' member, found {pkls or 'none'}"
+            )
+        self.prefix = pkls[0][: -len("data.pkl")]
+        bo = self._infos.get(self.prefix + "byteorder")
+        order = self.read_member(bo.filename).decode("ascii", "replace").strip() if bo else "little"
+        if order not in ("little", "big"):
+            raise TorchFileError(self.path, f"unknown byteorder {short_repr(order, 40)}")
+        self.byteorder = "<" if order == "little" else ">"
+        self._storages: dict[str, np.ndarray] = {}
+        self._storage_types: dict[str, np.dtype] = {}
+
+    def _member_view(self, name: str, declared: int | None = None) -> np.ndarray:
+        """The bytes of member ``name`` (a view of the file, or inflated); ``declared``: the
+        bytes the pickle's storage needs from it, which a deflated member may not exceed."""
+        info = self._infos.get(name)
+        if info is None:
+            raise TorchFileError(self.path, f"missing archive member {name!r}")
+        data_off = self._data_offset(name, info)
+        view = self._views.get(name)
+        if view is not None:
+            return view
+        if info.compress_type != zipfile.ZIP_STORED:
+            view = self._inflate(name, info, data_off, declared=declared)
+        else:
+            if info.file_size != info.compress_size:
+                raise TorchFileError(self.path, f"member {name!r}: stored size mismatch (corrupt)")
+            view = np.frombuffer(self._mm, np.uint8, count=info.file_size, offset=data_off)
+            storage = name.startswith(self.prefix + "data/")
+            if self.defer_crc and storage:
+                self.unchecked[name] = (data_off, info.file_size, info.CRC)
+            elif self.lazy_crc and storage and self._filemap is not None and info.file_size:
+                check = _crc_check(self.path, name, data_off, info.file_size, info.CRC)
+                mapped_file.check_before_read(self._filemap, data_off, info.file_size, check)
+            else:
+                # The member's CRC-32, checked once, when first referenced (ISA-L's CRC-32 runs
+                # at several GB/s; the copy that follows reads the same pages from the page
+                # cache).
+                _crc_matches(self.path, name, info.CRC, mapped_file.crc32(view, crc=zip_crc32))
+        self._views[name] = view
+        return view
+
+    def _data_offset(self, name: str, info: zipfile.ZipInfo) -> int:
+        """Where member ``name``'s bytes start, its local header and extent checked."""
+        off = info.header_offset
+        if off + _LOCAL_HEADER.size > self.size:
+            raise TorchFileError(
+                self.path, f"member {name!r}: local header beyond end of file (truncated)"
+            )
+        fields = _LOCAL_HEADER.unpack(
+            mapped_file.read_bytes(self._mm, off, _LOCAL_HEADER.size, f"member {name!r}")
+        )
+        if fields[0] != _LOCAL_MAGIC:
+            raise TorchFileError(
+                self.path, f"member {name!r}: bad local header signature (corrupt)"
+            )
+        data_off = off + _LOCAL_HEADER.size + fields[9] + fields[10]
+        if data_off + info.compress_size > self.size:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r} needs bytes up to {data_off + info.compress_size} "
+                f"but the file has {self.size} (truncated)",
+            )
+        return data_off
+
+    def _inflate(
+        self,
+        name: str,
+        info: zipfile.ZipInfo,
+        data_off: int,
+        *,
+        keep: bool = True,
+        declared: int | None = None,
+    ) -> np.ndarray:
+        """A deflated member, streamed: never more than its declared size is produced, at most
+        :data:`MAX_COMPRESSED_MEMBER` bytes, and at most :data:`MAX_INFLATED_TOTAL` kept from
+        one archive (torch.save never compresses; a small deflate stream can expand a
+        thousandfold). ``declared``: the bytes the pickle's storage needs, which the member may
+        not exceed. ``keep=False``: only its CRC-32 is checked, nothing is kept."""
+        if info.compress_type != zipfile.ZIP_DEFLATED:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r}: compression method {info.compress_type} is not supported "
+                "(torch.save stores members uncompressed)",
+            )
+        if info.file_size > MAX_COMPRESSED_MEMBER:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r} is deflate-compressed and declares {info.file_size} bytes; "
+                f"compressed members above {MAX_COMPRESSED_MEMBER} bytes are refused "
+                "(torch.save stores members uncompressed: re-save the file with torch.save)",
+            )
+        if declared is not None and info.file_size > declared:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r} is deflate-compressed and declares {info.file_size} bytes, "
+                f"but the pickle's storage needs {declared}; refused before inflating "
+                "(torch.save writes a storage's bytes exactly)",
+            )
+        if keep and self._inflated + info.file_size > MAX_INFLATED_TOTAL:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r} is deflate-compressed and declares {info.file_size} bytes, "
+                f"after {self._inflated} bytes inflated from other members: more than the "
+                f"{MAX_INFLATED_TOTAL} bytes inflated in total that one archive may take "
+                "(torch.save stores members uncompressed: re-save the file with torch.save)",
+            )
+        out = np.empty(info.file_size if keep else 0, np.uint8)
+        inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+        pos, crc = 0, 0
+        try:
+            for start in range(0, info.compress_size, 1 << 20):
+                n = min(1 << 20, info.compress_size - start)
+                pending = mapped_file.read_bytes(self._mm, data_off + start, n, f"member {name!r}")
+                while pending:
+                    piece = inflater.decompress(pending, info.file_size - pos + 1)
+                    if pos + len(piece) > info.file_size:
+                        raise TorchFileError(
+                            self.path,
+                            f"member {name!r} expands beyond its declared {info.file_size} "
+                            "bytes (corrupt or hostile)",
+                        )
+                    if keep:
+                        out[pos : pos + len(piece)] = np.frombuffer(piece, np.uint8)
+                    pos += len(piece)
+                    crc = zlib.crc32(piece, crc)
+                    pending = inflater.unconsumed_tail
+                if inflater.eof:
+                    break
+        except zlib.error as e:
+            raise TorchFileError(self.path, f"member {name!r}: cannot decompress ({e})") from None
+        if not inflater.eof or pos != info.file_size:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r}: the deflate stream gives {pos} bytes, the archive declares "
+                f"{info.file_size} (truncated or corrupt)",
+            )
+        _crc_matches(self.path, name, info.CRC, crc)
+        if keep:
+            self._inflated += info.file_size
+        out.flags.writeable = False
+        return out
+
+    @property
+    def saved_name(self) -> str:
+        """The name of the archive's top folder: ``torch.save(obj, path)`` writes the stem of
+        ``path`` there ("archive" when it saved to a file object), so it survives a rename."""
+        return self.prefix.rstrip("/")
+
+    def read_member(self, name: str) -> bytes:
+        view = self._member_view(name)
+        return mapped_file.read_bytes(view, 0, view.size, f"member {name!r}")
+
+    def _persistent_load(self, pid: Any) -> Storage:
+        if (
+            not isinstance(pid, tuple)
+            or len(pid) != 5
+            or pid[0] != "storage"
+            or not isinstance(pid[1], StorageType)
+            or not isinstance(pid[2], str)
+            or type(pid[4]) is not int
+            or pid[4] < 0
+        ):
+            raise TorchFileError(self.path, f"unexpected persistent id {short_repr(pid)}")
+        _, stype, key, _location, numel = pid
+        if not key or "/" in key or key.startswith("."):
+            raise TorchFileError(self.path, f"bad storage key {short_repr(key, 80)}")
+        dtype = (
+            stype.dtype.newbyteorder(self.byteorder) if stype.dtype.itemsize > 1 else stype.dtype
+        )
+        nbytes = numel * dtype.itemsize
+        seen = self._storage_types.setdefault(key, dtype)
+        if seen != dtype:  # torch.load types the storage by its first reference
+            raise TorchFileError(
+                self.path,
+                f"storage {key!r} is referenced as {seen} and as {dtype}: the pickle's storage "
+                "types disagree (an edited data.pkl?)",
+            )
+        raw = self._storages.get(key)
+        if raw is None:
+            name = f"{self.prefix}data/{key}"
+            if name not in self._infos and nbytes == 0:
+                raw = np.empty(0, np.uint8)
+            else:
+                raw = self._member_view(name, nbytes)
+            self._storages[key] = raw
+        if raw.size < nbytes:
+            raise TorchFileError(
+                self.path,
+                f"storage {key!r}: expected {nbytes} bytes ({numel} x {dtype}), "
+                f"member holds {raw.size}",
+            )
+        return Storage(key, dtype, raw[:nbytes])
+
+    def load(self, extra_classes: Mapping[str, Any] | None = None) -> Any:
+        return pickle_format.restricted_loads(
+            self.read_member(self.prefix + "data.pkl"),
+            where=self.path,
+            extra_classes=extra_classes,
+            persistent_load=self._persistent_load,
+        )
+
+    def verify_crc(self) -> None:
+        """Check every member's CRC-32 now, also members no pickle references (reads the file);
+        a deflated member is inflated only to check it, nothing kept."""
+        for name, info in self._infos.items():
+            if info.compress_type == zipfile.ZIP_STORED or name in self._views:
+                self._member_view(name)
+            else:
+                self._inflate(name, info, self._data_offset(name, info), keep=False)
+        if self._filemap is not None:  # lazy_crc: the checks left for the first read, run now
+            mapped_file.check_pending(self._filemap)
+
+    def close(self) -> None:
+        """Close the file handle and drop the caches; arrays already returned keep the mapping
+        (or their inflated bytes) alive, nothing else does."""
+        self._views.clear()
+        self._storages.clear()
+        self._filemap = None
+        self._zip.close()
+        self._f.close()
+
+
+def _crc_matches(path: str, name: str, recorded: int, found: int) -> None:
+    if found != recorded:
+        raise TorchFileError(
+            path,
+            f"member {name!r}: CRC-32 mismatch (the archive records {recorded:08x}, its "
+            f"bytes give {found:08x}): the file is corrupt",
+        )
+
+
+def _crc_check(
+    path: str, name: str, offset: int, size: int, recorded: int
+) -> Callable[[mapped_file.FileMap], None]:
+    """The CRC-32 check of a stored member, run by :func:`mapped_file.check_before_read` (it
+    holds no archive: the mapping outlives it)."""
+
+    def check(mm: mapped_file.FileMap) -> None:
+        view = np.frombuffer(mm, np.uint8, count=size, offset=offset)
+        _crc_matches(path, name, recorded, mapped_file.crc32(view, crc=zip_crc32))
+
+    return check
+
+
+def load_torch_file(
+    path: os.PathLike | str,
+    extra_classes: Mapping[str, Any] | None = None,
+    *,
+    verify_crc: bool = False,
+) -> Any:
+    """Load a ``torch.save`` zip file safely; tensors become read-only memory-mapped numpy arrays.
+
+    Args:
+        path: the ``torch.save`` zip file.
+        extra_classes: more allow-listed classes, ``"module.QualName"`` -> a :class:`StandIn`
+            subclass (for pickled objects), an ``int_enum_standin`` (for IntEnums), or any
+            side-effect-free callable that validates its arguments (REDUCE calls it with
+            pickled data).
+        verify_crc: check every storage's CRC-32 while loading.
+    """
+    with contextlib.closing(TorchArchive(path)) as arch:
+        if verify_crc:
+            arch.verify_crc()
+        return arch.load(extra_classes)
+
+
+def scan_globals(path: os.PathLike | str) -> set[str]:
+    """The ``module.QualName`` globals a torch file's pickle references, found without loading it."""
+    with contextlib.closing(TorchArchive(path)) as arch:
+        data = arch.read_member(arch.prefix + "data.pkl")
+    found: set[str] = set()
+    strings: list[str] = []
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            if op.name in ("GLOBAL", "INST"):
+                found.add(str(arg).replace(" ", ".").replace("__builtin__.", "builtins."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                found.add(f"{strings[-2]}.{strings[-1]}")
+            if isinstance(arg, str):
+                strings.append(arg)
+    except Exception as e:
+        raise TorchFileError(path, f"corrupt pickle ({e})") from None
+    return found
+
+
+# --------------------------------------------------------------------------- writing
+
+
+class _Window(io.RawIOBase):
+    """A file seen from ``start`` on: zipfile's offsets become relative to the archive's start,
+    so an archive can sit inside a larger file (as every chunk of a ``.distcp`` file does)."""
+
+    def __init__(self, f, start: int):
+        self._f, self._start = f, start
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        return self._f.write(b)
+
+    def tell(self) -> int:
+        return self._f.tell() - self._start
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0:
+            pos += self._start
+        return self._f.seek(pos, whence) - self._start
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where tensor ``index`` of the ``arrays`` given to :func:`write_torch_save` goes in the
+    pickled object (a contiguous tensor on its own storage)."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def _rebuild(slot: TensorSlot, name: str) -> Call:
+    _, storage = torch_dtype(name, slot.dtype)
+    shape = tuple(int(d) for d in slot.shape)
+    strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # C order
+    numel = math.prod(shape)
+    return Call(
+        Global("torch._utils", "_rebuild_tensor_v2"),
+        (
+            Persistent(("storage", Global("torch", storage), str(slot.index), "cpu", numel)),
+            0,
+            shape,
+            strides,
+            False,
+            Call(Global("collections", "OrderedDict"), ()),
+        ),
+    )
+
+
+def _with_tensors(obj: Any, name: str) -> Any:
+    """``obj`` with every :class:`TensorSlot` replaced by its rebuild call."""
+    if isinstance(obj, TensorSlot):
+        return _rebuild(obj, name)
+    if isinstance(obj, dict):
+        return {k: _with_tensors(v, name) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return (list if isinstance(obj, list) else tuple)(_with_tensors(v, name) for v in obj)
+    if isinstance(obj, New):
+        return New(obj.cls, _with_tensors(obj.state, name))
+    if isinstance(obj, Call):
+        return Call(obj.fn, _with_tensors(obj.args, name))
+    return obj
+
+
+#: A tensor value read slab by slab in C order (``where``: names it in errors); None: an array.
+Slabs = Callable[[Any, str], Iterable[np.ndarray]] | None
+
+
+def write_torch_save(
+    f,
+    obj: Any = None,
+    array: Any = None,
+    name: str = "archive",
+    arrays: Sequence[Any] = (),
+    slabs: Slabs = None,
+) -> int:
+    """Appends one ``torch.save`` archive to the open file ``f`` at its position; returns its
+    length. A tensor is written slab by slab as ``slabs`` reads it (lazily, when it does), the
+    CRC computed on the way.
+
+    Args:
+        f: a binary file open for writing, at the archive's start.
+        obj: the object to pickle when ``array`` is None (plain data and nodes).
+        array: a tensor to save on its own.
+        name: the archive's top folder (torch uses the file's stem).
+        arrays: the tensors ``TensorSlot`` nodes of ``obj`` refer to (``shape``, ``dtype``).
+        slabs: reads each of them (:data:`Slabs`).
+    """
+    if array is not None:
+        obj, arrays = TensorSlot(0, tuple(array.shape), array.dtype), [array]
+    start = f.tell()
+    with zipfile.ZipFile(_Window(f, start), "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+        z.writestr(_member(f"{name}/data.pkl"), pickle_format.dumps(_with_tensors(obj, name)))
+        z.writestr(_member(f"{name}/byteorder"), "little")
+        for index, value in enumerate(arrays):
+            info = _member(f"{name}/data/{index}")
+            nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
+            with z.open(info, "w", force_zip64=nbytes >= 0xFFFFFFFF) as member:
+                for piece in slabs(value, info.filename) if slabs else [value]:
+                    piece = np.ascontiguousarray(piece, piece.dtype.newbyteorder("<"))
+                    member.write(piece.reshape(-1).view(np.uint8).data)
+                    del piece
+        z.writestr(_member(f"{name}/version"), "3\n")
+    return f.tell() - start
+
+
+def _member(name: str) -> zipfile.ZipInfo:
+    """A stored member dated 1980-01-01: the same export gives the same bytes."""
+    return zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+
+
+def save_file(path: str, obj: Any, arrays: Sequence[Any] = (), slabs: Slabs = None) -> None:
+    """``torch.save(obj, path)`` without torch (see :func:`write_torch_save`), fsynced. The
+    archive is named after the file, as torch names it.
+
+    Args:
+        path: the file to write.
+        obj: plain data and nodes (``TensorSlot(i, ...)`` for ``arrays[i]``).
+        arrays: the tensors ``obj`` refers to.
+        slabs: reads each of them (:data:`Slabs`).
+    """
+    stem = os.path.basename(path).removesuffix(".pt")
+    with durable.durable_file(path) as f:
+        write_torch_save(f, obj, name=stem, arrays=arrays, slabs=slabs)
