@@ -14,6 +14,10 @@ and reports wall time, the process's CPU time (user + system) and its minor page
 (``ru_minflt``) during each restore, medians over rounds, and the load average.
 
     python benchmarks/bench_restore_pages.py --mib 512 --rounds 3
+
+``--against TREE`` compares code instead: each restore in a fresh process (what a job does:
+nothing freed before to reuse), this checkout's code vs ``TREE``'s (e.g. ``git archive
+COMMIT | tar -x -C TREE``), alternating, beside the disk.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import json
 import os
 import resource
 import statistics
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -60,12 +66,40 @@ def disk_read(path: str, buf: np.ndarray) -> int:
     return n
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _usage(wall: float, ru0, ru1) -> dict:
+    return {
+        "wall_s": wall,
+        "cpu_s": ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime,
+        "sys_s": ru1.ru_stime - ru0.ru_stime,
+        "minor_faults": ru1.ru_minflt - ru0.ru_minflt,
+        "load": os.getloadavg()[0],
+    }
+
+
+def _fresh(tree: str, args) -> dict:
+    """One cold restore in a fresh process running ``tree``'s jax_ucp."""
+    env = dict(os.environ, PYTHONPATH=tree)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mib", str(args.mib)]
+    out = subprocess.run(cmd + ["--dir", args.dir], env=env, capture_output=True, text=True)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{tree}: {out.stdout[-2000:]}{out.stderr[-3000:]}")
+    res = json.loads(lines[-1][len("RESULT ") :])
+    res["load"] = os.getloadavg()[0]
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/ucp_restore_pages")
     ap.add_argument("--json")
+    ap.add_argument("--against", help="another checkout's tree: fresh processes, code vs code")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     specs = [P("data", "model"), P(None, "model"), P("model", None), P()]
@@ -85,9 +119,19 @@ def main() -> int:
     target = {
         f"layer_{i:02d}": NamedSharding(mesh, P(*reversed(specs[i % len(specs)]))) for i in range(n)
     }
+    if args.child:  # one cold restore, its figures as JSON
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        jax.block_until_ready(jax_ucp.restore(path, shardings=target))
+        wall = time.perf_counter() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        print("RESULT " + json.dumps(_usage(wall, ru0, ru1)))
+        return 0
     default = _get_madvise_hugepage()
     buf = np.ones(8 << 20, np.uint8)
     results: dict[str, list[dict]] = {"disk": [], "hugepage": [], "4k": []}
+    if args.against:
+        results = {"disk": [], "this code": [], "other code": []}
     load0 = os.getloadavg()
     for r in range(args.rounds):
         kinds = list(results) if r % 2 == 0 else list(results)[::-1]
@@ -97,6 +141,12 @@ def main() -> int:
             t0 = time.perf_counter()
             if kind == "disk":
                 disk_read(path, buf)
+            elif args.against:
+                tree = ROOT if kind == "this code" else args.against
+                res = _fresh(tree, args)
+                results[kind].append(res)
+                print(f"round {r} {kind:10s} {json.dumps(res)}", flush=True)
+                continue
             else:
                 _set_madvise_hugepage(kind == "hugepage")
                 try:
@@ -108,13 +158,7 @@ def main() -> int:
             ru1 = resource.getrusage(resource.RUSAGE_SELF)
             if kind != "disk":
                 del out
-            res = {
-                "wall_s": wall,
-                "cpu_s": ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime,
-                "sys_s": ru1.ru_stime - ru0.ru_stime,
-                "minor_faults": ru1.ru_minflt - ru0.ru_minflt,
-                "load": os.getloadavg()[0],
-            }
+            res = _usage(wall, ru0, ru1)
             results[kind].append(res)
             print(
                 f"round {r} {kind:9s} {wall:6.3f} s  CPU {res['cpu_s']:6.3f} s (sys "
@@ -125,6 +169,8 @@ def main() -> int:
     size = n * (64 << 20)
     med = statistics.median
     base = med(r["wall_s"] for r in results["disk"])
+    if args.against:
+        print(f"other code: {args.against}")
     print(f"\n{size / 1e9:.2f} GB, medians of {args.rounds}, load {load0[0]:.1f} → {load1[0]:.1f}")
     for kind, runs in results.items():
         wall = med(r["wall_s"] for r in runs)
