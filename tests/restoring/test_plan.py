@@ -3,6 +3,7 @@ no devices needed), with the same PartitionSpecs restore gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -14,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from typer.testing import CliRunner
 
 import jax_ucp
-from jax_ucp._src.restoring.plan import Layouts, abstract_mesh
+from jax_ucp._src.restoring.plan import Layouts, TensorPlan, abstract_mesh
 from jax_ucp.cli import app
 from tests.ucp_testing import assert_bit_exact, mesh
 from tests.ucp_testing import save_small_tree as _save
@@ -401,3 +402,37 @@ def test_plan_reads_per_process_match_every_device_enumerated():
                 assert set(size.values()) == {per_device}, (sizes, spec)
                 uneven += len(set(want.values())) > 1
     assert uneven > 10  # the uneven splits were exercised, not only the even ones
+
+
+@pytest.mark.parametrize("concrete", [True, False])
+def test_tensors_sharing_a_placement_add_their_device_bytes_once(tmp_path, monkeypatch, concrete):
+    # 12 tensors of 2 (shape, dtype, saved sharding): the devices' totals are added once per
+    # distinct placement (not once per tensor) and still count every tensor
+    m = mesh((2, 4), ("data", "model"))
+    tree = {
+        f"t{i:02d}": jax.device_put(
+            np.full((8, 16) if i % 2 else (4, 4), i, np.float32),
+            NamedSharding(m, P("data", "model") if i % 2 else P()),
+        )
+        for i in range(12)
+    }
+    jax_ucp.save(tmp_path / "c", tree)
+    calls = []
+    real = Layouts.add_devices
+    monkeypatch.setattr(
+        Layouts, "add_devices", lambda self, *a: (calls.append(a[1]), real(self, *a))[1]
+    )
+    target = mesh((4, 2), ("data", "model")) if concrete else abstract_mesh([("data", 8)])
+    result = jax_ucp.plan(tmp_path / "c", mesh=target)
+    # every device listed (1), then per distinct placement: Layouts.place's and the others'
+    assert len(calls) <= 1 + 2 * 2
+    per_tensor = {t.name: t.bytes_per_device for t in result.tensors}
+    assert len(per_tensor) == 12
+    assert set(result.device_bytes.values()) == {sum(per_tensor.values())}
+    assert len(result.device_bytes) == 8
+    fields = {f.name for f in dataclasses.fields(TensorPlan)}
+    for t in result.tensors:  # every field set, as TensorPlan(...) would
+        assert set(vars(t)) == fields
+        assert t == TensorPlan(**{f: getattr(t, f) for f in fields})
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            t.name = "x"  # type: ignore[misc]

@@ -44,7 +44,6 @@ def open_checkpoint(root: str, spec=None) -> OpenedSource:
 
 def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...], Available]:
     """What a restore may ask for: the saved tensors, or the views ``spec`` makes of them."""
-    by_key = {e.key: e for e in manifest.tensors}
     if spec is None:
         return {
             e.key: Available(
@@ -64,6 +63,7 @@ def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...]
         language,  # restore-time transforms (stack/unstack/split/merge/transpose)
     )
 
+    by_key = {e.key: e for e in manifest.tensors}
     saved = {
         k: language.TensorInfo(shape=e.shape, dtype=fmt.to_numpy_dtype(e.dtype))
         for k, e in by_key.items()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast, runtime_checkable
 
@@ -175,6 +176,7 @@ class PendingArray:
 
 
 _ALIGNMENT = 64  # XLA:CPU adopts a host buffer as a device buffer, uncopied, if this aligned
+_OWN_MAPPING_AT = 4 << 20  # numpy advises huge pages from here up (its HUGEPAGE_THRESHOLD)
 
 
 def convert(data: np.ndarray, dtype) -> tuple[np.ndarray, int]:
@@ -237,9 +239,19 @@ def _is_float(dtype: np.dtype) -> bool:
 
 
 def aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
-    """An uninitialised C-ordered array whose data starts at a multiple of 64 bytes."""
+    """An uninitialised C-ordered array whose data starts at a multiple of 64 bytes.
+
+    From ``_OWN_MAPPING_AT`` bytes up it is a mapping of its own, without numpy's
+    ``madvise(MADV_HUGEPAGE)``: where THP's ``defrag`` is ``madvise`` (the kernel's default)
+    that advice lets a page fault compact memory first, and a restore faults in every page of
+    its fresh buffers. Measured on a cold 0.54 GB restore (benchmarks/bench_restore_pages.py,
+    docs/BENCHMARKS.md): 1.05 s on the system's pages against 1.80 s with the advice. The
+    system's own THP policy still applies."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes >= _OWN_MAPPING_AT and hasattr(mmap, "MAP_ANONYMOUS"):
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return np.frombuffer(mapping, np.uint8).view(dtype).reshape(tuple(shape))  # page-aligned
     raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % _ALIGNMENT
     return raw[start : start + nbytes].view(dtype).reshape(tuple(shape))
