@@ -179,7 +179,7 @@ SHARED = {
     "memory_budget": "restore's, export's, convert's and save's own; UCPStreamSave carries "
     "convert's into Orbax's thread",
     "progress": "export's and convert's own callbacks",
-    "force": "convert's and the exports' own (replace the destination)",
+    "force": "save's, convert's and the exports' own (replace the destination)",
     "spec": "what import, restore and export each apply (rules, views)",
     "step": "the step convert writes, the step restore reads",
     "dtype": "restore's and the tensor exports' own cast",
