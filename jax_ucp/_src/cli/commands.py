@@ -462,7 +462,7 @@ _CONVERT = "conversion.ConvertOptions"
 IMPORT_FIELDS = (
     FromField(_IMPORT, "spec"),
     FromField(_IMPORT, "weights_only", flags=("--weights-only",)),
-    FromField("importers.plan.TaggedOptions", "tag", kind=str | None),
+    FromField("importers.plan.TaggedOptions", "tag"),
     FromField("importers.megatron.MegatronOptions", "vocab_size", prefix="megatron: "),
     FromField(
         "importers.torch.options.TorchOptions",
@@ -476,7 +476,7 @@ IMPORT_FIELDS = (
 CONVERT_FIELDS = (
     FromField(_CONVERT, "force"),
     FromField(_CONVERT, "step"),
-    FromField(_CONVERT, "memory_budget", kind=str | None, callback=_size_option),
+    FromField(_CONVERT, "memory_budget", callback=_size_option),
 )
 
 
@@ -684,7 +684,7 @@ _RESTORE = "restoring.options.RestoreOptions"
 # the restore to plan: RestoreOptions' fields (PlanOptions' processes) that a command line
 # gives as they are (--mesh and --rules are parsed: the command's own)
 PLAN_FIELDS = (
-    FromField("restoring.plan.PlanOptions", "processes", kind=int | None, min=1),
+    FromField("restoring.plan.PlanOptions", "processes", min=1),
     FromField(_RESTORE, "strict"),
     FromField(
         _RESTORE,
@@ -887,7 +887,6 @@ EXPORT_FIELDS = (
     FromField(
         _SAFETENSORS,
         "max_file_bytes",
-        kind=str | None,
         flags=("--max-file-size",),
         prefix="safetensors: ",
         callback=_size_option,
@@ -899,7 +898,7 @@ EXPORT_FIELDS = (
     ),
     FromField(_SAFETENSORS, "config", prefix="safetensors: "),
     FromField(_TENSORS, "force"),
-    FromField("exporters.options._Export", "memory_budget", kind=str | None, callback=_size_option),
+    FromField("exporters.options._Export", "memory_budget", callback=_size_option),
 )
 
 
