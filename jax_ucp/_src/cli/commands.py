@@ -686,12 +686,7 @@ _RESTORE = "restoring.options.RestoreOptions"
 PLAN_FIELDS = (
     FromField("restoring.plan.PlanOptions", "processes", min=1),
     FromField(_RESTORE, "strict"),
-    FromField(
-        _RESTORE,
-        "spec",
-        help="a spec (a shipped name such as hf_llama, or a file) whose restore-time "
-        "transforms are planned",
-    ),
+    FromField(_RESTORE, "spec"),
 )
 
 

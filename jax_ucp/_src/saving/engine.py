@@ -99,8 +99,8 @@ class SaveArgs:
 
 @dataclasses.dataclass
 class SaveOptions(SaveArgs):
-    """``jax_ucp.save``'s arguments after the path: ``SaveArgs`` (the tree and how to lay it
-    out) and ``force``, one definition (``options.keywords_of``).
+    """``jax_ucp.save``'s arguments after the path (``options.keywords_of``): ``SaveArgs``
+    and ``force``.
 
     Attributes:
       force: replace a jax_ucp checkpoint at the path (kept whole until the new one is in
