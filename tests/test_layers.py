@@ -21,7 +21,18 @@ ALLOWED = {
     "language": {"format"},  # format.mapped_file: views of mapped files read with pread
     "sharding": {"format"},
     "tree": {"format"},
-    "restoring": {"format", "store", "writer", "multihost", "language", "sharding", "tree"},
+    # + importers: the "open" stage plans the import of a source convert reads, read in place
+    # (restoring.import_open; registry.plan_import only reads, imported where it is called)
+    "restoring": {
+        "format",
+        "store",
+        "writer",
+        "multihost",
+        "language",
+        "sharding",
+        "tree",
+        "importers",
+    },
     "saving": {"format", "store", "writer", "multihost", "sharding", "tree"},
     "orbax": {"format", "store", "writer", "multihost", "sharding", "tree", "restoring", "saving"},
     "api": {"format", "store", "tree", "restoring", "saving", "against", "logits"},
@@ -55,6 +66,9 @@ JAX_FREE = {
     "jax_ucp._src.restoring.engine",
     "jax_ucp._src.restoring.ucp_source",
     "jax_ucp._src.restoring.safetensors_source",
+    "jax_ucp._src.restoring.remote_safetensors",
+    "jax_ucp._src.restoring.import_source",
+    "jax_ucp._src.restoring.import_open",
     "jax_ucp._src.restoring.inspecting",
     "jax_ucp._src.tree",
     "jax_ucp.exporters",
@@ -466,7 +480,10 @@ STORAGE = ("store/storage/",)
 RENAMES = {("os", "rename"), ("os", "replace"), ("os", "renames"), ("shutil", "move")}
 OBJECT_CLIENTS = {"object_store"}  # the object-store client
 OBJECT_WRITES = {"write", "create", "delete", "delete_names"}
-KVSTORE_READERS = {"restoring/ucp_source.py"}  # opens a prefix to read its shards' digests
+KVSTORE_READERS = {
+    "restoring/ucp_source.py",  # opens a prefix to read its shards' digests
+    "restoring/remote_safetensors.py",  # byte ranges of safetensors objects, read only
+}
 
 
 def _storage_escapes(rel: str, tree: ast.AST):

@@ -17,6 +17,7 @@ with the imported moments and step, so the next optax step is torch's next step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -362,7 +363,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
             f"no schedule and no clipping are known"
         )
         notes.append(note)
-        warnings.warn(f"{where}: {note}", UserWarning, stacklevel=3)
+        warnings.warn(f"{where}: {note}", UserWarning, stacklevel=4)  # _from_run, optax_from_torch
     if kind is None:
         notes.append(f"learning rate {lr}: the optimizer's for the next step; no schedule recorded")
         return lambda count: lr
@@ -452,13 +453,12 @@ def _schedule_argument(key: str, value: Any, where: str) -> Any:
     return value
 
 
-def _mask_tree(ckpt, spec, params, decayed: dict[str, bool], where: str):
-    """Per leaf of ``params``: decayed or not, from the torch parameters it is made of."""
+def _mask_tree(saved_tensors: dict, spec, params, decayed: dict[str, bool], where: str):
+    """Per leaf of ``params``: decayed or not, from the torch parameters it is made of
+    (``saved_tensors``: key -> (shape, dtype) of the run's tensors)."""
     import jax
 
     from jax_ucp._src import language
-    from jax_ucp._src.api import inspect
-    from jax_ucp._src.format import to_numpy_dtype
 
     def of(names: list[str], leaf: str) -> bool:
         flags = {decayed.get(n) for n in names}
@@ -471,8 +471,7 @@ def _mask_tree(ckpt, spec, params, decayed: dict[str, bool], where: str):
 
     if spec is None:
         return {name: of([name], name) for name in params}
-    manifest = inspect(ckpt)
-    saved = {e.key: language.TensorInfo(e.shape, to_numpy_dtype(e.dtype)) for e in manifest.tensors}
+    saved = {k: language.TensorInfo(shape, dtype) for k, (shape, dtype) in saved_tensors.items()}
     sources = {
         key[1:]: [s[1] for s in plan.sources]
         for key, plan in language.compile_restore_plan(spec, saved).items()
@@ -489,7 +488,8 @@ def _mask_tree(ckpt, spec, params, decayed: dict[str, bool], where: str):
 def optax_from_torch(
     ckpt, *, spec: Any = None, optimizer: str | None = None, options: Any = None
 ) -> TorchOptimizer:
-    """The optax optimizer and state that continue the torch run converted at ``ckpt``.
+    """The optax optimizer and state that continue the torch run at ``ckpt``: read straight
+    from what its trainer wrote (nothing written), or from its converted checkpoint.
 
     On a mesh (``options=RestoreOptions(mesh=, rules=)``, or ``target=``/``shardings=``) the
     params and Adam's moments come back as ``jax.Array``s placed alike, each process reading
@@ -497,8 +497,10 @@ def optax_from_torch(
     moments is derived from shapes, ``jax.eval_shape``). A jitted step consumes it as it is.
 
     Args:
-        ckpt: a UCP checkpoint imported from torch with its Adam/AdamW state (a Hugging Face
-            Trainer ``checkpoint-N/``, Accelerate, FSDP2/DCP, torch.save files).
+        ckpt: a torch run's checkpoint with its Adam/AdamW state, as ``convert`` reads it (a
+            Hugging Face Trainer ``checkpoint-N/``, Accelerate, FSDP2/DCP, torch.save files,
+            DeepSpeed, Megatron; its import options as ``options.importing``), or the UCP
+            checkpoint ``convert`` made of it.
         spec: the spec the parameters are restored with (e.g. ``hf_llama``), or None for
             torch's names; the moments follow it, and the weight-decay mask is computed on the
             restored tree from the torch parameters each leaf is made of.
@@ -514,12 +516,52 @@ def optax_from_torch(
         A :class:`TorchOptimizer`: ``tx.update(grads, opt_state, params)`` is torch's next step
         (clipping, AdamW with its no-decay groups, the scheduler's learning rate).
     """
+    with _opened_run(ckpt, options) as run:
+        return _from_run(run, ckpt, spec, optimizer, options)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What the translation reads of a run: the import's record (a converted checkpoint's
+    manifest source), its tensors' (shape, dtype), and how to restore from it."""
+
+    source: dict
+    saved: dict
+    restore: Callable[[dict], Any]
+
+
+@contextlib.contextmanager
+def _opened_run(ckpt, options: Any):
+    """``ckpt`` opened once: a converted checkpoint, or a torch source read in place through
+    its import (``options.importing``), nothing written."""
+    from jax_ucp._src.format import to_numpy_dtype
+    from jax_ucp._src.restoring import import_open, restore_entry
+    from jax_ucp._src.restoring.options import RestoreOptions
+
+    importing, given = getattr(options, "importing", None), getattr(options, "format", None)
+    found = import_open.import_format(ckpt, importing, given, weights_in_place=False)
+    if found is None:
+        from jax_ucp._src.api import inspect, restore
+
+        manifest = inspect(ckpt)
+        saved = {e.key: (e.shape, to_numpy_dtype(e.dtype)) for e in manifest.tensors}
+        yield _Run(manifest.source or {}, saved, lambda keywords: restore(ckpt, **keywords))
+        return
+    budget = options.read_budget if isinstance(options, RestoreOptions) else None
+    with import_open.opened_import(ckpt, found, importing, memory_budget=budget) as imported:
+
+        def restore_imported(keywords: dict):
+            wanted = RestoreOptions(**keywords)
+            return restore_entry.restore_from(imported.with_spec(wanted.spec), wanted)
+
+        yield _Run(imported.source, imported.saved, restore_imported)
+
+
+def _from_run(run: _Run, ckpt, spec: Any, optimizer: str | None, options: Any) -> TorchOptimizer:
+    """``optax_from_torch`` of the opened run."""
     import optax
 
-    from jax_ucp._src.api import inspect
-
-    manifest = inspect(ckpt)
-    source = manifest.source or {}
+    source = run.source
     where = str(source.get("path") or ckpt)
     recorded = source.get("optimizer")
     if not recorded or not recorded.get("param_groups"):
@@ -530,7 +572,7 @@ def optax_from_torch(
     trainer_args = run_arguments(source, where)
     kind, how = identify(groups, trainer_args, where, optimizer)
     _check_adam(groups, where)
-    params, mu, nu, step = _restored_adam(ckpt, options, spec, where)
+    params, mu, nu, step = _restored_adam(run, options, spec, where)
     notes.insert(0, f"torch {'AdamW' if kind == 'adamw' else 'Adam'}: {how}")
     _recorded_steps(source, step, notes, where)
     b1, b2 = (float(b) for b in _one(groups, "betas", where))
@@ -542,7 +584,7 @@ def optax_from_torch(
     if max_norm:
         parts.append(optax.clip_by_global_norm(_number(max_norm, "max_grad_norm", where)))
         notes.append(f"gradients clipped to global norm {max_norm}")
-    decay = _weight_decay(ckpt, spec, params, (rate, decayed), kind, notes, where)
+    decay = _weight_decay(run.saved, spec, params, (rate, decayed), kind, notes, where)
     adam = optax.scale_by_adam(b1, b2, eps)  # torch Adam: grad + wd * param, then the moments
     chain = [decay, adam] if kind == "adam" else [adam, decay]
     parts += [p for p in chain if p is not None] + [optax.scale_by_learning_rate(schedule)]
@@ -552,7 +594,7 @@ def optax_from_torch(
             f"{where}: the translation goes on without what the files do not record: "
             + "; ".join(unrecovered),
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     tx = optax.chain(*parts)
     state = _state_of(tx, params, mu, nu, step)
@@ -579,15 +621,13 @@ def _recorded_steps(source: dict, step: int, notes: list[str], where: str) -> No
                 f"continues at the optimizer's step {step}"
             )
             notes.append(note)
-            warnings.warn(note, UserWarning, stacklevel=3)
+            warnings.warn(note, UserWarning, stacklevel=4)  # _from_run, optax_from_torch
 
 
-def _restored_adam(ckpt, options: Any, spec: Any, where: str) -> tuple[Any, Any, Any, int]:
+def _restored_adam(run: _Run, options: Any, spec: Any, where: str) -> tuple[Any, Any, Any, int]:
     """(params, mu, nu, step) restored as ``options`` asks; the step is the one count the
     imported opt_state holds."""
-    from jax_ucp._src.api import restore
-
-    tree = restore(ckpt, **_restore_keywords(options, spec, where))
+    tree = run.restore(_restore_keywords(options, spec, where))
     if "opt_state" not in tree:
         raise RequestError(f"{where}: the checkpoint holds no optimizer state")
     opt = tree["opt_state"]  # mu and nu at opt_state/mu, or a spec's opt_state/0/mu
@@ -602,7 +642,13 @@ def _restored_adam(ckpt, options: Any, spec: Any, where: str) -> tuple[Any, Any,
 
 
 def _weight_decay(
-    ckpt, spec: Any, params: Any, decay: tuple[Any, Any], kind: str, notes: list[str], where: str
+    saved: dict,
+    spec: Any,
+    params: Any,
+    decay: tuple[Any, Any],
+    kind: str,
+    notes: list[str],
+    where: str,
 ) -> Any:
     """optax's decay of the groups' rate over the leaves torch decayed (None for no decay);
     where it goes in the chain is the caller's: Adam's L2 before the moments, AdamW's after."""
@@ -612,7 +658,7 @@ def _weight_decay(
     rate, decayed = decay
     if not rate:
         return None
-    mask = _mask_tree(ckpt, spec, params, decayed, where)
+    mask = _mask_tree(saved, spec, params, decayed, where)
     leaves = jax.tree.leaves(mask)
     style = "decoupled (AdamW)" if kind == "adamw" else "L2, added to the gradient (Adam)"
     notes.append(f"weight decay {rate} on {sum(leaves)} of {len(leaves)} leaves, {style}")

@@ -197,6 +197,25 @@ class SafetensorsFile:
         raw = mapped_file.read_bytes(self._map, 8, header_len, "the header")
         self.header, self.metadata = self._parse(raw)
 
+    @classmethod
+    def from_header(
+        cls, path: str, raw: bytes, data_start: int, data_size: int | None
+    ) -> SafetensorsFile:
+        """The checked header ``raw`` of a file read elsewhere (an object store's object):
+        ``header`` and ``metadata`` as for a local file, no tensor views.
+
+        Args:
+            path: names the file in errors.
+            raw: the header's bytes (after its 8-byte length).
+            data_start: the offset of the data (8 + the header's length).
+            data_size: the data's bytes, when known (None: the caller checks the end).
+        """
+        self = cls.__new__(cls)
+        self.path, self.data_start = path, data_start
+        self.data_size = 2**62 if data_size is None else data_size
+        self.header, self.metadata = self._parse(raw)
+        return self
+
     def _parse(self, raw: bytes) -> tuple[dict, dict]:
         try:
             header = strict_json(raw.decode("utf-8"), f"{self.path}: the header")

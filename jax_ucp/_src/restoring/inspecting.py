@@ -8,14 +8,24 @@ import os
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src import tree as tree_lib
-from jax_ucp._src.restoring import locate
+from jax_ucp._src.restoring import import_open, locate
 
 
 def inspect(path: str | os.PathLike) -> fmt.Manifest:
     """The manifest as typed objects (names, shapes, dtypes, bytes, roles, saved sharding).
 
     ``.notices`` lists what a restore without a target gives back differently from the save:
-    a container class outside the allow-list (rebuilt as a dict of its fields)."""
+    a container class outside the allow-list (rebuilt as a dict of its fields). A source
+    ``convert`` reads (torch, DeepSpeed, Megatron, a safetensors folder, ...) gives the
+    manifest its conversion would write (``import_open.manifest_of``, the format's default
+    import options): its tensors and the import's record (``source``), nothing written."""
+    found = None
+    if not locate.is_ucp(path):
+        found = import_open.import_format(path, weights_in_place=False)
+    if found is not None:
+        manifest = import_open.manifest_of(path, found)
+        manifest.notices = []
+        return manifest
     manifest = locate.read_consistently(path, store.read_manifest)
     manifest.notices = [message for _, message in tree_lib.class_notices(manifest.tree)]
     return manifest

@@ -85,6 +85,13 @@ class RestoreOptions:
         cannot be read, with a ``jax_ucp.ResumeWarning`` naming it and why (default False:
         the error, naming the step, and the older steps there are); each candidate is then
         read whole before it is restored (as ``verify``), so every process takes one step.
+      importing: with a source ``convert`` reads (torch DCP, torch.save files, DeepSpeed,
+        Megatron, ...), restored straight from it: its import options, as ``convert``'s
+        ``importing=`` (``jax_ucp.conversion.ImportOptions(weights_only=True)``,
+        ``TorchOptions(parameter_order=..., model_config=...)``, ``DeepSpeedOptions(tag=...)``;
+        None: the format's defaults). The tree is the one convert + restore gives; nothing is
+        written. ``spec`` above stays the restore-time spec (an import's spec goes here).
+      format: the source's format, as ``convert``'s ``format=`` (None: detected).
     """
 
     target: Any = None
@@ -101,6 +108,8 @@ class RestoreOptions:
     replicated_read: str | None = None
     step: int | str | None = None
     fallback: bool = False
+    importing: Any = None
+    format: str | None = None
 
     def __post_init__(self):
         field = field_namer(self)
@@ -184,6 +193,10 @@ def _check_kinds(options: RestoreOptions, field) -> None:
     if options.fallback and step != "latest":
         raise RequestError(
             f"{field('fallback')}: goes with step='latest' (older steps on failure)."
+        )
+    if options.format is not None and not isinstance(options.format, str):
+        raise RequestError(
+            f"{field('format')}: expected a format name such as 'torch', got {options.format!r}."
         )
     if options.replicated_read not in (None, "each", "once"):
         raise RequestError(

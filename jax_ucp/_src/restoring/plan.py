@@ -34,7 +34,7 @@ from jax_ucp._src.errors import CheckpointError, RequestError
 from jax_ucp._src.format import display
 from jax_ucp._src.format.sizes import format_size
 from jax_ucp._src.options import field_namer, keywords_of
-from jax_ucp._src.restoring import locate, model, requests, ucp_source
+from jax_ucp._src.restoring import locate, model, requests, restore_entry, ucp_source
 from jax_ucp._src.restoring.options import RestoreOptions
 from jax_ucp._src.sharding.mesh_layout import axes_of
 
@@ -224,7 +224,9 @@ def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
 
     Args:
         path: a checkpoint directory (holding ``ucp.json``) or an Orbax step directory with
-            one UCP item.
+            one UCP item; or any source ``restore`` reads in place (safetensors, a source
+            ``convert`` reads, with ``importing=``): its import is planned (a Megatron legacy
+            merge is built to learn its shape), no tensor is read.
         options: built from the keywords; ``mesh`` (and the ``NamedSharding``s of
             ``shardings``) may be on a ``jax.sharding.AbstractMesh``: no devices needed.
 
@@ -246,10 +248,20 @@ def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
 
 
 def _plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
-    mesh, rules, explicit = options.mesh, options.rules, options.has_target
+    elsewhere = restore_entry.opened_elsewhere(path, options)
+    if elsewhere is not None:  # a source read in place: what its import (or header) holds
+        with elsewhere as opened:
+            return _planned(opened.source.path, opened.available, opened.values, options)
     root = locate.find_checkpoint_dir(path)
     manifest = store.read_manifest(root)
     available = ucp_source.available_tensors(manifest, options.spec)
+    return _planned(root, available, manifest.values, options)
+
+
+def _planned(root: str, available, values, options: PlanOptions) -> RestorePlan:
+    """The plan of a restore from ``available`` (key -> ``model.Available``) and ``values``
+    (the saved Python values) of the source at ``root``."""
+    mesh, rules, explicit = options.mesh, options.rules, options.has_target
     layouts = Layouts(mesh, options.processes)
     if mesh is not None:
         layouts.every_process(mesh, 0)  # processes= fits the mesh
@@ -260,12 +272,12 @@ def _plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
         requests.check_mesh_names(root, available.values(), mesh, rules, options.strict)
     if explicit:
         placed, n_values = _placed_by_target(
-            root, manifest, available, options.target, options.shardings, options.casting
+            root, values, available, options.target, options.shardings, options.casting
         )
     else:
         chosen: dict = {}  # tensors share a few (shape, dtype, saved sharding, axes): once each
         placed = [_on_mesh(av, mesh, rules, chosen) for av in available.values()]
-        n_values = len(manifest.values)
+        n_values = len(values)
     device_bytes, process_bytes = IndexedBytes(), IndexedBytes()
     if mesh is not None:  # every device and process of the mesh is listed, 0 if it holds none
         layouts.add_devices(mesh, 0, device_bytes)
@@ -283,11 +295,11 @@ def _plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
     return RestorePlan(root, tensors, device_bytes, process_bytes, n_values, unmatched)
 
 
-def _placed_by_target(root, manifest, available, target, shardings, casting):
+def _placed_by_target(root, saved_values, available, target, shardings, casting):
     """``restore(target=/shardings=)``'s placement of each tensor the target names (see
     ``_explicit``), and how many saved values it names. A name the checkpoint lacks is an
     error, as in restore."""
-    values = {e.key for e in manifest.values}
+    values = {e.key for e in saved_values}
     placed, n_values = [], 0
     reqs, _ = requests.requests_from_target(target, shardings)
     for req in reqs:

@@ -1,19 +1,24 @@
 """``jax_ucp.restore``, importing JAX but not Orbax (a restore reads through TensorStore; only
 saving and Orbax's handlers need Orbax, ~0.5 s more to start): the stages in order, each
-entered once: the source located and opened (``locate``, ``ucp_source`` or
-``safetensors_source``) → its requests (``requests``, the JAX part) → the read engine
+entered once: the source located and opened (``locate``, ``ucp_source``,
+``safetensors_source`` / ``remote_safetensors``, or ``import_open``) → its requests (``requests``, the JAX part) → the read engine
 (``engine``) → the result's tree."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from typing import Any
 
+from jax_ucp._src import store
 from jax_ucp._src.options import keywords_of
 from jax_ucp._src.restoring import (
     engine,
+    import_open,
     locate,
+    remote_safetensors,
     requests,
     resume,
     safetensors_source,
@@ -31,9 +36,12 @@ def restore(path: str | os.PathLike, options: restore_options.RestoreOptions):
     Args:
       path: the checkpoint directory (holding ucp.json) or an Orbax step directory with one UCP
         item; or Hugging Face safetensors (a ``.safetensors`` file, or a folder of them with
-        ``model.safetensors.index.json``), read in place as its conversion would hold it
-        (``params/<HF name>``): each process reads only its slices' byte ranges, a ``spec``
-        (``"hf_llama"``) applied as lazy views; no copy on disk.
+        ``model.safetensors.index.json``, also in an object store), read in place as its
+        conversion would hold it (``params/<HF name>``): each process reads only its slices'
+        byte ranges, a ``spec`` (``"hf_llama"``) applied as lazy views; no copy on disk. Or any
+        source ``convert`` reads (torch DCP, torch.save files, a Trainer folder, DeepSpeed,
+        Megatron, verl, Orbax, ...): opened through its import (``importing=``, ``format=``)
+        and read in place; the tree is the one convert + restore gives, nothing is written.
       options: built from the keywords, each documented in ``RestoreOptions``.
     """
     if options.step is not None:  # a CheckpointManager root: one of its committed steps
@@ -43,7 +51,7 @@ def restore(path: str | os.PathLike, options: restore_options.RestoreOptions):
 
 def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
     """Restores the checkpoint at ``path`` (see ``jax_ucp.restore``), whole or not at all: its
-    source opened (a UCP checkpoint, else safetensors read in place), the requests ``options``
+    source opened (a UCP checkpoint, else safetensors or an import read in place), the requests ``options``
     make of it, read by the engine.
 
     A concurrent forced save swaps directories: the restore starts over on the new one
@@ -55,8 +63,9 @@ def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
         safetensors (a file, or a folder of them).
       options: what to restore and how (checked when constructed).
     """
-    if not locate.is_ucp(path) and safetensors_source.is_source(path):  # UCP detected first
-        with safetensors_source.opened_source(path, options.spec) as opened:
+    elsewhere = opened_elsewhere(path, options)
+    if elsewhere is not None:  # read in place: no UCP checkpoint there
+        with elsewhere as opened:
             return restore_from(opened, options)
     result: Any = None
     for attempt in locate.consistent_reads(path):
@@ -64,6 +73,33 @@ def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
             opened = ucp_source.open_checkpoint(attempt.find(), options.spec)
             result = restore_from(opened, options)
     return result
+
+
+def opened_elsewhere(
+    path, options: restore_options.RestoreOptions
+) -> contextlib.AbstractContextManager[OpenedSource] | None:
+    """The "open" stage for a source that is no UCP checkpoint (None for one: UCP is detected
+    first): Hugging Face safetensors read in place, or any other source ``convert`` reads,
+    opened through its import plan (``import_open``) with ``options.importing``."""
+    explicit = options.importing is not None or options.format is not None
+    if store.is_url(path) and not explicit and remote_safetensors.is_source(path):
+        return remote_safetensors.opened_source(path, options.spec)
+    if locate.is_ucp(path) and not explicit:
+        return None
+    checkpoint_format = import_open.import_format(path, options.importing, options.format)
+    if checkpoint_format is not None:
+        return _imported(path, checkpoint_format, options)
+    if not locate.is_ucp(path) and safetensors_source.is_source(path):
+        return safetensors_source.opened_source(path, options.spec)
+    return None
+
+
+@contextlib.contextmanager
+def _imported(path, checkpoint_format: str, options) -> Iterator[OpenedSource]:
+    with import_open.opened_import(
+        path, checkpoint_format, options.importing, options.spec, options.read_budget
+    ) as imported:
+        yield imported.opened
 
 
 def restore_from(opened: OpenedSource, options: restore_options.RestoreOptions):

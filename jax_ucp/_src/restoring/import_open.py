@@ -1,0 +1,159 @@
+"""The "open" stage of a restore straight from a source ``convert`` reads: which sources are
+read through their import (``import_format``), the import planned (``registry.plan_import``:
+the one edge restoring -> importers, docs/INTERNAL_CONTRACTS.md) and its items read in place by
+an ``import_source.ImportSource`` (``opened_import``), and the manifest convert would write for
+``jax_ucp.inspect`` (``manifest_of``). Iterating the items reads no tensor bytes (but what
+``ImportSource`` builds to learn a shape) and runs the import's accounting (every source tensor
+imported or listed in ``source["skipped"]``) as convert does before it commits. JAX-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from jax_ucp._src import format as fmt
+from jax_ucp._src import writer
+from jax_ucp._src.errors import RequestError, SourceError
+from jax_ucp._src.restoring import locate, steps
+from jax_ucp._src.restoring.engine import OpenedSource
+from jax_ucp._src.restoring.import_source import ImportSource
+
+
+def import_format(
+    path, importing=None, format: str | None = None, *, weights_in_place: bool = True
+) -> str | None:
+    """The format ``convert`` would import ``path`` as, when a restore reads it through an
+    import; None when it is a UCP checkpoint (or what ``locate`` explains: a missing path, a
+    CheckpointManager root, a folder no importer claims) or plain safetensors (read in place by
+    ``safetensors_source``, unless import options are given).
+
+    Args:
+      path: what was passed to restore / plan.
+      importing: the import options given (``RestoreOptions.importing``), or None.
+      format: the format given (``RestoreOptions.format``), or None.
+      weights_in_place: plain safetensors are read in place (None); False: imported too.
+    """
+    path = os.fspath(path)
+    explicit = importing is not None or format is not None
+    if locate.is_ucp(path):
+        if explicit and os.path.exists(path):
+            raise RequestError(
+                f"{path}: a jax_ucp checkpoint; importing= and format= apply to the sources "
+                f"convert reads (torch, DeepSpeed, Megatron, ...), not to a UCP checkpoint."
+            )
+        return None
+    if os.path.isdir(path) and steps.with_ucp_items(path):
+        return None  # a CheckpointManager root: locate says which step to pass
+    from jax_ucp._src.importers import registry  # the edge restoring -> importers
+
+    try:
+        found = format or registry.detect_format(path)
+    except SourceError:
+        if explicit:
+            raise
+        return None  # no importer claims it: the UCP reader's "not a jax_ucp checkpoint"
+    from jax_ucp._src.importers.torch.files import has_torch_optimizer
+
+    if (
+        found == "safetensors"
+        and weights_in_place
+        and not explicit
+        and not has_torch_optimizer(path)
+    ):
+        return None  # weights alone: safetensors_source reads them (a spec as restore's)
+    return found
+
+
+@dataclasses.dataclass
+class Import:
+    """A source opened through its import: ``opened`` for the read engine (``restore_from``),
+    ``source`` the record convert would write in the manifest (format, path, ``skipped``, the
+    optimizer's ``param_groups``, a Trainer's arguments and schedule, notes), ``saved`` each
+    tensor's (shape, dtype) as the converted checkpoint would hold it."""
+
+    opened: OpenedSource
+    source: dict
+    saved: dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]
+    format: str
+
+    def with_spec(self, spec) -> OpenedSource:
+        """The same tensors seen through another restore-time ``spec`` (no new import)."""
+        found = self.opened.source
+        assert isinstance(found, ImportSource)
+        return OpenedSource(found, found.available(spec), found.values)
+
+
+@contextlib.contextmanager
+def opened_import(
+    path, checkpoint_format: str, importing=None, spec=None, memory_budget: int | None = None
+) -> Iterator[Import]:
+    """``path`` opened through ``registry.plan_import`` for one restore, its tensors read in
+    place; what the plan holds open is dropped after.
+
+    Args:
+      path: the source (a folder, or a file).
+      checkpoint_format: its format (``import_format``).
+      importing: the import options (an ``ImportOptions`` or a format's subclass; None: the
+        format's defaults).
+      spec: a restore-time spec whose views of the imported tensors are restored.
+      memory_budget: bytes the importer may hold at once (``writer.memory_budget``).
+    """
+    from jax_ucp._src.importers import registry  # the edge restoring -> importers
+
+    path = os.fspath(path)
+    with writer.memory_budget_scope(memory_budget):
+        plan = registry.plan_import(path, importing, format=checkpoint_format)
+        where = f"the {checkpoint_format} checkpoint {path}"
+        source = ImportSource(path, where, plan.items)
+        record = json.loads(json.dumps(plan.source, default=str))  # as the manifest holds it
+        try:
+            yield Import(
+                OpenedSource(source, source.available(spec), source.values),
+                record,
+                {k: (t.shape, t.dtype) for k, t in source.tensors.items()},
+                checkpoint_format,
+            )
+        finally:
+            source.close()
+
+
+def manifest_of(path, checkpoint_format: str, importing=None) -> fmt.Manifest:
+    """The manifest ``convert`` would write for ``path`` (``jax_ucp.inspect`` of a source read
+    in place): every entry as the writer records it, the import's record as its source; no
+    shard digests (nothing is written), no tensor read (except what ``ImportSource`` builds to
+    learn a shape).
+
+    Args:
+      path: the source.
+      checkpoint_format: its format (``import_format``).
+      importing: the import options (None: the format's defaults).
+    """
+    from jax_ucp._src.writer import layout as layout_lib
+
+    options = layout_lib.SaveOptions()
+    entries: list[fmt.Entry] = []
+    with opened_import(path, checkpoint_format, importing) as imported:
+        found = imported.opened.source
+        assert isinstance(found, ImportSource)
+        for key, t in found.tensors.items():
+            item = t.item
+            recorded = {
+                f.name: getattr(item, f.name)
+                for f in dataclasses.fields(item)
+                if f.name not in ("key", "value", "key_types")
+            }
+            key_types = tuple(item.key_types or ("key",) * len(key))
+            shape_only = np.broadcast_to(np.zeros((), t.dtype), t.shape)
+            prepared = layout_lib.prepare_host_tensor(
+                key, key_types, shape_only, options, primary=False, **recorded
+            )
+            entries.append(prepared.entry)
+        entries.extend(found.values)
+        record = imported.source
+    return fmt.new_manifest(entries, source=record)

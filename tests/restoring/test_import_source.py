@@ -1,0 +1,327 @@
+"""Restore straight from every real fixture the importers are tested on (``restoring.
+import_open`` and ``import_source``): the tree equals convert + restore of the same source with the same options,
+value for value, on the host and on a mesh; the import's records come back as convert writes
+them; nothing is written. Torch-free: the project's own readers."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+
+import jax_ucp
+from jax_ucp._src.format import to_numpy_dtype
+from jax_ucp._src.importers.megatron import legacy as megatron_legacy
+from jax_ucp._src.importers.plan import ImportOptions
+from jax_ucp._src.restoring import import_open
+from jax_ucp.language import load_spec
+from jax_ucp.models import LMConfig
+from tests.ucp_testing import REPO
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+
+
+def _fixtures():
+    """The sources of tests/importers/test_accounting.py's fixtures (the committed ones)."""
+    out = sorted(glob.glob(os.path.join(FIXTURES, "deepspeed", "*", "ckpt")))
+    out += sorted(glob.glob(os.path.join(FIXTURES, "hf_trainer", "*", "checkpoint-*")))
+    out += sorted(
+        os.path.dirname(p)
+        for pattern in (".metadata", megatron_legacy.TRACKER_FILE)
+        for p in glob.glob(os.path.join(FIXTURES, "megatron", "**", pattern), recursive=True)
+    )
+    out += sorted(
+        os.path.dirname(p)
+        for p in glob.glob(os.path.join(FIXTURES, "megatron_bridge", "*", "latest_*.pt"))
+    )
+    out += [
+        p
+        for p in sorted(glob.glob(os.path.join(FIXTURES, "torch", "*")))
+        if not p.endswith((".npz", ".json"))
+    ]
+    out += sorted(glob.glob(os.path.join(FIXTURES, "accelerate", "*[!z]")))
+    out += sorted(
+        p for p in glob.glob(os.path.join(FIXTURES, "verl", "*")) if not p.endswith(".npz")
+    )
+    out += [os.path.join(FIXTURES, "olmo_core", "olmo_fp32")]
+    # the default run takes every 4th fixture of each format folder (the first included); the
+    # slow stage of CI (-m "torch or slow") takes them all
+    seen: dict[str, int] = {}
+    params = []
+    for p in out:
+        if not (os.path.isdir(p) or os.path.isfile(p)):
+            continue
+        rel = os.path.relpath(p, FIXTURES)
+        n = seen[rel.split(os.sep)[0]] = seen.get(rel.split(os.sep)[0], -1) + 1
+        params.append(pytest.param(p, id=rel, marks=() if n % 4 == 0 else pytest.mark.slow))
+    return params
+
+
+def _equal(a, b, path="") -> None:
+    """The same tree: containers, keys, leaf types, dtypes, shapes, values (NaN equal NaN)."""
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            _equal(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _equal(x, y, f"{path}/{i}")
+    elif isinstance(a, (np.ndarray, jax.Array)):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
+        if isinstance(a, jax.Array):
+            assert a.sharding == b.sharding, path
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=path)
+    else:
+        assert a == b, path
+
+
+def _both(src, tmp_path, **options):
+    """(convert + restore, the direct restore) of ``src``, or the error both give."""
+    importing = options.pop("importing", None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), importing=importing)
+    except jax_ucp.UCPError as e:  # refused by the import: the direct restore refuses alike
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(type(e)) as direct:
+                jax_ucp.restore(src, importing=importing or ImportOptions(), **options)
+        assert str(direct.value) == str(e)
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted = jax_ucp.restore(ckpt, **options)
+        direct = jax_ucp.restore(src, importing=importing or ImportOptions(), **options)
+    return converted, direct, ckpt
+
+
+def _files(root) -> dict[str, float]:
+    return {
+        os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime
+        for d, _, fs in os.walk(root)
+        for f in fs
+    }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("src", _fixtures())
+def test_a_direct_restore_equals_convert_then_restore(tmp_path, src):
+    before = _files(src)
+    got = _both(src, tmp_path)
+    assert _files(src) == before  # nothing written beside the source
+    if got is None:
+        return
+    converted, direct, ckpt = got
+    _equal(converted, direct)
+    assert list(tmp_path.iterdir()) == [tmp_path / "ucp"]  # no scratch copy anywhere else
+    # the records as convert writes them in the manifest
+    manifest = jax_ucp.inspect(ckpt)
+    found = import_open.import_format(src, ImportOptions())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with import_open.opened_import(src, found) as opened:
+            assert opened.source == manifest.source
+            assert opened.saved == {
+                e.key: (e.shape, to_numpy_dtype(e.dtype)) for e in manifest.tensors
+            }
+
+
+ON_A_MESH = [
+    "torch/fsdp2_bf16",  # DCP: Deferred row reads
+    "torch/hf_llama_fsdp2",
+    "deepspeed/z3_bf16_dp2/ckpt",  # ZeRO-3: flat partitions, built whole
+    "deepspeed/z2_fp32_dp3/ckpt",  # mapped views of rank files, read with pread
+    "megatron/legacy_gpt_tp2pp2_synthetic",  # merges whose shape is known once built
+    "megatron/mcore_versions/0.19.2/gpt_tp2",  # torch_dist
+    "torch/plain_state_dict.pt",
+]
+
+
+def _sharded_like(tree, mesh):
+    """A target of ``tree``'s arrays on ``mesh``: rows on "a" and columns on "b" where they
+    divide (a column cut reads its rows once, cut per device), else replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    def one(x):
+        if not isinstance(x, np.ndarray) or not x.ndim:
+            return x
+        spec = [None] * x.ndim
+        if x.shape[0] % mesh.shape["a"] == 0:
+            spec[0] = "a"
+        if x.ndim > 1 and x.shape[-1] % mesh.shape["b"] == 0:
+            spec[-1] = "b"
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(*spec)))
+
+    return jax.tree.map(one, tree)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rel", ON_A_MESH)
+def test_a_direct_restore_onto_a_mesh_equals_convert_then_restore(tmp_path, rel):
+    src = os.path.join(FIXTURES, rel)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"))
+        target = _sharded_like(jax_ucp.restore(ckpt), mesh)
+    converted, direct, _ = _both(src, tmp_path / "again", target=target)
+    _equal(converted, direct)
+    assert any(  # some tensor cut on both axes
+        isinstance(x, jax.Array)
+        and len(x.addressable_shards[0].data.shape) > 1
+        and x.addressable_shards[0].data.shape[-1] < x.shape[-1]
+        for x in jax.tree.leaves(direct)
+    )
+    assert _both(src, tmp_path / "bf16", dtype=jnp.bfloat16, casting="unsafe") is not None
+    converted, direct, _ = _both(src, tmp_path / "sel", select=r"params/.*")
+    _equal(converted, direct)
+
+
+def test_plan_of_a_source_is_the_plan_of_its_conversion(tmp_path):
+    src = os.path.join(FIXTURES, "torch", "hf_llama_fsdp2")
+    mesh = jax_ucp.abstract_mesh([("data", 2), ("model", 4)])
+    rules = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("vocab", "model")]
+    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"))
+    with open(os.path.join(FIXTURES, "torch", "hf_llama_fsdp2.config.json")) as f:
+        spec = load_spec("hf_llama", **LMConfig.from_hf_llama(json.load(f)).head_settings)
+
+    def rows(p):
+        return [
+            (t.name, t.shape, t.dtype, t.partition_spec, t.bytes_per_device, dict(t.read_bytes))
+            for t in p.tensors
+        ]
+
+    converted = jax_ucp.plan(ckpt, mesh=mesh, rules=rules, spec=spec, processes=2)
+    direct = jax_ucp.plan(src, mesh=mesh, rules=rules, spec=spec, processes=2)
+    assert rows(direct) == rows(converted) and len(rows(direct)) > 10
+    assert (direct.values, dict(direct.device_bytes)) == (
+        converted.values,
+        dict(converted.device_bytes),
+    )
+
+
+def test_ucp_restore_reads_a_torch_source_through_orbax_args(tmp_path):
+    src = os.path.join(FIXTURES, "torch", "fsdp2_fp32")
+    handler = jax_ucp.UCPCheckpointHandler()
+    got = handler.restore(src, args=jax_ucp.UCPRestore(importing=ImportOptions(weights_only=True)))
+    want = jax_ucp.restore(jax_ucp.convert(src, str(tmp_path / "ucp"), weights_only=True))
+    _equal(want, got)
+    assert set(got) == {"params"}
+
+
+def test_import_options_given_for_a_ucp_checkpoint_are_refused(tmp_path):
+    ckpt = jax_ucp.save(tmp_path / "ucp", {"w": np.ones(3, np.float32)})
+    with pytest.raises(jax_ucp.RequestError, match=r"importing= and format= apply to the sources"):
+        jax_ucp.restore(ckpt, importing=ImportOptions(weights_only=True))
+    with pytest.raises(jax_ucp.RequestError, match=r"format"):
+        jax_ucp.RestoreOptions(format=3)
+
+
+def test_a_folder_no_importer_claims_is_still_no_jax_ucp_checkpoint(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "notes.txt").write_text("hi")
+    with pytest.raises(jax_ucp.CheckpointError, match="not a jax_ucp checkpoint"):
+        jax_ucp.restore(tmp_path / "x")
+    with pytest.raises(jax_ucp.SourceError, match="cannot tell the checkpoint format"):
+        jax_ucp.restore(tmp_path / "x", importing=ImportOptions())
+
+
+def test_a_flipped_byte_in_a_torch_file_is_an_error_naming_it(tmp_path):
+    """torch.save's zip records each storage's CRC-32: a byte changed in a tensor's bytes is
+    an error naming the file, never a silently different value."""
+    src = tmp_path / "model.pt"
+    data = bytearray(open(os.path.join(FIXTURES, "torch", "plain_state_dict.pt"), "rb").read())
+    good = jax_ucp.restore(os.path.join(FIXTURES, "torch", "plain_state_dict.pt"))
+    leaf = next(iter(good["params"].values()))
+    needle = np.ascontiguousarray(leaf).tobytes()[:16]
+    at = bytes(data).find(needle)
+    assert at > 0
+    data[at + 3] ^= 0x10
+    src.write_bytes(bytes(data))
+    with pytest.raises(jax_ucp.UCPError, match=r"model\.pt.*CRC|CRC.*model\.pt"):
+        jax_ucp.restore(src)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "hf_trainer/trainer_fp32/checkpoint-3",
+        "hf_trainer/trainer_lora/checkpoint-3",
+        "deepspeed/z0_fp32_dp2/ckpt",
+        "torch/accelerate_save_state",
+        "megatron/gpt_distopt_dp2",
+    ],
+)
+def test_weights_only_reads_as_convert_weights_only(tmp_path, rel):
+    """Sources refused whole without transformers (the Trainer's parameter order), peft or a
+    ZeRO-0 optimizer: their weights alone, as ``convert(weights_only=True)``."""
+    src = os.path.join(FIXTURES, rel)
+    got = _both(src, tmp_path, importing=ImportOptions(weights_only=True))
+    assert got is not None
+    converted, direct, ckpt = got
+    _equal(converted, direct)
+    assert "opt_state" not in direct
+    with import_open.opened_import(
+        src, import_open.import_format(src, ImportOptions()), ImportOptions(weights_only=True)
+    ) as opened:
+        assert opened.source == jax_ucp.inspect(ckpt).source  # the skipped moments listed
+
+
+@pytest.mark.parametrize(
+    "rel",
+    ["torch/fsdp2_bf16", "deepspeed/z3_bf16_dp2/ckpt", "megatron/legacy_gpt_tp2pp2_synthetic"],
+)
+def test_inspect_of_a_source_is_the_manifest_convert_writes(tmp_path, rel):
+    src = os.path.join(FIXTURES, rel)
+    direct = jax_ucp.inspect(src)
+    converted = jax_ucp.inspect(jax_ucp.convert(src, str(tmp_path / "ucp")))
+    assert direct.source == converted.source
+    assert len(direct.tensors) == len(converted.tensors) > 5
+    for a, b in zip(direct.tensors, converted.tensors):
+        assert dataclasses.replace(a, shard_digests=None) == dataclasses.replace(
+            b, shard_digests=None
+        )
+    assert direct.values == converted.values
+    assert list(tmp_path.iterdir()) == [tmp_path / "ucp"]
+
+
+@pytest.mark.parametrize("cut", [8, 4096])
+def test_a_truncated_rank_file_is_an_error_naming_it(tmp_path, cut):
+    """A DCP rank file cut short (a copy that did not finish): an error naming the file, at
+    open or as the bytes are read, never a short or zero-filled tensor."""
+    import shutil
+
+    src = tmp_path / "dcp"
+    shutil.copytree(os.path.join(FIXTURES, "torch", "fsdp2_fp32"), src)
+    rank = src / "__1_0.distcp"
+    rank.write_bytes(rank.read_bytes()[:-cut])
+    with pytest.raises(jax_ucp.UCPError, match=r"__1_0\.distcp"):
+        jax_ucp.restore(src, importing=ImportOptions())
+
+
+def test_a_spec_restore_of_a_torch_source_onto_a_mesh_equals_convert_then_restore(tmp_path):
+    """``hf_llama``'s transforms (q/k/v merged, kernels transposed) as lazy views over the
+    import's tensors (torch DCP rows), placed by logical-axis rules."""
+    src = os.path.join(FIXTURES, "torch", "hf_llama_fsdp2")
+    with open(os.path.join(FIXTURES, "torch", "hf_llama_fsdp2.config.json")) as f:
+        spec = load_spec("hf_llama", **LMConfig.from_hf_llama(json.load(f)).head_settings)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    rules = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("vocab", "model")]
+    converted, direct, _ = _both(src, tmp_path, spec=spec, mesh=mesh, rules=rules)
+    _equal(converted, direct)
+    assert (
+        sum(isinstance(x, jax.Array) and not x.is_fully_replicated for x in jax.tree.leaves(direct))
+        > 5
+    )

@@ -1,0 +1,97 @@
+"""Hugging Face safetensors in an object store restored straight onto a mesh (``s3://`` on the
+local moto server tests/store/test_object_store.py starts): the tree equals the local files'
+restore and convert + restore, each region fetched as byte ranges; a truncated object is an
+error naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import save_file
+
+import jax_ucp
+from jax_ucp._src import store
+from jax_ucp._src.store import location
+from tests.store.test_object_store import s3_server  # noqa: F401  (the module's moto server)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):  # noqa: F811
+    env, url = s3_server
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return url
+
+
+def _folder(tmp_path):
+    rng = np.random.default_rng(0)
+    a = {
+        "w": rng.standard_normal((16, 24)).astype(np.float32),
+        "b": rng.standard_normal(24).astype(np.float16),
+        "s": np.asarray(3.5, np.float32),
+    }
+    b = {"layers.0.proj": rng.standard_normal((8, 12)).astype(np.float32)}
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file(a, str(folder / "model-00001-of-00002.safetensors"))
+    save_file(b, str(folder / "model-00002-of-00002.safetensors"))
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in a}
+    weight_map |= {n: "model-00002-of-00002.safetensors" for n in b}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+def _upload(folder, url: str) -> str:
+    prefix = f"{url}/hf-{os.getpid()}-{np.random.default_rng().integers(1 << 30)}"
+    for name in os.listdir(folder):
+        location.write(prefix, name, (folder / name).read_bytes())
+    return prefix
+
+
+def _target(tree, mesh):
+    def one(x):
+        spec = [None] * x.ndim
+        if x.ndim and x.shape[0] % 2 == 0:
+            spec[0] = "a"
+        if x.ndim > 1 and x.shape[-1] % 4 == 0:
+            spec[-1] = "b"
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(*spec)))
+
+    return jax.tree.map(one, tree)
+
+
+def test_safetensors_in_an_object_store_restore_onto_a_mesh(s3, tmp_path):
+    folder = _folder(tmp_path)
+    url = _upload(folder, s3)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    local = jax_ucp.restore(folder)
+    target = _target(local, mesh)
+    before = store.bytes_read()
+    remote = jax_ucp.restore(url, target=target)
+    assert store.bytes_read() - before >= sum(x.nbytes for x in jax.tree.leaves(local))
+    converted = jax_ucp.restore(jax_ucp.convert(folder, tmp_path / "ucp"), target=target)
+    for a, b, c in zip(*(jax.tree.leaves(t) for t in (remote, converted, local))):
+        assert a.sharding == b.sharding and a.dtype == b.dtype == c.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a), c)
+    host = jax_ucp.restore(url)  # no target: every tensor to host, nested by key
+    assert set(host["params"]) == set(local["params"])
+    one = jax_ucp.restore(f"{url}/model-00002-of-00002.safetensors")
+    np.testing.assert_array_equal(one["params"]["layers.0.proj"], local["params"]["layers.0.proj"])
+
+
+def test_a_truncated_object_is_an_error_naming_it(s3, tmp_path):
+    folder = _folder(tmp_path)
+    url = _upload(folder, s3)
+    name = "model-00002-of-00002.safetensors"
+    location.write(url, name, (folder / name).read_bytes()[:-8])
+    with pytest.raises(jax_ucp.UCPError, match=name):
+        jax_ucp.restore(url)

@@ -1,0 +1,73 @@
+"""``optax_from_torch`` straight from the Trainer's ``checkpoint-3/`` (no convert, nothing
+written): on a mesh by rules, a jitted step gives torch's recorded losses of steps 4 and 5, and
+the run (params, Adam's moments, step, schedule, notes) equals the one read from convert's copy."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+
+import jax_ucp
+from jax_ucp.conversion import TorchOptions
+from jax_ucp.models import LMConfig
+from tests.test_optax_torch import _steps
+from tests.ucp_testing import REPO
+
+pytestmark = pytest.mark.timeout(600)
+FIX = os.path.join(REPO, "tests", "fixtures", "hf_trainer")
+
+
+def test_a_trainer_run_continues_on_a_mesh_straight_from_its_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # torch-free: the order given
+    src = os.path.join(FIX, "trainer_fp32", "checkpoint-3")
+    with np.load(os.path.join(FIX, "trainer_fp32.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+        tokens, want, lrs = z["next_tokens"], z["next_losses"], z["next_lrs"]
+    norms = [n for n in names if n.endswith("norm.weight")]
+    importing = TorchOptions(parameter_order=[n for n in names if n not in norms] + norms)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    rules = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("vocab", "model")]
+    before = sorted(os.listdir(src))
+    run = jax_ucp.optax_from_torch(
+        src,
+        spec="hf_llama",
+        options=jax_ucp.RestoreOptions(mesh=mesh, rules=rules, importing=importing),
+    )
+    assert sorted(os.listdir(src)) == before and list(tmp_path.iterdir()) == []
+    adam = next(s for s in run.opt_state if isinstance(s, optax.ScaleByAdamState))
+    for p, mu in zip(jax.tree.leaves(run.params), jax.tree.leaves(adam.mu)):
+        assert isinstance(p.sharding, NamedSharding) and mu.sharding == p.sharding
+    assert run.step == 3
+    assert [float(run.schedule(3 + i)) for i in range(len(lrs))] == pytest.approx(lrs, rel=1e-6)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = LMConfig.from_hf_llama(json.load(f))
+    losses, _ = _steps(run, cfg, tokens)
+    np.testing.assert_allclose(losses, want, rtol=0, atol=1e-5)
+
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp", importing=importing)
+    converted = jax_ucp.optax_from_torch(
+        ckpt, spec="hf_llama", options=jax_ucp.RestoreOptions(mesh=mesh, rules=rules)
+    )
+    assert (run.notes, run.unrecovered, run.optimizer) == (
+        converted.notes,
+        converted.unrecovered,
+        converted.optimizer,
+    )
+    for a, b in zip(jax.tree.leaves(run.opt_state), jax.tree.leaves(converted.opt_state)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(run.params), jax.tree.leaves(converted.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_source_without_its_optimizer_says_so(tmp_path):
+    src = os.path.join(REPO, "tests", "fixtures", "torch", "hf_bin")
+    with pytest.raises(jax_ucp.UCPError, match=r"no torch optimizer recorded"):
+        jax_ucp.optax_from_torch(src)
