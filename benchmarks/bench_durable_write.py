@@ -4,7 +4,7 @@
 Every strategy writes the same bytes as a 1 GB ``bench_scale.py --parts jax`` save does: 8 MiB
 shard files (zarr v3 shards of 4 MiB inner chunks with crc32c trailers, ``shard_writer.encode``),
 16 arrays of 8 files, from ``durable.write_pool()``'s threads; each is timed until everything is
-durable (``durable.make_tree_durable``: one syncfs + the directories), the write phase (until the
+durable (``local.make_tree_durable``: one syncfs + the directories), the write phase (until the
 writers return) on its own:
 
 * ``fadvise``: ``posix_fadvise(POSIX_FADV_DONTNEED)`` after each file (write-back started, pages
@@ -47,6 +47,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 from jax_ucp._src.store import shard_writer  # noqa: E402
+from jax_ucp._src.store.storage import local  # noqa: E402
 from jax_ucp._src.store.zarr3 import ArrayLayout  # noqa: E402
 from jax_ucp._src.writer import durable  # noqa: E402
 
@@ -103,7 +104,7 @@ def run_strategy(root: str, blocks: list[np.ndarray], nfiles: int, strategy: str
         f.result()
     t_write = time.perf_counter() - t0
     dirty = meminfo("Dirty", "Writeback")
-    durable.make_tree_durable(root)
+    local.make_tree_durable(root)
     total = time.perf_counter() - t0
     return {"write_s": t_write, "total_s": total, "dirty_mib": dirty / MiB}
 
@@ -202,7 +203,7 @@ def run_saves(a, strategies: list[str]) -> None:
 def clean(root: str) -> None:
     if os.path.isdir(root):
         shutil.rmtree(root)
-        durable.sync_filesystem(os.path.dirname(root))  # the deletions off the next round's disk
+        local.sync_filesystem(os.path.dirname(root))  # the deletions off the next round's disk
 
 
 def main() -> int:

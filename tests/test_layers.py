@@ -37,7 +37,8 @@ ALLOWED = {
     "orbax": {"format", "store", "writer", "multihost", "sharding", "tree", "restoring", "saving"},
     "api": {"format", "store", "tree", "restoring", "saving", "against", "logits"},
     "torchfiles": {"format", "writer"},  # torch's file formats, read and written without torch
-    "importers": {"format", "writer", "language", "torchfiles"},
+    # store: the local medium's names (Orbax's temporary step mark, store.storage.local)
+    "importers": {"format", "store", "writer", "language", "torchfiles"},
     "models": {"language"},
     "exporters": {"format", "store", "writer", "language", "tree", "restoring", "torchfiles"},
     "conversion": {"importers", "writer", "multihost", "orbax", "format", "store"},
@@ -476,9 +477,9 @@ def test_tests_reach_no_private_name_of_jax_ucp():
 # The storage media (``store/storage/``) are the only code that renames a checkpoint into place or
 # writes objects of a prefix itself (issue 49): a new backend is a new module there, and nothing
 # above it commits on its own.
-STORAGE = ("store/storage/", "store/location.py")  # location.py: the client's old names
+STORAGE = ("store/storage/",)
 RENAMES = {("os", "rename"), ("os", "replace"), ("os", "renames"), ("shutil", "move")}
-OBJECT_CLIENTS = {"object_store", "location"}  # the object-store client (and its forwards)
+OBJECT_CLIENTS = {"object_store"}  # the object-store client
 OBJECT_WRITES = {"write", "create", "delete", "delete_names"}
 KVSTORE_READERS = {
     "restoring/ucp_source.py",  # opens a prefix to read its shards' digests
@@ -530,11 +531,11 @@ def test_renames_and_object_writes_stay_in_the_storage_modules():
 def test_the_storage_rule_sees_a_rename_and_an_object_write():
     code = (
         "import os, pathlib\n"
-        "from jax_ucp._src.store import location\n"
+        "from jax_ucp._src.store.storage import object_store\n"
         "from jax_ucp._src.store.storage.object_store import create\n"
         "os.rename(a, b)\n"
         "pathlib.Path(a).rename(b)\n"
-        "location.write(url, 'ucp.json', data)\n"
+        "object_store.write(url, 'ucp.json', data)\n"
         "ts.KvStore.open(spec)\n"
         "s.replace('a', 'b')\n"  # str.replace: not a rename
     )
@@ -544,7 +545,7 @@ def test_the_storage_rule_sees_a_rename_and_an_object_write():
             "imports the object-store write create",
             "os.rename",
             "Path.rename",
-            "location.write",
+            "object_store.write",
             "opens a TensorStore KvStore",
         ]
     )

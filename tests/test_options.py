@@ -59,6 +59,26 @@ def test_the_signatures_are_the_dataclasses_fields():
     assert default == "same_kind" and issubclass(jax_ucp.UCPRestore, RestoreOptions)
 
 
+def test_save_takes_its_dataclass_fields(tmp_path):
+    """``save``'s arguments are ``SaveOptions``' fields (``SaveArgs``, ``UCPSave``'s, and
+    ``force``): ``compression_level`` too, checked and named as ``save(compression_level=)``."""
+    from jax_ucp._src.saving.engine import SaveArgs, SaveOptions
+
+    fields = [f.name for f in dataclasses.fields(SaveOptions)]
+    assert list(inspect.signature(jax_ucp.save).parameters) == ["path", *fields]
+    assert fields == [f.name for f in dataclasses.fields(SaveArgs)] + ["force"]
+    assert list(inspect.signature(jax_ucp.UCPSave).parameters) == fields[:-1]
+    tree = {"w": np.arange(8, dtype=np.float32)}
+    with pytest.raises(jax_ucp.RequestError, match=r"^save\(compression_level=\):.*99"):
+        jax_ucp.save(tmp_path / "c", tree, compression="zstd", compression_level=99)
+    assert not os.path.exists(tmp_path / "c")
+    path = jax_ucp.save(tmp_path / "c", tree, compression="zstd", compression_level=1)
+    np.testing.assert_array_equal(jax_ucp.restore(path)["w"], tree["w"])
+    with pytest.raises(FileExistsError, match="force=True"):
+        jax_ucp.save(path, tree)
+    assert jax_ucp.save(path, tree, force=True) == path
+
+
 def test_restore_takes_the_target_second_and_memory_budget_as_a_size(tmp_path, monkeypatch):
     path, tree = _ckpt(tmp_path)
     budgets = _budgets(monkeypatch)
@@ -179,7 +199,7 @@ SHARED = {
     "memory_budget": "restore's, export's, convert's and save's own; UCPStreamSave carries "
     "convert's into Orbax's thread",
     "progress": "export's and convert's own callbacks",
-    "force": "convert's and the exports' own (replace the destination)",
+    "force": "save's, convert's and the exports' own (replace the destination)",
     "spec": "what import, restore and export each apply (rules, views)",
     "step": "the step convert writes, the step restore reads",
     "dtype": "restore's and the tensor exports' own cast",

@@ -11,6 +11,7 @@ from jax_ucp._src import store
 from jax_ucp._src import tree as tree_lib
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
+from jax_ucp._src.options import keywords_of
 from jax_ucp._src.restoring import locate, model, resume, steps, ucp_source
 from jax_ucp._src.restoring.inspecting import inspect as inspect  # JAX-free: defined there
 
@@ -26,19 +27,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def save(
-    path: str | os.PathLike,
-    tree,
-    *,
-    force: bool = False,
-    logical_axes: Any = None,
-    compression: str | None = None,
-    inner_chunk_bytes: int | str | None = None,
-    checksum: str | None = "crc32c",
-    source: dict | None = None,
-    memory_budget: int | str | None = None,
-) -> str:
-    """Saves ``tree`` as a UCP checkpoint at ``path``; returns once it is committed.
+@keywords_of(engine.SaveOptions)
+def save(path: str | os.PathLike, options: engine.SaveOptions) -> str:
+    """Saves ``item`` (a pytree) as a UCP checkpoint at ``path``; returns once it is committed.
 
     Every process calls it; each writes only the replica-0 shards it holds, no gather, and
     the primary commits once (``saving.engine.save``): a failed or killed save leaves ``path``
@@ -46,21 +37,9 @@ def save(
 
     Args:
         path: the checkpoint directory, or an ``s3://`` / ``gs://`` prefix.
-        tree: the pytree to save. Leaves: ``jax.Array`` (any sharding), numpy arrays, Python
-            scalars / strings / None.
-        force: replace a jax_ucp checkpoint at ``path`` (kept whole until the new one is in
-            place; a committed object-store checkpoint is never replaced).
-        logical_axes: a pytree (same structure) of flax-style logical axis-name tuples,
-            recorded so a restore can map them with new ``rules=`` (flax boxes in ``tree`` are
-            recorded automatically).
-        compression: None (default) or "zstd".
-        inner_chunk_bytes: bound on inner chunks: bytes or e.g. "1MiB" (None: the store's
-            default).
-        checksum: "crc32c" (default: every inner chunk verified on read) or None.
-        source: provenance recorded in the manifest.
-        memory_budget: host bytes of shard data in flight: an int or a size such as "1GiB"
-            (None: unbounded); shards are copied to host, written and freed within it, as
-            ``UCPSave.memory_budget``.
+        options: built from the other arguments, ``SaveOptions``' fields: ``item`` (leaves:
+            ``jax.Array`` of any sharding, numpy arrays, Python scalars / strings / None),
+            the layout options of ``SaveArgs`` (``UCPSave``'s) and ``force``.
 
     Returns:
         The checkpoint path, once it is committed.
@@ -68,16 +47,7 @@ def save(
     from jax_ucp._src.saving import engine  # JAX: here, so verify starts without it
 
     path = store.storage_for(path).absolute()
-    args = engine.SaveArgs(
-        tree,
-        logical_axes=logical_axes,
-        compression=compression,
-        inner_chunk_bytes=inner_chunk_bytes,
-        checksum=checksum,
-        source=source,
-        memory_budget=memory_budget,
-    )
-    engine.save(path, args, force=force)
+    engine.save(path, options, force=options.force)
     return path
 
 

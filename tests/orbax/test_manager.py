@@ -57,7 +57,7 @@ def test_manager_steps_retention_and_composite(tmp_path):
     assert sorted(os.listdir(tmp_path / "run")) == ["2", "3"]
     # Orbax records the handler by the name it imports to read the step: the public one
     recorded = json.loads((tmp_path / "run" / "3" / "_CHECKPOINT_METADATA").read_text())
-    public = "jax_ucp.orbax.handler.UCPCheckpointHandler"  # move_to_src: keep
+    public = "jax_ucp.orbax.handler.UCPCheckpointHandler"
     assert recorded["item_handlers"]["state"] == public
 
 

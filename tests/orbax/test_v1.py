@@ -70,7 +70,7 @@ def test_v1_checkpointables_save_and_load_onto_another_mesh(tmp_path, registered
     assert sorted(os.listdir(path / "model")) == ["arrays", "ucp.json"]
     # the public name, importable (where the code sits inside jax_ucp._src may change)
     recorded = json.loads((path / "_CHECKPOINT_METADATA").read_text())["item_handlers"]
-    assert recorded["model"] == "jax_ucp.orbax.v1.UCPHandler"  # move_to_src: keep
+    assert recorded["model"] == "jax_ucp.orbax.v1.UCPHandler"
     abstract = _abstract(state)
     loaded = ocp.load_checkpointables(path, {"model": jax_ucp.UCPRestore(target=abstract)})
     _check(loaded["model"], state)

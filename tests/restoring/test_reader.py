@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 import jax_ucp
 from jax_ucp._src import store
 from jax_ucp._src.restoring import locate
-from jax_ucp._src.writer import commit
+from jax_ucp._src.store.storage import local
 from jax_ucp.errors import SaveConflictError
 from jax_ucp.exporters import SafetensorsExport
 from jax_ucp.language import Spec
@@ -529,14 +529,14 @@ def test_a_reader_between_the_two_renames_of_a_swap(tmp_path, monkeypatch):
     sources = [_source(str(tmp_path / f"src{i}"), b) for i, b in enumerate(_BASES[:2])]
     out = str(tmp_path / "out")
     jax_ucp.convert(sources[0], out)
-    jax_ucp.convert(sources[1], out + commit.REPLACING)
-    os.rename(out, out + commit.REPLACED)
+    jax_ucp.convert(sources[1], out + local.REPLACING)
+    os.rename(out, out + local.REPLACED)
     found = locate.find_checkpoint_dir
 
     def then_the_second_rename(path):
         root = found(path)
-        if os.path.isdir(out + commit.REPLACING):
-            os.rename(out + commit.REPLACING, out)
+        if os.path.isdir(out + local.REPLACING):
+            os.rename(out + local.REPLACING, out)
         return root
 
     monkeypatch.setattr(locate, "find_checkpoint_dir", then_the_second_rename)

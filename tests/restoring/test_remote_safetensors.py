@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 import jax_ucp
 from jax_ucp._src import store
-from jax_ucp._src.store import location
+from jax_ucp._src.store.storage import object_store
 from tests.store.test_object_store import s3_server  # noqa: F401  (the module's moto server)
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,7 +52,7 @@ def _folder(tmp_path):
 def _upload(folder, url: str) -> str:
     prefix = f"{url}/hf-{os.getpid()}-{np.random.default_rng().integers(1 << 30)}"
     for name in os.listdir(folder):
-        location.write(prefix, name, (folder / name).read_bytes())
+        object_store.write(prefix, name, (folder / name).read_bytes())
     return prefix
 
 
@@ -92,6 +92,6 @@ def test_a_truncated_object_is_an_error_naming_it(s3, tmp_path):
     folder = _folder(tmp_path)
     url = _upload(folder, s3)
     name = "model-00002-of-00002.safetensors"
-    location.write(url, name, (folder / name).read_bytes()[:-8])
+    object_store.write(url, name, (folder / name).read_bytes()[:-8])
     with pytest.raises(jax_ucp.UCPError, match=name):
         jax_ucp.restore(url)

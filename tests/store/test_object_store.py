@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 import jax_ucp
 from jax_ucp._src.saving import engine
-from jax_ucp._src.store import location
+from jax_ucp._src.store.storage import object_store
 from jax_ucp._src.writer import commit
 from jax_ucp.errors import RequestError
 from tests.ucp_testing import REPO, free_port, run_cli
@@ -158,7 +158,7 @@ def test_swapped_or_missing_shard_objects_are_errors(bucket):
     """Each shard object's digest is in ucp.json, as for files: two shard objects swapped
     (each chunk still passes its crc32c) or one deleted is an error naming the object, never
     the wrong values."""
-    from jax_ucp._src.store import location
+    from jax_ucp._src.store.storage import object_store
 
     _, root = bucket
     url = _new(root, "swap")
@@ -167,17 +167,17 @@ def test_swapped_or_missing_shard_objects_are_errors(bucket):
     (entry,) = jax_ucp.inspect(url).tensors
     assert sorted(entry.shard_digests) == [f"c/{i}/{j}" for i in range(2) for j in range(4)]
     a, b = f"{entry.dir}/c/0/0", f"{entry.dir}/c/1/3"
-    first, second = location.read(url, a, 1 << 20), location.read(url, b, 1 << 20)
+    first, second = object_store.read(url, a, 1 << 20), object_store.read(url, b, 1 << 20)
     assert first != second and len(first) == len(second)
-    location.write(url, a, second)
-    location.write(url, b, first)
+    object_store.write(url, a, second)
+    object_store.write(url, b, first)
     with pytest.raises(jax_ucp.UCPError, match=r"c/0/0.*shard file"):
         jax_ucp.restore(url)
     assert any("c/0/0 is not the shard file" in message for _, message in jax_ucp.verify(url))
-    location.write(url, a, first)
-    location.write(url, b, second)
+    object_store.write(url, a, first)
+    object_store.write(url, b, second)
     assert np.asarray(jax_ucp.restore(url)["w"]).tobytes() == w.tobytes()
-    location.delete(url, b)
+    object_store.delete(url, b)
     with pytest.raises(jax_ucp.UCPError, match=r"c/1/3 is missing"):
         jax_ucp.restore(url)
 
@@ -203,12 +203,12 @@ def test_a_save_that_did_not_commit_is_never_a_checkpoint(bucket):
     finally:
         engine.merge = real
         commit.remove_object_store_leftovers = real_cleanup
-    assert any(n.startswith("arrays/") for n in location.list_names(url))  # the data is there
+    assert any(n.startswith("arrays/") for n in object_store.list_names(url))  # the data is there
     for read in (jax_ucp.restore, jax_ucp.inspect, jax_ucp.verify):
         with pytest.raises(jax_ucp.UCPError, match="did not complete"):
             read(url)
     jax_ucp.save(url, {"w": np.arange(3, dtype=np.float32)})
-    assert not [n for n in location.list_names(url) if "old" in n]
+    assert not [n for n in object_store.list_names(url) if "old" in n]
     assert (
         np.asarray(jax_ucp.restore(url)["w"]).tobytes() == np.arange(3, dtype=np.float32).tobytes()
     )
@@ -231,7 +231,7 @@ def test_a_failed_save_removes_its_own_objects_and_its_lock(bucket):
             jax_ucp.save(url, {"w": np.zeros((4, 4), np.float32)})
     finally:
         engine.merge = real
-    assert location.list_names(url) == []
+    assert object_store.list_names(url) == []
     jax_ucp.save(url, {"w": np.ones(3, np.float32)})  # no lock left behind
     assert np.asarray(jax_ucp.restore(url)["w"]).tolist() == [1.0, 1.0, 1.0]
 
@@ -326,7 +326,7 @@ def test_two_processes_save_to_the_object_store(bucket):
         assert p.returncode == 0, out + err[-3000:]
     w = np.arange(128 * 96, dtype=np.float32).reshape(128, 96)
     assert np.asarray(jax_ucp.restore(url)["w"]).tobytes() == w.tobytes()
-    assert not [n for n in location.list_names(url) if n.startswith("ucp.digests")]
+    assert not [n for n in object_store.list_names(url) if n.startswith("ucp.digests")]
 
 
 def test_checkpoint_manager_on_an_object_store(bucket):
@@ -364,11 +364,11 @@ def test_checkpoint_manager_on_an_object_store(bucket):
     assert out.state["w"].sharding.mesh.shape == {"x": 4, "y": 2}
     assert np.asarray(out.state["w"]).tobytes() == (w + 2).tobytes()
     assert np.asarray(jax_ucp.restore(f"{url}/2")["w"]).tobytes() == (w + 2).tobytes()
-    assert not location.list_names(url, "0/")  # deleted by max_to_keep
+    assert not object_store.list_names(url, "0/")  # deleted by max_to_keep
     # A save killed before Orbax committed it: all its objects but commit_success.txt.
-    for name in location.list_names(url, "2/"):
+    for name in object_store.list_names(url, "2/"):
         if not name.endswith("commit_success.txt"):
-            location.write(url, "7/" + name[2:], location.read(url, name, 1 << 20))
+            object_store.write(url, "7/" + name[2:], object_store.read(url, name, 1 << 20))
     with ocp.CheckpointManager(url, options=options) as mngr:
         assert 7 not in mngr.all_steps() and mngr.latest_step() == 2
     if url.startswith("s3://"):  # Orbax's default there: a temporary prefix renamed at the end
@@ -399,7 +399,7 @@ def test_explicit_options_override_the_environment(s3_server, monkeypatch):
         jax_ucp.save(url, {"w": jax.device_put(w, NamedSharding(_mesh((2, 4)), P("x", "y")))})
         got = jax_ucp.restore(url, mesh=_mesh((4, 2)))["w"]
         assert np.asarray(got).tobytes() == w.tobytes()
-        assert location.kvstore_root(url)["endpoint"] == env["AWS_ENDPOINT_URL"]
+        assert object_store.kvstore_root(url)["endpoint"] == env["AWS_ENDPOINT_URL"]
     finally:
         jax_ucp.set_object_store_options("s3", endpoint=None, aws_region=None)
-    assert location.kvstore_root(url)["endpoint"] != env["AWS_ENDPOINT_URL"]
+    assert object_store.kvstore_root(url)["endpoint"] != env["AWS_ENDPOINT_URL"]

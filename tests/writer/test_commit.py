@@ -51,7 +51,7 @@ def test_a_failure_inside_keeps_the_previous_checkpoint_and_logs_the_removal(tmp
     ):
         assert tx.replacing and tx.staged
         assert os.path.basename(tx.path).startswith(
-            f"ck{commit.TMP_MARK}{socket.gethostname()}.{os.getpid()}."
+            f"ck{local.TMP_MARK}{socket.gethostname()}.{os.getpid()}."
         )
         with open(os.path.join(tx.path, "half-written"), "w") as f:
             f.write("x")
@@ -76,7 +76,7 @@ def test_a_failed_commit_is_discarded_and_an_explicit_commit_is_not_repeated(
         write_host_checkpoint(dest, _items(2.0), force=True)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     assert any(
-        m.startswith(f"removing {dest}{commit.TMP_MARK}")
+        m.startswith(f"removing {dest}{local.TMP_MARK}")
         and m.endswith("(temporary directory of a failed import)")
         for m in _messages(caplog)
     )
@@ -97,7 +97,7 @@ def test_an_interrupted_swap_is_completed_on_entry(tmp_path, caplog):
     sits at ``.ucp-replacing``; the next transaction puts it in place before it checks ``force``."""
     dest = str(tmp_path / "ck")
     write_host_checkpoint(dest, _items(2.0))
-    os.rename(dest, dest + commit.REPLACING)
+    os.rename(dest, dest + local.REPLACING)
     caplog.set_level(logging.INFO, logger="jax_ucp")
     with (
         pytest.raises(FileExistsError, match="pass force=True"),
@@ -105,7 +105,7 @@ def test_an_interrupted_swap_is_completed_on_entry(tmp_path, caplog):
     ):
         pass
     assert sorted(os.listdir(tmp_path)) == ["ck"]
-    assert f"completing an interrupted replacement: {dest}{commit.REPLACING} -> {dest}" in (
+    assert f"completing an interrupted replacement: {dest}{local.REPLACING} -> {dest}" in (
         _messages(caplog)
     )
     assert_bit_exact(jax_ucp.restore(dest)["params"]["w1"], np.full(4, 2.0, np.float32))
@@ -114,7 +114,7 @@ def test_an_interrupted_swap_is_completed_on_entry(tmp_path, caplog):
 def test_leftovers_of_a_swap_beside_a_whole_checkpoint_are_removed(tmp_path):
     dest = str(tmp_path / "ck")
     write_host_checkpoint(dest, _items(3.0))
-    write_host_checkpoint(dest + commit.REPLACED, _items(0.0))
+    write_host_checkpoint(dest + local.REPLACED, _items(0.0))
     write_host_checkpoint(dest, _items(4.0), force=True)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     assert_bit_exact(jax_ucp.restore(dest)["params"]["w2"], np.full(4, 4.0, np.float32))
@@ -124,7 +124,7 @@ def test_a_second_writer_of_the_path_is_refused_export_included(tmp_path):
     ck = str(tmp_path / "ck")
     jax_ucp.save(ck, {"params": {"w": np.ones(4, np.float32)}})
     out = str(tmp_path / "out")
-    with commit.save_lock(out):
+    with local.save_lock(out):
         with pytest.raises(RequestError, match=r"another save.*in progress"):
             jax_ucp.export(ck, out)
         with pytest.raises(RequestError, match=r"another save.*in progress"):
@@ -146,8 +146,8 @@ def test_a_manager_step_is_staged_under_the_same_temporary_name(tmp_path):
             yield HostItem(("params", f"w{i}"), np.full(3, value, np.float32))
 
     write_manager_step(root, items(1.0), step=7)
-    prefix = f"7{commit.TMP_MARK}{socket.gethostname()}.{os.getpid()}."
-    lock = f".7{commit.LOCK_SUFFIX}"  # held while the step is written
+    prefix = f"7{local.TMP_MARK}{socket.gethostname()}.{os.getpid()}."
+    lock = f".7{local.LOCK_SUFFIX}"  # held while the step is written
     assert len(seen[0]) == 2 and seen[0][0] == lock and seen[0][1].startswith(prefix)
     assert sorted(os.listdir(root)) == ["7"]
     seen.clear()

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp._src.exporters import OrbaxExport, SafetensorsExport, options_for
-from jax_ucp._src.store import location
+from jax_ucp._src.store.storage import object_store
 from jax_ucp._src.writer import commit
 from jax_ucp.cli import app
 from jax_ucp.errors import RequestError
@@ -267,15 +267,15 @@ def s3(s3_server, monkeypatch):  # noqa: F811
 
 
 def _objects(url) -> dict[str, bytes]:
-    return {n: location.read(url, n, 1 << 20) for n in location.list_names(url)}
+    return {n: object_store.read(url, n, 1 << 20) for n in object_store.list_names(url)}
 
 
 @pytest.mark.timeout(120)
 def test_object_store_save_refuses_a_prefix_of_other_objects(s3, tmp_path):
     datasets = f"{s3}/datasets-{os.getpid()}"
-    location.write(datasets, "README.md", b"# corpus\n")
-    location.write(datasets, "corpus/part-0000.bin", bytes(range(256)))
-    location.write(datasets, "arrays/not-a-zarr.txt", b"mine")  # under arrays/, not an array's
+    object_store.write(datasets, "README.md", b"# corpus\n")
+    object_store.write(datasets, "corpus/part-0000.bin", bytes(range(256)))
+    object_store.write(datasets, "arrays/not-a-zarr.txt", b"mine")  # under arrays/, not an array's
     before = _objects(datasets)
     found = r"\(README\.md, arrays/not-a-zarr\.txt, corpus/part-0000\.bin\)"
     with pytest.raises(commit.SaveConflictError, match=found):
@@ -304,20 +304,24 @@ def test_object_store_locks_left_by_killed_saves(s3):
         "ucp.digests.1.json": b"{}",
     }
     for name, data in leftovers.items():
-        location.write(url, name, data)
+        object_store.write(url, name, data)
     owner = {"host": "other-host", "pid": 4242, "time": 0, "token": "t"}
-    location.write(url, commit.LOCK_OBJECT, json.dumps(owner).encode())
+    object_store.write(url, object_store.LOCK_OBJECT, json.dumps(owner).encode())
     with pytest.raises(
         commit.SaveConflictError,
         match=r"another save.*\(host other-host, process 4242",
     ):
         jax_ucp.save(url, {"w": W})
-    assert _objects(url) == {**leftovers, commit.LOCK_OBJECT: json.dumps(owner).encode()}
+    assert _objects(url) == {**leftovers, object_store.LOCK_OBJECT: json.dumps(owner).encode()}
     # a lock of this host whose process is gone: taken over, the killed save's objects deleted
     owner = {"host": socket.gethostname(), "pid": dead.pid, "time": 0, "token": "t"}
-    location.write(url, commit.LOCK_OBJECT, json.dumps(owner).encode())
+    object_store.write(url, object_store.LOCK_OBJECT, json.dumps(owner).encode())
     jax_ucp.save(url, {"w": W})
-    assert sorted(location.list_names(url)) == ["arrays/w/c/0/0", "arrays/w/zarr.json", "ucp.json"]
+    assert sorted(object_store.list_names(url)) == [
+        "arrays/w/c/0/0",
+        "arrays/w/zarr.json",
+        "ucp.json",
+    ]
     assert np.array_equal(jax_ucp.restore(url)["w"], W)
 
 
@@ -371,7 +375,7 @@ def test_two_processes_saving_to_one_new_prefix(s3):
         want = np.full((64, 64), 100 * t + winners[0], np.float32)
         assert np.array_equal(jax_ucp.restore(url)["w"], want), t
         assert jax_ucp.verify(url) == []
-        assert commit.LOCK_OBJECT not in location.list_names(url)
+        assert object_store.LOCK_OBJECT not in object_store.list_names(url)
 
 
 def _train_state(tmp_path) -> str:

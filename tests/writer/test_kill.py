@@ -256,7 +256,8 @@ print("DONE", flush=True)
 
 def test_sigkill_during_import_keeps_old_checkpoint_and_next_import_cleans_up(tmp_path):
     """Imports commit without Orbax (temporary sibling + rename): same guarantees, same cleanup."""
-    from jax_ucp._src.writer import HostItem, commit, write_host_checkpoint
+    from jax_ucp._src.store.storage import local
+    from jax_ucp._src.writer import HostItem, write_host_checkpoint
 
     path = tmp_path / "ckpt"
     write_host_checkpoint(path, iter([HostItem(("old",), np.arange(10, dtype=np.int32))]))
@@ -268,7 +269,7 @@ def test_sigkill_during_import_keeps_old_checkpoint_and_next_import_cleans_up(tm
         text=True,
     )
     try:
-        partial = _wait_for_partial(tmp_path, "ckpt" + commit.TMP_MARK)
+        partial = _wait_for_partial(tmp_path, "ckpt" + local.TMP_MARK)
         p.send_signal(signal.SIGKILL)
         p.wait(30)
     finally:
@@ -278,7 +279,7 @@ def test_sigkill_during_import_keeps_old_checkpoint_and_next_import_cleans_up(tm
     # A live writer's temporary directory (another process on this host) must survive cleanup.
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        live = f"{path}{commit.TMP_MARK}{socket.gethostname()}.{sleeper.pid}.1"
+        live = f"{path}{local.TMP_MARK}{socket.gethostname()}.{sleeper.pid}.1"
         os.makedirs(live)
         write_host_checkpoint(path, iter([HostItem(("new",), np.ones(3, np.float32))]), force=True)
         assert sorted(os.listdir(tmp_path)) == [

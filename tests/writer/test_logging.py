@@ -8,7 +8,7 @@ import os
 import pytest
 
 import jax_ucp
-from jax_ucp._src.writer import commit
+from jax_ucp._src.store.storage import local
 from tests.ucp_testing import copy_deepspeed_fixture
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,15 +28,15 @@ def test_a_forced_import_logs_its_commit_and_the_replaced_checkpoint(tmp_path, c
     jax_ucp.convert(src, dst, force=True)
     logged = _messages(caplog)
     assert f"committed {dst}, replacing the checkpoint that was there" in logged
-    assert f"removing {dst}{commit.REPLACED}" in logged  # the old one, once the new is in place
+    assert f"removing {dst}{local.REPLACED}" in logged  # the old one, once the new is in place
 
 
 def test_removed_temporaries_are_logged(tmp_path, caplog):
     dst = str(tmp_path / "ckpt")
-    dead = f"{dst}{commit.TMP_MARK}{os.uname().nodename}.999999999.1"  # no such process
+    dead = f"{dst}{local.TMP_MARK}{os.uname().nodename}.999999999.1"  # no such process
     os.makedirs(dead)
     caplog.set_level(logging.INFO, logger="jax_ucp")
-    assert commit.remove_stale_temporaries(dst) == [os.path.basename(dead)]
+    assert local.remove_stale_temporaries(dst) == [os.path.basename(dead)]
     assert not os.path.exists(dead)
     assert any(
         m.startswith(f"removing {dead} (left by process 999999999") for m in _messages(caplog)
@@ -56,7 +56,7 @@ def test_a_failed_import_logs_the_removal_of_its_temporary(tmp_path, caplog, mon
     with pytest.raises(OSError, match="disk full"):
         checkpoint.write_host_checkpoint(dst, items)
     assert any(
-        m.startswith(f"removing {dst}{commit.TMP_MARK}")
+        m.startswith(f"removing {dst}{local.TMP_MARK}")
         and m.endswith("(temporary directory of a failed import)")
         for m in _messages(caplog)
     )

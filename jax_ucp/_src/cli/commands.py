@@ -23,6 +23,7 @@ import typer.core
 from jax_ucp._src import bulk
 from jax_ucp._src import format as fmt
 from jax_ucp._src.cli import layout, output, spawn
+from jax_ucp._src.cli.fields import FromField, taking
 from jax_ucp._src.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
 from jax_ucp._src.format import ValueEntry, display, files
 from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
@@ -454,8 +455,34 @@ def latest(
         output.say("(its manifest and shard files checked; its data is checked as it is restored)")
 
 
+_IMPORT = "importers.plan.ImportOptions"
+_CONVERT = "conversion.ConvertOptions"
+# The import options (the format's options class, built once the format is detected) and
+# convert's own, each a field of its dataclass.
+IMPORT_FIELDS = (
+    FromField(_IMPORT, "spec"),
+    FromField(_IMPORT, "weights_only", flags=("--weights-only",)),
+    FromField("importers.plan.TaggedOptions", "tag"),
+    FromField("importers.megatron.MegatronOptions", "vocab_size", prefix="megatron: "),
+    FromField(
+        "importers.torch.options.TorchOptions",
+        "parameter_order",
+        help="a file naming the parameters an index-keyed optimizer numbers, in torch's order "
+        "(one name a line, or a JSON list)",
+        prefix="torch: ",
+    ),
+    FromField("importers.torch.options.TorchOptions", "model_config", prefix="torch: "),
+)
+CONVERT_FIELDS = (
+    FromField(_CONVERT, "force"),
+    FromField(_CONVERT, "step"),
+    FromField(_CONVERT, "memory_budget", callback=_size_option),
+)
+
+
 @app.command()
 @_user_errors
+@taking(*IMPORT_FIELDS, *CONVERT_FIELDS)
 def convert(
     src: str,
     dst: str,
@@ -465,20 +492,6 @@ def convert(
         help="the source format: deepspeed, megatron, orbax, safetensors, torch or verl "
         "(default: detected from the files)",
     ),
-    spec: str | None = typer.Option(None, help="UCP-language spec file (import rules, settings)"),
-    vocab_size: int | None = typer.Option(
-        None, help="megatron: the original vocab size (strips the padding)"
-    ),
-    tag: str | None = typer.Option(
-        None,
-        help="deepspeed: the tag folder; orbax: the step of a CheckpointManager dir (default: "
-        "the latest)",
-    ),
-    force: bool = typer.Option(False, help="replace DST"),
-    step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
-    weights_only: bool = typer.Option(
-        False, "--weights-only", help="import the weights alone, skip the optimizer state"
-    ),
     processes: int | None = typer.Option(
         None, min=1, help="convert with N local processes (each reads 1/N of it)"
     ),
@@ -487,18 +500,7 @@ def convert(
     ),
     num_processes: int | None = typer.Option(None, help="processes in it"),
     process_id: int | None = typer.Option(None, help="this process's index"),
-    memory_budget: MemoryBudget = None,
-    parameter_order: str | None = typer.Option(
-        None,
-        help="torch: a file naming the parameters an index-keyed optimizer numbers, in torch's "
-        "order (one name a line, or a JSON list)",
-    ),
-    model_config: str | None = typer.Option(
-        None,
-        help="torch: the model's Hugging Face config.json, to rebuild an index-keyed "
-        "optimizer's parameter order (an Accelerate save_state folder, a Trainer checkpoint "
-        "without its config.json)",
-    ),
+    **options,
 ):
     """Import another framework's checkpoint as a UCP checkpoint: DeepSpeed (ZeRO 1/2/3,
     TP/PP, universal), Megatron (torch_dist, legacy, Bridge), Orbax, Hugging Face safetensors,
@@ -507,16 +509,11 @@ def convert(
     from jax_ucp._src.importers import registry
 
     spawn.check_parallel(processes, coordinator, num_processes, process_id)
-    order = _read_parameter_order(parameter_order) if parameter_order is not None else None
+    if options["parameter_order"] is not None:
+        options["parameter_order"] = _read_parameter_order(options["parameter_order"])
     importer = registry.importer_for(src, from_)  # detected first, then its format's options
     importing = registry.importer_options(
-        importer,
-        spec=spec,
-        weights_only=weights_only,
-        tag=tag,
-        vocab_size=vocab_size,
-        parameter_order=order,
-        model_config=model_config,
+        importer, **{f.name: options[f.name] for f in IMPORT_FIELDS}
     )
     if processes and processes > 1:
         spawn.spawn_local(processes, dst)
@@ -530,10 +527,8 @@ def convert(
         dst,
         format=importer.name,
         importing=importing,
-        memory_budget=memory_budget,
-        force=force,
-        step=step,
         distributed=bool(coordinator),
+        **{f.name: options[f.name] for f in CONVERT_FIELDS},
     )
     output.say(f"✓ wrote {out}", style="green")
     if not coordinator or process_id == 0:
@@ -685,9 +680,20 @@ def _per_process(reads) -> str:
     return f"{layout.human(low)} to {layout.human(high)} (process {most} reads the most; {len(reads)} processes)"
 
 
+_RESTORE = "restoring.options.RestoreOptions"
+# the restore to plan: RestoreOptions' fields (PlanOptions' processes) that a command line
+# gives as they are (--mesh and --rules are parsed: the command's own)
+PLAN_FIELDS = (
+    FromField("restoring.plan.PlanOptions", "processes", min=1),
+    FromField(_RESTORE, "strict"),
+    FromField(_RESTORE, "spec"),
+)
+
+
 @app.command()
 @_user_errors
 @bulk.cyclic_gc_paused()  # rows by the tensor, 100 000 and more, none dropped
+@taking(*PLAN_FIELDS)
 def plan(
     path: str,
     mesh: str = typer.Option(..., help="the mesh to restore onto, e.g. data=2,model=4"),
@@ -698,24 +704,16 @@ def plan(
             "name= : replicated); repeatable",
         ),
     ] = None,
-    processes: int = typer.Option(1, min=1, help="processes sharing the mesh's devices"),
     limit: int = typer.Option(0, help="show only the first N tensors (0: all)"),
-    strict: bool = typer.Option(
-        True,
-        "--strict/--no-strict",
-        help="refuse rules for logical names no tensor carries and mesh axes nothing uses",
-    ),
     as_json: bool = typer.Option(False, "--json", help="print the plan's rows as JSON"),
     every: bool = typer.Option(
         False, "--all", help=f"one row per tensor even past {layout.GROUP_AT} (else grouped)"
-    ),
-    spec: str | None = typer.Option(
-        None, help="plan the restore through a spec (a shipped name such as hf_llama, or a file)"
     ),
     config: str | None = typer.Option(
         None, help="with --spec: a Hugging Face config.json giving the spec's head settings"
     ),
     step: StepOption = None,
+    **options,
 ):
     """Plan a restore onto a mesh: PartitionSpecs, bytes per device and per process.
 
@@ -730,14 +728,9 @@ def plan(
     axes = _parse_mesh(mesh)
     rule_pairs = _parse_rules(rules) if rules else None
     path = _at_step(path, step)
-    result = jax_ucp.plan(
-        path,
-        mesh=abstract_mesh(axes),
-        rules=rule_pairs,
-        processes=processes,
-        strict=strict,
-        spec=_spec_with_config(spec, config),
-    )
+    options["spec"] = _spec_with_config(options["spec"], config)
+    result = jax_ucp.plan(path, mesh=abstract_mesh(axes), rules=rule_pairs, **options)
+    processes = options["processes"] or 1  # as said: PlanOptions' default
     if as_json:
         _print_plan_json(path, axes, processes, result)
         return
@@ -879,35 +872,42 @@ def diff(a: str, b: str):
     raise typer.Exit(1)
 
 
+_TENSORS = "exporters.options._TensorsExport"
+_SAFETENSORS = "exporters.options.SafetensorsExport"
+# export's options, each a field of the format's options class (``exporters.options_for``)
+EXPORT_FIELDS = (
+    FromField(_TENSORS, "select"),
+    FromField(_TENSORS, "spec"),
+    FromField(_TENSORS, "dtype"),
+    FromField(
+        _SAFETENSORS,
+        "max_file_bytes",
+        flags=("--max-file-size",),
+        prefix="safetensors: ",
+        callback=_size_option,
+    ),
+    FromField(
+        "exporters.options.DeepSpeedUniversalExport",
+        "param_groups",
+        prefix="deepspeed-universal: ",
+    ),
+    FromField(_SAFETENSORS, "config", prefix="safetensors: "),
+    FromField(_TENSORS, "force"),
+    FromField("exporters.options._Export", "memory_budget", callback=_size_option),
+)
+
+
 @app.command()
 @_user_errors
+@taking(*EXPORT_FIELDS)
 def export(
     ckpt: str,
     dst: str,
     to: str = typer.Option(
         "safetensors", help="output format: safetensors, torch-dcp, deepspeed-universal or orbax"
     ),
-    select: str | None = typer.Option(
-        None,
-        help="key-path prefix to export ('params', 'opt_state/mu', '' for all; default: params "
-        "for safetensors, all for torch-dcp)",
-    ),
-    spec: str | None = typer.Option(None, help="UCP-language spec whose restore views to export"),
-    dtype: str | None = typer.Option(None, help="write every tensor as this dtype (e.g. bfloat16)"),
-    max_file_size: str | None = typer.Option(
-        None,
-        help="safetensors: data per file before sharding (e.g. 500MB, 5G; default 5GB)",
-        callback=_size_option,
-    ),
-    param_groups: int | None = typer.Option(
-        None, help="deepspeed-universal: param groups of the loading engine's optimizer (1)"
-    ),
-    config: str | None = typer.Option(
-        None, help="safetensors: a config.json to write beside the weights (for from_pretrained)"
-    ),
-    force: bool = typer.Option(False, help="replace DST if it is an earlier export"),
-    memory_budget: MemoryBudget = None,
     step: StepOption = None,
+    **options,
 ):
     """Export a checkpoint for PyTorch tools (safetensors, torch DCP, DeepSpeed universal) or
     Orbax (a StandardCheckpointer checkpoint)."""
@@ -916,19 +916,8 @@ def export(
     ckpt = _at_step(ckpt, step)
 
     with _bar("exporting") as on_progress:
-        options = exporters.options_for(
-            to,
-            select=select,
-            spec=spec,
-            dtype=dtype,
-            max_file_bytes=max_file_size,
-            param_groups=param_groups,
-            config=config,
-            force=force,
-            memory_budget=memory_budget,
-            progress=on_progress,
-        )
-        out = exporters.export(ckpt, dst, options)
+        chosen = exporters.options_for(to, progress=on_progress, **options)
+        out = exporters.export(ckpt, dst, chosen)
     output.say(
         f"✓ wrote {out.tensors} tensors ({out.bytes / 1e6:.1f} MB) to {out.path}: "
         f"{', '.join(out.files)}",

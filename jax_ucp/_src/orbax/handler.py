@@ -28,7 +28,7 @@ from jax_ucp._src.restoring import restore_entry
 from jax_ucp._src.restoring.options import RestoreOptions
 from jax_ucp._src.saving import engine
 from jax_ucp._src.saving import plan as save_plan
-from jax_ucp._src.writer import commit
+from jax_ucp._src.store.storage import local
 
 
 class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
@@ -59,7 +59,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         donated or deleted array would change under the write); a blocking save skips them.
         """
         directory = os.fspath(directory)
-        if not store.storage_for(directory).renames and commit.ORBAX_TMP_MARK in directory:
+        if not store.storage_for(directory).renames and local.ORBAX_TMP_MARK in directory:
             raise fmt.UCPError(
                 f"{directory}: Orbax is saving into a temporary prefix it would then rename, which "
                 f"an object store cannot do atomically. Pass CheckpointManagerOptions("
@@ -150,7 +150,7 @@ def _refuse_args_as_item(cls: str, field: str, value) -> None:
 # Orbax records a handler by ``f"{cls.__module__}.{cls.__qualname__}"`` in every step it saves
 # and imports it by that name to read the step: the public module, not where the code sits
 # inside ``_src``, so steps saved now and before the move load alike.
-UCPCheckpointHandler.__module__ = "jax_ucp.orbax.handler"  # move_to_src: keep
+UCPCheckpointHandler.__module__ = "jax_ucp.orbax.handler"
 
 
 @ocp_checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)

@@ -106,7 +106,7 @@ class UCPHandler:
 
 
 # Recorded by Orbax as ``module.qualname`` and imported by it: the public name (as the v0 handler's).
-UCPHandler.__module__ = "jax_ucp.orbax.v1"  # move_to_src: keep
+UCPHandler.__module__ = "jax_ucp.orbax.v1"
 
 
 def context(name: str = STATE, *, base: Any = None):

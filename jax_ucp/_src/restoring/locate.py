@@ -13,7 +13,7 @@ from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import CheckpointError, SaveConflictError
 from jax_ucp._src.restoring import steps
-from jax_ucp._src.writer import commit
+from jax_ucp._src.store.storage import local, object_store
 
 T = TypeVar("T")
 
@@ -46,7 +46,7 @@ def find_checkpoint_dir(path) -> str:
     if os.path.isdir(path) and os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
         return path
     if not os.path.lexists(path):
-        for survivor in (path + commit.REPLACING, path + commit.REPLACED):
+        for survivor in (path + local.REPLACING, path + local.REPLACED):
             if os.path.isdir(survivor):
                 return find_checkpoint_dir(survivor)
         raise CheckpointError(f"{path}: no such checkpoint directory.")
@@ -117,18 +117,17 @@ def _ucp_items(path: str) -> list[str]:
 def _find_in_object_store(url: str) -> str:
     """``url`` when it holds ucp.json, else its single UCP item (an Orbax-style step prefix).
     A prefix without ucp.json is no checkpoint: a save that never completed."""
-    location = store.location
-    if location.exists(url, fmt.MANIFEST_FILE):
+    if object_store.exists(url, fmt.MANIFEST_FILE):
         return url
     items = sorted(
         {
             name.split("/")[0]
-            for name in location.list_names(url)
+            for name in object_store.list_names(url)
             if name.count("/") == 1 and name.endswith("/" + fmt.MANIFEST_FILE)
         }
     )
     if len(items) == 1:
-        return location.join(url, items[0])
+        return object_store.join(url, items[0])
     if not items:
         raise CheckpointError(
             f"{url}: no {fmt.MANIFEST_FILE} here nor in any item below it; not a jax_ucp "
@@ -241,4 +240,4 @@ def _identity(root: str):
 
 def _swap_state(path: str) -> tuple:
     """``path`` and the names a forced replacement of it uses beside it."""
-    return tuple(_identity(p) for p in (path, path + commit.REPLACING, path + commit.REPLACED))
+    return tuple(_identity(p) for p in (path, path + local.REPLACING, path + local.REPLACED))

@@ -32,7 +32,7 @@ def is_source(url) -> bool:
     """An object-store ``.safetensors`` object, or a prefix holding safetensors objects (or
     their index) and no ``ucp.json``."""
     url = str(url).rstrip("/")
-    if not store.is_url(url):
+    if not store.storage.is_url(url):
         return False
     if url.endswith(".safetensors"):
         return True

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import CheckpointError
-from jax_ucp._src.writer import commit
+from jax_ucp._src.store.storage import local
 
 # A step folder's name as Orbax's standard name formats build it: ``[<step_prefix>_]<digits>``,
 # ASCII digits only (``str.isdigit`` and Python's ``\d`` also take ``١٢``, ``１３``, ``²``).
@@ -125,7 +125,7 @@ def run_steps(root: str, step_format: StepFormat | None = None) -> RunSteps:
 
 
 # Names beside the steps of a save in progress or of a forced save's swap: never a step.
-_NOT_STEPS = (commit.ORBAX_TMP_MARK, commit.TMP_MARK, commit.REPLACING, commit.REPLACED)
+_NOT_STEPS = (local.ORBAX_TMP_MARK, local.TMP_MARK, local.REPLACING, local.REPLACED)
 
 
 def _format_of(root: str, found: list[tuple[str, re.Match, bool]]) -> StepFormat:

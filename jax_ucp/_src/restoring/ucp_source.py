@@ -89,33 +89,29 @@ def read(
     manifest: fmt.Manifest,
     requests: Sequence[Request],
     *,
-    spec=None,
     available: Mapping | None = None,
     casting: str = "same_kind",
     memory_budget: int | None = None,
-    replicated_read: str | None = None,
 ) -> list:
-    """``engine.read_from`` the checkpoint at ``root``: jax.Array (a request with a sharding),
-    np.ndarray, or the saved Python value, in request order.
+    """``engine.read_from`` the checkpoint at ``root`` (a restore's options go through
+    ``restore_entry``): jax.Array (a request with a sharding), np.ndarray, or the saved Python
+    value, in request order.
 
     Args:
       root: the checkpoint directory (holding ucp.json).
       manifest: its manifest.
       requests: what to read, one result per request.
-      spec: a UCP-language spec whose views the requests name (when ``available`` is None).
       available: what may be read (``available_tensors``); None: computed from the manifest.
       casting: numpy's casting rule for the requests' dtypes.
       memory_budget: host bytes of read buffers in flight (None: 256 MiB).
-      replicated_read: "each" (None) or "once" (``restoring.replicated``).
     """
     return read_from(
         CheckpointSource(root),
         requests,
-        available if available is not None else available_tensors(manifest, spec),
+        available if available is not None else available_tensors(manifest),
         {e.key: e for e in manifest.values},
         casting=casting,
         memory_budget=memory_budget,
-        replicated_read=replicated_read,
     )
 
 

@@ -21,6 +21,7 @@ from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format.sizes import parse_optional_size
 from jax_ucp._src.multihost import agreement
 from jax_ucp._src.multihost import commit as multihost_commit
+from jax_ucp._src.options import field_namer
 from jax_ucp._src.saving import plan as save_plan
 from jax_ucp._src.store import shard_file
 from jax_ucp._src.writer import commit
@@ -68,30 +69,46 @@ class SaveArgs:
     memory_budget: int | str | None = None
 
     def __post_init__(self):
-        cls, level = type(self).__name__, self.compression_level
+        field, level = field_namer(self), self.compression_level  # save(x=) or UCPSave.x
         if self.compression not in (None, "zstd"):
             raise RequestError(
-                f"{cls}.compression: expected None or 'zstd', got {self.compression!r}."
+                f"{field('compression')}: expected None or 'zstd', got {self.compression!r}."
             )
         if isinstance(level, bool) or not isinstance(level, int) or not -131072 <= level <= 22:
             raise RequestError(
-                f"{cls}.compression_level: expected an int in -131072..22 (zstd's levels), "
+                f"{field('compression_level')}: expected an int in -131072..22 (zstd's levels), "
                 f"got {level!r}."
             )
         try:  # an int or a size such as "1MiB", as every byte-size option
             self.inner_chunk_bytes = parse_optional_size(
-                self.inner_chunk_bytes, f"{cls}.inner_chunk_bytes"
+                self.inner_chunk_bytes, field("inner_chunk_bytes")
             )
-            self.memory_budget = parse_optional_size(self.memory_budget, f"{cls}.memory_budget")
+            self.memory_budget = parse_optional_size(self.memory_budget, field("memory_budget"))
         except RequestError as e:
             raise RequestError(f"{e}.") from None
         if self.checksum not in ("crc32c", None):
-            raise RequestError(f"{cls}.checksum: expected 'crc32c' or None, got {self.checksum!r}.")
+            raise RequestError(
+                f"{field('checksum')}: expected 'crc32c' or None, got {self.checksum!r}."
+            )
         if self.source is not None and not isinstance(self.source, dict):
             raise RequestError(
-                f"{cls}.source: expected None or a dict (a JSON object), got "
+                f"{field('source')}: expected None or a dict (a JSON object), got "
                 f"{type(self.source).__name__}."
             )
+
+
+@dataclasses.dataclass
+class SaveOptions(SaveArgs):
+    """``jax_ucp.save``'s arguments after the path (``options.keywords_of``): ``SaveArgs``
+    and ``force``.
+
+    Attributes:
+      force: replace a jax_ucp checkpoint at the path (kept whole until the new one is in
+        place; a committed object-store checkpoint is never replaced).
+    """
+
+    _: dataclasses.KW_ONLY
+    force: bool = False
 
 
 @dataclasses.dataclass

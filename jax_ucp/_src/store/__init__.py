@@ -2,7 +2,6 @@
 
 from jax_ucp._src.store import (
     host_memory,
-    location,
     shard_file,
     shard_reader,
     shard_writer,
@@ -15,7 +14,7 @@ from jax_ucp._src.store.chunking import (
     outer_chunk_shape,
 )
 from jax_ucp._src.store.in_flight import InFlightBytes
-from jax_ucp._src.store.storage import is_url, read_manifest, storage_for, write_manifest
+from jax_ucp._src.store.storage import read_manifest, storage_for, write_manifest
 from jax_ucp._src.store.zarr3 import (
     ArrayLayout,
     array_config,

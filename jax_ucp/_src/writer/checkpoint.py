@@ -19,7 +19,8 @@ from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.multihost import commit as multihost_commit
 from jax_ucp._src.multihost.agreement import Gather, MultiProcessError
-from jax_ucp._src.writer import commit, durable
+from jax_ucp._src.store.storage import local
+from jax_ucp._src.writer import commit
 from jax_ucp._src.writer.stream import HostItem, write_stream
 
 PART_FILE = "ucp.part-{}.json"  # one process's entries, merged into ucp.json by the primary
@@ -101,7 +102,7 @@ def write_shared_checkpoint(
         # On a shared file system each host holds its own dirty pages: the primary's syncfs
         # at commit flushes only its host's, so every process makes its part durable before
         # it reports it written (as each process of a JAX save does).
-        durable.make_tree_durable(shared)
+        local.make_tree_durable(shared)
         return hashlib.sha256(pathlib.Path(shared, part_file).read_bytes()).hexdigest()
 
     multihost_commit.commit_once(

@@ -21,32 +21,8 @@ import stat
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import RequestError, SaveConflictError
-from jax_ucp._src.store.storage import Transaction
-from jax_ucp._src.store.storage.local import (
-    LOCK_SUFFIX,
-    ORBAX_TMP_MARK,
-    REPLACED,
-    REPLACING,
-    TMP_MARK,
-    recover_interrupted_swap,
-    remove_stale_temporaries,
-    save_lock,
-)
 from jax_ucp._src.store.storage.object_store import LOCK_OBJECT
 from jax_ucp._src.writer import durable, file_digest
-
-__all__ = [  # the medium's names, forwarded for the modules that import them from here
-    "LOCK_OBJECT",
-    "LOCK_SUFFIX",
-    "ORBAX_TMP_MARK",
-    "REPLACED",
-    "REPLACING",
-    "TMP_MARK",
-    "Transaction",
-    "recover_interrupted_swap",
-    "remove_stale_temporaries",
-    "save_lock",
-]
 
 log = logging.getLogger(__name__)
 

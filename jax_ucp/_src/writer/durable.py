@@ -2,7 +2,7 @@
 
 A checkpoint is committed by renaming its directory into place, so everything under it must be
 on disk first; writers either fsync as they go (``sync=True``) or defer to one ``make_durable``
-(``store.storage.local``, the medium's syncfs; forwarded here).
+(``store.storage.local``, the medium's syncfs).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import functools
 import os
 
 from jax_ucp._src.store.storage.local import fsync_path
-from jax_ucp._src.store.storage.local import make_tree_durable as make_tree_durable
-from jax_ucp._src.store.storage.local import sync_filesystem as sync_filesystem
 from jax_ucp._src.writer import file_digest
 
 

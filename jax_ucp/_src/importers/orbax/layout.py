@@ -12,7 +12,7 @@ from typing import Any
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import MANIFEST_FILE, files
-from jax_ucp._src.writer.commit import ORBAX_TMP_MARK
+from jax_ucp._src.store.storage.local import ORBAX_TMP_MARK
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
 _NAME_MAX = 255  # bytes of one file name (Linux, macOS): an item directory's name fits
