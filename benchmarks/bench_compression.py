@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ucp
 from jax_ucp._src.saving import engine
+from jax_ucp._src.saving.options import SaveArgs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -132,7 +133,7 @@ def save(name: str, opts, path: str, state) -> None:
     if opts["compression"] is None:
         jax_ucp.save(path, state)
         return
-    args = engine.SaveArgs(state, compression="zstd", compression_level=opts["level"])
+    args = SaveArgs(state, compression="zstd", compression_level=opts["level"])
     engine.save(path, args, force=False)
 
 

@@ -62,7 +62,7 @@ def test_the_signatures_are_the_dataclasses_fields():
 def test_save_takes_its_dataclass_fields(tmp_path):
     """``save``'s arguments are ``SaveOptions``' fields (``SaveArgs``, ``UCPSave``'s, and
     ``force``): ``compression_level`` too, checked and named as ``save(compression_level=)``."""
-    from jax_ucp._src.saving.engine import SaveArgs, SaveOptions
+    from jax_ucp._src.saving.options import SaveArgs, SaveOptions
 
     fields = [f.name for f in dataclasses.fields(SaveOptions)]
     assert list(inspect.signature(jax_ucp.save).parameters) == ["path", *fields]
@@ -208,7 +208,7 @@ SHARED = {
     # a direct restore reads a source as convert imports it (restoring.import_source)
     "importing": "the import options of convert and of a restore straight from a source",
     "format": "the source format convert and a restore straight from a source read",
-    # forwarded layout options: the save args (saving.engine.SaveArgs, UCPSave's base) and
+    # forwarded layout options: the save args (saving.options.SaveArgs, UCPSave's base) and
     # UCPStreamSave re-list the writer's SaveOptions, which the engine builds from them
     "compression": "SaveArgs / UCPStreamSave / convert re-list writer.layout.SaveOptions'",
     "compression_level": "SaveArgs re-lists SaveOptions'",

@@ -14,6 +14,7 @@ from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
 from jax_ucp._src.options import keywords_of
 from jax_ucp._src.restoring import locate, model, resume, steps, ucp_source
 from jax_ucp._src.restoring.inspecting import inspect as inspect  # JAX-free: defined there
+from jax_ucp._src.saving.options import SaveOptions
 
 # JAX-free at import: ``verify`` and ``latest_step`` (``jax-ucp verify``/``latest``) never load
 # JAX (1-4 s); ``save`` imports the save engine and ``restore`` its module when first used.
@@ -27,8 +28,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@keywords_of(engine.SaveOptions)
-def save(path: str | os.PathLike, options: engine.SaveOptions) -> str:
+@keywords_of(SaveOptions)
+def save(path: str | os.PathLike, options: SaveOptions) -> str:
     """Saves ``item`` (a pytree) as a UCP checkpoint at ``path``; returns once it is committed.
 
     Every process calls it; each writes only the replica-0 shards it holds, no gather, and

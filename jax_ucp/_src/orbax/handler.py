@@ -28,6 +28,7 @@ from jax_ucp._src.restoring import restore_entry
 from jax_ucp._src.restoring.options import RestoreOptions
 from jax_ucp._src.saving import engine
 from jax_ucp._src.saving import plan as save_plan
+from jax_ucp._src.saving.options import SaveArgs
 from jax_ucp._src.store.storage import local
 
 
@@ -155,7 +156,7 @@ UCPCheckpointHandler.__module__ = "jax_ucp.orbax.handler"
 
 @ocp_checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
 @dataclasses.dataclass
-class UCPSave(engine.SaveArgs, ocp.args.CheckpointArgs):
+class UCPSave(SaveArgs, ocp.args.CheckpointArgs):
     """Save args: the pytree, plus layout options (``SaveArgs``' fields, documented there) as
     Orbax's args. Checked when constructed (as Orbax's ``StandardSaveArgs``), so a wrong
     option fails in the training loop's ``mngr.save`` call, not later in the background commit.
