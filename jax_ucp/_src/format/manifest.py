@@ -429,24 +429,12 @@ class Manifest(display.Tabular):
                 if type(e) is model.TensorModel
             ):
                 raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
-            tree, leaves = None, set()
-            if m.tree is not None:
-                leaves = _tree_leaves(m.tree, where)
             for i, e in enumerate(entries):  # in place: each model freed as its entry is built
                 at = f"{where}: entries[{i}]"
                 entries[i] = (
                     _tensor_entry(e, at) if type(e) is model.TensorModel else _value_entry(e, at)
                 )
-            if m.tree is not None:
-                keys = {e.key for e in entries}
-                if leaves != keys:
-                    odd = sorted(leaves ^ keys)[:3]
-                    raise CheckpointError(
-                        f"{where}: tree: its leaves and the entries differ (e.g. "
-                        f"{[keypath_lib.key_to_str(k) for k in odd]}); expected exactly one leaf "
-                        f"per entry."
-                    )
-                tree = msgspec.to_builtins(m.tree)
+            tree = None if m.tree is None else _tree_dicts(m.tree, entries, where)
             try:  # Manifest's own checks (a key or directory twice) name the file too
                 return cls(
                     entries=entries,
@@ -705,23 +693,46 @@ def _at(node: Any, path: Sequence) -> Any:
     return node
 
 
-def _tree_leaves(tree: Any, where: str) -> set[tuple[str, ...]]:
-    """The key paths of the saved tree's leaves (walked without recursion; at most
-    ``MAX_JSON_DEPTH`` JSON levels deep, 3 a pytree level, below the manifest's own 2)."""
-    leaves: set[tuple[str, ...]] = set()
-    stack: list[tuple[Any, tuple[str, ...], int]] = [(tree, (), 2)]
+def _tree_dicts(root: Any, entries: list[Entry], where: str) -> dict:
+    """The saved tree as the dicts of its JSON, each node's children freed as they are built
+    (walked without recursion), checked: at most ``MAX_JSON_DEPTH`` JSON levels deep (3 a
+    pytree level, below the manifest's own 2), and its leaves exactly the entries' keys."""
+    remaining = {e.key for e in entries}
+    out: dict = {}
+    stack: list[tuple[Any, dict, tuple[str, ...], int]] = [(root, out, (), 2)]
     while stack:
-        node, prefix, level = stack.pop()
-        if type(node) is model.LeafNode:
-            if level > MAX_JSON_DEPTH:
-                raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
-            leaves.add(prefix)
-            continue
-        # its children list is one level deeper, each [name, type, node] two
-        if level + (2 if node.children else 1) > MAX_JSON_DEPTH:
+        node, d, prefix, level = stack.pop()
+        leaf = type(node) is model.LeafNode
+        # a container's children list is one level deeper, each [name, type, node] two
+        if level + (0 if leaf else 2 if node.children else 1) > MAX_JSON_DEPTH:
             raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
-        stack.extend((child, (*prefix, name), level + 3) for name, _, child in node.children)
-    return leaves
+        d["type"] = _NODE_TAGS[type(node)]
+        if leaf:
+            if prefix not in remaining:  # not an entry's key, or a second leaf of one
+                _tree_differs(where, [prefix])
+            remaining.discard(prefix)
+            continue
+        if node.class_ is not msgspec.UNSET:
+            d["class"] = node.class_
+        children: list = []
+        for name, kind, child in node.children:
+            children.append([name, kind, {}])
+            stack.append((child, children[-1][2], (*prefix, name), level + 3))
+        node.children.clear()  # its nodes now held by the stack only
+        d["children"] = children
+    if remaining:
+        _tree_differs(where, sorted(remaining)[:3])
+    return out
+
+
+def _tree_differs(where: str, odd: list[tuple[str, ...]]) -> NoReturn:
+    raise CheckpointError(
+        f"{where}: tree: its leaves and the entries differ (e.g. "
+        f"{[keypath_lib.key_to_str(k) for k in odd]}); expected exactly one leaf per entry."
+    )
+
+
+_NODE_TAGS = {kind: kind.__struct_config__.tag for kind in model.TreeNode.__args__}
 
 
 def _named(where: str, key: tuple[str, ...]) -> str:
