@@ -658,29 +658,37 @@ def _field_error(message: str, d: Any, where: str, top: bool) -> CheckpointError
             return CheckpointError(f"{name}: missing field {missing!r}.")
         return CheckpointError(f"{name}: unknown field(s) [{_short(missing, 40)}].")
     found = _at(node, kept)
+    return CheckpointError(
+        f"{name}: expected {_expected(message, kept, node, found, kind)}, found {_short(found)}."
+    )
+
+
+def _expected(message: str, kept: list, node: Any, found: Any, kind: str) -> str:
+    """What the field at ``kept`` (names and indices) must be, as the format says it."""
     last = next((p for p in reversed(kept) if isinstance(p, str)), "")
-    if last == "partition_spec" and isinstance(kept[-1], int):
-        expected = "null, an axis name or a list of axis names"
-    elif last == "type":
+    element = bool(kept) and isinstance(kept[-1], int)
+    if last == "entries" and element:
+        return 'a JSON object, "entry": "tensor" or "value"'
+    if last == "partition_spec" and element:
+        return "null, an axis name or a list of axis names"
+    if element and kind == "tree":
+        return "[name, key type, node]"
+    if last == "type":
         allowed = model.TREE_NODE_TYPES if kind == "tree" else tuple(_VALUE_TYPES)
-        expected = f"one of {list(allowed)}"
-    elif last == "key_types":
+        return f"one of {list(allowed)}"
+    if last == "key_types":
         key = node.get("key") if isinstance(node, dict) else None
         n = len(key) if isinstance(key, list) else "as many as key"
-        expected = f"a list of {n} of {list(KEY_TYPES)}"
-    elif last in ("shape", "chunk_shape", "inner_chunk_shape") and "length <=" in message:
-        expected = "at most 64 dimensions"
-    elif kept and isinstance(kept[-1], int) and kind == "tree":
-        expected = "[name, key type, node]"
-    elif last == "key" and isinstance(found, list) and found:
-        expected = "a list of strings"
-    elif last in _EXPECTED:
-        expected = _EXPECTED[last]
-    elif message.startswith("Expected `str`"):
-        expected = "a string"
-    else:
-        expected = message[0].lower() + message[1:]
-    return CheckpointError(f"{name}: expected {expected}, found {_short(found)}.")
+        return f"a list of {n} of {list(KEY_TYPES)}"
+    if last in ("shape", "chunk_shape", "inner_chunk_shape") and "length <=" in message:
+        return "at most 64 dimensions"
+    if last == "key" and isinstance(found, list) and found:
+        return "a list of strings"
+    if last in _EXPECTED:
+        return _EXPECTED[last]
+    if message.startswith("Expected `str`"):
+        return "a string"
+    return message[0].lower() + message[1:]
 
 
 def _at(node: Any, path: Sequence) -> Any:

@@ -48,20 +48,21 @@ KeyTypes = Annotated[
 ValueType = Literal["none", "bool", "int", "float", "str"]
 
 
-class _Model(Struct, forbid_unknown_fields=True, frozen=True, gc=False):
-    """Strict (an unknown field is an error), immutable, and untracked by the cyclic GC (JSON
-    holds no cycles): 100 000 entries cost neither a GC pass nor a GC header each."""
+class _Model(Struct, forbid_unknown_fields=True, gc=False):
+    """Strict (an unknown field is an error) and untracked by the cyclic GC (JSON holds no
+    cycles): 100 000 entries cost neither a GC pass nor a GC header each."""
 
 
-class Mesh(_Model):
+class Mesh(Struct, forbid_unknown_fields=True, gc=False, frozen=True):
     """The mesh a tensor was saved from."""
 
     axis_names: tuple[str, ...]
     shape: Dims
 
 
-class SavedShardingModel(_Model):
-    """Informational: the mesh and PartitionSpec a tensor was saved from."""
+class SavedShardingModel(Struct, forbid_unknown_fields=True, gc=False, frozen=True):
+    """Informational: the mesh and PartitionSpec a tensor was saved from (hashable: equal ones
+    are one object in the entries)."""
 
     mesh: Mesh
     partition_spec: tuple[str | tuple[str, ...] | None, ...]
@@ -80,7 +81,7 @@ class TensorModel(_Model, tag="tensor", tag_field="entry"):
         ),
     ]
     shape: Dims
-    dtype: DType
+    dtype: DType  # pyright: ignore[reportInvalidTypeForm]
     chunk_shape: Annotated[PositiveDims, Meta(description="The outer (shard file) chunk.")]
     inner_chunk_shape: Annotated[PositiveDims, Meta(description="Divides chunk_shape.")]
     role: Role
