@@ -94,12 +94,12 @@ def _config_folder(tmp_path, **changes) -> str:
 
 
 def test_a_model_transformerlm_does_not_compute_is_refused(tmp_path):
-    """A GPT-2 config.json, custom code, a Llama config with biases, no config.json: refused
+    """A BERT config.json, custom code, a Llama config with biases, no config.json: refused
     naming what was found, before anything is loaded (no torch needed)."""
     ckpt = str(tmp_path / "never-read")
-    gpt2 = _config_folder(tmp_path, model_type="gpt2")
+    gpt2 = _config_folder(tmp_path, model_type="bert")
     with pytest.raises(
-        jax_ucp.UCPError, match=r"--logits supports.*llama.*found 'gpt2' in .*config\.json"
+        jax_ucp.UCPError, match=r"--logits supports.*llama.*found 'bert' in .*config\.json"
     ):
         compare_logits(ckpt, gpt2)
     os.remove(os.path.join(gpt2, "config.json"))

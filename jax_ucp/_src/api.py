@@ -158,7 +158,7 @@ def verify(
         checkpoint lacks (not in its ``source.skipped``), is a problem too.
       logits: with ``against``, also run one fixed batch through the source loaded by
         transformers' ``from_pretrained`` and through the checkpoint's weights in
-        ``jax_ucp._src.models.TransformerLM`` (Llama-family models; ``jax_ucp._src.logits``): a largest
+        ``jax_ucp._src.models.TransformerLM`` (the families docs/HF.md lists; ``jax_ucp._src.logits``): a largest
         absolute difference above ``logits_tolerance`` is a problem; ``.logits`` holds the
         comparison. Needs transformers (``pip install 'jax_ucp[hf]'``).
       logits_tolerance: the largest absolute difference of the logits accepted (None:

@@ -1,13 +1,15 @@
 """``verify(ckpt, against=src, logits=True)``: does the converted checkpoint compute what the
 source model computes? One fixed batch of token ids goes through the source loaded by
 transformers' own ``from_pretrained`` (torch, CPU, fp32, eval mode) and through the converted
-weights in jax_ucp's flax ``TransformerLM`` (restored with the shipped ``hf_llama`` spec); the
-largest absolute difference of the logits is reported against a stated tolerance.
+weights in jax_ucp's flax ``TransformerLM`` (restored with the family's shipped ``hf_*`` spec,
+``jax_ucp._src.models.hf_families``); the largest absolute difference of the logits is reported
+against a stated tolerance.
 
 Bit-exact tensors (``jax_ucp._src.against``) prove the bytes were copied; equal logits prove they
 landed where a model reads them (q/k/v merged in the right head order, gate/up, transposes).
-Only models ``TransformerLM`` computes are compared (Llama-family ``config.json``); any other
-is refused, never skipped. The torch model is freed before the checkpoint is restored: the two
+Only models ``TransformerLM`` computes are compared (the ``model_type`` families of
+``hf_families.FAMILIES``: Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral,
+Qwen2-MoE, Granite, OLMo 2, StableLM); any other, or a config field a family does not compute, is refused, never skipped. The torch model is freed before the checkpoint is restored: the two
 copies of the weights are never in memory at once.
 """
 
@@ -24,6 +26,7 @@ import numpy as np
 
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files
+from jax_ucp._src.models.hf_families import FAMILIES, canonical_config, hf_model
 
 __all__ = [
     "DEFAULT_TOLERANCE",
@@ -34,7 +37,7 @@ __all__ = [
 ]
 
 #: ``model_type`` values of config.json whose model ``TransformerLM`` computes
-SUPPORTED = ("llama",)
+SUPPORTED = tuple(FAMILIES)
 #: largest absolute difference of fp32 logits accepted by default (float32 sums taken in
 #: another order differ by ~1e-6 on small models; a misplaced weight moves them by far more)
 DEFAULT_TOLERANCE = 1e-4
@@ -168,9 +171,10 @@ def read_config(folder: str) -> dict:
     if model_type not in SUPPORTED or "auto_map" in config:
         found = "custom code (auto_map)" if "auto_map" in config else repr(model_type)
         raise SourceError(
-            f"--logits supports Llama-family models (model_type {', '.join(SUPPORTED)}: the "
-            f"models jax_ucp._src.models.TransformerLM computes); found {found} in {path}"
+            f"--logits supports model_type {', '.join(SUPPORTED)} (the models "
+            f"jax_ucp._src.models.TransformerLM computes); found {found} in {path}"
         )
+    config = canonical_config(config)
     _checked_numbers(config, path)
     return config
 
@@ -190,13 +194,11 @@ def compare_logits(
     tolerance = checked_tolerance(tolerance)
     folder = model_folder(os.fspath(src))
     config = read_config(folder)
-    from jax_ucp._src.models import LMConfig
-
     try:
-        cfg = LMConfig.from_hf_llama(config)
+        cfg, spec = hf_model(config)
     except (RequestError, KeyError, TypeError, ValueError, ArithmeticError) as e:
         raise SourceError(
-            f"--logits supports Llama-family models TransformerLM computes; "
+            f"--logits supports the {config['model_type']} models TransformerLM computes; "
             f"{folder}/config.json: {e}"
         ) from None
     seq = max(1, min(_BATCH[1], cfg.max_position_embeddings))
@@ -207,7 +209,7 @@ def compare_logits(
     # the torch model is freed on return
     want, source = _source_logits(folder, tokens, torch, transformers)
     gc.collect()
-    got = _checkpoint_logits(os.fspath(ckpt), cfg, tokens, tree)
+    got = _checkpoint_logits(os.fspath(ckpt), cfg, spec, tokens, tree)
     if got.shape != want.shape:
         raise SourceError(
             f"{ckpt}: logits of shape {list(got.shape)}, the source's {list(want.shape)}"
@@ -245,9 +247,7 @@ def _check_declared_size(folder: str, cfg: Any, ckpt: str, tree: str, held: int)
     """Refuses a config.json declaring a bigger model than the checkpoint holds, before
     from_pretrained allocates the declared size (an untrusted config may declare any)."""
     dims = (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.ffn_hidden_size)
-    h, kv = cfg.hidden_size, cfg.groups * cfg.head_dim
-    layer = 2 * h * h + 2 * h * kv + 3 * h * cfg.ffn_hidden_size + 2 * h
-    declared = cfg.vocab_size * h * (1 if cfg.tied else 2) + cfg.num_layers * layer + h
+    declared = cfg.parameter_count()
     if min(dims) <= 0 or cfg.groups <= 0 or declared > held:
         raise SourceError(
             f"{folder}/config.json declares a model of {declared:,} parameters (vocab, hidden, "
@@ -294,10 +294,12 @@ def _source_logits(
     return out, what
 
 
-def _checkpoint_logits(ckpt: str, cfg: Any, tokens: np.ndarray, tree: str) -> np.ndarray:
+def _checkpoint_logits(
+    ckpt: str, cfg: Any, spec_name: str, tokens: np.ndarray, tree: str
+) -> np.ndarray:
     """The logits ``TransformerLM(cfg)`` computes for ``tokens`` from the checkpoint's model
-    weights (``tree``, :func:`_model_tree`), restored through ``hf_llama`` alone: no optimizer
-    state is read."""
+    weights (``tree``, :func:`_model_tree`), restored through the family's spec alone: no
+    optimizer state is read."""
     import jax
     import jax.numpy as jnp
 
@@ -305,7 +307,7 @@ def _checkpoint_logits(ckpt: str, cfg: Any, tokens: np.ndarray, tree: str) -> np
     from jax_ucp._src.models import TransformerLM
     from jax_ucp._src.restoring.restore_entry import restore
 
-    spec = load_spec("hf_llama", **cfg.head_settings)
+    spec = load_spec(spec_name, **cfg.head_settings)
     params = restore(ckpt, spec=spec, select=rf"{tree}/.*")[tree]  # as fp32, like the torch side
     params = {"params": jax.tree.map(lambda a: np.asarray(a).astype(np.float32), params)}
     logits = TransformerLM(cfg).apply(params, jnp.asarray(tokens, jnp.int32))

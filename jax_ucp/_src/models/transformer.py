@@ -14,6 +14,7 @@ in the specs, for both this numpy route and ``jax_ucp.restore(path, spec=...)``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -49,6 +50,33 @@ class LMConfig:
     num_experts: int | None = None  # MoE (every layer): router + SwiGLU/GELU experts
     gelu_tanh: bool = False  # GELU's tanh approximation (GPT-2's "gelu_new") instead of erf
     moe_router_topk: int = 2
+    # The variants Hugging Face families need (``jax_ucp._src.models.hf_families`` reads them
+    # from config.json); each default keeps the Megatron / Llama math above.
+    kv_channels: int | None = None  # head_dim when not hidden_size / heads (Qwen3, Gemma)
+    qkv_bias: bool = False  # biases on q/k/v only (Qwen2); ``bias`` puts them everywhere
+    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm_scope: str = "head"  # "head": over head_dim; "all": over all heads at once (OLMo2)
+    pre_norm: bool = True  # norms before attention and MLP (False: OLMo2's output norms only)
+    residual_multiplier: float = 1.0  # attention and MLP outputs times this (Granite)
+    logits_scaling: float = 1.0  # logits divided by this (Granite)
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + w): Gemma's (1 + w)
+    sandwich_norm: bool = False  # norms on the attention and MLP outputs too (Gemma 2/3)
+    glu_activation: str = "silu"  # the gated MLP's activation: silu, gelu_tanh or gelu
+    embedding_multiplier: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
+    attention_scale: float | None = None  # softmax scale (None: 1 / sqrt(head_dim))
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    sliding_window: int | None = None  # a query sees the last `sliding_window` keys (itself too)
+    sliding_layers: tuple[int, ...] | None = None  # the windowed layers (None: all of them)
+    rotary_percent: float = 1.0  # RoPE on the first int(head_dim * rotary_percent) dims
+    rotary_scaling_factor: float = 1.0  # linear RoPE scaling (positions / factor)
+    local_rotary_base: float | None = None  # RoPE base of the windowed layers (Gemma 3)
+    local_rotary_scaling_factor: float = 1.0
+    moe_ffn_hidden_size: int | None = None  # the experts' width (None: ffn_hidden_size)
+    moe_norm_topk: bool = True  # top-k weights renormalised (False: softmax over all experts)
+    moe_shared_expert_intermediate_size: int | None = None  # a shared expert on every token
+    moe_shared_expert_gate: bool = False  # the shared expert scaled by sigmoid(x @ gate)
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP
 
     @property
     def groups(self) -> int:
@@ -56,7 +84,54 @@ class LMConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.sliding_layers is None or layer in self.sliding_layers
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.num_experts) and layer not in self.dense_layers
+
+    def parameter_count(self) -> int:
+        """How many elements ``TransformerLM(self)`` holds (what a checkpoint of the model
+        holds at least), computed without building it."""
+        h, hd, heads, groups = (
+            self.hidden_size,
+            self.head_dim,
+            self.num_attention_heads,
+            self.groups,
+        )
+        norm = h * (2 if self.normalization == "LayerNorm" else 1)
+        glu = 2 if self.gated else 1
+
+        def mlp(width: int, bias: bool) -> int:
+            return h * width * glu + width * h + ((width * glu + h) if bias else 0)
+
+        qkv = (heads + 2 * groups) * hd
+        attn = h * qkv + heads * hd * h
+        attn += qkv if (self.bias or self.qkv_bias) else 0
+        attn += h if self.bias else 0
+        if self.qk_norm:
+            attn += 2 * hd if self.qk_norm_scope == "head" else (heads + groups) * hd
+        norms = (2 if self.pre_norm else 0) + (2 if self.sandwich_norm else 0)
+        total = self.vocab_size * h * (1 if self.tied else 2) + norm
+        if self.position == "learned_absolute":
+            total += self.max_position_embeddings * h
+        for layer in range(self.num_layers):
+            total += attn + norm * norms
+            if not self.is_moe(layer):
+                total += mlp(self.ffn_hidden_size, self.bias)
+                continue
+            experts = self.num_experts or 0
+            width = self.moe_ffn_hidden_size or self.ffn_hidden_size
+            total += h * experts + experts * (h * width * glu + width * h)
+            if self.moe_shared_expert_intermediate_size:
+                total += mlp(self.moe_shared_expert_intermediate_size, False)
+                total += h if self.moe_shared_expert_gate else 0
+        return total
 
     @classmethod
     def from_hf_llama(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
@@ -125,6 +200,26 @@ class LMConfig:
         )
         return cls(**kw | overrides)
 
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
+        """From the ``config.json`` of any Hugging Face family ``verify --logits`` computes
+        (Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE, Granite,
+        OLMo 2, StableLM: ``hf_families.FAMILIES``); a field the model does not compute is a
+        ``RequestError`` naming it. :meth:`hf_spec` gives the spec its weights restore through."""
+        from jax_ucp._src.models.hf_families import hf_model
+
+        cfg, _ = hf_model(config)
+        return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+    @staticmethod
+    def hf_spec(config: Mapping[str, Any]) -> Spec:
+        """The shipped spec mapping the family's Hugging Face names into ``TransformerLM``'s
+        tree (``hf_llama``, ``hf_qwen2``, ...), with the head settings of ``config``."""
+        from jax_ucp._src.models.hf_families import hf_model
+
+        cfg, name = hf_model(config)
+        return load_spec(name, **cfg.head_settings)
+
     @property
     def head_settings(self) -> dict[str, int]:
         """What the q/k/v ops of the shipped specs need (``load_spec(name, **head_settings)``)."""
@@ -157,28 +252,58 @@ class LMConfig:
         return cls(**kw | overrides)
 
 
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm scaling by ``(offset + scale)``, computed in float32: Gemma's ``(1 + w)`` norm
+    (its weight is stored centred on 0)."""
+
+    eps: float
+    offset: float
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.zeros, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * (self.offset + scale.astype(jnp.float32))).astype(x.dtype)
+
+
 def _norm_layer(cfg: LMConfig, name: str):
     # flat names (``ln_1/scale``) as the spec expects: no wrapper scope
     if cfg.normalization == "RMSNorm":
+        if cfg.norm_offset:
+            return OffsetRMSNorm(eps=cfg.eps, offset=cfg.norm_offset, name=name)
         return nn.RMSNorm(epsilon=cfg.eps, name=name)
     return nn.LayerNorm(epsilon=cfg.eps, use_fast_variance=False, name=name)
 
 
-def _apply_rope(x, positions, base):
-    """Rotary position embedding, non-interleaved (rotate-half) like megatron-core's default."""
-    dim = x.shape[-1]
+def _apply_rope(x, positions, base, factor: float = 1.0, rotary_dim: int | None = None):
+    """Rotary position embedding, non-interleaved (rotate-half) like megatron-core's default,
+    on the first ``rotary_dim`` dims (partial rotary; the rest pass), positions divided by
+    ``factor`` (linear scaling; applied to the frequencies, as transformers does)."""
+    dim = x.shape[-1] if rotary_dim is None else rotary_dim
     inverse_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if factor != 1.0:
+        inverse_freq = inverse_freq / factor
     freqs = positions[:, None].astype(jnp.float32) * inverse_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], -1)
     cos, sin = jnp.cos(emb)[None, :, None, :], jnp.sin(emb)[None, :, None, :]
-    first, second = x[..., : dim // 2], x[..., dim // 2 :]
-    return x * cos + jnp.concatenate([-second, first], -1) * sin
+    rot, rest = x[..., :dim], x[..., dim:]
+    first, second = rot[..., : dim // 2], rot[..., dim // 2 :]
+    rotated = rot * cos + jnp.concatenate([-second, first], -1) * sin
+    return rotated if rest.shape[-1] == 0 else jnp.concatenate([rotated, rest], -1)
+
+
+def _softcap(x, cap: float | None):
+    """``cap * tanh(x / cap)`` (Gemma 2's soft-capping of scores and logits)."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 class Attention(nn.Module):
-    """Causal self-attention with a fused QKV laid out per query group (GQA when groups < heads)."""
+    """Causal self-attention with a fused QKV laid out per query group (GQA when groups < heads);
+    ``layer`` picks the sliding window and RoPE base of the layer (local/global layers)."""
 
     cfg: LMConfig
+    layer: int = 0
 
     @nn.compact
     def __call__(self, x):
@@ -186,41 +311,77 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         heads, groups, head_dim = cfg.num_attention_heads, cfg.groups, cfg.head_dim
         q_per_group = heads // groups
-        qkv = nn.Dense(groups * (q_per_group + 2) * head_dim, use_bias=cfg.bias, name="qkv")(x)
+        bias = cfg.bias or cfg.qkv_bias
+        qkv = nn.Dense(groups * (q_per_group + 2) * head_dim, use_bias=bias, name="qkv")(x)
         qkv = qkv.reshape(batch, seq, groups, (q_per_group + 2) * head_dim)
         q = qkv[..., : q_per_group * head_dim].reshape(batch, seq, heads, head_dim)
         k = qkv[..., q_per_group * head_dim : (q_per_group + 1) * head_dim]
         v = qkv[..., (q_per_group + 1) * head_dim :]
+        if cfg.qk_norm and cfg.qk_norm_scope == "all":  # over all heads' q (k) at once
+            q = _norm_layer(cfg, "q_norm")(q.reshape(batch, seq, -1)).reshape(q.shape)
+            k = _norm_layer(cfg, "k_norm")(k.reshape(batch, seq, -1)).reshape(k.shape)
+        elif cfg.qk_norm:  # over each head's head_dim, before RoPE
+            q, k = _norm_layer(cfg, "q_norm")(q), _norm_layer(cfg, "k_norm")(k)
+        sliding = cfg.is_sliding(self.layer)
         if cfg.position == "rope":
-            q, k = (_apply_rope(x, jnp.arange(seq), cfg.rotary_base) for x in (q, k))
+            base, factor = cfg.rotary_base, cfg.rotary_scaling_factor
+            if sliding and cfg.local_rotary_base is not None:
+                base, factor = cfg.local_rotary_base, cfg.local_rotary_scaling_factor
+            rotary_dim = int(head_dim * cfg.rotary_percent)
+            q, k = (_apply_rope(x, jnp.arange(seq), base, factor, rotary_dim) for x in (q, k))
         k, v = (jnp.repeat(x, q_per_group, axis=2) for x in (k, v))  # each group's heads
-        scores = jnp.einsum("bqnd,bknd->bnqk", q, k) / math.sqrt(head_dim)
+        scores = jnp.einsum("bqnd,bknd->bnqk", q, k)
+        if cfg.attention_scale is None:
+            scores = scores / math.sqrt(head_dim)
+        else:
+            scores = scores * cfg.attention_scale
+        scores = _softcap(scores, cfg.attn_logit_softcapping)
         mask = jnp.tril(jnp.ones((seq, seq), bool))
+        if sliding:  # key j is seen from query i when i - window < j <= i
+            position = jnp.arange(seq)
+            window = cfg.sliding_window or 0  # set: is_sliding
+            mask = mask & (position[None, :] > position[:, None] - window)
         scores = jnp.where(mask, scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)
         context = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(batch, seq, heads * head_dim)
         return nn.Dense(cfg.hidden_size, use_bias=cfg.bias, name="proj")(context)
 
 
+#: the gated MLP's activations (``LMConfig.glu_activation``)
+GLU_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
 def _activation(cfg: LMConfig, hidden):
-    """SwiGLU (``silu(gate) * up`` over [gate | up]) when gated, exact-erf GELU otherwise."""
+    """GLU (``act(gate) * up`` over [gate | up], SwiGLU by default) when gated, GELU otherwise."""
     if cfg.gated:
         gate, up = jnp.split(hidden, 2, axis=-1)
-        return jax.nn.silu(gate) * up
+        if cfg.glu_activation not in GLU_ACTIVATIONS:
+            raise RequestError(
+                f"glu_activation {cfg.glu_activation!r}: expected one of {sorted(GLU_ACTIVATIONS)}"
+            )
+        return GLU_ACTIVATIONS[cfg.glu_activation](gate) * up
     return jax.nn.gelu(hidden, approximate=cfg.gelu_tanh)
 
 
 class MLP(nn.Module):
-    """fc1 -> activation -> fc2; fc1 is [gate | up] when gated."""
+    """fc1 -> activation -> fc2; fc1 is [gate | up] when gated (``width``: the hidden width,
+    None: ``ffn_hidden_size``; a shared expert's differs)."""
 
     cfg: LMConfig
+    width: int | None = None
+    bias: bool | None = None
 
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        width = cfg.ffn_hidden_size * (2 if cfg.gated else 1)
-        hidden = nn.Dense(width, use_bias=cfg.bias, name="fc1")(x)
-        return nn.Dense(cfg.hidden_size, use_bias=cfg.bias, name="fc2")(_activation(cfg, hidden))
+        bias = cfg.bias if self.bias is None else self.bias
+        width = (self.width or cfg.ffn_hidden_size) * (2 if cfg.gated else 1)
+        hidden = nn.Dense(width, use_bias=bias, name="fc1")(x)
+        return nn.Dense(cfg.hidden_size, use_bias=bias, name="fc2")(_activation(cfg, hidden))
 
 
 class _StackedKernel(nn.Module):
@@ -238,18 +399,24 @@ class MoE(nn.Module):
 
     Every expert is evaluated densely (fine for small models; the math is what matters here):
     ``y = sum_k p_k * expert_{i_k}(x)``. Kernels are stacked over experts: fc1 [E, h, X], fc2
-    [E, ffn, h] (the shipped ``mixtral`` spec's targets)."""
+    [E, ffn, h] (the shipped ``mixtral`` spec's targets). ``moe_norm_topk=False`` weighs by the
+    softmax over all experts (Qwen2-MoE); a shared expert (``shared/{fc1,fc2}``, gated by
+    ``sigmoid(x @ shared_gate)``) is added on every token."""
 
     cfg: LMConfig
 
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        experts, hidden_size, ffn = cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size
+        experts, hidden_size = cfg.num_experts, cfg.hidden_size
+        ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
         assert experts is not None  # Block builds an MoE only when num_experts is set
         logits = nn.Dense(experts, use_bias=False, name="router")(x)
         top, index = jax.lax.top_k(logits, cfg.moe_router_topk)
-        probs = jax.nn.softmax(top, axis=-1)
+        if cfg.moe_norm_topk:
+            probs = jax.nn.softmax(top, axis=-1)
+        else:
+            probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), index, axis=-1)
         weights = jnp.sum(
             probs[..., None] * jax.nn.one_hot(index, experts, dtype=x.dtype), axis=-2
         )  # [b, s, E]
@@ -257,19 +424,39 @@ class MoE(nn.Module):
         fc2 = _StackedKernel((experts, ffn, hidden_size), name="fc2")()
         hidden = _activation(cfg, jnp.einsum("bsh,ehx->bsex", x, fc1))
         y = jnp.einsum("bsef,efh->bseh", hidden, fc2)
-        return jnp.einsum("bse,bseh->bsh", weights, y)
+        out = jnp.einsum("bse,bseh->bsh", weights, y)
+        if cfg.moe_shared_expert_intermediate_size:
+            shared = MLP(cfg, cfg.moe_shared_expert_intermediate_size, False, name="shared")(x)
+            if cfg.moe_shared_expert_gate:
+                gate = nn.Dense(1, use_bias=False, name="shared_gate")(x)
+                shared = jax.nn.sigmoid(gate) * shared
+            out = out + shared
+        return out
 
 
 class Block(nn.Module):
-    """Pre-norm residual layer: attention, then the MLP (or MoE)."""
+    """Pre-norm residual layer: attention, then the MLP (or MoE); with ``sandwich_norm`` the
+    attention's and the MLP's outputs are normed too (``attn_out_norm``, ``mlp_out_norm``),
+    without ``pre_norm`` only they are."""
 
     cfg: LMConfig
+    layer: int = 0
 
     @nn.compact
     def __call__(self, x):
-        x = x + Attention(self.cfg, name="attn")(_norm_layer(self.cfg, "ln_1")(x))
-        ffn = MoE(self.cfg, name="moe") if self.cfg.num_experts else MLP(self.cfg, name="mlp")
-        return x + ffn(_norm_layer(self.cfg, "ln_2")(x))
+        cfg = self.cfg
+
+        def sublayer(module, x, pre: str, post: str):
+            h = module(_norm_layer(cfg, pre)(x) if cfg.pre_norm else x)
+            if cfg.sandwich_norm:
+                h = _norm_layer(cfg, post)(h)
+            if cfg.residual_multiplier != 1.0:
+                h = h * cfg.residual_multiplier
+            return x + h
+
+        x = sublayer(Attention(cfg, self.layer, name="attn"), x, "ln_1", "attn_out_norm")
+        ffn = MoE(cfg, name="moe") if cfg.is_moe(self.layer) else MLP(cfg, name="mlp")
+        return sublayer(ffn, x, "ln_2", "mlp_out_norm")
 
 
 class TransformerLM(nn.Module):
@@ -282,15 +469,21 @@ class TransformerLM(nn.Module):
         cfg = self.cfg
         wte = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="wte")
         x = wte(tokens)
+        if cfg.embedding_multiplier != 1.0:
+            x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
         if cfg.position == "learned_absolute":
             wpe = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, name="wpe")
             x = x + wpe(jnp.arange(tokens.shape[1]))[None]
         for i in range(cfg.num_layers):
-            x = Block(cfg, name=f"layers_{i}")(x)
+            x = Block(cfg, i, name=f"layers_{i}")(x)
         x = _norm_layer(cfg, "ln_f")(x)
         if cfg.tied:
-            return wte.attend(x)
-        return nn.Dense(cfg.vocab_size, use_bias=False, name="lm_head")(x)
+            logits = wte.attend(x)
+        else:
+            logits = nn.Dense(cfg.vocab_size, use_bias=False, name="lm_head")(x)
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
+        return _softcap(logits, cfg.final_logit_softcapping)
 
 
 def shipped_spec_for(cfg: LMConfig, names: Iterable[str]) -> Spec:

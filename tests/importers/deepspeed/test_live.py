@@ -52,6 +52,37 @@ def test_live_against_deepspeed_tools(tmp_path, stage, dtype, world):
     assert ("model_params" in got) == (dtype != "fp32")
 
 
+@pytest.mark.parametrize("name", ["bf16opt_z1_dp2", "z0_bf16_dp2"])
+def test_live_bf16_optimizer_and_zero0_bf16(tmp_path, name):
+    """DeepSpeed's BF16_Optimizer (ZeRO-1, fp32 gradient accumulation) and ZeRO-0 bf16
+    (FP16_UnfusedOptimizer), trained now: masters, moments, step and module weights equal the
+    engine's live state right after the save, bit for bit."""
+    pytest.importorskip("torch")
+    pytest.importorskip("deepspeed")
+    import make_deepspeed_fixtures as M
+    import ml_dtypes
+
+    import jax_ucp
+
+    stage, dtype, extra = M.LIVE[name]
+    work = str(tmp_path / "run")
+    M.train(stage, dtype, 2, work, extra=extra + ["--live", "--no-next"], port=free_port())
+    live = M.merged_live(work, "live", 2, name)
+    got = jax_ucp.restore(jax_ucp.convert(os.path.join(work, "ckpt"), str(tmp_path / "u")))
+    where = {"param": got["model_params"], "fp32": got["params"]}
+    where.update(exp_avg=got["opt_state"]["mu"], exp_avg_sq=got["opt_state"]["nu"])
+    for key, value in live.items():
+        if key == "step":
+            assert int(got["opt_state"]["count"]) == int(value)
+            continue
+        state, _, param = key.partition("/")
+        if value.dtype == np.dtype("V2"):
+            value = value.view(ml_dtypes.bfloat16)
+        found = np.asarray(where[state][param])
+        assert (found.dtype, found.shape) == (value.dtype, value.shape), key
+        assert found.tobytes() == value.tobytes(), key
+
+
 def test_torch_reader_on_fresh_deepspeed_files(tmp_path):
     """Every .pt DeepSpeed writes (model + optimizer, all stages) loads with the restricted reader
     and equals torch.load's view of it."""

@@ -142,3 +142,23 @@ def test_olmo_core_train_state_linked_out_of_the_checkpoint_is_refused(tmp_path)
     write_pt(elsewhere, pickle.dumps({"global_step": 3}, protocol=2))
     os.symlink(elsewhere, os.path.join(src, "train", "rank0.pt"))
     assert_convert_refused(src, tmp_path / "u", r"train/rank0\.pt")
+
+
+def test_olmo_core_step_folder_holding_only_model_and_optim_imports(tmp_path):
+    """``stepN/`` with ``model_and_optim/`` alone (before: "cannot tell the checkpoint format"):
+    read as OLMo-core's layout, weights and optimizer bit-exact, the trainer's step recorded as
+    not recovered and why; a save folder of such step folders names them."""
+    src = _step_folder(tmp_path, 3)
+    shutil.rmtree(os.path.join(src, "train"))
+    os.remove(os.path.join(src, ".metadata.json"))
+    assert detect_format(src) == "torch"
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    assert_matches_run(jax_ucp.restore(out), load_truth(os.path.join(FIX, "olmo_fp32.truth.npz")))
+    source = jax_ucp.inspect(out).source
+    assert source["folders"] == ["model_and_optim"]
+    assert source["trainer"]["train_files"] == []
+    assert "train/ is missing" in source["trainer"]["global_step_unread"]
+    assert any("trainer step not recovered" in n for n in source["notes"])
+    assert_convert_refused(
+        tmp_path / "run", tmp_path / "u2", r"OLMo-core save folder with 1 checkpoints?: step3"
+    )

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file
 
 import jax_ucp
 from jax_ucp._src.exporters import torch_out
+from jax_ucp._src.importers.torch import torchtune_order
 from jax_ucp._src.torchfiles import unpickler
 from tests.ucp_testing import (
     REPO,
@@ -109,7 +110,10 @@ def test_parameter_order_of_another_length_is_refused(tmp_path):
     assert_destination_untouched(tmp_path / "refused")
 
 
-def test_torchtune_folder_weights_import_and_index_keyed_optimizer_asks_for_the_order(tmp_path):
+def test_torchtune_folder_weights_import_and_index_keyed_optimizer_asks_for_the_order(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(torchtune_order, "torchtune_builder", lambda: None)  # not installed
     with pytest.raises(
         jax_ucp.UCPError,
         match=r"recipe_state\.pt: torchtune's optimizer state, keyed by index \(\d+ parameters "
@@ -271,7 +275,8 @@ def test_async_dist_epoch_is_detected_and_imports_with_parameter_order_bit_exact
     assert jax_ucp.inspect(out).source["framework"] == "torch_dcp"
 
 
-def test_async_dist_epoch_without_order_asks_for_it_and_imports_weights_only(tmp_path):
+def test_async_dist_epoch_without_order_asks_for_it_and_imports_weights_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(torchtune_order, "torchtune_builder", lambda: None)  # not installed
     with pytest.raises(
         jax_ucp.UCPError,
         match=r"dist_epoch_0: the optimizer state is keyed by index \(21 parameters, indices 0, "

@@ -280,6 +280,46 @@ def optimizer_files_by_rank(tag_dir: str) -> tuple[dict[int, dict[int, str]], st
 
 # --------------------------------------------------------------------------- optimizer files
 
+#: What DeepSpeed's ``BF16_Optimizer`` saves (bf16 at ZeRO-1 with ``data_types.grad_accum_dtype``
+#: fp32, and Megatron-DeepSpeed's bf16 runs): ZeRO-1's flat fp32 partitions, fragment maps and
+#: padding, and no ``zero_stage`` (runtime/bf16_optimizer.py ``state_dict``).
+BF16_OPTIMIZER_KEYS = (
+    "single_partition_of_fp32_groups",
+    "param_slice_mappings",
+    "base_optimizer_state",
+    "group_paddings",
+    "partition_count",
+)
+
+
+def zero_stage_of(state: Any, path: str) -> int:
+    """The ZeRO stage of one rank's ``optimizer_state_dict``: its ``zero_stage``, or 1 for a
+    ``BF16_Optimizer``'s (:func:`is_bf16_optimizer`), whose partitions are laid out as ZeRO-1's.
+
+    Args:
+        state: the rank file's ``optimizer_state_dict``.
+        path: the rank file (for errors).
+    """
+    if is_bf16_optimizer(state):
+        return 1
+    if isinstance(state, Mapping) and "zero_stage" not in state:
+        raise SourceError(
+            f"{path}: missing 'zero_stage' and not a BF16_Optimizer's state either (it holds "
+            f"{sorted(map(str, state))[:8]}; expected a ZeRO optimizer's 'zero_stage', or "
+            f"{list(BF16_OPTIMIZER_KEYS)})"
+        )
+    return int(require(state, "zero_stage", path))
+
+
+def is_bf16_optimizer(state: Any) -> bool:
+    """True for the ``optimizer_state_dict`` of DeepSpeed's ``BF16_Optimizer``: ZeRO-1's entries
+    without a ``zero_stage``."""
+    return (
+        isinstance(state, Mapping)
+        and "zero_stage" not in state
+        and all(key in state for key in BF16_OPTIMIZER_KEYS)
+    )
+
 
 @dataclass
 class OptimizerStates:
@@ -308,7 +348,7 @@ def read_optimizer_states(
     # each partition's CRC-32 checked when it is first read: a weights-only import reads the
     # fp32 masters, never the moments (two thirds of the files)
     first_state = require(load_deepspeed_file(first, lazy_crc=True), "optimizer_state_dict", first)
-    stage = int(require(first_state, "zero_stage", first))
+    stage = zero_stage_of(first_state, first)
     partition_count = require(first_state, "partition_count", first)
     world = (
         max(partition_count) if isinstance(partition_count, (list, tuple)) else int(partition_count)
@@ -332,8 +372,16 @@ def read_optimizer_states(
     states = [first_state]
     for path in files[1:]:  # every further DP rank must agree with the first
         state = require(load_deepspeed_file(path, lazy_crc=True), "optimizer_state_dict", path)
-        if int(require(state, "zero_stage", path)) != stage:
-            raise SourceError(f"{path}: zero_stage {int(state['zero_stage'])}, {first} has {stage}")
+        if is_bf16_optimizer(state) != is_bf16_optimizer(first_state):
+            raise SourceError(
+                f"{path}: {'a' if is_bf16_optimizer(state) else 'not a'} BF16_Optimizer's state, "
+                f"{first} is {'' if is_bf16_optimizer(first_state) else 'not '}one: files of "
+                "different runs"
+            )
+        if zero_stage_of(state, path) != stage:
+            raise SourceError(
+                f"{path}: zero_stage {zero_stage_of(state, path)}, {first} has {stage}"
+            )
         count = require(state, "partition_count", path)
         if count != partition_count:
             raise SourceError(f"{path}: partition_count {count}, {first} has {partition_count}")

@@ -23,6 +23,7 @@ import functools
 import itertools
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,12 +33,14 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files, mapped_file
+from jax_ucp._src.importers.deepspeed import zero0
 from jax_ucp._src.importers.deepspeed.files import (
     OPTIMIZER_FILE,
     ZERO3_MODEL_FILE,
     OptimizerStates,
     dtype_of_run,
     frozen_shapes_of,
+    is_bf16_optimizer,
     load_model_states,
     optimizer_files_by_rank,
     param_shapes_of,
@@ -888,9 +891,11 @@ def zero0_model_file(tag_dir: str) -> str | None:
 
 
 def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportPlan:
-    """ZeRO-0: the optimizer state is a plain torch ``optimizer.state_dict()`` inside the model
-    states file, keyed by parameter index. Importing it is not supported; the weights are (the
-    module's, in the run's precision).
+    """ZeRO-0: the optimizer state is inside the model states file. A bf16 / fp16 run's
+    (``FP16_UnfusedOptimizer``: fp32 masters, Adam state) is imported by :mod:`deepspeed.zero0`;
+    an fp32 run's plain torch ``optimizer.state_dict()`` is not, and its weights are the
+    module's (a low-precision run without fp32 masters gets the module's too, said in
+    ``source.notes`` and warned).
 
     Args:
         tag_dir: the tag folder.
@@ -900,6 +905,13 @@ def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportP
     """
     weights_only, share = options.weights_only, options.share
     model_states = load_model_states(model_file)
+    # bf16 / fp16: FP16_UnfusedOptimizer's fp32 masters and Adam state (deepspeed.zero0)
+    run_dtype = dtype_of_run(
+        model_states.get("ds_config") or {}, zero0.module_parameters(model_states)
+    )
+    unfused = zero0.plan_unfused(tag_dir, model_file, model_states, options)
+    if isinstance(unfused, ImportPlan):
+        return unfused
     if not weights_only:
         has_optimizer = model_states.get("optimizer") is not None
         raise SourceError(
@@ -919,6 +931,12 @@ def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportP
     )
 
     source = source_record(tag_dir, model_states, 0)
+    if run_dtype != np.dtype(np.float32):  # the module's weights in bf16 / fp16: said
+        note = (
+            f"params are the module weights in the run's {run_dtype}, not fp32 masters: {unfused}"
+        )
+        source["notes"] = [note]
+        warnings.warn(f"{model_file}: {note}", UserWarning, stacklevel=2)
     found = [f"{file}:{n}" for n in tensor_names(model_states)]
     imported = {f"{file}:module.{n}" for n, v in module.items() if isinstance(v, np.ndarray)}
     optimizer = [n for n in found if n.startswith(f"{file}:optimizer.")]
@@ -927,8 +945,18 @@ def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportP
     return ImportPlan(items, source, len(names), source_tensors=found)
 
 
+#: The DeepSpeed optimizer class of each ZeRO stage (recorded as ``source.ds_optimizer``).
+_ZERO_OPTIMIZER = {
+    1: "DeepSpeedZeroOptimizer",
+    2: "DeepSpeedZeroOptimizer",
+    3: "DeepSpeedZeroOptimizer_Stage3",
+}
+
+
 def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:
-    """What the manifest records about a ZeRO checkpoint."""
+    """What the manifest records about a ZeRO checkpoint (``ds_optimizer``: the DeepSpeed
+    optimizer that wrote it, ``BF16_Optimizer`` or ZeRO's own)."""
+    bf16 = is_bf16_optimizer(checkpoint.optim_states[0])
     return source_record(
         checkpoint.tag_dir,
         checkpoint.model_states,
@@ -938,6 +966,7 @@ def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:
         # tied weights (GPT-2's lm_head = wte): stored once, under the second name
         shared_params=dict(checkpoint.shared_params),
         frozen_params=sorted(checkpoint.frozen),
+        ds_optimizer="BF16_Optimizer" if bf16 else _ZERO_OPTIMIZER.get(checkpoint.stage),
     )
 
 

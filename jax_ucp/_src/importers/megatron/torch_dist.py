@@ -33,6 +33,7 @@ from jax_ucp._src.importers.megatron.distopt import (
     chained_layouts,
     chained_states,
 )
+from jax_ucp._src.importers.megatron.integrity import verify_integrity
 from jax_ucp._src.importers.megatron.model_space import (
     OPTIMIZER_STATE_TREES,
     check_model_space_tensors,
@@ -83,6 +84,7 @@ def plan_torch_dist(
             in ``source.skipped``.
     """
     spec, weights_only, share = options.spec, options.weights_only, options.share
+    vouched = verify_integrity(source_dir.ckpt_dir)  # before any byte of it is read
     checkpoint, common, common_path = open_torch_dist(source_dir.ckpt_dir)
     if not settings.get("num_layers") and isinstance(common, dict):
         add_arg_settings(legacy.args_dict(common.get("args")), settings)
@@ -122,6 +124,7 @@ def plan_torch_dist(
         "model_dtype": ", ".join(sorted(str(d) for d in model_dtypes)),
         **({"skipped": skipped} if skipped else {}),
         "tied_embeddings": tied_embeddings(model_names, settings),
+        **({"integrity": f"{vouched} files equal to integrity.json's SHA-256"} if vouched else {}),
     }
     mine = share.pick(model_names)
     step = count if share.primary else None

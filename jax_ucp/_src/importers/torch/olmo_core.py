@@ -1,7 +1,9 @@
 """An OLMo-core trainer checkpoint ``stepN/``: ``model_and_optim/`` (torch DCP, the model and
 optimizer) beside ``train/`` (the trainer's state, ``train/rank<R>.pt`` per rank, a
 ``torch.save`` of ``Trainer.state_dict()``: ``global_step``, the data loader's position, the RNG
-states, the callbacks' states) and ``.metadata.json`` (OLMo-core's version).
+states, the callbacks' states) and ``.metadata.json`` (OLMo-core's version). A step folder
+holding ``model_and_optim/`` alone (its ``train/`` not kept) is read the same way, its step
+recorded as not recovered.
 
 The weights and the optimizer are the torch DCP importer's, read from ``model_and_optim/``;
 the trainer's ``global_step`` is read from ``train/rank0.pt`` (the file OLMo-core itself falls
@@ -36,14 +38,14 @@ TRAIN_CLASSES: dict[str, Any] = dict(unpickler.NUMPY_CLASSES)
 
 
 def is_step_folder(src: os.PathLike | str) -> bool:
-    """An OLMo-core ``Checkpointer`` folder: no ``.metadata`` of its own, a torch DCP
-    ``model_and_optim/.metadata`` and a ``train/`` folder beside it."""
+    """An OLMo-core ``Checkpointer`` folder: no ``.metadata`` of its own and a torch DCP
+    ``model_and_optim/.metadata`` (OLMo-core's name), with ``train/`` beside it or not (a step
+    folder copied without its trainer state is still OLMo-core's layout)."""
     path = os.fspath(src)
     return (
         os.path.isdir(path)
         and not os.path.lexists(os.path.join(path, ".metadata"))
         and os.path.lexists(os.path.join(path, MODEL_DIR, ".metadata"))
-        and os.path.isdir(os.path.join(path, TRAIN_DIR))
     )
 
 
@@ -74,8 +76,17 @@ def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:
     ``world_size`` when recorded) from ``train/rank0.pt``, or ``global_step_unread`` saying why
     there is no step; ``olmo_core_version`` from ``.metadata.json`` when it names one.
     """
+    if not os.path.isdir(os.path.join(src, TRAIN_DIR)):  # model_and_optim/ kept alone
+        found = "is not a folder" if os.path.lexists(os.path.join(src, TRAIN_DIR)) else "is missing"
+        record: dict[str, Any] = {"framework": "olmo_core", "train_files": []}
+        record["global_step_unread"] = (
+            f"{TRAIN_DIR}/ {found} (OLMo-core's trainer state was not kept beside {MODEL_DIR}/)"
+        )
+        if (version := _version(src)) is not None:
+            record["olmo_core_version"] = version
+        return record, {}
     names = rank_files(src)
-    record: dict[str, Any] = {"framework": "olmo_core", "train_files": names}
+    record = {"framework": "olmo_core", "train_files": names}
     skipped = {
         name: "OLMo-core's trainer state (data loader position, RNG states, callbacks), not "
         "imported; its global_step is recorded in source.trainer"

@@ -36,11 +36,11 @@ from jax_ucp._src.importers.plan import (
     tensor_names,
 )
 from jax_ucp._src.importers.safetensors_weights import plan_safetensors
-from jax_ucp._src.importers.torch import dcp
+from jax_ucp._src.importers.torch import dcp, torchtune_order
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
 from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
 from jax_ucp._src.importers.trainer_files import read_json, side_file
-from jax_ucp._src.torchfiles import unpickler
+from jax_ucp._src.torchfiles import dcp_reader, unpickler
 
 __all__ = [
     "RECIPE_STATE",
@@ -103,6 +103,35 @@ def hf_name(name: str) -> str | None:
     if mapped is None:
         return None
     return mapped.format(layer.group(1)) if layer else mapped
+
+
+def tune_name(name: str) -> str | None:
+    """Hugging Face's parameter ``name`` as torchtune's (:func:`hf_name` inverted), or None."""
+    layer = re.search(r"\.([0-9]+)\.", name)
+    key = re.sub(r"\.[0-9]+\.", ".{}.", name, count=1)
+    mapped = _HF_TO_TUNE.get(key)
+    if mapped is None:
+        return None
+    return mapped.format(layer.group(1)) if layer else mapped
+
+
+_HF_TO_TUNE = {hf: tune for tune, hf in TUNE_TO_HF.items()}
+
+
+def _dist_order(folder: str) -> tuple[list[str], str] | None:
+    """torchtune's builder's order of a ``dist_epoch_N/``'s model (its ``model.*`` tensors),
+    when torchtune is installed and builds exactly those parameters."""
+    if torchtune_order.torchtune_builder() is None:
+        return None
+    checkpoint = dcp_reader.open_dcp(folder)
+    prefix = "model."
+    shapes = {
+        n[len(prefix) :]: tuple(t.shape)
+        for n, t in checkpoint.tensors.items()
+        if n.startswith(prefix)
+    }
+    rebuilt = torchtune_order.builder_order(shapes, folder) if shapes else None
+    return rebuilt if isinstance(rebuilt, tuple) else None
 
 
 def permute_rows(value: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
@@ -201,7 +230,15 @@ def plan_torchtune(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     recipe = os.path.join(src, RECIPE_STATE)
     has_recipe = os.path.lexists(recipe)
     if dist and (not epochs or _epoch_number(dist[-1]) > _epoch_number(epochs[-1])):
-        plan = dcp.plan_torch_dcp(os.path.join(src, dist[-1]), options)
+        folder = os.path.join(src, dist[-1])
+        rebuilt = None  # the index-keyed optimizer's order, by torchtune's builder if installed
+        if parameter_order is None and not weights_only:
+            rebuilt = _dist_order(folder)
+            if rebuilt is not None:
+                options = dataclasses.replace(options, parameter_order=rebuilt[0])
+        plan = dcp.plan_torch_dcp(folder, options)
+        if rebuilt is not None:
+            plan.source["parameter_order"] = rebuilt[1]
         return _as_dist_epoch(plan, src, epochs, dist)
     if has_recipe and not weights_only:
         refuse_spec(spec, "torchtune imports keep Hugging Face's names", SourceError)
@@ -415,10 +452,19 @@ def _plan_with_optimizer(
     as torchtune's checkpointer converts the weights."""
     latest = os.path.join(src, epochs[-1])
     loaded, state, groups = _recipe_optimizer(recipe, epochs[-1])
-    to_name = _optimizer_names(state, groups, order, recipe, recipe_optimizer(loaded))
+    params, files = _epoch_weights(latest, epochs[-1])
+    described, rule = recipe_optimizer(loaded), None
+    if order is None and state and all(isinstance(k, int) for k in state):
+        # keyed by index: torchtune's builder, if installed, rebuilds the order
+        tune = {t: ref.shape for n, ref in params.items() if (t := tune_name(n)) is not None}
+        rebuilt = torchtune_order.builder_order(tune, recipe) if len(tune) == len(params) else None
+        if isinstance(rebuilt, tuple):
+            order, rule = rebuilt
+        elif isinstance(rebuilt, str):
+            described += f"; torchtune's builder did not rebuild its order: {rebuilt}"
+    to_name = _optimizer_names(state, groups, order, recipe, described)
     config, q_heads, kv_heads, head_dim = _heads(latest)
     heads = (q_heads, kv_heads, head_dim)
-    params, files = _epoch_weights(latest, epochs[-1])
     states, moved = _moments(state, to_name, recipe, heads, epochs[-1])
     # every tensor of recipe_state.pt and every older epoch imported or said skipped
     recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
@@ -460,4 +506,6 @@ def _plan_with_optimizer(
         "recipe": progress,
         "model_type": config.get("model_type"),
     }
+    if rule is not None:
+        source["parameter_order"] = rule
     return plan_state(torch_state, source, options)

@@ -1,0 +1,672 @@
+"""Hugging Face model families -> ``TransformerLM``: which shipped spec maps a family's tensor
+names (the only copy of that mapping: ``jax_ucp/_src/language/specs/hf_*.toml``) and how its
+``config.json`` becomes an ``LMConfig``.
+
+Each family reads the config fields listed in :data:`FAMILIES`; a value of one of them the
+model does not compute (a RoPE type other than default or linear, biases where the family has
+none, bidirectional attention, an activation other than the family's) is a ``RequestError``
+naming the field, never computed differently. Missing fields take transformers' defaults for
+the family (5.24), so a ``config.json`` written by an older transformers reads the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from jax_ucp._src.errors import RequestError
+from jax_ucp._src.models.transformer import LMConfig
+
+__all__ = ["FAMILIES", "Family", "canonical_config", "hf_model"]
+
+_COMMON = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "rope_parameters (rope_type default or linear, rope_theta, factor)",
+    "rope_theta, rope_scaling (older config.json)",
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One ``model_type``: its transformers class, the shipped spec and the fields it reads."""
+
+    model_type: str
+    architecture: str
+    spec: str
+    reads: tuple[str, ...]
+    defaults: Mapping[str, Any]
+
+
+def _family(model_type, architecture, spec, reads, **defaults) -> Family:
+    return Family(model_type, architecture, spec, tuple(reads), defaults)
+
+
+_QWEN_WINDOW = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+_GEMMA = (
+    "hidden_activation",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "sliding_window",
+    "layer_types",
+    "attention_bias",
+)
+
+#: model_type -> family: the models ``verify --against SRC --logits`` computes
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        _family(
+            "llama",
+            "LlamaForCausalLM",
+            "hf_llama",
+            (*_COMMON, "hidden_act", "attention_bias", "mlp_bias"),
+            rms_norm_eps=1e-6,
+        ),
+        _family(
+            "mistral",
+            "MistralForCausalLM",
+            "hf_llama",
+            (*_COMMON, "hidden_act", "sliding_window (every layer)"),
+            rms_norm_eps=1e-6,
+            sliding_window=4096,
+        ),
+        _family(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            "hf_qwen2",
+            (*_COMMON, "hidden_act", *_QWEN_WINDOW),
+            rms_norm_eps=1e-6,
+            sliding_window=4096,
+            max_window_layers=28,
+        ),
+        _family(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            "hf_qwen3",
+            (*_COMMON, "hidden_act", "attention_bias", *_QWEN_WINDOW),
+            rms_norm_eps=1e-6,
+            head_dim=128,
+            sliding_window=4096,
+            max_window_layers=28,
+        ),
+        _family(
+            "gpt2",
+            "GPT2LMHeadModel",
+            "hf_gpt2",
+            (
+                "vocab_size",
+                "n_embd",
+                "n_layer",
+                "n_head",
+                "n_inner",
+                "n_positions",
+                "layer_norm_epsilon",
+                "activation_function",
+                "tie_word_embeddings",
+                "scale_attn_weights",
+                "scale_attn_by_inverse_layer_idx",
+                "reorder_and_upcast_attn",
+            ),
+            tie_word_embeddings=True,
+        ),
+        _family(
+            "phi3",
+            "Phi3ForCausalLM",
+            "hf_phi3",
+            (*_COMMON, "hidden_act", "partial_rotary_factor", "sliding_window (every layer)"),
+            rms_norm_eps=1e-5,
+        ),
+        _family(
+            "gemma2",
+            "Gemma2ForCausalLM",
+            "hf_gemma2",
+            (*_COMMON, *_GEMMA),
+            rms_norm_eps=1e-6,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            sliding_window=4096,
+            tie_word_embeddings=True,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+        _family(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            "hf_gemma3",
+            (
+                *_COMMON,
+                *_GEMMA,
+                "rope_parameters.{full_attention,sliding_attention}",
+                "rope_local_base_freq",
+                "sliding_window_pattern",
+                "use_bidirectional_attention",
+            ),
+            rms_norm_eps=1e-6,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            tie_word_embeddings=True,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+        _family(
+            "mixtral",
+            "MixtralForCausalLM",
+            "hf_mixtral",
+            (
+                *_COMMON,
+                "hidden_act",
+                "sliding_window (every layer)",
+                "num_local_experts",
+                "num_experts_per_tok",
+            ),
+            rms_norm_eps=1e-5,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_theta=1e6,
+        ),
+        _family(
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            "hf_qwen2_moe",
+            (
+                *_COMMON,
+                "hidden_act",
+                *_QWEN_WINDOW,
+                "qkv_bias",
+                "num_experts",
+                "num_experts_per_tok",
+                "moe_intermediate_size",
+                "shared_expert_intermediate_size",
+                "norm_topk_prob",
+                "decoder_sparse_step",
+                "mlp_only_layers",
+            ),
+            rms_norm_eps=1e-6,
+            sliding_window=4096,
+            max_window_layers=28,
+            qkv_bias=True,
+            num_experts=60,
+            num_experts_per_tok=4,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+        ),
+        _family(
+            "granite",
+            "GraniteForCausalLM",
+            "hf_llama",
+            (
+                *_COMMON,
+                "hidden_act",
+                "attention_bias",
+                "mlp_bias",
+                "embedding_multiplier",
+                "residual_multiplier",
+                "attention_multiplier",
+                "logits_scaling",
+            ),
+            rms_norm_eps=1e-6,
+            embedding_multiplier=1.0,
+            residual_multiplier=1.0,
+            attention_multiplier=1.0,
+            logits_scaling=1.0,
+        ),
+        _family(
+            "olmo2",
+            "Olmo2ForCausalLM",
+            "hf_olmo2",
+            (*_COMMON, "hidden_act", "attention_bias"),
+            rms_norm_eps=1e-5,
+        ),
+        _family(
+            "stablelm",
+            "StableLmForCausalLM",
+            "hf_stablelm",
+            (
+                *_COMMON,
+                "hidden_act",
+                "layer_norm_eps",
+                "partial_rotary_factor",
+                "use_qkv_bias",
+                "qk_layernorm",
+                "use_parallel_residual",
+            ),
+            layer_norm_eps=1e-5,
+            partial_rotary_factor=0.25,
+        ),
+    )
+}
+
+_GPT2_NAMES = {
+    "hidden_size": "n_embd",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "max_position_embeddings": "n_positions",
+}
+
+
+def canonical_config(config: Mapping[str, Any]) -> dict:
+    """``config`` with the family's missing fields at transformers' defaults, and GPT-2's own
+    names (``n_embd``, ...) copied to the common ones (``hidden_size``, ...) the checks read."""
+    family = FAMILIES.get(config.get("model_type"))  # type: ignore[arg-type]
+    out = {**(family.defaults if family else {}), **config}
+    if family is not None and family.model_type == "gpt2":
+        for common, own in _GPT2_NAMES.items():
+            out.setdefault(common, config.get(own))
+        n_inner, hidden = config.get("n_inner"), out.get("hidden_size")
+        if n_inner is None and isinstance(hidden, int) and not isinstance(hidden, bool):
+            n_inner = 4 * hidden
+        out.setdefault("intermediate_size", n_inner)
+    return out
+
+
+def hf_model(config: Mapping[str, Any]) -> tuple[LMConfig, str]:
+    """The ``LMConfig`` of a Hugging Face ``config.json`` and the shipped spec mapping its
+    tensors; a family not in :data:`FAMILIES` or a field it does not compute is refused
+    (``RequestError`` naming the field and value)."""
+    model_type = config.get("model_type")
+    family = FAMILIES.get(model_type)  # type: ignore[arg-type]
+    if family is None or "auto_map" in config:
+        found = "custom code (auto_map)" if "auto_map" in config else repr(model_type)
+        raise RequestError(f"model_type {found}: TransformerLM computes {', '.join(FAMILIES)}")
+    c = canonical_config(config)
+    if family.model_type == "gpt2":
+        return _gpt2(c), family.spec
+    return _reader(family.model_type)(c), family.spec
+
+
+# ----------------------------------------------------------------------------- value checks
+def _refuse(field: str, value: Any, why: str) -> RequestError:
+    return RequestError(f"config.json: {field} {str(value)[:200]}: {why}")
+
+
+def _int(c: Mapping, field: str, value: Any = None) -> int:
+    value = c.get(field) if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+        raise _refuse(field, repr(value), "expected a positive integer below 2**31")
+    return value
+
+
+def _number(field: str, value: Any) -> float:
+    good = isinstance(value, int | float) and not isinstance(value, bool)
+    if not good or not (math.isfinite(float(value)) and float(value) > 0):
+        raise _refuse(field, repr(value), "expected a finite number > 0")
+    return float(value)
+
+
+def _optional_number(c: Mapping, field: str) -> float | None:
+    return None if c.get(field) is None else _number(field, c[field])
+
+
+def _false(c: Mapping, *fields: str) -> None:
+    """Fields whose true value changes the math in a way the family's spec does not map."""
+    for field in fields:
+        if c.get(field):
+            raise _refuse(field, c[field], "not computed by TransformerLM for this family")
+
+
+def _act(c: Mapping, field: str, allowed: Mapping[str, str]) -> str:
+    value = c.get(field, next(iter(allowed)))
+    if value not in allowed:
+        raise _refuse(field, repr(value), f"supported: {', '.join(allowed)}")
+    return allowed[value]
+
+
+# ---------------------------------------------------------------------------------- RoPE
+_ROPE_TYPES = ("default", "linear")
+
+
+def _rope_one(params: Any, field: str, theta: Any, partial_ok: bool) -> tuple[float, float, float]:
+    """(base, linear factor, rotary fraction) of one RoPE parameter set."""
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise _refuse(field, repr(params), "expected a table of RoPE parameters")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        raise _refuse(
+            f"{field}.rope_type", repr(kind), f"supported RoPE types: {', '.join(_ROPE_TYPES)}"
+        )
+    factor = _number(f"{field}.factor", params.get("factor")) if kind == "linear" else 1.0
+    base = params.get("rope_theta", theta)
+    base = _number(f"{field}.rope_theta", 10000.0 if base is None else base)
+    partial = params.get("partial_rotary_factor", 1.0)
+    partial = _number(f"{field}.partial_rotary_factor", partial)
+    if partial != 1.0 and not partial_ok:
+        raise _refuse(f"{field}.partial_rotary_factor", partial, "not computed for this family")
+    if partial > 1.0:
+        raise _refuse(f"{field}.partial_rotary_factor", partial, "expected at most 1")
+    return base, factor, partial
+
+
+def _rope(c: Mapping, partial_ok: bool = False) -> tuple[float, float, float]:
+    """RoPE of a family with one set: ``rope_parameters`` (transformers 5) or the older
+    ``rope_scaling`` + ``rope_theta`` (+ ``partial_rotary_factor``); both are checked, the
+    older one read first (as transformers does)."""
+    found = [
+        (field, c.get(field))
+        for field in ("rope_scaling", "rope_parameters")
+        if c.get(field)  # an empty rope_scaling gives way to rope_parameters, as in transformers
+    ] or [("rope_parameters", {})]
+    read = []
+    for field, params in found:
+        if isinstance(params, Mapping) and "partial_rotary_factor" in c:
+            params = {"partial_rotary_factor": c["partial_rotary_factor"], **params}
+        read.append(_rope_one(params, field, c.get("rope_theta"), partial_ok))
+    return read[0]
+
+
+# ------------------------------------------------------------------------- sliding windows
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(c: Mapping, layers: int, default: list[str]) -> list[str]:
+    types = c.get("layer_types")
+    if types is None:
+        return default
+    if (
+        not isinstance(types, list)
+        or len(types) != layers
+        or any(t not in _LAYER_TYPES for t in types)
+    ):
+        raise _refuse(
+            "layer_types",
+            repr(types)[:200],
+            f"expected {layers} of {', '.join(_LAYER_TYPES)} (one per layer)",
+        )
+    return types
+
+
+def _window(c: Mapping, types: list[str], window: Any) -> dict:
+    """The LMConfig fields of the windowed layers (``types``) with ``window``."""
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not sliding:
+        return {}
+    return {"sliding_window": _int(c, "sliding_window", window), "sliding_layers": sliding}
+
+
+def _every_layer_window(c: Mapping) -> dict:
+    """Mistral, Mixtral, Phi-3: ``sliding_window`` (when set) windows every layer."""
+    if c.get("sliding_window") is None:
+        return {}
+    return {"sliding_window": _int(c, "sliding_window"), "sliding_layers": None}
+
+
+def _qwen_window(c: Mapping, layers: int, moe: bool = False) -> dict:
+    """Qwen2/Qwen3 (windowed from ``max_window_layers`` on) and Qwen2-MoE (every other layer
+    below it), only with ``use_sliding_window``."""
+    use = bool(c.get("use_sliding_window"))
+    first = c.get("max_window_layers", 28)
+    if use:
+        first = _int(c, "max_window_layers", first) if first else 0
+    if moe:
+        default = [
+            "sliding_attention" if use and (i + 1) % 2 and i < first else "full_attention"
+            for i in range(layers)
+        ]
+    else:
+        default = [
+            "sliding_attention" if use and i >= first else "full_attention" for i in range(layers)
+        ]
+    types = _layer_types(c, layers, default)
+    if not use:
+        if "sliding_attention" in types:
+            raise _refuse("layer_types", "with sliding layers", "but use_sliding_window is false")
+        return {}
+    return _window(c, types, c.get("sliding_window"))
+
+
+# ------------------------------------------------------------------------------- families
+#: more layers than any model has: refused before a list per layer is built
+_MAX_LAYERS = 1 << 20
+
+
+def _layers(c: Mapping) -> int:
+    layers = _int(c, "num_hidden_layers")
+    if layers > _MAX_LAYERS:
+        raise _refuse("num_hidden_layers", layers, f"expected at most {_MAX_LAYERS}")
+    return layers
+
+
+def _base(c: Mapping, partial_ok: bool = False) -> dict:
+    """The fields every RoPE / RMSNorm / GLU family shares."""
+    hidden, heads = _int(c, "hidden_size"), _int(c, "num_attention_heads")
+    groups = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim")
+    head_dim = _int(c, "head_dim") if head_dim is not None else hidden // heads
+    if _int(c, "num_key_value_heads", groups) and heads % groups:
+        raise _refuse("num_key_value_heads", groups, f"does not divide {heads} heads")
+    base, factor, partial = _rope(c, partial_ok)
+    if int(head_dim * partial) % 2:
+        raise _refuse("partial_rotary_factor", partial, f"gives an odd rotary dim of {head_dim}")
+    return dict(
+        vocab_size=_int(c, "vocab_size"),
+        hidden_size=hidden,
+        num_layers=_layers(c),
+        num_attention_heads=heads,
+        ffn_hidden_size=_int(c, "intermediate_size"),
+        num_query_groups=groups,
+        kv_channels=head_dim if head_dim != hidden // heads else None,
+        normalization="RMSNorm",
+        gated=True,
+        bias=False,
+        position="rope",
+        max_position_embeddings=_int(
+            c, "max_position_embeddings", c.get("max_position_embeddings") or 2048
+        ),
+        rotary_base=base,
+        rotary_scaling_factor=factor,
+        rotary_percent=partial,
+        eps=_number("rms_norm_eps", c.get("rms_norm_eps") or 1e-6),
+        tied=bool(c.get("tie_word_embeddings", False)),
+    )
+
+
+_SILU = {"silu": "silu"}
+_GELU = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def _llama(c: Mapping) -> LMConfig:
+    _act(c, "hidden_act", _SILU)
+    _false(c, "attention_bias", "mlp_bias")
+    return LMConfig(**_base(c))
+
+
+def _mistral(c: Mapping) -> LMConfig:
+    _act(c, "hidden_act", _SILU)
+    return LMConfig(**_base(c), **_every_layer_window(c))
+
+
+def _qwen2(c: Mapping) -> LMConfig:
+    _act(c, "hidden_act", _SILU)
+    kw = _base(c)
+    return LMConfig(**kw, qkv_bias=True, **_qwen_window(c, kw["num_layers"]))
+
+
+def _qwen3(c: Mapping) -> LMConfig:
+    _act(c, "hidden_act", _SILU)
+    _false(c, "attention_bias")
+    kw = _base(c)
+    return LMConfig(**kw, qk_norm=True, **_qwen_window(c, kw["num_layers"]))
+
+
+def _phi3(c: Mapping) -> LMConfig:
+    _act(c, "hidden_act", _SILU)
+    return LMConfig(**_base(c, partial_ok=True), **_every_layer_window(c))
+
+
+def _gemma(c: Mapping, types: list[str]) -> dict:
+    """What Gemma 2 and 3 share: (1 + w) norms around attention and MLP, GeGLU, embeddings
+    times sqrt(hidden), the query_pre_attn_scalar scale, soft-capping, local/global layers."""
+    _false(c, "attention_bias", "use_bidirectional_attention")
+    return dict(
+        norm_offset=1.0,
+        sandwich_norm=True,
+        glu_activation=_act(c, "hidden_activation", _GELU),
+        embedding_multiplier=float(c["hidden_size"]) ** 0.5,
+        attention_scale=_number("query_pre_attn_scalar", c.get("query_pre_attn_scalar")) ** -0.5,
+        attn_logit_softcapping=_optional_number(c, "attn_logit_softcapping"),
+        final_logit_softcapping=_optional_number(c, "final_logit_softcapping"),
+        **_window(c, types, c.get("sliding_window")),
+    )
+
+
+def _gemma2(c: Mapping) -> LMConfig:
+    kw = _base(c)
+    layers = kw["num_layers"]
+    default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    return LMConfig(**kw, **_gemma(c, _layer_types(c, layers, default)))
+
+
+def _gemma3(c: Mapping) -> LMConfig:
+    """Gemma 3 adds q/k norms and a RoPE per layer type: ``rope_parameters`` keyed by
+    ``full_attention`` / ``sliding_attention`` (transformers 5), else ``rope_theta`` (+
+    ``rope_scaling``) for the global layers and ``rope_local_base_freq`` for the local ones."""
+    params = c.get("rope_parameters")
+    if isinstance(params, Mapping):
+        if not any(t in params for t in _LAYER_TYPES):
+            raise _refuse(
+                "rope_parameters",
+                dict(params),
+                "Gemma 3 keys it by layer type (full_attention, sliding_attention)",
+            )
+        plain = {k: v for k, v in c.items() if k != "rope_parameters"}
+        glob = _rope_one(params.get("full_attention"), "rope_parameters.full_attention", 1e6, False)
+        local = _rope_one(
+            params.get("sliding_attention"), "rope_parameters.sliding_attention", 1e4, False
+        )
+        kw = _base({**plain, "rope_parameters": {"rope_type": "default", "rope_theta": glob[0]}})
+        kw["rotary_scaling_factor"] = glob[1]
+    else:
+        kw = _base({**c, "rope_theta": c.get("rope_theta", 1e6)})
+        local = _rope_one({}, "rope_local_base_freq", c.get("rope_local_base_freq", 1e4), False)
+    layers = kw["num_layers"]
+    pattern = _int(c, "sliding_window_pattern", c.get("sliding_window_pattern", 6))
+    default = [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    return LMConfig(
+        **kw,
+        **_gemma(c, _layer_types(c, layers, default)),
+        qk_norm=True,
+        local_rotary_base=local[0],
+        local_rotary_scaling_factor=local[1],
+    )
+
+
+def _mixtral(c: Mapping) -> LMConfig:
+    _act(c, "hidden_act", _SILU)
+    experts = _int(c, "num_local_experts")
+    top = _int(c, "num_experts_per_tok")
+    if top > experts:
+        raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
+    return LMConfig(**_base(c), **_every_layer_window(c), num_experts=experts, moe_router_topk=top)
+
+
+def _qwen2_moe(c: Mapping) -> LMConfig:
+    _act(c, "hidden_act", _SILU)
+    kw = _base(c)
+    layers = kw["num_layers"]
+    experts, top = _int(c, "num_experts"), _int(c, "num_experts_per_tok")
+    if top > experts:
+        raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
+    step = _int(c, "decoder_sparse_step")
+    only = c.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) for i in only
+    ):
+        raise _refuse("mlp_only_layers", repr(only), "expected a list of layer indices")
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    shared = c.get("shared_expert_intermediate_size")
+    return LMConfig(
+        **kw,
+        **_qwen_window(c, layers, moe=True),
+        qkv_bias=bool(c.get("qkv_bias", True)),
+        num_experts=experts,
+        moe_router_topk=top,
+        moe_ffn_hidden_size=_int(c, "moe_intermediate_size"),
+        moe_norm_topk=bool(c.get("norm_topk_prob", False)),
+        moe_shared_expert_intermediate_size=_int(c, "shared_expert_intermediate_size")
+        if shared
+        else None,
+        moe_shared_expert_gate=bool(shared),
+        dense_layers=dense,
+    )
+
+
+def _gpt2(c: Mapping) -> LMConfig:
+    """GPT-2 through ``LMConfig.from_hf_gpt2``; the attention variants it has flags for are
+    refused unless at their defaults."""
+    if c.get("scale_attn_weights", True) is not True:
+        raise _refuse("scale_attn_weights", c["scale_attn_weights"], "only true is computed")
+    _false(c, "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn")
+    for field in ("hidden_size", "num_attention_heads", "intermediate_size"):
+        _int(c, field)
+    _layers(c)
+    _int(c, "max_position_embeddings")
+    return LMConfig.from_hf_gpt2(c)
+
+
+def _granite(c: Mapping) -> LMConfig:
+    """Llama with Granite's four scalars: embeddings times ``embedding_multiplier``, attention
+    and MLP outputs times ``residual_multiplier``, softmax scale ``attention_multiplier``,
+    logits divided by ``logits_scaling``."""
+    _act(c, "hidden_act", _SILU)
+    _false(c, "attention_bias", "mlp_bias")
+    return LMConfig(
+        **_base(c),
+        embedding_multiplier=_number("embedding_multiplier", c.get("embedding_multiplier")),
+        residual_multiplier=_number("residual_multiplier", c.get("residual_multiplier")),
+        attention_scale=_number("attention_multiplier", c.get("attention_multiplier")),
+        logits_scaling=_number("logits_scaling", c.get("logits_scaling")),
+    )
+
+
+def _olmo2(c: Mapping) -> LMConfig:
+    """OLMo 2: norms on the attention's and the MLP's outputs only, q/k norms over all heads."""
+    _act(c, "hidden_act", _SILU)
+    _false(c, "attention_bias")
+    return LMConfig(
+        **_base(c), pre_norm=False, sandwich_norm=True, qk_norm=True, qk_norm_scope="all"
+    )
+
+
+def _stablelm(c: Mapping) -> LMConfig:
+    """StableLM: LayerNorms (with biases), partial rotary (0.25 by default), q/k/v biases when
+    ``use_qkv_bias``; per-head q/k LayerNorms and the parallel residual are refused."""
+    _act(c, "hidden_act", _SILU)
+    _false(c, "qk_layernorm", "use_parallel_residual")
+    kw = _base(c, partial_ok=True)
+    kw.update(normalization="LayerNorm", eps=_number("layer_norm_eps", c.get("layer_norm_eps")))
+    return LMConfig(**kw, qkv_bias=bool(c.get("use_qkv_bias")))
+
+
+def _reader(model_type: str):
+    return {
+        "llama": _llama,
+        "mistral": _mistral,
+        "qwen2": _qwen2,
+        "qwen3": _qwen3,
+        "phi3": _phi3,
+        "gemma2": _gemma2,
+        "gemma3_text": _gemma3,
+        "mixtral": _mixtral,
+        "qwen2_moe": _qwen2_moe,
+        "granite": _granite,
+        "olmo2": _olmo2,
+        "stablelm": _stablelm,
+    }[model_type]

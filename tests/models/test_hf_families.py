@@ -1,0 +1,338 @@
+"""Hugging Face model families through ``verify --against SRC --logits``: transformers' own model
+of each family, built offline from a tiny config with random weights and ``save_pretrained``,
+converted, and its logits computed by ``TransformerLM`` from the converted weights through the
+family's shipped spec (``jax_ucp._src.models.hf_families``); and a config field the family does
+not compute refused naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+import jax_ucp
+from jax_ucp._src.logits import compare_logits
+from jax_ucp._src.models.hf_families import hf_model
+
+_TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+#: family -> (config class, model class, config kwargs, a field the model does not compute
+#: as {field: value} merged into config.json, what the refusal names)
+FAMILIES = {
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(_TINY, tie_word_embeddings=True),
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+        r"rope_parameters\.rope_type 'yarn'",
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(_TINY, sliding_window=5, head_dim=16),
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+        r"rope_parameters\.rope_type 'dynamic'",
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(_TINY, use_sliding_window=True, sliding_window=6, max_window_layers=1),
+        {"layer_types": ["full_attention", "chunked_attention"]},
+        r"layer_types",
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(_TINY, head_dim=16),
+        {"attention_bias": True},
+        r"attention_bias True",
+    ),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(
+            vocab_size=96,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        {"scale_attn_by_inverse_layer_idx": True},
+        r"scale_attn_by_inverse_layer_idx True",
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(_TINY, partial_rotary_factor=0.5, sliding_window=7, pad_token_id=0),
+        {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+        r"rope_parameters\.rope_type 'longrope'",
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            _TINY,
+            head_dim=16,
+            query_pre_attn_scalar=12,
+            sliding_window=4,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
+        {"hidden_activation": "relu"},
+        r"hidden_activation 'relu'",
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            _TINY,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            final_logit_softcapping=3.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e3},
+            },
+        ),
+        {"use_bidirectional_attention": True},
+        r"use_bidirectional_attention True",
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(_TINY, num_local_experts=4, num_experts_per_tok=2),
+        {"hidden_act": "gelu"},
+        r"hidden_act 'gelu'",
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            _TINY,
+            num_hidden_layers=3,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            mlp_only_layers=[1],
+        ),
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+        r"rope_scaling\.rope_type 'llama3'",
+    ),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            _TINY,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.25,
+            logits_scaling=2.0,
+        ),
+        {"mlp_bias": True},
+        r"mlp_bias True",
+    ),
+    "olmo2": (
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        dict(_TINY, pad_token_id=0, eos_token_id=0),
+        {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
+        r"rope_parameters\.rope_type 'yarn'",
+    ),
+    "stablelm": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        dict(_TINY, use_qkv_bias=True),
+        {"use_parallel_residual": True},
+        r"use_parallel_residual True",
+    ),
+}
+
+
+def _save_tiny(family: str, folder) -> str:
+    """transformers' model of ``family`` from its tiny config, every weight moved off its
+    initial value at random (a norm left at 1 or 0 would not show a misplaced one), saved."""
+    import torch
+    import transformers
+
+    config_class, model_class, kwargs, _, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**kwargs))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_gives_the_sources_logits_and_refuses_what_it_does_not_compute(family, tmp_path):
+    """Converted exactly (every tensor equal to the source's), logits within 1e-4 of
+    transformers'; the same folder with a config field the family does not compute is
+    refused naming the field, before anything is loaded."""
+    src = _save_tiny(family, tmp_path / "src")
+    with open(os.path.join(src, "config.json")) as f:
+        assert json.load(f)["model_type"] == family
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp")
+    found = jax_ucp.verify(ckpt, against=src, logits=True)
+    assert found == [], found
+    assert found.logits is not None and found.logits.ok
+    assert found.logits.max_abs_diff <= 1e-4 and found.logits.batch == (2, 16)
+
+    wrong = shutil.copytree(src, tmp_path / "wrong")
+    with open(wrong / "config.json") as f:
+        config = json.load(f)
+    change, names = FAMILIES[family][3], FAMILIES[family][4]
+    with open(wrong / "config.json", "w") as f:
+        json.dump({**config, **change}, f)
+    with pytest.raises(jax_ucp.SourceError, match=rf"config\.json.*{names}"):
+        compare_logits(ckpt, str(wrong))
+
+
+def _config(family: str, **changes) -> dict:
+    """The tiny config of ``family`` as config.json holds it (no torch)."""
+    return {"model_type": family, **FAMILIES[family][2], **changes}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_builds_a_model_of_the_counted_size_and_its_spec_loads(family):
+    """Torch-free: the family's LMConfig variant runs (logits of the right shape, finite), holds
+    exactly ``parameter_count()`` elements (what --logits checks a config.json against), and
+    its shipped spec loads with the head settings."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_ucp.language import load_spec
+    from jax_ucp.models import TransformerLM
+
+    cfg, spec = hf_model(_config(family))
+    assert load_spec(spec, **cfg.head_settings).name == spec
+    tokens = jnp.arange(12, dtype=jnp.int32).reshape(1, 12) % cfg.vocab_size
+    params = TransformerLM(cfg).init(jax.random.key(0), tokens)
+    held = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    assert held == cfg.parameter_count()
+    logits = TransformerLM(cfg).apply(params, tokens)
+    assert logits.shape == (1, 12, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_path):
+    """Torch-free: the field each family's torch test changes is refused by hf_model itself
+    (a RequestError naming the field and value), and by --logits (a SourceError naming the
+    config.json) before the checkpoint or torch is touched, never computed differently."""
+    config = _config(family, **FAMILIES[family][3])
+    with pytest.raises(jax_ucp.RequestError, match=rf"config\.json: {FAMILIES[family][4]}"):
+        hf_model(config)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(jax_ucp.SourceError, match=rf"src/config\.json.*{FAMILIES[family][4]}"):
+        compare_logits(str(tmp_path / "never-read"), str(tmp_path / "src"))
+
+
+@pytest.mark.parametrize(
+    "family, changes, names",
+    [
+        ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"rope_scaling\.rope_type"),
+        ("llama", {"mlp_bias": True}, r"mlp_bias True"),
+        ("qwen2", {"head_dim": 0}, r"head_dim 0"),
+        ("gemma2", {"query_pre_attn_scalar": float("nan")}, r"query_pre_attn_scalar nan"),
+        ("gemma3_text", {"rope_parameters": {"rope_type": "default"}}, r"rope_parameters"),
+        ("mixtral", {"num_experts_per_tok": 5}, r"num_experts_per_tok 5"),
+        ("qwen2_moe", {"mlp_only_layers": "1"}, r"mlp_only_layers"),
+        ("phi3", {"partial_rotary_factor": 0.375}, r"partial_rotary_factor 0.375.*odd"),
+        ("phi3", {"partial_rotary_factor": 1.5}, r"partial_rotary_factor 1.5"),
+        ("qwen3", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor"),
+        ("mistral", {"sliding_window": -3}, r"sliding_window -3"),
+        ("bert", {}, r"model_type 'bert'"),
+        ("llama", {"num_hidden_layers": 2**30}, r"num_hidden_layers 1073741824"),
+        ("gpt2", {"n_layer": 2**30}, r"num_hidden_layers 1073741824"),
+    ],
+)
+def test_values_no_model_has_are_refused_naming_the_field(family, changes, names):
+    config = _config(family, **changes) if family in FAMILIES else {"model_type": family}
+    with pytest.raises(jax_ucp.RequestError, match=names):
+        hf_model(config)
+
+
+def test_the_sliding_window_masks_keys_further_back_than_it():
+    """A window at least the sequence's length is full attention, bit for bit; a window of 1
+    is not (each query sees only itself)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_ucp.models import TransformerLM
+
+    cfg, _ = hf_model(_config("mistral"))
+    tokens = jnp.arange(10, dtype=jnp.int32)[None]
+    params = TransformerLM(cfg).init(jax.random.key(0), tokens)
+
+    def logits(window):
+        return np.asarray(
+            TransformerLM(dataclasses.replace(cfg, sliding_window=window)).apply(params, tokens)
+        )
+
+    assert np.array_equal(logits(10), logits(None))
+    assert not np.allclose(logits(1), logits(None)) and np.allclose(
+        logits(1)[:, 0], logits(None)[:, 0]
+    )
+
+
+def _older_config(config: dict) -> dict:
+    """``config`` as transformers 4 wrote it: RoPE in ``rope_theta`` / ``rope_scaling`` (Gemma 3:
+    ``rope_local_base_freq`` for the local layers), no ``rope_parameters``, no ``layer_types``."""
+    old = {k: v for k, v in config.items() if k not in ("rope_parameters", "layer_types")}
+    rope = config.get("rope_parameters") or {}
+    if "full_attention" in rope:
+        old["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    old["rope_theta"] = rope.get("rope_theta", 10000.0)
+    if "partial_rotary_factor" in rope:
+        old["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    if rope.get("rope_type", "default") != "default":
+        old["rope_scaling"] = {"rope_type": rope["rope_type"], "factor": rope["factor"]}
+    return old
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"gpt2"}))
+def test_an_older_config_reads_as_transformers_reads_it(family, tmp_path):
+    """A config.json in transformers 4's form (no rope_parameters, no layer_types): the model
+    read from it is the one read from what transformers 5 makes of it (its own config class,
+    defaults filled in, to_dict)."""
+    import transformers
+
+    config_class, _, kwargs, _, _ = FAMILIES[family]
+    written = getattr(transformers, config_class)(**kwargs).to_dict()
+    older = _older_config(written)
+    again = getattr(transformers, config_class)(
+        **{k: v for k, v in older.items() if k != "model_type"}
+    ).to_dict()
+    assert hf_model(older) == hf_model(again)
+
+
+def test_an_empty_rope_scaling_gives_way_to_rope_parameters():
+    """transformers reads ``rope_scaling or rope_parameters``: an empty ``rope_scaling`` beside
+    transformers 5's ``rope_parameters`` must not reset RoPE's base to the default."""
+    rope = {"rope_type": "default", "rope_theta": 5e5}
+    cfg, _ = hf_model(_config("llama", rope_scaling={}, rope_parameters=rope))
+    assert cfg.rotary_base == 5e5
