@@ -671,7 +671,9 @@ def _expected(message: str, kept: list, node: Any, found: Any, kind: str) -> str
         return 'a JSON object, "entry": "tensor" or "value"'
     if last == "partition_spec" and element:
         return "null, an axis name or a list of axis names"
-    if element and kind == "tree":
+    if element and kind == "tree":  # children[i], or its name [0] or key type [1]
+        if isinstance(kept[-2], int) and kept[-1] in (0, 1):
+            return "a string" if kept[-1] == 0 else f"one of {list(KEY_TYPES)}"
         return "[name, key type, node]"
     if last == "type":
         allowed = model.TREE_NODE_TYPES if kind == "tree" else tuple(_VALUE_TYPES)
