@@ -142,38 +142,32 @@ class LeafNode(_Model, tag="leaf", tag_field="type"):
     """A leaf of the saved tree: one entry."""
 
 
-class DictNode(_Model, tag="dict", tag_field="type"):
+class _Container(_Model):
+    children: list[Child]
+    class_: str | UnsetType = msgspec.field(default=UNSET, name="class")
+
+
+class DictNode(_Container, tag="dict", tag_field="type"):
     """A dict; children as [name, key type, node]."""
 
-    children: list[Child]
-    class_: str | UnsetType = msgspec.field(default=UNSET, name="class")
 
-
-class ListNode(_Model, tag="list", tag_field="type"):
+class ListNode(_Container, tag="list", tag_field="type"):
     """A list; children as [name, key type, node]."""
 
-    children: list[Child]
-    class_: str | UnsetType = msgspec.field(default=UNSET, name="class")
 
-
-class TupleNode(_Model, tag="tuple", tag_field="type"):
+class TupleNode(_Container, tag="tuple", tag_field="type"):
     """A tuple; children as [name, key type, node]."""
 
-    children: list[Child]
-    class_: str | UnsetType = msgspec.field(default=UNSET, name="class")
 
-
-class NamedTupleNode(_Model, tag="namedtuple", tag_field="type"):
+class NamedTupleNode(_Container, tag="namedtuple", tag_field="type"):
     """A NamedTuple of class 'module:qualname' (rebuilt only from an allow-list of modules)."""
 
-    children: list[Child]
     class_: str = msgspec.field(name="class")
 
 
-class ObjectNode(_Model, tag="object", tag_field="type"):
+class ObjectNode(_Container, tag="object", tag_field="type"):
     """Another pytree class 'module:qualname' (rebuilt only from an allow-list of modules)."""
 
-    children: list[Child]
     class_: str = msgspec.field(name="class")
 
 
