@@ -589,7 +589,7 @@ def _converted(d: Any, kind: type, where: str, top: bool = False) -> Any:
 
 
 # msgspec names the culprit as a path: `$.entries[2].shape[0]`, `key` in `$.x.shard_digests`
-_PATH_PART = re.compile(r"\.([A-Za-z_]+)|\[(\d+|\.\.\.)\]")
+_PATH_PART = re.compile(r"\.([A-Za-z_]+)|\[([0-9]+|\.\.\.)\]")
 # fields reported whole (as the format describes them), not by the element at fault
 _WHOLE = frozenset(
     ("key", "key_types", "shape", "chunk_shape", "inner_chunk_shape", "logical_axes")
@@ -630,7 +630,7 @@ def _field_error(message: str, d: Any, where: str, top: bool) -> CheckpointError
     """msgspec's refusal of ``d`` as the project's error, naming ``where``, the entry (its
     index and key path) and the field as the format names them, and what was found."""
     message, _, at = message.partition(" - at `")
-    parts = [n or (int(i) if i.isdigit() else None) for n, i in _PATH_PART.findall(at)]
+    parts = [n or (None if i == "..." else int(i)) for n, i in _PATH_PART.findall(at)]
     node, name, sep = d, where, "."
     if top:
         sep = ": "
