@@ -172,3 +172,12 @@ def test_schema_and_reader_agree(tmp_path, name):
 
 # JSON Schema's "integer" admits 3.0; the reader wants a JSON integer.
 READER_ONLY = {"float dim"}
+
+
+def test_the_checked_in_schema_is_the_one_the_model_generates():
+    """``ucp_manifest.v1.schema.json`` is generated from the typed model (regenerate it with
+    ``python -m jax_ucp._src.format.manifest_model``), never edited by hand."""
+    from jax_ucp._src.format import manifest_model
+
+    assert manifest_model.SCHEMA_FILE.read_text(encoding="utf-8") == manifest_model.schema_text()
+    assert json.loads(manifest_model.schema_text()) == manifest_model.json_schema()

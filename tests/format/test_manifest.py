@@ -435,3 +435,44 @@ def test_values_entries_share_are_still_checked_one_by_one(field, value, message
     d["entries"][2][field] = value
     with pytest.raises(CheckpointError, match=r"entries\[2\] \('params/w2'\)" + message):
         _loads(json.dumps(d))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: d["entries"].__setitem__(1, 5), r"entries\[1\]: expected a JSON object"),
+        (
+            lambda d: d["tree"]["children"].__setitem__(0, ["step", "key"]),
+            r"tree\.children\[0\]: expected \[name, key type, node\]",
+        ),
+        (
+            lambda d: d["tree"]["children"][0].__setitem__(1, "slot"),
+            r"tree\.children\[0\]\[1\]: expected one of \['key', 'index', 'attr'\]",
+        ),
+        (
+            lambda d: d["tree"]["children"][0][2].update(type="set"),
+            r"tree\.children\[0\]\[2\]\.type: expected one of \['leaf'",
+        ),
+        (lambda d: d["tree"].update(type="namedtuple"), r"tree: missing field 'class'"),
+        (
+            lambda d: d["tree"]["children"][0][2].update(children=[]),
+            r"tree\.children\[0\]\[2\]: unknown field\(s\) \['children'\]",
+        ),
+        (
+            lambda d: d["entries"][0]["saved_sharding"]["mesh"].update(x=1),
+            r"entries\[0\] \('params/w0'\)\.saved_sharding\.mesh: unknown field\(s\) \['x'\]",
+        ),
+        (
+            lambda d: d["entries"][0].update(shape=[1] * 65),
+            r"entries\[0\] \('params/w0'\)\.shape: expected at most 64 dimensions",
+        ),
+        (lambda d: d["kvstore"].update(driver=3), r"kvstore\.driver: expected a string"),
+    ],
+)
+def test_a_field_the_model_refuses_is_named_as_the_format_names_it(damage, message):
+    """msgspec names the culprit by its JSON path (`$.tree.children[0][2].type`); the error
+    names the file, the entry (index and key path) and the field, and what was found."""
+    d = json.loads(_manifest_text())
+    damage(d)
+    with pytest.raises(CheckpointError, match=r"^ucp\.json: " + message):
+        _loads(json.dumps(d))

@@ -8,6 +8,7 @@ checkpoint is self-describing without JAX, without the mesh it was saved from, a
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
@@ -20,16 +21,19 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
+import msgspec
+
 from jax_ucp._src import bulk
 from jax_ucp._src.errors import CheckpointError, RequestError
 from jax_ucp._src.format import display, files
 from jax_ucp._src.format import dtypes as dtypes_lib
 from jax_ucp._src.format import keypath as keypath_lib
+from jax_ucp._src.format import manifest_model as model
 from jax_ucp._src.format.sizes import format_size
 from jax_ucp._src.version import __version__
 
-FORMAT_NAME = "jax_ucp"
-FORMAT_VERSION = 1
+FORMAT_NAME = model.FORMAT_NAME
+FORMAT_VERSION = model.FORMAT_VERSION
 MANIFEST_FILE = "ucp.json"
 ARRAYS_DIR = "arrays"
 
@@ -66,15 +70,7 @@ MAX_JSON_DEPTH = 512  # a recorded tree structure nests 3 JSON levels per pytree
 #: (checked at save, so what ``save`` writes ``restore`` reads)
 MAX_TREE_DEPTH = MAX_JSON_DEPTH // 3
 MAX_INT_DIGITS = 64  # Python values may be large ints (2**70); a 5000-digit one is an attack
-_DIR_RE = re.compile(r"arrays/[A-Za-z0-9_%~.\-]+")
-_DIGEST_RE = re.compile(r"[0-9a-f]{8}")
-_SHARD_KEY_RE = re.compile(r"c(/[0-9]+)*")
-# Every key and every digest of one shard_digests map at once, joined by newlines (neither
-# pattern admits one): two regex calls per tensor instead of two per shard file, which was half
-# of reading a manifest with 447 000 shard files (benchmarks/bench_plan_scale.py).
-_SHARD_KEYS_RE = re.compile(r"c(/[0-9]+)*(\nc(/[0-9]+)*)*")
-_DIGESTS_RE = re.compile(r"[0-9a-f]{8}(\n[0-9a-f]{8})*")
-_FLOAT_HEX_RE = re.compile(r"-?(0x[0-9a-fA-F](\.[0-9a-fA-F]*)?p[+-]?[0-9]+|inf|nan)")
+_FLOAT_HEX_RE = re.compile(model.FLOAT_HEX_PATTERN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,27 +91,7 @@ class SavedSharding:
     @classmethod
     def from_json(cls, d: Any, where: str = "saved_sharding") -> SavedSharding:
         """Parsed from its JSON form, strictly; errors name ``where``."""
-        d = _object(
-            d, where, required=("mesh", "partition_spec"), allowed=("mesh", "partition_spec")
-        )
-        mesh = _object(
-            d["mesh"],
-            f"{where}.mesh",
-            required=("axis_names", "shape"),
-            allowed=("axis_names", "shape"),
-        )
-        names = _str_list(mesh["axis_names"], f"{where}.mesh.axis_names")
-        shape = _dims(mesh["shape"], f"{where}.mesh.shape")
-        spec = d["partition_spec"]
-        if not isinstance(spec, list):
-            _fail(f"{where}.partition_spec", "a list", spec)
-        entries = tuple(
-            p
-            if p is None or isinstance(p, str)
-            else tuple(_str_list(p, f"{where}.partition_spec[{i}]"))
-            for i, p in enumerate(spec)
-        )
-        return cls(mesh_axis_names=tuple(names), mesh_shape=shape, partition_spec=entries)
+        return _saved_sharding(_converted(d, model.SavedShardingModel, where))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,111 +177,8 @@ class TensorEntry(display.Tabular):
 
     @classmethod
     def from_json(cls, d: Any, where: str = "entry") -> TensorEntry:
-        """Parsed from its JSON form, strictly; errors name ``where`` and the field.
-
-        Each check is a cheap test whose message is built only when it fails, and what entries
-        share (shapes, key types, the saved sharding) is parsed once and shared: a manifest of
-        100 000 entries parses in proportion, its entries holding one copy of each."""
-        if not (isinstance(d, dict) and _TENSOR_REQUIRED_SET <= d.keys() <= _TENSOR_FIELDS_SET):
-            _object(d, where, required=_TENSOR_REQUIRED, allowed=_TENSOR_FIELDS)
-        key, key_types = _key(d, where)
-        dtype = d["dtype"]
-        if not isinstance(dtype, str) or dtype not in _DTYPES:
-            _enum(dtype, f"{_named(where, key)}.dtype", dtypes_lib.SUPPORTED)
-        shape, chunk_shape, inner = _shapes(d, where, key)
-        directory = _directory(d["dir"], where, key)
-        checksum = d.get("checksum")
-        if checksum not in CHECKSUMS:
-            _enum(checksum, f"{_named(where, key)}.checksum", CHECKSUMS)
-        digests = _shard_digests(d.get("shard_digests"), where, key)
-        logical = d.get("logical_axes")
-        if logical is not None:
-            logical = _opt_str_list(logical, f"{_named(where, key)}.logical_axes")
-            if len(logical) != len(shape):
-                _fail(
-                    f"{_named(where, key)}.logical_axes", f"{len(shape)} names", d["logical_axes"]
-                )
-        provenance = d.get("provenance")
-        if provenance is not None:
-            _object(provenance, f"{_named(where, key)}.provenance")
-        frozen = d.get("frozen", False)
-        if not isinstance(frozen, bool):
-            _fail(f"{_named(where, key)}.frozen", "a JSON bool", frozen)
-        tied_to = d.get("tied_to")
-        if tied_to is not None and not isinstance(tied_to, str):
-            _string(tied_to, f"{_named(where, key)}.tied_to")
-        key_impl = d.get("key_impl")
-        if key_impl is not None:
-            _key_impl(key_impl, d["dtype"], shape, _named(where, key))
-        compression = d.get("compression")
-        if compression not in COMPRESSIONS:
-            _enum(compression, f"{_named(where, key)}.compression", COMPRESSIONS)
-        role = d["role"]
-        if not isinstance(role, str) or role not in _ROLES:
-            _enum(role, f"{_named(where, key)}.role", ROLES)
-        sub_role = d.get("sub_role")
-        if sub_role is not None and not isinstance(sub_role, str):
-            _string(sub_role, f"{_named(where, key)}.sub_role")
-        saved = d.get("saved_sharding")
-        if saved is not None:
-            saved = _saved_sharding(saved, where, key)
-        entry = object.__new__(cls)  # every field set here: __init__'s 17 frozen setattrs
-        entry.__dict__.update(  # would double the cost of a parse; the fields are checked
-            key=key,
-            key_types=key_types,
-            dir=directory,
-            shape=shape,
-            dtype=_CANONICAL[dtype],
-            chunk_shape=chunk_shape,
-            inner_chunk_shape=inner,
-            compression=_CANONICAL.get(compression),
-            checksum=_CANONICAL.get(checksum),
-            role=_CANONICAL[role],
-            sub_role=sub_role,
-            logical_axes=None if logical is None else tuple(logical),
-            saved_sharding=saved,
-            provenance=provenance,
-            shard_digests=digests,
-            frozen=frozen,
-            tied_to=tied_to,
-            key_impl=key_impl,
-        )
-        return entry
-
-
-_OMITTED_AT_DEFAULT = frozenset(("frozen", "tied_to", "key_impl"))
-#: JAX's PRNG key implementations a ``key_impl`` may name, with the shape of one key's data
-#: (the stored tensor's last dimensions): a manifest names nothing else.
-KEY_IMPLS = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
-
-
-def _key_impl(v: Any, dtype: Any, shape: tuple[int, ...], where: str) -> None:
-    """A ``key_impl`` checked against the tensor it describes: a known implementation, and
-    uint32 key data whose last dimensions are one key's."""
-    _enum(v, f"{where}.key_impl", tuple(KEY_IMPLS))
-    key_shape = KEY_IMPLS[v]
-    if dtype != "uint32" or tuple(shape[len(shape) - len(key_shape) :]) != key_shape:
-        _fail(
-            f"{where}.key_impl",
-            f"uint32 key data of shape (..., {', '.join(map(str, key_shape))}) for {v!r}",
-            f"{dtype} of shape {list(shape)}",
-        )
-
-
-_TENSOR_REQUIRED = (
-    "entry",
-    "key",
-    "dir",
-    "shape",
-    "dtype",
-    "chunk_shape",
-    "inner_chunk_shape",
-    "role",
-)
-_TENSOR_FIELDS = _TENSOR_REQUIRED + tuple(
-    f.name for f in dataclasses.fields(TensorEntry) if f.name not in _TENSOR_REQUIRED
-)
-_TENSOR_REQUIRED_SET, _TENSOR_FIELDS_SET = frozenset(_TENSOR_REQUIRED), frozenset(_TENSOR_FIELDS)
+        """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
+        return _tensor_entry(_converted(d, model.TensorModel, where), where)
 
 
 # JSON "type" of a value entry -> (what its "value" must be, the check)
@@ -382,29 +255,9 @@ class ValueEntry:
     @classmethod
     def from_json(cls, d: Any, where: str = "entry") -> ValueEntry:
         """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
-        _object(d, where, required=("entry", "key", "type", "value"), allowed=_VALUE_FIELDS)
-        key, key_types = _key(d, where)
-        w = _named(where, key)
-        t = _enum(d["type"], f"{w}.type", tuple(_VALUE_TYPES))
-        v = d["value"]
-        expected, valid = _VALUE_TYPES[t]
-        if not valid(v):
-            _fail(f"{w}.value", expected, v)
-        if t == "float":
-            try:
-                v = float.fromhex(v)
-            except (ValueError, OverflowError):
-                _fail(f"{w}.value", expected, d["value"])
-        return cls(
-            key=key,
-            key_types=key_types,
-            value=v,
-            role=_enum(d.get("role", "other"), f"{w}.role", ROLES),
-            sub_role=None if d.get("sub_role") is None else _string(d["sub_role"], f"{w}.sub_role"),
-        )
+        return _value_entry(_converted(d, model.ValueModel, where), where)
 
 
-_VALUE_FIELDS = ("entry", "key", "key_types", "role", "sub_role", "type", "value")
 #: what a table of tensors shows (``to_rows`` has a few more)
 _ENTRY_COLUMNS = ("name", "shape", "dtype", "role", "logical_axes", "saved_spec")
 
@@ -542,201 +395,81 @@ class Manifest(display.Tabular):
     @classmethod
     def from_json(cls, d: Any, *, where: str = MANIFEST_FILE) -> Manifest:
         """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
-        if not isinstance(d, Mapping) or d.get("format") != FORMAT_NAME:
-            found = d.get("format") if isinstance(d, Mapping) else type(d).__name__
-            raise CheckpointError(
-                f'{where}: not a jax_ucp manifest (expected "format": "{FORMAT_NAME}", '
-                f"found {_short(found)})."
-            )
-        version = d.get("version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            _fail(f"{where}: version", "an integer ≥ 1", version)
-        if version > FORMAT_VERSION:
-            raise CheckpointError(
-                f"{where}: format version {version} is newer than this jax_ucp "
-                f"understands (≤ {FORMAT_VERSION}); upgrade jax_ucp to read it."
-            )
-        _object(d, where, required=_MANIFEST_REQUIRED, allowed=_MANIFEST_FIELDS)
-        kvstore = _object(
-            d["kvstore"], f"{where}: kvstore", required=("driver",), allowed=("driver",)
-        )
-        entries_json = d["entries"]
-        if isinstance(entries_json, _ParsedEntries):  # by loads, as they were decoded
-            if entries_json.error is not None:
-                raise entries_json.error
-            entries = entries_json.entries
-        elif not isinstance(entries_json, list):
-            _fail(f"{where}: entries", "a list", entries_json)
-        else:
-            entries = [_entry(e, f"{where}: entries[{i}]") for i, e in enumerate(entries_json)]
-        created_at = d.get("created_at", 0.0)
-        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
-            _fail(f"{where}: created_at", "a number", created_at)
-        tree = d.get("tree")
-        if tree is not None:
-            leaves, keys = _tree_leaves(tree, f"{where}: tree", where), {e.key for e in entries}
-            if leaves != keys:
-                odd = sorted(leaves ^ keys)[:3]
-                raise CheckpointError(
-                    f"{where}: tree: its leaves and the entries differ (e.g. "
-                    f"{[keypath_lib.key_to_str(k) for k in odd]}); expected exactly one leaf per entry."
-                )
-        try:  # Manifest's own checks (a key or directory twice) name the file too
-            return cls(
-                entries=entries,
-                save_id=_string(d["save_id"], f"{where}: save_id"),
-                kvstore_driver=_string(kvstore["driver"], f"{where}: kvstore.driver"),
-                created_by=_string(d.get("created_by", ""), f"{where}: created_by"),
-                created_at=float(created_at),
-                source=_object(d.get("source", {}), f"{where}: source"),
-                tree=tree,
-                version=version,
-                format=d["format"],
-            )
-        except CheckpointError as e:
-            if str(e).startswith(where):
-                raise
-            raise CheckpointError(f"{where}: {e}") from None
+        _check_header(d, where)
+        return cls._from_model(_converted(d, model.ManifestModel, where, top=True), where)
 
     @classmethod
     def loads(cls, text: str | bytes, *, where: str = MANIFEST_FILE) -> Manifest:
         """Parsed from ``ucp.json``'s text (size, depth, integers bounded); errors name ``where``.
 
-        Each entry becomes its ``TensorEntry`` as soon as it is decoded, so the decoded JSON of
-        all entries (~4 KB an entry) is never held at once: a 100 000-entry manifest peaks at
-        its text and its entries."""
+        msgspec decodes the text straight into the typed model (in C, each entry a compact
+        Struct); a text it refuses is decoded again by ``json`` (with its duplicate-key rule and
+        error messages) and checked field by field for the error naming the field."""
+        decoded = _decoded(text)
+        if decoded is not None:
+            return cls._from_model(decoded, where)
         if isinstance(text, bytes):
             text = _manifest_text(text, where=where)
-        # Integers are bounded by a hook only when the text holds a run of digits that long
-        # (the hook costs a Python call per integer: seconds for 100 000 entries).
-        decoder = json.JSONDecoder(
-            parse_int=_bounded_int if _long_digit_run(text) else None,
-            parse_constant=_no_constant,
-        )
-        with bulk.cyclic_gc_paused():
-            try:
-                d = _decode(text, decoder, where)
-            except RecursionError:  # the C scanner's own guard, far below the stack's end
-                raise CheckpointError(
-                    f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
-                ) from None
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
-            except CheckpointError:
-                raise
-            except ValueError as e:
-                raise CheckpointError(f"{where}: {e}") from None
-            _check_nesting(d, where)
-            return cls.from_json(d, where=where)
-
-
-class _ParsedEntries:
-    """The ``entries`` array as ``Manifest.loads`` decoded it: each element's entry (until the
-    first that fails, whose error ``from_json`` raises where it checks the entries), and
-    whether an element's provenance nests too deep (raised before any field is checked)."""
-
-    def __init__(self, where: str):
-        self.where = where
-        self.entries: list[Entry] = []
-        self.error: CheckpointError | None = None
-        self.too_deep = False
-
-    def add_from(self, scan, text: str, i: int) -> int:
-        """The element at ``i`` decoded and added; the index after it."""
-        element, i = _scan(scan, text, i)
-        self.add(element)
-        return i
-
-    def add(self, element: Any) -> None:
-        """One decoded element: checked and kept as its entry, its JSON dropped."""
-        if self.error is not None or self.too_deep:
-            return  # an error is raised anyway; the rest is only decoded (valid JSON or not)
-        if isinstance(element, dict) and _deeper(element.get("provenance"), 4) is not None:
-            self.too_deep = True
-            return
+        decoder = json.JSONDecoder(parse_int=_bounded_int, parse_constant=_no_constant)
         try:
-            self.entries.append(_entry(element, f"{self.where}: entries[{len(self.entries)}]"))
-        except CheckpointError as e:
-            self.error = e
+            d = decoder.decode(text)
+        except RecursionError:  # the C scanner's own guard, far below the stack's end
+            raise CheckpointError(
+                f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
+            ) from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        return cls.from_json(d, where=where)
+
+    @classmethod
+    def _from_model(cls, m: model.ManifestModel, where: str) -> Manifest:
+        """The manifest of a decoded model, after the checks a schema cannot express."""
+        with bulk.cyclic_gc_paused():
+            entries: list = m.entries
+            if _deeper(m.source, 2) is not None or any(
+                e.provenance is not None and _deeper(e.provenance, 4) is not None
+                for e in entries
+                if type(e) is model.TensorModel
+            ):
+                raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
+            for i, e in enumerate(entries):  # in place: each model freed as its entry is built
+                at = f"{where}: entries[{i}]"
+                entries[i] = (
+                    _tensor_entry(e, at) if type(e) is model.TensorModel else _value_entry(e, at)
+                )
+            tree = None if m.tree is None else _tree_dicts(m.tree, entries, where)
+            try:  # Manifest's own checks (a key or directory twice) name the file too
+                return cls(
+                    entries=entries,
+                    save_id=m.save_id,
+                    kvstore_driver=m.kvstore.driver,
+                    created_by=m.created_by,
+                    created_at=float(m.created_at),
+                    source=m.source,
+                    tree=tree,
+                    version=m.version,
+                    format=m.format,
+                )
+            except CheckpointError as e:
+                if str(e).startswith(where):
+                    raise
+                raise CheckpointError(f"{where}: {e}") from None
 
 
-def _entry(e: Any, where: str) -> Entry:
-    """One element of ``entries``, by its ``entry`` kind."""
-    kind = e.get("entry") if isinstance(e, Mapping) else None
-    if kind == "tensor":
-        return TensorEntry.from_json(e, where)
-    if kind == "value":
-        return ValueEntry.from_json(e, where)
-    _fail(f"{where}.entry", '"tensor" or "value"', kind)
+def _decoded(text: str | bytes) -> model.ManifestModel | None:
+    """``text`` decoded into the model by msgspec, or None where it refuses it (or holds a
+    long run of digits): the slow path then finds the error and names the field."""
+    if _long_digit_run(text):
+        return None
+    with bulk.cyclic_gc_paused(), contextlib.suppress(*_REFUSALS):
+        return model.DECODER.decode(text)
+    return None
 
 
-_WHITESPACE = re.compile(r"[ \t\n\r]*")  # JSON's own (json.decoder.WHITESPACE)
-_scanstring = json.decoder.scanstring  # pyright: ignore[reportAttributeAccessIssue]
-
-
-def _skip(text: str, i: int) -> int:
-    """The index of the first character at or after ``i`` that is not JSON whitespace."""
-    found = _WHITESPACE.match(text, i)
-    return found.end() if found else i
-
-
-def _decode(text: str, decoder: json.JSONDecoder, where: str) -> Any:
-    """``decoder.decode(text)``, except that the top-level object's ``entries`` array (each
-    occurrence: the last one counts, as for any key) comes back as ``_ParsedEntries``. Every
-    value is decoded by ``decoder`` itself (its strings, numbers, hooks and nesting guard);
-    only the top-level object and that array are walked here, as ``json`` walks them."""
-    scan = decoder.scan_once  # pyright: ignore[reportAttributeAccessIssue]  # json's scanner
-    i = _skip(text, 0)
-    if not text.startswith("{", i):
-        return decoder.decode(text)  # not an object: no entries to stream
-    out: dict[str, Any] = {}
-
-    def member(i: int) -> int:
-        if not text.startswith('"', i):
-            raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
-        name, i = _scanstring(text, i + 1)
-        i = _skip(text, i)
-        if not text.startswith(":", i):
-            raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
-        i = _skip(text, i + 1)
-        if name == "entries" and text.startswith("[", i):  # each element its entry, as decoded
-            parsed = out[name] = _ParsedEntries(where)
-            return _items(text, i + 1, "]", lambda i: parsed.add_from(scan, text, i))
-        out[name], i = _scan(scan, text, i)
-        return i
-
-    i = _skip(text, _items(text, i + 1, "}", member))
-    if i != len(text):
-        raise json.JSONDecodeError("Extra data", text, i)
-    return out
-
-
-def _items(text: str, i: int, close: str, item) -> int:
-    """Walks the comma-separated items of the array or object whose opening bracket ends at
-    ``i``, ``item(i)`` decoding each (returning the index after it); the index after ``close``."""
-    i = _skip(text, i)
-    if text.startswith(close, i):
-        return i + 1
-    while True:
-        i = _skip(text, item(i))
-        if text.startswith(close, i):
-            return i + 1
-        if not text.startswith(",", i):
-            raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
-        i = _skip(text, i + 1)
-
-
-def _scan(scan, text: str, i: int) -> tuple[Any, int]:
-    """One JSON value at ``i`` and the index after it."""
-    try:
-        return scan(text, i)
-    except StopIteration as e:
-        raise json.JSONDecodeError("Expecting value", text, e.value) from None
-
-
-_MANIFEST_REQUIRED = ("format", "version", "save_id", "kvstore", "entries")
-_MANIFEST_FIELDS = _MANIFEST_REQUIRED + ("created_by", "created_at", "source", "tree")
-TREE_NODE_TYPES = ("leaf", "dict", "list", "tuple", "namedtuple", "object")
+TREE_NODE_TYPES = model.TREE_NODE_TYPES
+_REFUSALS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError)
 
 
 def read_manifest_file(directory: str | os.PathLike) -> Manifest:
@@ -747,7 +480,8 @@ def read_manifest_file(directory: str | os.PathLike) -> Manifest:
     ``MAX_MANIFEST_BYTES`` of it; every error names the file and the field.
     """
     path = os.path.join(os.fspath(directory), MANIFEST_FILE)
-    try:  # never a link out of the checkpoint (another checkpoint's manifest)
+    try:
+        # never a link out of the checkpoint (another checkpoint's manifest)
         data = files.read_regular(files.inside(directory, MANIFEST_FILE, path), MAX_MANIFEST_BYTES)
     except FileNotFoundError as e:
         raise CheckpointError(
@@ -756,9 +490,11 @@ def read_manifest_file(directory: str | os.PathLike) -> Manifest:
         ) from e
     except files.UnsafeFileError as e:
         raise CheckpointError(str(e)) from None
-    text = _manifest_text(data, where=path)
+    decoded = _decoded(data)
+    if decoded is None:
+        return Manifest.loads(data, where=path)  # the error, naming the field
     del data  # the bytes freed before the entries are built (50 MB for 100 000 tensors)
-    return Manifest.loads(text, where=path)
+    return Manifest._from_model(decoded, path)
 
 
 def _manifest_text(data: bytes, *, where: str = MANIFEST_FILE) -> str:
@@ -823,190 +559,210 @@ def _fail(where: str, expected: str, found: Any) -> NoReturn:
     raise CheckpointError(f"{where}: expected {expected}, found {_short(found)}.")
 
 
-def _object(
-    d: Any, where: str, required: tuple[str, ...] = (), allowed: tuple[str, ...] | None = None
-) -> dict:
-    if not isinstance(d, dict):
-        _fail(where, "a JSON object", d)
-    if required and not d.keys() >= _as_set(required):
-        missing = next(k for k in required if k not in d)
+def _check_header(d: Any, where: str) -> None:
+    """The format and version, checked before any other field: a newer version may have
+    fields this reader does not know."""
+    if not isinstance(d, Mapping) or d.get("format") != FORMAT_NAME:
+        found = d.get("format") if isinstance(d, Mapping) else type(d).__name__
+        raise CheckpointError(
+            f'{where}: not a jax_ucp manifest (expected "format": "{FORMAT_NAME}", '
+            f"found {_short(found)})."
+        )
+    version = d.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        _fail(f"{where}: version", "an integer ≥ 1", version)
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where}: format version {version} is newer than this jax_ucp "
+            f"understands (≤ {FORMAT_VERSION}); upgrade jax_ucp to read it."
+        )
+    missing = next((f for f in _MANIFEST_REQUIRED if f not in d), None)
+    if missing is not None:  # before an unknown field: what is missing, then what is extra
         raise CheckpointError(f"{where}: missing field {missing!r}.")
-    if allowed is not None and not d.keys() <= _as_set(allowed):
-        extra = [k for k in d if k not in allowed]
-        if extra:
-            names = ", ".join(_short(k, 40) for k in extra[:5])
-            raise CheckpointError(
-                f"{where}: unknown field(s) [{names}] (known: {', '.join(allowed)})."
-            )
-    return d
 
 
-def _tree_leaves(tree: Any, where: str, file: str) -> set[tuple[str, ...]]:
-    """The key paths of the saved tree's leaves, each node checked on the way (walked without
-    recursion; at most ``MAX_JSON_DEPTH`` JSON levels deep, 3 a pytree level, below the
-    manifest's own 2). Errors name the node as ``where.children[i][2]...``, built only then."""
-    leaves: set[tuple[str, ...]] = set()
-    stack: list[tuple[Any, tuple[str, ...], tuple[int, ...]]] = [(tree, (), ())]
-    while stack:
-        d, prefix, path = stack.pop()
-        if _is_leaf_node(d):
-            leaves.add(prefix)
-            continue
-        level = 2 + 3 * len(path)  # of the node; its children list is one deeper, each child two
-        if level + 1 > MAX_JSON_DEPTH and (level > MAX_JSON_DEPTH or _deeper(d, level) is not None):
-            raise CheckpointError(f"{file}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
-        if not (  # the usual container node, else every check with its message
-            type(d) is dict
-            and d.keys() <= _PLAIN_NODE_FIELDS
-            and isinstance(d.get("type"), str)
-            and d["type"] in _PLAIN_NODE_TYPES
-            and type(d.get("children")) is list
-        ):
-            w = where + "".join(f".children[{i}][2]" for i in path)
-            if _tree_node(d, w) == "leaf":
-                leaves.add(prefix)
-                continue
-        pending = []
-        for i, child in enumerate(d["children"]):
-            if not (isinstance(child, list) and len(child) == 3 and isinstance(child[0], str)):
-                w = where + "".join(f".children[{i}][2]" for i in path)
-                _fail(f"{w}.children[{i}]", "[name, key type, node]", child)
-            if child[1] not in KEY_TYPES:
-                w = where + "".join(f".children[{i}][2]" for i in path)
-                _enum(child[1], f"{w}.children[{i}][1]", KEY_TYPES)
-            if _is_leaf_node(child[2]):
-                leaves.add((*prefix, child[0]))
-            else:
-                pending.append((child[2], (*prefix, child[0]), (*path, i)))
-        stack.extend(reversed(pending))
-    return leaves
+_MANIFEST_REQUIRED = [
+    f.encode_name for f in msgspec.structs.fields(model.ManifestModel) if f.required
+]
 
 
-def _is_leaf_node(d: Any) -> bool:
-    return type(d) is dict and len(d) == 1 and d.get("type") == "leaf"
+def _converted(d: Any, kind: type, where: str, top: bool = False) -> Any:
+    """``d`` (decoded JSON) as the model ``kind``; a refusal names ``where`` and the field."""
+    try:
+        return msgspec.convert(d, kind)
+    except msgspec.ValidationError as e:
+        raise _field_error(str(e), d, where, top) from None
 
 
-def _tree_node(d: Any, where: str) -> str:
-    """One node of the saved tree checked (not its children's nodes); returns its type."""
-    kind = _enum(_object(d, where, required=("type",))["type"], f"{where}.type", TREE_NODE_TYPES)
-    if kind == "leaf":
-        _object(d, where, allowed=("type",))
-        return kind
-    _object(
-        d, where, required=("type", "children"), allowed=("type", "children", "class", "metadata")
+# msgspec names the culprit as a path: `$.entries[2].shape[0]`, `key` in `$.x.shard_digests`
+_PATH_PART = re.compile(r"\.([A-Za-z_]+)|\[([0-9]+|\.\.\.)\]")
+# fields reported whole (as the format describes them), not by the element at fault
+_WHOLE = frozenset(
+    ("key", "key_types", "shape", "chunk_shape", "inner_chunk_shape", "logical_axes")
+    + ("axis_names", "shard_digests", "provenance", "source")
+)
+_DIMS = "a list of integers ≥ 0"
+_POSITIVE_DIMS = "a list of integers ≥ 1"
+# what a field must be, as messages say it (a field not here: msgspec's own words)
+_EXPECTED = {
+    "version": "an integer ≥ 1",
+    "kvstore": "a JSON object",
+    "entries": "a list",
+    "source": "a JSON object",
+    "created_at": "a number",
+    "entry": '"tensor" or "value"',
+    "key": "a non-empty list of strings",
+    "dir": "'arrays/<escaped key>' (no '/', no '..')",
+    "shape": _DIMS,
+    "chunk_shape": _POSITIVE_DIMS,
+    "inner_chunk_shape": _POSITIVE_DIMS,
+    "dtype": f"one of {list(dtypes_lib.SUPPORTED)}",
+    "role": f"one of {list(ROLES)}",
+    "compression": f"one of {list(COMPRESSIONS)}",
+    "checksum": f"one of {list(CHECKSUMS)}",
+    "logical_axes": "a list of strings or nulls",
+    "saved_sharding": "a JSON object",
+    "mesh": "a JSON object",
+    "axis_names": "a list of strings",
+    "partition_spec": "a list of: null, an axis name or a list of axis names",
+    "provenance": "a JSON object",
+    "shard_digests": "shard key -> 8 hex digits",
+    "frozen": "a JSON bool",
+    "key_impl": f"one of {list(model.KEY_IMPLS)}",
+    "metadata": "a JSON scalar or a list of them",
+    "children": "a list of [name, key type, node]",
+}
+
+
+def _field_error(message: str, d: Any, where: str, top: bool) -> CheckpointError:
+    """msgspec's refusal of ``d`` as the project's error, naming ``where``, the entry (its
+    index and key path) and the field as the format names them, and what was found."""
+    message, _, at = message.partition(" - at `")
+    parts = [n or (None if i == "..." else int(i)) for n, i in _PATH_PART.findall(at)]
+    node, name, sep = d, where, "."
+    if top:
+        sep = ": "
+        if len(parts) > 2 and parts[0] == "entries" and isinstance(parts[1], int):
+            node, name, sep = _at(d, parts[:2]), f"{where}: entries[{parts[1]}]", "."
+            parts = parts[2:]
+    kind = "entry"
+    if sep == "." and parts and parts[0] not in ("key", "entry"):
+        key = node.get("key") if isinstance(node, dict) else None
+        if isinstance(key, list) and key and all(isinstance(k, str) for k in key):
+            name = _named(name, tuple(key))
+    elif sep == ": ":
+        kind = "tree" if parts[:1] == ["tree"] else "manifest"
+    kept: list = []
+    for part in parts:  # a list of scalars is named whole, a map by its own name
+        if part is None or (isinstance(part, int) and kept and kept[-1] in _WHOLE):
+            break
+        kept.append(part)
+    field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in kept)[1:]
+    if field:
+        name += (sep if not field.startswith("[") else "") + field
+    if message.startswith(("Object missing required field", "Object contains unknown field")):
+        missing = message.split("`")[1]
+        if "missing" in message:
+            return CheckpointError(f"{name}: missing field {missing!r}.")
+        return CheckpointError(f"{name}: unknown field(s) [{_short(missing, 40)}].")
+    found = _at(node, kept)
+    if kept[-1:] == ["metadata"] and isinstance(found, dict):  # name the value at fault
+        bad = next((k for k, v in found.items() if not _metadata_value(v)), None)
+        if bad is not None:
+            name, found = f"{name}.{bad}", found[bad]
+    return CheckpointError(
+        f"{name}: expected {_expected(message, kept, node, found, kind)}, found {_short(found)}."
     )
-    if kind in ("namedtuple", "object"):
-        _string(d.get("class"), f"{where}.class")
-    if "metadata" in d:  # an nnx.Variable's: names to JSON scalars or lists of them
-        metadata = _object(d["metadata"], f"{where}.metadata")
-        for name, v in metadata.items():
-            if not _is_scalar(v) and not (isinstance(v, list) and all(map(_is_scalar, v))):
-                _fail(f"{where}.metadata.{name}", "a JSON scalar or a list of them", v)
-    if not isinstance(d["children"], list):
-        _fail(f"{where}.children", "a list", d["children"])
-    return kind
 
 
-def _is_scalar(v: Any) -> bool:
-    return v is None or isinstance(v, (str, bool, int, float))
+def _metadata_value(v: Any) -> bool:
+    """A JSON scalar or a list of them (what an nnx.Variable's recorded metadata may hold)."""
+    scalar = (str, int, float, bool, type(None))
+    return isinstance(v, scalar) or (isinstance(v, list) and all(isinstance(x, scalar) for x in v))
 
 
-_PLAIN_NODE_FIELDS = frozenset(("type", "children"))
-_PLAIN_NODE_TYPES = frozenset(("dict", "list", "tuple"))
+def _expected(message: str, kept: list, node: Any, found: Any, kind: str) -> str:
+    """What the field at ``kept`` (names and indices) must be, as the format says it."""
+    last = next((p for p in reversed(kept) if isinstance(p, str)), "")
+    element = bool(kept) and isinstance(kept[-1], int)
+    if last == "entries" and element:
+        return 'a JSON object, "entry": "tensor" or "value"'
+    if last == "partition_spec" and element:
+        return "null, an axis name or a list of axis names"
+    if element and kind == "tree":  # children[i], or its name [0] or key type [1]
+        if isinstance(kept[-2], int) and kept[-1] in (0, 1):
+            return "a string" if kept[-1] == 0 else f"one of {list(KEY_TYPES)}"
+        return "[name, key type, node]"
+    if last == "type":
+        allowed = model.TREE_NODE_TYPES if kind == "tree" else tuple(_VALUE_TYPES)
+        return f"one of {list(allowed)}"
+    if last == "key_types":
+        key = node.get("key") if isinstance(node, dict) else None
+        n = len(key) if isinstance(key, list) else "as many as key"
+        return f"a list of {n} of {list(KEY_TYPES)}"
+    if last in ("shape", "chunk_shape", "inner_chunk_shape") and "length <=" in message:
+        return "at most 64 dimensions"
+    if last == "key" and isinstance(found, list) and found:
+        return "a list of strings"
+    if last in _EXPECTED:
+        return _EXPECTED[last]
+    if message.startswith("Expected `str`"):
+        return "a string"
+    return message[0].lower() + message[1:]
 
 
-def _string(v: Any, where: str) -> str:
-    if not isinstance(v, str):
-        _fail(where, "a string", v)
-    return v
+def _at(node: Any, path: Sequence) -> Any:
+    """What ``path`` (names and indices) leads to in decoded JSON, None where it does not."""
+    for p in path:
+        try:
+            node = node[p]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return node
 
 
-def _enum(v: Any, where: str, allowed: Sequence) -> Any:
-    if isinstance(v, bool) or v not in allowed:
-        _fail(where, f"one of {list(allowed)}", v)
-    return v
+def _tree_dicts(root: Any, entries: list[Entry], where: str) -> dict:
+    """The saved tree as the dicts of its JSON, each node's children freed as they are built
+    (walked without recursion), checked: at most ``MAX_JSON_DEPTH`` JSON levels deep (3 a
+    pytree level, below the manifest's own 2), and its leaves exactly the entries' keys."""
+    remaining = {e.key for e in entries}
+    out: dict = {}
+    stack: list[tuple[Any, dict, tuple[str, ...], int]] = [(root, out, (), 2)]
+    while stack:
+        node, d, prefix, level = stack.pop()
+        leaf = type(node) is model.LeafNode
+        # a container's children list is one level deeper, each [name, type, node] two
+        if level + (0 if leaf else 2 if node.children else 1) > MAX_JSON_DEPTH:
+            raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
+        d["type"] = _NODE_TAGS[type(node)]
+        if leaf:
+            if prefix not in remaining:  # not an entry's key, or a second leaf of one
+                _tree_differs(where, [prefix])
+            remaining.discard(prefix)
+            continue
+        if node.class_ is not msgspec.UNSET:
+            d["class"] = node.class_
+        if node.metadata is not msgspec.UNSET:  # an nnx.Variable's (JSON scalars, lists)
+            d["metadata"] = node.metadata
+        children: list = []
+        for name, kind, child in node.children:
+            children.append([name, kind, {}])
+            stack.append((child, children[-1][2], (*prefix, name), level + 3))
+        node.children.clear()  # its nodes now held by the stack only
+        d["children"] = children
+    if remaining:
+        _tree_differs(where, sorted(remaining)[:3])
+    return out
 
 
-def _dims(v: Any, where: str, positive: bool = False) -> tuple[int, ...]:
-    lo = 1 if positive else 0
-    if not isinstance(v, list) or not all(
-        isinstance(x, int) and not isinstance(x, bool) and lo <= x < 2**62 for x in v
-    ):
-        _fail(where, f"a list of integers ≥ {lo}", v)
-    if len(v) > 64:
-        _fail(where, "at most 64 dimensions", v)
-    return tuple(v)
+def _tree_differs(where: str, odd: list[tuple[str, ...]]) -> NoReturn:
+    raise CheckpointError(
+        f"{where}: tree: its leaves and the entries differ (e.g. "
+        f"{[keypath_lib.key_to_str(k) for k in odd]}); expected exactly one leaf per entry."
+    )
 
 
-def _str_list(v: Any, where: str) -> list[str]:
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        _fail(where, "a list of strings", v)
-    return v
-
-
-def _opt_str_list(v: Any, where: str) -> list:
-    if not isinstance(v, list) or not all(x is None or isinstance(x, str) for x in v):
-        _fail(where, "a list of strings or nulls", v)
-    return v
-
-
-def _key(d: dict, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """An entry's key path and its key types (absent: all "key"); the key types of many
-    entries are one shared tuple."""
-    v = d["key"]
-    if not isinstance(v, list) or not v:
-        _fail(f"{where}.key", "a non-empty list of strings", v)
-    if _STR_ONLY.issuperset(map(type, v)):  # names repeat across entries: one object each
-        key = tuple(map(sys.intern, v))
-    else:
-        key = tuple(_str_list(v, f"{where}.key"))
-    types = d.get("key_types")
-    if types is None and "key_types" not in d:
-        types = ["key"] * len(key)
-    if isinstance(types, list) and _STR_ONLY.issuperset(map(type, types)):
-        shared = _KEY_TYPES.get(tuple(types))
-        if shared is not None and len(shared) == len(key):
-            return key, shared
-    n = len(key)
-    if not isinstance(types, list) or len(types) != n or not all(t in KEY_TYPES for t in types):
-        _fail(f"{_named(where, key)}.key_types", f"a list of {n} of {list(KEY_TYPES)}", types)
-    return key, _remember(_KEY_TYPES, tuple(types), tuple(types))
-
-
-def _directory(v: Any, where: str, key: tuple[str, ...]) -> str:
-    """An entry's ``dir``: ``arrays/<escaped key>``, one level below ``arrays``."""
-    if not isinstance(v, str) or not _DIR_RE.fullmatch(v) or v.split("/", 1)[1] in (".", ".."):
-        w = f"{_named(where, key)}.dir"
-        _fail(w, "'arrays/<escaped key>' (no '/', no '..')", _string(v, w))
-    return v
-
-
-def _shard_digests(v: Any, where: str, key: tuple[str, ...]) -> dict[str, str] | None:
-    """An entry's ``shard_digests`` (a copy): shard key -> 8 hex digits."""
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        _object(v, f"{_named(where, key)}.shard_digests")
-    for k, digest in () if _digests_valid(v) else v.items():  # two regex calls, not two a shard
-        if (
-            not _SHARD_KEY_RE.fullmatch(k)
-            or not isinstance(digest, str)
-            or not _DIGEST_RE.fullmatch(digest)
-        ):
-            _fail(f"{_named(where, key)}.shard_digests", "shard key -> 8 hex digits", {k: digest})
-    return dict(v)
-
-
-def _digests_valid(digests: Mapping) -> bool:
-    """Every key of ``digests`` a shard key and every value 8 hex digits (False also when the
-    map is empty or one is not: the caller's per-item check then names the culprit)."""
-    values = list(digests.values())
-    if not values or not all(type(v) is str for v in values):
-        return False
-    keys, digest_text = "\n".join(digests), "\n".join(values)  # JSON object keys are strings
-    if keys.count("\n") != len(values) - 1 or digest_text.count("\n") != len(values) - 1:
-        return False  # a newline inside a key or a digest: never valid, found item by item
-    return bool(_SHARD_KEYS_RE.fullmatch(keys) and _DIGESTS_RE.fullmatch(digest_text))
+_NODE_TAGS = {kind: kind.__struct_config__.tag for kind in model.TreeNode.__args__}
 
 
 def _named(where: str, key: tuple[str, ...]) -> str:
@@ -1014,80 +770,121 @@ def _named(where: str, key: tuple[str, ...]) -> str:
     return f"{where} ({keypath_lib.key_to_str(key)!r})"
 
 
-def _shapes(
-    d: dict, where: str, key: tuple[str, ...]
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """An entry's shape, chunk_shape and inner_chunk_shape, checked together (and shared: a
-    triple of plain ints seen before was valid, so it is not checked again)."""
-    lists = d["shape"], d["chunk_shape"], d["inner_chunk_shape"]
-    if all(type(v) is list for v in lists) and _INT_ONLY.issuperset(
-        map(type, lists[0] + lists[1] + lists[2])
-    ):  # exact ints: equal tuples are the same dimensions (True == 1 is ruled out)
-        known = _SHAPES.get((tuple(lists[0]), tuple(lists[1]), tuple(lists[2])))
-        if known is not None:
-            return known
-    w = _named(where, key)
-    shape = _dims(d["shape"], f"{w}.shape")
-    chunk_shape = _dims(d["chunk_shape"], f"{w}.chunk_shape", positive=True)
-    inner = _dims(d["inner_chunk_shape"], f"{w}.inner_chunk_shape", positive=True)
+def _tensor_entry(e: model.TensorModel, where: str) -> TensorEntry:
+    """The entry of a decoded tensor model, after the checks across its fields; what entries
+    share (key names, key types, shapes, saved shardings) is one object for all."""
+    key = tuple(map(sys.intern, e.key))
+    types = _key_types(e.key_types, key, where)
+    shapes = e.shape, e.chunk_shape, e.inner_chunk_shape
+    shapes = _SHAPES.get(shapes) or _remember(_SHAPES, shapes, _shapes(*shapes, _named(where, key)))
+    logical = e.logical_axes
+    if logical is not None and len(logical) != len(e.shape):
+        _fail(f"{_named(where, key)}.logical_axes", f"{len(e.shape)} names", list(logical))
+    saved = e.saved_sharding
+    entry = object.__new__(TensorEntry)  # every field set here: __init__'s 17 frozen setattrs
+    entry.__dict__.update(  # would double the cost of a parse; the fields are checked
+        key=key,
+        key_types=types,
+        dir=e.dir,
+        shape=shapes[0],
+        dtype=_CANONICAL[e.dtype],
+        chunk_shape=shapes[1],
+        inner_chunk_shape=shapes[2],
+        compression=_CANONICAL.get(e.compression),
+        checksum=_CANONICAL.get(e.checksum),
+        role=_CANONICAL[e.role],
+        sub_role=e.sub_role,
+        logical_axes=logical,
+        saved_sharding=None if saved is None else _saved_sharding(saved),
+        provenance=e.provenance,
+        shard_digests=e.shard_digests,
+        frozen=e.frozen,
+        tied_to=e.tied_to,
+        key_impl=e.key_impl,
+    )
+    if e.key_impl is not None:
+        _key_impl(e.key_impl, e.dtype, shapes[0], _named(where, key))
+    return entry
+
+
+_OMITTED_AT_DEFAULT = frozenset(("frozen", "tied_to", "key_impl"))
+#: JAX's PRNG key implementations a ``key_impl`` may name, with the shape of one key's data
+#: (the stored tensor's last dimensions): a manifest names nothing else.
+KEY_IMPLS = model.KEY_IMPLS
+
+
+def _key_impl(v: str, dtype: str, shape: tuple[int, ...], where: str) -> None:
+    """A ``key_impl`` checked against the tensor it describes: uint32 key data whose last
+    dimensions are one key's (the name itself is the model's enum)."""
+    key_shape = KEY_IMPLS[v]
+    if dtype != "uint32" or tuple(shape[len(shape) - len(key_shape) :]) != key_shape:
+        _fail(
+            f"{where}.key_impl",
+            f"uint32 key data of shape (..., {', '.join(map(str, key_shape))}) for {v!r}",
+            f"{dtype} of shape {list(shape)}",
+        )
+
+
+def _value_entry(e: model.ValueModel, where: str) -> ValueEntry:
+    """The entry of a decoded value model, its value checked against its ``type``."""
+    key = tuple(e.key)
+    expected, valid = _VALUE_TYPES[e.type]
+    v = e.value
+    if not valid(v):
+        _fail(f"{_named(where, key)}.value", expected, v)
+    if e.type == "float":
+        try:
+            v = float.fromhex(v)
+        except (ValueError, OverflowError):
+            _fail(f"{_named(where, key)}.value", expected, e.value)
+    return ValueEntry(
+        key=key,
+        key_types=_key_types(e.key_types, key, where),
+        value=v,
+        role=e.role,
+        sub_role=e.sub_role,
+    )
+
+
+def _key_types(types: Any, key: tuple[str, ...], where: str) -> tuple[str, ...]:
+    """An entry's key types (absent: all "key"), as long as its key; one shared tuple each."""
+    if types is msgspec.UNSET:
+        types = ("key",) * len(key)
+    elif len(types) != len(key):
+        n = len(key)
+        _fail(f"{_named(where, key)}.key_types", f"a list of {n} of {list(KEY_TYPES)}", list(types))
+    return _KEY_TYPES.get(types) or _remember(_KEY_TYPES, types, types)
+
+
+def _shapes(shape: tuple, chunk_shape: tuple, inner: tuple, w: str) -> tuple[tuple, tuple, tuple]:
+    """An entry's shape, chunk_shape and inner_chunk_shape, checked together."""
     if not (len(shape) == len(chunk_shape) == len(inner)):
         _fail(
             f"{w}.chunk_shape",
             f"{len(shape)} dimensions like shape {list(shape)}",
-            d["chunk_shape"],
+            list(chunk_shape),
         )
     if any(c > max(n, 1) for n, c in zip(shape, chunk_shape)):
         _fail(  # a chunk larger than its array would make a reader allocate for nothing
             f"{w}.chunk_shape",
             f"extents at most shape {list(shape)} (1 for a zero-size dimension)",
-            d["chunk_shape"],
+            list(chunk_shape),
         )
     if any(c % i for c, i in zip(chunk_shape, inner)):
         _fail(
             f"{w}.inner_chunk_shape",
             f"extents dividing chunk_shape {list(chunk_shape)}",
-            d["inner_chunk_shape"],
+            list(inner),
         )
-    triple = (shape, chunk_shape, inner)
-    if all(type(x) is int for x in shape + chunk_shape + inner):
-        _remember(_SHAPES, triple, triple)
-    return triple
+    return shape, chunk_shape, inner
 
 
-def _sharding_key(v: Any) -> tuple | None:
-    """A hashable form of a saved_sharding's JSON that tells types apart (``True`` from ``1``),
-    when it has its one valid layout; else None (parsed without the memo)."""
-    if type(v) is not dict or v.keys() != _SHARDING_FIELDS:
-        return None
-    mesh, spec = v["mesh"], v["partition_spec"]
-    if type(mesh) is not dict or mesh.keys() != _MESH_FIELDS or type(spec) is not list:
-        return None
-    names, shape = mesh["axis_names"], mesh["shape"]
-    if type(names) is not list or type(shape) is not list:
-        return None
-    parts: list = []
-    for p in spec:
-        if type(p) is list:
-            if not _STR_ONLY.issuperset(map(type, p)):
-                return None
-            parts.append(tuple(p))
-        elif p is None or type(p) is str:
-            parts.append(p)
-        else:
-            return None
-    if not _STR_ONLY.issuperset(map(type, names)) or not _INT_ONLY.issuperset(map(type, shape)):
-        return None
-    return tuple(names), tuple(shape), tuple(parts)
-
-
-def _saved_sharding(v: Any, where: str, key: tuple[str, ...]) -> SavedSharding:
-    """An entry's saved_sharding: the shared one parsed before, else parsed (and shared)."""
-    k = _sharding_key(v)
-    known = _SHARDINGS.get(k) if k is not None else None
+def _saved_sharding(s: model.SavedShardingModel) -> SavedSharding:
+    """A decoded saved sharding as its dataclass, the one of equal entries shared."""
+    known = _SHARDINGS.get(s)
     if known is None:
-        known = SavedSharding.from_json(v, f"{_named(where, key)}.saved_sharding")
-        if k is not None:
-            _remember(_SHARDINGS, k, known)
+        known = SavedSharding(s.mesh.axis_names, s.mesh.shape, s.partition_spec)
+        _remember(_SHARDINGS, s, known)
     return known
 
 
@@ -1100,24 +897,12 @@ def _remember(memo: dict, key: Any, value: Any) -> Any:
     return value
 
 
-@functools.cache
-def _as_set(names: tuple[str, ...]) -> frozenset[str]:
-    """``names`` as a frozenset (cached: the field lists are a handful of tuples)."""
-    return frozenset(names)
-
-
-# Values many entries share, parsed once: (shape, chunk_shape, inner) triples, key types and
-# saved shardings, each of plain JSON types so that equal means the same (no True == 1).
+# Values many entries share, built once: (shape, chunk_shape, inner) triples, key types and
+# saved shardings (decoded by type: equal means the same, no True == 1).
 _MEMO_SIZE = 4096
 _SHAPES: dict[tuple, tuple] = {}
 _KEY_TYPES: dict[tuple, tuple] = {}
-_SHARDINGS: dict[tuple, SavedSharding] = {}
-_SHARDING_FIELDS = frozenset(("mesh", "partition_spec"))
-_MESH_FIELDS = frozenset(("axis_names", "shape"))
-_INT_ONLY = frozenset((int,))
-_STR_ONLY = frozenset((str,))
-_DTYPES = frozenset(dtypes_lib.SUPPORTED)
-_ROLES = frozenset(ROLES)
+_SHARDINGS: dict[model.SavedShardingModel, SavedSharding] = {}
 # one str object per name for every entry (the parsed JSON has one per occurrence)
 _CANONICAL: dict[Any, str] = {
     name: name for name in (*dtypes_lib.SUPPORTED, *ROLES, *COMPRESSIONS[1:], *CHECKSUMS[1:])
@@ -1147,13 +932,15 @@ def check_tree_depth(tree: Any) -> None:
         )
 
 
-def _long_digit_run(text: str) -> bool:
+def _long_digit_run(text: str | bytes) -> bool:
     """Whether ``text`` holds more than ``MAX_INT_DIGITS`` ASCII digits in a row (JSON numbers
     have no other digits), found by mapping digits to ``0`` and everything else to a space
     in slices of its UTF-8 bytes (``str.find``, not a regex: ~40x faster on 50 MB)."""
     run, step = b"0" * (MAX_INT_DIGITS + 1), 1 << 20
     for start in range(0, len(text), step):  # the slices overlap by a run's length
-        part = text[start : start + step + MAX_INT_DIGITS].encode("utf-8", "surrogatepass")
+        part = text[start : start + step + MAX_INT_DIGITS]
+        if isinstance(part, str):
+            part = part.encode("utf-8", "surrogatepass")
         if run in part.translate(_DIGITS_AS_ZERO):
             return True
     return False
@@ -1162,20 +949,12 @@ def _long_digit_run(text: str) -> bool:
 _DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
 
 
-def _check_nesting(d: Any, where: str) -> None:
-    """Refuses a manifest nesting deeper than ``MAX_JSON_DEPTH``. Only its free-form parts can
-    nest (the tree, the source record, each entry's provenance): every other field is checked
-    against its one shape by ``from_json``, so only those are walked (without recursion; the
-    tree as ``from_json`` checks it, the provenance of streamed entries as they are decoded)."""
-    if not isinstance(d, dict):
-        return
-    stack: list[tuple[Any, int]] = [(d.get("source"), 2)]  # the tree: as it is checked
-    entries = d.get("entries")
-    if isinstance(entries, list):
-        stack += [(e.get("provenance"), 4) for e in entries if isinstance(e, dict)]
-    if (isinstance(entries, _ParsedEntries) and entries.too_deep) or any(
-        _deeper(node, depth) is not None for node, depth in stack
-    ):
+def _check_nesting(d: dict, where: str) -> None:
+    """Refuses a manifest to be written that nests deeper than ``MAX_JSON_DEPTH`` in its
+    free-form parts (the source record, each entry's provenance), as a reader would."""
+    stack: list[tuple[Any, int]] = [(d.get("source"), 2)]
+    stack += [(e.get("provenance"), 4) for e in d["entries"]]
+    if any(_deeper(node, depth) is not None for node, depth in stack):
         raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
 
 
