@@ -275,13 +275,7 @@ class _Reader:
             pool = shard_reader.read_pool()
             return shard_reader.PendingReads([pool.submit(self._scalar, dests)])
         read, per_block = self._source.rows(self._key)
-        merged: list[list[int]] = []
-        for a, b in sorted(region[0] for region, _ in dests):  # the union of their row ranges
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        blocks = [(r, min(r + per_block, b)) for a, b in merged for r in range(a, b, per_block)]
+        blocks = shard_reader.row_blocks(dests, per_block)
         pool = shard_reader.read_pool()
         return shard_reader.PendingReads(
             [pool.submit(_read_block, read, a, b, dests) for a, b in blocks]

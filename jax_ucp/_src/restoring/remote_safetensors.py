@@ -32,11 +32,11 @@ def is_source(url) -> bool:
     """An object-store ``.safetensors`` object, or a prefix holding safetensors objects (or
     their index) and no ``ucp.json``."""
     url = str(url).rstrip("/")
-    if not store.storage.is_url(url):
+    prefix = store.storage_for(url)
+    if prefix.renames:  # a local directory: not this source's medium
         return False
     if url.endswith(".safetensors"):
         return True
-    prefix = store.storage_for(url)
     if prefix.exists(fmt.MANIFEST_FILE):
         return False
     return prefix.exists(safetensors.INDEX_FILE) or any(

@@ -114,13 +114,7 @@ class SafetensorsTensor:
         if not dests:
             return []
         per_block = self.block_rows
-        merged: list[list[int]] = []
-        for a, b in sorted(region[0] for region, _ in dests):  # the union of their row ranges
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        blocks = [(r, min(r + per_block, b)) for a, b in merged for r in range(a, b, per_block)]
+        blocks = shard_reader.row_blocks(dests, per_block)
         return [(self._read_block, a, b, dests) for a, b in blocks]
 
     def _read_block(self, a: int, b: int, dests) -> None:

@@ -132,6 +132,18 @@ def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
     return bytes(out)
 
 
+def row_blocks(dests, per_block: int) -> list[tuple[int, int]]:
+    """Blocks of at most ``per_block`` whole rows covering the union of the destinations' row
+    ranges (``region[0]`` of each ``(region, out)``), so each row is read once."""
+    merged: list[list[int]] = []
+    for a, b in sorted(region[0] for region, _ in dests):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(r, min(r + per_block, b)) for a, b in merged for r in range(a, b, per_block)]
+
+
 def check_destination(region, out: np.ndarray, shape, dtype) -> tuple[int, ...]:
     """The shape of ``region`` ((start, stop) per dimension of a tensor of ``shape``), once
     ``out`` is checked to be a writable C-contiguous ``dtype`` array of it: what every reader's
