@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from jax_ucp._src import store
 from jax_ucp._src.options import keywords_of
 from jax_ucp._src.restoring import (
     engine,
@@ -81,7 +82,7 @@ def opened_elsewhere(
     first): Hugging Face safetensors read in place, or any other source ``convert`` reads,
     opened through its import plan (``import_open``) with ``options.importing``."""
     explicit = options.importing is not None or options.format is not None
-    if not explicit and remote_safetensors.is_source(path):
+    if store.storage.is_url(path) and not explicit and remote_safetensors.is_source(path):
         return remote_safetensors.opened_source(path, options.spec)
     if locate.is_ucp(path) and not explicit:
         return None
