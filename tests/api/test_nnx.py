@@ -196,6 +196,7 @@ def test_the_roles_of_an_nnx_state_follow_its_variable_classes(tmp_path):
     assert roles == {"weights/w/value": "param", "ema/w": "other"}
 
 
+@pytest.mark.slow  # CI runs it in its second stage (-m "torch or slow"), as written
 @pytest.mark.timeout(900)
 def test_the_nnx_resume_example_runs_as_written(tmp_path, monkeypatch):
     """examples/nnx_resume.py as docs/NNX.md shows it: trained on 8 devices, preempted,

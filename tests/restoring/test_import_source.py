@@ -52,7 +52,7 @@ def _fixtures():
         p for p in glob.glob(os.path.join(FIXTURES, "verl", "*")) if not p.endswith(".npz")
     )
     out += [os.path.join(FIXTURES, "olmo_core", "olmo_fp32")]
-    # the default run takes every 4th fixture of each format folder (the first included); the
+    # the default run takes every 8th fixture of each format folder (the first included); the
     # slow stage of CI (-m "torch or slow") takes them all
     seen: dict[str, int] = {}
     params = []
@@ -61,7 +61,7 @@ def _fixtures():
             continue
         rel = os.path.relpath(p, FIXTURES)
         n = seen[rel.split(os.sep)[0]] = seen.get(rel.split(os.sep)[0], -1) + 1
-        params.append(pytest.param(p, id=rel, marks=() if n % 4 == 0 else pytest.mark.slow))
+        params.append(pytest.param(p, id=rel, marks=() if n % 8 == 0 else pytest.mark.slow))
     return params
 
 
