@@ -171,7 +171,6 @@ def folder(path: os.PathLike | str) -> Path | ObjectPath:
     return ObjectPath(str(path).rstrip("/")) if storage.is_url(path) else Path(path)
 
 
-
 @dataclass(frozen=True)
 class DcpChunk:
     """One saved piece of a tensor: where it sits in the tensor and in which file's bytes."""
@@ -638,7 +637,9 @@ def _check_crc(found: int, crc: int | None, where: str) -> None:
         )
 
 
-def pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, where: str) -> None:
+def pread_into(
+    path: Path | str, offset: int, region: np.ndarray, crc: int | None, where: str
+) -> None:
     """``region.nbytes`` bytes of ``path`` from ``offset`` read into ``region`` (C-contiguous)
     with ``preadv``; their zip CRC-32 checked against ``crc`` unless it is None.
 
@@ -714,7 +715,7 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and 0 <= value < 2**63
 
 
-def _dtype_of(props: Any, name: str, where: Path) -> np.dtype:
+def _dtype_of(props: Any, name: str, where: Path | str) -> np.dtype:
     state = getattr(props, "state", None)
     dt = getattr(props, "dtype", None)
     if dt is None and isinstance(state, tuple) and state:
@@ -725,7 +726,7 @@ def _dtype_of(props: Any, name: str, where: Path) -> np.dtype:
 
 
 def _storage_ref(
-    by_fqn: dict[str, dict[Any, Any]], mfile: Path, name: str, off, what: str
+    by_fqn: dict[str, dict[Any, Any]], mfile: Path | str, name: str, off, what: str
 ) -> tuple[str, int, int, tuple[str, ...]]:
     """The checked (file, offset, length, transforms) of one chunk or object of ``name``."""
     info = by_fqn.get(name, {}).get(off)
@@ -754,7 +755,7 @@ def _storage_ref(
 
 
 def _dims(
-    mfile: Path, name: str, what: str, value: Any, rank: int | None = None
+    mfile: Path | str, name: str, what: str, value: Any, rank: int | None = None
 ) -> tuple[int, ...]:
     """A shape / offsets / sizes field: non-negative ints (torch's int64), ``rank`` of them."""
     if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value):
@@ -797,7 +798,7 @@ def _load_metadata(root: Path | ObjectPath, extra_classes: dict[str, Any] | None
     elif not os.path.lexists(mfile):
         raise SourceError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
     else:
-        md = _load_local_metadata(mfile, extra_classes)
+        md = _load_local_metadata(Path(mfile), extra_classes)
     sdm = getattr(md, "state_dict_metadata", None)
     storage = getattr(md, "storage_data", None)
     if not isinstance(sdm, dict) or not isinstance(storage, dict):
@@ -818,7 +819,7 @@ def _load_local_metadata(mfile: Path, extra_classes: dict[str, Any] | None):
     return md
 
 
-def _storage_by_fqn(storage: dict[Any, Any], mfile: Path) -> dict[str, dict[Any, Any]]:
+def _storage_by_fqn(storage: dict[Any, Any], mfile: Path | str) -> dict[str, dict[Any, Any]]:
     """``storage_data`` regrouped as name -> chunk offsets -> storage info."""
     by_fqn: dict[str, dict[Any, Any]] = {}
     for idx, info in storage.items():
@@ -829,7 +830,9 @@ def _storage_by_fqn(storage: dict[Any, Any], mfile: Path) -> dict[str, dict[Any,
     return by_fqn
 
 
-def _tensor_entry(name: str, m: Any, mfile: Path, by_fqn: dict[str, dict[Any, Any]]) -> DcpTensor:
+def _tensor_entry(
+    name: str, m: Any, mfile: Path | str, by_fqn: dict[str, dict[Any, Any]]
+) -> DcpTensor:
     """One ``TensorStorageMetadata``: its shape, dtype and chunks, each with its storage entry."""
     shape = _dims(mfile, name, "size", getattr(m, "size", None))
     dt = _dtype_of(getattr(m, "properties", None), name, mfile)

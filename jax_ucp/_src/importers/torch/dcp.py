@@ -74,7 +74,7 @@ def dcp_dirs(src: os.PathLike | str) -> list[Path] | list[torch_dcp.ObjectPath]:
     is one when it holds a ``.metadata`` object (Accelerate's and OLMo-core's folders are read
     from local disk only)."""
     if store.storage.is_url(src):
-        prefix = torch_dcp.folder(src)
+        prefix = torch_dcp.ObjectPath(os.fspath(src).rstrip("/"))
         return [prefix] if store.storage_for(prefix).exists(torch_dcp.METADATA_FILE) else []
     path = Path(src)
     if not path.is_dir():
