@@ -36,7 +36,9 @@ ALLOWED = {
     "saving": {"format", "store", "writer", "multihost", "sharding", "tree"},
     "orbax": {"format", "store", "writer", "multihost", "sharding", "tree", "restoring", "saving"},
     "api": {"format", "store", "tree", "restoring", "saving", "against", "logits"},
-    "torchfiles": {"format", "writer"},  # torch's file formats, read and written without torch
+    # torch's file formats, read and written without torch; store: a DCP folder in an object
+    # store read by ranged GETs (object_store.read_range)
+    "torchfiles": {"format", "writer", "store"},
     # store: the local medium's names (Orbax's temporary step mark, store.storage.local)
     "importers": {"format", "store", "writer", "language", "torchfiles"},
     "models": {"language"},

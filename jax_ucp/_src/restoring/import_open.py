@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from jax_ucp._src import format as fmt
-from jax_ucp._src import writer
+from jax_ucp._src import store, writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.restoring import locate, steps
 from jax_ucp._src.restoring.engine import OpenedSource
@@ -41,6 +41,8 @@ def import_format(
     """
     path = os.fspath(path)
     explicit = importing is not None or format is not None
+    if store.storage.is_url(path):
+        return _object_store_format(path, format)
     if locate.is_ucp(path):
         if explicit and os.path.exists(path):
             raise RequestError(
@@ -68,6 +70,25 @@ def import_format(
     ):
         return None  # weights alone: safetensors_source reads them (a spec as restore's)
     return found
+
+
+def _object_store_format(url: str, format: str | None) -> str | None:
+    """An object-store prefix is read through an import when it is a torch DCP folder (a
+    ``.metadata`` object, no ``ucp.json``): its chunks are fetched by ranged GETs. Any other
+    prefix is a UCP checkpoint (None), or the safetensors ``remote_safetensors`` reads."""
+    from jax_ucp._src.importers import registry  # the edge restoring -> importers
+
+    if store.storage_for(url).exists(fmt.MANIFEST_FILE):
+        return None
+    dcp = registry.IMPORTERS["torch_dcp"]
+    if format not in (None, dcp.format, dcp.name) or not dcp.detect(url).found:
+        if format is not None:
+            raise RequestError(
+                f"{url}: from an object store only a torch DCP folder (a .metadata object) is "
+                f"read through an import; format={format!r} is not (convert it from local disk)."
+            )
+        return None
+    return dcp.name
 
 
 @dataclasses.dataclass

@@ -84,8 +84,8 @@ def opened_elsewhere(
     explicit = options.importing is not None or options.format is not None
     if store.storage.is_url(path) and not explicit and remote_safetensors.is_source(path):
         return remote_safetensors.opened_source(path, options.spec)
-    if locate.is_ucp(path) and not explicit:
-        return None
+    if locate.is_ucp(path) and not explicit and not store.storage.is_url(path):
+        return None  # (a URL without ucp.json may be a torch DCP folder: import_format asks)
     checkpoint_format = import_open.import_format(path, options.importing, options.format)
     if checkpoint_format is not None:
         return _imported(path, checkpoint_format, options)

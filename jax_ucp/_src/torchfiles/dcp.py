@@ -38,6 +38,8 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
+from jax_ucp._src.store import storage
+from jax_ucp._src.store.storage import object_store
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
 from jax_ucp._src.torchfiles.pickle_format import (
@@ -149,6 +151,26 @@ SUPPORTED_TRANSFORMS: frozenset[str] = frozenset()
 # ----------------------------------------------------------------- typed view of the metadata
 
 
+class ObjectPath(str):
+    """A DCP folder in an object store (``s3://``, ``gs://``): its URL, joined with ``/`` as a
+    ``Path`` is, so the reader names its objects as it names local files; its files are read by
+    ranged GETs (:func:`object_store.read_range`), never listed or written."""
+
+    __slots__ = ()
+
+    def __truediv__(self, name: str) -> ObjectPath:
+        return ObjectPath(object_store.join(self, name))
+
+    @property
+    def name(self) -> str:
+        return self.rstrip("/").rpartition("/")[2]
+
+
+def folder(path: os.PathLike | str) -> Path | ObjectPath:
+    """``path`` as the reader holds it: an :class:`ObjectPath` for an object-store URL."""
+    return ObjectPath(str(path).rstrip("/")) if storage.is_url(path) else Path(path)
+
+
 @dataclass(frozen=True)
 class DcpChunk:
     """One saved piece of a tensor: where it sits in the tensor and in which file's bytes."""
@@ -189,7 +211,7 @@ class DcpObject:
 class DcpCheckpoint:
     """A parsed, checked ``.metadata``: tensors, pickled objects and the torch version."""
 
-    path: Path
+    path: Path | ObjectPath
     tensors: dict[str, DcpTensor]
     objects: dict[str, DcpObject]
     version: str | None = None
@@ -199,6 +221,8 @@ class DcpCheckpoint:
     def file_path(self, name: str) -> str:
         """The real path of storage file ``name`` (symlinks resolved), refused unless it lies
         inside the checkpoint folder: a ``.distcp`` linked to a file elsewhere is never read."""
+        if isinstance(self.path, ObjectPath):
+            return self.path / name  # a plain name (checked in _storage_ref): no link to follow
         real = self._real.get(name)
         if real is None:
             try:
@@ -285,6 +309,7 @@ class DcpCheckpoint:
             and region.shape == tuple(c.sizes)
             and region.size
             and not c.transforms
+            and not isinstance(self.path, ObjectPath)  # fetched once, by read_chunk below
         ):
             where, fpath, raw, archive = self._chunk_bytes(t, c)
             if archive:
@@ -312,10 +337,16 @@ class DcpCheckpoint:
     def _where(self, t: DcpTensor, c: DcpChunk) -> str:
         return f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
 
-    def _chunk_bytes(self, t: DcpTensor, c: DcpChunk) -> tuple[str, Path, np.ndarray, bool]:
+    def _file(self, name: str) -> Path | ObjectPath:
+        path = self.file_path(name)
+        return path if isinstance(path, ObjectPath) else Path(path)
+
+    def _chunk_bytes(
+        self, t: DcpTensor, c: DcpChunk
+    ) -> tuple[str, Path | ObjectPath, np.ndarray, bool]:
         """(``c`` named in errors, its file, its mapped bytes, whether they are a torch.save
         archive rather than a tensor's raw bytes)."""
-        where, fpath = self._where(t, c), Path(self.file_path(c.file))
+        where, fpath = self._where(t, c), self._file(c.file)
         raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
         return where, fpath, raw, mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04"
 
@@ -357,7 +388,7 @@ class DcpCheckpoint:
         """Unpickle a ShardedObject payload (restricted; unknown classes are refused)."""
         o = self.objects[name]
         where = f"object {name!r} in {self.path / o.file}"
-        fpath = Path(self.file_path(o.file))
+        fpath = self._file(o.file)
         raw = _file_range(fpath, o.byte_offset, o.byte_length, where)
         obj, _ = _load_embedded(raw, f"{fpath}@{o.byte_offset}", where, extra_classes=extra_classes)
         return obj
@@ -367,14 +398,22 @@ class DcpCheckpoint:
         long enough."""
         sizes: dict[str, int] = {}
         objects = self.objects.values() if tensors is None else ()
-        for name, file, end in itertools.chain(
-            (
-                (t.name, c.file, c.byte_offset + c.byte_length)
-                for t in (self.tensors.values() if tensors is None else tensors)
-                for c in t.chunks
-            ),
-            ((o.name, o.file, o.byte_offset + o.byte_length) for o in objects),
-        ):
+        entries = list(
+            itertools.chain(
+                (
+                    (t.name, c.file, c.byte_offset + c.byte_length)
+                    for t in (self.tensors.values() if tensors is None else tensors)
+                    for c in t.chunks
+                ),
+                ((o.name, o.file, o.byte_offset + o.byte_length) for o in objects),
+            )
+        )
+        ends: dict[str, int] = {}  # an object's size is asked once: is it at least this long
+        for _, file, end in entries:
+            ends[file] = max(end, ends.get(file, 0))
+        for name, file, end in entries:
+            if file not in sizes and isinstance(self.path, ObjectPath):
+                sizes[file] = _object_size(self.path, file, ends[file])
             if file not in sizes:
                 p = Path(self.file_path(file))
                 if os.path.lexists(p):
@@ -509,10 +548,30 @@ def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[Dc
     return element.tolist(), [chunks[i] for i in np.flatnonzero(inside)]
 
 
-def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
+def _object_size(root: ObjectPath, name: str, end: int) -> int:
+    """``end`` when object ``name`` holds at least ``end`` bytes, else how many it holds (-1:
+    missing), found by one-byte ranged reads (an object store lists no sizes here)."""
+    if end and object_store.read_range(root, name, end - 1, end) not in (None, b""):
+        return end
+    got = object_store.read_range(root, name, 0, end)
+    return -1 if got is None else len(got)
+
+
+def _file_range(path: Path | ObjectPath, offset: int, length: int, where: str) -> np.ndarray:
     """A read-only memory-mapped uint8 view of ``path[offset:offset+length]``: its bytes are
     read through :mod:`jax_ucp._src.format.mapped_file` (pread), never by touching the mapping, which
-    would kill the process if the file shrank since."""
+    would kill the process if the file shrank since. An object's range is fetched (one GET)."""
+    if isinstance(path, ObjectPath):
+        root, _, name = path.rpartition("/")
+        got = object_store.read_range(root, name, offset, offset + length) if length else b""
+        if got is None:
+            raise SourceError(f"{where}: shard object {path} is missing")
+        if len(got) != length:
+            raise SourceError(
+                f"{where}: byte range [{offset}, {offset + length}) beyond the object's end "
+                f"{offset + len(got)} (truncated)"
+            )
+        return np.frombuffer(got, np.uint8)
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -578,7 +637,9 @@ def _check_crc(found: int, crc: int | None, where: str) -> None:
         )
 
 
-def pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, where: str) -> None:
+def pread_into(
+    path: Path | str, offset: int, region: np.ndarray, crc: int | None, where: str
+) -> None:
     """``region.nbytes`` bytes of ``path`` from ``offset`` read into ``region`` (C-contiguous)
     with ``preadv``; their zip CRC-32 checked against ``crc`` unless it is None.
 
@@ -654,7 +715,7 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and 0 <= value < 2**63
 
 
-def _dtype_of(props: Any, name: str, where: Path) -> np.dtype:
+def _dtype_of(props: Any, name: str, where: Path | str) -> np.dtype:
     state = getattr(props, "state", None)
     dt = getattr(props, "dtype", None)
     if dt is None and isinstance(state, tuple) and state:
@@ -665,7 +726,7 @@ def _dtype_of(props: Any, name: str, where: Path) -> np.dtype:
 
 
 def _storage_ref(
-    by_fqn: dict[str, dict[Any, Any]], mfile: Path, name: str, off, what: str
+    by_fqn: dict[str, dict[Any, Any]], mfile: Path | str, name: str, off, what: str
 ) -> tuple[str, int, int, tuple[str, ...]]:
     """The checked (file, offset, length, transforms) of one chunk or object of ``name``."""
     info = by_fqn.get(name, {}).get(off)
@@ -694,7 +755,7 @@ def _storage_ref(
 
 
 def _dims(
-    mfile: Path, name: str, what: str, value: Any, rank: int | None = None
+    mfile: Path | str, name: str, what: str, value: Any, rank: int | None = None
 ) -> tuple[int, ...]:
     """A shape / offsets / sizes field: non-negative ints (torch's int64), ``rank`` of them."""
     if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value):
@@ -710,12 +771,42 @@ def _dims(
     return tuple(value)
 
 
-def _load_metadata(root: Path, extra_classes: dict[str, Any] | None):
+def _read_metadata(root: ObjectPath) -> bytes:
+    """An object store's ``.metadata`` object (at most :data:`MAX_METADATA_BYTES`)."""
+    try:
+        raw = object_store.read(root, METADATA_FILE, MAX_METADATA_BYTES)
+    except RequestError as e:
+        raise SourceError(str(e)) from None
+    if raw is None:
+        raise SourceError(f"{root}: no .metadata object (not a torch DCP checkpoint)")
+    return raw
+
+
+def _load_metadata(root: Path | ObjectPath, extra_classes: dict[str, Any] | None):
     """``.metadata`` unpickled with only the allowed classes: (its path, the pickle, its
     ``state_dict_metadata``, its ``storage_data``), both checked to be dicts."""
     mfile = root / METADATA_FILE
-    if not os.path.lexists(mfile):
+    if isinstance(root, ObjectPath):
+        try:
+            md = restricted_loads(
+                _read_metadata(root),
+                where=str(mfile),
+                extra_classes={**DCP_CLASSES, **(extra_classes or {})},
+            )
+        except allow_list.TorchFileError as e:
+            raise SourceError(str(e)) from None
+    elif not os.path.lexists(mfile):
         raise SourceError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
+    else:
+        md = _load_local_metadata(Path(mfile), extra_classes)
+    sdm = getattr(md, "state_dict_metadata", None)
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(sdm, dict) or not isinstance(storage, dict):
+        raise SourceError(f"{mfile}: not a torch.distributed.checkpoint Metadata pickle")
+    return mfile, md, sdm, storage
+
+
+def _load_local_metadata(mfile: Path, extra_classes: dict[str, Any] | None):
     try:
         files.in_own_folder(mfile)  # never another checkpoint's .metadata through a link
         md = restricted_loads(
@@ -725,14 +816,10 @@ def _load_metadata(root: Path, extra_classes: dict[str, Any] | None):
         )
     except (allow_list.TorchFileError, files.UnsafeFileError) as e:
         raise SourceError(str(e)) from None
-    sdm = getattr(md, "state_dict_metadata", None)
-    storage = getattr(md, "storage_data", None)
-    if not isinstance(sdm, dict) or not isinstance(storage, dict):
-        raise SourceError(f"{mfile}: not a torch.distributed.checkpoint Metadata pickle")
-    return mfile, md, sdm, storage
+    return md
 
 
-def _storage_by_fqn(storage: dict[Any, Any], mfile: Path) -> dict[str, dict[Any, Any]]:
+def _storage_by_fqn(storage: dict[Any, Any], mfile: Path | str) -> dict[str, dict[Any, Any]]:
     """``storage_data`` regrouped as name -> chunk offsets -> storage info."""
     by_fqn: dict[str, dict[Any, Any]] = {}
     for idx, info in storage.items():
@@ -743,7 +830,9 @@ def _storage_by_fqn(storage: dict[Any, Any], mfile: Path) -> dict[str, dict[Any,
     return by_fqn
 
 
-def _tensor_entry(name: str, m: Any, mfile: Path, by_fqn: dict[str, dict[Any, Any]]) -> DcpTensor:
+def _tensor_entry(
+    name: str, m: Any, mfile: Path | str, by_fqn: dict[str, dict[Any, Any]]
+) -> DcpTensor:
     """One ``TensorStorageMetadata``: its shape, dtype and chunks, each with its storage entry."""
     shape = _dims(mfile, name, "size", getattr(m, "size", None))
     dt = _dtype_of(getattr(m, "properties", None), name, mfile)
@@ -763,8 +852,9 @@ def _tensor_entry(name: str, m: Any, mfile: Path, by_fqn: dict[str, dict[Any, An
 
 def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = None) -> DcpCheckpoint:
     """Parse ``.metadata`` into typed, checked entries. ``extra_classes``: stand-ins beyond
-    :data:`DCP_CLASSES` that a producer's subclasses need (e.g. megatron-core's)."""
-    root = Path(path)
+    :data:`DCP_CLASSES` that a producer's subclasses need (e.g. megatron-core's). An
+    ``s3://`` / ``gs://`` folder is read by ranged GETs (:class:`ObjectPath`)."""
+    root = folder(path)
     mfile, md, sdm, storage = _load_metadata(root, extra_classes)
     refuse_fsdp_dtensor(list(sdm), str(mfile))
     by_fqn = _storage_by_fqn(storage, mfile)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jax_ucp._src import store
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import trainer_files
@@ -66,10 +67,15 @@ _ACCELERATE_DIR = re.compile(r"^(pytorch_model_fsdp|optimizer)_[0-9]+\Z")
 MEGATRON_FILES = ("common.pt", "metadata.json")
 
 
-def dcp_dirs(src: os.PathLike | str) -> list[Path]:
+def dcp_dirs(src: os.PathLike | str) -> list[Path] | list[torch_dcp.ObjectPath]:
     """The DCP folders of ``src``: itself when it holds ``.metadata``, an OLMo-core step
     folder's ``model_and_optim/``, else Accelerate's ``pytorch_model_fsdp_N/`` and
-    ``optimizer_N/`` inside it; [] when none."""
+    ``optimizer_N/`` inside it; [] when none. An object-store prefix (``s3://``, ``gs://``)
+    is one when it holds a ``.metadata`` object (Accelerate's and OLMo-core's folders are read
+    from local disk only)."""
+    if store.storage.is_url(src):
+        prefix = torch_dcp.ObjectPath(os.fspath(src).rstrip("/"))
+        return [prefix] if store.storage_for(prefix).exists(torch_dcp.METADATA_FILE) else []
     path = Path(src)
     if not path.is_dir():
         return []
@@ -85,6 +91,8 @@ def dcp_dirs(src: os.PathLike | str) -> list[Path]:
 def is_torch_dcp(src: os.PathLike | str) -> bool:
     """A plain torch DCP checkpoint (not megatron-core's, which has common.pt/metadata.json)."""
     dirs = dcp_dirs(src)
+    if dirs and store.storage.is_url(src):
+        return not any(store.storage_for(src).exists(f) for f in MEGATRON_FILES)
     return bool(dirs) and not any(os.path.lexists(d / f) for d in dirs for f in MEGATRON_FILES)
 
 
@@ -124,9 +132,10 @@ def plan_torch_dcp(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
             f"{src}: no .metadata (and no pytorch_model_fsdp_N/ or optimizer_N/ folder holding "
             f"one): not a torch DCP checkpoint"
         )
+    remote = store.storage.is_url(src)
     try:
         for d in dirs:  # Accelerate's folders inside src, never links to another run's
-            if d != Path(src):
+            if not remote and d != Path(src):
                 files.inside(src, d.name, str(src))
         checkpoints = [torch_dcp.open_dcp(d) for d in dirs]
         for ck in checkpoints:
@@ -135,7 +144,9 @@ def plan_torch_dcp(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
                 ck.check_tensor(name)
         state, info = _state(checkpoints, str(src), weights_only, parameter_order)
         units: dict[str, str] = {}  # side files found and skipped whole
-        if olmo_core.is_step_folder(src):  # the trainer's step, its files skipped as units
+        if remote:
+            units = {}  # a DCP folder alone: no trainer files are read from an object store
+        elif olmo_core.is_step_folder(src):  # the trainer's step, its files skipped as units
             info["trainer"], units = olmo_core.train_record(str(src))
             if "global_step_unread" in info["trainer"]:
                 info["notes"] = [
@@ -152,8 +163,8 @@ def plan_torch_dcp(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
             state,
             {
                 "framework": "torch_dcp",
-                "path": os.path.abspath(src),
-                "folders": [os.path.relpath(d, src) for d in dirs],
+                "path": str(dirs[0]) if remote else os.path.abspath(src),
+                "folders": ["."] if remote else [os.path.relpath(d, src) for d in dirs],
                 "dcp_version": checkpoints[0].version,
                 **info,
             },

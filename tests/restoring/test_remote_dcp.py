@@ -1,0 +1,77 @@
+"""A torch DCP folder in an object store restored straight onto a mesh (``s3://`` on the local
+moto server tests/store/test_object_store.py starts): the tree equals the local folder's direct
+restore bit for bit; a corrupt or missing ``.distcp`` object is an error naming it."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jax_ucp
+from jax_ucp._src import store
+from jax_ucp._src.store.storage import object_store
+from jax_ucp._src.torchfiles import dcp
+from tests.restoring.test_remote_safetensors import _target, s3  # noqa: F401
+from tests.store.test_object_store import s3_server  # noqa: F401  (the module's moto server)
+
+pytestmark = pytest.mark.timeout(300)
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "torch")
+
+
+def _upload(name: str, url: str) -> tuple[str, str]:
+    folder = os.path.join(FIXTURES, name)
+    prefix = f"{url}/dcp-{os.getpid()}-{np.random.default_rng().integers(1 << 30)}"
+    for entry in os.listdir(folder):
+        with open(os.path.join(folder, entry), "rb") as f:
+            object_store.write(prefix, entry, f.read())
+    return folder, prefix
+
+
+def _bytes(x) -> np.ndarray:
+    """The array's bytes (bit-exact, also for NaNs and bf16)."""
+    return np.atleast_1d(np.asarray(x)).view(np.uint8)
+
+
+@pytest.mark.parametrize("name", ["fsdp2_fp32", "fsdp2_bf16"])
+def test_dcp_in_an_object_store_restores_as_the_local_folder(s3, name):  # noqa: F811
+    folder, url = _upload(name, s3)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    local = jax_ucp.restore(folder)
+    target = _target(local, mesh)
+    before = store.bytes_read()
+    remote = jax_ucp.restore(url, target=target)
+    assert store.bytes_read() >= before  # nothing written: only read
+    on_mesh = jax_ucp.restore(folder, target=target)
+    assert jax.tree.structure(remote) == jax.tree.structure(local)
+    for a, b, c in zip(*(jax.tree.leaves(t) for t in (remote, on_mesh, local))):
+        assert a.sharding == b.sharding and a.dtype == b.dtype == np.asarray(c).dtype
+        np.testing.assert_array_equal(_bytes(a), _bytes(b))
+        np.testing.assert_array_equal(_bytes(a), _bytes(c))
+    host = jax_ucp.restore(url + "/")  # no target: to host
+    for a, c in zip(*(jax.tree.leaves(t) for t in (host, local))):
+        np.testing.assert_array_equal(_bytes(a), _bytes(c))
+
+
+def test_a_flipped_byte_in_a_distcp_object_is_an_error_naming_it(s3):  # noqa: F811
+    folder, url = _upload("fsdp2_fp32", s3)
+    data = bytearray(open(os.path.join(folder, "__1_0.distcp"), "rb").read())
+    ck = dcp.open_dcp(folder)
+    t = ck.tensors["model.layers.0.attention.wq.weight"]
+    (c,) = (c for c in t.chunks if c.file == "__1_0.distcp")
+    at = data.find(ck.read_chunk(t, c).tobytes(), c.byte_offset)  # the tensor's own bytes
+    assert c.byte_offset < at < c.byte_offset + c.byte_length
+    data[at + 5] ^= 0xFF  # its CRC-32 now disagrees
+    object_store.write(url, "__1_0.distcp", bytes(data))
+    with pytest.raises(jax_ucp.UCPError, match=r"__1_0\.distcp"):
+        jax_ucp.restore(url)
+
+
+def test_a_missing_rank_object_is_an_error_naming_it(s3):  # noqa: F811
+    _, url = _upload("fsdp2_fp32", s3)
+    object_store.delete(url, "__1_0.distcp")
+    with pytest.raises(jax_ucp.UCPError, match=r"__1_0\.distcp"):
+        jax_ucp.restore(url)
