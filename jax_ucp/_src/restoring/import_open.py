@@ -41,7 +41,7 @@ def import_format(
     """
     path = os.fspath(path)
     explicit = importing is not None or format is not None
-    if store.storage.is_url(path):
+    if not store.storage_for(path).renames:
         return _object_store_format(path, format)
     if locate.is_ucp(path):
         if explicit and os.path.exists(path):

@@ -82,9 +82,9 @@ def opened_elsewhere(
     first): Hugging Face safetensors read in place, or any other source ``convert`` reads,
     opened through its import plan (``import_open``) with ``options.importing``."""
     explicit = options.importing is not None or options.format is not None
-    if store.storage.is_url(path) and not explicit and remote_safetensors.is_source(path):
+    if not store.storage_for(path).renames and not explicit and remote_safetensors.is_source(path):
         return remote_safetensors.opened_source(path, options.spec)
-    if locate.is_ucp(path) and not explicit and not store.storage.is_url(path):
+    if locate.is_ucp(path) and not explicit and store.storage_for(path).renames:
         return None  # (a URL without ucp.json may be a torch DCP folder: import_format asks)
     checkpoint_format = import_open.import_format(path, options.importing, options.format)
     if checkpoint_format is not None:

@@ -168,7 +168,9 @@ class ObjectPath(str):
 
 def folder(path: os.PathLike | str) -> Path | ObjectPath:
     """``path`` as the reader holds it: an :class:`ObjectPath` for an object-store URL."""
-    return ObjectPath(str(path).rstrip("/")) if storage.is_url(path) else Path(path)
+    return (
+        ObjectPath(str(path).rstrip("/")) if not storage.storage_for(path).renames else Path(path)
+    )
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ def dcp_dirs(src: os.PathLike | str) -> list[Path] | list[torch_dcp.ObjectPath]:
     ``optimizer_N/`` inside it; [] when none. An object-store prefix (``s3://``, ``gs://``)
     is one when it holds a ``.metadata`` object (Accelerate's and OLMo-core's folders are read
     from local disk only)."""
-    if store.storage.is_url(src):
+    if not store.storage_for(src).renames:
         prefix = torch_dcp.ObjectPath(os.fspath(src).rstrip("/"))
         return [prefix] if store.storage_for(prefix).exists(torch_dcp.METADATA_FILE) else []
     path = Path(src)
@@ -91,7 +91,7 @@ def dcp_dirs(src: os.PathLike | str) -> list[Path] | list[torch_dcp.ObjectPath]:
 def is_torch_dcp(src: os.PathLike | str) -> bool:
     """A plain torch DCP checkpoint (not megatron-core's, which has common.pt/metadata.json)."""
     dirs = dcp_dirs(src)
-    if dirs and store.storage.is_url(src):
+    if dirs and not store.storage_for(src).renames:
         return not any(store.storage_for(src).exists(f) for f in MEGATRON_FILES)
     return bool(dirs) and not any(os.path.lexists(d / f) for d in dirs for f in MEGATRON_FILES)
 
@@ -132,7 +132,7 @@ def plan_torch_dcp(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
             f"{src}: no .metadata (and no pytorch_model_fsdp_N/ or optimizer_N/ folder holding "
             f"one): not a torch DCP checkpoint"
         )
-    remote = store.storage.is_url(src)
+    remote = not store.storage_for(src).renames
     try:
         for d in dirs:  # Accelerate's folders inside src, never links to another run's
             if not remote and d != Path(src):
