@@ -233,7 +233,7 @@ def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.MegatronDcpCheckpoint, Any, Pat
     checkpoint.check_files()
     for tensor in checkpoint.tensors.values():
         dcp.check_coverage(tensor, checkpoint.path / ".metadata")
-    common_path = checkpoint.path / "common.pt"
+    common_path = Path(ckpt_dir) / "common.pt"  # megatron-core checkpoints are read from disk
     common: Any = {}
     # megatron-core >= 0.19 saves the common state (args, iteration, optimizer param_groups,
     # sharding type) as one object of the checkpoint instead of common.pt
@@ -258,7 +258,7 @@ def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.MegatronDcpCheckpoint, Any, Pat
                 f"{checkpoint.path / '.metadata'}: object {objects[0]!r} holds "
                 f"{allow_list.short_repr(common)}, expected the common state dict"
             )
-        common_path = checkpoint.path / objects[0]
+        common_path = Path(ckpt_dir) / objects[0]
     return checkpoint, common, common_path
 
 
