@@ -13,6 +13,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import hypothesis
 import pytest
 
+pytest_plugins = ["tests.object_servers"]  # the S3 / GCS servers, once per process
+
 hypothesis.settings.register_profile(
     "ci",
     max_examples=12,

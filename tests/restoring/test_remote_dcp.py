@@ -1,5 +1,5 @@
-"""A torch DCP folder in an object store restored straight onto a mesh (``s3://`` on the local
-moto server tests/store/test_object_store.py starts): the tree equals the local folder's direct
+"""A torch DCP folder in an object store restored straight onto a mesh (``s3://`` and ``gs://`` on
+the local servers tests/store/test_object_store.py starts): the tree equals the local folder's direct
 restore bit for bit; a corrupt or missing ``.distcp`` object is an error naming it."""
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import jax_ucp
 from jax_ucp._src import store
 from jax_ucp._src.store.storage import object_store
 from jax_ucp._src.torchfiles import dcp
-from tests.restoring.test_remote_safetensors import _target, s3  # noqa: F401
-from tests.store.test_object_store import s3_server  # noqa: F401  (the module's moto server)
+from tests.restoring.test_remote_safetensors import _target
 
 pytestmark = pytest.mark.timeout(300)
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "torch")
@@ -37,8 +36,8 @@ def _bytes(x) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", ["fsdp2_fp32", "fsdp2_bf16"])
-def test_dcp_in_an_object_store_restores_as_the_local_folder(s3, name):  # noqa: F811
-    folder, url = _upload(name, s3)
+def test_dcp_in_an_object_store_restores_as_the_local_folder(bucket_url, name):
+    folder, url = _upload(name, bucket_url)
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
     local = jax_ucp.restore(folder)
     target = _target(local, mesh)
@@ -56,8 +55,8 @@ def test_dcp_in_an_object_store_restores_as_the_local_folder(s3, name):  # noqa:
         np.testing.assert_array_equal(_bytes(a), _bytes(c))
 
 
-def test_a_flipped_byte_in_a_distcp_object_is_an_error_naming_it(s3):  # noqa: F811
-    folder, url = _upload("fsdp2_fp32", s3)
+def test_a_flipped_byte_in_a_distcp_object_is_an_error_naming_it(bucket_url):
+    folder, url = _upload("fsdp2_fp32", bucket_url)
     data = bytearray(open(os.path.join(folder, "__1_0.distcp"), "rb").read())
     ck = dcp.open_dcp(folder)
     t = ck.tensors["model.layers.0.attention.wq.weight"]
@@ -70,8 +69,8 @@ def test_a_flipped_byte_in_a_distcp_object_is_an_error_naming_it(s3):  # noqa: F
         jax_ucp.restore(url)
 
 
-def test_a_missing_rank_object_is_an_error_naming_it(s3):  # noqa: F811
-    _, url = _upload("fsdp2_fp32", s3)
+def test_a_missing_rank_object_is_an_error_naming_it(bucket_url):
+    _, url = _upload("fsdp2_fp32", bucket_url)
     object_store.delete(url, "__1_0.distcp")
     with pytest.raises(jax_ucp.UCPError, match=r"__1_0\.distcp"):
         jax_ucp.restore(url)

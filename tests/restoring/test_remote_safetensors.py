@@ -1,5 +1,5 @@
-"""Hugging Face safetensors in an object store restored straight onto a mesh (``s3://`` on the
-local moto server tests/store/test_object_store.py starts): the tree equals the local files'
+"""Hugging Face safetensors in an object store restored straight onto a mesh (``s3://`` and
+``gs://`` on the local moto and GCS emulator servers tests/store/test_object_store.py starts): the tree equals the local files'
 restore and convert + restore, each region fetched as byte ranges; a truncated object is an
 error naming it."""
 
@@ -18,17 +18,8 @@ from safetensors.numpy import save_file
 import jax_ucp
 from jax_ucp._src import store
 from jax_ucp._src.store.storage import object_store
-from tests.store.test_object_store import s3_server  # noqa: F401  (the module's moto server)
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def s3(s3_server, monkeypatch):  # noqa: F811
-    env, url = s3_server
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    return url
 
 
 def _folder(tmp_path):
@@ -68,9 +59,9 @@ def _target(tree, mesh):
     return jax.tree.map(one, tree)
 
 
-def test_safetensors_in_an_object_store_restore_onto_a_mesh(s3, tmp_path):
+def test_safetensors_in_an_object_store_restore_onto_a_mesh(bucket_url, tmp_path):
     folder = _folder(tmp_path)
-    url = _upload(folder, s3)
+    url = _upload(folder, bucket_url)
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
     local = jax_ucp.restore(folder)
     target = _target(local, mesh)
@@ -88,9 +79,9 @@ def test_safetensors_in_an_object_store_restore_onto_a_mesh(s3, tmp_path):
     np.testing.assert_array_equal(one["params"]["layers.0.proj"], local["params"]["layers.0.proj"])
 
 
-def test_a_truncated_object_is_an_error_naming_it(s3, tmp_path):
+def test_a_truncated_object_is_an_error_naming_it(bucket_url, tmp_path):
     folder = _folder(tmp_path)
-    url = _upload(folder, s3)
+    url = _upload(folder, bucket_url)
     name = "model-00002-of-00002.safetensors"
     object_store.write(url, name, (folder / name).read_bytes()[:-8])
     with pytest.raises(jax_ucp.UCPError, match=name):

@@ -5,15 +5,10 @@ environment variables."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 
 import jax
 import numpy as np
@@ -30,72 +25,6 @@ from jax_ucp.errors import RequestError
 from tests.ucp_testing import REPO, free_port, run_cli
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _wait_for(port: int, proc: subprocess.Popen, what: str) -> None:
-    """Until the server listens or exits: a start slowed by a loaded host is no failure (the
-    test's timeout guards a server that neither listens nor exits)."""
-    while True:
-        if proc.poll() is not None:
-            proc.stdout.seek(0)
-            raise RuntimeError(f"{what} exited: {proc.stdout.read()[-2000:]}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-
-
-def _server(cmd: list[str], port: int, what: str):
-    exe = shutil.which(cmd[0])
-    if exe is None:
-        pytest.fail(f"{cmd[0]} is not installed (pip install -e '.[test]')")
-    # The servers log every request: into a file, since a pipe nobody reads fills up (64 KiB)
-    # and then blocks the server in the middle of a request.
-    log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([exe, *cmd[1:]], stdout=log, stderr=subprocess.STDOUT, text=True)
-    proc.stdout = log
-    _wait_for(port, proc, what)
-    return proc
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    port = free_port()
-    proc = _server(["moto_server", "-H", "127.0.0.1", "-p", str(port)], port, "moto_server")
-    endpoint = f"http://127.0.0.1:{port}"
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/ucp-test", method="PUT"))
-    yield (
-        {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": endpoint,
-        },
-        "s3://ucp-test",
-    )
-    proc.terminate()
-    proc.wait(timeout=30)
-    proc.stdout.close()
-
-
-@pytest.fixture(scope="module")
-def gcs_server():
-    port = free_port()
-    cmd = ["gcp-storage-emulator", "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"]
-    proc = _server(cmd, port, "gcp-storage-emulator")
-    endpoint = f"http://127.0.0.1:{port}"
-    body = json.dumps({"name": "ucp-test"}).encode()
-    request = urllib.request.Request(
-        f"{endpoint}/storage/v1/b?project=test",
-        data=body,
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    urllib.request.urlopen(request)
-    yield {"STORAGE_EMULATOR_HOST": endpoint}, "gs://ucp-test"
-    proc.terminate()
-    proc.wait(timeout=30)
-    proc.stdout.close()
 
 
 @pytest.fixture(params=["s3", "gs"])

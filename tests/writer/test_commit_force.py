@@ -27,7 +27,6 @@ from jax_ucp._src.store.storage import object_store
 from jax_ucp._src.writer import commit
 from jax_ucp.cli import app
 from jax_ucp.errors import RequestError
-from tests.store.test_object_store import s3_server  # noqa: F401  (the moto server fixture)
 
 W = np.arange(12, dtype=np.float32).reshape(3, 4)
 
@@ -259,7 +258,7 @@ def test_export_force_replaces_only_the_files_an_export_recorded(tmp_path):
 
 
 @pytest.fixture
-def s3(s3_server, monkeypatch):  # noqa: F811
+def s3(s3_server, monkeypatch):
     env, root = s3_server
     for k, v in env.items():
         monkeypatch.setenv(k, v)
