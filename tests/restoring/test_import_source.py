@@ -325,3 +325,31 @@ def test_a_spec_restore_of_a_torch_source_onto_a_mesh_equals_convert_then_restor
         sum(isinstance(x, jax.Array) and not x.is_fully_replicated for x in jax.tree.leaves(direct))
         > 5
     )
+
+
+@pytest.mark.parametrize("name", ["gpt_distopt_dp2", "llama_distopt_bf16_tp2dp2", "llama_tp2"])
+def test_opening_a_torch_dist_source_reads_no_tensor_bytes(name, monkeypatch):
+    """What a direct restore opens first (``inspect`` does only that) reads the metadata, never
+    a tensor: the torch_dist import's tensors are read when the consumer has room, in row slabs
+    (they were all read when the source was opened: a direct restore of a 1 GB source peaked at
+    twice its tensors, 2.0 GiB)."""
+    read: list[str] = []
+    preadv, pread = os.preadv, os.pread
+
+    def counting_preadv(fd, buffers, offset, *a):
+        read.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return preadv(fd, buffers, offset, *a)
+
+    def counting_pread(fd, n, offset):
+        read.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    monkeypatch.setattr(os, "pread", counting_pread)
+    path = os.path.join(FIXTURES, "megatron", name)
+    manifest = jax_ucp.inspect(path)
+    assert manifest.tensors
+    assert not [p for p in read if p.endswith(".distcp")]
+    tree = jax_ucp.restore(path, importing=ImportOptions())  # and the reads happen then
+    assert [p for p in read if p.endswith(".distcp")]
+    assert len(jax.tree.leaves(tree)) >= len(manifest.tensors)

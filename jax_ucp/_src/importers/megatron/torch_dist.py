@@ -302,6 +302,49 @@ class TorchDistReader:
             )
         return self.checkpoint.read_rows(name, lo, hi)
 
+    def deferred(self, tensor: str, rule_name: str) -> tuple[writer.Deferred | np.ndarray, str]:
+        """``read(tensor, rule_name)`` left for the consumer to make when it has room (the
+        writer's memory budget, a direct restore's regions): whole or in row slabs of the
+        chunks that hold them; a 0-d tensor is read now. The pattern is known unread."""
+        shape = tuple(int(d) for d in self.checkpoint.tensors[rule_name].shape)
+        found = tuple(int(d) for d in self.checkpoint.tensors[tensor].shape)
+        if not found:
+            return self.read(tensor, rule_name)
+        dtype = np.dtype(self.checkpoint.tensors[tensor].dtype)
+        vocab = self.vocab_rows(rule_name)
+        if found != shape:  # megatron-core < 0.15's flattened state: built whole (`unflatten`)
+            kept = shape if vocab is None or shape[0] <= vocab else (vocab, *shape[1:])
+            pattern = (
+                "torch_dist-nd-flattened"
+                if kept == shape
+                else f"nd-flattened, vocab(strip {shape[0]} -> {vocab})"
+            )
+            nbytes = math.prod(found) * dtype.itemsize
+            return writer.Deferred(
+                None, None, lambda: self.read(tensor, rule_name)[0], bound=nbytes
+            ), pattern
+        if vocab is not None and found[0] < vocab:
+            raise MegatronImportError(
+                f"tensor {tensor!r}: {found[0]} rows, fewer than vocab_size={vocab} "
+                f"({self.checkpoint.path / '.metadata'})"
+            )
+        kept = found if vocab is None else (vocab, *found[1:])
+        pattern = "torch_dist-global" if vocab is None else f"vocab(strip {found[0]} -> {vocab})"
+
+        def rows(lo: int, hi: int) -> np.ndarray:
+            if not 0 <= lo <= hi <= kept[0]:
+                raise MegatronImportError(
+                    f"tensor {tensor!r}: no rows {lo}:{hi} of {list(kept)} ({self.checkpoint.path})"
+                )
+            with named_errors():
+                return self.checkpoint.read_rows(tensor, lo, hi)
+
+        def whole() -> np.ndarray:
+            with named_errors():
+                return self.read(tensor, rule_name)[0]
+
+        return writer.Deferred(kept, dtype, whole, rows=rows), pattern
+
     def read(self, tensor: str, rule_name: str) -> tuple[np.ndarray, str]:
         """One tensor (ruled as ``rule_name``), and the pattern the provenance records."""
         vocab = self.vocab_rows(rule_name)
@@ -511,7 +554,7 @@ def torch_dist_items(
                     f"tensor {source_name!r}: master weights have dtype {source.dtype}, "
                     f"expected float32 ({', '.join(source.files)})"
                 )
-            value, pattern = reader.read(source_name, name)
+            value, pattern = reader.deferred(source_name, name)
             provenance = {
                 "format": "torch_dist",
                 "files": source.files,
@@ -522,7 +565,7 @@ def torch_dist_items(
             yield host_item((*tree, name), value, provenance)
         if want_model or not optimizer_tensors:  # the model weight, or its model-precision copy
             tensor = checkpoint.tensors[name]
-            value, pattern = reader.read(name, name)
+            value, pattern = reader.deferred(name, name)
             provenance = {
                 "format": "torch_dist",
                 "files": tensor.files,
