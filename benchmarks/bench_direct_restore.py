@@ -113,7 +113,7 @@ def write_dcp_source(folder: str, gb: float) -> None:
 
     def arrays():
         rng = np.random.default_rng(0)
-        for g, scale in groups.items():
+        for scale in groups.values():
             for shape in shapes.values():
                 yield rng.standard_normal(shape, np.float32) * np.float32(scale)
 
@@ -421,7 +421,10 @@ def check(row: dict, contenders) -> None:
     if "direct" in contenders and "offline" in contenders:
         a = collections.Counter(row["direct"]["digests"])
         b = collections.Counter(row["offline"]["digests"])
-        row["offline_same"] = {"common": sum((a & b).values()), "direct_only": sum((a - b).values())}
+        row["offline_same"] = {
+            "common": sum((a & b).values()),
+            "direct_only": sum((a - b).values()),
+        }
         row["offline_same"]["offline_only"] = sum((b - a).values())
         print(f"  offline vs direct tensors: {row['offline_same']}")
 
