@@ -30,7 +30,8 @@ the work: the
 working memory beside the result, to set against the restore's ``memory_budget`` (256 MiB by
 default). Each round also measures the disk: ``write`` MB/s of 256 MiB written and fsynced
 beside the source, ``read`` MB/s of it read back after ``posix_fadvise(DONTNEED)`` (on a
-virtual disk the host may still cache it). The load average is printed beside each round. In
+virtual disk the host may still cache it). The source is in the page cache as far as it fits
+(``--cold``: evicted before each contender). The load average is printed beside each round. In
 round 0 every contender digests what it restored (per-tensor CRC-32, outside the timing): direct
 and convert + restore must be equal leaf for leaf; the offline route's multiset of tensor
 digests is compared with direct's (its names are the framework's).
@@ -38,6 +39,8 @@ digests is compared with direct's (its names are the framework's).
 Run from the torch venv (torch for the offline routes, jax_ucp from the system site):
 
     python benchmarks/bench_direct_restore.py --format dcp --gb 1 --rounds 2 --json out.json
+    python benchmarks/bench_direct_restore.py --format dcp --gb 16 --write /big/dcp16  # then:
+    python benchmarks/bench_direct_restore.py --format dcp --source /big/dcp16 --rounds 1
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tools/fixtures/ds_train.py --out /tmp/z3 \\
         --stage 3 --dtype bf16 --vocab 16001 --width 1024 --layers 6 --heads 16 --seq 32 \\
         --mb 1 --steps 1 --no-next
@@ -198,9 +201,15 @@ def target_of(src: str, mesh):
     return tree
 
 
-def digest(x) -> tuple[tuple[int, ...], str, int]:
-    a = np.ascontiguousarray(np.asarray(x))
-    return a.shape, str(a.dtype), zlib.crc32(a.reshape(-1).view(np.uint8))
+def digest(x) -> tuple:
+    """``x``'s shape, dtype and every shard's CRC-32 by its index: read shard by shard, as
+    ``np.asarray(x)`` would keep a host copy of the whole array on it (16 GB restored became
+    30 GB and the host ran out of memory)."""
+    crcs = sorted(
+        (str(s.index), zlib.crc32(np.ascontiguousarray(s.data).reshape(-1).view(np.uint8)))
+        for s in x.addressable_shards
+    )
+    return tuple(x.shape), str(x.dtype), tuple(crcs)
 
 
 def to_numpy(t):
@@ -339,7 +348,9 @@ def main() -> None:
     ap.add_argument("--format", choices=("dcp", "zero3", "torch_dist"), default="dcp")
     ap.add_argument("--gb", type=float, default=1.0, help="dcp: the source's size to write")
     ap.add_argument("--source", help="an existing source (required for zero3 and torch_dist)")
+    ap.add_argument("--write", metavar="DIR", help="dcp: only write a source of --gb GB at DIR")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cold", action="store_true", help="evict the source before each run")
     ap.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
     ap.add_argument("--json")
     ap.add_argument("--dir", default=None, help="scratch folder (default: beside the source)")
@@ -349,6 +360,10 @@ def main() -> None:
     if args.run:
         row = run_contender(args.run, args.format, args.source, args.dir, args.check)
         print(json.dumps(row))
+        return
+    if args.write:
+        write_dcp_source(args.write, args.gb)
+        print(f"wrote {tree_bytes(args.write) / 1e9:.2f} GB at {args.write}")
         return
     if args.format != "dcp" and not args.source:
         raise SystemExit(f"--format {args.format} needs --source (see the docstring)")
@@ -369,6 +384,8 @@ def main() -> None:
             row: dict = {"load": os.getloadavg()[0], "disk_write_mbs": w, "disk_read_mbs": rd}
             order = args.contenders if r % 2 == 0 else args.contenders[::-1]
             for name in order:
+                if args.cold:
+                    evict(src)
                 row[name] = measure(name, args, src, scratch, check=r == 0)
             row["load_after"] = os.getloadavg()[0]
             if r == 0:
@@ -400,6 +417,7 @@ def main() -> None:
                     "when": datetime.datetime.now(datetime.UTC).isoformat(),
                     "format": args.format,
                     "source_bytes": nbytes,
+                    "cold": args.cold,
                     "labels": labels,
                     "rounds": rounds,
                     "median_seconds": med,
