@@ -327,7 +327,15 @@ def test_a_spec_restore_of_a_torch_source_onto_a_mesh_equals_convert_then_restor
     )
 
 
-@pytest.mark.parametrize("name", ["gpt_distopt_dp2", "llama_distopt_bf16_tp2dp2", "llama_tp2"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gpt_distopt_dp2",
+        "llama_distopt_bf16_tp2dp2",
+        "llama_tp2",
+        "mcore_versions/0.13.1/gpt_distopt_fully_sharded_model_space",  # flattened states
+    ],
+)
 def test_opening_a_torch_dist_source_reads_no_tensor_bytes(name, monkeypatch):
     """What a direct restore opens first (``inspect`` does only that) reads the metadata, never
     a tensor: the torch_dist import's tensors are read when the consumer has room, in row slabs

@@ -319,9 +319,9 @@ class TorchDistReader:
                 if kept == shape
                 else f"nd-flattened, vocab(strip {shape[0]} -> {vocab})"
             )
-            nbytes = math.prod(found) * dtype.itemsize
+            nbytes = math.prod(found) * dtype.itemsize  # the flat tensor read to build it
             return writer.Deferred(
-                None, None, lambda: self.read(tensor, rule_name)[0], bound=nbytes
+                kept, dtype, lambda: self.read(tensor, rule_name)[0], bound=nbytes
             ), pattern
         if vocab is not None and found[0] < vocab:
             raise MegatronImportError(
