@@ -294,6 +294,7 @@ def _beside(tmp_path, name) -> list[str]:
     return sorted(d for d in os.listdir(tmp_path) if d.startswith((name + ".", "." + name + ".")))
 
 
+@pytest.mark.slow  # 12-16 s; the default run keeps the lost-process tests of the library job
 @pytest.mark.timeout(6 * BOUND)
 def test_a_killed_process_fails_the_convert_and_the_next_one_succeeds(tmp_path):
     """Four runs of ``convert --processes 2``, each losing one process (index chosen at random)
