@@ -260,6 +260,22 @@ def test_bad_model_setting_is_named(bridge_copy, tmp_path):
     )
 
 
+def test_a_run_config_cut_before_the_vocab_size_is_refused(bridge_copy, tmp_path):
+    """Found by the hostile-input harness (``python3 -m tests.hostile --kind megatron_bridge
+    --seed 7 --index 1``): the file cut to half its bytes is still valid YAML whose model
+    section stops before ``vocab_size``; the import kept the padding rows of the embedding and
+    the output layer (different values than the whole file gives, no error)."""
+    path = bridge_copy / ITER / "run_config.yaml"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    _refused(
+        bridge_copy,
+        tmp_path,
+        r"run_config\.yaml: the 'model' section has no 'vocab_size' \(Bridge writes every field "
+        r"of the model provider; found \d+ fields\): the run config is truncated or not Bridge's",
+    )
+
+
 def test_train_state_of_another_iteration_is_refused(bridge_copy, tmp_path):
     os.rename(bridge_copy / ITER, bridge_copy / "iter_0000003")
     _refused(

@@ -360,6 +360,14 @@ def bridge_settings(run_config: Mapping[str, Any], where: os.PathLike | str) -> 
     fields = dict(model)
     if isinstance(model.get("transformer"), dict):  # GPTModelConfig keeps them one level down
         fields = {**model["transformer"], **{k: v for k, v in model.items() if k != "transformer"}}
+    if "vocab_size" not in fields:
+        # Bridge writes every field of its model provider, vocab_size (maybe null) among them;
+        # without it the embedding's padding rows cannot be told apart: a cut or edited file
+        raise MegatronImportError(
+            f"{where}: the 'model' section has no 'vocab_size' (Bridge writes every field of the "
+            f"model provider; found {len(fields)} fields): the run config is truncated or not "
+            f"Bridge's"
+        )
     settings: dict[str, Any] = {}
     _named_settings(fields, where, settings)
     if fields.get("vocab_size") is not None:
