@@ -327,6 +327,19 @@ def test_corrupt_pickle_and_non_torch_files(tmp_path):
         load_torch_file(z)
 
 
+def test_a_zip_version_no_reader_knows_is_a_torch_file_error(tmp_path):
+    """Found by the hostile-input harness (``python3 -m tests.hostile --kind torch_checkpointing
+    --seed 11 --index 1``): three flipped bytes made a central-directory entry need zip version
+    23.1, and zipfile's ``NotImplementedError`` escaped the import raw."""
+    data = bytearray(open(_real_file(), "rb").read())
+    entry = data.index(b"PK\x01\x02")  # the first central-directory entry
+    struct.pack_into("<H", data, entry + 6, 231)  # "version needed to extract": 23.1
+    p = tmp_path / "version.pt"
+    p.write_bytes(bytes(data))
+    with pytest.raises(TorchFileError, match=r"version\.pt: .*corrupt .*zip file version 23\.1"):
+        load_torch_file(p)
+
+
 def test_corrupt_storage_bytes_detected_by_crc(tmp_path):
     src = bytearray(open(_real_file(), "rb").read())
     i = src.index(b"data/0") + 200  # inside the first storage's bytes

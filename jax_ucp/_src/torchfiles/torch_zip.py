@@ -150,7 +150,8 @@ class TorchArchive:
         try:
             self._zip = zipfile.ZipFile(self._f)
             infos = self._zip.infolist()
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        # NotImplementedError: a zip version or feature zipfile does not read (flipped bytes)
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as e:
             raise TorchFileError(self.path, f"truncated or corrupt {what} ({e})") from None
         self._infos = {i.filename: i for i in infos}
         if len(self._infos) != len(infos):  # torch.load reads the first copy, a dict the last
