@@ -340,3 +340,18 @@ def test_ranks_whose_schedulers_disagree_are_refused_naming_both(tmp_path):
     ):
         jax_ucp.convert(actor, tmp_path / "refused")
     assert_destination_untouched(tmp_path / "refused")
+
+
+def test_a_huggingface_folder_linked_out_of_the_model_folder_is_refused(tmp_path):
+    """Found by the hostile-input harness (``python3 -m tests.hostile --kind verl --seed 13
+    --index 17``): ``actor/huggingface`` linked to a folder outside the checkpoint had its
+    ``config.json`` read (its settings became the import's model config), as only the link of
+    ``config.json`` within ``huggingface/`` was checked."""
+    src = _copy(tmp_path)
+    hf = os.path.join(src, ACTOR, "huggingface")
+    outside = shutil.copytree(hf, tmp_path / "elsewhere")
+    shutil.rmtree(hf)
+    os.symlink(outside, hf)
+    with pytest.raises(SourceError, match=r"huggingface/config\.json"):
+        jax_ucp.convert(src, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

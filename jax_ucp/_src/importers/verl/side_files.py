@@ -155,11 +155,18 @@ def fsdp_config(folder: str, world: int) -> int | None:
 
 
 def hf_config(folder: str) -> dict | None:
+    """``huggingface/config.json`` of the model folder (None without it or when it is not a
+    JSON object); refused when it or ``huggingface/`` leads out of the model folder (a link):
+    another model's config would set the import's settings."""
     path = os.path.join(folder, "huggingface", "config.json")
     if not os.path.isfile(path):
         return None
     try:
-        data = json.loads(files.read_regular(files.in_own_folder(path), MAX_CONFIG_BYTES))
+        real = files.inside(folder, os.path.join("huggingface", "config.json"), "model config")
+    except files.UnsafeFileError as e:
+        raise SourceError(str(e)) from None
+    try:
+        data = json.loads(files.read_regular(real, MAX_CONFIG_BYTES))
     except (ValueError, RecursionError, files.UnsafeFileError):
         return None
     return data if isinstance(data, dict) else None
