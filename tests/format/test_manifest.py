@@ -476,3 +476,16 @@ def test_a_field_the_model_refuses_is_named_as_the_format_names_it(damage, messa
     damage(d)
     with pytest.raises(CheckpointError, match=r"^ucp\.json: " + message):
         _loads(json.dumps(d))
+
+
+def test_a_record_holding_nan_is_a_checkpoint_error_naming_the_field(tmp_path):
+    """The backstop under every importer: a source record that took NaN from a file is refused
+    naming the manifest field, not a raw ``ValueError`` from ``json`` (verl seed 17 #8)."""
+    import dataclasses
+
+    path = tmp_path / "c"
+    jax_ucp.save(path, {"w": np.zeros(3, np.float32)})
+    manifest = fmt.read_manifest_file(path)
+    bad = dataclasses.replace(manifest, source={"model_config": {"use_cache": float("nan")}})
+    with pytest.raises(CheckpointError, match=r"ucp\.json to be written: 'source' holds NaN"):
+        bad.dumps()

@@ -340,6 +340,28 @@ def test_a_zip_version_no_reader_knows_is_a_torch_file_error(tmp_path):
         load_torch_file(p)
 
 
+def test_a_storage_type_edited_in_the_pickle_is_refused(tmp_path):
+    """Found by the hostile-input harness (``python3 -m tests.hostile --kind torch_save --seed 17
+    --index 13``, ``--kind hf_trainer --seed 17 --index 7``): ``FloatStorage`` renamed in
+    ``data.pkl`` (the zip's CRCs made to agree) read the float32 bytes as half as many 2-byte
+    values, since a storage member longer than its record asks was accepted. torch.save writes
+    each storage's bytes exactly: any other length is refused, naming the storage."""
+    from tests.importers.megatron.test_import import with_fixed_crcs
+
+    raw = open(_real_file(), "rb").read()
+    assert b"FloatStorage" in raw
+    p = tmp_path / "typed.pt"
+    p.write_bytes(with_fixed_crcs(raw.replace(b"FloatStorage", b"ShortStorage", 1)))
+    with pytest.raises(
+        TorchFileError,
+        match=r"typed\.pt: storage '.+': expected \d+ bytes \(\d+ x int16\), member holds \d+ "
+        r"\(its storage type edited in data\.pkl\?\)",
+    ):
+        load_torch_file(
+            p, __import__("jax_ucp._src.importers.deepspeed", fromlist=["x"]).DS_CLASSES
+        )
+
+
 def test_corrupt_storage_bytes_detected_by_crc(tmp_path):
     src = bytearray(open(_real_file(), "rb").read())
     i = src.index(b"data/0") + 200  # inside the first storage's bytes

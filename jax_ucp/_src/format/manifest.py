@@ -384,11 +384,17 @@ class Manifest(display.Tabular):
         d = self.to_json()
         _check_nesting(d, f"{MANIFEST_FILE} to be written (the saved tree nests too deep)")
 
-        def compact(v) -> str:
-            return json.dumps(v, separators=(",", ":"), allow_nan=False)
+        def compact(v, field: str) -> str:
+            try:
+                return json.dumps(v, separators=(",", ":"), allow_nan=False)
+            except ValueError:  # NaN or an infinity that a record took from a source's file
+                raise CheckpointError(
+                    f"{MANIFEST_FILE} to be written: {field!r} holds NaN or an infinity, which "
+                    f"JSON cannot hold"
+                ) from None
 
-        fields = [f" {json.dumps(k)}: {compact(v)}" for k, v in d.items() if k != "entries"]
-        entries = ",\n  ".join(compact(e) for e in d["entries"])
+        fields = [f" {json.dumps(k)}: {compact(v, k)}" for k, v in d.items() if k != "entries"]
+        entries = ",\n  ".join(compact(e, "entries") for e in d["entries"])
         body = ",\n".join([*fields, f' "entries": [\n  {entries}\n ]'])
         return "{\n" + body + "\n}\n"
 

@@ -350,11 +350,12 @@ class TorchArchive:
             else:
                 raw = self._member_view(name, nbytes)
             self._storages[key] = raw
-        if raw.size < nbytes:
+        if raw.size != nbytes:  # torch.save writes each storage's bytes exactly
             raise TorchFileError(
                 self.path,
                 f"storage {key!r}: expected {nbytes} bytes ({numel} x {dtype}), "
-                f"member holds {raw.size}",
+                f"member holds {raw.size}"
+                + (" (its storage type edited in data.pkl?)" if raw.size > nbytes else ""),
             )
         return Storage(key, dtype, raw[:nbytes])
 

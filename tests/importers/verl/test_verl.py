@@ -355,3 +355,20 @@ def test_a_huggingface_folder_linked_out_of_the_model_folder_is_refused(tmp_path
     with pytest.raises(SourceError, match=r"huggingface/config\.json"):
         jax_ucp.convert(src, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_config_holding_nan_is_refused_naming_it(tmp_path):
+    """Found by the hostile-input harness (``python3 -m tests.hostile --kind verl --seed 17
+    --index 8``): ``"use_cache": NaN`` in ``huggingface/config.json`` reached the manifest, whose
+    writer raised a raw ``ValueError`` (JSON cannot hold NaN); a config that is not a JSON
+    object, or not JSON, was ignored without a word."""
+    src = _copy(tmp_path)
+    config = os.path.join(src, ACTOR, "huggingface", "config.json")
+    text = open(config).read()
+    open(config, "w").write(text.replace("{", '{"use_cache": NaN, ', 1))
+    with pytest.raises(SourceError, match=r"huggingface/config\.json: not readable JSON \(NaN"):
+        jax_ucp.convert(src, str(tmp_path / "out"))
+    open(config, "w").write("[1, 2]")
+    with pytest.raises(SourceError, match=r"config\.json: expected a JSON object, found list"):
+        jax_ucp.convert(src, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

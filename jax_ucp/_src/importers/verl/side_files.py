@@ -155,18 +155,24 @@ def fsdp_config(folder: str, world: int) -> int | None:
 
 
 def hf_config(folder: str) -> dict | None:
-    """``huggingface/config.json`` of the model folder (None without it or when it is not a
-    JSON object); refused when it or ``huggingface/`` leads out of the model folder (a link):
-    another model's config would set the import's settings."""
+    """``huggingface/config.json`` of the model folder (None without it), refused when it is
+    not a JSON object (NaN and infinities included: the manifest records it) or when it or
+    ``huggingface/`` leads out of the model folder (a link): another model's config would set
+    the import's settings."""
     path = os.path.join(folder, "huggingface", "config.json")
     if not os.path.isfile(path):
         return None
+
+    def no_constant(name: str):
+        raise ValueError(f"{name} is not a JSON number")
+
     try:
         real = files.inside(folder, os.path.join("huggingface", "config.json"), "model config")
+        data = json.loads(files.read_regular(real, MAX_CONFIG_BYTES), parse_constant=no_constant)
     except files.UnsafeFileError as e:
         raise SourceError(str(e)) from None
-    try:
-        data = json.loads(files.read_regular(real, MAX_CONFIG_BYTES))
-    except (ValueError, RecursionError, files.UnsafeFileError):
-        return None
-    return data if isinstance(data, dict) else None
+    except (ValueError, RecursionError) as e:
+        raise SourceError(f"{path}: not readable JSON ({str(e)[:200]})") from None
+    if not isinstance(data, dict):
+        raise SourceError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
