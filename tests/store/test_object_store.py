@@ -1,5 +1,5 @@
-"""s3:// and gs:// checkpoints, against real local servers started here on 127.0.0.1 and
-stopped after: moto's S3 server (``moto_server``) and ``gcp-storage-emulator``. TensorStore's
+"""s3:// and gs:// checkpoints, against real local servers on 127.0.0.1 (moto's S3 server and
+``gcp-storage-emulator``, started once per test process by tests/object_servers.py). TensorStore's
 own ``s3`` / ``gcs`` kvstore drivers do the I/O; credentials and endpoints come from the usual
 environment variables."""
 
