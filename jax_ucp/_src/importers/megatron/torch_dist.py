@@ -286,84 +286,72 @@ class TorchDistReader:
             and (rows := self.checkpoint.tensors[name].shape[0]) > vocab
         }
 
-    def pattern(self, name: str) -> str:
-        """The pattern ``read(name, name)`` records, known without reading the tensor."""
-        vocab = self.vocab_rows(name)
-        if vocab is None:
-            return "torch_dist-global"
-        return f"vocab(strip {self.checkpoint.tensors[name].shape[0]} -> {vocab})"
-
-    def read_rows(self, name: str, lo: int, hi: int) -> np.ndarray:
-        """Rows ``lo:hi`` of ``read(name, name)`` alone, from the chunks holding them."""
-        kept = _state_shape(self, name)
-        if kept is None or not 0 <= lo <= hi <= kept[0]:
-            raise MegatronImportError(
-                f"tensor {name!r}: no rows {lo}:{hi} of {kept} ({self.checkpoint.path})"
-            )
-        return self.checkpoint.read_rows(name, lo, hi)
-
-    def deferred(self, tensor: str, rule_name: str) -> tuple[writer.Deferred | np.ndarray, str]:
-        """``read(tensor, rule_name)`` left for the consumer to make when it has room (the
-        writer's memory budget, a direct restore's regions): whole or in row slabs of the
-        chunks that hold them; a 0-d tensor is read now. The pattern is known unread."""
+    def layout(self, tensor: str, rule_name: str) -> tuple[tuple[int, ...], str, bool]:
+        """What ``read(tensor, rule_name)`` gives, known without reading it: its shape (vocab
+        padding rows stripped), the pattern the provenance records, and whether the tensor is
+        stored flattened (megatron-core < 0.15's model-space optimizer state, see `unflatten`)."""
         shape = tuple(int(d) for d in self.checkpoint.tensors[rule_name].shape)
         found = tuple(int(d) for d in self.checkpoint.tensors[tensor].shape)
-        if not found:
-            return self.read(tensor, rule_name)
-        dtype = np.dtype(self.checkpoint.tensors[tensor].dtype)
         vocab = self.vocab_rows(rule_name)
-        if found != shape:  # megatron-core < 0.15's flattened state: built whole (`unflatten`)
-            kept = shape if vocab is None or shape[0] <= vocab else (vocab, *shape[1:])
-            pattern = (
-                "torch_dist-nd-flattened"
-                if kept == shape
-                else f"nd-flattened, vocab(strip {shape[0]} -> {vocab})"
-            )
-            nbytes = math.prod(found) * dtype.itemsize  # the flat tensor read to build it
-            return writer.Deferred(
-                kept, dtype, lambda: self.read(tensor, rule_name)[0], bound=nbytes
-            ), pattern
-        if vocab is not None and found[0] < vocab:
+        if found != shape:
+            if vocab is None or shape[0] <= vocab:
+                return shape, "torch_dist-nd-flattened", True
+            return (vocab, *shape[1:]), f"nd-flattened, vocab(strip {shape[0]} -> {vocab})", True
+        if vocab is None:
+            return found, "torch_dist-global", False
+        if found[0] < vocab:
             raise MegatronImportError(
                 f"tensor {tensor!r}: {found[0]} rows, fewer than vocab_size={vocab} "
                 f"({self.checkpoint.path / '.metadata'})"
             )
-        kept = found if vocab is None else (vocab, *found[1:])
-        pattern = "torch_dist-global" if vocab is None else f"vocab(strip {found[0]} -> {vocab})"
+        return (vocab, *found[1:]), f"vocab(strip {found[0]} -> {vocab})", False
 
-        def rows(lo: int, hi: int) -> np.ndarray:
-            if not 0 <= lo <= hi <= kept[0]:
-                raise MegatronImportError(
-                    f"tensor {tensor!r}: no rows {lo}:{hi} of {list(kept)} ({self.checkpoint.path})"
-                )
-            with named_errors():
-                return self.checkpoint.read_rows(tensor, lo, hi)
+    def pattern(self, name: str) -> str:
+        """The pattern ``read(name, name)`` records, known without reading the tensor."""
+        return self.layout(name, name)[1]
+
+    def read_rows(self, tensor: str, lo: int, hi: int, rule_name: str | None = None) -> np.ndarray:
+        """Rows ``lo:hi`` of ``read(tensor, rule_name)`` alone, from the chunks holding them
+        (``rule_name`` None: ``tensor``'s own rule)."""
+        kept, _, flattened = self.layout(tensor, rule_name or tensor)
+        if flattened or not kept or not 0 <= lo <= hi <= kept[0]:
+            raise MegatronImportError(
+                f"tensor {tensor!r}: no rows {lo}:{hi} of {kept} ({self.checkpoint.path})"
+            )
+        return self.checkpoint.read_rows(tensor, lo, hi)
+
+    def deferred(self, tensor: str, rule_name: str) -> tuple[writer.Deferred | np.ndarray, str]:
+        """``read(tensor, rule_name)`` left for the consumer to make when it has room (the
+        writer's memory budget, a direct restore's regions): whole, or in row slabs of the
+        chunks that hold them unless stored flattened; a 0-d tensor is read now."""
+        if not self.checkpoint.tensors[tensor].shape:
+            return self.read(tensor, rule_name)
+        kept, pattern, flattened = self.layout(tensor, rule_name)
+        dtype = np.dtype(self.checkpoint.tensors[tensor].dtype)
 
         def whole() -> np.ndarray:
             with named_errors():
                 return self.read(tensor, rule_name)[0]
 
+        if flattened:  # built whole from the flat tensor (its bytes: ``bound``)
+            nbytes = math.prod(self.checkpoint.tensors[tensor].shape) * dtype.itemsize
+            return writer.Deferred(kept, dtype, whole, bound=nbytes), pattern
+
+        def rows(lo: int, hi: int) -> np.ndarray:
+            with named_errors():
+                return self.read_rows(tensor, lo, hi, rule_name)
+
         return writer.Deferred(kept, dtype, whole, rows=rows), pattern
 
     def read(self, tensor: str, rule_name: str) -> tuple[np.ndarray, str]:
         """One tensor (ruled as ``rule_name``), and the pattern the provenance records."""
-        vocab = self.vocab_rows(rule_name)
-        shape = self.checkpoint.tensors[rule_name].shape
-        if self.checkpoint.tensors[tensor].shape != shape:
-            # megatron-core < 0.15's flattened model-space optimizer state (see `unflatten`)
+        kept, pattern, flattened = self.layout(tensor, rule_name)
+        if flattened:
+            shape = tuple(int(d) for d in self.checkpoint.tensors[rule_name].shape)
             value = unflatten(self.checkpoint.read(tensor), shape, tensor)
-            if vocab is None or shape[0] <= vocab:
-                return value, "torch_dist-nd-flattened"
-            return value[:vocab], f"nd-flattened, vocab(strip {shape[0]} -> {vocab})"
-        if vocab is None:
-            return self.checkpoint.read(tensor), "torch_dist-global"
-        rows = self.checkpoint.tensors[tensor].shape[0]
-        if rows < vocab:
-            raise MegatronImportError(
-                f"tensor {tensor!r}: {rows} rows, fewer than vocab_size={vocab} "
-                f"({self.checkpoint.path / '.metadata'})"
-            )
-        return self.checkpoint.read(tensor, rows=vocab), f"vocab(strip {rows} -> {vocab})"
+            return (value if kept == shape else value[: kept[0]]), pattern
+        vocab = self.vocab_rows(rule_name)
+        return self.checkpoint.read(tensor, rows=None if vocab is None else kept[0]), pattern
 
 
 def bucket_items(
