@@ -12,7 +12,7 @@ import os
 import re
 import stat
 from collections.abc import Iterable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from jax_ucp._src.errors import SourceError, UnsafeFileError
 
@@ -46,6 +46,13 @@ def _check_mode(path: str, mode: int) -> None:
         raise UnsafeFileError(
             f"{path}: not a regular file ({_describe(mode)}); refusing to read it"
         )
+
+
+def no_json_constant(name: str) -> NoReturn:
+    """``json.loads(..., parse_constant=no_json_constant)``: Python's json reads ``NaN``,
+    ``Infinity`` and ``-Infinity``, which JSON has not; a record holding one could not be
+    written back (``json.dumps(allow_nan=False)``), so a file holding one is refused."""
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def read_regular(path: str, max_bytes: int) -> bytes:

@@ -416,7 +416,7 @@ class Manifest(display.Tabular):
             return cls._from_model(decoded, where)
         if isinstance(text, bytes):
             text = _manifest_text(text, where=where)
-        decoder = json.JSONDecoder(parse_int=_bounded_int, parse_constant=_no_constant)
+        decoder = json.JSONDecoder(parse_int=_bounded_int, parse_constant=files.no_json_constant)
         try:
             d = decoder.decode(text)
         except RecursionError:  # the C scanner's own guard, far below the stack's end
@@ -919,10 +919,6 @@ def _bounded_int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
         raise ValueError(f"an integer of {len(text)} digits (at most {MAX_INT_DIGITS} allowed)")
     return int(text)
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def check_tree_depth(tree: Any) -> None:

@@ -31,7 +31,7 @@ def _record(ckpt_dir: Path) -> dict[str, str]:
     try:
         files.in_own_folder(path)  # never another run's record linked in
         raw = files.read_regular(str(path), MAX_RECORD_BYTES)
-        data = json.loads(raw, parse_constant=_no_constant)
+        data = json.loads(raw, parse_constant=files.no_json_constant)
     except files.UnsafeFileError as e:
         raise SourceError(str(e)) from None
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError included
@@ -52,10 +52,6 @@ def _record(ckpt_dir: Path) -> dict[str, str]:
                 f"SHA-256 as 64 lowercase hex digits"
             )
     return listed
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
 
 
 def _sha256(path: str) -> str:

@@ -162,13 +162,11 @@ def hf_config(folder: str) -> dict | None:
     path = os.path.join(folder, "huggingface", "config.json")
     if not os.path.isfile(path):
         return None
-
-    def no_constant(name: str):
-        raise ValueError(f"{name} is not a JSON number")
-
     try:
         real = files.inside(folder, os.path.join("huggingface", "config.json"), "model config")
-        data = json.loads(files.read_regular(real, MAX_CONFIG_BYTES), parse_constant=no_constant)
+        data = json.loads(
+            files.read_regular(real, MAX_CONFIG_BYTES), parse_constant=files.no_json_constant
+        )
     except files.UnsafeFileError as e:
         raise SourceError(str(e)) from None
     except (ValueError, RecursionError) as e:
