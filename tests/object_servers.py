@@ -85,9 +85,16 @@ def gcs_server():
 
 
 @pytest.fixture(params=["s3", "gs"])
-def bucket_url(request, monkeypatch):
-    """A bucket on each local server (moto's S3, the GCS emulator), its credentials set."""
+def bucket(request, monkeypatch):
+    """(environment, bucket URL) of a live local server of each kind (moto's S3, the GCS
+    emulator), its credentials set."""
     env, url = request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    return url
+    return env, url
+
+
+@pytest.fixture
+def bucket_url(bucket):
+    """The URL of ``bucket``."""
+    return bucket[1]

@@ -27,15 +27,6 @@ from tests.ucp_testing import REPO, free_port, run_cli
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(params=["s3", "gs"])
-def bucket(request, monkeypatch):
-    """(environment, bucket URL) of a live local server of each kind."""
-    env, url = request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    return env, url
-
-
 def _new(url: str, name: str) -> str:
     return f"{url}/{name}-{time.time_ns()}"
 
