@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import zipfile
 
 import jax
 import ml_dtypes
@@ -460,3 +461,13 @@ class ThreadExchange:
         for t in threads:
             t.join(timeout=60)
         return results
+
+
+def rewrite_zip_member(path, suffix: str, change) -> None:
+    """The torch zip at ``path`` rewritten in place, the member ending in ``suffix`` replaced by
+    ``change(bytes)`` (members stored, CRCs recomputed): a valid zip another tool could write."""
+    with zipfile.ZipFile(path) as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members:
+            z.writestr(name, change(data) if name.endswith(suffix) else data)

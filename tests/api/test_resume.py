@@ -145,6 +145,29 @@ def test_a_step_folder_linked_to_another_run_is_never_restored(tmp_path):
         assert jax_ucp.restore(root, step="latest", fallback=True)["step"] == 3
 
 
+def test_a_link_named_like_a_step_is_refused_without_a_read_through_it(tmp_path):
+    """Listing a run's steps opened ``_CHECKPOINT_METADATA`` through a step folder that is a
+    link (to ask whether it was committed), before refusing the link: a read outside the root
+    (harness ``megatron`` seed 11 #15: a Megatron ``iter_0000002`` linked out, read by a
+    direct restore's question "is this a run root?"). Now the link is refused unread."""
+    from tests.hostile.spy import watch_opens
+
+    root, other = str(tmp_path / "run"), str(tmp_path / "other")
+    _run(root)
+    _run(other, steps=(4,))
+    marker = os.path.join(other, "4", "commit_success.txt")  # committed by its metadata alone
+    if os.path.exists(marker):
+        os.remove(marker)
+    os.symlink(os.path.join(other, "4"), os.path.join(root, "4"))
+    opened = []
+    with watch_opens(lambda path, writing: opened.append(os.path.realpath(str(path)))):
+        with pytest.raises(jax_ucp.CheckpointError, match=r"step 4 cannot be read.*is a link"):
+            jax_ucp.latest_step(root)
+        with pytest.raises(jax_ucp.CheckpointError, match=r"step 4 cannot be read.*is a link"):
+            jax_ucp.restore(root, step="latest")
+    assert not [p for p in opened if p.startswith(os.path.realpath(other))], opened
+
+
 def test_an_item_folder_linked_out_of_its_step_is_never_restored(tmp_path):
     root, other = str(tmp_path / "run"), str(tmp_path / "other")
     _run(root)

@@ -21,8 +21,8 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 
-IMPORT = ("convert",)
-IMPORT_LONG = ("verify-against",)
+IMPORT = ("convert", "restore-direct")
+IMPORT_LONG = ("verify-against", "plan-direct", "optax-direct")
 RESTORE = ("restore", "verify", "inspect", "cli-inspect-json", "plan", "cli-plan-json")
 RESUME = ("latest-step", "latest-step-fallback", "restore-latest", "restore-latest-fallback",
           "restore-step")  # fmt: skip
@@ -420,6 +420,15 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
         return _verdict(jax_ucp.verify(p, against=inp.against))
     if name == "restore":
         return tree_digest(jax_ucp.restore(p))
+    if name == "restore-direct":  # straight from the source, nothing written
+        return tree_digest(jax_ucp.restore(p, importing=_importing(inp)))
+    if name == "plan-direct":
+        result = jax_ucp.plan(p, mesh=_mesh(), importing=_importing(inp))
+        state["displays"] = Displays.all(result)
+        return repr(result)
+    if name == "optax-direct":
+        options = jax_ucp.RestoreOptions(importing=_importing(inp))
+        return _run_digest(jax_ucp.optax_from_torch(p, options=options))
     if name == "restore-latest":
         return tree_digest(jax_ucp.restore(p, step="latest"))
     if name == "restore-latest-fallback":
@@ -448,13 +457,7 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
     if name == "cli-plan-json":
         return _cli_json(["plan", p, "--mesh", "x=2", "--json"])
     if name == "optax":
-        t = jax_ucp.optax_from_torch(p)
-        return {
-            "params": tree_digest(t.params),
-            "opt_state": tree_digest(t.opt_state),
-            "step": t.step,
-            "optimizer": t.optimizer,
-        }
+        return _run_digest(jax_ucp.optax_from_torch(p))
     if name == "canary-read":
         return _canary_read(p)
     if name == "canary-write":
@@ -462,6 +465,26 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
             f.write("read")
         return "written"
     raise AssertionError(f"no entry point {name!r}")
+
+
+def _importing(inp: Input):
+    """The import options ``convert`` is given, as a direct restore takes them."""
+    if not inp.options:
+        return None
+    from jax_ucp.conversion import TorchOptions
+
+    return TorchOptions(**inp.options)
+
+
+def _run_digest(run) -> dict:
+    """What ``optax_from_torch`` gives: both trees, the step and the optimizer it found."""
+    return {
+        "params": tree_digest(run.params),
+        "opt_state": tree_digest(run.opt_state),
+        "step": run.step,
+        "optimizer": run.optimizer,
+        "unrecovered": sorted(run.unrecovered),  # what it says it went on without
+    }
 
 
 def _verdict(problems) -> str:

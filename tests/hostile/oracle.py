@@ -3,7 +3,8 @@ the intact one.
 
 Allowed: the same result, bit for bit; one of the project's errors (``UCPError``) naming a file
 or a parameter; ``verify`` reporting the damage; ``fallback=True`` taking an older intact step
-with a ``ResumeWarning``; and, in a format without checksums over tensor bytes, a flipped or
+with a ``ResumeWarning``; ``optax_from_torch`` building the optimizer without what a lost
+file recorded (a schedule, clipping), listed in its ``unrecovered`` and warned; and, in a format without checksums over tensor bytes, a flipped or
 swapped payload giving other bytes under the same names, shapes and dtypes (undetectable by the
 format: counted apart, never a failure). Everything else is a failure: a different value, a raw
 exception, an unnamed error, a file opened outside the input (a link followed out), a write
@@ -26,6 +27,7 @@ PASS = {
     "step-gone",
     "undetectable",
     "skipped",
+    "said",
 }
 
 _HTML = re.compile(r"<\s*(script|img|iframe|svg)\b", re.I)
@@ -72,6 +74,8 @@ def judge_entry(entry: str, base, got, *, kind, mutation_op: str, names: set[str
             return "dropped", "the entry point went on without what the mutation removed: " + _diff(
                 base[1], value
             )
+        if entry.startswith("optax") and _said(base[1], value, warnings):
+            return "said", f"went on without {value['unrecovered']}, warned"
         payload = mutation_op in ("flip-data", "flip-meta", "swap")
         if payload and not kind.checksummed and _data_only(base[1], value):
             return "undetectable", "tensor bytes differ, names/shapes/dtypes the same"
@@ -84,6 +88,16 @@ def judge_entry(entry: str, base, got, *, kind, mutation_op: str, names: set[str
     if not any(n in message for n in names):
         return "unnamed-error", f"{cls}: {message[:400]}"
     return "refused", f"{cls}"
+
+
+def _said(base, value, warnings) -> bool:
+    """An optimizer built without more than the intact copy's (``unrecovered`` grew: a lost
+    file recorded it), the params the same, and a warning saying it."""
+    if not (isinstance(base, dict) and isinstance(value, dict)):
+        return False
+    before, after = base.get("unrecovered") or [], value.get("unrecovered") or []
+    grew = set(after) > set(before)
+    return grew and value.get("params") == base.get("params") and bool(warnings)
 
 
 def _data_only(a, b) -> bool:

@@ -159,6 +159,25 @@ def test_a_fallback_to_an_older_step_passes_only_with_its_warning():
     assert judge("restore-latest", base, warned, **args)[0] == "silent-wrong"
 
 
+def test_an_optimizer_built_without_a_lost_file_passes_only_when_said():
+    """optax_from_torch without what a renamed file held (the Trainer's training_args.bin: the
+    schedule, the clipping) passes when its ``unrecovered`` names more than the intact copy's
+    and a warning said so; unwarned, with other params, or in another entry it is a failure."""
+    params = {"w": ["tensor", [2], "float32", "aa"]}
+    base = _ok({"params": params, "opt_state": "A", "unrecovered": []})
+    other = {"params": params, "opt_state": "B", "unrecovered": ["the learning-rate schedule"]}
+    warned = _ok(other, ["UserWarning: the translation goes on without ..."])
+    args = {"kind": PLAIN, "mutation_op": "rename", "names": NAMES}
+    judge = oracle.judge_entry
+    assert judge("optax-direct", base, warned, **args)[0] == "said"
+    assert judge("optax-direct", base, _ok(other), **args)[0] == "silent-wrong"
+    assert judge("convert", base, warned, **args)[0] == "silent-wrong"
+    moved = _ok({**other, "params": {"w": ["tensor", [2], "float32", "bb"]}}, warned[2])
+    assert judge("optax", base, moved, **args)[0] == "silent-wrong"
+    said_before = _ok({**other, "opt_state": "A"}, warned[2])  # nothing more went unrecovered
+    assert judge("optax", said_before, warned, **args)[0] == "silent-wrong"
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "canary, finding",

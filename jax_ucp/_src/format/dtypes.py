@@ -61,6 +61,12 @@ def dtype_name(dtype) -> str:
     return name
 
 
+def is_floating(dtype) -> bool:
+    """float and complex, numpy's or ml_dtypes' (bfloat16, float8_*: numpy's kind ``V``)."""
+    dt = np.dtype(dtype)
+    return dt.kind in "fc" or (dt.kind == "V" and "float" in dt.name)
+
+
 @functools.lru_cache(maxsize=64)  # a few names, asked once per tensor: 100 000 times
 def to_numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of a manifest's dtype name (the inverse of ``dtype_name``)."""

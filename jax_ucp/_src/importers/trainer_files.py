@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from jax_ucp._src.errors import SourceError
@@ -24,6 +25,7 @@ from jax_ucp._src.torchfiles import allow_list, torch_zip
 __all__ = [
     "ARG_FIELDS",
     "MODEL_FIELDS",
+    "check_optimizer_beside_scheduler",
     "is_trainer_checkpoint",
     "read_json",
     "rng_states",
@@ -98,6 +100,31 @@ def is_trainer_checkpoint(folder: str) -> bool:
     return os.path.isdir(folder) and any(
         os.path.lexists(os.path.join(folder, n)) for n in ("optimizer.pt", STATE_FILE)
     )
+
+
+#: a learning-rate scheduler's state: the Trainer's ``scheduler.pt``, Accelerate's
+#: ``scheduler.bin`` / ``scheduler_<i>.bin`` (``save_state``); each steps an optimizer
+_SCHEDULER = re.compile(r"scheduler(_[0-9]+)?\.(pt|bin)")
+#: an optimizer's state beside it: a file (``optimizer.pt``, ``optimizer_<i>.bin``) or an FSDP
+#: sharded folder (``optimizer_0/``)
+_OPTIMIZER = re.compile(r"optimizer(_[0-9]+)?(\.(pt|bin))?")
+
+
+def check_optimizer_beside_scheduler(folder: str, weights_only: bool) -> None:
+    """A folder holding a scheduler's state but no optimizer's lost it (the Trainer and
+    Accelerate's ``save_state`` write both, or neither): refused unless only the weights are
+    asked for, so a resume never starts its optimizer from nothing unsaid."""
+    if weights_only or not os.path.isdir(folder):
+        return
+    names = os.listdir(folder)
+    schedulers = sorted(n for n in names if _SCHEDULER.fullmatch(n))
+    if schedulers and not any(_OPTIMIZER.fullmatch(n) for n in names):
+        raise SourceError(
+            f"{folder}: {schedulers[0]} is here (a training run's state, as the Trainer and "
+            f"Accelerate's save_state write it) but no optimizer state (optimizer.pt, "
+            f"optimizer.bin, optimizer_<i>.bin or an optimizer_0/ folder): the optimizer's "
+            f"file is missing or renamed; pass weights_only=True to take the weights alone"
+        )
 
 
 def read_json(path: str) -> Any:

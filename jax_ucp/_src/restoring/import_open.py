@@ -61,6 +61,7 @@ def import_format(
             raise
         return None  # no importer claims it: the UCP reader's "not a jax_ucp checkpoint"
     from jax_ucp._src.importers.torch.files import has_torch_optimizer
+    from jax_ucp._src.importers.trainer_files import check_optimizer_beside_scheduler
 
     if (
         found == "safetensors"
@@ -68,6 +69,7 @@ def import_format(
         and not explicit
         and not has_torch_optimizer(path)
     ):
+        check_optimizer_beside_scheduler(path, weights_only=False)  # a run's state lost it
         return None  # weights alone: safetensors_source reads them (a spec as restore's)
     return found
 

@@ -99,8 +99,10 @@ def run_steps(root: str, step_format: StepFormat | None = None) -> RunSteps:
                     f"ignored"
                 )
             continue
-        if os.path.isdir(path) and _committed(path):  # a link is a step refused, not followed
-            found.append((name, match, os.path.islink(path)))
+        if os.path.islink(path):  # a step refused, never followed (not even to ask if done)
+            found.append((name, match, True))
+        elif os.path.isdir(path) and _committed(path):
+            found.append((name, match, False))
     step_format = step_format or _format_of(root, found)
     steps = []
     for name, _, link in found:

@@ -16,6 +16,8 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
+from jax_ucp._src.format.dtypes import is_floating
+
 if TYPE_CHECKING:
     import jax
 
@@ -216,14 +218,14 @@ def _overflow_check(source: np.dtype, target: np.dtype):
     """None when casting ``source`` into ``target`` cannot overflow; else a function giving,
     for a block of source values, which ones must stay finite after the cast (finite values,
     plus infinities when ``target`` has no inf)."""
-    if not _is_float(target):
+    if not is_floating(target):
         return None
     info = np.finfo(target) if target.kind == "c" else ml_dtypes.finfo(target)
     has_inf = bool(np.isinf(np.array(np.inf).astype(target)))
     if source.kind in "biu":
         wider = float(np.iinfo(source).max if source.kind != "b" else 1) > float(info.max)
         return (lambda block: np.ones(block.shape, bool)) if wider else None
-    if not _is_float(source):
+    if not is_floating(source):
         return None
     source_info = np.finfo(source) if source.kind == "c" else ml_dtypes.finfo(source)
     if float(source_info.max) > float(info.max):
@@ -231,11 +233,6 @@ def _overflow_check(source: np.dtype, target: np.dtype):
     if not has_inf and bool(np.isinf(np.array(np.inf).astype(source))):
         return lambda block: ~np.isnan(block)  # only infinities can turn into NaN
     return None
-
-
-def _is_float(dtype: np.dtype) -> bool:
-    """float and complex, numpy's or ml_dtypes' (bfloat16, float8_*)."""
-    return dtype.kind in "fc" or (dtype.kind == "V" and "float" in dtype.name)
 
 
 def aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:

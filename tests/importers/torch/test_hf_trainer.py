@@ -18,6 +18,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers.plan import tensor_names
 from jax_ucp._src.torchfiles import torch_zip
+from jax_ucp.conversion import ImportOptions
 from tests.ucp_testing import (
     REPO,
     assert_bit_exact,
@@ -184,6 +185,40 @@ def test_accelerate_named_groups_map_by_param_names(tmp_path, kind):
     )
     assert jax_ucp.inspect(out).source["optimizer_keys"].endswith("param_names")
     assert_accounted(out, os.path.join(ACCELERATE, kind), "optimizer.bin")
+
+
+@pytest.mark.parametrize(
+    "source, optimizer, gone",
+    [
+        ("accelerate/accelerate_named", "optimizer.bin", None),
+        ("accelerate/accelerate_named", "optimizer.bin", "optimizer.bin "),
+        ("hf_trainer/trainer_fp32/checkpoint-3", "optimizer.pt", None),
+    ],
+)
+def test_a_run_folder_whose_optimizer_file_is_gone_is_refused_not_weights_only(
+    tmp_path, source, optimizer, gone
+):
+    """An Accelerate save_state / a Trainer checkpoint-N whose optimizer file was deleted or
+    renamed (the scheduler's state still there) imported the weights alone without a word, by
+    convert and by a direct restore (harness ``accelerate`` seed 11 #8): a resume would start
+    Adam from nothing. Refused naming the scheduler and what is missing; weights_only=True
+    takes the weights."""
+    src = shutil.copytree(os.path.join(HERE, source), tmp_path / "src")
+    if gone is None:
+        os.remove(src / optimizer)
+    else:
+        os.rename(src / optimizer, src / gone)
+    said = r"scheduler\.(bin|pt) is here .* but no optimizer state .*weights_only=True"
+    assert_convert_refused(src, tmp_path / "refused", said)
+    with pytest.raises(jax_ucp.SourceError, match=said):
+        jax_ucp.restore(src)
+    out = jax_ucp.convert(src, tmp_path / "weights", weights_only=True)
+    assert not [k for k in jax_ucp.restore(out) if k != "params"]
+    weights = jax_ucp.restore(src, importing=ImportOptions(weights_only=True))["params"]
+    converted = jax_ucp.restore(out)["params"]
+    assert sorted(weights) == sorted(converted)
+    for name, value in converted.items():
+        assert_bit_exact(weights[name], value, name)
 
 
 @pytest.mark.parametrize("kind", ["accelerate_plain", "accelerate_groups"])

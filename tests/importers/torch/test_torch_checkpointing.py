@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import zipfile
 
 import numpy as np
 import pytest
@@ -17,7 +16,12 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers.registry import detect_format
 from jax_ucp._src.torchfiles import allow_list, pickle_format, sharded, torch_zip
-from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
+from tests.ucp_testing import (
+    REPO,
+    assert_bit_exact,
+    assert_destination_untouched,
+    rewrite_zip_member,
+)
 
 pytestmark = pytest.mark.timeout(120)
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "torch_checkpointing")
@@ -112,16 +116,6 @@ def test_two_names_for_one_rank_file_are_refused_naming_both(tmp_path):
     assert_destination_untouched(tmp_path / "refused")
 
 
-def _rewrite_member(path, suffix: str, change) -> None:
-    """``path`` rewritten in place, the member ending in ``suffix`` replaced by
-    ``change(bytes)`` (members stored, CRCs recomputed): a valid zip another tool could write."""
-    with zipfile.ZipFile(path) as z:
-        members = [(i.filename, z.read(i)) for i in z.infolist()]
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
-        for name, data in members:
-            z.writestr(name, change(data) if name.endswith(suffix) else data)
-
-
 def _edit_metadata(src, change) -> None:
     """metadata.pkl re-pickled (plain data) after ``change(its entries)``."""
     path = os.path.join(src, "metadata.pkl")
@@ -139,7 +133,7 @@ def test_a_storage_type_renamed_in_one_rank_file_is_refused(tmp_path):
     be read as int32 (and cast into the float32 tensor); the storage type, the DTensor's dtype
     and metadata.pkl's disagree: refused naming the file and the tensor."""
     src = shutil.copytree(SRC, tmp_path / "ck")
-    _rewrite_member(
+    rewrite_zip_member(
         src / "model_1.pt", "/data.pkl", lambda b: b.replace(b"FloatStorage", b"IntStorage")
     )
     with pytest.raises(

@@ -22,6 +22,7 @@ from tests.ucp_testing import (
     REPO,
     assert_bit_exact,
     assert_destination_untouched,
+    rewrite_zip_member,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -184,6 +185,25 @@ def test_distributed_recipe_state_keyed_by_names_imports_bit_exact(tmp_path):
     with pytest.raises(jax_ucp.UCPError, match=r"keyed by torchtune's parameter names; param"):
         jax_ucp.convert(DIST, tmp_path / "refused", parameter_order=ORDER)
     assert_destination_untouched(tmp_path / "refused")
+
+
+def test_moments_whose_storage_type_was_rewritten_to_integers_are_refused(tmp_path):
+    """``FloatStorage`` renamed ``IntStorage`` in recipe_state.pt's data.pkl (CRCs made to
+    agree, the same 4 bytes per element): the Adam moments were imported as int32 bit patterns,
+    by convert and by a direct restore alike (harness ``torchtune`` seed 11 #25). A torch
+    optimizer's state is floating point: refused naming the state, the parameter and the file."""
+    src = shutil.copytree(DIST, tmp_path / "tt")
+    rewrite_zip_member(
+        src / "recipe_state" / "recipe_state.pt",
+        "/data.pkl",
+        lambda b: b.replace(b"FloatStorage", b"IntStorage"),
+    )
+    said = r"optimizer state 'exp_avg(_sq)?' of '[a-z_.0-9]+' is int32; .*floating point"
+    with pytest.raises(jax_ucp.SourceError, match=said):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+    with pytest.raises(jax_ucp.SourceError, match=said):
+        jax_ucp.restore(src)
 
 
 def test_a_model_type_tune_to_hf_does_not_convert_is_refused(tmp_path):

@@ -17,6 +17,7 @@ import os
 
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format import safetensors
+from jax_ucp._src.importers import trainer_files
 from jax_ucp._src.importers.plan import Detection, ImportOptions, ImportPlan
 from jax_ucp._src.importers.safetensors_weights import plan_safetensors
 
@@ -51,4 +52,5 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
                 f"{src}: {field}= orders a torch optimizer's state; these safetensors "
                 f"come without one (or weights_only=True)"
             )
+    trainer_files.check_optimizer_beside_scheduler(os.fspath(src), options.weights_only)
     return plan_safetensors(src, options)

@@ -206,6 +206,8 @@ def plan_torch_files(src: os.PathLike | str, options: TorchOptions) -> ImportPla
     if not os.path.exists(src):
         raise SourceError(f"{src}: no such file or folder")
     model_files, optimizer_file = _files_of(src)
+    if optimizer_file is None:
+        trainer_files.check_optimizer_beside_scheduler(src, weights_only)
     model, found, other, optimizer, optimizer_at = _read_model_files(src, model_files)
     if os.path.isdir(src) and INDEX_FILE in os.listdir(src):
         _check_index(src, model)

@@ -28,6 +28,7 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import mapped_file
+from jax_ucp._src.format.dtypes import is_floating
 from jax_ucp._src.importers.plan import ImportOptions, ImportPlan, agreed_step, host_item, jsonable
 
 __all__ = [
@@ -182,7 +183,9 @@ def _step_of(ref: TensorRef, name: str, where: str) -> float:
 
 
 def _check_states(state: TorchState) -> None:
-    """Every optimizer state names a model tensor and holds its shape (or is a scalar)."""
+    """Every optimizer state names a model tensor and holds its shape (or is a scalar), in a
+    floating dtype: every torch optimizer keeps its per-parameter state so (``zeros_like`` of
+    a floating parameter), and integer bytes there are a file rewritten, never moments."""
     for name, states in state.states.items():
         param = state.params.get(name)
         if param is None:
@@ -192,6 +195,12 @@ def _check_states(state: TorchState) -> None:
                 f"model's {len(state.params)} tensors (e.g. {near})"
             )
         for key, value in states.items():
+            if key != "step" and not is_floating(value.dtype):
+                raise SourceError(
+                    f"{state.where}: optimizer state {key!r} of {name!r} is "
+                    f"{np.dtype(value.dtype).name}; a torch optimizer's state is floating point "
+                    f"({value.where.get('files') or value.where})"
+                )
             if key != "step" and value.shape != param.shape:
                 raise SourceError(
                     f"{state.where}: optimizer state {key!r} of {name!r} has shape "
