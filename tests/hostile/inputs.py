@@ -422,10 +422,13 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
         return tree_digest(jax_ucp.restore(p))
     if name == "restore-direct":  # straight from the source, nothing written
         return tree_digest(jax_ucp.restore(p, importing=_importing(inp)))
-    if name == "plan-direct":
+    if name == "plan-direct":  # by tensor, so a file's tensors gone are told from others
         result = jax_ucp.plan(p, mesh=_mesh(), importing=_importing(inp))
         state["displays"] = Displays.all(result)
-        return repr(result)
+        return {
+            t.name: ["plan", list(t.shape), str(t.dtype), str(t.partition_spec), t.error]
+            for t in result.tensors
+        }
     if name == "optax-direct":
         options = jax_ucp.RestoreOptions(importing=_importing(inp))
         return _run_digest(jax_ucp.optax_from_torch(p, options=options))

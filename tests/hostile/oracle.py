@@ -109,7 +109,7 @@ def _data_only(a, b) -> bool:
         if isinstance(x, dict):
             if not _data_only(x, y):
                 return False
-        elif x[0] == "tensor" and y[0] == "tensor":
+        elif isinstance(x, list) and isinstance(y, list) and x[:1] == y[:1] == ["tensor"]:
             if x[:3] != y[:3]:
                 return False
         elif x != y:

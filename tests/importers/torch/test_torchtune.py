@@ -206,6 +206,23 @@ def test_moments_whose_storage_type_was_rewritten_to_integers_are_refused(tmp_pa
         jax_ucp.restore(src)
 
 
+def test_a_recipe_state_folder_without_its_file_is_refused_not_weights_only(tmp_path):
+    """recipe_state/ left empty (recipe_state.pt deleted): the weights were imported alone
+    without a word (harness ``torchtune`` seed 13 #13). torchtune makes the folder only to
+    write the file into it: refused, by convert and a direct restore; weights_only=True takes
+    the weights."""
+    src = shutil.copytree(DIST, tmp_path / "tt")
+    os.remove(src / "recipe_state" / "recipe_state.pt")
+    said = r"recipe_state/ is here without recipe_state\.pt .* weights_only=True"
+    with pytest.raises(jax_ucp.SourceError, match=said):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+    with pytest.raises(jax_ucp.SourceError, match=said):
+        jax_ucp.restore(src)
+    out = jax_ucp.convert(src, tmp_path / "weights", weights_only=True)
+    assert list(jax_ucp.restore(out)) == ["params"]
+
+
 def test_a_model_type_tune_to_hf_does_not_convert_is_refused(tmp_path):
     src = shutil.copytree(DIST, tmp_path / "tt")
     config = os.path.join(src, "epoch_0", "config.json")

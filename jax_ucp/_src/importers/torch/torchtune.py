@@ -232,6 +232,12 @@ def plan_torchtune(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     has_recipe = os.path.lexists(recipe)
     if has_recipe:  # never a recipe_state/ (or its file) linked out of the output folder
         recipe = files.inside(src, RECIPE_STATE, src)
+    elif os.path.lexists(os.path.dirname(recipe)) and not weights_only:
+        raise SourceError(  # torchtune makes the folder to write the file: the file was lost
+            f"{src}: recipe_state/ is here without {os.path.basename(RECIPE_STATE)} (the "
+            f"recipe's optimizer state and seed, written into it for a resumable checkpoint); "
+            f"pass weights_only=True to take the weights alone"
+        )
     if dist and (not epochs or _epoch_number(dist[-1]) > _epoch_number(epochs[-1])):
         folder = os.path.join(src, dist[-1])
         rebuilt = None  # the index-keyed optimizer's order, by torchtune's builder if installed
