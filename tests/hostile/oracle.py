@@ -3,10 +3,12 @@ the intact one.
 
 Allowed: the same result, bit for bit; one of the project's errors (``UCPError``) naming a file
 or a parameter; ``verify`` reporting the damage; ``fallback=True`` taking an older intact step
-with a ``ResumeWarning``; ``optax_from_torch`` building the optimizer without what a lost
-file recorded (a schedule, clipping), listed in its ``unrecovered`` and warned; and, in a format without checksums over tensor bytes, a flipped or
-swapped payload giving other bytes under the same names, shapes and dtypes (undetectable by the
-format: counted apart, never a failure). Everything else is a failure: a different value, a raw
+with a ``ResumeWarning``; ``optax_from_torch`` building the optimizer without what a lost file
+recorded (a schedule, clipping), listed in its ``unrecovered`` and warned; and, in a format
+without checksums over tensor bytes, a flipped or swapped payload giving other bytes under the
+same names, shapes and dtypes (undetectable by the format: counted apart, never a failure), and
+a plan giving the shapes such a format's swapped or flipped metadata says (a plan reads no
+tensor bytes; the restore is judged). Everything else is a failure: a different value, a raw
 exception, an unnamed error, a file opened outside the input (a link followed out), a write
 outside the output, a pickle's payload run, a display carrying live HTML or terminal escapes,
 strict-JSON output that is not, and (judged by the parent) a signal or a hang."""
@@ -28,6 +30,7 @@ PASS = {
     "undetectable",
     "skipped",
     "said",
+    "plan-only",
 }
 
 _HTML = re.compile(r"<\s*(script|img|iframe|svg)\b", re.I)
@@ -77,6 +80,14 @@ def judge_entry(entry: str, base, got, *, kind, mutation_op: str, names: set[str
         if entry.startswith("optax") and _said(base[1], value, warnings):
             return "said", f"went on without {value['unrecovered']}, warned"
         payload = mutation_op in ("flip-data", "flip-meta", "swap")
+        if (
+            entry == "plan-direct"
+            and mutation_op in ("swap", "flip-meta")
+            and not kind.checksummed
+            and isinstance(value, dict)
+            and value.keys() == base[1].keys()
+        ):  # a plan reads the metadata alone: what it says changed, the restore judges
+            return "plan-only", _diff(base[1], value)
         if payload and not kind.checksummed and _data_only(base[1], value):
             return "undetectable", "tensor bytes differ, names/shapes/dtypes the same"
         return "silent-wrong", _diff(base[1], value)

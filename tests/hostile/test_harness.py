@@ -178,6 +178,20 @@ def test_an_optimizer_built_without_a_lost_file_passes_only_when_said():
     assert judge("optax", said_before, warned, **args)[0] == "silent-wrong"
 
 
+def test_a_plan_may_say_what_swapped_metadata_says_only_where_nothing_checks_it():
+    """A plan reads metadata alone: two tensors' .zarray swapped in an Orbax zarr checkpoint
+    plans the swapped shapes (the restore is judged on its own); in a checksummed format, or
+    with a tensor gone, it is a failure."""
+    base = _ok({"a": ["plan", [6, 8], "float32", "P()", None], "b": ["plan", [8, 8], "float32",
+                "P()", None]})  # fmt: skip
+    swapped = _ok({"a": base[1]["b"], "b": base[1]["a"]})
+    args = {"mutation_op": "swap", "names": NAMES}
+    assert oracle.judge_entry("plan-direct", base, swapped, kind=PLAIN, **args)[0] == "plan-only"
+    assert oracle.judge_entry("plan-direct", base, swapped, kind=SUMMED, **args)[0] != "plan-only"
+    fewer = _ok({"a": base[1]["a"]})
+    assert oracle.judge_entry("plan-direct", base, fewer, kind=PLAIN, **args)[0] not in oracle.PASS
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "canary, finding",

@@ -340,6 +340,21 @@ def test_a_zip_version_no_reader_knows_is_a_torch_file_error(tmp_path):
         load_torch_file(p)
 
 
+def test_a_member_placed_before_the_file_is_a_torch_file_error(tmp_path):
+    """Found by the hostile-input harness (``python3 -m tests.hostile --kind torch_checkpointing
+    --seed 23 --index 31``): a flipped byte in the end record's central-directory offset made
+    zipfile place the members before the start of the file (it subtracts the difference as a
+    prefix), and ``preadv`` at a negative offset raised a raw ``OSError`` (EINVAL)."""
+    data = bytearray(open(_real_file(), "rb").read())
+    end = data.rindex(b"PK\x06\x06")  # torch's zip64 end record: the directory's offset
+    (at,) = struct.unpack_from("<Q", data, end + 48)
+    struct.pack_into("<Q", data, end + 48, at + 65536)  # said 64 KiB later than it is
+    p = tmp_path / "before.pt"
+    p.write_bytes(bytes(data))
+    with pytest.raises(TorchFileError, match=r"before\.pt: member .* before the file \(corrupt\)"):
+        load_torch_file(p)
+
+
 def test_a_storage_type_edited_in_the_pickle_is_refused(tmp_path):
     """Found by the hostile-input harness (``python3 -m tests.hostile --kind torch_save --seed 17
     --index 13``, ``--kind hf_trainer --seed 17 --index 7``): ``FloatStorage`` renamed in

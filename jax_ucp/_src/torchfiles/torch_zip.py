@@ -209,6 +209,10 @@ class TorchArchive:
     def _data_offset(self, name: str, info: zipfile.ZipInfo) -> int:
         """Where member ``name``'s bytes start, its local header and extent checked."""
         off = info.header_offset
+        if off < 0:  # zipfile subtracts what it takes for a prefix: a corrupt directory
+            raise TorchFileError(
+                self.path, f"member {name!r}: local header at {off}, before the file (corrupt)"
+            )
         if off + _LOCAL_HEADER.size > self.size:
             raise TorchFileError(
                 self.path, f"member {name!r}: local header beyond end of file (truncated)"

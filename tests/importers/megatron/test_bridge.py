@@ -435,3 +435,24 @@ def test_bridge_run_config_integer_beyond_int64_is_named(tmp_path):
         r"run_config\.yaml: model\.vocab_size is an integer of 160 bits, expected a "
         r"non-negative integer below 2\*\*63",
     )
+
+
+def test_an_iteration_folder_linked_out_is_refused_before_a_read_through_it(tmp_path):
+    """``iter_0000002`` moved out of the save directory and linked back: its train_state.pt was
+    read through the link (to check its step) before the link was refused, by convert and a
+    direct restore (harness ``megatron_bridge`` seed 23 #4). Now refused first, nothing read."""
+    from tests.hostile.spy import watch_opens
+
+    src, outside = tmp_path / "run", tmp_path / "outside"
+    shutil.copytree(FULL, src)
+    outside.mkdir()
+    shutil.move(src / ITER, outside / ITER)
+    os.symlink(os.path.join("..", "outside", ITER), src / ITER)
+    opened = []
+    with watch_opens(lambda path, writing: opened.append(os.path.realpath(str(path)))):
+        for run in (lambda: jax_ucp.convert(src, tmp_path / "out"), lambda: jax_ucp.restore(src)):
+            with pytest.raises(
+                jax_ucp.SourceError, match=rf"'{ITER}' resolves to .*outside the checkpoint"
+            ):
+                run()
+    assert not [p for p in opened if p.startswith(str(outside.resolve()))], opened

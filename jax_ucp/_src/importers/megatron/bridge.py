@@ -149,6 +149,8 @@ def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
                 f"{path / TRACKER_FILE}: iteration {tracked}, but {latest} says step {step}; the "
                 f"two trackers of one Bridge save agree (a later save by another tool?)"
             )
+        if os.path.lexists(iter_dir):  # never read through a link to another run's
+            _iteration_inside(path, iter_dir)
         if not iter_dir.is_dir():
             found = sorted(p.name for p in path.iterdir() if _ITER_DIR.fullmatch(p.name))
             shown = ", ".join(found[:8]) + (f", ... ({len(found)})" if len(found) > 8 else "")
@@ -161,7 +163,6 @@ def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
             raise MegatronImportError(
                 f"{iter_dir / TRAIN_STATE_FILE}: step {state['step']}, but {latest} says {step}"
             )
-        _iteration_inside(path, iter_dir)
         return BridgeCheckpoint(path, iter_dir, state)
     step = None if os.path.lexists(path / TRAIN_STATE_FILE) else _tracker_step(path / TRACKER_FILE)
     if step is not None:  # a save directory whose latest_train_state.pt is gone
