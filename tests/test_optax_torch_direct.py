@@ -71,3 +71,32 @@ def test_a_source_without_its_optimizer_says_so(tmp_path):
     src = os.path.join(REPO, "tests", "fixtures", "torch", "hf_bin")
     with pytest.raises(jax_ucp.UCPError, match=r"no torch optimizer recorded"):
         jax_ucp.optax_from_torch(src)
+
+
+@pytest.mark.parametrize(
+    "fixture", ["megatron_bridge/llama_tp1dp2", "megatron/legacy_gpt_distopt_pp2dp2_synthetic"]
+)
+def test_a_megatron_run_says_its_moments_are_there_but_no_torch_record(tmp_path, fixture):
+    """A Megatron import recorded its optimizer layout under source["optimizer"] (a string, or
+    True), the key every other format gives torch's record (param_groups): optax_from_torch
+    raised a raw AttributeError on it, straight from the source and converted alike (harness
+    long run, optax-direct, seed 29). The layout is source["optimizer_layout"] now, and the
+    refusal says the moments are in the tree."""
+    src = os.path.join(REPO, "tests", "fixtures", fixture)
+    said = r"holds the Adam moments .* but no torch optimizer record"
+    with pytest.raises(jax_ucp.RequestError, match=said):
+        jax_ucp.optax_from_torch(src)
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    assert jax_ucp.inspect(out).source["optimizer_layout"] in ("dp_reshardable", "distrib_optim")
+    with pytest.raises(jax_ucp.RequestError, match=said):
+        jax_ucp.optax_from_torch(out)
+
+
+def test_an_earlier_manifests_megatron_layout_is_no_torch_record():
+    """Checkpoints converted by an earlier jax_ucp keep the layout name (or a flag) under
+    source["optimizer"]: read as no torch record, never as one."""
+    from jax_ucp._src.importers.plan import torch_optimizer_record
+
+    assert torch_optimizer_record({"optimizer": "dp_reshardable"}) == {}
+    assert torch_optimizer_record({"optimizer": True}) == {}
+    assert torch_optimizer_record({"optimizer": {"param_groups": [1]}}) == {"param_groups": [1]}

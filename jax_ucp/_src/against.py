@@ -38,6 +38,7 @@ import numpy as np
 
 from jax_ucp._src.errors import RequestError, SourceError, UnsafeFileError
 from jax_ucp._src.format import files, keypath
+from jax_ucp._src.importers.plan import torch_optimizer_record
 from jax_ucp._src.torchfiles import dcp as safe_dcp
 
 __all__ = ["Comparison", "compare_with_source", "dcp_reader"]
@@ -527,7 +528,7 @@ def _recorded_order(source: dict) -> list[str] | None:
         word in str(source.get("optimizer_keys") or "")
         for word in ("parameter_order", "model_config")
     )
-    groups = (source.get("optimizer") or {}).get("param_groups") if given else None
+    groups = torch_optimizer_record(source).get("param_groups") if given else None
     if not isinstance(groups, list):
         return None
     names = [n for g in groups if isinstance(g, dict) for n in g.get("params") or ()]

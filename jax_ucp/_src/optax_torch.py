@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.errors import RequestError
+from jax_ucp._src.importers.plan import torch_optimizer_record
 
 __all__ = ["TorchOptimizer", "hf_schedule", "optax_from_torch", "run_arguments"]
 
@@ -563,8 +564,8 @@ def _from_run(run: _Run, ckpt, spec: Any, optimizer: str | None, options: Any) -
 
     source = run.source
     where = str(source.get("path") or ckpt)
-    recorded = source.get("optimizer")
-    if not recorded or not recorded.get("param_groups"):
+    recorded = torch_optimizer_record(source)
+    if not recorded.get("param_groups"):
         raise RequestError(_no_optimizer(source, where))
     groups = recorded["param_groups"]
     check_groups(groups, where)
@@ -693,6 +694,14 @@ def _no_optimizer(source: dict, where: str) -> str:
             f"{where}: no torch optimizer recorded: imported with weights_only=True (its "
             f"optimizer state is listed in source.skipped); convert without weights_only"
         )
+    if source.get("optimizer_layout"):  # Megatron: its Adam state, not a torch record
+        return (
+            f"{where}: the {source.get('framework')} import holds the Adam moments "
+            f"(opt_state/mu, opt_state/nu, saved {source['optimizer_layout']}) but no torch "
+            f"optimizer record to translate (optax_from_torch reads torch's param_groups); "
+            f"restore them with jax_ucp.restore and build the optax optimizer from the run's "
+            f"settings (source.settings)"
+        )
     return (
         f"{where}: no torch optimizer recorded in this {source.get('framework') or 'unknown'} "
         f"import (no torch param_groups were found in its files, or it is not from torch)"
@@ -706,7 +715,7 @@ def run_arguments(source: dict, where: str) -> dict:
     names is made by DeepSpeed, not by the Trainer's ``optim``: translated only when it is torch's
     own Adam/AdamW (``torch_adam``). A DeepSpeed scheduler is not reproduced: refused."""
     args = dict((source.get("trainer") or {}).get("training_args") or {})
-    ds = (source.get("optimizer") or {}).get("deepspeed")
+    ds = torch_optimizer_record(source).get("deepspeed")
     if not isinstance(ds, dict):
         return args
     if ds.get("scheduler") is not None:
@@ -783,7 +792,7 @@ def _unrecovered(source: dict) -> list[str]:
         "the learning-rate schedule (none recorded: the optimizer's learning rate for the "
         "next step, held constant)"
     ]
-    if not isinstance((source.get("optimizer") or {}).get("deepspeed"), dict):
+    if not isinstance(torch_optimizer_record(source).get("deepspeed"), dict):
         out.append(
             "gradient clipping (none recorded: add optax.clip_by_global_norm if the run clipped)"
         )

@@ -152,7 +152,7 @@ def test_megatron_dp_reshardable_imports_with_its_optimizer_state(tmp_path, name
         where = got["model_params"] if dtype == "bfloat16" else got["params"]
         assert _bits(where[tensor]) == _bits(want), tensor
     source = jax_ucp.inspect(ckpt).source
-    assert source["optimizer"] == "dp_reshardable"
+    assert source["optimizer_layout"] == "dp_reshardable"
     # and the weights alone, as for any layout
     weights = jax_ucp.convert(src, str(tmp_path / "w"), vocab_size=61, weights_only=True)
     assert "opt_state" not in jax_ucp.restore(weights)

@@ -98,7 +98,7 @@ def test_pretraining_save_imports_bit_exact(tmp_path, where):
     assert "model_params" not in got
     source = jax_ucp.inspect(ckpt).source
     assert source["framework"] == "megatron-bridge"
-    assert source["iteration"] == 2 and source["optimizer"] == "dp_reshardable"
+    assert source["iteration"] == 2 and source["optimizer_layout"] == "dp_reshardable"
     assert source["bridge"]["train_state"]["step"] == 2
     assert source["bridge"]["train_state"]["consumed_train_samples"] == 8
     assert source["bridge"]["model_provider"].endswith("GPTModelProvider")
@@ -125,7 +125,9 @@ def test_fully_reshardable_save_imports_bit_exact(tmp_path):
     assert len(optimizer) == 27 and optimizer[0].startswith("optimizer.state.")  # model space
     ckpt = jax_ucp.convert(RESHARDABLE, str(tmp_path / "ucp"))
     source = jax_ucp.inspect(ckpt).source
-    assert source["framework"] == "megatron-bridge" and source["optimizer"] is True
+    assert (
+        source["framework"] == "megatron-bridge" and source["optimizer_layout"] == "per_parameter"
+    )
     model = [n for n in original.tensors if not n.startswith("optimizer.")]
     assert sorted(source["skipped"]) == sorted(model)  # fp32: the masters are params/
     got = jax_ucp.restore(ckpt)

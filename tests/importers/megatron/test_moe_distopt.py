@@ -52,7 +52,7 @@ FIXTURES = {
     "moe_distopt_ep2_dp_reshardable": ("dp_reshardable", 9, "moe_distopt_ep2_dp_reshardable"),
     # the same seeded run saved fully_reshardable: its live state was bit-identical to the
     # dp_reshardable run's (checked when generated), so that truth serves
-    "moe_distopt_ep2_fully_reshardable": (True, 30, "moe_distopt_ep2_dp_reshardable"),
+    "moe_distopt_ep2_fully_reshardable": ("per_parameter", 30, "moe_distopt_ep2_dp_reshardable"),
     "moe_distopt_dp2_dp_reshardable": ("dp_reshardable", 3, "moe_distopt_dp2_dp_reshardable"),
     # TP2 x EP2 over 4 ranks: dense TP2 DP2; experts split over expert TP2 too, the expert
     # optimizer's ranks etp_rank + 2 * ep_rank (dp_group_idx_0..3)
@@ -76,7 +76,7 @@ FIXTURES = {
     # the grouped EP2 run saved fully_reshardable (model-space chained_N.optimizer.state.*):
     # its live state was bit-identical to the dp_reshardable run's (compared when generated)
     "moe_grouped_distopt_ep2_fully_reshardable": (
-        True,
+        "per_parameter",
         30,
         "moe_grouped_distopt_ep2_dp_reshardable",
     ),
@@ -107,7 +107,7 @@ def test_moe_distributed_optimizer_imports_bit_exact(tmp_path, name):
     assert any(".mlp.experts.experts.linear_fc1.weight" in n for n in model)
     ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB)
     source = jax_ucp.inspect(ckpt).source
-    assert source["optimizer"] == layout
+    assert source["optimizer_layout"] == layout
     # a float32 run: the masters are params/, every model weight named as skipped for them;
     # no optimizer tensor is skipped
     assert sorted(source["skipped"]) == sorted(model)

@@ -123,7 +123,7 @@ def test_megatron_core_013_to_016_optimizer_layouts_import_bit_exact(tmp_path, n
             n.startswith("optimizer.") for n in original.tensors
         )
         ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB)
-        assert jax_ucp.inspect(ckpt).source["optimizer"] == "dp_zero_gather_scatter"
+        assert jax_ucp.inspect(ckpt).source["optimizer_layout"] == "dp_zero_gather_scatter"
         got = jax_ucp.restore(ckpt)
         _compare_to_truth(src, got, model, original, dtype)
         return
@@ -169,7 +169,7 @@ def test_dp_zero_gather_scatter_with_a_wrong_layout_is_refused(tmp_path, monkeyp
 
 
 NEWER = {
-    # release/name: (layout in source["optimizer"], model dtype, truth fixture of the same run)
+    # release/name: (layout in source["optimizer_layout"], model dtype, truth fixture of the same run)
     # Llama TP1 DP2 (SwiGLU fc1 saved as two chunks at TP1) through Megatron-LM's fully
     # parallel save: .metadata in the order the save work was split over DP ranks (0.16-0.18:
     # refused before, "stacked layer tensors are not contiguous")
@@ -191,7 +191,7 @@ NEWER = {
     # GPT TP1 DP2 fp32, the same seeded run as 0.19.2's (live state checked bit-identical when
     # generated, so 0.19.2's truth serves)
     "0.17.1/gpt_distopt_dp2_fully_reshardable": (
-        True,
+        "per_parameter",
         "float32",
         "0.19.2/gpt_distopt_dp2_dp_zero_gather_scatter",
     ),
@@ -201,7 +201,7 @@ NEWER = {
         "0.19.2/gpt_distopt_dp2_dp_zero_gather_scatter",
     ),
     "0.18.2/gpt_distopt_dp2_fully_reshardable": (
-        True,
+        "per_parameter",
         "float32",
         "0.19.2/gpt_distopt_dp2_dp_zero_gather_scatter",
     ),
@@ -212,7 +212,7 @@ NEWER = {
     ),
     # megatron-core 0.19: no common.pt (the common state is the object common_state/shard_0_1)
     "0.19.2/gpt_distopt_dp2_fully_reshardable": (
-        True,
+        "per_parameter",
         "float32",
         "0.19.2/gpt_distopt_dp2_dp_zero_gather_scatter",
     ),
@@ -254,7 +254,7 @@ def test_megatron_core_017_to_019_optimizer_layouts_import_bit_exact(tmp_path, n
     if "fully_parallel" in name:  # what the fixture is meant to cover: not module order
         assert model[0] != "embedding.word_embeddings.weight"
     ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB)
-    assert jax_ucp.inspect(ckpt).source["optimizer"] == layout
+    assert jax_ucp.inspect(ckpt).source["optimizer_layout"] == layout
     got = jax_ucp.restore(ckpt)
     assert int(got["opt_state"]["count"]) == 2
     _compare_to_truth(os.path.join(ROOT, truth), got, model, original, dtype)

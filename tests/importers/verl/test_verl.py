@@ -357,6 +357,27 @@ def test_a_huggingface_folder_linked_out_of_the_model_folder_is_refused(tmp_path
     assert not (tmp_path / "out").exists()
 
 
+def test_an_actor_folder_linked_out_of_its_step_is_refused_before_a_read(tmp_path):
+    """Found by the hostile-input harness (``python3 -m tests.hostile --kind verl --seed 29
+    --index 26``): ``global_step_3/actor`` moved out and linked back had every rank file read
+    through the link, by convert and a direct restore (only the step folder was checked)."""
+    from tests.hostile.spy import watch_opens
+
+    src = _copy(tmp_path)
+    actor = os.path.join(src, ACTOR)
+    outside = str(tmp_path / "elsewhere")
+    shutil.move(actor, outside)
+    os.symlink(outside, actor)
+    opened = []
+    with watch_opens(lambda path, writing: opened.append(os.path.realpath(str(path)))):
+        with pytest.raises(jax_ucp.UnsafeFileError, match=r"'actor' resolves to .*outside"):
+            jax_ucp.convert(src, str(tmp_path / "out"))
+        with pytest.raises(jax_ucp.UnsafeFileError, match=r"'actor' resolves to .*outside"):
+            jax_ucp.restore(src)
+    assert not [p for p in opened if p.startswith(outside)], opened
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_model_config_holding_nan_is_refused_naming_it(tmp_path):
     """Found by the hostile-input harness (``python3 -m tests.hostile --kind verl --seed 17
     --index 8``): ``"use_cache": NaN`` in ``huggingface/config.json`` reached the manifest, whose

@@ -641,7 +641,7 @@ def _legacy_info(plan: LegacyMerger, dtypes: set) -> dict:
         "skipped_objects": tensors.skipped,
         "tied_embeddings": [embedding for embedding, _ in plan.tied_pairs],
         "model_dtype": ", ".join(sorted(str(d) for d in dtypes)),
-        "optimizer": plan.optimizer is not None,
+        "optimizer_layout": None if plan.optimizer is None else "distrib_optim",
     }
     if checkpoint.virtual_pipeline > 1:
         info["virtual_pipeline"] = checkpoint.virtual_pipeline

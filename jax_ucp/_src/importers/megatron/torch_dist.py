@@ -115,7 +115,13 @@ def plan_torch_dist(
     info = {  # what the manifest's source records
         "format": "torch_dist",
         "tensors": len(model_names),
-        "optimizer": optimizer.buckets.LAYOUT if optimizer.buckets else bool(optimizer.tensors),
+        # the layout its optimizer state was saved in (None: none); never "optimizer", which
+        # names a torch optimizer's record (param_groups) in every other format's source
+        "optimizer_layout": (
+            optimizer.buckets.LAYOUT
+            if optimizer.buckets
+            else ("per_parameter" if optimizer.tensors else None)
+        ),
         "iteration": iteration if type(iteration) is int else None,
         "skipped_objects": sorted(checkpoint.objects),
         "vocab_stripped": reader.stripped(model_names),  # known before any byte is read

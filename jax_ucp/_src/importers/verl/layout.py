@@ -92,6 +92,7 @@ def locate(src: str) -> Located:
         return Located(src, None, None, None, None)
     if m and is_model_dir(model_dir):
         root = os.path.dirname(step_dir)
+        _model_dir_inside(step_dir, model_dir)
         return Located(model_dir, step_dir, root, int(m.group(1)), _read_tracker(root))
     steps = step_dirs(src)
     if not steps:
@@ -112,7 +113,16 @@ def locate(src: str) -> Located:
             f"/actor/ does not exist (found {', '.join(steps)}); convert one of those folders"
         )
     step_dir = files.inside(src, name, os.path.join(src, TRACKER))
-    return Located(os.path.join(step_dir, MODEL_DIRS[0]), step_dir, src, tracker, tracker)
+    model_dir = os.path.join(step_dir, MODEL_DIRS[0])
+    _model_dir_inside(step_dir, model_dir)
+    return Located(model_dir, step_dir, src, tracker, tracker)
+
+
+def _model_dir_inside(step_dir: str, model_dir: str) -> None:
+    """``global_step_N/actor`` is a folder of that step, never a link to another step's or
+    run's actor (its rank files would be read as this step's)."""
+    if model_dir != step_dir:
+        files.inside(step_dir, os.path.basename(model_dir), f"{step_dir}: verl's model folder")
 
 
 @dataclasses.dataclass(frozen=True)
