@@ -95,7 +95,7 @@ def test_a_megatron_run_says_its_moments_are_there_but_no_torch_record(tmp_path,
 def test_an_earlier_manifests_megatron_layout_is_no_torch_record():
     """Checkpoints converted by an earlier jax_ucp keep the layout name (or a flag) under
     source["optimizer"]: read as no torch record, never as one."""
-    from jax_ucp._src.importers.plan import torch_optimizer_record
+    from jax_ucp._src.format.manifest import torch_optimizer_record
 
     assert torch_optimizer_record({"optimizer": "dp_reshardable"}) == {}
     assert torch_optimizer_record({"optimizer": True}) == {}

@@ -38,7 +38,7 @@ import numpy as np
 
 from jax_ucp._src.errors import RequestError, SourceError, UnsafeFileError
 from jax_ucp._src.format import files, keypath
-from jax_ucp._src.importers.plan import torch_optimizer_record
+from jax_ucp._src.format.manifest import torch_optimizer_record
 from jax_ucp._src.torchfiles import dcp as safe_dcp
 
 __all__ = ["Comparison", "compare_with_source", "dcp_reader"]

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.errors import RequestError
-from jax_ucp._src.importers.plan import torch_optimizer_record
+from jax_ucp._src.format.manifest import torch_optimizer_record
 
 __all__ = ["TorchOptimizer", "hf_schedule", "optax_from_torch", "run_arguments"]
 

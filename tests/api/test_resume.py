@@ -168,6 +168,45 @@ def test_a_link_named_like_a_step_is_refused_without_a_read_through_it(tmp_path)
     assert not [p for p in opened if p.startswith(os.path.realpath(other))], opened
 
 
+def test_a_step_metadata_linked_out_is_refused_unread(tmp_path):
+    """Step 3's ``_CHECKPOINT_METADATA`` moved out and linked back was read through the link
+    (is the step committed? which handlers?) by latest_step and every restore of the root
+    (harness ``orbax_manager_step`` seed 31 #30). Now the step is refused naming the link, never
+    read; fallback=True passes over it with a warning."""
+    from tests.hostile.spy import watch_opens
+
+    root, outside = str(tmp_path / "run"), str(tmp_path / "outside")
+    _run(root)
+    os.makedirs(outside)
+    meta = os.path.join(root, "3", "_CHECKPOINT_METADATA")
+    shutil.move(meta, os.path.join(outside, "meta"))
+    os.symlink(os.path.join("..", "..", "outside", "meta"), meta)
+    opened = []
+    said = r"step 3 cannot be read.*_CHECKPOINT_METADATA is a link"
+    with watch_opens(lambda path, writing: opened.append(os.path.realpath(str(path)))):
+        with pytest.raises(jax_ucp.CheckpointError, match=said):
+            jax_ucp.latest_step(root)
+        with pytest.raises(jax_ucp.CheckpointError, match=said):
+            jax_ucp.restore(root, step="latest")
+        with pytest.warns(jax_ucp.ResumeWarning, match=r"step 3 skipped.*is a link"):
+            assert jax_ucp.restore(root, step="latest", fallback=True)["step"] == 2
+    assert not [p for p in opened if p.startswith(os.path.realpath(outside))], opened
+
+
+def test_step_metadata_nested_past_the_parsers_depth_is_no_raw_error(tmp_path):
+    """``item_handlers`` nested 100 000 deep in step 3's ``_CHECKPOINT_METADATA`` raised a raw
+    RecursionError from every resume (harness ``run_root`` seed 31 #24); now it is metadata that
+    cannot be read, as any other JSON that does not parse."""
+    root = str(tmp_path / "run")
+    _run(root)
+    meta = os.path.join(root, "3", "_CHECKPOINT_METADATA")
+    record = json.load(open(meta))
+    text = json.dumps({**record, "item_handlers": None})
+    open(meta, "w").write(text.replace("null", "[" * 100_000 + "]" * 100_000))
+    assert jax_ucp.latest_step(root) == 3  # committed by Orbax's commit_success.txt
+    assert jax_ucp.restore(root, step="latest")["step"] == 3
+
+
 def test_an_item_folder_linked_out_of_its_step_is_never_restored(tmp_path):
     root, other = str(tmp_path / "run"), str(tmp_path / "other")
     _run(root)

@@ -265,6 +265,15 @@ _ENTRY_COLUMNS = ("name", "shape", "dtype", "role", "logical_axes", "saved_spec"
 Entry = TensorEntry | ValueEntry
 
 
+def torch_optimizer_record(source: dict) -> dict:
+    """A manifest source's record of the torch optimizer (``source.optimizer``:
+    ``param_groups``, its state names, DeepSpeed's config), {} when there is none. Another kind
+    of value there (an earlier jax_ucp's Megatron layout name or flag, now
+    ``optimizer_layout``) is none, never read as a record."""
+    value = source.get("optimizer")
+    return value if isinstance(value, dict) else {}
+
+
 @dataclasses.dataclass
 class Manifest(display.Tabular):
     """Everything ``ucp.json`` says about a checkpoint."""

@@ -215,15 +215,6 @@ def host_item(key: tuple[str, ...], value: Any, provenance: dict) -> writer.Host
     return writer.HostItem(key, value, role=role, sub_role=sub_role, provenance=provenance)
 
 
-def torch_optimizer_record(source: dict) -> dict:
-    """A manifest source's record of the torch optimizer (``source.optimizer``:
-    ``param_groups``, its state names, DeepSpeed's config), {} when there is none. Another kind
-    of value there (an earlier jax_ucp's Megatron layout name or flag, now
-    ``optimizer_layout``) is none, never read as a record."""
-    value = source.get("optimizer")
-    return value if isinstance(value, dict) else {}
-
-
 def jsonable(value: Any) -> Any:
     """A hyper-parameter as JSON: tuples as lists, 0-d tensors as numbers, the rest as text."""
     if isinstance(value, dict):

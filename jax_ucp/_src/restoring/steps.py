@@ -12,6 +12,7 @@ from collections.abc import Callable
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import CheckpointError
 from jax_ucp._src.store.storage import local
+from jax_ucp._src.writer.commit import ORBAX_STEP_METADATA
 
 # A step folder's name as Orbax's standard name formats build it: ``[<step_prefix>_]<digits>``,
 # ASCII digits only (``str.isdigit`` and Python's ``\d`` also take ``١٢``, ``１３``, ``²``).
@@ -86,7 +87,7 @@ def run_steps(root: str, step_format: StepFormat | None = None) -> RunSteps:
     """
     if not os.path.isdir(root):
         raise CheckpointError(f"{root}: no such CheckpointManager directory.")
-    found: list[tuple[str, re.Match, bool]] = []  # (name, its match, a link)
+    found: list[tuple[str, re.Match, str | None]] = []  # (name, its match, why it is refused)
     notices = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
@@ -100,12 +101,19 @@ def run_steps(root: str, step_format: StepFormat | None = None) -> RunSteps:
                 )
             continue
         if os.path.islink(path):  # a step refused, never followed (not even to ask if done)
-            found.append((name, match, True))
+            why = f"{path} is a link; a step folder of the run is never a link (never followed)"
+            found.append((name, match, why))
+        elif os.path.islink(os.path.join(path, ORBAX_STEP_METADATA)):
+            why = (
+                f"{os.path.join(path, ORBAX_STEP_METADATA)} is a link; a step's own "
+                f"metadata is never a link (never followed)"
+            )
+            found.append((name, match, why))
         elif os.path.isdir(path) and _committed(path):
-            found.append((name, match, False))
+            found.append((name, match, None))
     step_format = step_format or _format_of(root, found)
     steps = []
-    for name, _, link in found:
+    for name, _, refused in found:
         path = os.path.join(root, name)
         step = step_format.step_of(name)
         if step is None:
@@ -113,9 +121,8 @@ def run_steps(root: str, step_format: StepFormat | None = None) -> RunSteps:
                 f"{path}: not a step of this run (its steps are named like "
                 f"{step_format.name(1234)!r}); ignored"
             )
-        elif link:
-            why = f"{path} is a link; a step folder of the run is never a link (never followed)"
-            steps.append(Step(step, path, [], why))
+        elif refused is not None:
+            steps.append(Step(step, path, [], refused))
         else:
             try:
                 listed = _step_of_ucp(step, path)
@@ -130,7 +137,7 @@ def run_steps(root: str, step_format: StepFormat | None = None) -> RunSteps:
 _NOT_STEPS = (local.ORBAX_TMP_MARK, local.TMP_MARK, local.REPLACING, local.REPLACED)
 
 
-def _format_of(root: str, found: list[tuple[str, re.Match, bool]]) -> StepFormat:
+def _format_of(root: str, found: list[tuple[str, re.Match, str | None]]) -> StepFormat:
     """The step names of ``root``'s committed step folders: one prefix, and a fixed length when
     a zero-padded name shows it; a folder named otherwise beside them is an error naming both
     (which one the manager lists depends on its options, unknown here)."""
@@ -198,9 +205,9 @@ def _committed(step_dir: str) -> bool:
     if os.path.exists(os.path.join(step_dir, "commit_success.txt")):
         return True
     try:
-        meta = fmt.files.read_regular(os.path.join(step_dir, "_CHECKPOINT_METADATA"), 1 << 20)
+        meta = fmt.files.read_regular(os.path.join(step_dir, ORBAX_STEP_METADATA), 1 << 20)
         return json.loads(meta).get("commit_timestamp_nsecs") is not None
-    except (OSError, ValueError, AttributeError, fmt.UCPError):
+    except (OSError, ValueError, AttributeError, RecursionError, fmt.UCPError):
         return False
 
 
@@ -209,9 +216,9 @@ def _item_handlers(step_dir: str) -> dict:
     name); {} when none can be read."""
     try:
         meta = json.loads(
-            fmt.files.read_regular(os.path.join(step_dir, "_CHECKPOINT_METADATA"), 1 << 20)
+            fmt.files.read_regular(os.path.join(step_dir, ORBAX_STEP_METADATA), 1 << 20)
         )
-    except (OSError, ValueError, fmt.UCPError):
+    except (OSError, ValueError, RecursionError, fmt.UCPError):
         return {}
     handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
     return handlers if isinstance(handlers, dict) else {}
