@@ -183,6 +183,16 @@ def assert_convert_refused(src, dst, match: str, error=jax_ucp.UCPError, **optio
     assert_destination_untouched(dst)
 
 
+def assert_source_refused(src, dst, match: str, error=jax_ucp.SourceError) -> None:
+    """``convert(src, dst)`` refused as :func:`assert_convert_refused` says, and a direct
+    ``restore(src)`` refused alike: one import, one answer."""
+    import pytest
+
+    assert_convert_refused(src, dst, match, error)
+    with pytest.raises(error, match=match):
+        jax_ucp.restore(src)
+
+
 def hf_torch_folder(tmp_path, shapes: dict, order: list[str], param_names: list[str] | None = None):
     """A Hugging Face style folder: ``pytorch_model.bin`` holding ``shapes`` (in that order) and
     an ``optimizer.bin`` of one Adam group whose index ``i`` holds the moments of ``order[i]``
