@@ -207,6 +207,48 @@ def test_step_metadata_nested_past_the_parsers_depth_is_no_raw_error(tmp_path):
     assert jax_ucp.restore(root, step="latest")["step"] == 3
 
 
+def test_two_steps_items_swapped_are_never_restored_as_each_other(tmp_path):
+    """Step 2's and step 3's ``state/`` folders traded places (each a complete, intact
+    checkpoint): step="latest" restored step 2's values as step 3 (harness ``run_root`` seed 37
+    #33). The handler records which step's item it wrote (``source.orbax_item``); every resume
+    and Orbax's own restore refuse an item found under another step, fallback passes over both
+    to step 1, and an item copied out of its run still restores by its path."""
+    root = str(tmp_path / "run")
+    _run(root)
+    assert jax_ucp.inspect(os.path.join(root, "3", "state")).source["orbax_item"] == "3/state"
+    a, b, tmp = (os.path.join(root, n, "state") for n in ("2", "3", "2"))
+    os.rename(a, tmp + ".x")
+    os.rename(b, a)
+    os.rename(tmp + ".x", b)
+    item_said = r"3/state: saved as '2/state' of its run"
+    said = r"step 3 cannot be read: .*" + item_said
+    with pytest.raises(jax_ucp.CheckpointError, match=said):
+        jax_ucp.latest_step(root)
+    with pytest.raises(jax_ucp.CheckpointError, match=said):
+        jax_ucp.restore(root, step="latest")
+    with pytest.raises(jax_ucp.CheckpointError, match=said):
+        jax_ucp.restore(root, step=3)
+    with (
+        ocp.CheckpointManager(root) as mngr,
+        pytest.raises(jax_ucp.CheckpointError, match=item_said),
+    ):
+        mngr.restore(3, args=ocp.args.Composite(state=jax_ucp.UCPRestore()))
+    with pytest.warns(jax_ucp.ResumeWarning, match=r"step 3 skipped"):
+        assert jax_ucp.restore(root, step="latest", fallback=True)["step"] == 1
+    with pytest.warns(jax_ucp.ResumeWarning, match=r"step 2 skipped"):
+        assert jax_ucp.latest_step(root, fallback=True) == 1
+    copied = shutil.copytree(b, tmp_path / "kept")  # out of its run: its path says what it is
+    assert jax_ucp.restore(copied)["step"] == 2
+
+
+def test_a_step_written_by_convert_records_its_item(tmp_path):
+    """convert(step=N) writes through the same handler: its item records ``N/state``."""
+    src = os.path.join(os.path.dirname(__file__), "..", "fixtures", "torch", "plain_state_dict.pt")
+    out = jax_ucp.convert(src, tmp_path / "run", step=5)
+    assert jax_ucp.inspect(out).source["orbax_item"] == "5/state"
+    assert jax_ucp.latest_step(tmp_path / "run") == 5
+
+
 def test_an_item_folder_linked_out_of_its_step_is_never_restored(tmp_path):
     root, other = str(tmp_path / "run"), str(tmp_path / "other")
     _run(root)
@@ -332,7 +374,7 @@ def test_a_step_deleted_by_retention_while_read_is_not_damage(tmp_path):
     for fallback in (False, True):
         calls.clear()
         if not os.path.exists(os.path.join(root, "3")):
-            shutil.copytree(os.path.join(root, "2"), os.path.join(root, "3"))
+            _copy_step(root, "2", "3", 3)
         with warnings.catch_warnings():
             warnings.simplefilter("error", jax_ucp.ResumeWarning)
             got = jax_ucp.restore(

@@ -11,6 +11,7 @@ from jax_ucp._src.format.manifest import (
     MANIFEST_FILE,
     MAX_MANIFEST_BYTES,
     MAX_TREE_DEPTH,
+    ORBAX_ITEM,
     Entry,
     Manifest,
     SavedSharding,

@@ -265,6 +265,12 @@ _ENTRY_COLUMNS = ("name", "shape", "dtype", "role", "logical_axes", "saved_spec"
 Entry = TensorEntry | ValueEntry
 
 
+#: ``source`` member of an item the Orbax handler saved as a step's item: ``"<step folder>/<item>"``
+#: as the run names them (docs/FORMAT.md, section 1.2), so a resume can tell a step's item from
+#: another step's swapped or copied in
+ORBAX_ITEM = "orbax_item"
+
+
 def torch_optimizer_record(source: dict) -> dict:
     """A manifest source's record of the torch optimizer (``source.optimizer``:
     ``param_groups``, its state names, DeepSpeed's config), {} when there is none. Another kind

@@ -24,7 +24,7 @@ from orbax.checkpoint import future as ocp_future
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store, writer
 from jax_ucp._src.errors import RequestError
-from jax_ucp._src.restoring import restore_entry
+from jax_ucp._src.restoring import locate, restore_entry
 from jax_ucp._src.restoring.options import RestoreOptions
 from jax_ucp._src.saving import engine
 from jax_ucp._src.saving import plan as save_plan
@@ -67,6 +67,8 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath) (Orbax's "
                 f"default for gs://): each step is then committed by its commit_success.txt."
             )
+        # which step's item this is, as the run names it: a resume refuses another step's
+        args = dataclasses.replace(args, source=_as_step_item(args.source, directory))
         if isinstance(args, UCPStreamSave):
             coro = writer.write_stream(
                 directory,
@@ -120,7 +122,11 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"jax_ucp.UCPRestore."
             )
         args = args or UCPRestore(target=item)
-        return restore_entry.restore_tree(str(directory), args.options)
+        path = str(directory)
+        if store.storage_for(path).exists(fmt.MANIFEST_FILE):  # (else a source read in place)
+            # a manager restores its step's item: never another step's swapped or copied in
+            locate.check_step_item(path, store.read_manifest(path))
+        return restore_entry.restore_tree(path, args.options)
 
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
         return store.read_manifest(str(directory))
@@ -146,6 +152,14 @@ def _refuse_args_as_item(cls: str, field: str, value) -> None:
             f"jax_ucp.UCPSave(tree))), mngr.restore(step, args=ocp.args.Composite(state="
             f"jax_ucp.UCPRestore(target=...))))."
         )
+
+
+def _as_step_item(source: dict | None, directory: str) -> dict:
+    """``source`` with ``orbax_item``: ``"<step folder>/<item>"`` of the item directory Orbax
+    gave, the marks of its temporary names removed (``3.orbax-checkpoint-tmp-<time>/``,
+    ``state.orbax-checkpoint-tmp/``); a URL's parts split on "/" alike."""
+    step, item = (n.split(local.ORBAX_TMP_MARK)[0] for n in directory.rstrip("/").split("/")[-2:])
+    return {**(source or {"framework": "jax"}), fmt.ORBAX_ITEM: f"{step}/{item}"}
 
 
 # Orbax records a handler by ``f"{cls.__module__}.{cls.__qualname__}"`` in every step it saves

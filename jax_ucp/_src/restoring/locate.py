@@ -95,10 +95,35 @@ def is_step_dir(path: str) -> bool:
     )
 
 
+def check_step_item(path: str, manifest: fmt.Manifest) -> None:
+    """The item at ``path``, restored as a step of its run, was saved there: the step folder
+    and item names it records (``source.orbax_item``, written by the Orbax handler) are the ones
+    it is found under. Another step's item, swapped or copied in, is refused: it would restore
+    that step's values as this one's. Standalone checkpoints record none and move freely; a
+    step's item copied out of its run is restored by its path alone, unchecked.
+
+    Args:
+      path: the item directory, ``<root>/<step folder>/<item>``.
+      manifest: its manifest.
+    """
+    recorded = (manifest.source or {}).get(fmt.ORBAX_ITEM)
+    if recorded is None:
+        return
+    found = "/".join(os.path.normpath(os.path.abspath(path)).split(os.sep)[-2:])
+    if recorded != found:
+        shown = repr(recorded)[:200]
+        raise CheckpointError(
+            f"{path}: saved as {shown} of its run (source.{fmt.ORBAX_ITEM}), found as "
+            f"{found!r}: another step's item, swapped or copied in; never restored as this step"
+        )
+
+
 def check_readable(path: str) -> None:
-    """Whether the checkpoint at ``path`` can be read before reading it: its manifest parses
-    and every shard file it lists is there (the digests are checked as the restore reads)."""
+    """Whether the step item at ``path`` can be read before reading it: its manifest parses,
+    it is this step's (:func:`check_step_item`) and every shard file it lists is there (the
+    digests are checked as the restore reads)."""
     manifest = store.read_manifest(path)
+    check_step_item(path, manifest)
     for entry in manifest.tensors:
         for key in entry.shard_digests or {}:
             if not os.path.isfile(os.path.join(path, entry.dir, key)):

@@ -110,7 +110,12 @@ def step_item(root: str, step: int, step_format: steps.StepFormat | None = None)
     found = chosen[0]
     if found.problem:
         raise CheckpointError(f"{root}: step {step} cannot be read: {found.problem}")
-    return one_item(found)
+    item = one_item(found)
+    try:
+        locate.check_step_item(item, store.read_manifest(item))
+    except CheckpointError as e:
+        raise CheckpointError(f"{root}: step {step} cannot be read: {e}") from None
+    return item
 
 
 def one_item(step: steps.Step) -> str:
@@ -151,6 +156,7 @@ def _read_whole(item: str) -> None:
     """Every tensor of the checkpoint ``item`` read as a restore reads it (shard digests,
     crc32c of every inner chunk), one at a time, the data dropped: the first damage raised."""
     manifest = store.read_manifest(item)
+    locate.check_step_item(item, manifest)
     for entry in manifest.tensors:
         ucp_source.read(item, manifest, [model.Request(key=entry.key)])
 
