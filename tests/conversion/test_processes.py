@@ -51,16 +51,22 @@ def _assert_same_checkpoint(single, shared):
     "fmt, src, extra",
     [
         ("deepspeed", os.path.join(DS, "z3_bf16_dp3", "ckpt"), []),
-        ("deepspeed", os.path.join(DS, "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic", "ckpt"), []),
+        pytest.param(  # the default run keeps one layout per importer family (5-6 s each)
+            "deepspeed",
+            os.path.join(DS, "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic", "ckpt"),
+            [],
+            marks=pytest.mark.slow,
+        ),
         (
             "megatron",
             os.path.join(MEGATRON, "mcore_versions", "0.16.1", "gpt_distopt_tp2pp2_dp_reshardable"),
             ["--vocab-size", "61"],
         ),
-        (
+        pytest.param(
             "megatron",
             os.path.join(MEGATRON, "legacy_gpt_distopt_pp2dp2_synthetic"),
             ["--vocab-size", "61"],
+            marks=pytest.mark.slow,
         ),
     ],
     ids=["zero3", "megatron-deepspeed", "torch_dist-dp_reshardable", "legacy-distrib_optim"],
