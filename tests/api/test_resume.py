@@ -241,6 +241,28 @@ def test_two_steps_items_swapped_are_never_restored_as_each_other(tmp_path):
     assert jax_ucp.restore(copied)["step"] == 2
 
 
+def test_a_step_copied_over_is_refused_but_a_step_renamed_or_moved_is_its_new_name(tmp_path):
+    """Step 3 copied as step 4 (Orbax lists 4 as the newest) is step 3's item: refused, by the
+    resume and by Orbax's restore. A step folder renamed (nothing else of the run named so) and
+    an item moved out of its run with its step folder are the user's names: restored."""
+    root = str(tmp_path / "run")
+    _run(root)
+    shutil.copytree(os.path.join(root, "3"), os.path.join(root, "4"))
+    with pytest.raises(jax_ucp.CheckpointError, match=r"4/state: saved as '3/state'"):
+        jax_ucp.restore(root, step="latest")
+    with ocp.CheckpointManager(root) as mngr:
+        with pytest.raises(jax_ucp.CheckpointError, match=r"4/state: saved as '3/state'"):
+            mngr.restore(4, args=ocp.args.Composite(state=jax_ucp.UCPRestore()))
+    shutil.rmtree(os.path.join(root, "3"))  # now 4 is a rename of 3
+    assert jax_ucp.restore(root, step="latest")["step"] == 3
+    with ocp.CheckpointManager(root) as mngr:
+        got = mngr.restore(4, args=ocp.args.Composite(state=jax_ucp.UCPRestore()))
+    assert got["state"]["step"] == 3
+    moved = shutil.move(os.path.join(root, "2"), tmp_path / "best")
+    handler = jax_ucp.UCPCheckpointHandler()
+    assert handler.restore(os.path.join(moved, "state"), args=jax_ucp.UCPRestore())["step"] == 2
+
+
 def test_a_step_written_by_convert_records_its_item(tmp_path):
     """convert(step=N) writes through the same handler: its item records ``N/state``."""
     src = os.path.join(os.path.dirname(__file__), "..", "fixtures", "torch", "plain_state_dict.pt")

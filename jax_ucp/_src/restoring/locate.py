@@ -96,26 +96,34 @@ def is_step_dir(path: str) -> bool:
 
 
 def check_step_item(path: str, manifest: fmt.Manifest) -> None:
-    """The item at ``path``, restored as a step of its run, was saved there: the step folder
-    and item names it records (``source.orbax_item``, written by the Orbax handler) are the ones
-    it is found under. Another step's item, swapped or copied in, is refused: it would restore
-    that step's values as this one's. Standalone checkpoints record none and move freely; a
-    step's item copied out of its run is restored by its path alone, unchecked.
+    """The item at ``path``, restored as a step of its run, is that step's: the step folder
+    and item it was written as (``source.orbax_item``, recorded by the Orbax handler) are the
+    ones it is found under, or that step folder is no longer in the run (a folder renamed or
+    moved: its name is the user's). An item of another step of the same run, swapped or copied
+    in, is refused: it would restore that step's values as this one's. Standalone checkpoints
+    record none and move freely.
 
     Args:
-      path: the item directory, ``<root>/<step folder>/<item>``.
+      path: the item directory, ``<root>/<step folder>/<item>`` (local; an object store's
+        prefixes are not compared).
       manifest: its manifest.
     """
     recorded = (manifest.source or {}).get(fmt.ORBAX_ITEM)
-    if recorded is None:
+    if recorded is None or "://" in os.fspath(path):
         return
-    found = "/".join(os.path.normpath(os.path.abspath(path)).split(os.sep)[-2:])
-    if recorded != found:
-        shown = repr(recorded)[:200]
-        raise CheckpointError(
-            f"{path}: saved as {shown} of its run (source.{fmt.ORBAX_ITEM}), found as "
-            f"{found!r}: another step's item, swapped or copied in; never restored as this step"
-        )
+    real = os.path.normpath(os.path.abspath(path))
+    found = "/".join(real.split(os.sep)[-2:])
+    if recorded == found:
+        return
+    step = recorded.split("/")[0] if isinstance(recorded, str) else ""
+    plain = step not in ("", ".", "..") and os.sep not in step and "\0" not in step
+    if plain and not os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(real)), step)):
+        return  # renamed or moved out of its step: nothing else of the run claims it
+    shown = repr(recorded)[:200]
+    raise CheckpointError(
+        f"{path}: saved as {shown} of its run (source.{fmt.ORBAX_ITEM}), found as {found!r}: "
+        f"another step's item, swapped or copied in; never restored as this step"
+    )
 
 
 def check_readable(path: str) -> None:
