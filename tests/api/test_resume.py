@@ -250,9 +250,12 @@ def test_a_step_copied_over_is_refused_but_a_step_renamed_or_moved_is_its_new_na
     shutil.copytree(os.path.join(root, "3"), os.path.join(root, "4"))
     with pytest.raises(jax_ucp.CheckpointError, match=r"4/state: saved as '3/state'"):
         jax_ucp.restore(root, step="latest")
-    with ocp.CheckpointManager(root) as mngr:
-        with pytest.raises(jax_ucp.CheckpointError, match=r"4/state: saved as '3/state'"):
-            mngr.restore(4, args=ocp.args.Composite(state=jax_ucp.UCPRestore()))
+    copied_over = r"4/state: saved as '3/state'"
+    with (
+        ocp.CheckpointManager(root) as mngr,
+        pytest.raises(jax_ucp.CheckpointError, match=copied_over),
+    ):
+        mngr.restore(4, args=ocp.args.Composite(state=jax_ucp.UCPRestore()))
     shutil.rmtree(os.path.join(root, "3"))  # now 4 is a rename of 3
     assert jax_ucp.restore(root, step="latest")["step"] == 3
     with ocp.CheckpointManager(root) as mngr:
