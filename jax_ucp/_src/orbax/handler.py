@@ -122,11 +122,9 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"jax_ucp.UCPRestore."
             )
         args = args or UCPRestore(target=item)
-        path = str(directory)
-        if store.storage_for(path).exists(fmt.MANIFEST_FILE):  # (else a source read in place)
-            # a manager restores its step's item: never another step's swapped or copied in
-            locate.check_step_item(path, store.read_manifest(path))
-        return restore_entry.restore_tree(path, args.options)
+        # a manager restores its step's item: never another step's swapped or copied in
+        locate.check_step_item(str(directory))
+        return restore_entry.restore_tree(str(directory), args.options)
 
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
         return store.read_manifest(str(directory))
@@ -158,8 +156,11 @@ def _as_step_item(source: dict | None, directory: str) -> dict:
     """``source`` with ``orbax_item``: ``"<step folder>/<item>"`` of the item directory Orbax
     gave, the marks of its temporary names removed (``3.orbax-checkpoint-tmp-<time>/``,
     ``state.orbax-checkpoint-tmp/``); a URL's parts split on "/" alike."""
-    step, item = (n.split(local.ORBAX_TMP_MARK)[0] for n in directory.rstrip("/").split("/")[-2:])
-    return {**(source or {"framework": "jax"}), fmt.ORBAX_ITEM: f"{step}/{item}"}
+    names = [n.split(local.ORBAX_TMP_MARK)[0] for n in directory.rstrip("/").split("/")[-2:]]
+    source = dict(source or {"framework": "jax"})
+    if len(names) == 2 and all(names):
+        source[fmt.ORBAX_ITEM] = "/".join(names)
+    return source
 
 
 # Orbax records a handler by ``f"{cls.__module__}.{cls.__qualname__}"`` in every step it saves

@@ -95,7 +95,7 @@ def is_step_dir(path: str) -> bool:
     )
 
 
-def check_step_item(path: str, manifest: fmt.Manifest) -> None:
+def check_step_item(path: str, manifest: fmt.Manifest | None = None) -> None:
     """The item at ``path``, restored as a step of its run, is that step's: the step folder
     and item it was written as (``source.orbax_item``, recorded by the Orbax handler) are the
     ones it is found under, or that step folder is no longer in the run (a folder renamed or
@@ -106,10 +106,17 @@ def check_step_item(path: str, manifest: fmt.Manifest) -> None:
     Args:
       path: the item directory, ``<root>/<step folder>/<item>`` (local; an object store's
         prefixes are not compared).
-      manifest: its manifest.
+      manifest: its manifest (None: read here; no manifest there, e.g. a torch source read in
+        place through Orbax's args: nothing to check).
     """
+    if "://" in os.fspath(path):
+        return
+    if manifest is None:
+        if not os.path.isfile(os.path.join(path, fmt.MANIFEST_FILE)):
+            return
+        manifest = store.read_manifest(path)
     recorded = (manifest.source or {}).get(fmt.ORBAX_ITEM)
-    if recorded is None or "://" in os.fspath(path):
+    if recorded is None:
         return
     real = os.path.normpath(os.path.abspath(path))
     found = "/".join(real.split(os.sep)[-2:])
