@@ -72,8 +72,8 @@ def judge_entry(entry: str, base, got, *, kind, mutation_op: str, names: set[str
         if entry.startswith("latest-step") and mutation_op == "duplicate":
             return "step-added", f"a copied step folder is a step: {value}"
         if entry.startswith("latest-step") and mutation_op == "rename" and value not in (alt or {}):
-            # a step folder renamed to a larger step number is that step, as Orbax's manager
-            # lists it (restore-latest is judged against the renamed step's values)
+            # a step folder renamed to another step number is that step, as Orbax's manager
+            # lists it (the restores of it are judged apart: an older step's values, or refused)
             return "step-renamed", f"a step folder renamed is the step it names: {value}"
         gone = older or (entry.startswith("latest-step") and value in (alt or {}))
         if gone and mutation_op in ("delete", "rename", "symlink-out", "fifo"):

@@ -178,6 +178,21 @@ def test_an_optimizer_built_without_a_lost_file_passes_only_when_said():
     assert judge("optax", said_before, warned, **args)[0] == "silent-wrong"
 
 
+def test_a_step_renamed_to_a_new_number_is_that_step_only_for_a_rename():
+    """latest_step naming a step no intact copy had passes only when a step folder was renamed
+    (Orbax's manager lists it so); the same answer after a byte flip is a different value."""
+    base = _ok(3)
+    args = {"kind": SUMMED, "names": NAMES, "alt": {1: {}, 2: {}}}
+    judge = oracle.judge_entry
+    assert judge("latest-step", base, _ok(99), mutation_op="rename", **args)[0] == "step-renamed"
+    assert judge("latest-step", base, _ok(99), mutation_op="flip-data", **args)[0] not in (
+        oracle.PASS
+    )
+    assert judge("restore-latest", base, _ok(99), mutation_op="rename", **args)[0] not in (
+        oracle.PASS
+    )
+
+
 def test_a_plan_may_say_what_swapped_metadata_says_only_where_nothing_checks_it():
     """A plan reads metadata alone: two tensors' .zarray swapped in an Orbax zarr checkpoint
     plans the swapped shapes (the restore is judged on its own); in a checksummed format, or
