@@ -266,6 +266,21 @@ def test_a_step_copied_over_is_refused_but_a_step_renamed_or_moved_is_its_new_na
     assert handler.restore(os.path.join(moved, "state"), args=jax_ucp.UCPRestore())["step"] == 2
 
 
+@pytest.mark.parametrize("recorded", [5, "", "../3/state", "2\x00/state"])
+def test_a_hostile_orbax_item_record_is_refused_never_followed(tmp_path, recorded):
+    """``source.orbax_item`` is read from the item's own manifest: a value that is no step
+    folder's name (a number, empty, a ``..`` or NUL part) is another step's claim, refused;
+    it never becomes a path looked up outside the run."""
+    root = str(tmp_path / "run")
+    _run(root)
+    manifest = os.path.join(root, "3", "state", "ucp.json")
+    record = json.load(open(manifest))
+    record["source"]["orbax_item"] = recorded
+    open(manifest, "w").write(json.dumps(record))
+    with pytest.raises(jax_ucp.CheckpointError, match=r"step 3 cannot be read: .*saved as"):
+        jax_ucp.restore(root, step="latest")
+
+
 def test_a_step_written_by_convert_records_its_item(tmp_path):
     """convert(step=N) writes through the same handler: its item records ``N/state``."""
     src = os.path.join(os.path.dirname(__file__), "..", "fixtures", "torch", "plain_state_dict.pt")
