@@ -46,7 +46,9 @@ ALLOWED = {
     "conversion": {"importers", "writer", "multihost", "orbax", "format", "store"},
     # verify(against=, logits=True): the source's logits (transformers) vs TransformerLM's
     "logits": {"format", "restoring", "language", "models"},
-    "optax_torch": {"format", "store", "language", "restoring", "api", "models"},  # -> optax
+    # what a torch run's files say of how it stepped (DeepSpeed's config, Megatron's scheduler)
+    "continuation": {"format"},
+    "optax_torch": {"format", "store", "language", "restoring", "api", "models", "continuation"},
     "against": {
         "format",
         "store",

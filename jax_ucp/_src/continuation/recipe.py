@@ -1,0 +1,50 @@
+"""How a torch run stepped, as its files record it: the one record ``optax_from_torch`` builds its
+optax chain from, whatever framework wrote the run (torch's own optimizer record, a DeepSpeed
+config, Megatron's saved arguments and ``OptimizerParamScheduler`` state).
+
+Each framework's reader (``continuation.deepspeed``, ``continuation.megatron``, torch's record in
+``optax_torch``) turns only what its files positively identify into a :class:`Recipe`; the chain
+built from it has one shape for every source (``clip, [L2 decay], scale_by_adam, [decoupled
+decay], scale_by_learning_rate``; a missing piece is an empty state), so a user's own additions
+never change the state's structure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["Recipe"]
+
+#: a value of optax's step count (the number of updates already applied)
+Schedule = Callable[[Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What a run's files say of how its optimizer stepped.
+
+    ``learning_rate`` and a scheduled ``weight_decay`` are functions of optax's step count (the
+    optimizer steps taken, Adam's bias-correction step), so the chain's next update is the
+    framework's next one.
+    """
+
+    #: "adam" (L2 decay added to the gradient) or "adamw" (decoupled decay)
+    optimizer: str
+    #: how the optimizer was identified, in words (the first of the notes)
+    how: str
+    betas: tuple[float, float]
+    eps: float
+    learning_rate: Schedule
+    #: the decay rate, or its schedule of the step count (Megatron's weight-decay increments)
+    weight_decay: float | Schedule
+    #: per source parameter name (the import's ``params/<name>``): decayed or not
+    decayed: Mapping[str, bool]
+    #: the global gradient norm clipped to; None when the run did not clip (or it is unknown:
+    #: then it is in ``unrecovered``)
+    clip: float | None
+    bias_correction: bool = True
+    notes: tuple[str, ...] = ()
+    #: what the run may have had that its files do not record (said, and warned)
+    unrecovered: tuple[str, ...] = ()
