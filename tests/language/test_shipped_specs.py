@@ -65,7 +65,7 @@ def test_a_shipped_spec_without_settings_says_which_to_pass(tmp_path):
         match=_re(
             "unknown setting 'num_attention_heads' (also written num_heads, heads, n_head): "
             "needed here and not given (names known here: i). Pass the model's settings with "
-            "the spec: jax_ucp._src.language.load_spec(<spec name or file>, num_attention_heads=..."
+            "the spec: jax_ucp.language.load_spec(<spec name or file>, num_attention_heads=..."
         ),
     ):
         jax_ucp.restore(ckpt, spec="hf_llama")

@@ -130,7 +130,7 @@ def missing_setting(name: str, env: Mapping[str, Any]) -> str:
     known = ", ".join(sorted(env)) or "none"
     return (
         f"{text} (names known here: {known}). Pass the model's settings with the spec: "
-        f"jax_ucp._src.language.load_spec(<spec name or file>, {canon}=..., ...) or "
+        f"jax_ucp.language.load_spec(<spec name or file>, {canon}=..., ...) or "
         f"spec.with_settings({canon}=...), and that spec as restore(spec=...)"
     )
 

@@ -109,6 +109,9 @@ class Import:
         """The same tensors seen through another restore-time ``spec`` (no new import)."""
         found = self.opened.source
         assert isinstance(found, ImportSource)
+        from jax_ucp._src.language.recorded import spec_with_recorded_settings
+
+        spec = spec_with_recorded_settings(spec, self.source)  # heads from its config.json
         return OpenedSource(found, found.available(spec), found.values)
 
 
@@ -135,6 +138,10 @@ def opened_import(
         where = f"the {checkpoint_format} checkpoint {path}"
         source = ImportSource(path, where, plan.items)
         record = json.loads(json.dumps(plan.source, default=str))  # as the manifest holds it
+        if spec is not None:  # a spec by name: the source's heads
+            from jax_ucp._src.language.recorded import spec_with_recorded_settings
+
+            spec = spec_with_recorded_settings(spec, record)
         try:
             yield Import(
                 OpenedSource(source, source.available(spec), source.values),

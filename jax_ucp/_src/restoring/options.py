@@ -47,7 +47,7 @@ class RestoreOptions:
         the closest known names (see ``strict``). A tensor saved sharded that would come back
         replicated on every device (no rule for its names, its saved axes not in ``mesh``)
         gives a ``ReplicationWarning`` with the bytes per device.
-      spec: a UCP-language spec (a ``jax_ucp._src.language.Spec``, a shipped spec's name or a spec
+      spec: a UCP-language spec (a ``jax_ucp.language.Spec``, a shipped spec's name or a spec
         file) whose restore-time transforms (stack/unstack, split/merge, transpose, rename)
         are applied as lazy views.
       dtype: cast every tensor to this dtype.

@@ -27,6 +27,7 @@ from jax_ucp._src.store import shard_file, shard_reader
 #: a larger one is not this save's, and TensorStore's JSON parser recurses without a bound (a
 #: 200 KB ``zarr.json`` nested 100 000 deep crashed the process with SIGSEGV)
 MAX_ZARR_JSON_BYTES = 16 << 10
+ZARR_JSON = "zarr.json"
 
 
 def open_checkpoint(root: str, spec=None) -> OpenedSource:
@@ -62,6 +63,9 @@ def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...]
     from jax_ucp._src import (
         language,  # restore-time transforms (stack/unstack/split/merge/transpose)
     )
+    from jax_ucp._src.language.recorded import spec_with_recorded_settings
+
+    spec = spec_with_recorded_settings(spec, manifest.source)  # by name: the source's heads
 
     by_key = {e.key: e for e in manifest.tensors}
     saved = {
@@ -177,7 +181,10 @@ class CheckpointSource(TensorSource):
         self.storage = store.storage_for(root)  # chosen once: every array is opened through it
         self.url = not self.storage.renames
         self._context = store.zarr3.read_context()
-        self._futures: dict[tuple, tuple[fmt.TensorEntry, ts.Future]] = {}
+        # per array: its zarr.json's bytes (None: missing) or their read in flight, then the
+        # array opened
+        self._futures: dict[tuple, tuple[fmt.TensorEntry, object]] = {}
+        self._kv: ts.KvStore | None = None  # an object store's, opened once
 
     def files(self, found: Available) -> str:
         return ", ".join(os.path.join(self.root, s.dir) for s in found.sources)
@@ -192,60 +199,78 @@ class CheckpointSource(TensorSource):
             verify_shard_objects(self.storage, sources.values())
 
     def _open(self, entry: fmt.TensorEntry) -> None:
-        if entry.key not in self._futures:
-            kv = self.storage.kvstore(entry.dir)
-            if kv.get("driver") == "file":  # never hand TensorStore a FIFO or a device
-                try:  # an array folder linked out of the checkpoint is never read
-                    fmt.files.inside(self.root, f"{entry.dir}/zarr.json", fmt.MANIFEST_FILE)
-                    zarr_json = os.path.join(kv["path"], "zarr.json")
-                    fmt.files.check_regular(zarr_json)
-                    size = os.path.getsize(zarr_json)
-                    if size > MAX_ZARR_JSON_BYTES:
-                        raise tensor_error(
-                            entry.name,
-                            CheckpointError(
-                                f"{zarr_json}: {size} bytes, more than the "
-                                f"{MAX_ZARR_JSON_BYTES} an array's metadata takes; not the file "
-                                f"this checkpoint wrote (replace it from a good copy)"
-                            ),
-                        )
-                except FileNotFoundError:
-                    pass  # reported with the tensor's name by _get()
-                except fmt.files.UnsafeFileError as e:
-                    raise tensor_error(entry.name, e) from None
-            self._futures[entry.key] = (entry, store.open_array(kv, context=self._context))
+        """Starts reading the array's ``zarr.json`` (checked against the manifest by ``_get``)."""
+        if entry.key in self._futures:
+            return
+        kv = self.storage.kvstore(entry.dir)
+        if kv.get("driver") != "file":  # one GET of every array's zarr.json at once
+            if self._kv is None:
+                self._kv = ts.KvStore.open(self.storage.kvstore()).result()
+            name = f"{entry.dir.strip('/')}/{ZARR_JSON}"
+            read = self._kv.read(name, byte_range=slice(0, MAX_ZARR_JSON_BYTES + 1))
+            self._futures[entry.key] = (entry, read)
+            return
+        zarr_json = os.path.join(kv["path"], ZARR_JSON)
+        try:  # never hand TensorStore a FIFO or a device, nor an array linked out of the root
+            fmt.files.inside(self.root, f"{entry.dir}/{ZARR_JSON}", fmt.MANIFEST_FILE)
+            data: bytes | None = fmt.files.read_regular(zarr_json, MAX_ZARR_JSON_BYTES)
+        except FileNotFoundError:
+            data = None
+        except fmt.files.UnsafeFileError as e:
+            raise tensor_error(entry.name, e) from None
+        except fmt.UCPError as e:  # larger than any zarr.json this format writes
+            raise tensor_error(
+                entry.name,
+                CheckpointError(
+                    f"{e}; more than the {MAX_ZARR_JSON_BYTES} bytes an array's metadata takes, "
+                    f"not the file this checkpoint wrote (replace it from a good copy)"
+                ),
+            ) from None
+        self._futures[entry.key] = (entry, data)
 
     def _get(self, key) -> ts.TensorStore:
-        entry, fut = self._futures[key]
-        where = os.path.join(self.root, entry.dir)
-        try:
-            t = fut.result()
-        except Exception as e:
-            if not os.path.exists(os.path.join(where, "zarr.json")) and "://" not in where:
+        """The array, opened with what its manifest entry implies once its ``zarr.json`` was
+        found to say the same, field for field (``store.zarr3.check_metadata``): TensorStore
+        is told nothing the manifest does not say."""
+        entry, pending = self._futures[key]
+        if isinstance(pending, ts.TensorStore):
+            return pending
+        where = self.storage.join(entry.dir, ZARR_JSON)
+        data = pending
+        if isinstance(pending, ts.Future):
+            try:
+                got = pending.result()
+            except Exception as e:
                 raise CheckpointError(
-                    f"Tensor {entry.name!r} is listed in {fmt.MANIFEST_FILE} but its "
-                    f"array {where}/zarr.json is missing."
+                    f"Tensor {entry.name!r}: cannot read {where}: {tensorstore_message(e)}"
                 ) from e
+            data = bytes(got.value) if got.state == "value" else None
+        if data is None:
             raise CheckpointError(
-                f"Tensor {entry.name!r}: cannot open {where}: {tensorstore_message(e)}"
+                f"Tensor {entry.name!r} is listed in {fmt.MANIFEST_FILE} but its array "
+                f"metadata {where} is missing."
+            )
+        if len(data) > MAX_ZARR_JSON_BYTES:
+            raise CheckpointError(
+                f"Tensor {entry.name!r}: {where}: more than the {MAX_ZARR_JSON_BYTES} bytes an "
+                f"array's metadata takes; not the file this checkpoint wrote (replace it from a "
+                f"good copy)"
+            )
+        layout = store.zarr3.layout_of(entry)
+        try:
+            found = fmt.files.strict_json(data, where, CheckpointError)
+            store.zarr3.check_metadata(found, layout, where)
+        except fmt.UCPError as e:
+            raise tensor_error(entry.name, e) from None
+        kv = self.storage.kvstore(entry.dir)
+        try:
+            t = store.open_array(kv, context=self._context, layout=layout).result()
+        except Exception as e:
+            raise CheckpointError(
+                f"Tensor {entry.name!r}: cannot open {self.storage.join(entry.dir)}: "
+                f"{tensorstore_message(e)}"
             ) from e
-        found_dtype = t.dtype.numpy_dtype
-        if tuple(t.shape) != entry.shape or found_dtype != fmt.to_numpy_dtype(entry.dtype):
-            raise CheckpointError(
-                f"Tensor {entry.name!r}: {where}/zarr.json has shape {tuple(t.shape)} dtype "
-                f"{found_dtype}, but {fmt.MANIFEST_FILE} says shape {entry.shape} dtype {entry.dtype}."
-            )
-        layout = t.chunk_layout
-        found_chunks = (
-            tuple(layout.write_chunk.shape or ()),  # None for a 0-d array
-            tuple(layout.read_chunk.shape or ()),
-        )
-        if entry.shape and found_chunks != (entry.chunk_shape, entry.inner_chunk_shape):
-            raise CheckpointError(  # the manifest's chunks are the ones checked for size
-                f"Tensor {entry.name!r}: {where}/zarr.json has chunk shape {found_chunks[0]} "
-                f"and inner chunk shape {found_chunks[1]}, but {fmt.MANIFEST_FILE} says "
-                f"{entry.chunk_shape} and {entry.inner_chunk_shape}."
-            )
+        self._futures[key] = (entry, t)
         return t
 
     def reader(self, found: Available):

@@ -1,0 +1,71 @@
+"""A spec named by the caller (``restore(src, spec="hf_llama")``, ``optax_from_torch(spec=...)``)
+completed with the model settings its source recorded: a shipped spec has no model of its own,
+and its q/k/v ops need the heads, which a torch run's files say (the Trainer's or verl's
+``config.json``, Megatron's run arguments). One rule for every caller, so a restore and a
+continuation of the same source read the same model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from jax_ucp._src.errors import LanguageError
+from jax_ucp._src.language.settings import hf_head_settings, normalize
+from jax_ucp._src.language.toml_io import load_spec
+
+#: Megatron's run arguments (``source.settings``) that are head settings, canonical names
+_MEGATRON_HEADS = ("num_attention_heads", "num_query_groups", "head_dim")
+
+
+def recorded_settings(source: Mapping[str, Any] | None) -> tuple[dict[str, int], str]:
+    """The head settings ``source`` (a manifest's or an import's ``source`` record) holds, and
+    what recorded them: the ``config.json`` a Trainer or verl run kept
+    (``source.trainer.model_config``), else Megatron's saved run arguments (``source.settings``);
+    ``({}, "")`` where neither does. A recorded value that is no positive integer is a
+    ``LanguageError`` naming it."""
+    source = source if isinstance(source, Mapping) else {}
+    trainer = source.get("trainer")
+    config = trainer.get("model_config") if isinstance(trainer, Mapping) else None
+    if isinstance(config, Mapping) and "num_attention_heads" in config:
+        where = "the config.json the source recorded (source.trainer.model_config)"
+        return hf_head_settings(config, where), "the recorded config.json"
+    args = source.get("settings")
+    if not isinstance(args, Mapping):
+        return {}, ""
+    args = normalize(args)
+    heads = args.get("num_attention_heads")
+    if heads is None:
+        return {}, ""
+    out: dict[str, int] = {}
+    for name in _MEGATRON_HEADS:
+        value = args.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise LanguageError(
+                f"source.settings (Megatron's recorded run arguments): {name} = {value!r}; "
+                f"expected a positive integer"
+            )
+        out[name] = value
+    if args.get("group_query_attention") is False:  # Megatron keeps its default groups unused
+        out["num_query_groups"] = out["num_attention_heads"]
+    return out, "Megatron's recorded run arguments"
+
+
+def spec_with_recorded_settings(
+    spec: Any, source: Mapping[str, Any] | None, notes: list[str] | None = None
+) -> Any:
+    """``spec`` given by name or file (``"hf_llama"``) loaded with the head settings ``source``
+    recorded (:func:`recorded_settings`) where the spec has none of its own; a ``Spec`` object
+    (the caller's settings) or None as given. What was taken is said in ``notes``."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return spec
+    loaded = load_spec(spec)
+    settings, origin = recorded_settings(source)
+    missing = {k: v for k, v in settings.items() if k not in loaded.settings}
+    if not missing:
+        return loaded
+    if notes is not None:
+        notes.append(f"spec {os.fspath(spec)!r} with {origin}'s settings {missing}")
+    return loaded.with_settings(**missing)
