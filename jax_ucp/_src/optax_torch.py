@@ -569,7 +569,9 @@ def _from_run(run: _Run, ckpt, spec: Any, optimizer: str | None, options: Any) -
         raise RequestError(_no_optimizer(source, where))
     groups = recorded["param_groups"]
     check_groups(groups, where)
-    spec = _spec_with_recorded_settings(spec, source, notes := [])
+    from jax_ucp._src.language.recorded import spec_with_recorded_settings
+
+    spec = spec_with_recorded_settings(spec, source, notes := [])
     trainer_args = run_arguments(source, where)
     kind, how = identify(groups, trainer_args, where, optimizer)
     _check_adam(groups, where)
