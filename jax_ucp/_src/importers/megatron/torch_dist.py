@@ -43,6 +43,7 @@ from jax_ucp._src.importers.megatron.model_space import (
 from jax_ucp._src.importers.megatron.module_order import in_module_order
 from jax_ucp._src.importers.megatron.rank_states import RankStates
 from jax_ucp._src.importers.megatron.rules import add_arg_settings, import_rules_spec
+from jax_ucp._src.importers.megatron.run_record import MEGATRON_OPTIMIZER, optimizer_record
 from jax_ucp._src.importers.megatron.source import MegatronSource
 from jax_ucp._src.importers.plan import (
     TENSORS,
@@ -132,6 +133,10 @@ def plan_torch_dist(
         "tied_embeddings": tied_embeddings(model_names, settings),
         **({"integrity": f"{vouched} files equal to integrity.json's SHA-256"} if vouched else {}),
     }
+    where = os.path.relpath(common_path, source_dir.ckpt_dir)
+    record = optimizer_record(common, where) if isinstance(common, dict) else None
+    if record is not None:  # how the run stepped: args, scheduler state, param groups
+        info[MEGATRON_OPTIMIZER] = record
     mine = share.pick(model_names)
     step = count if share.primary else None
     if optimizer.buckets is not None:

@@ -1,0 +1,124 @@
+"""What a Megatron checkpoint records of how its optimizer stepped: the saved ``args`` that set
+the optimizer, clipping and schedule, the ``OptimizerParamScheduler`` state and the optimizer's
+param-group hyper-parameters, kept as the files hold them (``source.megatron_optimizer``) so a
+continuation (``continuation.megatron``) can check and translate them without re-reading."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MEGATRON_OPTIMIZER", "RUN_ARGS", "optimizer_record"]
+
+#: the key of ``source`` this record is kept under
+MEGATRON_OPTIMIZER = "megatron_optimizer"
+
+#: Megatron-LM run arguments that say how the optimizer, clipping and schedule stepped
+RUN_ARGS = (
+    "optimizer",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "sgd_momentum",
+    "weight_decay",
+    "start_weight_decay",
+    "end_weight_decay",
+    "weight_decay_incr_style",
+    "decoupled_weight_decay",
+    "apply_wd_to_qk_layernorm",
+    "clip_grad",
+    "lr",
+    "min_lr",
+    "lr_warmup_init",
+    "lr_decay_style",
+    "lr_decay_iters",
+    "lr_decay_samples",
+    "lr_warmup_iters",
+    "lr_warmup_samples",
+    "lr_warmup_fraction",
+    "lr_wsd_decay_style",
+    "lr_wsd_decay_iters",
+    "lr_wsd_decay_samples",
+    "train_iters",
+    "train_samples",
+    "global_batch_size",
+    "micro_batch_size",
+    "data_parallel_size",
+    "rampup_batch_size",
+    "decoupled_lr",
+    "decoupled_min_lr",
+    "iteration",
+    "consumed_train_samples",
+    "skipped_train_samples",
+    "use_checkpoint_opt_param_scheduler",
+    "override_opt_param_scheduler",
+    "fp16",
+    "bf16",
+    "optimizer_cpu_offload",
+    "use_distributed_optimizer",
+)
+
+
+def _plain(value: Any) -> Any:
+    """A scalar (or a list of scalars) as JSON can hold it; anything else as its type's name
+    in angle brackets, so a reader sees the value was there but not what it was."""
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.size == 1):
+        value = np.asarray(value).reshape(()).item()
+    numel = getattr(value, "numel", None)
+    if callable(numel) and hasattr(value, "item") and numel() == 1:
+        value = value.item()  # a one-element tensor (a step saved as a tensor)
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if np.isfinite(value) else str(value)
+    if isinstance(value, (list, tuple)) and len(value) <= 16:
+        return [_plain(v) for v in value]
+    return f"<{type(value).__name__}>"
+
+
+def _groups(optimizer_state: Any) -> list[dict] | None:
+    """The hyper-parameters of every saved param group (a ChainedOptimizer's members in order),
+    without their parameter lists; None when none is saved."""
+    members: list[Any]
+    if isinstance(optimizer_state, dict) and "param_groups" in optimizer_state:
+        members = [{"optimizer": optimizer_state}]  # FP32Optimizer: torch's own state dict
+    elif isinstance(optimizer_state, dict) and "optimizer" in optimizer_state:
+        members = [optimizer_state]
+    elif isinstance(optimizer_state, dict):  # ChainedOptimizer: {index: member state}
+        members = [optimizer_state[k] for k in sorted(optimizer_state, key=str)]
+    elif isinstance(optimizer_state, list):
+        members = list(optimizer_state)
+    else:
+        return None
+    groups = []
+    for member in members:
+        inner = member.get("optimizer") if isinstance(member, dict) else None
+        saved = inner.get("param_groups") if isinstance(inner, dict) else None
+        for group in saved if isinstance(saved, list) else ():
+            if isinstance(group, dict):
+                groups.append({str(k): _plain(v) for k, v in group.items() if k != "params"})
+    return groups or None
+
+
+def optimizer_record(state: Mapping[str, Any], where: str) -> dict | None:
+    """``source.megatron_optimizer`` from a checkpoint's top-level state (torch_dist's common
+    state, a legacy rank file): only what it holds; None when it holds none of it."""
+    args = state.get("args")
+    fields = vars(args) if hasattr(args, "__dict__") else {}
+    record: dict[str, Any] = {"file": where}
+    run_args = {k: _plain(fields[k]) for k in RUN_ARGS if k in fields}
+    if run_args:
+        record["args"] = run_args
+    scheduler = state.get("opt_param_scheduler")
+    if isinstance(scheduler, dict):
+        record["opt_param_scheduler"] = {str(k): _plain(v) for k, v in scheduler.items()}
+    elif scheduler is not None:
+        record["opt_param_scheduler"] = _plain(scheduler)
+    groups = _groups(state.get("optimizer"))
+    if groups:
+        record["param_groups"] = groups
+    if "iteration" in state:
+        record["iteration"] = _plain(state["iteration"])
+    return record if len(record) > 1 else None
