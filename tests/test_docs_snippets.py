@@ -7,6 +7,10 @@ reaches data only through the installed package (``jax_ucp.samples``) or by writ
 TMPDIR is a temporary directory too. A failing block is reported with its file and line
 (tracebacks point into the Markdown file).
 
+A ```python block with a ``<!-- docs-test: ... -->`` comment above it is an excerpt (names
+defined by the prose around it, placeholder paths): tests/test_docs_examples.py runs it with the
+fixtures its comment names, or counts it as not run.
+
 Blocks known to fail are listed in XFAIL: expected failures, not strict ones (once fixed they
 simply pass).
 """
@@ -22,6 +26,7 @@ import textwrap
 
 import pytest
 
+from tests.test_docs_examples import MARKER
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(300)
@@ -46,10 +51,15 @@ RUNNER = textwrap.dedent(
 
 
 def blocks(name: str) -> list[tuple[int, str]]:
-    """(first line of the code, code) of each ```python block of a Markdown file."""
+    """(first line of the code, code) of each ```python block of a Markdown file that runs
+    alone (no docs-test comment above it)."""
     with open(os.path.join(REPO, name), encoding="utf-8") as f:
         text = f.read()
-    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in FENCE.finditer(text)]
+    return [
+        (text.count("\n", 0, m.start(1)) + 1, m.group(1))
+        for m in FENCE.finditer(text)
+        if not MARKER.search(text, max(0, m.start() - 2000), m.start())
+    ]
 
 
 def test_no_python_block_escapes_the_runner():
