@@ -287,6 +287,7 @@ def _commands(block: Block) -> list[list[str]]:
     unused = set(block.literals) - used
     assert not unused, f"{block.id}: docs-test maps {sorted(unused)}, which no command names"
     assert not block.names, f'{block.id}: a shell block maps words ("word" = PATH), not names'
+    assert not block.prelude, f"{block.id}: a shell block has no prelude"
     return commands
 
 

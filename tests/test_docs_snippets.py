@@ -64,13 +64,14 @@ def blocks(name: str) -> list[tuple[int, str]]:
 
 def test_no_python_block_escapes_the_runner():
     """Only ```python fences at column 0 are run: an indented one (inside a list) or another
-    spelling of Python (py, python3, pycon) would silently not be. Excerpts are ```text."""
+    spelling of Python (py, python3, pycon) would silently not be. Excerpts are ```python with a
+    docs-test comment (tests/test_docs_examples.py runs them)."""
     for name in FILES:
         with open(os.path.join(REPO, name), encoding="utf-8") as f:
             text = f.read()
         assert not re.search(r"^[ \t]+```\s*py", text, re.M), f"{name}: an indented Python fence"
         other = re.findall(r"^```[ \t]*(py|python3|pycon|ipython)\b", text, re.M)
-        assert not other, f"{name}: ```{other[0]} blocks are not run; use ```python or ```text"
+        assert not other, f"{name}: ```{other[0]} blocks are not run; use ```python"
     assert blocks("README.md"), "README.md has no Python block left to run"
 
 
