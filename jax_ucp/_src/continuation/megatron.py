@@ -1,0 +1,624 @@
+"""How a Megatron run stepped, read from its import's ``source.megatron_optimizer`` (the saved
+``args``, the ``OptimizerParamScheduler`` state and the param-group hyper-parameters) into a
+:class:`~jax_ucp._src.continuation.recipe.Recipe`.
+
+Megatron's scheduler counts samples: Megatron-LM's ``train_step`` steps it by the global batch
+size after each successful update, so the update that follows ``count`` Adam steps uses
+``get_lr(count * global_batch_size)``. That holds only while the batch size is fixed: a
+batch-size ramp-up, or a saved ``num_steps`` that is not the saved Adam step times the global
+batch, is refused. The schedules below are megatron-core 0.16's ``get_lr`` / ``get_wd``
+(decay styles constant, linear, cosine, inverse-square-root, WSD with its anneal styles; weight
+decay increments constant, linear, cosine), written for ``numpy`` and ``jax.numpy`` alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src.continuation.recipe import Recipe
+from jax_ucp._src.errors import RequestError, SourceError
+
+__all__ = ["MegatronSchedule", "megatron_recipe"]
+
+#: the manifest ``source`` key the Megatron importers record the run's optimizer under
+RECORD = "megatron_optimizer"
+_FRAMEWORKS = ("megatron", "megatron-bridge")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+# keys of AnnealingLR's state before the scheduler counted samples (load_state_dict's fallbacks)
+_OLD_KEYS = ("start_lr", "warmup_iter", "warmup_steps", "end_iter", "decay_steps", "num_iters")
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronSchedule:
+    """megatron-core's ``OptimizerParamScheduler`` values (its ``num_steps`` counts samples)."""
+
+    init_lr: float
+    max_lr: float
+    min_lr: float
+    lr_warmup_steps: float
+    lr_decay_steps: float
+    lr_decay_style: str
+    start_wd: float
+    end_wd: float
+    wd_incr_steps: float
+    wd_incr_style: str
+    wsd_decay_steps: float | None = None
+    lr_wsd_decay_style: str | None = None
+
+    def lr(self, num_steps: Any, xp: Any = np) -> Any:
+        """``OptimizerParamScheduler.get_lr`` at ``num_steps`` samples (``xp``: numpy or
+        jax.numpy; every branch is computed, the one Megatron takes is kept)."""
+        n = xp.asarray(num_steps, dtype=float) if xp is np else num_steps
+        warm, decay = float(self.lr_warmup_steps), float(self.lr_decay_steps)
+        max_lr, min_lr, init = self.max_lr, self.min_lr, self.init_lr
+        warmup = init + (max_lr - init) * n / (warm if warm > 0 else 1.0)
+        if self.lr_decay_style == "constant":
+            decayed = xp.full_like(n, max_lr)
+        elif self.lr_decay_style == "inverse-square-root":
+            decayed = xp.maximum(min_lr, max_lr * max(warm, 1.0) ** 0.5 / xp.sqrt(xp.maximum(n, 1)))
+            decayed = xp.where(n > decay, min_lr, decayed)
+        else:
+            ratio = xp.clip((n - warm) / (decay - warm), 0.0, 1.0)
+            if self.lr_decay_style == "linear":
+                coeff = 1.0 - ratio
+            elif self.lr_decay_style == "cosine":
+                coeff = 0.5 * (xp.cos(math.pi * ratio) + 1.0)
+            else:  # WSD
+                wsd = float(self.wsd_decay_steps or 0)
+                start = decay - wsd
+                r = xp.clip((n - start) / (wsd if wsd > 0 else 1.0), 0.0, 1.0)
+                style = self.lr_wsd_decay_style
+                if style == "linear":
+                    anneal = 1.0 - r
+                elif style == "cosine":
+                    anneal = 0.5 * (xp.cos(math.pi * r) + 1.0)
+                elif style == "exponential":
+                    anneal = 2.0 * xp.power(0.5, r) - 1.0
+                else:  # minus_sqrt
+                    anneal = 1.0 - xp.sqrt(r)
+                coeff = xp.where(n <= start, 1.0, anneal)
+            decayed = xp.where(n > decay, min_lr, min_lr + coeff * (max_lr - min_lr))
+        if warm > 0:
+            return xp.where(n <= warm, warmup, decayed)
+        return decayed
+
+    def wd(self, num_steps: Any, xp: Any = np) -> Any:
+        """``OptimizerParamScheduler.get_wd`` at ``num_steps`` samples."""
+        n = xp.asarray(num_steps, dtype=float) if xp is np else num_steps
+        start, end = self.start_wd, self.end_wd
+        if self.wd_incr_style == "constant":
+            return xp.full_like(n, end)
+        ratio = xp.clip(n / float(self.wd_incr_steps), 0.0, 1.0)
+        if self.wd_incr_style == "linear":
+            coeff = ratio
+        else:  # cosine
+            coeff = 0.5 * (xp.cos(math.pi * (1.0 - ratio)) + 1.0)
+        return xp.where(n > self.wd_incr_steps, end, start + coeff * (end - start))
+
+
+# ----------------------------------------------------------------------------- reading the record
+
+
+class _Fields:
+    """One section of the record (``args``, ``opt_param_scheduler``, a param group), read with
+    its file named in every refusal."""
+
+    def __init__(self, values: Mapping[str, Any], section: str, where: str):
+        self.values, self.section, self.where = values, section, where
+
+    def has(self, key: str) -> bool:
+        return self.values.get(key) is not None
+
+    def refuse(self, key: str, expected: str) -> SourceError:
+        found = self.values.get(key, "<missing>")
+        return SourceError(f"{self.where}: {self.section}.{key} = {found!r}: expected {expected}")
+
+    def number(
+        self,
+        key: str,
+        *,
+        integer: bool = False,
+        low: float = 0.0,
+        high: float = math.inf,
+        above: bool = False,
+    ) -> float:
+        """A finite number in [low, high] (``above``: > low); an integer when ``integer``."""
+        value = self.values.get(key)
+        kind = "an integer" if integer else "a number"
+        bound = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high < math.inf else "")
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and (value > low if above else value >= low)
+            and value <= high
+            and (not integer or float(value).is_integer())
+        )
+        if not ok:
+            raise self.refuse(key, f"{kind} {bound}")
+        return int(value) if integer else float(value)  # type: ignore[arg-type]
+
+    def choice(self, key: str, allowed: tuple[str, ...]) -> str:
+        value = self.values.get(key)
+        if value not in allowed:
+            raise self.refuse(key, f"one of {list(allowed)}")
+        return str(value)
+
+    def flag(self, key: str) -> bool | None:
+        value = self.values.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise self.refuse(key, "true or false")
+        return value
+
+
+def _section(record: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    value = record.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SourceError(f"{where}: {RECORD}.{key} is {type(value).__name__}, expected a mapping")
+    return value
+
+
+def _groups(record: Mapping[str, Any], where: str) -> list[_Fields]:
+    value = record.get("param_groups")
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(g, dict) for g in value):
+        raise SourceError(f"{where}: {RECORD}.param_groups is not a list of mappings")
+    return [_Fields(g, f"param_groups[{i}]", where) for i, g in enumerate(value)]
+
+
+def _agreed(groups: list[_Fields], key: str, read: Callable[[_Fields], Any]) -> Any:
+    """The one value every param group that records ``key`` holds (None: none records it)."""
+    seen = {}
+    for group in groups:
+        if key in group.values:
+            seen.setdefault(repr(read(group)), (read(group), group.section))
+    if len(seen) > 1:
+        where = groups[0].where
+        values = {section: value for value, section in seen.values()}
+        raise RequestError(
+            f"{where}: the param groups hold different {key} ({values}): a per-parameter "
+            f"{key} is not one Recipe"
+        )
+    return next(iter(seen.values()))[0] if seen else None
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+def megatron_recipe(
+    source: Mapping[str, Any],
+    saved: Mapping[Any, tuple[tuple[int, ...], Any]],
+    where: str,
+) -> Recipe | None:
+    """The Recipe of a Megatron import, or None when ``source`` is not Megatron's or records no
+    ``megatron_optimizer``.
+
+    Args:
+        source: the manifest's ``source`` record.
+        saved: the import's tensor keys (``("params", name)``, ``("opt_state", "mu", name)``,
+            ... or the same as ``params/<name>`` strings) -> (shape, dtype): which parameters are decayed is Megatron's rule on their names and
+            per-layer shapes.
+        where: the checkpoint, named in every refusal.
+
+    Raises:
+        SourceError: a field missing, of the wrong type or out of range, or fields that
+            contradict each other (named, with the file).
+        RequestError: what the Recipe cannot hold (SGD or another optimizer, a batch-size
+            ramp-up, a learning rate of its own for some parameters).
+    """
+    if source.get("framework") not in _FRAMEWORKS or source.get(RECORD) is None:
+        return None
+    file, args, scheduler, groups = _read_record(source, saved, where)
+    schedule = _schedule(scheduler, args, groups)
+    gbs = _global_batch(args)
+    step = _step(source[RECORD], source, scheduler, args, groups, gbs, file)
+    notes, unrecovered = [], []
+    if (
+        not args.has("lr_warmup_init")
+        and schedule.lr_warmup_steps > 0
+        and step * gbs < schedule.lr_warmup_steps
+    ):
+        raise SourceError(
+            f"{file}: args.lr_warmup_init is not recorded and the run is still warming up "
+            f"({step * gbs} of {schedule.lr_warmup_steps} samples): its warm-up is unknown"
+        )
+    _check_groups_lr(groups, schedule, step * gbs, file)
+    if not args.has("lr_warmup_init"):
+        notes.append("lr_warmup_init not recorded: the warm-up had ended, its start is unused")
+    betas, eps = _adam(args, groups, file)
+    decoupled = _decoupled(args, groups, file)
+    if decoupled is None:
+        decoupled = True
+        notes.append(
+            "decoupled_weight_decay not recorded: Megatron's Adam decouples weight decay "
+            "(FusedAdam adam_w_mode=True) unless decoupled_weight_decay=False"
+        )
+    decayed = _decayed(saved, args, groups, file, unrecovered)
+    clip: float | None = None
+    if args.has("clip_grad"):
+        clip = args.number("clip_grad") or None  # Megatron clips only when clip_grad > 0
+    else:
+        unrecovered.append("clip_grad (not recorded; Megatron-LM's default is 1.0)")
+    if clip is not None:
+        notes.append(
+            f"gradient norm clipped to {clip} (Megatron scales by clip_grad / (norm + 1e-6))"
+        )
+    if args.values.get("fp16"):
+        notes.append("fp16 dynamic loss scaling is not carried over")
+    count_note = (
+        f"optax count c -> Megatron's scheduler at c x {gbs} samples (global_batch_size); "
+        f"the saved Adam step {step} is {step * gbs} samples"
+    )
+    lr_style = schedule.lr_decay_style + (
+        f"/{schedule.lr_wsd_decay_style}" if schedule.lr_decay_style == "WSD" else ""
+    )
+    how = (
+        f"megatron-core Adam{'W' if decoupled else ''} from {file}: "
+        f"OptimizerParamScheduler {lr_style} lr, {schedule.wd_incr_style} weight decay"
+    )
+
+    def learning_rate(count: Any) -> Any:
+        import jax.numpy as jnp
+
+        return schedule.lr(jnp.asarray(count, jnp.float32) * gbs, jnp)
+
+    def weight_decay(count: Any) -> Any:
+        import jax.numpy as jnp
+
+        return schedule.wd(jnp.asarray(count, jnp.float32) * gbs, jnp)
+
+    return Recipe(
+        optimizer="adamw" if decoupled else "adam",
+        how=how,
+        betas=betas,
+        eps=eps,
+        learning_rate=learning_rate,
+        weight_decay=schedule.end_wd if schedule.wd_incr_style == "constant" else weight_decay,
+        decayed=decayed,
+        clip=clip,
+        bias_correction=True,
+        notes=(how, count_note, *notes),
+        unrecovered=tuple(unrecovered),
+    )
+
+
+def _read_record(
+    source: Mapping[str, Any], saved: Mapping[str, Any], where: str
+) -> tuple[str, _Fields, _Fields, list[_Fields]]:
+    """The record's file and sections, refused where it names no Adam or no schedule."""
+    record = source[RECORD]
+    if not isinstance(record, dict):
+        raise SourceError(f"{where}: source.{RECORD} is {type(record).__name__}, not a mapping")
+    file = f"{where} ({record.get('file') or 'its common state'})"
+    args = _Fields(_section(record, "args", file), "args", file)
+    state = _section(record, "opt_param_scheduler", file)
+    groups = _groups(record, file)
+    name = args.values.get("optimizer")
+    if name is not None and name != "adam":
+        raise RequestError(
+            f"{file}: args.optimizer = {name!r}: only Megatron's Adam is translated "
+            f"({'SGD with momentum' if name == 'sgd' else name!r} is not)"
+        )
+    if name is None and not any("betas" in g.values for g in groups):
+        raise SourceError(f"{file}: neither args.optimizer nor Adam's betas are recorded")
+    if not state:
+        raise SourceError(
+            f"{file}: no opt_param_scheduler saved: the learning-rate schedule of the run is "
+            f"unknown (Megatron-LM saves it beside the args)"
+        )
+    if not any(_path(k).startswith("opt_state/mu/") for k in saved):
+        raise RequestError(
+            f"{where}: imported without its Adam moments (weights_only): nothing to continue"
+        )
+    scheduler = _Fields(state, "opt_param_scheduler", file)
+    old = [k for k in _OLD_KEYS if k in state]
+    if old:
+        raise SourceError(
+            f"{file}: opt_param_scheduler holds {old}: an AnnealingLR record from before "
+            f"megatron-core counted samples, not translated"
+        )
+    return file, args, scheduler, groups
+
+
+def _schedule(scheduler: _Fields, args: _Fields, groups: list[_Fields]) -> MegatronSchedule:
+    """The scheduler's values, the param groups' max_lr / min_lr (get_lr prefers them) checked
+    equal to its own, WSD's decay length from the args Megatron-LM derives it from."""
+    max_lr = scheduler.number("max_lr")
+    min_lr = scheduler.number("min_lr", high=max_lr)
+    style = scheduler.choice("lr_decay_style", LR_DECAY_STYLES)
+    decay = scheduler.number("lr_decay_steps", above=True)
+    warm = scheduler.number("lr_warmup_steps", high=decay)
+    if warm >= decay:
+        raise scheduler.refuse("lr_warmup_steps", f"fewer than lr_decay_steps ({decay})")
+    start_wd = scheduler.number("start_wd")
+    end_wd = scheduler.number("end_wd", low=start_wd)
+    wd_style = scheduler.choice("wd_incr_style", WD_INCR_STYLES)
+    if wd_style == "constant" and start_wd != end_wd:
+        raise scheduler.refuse("end_wd", f"start_wd ({start_wd}) under a constant wd_incr_style")
+    wd_steps = scheduler.number("wd_incr_steps", above=wd_style != "constant")
+    for key, own in (("max_lr", max_lr), ("min_lr", min_lr)):
+        group_value = _agreed(groups, key, lambda g, key=key: _group_number(g, key))
+        if key == "min_lr" and group_value is None:
+            if style != "constant" and any(g.values.get("min_lr", 0) is None for g in groups):
+                raise groups[0].refuse("min_lr", f"a number (the {style} decay reaches it)")
+            continue
+        if group_value is not None and float(group_value) != own:
+            raise SourceError(
+                f"{scheduler.where}: the param groups' {key} {group_value} is not "
+                f"opt_param_scheduler.{key} {own}: get_lr uses the group's"
+            )
+    for key in ("start_wd", "end_wd", "lr_mult"):
+        value = _agreed(groups, key, lambda g, key=key: g.values.get(key))
+        if key == "lr_mult" and value not in (None, 1.0):
+            raise RequestError(
+                f"{scheduler.where}: param groups with lr_mult {value}: a learning rate scaled "
+                f"for some parameters (scale_lr_cond) is not one Recipe"
+            )
+        if key != "lr_mult" and value is not None and float(value) != scheduler.number(key):
+            raise RequestError(
+                f"{scheduler.where}: param groups override {key} ({value}): a per-group "
+                f"weight-decay schedule is not one Recipe"
+            )
+    if args.values.get("decoupled_lr") is not None:
+        raise RequestError(
+            f"{args.where}: args.decoupled_lr = {args.values['decoupled_lr']!r}: the embedding "
+            f"and output layer stepped at a learning rate of their own, which one Recipe "
+            f"schedule cannot hold"
+        )
+    if any(g.values.get("is_decoupled_lr") for g in groups):
+        raise RequestError(f"{args.where}: a param group has is_decoupled_lr: not one Recipe")
+    wsd_steps, wsd_style = _wsd(scheduler, args, decay) if style == "WSD" else (None, None)
+    init = scheduler.values.get("init_lr", args.values.get("lr_warmup_init"))
+    init_lr = (
+        _Fields({"lr_warmup_init": init}, "args", args.where).number("lr_warmup_init", high=max_lr)
+        if init is not None
+        else 0.0
+    )
+    return MegatronSchedule(
+        init_lr=init_lr,
+        max_lr=max_lr,
+        min_lr=min_lr,
+        lr_warmup_steps=warm,
+        lr_decay_steps=decay,
+        lr_decay_style=style,
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr_steps=wd_steps,
+        wd_incr_style=wd_style,
+        wsd_decay_steps=wsd_steps,
+        lr_wsd_decay_style=wsd_style,
+    )
+
+
+def _group_number(group: _Fields, key: str) -> float | None:
+    return None if group.values.get(key) is None else group.number(key)
+
+
+def _wsd(scheduler: _Fields, args: _Fields, decay: float) -> tuple[float, str]:
+    """WSD's anneal length (samples) and style: the scheduler's own record where it holds them,
+    else Megatron-LM's ``get_optimizer_param_scheduler`` from the args (iterations x global
+    batch when ``train_iters``, samples when ``train_samples``)."""
+    if scheduler.has("wsd_decay_steps"):
+        steps = scheduler.number("wsd_decay_steps", high=decay)
+    elif args.has("train_iters") and args.number("train_iters", integer=True) > 0:
+        if not args.has("lr_wsd_decay_iters"):
+            raise args.refuse("lr_wsd_decay_iters", "the WSD anneal length in iterations")
+        iters = args.number("lr_wsd_decay_iters", integer=True)
+        steps = iters * args.number("global_batch_size", integer=True, above=True)
+    elif args.has("train_samples") and args.has("lr_wsd_decay_samples"):
+        steps = args.number("lr_wsd_decay_samples", integer=True)
+    else:
+        raise args.refuse("train_iters", "train_iters or train_samples with the WSD anneal length")
+    if steps > decay:
+        raise SourceError(
+            f"{args.where}: the WSD anneal ({steps} samples) is longer than the decay ({decay})"
+        )
+    section = scheduler if scheduler.has("lr_wsd_decay_style") else args
+    return steps, section.choice("lr_wsd_decay_style", WSD_DECAY_STYLES)
+
+
+def _global_batch(args: _Fields) -> int:
+    if args.values.get("rampup_batch_size") is not None:
+        raise RequestError(
+            f"{args.where}: args.rampup_batch_size = {args.values['rampup_batch_size']!r}: the "
+            f"batch size ramped up, so the scheduler's samples are no fixed multiple of the step"
+        )
+    if not args.has("global_batch_size"):
+        raise args.refuse("global_batch_size", "the samples per iteration the scheduler steps by")
+    gbs = int(args.number("global_batch_size", integer=True, above=True))
+    if args.has("micro_batch_size") and args.has("data_parallel_size"):
+        per_step = args.number("micro_batch_size", integer=True, above=True) * args.number(
+            "data_parallel_size", integer=True, above=True
+        )
+        if gbs % per_step:
+            raise args.refuse(
+                "global_batch_size",
+                f"a multiple of micro_batch_size x data_parallel_size ({int(per_step)})",
+            )
+    return gbs
+
+
+def _step(
+    record: Mapping[str, Any],
+    source: Mapping[str, Any],
+    scheduler: _Fields,
+    args: _Fields,
+    groups: list[_Fields],
+    gbs: int,
+    file: str,
+) -> int:
+    """The saved Adam step, checked against the scheduler's samples and the iteration."""
+    num_steps = int(scheduler.number("num_steps", integer=True))
+    recorded = {
+        where: _Fields({"iteration": v}, where, file).number("iteration", integer=True)
+        for where, v in (
+            (f"{RECORD}.iteration", record.get("iteration")),
+            ("args.iteration", args.values.get("iteration")),
+            ("source.iteration", source.get("iteration")),
+        )
+        if v is not None
+    }
+    if len(set(recorded.values())) > 1:
+        raise SourceError(f"{file}: the recorded iterations disagree: {recorded}")
+    iteration = int(next(iter(recorded.values()))) if recorded else None
+    step = _agreed(groups, "step", lambda g: g.number("step", integer=True))
+    step = int(step) if step is not None else iteration
+    if step is None:
+        raise SourceError(f"{file}: neither the param groups' step nor the iteration is recorded")
+    if num_steps != step * gbs:
+        raise SourceError(
+            f"{file}: opt_param_scheduler.num_steps {num_steps} is not the Adam step {step} x "
+            f"global_batch_size {gbs} (the batch size changed during the run?): the schedule's "
+            f"position cannot be mapped to optax's count"
+        )
+    if iteration is not None and iteration != step:
+        skipped = step < iteration and args.values.get("fp16") is True
+        if not skipped:
+            raise SourceError(
+                f"{file}: iteration {iteration} but opt_param_scheduler.num_steps {num_steps} = "
+                f"{step} x global_batch_size {gbs}: only an fp16 run skips iterations"
+            )
+    return step
+
+
+def _check_groups_lr(groups: list[_Fields], schedule: MegatronSchedule, n: int, file: str):
+    """The lr / weight decay the scheduler last set on the param groups are the schedule's at
+    the saved sample count: the translation reproduces what Megatron set."""
+    lr = float(schedule.lr(n))
+    wd = float(schedule.wd(n))
+    for group in groups:
+        if group.has("lr"):
+            found = group.number("lr")
+            if not math.isclose(found, lr, rel_tol=1e-9, abs_tol=1e-15):
+                raise SourceError(
+                    f"{file}: {group.section}.lr {found} is not the schedule's {lr} at "
+                    f"{n} samples: the recorded schedule is not the one the run followed"
+                )
+        if group.has("weight_decay"):
+            found = group.number("weight_decay")
+            mult = group.number("wd_mult", high=1.0) if group.has("wd_mult") else 1.0
+            if not math.isclose(found, wd * mult, rel_tol=1e-9, abs_tol=1e-15):
+                raise SourceError(
+                    f"{file}: {group.section}.weight_decay {found} is not the schedule's "
+                    f"{wd} x wd_mult {mult} at {n} samples"
+                )
+
+
+def _adam(args: _Fields, groups: list[_Fields], file: str) -> tuple[tuple[float, float], float]:
+    """Adam's betas and eps: the param groups' (the optimizer's own), checked against the args."""
+
+    def group_betas(g: _Fields) -> tuple[float, float]:
+        betas = g.values.get("betas")
+        if not (isinstance(betas, list) and len(betas) == 2):
+            raise g.refuse("betas", "two numbers")
+        pair = _Fields({"b1": betas[0], "b2": betas[1]}, f"{g.section}.betas", file)
+        return (pair.number("b1", high=1.0), pair.number("b2", high=1.0))
+
+    betas = _agreed(groups, "betas", group_betas)
+    eps = _agreed(groups, "eps", lambda g: g.number("eps", above=True))
+    from_args = None
+    if args.has("adam_beta1") and args.has("adam_beta2"):
+        b1 = args.number("adam_beta1", high=1.0)
+        from_args = (b1, args.number("adam_beta2", high=1.0))
+        if betas is not None and tuple(betas) != from_args:
+            raise SourceError(f"{file}: param groups' betas {betas} but args {from_args}")
+    args_eps = args.number("adam_eps", above=True) if args.has("adam_eps") else None
+    if eps is not None and args_eps is not None and eps != args_eps:
+        raise SourceError(f"{file}: param groups' eps {eps} but args.adam_eps {args_eps}")
+    betas = betas if betas is not None else from_args
+    eps = eps if eps is not None else args_eps
+    if betas is None:
+        raise args.refuse("adam_beta1", "Adam's betas (in args or the param groups)")
+    if eps is None:
+        raise args.refuse("adam_eps", "Adam's eps (in args or the param groups)")
+    if not (betas[0] < 1.0 and betas[1] < 1.0):
+        raise SourceError(f"{file}: Adam's betas {betas}: expected each below 1")
+    return (float(betas[0]), float(betas[1])), float(eps)
+
+
+def _decoupled(args: _Fields, groups: list[_Fields], file: str) -> bool | None:
+    in_groups = _agreed(
+        groups, "decoupled_weight_decay", lambda g: g.flag("decoupled_weight_decay")
+    )
+    in_args = args.flag("decoupled_weight_decay")
+    if in_groups is not None and in_args is not None and in_groups != in_args:
+        raise SourceError(
+            f"{file}: param groups' decoupled_weight_decay {in_groups} but args {in_args}"
+        )
+    return in_groups if in_groups is not None else in_args
+
+
+def _path(key: str | tuple[str, ...]) -> str:
+    """An import's tensor key as ``params/<name>`` (the import keys tensors by tuples)."""
+    return key if isinstance(key, str) else "/".join(key)
+
+
+_STACKED_LAYERS = re.compile(r"(?:^|\.)layers\.(?![0-9]+(?:\.|$))")
+_STACKED_EXPERTS = re.compile(r"\.experts\.experts\.")
+
+
+def _per_layer_ndim(name: str, shape: tuple[int, ...]) -> int:
+    """The rank Megatron's module gave the parameter: torch_dist stacks a layer's tensors
+    ``[L, ...]`` (``layers.<rest>`` without a number) and an MoE layer's experts ``[L, E, ...]``
+    (``experts.experts.``)."""
+    stacked = len(_STACKED_LAYERS.findall(name)) + len(_STACKED_EXPERTS.findall(name))
+    return len(shape) - stacked
+
+
+def _decayed(
+    saved: Mapping[Any, tuple[tuple[int, ...], Any]],
+    args: _Fields,
+    groups: list[_Fields],
+    file: str,
+    unrecovered: list[str],
+) -> dict[str, bool]:
+    """megatron-core's standard overrides (``get_standard_config_overrides``): no weight decay
+    for ``*.bias`` and one-dimensional parameters (q/k layer norms decayed under
+    ``apply_wd_to_qk_layernorm``), checked against the param groups' ``wd_mult``."""
+    qk = args.flag("apply_wd_to_qk_layernorm")
+    decayed: dict[str, bool] = {}
+    for key, (shape, _) in saved.items():
+        path = _path(key)
+        if not path.startswith("params/"):
+            continue
+        name = path[len("params/") :]
+        ndim = _per_layer_ndim(name, tuple(shape))
+        if ndim < 1:
+            raise SourceError(
+                f"{file}: params/{name} of shape {tuple(shape)}: its per-layer rank "
+                f"({ndim}) cannot be told, so neither can its weight decay"
+            )
+        plain = ndim == 1 or fnmatch.fnmatchcase(name, "*.bias")
+        qk_norm = "q_layernorm." in name or "k_layernorm." in name
+        decayed[name] = not (plain and not (qk and qk_norm))
+        if plain and qk_norm and qk is None:
+            unrecovered.append(
+                f"apply_wd_to_qk_layernorm (not recorded): {name} taken as not decayed"
+            )
+    if not decayed:
+        raise SourceError(f"{file}: the import holds no params/ tensors")
+    mults = {g.number("wd_mult", high=1.0) for g in groups if g.values.get("wd_mult") is not None}
+    if mults - {0.0, 1.0}:
+        raise RequestError(
+            f"{file}: param groups with wd_mult {sorted(mults - {0.0, 1.0})}: a scaled weight "
+            f"decay is not one Recipe"
+        )
+    if mults and (0.0 in mults) != (not all(decayed.values())):
+        raise SourceError(
+            f"{file}: the param groups' wd_mult {sorted(mults)} do not match megatron-core's "
+            f"standard no-weight-decay rule (biases and 1-D parameters) on these parameters: "
+            f"the run had its own no_weight_decay_cond"
+        )
+    return decayed

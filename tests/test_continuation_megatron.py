@@ -1,0 +1,377 @@
+"""A Megatron run continued in optax: ``continuation.megatron.megatron_recipe`` reads what the
+import records (``source.megatron_optimizer``) into a Recipe. The schedules are compared with
+megatron-core's own ``OptimizerParamScheduler`` (torch-marked); the default set reads the recipe
+of a megatron-core torch_dist save whose common state holds that scheduler's state and checks
+every refusal."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp._src.continuation.megatron import MegatronSchedule, megatron_recipe
+from jax_ucp._src.errors import RequestError, SourceError
+from jax_ucp._src.importers.megatron import MegatronOptions, plan_megatron
+
+FIX = Path(__file__).parent / "fixtures" / "megatron"
+SCHEDULED = "gpt_distopt_dp2_scheduler_synthetic"
+# what megatron-core's scheduler set on the saved param groups at 8 samples (the fixture's
+# generator, tools/fixtures/make_megatron_scheduler_fixture.py, printed them)
+SAVED_LR, SAVED_WD = 0.009997734440724333, 0.0118
+
+
+@pytest.fixture(scope="module")
+def scheduled(tmp_path_factory) -> tuple[dict, dict]:
+    """(source, saved) of gpt_distopt_dp2 with the scheduler fixture's common.pt, converted."""
+    root = tmp_path_factory.mktemp("megatron_recipe")
+    src = root / "src"
+    src.mkdir()
+    for f in (FIX / "gpt_distopt_dp2").iterdir():
+        if f.name != "common.pt":
+            shutil.copyfile(f, src / f.name)
+    shutil.copyfile(FIX / f"{SCHEDULED}.common.pt", src / "common.pt")
+    jax_ucp.convert(src, root / "out")
+    manifest = jax_ucp.inspect(root / "out")
+    saved = {e.key: (tuple(e.shape), e.dtype) for e in manifest.tensors}
+    return dict(manifest.source or {}), saved
+
+
+def test_recipe_from_the_scheduled_fixture(scheduled):
+    source, saved = scheduled
+    record = source["megatron_optimizer"]
+    assert record["file"] == "common.pt"
+    assert record["opt_param_scheduler"]["num_steps"] == 8
+    assert record["args"]["global_batch_size"] == 4
+    recipe = megatron_recipe(source, saved, "ckpt")
+    assert recipe is not None
+    assert (recipe.optimizer, recipe.betas, recipe.eps, recipe.clip) == (
+        "adamw",
+        (0.9, 0.95),
+        1e-8,
+        1.0,
+    )
+    assert recipe.unrecovered == ()
+    assert recipe.bias_correction
+    # megatron-core's standard rule: no decay for biases and 1-D (per layer) parameters
+    assert {n for n, d in recipe.decayed.items() if d} == {
+        "embedding.word_embeddings.weight",
+        "embedding.position_embeddings.weight",
+        "decoder.layers.self_attention.linear_qkv.weight",
+        "decoder.layers.self_attention.linear_proj.weight",
+        "decoder.layers.mlp.linear_fc1.weight",
+        "decoder.layers.mlp.linear_fc2.weight",
+        "output_layer.weight",
+    }
+    assert set(recipe.decayed) == {k[1] for k in saved if k[0] == "params"}
+    # the saved Adam step (2) is 8 samples; the rates there are those Megatron set on the groups
+    lr, wd = recipe.learning_rate(2), recipe.weight_decay
+    assert callable(wd)
+    np.testing.assert_allclose(float(lr), SAVED_LR, rtol=1e-6)
+    np.testing.assert_allclose(float(wd(2)), SAVED_WD, rtol=1e-6)
+    assert float(recipe.learning_rate(0)) == 0.0  # lr_warmup_init
+    np.testing.assert_allclose(float(recipe.learning_rate(1)), 0.01, rtol=1e-6)  # warm-up end
+    np.testing.assert_allclose(float(recipe.learning_rate(100)), 0.001, rtol=1e-6)  # min_lr
+    np.testing.assert_allclose(float(wd(100)), 0.1, rtol=1e-6)  # end_wd
+    assert any("c x 4 samples" in n for n in recipe.notes)
+
+
+def test_not_megatron_or_nothing_recorded_is_none(scheduled):
+    source, saved = scheduled
+    assert megatron_recipe({**source, "framework": "torch"}, saved, "ckpt") is None
+    bare = {k: v for k, v in source.items() if k != "megatron_optimizer"}
+    assert megatron_recipe(bare, saved, "ckpt") is None
+
+
+def test_param_groups_without_scheduler_refused():
+    """megatron-core's own save without Megatron-LM's common state: no schedule to translate."""
+    source = plan_megatron(FIX / "gpt_distopt_dp2", MegatronOptions()).source
+    assert "opt_param_scheduler" not in source["megatron_optimizer"]
+    with pytest.raises(SourceError, match=r"common\.pt\).*no opt_param_scheduler saved"):
+        megatron_recipe(source, {"opt_state/mu/w": ((2,), np.float32)}, "ckpt")
+
+
+def test_incomplete_scheduler_record_refused():
+    """The legacy fixture's synthetic {'num_steps': 2}: refused naming the first missing field."""
+    source = plan_megatron(FIX / "legacy_gpt_distopt_pp2dp2_synthetic", MegatronOptions()).source
+    record = source["megatron_optimizer"]
+    assert record["file"].endswith("mp_rank_00_000/model_optim_rng.pt")
+    assert record["opt_param_scheduler"] == {"num_steps": 2}
+    saved = {"params/w": ((2, 2), np.float32), "opt_state/mu/w": ((2, 2), np.float32)}
+    with pytest.raises(
+        SourceError, match=r"model_optim_rng\.pt\): opt_param_scheduler\.max_lr = '<missing>'"
+    ):
+        megatron_recipe(source, saved, "ckpt")
+
+
+def _edit(source: dict, section: str, **values) -> dict:
+    out = copy.deepcopy(source)
+    record = out["megatron_optimizer"]
+    if section == "param_groups":
+        for group in record["param_groups"]:
+            group.update(values)
+    elif section:
+        record[section].update(values)
+    else:
+        record.update(values)
+    return out
+
+
+REFUSED = [
+    ("args", {"optimizer": "sgd"}, RequestError, r"args\.optimizer = 'sgd'.*SGD with momentum"),
+    ("args", {"optimizer": "muon"}, RequestError, r"args\.optimizer = 'muon'"),
+    ("args", {"rampup_batch_size": [1, 1, 10]}, RequestError, r"rampup_batch_size"),
+    ("args", {"decoupled_lr": 0.1}, RequestError, r"args\.decoupled_lr = 0\.1"),
+    ("args", {"global_batch_size": None}, SourceError, r"args\.global_batch_size = None"),
+    ("args", {"global_batch_size": 0}, SourceError, r"args\.global_batch_size = 0: .*> 0"),
+    ("args", {"global_batch_size": 2}, SourceError, r"multiple of micro_batch_size"),
+    ("args", {"global_batch_size": 8}, SourceError, r"num_steps 8 is not the Adam step 2 x"),
+    ("args", {"adam_beta1": 0.8}, SourceError, r"betas \(0\.9, 0\.95\) but args \(0\.8"),
+    ("args", {"adam_eps": 1e-6}, SourceError, r"eps 1e-08 but args\.adam_eps 1e-06"),
+    ("args", {"clip_grad": -1.0}, SourceError, r"args\.clip_grad = -1\.0: expected a number >= 0"),
+    ("args", {"clip_grad": "1"}, SourceError, r"args\.clip_grad = '1'"),
+    ("args", {"decoupled_weight_decay": False}, SourceError, r"decoupled_weight_decay True but"),
+    ("args", {"decoupled_weight_decay": "yes"}, SourceError, r"expected true or false"),
+    ("args", {"iteration": 3}, SourceError, r"iterations disagree: .*'args\.iteration': 3"),
+    ("", {"iteration": 3}, SourceError, r"iterations disagree"),
+    ("opt_param_scheduler", {"max_lr": -1.0}, SourceError, r"opt_param_scheduler\.max_lr = -1"),
+    ("opt_param_scheduler", {"max_lr": float("nan")}, SourceError, r"max_lr = nan"),
+    ("opt_param_scheduler", {"min_lr": 0.5}, SourceError, r"min_lr = 0\.5: .*<= 0\.01"),
+    ("opt_param_scheduler", {"lr_decay_style": "step"}, SourceError, r"lr_decay_style = 'step'"),
+    ("opt_param_scheduler", {"lr_decay_steps": 0}, SourceError, r"lr_decay_steps = 0"),
+    ("opt_param_scheduler", {"lr_warmup_steps": 400}, SourceError, r"fewer than lr_decay_steps"),
+    ("opt_param_scheduler", {"num_steps": 8.5}, SourceError, r"num_steps = 8\.5: .*integer"),
+    ("opt_param_scheduler", {"num_steps": True}, SourceError, r"num_steps = True"),
+    ("opt_param_scheduler", {"num_steps": 12}, SourceError, r"num_steps 12 is not the Adam"),
+    ("opt_param_scheduler", {"end_wd": 0.001}, SourceError, r"end_wd = 0\.001: .*>= 0\.01"),
+    ("opt_param_scheduler", {"wd_incr_style": "step"}, SourceError, r"wd_incr_style = 'step'"),
+    ("opt_param_scheduler", {"wd_incr_style": "constant"}, SourceError, r"constant wd_incr"),
+    ("opt_param_scheduler", {"wd_incr_steps": 0}, SourceError, r"wd_incr_steps = 0"),
+    ("opt_param_scheduler", {"max_lr": 0.02}, SourceError, r"groups' max_lr 0\.01 is not"),
+    ("opt_param_scheduler", {"end_iter": 5}, SourceError, r"\['end_iter'\]: an AnnealingLR"),
+    ("opt_param_scheduler", {"lr_decay_style": "WSD"}, SourceError, r"lr_wsd_decay_iters"),
+    ("param_groups", {"lr": 0.01}, SourceError, r"param_groups\[0\]\.lr 0\.01 is not the sch"),
+    ("param_groups", {"weight_decay": 0.5}, SourceError, r"param_groups\[0\]\.weight_decay 0\.5"),
+    ("param_groups", {"lr_mult": 0.1}, RequestError, r"lr_mult 0\.1.*scale_lr_cond"),
+    ("param_groups", {"wd_mult": 0.5}, SourceError, r"wd_mult 0\.5"),
+    ("param_groups", {"is_decoupled_lr": True}, RequestError, r"is_decoupled_lr"),
+    ("param_groups", {"step": 3.0}, SourceError, r"num_steps 8 is not the Adam step 3 x"),
+    ("param_groups", {"betas": [0.9]}, SourceError, r"param_groups\[0\]\.betas = \[0\.9\]"),
+    ("param_groups", {"start_wd": 0.02}, RequestError, r"override start_wd"),
+    ("", {"args": [1]}, SourceError, r"megatron_optimizer\.args is list, expected a mapping"),
+    ("", {"param_groups": "x"}, SourceError, r"param_groups is not a list of mappings"),
+]
+
+
+@pytest.mark.parametrize(("section", "values", "error", "match"), REFUSED)
+def test_damaged_or_untranslatable_record_refused(scheduled, section, values, error, match):
+    source, saved = scheduled
+    with pytest.raises(error, match=r"ckpt \(common\.pt\)|ckpt:") as raised:
+        megatron_recipe(_edit(source, section, **values), saved, "ckpt")
+    assert raised.match(match)
+
+
+def test_fp16_skipped_iterations_allowed(scheduled):
+    """An fp16 run's skipped iterations stepped neither Adam nor the scheduler."""
+    source, saved = scheduled
+    edited = {**_edit(_edit(source, "", iteration=3), "args", iteration=3), "iteration": 3}
+    with pytest.raises(SourceError, match=r"iteration 3 but .*only an fp16 run skips"):
+        megatron_recipe(edited, saved, "ckpt")
+    recipe = megatron_recipe(_edit(edited, "args", fp16=True), saved, "ckpt")
+    assert recipe is not None and any("fp16" in n for n in recipe.notes)
+
+
+def test_weights_only_import_refused(scheduled):
+    source, saved = scheduled
+    params = {k: v for k, v in saved.items() if k[0] == "params"}
+    with pytest.raises(RequestError, match=r"without its Adam moments"):
+        megatron_recipe(source, params, "ckpt")
+
+
+def test_warmup_start_unknown_while_warming_up(scheduled):
+    source, saved = scheduled
+    edited = _edit(source, "args", lr_warmup_init=None)
+    recipe = megatron_recipe(edited, saved, "ckpt")  # warm-up over at 8 samples: unused
+    assert recipe is not None and any("lr_warmup_init not recorded" in n for n in recipe.notes)
+    warming = _edit(edited, "opt_param_scheduler", lr_warmup_steps=40)
+    with pytest.raises(SourceError, match=r"lr_warmup_init is not recorded.*8 of 40"):
+        megatron_recipe(warming, saved, "ckpt")
+
+
+def test_clip_zero_is_no_clipping_and_unrecorded_clip_is_said(scheduled):
+    source, saved = scheduled
+    recipe = megatron_recipe(_edit(source, "args", clip_grad=0.0), saved, "ckpt")
+    assert recipe is not None and recipe.clip is None and recipe.unrecovered == ()
+    recipe = megatron_recipe(_edit(source, "args", clip_grad=None), saved, "ckpt")
+    assert recipe is not None and recipe.clip is None
+    assert any("clip_grad" in u for u in recipe.unrecovered)
+
+
+def test_l2_adam_when_not_decoupled(scheduled):
+    source, saved = scheduled
+    edited = _edit(source, "param_groups", decoupled_weight_decay=False)
+    edited = _edit(edited, "args", decoupled_weight_decay=False)
+    recipe = megatron_recipe(edited, saved, "ckpt")
+    assert recipe is not None and recipe.optimizer == "adam"
+
+
+def test_qk_layernorm_decay_and_stacked_shapes(scheduled):
+    source, _ = scheduled
+    shapes = {
+        "params/decoder.layers.self_attention.q_layernorm.weight": ((2, 8), np.float32),
+        "params/decoder.layers.mlp.experts.experts.linear_fc1.weight": ((2, 4, 8, 8), np.float32),
+        "params/decoder.layers.3.mlp.linear_fc1.weight": ((8, 8), np.float32),
+        "params/decoder.layers.3.input_layernorm.weight": ((8,), np.float32),
+        "opt_state/mu/x": ((1,), np.float32),
+    }
+    recipe = megatron_recipe(source, shapes, "ckpt")
+    assert recipe is not None
+    assert recipe.decayed == {
+        "decoder.layers.self_attention.q_layernorm.weight": False,
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight": True,
+        "decoder.layers.3.mlp.linear_fc1.weight": True,
+        "decoder.layers.3.input_layernorm.weight": False,
+    }
+    assert any("apply_wd_to_qk_layernorm" in u for u in recipe.unrecovered)
+    qk = megatron_recipe(_edit(source, "args", apply_wd_to_qk_layernorm=True), shapes, "ckpt")
+    assert qk is not None and qk.decayed["decoder.layers.self_attention.q_layernorm.weight"]
+    bad = {**shapes, "params/decoder.layers.bias": ((2,), np.float32)}
+    with pytest.raises(SourceError, match=r"params/decoder\.layers\.bias of shape \(2,\)"):
+        megatron_recipe(source, bad, "ckpt")
+
+
+def test_custom_no_weight_decay_rule_refused(scheduled):
+    """Groups all decayed while the standard rule would exempt biases: the run had its own."""
+    source, saved = scheduled
+    edited = _edit(source, "param_groups", wd_mult=1.0, weight_decay=SAVED_WD)
+    with pytest.raises(SourceError, match=r"no_weight_decay_cond"):
+        megatron_recipe(edited, saved, "ckpt")
+
+
+# ----------------------------------------------------------------------------- megatron-core
+
+
+def _styles():
+    lr = [(s, None) for s in ("constant", "linear", "cosine", "inverse-square-root")]
+    lr += [("WSD", a) for a in ("linear", "cosine", "exponential", "minus_sqrt")]
+    return [(s, a, wd) for s, a in lr for wd in ("constant", "linear", "cosine")]
+
+
+class _Optimizer:
+    """What OptimizerParamScheduler reads and sets: param groups (megatron-core 0.16's keys)."""
+
+    def __init__(self, max_lr: float, min_lr: float):
+        self.param_groups = [
+            {"max_lr": max_lr, "min_lr": min_lr, "wd_mult": 1.0, "lr_mult": 1.0, "step": 0.0},
+            {"max_lr": max_lr, "min_lr": min_lr, "wd_mult": 0.0, "lr_mult": 1.0, "step": 0.0},
+        ]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("warmup_iters", [0, 7])
+@pytest.mark.parametrize(("style", "anneal", "wd_style"), _styles())
+def test_schedules_equal_megatron_core(style, anneal, wd_style, warmup_iters):
+    """Over 150 iterations (past the decay's end), the recipe's lr and weight decay at optax's
+    count equal what megatron-core's OptimizerParamScheduler sets on the param groups when
+    Megatron-LM's train_step steps it by the global batch; the recipe is read at iteration 37
+    from the scheduler's own state_dict and groups."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    gbs, train_iters, saved_at = 6, 120, 37
+    max_lr, min_lr, init_lr = 3e-3, 1e-4, 1e-5
+    args = dict(
+        optimizer="adam",
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+        clip_grad=1.0,
+        lr=max_lr,
+        min_lr=min_lr,
+        lr_warmup_init=init_lr,
+        lr_warmup_iters=warmup_iters,
+        train_iters=train_iters,
+        lr_wsd_decay_iters=40,
+        lr_wsd_decay_style=anneal,
+        global_batch_size=gbs,
+        micro_batch_size=3,
+        data_parallel_size=2,
+        rampup_batch_size=None,
+        decoupled_lr=None,
+    )
+    start_wd, end_wd = (0.05, 0.05) if wd_style == "constant" else (0.01, 0.1)
+    optimizer = _Optimizer(max_lr, min_lr)
+    scheduler = OptimizerParamScheduler(
+        optimizer,  # type: ignore[arg-type]
+        init_lr=init_lr,
+        max_lr=max_lr,
+        min_lr=min_lr,
+        lr_warmup_steps=warmup_iters * gbs,
+        lr_decay_steps=100 * gbs,  # lr_decay_iters 100 < train_iters: min_lr after it
+        lr_decay_style=style,
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr_steps=train_iters * gbs,
+        wd_incr_style=wd_style,
+        wsd_decay_steps=40 * gbs if style == "WSD" else None,
+        lr_wsd_decay_style=anneal,
+    )
+    lrs, wds, record = [], [], None
+    for iteration in range(150):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        wds.append(optimizer.param_groups[0]["weight_decay"])
+        assert optimizer.param_groups[1]["weight_decay"] == 0.0
+        if iteration == saved_at:
+            groups = [
+                {k: v for k, v in g.items()} | {"step": float(saved_at), "betas": [0.9, 0.999]}
+                for g in optimizer.param_groups
+            ]
+            record = {
+                "file": "common.pt",
+                "args": {**args, "iteration": saved_at},
+                "opt_param_scheduler": scheduler.state_dict(),
+                "param_groups": groups,
+            }
+        for group in optimizer.param_groups:
+            group["step"] += 1.0  # Adam's step, then the scheduler (train_step's order)
+        scheduler.step(increment=gbs)
+    source = {"framework": "megatron", "iteration": saved_at, "megatron_optimizer": record}
+    saved = {
+        "params/decoder.layers.mlp.linear_fc1.weight": ((2, 8, 4), np.float32),
+        "params/decoder.layers.mlp.linear_fc1.bias": ((2, 8), np.float32),
+        "opt_state/mu/decoder.layers.mlp.linear_fc1.weight": ((2, 8, 4), np.float32),
+    }
+    recipe = megatron_recipe(json.loads(json.dumps(source)), saved, "ckpt")
+    assert recipe is not None
+    assert recipe.decayed == {
+        "decoder.layers.mlp.linear_fc1.weight": True,
+        "decoder.layers.mlp.linear_fc1.bias": False,
+    }
+    counts = np.arange(150)
+    np.testing.assert_allclose(np.asarray(recipe.learning_rate(counts)), lrs, rtol=2e-6)
+    wd = recipe.weight_decay
+    got_wd = np.asarray(wd(counts)) if callable(wd) else np.full(150, wd)
+    np.testing.assert_allclose(got_wd, wds, rtol=2e-6)
+    # the float64 schedule is megatron-core's to the last bits
+    schedule = MegatronSchedule(
+        init_lr=init_lr,
+        max_lr=max_lr,
+        min_lr=min_lr,
+        lr_warmup_steps=warmup_iters * gbs,
+        lr_decay_steps=100 * gbs,
+        lr_decay_style=style,
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr_steps=train_iters * gbs,
+        wd_incr_style=wd_style,
+        wsd_decay_steps=40 * gbs if style == "WSD" else None,
+        lr_wsd_decay_style=anneal,
+    )
+    for i in range(150):
+        assert math.isclose(float(schedule.lr(i * gbs)), lrs[i], rel_tol=1e-12, abs_tol=1e-18)
+        assert math.isclose(float(schedule.wd(i * gbs)), wds[i], rel_tol=1e-12, abs_tol=1e-18)
