@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.continuation.deepspeed import deepspeed_recipe
 from jax_ucp._src.optax_torch import run_arguments
 from jax_ucp.errors import RequestError
 from tests.test_optax_torch import continue_in_jax
@@ -138,15 +139,20 @@ def test_an_import_without_torch_param_groups_is_not_called_weights_only(tmp_pat
 @pytest.mark.parametrize(
     ("deepspeed", "says"),
     [
-        ({"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}, "not DeepSpeed's FusedAdam"),
         ({"optimizer": {"type": "Lamb", "params": {"torch_adam": True}}}, "'Lamb'"),
-        ({"scheduler": {"type": "WarmupLR"}}, "DeepSpeed's schedules are not reproduced"),
+        ({"optimizer": {"type": "AdamW"}, "scheduler": {"type": "CyclicLR"}}, "'CyclicLR'"),
     ],
 )
 def test_what_deepspeed_made_and_optax_does_not_reproduce_is_refused(deepspeed, says):
-    source = {"optimizer": {"deepspeed": deepspeed}, "trainer": {"training_args": {}}}
+    """DeepSpeed's own AdamW (FusedAdam) and its schedules are read (continuation.deepspeed,
+    tests/test_optax_torch_deepspeed_recipe.py); other optimizers and schedulers are refused."""
+    group = {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    group |= {"bias_correction": True, "amsgrad": False, "params": ["w"]}
+    record = {"deepspeed": deepspeed, "param_groups": [group]}
+    source = {"optimizer": record, "trainer": {"training_args": {}}}
+    run_arguments(source, "ckpt")  # the Trainer's arguments: no refusal there
     with pytest.raises(RequestError, match=says):
-        run_arguments(source, "ckpt")
+        deepspeed_recipe(source, "ckpt")
 
 
 def test_deepspeed_clipping_wins_over_the_trainers_unused_max_grad_norm():

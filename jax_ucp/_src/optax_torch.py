@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp._src.continuation.recipe import Recipe
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format.manifest import torch_optimizer_record
 
@@ -52,6 +53,8 @@ class TorchOptimizer:
     optimizer: str = "adamw"
 
 
+#: ``optax_from_torch(clip=)`` not given (None says the run did not clip)
+_UNSET = object()
 #: the optimizer choices :func:`optax_from_torch` translates exactly
 OPTIMIZERS = ("adam", "adamw")
 #: Trainer ``optim`` values that are torch's AdamW (``transformers.training_args.OptimizerNames``)
@@ -487,7 +490,13 @@ def _mask_tree(saved_tensors: dict, spec, params, decayed: dict[str, bool], wher
 
 
 def optax_from_torch(
-    ckpt, *, spec: Any = None, optimizer: str | None = None, options: Any = None
+    ckpt,
+    *,
+    spec: Any = None,
+    optimizer: str | None = None,
+    options: Any = None,
+    schedule: Any = None,
+    clip: Any = _UNSET,
 ) -> TorchOptimizer:
     """The optax optimizer and state that continue the torch run at ``ckpt``: read straight
     from what its trainer wrote (nothing written), or from its converted checkpoint.
@@ -512,13 +521,24 @@ def optax_from_torch(
         options: a :class:`jax_ucp.RestoreOptions` (mesh, rules, target or shardings,
             memory_budget, ...): how params and moments are restored, as ``restore`` takes
             them; its ``spec`` must be left unset (``spec=`` above is the one spec).
+        schedule: the run's learning rate as a function of optax's step count (optimizer steps
+            taken; e.g. an ``optax`` schedule), or a number, for a run whose files record no
+            schedule (a plain torch / FSDP2 / DCP run). Its value at the restored step must be
+            the learning rate the optimizer holds for its next step; refused when the files
+            record the schedule (a Trainer's, DeepSpeed's).
+        clip: the global gradient norm the run clipped to (``torch.nn.utils.clip_grad_norm_``'s
+            ``max_norm``; None or 0: it did not clip), for a run whose files do not record it;
+            refused when it contradicts what they record.
 
     Returns:
         A :class:`TorchOptimizer`: ``tx.update(grads, opt_state, params)`` is torch's next step
         (clipping, AdamW with its no-decay groups, the scheduler's learning rate).
     """
+    given: dict[str, Any] = {} if schedule is None else {"schedule": schedule}
+    if clip is not _UNSET:
+        given["clip"] = clip
     with _opened_run(ckpt, options) as run:
-        return _from_run(run, ckpt, spec, optimizer, options)
+        return _from_run(run, ckpt, spec, optimizer, options, given)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -558,39 +578,46 @@ def _opened_run(ckpt, options: Any):
         yield _Run(imported.source, imported.saved, restore_imported)
 
 
-def _from_run(run: _Run, ckpt, spec: Any, optimizer: str | None, options: Any) -> TorchOptimizer:
-    """``optax_from_torch`` of the opened run."""
-    import optax
-
+def _from_run(
+    run: _Run, ckpt, spec: Any, optimizer: str | None, options: Any, given: dict[str, Any]
+) -> TorchOptimizer:
+    """``optax_from_torch`` of the opened run: the files read into a :class:`Recipe` (what its
+    framework's config or torch's record says), the state restored, the chain built from it."""
     source = run.source
     where = str(source.get("path") or ckpt)
     recorded = torch_optimizer_record(source)
-    if not recorded.get("param_groups"):
+    recipe = _framework_recipe(source, run.saved, where, optimizer)
+    deepspeed = recipe is not None and isinstance(recorded.get("deepspeed"), dict)
+    groups = recorded.get("param_groups") or []
+    if recipe is None and not groups:
         raise RequestError(_no_optimizer(source, where))
-    groups = recorded["param_groups"]
-    check_groups(groups, where)
-    from jax_ucp._src.language.recorded import spec_with_recorded_settings
-
-    spec = spec_with_recorded_settings(spec, source, notes := [])
-    trainer_args = run_arguments(source, where)
-    kind, how = identify(groups, trainer_args, where, optimizer)
-    _check_adam(groups, where)
+    if groups:
+        check_groups(groups, where)
+    spec = _spec_with_recorded_settings(spec, source, notes := [])
     params, mu, nu, step = _restored_adam(run, options, spec, where)
-    notes.insert(0, f"torch {'AdamW' if kind == 'adamw' else 'Adam'}: {how}")
+    if recipe is None:
+        recipe = _torch_recipe(source, groups, step, optimizer, where)
+    elif recipe.at_step is not None:
+        notes.extend(recipe.at_step(step))
+    if deepspeed and not recipe.schedule_recorded:  # the client's (the Trainer's) scheduler
+        recipe = _client_schedule(recipe, source, groups, step)
+    notes[:0] = [f"{'AdamW' if recipe.optimizer == 'adamw' else 'Adam'}: {recipe.how}"]
+    notes.extend(recipe.notes)
     _recorded_steps(source, step, notes, where)
-    b1, b2 = (float(b) for b in _one(groups, "betas", where))
-    eps = float(_one(groups, "eps", where))
-    rate, decayed = _decay(groups, where)
-    schedule = _schedule(source, groups, step, notes)
-    parts, unrecovered = [], _unrecovered(source)
-    max_norm = trainer_args.get("max_grad_norm")
-    if max_norm:
-        parts.append(optax.clip_by_global_norm(_number(max_norm, "max_grad_norm", where)))
-        notes.append(f"gradients clipped to global norm {max_norm}")
-    decay = _weight_decay(run.saved, spec, params, (rate, decayed), kind, notes, where)
-    adam = optax.scale_by_adam(b1, b2, eps)  # torch Adam: grad + wd * param, then the moments
-    chain = [decay, adam] if kind == "adam" else [adam, decay]
-    parts += [p for p in chain if p is not None] + [optax.scale_by_learning_rate(schedule)]
+    recipe = _with_given(recipe, given, step, where)
+    mask = None
+    if _decays(recipe):
+        mask = _mask_tree(run.saved, spec, params, dict(recipe.decayed), where)
+        leaves = jax_leaves(mask)
+        style = (
+            "decoupled (AdamW)"
+            if recipe.optimizer == "adamw"
+            else "L2, added to the gradient (Adam)"
+        )
+        notes.append(
+            f"weight decay {recipe.weight_decay} on {sum(leaves)} of {len(leaves)} leaves, {style}"
+        )
+    unrecovered = list(recipe.unrecovered)
     if unrecovered:
         notes.extend(f"not recovered: {u}" for u in unrecovered)
         warnings.warn(
@@ -599,9 +626,246 @@ def _from_run(run: _Run, ckpt, spec: Any, optimizer: str | None, options: Any) -
             UserWarning,
             stacklevel=3,
         )
-    tx = optax.chain(*parts)
+    tx = chain_of(recipe, mask)
     state = _state_of(tx, params, mu, nu, step)
-    return TorchOptimizer(tx, state, params, schedule, step, notes, unrecovered, kind)
+    schedule = recipe.learning_rate
+    return TorchOptimizer(tx, state, params, schedule, step, notes, unrecovered, recipe.optimizer)
+
+
+def _framework_recipe(source: dict, saved: dict, where: str, choice: str | None) -> Recipe | None:
+    """The Recipe a framework's own record gives (DeepSpeed's config; Megatron's arguments and
+    scheduler), or None for torch's optimizer record read as it is (:func:`_torch_recipe`)."""
+    from jax_ucp._src.continuation.deepspeed import deepspeed_recipe
+
+    ds = torch_optimizer_record(source).get("deepspeed")
+    if isinstance(ds, dict) and ds.get("optimizer") is None and ds.get("scheduler") is not None:
+        groups = torch_optimizer_record(source).get("param_groups") or []
+        check_groups(groups, where)
+        client = identify(groups, run_arguments(source, where), where, choice)
+        _check_adam(groups, where)
+        return deepspeed_recipe(source, where, client)
+    recipe = deepspeed_recipe(source, where)
+    if recipe is not None:
+        if choice is not None and choice != recipe.optimizer:
+            raise RequestError(
+                f"{where}: optimizer={choice!r}, but {recipe.how} is {recipe.optimizer!r}"
+            )
+        return recipe
+    # MEGATRON_RECIPE: the Megatron reader plugs in here --
+    # ``continuation.megatron.megatron_recipe(source, saved, where)``, a Recipe or None.
+    return None
+
+
+def _client_schedule(recipe: Recipe, source: dict, groups: list[dict], step: int) -> Recipe:
+    """A DeepSpeed recipe without a DeepSpeed scheduler: the client's, the Trainer's when its
+    arguments record it (checked against the held learning rate), else the held rate."""
+    notes: list[str] = []
+    schedule = _schedule(source, groups, step, notes)
+    args = (source.get("trainer") or {}).get("training_args") or {}
+    return dataclasses.replace(
+        recipe,
+        learning_rate=schedule,
+        schedule_recorded=args.get("lr_scheduler_type") is not None,
+        notes=(*recipe.notes, *notes),
+        unrecovered=tuple(u for u in _unrecovered(source) if "schedule" in u),
+    )
+
+
+def _torch_recipe(
+    source: dict, groups: list[dict], step: int, choice: str | None, where: str
+) -> Recipe:
+    """Torch's recorded Adam/AdamW (and the Trainer's arguments, schedule and clipping)."""
+    trainer_args = run_arguments(source, where)
+    kind, how = identify(groups, trainer_args, where, choice)
+    _check_adam(groups, where)
+    notes: list[str] = []
+    b1, b2 = (float(b) for b in _one(groups, "betas", where))
+    eps = float(_one(groups, "eps", where))
+    rate, decayed = _decay(groups, where)
+    schedule = _schedule(source, groups, step, notes)
+    trainer = source.get("trainer") or {}
+    has_schedule = (trainer.get("training_args") or {}).get("lr_scheduler_type") is not None
+    max_norm = trainer_args.get("max_grad_norm")
+    clip = None
+    if max_norm:
+        clip = _number(max_norm, "max_grad_norm", where)
+        notes.append(f"gradients clipped to global norm {max_norm}")
+    unrecovered = _unrecovered(source)
+    clip_recorded = "max_grad_norm" in trainer_args
+    return Recipe(
+        optimizer=kind,
+        how=f"torch {'AdamW' if kind == 'adamw' else 'Adam'}: {how}",
+        betas=(b1, b2),
+        eps=eps,
+        learning_rate=schedule,
+        weight_decay=rate,
+        decayed=decayed,
+        clip=clip,
+        notes=tuple(notes),
+        unrecovered=tuple(unrecovered),
+        schedule_recorded=has_schedule,
+        clip_recorded=clip_recorded,
+    )
+
+
+def _with_given(recipe: Recipe, given: dict[str, Any], step: int, where: str) -> Recipe:
+    """``recipe`` with what the caller supplied (``schedule=``, ``clip=``) for what the files do
+    not record; a value the files contradict is refused naming both."""
+    changes: dict[str, Any] = {}
+    unrecovered = list(recipe.unrecovered)
+    notes = list(recipe.notes)
+    schedule = given.get("schedule")
+    if schedule is not None:
+        if recipe.schedule_recorded:
+            raise RequestError(
+                f"{where}: optax_from_torch(schedule=) given, but the files record the run's "
+                f"schedule ({recipe.how}; see the notes): it is continued as recorded"
+            )
+        fn: Callable[[Any], Any] = schedule if callable(schedule) else _constant(schedule)
+        held, want = float(recipe.learning_rate(step)), float(fn(step))
+        if not math.isclose(want, held, rel_tol=1e-5, abs_tol=1e-12):
+            raise RequestError(
+                f"{where}: optax_from_torch(schedule=) gives lr {want} at step {step}; the "
+                f"optimizer holds {held} for its next step"
+            )
+        changes["learning_rate"] = fn
+        unrecovered = [u for u in unrecovered if "schedule" not in u]
+        notes.append(f"learning-rate schedule: given (schedule=), {held} at step {step}")
+    clip = given.get("clip", _UNSET)
+    if clip is not _UNSET:
+        norm = None if clip is None else _number(clip, "optax_from_torch(clip=)", where)
+        norm = norm or None
+        if recipe.clip_recorded and norm != recipe.clip:
+            raise RequestError(
+                f"{where}: optax_from_torch(clip={clip!r}), but the files record "
+                f"{'no clipping' if recipe.clip is None else f'clipping to {recipe.clip}'}"
+            )
+        if not recipe.clip_recorded:
+            changes["clip"] = norm
+            unrecovered = [u for u in unrecovered if "clipping" not in u]
+            said = f"to global norm {norm}" if norm else "none"
+            notes.append(f"gradient clipping: given (clip=), {said}")
+    if not changes and notes == list(recipe.notes):
+        return recipe
+    return dataclasses.replace(
+        recipe, **changes, unrecovered=tuple(unrecovered), notes=tuple(notes)
+    )
+
+
+def _constant(value: Any) -> Callable[[Any], Any]:
+    rate = _number(value, "optax_from_torch(schedule=)", "schedule")
+    return lambda count: rate
+
+
+def _decays(recipe: Recipe) -> bool:
+    rate = recipe.weight_decay
+    return callable(rate) or bool(rate)
+
+
+def jax_leaves(tree: Any) -> list:
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def clip_like_torch(max_norm: float | None) -> Any:
+    """torch's ``clip_grad_norm_`` and DeepSpeed's clipping: the gradients times
+    ``min(1, max_norm / (norm + 1e-6))`` (optax's ``clip_by_global_norm`` has no 1e-6); None:
+    unchanged. Its state is empty either way."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def update(updates, state, params=None):
+        del params
+        if max_norm is None:
+            return updates, state
+        norm = optax.tree.norm(updates)
+        scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def decay_at(rate: Any, mask: Any) -> Any:
+    """``rate * param`` added to the update on the masked leaves (``rate`` a number or a
+    function of the step count); its state is the step count, so the chain's shape does not
+    depend on whether the run decayed."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None):
+        count = optax.safe_increment(state.count)
+        if not (callable(rate) or rate):
+            return updates, optax.ScaleByScheduleState(count=count)
+        if params is None:
+            raise ValueError("weight decay needs the params: tx.update(grads, state, params)")
+        r = rate(state.count) if callable(rate) else rate
+        flags = mask if mask is not None else jax.tree.map(lambda _: True, params)
+        out = jax.tree.map(
+            lambda g, p, m: (g + r * p).astype(g.dtype) if m else g, updates, params, flags
+        )
+        return out, optax.ScaleByScheduleState(count=count)
+
+    return optax.GradientTransformation(init, update)
+
+
+def scale_by_torch_adam(b1: Any, b2: float, eps: float, bias_correction: bool = True) -> Any:
+    """Adam's moments and ``m_hat / (sqrt(v_hat) + eps)`` as torch's Adam and DeepSpeed's
+    FusedAdam / CPU Adam step: ``b1`` a number or a function of the step count (OneCycle's
+    cycled momentum, bias-corrected with the beta1 of the step, as they do), the correction left
+    out when ``bias_correction`` is false. Its state is optax's ``ScaleByAdamState``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    if not callable(b1) and bias_correction:
+        return optax.scale_by_adam(b1, b2, eps)
+
+    def init(params):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return optax.ScaleByAdamState(jnp.zeros([], jnp.int32), zeros, zeros)
+
+    def update(updates, state, params=None):
+        del params
+        beta1: Any = b1(state.count) if callable(b1) else b1
+        mu = jax.tree.map(lambda g, m: (1 - beta1) * g + beta1 * m, updates, state.mu)
+        nu = jax.tree.map(lambda g, v: (1 - b2) * g * g + b2 * v, updates, state.nu)
+        count = optax.safe_increment(state.count)
+        steps = jnp.asarray(count, jnp.float32)
+        c1 = 1 - jnp.power(beta1, steps) if bias_correction else 1.0
+        c2 = 1 - jnp.power(b2, steps) if bias_correction else 1.0
+        out = jax.tree.map(
+            lambda m, v, g: ((m / c1) / (jnp.sqrt(v / c2) + eps)).astype(g.dtype), mu, nu, updates
+        )
+        return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def chain_of(recipe: Recipe, mask: Any) -> Any:
+    """The one chain every source continues with: ``clip, L2 decay, Adam, decoupled decay,
+    learning rate`` (a piece the run did not have passes the gradient through, its state kept),
+    so ``tx.update(grads, opt_state, params)`` and the state's structure are the same for a
+    Trainer, a DeepSpeed or a plain torch run."""
+    import optax
+
+    b1, b2 = recipe.betas
+    rate = recipe.weight_decay
+    l2 = rate if recipe.optimizer == "adam" else 0.0
+    decoupled = rate if recipe.optimizer == "adamw" else 0.0
+    return optax.chain(
+        clip_like_torch(recipe.clip),
+        decay_at(l2, mask),
+        scale_by_torch_adam(recipe.beta1 or b1, b2, recipe.eps, recipe.bias_correction),
+        decay_at(decoupled, mask),
+        optax.scale_by_learning_rate(recipe.learning_rate),
+    )
 
 
 def _recorded_steps(source: dict, step: int, notes: list[str], where: str) -> None:
@@ -644,30 +908,6 @@ def _restored_adam(run: _Run, options: Any, spec: Any, where: str) -> tuple[Any,
     return tree["params"], mu, nu, int(counts[0])
 
 
-def _weight_decay(
-    saved: dict,
-    spec: Any,
-    params: Any,
-    decay: tuple[Any, Any],
-    kind: str,
-    notes: list[str],
-    where: str,
-) -> Any:
-    """optax's decay of the groups' rate over the leaves torch decayed (None for no decay);
-    where it goes in the chain is the caller's: Adam's L2 before the moments, AdamW's after."""
-    import jax
-    import optax
-
-    rate, decayed = decay
-    if not rate:
-        return None
-    mask = _mask_tree(saved, spec, params, decayed, where)
-    leaves = jax.tree.leaves(mask)
-    style = "decoupled (AdamW)" if kind == "adamw" else "L2, added to the gradient (Adam)"
-    notes.append(f"weight decay {rate} on {sum(leaves)} of {len(leaves)} leaves, {style}")
-    return optax.add_decayed_weights(rate, mask)
-
-
 def _state_of(tx: Any, params: Any, mu: Any, nu: Any, step: int) -> tuple:
     """The chain's state around the restored moments, from shapes alone: ``tx.init(params)``
     would build zeros the size of the model (placed wherever ``jnp.zeros_like`` puts them)
@@ -681,7 +921,7 @@ def _state_of(tx: Any, params: Any, mu: Any, nu: Any, step: int) -> tuple:
     for i, s in enumerate(state):
         if isinstance(s, optax.ScaleByAdamState):
             state[i] = optax.ScaleByAdamState(count=count, mu=_like(mu, s.mu), nu=_like(nu, s.nu))
-        elif isinstance(s, optax.ScaleByScheduleState):
+        elif isinstance(s, optax.ScaleByScheduleState):  # the learning rate's, the decays'
             state[i] = optax.ScaleByScheduleState(count=count)
         else:  # clipping and weight decay keep no arrays; anything else starts at zeros
             state[i] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), s)
@@ -714,29 +954,16 @@ def run_arguments(source: dict, where: str) -> dict:
     """The Trainer's recorded training arguments as the run stepped with them. Under DeepSpeed
     (``source.optimizer.deepspeed``: its config) DeepSpeed clips, by its ``gradient_clipping``
     (the Trainer's ``max_grad_norm`` only fills an ``"auto"`` there), and an optimizer its config
-    names is made by DeepSpeed, not by the Trainer's ``optim``: translated only when it is torch's
-    own Adam/AdamW (``torch_adam``). A DeepSpeed scheduler is not reproduced: refused."""
+    names is made by DeepSpeed, not by the Trainer's ``optim`` (what it made, and a DeepSpeed
+    scheduler, are read by ``continuation.deepspeed``)."""
+    del where
     args = dict((source.get("trainer") or {}).get("training_args") or {})
     ds = torch_optimizer_record(source).get("deepspeed")
     if not isinstance(ds, dict):
         return args
-    if ds.get("scheduler") is not None:
-        raise RequestError(
-            f"{where}: the run's DeepSpeed config has a scheduler {ds['scheduler']!r}: "
-            f"DeepSpeed's schedules are not reproduced (the Trainer's are)"
-        )
     args["max_grad_norm"] = ds.get("gradient_clipping", 0.0)
-    made = ds.get("optimizer")
-    if made is not None:
+    if ds.get("optimizer") is not None:
         args.pop("optim", None)  # the Trainer's choice, unused: DeepSpeed made the optimizer
-        kind = made.get("type") if isinstance(made, dict) else None
-        params = (made.get("params") if isinstance(made, dict) else None) or {}
-        if str(kind).lower() not in OPTIMIZERS or params.get("torch_adam") is not True:
-            raise RequestError(
-                f"{where}: DeepSpeed made the optimizer from its config ({made!r}); translated "
-                f"is torch's Adam/AdamW ('type': 'Adam' or 'AdamW' with 'torch_adam': true), "
-                f"not DeepSpeed's FusedAdam or DeepSpeedCPUAdam"
-            )
     return args
 
 

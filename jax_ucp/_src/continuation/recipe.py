@@ -48,3 +48,14 @@ class Recipe:
     notes: tuple[str, ...] = ()
     #: what the run may have had that its files do not record (said, and warned)
     unrecovered: tuple[str, ...] = ()
+    #: Adam's beta1 as a function of the step count when a schedule rewrote it every step
+    #: (DeepSpeed's OneCycle ``cycle_momentum``); ``betas[0]`` is then its value at the save
+    beta1: Schedule | None = None
+    #: called with the optimizer's restored step once it is known: raises when the files' saved
+    #: schedule position or held learning rate contradict it, else returns notes
+    at_step: Callable[[int], list[str]] | None = None
+    #: whether the files record the schedule / the clipping (False: ``learning_rate`` holds the
+    #: optimizer's rate constant, ``clip`` None, and ``optax_from_torch(schedule=, clip=)`` may
+    #: supply them)
+    schedule_recorded: bool = True
+    clip_recorded: bool = True

@@ -1003,7 +1003,9 @@ def torch_optimizer_record(checkpoint: DeepSpeedCheckpoint) -> dict | None:
         "deepspeed": {k: jsonable(ds_config[k]) for k in DS_OPTIMIZER_FIELDS if k in ds_config},
     }
     scheduler = checkpoint.model_states.get("lr_scheduler")
-    if isinstance(scheduler, Mapping):  # the client's (the Trainer's) scheduler, saved by DeepSpeed
+    if isinstance(scheduler, Mapping):  # a client's torch scheduler (the Trainer's), or the one
+        # DeepSpeed made from its config (its state: the last_batch_iteration alone)
         keys = {"last_epoch": "last_epoch", "base_lrs": "base_lrs", "_last_lr": "last_lr"}
+        keys["last_batch_iteration"] = "last_batch_iteration"
         record["scheduler"] = {v: jsonable(scheduler[k]) for k, v in keys.items() if k in scheduler}
     return record

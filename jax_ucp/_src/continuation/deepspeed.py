@@ -1,0 +1,523 @@
+"""A DeepSpeed run's config, as its checkpoint records it, read into a :class:`Recipe`.
+
+DeepSpeed 0.19.8 builds the optimizer its config names (``engine._configure_basic_optimizer``):
+type ``Adam``/``AdamW`` is FusedAdam, or DeepSpeedCPUAdam under ZeRO-Offload, or torch's
+Adam/AdamW with ``torch_adam``; ``Adam`` is AdamW (decoupled decay) unless ``adam_w_mode`` is
+false. All of them take the same step (the CPU and CUDA kernels: ``m/(1-b1^t)`` over
+``sqrt(v)/sqrt(1-b2^t) + eps``, decoupled decay ``p -= lr*wd*p`` or L2 ``g += wd*p``; without
+``bias_correction`` the raw moments). Its schedules (``deepspeed/runtime/lr_schedules.py``) step
+once per applied optimizer step (an fp16 overflow skips both), so after ``c`` optimizer steps the
+scheduler's ``last_batch_iteration`` is ``c - 1`` and the next step's learning rate is the
+schedule at ``c - 1`` (at ``-1``: the value its constructor set). Every config value is checked
+as DeepSpeed's classes take it; anything else is refused naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jax_ucp._src.continuation.recipe import Recipe
+from jax_ucp._src.errors import RequestError
+from jax_ucp._src.format.manifest import torch_optimizer_record
+
+__all__ = ["SCHEDULERS", "deepspeed_recipe", "deepspeed_schedule"]
+
+#: DeepSpeed's optimizer types that are Adam/AdamW (its config lower-cases the type)
+ADAM_TYPES = ("adam", "adamw")
+#: other types DeepSpeed builds, refused by name
+OTHER_TYPES = (
+    "lamb",
+    "onebitadam",
+    "zerooneadam",
+    "onebitlamb",
+    "adagrad",
+    "lion",
+    "muadam",
+    "muadamw",
+    "musgd",
+    "muon",
+)
+#: Adam parameters DeepSpeed's classes take: FusedAdam / DeepSpeedCPUAdam, and torch's Adam(W)
+#: (``torch_adam``); ``adam_w_mode``, ``torch_adam``, ``fp32_optimizer_states`` are the engine's
+DS_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad")
+DS_ENGINE_PARAMS = ("adam_w_mode", "torch_adam", "fp32_optimizer_states", "set_grad_none")
+TORCH_ADAM_PARAMS = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "foreach",
+    "fused",
+    "capturable",
+    "differentiable",
+    "maximize",
+)
+#: the Adam classes' default learning rate (FusedAdam, DeepSpeedCPUAdam, torch Adam/AdamW)
+DEFAULT_LR = 1e-3
+
+_NUMBER = "number"
+_INT = "int"
+_BOOL = "bool"
+_TYPE = "type"
+#: scheduler -> parameter -> (kind, default, lowest, lowest excluded); ``REQUIRED`` has no default
+REQUIRED = object()
+SCHEDULERS: dict[str, dict[str, tuple[str, Any, float, bool]]] = {
+    "WarmupLR": {
+        "warmup_min_lr": (_NUMBER, 0.0, 0.0, False),
+        "warmup_max_lr": (_NUMBER, None, 0.0, False),  # None: the optimizer's lr
+        "warmup_num_steps": (_INT, 1000, 0, True),
+        "warmup_type": (_TYPE, "log", 0, False),
+    },
+    "WarmupDecayLR": {
+        "total_num_steps": (_INT, REQUIRED, 0, False),
+        "warmup_min_lr": (_NUMBER, 0.0, 0.0, False),
+        "warmup_max_lr": (_NUMBER, 0.001, 0.0, False),
+        "warmup_num_steps": (_INT, 1000, 0, True),
+        "warmup_type": (_TYPE, "log", 0, False),
+    },
+    "WarmupCosineLR": {
+        "total_num_steps": (_INT, REQUIRED, 0, False),
+        "warmup_min_ratio": (_NUMBER, 0.0, 0.0, False),
+        "warmup_num_steps": (_INT, 1000, 0, True),
+        "cos_min_ratio": (_NUMBER, 0.0001, 0.0, False),
+        "warmup_type": (_TYPE, "log", 0, False),
+    },
+    "OneCycle": {
+        "cycle_min_lr": (_NUMBER, REQUIRED, 0.0, False),
+        "cycle_max_lr": (_NUMBER, REQUIRED, 0.0, False),
+        "decay_lr_rate": (_NUMBER, 0.0, 0.0, False),
+        "cycle_first_step_size": (_NUMBER, 2000, 0.0, True),
+        "cycle_second_step_size": (_NUMBER, None, 0.0, False),
+        "cycle_first_stair_count": (_INT, 0, 0, False),
+        "cycle_second_stair_count": (_INT, None, 0, False),
+        "decay_step_size": (_NUMBER, 0, 0.0, False),
+        "cycle_momentum": (_BOOL, True, 0, False),
+        "cycle_min_mom": (_NUMBER, 0.8, 0.0, False),
+        "cycle_max_mom": (_NUMBER, 0.9, 0.0, False),
+        "decay_mom_rate": (_NUMBER, 0.0, 0.0, False),
+    },
+    "LRRangeTest": {
+        "lr_range_test_min_lr": (_NUMBER, 1e-3, 0.0, False),
+        "lr_range_test_step_size": (_INT, 2000, 0, True),
+        "lr_range_test_step_rate": (_NUMBER, 1.0, 0.0, False),
+        "lr_range_test_staircase": (_BOOL, False, 0, False),
+    },
+}
+#: the parameters whose value may be a list, one per parameter group (DeepSpeed's _format_param)
+PER_GROUP = (
+    "warmup_min_lr",
+    "warmup_max_lr",
+    "cycle_min_lr",
+    "cycle_max_lr",
+    "cycle_min_mom",
+    "cycle_max_mom",
+    "lr_range_test_min_lr",
+)
+#: beta2 OneCycle's momentum cycling sets in every group (its ``(mom, 0.99)`` pairs)
+ONE_CYCLE_BETA2 = 0.99
+
+
+def _value(kind: str, value: Any, low: float, strict: bool, field: str) -> Any:
+    """One config value as DeepSpeed's class takes it, else refused naming it."""
+    if kind == _BOOL:
+        if not isinstance(value, bool):
+            raise RequestError(f"{field} = {value!r}: expected true or false")
+        return value
+    if kind == _TYPE:
+        if value not in ("log", "linear"):
+            raise RequestError(
+                f"{field} = {value!r}: expected 'log' or 'linear' (DeepSpeed falls back to 'log' "
+                f"for anything else, with a warning; not taken as said)"
+            )
+        return value
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if kind == _INT and not isinstance(value, int):
+        ok = False
+    number = float(value) if ok else math.nan
+    if not ok or not math.isfinite(number) or number < low or (strict and number == low):
+        what = "a whole number" if kind == _INT else "a finite number"
+        raise RequestError(f"{field} = {value!r}: expected {what} {'>' if strict else '>='} {low}")
+    return value
+
+
+def scheduler_params(kind: str, params: Any, groups: int, where: str) -> dict[str, Any]:
+    """A DeepSpeed scheduler's ``params`` with its defaults, each typed and range-checked; an
+    unknown name, a per-group list whose values differ, or ``last_batch_iteration`` other than
+    -1 (a schedule begun mid-way), is refused naming it."""
+    if kind not in SCHEDULERS:
+        raise RequestError(
+            f"{where}: DeepSpeed scheduler {kind!r}: reproduced are {', '.join(SCHEDULERS)}"
+        )
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise RequestError(f"{where}: the {kind} scheduler's params {params!r} is not a mapping")
+    known = SCHEDULERS[kind]
+    out: dict[str, Any] = {}
+    for name, value in params.items():
+        field = f"{where}: scheduler {kind} params.{name}"
+        if name == "last_batch_iteration":
+            if value != -1 or isinstance(value, bool):
+                raise RequestError(
+                    f"{field} = {value!r}: a schedule begun mid-way is not reproduced (expected -1)"
+                )
+            continue
+        if name not in known:
+            raise RequestError(
+                f"{field}: not a parameter of DeepSpeed's {kind} (it takes {', '.join(known)})"
+            )
+        spec = known[name]
+        if value is None and spec[1] is None:
+            continue
+        if name in PER_GROUP and isinstance(value, list | tuple):
+            if len(value) != groups or len({repr(v) for v in value}) != 1:
+                raise RequestError(
+                    f"{field} = {value!r}: expected one value, or {groups} equal ones (one per "
+                    f"parameter group: the continuation has one learning rate)"
+                )
+            value = value[0]
+        out[name] = _value(spec[0], value, spec[2], spec[3], field)
+    for name, spec in known.items():
+        if name not in out:
+            if spec[1] is REQUIRED:
+                raise RequestError(f"{where}: DeepSpeed's {kind} scheduler needs params.{name}")
+            out[name] = spec[1]
+    return out
+
+
+def deepspeed_schedule(kind: str, kw: Mapping[str, Any], base_lr: float) -> dict[str, Any]:
+    """DeepSpeed's ``kind`` schedule as functions of optax's step count ``c`` (optimizer steps
+    applied): ``{"lr": ..., "beta1": ... or None}``, the values the ``c + 1``-th step takes.
+
+    Args:
+        kind: one of ``SCHEDULERS``.
+        kw: its params, as :func:`scheduler_params` returns them.
+        base_lr: the optimizer's learning rate when the scheduler was made (the config's).
+    """
+    import jax.numpy as jnp
+
+    def position(count):
+        return jnp.asarray(count, jnp.float32) - 1.0  # the scheduler's last_batch_iteration
+
+    if kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        warm = max(2, int(kw["warmup_num_steps"]))
+
+        def ramp(p):
+            if kw["warmup_type"] == "log":
+                return jnp.log(jnp.maximum(p, 0.0) + 1.0) / math.log(warm)
+            return p / warm
+
+        if kind == "WarmupCosineLR":
+            low, floor = float(kw["warmup_min_ratio"]), float(kw["cos_min_ratio"])
+            total = max(1, int(kw["total_num_steps"]) - warm)
+
+            def lr(count):
+                p = position(count)
+                up = low + ramp(p) * (1.0 - low)
+                # (1 + cos(pi * progress)) / 2 as sin(pi * rest / 2) ** 2, rest = 1 - progress
+                # counted in steps: float32 keeps its digits near the schedule's end
+                rest = jnp.maximum(0.0, (total - (p - warm + 1.0)) / total)
+                cosine = jnp.sin(0.5 * math.pi * rest) ** 2
+                down = jnp.maximum(0.0, floor + (1.0 - floor) * cosine)
+                return base_lr * jnp.where(p < 0, 0.0, jnp.where(p < warm, up, down))
+
+            return {"lr": lr, "beta1": None}
+        small = float(kw["warmup_min_lr"])
+        big = kw["warmup_max_lr"]
+        big = base_lr if big is None else float(big)
+
+        def gamma(p):
+            if kind == "WarmupLR":
+                after = 1.0
+            else:
+                steps = int(kw["total_num_steps"])
+                after = jnp.maximum(0.0, (steps - p) / max(1.0, steps - warm))
+            return jnp.where(p < warm, ramp(p), after)
+
+        def warmup_lr(count):
+            p = position(count)
+            return jnp.where(p < 0, small, small + (big - small) * gamma(p))
+
+        return {"lr": warmup_lr, "beta1": None}
+    if kind == "LRRangeTest":
+        low, size = float(kw["lr_range_test_min_lr"]), int(kw["lr_range_test_step_size"])
+        rate = float(kw["lr_range_test_step_rate"])
+
+        def range_lr(count):
+            p = position(count)
+            interval = (p + 1.0) / size
+            interval = jnp.floor(interval) if kw["lr_range_test_staircase"] else interval
+            return jnp.where(p < 0, low, low * (1.0 + rate * interval))
+
+        return {"lr": range_lr, "beta1": None}
+    return _one_cycle(kw, position)
+
+
+def _one_cycle(kw: Mapping[str, Any], position: Callable[[Any], Any]) -> dict[str, Any]:
+    """OneCycle's learning rate and (``cycle_momentum``) beta1, as its class steps them."""
+    import jax.numpy as jnp
+
+    first = float(kw["cycle_first_step_size"])
+    second = kw["cycle_second_step_size"]
+    second = first if second is None else float(second)
+    total, ratio = first + second, first / (first + second)
+    stairs1 = int(kw["cycle_first_stair_count"])
+    stairs2 = kw["cycle_second_stair_count"]
+    stairs2 = stairs1 if stairs2 is None else int(stairs2)
+    decay_size = float(kw["decay_step_size"])
+    skip_lr = math.isclose(decay_size, 0) or math.isclose(float(kw["decay_lr_rate"]), 0)
+    skip_mom = math.isclose(decay_size, 0) or math.isclose(float(kw["decay_mom_rate"]), 0)
+    lo, hi = float(kw["cycle_min_lr"]), float(kw["cycle_max_lr"])
+    mlo, mhi = float(kw["cycle_min_mom"]), float(kw["cycle_max_mom"])
+
+    def scale(p):
+        it = p + 1.0
+        x = 1.0 + it / total - jnp.floor(1.0 + it / total)
+        rising = x <= ratio
+        smooth = jnp.where(rising, x / ratio, (x - 1.0) / (ratio - 1.0) if ratio != 1.0 else 0.0)
+        stairs = jnp.where(rising, stairs1, stairs2)
+        at = jnp.mod(it, total)
+        pos = jnp.where(
+            at <= first, at * stairs / first, (total - at) * stairs / (second if second else 1.0)
+        )
+        stepped = jnp.floor(pos) / jnp.maximum(stairs, 1)
+        return jnp.where(stairs > 0, stepped, smooth)
+
+    def lr(count):
+        p = position(count)
+        decay = 1.0 if skip_lr else 1.0 + float(kw["decay_lr_rate"]) * (p - total + 1) / decay_size
+        return jnp.where(p < 0, lo, jnp.where(p < total, lo + (hi - lo) * scale(p), lo / decay))
+
+    def beta1(count):
+        p = position(count)
+        decay = (
+            1.0 if skip_mom else 1.0 + float(kw["decay_mom_rate"]) * (p - total + 1) / decay_size
+        )
+        return jnp.where(
+            p < 0, mlo, jnp.where(p < total, mhi - (mhi - mlo) * scale(p), mhi * decay)
+        )
+
+    return {"lr": lr, "beta1": beta1 if kw["cycle_momentum"] else None}
+
+
+def _adam_from_config(made: Any, groups: list[dict], where: str) -> tuple[str, str, bool, float]:
+    """(kind, how, bias_correction, the config's lr) of the Adam DeepSpeed built from
+    ``optimizer``, or refused naming the type or parameter."""
+    if not isinstance(made, Mapping) or not isinstance(made.get("type"), str):
+        raise RequestError(f"{where}: DeepSpeed config optimizer {made!r}: expected a 'type'")
+    name = made["type"]
+    params = made.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise RequestError(f"{where}: DeepSpeed optimizer params {params!r} is not a mapping")
+    if name.lower() not in ADAM_TYPES:
+        other = name.lower() in OTHER_TYPES
+        raise RequestError(
+            f"{where}: the run's DeepSpeed optimizer is {name!r} "
+            f"({'a DeepSpeed optimizer' if other else 'not one DeepSpeed builds as Adam'}): "
+            f"optax_from_torch continues Adam/AdamW (types 'Adam', 'AdamW'); restore the weights "
+            f"(select=r'params/.*') and start a new optimizer"
+        )
+    torch_adam = params.get("torch_adam", False)
+    field = f"{where}: DeepSpeed optimizer params"
+    for key in ("torch_adam", "adam_w_mode", "bias_correction", "amsgrad", "set_grad_none"):
+        if key in params:
+            _value(_BOOL, params[key], 0, False, f"{field}.{key}")
+    allowed = (
+        (TORCH_ADAM_PARAMS + ("torch_adam", "adam_w_mode"))
+        if torch_adam
+        else (DS_ADAM_PARAMS + DS_ENGINE_PARAMS)
+    )
+    for key in params:
+        if key not in allowed:
+            raise RequestError(
+                f"{field}.{key}: not a parameter DeepSpeed's {name} "
+                f"({'torch Adam/AdamW' if torch_adam else 'FusedAdam / DeepSpeedCPUAdam'}) takes; "
+                f"translated are {', '.join(allowed)}"
+            )
+    for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+        if params.get(key):
+            raise RequestError(f"{field}.{key} = true is not translated to optax")
+    if params.get("fp32_optimizer_states") is False:
+        raise RequestError(
+            f"{field}.fp32_optimizer_states = false: DeepSpeedCPUAdam's moments in the parameters' "
+            f"low precision are not reproduced"
+        )
+    lr = _value(_NUMBER, params.get("lr", DEFAULT_LR), 0.0, False, f"{field}.lr")
+    adam_w_mode = params.get("adam_w_mode", True)
+    decoupled = name.lower() == "adamw" or adam_w_mode
+    bias_correction = params.get("bias_correction", True)
+    how = (
+        f"DeepSpeed config optimizer {name!r}"
+        + (", torch_adam" if torch_adam else " (FusedAdam, or DeepSpeedCPUAdam under offload)")
+        + (f", adam_w_mode={adam_w_mode}" if "adam_w_mode" in params else "")
+        + ("" if bias_correction else ", bias_correction=false")
+    )
+    for i, g in enumerate(groups):
+        has = set(g)
+        want = {"bias_correction"} if not torch_adam else {"amsgrad"}
+        if not want <= has:
+            raise RequestError(
+                f"{where}: param_groups[{i}] ({', '.join(sorted(has))}) lacks {sorted(want)}: "
+                f"not the groups of the optimizer {how} builds"
+            )
+        if not torch_adam and bool(g["bias_correction"]) != bias_correction:
+            raise RequestError(
+                f"{where}: param_groups[{i}].bias_correction = {g['bias_correction']!r}, the "
+                f"config says {bias_correction!r}"
+            )
+    return ("adamw" if decoupled else "adam"), how, bool(bias_correction), float(lr)
+
+
+def _decay(groups: list[dict], where: str) -> tuple[float, dict[str, bool]]:
+    """The one non-zero weight decay and, per torch parameter name, whether it is decayed."""
+    rates = {float(g.get("weight_decay") or 0.0) for g in groups} - {0.0}
+    if len(rates) > 1:
+        raise RequestError(f"{where}: several weight decay rates {sorted(rates)}")
+    decayed = {n: float(g.get("weight_decay") or 0.0) != 0.0 for g in groups for n in g["params"]}
+    return (rates.pop() if rates else 0.0), decayed
+
+
+def _one(groups: list[dict], key: str, where: str) -> Any:
+    values = {repr(g.get(key)) for g in groups}
+    if len(values) != 1:
+        raise RequestError(f"{where}: the parameter groups disagree on {key!r}: {values}")
+    return groups[0].get(key)
+
+
+def deepspeed_recipe(
+    source: dict, where: str, client: tuple[str, str] | None = None
+) -> Recipe | None:
+    """The Recipe of a DeepSpeed run whose config made its optimizer or its schedule; None when
+    the import records no DeepSpeed config, or one with neither (the client's torch optimizer
+    and scheduler: read as torch's, DeepSpeed clipping by ``gradient_clipping``).
+
+    Args:
+        source: the import's record (a manifest's ``source``).
+        where: the checkpoint, for errors.
+        client: ``(kind, how)`` of the client's torch optimizer (``identify``), needed when the
+            config has a scheduler but no optimizer.
+    """
+    record = torch_optimizer_record(source)
+    ds = record.get("deepspeed")
+    if not isinstance(ds, Mapping) or (ds.get("optimizer") is None and ds.get("scheduler") is None):
+        return None
+    groups = record.get("param_groups") or []
+    if not groups:
+        raise RequestError(f"{where}: the DeepSpeed import records no param_groups")
+    notes: list[str] = []
+    made = ds.get("optimizer")
+    if made is not None:
+        kind, how, bias_correction, base_lr = _adam_from_config(made, groups, where)
+    else:
+        if client is None:
+            raise RequestError(f"{where}: the client's optimizer is not identified")
+        kind, how = client
+        bias_correction, base_lr = True, math.nan
+    clip = ds.get("gradient_clipping", 0.0)
+    clip = float(_value(_NUMBER, clip, 0.0, False, f"{where}: DeepSpeed gradient_clipping"))
+    b1, b2 = (float(b) for b in _one(groups, "betas", where))
+    eps = float(_one(groups, "eps", where))
+    held = float(_one(groups, "lr", where))  # the next step's, as the scheduler left it
+    rate, decayed = _decay(groups, where)
+    scheduler = ds.get("scheduler")
+    beta1 = None
+    saved = record.get("scheduler") or {}
+    if scheduler is not None:
+        if not isinstance(scheduler, Mapping) or not isinstance(scheduler.get("type"), str):
+            raise RequestError(f"{where}: DeepSpeed config scheduler {scheduler!r}: no 'type'")
+        name = scheduler["type"]
+        kw = scheduler_params(name, scheduler.get("params"), len(groups), where)
+        if (
+            made is None
+            and name in ("WarmupLR", "WarmupCosineLR")
+            and (name == "WarmupCosineLR" or kw["warmup_max_lr"] is None)
+        ):
+            raise RequestError(
+                f"{where}: DeepSpeed's {name} scales the client optimizer's learning rate at its "
+                f"making, which the files do not record; pass schedule="
+            )
+        if "last_epoch" in saved:
+            raise RequestError(
+                f"{where}: the config names scheduler {name!r} but the saved scheduler state is a "
+                f"torch scheduler's (last_epoch): the client's scheduler ran, not the config's"
+            )
+        made_schedule = deepspeed_schedule(name, kw, base_lr)
+        lr, beta1 = made_schedule["lr"], made_schedule["beta1"]
+        notes.append(f"DeepSpeed {name} schedule: {dict(sorted(kw.items()))}")
+        if beta1 is not None:
+            b2 = ONE_CYCLE_BETA2
+            notes.append(
+                f"OneCycle cycle_momentum: beta1 cycled from {kw['cycle_min_mom']} to "
+                f"{kw['cycle_max_mom']}, beta2 {ONE_CYCLE_BETA2} (as OneCycle sets them)"
+            )
+    else:
+        lr = None  # the client's scheduler: read by the torch path (the Trainer's), or none
+    if clip:
+        notes.append(f"gradients clipped to global norm {clip} (DeepSpeed gradient_clipping)")
+    notes.append(
+        "fp16 dynamic loss scaling (if the run used it) has no optax counterpart: a step DeepSpeed "
+        "skips on an overflow is not skipped here; bf16 and fp32 runs skip none"
+    )
+    at_step = _position_check(
+        name if scheduler is not None else None, lr, beta1, saved, held, b1, where
+    )
+    return Recipe(
+        optimizer=kind,
+        how=how,
+        betas=(b1, b2),
+        eps=eps,
+        learning_rate=lr if lr is not None else (lambda count: held),
+        weight_decay=rate,
+        decayed=decayed,
+        clip=clip or None,
+        bias_correction=bias_correction,
+        notes=tuple(notes),
+        beta1=beta1,
+        at_step=at_step,
+        schedule_recorded=scheduler is not None,  # else the client's: the caller's to read
+    )
+
+
+def _position_check(
+    name: str | None,
+    lr: Callable[[Any], Any] | None,
+    beta1: Callable[[Any], Any] | None,
+    saved: Mapping[str, Any],
+    held: float,
+    b1: float,
+    where: str,
+) -> Callable[[int], list[str]] | None:
+    """What checks, once the optimizer's step is restored, that the scheduler stands where the
+    files say: its saved ``last_batch_iteration`` is step - 1, the learning rate (and OneCycle's
+    beta1) the optimizer holds for its next step is the schedule's there."""
+    if name is None or lr is None:
+        return None
+
+    def check(step: int) -> list[str]:
+        notes = []
+        last = saved.get("last_batch_iteration")
+        if last is None:
+            notes.append(f"{name}: no saved last_batch_iteration; its position checked by the lr")
+        elif type(last) is not int or last != step - 1:
+            raise RequestError(
+                f"{where}: DeepSpeed's {name} scheduler saved last_batch_iteration {last!r}, the "
+                f"optimizer stepped {step} times (expected {step - 1}): cannot tell where the "
+                f"schedule stands"
+            )
+        want = float(lr(step))
+        if not math.isclose(want, held, rel_tol=1e-5, abs_tol=1e-12):
+            raise RequestError(
+                f"{where}: DeepSpeed's {name} schedule gives lr {want} for step {step + 1}, the "
+                f"optimizer holds {held}"
+            )
+        if beta1 is not None and not math.isclose(float(beta1(step)), b1, rel_tol=1e-5):
+            raise RequestError(
+                f"{where}: OneCycle gives beta1 {float(beta1(step))} for step {step + 1}, the "
+                f"optimizer holds {b1}"
+            )
+        return notes
+
+    return check
