@@ -55,7 +55,11 @@ def save(path: str | os.PathLike, options: SaveOptions) -> str:
 def latest_step(run_root: str | os.PathLike | Any, *, fallback: bool = False) -> int:
     """The step ``restore(run_root, step="latest", fallback=fallback)`` restores — the newest
     committed step of a CheckpointManager root that can be read (``restoring.resume``) — for
-    ``mngr.restore(step, ...)``: the same step, so the same state.
+    ``mngr.restore(step, ...)``: the same step, so the same state. A torch trainer's run root
+    (a Trainer's ``output_dir``, torchtitan's ``checkpoint/``, a DeepSpeed ``save_dir``, a
+    Megatron or verl save root) gives its newest complete checkpoint's step, each newer one
+    passed over with a ``ResumeWarning`` saying why (no ``trainer_state.json``, newer than the
+    run's tracker, no DCP ``.metadata``).
 
     Without ``fallback`` its manifest parses and every shard file it lists is there (the data is
     checked as it is restored); with ``fallback`` every tensor is read back intact (as

@@ -441,8 +441,10 @@ def latest(
         "step, checked for its manifest and files only",
     ),
 ):
-    """Print the step of a CheckpointManager root a resume takes, and why each newer committed
-    step was passed over (the rule of restore(root, step='latest') and jax_ucp.latest_step)."""
+    """Print the step of a CheckpointManager root, or of a torch trainer's run root (a Trainer's
+    output_dir, torchtitan's checkpoint/, a DeepSpeed save_dir, a Megatron or verl save root), a
+    resume takes, and why each newer step was passed over (the rule of restore(root,
+    step='latest') and jax_ucp.latest_step)."""
     from jax_ucp._src.restoring import resume
 
     found = resume.latest_readable(root, fallback=fallback)

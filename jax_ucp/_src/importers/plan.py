@@ -19,6 +19,7 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, keypath
+from jax_ucp._src.importers.runs import TrainerRun
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +150,10 @@ class Importer:
         given: with its format given by name (``--from torch``), whether this layout reads a
             source (None: when ``detect`` finds it); torch DCP reads megatron-core's
             torch_dist folders as plain DCP then, which detection leaves to Megatron.
+        run: ``run(root)``: the steps of a run root of the trainers that save this layout
+            (a Trainer's ``checkpoint-N``, DeepSpeed's tags, ...) and which completed
+            (:mod:`~jax_ucp._src.importers.runs`); None when the path is no such root, or
+            the layout has none.
     """
 
     name: str
@@ -159,6 +164,7 @@ class Importer:
     outranks: tuple[str, ...] = ()
     takes_over: tuple[str, ...] = ()
     given: Callable[[str], bool] | None = None
+    run: Callable[[str], TrainerRun | None] | None = None
 
     def __post_init__(self):
         if not self.format:

@@ -16,6 +16,8 @@ from typing import Any
 
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.importers import deepspeed, megatron, orbax, safetensors, torch, verl
+from jax_ucp._src.importers.deepspeed.files import deepspeed_run
+from jax_ucp._src.importers.megatron.source import megatron_run
 from jax_ucp._src.importers.plan import (
     WHOLE,
     Importer,
@@ -25,7 +27,9 @@ from jax_ucp._src.importers.plan import (
     accounted,
     trainer_checkpoints,
 )
+from jax_ucp._src.importers.runs import TrainerRun
 from jax_ucp._src.importers.torch.olmo_core import step_folders
+from jax_ucp._src.importers.verl.layout import verl_run
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
 # first weak claim (a folder of .safetensors, of .bin / .pt files).
@@ -36,10 +40,23 @@ IMPORTERS: dict[str, Importer] = {
         *torch.LAYOUTS,
         Importer("orbax", orbax.detect, orbax.plan, orbax.OrbaxOptions),
         Importer(
-            "verl", verl.detect, verl.plan, verl.VerlOptions, outranks=("megatron", "deepspeed")
+            "verl",
+            verl.detect,
+            verl.plan,
+            verl.VerlOptions,
+            outranks=("megatron", "deepspeed"),
+            run=verl_run,
         ),
-        Importer("megatron", megatron.detect, megatron.plan, megatron.MegatronOptions),
-        Importer("deepspeed", deepspeed.detect, deepspeed.plan, deepspeed.DeepSpeedOptions),
+        Importer(
+            "megatron", megatron.detect, megatron.plan, megatron.MegatronOptions, run=megatron_run
+        ),
+        Importer(
+            "deepspeed",
+            deepspeed.detect,
+            deepspeed.plan,
+            deepspeed.DeepSpeedOptions,
+            run=deepspeed_run,
+        ),
     )
 }
 #: the formats (``format=``, ``--from``): what detection reports
@@ -111,6 +128,23 @@ def detected(src) -> Importer:
         f"{src}: cannot tell the checkpoint format; it holds: {listing or 'nothing'}. Tried "
         f"{tried}. Use `--from {'|'.join(FORMATS)}` (`format=` in Python) to force one."
     )
+
+
+def trainer_run(src) -> TrainerRun | None:
+    """The run root ``src`` of a torch trainer (a Trainer's ``output_dir``, torchtitan's
+    ``checkpoint/``, a DeepSpeed ``save_dir``, a Megatron or verl save root): its steps, newest
+    first, each with why its save did not complete; the first importer's listing that finds
+    step folders in it (``Importer.run``), None when none does."""
+    src = os.fspath(src)
+    asked = []
+    for importer in IMPORTERS.values():
+        if importer.run is None or importer.run in asked:
+            continue
+        asked.append(importer.run)
+        run = importer.run(src)
+        if run is not None:
+            return run
+    return None
 
 
 def detect_format(src) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
+from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.plan import jsonable
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
@@ -222,3 +223,17 @@ def trainer_folder_above(tag_dir: str) -> str | None:
     else None. Only that one folder is looked at, never further up."""
     parent = os.path.dirname(os.path.abspath(tag_dir))
     return parent if os.path.lexists(os.path.join(parent, STATE_FILE)) else None
+
+
+def trainer_run(root: str) -> runs.TrainerRun | None:
+    """A Trainer's ``output_dir``: its ``checkpoint-N`` folders. The Trainer writes
+    ``trainer_state.json`` last in a checkpoint (after the weights, optimizer, scheduler and RNG
+    states), so a folder without it is a save that did not complete."""
+
+    def complete(path: str) -> str | None:
+        if os.path.isfile(os.path.join(path, STATE_FILE)):
+            return None
+        return f"{path}: no {STATE_FILE} (the Trainer writes it last): its save did not complete"
+
+    found = runs.numbered_steps(root, rf"checkpoint-({files.DIGITS})")
+    return runs.trainer_run(root, "a Hugging Face Trainer output directory", found, complete)

@@ -59,6 +59,9 @@ def import_format(
     except SourceError:
         if explicit:
             raise
+        step = run_root_step(path)  # a Trainer's output_dir: its newest complete checkpoint
+        if step is not None:
+            return import_format(step, importing, format, weights_in_place=weights_in_place)
         return None  # no importer claims it: the UCP reader's "not a jax_ucp checkpoint"
     from jax_ucp._src.importers.torch.files import has_torch_optimizer
     from jax_ucp._src.importers.trainer_files import check_optimizer_beside_scheduler
@@ -133,6 +136,7 @@ def opened_import(
     from jax_ucp._src.importers import registry  # the edge restoring -> importers
 
     path = os.fspath(path)
+    path = run_root_step(path, warn=True) or path
     with writer.memory_budget_scope(memory_budget):
         plan = registry.plan_import(path, importing, format=checkpoint_format)
         where = f"the {checkpoint_format} checkpoint {path}"
@@ -151,6 +155,29 @@ def opened_import(
             )
         finally:
             source.close()
+
+
+def run_root_step(path: str, *, warn: bool = False) -> str | None:
+    """The checkpoint folder to read for a torch trainer's run root that no importer reads
+    itself (a Trainer's ``output_dir``, torchtitan's ``checkpoint/``, OLMo-core's save folder):
+    its newest complete step, as ``restore(root, step="latest")`` takes it (``resume``), so
+    ``restore(root)`` and ``optax_from_torch(root)`` continue the run from it; ``warn``: each
+    newer step passed over, and why, as a ``ResumeWarning``. None for any other path (a root
+    whose importer follows the run's own tracker, DeepSpeed's ``latest``, is read as it is)."""
+    from jax_ucp._src.importers import registry  # the edge restoring -> importers
+
+    if not os.path.isdir(path) or steps.with_ucp_items(path):
+        return None
+    if any(importer.detect(path).found for importer in registry.IMPORTERS.values()):
+        return None  # an importer reads it as it is
+    if steps.trainer_steps(path) is None:
+        return None
+    from jax_ucp._src.restoring import resume
+
+    found = resume.latest_readable(path, fallback=False)
+    if warn:
+        found.warn(stacklevel=4)
+    return found.step.path
 
 
 def manifest_of(path, checkpoint_format: str, importing=None) -> fmt.Manifest:

@@ -21,7 +21,7 @@ from typing import Any
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
-from jax_ucp._src.errors import CheckpointError, ResumeWarning, SaveConflictError
+from jax_ucp._src.errors import CheckpointError, ResumeWarning, SaveConflictError, SourceError
 from jax_ucp._src.restoring import locate, model, steps, ucp_source
 
 
@@ -42,7 +42,7 @@ class Resume:
             warnings.warn(notice, ResumeWarning, stacklevel=stacklevel + 1)
         for step, why in self.skipped:
             warnings.warn(
-                f"{os.path.dirname(self.step.path)}: step {step} skipped, it cannot be read: {why}",
+                f"{os.path.dirname(self.step.path)}: step {step} skipped: {why}",
                 ResumeWarning,
                 stacklevel=stacklevel + 1,
             )
@@ -66,12 +66,19 @@ def latest_readable(
       read: reads the chosen step's UCP item (a restore); None: nothing read.
     """
     for _ in range(_RELISTS + 1):
-        listed = steps.run_steps(root, step_format)
+        listed = listed_steps(root, step_format)
         if not listed.steps:
-            raise CheckpointError(f"{root}: no committed step with a UCP item.")
+            raise CheckpointError(
+                f"{root}: no committed step with a UCP item, nor a torch trainer's checkpoint "
+                f"folder (a Trainer's checkpoint-N, torchtitan's step-N, DeepSpeed's tags, "
+                f"Megatron's iter_N, verl's global_step_N)."
+            )
         shown = ", ".join(str(s.step) for s in listed.steps[:10])
         skipped: list[tuple[int, str]] = []
         for step in listed.steps:
+            if step.imported and step.problem:  # a save that did not complete: never resumed
+                skipped.append((step.step, step.problem))
+                continue
             before = _files(step.path)
             why = step.problem or _unreadable(step, fallback)
             if why is None and read is not None:
@@ -99,8 +106,9 @@ def latest_readable(
 
 
 def step_item(root: str, step: int, step_format: steps.StepFormat | None = None) -> str:
-    """The UCP item of committed step ``step`` of ``root`` (``restore(root, step=N)``)."""
-    committed = steps.run_steps(root, step_format).steps
+    """The UCP item of committed step ``step`` of ``root`` (``restore(root, step=N)``), or a
+    torch trainer's checkpoint folder of that step."""
+    committed = listed_steps(root, step_format).steps
     chosen = [s for s in committed if s.step == step]
     if not chosen:
         listed = ", ".join(str(s.step) for s in committed[:10]) or "none"
@@ -110,12 +118,26 @@ def step_item(root: str, step: int, step_format: steps.StepFormat | None = None)
     found = chosen[0]
     if found.problem:
         raise CheckpointError(f"{root}: step {step} cannot be read: {found.problem}")
+    if found.imported:
+        return found.path
     item = one_item(found)
     try:
         locate.check_step_item(item, store.read_manifest(item))
     except CheckpointError as e:
         raise CheckpointError(f"{root}: step {step} cannot be read: {e}") from None
     return item
+
+
+def listed_steps(root: str, step_format: steps.StepFormat | None = None) -> steps.RunSteps:
+    """The steps a resume chooses from: the CheckpointManager's committed steps with a UCP
+    item, else (none) those of a torch trainer's run root (``steps.trainer_steps``)."""
+    listed = steps.run_steps(root, step_format)
+    if listed.steps or step_format is not None:
+        return listed
+    trainer = steps.trainer_steps(root)
+    if trainer is None or not trainer.steps:
+        return listed
+    return steps.RunSteps(trainer.steps, listed.notices + trainer.notices)
 
 
 def one_item(step: steps.Step) -> str:
@@ -130,7 +152,10 @@ def one_item(step: steps.Step) -> str:
 
 def _unreadable(step: steps.Step, whole: bool) -> str | None:
     """Why ``step`` cannot be read, None when it can: every item's manifest and shard files
-    (``whole``: and every tensor read back intact)."""
+    (``whole``: and every tensor read back intact); a torch trainer's checkpoint with
+    ``whole``: its import planned (every file found and checked, no tensor read)."""
+    if step.imported:
+        return _unplannable(step.path) if whole else None
     try:
         for item in step.items:
             if whole:
@@ -146,10 +171,28 @@ def _read(step: steps.Step, read: Callable[[str], Any]) -> tuple[str | None, Any
     """``read`` of the step's one UCP item: (None, its value), or (why, None) when the data
     is damaged (``CheckpointError``) or went away (``OSError``); a bad request is raised."""
     item = one_item(step)
+    damaged = (
+        (CheckpointError, SourceError, OSError) if step.imported else (CheckpointError, OSError)
+    )
     try:
         return None, read(item)
-    except (CheckpointError, OSError) as e:
+    except damaged as e:
         return str(e), None
+
+
+def _unplannable(path: str) -> str | None:
+    """Why the import of the torch checkpoint folder ``path`` cannot be planned (its files
+    missing, damaged or unknown), None when it can."""
+    from jax_ucp._src.restoring import import_open
+
+    try:
+        found = import_open.import_format(path, weights_in_place=False)
+        if found is None:
+            return f"{path}: no importer reads it"
+        import_open.manifest_of(path, found)
+    except (fmt.UCPError, OSError) as e:
+        return str(e)
+    return None
 
 
 def _read_whole(item: str) -> None:

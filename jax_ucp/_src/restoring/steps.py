@@ -51,12 +51,14 @@ class Step:
 
     ``items``: its UCP item directories; ``problem``: why it cannot be resumed from (a folder
     that is a link, an item Orbax committed with jax_ucp's handler without its ucp.json, ...),
-    None when it may be."""
+    None when it may be. ``imported``: a torch trainer's checkpoint folder (``trainer_steps``),
+    its one item the folder itself, read through its import."""
 
     step: int
     path: str
     items: list[str]
     problem: str | None = None
+    imported: bool = False
 
 
 @dataclasses.dataclass
@@ -131,6 +133,22 @@ def run_steps(root: str, step_format: StepFormat | None = None) -> RunSteps:
             if listed is not None:
                 steps.append(listed)
     return RunSteps(sorted(steps, key=lambda s: s.step, reverse=True), notices)
+
+
+def trainer_steps(root: str) -> RunSteps | None:
+    """The steps of ``root`` as a torch trainer's run root (a Trainer's ``output_dir``,
+    torchtitan's ``checkpoint/``, a DeepSpeed ``save_dir``, a Megatron or verl save root: what
+    the importers list, ``registry.trainer_run``), newest first, each step's ``problem`` why its
+    save did not complete; None when ``root`` is no such root."""
+    if not os.path.isdir(root):
+        return None
+    from jax_ucp._src.importers import registry  # the edge restoring -> importers
+
+    run = registry.trainer_run(root)
+    if run is None:
+        return None
+    listed = [Step(s.step, s.path, [s.path], s.problem, imported=True) for s in run.steps]
+    return RunSteps(listed, [])
 
 
 # Names beside the steps of a save in progress or of a forced save's swap: never a step.

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jax_ucp._src.errors import SourceError
+from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.megatron import legacy
 
 
@@ -41,3 +42,28 @@ def detect_megatron(src: os.PathLike | str) -> MegatronSource | None:
     if any(d.name.startswith("mp_rank_") for d in iteration_dir.iterdir() if d.is_dir()):
         return MegatronSource("legacy", iteration_dir, iteration)
     return None
+
+
+def megatron_run(root: os.PathLike | str) -> runs.TrainerRun | None:
+    """A Megatron save root: its ``iter_NNNNNNN`` folders. Megatron writes
+    ``latest_checkpointed_iteration.txt`` once every rank has saved an iteration, so a newer
+    one did not complete; a folder with neither torch_dist's ``.metadata`` (written last) nor
+    legacy ``mp_rank_*`` folders neither."""
+    root = os.fspath(root)
+    found = runs.numbered_steps(root, r"iter_([0-9]+)")
+    tracked = None
+    if found and os.path.lexists(os.path.join(root, legacy.TRACKER_FILE)):
+        _, iteration = legacy.resolve_iteration_dir(Path(root))
+        tracked = (legacy.TRACKER_FILE, iteration)
+
+    def complete(path: str) -> str | None:
+        if os.path.lexists(os.path.join(path, ".metadata")) or any(
+            d.startswith("mp_rank_") for d in os.listdir(path)
+        ):
+            return None
+        return (
+            f"{path}: neither torch_dist's .metadata (written last) nor mp_rank_* folders: its "
+            f"save did not complete"
+        )
+
+    return runs.trainer_run(root, "a Megatron save root", found, complete, tracked)

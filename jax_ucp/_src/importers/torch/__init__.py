@@ -6,8 +6,16 @@ beside its safetensors weights; torch optimizers' state conventions in ``optimiz
 from __future__ import annotations
 
 from jax_ucp._src.importers.plan import Importer
-from jax_ucp._src.importers.torch import dcp, files, olmo_core, torch_checkpointing, torchtune
+from jax_ucp._src.importers.torch import (
+    dcp,
+    files,
+    olmo_core,
+    run_roots,
+    torch_checkpointing,
+    torchtune,
+)
 from jax_ucp._src.importers.torch.options import TorchOptions
+from jax_ucp._src.importers.trainer_files import trainer_run
 
 __all__ = ["LAYOUTS", "TorchOptions"]
 
@@ -24,7 +32,14 @@ LAYOUTS = (
         format="torch",
     ),
     Importer("torchtune", torchtune.detect, torchtune.plan_torchtune, TorchOptions, format="torch"),
-    Importer("olmo_core", olmo_core.detect, dcp.plan_torch_dcp, TorchOptions, format="torch"),
+    Importer(
+        "olmo_core",
+        olmo_core.detect,
+        dcp.plan_torch_dcp,
+        TorchOptions,
+        format="torch",
+        run=run_roots.olmo_core_run,
+    ),
     Importer(
         "torch_dcp",
         dcp.detect,
@@ -32,6 +47,7 @@ LAYOUTS = (
         TorchOptions,
         format="torch",
         given=lambda src: bool(dcp.dcp_dirs(src)),  # megatron-core's too, read as plain DCP
+        run=run_roots.torchtitan_run,
     ),
     # safetensors weights beside optimizer.pt / optimizer.bin: the safetensors importer's
     # claim, taken over to map the optimizer's state too
@@ -42,6 +58,7 @@ LAYOUTS = (
         TorchOptions,
         format="torch",
         takes_over=("safetensors",),
+        run=trainer_run,
     ),
     Importer("torch_files", files.detect, files.plan_torch_files, TorchOptions, format="torch"),
 )

@@ -16,6 +16,7 @@ import re
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
+from jax_ucp._src.importers import runs
 
 __all__ = ["TRACKER", "Located", "RankFiles", "is_model_dir", "locate", "rank_files", "step_dirs"]
 
@@ -174,3 +175,18 @@ def rank_files(model_dir: str) -> RankFiles:
             )
         by_kind[kind] = [ranks[r] for r in range(world)]
     return RankFiles(world, by_kind)
+
+
+def verl_run(root: str) -> runs.TrainerRun | None:
+    """A verl run root: its ``global_step_N`` folders. verl writes its tracker once a step is
+    saved, so a newer step did not complete; one without its actor's model rank files
+    neither."""
+    found = runs.numbered_steps(root, r"global_step_([0-9]+)")
+    tracked = (TRACKER, _read_tracker(root)) if found else None
+
+    def complete(path: str) -> str | None:
+        if is_model_dir(os.path.join(path, MODEL_DIRS[0])):
+            return None
+        return f"{path}: no {MODEL_DIRS[0]}/model_world_size_W_rank_R.pt: its save did not complete"
+
+    return runs.trainer_run(root, "a verl run", found, complete, tracked)
