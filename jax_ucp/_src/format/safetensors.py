@@ -47,7 +47,9 @@ DTYPES = {
 #: ``__metadata__`` key of torch.distributed.checkpoint's Hugging Face writer
 #: (``torch/distributed/checkpoint/_hf_utils.py``): a JSON map tensor -> {"saved_offsets": [...]}
 #: where each tensor of the file sits in the full tensor. Present in the unconsolidated
-#: ``shard-<rank>-model-<i>-of-<n>.safetensors`` files, which hold one rank's piece of each.
+#: ``shard-<rank>-model-<i>-of-<n>.safetensors`` files, which hold one rank's piece of each: a
+#: folder of them is torch DCP's, read by ``torchfiles.dcp_safetensors``, never as plain
+#: safetensors.
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
 
 
@@ -70,14 +72,39 @@ def strict_json(raw: bytes | str, what: str):
 
 
 def is_safetensors(src) -> bool:
-    """A ``.safetensors`` file, or a directory holding one or an index."""
+    """A ``.safetensors`` file, or a directory holding one or an index (but not torch DCP's
+    Hugging Face shards: :func:`is_dcp_sharded`)."""
     src = os.fspath(src)
     if os.path.isfile(src):
         return src.endswith(".safetensors")
-    return os.path.isdir(src) and (
-        os.path.isfile(os.path.join(src, INDEX_FILE))
-        or any(n.endswith(".safetensors") for n in os.listdir(src))
+    return (
+        os.path.isdir(src)
+        and (
+            os.path.isfile(os.path.join(src, INDEX_FILE))
+            or any(n.endswith(".safetensors") for n in os.listdir(src))
+        )
+        and not is_dcp_sharded(src)
     )
+
+
+def is_dcp_sharded(src) -> bool:
+    """A local folder whose first ``.safetensors`` file (by name) is one of torch DCP's Hugging
+    Face writer's: its ``__metadata__`` has :data:`DCP_SHARDING_INFO` (a folder of such files
+    is one checkpoint, each tensor assembled from every file's piece of it). Only that file's
+    header is read; a file that cannot be read says no (its own reader names the fault)."""
+    src = os.fspath(src)
+    if not os.path.isdir(src):
+        return False
+    names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    if not names:
+        return False
+    try:
+        path = os.path.join(src, names[0])
+        return (
+            SafetensorsFile(path, _inside(src, names[0], src), dcp_shard=True).sharding is not None
+        )
+    except (SourceError, OSError):
+        return False
 
 
 def shard_files(src) -> list[str]:
@@ -175,10 +202,13 @@ def first_tensors(weight_map: dict[str, str]) -> dict[str, str]:
 class SafetensorsFile:
     """One safetensors file: its validated header and read-only views of its tensors."""
 
-    def __init__(self, path: str, real: str | None = None):
+    def __init__(self, path: str, real: str | None = None, *, dcp_shard: bool = False):
         """``path`` as the checkpoint names it; ``real``, when given, what it resolved to (the
-        file opened)."""
+        file opened). ``dcp_shard``: a torch DCP Hugging Face shard is opened (its
+        :data:`DCP_SHARDING_INFO` JSON kept in ``sharding``) rather than refused."""
         self.path = path
+        self.dcp_shard = dcp_shard
+        self.sharding: str | None = None
         fd = files.open_regular(real or path)
         try:
             size = os.fstat(fd).st_size
@@ -218,6 +248,7 @@ class SafetensorsFile:
         """
         self = cls.__new__(cls)
         self.path, self.data_start = path, data_start
+        self.dcp_shard, self.sharding = False, None
         self.data_size = 2**62 if data_size is None else data_size
         self.header, self.metadata = self._parse(raw)
         return self
@@ -233,7 +264,15 @@ class SafetensorsFile:
             raise SourceError(f"{self.path}: the header is not a JSON object.")
         metadata = header.pop("__metadata__", None) or {}
         if isinstance(metadata, dict) and DCP_SHARDING_INFO in metadata:
-            self._refuse_dcp_shard(metadata[DCP_SHARDING_INFO])
+            sharding = metadata[DCP_SHARDING_INFO]
+            if not self.dcp_shard:
+                self._refuse_dcp_shard(sharding)
+            if not isinstance(sharding, str):
+                raise SourceError(
+                    f"{self.path}: __metadata__ {DCP_SHARDING_INFO} is a "
+                    f"{type(sharding).__name__}, expected a JSON string"
+                )
+            self.sharding = sharding
         tensors = {name: self._entry(name, info) for name, info in header.items()}
         ranges = sorted((b, e, name) for name, (_, _, b, e) in tensors.items() if e > b)
         for (_, end, a), (begin, _, b) in itertools.pairwise(ranges):
@@ -245,9 +284,9 @@ class SafetensorsFile:
 
     def _refuse_dcp_shard(self, sharding: Any) -> None:
         """A file written by torch DCP's Hugging Face writer without consolidation holds one
-        rank's piece of each tensor, with no record of the full shapes: imported as it is, rank
-        0's half would become the whole tensor. Refused, whatever its offsets say (rank 0's are
-        all zeros)."""
+        rank's piece of each tensor: imported alone, rank 0's half would become the whole
+        tensor. Refused as a plain safetensors file, whatever its offsets say (rank 0's are all
+        zeros); its folder is read whole as torch DCP (``torchfiles.dcp_safetensors``)."""
         example = ""
         try:
             info = json.loads(sharding) if isinstance(sharding, str) else {}
@@ -260,10 +299,8 @@ class SafetensorsFile:
         raise SourceError(
             f"{self.path}: an unconsolidated shard of torch.distributed.checkpoint's Hugging Face "
             f"writer (__metadata__ has {DCP_SHARDING_INFO}): its tensors are pieces of larger "
-            f"ones{example}, and the full shapes are not in the files. Consolidate the shards "
-            "first (torch.distributed.checkpoint's consolidate_safetensors_files, or save with "
-            "HuggingFaceStorageWriter(enable_consolidation=True)) and import the consolidated "
-            "folder."
+            f"ones{example}, assembled only from every rank's file. Pass the folder holding all "
+            "of them (read as torch DCP), not one file or an index naming some."
         )
 
     def _entry(self, name: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:

@@ -40,7 +40,7 @@ from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
 from jax_ucp._src.store import storage
 from jax_ucp._src.store.storage import object_store
-from jax_ucp._src.torchfiles import allow_list, torch_zip
+from jax_ucp._src.torchfiles import allow_list, dcp_transforms, torch_zip
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
 from jax_ucp._src.torchfiles.pickle_format import (
     Call,
@@ -143,9 +143,13 @@ DCP_CLASSES: dict[str, Any] = _standins()
 #: Largest ``.metadata`` read (it lists every chunk of every tensor: megabytes for big models).
 MAX_METADATA_BYTES = 1 << 30
 
-#: Stream transforms (``_StorageInfo.transform_descriptors``) this reader can undo. megatron-core
-#: writes none; torch's optional extensions (e.g. ``stream.zstd``) are refused by name.
-SUPPORTED_TRANSFORMS: frozenset[str] = frozenset()
+#: Most bytes a chunk's decoded ``torch.save`` archive may hold beyond its elements' (the pickle,
+#: the zip's headers and 64-byte alignment: ~1.5 KiB as torch writes one chunk): the budget a
+#: compressed chunk (:mod:`dcp_transforms`) is decoded within.
+ARCHIVE_OVERHEAD = 1 << 20
+
+#: Most bytes a compressed pickled object (a ``BytesStorageMetadata`` entry) may decode to.
+MAX_OBJECT_BYTES = 256 << 20
 
 
 # ----------------------------------------------------------------- typed view of the metadata
@@ -207,6 +211,7 @@ class DcpObject:
     file: str
     byte_offset: int
     byte_length: int
+    transforms: tuple[str, ...] = ()
 
 
 @dataclass
@@ -217,6 +222,10 @@ class DcpCheckpoint:
     tensors: dict[str, DcpTensor]
     objects: dict[str, DcpObject]
     version: str | None = None
+    #: "dcp": ``.metadata`` and its ``.distcp`` files; "hf_safetensors": torch's Hugging Face
+    #: writer's rank-local ``.safetensors`` files (:mod:`dcp_safetensors`), each chunk a
+    #: tensor's raw bytes
+    layout: str = "dcp"
     _covered: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
     _real: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -234,10 +243,18 @@ class DcpCheckpoint:
             self._real[name] = real
         return real
 
+    @property
+    def index(self) -> str:
+        """What records the chunks, for errors: ``.metadata``, or the rank-local safetensors
+        files' offsets."""
+        if self.layout == "dcp":
+            return str(self.path / METADATA_FILE)
+        return f"{self.path} (DCP_SHARDING_INFO of its .safetensors files)"
+
     def check_tensor(self, name: str) -> None:
         """:func:`check_coverage` of tensor ``name``, once per checkpoint."""
         if name not in self._covered:
-            check_coverage(self.tensors[name], self.path / METADATA_FILE)
+            check_coverage(self.tensors[name], self.index)
             self._covered.add(name)
 
     def read(self, name: str, rows: int | None = None) -> np.ndarray:
@@ -329,6 +346,8 @@ class DcpCheckpoint:
                 mapped_file.copy_into(region, arr, where)
                 return
             if raw.size == region.nbytes:  # raw serialization: the tensor's bytes, no CRC
+                if self.layout == "dcp":
+                    _refuse_safetensors_format(raw, self.path, c.file, c.byte_offset)
                 pread_into(fpath, c.byte_offset, region, None, where)
                 return
         arr = self.read_chunk(t, c)
@@ -353,17 +372,20 @@ class DcpCheckpoint:
         return where, fpath, raw, mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04"
 
     def read_chunk(self, t: DcpTensor, c: DcpChunk) -> np.ndarray:
-        for tr in c.transforms:
-            if tr not in SUPPORTED_TRANSFORMS:
-                raise SourceError(
-                    f"{self._where(t, c)}: unsupported transform descriptor {tr!r} "
-                    f"(supported: {sorted(SUPPORTED_TRANSFORMS) or 'none'})"
-                )
+        dcp_transforms.check_descriptors(c.transforms, self._where(t, c))
         where, fpath, raw, archive = self._chunk_bytes(t, c)
+        n = math.prod(c.sizes) * t.dtype.itemsize
+        if c.transforms:  # compressed (torch's ZStandard extension): decoded within a budget
+            data = mapped_file.read_bytes(raw, 0, raw.size, where)
+            raw = np.frombuffer(
+                dcp_transforms.undo(data, c.transforms, n + ARCHIVE_OVERHEAD, where), np.uint8
+            )
+            archive = raw[:4].tobytes() == b"PK\x03\x04"
         if archive:
             arr, _ = _load_embedded(raw, f"{fpath}@{c.byte_offset}", where)
         else:  # torch's raw (non-torch.save) serialization: the bytes of a contiguous tensor
-            n = math.prod(c.sizes) * t.dtype.itemsize
+            if self.layout == "dcp":
+                _refuse_safetensors_format(raw, self.path, c.file, c.byte_offset)
             if raw.size != n:
                 raise SourceError(
                     f"{where}: {raw.size} raw bytes, expected {n} ({list(c.sizes)} x {t.dtype})"
@@ -390,8 +412,14 @@ class DcpCheckpoint:
         """Unpickle a ShardedObject payload (restricted; unknown classes are refused)."""
         o = self.objects[name]
         where = f"object {name!r} in {self.path / o.file}"
+        dcp_transforms.check_descriptors(o.transforms, where)
         fpath = self._file(o.file)
         raw = _file_range(fpath, o.byte_offset, o.byte_length, where)
+        if o.transforms:  # compressed like the chunks, within MAX_OBJECT_BYTES
+            data = mapped_file.read_bytes(raw, 0, raw.size, where)
+            raw = np.frombuffer(
+                dcp_transforms.undo(data, o.transforms, MAX_OBJECT_BYTES, where), np.uint8
+            )
         obj, _ = _load_embedded(raw, f"{fpath}@{o.byte_offset}", where, extra_classes=extra_classes)
         return obj
 
@@ -463,7 +491,7 @@ def check_coverage(t: DcpTensor, where: Path | str) -> None:
                 f"tensor {t.name!r} in {where}: {place} exceeds the global shape {list(t.shape)}"
             )
         count = math.prod(c.sizes)
-        if count * t.dtype.itemsize > c.byte_length:
+        if count * t.dtype.itemsize > c.byte_length and not c.transforms:  # compressed: fewer
             raise SourceError(
                 f"tensor {t.name!r} in {where}: {place}: declares {count * t.dtype.itemsize} "
                 f"bytes ({t.dtype}), its storage entry holds only {c.byte_length}"
@@ -848,6 +876,8 @@ def _tensor_entry(
         offs = _dims(mfile, name, f"chunk {index} offsets", getattr(c, "offsets", None), len(shape))
         sizes = _dims(mfile, name, f"chunk {index} sizes", getattr(c, "sizes", None), len(shape))
         rp, bo, bl, trs = _storage_ref(by_fqn, mfile, name, offs, f"chunk {index}")
+        # an unknown stream transform refused as the checkpoint is opened, before any read
+        dcp_transforms.check_descriptors(trs, f"tensor {name!r} chunk {index} in {mfile}")
         chunks.append(DcpChunk(offs, sizes, rp, bo, bl, trs))
     return DcpTensor(name, shape, dt, tuple(chunks))
 
@@ -869,12 +899,64 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
         if kind == "TensorStorageMetadata":
             tensors[name] = _tensor_entry(name, m, mfile, by_fqn)
         elif kind == "BytesStorageMetadata":
-            rp, bo, bl, _ = _storage_ref(by_fqn, mfile, name, None, "object")
-            objects[name] = DcpObject(name, rp, bo, bl)
+            rp, bo, bl, trs = _storage_ref(by_fqn, mfile, name, None, "object")
+            dcp_transforms.check_descriptors(trs, f"object {name!r} in {mfile}")
+            objects[name] = DcpObject(name, rp, bo, bl, trs)
         else:
             raise SourceError(f"{mfile}: entry {name!r} has unknown metadata type {kind}")
-    check_disjoint(tensors, objects, mfile)
-    return DcpCheckpoint(root, tensors, objects, getattr(md, "version", None))
+    ck = DcpCheckpoint(root, tensors, objects, getattr(md, "version", None))
+    try:
+        check_disjoint(tensors, objects, mfile)
+    except SourceError:
+        _diagnose_overlap(ck)  # torch's safetensors serialization: say what it is
+        raise
+    return ck
+
+
+def _diagnose_overlap(ck: DcpCheckpoint) -> None:
+    """Refuse by name a checkpoint ``dcp.save`` wrote with ``serialization_format=SAFETENSORS``
+    (its tensor entries all share one offset: the safetensors file appended to the
+    ``.distcp``), found from the first bytes of each file's first tensor entry."""
+    seen: set[tuple[str, int]] = set()
+    for t in ck.tensors.values():
+        for c in t.chunks:
+            if (c.file, c.byte_offset) in seen or c.transforms:
+                continue
+            seen.add((c.file, c.byte_offset))
+            try:
+                head = _file_range(ck._file(c.file), c.byte_offset, min(c.byte_length, 16), "")
+            except SourceError:  # a missing or short file: the overlap is the error
+                continue
+            _refuse_safetensors_format(head, ck.path, c.file, c.byte_offset)
+
+
+#: The most header bytes a safetensors file may declare (the ``safetensors`` crate's limit).
+_MAX_SAFETENSORS_HEADER = 100 << 20
+
+
+def _refuse_safetensors_format(
+    raw: np.ndarray, root: Path | ObjectPath, file: str, offset: int
+) -> None:
+    """Refuse the entry whose bytes ``raw`` start a safetensors file (an 8-byte header length,
+    then ``{"``): ``dcp.save(storage_writer=FileSystemWriter(serialization_format=
+    SerializationFormat.SAFETENSORS))`` appends one safetensors file of the rank's tensors
+    to each ``.distcp`` and records every tensor at its start with its element bytes as length,
+    so ``.metadata`` does not say where a tensor's bytes are; torch's own ``dcp.load`` cannot
+    read it either (its FileSystemReader ``torch.load``s each entry; a rank's second chunk of a
+    tensor is not even in the file: its safetensors names each tensor once)."""
+    head = mapped_file.read_bytes(raw, 0, min(raw.size, 10), f"{root / file}@{offset}")
+    length = int.from_bytes(head[:8], "little") if len(head) == 10 else 0
+    if not 2 <= length <= _MAX_SAFETENSORS_HEADER or head[8:] != b'{"':
+        return
+    raise SourceError(
+        f"{root}: a torch DCP checkpoint saved with serialization_format=SAFETENSORS "
+        f"(FileSystemWriter): its storage file {file} holds a safetensors file from byte "
+        f"{offset}, where .metadata puts every tensor, so .metadata does not locate any "
+        f"tensor's bytes. torch's own dcp.load cannot read this folder either (its "
+        f"FileSystemReader torch.loads each entry and fails). Not supported: save with the "
+        f"default serialization, or with HuggingFaceStorageWriter (whose safetensors files "
+        f"record their offsets and are read)."
+    )
 
 
 def check_disjoint(

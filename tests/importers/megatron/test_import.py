@@ -622,7 +622,7 @@ def test_unknown_transform_descriptor_rejected_by_name(tmp_path, monkeypatch):
             t.dtype,
             (
                 dcp.DcpChunk(
-                    c.offsets, c.sizes, c.file, c.byte_offset, c.byte_length, ("stream.zstd/1",)
+                    c.offsets, c.sizes, c.file, c.byte_offset, c.byte_length, ("stream.lz4/1",)
                 ),
             ),
         )
@@ -630,7 +630,7 @@ def test_unknown_transform_descriptor_rejected_by_name(tmp_path, monkeypatch):
     _patched_open(monkeypatch, add)
     with pytest.raises(
         MegatronImportError,
-        match=rf"tensor '{name}'.*unsupported transform descriptor 'stream.zstd/1'",
+        match=rf"tensor '{name}'.*unsupported transform descriptor 'stream.lz4/1'",
     ):
         convert(FIX / "gpt_tp2", tmp_path / "out", format="megatron", vocab_size=VOCAB)
     assert_untouched(tmp_path / "out")

@@ -421,19 +421,38 @@ def _dcp_shards(src, full: np.ndarray) -> list:
 
 
 @pytest.mark.timeout(30)
-def test_unconsolidated_dcp_shard_is_refused_as_a_file_and_as_a_folder(tmp_path):
+def test_unconsolidated_dcp_shards_are_read_as_a_folder_never_one_file(tmp_path):
+    """One rank's file alone is refused (rank 0's half as the whole); the folder is read as
+    torch DCP, each tensor from its pieces: here ``b`` is written by both ranks at the same
+    offsets (torch's planner writes a replicated tensor once), refused as an overlap."""
+    from safetensors.numpy import save_file
+
     src = tmp_path / "dcp_hf"
     src.mkdir()
-    first, _ = _dcp_shards(src, np.arange(24, dtype=np.float32).reshape(4, 6))
+    full = np.arange(24, dtype=np.float32).reshape(4, 6)
+    first, _ = _dcp_shards(src, full)
     expected = (
         r"shard-00000-model-00001-of-00001\.safetensors: an unconsolidated shard of "
         r"torch\.distributed\.checkpoint's Hugging Face writer \(__metadata__ has "
         r"DCP_SHARDING_INFO\): its tensors are pieces of larger ones \(e\.g\. 'w' has "
-        r"saved_offsets \[0, 0\]\).*Consolidate the shards first"
+        r"saved_offsets \[0, 0\]\).*Pass the folder holding all of them"
     )
     with pytest.raises(jax_ucp.UCPError, match=expected):  # rank 0's half as the whole: refused
         jax_ucp.convert(first, tmp_path / "one")
-    with pytest.raises(jax_ucp.UCPError, match=expected) as e:  # never "pass one file"
+    assert not os.path.exists(tmp_path / "one")
+    overlap = r"tensor 'b': overlapping shards: \[0\]\+\[3\] in shard-00000.* and \[0\]\+\[3\]"
+    with pytest.raises(jax_ucp.UCPError, match=overlap):
         jax_ucp.convert(src, tmp_path / "all")
-    assert "pass one file" not in str(e.value) and "the one file" not in str(e.value)
-    assert not os.path.exists(tmp_path / "one") and not os.path.exists(tmp_path / "all")
+    assert not os.path.exists(tmp_path / "all")
+    save_file(  # b only in rank 1's file, as torch writes it
+        {"w": np.ascontiguousarray(full[:2])},
+        str(first),
+        metadata={
+            "DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": [0, 0]}}),
+            "DCP_VERSION": "1.0",
+        },
+    )
+    out = jax_ucp.convert(src, tmp_path / "ok")
+    restored = jax_ucp.restore(out)["params"]
+    assert_bit_exact(restored["w"], full, "w")
+    assert_bit_exact(restored["b"], np.ones(3, np.float32), "b")

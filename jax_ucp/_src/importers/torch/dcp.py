@@ -47,6 +47,7 @@ from jax_ucp._src.importers.torch.optimizer import (
 )
 from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
 from jax_ucp._src.torchfiles import dcp as torch_dcp
+from jax_ucp._src.torchfiles import dcp_safetensors
 
 __all__ = [
     "MODEL_CONTAINERS",
@@ -79,7 +80,7 @@ def dcp_dirs(src: os.PathLike | str) -> list[Path] | list[torch_dcp.ObjectPath]:
     path = Path(src)
     if not path.is_dir():
         return []
-    if os.path.lexists(path / ".metadata"):
+    if os.path.lexists(path / ".metadata") or dcp_safetensors.is_rank_local(path):
         return [path]
     if olmo_core.is_step_folder(path):
         return [path / olmo_core.MODEL_DIR]
@@ -98,8 +99,11 @@ def is_torch_dcp(src: os.PathLike | str) -> bool:
 
 def detect(src: os.PathLike | str) -> Detection:
     """Whether ``src`` is a torch DCP checkpoint (``.metadata``, or Accelerate's / OLMo-core's
-    folders holding one), not megatron-core's, from names alone."""
+    folders holding one, or the rank-local safetensors of torch's Hugging Face writer), not
+    megatron-core's, from names alone (and a safetensors header's ``__metadata__``)."""
     if is_torch_dcp(src):
+        if store.storage_for(src).renames and dcp_safetensors.is_rank_local(src):
+            return Detection(True, "torch DCP rank-local safetensors (DCP_SHARDING_INFO)")
         return Detection(True, "torch DCP (.metadata)")
     return Detection(
         False,
@@ -137,7 +141,7 @@ def plan_torch_dcp(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
         for d in dirs:  # Accelerate's folders inside src, never links to another run's
             if not remote and d != Path(src):
                 files.inside(src, d.name, str(src))
-        checkpoints = [torch_dcp.open_dcp(d) for d in dirs]
+        checkpoints = [_open(d) for d in dirs]
         for ck in checkpoints:
             ck.check_files()
             for name in ck.tensors:
@@ -166,6 +170,7 @@ def plan_torch_dcp(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
                 "path": str(dirs[0]) if remote else os.path.abspath(src),
                 "folders": ["."] if remote else [os.path.relpath(d, src) for d in dirs],
                 "dcp_version": checkpoints[0].version,
+                **({"layout": "hf_safetensors"} if checkpoints[0].layout != "dcp" else {}),
                 **info,
             },
             options,
@@ -173,6 +178,14 @@ def plan_torch_dcp(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     except files.UnsafeFileError as e:  # the reader's own errors are already this group's
         raise SourceError(str(e)) from None
     return plan
+
+
+def _open(folder: Path | torch_dcp.ObjectPath) -> torch_dcp.DcpCheckpoint:
+    """A DCP folder: its ``.metadata``, else (a local folder) torch's Hugging Face writer's
+    rank-local ``.safetensors`` shards."""
+    if isinstance(folder, Path) and dcp_safetensors.is_rank_local(folder):
+        return dcp_safetensors.open_rank_local(folder)
+    return torch_dcp.open_dcp(folder)
 
 
 def _ref(ck: torch_dcp.DcpCheckpoint, name: str) -> TensorRef:

@@ -1,0 +1,154 @@
+"""torch DCP's Hugging Face safetensors, rank-local: a folder of
+``shard-<rank>-model-<i>-of-<n>.safetensors`` files as one torch DCP checkpoint, without torch.
+
+Written by ``dcp.save(storage_writer=HuggingFaceStorageWriter(save_distributed=True,
+enable_consolidation=False))`` (transformers' ``save_pretrained(distributed_checkpoint=True)``,
+torchtitan's HF saves): each rank writes its pieces of each tensor as one plain safetensors
+file, and no ``.metadata``. The file's ``__metadata__`` ``DCP_SHARDING_INFO`` (JSON) gives,
+for every tensor in it, ``saved_offsets``: where its piece sits in the full tensor (and, where
+a torch version records it, ``global_shape``). torch's own ``HuggingFaceStorageReader`` takes
+the full shape as the largest extent of the pieces, so is it here when no ``global_shape`` is
+recorded (a missing last rank's file then cannot be told from a smaller tensor).
+
+Each tensor becomes a :class:`dcp.DcpTensor` whose chunks are the pieces' raw little-endian
+bytes in their files, so it is assembled, range-read and coverage-checked (overlaps, holes, a
+piece outside the shape: errors naming the tensor and the files) as any DCP tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import files, safetensors
+from jax_ucp._src.torchfiles import dcp
+
+#: ``__metadata__`` keys of the writer: the version of its layout (``HF_DCP_VERSION``).
+DCP_VERSION = "DCP_VERSION"
+#: The fields a tensor's DCP_SHARDING_INFO entry may have.
+_FIELDS = ("saved_offsets", "global_shape")
+
+
+def is_rank_local(path: os.PathLike | str) -> bool:
+    """A local folder of torch DCP Hugging Face shards (no ``.metadata``: that is a DCP
+    checkpoint of ``.distcp`` files)."""
+    path = os.fspath(path)
+    return (
+        os.path.isdir(path)
+        and not os.path.lexists(os.path.join(path, dcp.METADATA_FILE))
+        and safetensors.is_dcp_sharded(path)
+    )
+
+
+def _dims(value: Any, rank: int, what: str) -> tuple[int, ...]:
+    if (
+        not isinstance(value, list)
+        or len(value) != rank
+        or not all(type(v) is int and 0 <= v < 2**48 for v in value)
+    ):
+        raise SourceError(
+            f"{what} is {str(value)[:80]}: expected {rank} non-negative integers (the rank of "
+            f"the piece stored)"
+        )
+    return tuple(value)
+
+
+def _entries(f: safetensors.SafetensorsFile) -> dict[str, dict[str, tuple[int, ...]]]:
+    """The checked DCP_SHARDING_INFO of ``f``: tensor -> {field: dims}, one entry per tensor
+    of the file, nothing else."""
+    what = f"{f.path}: __metadata__ {safetensors.DCP_SHARDING_INFO}"
+    if f.sharding is None:
+        raise SourceError(
+            f"{f.path}: no {safetensors.DCP_SHARDING_INFO} in its __metadata__, beside torch "
+            f"DCP's rank-local shards that have one: not one of their files"
+        )
+    try:
+        info = safetensors.strict_json(f.sharding, what)
+    except (ValueError, RecursionError) as e:
+        raise SourceError(f"{what}: not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(info, dict):
+        raise SourceError(f"{what}: expected a JSON object of tensor name -> offsets")
+    missing = sorted(set(f.header) - set(info))
+    extra = sorted(set(info) - set(f.header))
+    if missing or extra:
+        name = (missing or extra)[0]
+        raise SourceError(
+            f"{what}: tensor {name[:100]!r} is "
+            f"{'in the file but not in it' if missing else 'in it but not in the file'}; "
+            f"each tensor of the file has its offsets"
+        )
+    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, entry in info.items():
+        where = f"{what}: tensor {name[:100]!r}"
+        unknown = sorted(set(entry) - set(_FIELDS)) if isinstance(entry, dict) else None
+        if unknown is None or "saved_offsets" not in entry or unknown:
+            raise SourceError(
+                f"{where}: {str(entry)[:100]}: expected saved_offsets (and global_shape) only"
+                + (f", found {unknown[0][:60]!r}" if unknown else "")
+            )
+        rank = len(f.header[name][1])
+        out[name] = {k: _dims(v, rank, f"{where} {k}") for k, v in entry.items()}
+    return out
+
+
+def _shown(shape: tuple[int, ...] | None) -> str:
+    return "not recorded" if shape is None else str(list(shape))
+
+
+def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
+    """Every ``.safetensors`` file of the folder ``path`` opened and checked (headers,
+    DCP_SHARDING_INFO), each tensor's pieces gathered as chunks; nothing of the tensors read.
+
+    Args:
+        path: the folder the ranks wrote.
+    """
+    root = Path(path)
+    names = sorted(n for n in os.listdir(root) if n.endswith(".safetensors"))
+    # tensor -> (file, dtype, offsets, sizes, byte offset, byte length, global_shape or None)
+    pieces: dict[str, list[tuple[str, Any, tuple[int, ...], tuple[int, ...], int, int, Any]]] = {}
+    versions = set()
+    for name in names:
+        try:
+            real = files.inside(root, name, f"{root}: shard")
+        except files.UnsafeFileError as e:
+            raise SourceError(str(e)) from None
+        f = safetensors.SafetensorsFile(str(root / name), real, dcp_shard=True)
+        versions.add(f.metadata.get(DCP_VERSION))
+        for tensor, entry in _entries(f).items():
+            dtype, sizes, begin, end = f.header[tensor]
+            pieces.setdefault(tensor, []).append(
+                (
+                    name,
+                    dtype,
+                    entry["saved_offsets"],
+                    sizes,
+                    f.data_start + begin,
+                    end - begin,
+                    entry.get("global_shape"),
+                )
+            )
+    if not pieces:
+        raise SourceError(f"{root}: no tensor in its torch DCP Hugging Face shards {names[:5]}")
+    tensors: dict[str, dcp.DcpTensor] = {}
+    for tensor, found in pieces.items():
+        first_file, dtype, offsets, _, _, _, recorded = found[0]
+        for file, other, offs, _, _, _, shape in found[1:]:
+            if other != dtype or len(offs) != len(offsets) or shape != recorded:
+                raise SourceError(
+                    f"{root}: tensor {tensor[:100]!r} disagrees between its pieces: {dtype} of "
+                    f"rank {len(offsets)}, global_shape {_shown(recorded)} in {first_file}; "
+                    f"{other} of rank {len(offs)}, global_shape {_shown(shape)} in {file}"
+                )
+        shape = (
+            recorded
+            if recorded is not None
+            else tuple(max(p[2][d] + p[3][d] for p in found) for d in range(len(offsets)))
+        )
+        chunks = tuple(dcp.DcpChunk(p[2], p[3], p[0], p[4], p[5]) for p in found)
+        tensors[tensor] = dcp.DcpTensor(tensor, shape, dtype, chunks)
+    version = next(iter(versions)) if len(versions) == 1 else None
+    return dcp.DcpCheckpoint(
+        root, tensors, {}, version if isinstance(version, str) else None, layout="hf_safetensors"
+    )

@@ -1,0 +1,109 @@
+"""The stream transforms of a torch DCP storage entry (``_StorageInfo.transform_descriptors``),
+undone without torch and within a memory budget.
+
+torch's ``FileSystemWriter(_extensions=[...])`` passes each chunk's (and each pickled
+object's) bytes through its extensions before they reach the ``.distcp`` file and records their
+descriptors; the storage entry's offset and length are then those of the transformed bytes.
+torch ships one extension (``torch/distributed/checkpoint/_extension.py``, torch 2.13):
+``ZStandard``, descriptor ``stream.zstd/1``: one zstd frame per entry, written by a
+``zstandard`` stream writer (no content size in its header). torch's reader wraps the entry's
+bytes in each descriptor's decoder, in the recorded order, and accepts any version whose major
+number is ``1``; so is it here. Any other descriptor is refused by name.
+
+Checkpoints are untrusted: a frame is decoded into at most ``limit`` bytes (what the entry may
+hold: a chunk's tensor bytes plus its ``torch.save`` archive's own), a frame declaring more is
+refused before anything is decoded, one decoding past it is refused as it does, and the entry
+must be exactly one frame (its blocks walked to their end, nothing after them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import zstandard
+
+from jax_ucp._src.errors import SourceError
+
+#: torch's ZStandard extension (``ZStandard.registry_name()``).
+ZSTD = "stream.zstd"
+_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first bytes (RFC 8878)
+
+
+def check_descriptors(descriptors: Sequence[str], where: str) -> None:
+    """Refuse any descriptor torch's own registry would not decode here, by name."""
+    for d in descriptors:
+        name, _, version = d.partition("/")
+        if name != ZSTD or version.partition(".")[0] != "1":
+            raise SourceError(
+                f"{where}: unsupported transform descriptor {d[:100]!r} (supported: "
+                f"{ZSTD}/1, torch's ZStandard extension)"
+            )
+
+
+def undo(data: bytes, descriptors: Sequence[str], limit: int, where: str) -> bytes:
+    """``data`` with each transform of ``descriptors`` undone in the recorded order, every
+    step at most ``limit`` bytes.
+
+    Args:
+        data: the storage entry's bytes.
+        descriptors: its ``transform_descriptors``.
+        limit: the most bytes the decoded entry may hold.
+        where: names the entry in errors.
+    """
+    check_descriptors(descriptors, where)
+    for _ in descriptors:
+        data = _zstd(data, limit, where)
+    return data
+
+
+def _zstd(data: bytes, limit: int, where: str) -> bytes:
+    if data[:4] != _MAGIC:
+        raise SourceError(
+            f"{where}: transform {ZSTD}/1, but its bytes do not start a zstd frame "
+            f"({data[:4].hex() or 'empty'})"
+        )
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise SourceError(f"{where}: corrupt zstd frame header ({e})") from None
+    if declared > limit:
+        raise SourceError(
+            f"{where}: its zstd frame declares {declared} decoded bytes, more than the {limit} "
+            f"the entry may hold (a decompression bomb?): refused before decoding"
+        )
+    end = frame_end(data, where)
+    if end != len(data):
+        raise SourceError(
+            f"{where}: {len(data) - end} bytes after its zstd frame (of {end} bytes); torch "
+            f"writes one frame per entry"
+        )
+    try:
+        return zstandard.ZstdDecompressor().decompress(data, max_output_size=limit)
+    except zstandard.ZstdError as e:
+        raise SourceError(
+            f"{where}: its zstd frame does not decode within the {limit} bytes the entry may "
+            f"hold (a decompression bomb, or a corrupt frame: {e})"
+        ) from None
+
+
+def frame_end(data: bytes, where: str) -> int:
+    """The length of the zstd frame ``data`` starts with: its header, its blocks (each a 3-byte
+    header and its content), its checksum when the header has one."""
+    try:
+        pos = zstandard.frame_header_size(data)
+    except zstandard.ZstdError as e:
+        raise SourceError(f"{where}: corrupt zstd frame header ({e})") from None
+    checksum = 4 if data[4] & 0x04 else 0
+    while True:
+        if pos + 3 > len(data):
+            raise SourceError(f"{where}: its zstd frame is cut short at byte {len(data)}")
+        header = int.from_bytes(data[pos : pos + 3], "little")
+        last, kind, size = header & 1, (header >> 1) & 3, header >> 3
+        if kind == 3:
+            raise SourceError(f"{where}: corrupt zstd frame (a reserved block type at {pos})")
+        pos += 3 + (1 if kind == 1 else size)  # an RLE block: one byte repeated
+        if last:
+            end = pos + checksum
+            if end > len(data):
+                raise SourceError(f"{where}: its zstd frame is cut short at byte {len(data)}")
+            return end

@@ -1,0 +1,381 @@
+"""The formats torch 2.13's own DCP writers offer beside the default, written by torch itself
+(tools/fixtures/make_torch_dcp_formats_fixture.py: 2 gloo ranks, DTensors row- and
+column-sharded, one replicated; read back by torch where torch can):
+
+* ``dcp_zstd``: ``FileSystemWriter(_extensions=[ZStandard()])``, every entry a zstd frame
+  (``transform_descriptors=['stream.zstd/1']``): restored bit-exact, straight onto a mesh and
+  through convert; hostile frames and descriptors refused by name;
+* ``dcp_safetensors_format``: ``FileSystemWriter(serialization_format=SAFETENSORS)``: refused,
+  saying what it is (torch's own ``dcp.load`` fails on it: ``dcp_formats.json``);
+* ``dcp_hf_ranklocal``: ``HuggingFaceStorageWriter(save_distributed=True)``'s rank-local
+  safetensors: each tensor assembled from its pieces by their ``DCP_SHARDING_INFO`` offsets;
+  overlaps, holes and disagreeing pieces refused naming the tensor and the files.
+
+Torch-free except the ``torch``-marked tests, which check torch's own readers agree."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import warnings
+
+import jax
+import numpy as np
+import pytest
+import zstandard
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ucp
+from jax_ucp._src.importers import registry
+from jax_ucp._src.torchfiles import dcp as torch_dcp
+from jax_ucp._src.torchfiles import dcp_safetensors
+from jax_ucp.errors import SourceError
+from tests.ucp_testing import REPO, assert_bit_exact, load_truth, mesh
+
+FIX = os.path.join(REPO, "tests", "fixtures", "torch")
+ZSTD, ST_FORMAT, RANK_LOCAL = "dcp_zstd", "dcp_safetensors_format", "dcp_hf_ranklocal"
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def truth(name: str) -> dict[str, np.ndarray]:
+    """The global tensors the ranks were cut from: ``{"w": ..., "e": ..., ...}``."""
+    return {
+        k.split("/", 1)[1]: v for k, v in load_truth(os.path.join(FIX, name + ".truth.npz")).items()
+    }
+
+
+def _target(want: dict[str, np.ndarray]) -> dict:
+    """``want``'s arrays on a 2 x 4 mesh: rows on "a" and columns on "b" where they divide."""
+    m = mesh((2, 4), ("a", "b"))
+
+    def one(x):
+        spec = [None] * x.ndim
+        if x.shape[0] % 2 == 0:
+            spec[0] = "a"
+        if x.ndim > 1 and x.shape[-1] % 4 == 0:
+            spec[-1] = "b"
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m, P(*spec)))
+
+    return {"params": {k: one(v) for k, v in want.items()}}
+
+
+@pytest.mark.parametrize("name", [ZSTD, RANK_LOCAL])
+def test_restores_bit_exact_onto_a_mesh_and_through_convert(tmp_path, name):
+    src = os.path.join(FIX, name)
+    assert registry.detect_format(src) == "torch"
+    want = truth(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        direct = jax_ucp.restore(src, target=_target(want))
+        ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"))
+        converted = jax_ucp.restore(ckpt, target=_target(want))
+    assert sorted(direct["params"]) == sorted(want) == sorted(converted["params"])
+    for key, value in want.items():
+        got = direct["params"][key]
+        assert isinstance(got, jax.Array) and got.sharding == _target(want)["params"][key].sharding
+        assert_bit_exact(got, value, key)
+        assert_bit_exact(converted["params"][key], value, key)
+        assert converted["params"][key].sharding == got.sharding
+    source = jax_ucp.inspect(ckpt).source
+    assert source["framework"] == "torch_dcp"
+    if name == RANK_LOCAL:
+        assert source["layout"] == "hf_safetensors" and source["dcp_version"] == "1.0"
+    else:
+        assert source["skipped"] == {"step": "a pickled object, not a tensor"}
+
+
+def test_zstd_chunks_and_objects_are_frames_torch_compressed():
+    """Every entry is one zstd frame; ``big`` (16 x 64 float32 of 7 values per rank) takes
+    fewer bytes than its elements', so its entry holds less than it declares (the refusal
+    before this format was read); the pickled ``step`` decodes too."""
+    ck = torch_dcp.open_dcp(os.path.join(FIX, ZSTD))
+    chunks = [c for t in ck.tensors.values() for c in t.chunks]
+    assert {c.transforms for c in chunks} == {("stream.zstd/1",)}
+    big = ck.tensors["model.big"]
+    assert all(c.byte_length < 16 * 64 * 4 for c in big.chunks)
+    assert ck.objects["step"].transforms == ("stream.zstd/1",)
+    assert ck.read_object("step") == 3
+    assert_bit_exact(ck.read_rows("model.big", 10, 20), truth(ZSTD)["big"][10:20], "rows")
+
+
+def _copy(name: str, tmp_path) -> str:
+    dst = str(tmp_path / name)
+    shutil.copytree(os.path.join(FIX, name), dst)
+    return dst
+
+
+def test_an_unknown_transform_descriptor_is_refused_by_name(tmp_path):
+    src = _copy(ZSTD, tmp_path)
+    meta = os.path.join(src, ".metadata")
+    with open(meta, "rb") as f:
+        raw = f.read()
+    with open(meta, "wb") as f:  # same length: the pickle stays valid
+        f.write(raw.replace(b"stream.zstd/1", b"stream.lz4f/1"))
+    with pytest.raises(SourceError, match=r"unsupported transform descriptor 'stream.lz4f/1'"):
+        jax_ucp.restore(src)
+    with pytest.raises(SourceError, match=r"unsupported transform descriptor 'stream.lz4f/1'"):
+        jax_ucp.convert(src, str(tmp_path / "ucp"))
+    assert not os.path.exists(tmp_path / "ucp")
+    with open(meta, "wb") as f:  # a major version torch's ZStandard does not decode either
+        f.write(raw.replace(b"stream.zstd/1", b"stream.zstd/2"))
+    with pytest.raises(SourceError, match=r"unsupported transform descriptor 'stream.zstd/2'"):
+        torch_dcp.open_dcp(src).read("model.w")
+
+
+def _with_entry(src: str, name: str, data: bytes) -> tuple[torch_dcp.DcpCheckpoint, str]:
+    """``src`` opened with tensor ``name``'s first chunk replaced by ``data`` (zstd), in a file
+    of its own beside the others; what the tensor's chunk is named by in errors."""
+    ck = torch_dcp.open_dcp(src)
+    with open(os.path.join(src, "__9_0.distcp"), "wb") as f:
+        f.write(data)
+    t = ck.tensors[name]
+    first = dataclasses.replace(
+        t.chunks[0], file="__9_0.distcp", byte_offset=0, byte_length=len(data)
+    )
+    ck.tensors[name] = dataclasses.replace(t, chunks=(first, *t.chunks[1:]))
+    return ck, re.escape(f"tensor '{name}' chunk at offsets {list(first.offsets)}")
+
+
+def test_a_zstd_frame_past_the_chunk_budget_is_refused(tmp_path):
+    """A chunk decodes into at most its elements' bytes + the archive's own
+    (``ARCHIVE_OVERHEAD``): a frame declaring more is refused before decoding, one with no
+    declared size as it decodes past it, a frame followed by anything, or not a frame, too."""
+    src = _copy(ZSTD, tmp_path)
+    budget = 16 * 64 * 4 + torch_dcp.ARCHIVE_OVERHEAD
+    bomb = bytes(budget + 1)
+    ck, where = _with_entry(src, "model.big", zstandard.ZstdCompressor().compress(bomb))
+    assert (
+        len(ck.tensors["model.big"].chunks[0].file)
+        and os.path.getsize(os.path.join(src, "__9_0.distcp")) < 4096
+    )  # a few KiB on disk
+    with pytest.raises(
+        SourceError, match=rf"{where}.*declares {budget + 1} decoded bytes, more than the {budget}"
+    ):
+        ck.read("model.big")
+    streamed = zstandard.ZstdCompressor(write_content_size=False).compress(bomb)
+    assert zstandard.frame_content_size(streamed) == -1
+    ck, where = _with_entry(src, "model.big", streamed)
+    with pytest.raises(SourceError, match=rf"{where}.*does not decode within the {budget} bytes"):
+        ck.read("model.big")
+    with open(os.path.join(FIX, ZSTD, "__0_0.distcp"), "rb") as f:
+        good = f.read()
+    c = torch_dcp.open_dcp(os.path.join(FIX, ZSTD)).tensors["model.big"].chunks[0]
+    frame = good[c.byte_offset : c.byte_offset + c.byte_length]
+    ck, where = _with_entry(src, "model.big", frame + b"\x00junk")
+    with pytest.raises(SourceError, match=rf"{where}.*5 bytes after its zstd frame"):
+        ck.read("model.big")
+    ck, where = _with_entry(src, "model.big", frame[:-2])
+    with pytest.raises(SourceError, match=rf"{where}.*zstd frame is cut short"):
+        ck.read("model.big")
+    ck, where = _with_entry(src, "model.big", b"PK\x03\x04" + frame)
+    with pytest.raises(SourceError, match=rf"{where}.*do not start a zstd frame \(504b0304\)"):
+        ck.read("model.big")
+    ck, _ = _with_entry(src, "model.big", frame)  # the same frame in its own file: read
+    assert_bit_exact(ck.read("model.big"), truth(ZSTD)["big"], "big")
+
+
+def test_dcp_in_safetensors_format_is_refused_saying_what_it_is(tmp_path):
+    """torch's ``serialization_format=SAFETENSORS`` puts every tensor of a rank at the start of
+    one safetensors file appended to its ``.distcp``; torch's own ``dcp.load`` fails on it
+    (recorded by the generator, and checked by the torch test below)."""
+    src = os.path.join(FIX, ST_FORMAT)
+    with open(os.path.join(FIX, "dcp_formats.json")) as f:
+        assert "UnpicklingError" in json.load(f)["safetensors_format_dcp_load"]
+    expected = (
+        r"a torch DCP checkpoint saved with serialization_format=SAFETENSORS \(FileSystemWriter\):"
+        r" its storage file __0_0\.distcp holds a safetensors file from byte 0.*torch's own "
+        r"dcp\.load cannot read this folder either"
+    )
+    with pytest.raises(SourceError, match=expected):
+        jax_ucp.restore(src)
+    with pytest.raises(SourceError, match=expected):
+        jax_ucp.convert(src, str(tmp_path / "ucp"))
+    assert not os.path.exists(tmp_path / "ucp")
+
+
+def test_dcp_in_safetensors_format_with_one_tensor_a_file_is_refused_too():
+    """With no two entries overlapping (one tensor a rank file), a tensor's entry still starts a
+    safetensors header: refused as it is read, never its header bytes read as the tensor's."""
+    src = os.path.join(FIX, ST_FORMAT)
+    with open(os.path.join(src, "__1_0.distcp"), "rb") as f:
+        at = f.read().index(b'{"__metadata__"') - 8  # after the pickled step: the safetensors
+    chunk = torch_dcp.DcpChunk((0,), (6,), "__1_0.distcp", at, 6 * 4)
+    t = torch_dcp.DcpTensor("model.b", (6,), np.dtype(np.float32), (chunk,))
+    ck = torch_dcp.DcpCheckpoint(torch_dcp.folder(src), {"model.b": t}, {})
+    with pytest.raises(SourceError, match=rf"serialization_format=SAFETENSORS.*from byte {at}"):
+        ck.read("model.b")
+    with pytest.raises(SourceError, match=rf"serialization_format=SAFETENSORS.*from byte {at}"):
+        ck.read_chunk(t, chunk)
+
+
+# ---------------------------------------------------------------- rank-local safetensors
+
+
+def _header(path) -> tuple[dict, bytes]:
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def _rewrite(path, edit) -> None:
+    """The safetensors file ``path`` with ``edit(sharding)`` applied to its
+    ``DCP_SHARDING_INFO`` (its data kept)."""
+    header, data = _header(path)
+    sharding = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+    edit(sharding)
+    header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(sharding)
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw + data)
+
+
+RANK = [
+    "shard-00001-model-00001-of-00001.safetensors",
+    "shard-00002-model-00001-of-00001.safetensors",
+]
+
+
+def test_rank_local_pieces_are_placed_by_their_offsets():
+    ck = dcp_safetensors.open_rank_local(os.path.join(FIX, RANK_LOCAL))
+    assert ck.layout == "hf_safetensors"
+    assert [(c.file, c.offsets, c.sizes) for c in ck.tensors["w"].chunks] == [
+        (RANK[0], (0, 0), (3, 6)),  # 5 rows over 2 ranks: 3 + 2
+        (RANK[1], (3, 0), (2, 6)),
+    ]
+    assert [(c.offsets, c.sizes) for c in ck.tensors["e"].chunks] == [
+        ((0, 0), (4, 3)),
+        ((0, 3), (4, 3)),
+    ]
+    assert [c.file for c in ck.tensors["b"].chunks] == [RANK[1]]  # replicated: written once
+    for name, value in truth(RANK_LOCAL).items():
+        assert_bit_exact(ck.read(name), value, name)
+
+
+def test_a_recorded_global_shape_is_used_and_checked(tmp_path):
+    src = _copy(RANK_LOCAL, tmp_path)
+    for rank in RANK:
+        _rewrite(os.path.join(src, rank), lambda s: s["w"].update(global_shape=[5, 6]))
+    assert dcp_safetensors.open_rank_local(src).tensors["w"].shape == (5, 6)
+    assert_bit_exact(jax_ucp.restore(src)["params"]["w"], truth(RANK_LOCAL)["w"], "w")
+    for rank in RANK:  # a shape larger than its pieces: the rows no rank wrote are a hole
+        _rewrite(os.path.join(src, rank), lambda s: s["w"].update(global_shape=[6, 6]))
+    with pytest.raises(
+        SourceError,
+        match=r"tensor 'w'.*incomplete shard coverage: chunks hold 30 of 36 elements of shape \[6, 6\]",
+    ):
+        jax_ucp.restore(src)
+    _rewrite(os.path.join(src, RANK[1]), lambda s: s["w"].update(global_shape=[5, 6]))
+    with pytest.raises(
+        SourceError,
+        match=rf"tensor 'w' disagrees between its pieces: float32 of rank 2, global_shape \[6, 6\] in {RANK[0]}; float32 of rank 2, global_shape \[5, 6\] in {RANK[1]}",
+    ):
+        jax_ucp.restore(src)
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (  # rank 2's rows start inside rank 1's
+            lambda s: s["w"].update(saved_offsets=[2, 0]),
+            r"tensor 'w': overlapping shards: \[0, 0\]\+\[3, 6\] in shard-00001.* and \[2, 0\]\+\[2, 6\] in shard-00002.*both hold element \[2, 0\]",
+        ),
+        (  # rank 2's rows one further: row 3 is in no file
+            lambda s: s["w"].update(saved_offsets=[4, 0]),
+            r"tensor 'w'.*incomplete shard coverage: chunks hold 30 of 36 elements of shape \[6, 6\] \(files \['shard-00001.*', 'shard-00002.*'\]\)",
+        ),
+        (
+            lambda s: s["e"].update(saved_offsets=[0]),
+            rf"{RANK[1]}: __metadata__ DCP_SHARDING_INFO: tensor 'e' saved_offsets is \[0\]: expected 2 non-negative integers",
+        ),
+        (
+            lambda s: s.pop("big"),
+            rf"{RANK[1]}: __metadata__ DCP_SHARDING_INFO: tensor 'big' is in the file but not in it",
+        ),
+        (
+            lambda s: s["b"].update(placements="Replicate"),
+            r"tensor 'b': .*expected saved_offsets \(and global_shape\) only, found 'placements'",
+        ),
+    ],
+)
+def test_hostile_offsets_are_refused_naming_the_tensor_and_file(tmp_path, edit, expected):
+    src = _copy(RANK_LOCAL, tmp_path)
+    _rewrite(os.path.join(src, RANK[1]), edit)
+    with pytest.raises(SourceError, match=expected):
+        jax_ucp.restore(src)
+    with pytest.raises(SourceError, match=expected):
+        jax_ucp.convert(src, str(tmp_path / "ucp"))
+    assert not os.path.exists(tmp_path / "ucp")
+
+
+def test_one_rank_local_file_alone_is_refused_pointing_at_the_folder(tmp_path):
+    src = os.path.join(FIX, RANK_LOCAL, RANK[0])
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"unconsolidated shard.*Pass the folder holding all of them"
+    ):
+        jax_ucp.restore(src)
+
+
+def test_a_rank_local_file_without_offsets_beside_the_others_is_refused(tmp_path):
+    from safetensors.numpy import save_file
+
+    src = _copy(RANK_LOCAL, tmp_path)
+    save_file(
+        {"x": np.ones(2, np.float32)},
+        os.path.join(src, "shard-00003-model-00001-of-00001.safetensors"),
+    )
+    with pytest.raises(SourceError, match=r"shard-00003.*no DCP_SHARDING_INFO in its __metadata__"):
+        jax_ucp.restore(src)
+
+
+# ---------------------------------------------------------------- torch's own readers agree
+
+
+@pytest.mark.torch
+def test_torch_reads_the_same_values():
+    """torch's ``dcp.load`` (zstd) and ``HuggingFaceStorageReader`` (rank-local) give what
+    jax_ucp reads; torch's ``dcp.load`` of the safetensors-format folder fails."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    def empty(name):
+        return {
+            k: torch.zeros(
+                v.shape, dtype=torch.float32 if v.dtype == np.float32 else torch.bfloat16
+            )
+            for k, v in truth(name).items()
+        }
+
+    def as_numpy(t):
+        return (
+            t.view(torch.int16).numpy().view(truth(ZSTD)["e"].dtype)
+            if t.dtype == torch.bfloat16
+            else t.numpy()
+        )
+
+    back = {"model": empty(ZSTD), "step": 0}
+    dcp.load(back, storage_reader=FileSystemReader(os.path.join(FIX, ZSTD)), no_dist=True)
+    ours = jax_ucp.restore(os.path.join(FIX, ZSTD))["params"]
+    assert back["step"] == 3
+    for k, v in back["model"].items():
+        assert_bit_exact(ours[k], as_numpy(v), k)
+
+    back = empty(RANK_LOCAL)
+    dcp.load(
+        back, storage_reader=HuggingFaceStorageReader(os.path.join(FIX, RANK_LOCAL)), no_dist=True
+    )
+    ours = jax_ucp.restore(os.path.join(FIX, RANK_LOCAL))["params"]
+    for k, v in back.items():
+        assert_bit_exact(ours[k], as_numpy(v), k)
+
+    back = {"model": empty(ST_FORMAT), "step": 0}
+    with pytest.raises(CheckpointException):
+        dcp.load(back, checkpoint_id=os.path.join(FIX, ST_FORMAT), no_dist=True)
