@@ -219,7 +219,7 @@ MANIFEST_CASES = {
                 shape=[48, 64], chunk_shape=[48, 64], inner_chunk_shape=[1, 64]
             )
         ),
-        r"zarr\.json has shape \(64, 48\)",
+        r"zarr\.json: shape is \[64,48\], but ucp\.json implies \[48,64\]",
     ),
 }
 
@@ -284,9 +284,9 @@ def test_chunks_larger_than_the_array_are_refused_before_any_read(tmp_path):
     z["codecs"][0]["configuration"]["chunk_shape"] = [2**20, 2**20]
     zarr_json.write_text(json.dumps(z))
     match = (
-        rf"Tensor 'w': {re.escape(str(path / 'arrays' / 'w'))}/zarr.json has chunk shape "
-        r"\(1048576, 1048576\) and inner chunk shape \(1048576, 1048576\), but ucp.json says "
-        r"\(4, 4\) and \(4, 4\)\."
+        rf"Tensor 'w': {re.escape(str(path / 'arrays' / 'w'))}/zarr.json: "
+        r"chunk_grid\.configuration\.chunk_shape is \[1048576,1048576\], but ucp.json implies "
+        r"\[4,4\]\."
     )
     with pytest.raises(jax_ucp.CheckpointError, match=match):
         jax_ucp.restore(path)

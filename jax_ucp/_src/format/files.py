@@ -8,6 +8,7 @@ use ``open_regular`` and check sizes themselves.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -53,6 +54,44 @@ def no_json_constant(name: str) -> NoReturn:
     ``Infinity`` and ``-Infinity``, which JSON has not; a record holding one could not be
     written back (``json.dumps(allow_nan=False)``), so a file holding one is refused."""
     raise ValueError(f"{name} is not valid JSON")
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object naming one key twice (``strict_json``)."""
+
+
+def unique_keys(pairs: list) -> dict:
+    """``json.loads(..., object_pairs_hook=unique_keys)``: Python's json keeps the last of two
+    equal keys silently, another reader the first (``"value":7,"value":8``), so which one a
+    file means cannot be told and it is refused."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise DuplicateKeyError(
+            f"names {str(key)[:100]!r} twice (a JSON object with a duplicate key)"
+        )
+    return out
+
+
+def strict_json(raw: bytes | str, what: str, error: type[Exception] = SourceError):
+    """JSON as the project reads every file: each object's keys unique (``unique_keys``), no
+    ``NaN`` / ``Infinity`` (``no_json_constant``), a bounded nesting; anything else raises
+    ``error`` starting with ``what``.
+
+    Args:
+        raw: the file's content.
+        what: the file (and the part of it), for messages.
+        error: the exception to raise (``SourceError`` for a source, ``CheckpointError``...).
+    """
+    try:
+        return json.loads(raw, object_pairs_hook=unique_keys, parse_constant=no_json_constant)
+    except DuplicateKeyError as e:
+        raise error(f"{what}: {e}; which one is meant cannot be told, so it is refused") from None
+    except RecursionError:
+        raise error(f"{what}: nested too deep to be the file it names") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise error(f"{what}: not valid JSON ({str(e)[:200]})") from None
 
 
 def read_regular(path: str, max_bytes: int) -> bytes:

@@ -183,7 +183,9 @@ class CheckpointSource(TensorSource):
         self._context = store.zarr3.read_context()
         # per array: its zarr.json's bytes (None: missing) or their read in flight, then the
         # array opened
-        self._futures: dict[tuple, tuple[fmt.TensorEntry, object]] = {}
+        self._futures: dict[
+            tuple, tuple[fmt.TensorEntry, bytes | _Fetch | ts.TensorStore | None]
+        ] = {}
         self._kv: ts.KvStore | None = None  # an object store's, opened once
 
     def files(self, found: Available) -> str:
@@ -195,6 +197,9 @@ class CheckpointSource(TensorSource):
         sources = {s.key: s for found in tensors for s in found.sources}
         for src in sources.values():
             self._open(src)
+        for _, pending in self._futures.values():
+            if isinstance(pending, _Fetch):  # the whole objects fetched at once in turn
+                pending.advance(self._kv)
         if self.url:
             verify_shard_objects(self.storage, sources.values())
 
@@ -203,12 +208,13 @@ class CheckpointSource(TensorSource):
         if entry.key in self._futures:
             return
         kv = self.storage.kvstore(entry.dir)
-        if kv.get("driver") != "file":  # one GET of every array's zarr.json at once
+        if kv.get("driver") != "file":  # every array's zarr.json fetched at once
             if self._kv is None:
                 self._kv = ts.KvStore.open(self.storage.kvstore()).result()
             name = f"{entry.dir.strip('/')}/{ZARR_JSON}"
-            read = self._kv.read(name, byte_range=slice(0, MAX_ZARR_JSON_BYTES + 1))
-            self._futures[entry.key] = (entry, read)
+            # a byte past the limit first: a larger object is refused, never fetched
+            beyond = slice(MAX_ZARR_JSON_BYTES, MAX_ZARR_JSON_BYTES + 1)
+            self._futures[entry.key] = (entry, _Fetch(name, self._kv.read(name, byte_range=beyond)))
             return
         zarr_json = os.path.join(kv["path"], ZARR_JSON)
         try:  # never hand TensorStore a FIFO or a device, nor an array linked out of the root
@@ -216,16 +222,8 @@ class CheckpointSource(TensorSource):
             data: bytes | None = fmt.files.read_regular(zarr_json, MAX_ZARR_JSON_BYTES)
         except FileNotFoundError:
             data = None
-        except fmt.files.UnsafeFileError as e:
+        except fmt.files.UnsafeFileError as e:  # a FIFO, a device, a link out, too large
             raise tensor_error(entry.name, e) from None
-        except fmt.UCPError as e:  # larger than any zarr.json this format writes
-            raise tensor_error(
-                entry.name,
-                CheckpointError(
-                    f"{e}; more than the {MAX_ZARR_JSON_BYTES} bytes an array's metadata takes, "
-                    f"not the file this checkpoint wrote (replace it from a good copy)"
-                ),
-            ) from None
         self._futures[entry.key] = (entry, data)
 
     def _get(self, key) -> ts.TensorStore:
@@ -236,15 +234,14 @@ class CheckpointSource(TensorSource):
         if isinstance(pending, ts.TensorStore):
             return pending
         where = self.storage.join(entry.dir, ZARR_JSON)
-        data = pending
-        if isinstance(pending, ts.Future):
+        data = pending if isinstance(pending, bytes) else None
+        if isinstance(pending, _Fetch):
             try:
-                got = pending.result()
+                data = pending.result(self._kv)
             except Exception as e:
                 raise CheckpointError(
                     f"Tensor {entry.name!r}: cannot read {where}: {tensorstore_message(e)}"
                 ) from e
-            data = bytes(got.value) if got.state == "value" else None
         if data is None:
             raise CheckpointError(
                 f"Tensor {entry.name!r} is listed in {fmt.MANIFEST_FILE} but its array "
@@ -315,6 +312,36 @@ class CheckpointSource(TensorSource):
     def unit_rows(self, found: Available) -> int:
         """The stored array is split on its inner chunks."""
         return max(1, int(found.sources[0].inner_chunk_shape[0])) if found.stored else 1
+
+
+class _Fetch:
+    """An object's content, fetched in two steps: a byte past ``MAX_ZARR_JSON_BYTES`` (present:
+    too large), then the whole object; ``advance`` starts the second without waiting for it."""
+
+    def __init__(self, name: str, beyond: ts.Future):
+        self.name, self.beyond = name, beyond
+        self.whole: ts.Future | None = None
+        self.settled: tuple[bool, bytes | None] | None = None  # (too large, content)
+
+    def advance(self, kv) -> None:
+        if self.whole is not None or self.settled is not None:
+            return
+        try:
+            got = self.beyond.result()
+        except ValueError:  # the range starts past the end (OUT_OF_RANGE): a small object
+            self.whole = kv.read(self.name)
+            return
+        self.settled = (got.state == "value", None)
+
+    def result(self, kv) -> bytes | None:
+        """The content (None: no such object); more than the limit: ``limit + 1`` bytes."""
+        self.advance(kv)
+        if self.settled is None:
+            assert self.whole is not None
+            got = self.whole.result()
+            self.settled = (False, bytes(got.value) if got.state == "value" else None)
+        too_large, content = self.settled
+        return b" " * (MAX_ZARR_JSON_BYTES + 1) if too_large else content
 
 
 def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:

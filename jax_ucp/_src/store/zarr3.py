@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import tensorstore as ts
 
-from jax_ucp._src.errors import RequestError
+from jax_ucp._src.errors import CheckpointError, RequestError
+from jax_ucp._src.format import dtypes
+from jax_ucp._src.format.manifest import MANIFEST_FILE
 from jax_ucp._src.store import storage
 
 COMPRESSIONS = (None, "zstd")
@@ -101,6 +105,138 @@ def array_config(kvstore: Mapping[str, Any], layout: ArrayLayout) -> dict:
     }
 
 
+#: zstd's levels: the one used is not recorded in the manifest, and decoding does not depend on it
+ZSTD_LEVELS = range(-131072, 23)
+
+
+def layout_of(entry) -> ArrayLayout:
+    """The ``ArrayLayout`` a manifest tensor entry implies (the zstd level is not recorded:
+    decoding does not depend on it)."""
+    return ArrayLayout(
+        shape=tuple(entry.shape),
+        dtype=entry.dtype,
+        chunk_shape=tuple(entry.chunk_shape),
+        inner_chunk_shape=tuple(entry.inner_chunk_shape),
+        compression=entry.compression,
+        checksum=entry.checksum,
+    )
+
+
+def expected_metadata(layout: ArrayLayout) -> dict:
+    """What an array's ``zarr.json`` holds for ``layout``, as TensorStore writes it."""
+    metadata = array_config({}, layout)["metadata"]
+    kind = np.dtype(dtypes.to_numpy_dtype(layout.dtype))
+    zero: Any = False if kind == np.bool_ else [0.0, 0.0] if kind.kind == "c" else 0
+    return {**metadata, "fill_value": zero, "node_type": "array", "zarr_format": 3}
+
+
+def check_metadata(found: Any, layout: ArrayLayout, where: str) -> None:
+    """Holds an array's parsed ``zarr.json`` to what the manifest implies (``layout``), field
+    for field: the manifest is the only truth, and a codec, an endianness, a chunk grid, a key
+    encoding or a fill value it does not imply (a ``bytes`` codec made big-endian, a
+    ``transpose`` added) would read the stored bytes as another tensor without an error.
+    Forms TensorStore writes for the same thing are equal (an index at the ``end`` said or
+    not, a single-byte type's endianness left out, any zstd level); anything else, an extra
+    field included, raises ``CheckpointError`` naming ``where`` and the field.
+
+    Args:
+        found: the parsed ``zarr.json``.
+        layout: the array as its manifest entry describes it (``layout_of``).
+        where: the file, for messages.
+    """
+    single = np.dtype(dtypes.to_numpy_dtype(layout.dtype)).itemsize == 1
+    expected = _canonical(expected_metadata(layout), single)
+    problem = _difference(expected, _canonical(found, single), "")
+    if problem is not None:
+        field, want, got = problem
+        raise CheckpointError(
+            f"{where}: {field or 'the file'} is {got}, but {MANIFEST_FILE} implies {want}. An "
+            f"array's zarr.json is bound to {MANIFEST_FILE} (read otherwise, its stored bytes "
+            f"would be another tensor): one of the two was edited or replaced; restore the "
+            f"checkpoint from a good copy"
+        )
+
+
+_ABSENT = object()
+
+
+def _canonical(meta: Any, single_byte: bool) -> Any:
+    """``meta`` with TensorStore's equivalent spellings made one (a copy; anything not of the
+    expected shape is left as it is, for ``_difference`` to name)."""
+    if not isinstance(meta, dict):
+        return meta
+    meta = dict(meta)
+    key_encoding = meta.get("chunk_key_encoding")
+    if isinstance(key_encoding, dict) and key_encoding.get("configuration") == {"separator": "/"}:
+        meta["chunk_key_encoding"] = {k: v for k, v in key_encoding.items() if k != "configuration"}
+    codecs = meta.get("codecs")
+    if isinstance(codecs, list):
+        meta["codecs"] = [_canonical_codec(c, single_byte) for c in codecs]
+    return meta
+
+
+def _canonical_codec(codec: Any, single_byte: bool) -> Any:
+    if not isinstance(codec, dict) or not isinstance(codec.get("configuration"), dict):
+        return codec
+    name, config = codec.get("name"), dict(codec["configuration"])
+    if name == "sharding_indexed":
+        if config.get("index_location") == "end":
+            del config["index_location"]
+        for member, single in (("codecs", single_byte), ("index_codecs", False)):
+            if isinstance(config.get(member), list):
+                config[member] = [_canonical_codec(c, single) for c in config[member]]
+    elif name == "bytes" and single_byte and config == {"endian": "little"}:
+        return {k: v for k, v in codec.items() if k != "configuration"}
+    elif name == "zstd":
+        level = config.get("level")
+        if type(level) is int and level in ZSTD_LEVELS:
+            config["level"] = "any"
+        if config.get("checksum", False) is False:
+            config["checksum"] = False
+    return {**codec, "configuration": config}
+
+
+def _difference(want: Any, got: Any, path: str) -> tuple[str, str, str] | None:
+    """The first field (a JSON path) where ``got`` is not ``want``, with both as JSON text."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        for k in [*want, *(k for k in got if k not in want)]:
+            inner = _difference(want.get(k, _ABSENT), got.get(k, _ABSENT), f"{path}.{k}")
+            if inner is not None:
+                return inner
+        return None
+    if isinstance(want, list) and isinstance(got, list):
+        if not any(isinstance(v, (dict, list)) for v in [*want, *got]):  # a shape: said whole
+            same = len(want) == len(got) and all(map(_same_scalar, want, got))
+            return None if same else (path.lstrip("."), _json_text(want), _json_text(got))
+        for i in range(max(len(want), len(got))):
+            w = want[i] if i < len(want) else _ABSENT
+            g = got[i] if i < len(got) else _ABSENT
+            inner = _difference(w, g, f"{path}[{i}]")
+            if inner is not None:
+                return inner
+        return None
+    if _same_scalar(want, got):
+        return None
+    return path.lstrip("."), _json_text(want), _json_text(got)
+
+
+def _same_scalar(a: Any, b: Any) -> bool:
+    if a is _ABSENT or b is _ABSENT or isinstance(a, (dict, list)) or isinstance(b, (dict, list)):
+        return a is b
+    if isinstance(a, bool) or isinstance(b, bool):  # False == 0 in Python, not in a zarr.json
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b  # a fill value 0 or 0.0
+    return type(a) is type(b) and a == b
+
+
+def _json_text(v: Any) -> str:
+    if v is _ABSENT:
+        return "absent"
+    text = json.dumps(v, separators=(",", ":"), default=str)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 # Enough to keep shard indices (and partly read inner chunks) while one restore runs: without a
 # cache every inner-chunk read re-fetches its shard's index (restores measurably slower).
 READ_CACHE_BYTES = 64 << 20
@@ -153,12 +289,26 @@ def create(
     return ts.open(spec, open=True, assume_metadata=True, context=context(sync))
 
 
-def open_array(kvstore: Mapping[str, Any], *, context: ts.Context | None = None) -> ts.Future:
+def open_array(
+    kvstore: Mapping[str, Any],
+    *,
+    context: ts.Context | None = None,
+    layout: ArrayLayout | None = None,
+) -> ts.Future:
     """Opens the existing array in ``kvstore`` (``kvstore_config``) read-only, in ``context``
-    (a shared cache pool and file I/O concurrency; None: a fresh ``read_context``)."""
+    (a shared cache pool and file I/O concurrency; None: a fresh ``read_context``).
+
+    With ``layout`` (a manifest entry's, ``layout_of``) TensorStore is told everything about
+    the array and reads no ``zarr.json``: the caller has held that file to the manifest
+    (``check_metadata``). Without it, TensorStore reads the array's ``zarr.json``."""
     # Missing data is an error, never the fill value (a deleted shard file must not read as 0).
     spec: dict = {"driver": "zarr3", "kvstore": dict(kvstore), "fill_missing_data_reads": False}
     context = context if context is not None else read_context()
+    if layout is not None:
+        spec = {**array_config(kvstore, layout), "fill_missing_data_reads": False}
+        return ts.open(
+            spec, open=True, assume_metadata=True, read=True, write=False, context=context
+        )
     return ts.open(spec, open=True, read=True, write=False, context=context)
 
 
