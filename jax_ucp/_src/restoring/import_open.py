@@ -168,8 +168,11 @@ def run_root_step(path: str, *, warn: bool = False) -> str | None:
 
     if not os.path.isdir(path) or steps.with_ucp_items(path):
         return None
-    if any(importer.detect(path).found for importer in registry.IMPORTERS.values()):
-        return None  # an importer reads it as it is
+    try:
+        if any(importer.detect(path).found for importer in registry.IMPORTERS.values()):
+            return None  # an importer reads it as it is
+    except (fmt.UCPError, OSError):
+        return None  # a format's own file gone wrong: its importer says so
     if steps.trainer_steps(path) is None:
         return None
     from jax_ucp._src.restoring import resume
