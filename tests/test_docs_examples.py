@@ -8,7 +8,8 @@ tests/test_docs_snippets.py runs each complete ```python block alone. The rest a
   placeholders it names (``"out/checkpoint-3"``, ``SRC``) replaced by the real fixtures the
   comment maps them to;
 - a ```bash block runs its ``jax-ucp`` commands (each line in order, in one temporary directory,
-  placeholders mapped the same way; ``pip install`` steps are the environment's, not run);
+  placeholders mapped the same way; ``pip install`` steps are the environment's, not run; a
+  ``# ✓ TEXT: figures`` comment is output one of them must print);
 - a block that cannot run here says why (``skip: <reason>``) and is counted: SKIPPED records how
   many each file has, so a new unrunnable block fails until it is counted here;
 - every other block (```text, bare, json, toml) is output, a layout or a table: one that parses
@@ -291,6 +292,14 @@ def _commands(block: Block) -> list[list[str]]:
     return commands
 
 
+def _shown(block: Block) -> list[str]:
+    """What the block says a command prints: a ``# ✓ TEXT: figures`` comment's TEXT (the
+    figures depend on the versions that ran)."""
+    return [
+        " ".join(m.group(1).split()) for m in re.finditer(r"^#\s*(✓[^:\n]*):", block.code, re.M)
+    ]
+
+
 def _env(tmp_path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHONPATH=REPO, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path / "tmp"), COLUMNS="200")
@@ -336,6 +345,7 @@ def test_docs_example_runs(tmp_path, block: Block):
     (tmp_path / "tmp").mkdir()
     env = _env(tmp_path)
     if block.lang == "bash":
+        output: list[str] = []
         for args in _commands(block):
             r = subprocess.run(
                 [sys.executable, "-c", CLI, *args],
@@ -349,6 +359,9 @@ def test_docs_example_runs(tmp_path, block: Block):
                 f"{block.id}: jax-ucp {shlex.join(args)} exited {r.returncode}:\n"
                 f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
             )
+            output.append(" ".join(r.stdout.split()))
+        for shown in _shown(block):
+            assert any(shown in o for o in output), f"{block.id}: no command printed {shown!r}"
         return
     prelude, code = _python(block)
     (tmp_path / "runner.py").write_text(RUNNER)
