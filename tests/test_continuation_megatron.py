@@ -82,6 +82,29 @@ def test_recipe_from_the_scheduled_fixture(scheduled):
     assert any("c x 4 samples" in n for n in recipe.notes)
 
 
+def test_recipe_of_a_megatron_bridge_save(tmp_path):
+    """Bridge's own save: the scheduler state from its common state, the optimizer, batch and
+    schedule arguments from its run_config.yaml."""
+    jax_ucp.convert(FIX.parent / "megatron_bridge" / "llama_tp1dp2", tmp_path / "out")
+    manifest = jax_ucp.inspect(tmp_path / "out")
+    source = dict(manifest.source or {})
+    record = source["megatron_optimizer"]
+    assert record["args_file"] == "run_config.yaml" and record["args"]["global_batch_size"] == 4
+    saved = {e.key: (tuple(e.shape), e.dtype) for e in manifest.tensors}
+    recipe = megatron_recipe(source, saved, "ckpt")
+    assert recipe is not None
+    assert (recipe.optimizer, recipe.betas, recipe.eps, recipe.clip) == (
+        "adamw",
+        (0.9, 0.95),
+        1e-8,
+        None,  # clip_grad 0.0: Megatron does not clip
+    )
+    assert recipe.weight_decay == 0.0 and recipe.unrecovered == ()
+    np.testing.assert_allclose(float(recipe.learning_rate(2)), 0.01, rtol=1e-7)
+    assert recipe.decayed["decoder.final_layernorm.weight"] is False
+    assert recipe.decayed["output_layer.weight"] is True
+
+
 def test_not_megatron_or_nothing_recorded_is_none(scheduled):
     source, saved = scheduled
     assert megatron_recipe({**source, "framework": "torch"}, saved, "ckpt") is None
@@ -164,6 +187,7 @@ REFUSED = [
     ("param_groups", {"step": 3.0}, SourceError, r"num_steps 8 is not the Adam step 3 x"),
     ("param_groups", {"betas": [0.9]}, SourceError, r"param_groups\[0\]\.betas = \[0\.9\]"),
     ("param_groups", {"start_wd": 0.02}, RequestError, r"override start_wd"),
+    ("args", {"no_weight_decay_cond_type": "qwen3_next"}, RequestError, r"no_weight_decay_cond"),
     ("", {"args": [1]}, SourceError, r"megatron_optimizer\.args is list, expected a mapping"),
     ("", {"param_groups": "x"}, SourceError, r"param_groups is not a list of mappings"),
 ]

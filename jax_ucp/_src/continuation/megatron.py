@@ -302,6 +302,8 @@ def _read_record(
     if not isinstance(record, dict):
         raise SourceError(f"{where}: source.{RECORD} is {type(record).__name__}, not a mapping")
     file = f"{where} ({record.get('file') or 'its common state'})"
+    if record.get("args_file"):  # Megatron Bridge: the args from its run config
+        file = f"{where} ({record.get('file') or 'its common state'}, {record['args_file']})"
     args = _Fields(_section(record, "args", file), "args", file)
     state = _section(record, "opt_param_scheduler", file)
     groups = _groups(record, file)
@@ -588,6 +590,12 @@ def _decayed(
     for ``*.bias`` and one-dimensional parameters (q/k layer norms decayed under
     ``apply_wd_to_qk_layernorm``), checked against the param groups' ``wd_mult``."""
     qk = args.flag("apply_wd_to_qk_layernorm")
+    if args.values.get("no_weight_decay_cond_type") is not None:
+        raise RequestError(
+            f"{file}: args.no_weight_decay_cond_type = "
+            f"{args.values['no_weight_decay_cond_type']!r}: a no-weight-decay rule of its own, "
+            f"not megatron-core's standard one, which is the only one translated"
+        )
     decayed: dict[str, bool] = {}
     for key, (shape, _) in saved.items():
         path = _path(key)

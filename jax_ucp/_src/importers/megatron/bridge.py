@@ -38,6 +38,7 @@ import yaml
 from jax_ucp._src.format import files
 from jax_ucp._src.importers.megatron import MegatronOptions, legacy, plan_megatron
 from jax_ucp._src.importers.megatron.common import MegatronImportError
+from jax_ucp._src.importers.megatron.run_record import MEGATRON_OPTIMIZER, run_config_args
 from jax_ucp._src.importers.plan import ImportPlan
 from jax_ucp._src.language import Spec, load_spec
 from jax_ucp._src.torchfiles import allow_list, torch_zip
@@ -460,6 +461,12 @@ def plan_megatron_bridge(src: os.PathLike | str, options: MegatronOptions) -> Im
     source["framework"] = "megatron-bridge"
     source["iteration"] = checkpoint.train_state["step"]
     source["bridge"] = _bridge_info(checkpoint, run_config, config_path)
+    args = run_config_args(run_config)
+    if args:  # Bridge saves no args: its run config names the optimizer and schedule
+        record: dict[str, Any] = dict(source.get(MEGATRON_OPTIMIZER) or {"file": RUN_CONFIG_FILE})
+        record["args"] = {**args, **dict(record.get("args") or {})}
+        record["args_file"] = RUN_CONFIG_FILE
+        source[MEGATRON_OPTIMIZER] = record
     notes = [n for n in source.pop("notes", []) if not n.startswith("vocab padding kept")]
     notes += _notes(checkpoint, run_config, source)
     if notes:

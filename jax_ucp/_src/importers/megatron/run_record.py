@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MEGATRON_OPTIMIZER", "RUN_ARGS", "optimizer_record"]
+__all__ = ["MEGATRON_OPTIMIZER", "RUN_ARGS", "optimizer_record", "run_config_args"]
 
 #: the key of ``source`` this record is kept under
 MEGATRON_OPTIMIZER = "megatron_optimizer"
@@ -58,6 +58,7 @@ RUN_ARGS = (
     "bf16",
     "optimizer_cpu_offload",
     "use_distributed_optimizer",
+    "no_weight_decay_cond_type",
 )
 
 
@@ -122,3 +123,18 @@ def optimizer_record(state: Mapping[str, Any], where: str) -> dict | None:
     if "iteration" in state:
         record["iteration"] = _plain(state["iteration"])
     return record if len(record) > 1 else None
+
+
+def run_config_args(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Megatron Bridge's ``run_config.yaml``: its ``optimizer`` (megatron-core's
+    ``OptimizerConfig``), ``scheduler`` and ``train`` sections hold the run arguments under
+    Megatron-LM's names; those of :data:`RUN_ARGS` it holds."""
+    found: dict[str, Any] = {}
+    for section in ("optimizer", "scheduler", "train"):
+        values = run_config.get(section)
+        if not isinstance(values, dict):
+            continue
+        for key in RUN_ARGS:
+            if key in values and key not in found:
+                found[key] = _plain(values[key])
+    return found
