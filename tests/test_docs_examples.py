@@ -10,23 +10,27 @@ tests/test_docs_snippets.py runs each complete ```python block alone. The rest a
 - a ```bash block runs its ``jax-ucp`` commands (each line in order, in one temporary directory,
   placeholders mapped the same way; ``pip install`` steps are the environment's, not run; a
   ``# ✓ TEXT: figures`` comment is output one of them must print);
+- an excerpt of a class's definition (``excerpt: module.Class``, any fence) lists only members
+  the class has;
 - a block that cannot run here says why (``skip: <reason>``) and is counted: SKIPPED records how
   many each file has, so a new unrunnable block fails until it is counted here;
 - every other block (```text, bare, json, toml) is output, a layout or a table: one that parses
   as Python is an excerpt that escaped the runners, and fails.
 
 The comment's items, separated by ``;``: ``torch`` or ``slow`` (the pytest mark: the block runs
-in CI's torch stage, ``-m "torch or slow"``), ``prelude: NAME`` (PRELUDES), ``skip: REASON`` (last),
-``"text" = PATH`` (that quoted string, or that shell word, replaced by PATH) and ``NAME = PATH``
-(NAME defined as PATH). A PATH under tests/ or jax_ucp/ is the repository's (and must exist);
-any other is relative to the block's temporary working directory. A mapping the block does not
-use is an error, so the comment cannot drift from its block.
+in CI's torch stage, ``-m "torch or slow"``), ``prelude: NAME`` (PRELUDES), ``excerpt:
+module.Class``, ``"text" = PATH`` (that quoted string, or that shell word, replaced by PATH),
+``NAME = PATH`` (NAME defined as PATH) and, last, ``skip: REASON``. A PATH under tests/ or
+jax_ucp/ is the repository's (and must exist); any other is relative to the block's temporary
+working directory. A mapping the block does not use is an error, so the comment cannot drift
+from its block.
 """
 
 from __future__ import annotations
 
 import ast
 import glob
+import importlib
 import os
 import re
 import shlex
@@ -50,7 +54,6 @@ SKIPPED = {
     "README.md": 1,
     "docs/ELASTIC.md": 2,
     "docs/EXPORT.md": 1,
-    "docs/INTERNAL_CONTRACTS.md": 1,
     "docs/RELIABILITY.md": 1,
     "docs/TORCH.md": 1,
 }
@@ -184,6 +187,7 @@ class Block:
     marks: set[str] = field(default_factory=set)
     prelude: str | None = None
     skip: str | None = None
+    excerpt: str | None = None  # module.Class the block excerpts
     literals: dict[str, str] = field(default_factory=dict)  # "text" or shell word -> path
     names: dict[str, str] = field(default_factory=dict)  # NAME -> path
 
@@ -203,6 +207,8 @@ def _parse_marker(block: Block) -> None:
         key, sep, value = m.groups() if m else (item, "", "")
         if item in ("torch", "slow"):
             block.marks.add(item)
+        elif (key, sep) == ("excerpt", ":"):
+            block.excerpt = value
         elif (key, sep) == ("prelude", ":") and value in PRELUDES:
             block.prelude = value
         elif sep == "=" and key.startswith('"'):
@@ -234,7 +240,8 @@ def fenced(name: str) -> list[Block]:
 
 
 ALL = [b for name in FILES for b in fenced(name)]
-RUN = [b for b in ALL if b.marker is not None and b.skip is None]
+RUN = [b for b in ALL if b.marker is not None and b.skip is None and b.excerpt is None]
+EXCERPTS = [b for b in ALL if b.excerpt is not None]
 
 
 def _path(block: Block, value: str) -> str:
@@ -323,7 +330,9 @@ def test_every_code_block_is_run_or_counted():
             if b.skip:
                 skipped[b.name] = skipped.get(b.name, 0) + 1
             continue
-        assert b.marker is None, f"{b.id}: a docs-test comment on a ```{b.lang} block"
+        assert b.marker is None or b.excerpt, f"{b.id}: a docs-test comment on a ```{b.lang} block"
+        if b.excerpt:
+            continue
         if b.lang in ("json", "toml"):
             continue
         try:
@@ -377,3 +386,20 @@ def test_docs_example_runs(tmp_path, block: Block):
         timeout=300,
     )
     assert r.returncode == 0, f"{block.id} fails:\n{r.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("block", EXCERPTS, ids=[b.id for b in EXCERPTS])
+def test_docs_excerpt_names_what_the_class_has(block: Block):
+    """An excerpt of a class (``excerpt: module.Class``) shows that class, and every field and
+    method it lists is one the class has: a rename or a removal shows up here."""
+    assert block.excerpt is not None
+    module, _, name = block.excerpt.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    assert re.search(rf"^class {name}\b", block.code, re.M), f"{block.id}: no class {name}"
+    shown = [
+        a or b for a, b in re.findall(r"^[ \t]+(?:def[ \t]+(\w+)|(\w+)[ \t]*:)", block.code, re.M)
+    ]
+    real = set(vars(cls)) | set(getattr(cls, "__annotations__", {}))
+    assert shown, f"{block.id}: the excerpt lists no member of {name}"
+    missing = [n for n in shown if n not in real]
+    assert not missing, f"{block.id}: {block.excerpt} has no {missing}"
