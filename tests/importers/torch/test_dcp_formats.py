@@ -9,7 +9,9 @@ column-sharded, one replicated; read back by torch where torch can):
   saying what it is (torch's own ``dcp.load`` fails on it: ``dcp_formats.json``);
 * ``dcp_hf_ranklocal``: ``HuggingFaceStorageWriter(save_distributed=True)``'s rank-local
   safetensors: each tensor assembled from its pieces by their ``DCP_SHARDING_INFO`` offsets;
-  overlaps, holes and disagreeing pieces refused naming the tensor and the files.
+  overlaps, holes and disagreeing pieces refused naming the tensor and the files;
+* ``dcp_hf_transformers_tp2``: the same layout as transformers 5.23's own
+  ``save_pretrained(distributed_checkpoint=True)`` writes it for a tensor-parallel tiny Llama.
 
 Torch-free except the ``torch``-marked tests, which check torch's own readers agree."""
 
@@ -38,6 +40,7 @@ from tests.ucp_testing import REPO, assert_bit_exact, load_truth, mesh
 
 FIX = os.path.join(REPO, "tests", "fixtures", "torch")
 ZSTD, ST_FORMAT, RANK_LOCAL = "dcp_zstd", "dcp_safetensors_format", "dcp_hf_ranklocal"
+TRANSFORMERS = "dcp_hf_transformers_tp2"  # save_pretrained(distributed_checkpoint=True), TP 2
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,7 +67,7 @@ def _target(want: dict[str, np.ndarray]) -> dict:
     return {"params": {k: one(v) for k, v in want.items()}}
 
 
-@pytest.mark.parametrize("name", [ZSTD, RANK_LOCAL])
+@pytest.mark.parametrize("name", [ZSTD, RANK_LOCAL, TRANSFORMERS])
 def test_restores_bit_exact_onto_a_mesh_and_through_convert(tmp_path, name):
     src = os.path.join(FIX, name)
     assert registry.detect_format(src) == "torch"
@@ -83,7 +86,7 @@ def test_restores_bit_exact_onto_a_mesh_and_through_convert(tmp_path, name):
         assert converted["params"][key].sharding == got.sharding
     source = jax_ucp.inspect(ckpt).source
     assert source["framework"] == "torch_dcp"
-    if name == RANK_LOCAL:
+    if name != ZSTD:
         assert source["layout"] == "hf_safetensors" and source["dcp_version"] == "1.0"
     else:
         assert source["skipped"] == {"step": "a pickled object, not a tensor"}
@@ -368,13 +371,14 @@ def test_torch_reads_the_same_values():
     for k, v in back["model"].items():
         assert_bit_exact(ours[k], as_numpy(v), k)
 
-    back = empty(RANK_LOCAL)
-    dcp.load(
-        back, storage_reader=HuggingFaceStorageReader(os.path.join(FIX, RANK_LOCAL)), no_dist=True
-    )
-    ours = jax_ucp.restore(os.path.join(FIX, RANK_LOCAL))["params"]
-    for k, v in back.items():
-        assert_bit_exact(ours[k], as_numpy(v), k)
+    for name in (RANK_LOCAL, TRANSFORMERS):
+        back = empty(name)
+        reader = HuggingFaceStorageReader(os.path.join(FIX, name))
+        dcp.load(back, storage_reader=reader, no_dist=True)
+        ours = jax_ucp.restore(os.path.join(FIX, name))["params"]
+        assert sorted(ours) == sorted(back)
+        for k, v in back.items():
+            assert_bit_exact(ours[k], as_numpy(v), k)
 
     back = {"model": empty(ST_FORMAT), "step": 0}
     with pytest.raises(CheckpointException):
