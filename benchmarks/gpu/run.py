@@ -82,7 +82,7 @@ def child_probe(a) -> None:
     for dist in ("jax", "jaxlib", "orbax-checkpoint", "tensorstore", "numpy", "torch"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             info[dist] = metadata.version(dist)
-    if a.what in ("jax", "both"):
+    if a.what == "jax":
         import jax
 
         dev = jax.devices()[0]
@@ -95,7 +95,7 @@ def child_probe(a) -> None:
             "device_memory_limit": stats.get("bytes_limit"),
             "device_bytes_in_use": stats.get("bytes_in_use"),
         }
-    if a.what in ("torch", "both"):
+    if a.what == "torch":
         try:
             import torch  # pyright: ignore[reportMissingImports]
 
@@ -223,9 +223,11 @@ def child_jax(a) -> None:
         _, total, peak = timed(run)
         return marks[0], total, peak
 
+    def where(name: str, step: int) -> str:
+        return os.path.join(str(mngr.directory), str(step)) if name == SAVES[0] else paths[name]
+
     def clear(name: str, step: int) -> None:
-        where = os.path.join(str(mngr.directory), str(step)) if name == SAVES[0] else paths[name]
-        shutil.rmtree(where, ignore_errors=True)
+        shutil.rmtree(where(name, step), ignore_errors=True)
 
     # warm-up, untimed: every contender once on a small tree (imports, compiles, thread pools)
     small = {"a": make(keys[0])[: a.side // 4], "b": make(keys[0])}
@@ -247,7 +249,7 @@ def child_jax(a) -> None:
             t = time.perf_counter()
             os.sync()
             durable = total + time.perf_counter() - t
-            on_disk = du(paths[name]) if os.path.isdir(paths[name]) else None
+            on_disk = du(where(name, r + 1)) if os.path.isdir(where(name, r + 1)) else None
             emit("ROW", {"part": "save", "contender": name, "round": r, "stall_s": stall,
                          "whole_s": total, "durable_s": durable, "host_peak": peak,
                          "bytes": nbytes, "on_disk": on_disk})  # fmt: skip
@@ -359,6 +361,8 @@ def child_dcp(a) -> None:
     into CPU tensors (what a torch user holds: the model's state dict) + ``jax.device_put``."""
     import jax
     import numpy as np
+
+    dev = jax.devices()[0]  # JAX's backend up before torch loads its CUDA libraries
     import torch  # pyright: ignore[reportMissingImports]
     import torch.distributed.checkpoint as tdcp  # pyright: ignore[reportMissingImports]
     from bench_direct_restore import (  # pyright: ignore[reportMissingImports]
@@ -377,7 +381,6 @@ def child_dcp(a) -> None:
     from jax_ucp.conversion import ImportOptions
 
     t_setup = time.perf_counter()
-    dev = jax.devices()[0]
     mesh = Mesh(np.array([[dev]]), ("data", "model"))
     fp = fingerprint_fn()
 
@@ -403,7 +406,7 @@ def child_dcp(a) -> None:
     jax.block_until_ready(torch_route(warm, torch_state(warm)))
     shutil.rmtree(warm)
     src = os.path.join(a.dir, "dcp")
-    shapes = small_llama_shapes(a.gb) if a.side < 4096 else llama_shapes(a.gb)
+    shapes = small_llama_shapes(a.gb) if a.small else llama_shapes(a.gb)
     write_dcp(src, shapes)
     nbytes = du(src)
     target = target_of(src, mesh)
@@ -507,10 +510,11 @@ class Child:
             self.rc = proc.wait()
             timer.cancel()
         self.wall_s = time.perf_counter() - t0
+        self.error = None  # what a failed child left in the log (its rows so far stay)
         if self.rc and not self.killed:
             with open(log, errors="replace") as f:
-                tail = f.read()[-3000:]
-            raise RuntimeError(f"{' '.join(argv[:3])} failed ({self.rc}):\n{tail}")
+                self.error = f"{' '.join(argv[:4])} failed ({self.rc}):\n{f.read()[-3000:]}"
+            print(self.error, flush=True)
 
     def _kill(self, proc) -> None:
         self.killed = True
@@ -547,7 +551,10 @@ def child_env(platforms: str) -> dict:
 
 
 def probe(python: str, what: str, env: dict, log: str) -> dict:
-    return Child(python, ["--child", "probe", "--what", what], env, time.time() + 120, log).info
+    child = Child(python, ["--child", "probe", "--what", what], env, time.time() + 120, log)
+    if child.error or child.killed:
+        raise RuntimeError(child.error or "the probe took over 120 s")
+    return child.info
 
 
 def caps(a, info: dict, work: str) -> dict[str, float]:
@@ -597,6 +604,7 @@ def summarize(rows: list) -> list[dict]:
         s = {"part": part, "size_gb": size, "contender": name, "rounds": len(rs),
              "bytes": rs[0]["bytes"], "host_peak_mib": max(r["host_peak"] for r in rs) / MiB}  # fmt: skip
         if part == "save":
+            s["on_disk_bytes"] = rs[-1].get("on_disk")
             s |= {"stall_s": med("stall_s"), "whole_s": med("whole_s"),
                   "durable_s": med("durable_s"), "each_durable_s": [r["durable_s"] for r in rs]}  # fmt: skip
             s["seconds"] = s["durable_s"]
@@ -690,14 +698,19 @@ def parent(a) -> int:
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     host = report_host(work)
-    jax_env = child_env("cpu" if a.cpu_smoke else "")
-    if a.torch_python == sys.executable:
-        info = probe(sys.executable, "both", jax_env, log)
-    else:
-        info = probe(sys.executable, "jax", jax_env, log)
+    try:
+        info = probe(sys.executable, "jax", child_env("cpu" if a.cpu_smoke else ""), log)
+    except RuntimeError as e:  # no JAX backend at all: nothing to measure
+        doc["error"] = str(e)
+        write(out, doc, "")
+        print(f"JAX did not start: {e}")
+        return 3
+    try:
         got = probe(a.torch_python, "torch", child_env("cpu"), log)
         info |= {k: v for k, v in got.items() if k.startswith("torch")}
-        info["torch_python"] = a.torch_python
+    except RuntimeError as e:
+        info["torch_error"] = str(e)[-500:]
+    info["torch_python"] = a.torch_python
     gpu = info.get("backend") not in (None, "cpu")
     smoke = a.cpu_smoke or not gpu
     doc |= {"host": host, "runtime": info, "smoke": smoke}
@@ -706,6 +719,11 @@ def parent(a) -> int:
         print("no accelerator: JAX's backend is cpu; running the --cpu-smoke sizes", flush=True)
     cap = caps(a, info, work)
     sizes, notes = ladder(a, smoke, min(cap.values()))
+    a.notes = notes
+    if "torch_error" in info and "dcp" in a.parts:
+        a.parts = a.parts.replace("dcp", "")
+        notes.append(f"dcp part left out: {a.torch_python} has no torch (--torch-python)")
+        print(notes[-1], flush=True)
     doc |= {"caps_gb": cap, "ladder_gb": sizes, "notes": notes}
     print(f"caps (GB): {cap}; ladder: {sizes} {notes}", flush=True)
     env = child_env("cpu" if smoke else "")
@@ -738,6 +756,9 @@ def parent(a) -> int:
             if any(c.killed for c in children):
                 doc["notes"].append(f"{gb:g} GB: stopped by the time guard")
                 break
+            if any(c.error for c in children):
+                doc["notes"] += [f"{gb:g} GB: {c.error}" for c in children if c.error]
+                break
             prev = (gb, spent_of(children))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -758,7 +779,8 @@ def run_rung(a, gb, rounds, smoke, env, deadline, work, log) -> list:
     """The jax child (save, restore) then the dcp child at ``gb`` GB: the jax child's saves
     stop in time to leave its restores and the dcp child their share of what is left."""
     side = 512 if smoke else 4096
-    common = ["--gb", str(gb), "--side", str(side), "--dir", work] + (["--warm"] if a.warm else [])
+    common = ["--gb", str(gb), "--side", str(side), "--dir", work]
+    common += (["--warm"] if a.warm else []) + (["--small"] if smoke else [])
     left = deadline - time.time()
     dcp_share = 0.35 if "dcp" in a.parts else 0.0
     save_by = time.time() + left * (1 - dcp_share) * 0.6
@@ -768,16 +790,18 @@ def run_rung(a, gb, rounds, smoke, env, deadline, work, log) -> list:
         argv = ["--child", "jax", *common, "--rounds", str(rounds),
                 "--deadline-save", str(save_by), "--deadline", str(jax_by)]  # fmt: skip
         children.append(Child(sys.executable, argv, env, deadline, log))
-        if children[-1].killed:
+        if children[-1].killed or children[-1].error:
             return children
     if "dcp" in a.parts:
         argv = ["--child", "dcp", *common, "--rounds", str(rounds), "--deadline", str(deadline)]
-        try:
-            children.append(Child(a.torch_python, argv, env, deadline, log))
-        except RuntimeError as e:
-            if "No module named 'torch'" not in str(e):
-                raise
-            print(f"  dcp part skipped: no torch in {a.torch_python} (--torch-python)")
+        child = Child(a.torch_python, argv, env, deadline, log)
+        children.append(child)
+        if child.error:  # the save and restore figures stand; no dcp on later rungs
+            a.parts = a.parts.replace("dcp", "")
+            why = "no torch" if "No module named 'torch'" in child.error else "failed"
+            a.notes.append(f"dcp part: {why} in {a.torch_python} (--torch-python): "
+                           f"{child.error[-300:]}")  # fmt: skip
+            child.error = None
     return children
 
 
@@ -804,9 +828,10 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="JSON + table here (default $OUT, ./gpu_out)")
     ap.add_argument("--warm", action="store_true", help="restore from the page cache, not cold")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--what", default="both", help=argparse.SUPPRESS)
+    ap.add_argument("--what", default="jax", help=argparse.SUPPRESS)
     ap.add_argument("--gb", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--side", type=int, default=4096, help=argparse.SUPPRESS)
+    ap.add_argument("--small", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
     ap.add_argument("--deadline-save", type=float, default=float("inf"), help=argparse.SUPPRESS)
     a = ap.parse_args()
