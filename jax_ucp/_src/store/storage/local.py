@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import logging
 import os
 import shutil
@@ -237,8 +238,17 @@ class LocalDirectory(Storage):
         return os.path.join(self.root, *parts)
 
     def kvstore(self, *subpath: str) -> dict:
+        """A ``file`` kvstore of the resolved absolute path: TensorStore refuses ``..``, ``.``
+        and ``//`` components (``../ck`` was its raw "Invalid file path"), and resolving links
+        first reads what the kernel would open through them (``link/../x`` is not ``x``)."""
         rel = "/".join(p.strip("/") for p in subpath if p)
-        return {"driver": "file", "path": os.path.join(self.root, rel)}
+        return {"driver": "file", "path": os.path.join(self.resolved, rel)}
+
+    @functools.cached_property
+    def resolved(self) -> str:
+        """``root`` absolute, every link and ``..`` resolved (once: the one spelling of it
+        TensorStore is given)."""
+        return os.path.realpath(self.root)
 
     def read(self, name: str, limit: int) -> bytes | None:
         try:
