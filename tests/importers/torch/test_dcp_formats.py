@@ -106,6 +106,24 @@ def test_zstd_chunks_and_objects_are_frames_torch_compressed():
     assert_bit_exact(ck.read_rows("model.big", 10, 20), truth(ZSTD)["big"][10:20], "rows")
 
 
+@pytest.mark.timeout(300)
+def test_zstd_dcp_in_an_object_store_restores_as_the_local_folder(bucket_url):
+    """The compressed entries are fetched by ranged reads (their compressed lengths) and
+    decoded as from a local file."""
+    from jax_ucp._src.store.storage import object_store
+
+    folder = os.path.join(FIX, ZSTD)
+    prefix = f"{bucket_url}/dcp-zstd-{os.getpid()}"
+    for entry in os.listdir(folder):
+        with open(os.path.join(folder, entry), "rb") as f:
+            object_store.write(prefix, entry, f.read())
+    want = truth(ZSTD)
+    remote = jax_ucp.restore(prefix, target=_target(want))
+    for key, value in want.items():
+        assert_bit_exact(remote["params"][key], value, key)
+    assert torch_dcp.open_dcp(prefix).read_object("step") == 3
+
+
 def _copy(name: str, tmp_path) -> str:
     dst = str(tmp_path / name)
     shutil.copytree(os.path.join(FIX, name), dst)
