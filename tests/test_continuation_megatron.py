@@ -187,6 +187,7 @@ REFUSED = [
     ("param_groups", {"step": 3.0}, SourceError, r"num_steps 8 is not the Adam step 3 x"),
     ("param_groups", {"betas": [0.9]}, SourceError, r"param_groups\[0\]\.betas = \[0\.9\]"),
     ("param_groups", {"start_wd": 0.02}, RequestError, r"override start_wd"),
+    ("param_groups", {"lr_mult": "1"}, SourceError, r"param_groups\[0\]\.lr_mult = '1'"),
     ("args", {"no_weight_decay_cond_type": "qwen3_next"}, RequestError, r"no_weight_decay_cond"),
     ("", {"args": [1]}, SourceError, r"megatron_optimizer\.args is list, expected a mapping"),
     ("", {"param_groups": "x"}, SourceError, r"param_groups is not a list of mappings"),
@@ -214,7 +215,9 @@ def test_fp16_skipped_iterations_allowed(scheduled):
 def test_weights_only_import_refused(scheduled):
     source, saved = scheduled
     params = {k: v for k, v in saved.items() if k[0] == "params"}
-    with pytest.raises(RequestError, match=r"without its Adam moments"):
+    with pytest.raises(
+        RequestError, match=r"no Adam moments \(opt_state/mu\): imported weights_only"
+    ):
         megatron_recipe(source, params, "ckpt")
 
 
@@ -298,9 +301,9 @@ class _Optimizer:
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("warmup_iters", [0, 7])
+@pytest.mark.parametrize("warmup", [0, 42, 7.8])  # samples; 7.8: an lr_warmup_fraction's
 @pytest.mark.parametrize(("style", "anneal", "wd_style"), _styles())
-def test_schedules_equal_megatron_core(style, anneal, wd_style, warmup_iters):
+def test_schedules_equal_megatron_core(style, anneal, wd_style, warmup):
     """Over 150 iterations (past the decay's end), the recipe's lr and weight decay at optax's
     count equal what megatron-core's OptimizerParamScheduler sets on the param groups when
     Megatron-LM's train_step steps it by the global batch; the recipe is read at iteration 37
@@ -318,7 +321,6 @@ def test_schedules_equal_megatron_core(style, anneal, wd_style, warmup_iters):
         lr=max_lr,
         min_lr=min_lr,
         lr_warmup_init=init_lr,
-        lr_warmup_iters=warmup_iters,
         train_iters=train_iters,
         lr_wsd_decay_iters=40,
         lr_wsd_decay_style=anneal,
@@ -335,7 +337,7 @@ def test_schedules_equal_megatron_core(style, anneal, wd_style, warmup_iters):
         init_lr=init_lr,
         max_lr=max_lr,
         min_lr=min_lr,
-        lr_warmup_steps=warmup_iters * gbs,
+        lr_warmup_steps=warmup,
         lr_decay_steps=100 * gbs,  # lr_decay_iters 100 < train_iters: min_lr after it
         lr_decay_style=style,
         start_wd=start_wd,
@@ -386,7 +388,7 @@ def test_schedules_equal_megatron_core(style, anneal, wd_style, warmup_iters):
         init_lr=init_lr,
         max_lr=max_lr,
         min_lr=min_lr,
-        lr_warmup_steps=warmup_iters * gbs,
+        lr_warmup_steps=warmup,
         lr_decay_steps=100 * gbs,
         lr_decay_style=style,
         start_wd=start_wd,

@@ -208,8 +208,8 @@ def megatron_recipe(
     Args:
         source: the manifest's ``source`` record.
         saved: the import's tensor keys (``("params", name)``, ``("opt_state", "mu", name)``,
-            ... or the same as ``params/<name>`` strings) -> (shape, dtype): which parameters are decayed is Megatron's rule on their names and
-            per-layer shapes.
+            ..., or the same as ``params/<name>`` strings) -> (shape, dtype): which parameters
+            are decayed is Megatron's rule on their names and per-layer shapes.
         where: the checkpoint, named in every refusal.
 
     Raises:
@@ -255,7 +255,7 @@ def megatron_recipe(
         notes.append(
             f"gradient norm clipped to {clip} (Megatron scales by clip_grad / (norm + 1e-6))"
         )
-    if args.values.get("fp16"):
+    if args.flag("fp16"):
         notes.append("fp16 dynamic loss scaling is not carried over")
     count_note = (
         f"optax count c -> Megatron's scheduler at c x {gbs} samples (global_batch_size); "
@@ -289,7 +289,7 @@ def megatron_recipe(
         decayed=decayed,
         clip=clip,
         bias_correction=True,
-        notes=(how, count_note, *notes),
+        notes=(count_note, *notes),
         unrecovered=tuple(unrecovered),
     )
 
@@ -322,7 +322,8 @@ def _read_record(
         )
     if not any(_path(k).startswith("opt_state/mu/") for k in saved):
         raise RequestError(
-            f"{where}: imported without its Adam moments (weights_only): nothing to continue"
+            f"{where}: the import holds no Adam moments (opt_state/mu): imported weights_only, "
+            f"or its optimizer state was not read (see source.skipped / source.notes)"
         )
     scheduler = _Fields(state, "opt_param_scheduler", file)
     old = [k for k in _OLD_KEYS if k in state]
@@ -362,7 +363,7 @@ def _schedule(scheduler: _Fields, args: _Fields, groups: list[_Fields]) -> Megat
                 f"opt_param_scheduler.{key} {own}: get_lr uses the group's"
             )
     for key in ("start_wd", "end_wd", "lr_mult"):
-        value = _agreed(groups, key, lambda g, key=key: g.values.get(key))
+        value = _agreed(groups, key, lambda g, key=key: _group_number(g, key))
         if key == "lr_mult" and value not in (None, 1.0):
             raise RequestError(
                 f"{scheduler.where}: param groups with lr_mult {value}: a learning rate scaled "
@@ -381,7 +382,7 @@ def _schedule(scheduler: _Fields, args: _Fields, groups: list[_Fields]) -> Megat
         )
     if any(g.values.get("is_decoupled_lr") for g in groups):
         raise RequestError(f"{args.where}: a param group has is_decoupled_lr: not one Recipe")
-    wsd_steps, wsd_style = _wsd(scheduler, args, decay) if style == "WSD" else (None, None)
+    wsd_steps, wsd_style = _wsd(scheduler, args) if style == "WSD" else (None, None)
     init = scheduler.values.get("init_lr", args.values.get("lr_warmup_init"))
     init_lr = (
         _Fields({"lr_warmup_init": init}, "args", args.where).number("lr_warmup_init", high=max_lr)
@@ -408,12 +409,12 @@ def _group_number(group: _Fields, key: str) -> float | None:
     return None if group.values.get(key) is None else group.number(key)
 
 
-def _wsd(scheduler: _Fields, args: _Fields, decay: float) -> tuple[float, str]:
+def _wsd(scheduler: _Fields, args: _Fields) -> tuple[float, str]:
     """WSD's anneal length (samples) and style: the scheduler's own record where it holds them,
     else Megatron-LM's ``get_optimizer_param_scheduler`` from the args (iterations x global
     batch when ``train_iters``, samples when ``train_samples``)."""
     if scheduler.has("wsd_decay_steps"):
-        steps = scheduler.number("wsd_decay_steps", high=decay)
+        steps = scheduler.number("wsd_decay_steps")
     elif args.has("train_iters") and args.number("train_iters", integer=True) > 0:
         if not args.has("lr_wsd_decay_iters"):
             raise args.refuse("lr_wsd_decay_iters", "the WSD anneal length in iterations")
@@ -423,10 +424,6 @@ def _wsd(scheduler: _Fields, args: _Fields, decay: float) -> tuple[float, str]:
         steps = args.number("lr_wsd_decay_samples", integer=True)
     else:
         raise args.refuse("train_iters", "train_iters or train_samples with the WSD anneal length")
-    if steps > decay:
-        raise SourceError(
-            f"{args.where}: the WSD anneal ({steps} samples) is longer than the decay ({decay})"
-        )
     section = scheduler if scheduler.has("lr_wsd_decay_style") else args
     return steps, section.choice("lr_wsd_decay_style", WSD_DECAY_STYLES)
 
@@ -486,7 +483,7 @@ def _step(
             f"position cannot be mapped to optax's count"
         )
     if iteration is not None and iteration != step:
-        skipped = step < iteration and args.values.get("fp16") is True
+        skipped = step < iteration and args.flag("fp16") is True
         if not skipped:
             raise SourceError(
                 f"{file}: iteration {iteration} but opt_param_scheduler.num_steps {num_steps} = "
