@@ -11,6 +11,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -401,3 +402,169 @@ def test_schedules_equal_megatron_core(style, anneal, wd_style, warmup):
     for i in range(150):
         assert math.isclose(float(schedule.lr(i * gbs)), lrs[i], rel_tol=1e-12, abs_tol=1e-18)
         assert math.isclose(float(schedule.wd(i * gbs)), wds[i], rel_tol=1e-12, abs_tol=1e-18)
+
+
+@pytest.mark.torch
+def test_continuation_steps_as_megatron_core(tmp_path):
+    """Megatron's own pieces step a small model 12 iterations: megatron-core's param groups
+    (``_get_param_groups``: its standard no-weight-decay rule), the Adam it builds without
+    Apex / Transformer Engine (torch's AdamW, decoupled decay) and its OptimizerParamScheduler
+    stepped by the global batch (warm-up, cosine decay, linear weight-decay increment). Saved at
+    iteration 5, the recipe's optax chain, given the saved moments and step, takes the next 7
+    updates to the same parameters."""
+    import jax.numpy as jnp
+    import optax
+    import torch
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear_fc1 = torch.nn.Linear(6, 8)
+            self.layer_norm = torch.nn.LayerNorm(8)
+            self.output_layer = torch.nn.Linear(8, 5, bias=False)
+
+    torch.manual_seed(0)
+    model = Block()
+    gbs, saved_at, total = 8, 5, 12
+    args = dict(
+        optimizer="adam",
+        adam_beta1=0.9,
+        adam_beta2=0.98,
+        adam_eps=1e-6,
+        clip_grad=0.0,
+        lr=0.05,
+        min_lr=0.005,
+        lr_warmup_init=0.001,
+        global_batch_size=gbs,
+        micro_batch_size=4,
+        data_parallel_size=2,
+        rampup_batch_size=None,
+        decoupled_lr=None,
+        decoupled_weight_decay=True,
+        iteration=saved_at,
+    )
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=0.05,
+        min_lr=0.005,
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.98,
+        adam_eps=1e-6,
+    )
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+        )
+    try:
+        groups = _get_param_groups([model], config, None)  # type: ignore[arg-type]
+    finally:
+        torch.distributed.destroy_process_group()
+    optimizer = torch.optim.AdamW(
+        groups, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98), eps=1e-6
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,  # type: ignore[arg-type]
+        init_lr=0.001,
+        max_lr=0.05,
+        min_lr=0.005,
+        lr_warmup_steps=2 * gbs,
+        lr_decay_steps=10 * gbs,
+        lr_decay_style="cosine",
+        start_wd=0.05,
+        end_wd=0.2,
+        wd_incr_steps=total * gbs,
+        wd_incr_style="linear",
+    )
+    names = dict(model.named_parameters())
+    grads = [
+        {
+            n: torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+            for n, p in names.items()
+        }
+        for i in range(total)
+    ]
+    record = saved = None
+    for iteration in range(total):
+        if iteration == saved_at:
+            groups_record = [
+                {k: v for k, v in g.items() if k != "params"} | {"step": float(saved_at)}
+                for g in optimizer.param_groups
+            ]
+            record = {
+                "file": "common.pt",
+                "args": args,
+                "opt_param_scheduler": scheduler.state_dict(),
+                "param_groups": groups_record,
+            }
+            state = optimizer.state
+            saved = {
+                "params": {n: p.detach().numpy().copy() for n, p in names.items()},
+                "mu": {n: state[p]["exp_avg"].numpy().copy() for n, p in names.items()},
+                "nu": {n: state[p]["exp_avg_sq"].numpy().copy() for n, p in names.items()},
+            }
+        for n, p in names.items():
+            p.grad = grads[iteration][n].clone()
+        optimizer.step()
+        scheduler.step(increment=gbs)
+    assert record is not None and saved is not None
+    source = {"framework": "megatron", "iteration": saved_at, "megatron_optimizer": record}
+    shapes = {
+        **{("params", n): (tuple(p.shape), np.float32) for n, p in names.items()},
+        **{("opt_state", "mu", n): (tuple(p.shape), np.float32) for n, p in names.items()},
+    }
+    recipe = megatron_recipe(json.loads(json.dumps(source, default=list)), shapes, "ckpt")
+    assert recipe is not None and recipe.optimizer == "adamw" and recipe.clip is None
+    assert recipe.decayed == {
+        "linear_fc1.weight": True,
+        "linear_fc1.bias": False,
+        "layer_norm.weight": False,
+        "layer_norm.bias": False,
+        "output_layer.weight": True,
+    }
+    wd = recipe.weight_decay
+    assert callable(wd)
+    # the chain's shape (optax_from_torch builds its own from the Recipe): Adam, then decoupled
+    # decay at the schedule's rate on the decayed parameters, then the learning rate
+    tx = optax.chain(
+        optax.scale_by_adam(b1=recipe.betas[0], b2=recipe.betas[1], eps=recipe.eps),
+        _scheduled_decay(wd, dict(recipe.decayed)),
+        optax.scale_by_learning_rate(recipe.learning_rate),
+    )
+    params = {n: jnp.asarray(a) for n, a in saved["params"].items()}
+    count = jnp.asarray(saved_at, jnp.int32)  # the saved Adam step: optax's count
+    adam = optax.ScaleByAdamState(
+        count=count,
+        mu={n: jnp.asarray(a) for n, a in saved["mu"].items()},
+        nu={n: jnp.asarray(a) for n, a in saved["nu"].items()},
+    )
+    state = (adam, _DecayState(count), optax.ScaleByScheduleState(count=count))
+    for iteration in range(saved_at, total):
+        g = {n: jnp.asarray(grads[iteration][n].numpy()) for n in names}
+        updates, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+    for n, p in names.items():
+        np.testing.assert_allclose(np.asarray(params[n]), p.detach().numpy(), rtol=2e-5, atol=1e-6)
+
+
+class _DecayState(NamedTuple):
+    count: Any
+
+
+def _scheduled_decay(rate, mask: dict):
+    """Decoupled weight decay at ``rate(count)`` on the parameters ``mask`` marks."""
+    import jax.numpy as jnp
+    import optax
+
+    def init(params):
+        del params
+        return _DecayState(jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params):
+        wd = rate(state.count)
+        out = {n: u + wd * params[n] if mask[n] else u for n, u in updates.items()}
+        return out, _DecayState(state.count + 1)
+
+    return optax.GradientTransformation(init, update)
