@@ -346,3 +346,143 @@ def test_the_chain_steps_as_deepspeeds_own_optimizer(cls, kind, bias_correction,
         params = dict(optax.apply_updates(params, updates))  # pyright: ignore[reportArgumentType]
         for k, p in tparams.items():
             np.testing.assert_allclose(np.asarray(params[k]), p.detach().numpy(), rtol=0, atol=2e-6)
+
+
+# -- what the files do not record, supplied: optax_from_torch(schedule=, clip=) -------------------
+
+PLAIN = os.path.join(REPO, "tests", "fixtures", "torch", "accelerate_fsdp")  # no schedule, no clip
+
+
+def _kinds(run) -> list[str]:
+    return [type(s).__name__ for s in run.opt_state]
+
+
+def test_one_chain_shape_for_every_source():
+    """A plain torch run, a Trainer + DeepSpeed run and a DeepSpeed-configured run: the same
+    five pieces (clip, L2 decay, Adam, decoupled decay, learning rate), each one's state."""
+    shape = [
+        "EmptyState",
+        "ScaleByScheduleState",
+        "ScaleByAdamState",
+        "ScaleByScheduleState",
+        "ScaleByScheduleState",
+    ]
+    with pytest.warns(UserWarning, match="schedule"):
+        plain = jax_ucp.optax_from_torch(PLAIN)
+    trainer = os.path.join(REPO, "tests", "fixtures", "hf_trainer", "trainer_ds_z2", "checkpoint-3")
+    runs = [plain, jax_ucp.optax_from_torch(trainer)]
+    runs += [jax_ucp.optax_from_torch(os.path.join(FIX, f"recipe_{n}", "ckpt")) for n in PRESENT]
+    for run in runs:
+        assert _kinds(run) == shape
+        counted = (optax.ScaleByAdamState, optax.ScaleByScheduleState)
+        assert [int(s.count) for s in run.opt_state if isinstance(s, counted)] == [run.step] * 4
+
+
+def test_a_plain_runs_schedule_and_clipping_are_supplied():
+    """schedule= (an optax schedule of the step count) and clip= fill what the files do not
+    record: nothing is left unrecovered, no warning, and the chain clips and schedules."""
+    import warnings
+
+    schedule = optax.cosine_decay_schedule(0.01 / (0.5 * (1 + math.cos(math.pi * 3 / 10))), 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run = jax_ucp.optax_from_torch(PLAIN, schedule=schedule, clip=0.5)
+    assert run.unrecovered == []
+    assert any("schedule: given (schedule=)" in n for n in run.notes)
+    assert any("clipping: given (clip=), to global norm 0.5" in n for n in run.notes)
+    assert float(run.schedule(4)) == pytest.approx(float(schedule(4)))
+    params = jax.tree.map(jnp.asarray, dict(run.params))
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 3.0), params)
+    norm = float(optax.tree.norm(grads))
+    unclipped = jax_ucp.optax_from_torch(PLAIN, schedule=schedule, clip=None)
+    scaled = jax.tree.map(lambda g: g * (0.5 / (norm + 1e-6)), grads)
+    got, _ = run.tx.update(grads, run.opt_state, params)
+    want, _ = unclipped.tx.update(scaled, unclipped.opt_state, params)
+    same, _ = unclipped.tx.update(grads, unclipped.opt_state, params)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-9)
+    name = "tok_embeddings.weight"
+    assert not np.allclose(np.asarray(got[name]), np.asarray(same[name]), rtol=1e-3)
+    quiet = jax_ucp.optax_from_torch(PLAIN, schedule=0.01, clip=None)
+    assert quiet.unrecovered == [] and any(
+        "clipping: given (clip=), none" in n for n in quiet.notes
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "given", "says"),
+    [
+        (
+            "plain",
+            {"schedule": 0.02},
+            r"schedule=\) gives lr 0.02 at step 3; the optimizer holds 0.01",
+        ),
+        ("plain", {"clip": -1.0}, r"clip=\) = -1.0"),
+        ("plain", {"schedule": "cosine"}, r"schedule=\) = 'cosine'"),
+        ("trainer", {"schedule": 0.01}, r"the files record the run's schedule"),
+        ("trainer", {"clip": 2.0}, r"clip=2.0\), but the files record clipping to 1.0"),
+        ("trainer", {"clip": None}, r"clip=None\), but the files record clipping to 1.0"),
+        ("recipe", {"schedule": optax.constant_schedule(0.01)}, r"record the run's schedule"),
+    ],
+)
+def test_what_contradicts_the_files_is_refused(source, given, says):
+    path = {
+        "plain": PLAIN,
+        "trainer": os.path.join(
+            REPO, "tests", "fixtures", "hf_trainer", "trainer_ds_z2", "checkpoint-3"
+        ),
+        "recipe": os.path.join(FIX, "recipe_z1_fp32_adamw_cosine", "ckpt"),
+    }[source]
+    with pytest.raises(RequestError, match=says):
+        jax_ucp.optax_from_torch(path, **given)
+
+
+def test_a_recorded_clipping_given_again_is_accepted():
+    trainer = os.path.join(REPO, "tests", "fixtures", "hf_trainer", "trainer_ds_z2", "checkpoint-3")
+    run = jax_ucp.optax_from_torch(trainer, clip=1.0)
+    assert run.unrecovered == [] and any("global norm 1.0" in n for n in run.notes)
+
+
+@pytest.mark.torch
+def test_a_plain_torch_run_with_a_schedule_and_clipping_continues_exactly(tmp_path):
+    """A plain torch run (AdamW, CosineAnnealingLR, clip_grad_norm_ 0.5; torch.save): its files
+    record neither; given as schedule= / clip=, JAX's next 3 steps are torch's (<= 1e-6)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, betas=(0.8, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    xs = [torch.randn(8, 6, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def step(x):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        sched.step()
+
+    for x in xs[:3]:
+        step(x)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "run.pt")
+    want = []
+    for x in xs[3:]:
+        step(x)
+        want.append({n: p.detach().numpy().copy() for n, p in model.named_parameters()})
+
+    with pytest.warns(UserWarning, match="schedule"):
+        jax_ucp.optax_from_torch(str(tmp_path / "run.pt"))  # without: both unrecovered
+    schedule = optax.cosine_decay_schedule(0.05, 10)  # CosineAnnealingLR(T_max=10), eta_min 0
+    run = jax_ucp.optax_from_torch(str(tmp_path / "run.pt"), schedule=schedule, clip=0.5)
+    assert run.unrecovered == [] and run.step == 3
+
+    def loss(p, x):
+        h = jnp.tanh(x @ p["0.weight"].T + p["0.bias"])
+        return jnp.mean((h @ p["2.weight"].T + p["2.bias"]) ** 2)
+
+    params, state = jax.tree.map(jnp.asarray, dict(run.params)), run.opt_state
+    for x, after in zip(xs[3:], want):
+        updates, state = run.tx.update(jax.grad(loss)(params, x.numpy()), state, params)
+        params = dict(optax.apply_updates(params, updates))  # pyright: ignore[reportArgumentType]
+        for name, value in after.items():
+            np.testing.assert_allclose(np.asarray(params[name]), value, rtol=0, atol=1e-6)

@@ -601,10 +601,10 @@ def _from_run(
         notes.extend(recipe.at_step(step))
     if deepspeed and not recipe.schedule_recorded:  # the client's (the Trainer's) scheduler
         recipe = _client_schedule(recipe, source, groups, step)
-    notes[:0] = [f"{'AdamW' if recipe.optimizer == 'adamw' else 'Adam'}: {recipe.how}"]
+    recipe = _with_given(recipe, given, step, where)
+    notes[:0] = [recipe.how]
     notes.extend(recipe.notes)
     _recorded_steps(source, step, notes, where)
-    recipe = _with_given(recipe, given, step, where)
     mask = None
     if _decays(recipe):
         mask = _mask_tree(run.saved, spec, params, dict(recipe.decayed), where)
@@ -1019,11 +1019,12 @@ def _unrecovered(source: dict) -> list[str]:
         return [] if args.get("lr_scheduler_type") is not None else ["the learning-rate schedule"]
     out = [
         "the learning-rate schedule (none recorded: the optimizer's learning rate for the "
-        "next step, held constant)"
+        "next step, held constant; pass optax_from_torch(schedule=) the run's)"
     ]
     if not isinstance(torch_optimizer_record(source).get("deepspeed"), dict):
         out.append(
-            "gradient clipping (none recorded: add optax.clip_by_global_norm if the run clipped)"
+            "gradient clipping (none recorded: pass optax_from_torch(clip=) the run's max_norm, "
+            "or clip=None if it did not clip)"
         )
     return out
 

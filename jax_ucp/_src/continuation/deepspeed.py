@@ -350,7 +350,7 @@ def _adam_from_config(made: Any, groups: list[dict], where: str) -> tuple[str, s
     decoupled = name.lower() == "adamw" or adam_w_mode
     bias_correction = params.get("bias_correction", True)
     how = (
-        f"DeepSpeed config optimizer {name!r}"
+        f"DeepSpeed {'AdamW' if decoupled else 'Adam'}: config optimizer {name!r}"
         + (", torch_adam" if torch_adam else " (FusedAdam, or DeepSpeedCPUAdam under offload)")
         + (f", adam_w_mode={adam_w_mode}" if "adam_w_mode" in params else "")
         + ("" if bias_correction else ", bias_correction=false")
@@ -414,7 +414,7 @@ def deepspeed_recipe(
     else:
         if client is None:
             raise RequestError(f"{where}: the client's optimizer is not identified")
-        kind, how = client
+        kind, how = client[0], f"torch {'AdamW' if client[0] == 'adamw' else 'Adam'}: {client[1]}"
         bias_correction, base_lr = True, math.nan
     clip = ds.get("gradient_clipping", 0.0)
     clip = float(_value(_NUMBER, clip, 0.0, False, f"{where}: DeepSpeed gradient_clipping"))
