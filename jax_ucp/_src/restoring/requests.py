@@ -274,6 +274,20 @@ def placed_requests(where: str, available, options: RestoreOptions):
     return reqs, key_types
 
 
+def _any_replicated(available, mesh) -> bool:
+    """Some tensor of more than one element is whole on every device of ``mesh`` (its saved
+    sharding placing it on none of the mesh's axes): rules carrying no name then shard nothing
+    that is not already placed, and say so; placed as saved (a run restored onto the mesh
+    names it was saved on), nothing is replicated and nothing is said."""
+    for av in available:
+        spec = sharding_lib.sharding_for(
+            av.shape, mesh=mesh, saved=av.saved_sharding, logical_axes=None, rules=None
+        ).spec
+        if math.prod(av.shape) > 1 and not any(spec):
+            return True
+    return False
+
+
 def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
     """``sharding.check_names`` for the tensors a restore (or plan) with ``mesh=`` would
     place: the logical names they carry and the mesh axes they were saved with.
@@ -298,7 +312,7 @@ def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
         mesh, rules, logical_names=names, saved_axes=axes, where=root, strict=strict
     )
     unmatched = sharding_lib.unmatched_rules(rules, names)
-    if unmatched:
+    if unmatched and (names or _any_replicated(available, mesh)):
         warnings.warn(
             sharding_lib.unmatched_rules_message(root, unmatched, names),
             sharding_lib.ReplicationWarning,

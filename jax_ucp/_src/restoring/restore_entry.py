@@ -121,12 +121,21 @@ def restore_from(opened: OpenedSource, options: restore_options.RestoreOptions):
         memory_budget=options.read_budget,
         replicated_read=options.replicated_read,
     )
+    if options.mesh is not None:  # the names a save of the run records again
+        from jax_ucp._src.sharding import restored_axes
+
+        restored_axes.remember(
+            (r.key, x, getattr(wanted.available.get(r.key), "logical_axes", None))
+            for r, x in zip(wanted.requests, results)
+        )
     return wanted.assemble(results)
 
 
 def _restore_step(root: str, options: restore_options.RestoreOptions):
     """``restore(root, step=N | "latest", fallback=)``: the step's UCP item restored; for
     "latest" the step ``resume.latest_readable`` takes (the rule ``latest_step`` gives too)."""
+    from jax_ucp._src.restoring import resume
+
     plain = dataclasses.replace(options, step=None, fallback=False)
     if isinstance(options.step, int):  # checked when the options were made: N or "latest"
         return restore_tree(resume.step_item(root, options.step), plain)

@@ -20,6 +20,7 @@ from jax_ucp._src import sharding as sharding_lib
 from jax_ucp._src import tree as tree_lib
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.saving import budget as budget_lib
+from jax_ucp._src.sharding import restored_axes
 from jax_ucp._src.writer import (
     PreparedTensor,
     SaveOptions,
@@ -259,7 +260,7 @@ def prepare_tree(
         if isinstance(leaf, _VALUE_TYPES) and not isinstance(leaf, np.generic):
             entries.append(value_entry(key, key_types, leaf, role=role, sub_role=sub_role))
             continue
-        names = axis_names.of(key, boxed_names, getattr(leaf, "shape", ()))
+        names = axis_names.of(key, boxed_names, getattr(leaf, "shape", ()), leaf)
         tagged = dict(role=role, sub_role=sub_role, logical_axes=names, key_impl=key_impls.get(key))
         if isinstance(leaf, jax.Array):
             if bounded is not None:
@@ -340,13 +341,18 @@ class _AxisNames:
             if len(key) > 1 and key[0] == "params":
                 value, boxed = tree_lib.unbox(leaf)
                 names = self._by_key.get(key, boxed)
+                if names is None:
+                    names = restored_axes.names_of(key, value)
                 if names is not None:
                     shape = tuple(getattr(value, "shape", ()))
                     self._by_param_path[key[1:]] = (tuple(names), shape)
 
-    def of(self, key, boxed_names, shape):
-        """The names of leaf ``key`` (of ``shape``; ``boxed_names`` from its flax box)."""
+    def of(self, key, boxed_names, shape, leaf=None):
+        """The names of leaf ``key`` (of ``shape``; ``boxed_names`` from its flax box; ``leaf``
+        the array, for the names a restore placed it by: ``sharding.restored_axes``)."""
         names = self._by_key.get(key, boxed_names)
+        if names is None and leaf is not None:  # the names a restore placed it by
+            names = restored_axes.names_of(key, leaf)
         if names is not None or not self._by_param_path or key[0] == "params":
             return names
         for i in range(1, len(key)):

@@ -1,0 +1,103 @@
+"""The logical axis names a restore placed its arrays by (a spec's names, or a manifest's), kept
+for the save of the same run.
+
+A restore returns plain ``jax.Array`` leaves (what an optax step and a jitted model take); their
+``NamedSharding`` names mesh axes only. Without this, ``restore(src, spec=..., rules=...)``,
+a few steps, then ``save`` (or ``UCPSave``) recorded no logical axes, and a restore onto a mesh
+with other axis names replicated every tensor. A save takes a leaf's names from, in order,
+``save(logical_axes=)``, its flax box or nnx metadata, then what is remembered here:
+
+- the restored array itself (by identity, while it lives);
+- an array a step made from it: a ``jax.Array`` at the same place, its tree path ending with
+  the restored one's path below its root (``params/...``), of the same shape and placed by the
+  same ``NamedSharding`` on a mesh axis, where every such restored array carries the same names.
+
+Only arrays placed on a mesh by names are remembered; the last restore of a place wins.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+#: how many places are remembered at most (the oldest forgotten first)
+MAX_PLACES = 1 << 16
+
+_lock = threading.RLock()  # a weakref callback may run while it is held (a collection)
+_by_id: dict[int, tuple[weakref.ref, tuple]] = {}
+# (shape, sharding) -> {restored path: names}
+_by_place: dict[tuple, dict[tuple[str, ...], tuple]] = {}
+_places = 0
+
+
+def remember(restored: Iterable[tuple[Sequence[str], Any, Sequence[str | None] | None]]) -> None:
+    """Notes each ``(path, array, logical names)`` a restore placed on a mesh.
+
+    Args:
+      restored: the restored tree's path of each leaf, the leaf, and its logical axis names
+        (None or all None: nothing to remember).
+    """
+    import jax
+
+    global _places
+    for path, leaf, names in restored:
+        if not names or all(n is None for n in names) or not isinstance(leaf, jax.Array):
+            continue
+        sharding = leaf.sharding
+        if not isinstance(sharding, jax.sharding.NamedSharding) or not _sharded(sharding):
+            continue
+        names = tuple(names)
+        with _lock:
+            key = id(leaf)
+            _by_id[key] = (weakref.ref(leaf, lambda _, k=key: _forget(k)), names)
+            place = _by_place.setdefault((tuple(leaf.shape), sharding), {})
+            if tuple(map(str, path)) not in place:
+                _places += 1
+            place[tuple(map(str, path))] = names
+            if _places > MAX_PLACES:
+                _by_place.clear()
+                _places = 0
+
+
+def names_of(key: Sequence[str], leaf: Any) -> tuple | None:
+    """The logical names remembered for the leaf at tree path ``key`` of a tree being saved,
+    None when none are (see the module)."""
+    import jax
+
+    if not isinstance(leaf, jax.Array):
+        return None
+    with _lock:
+        found = _by_id.get(id(leaf))
+        if found is not None and found[0]() is leaf:
+            return found[1]
+        if not isinstance(leaf.sharding, jax.sharding.NamedSharding):
+            return None
+        place = _by_place.get((tuple(leaf.shape), leaf.sharding))
+        if not place:
+            return None
+        key = tuple(map(str, key))
+        matches = {
+            names
+            for path, names in place.items()
+            if len(path) > 1 and key[max(0, len(key) - len(path) + 1) :] == path[1:]
+        }
+    return matches.pop() if len(matches) == 1 else None
+
+
+def _forget(key: int) -> None:
+    with _lock:
+        found = _by_id.get(key)
+        if found is not None and found[0]() is None:
+            del _by_id[key]
+
+
+def _sharded(sharding) -> bool:
+    """The sharding splits the array over a mesh axis of more than one device."""
+    sizes = dict(sharding.mesh.shape)
+    for entry in sharding.spec:
+        for axis in entry if isinstance(entry, tuple) else (entry,):
+            if axis is not None and sizes.get(axis, 1) > 1:
+                return True
+    return False
