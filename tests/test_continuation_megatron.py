@@ -106,6 +106,48 @@ def test_recipe_of_a_megatron_bridge_save(tmp_path):
     assert recipe.decayed["output_layer.weight"] is True
 
 
+def test_optimizer_record_keeps_only_what_the_files_hold():
+    """The importers' record: the optimizer arguments among the saved args, the scheduler state,
+    every ChainedOptimizer member's group hyper-parameters (never their parameter lists), JSON
+    values only and bounded (a pickle cannot grow it)."""
+    from types import SimpleNamespace
+
+    from jax_ucp._src.importers.megatron.run_record import optimizer_record
+
+    args = SimpleNamespace(
+        lr=np.float32(0.5),
+        hidden_size=32,  # a model setting: not the optimizer's
+        rampup_batch_size=["16", "16", "1000"],
+        lr_decay_style="x" * 1000,
+        adam_beta1=[[0.9]],
+        clip_grad=object(),
+        min_lr=float("inf"),
+    )
+    group = {"params": [0, 1], "betas": (0.9, 0.95), "step": np.int64(3), "lr": 0.5}
+    state = {
+        "args": args,
+        "opt_param_scheduler": {"num_steps": 24, "max_lr": 0.5},
+        "optimizer": {0: {"optimizer": {"param_groups": [group]}}, 1: {"optimizer": {}}},
+        "iteration": 3,
+    }
+    record = optimizer_record(state, "common.pt")
+    assert record == {
+        "file": "common.pt",
+        "args": {
+            "lr": 0.5,
+            "rampup_batch_size": ["16", "16", "1000"],
+            "lr_decay_style": "<str of 1000 characters>",
+            "adam_beta1": ["<list>"],
+            "clip_grad": "<object>",
+            "min_lr": "inf",
+        },
+        "opt_param_scheduler": {"num_steps": 24, "max_lr": 0.5},
+        "param_groups": [{"betas": [0.9, 0.95], "step": 3, "lr": 0.5}],
+        "iteration": 3,
+    }
+    assert optimizer_record({"model": {}}, "common.pt") is None
+
+
 def test_not_megatron_or_nothing_recorded_is_none(scheduled):
     source, saved = scheduled
     assert megatron_recipe({**source, "framework": "torch"}, saved, "ckpt") is None

@@ -62,20 +62,23 @@ RUN_ARGS = (
 )
 
 
-def _plain(value: Any) -> Any:
-    """A scalar (or a list of scalars) as JSON can hold it; anything else as its type's name
-    in angle brackets, so a reader sees the value was there but not what it was."""
+def _plain(value: Any, nested: bool = False) -> Any:
+    """A scalar (or a short list of scalars) as JSON can hold it; anything else as its type's
+    name in angle brackets, so a reader sees the value was there but not what it was (a pickle
+    cannot make the record large: no nesting, strings and lists bounded)."""
     if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.size == 1):
         value = np.asarray(value).reshape(()).item()
     numel = getattr(value, "numel", None)
     if callable(numel) and hasattr(value, "item") and numel() == 1:
         value = value.item()  # a one-element tensor (a step saved as a tensor)
-    if value is None or isinstance(value, (bool, int, str)):
+    if value is None or isinstance(value, (bool, int)):
         return value
+    if isinstance(value, str):
+        return value if len(value) <= 200 else f"<str of {len(value)} characters>"
     if isinstance(value, float):
         return value if np.isfinite(value) else str(value)
-    if isinstance(value, (list, tuple)) and len(value) <= 16:
-        return [_plain(v) for v in value]
+    if isinstance(value, (list, tuple)) and len(value) <= 16 and not nested:
+        return [_plain(v, nested=True) for v in value]
     return f"<{type(value).__name__}>"
 
 
