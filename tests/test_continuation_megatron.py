@@ -29,8 +29,8 @@ SAVED_LR, SAVED_WD = 0.009997734440724333, 0.0118
 
 
 @pytest.fixture(scope="module")
-def scheduled(tmp_path_factory) -> tuple[dict, dict]:
-    """(source, saved) of gpt_distopt_dp2 with the scheduler fixture's common.pt, converted."""
+def scheduled_run(tmp_path_factory) -> tuple[dict, dict, Path]:
+    """(source, saved, converted) of gpt_distopt_dp2 with the scheduler fixture's common.pt."""
     root = tmp_path_factory.mktemp("megatron_recipe")
     src = root / "src"
     src.mkdir()
@@ -41,11 +41,16 @@ def scheduled(tmp_path_factory) -> tuple[dict, dict]:
     jax_ucp.convert(src, root / "out")
     manifest = jax_ucp.inspect(root / "out")
     saved = {e.key: (tuple(e.shape), e.dtype) for e in manifest.tensors}
-    return dict(manifest.source or {}), saved
+    return dict(manifest.source or {}), saved, root / "out"
 
 
-def test_recipe_from_the_scheduled_fixture(scheduled):
-    source, saved = scheduled
+@pytest.fixture(scope="module")
+def scheduled(scheduled_run) -> tuple[dict, dict]:
+    return scheduled_run[0], scheduled_run[1]
+
+
+def test_recipe_from_the_scheduled_fixture(scheduled_run):
+    source, saved, converted = scheduled_run
     record = source["megatron_optimizer"]
     assert record["file"] == "common.pt"
     assert record["opt_param_scheduler"]["num_steps"] == 8
@@ -81,6 +86,11 @@ def test_recipe_from_the_scheduled_fixture(scheduled):
     np.testing.assert_allclose(float(recipe.learning_rate(100)), 0.001, rtol=1e-6)  # min_lr
     np.testing.assert_allclose(float(wd(100)), 0.1, rtol=1e-6)  # end_wd
     assert any("c x 4 samples" in n for n in recipe.notes)
+    # the restored opt_state/count must be the step the scheduler's position maps to
+    count = int(jax_ucp.restore(converted)["opt_state"]["count"])
+    assert count == 2 and recipe.at_step is not None and recipe.at_step(count) == []
+    with pytest.raises(SourceError, match=r"restored step is 3, but .* 8 samples = step 2 x"):
+        recipe.at_step(3)
 
 
 def test_recipe_of_a_megatron_bridge_save(tmp_path):

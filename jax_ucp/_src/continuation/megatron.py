@@ -291,7 +291,24 @@ def megatron_recipe(
         bias_correction=True,
         notes=(count_note, *notes),
         unrecovered=tuple(unrecovered),
+        at_step=_step_check(step, gbs, file),
     )
+
+
+def _step_check(saved_step: int, gbs: int, file: str) -> Callable[[int], list[str]]:
+    """What checks, once the optimizer's step is restored, that it is the step the scheduler's
+    saved position maps to (its ``num_steps`` = step x global batch)."""
+
+    def check(step: int) -> list[str]:
+        if step != saved_step:
+            raise SourceError(
+                f"{file}: the optimizer's restored step is {step}, but the saved "
+                f"opt_param_scheduler stands at {saved_step * gbs} samples = step {saved_step} x "
+                f"global_batch_size {gbs}: cannot tell where the schedule stands"
+            )
+        return []
+
+    return check
 
 
 def _read_record(
