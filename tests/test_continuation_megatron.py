@@ -232,6 +232,7 @@ REFUSED = [
     ("opt_param_scheduler", {"max_lr": 0.02}, SourceError, r"groups' max_lr 0\.01 is not"),
     ("opt_param_scheduler", {"end_iter": 5}, SourceError, r"\['end_iter'\]: an AnnealingLR"),
     ("opt_param_scheduler", {"lr_decay_style": "WSD"}, SourceError, r"lr_wsd_decay_iters"),
+    ("opt_param_scheduler", {"tier_lr_multiplier": 2}, RequestError, r"\['tier_lr_multiplier'\]"),
     ("param_groups", {"lr": 0.01}, SourceError, r"param_groups\[0\]\.lr 0\.01 is not the sch"),
     ("param_groups", {"weight_decay": 0.5}, SourceError, r"param_groups\[0\]\.weight_decay 0\.5"),
     ("param_groups", {"lr_mult": 0.1}, RequestError, r"lr_mult 0\.1.*scale_lr_cond"),
@@ -253,6 +254,26 @@ def test_damaged_or_untranslatable_record_refused(scheduled, section, values, er
     with pytest.raises(error, match=r"ckpt \(common\.pt\)|ckpt:") as raised:
         megatron_recipe(_edit(source, section, **values), saved, "ckpt")
     assert raised.match(match)
+
+
+def test_wsd_from_the_scheduler_state_itself(scheduled):
+    """A release whose state_dict holds WSD's anneal and the warm-up start: read from there."""
+    source, saved = scheduled
+    edited = _edit(
+        source,
+        "opt_param_scheduler",
+        lr_decay_style="WSD",
+        wsd_decay_steps=100,
+        lr_wsd_decay_style="linear",
+        init_lr=0.0,
+    )
+    edited = _edit(edited, "param_groups", lr=None)  # set by the cosine run: not this schedule
+    recipe = megatron_recipe(edited, saved, "ckpt")
+    assert recipe is not None
+    # 400 decay samples, the last 100 annealed linearly from max_lr 0.01 to min_lr 0.001
+    np.testing.assert_allclose(float(recipe.learning_rate(75)), 0.01, rtol=1e-6)
+    np.testing.assert_allclose(float(recipe.learning_rate(85)), 0.001 + 0.6 * 0.009, rtol=1e-6)
+    np.testing.assert_allclose(float(recipe.learning_rate(101)), 0.001, rtol=1e-6)
 
 
 def test_fp16_skipped_iterations_allowed(scheduled):

@@ -35,6 +35,23 @@ WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 # keys of AnnealingLR's state before the scheduler counted samples (load_state_dict's fallbacks)
 _OLD_KEYS = ("start_lr", "warmup_iter", "warmup_steps", "end_iter", "decay_steps", "num_iters")
+#: the OptimizerParamScheduler state this reader knows (megatron-core 0.16's state_dict, with
+#: the warm-up start and WSD's anneal where a release saves them too)
+SCHEDULER_KEYS = (
+    "max_lr",
+    "min_lr",
+    "lr_warmup_steps",
+    "lr_decay_steps",
+    "lr_decay_style",
+    "num_steps",
+    "start_wd",
+    "end_wd",
+    "wd_incr_steps",
+    "wd_incr_style",
+    "init_lr",
+    "wsd_decay_steps",
+    "lr_wsd_decay_style",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +365,12 @@ def _read_record(
         raise SourceError(
             f"{file}: opt_param_scheduler holds {old}: an AnnealingLR record from before "
             f"megatron-core counted samples, not translated"
+        )
+    unknown = sorted(k for k in state if k not in SCHEDULER_KEYS)
+    if unknown:
+        raise RequestError(
+            f"{file}: opt_param_scheduler holds {unknown}, which this reader does not know "
+            f"(known: {list(SCHEDULER_KEYS)}): what they change in the schedule is not translated"
         )
     return file, args, scheduler, groups
 
