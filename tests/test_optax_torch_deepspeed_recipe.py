@@ -486,3 +486,63 @@ def test_a_plain_torch_run_with_a_schedule_and_clipping_continues_exactly(tmp_pa
         params = dict(optax.apply_updates(params, updates))  # pyright: ignore[reportArgumentType]
         for name, value in after.items():
             np.testing.assert_allclose(np.asarray(params[name]), value, rtol=0, atol=1e-6)
+
+
+def test_a_megatron_recipe_is_continued_by_the_same_chain(tmp_path):
+    """Megatron's recorded arguments and OptimizerParamScheduler (continuation.megatron) are
+    wired into optax_from_torch: the same five pieces, and one update equals the recipe's step
+    written out (clip by clip_grad / (norm + 1e-6), Adam, decoupled decay at the scheduled rate
+    on Megatron's decayed parameters, the scheduled learning rate)."""
+    import shutil
+
+    from jax_ucp._src.continuation.megatron import megatron_recipe
+
+    meg = os.path.join(REPO, "tests", "fixtures", "megatron")
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(meg, "gpt_distopt_dp2"), src)
+    shutil.copyfile(
+        os.path.join(meg, "gpt_distopt_dp2_scheduler_synthetic.common.pt"), src / "common.pt"
+    )
+    run = jax_ucp.optax_from_torch(str(src))
+    assert run.notes[0].startswith("megatron-core AdamW") and run.unrecovered == []
+    assert _kinds(run) == _kinds(jax_ucp.optax_from_torch(PLAIN, schedule=0.01, clip=None))
+    ckpt = jax_ucp.convert(str(src), tmp_path / "ucp")
+    manifest = jax_ucp.inspect(ckpt)
+    saved = {e.key: (tuple(e.shape), e.dtype) for e in manifest.tensors}
+    recipe = megatron_recipe(dict(manifest.source or {}), saved, "ckpt")
+    assert recipe is not None and recipe.clip is not None and callable(recipe.weight_decay)
+    params = jax.tree.map(jnp.asarray, dict(run.params))
+    rng = np.random.default_rng(1)
+    grads = {k: jnp.asarray(rng.normal(size=v.shape), v.dtype) for k, v in params.items()}
+    got, _ = run.tx.update(grads, run.opt_state, params)
+    adam = next(s for s in run.opt_state if isinstance(s, optax.ScaleByAdamState))
+    c, (b1, b2) = run.step, recipe.betas
+    norm = math.sqrt(sum(float(np.sum(np.asarray(g, np.float64) ** 2)) for g in grads.values()))
+    scale = min(1.0, recipe.clip / (norm + 1e-6))
+    lr, wd = float(recipe.learning_rate(c)), float(recipe.weight_decay(c))
+    for k, p in params.items():
+        g = np.asarray(grads[k], np.float64) * scale
+        m = b1 * np.asarray(adam.mu[k], np.float64) + (1 - b1) * g
+        v = b2 * np.asarray(adam.nu[k], np.float64) + (1 - b2) * g * g
+        step = (m / (1 - b1 ** (c + 1))) / (np.sqrt(v / (1 - b2 ** (c + 1))) + recipe.eps)
+        step = step + (wd * np.asarray(p, np.float64) if recipe.decayed[k] else 0.0)
+        np.testing.assert_allclose(np.asarray(got[k]), -lr * step, rtol=2e-5, atol=1e-9)
+
+
+def test_a_client_made_fusedadam_is_told_by_its_keys_and_asks_what_they_cannot_tell():
+    """FusedAdam's groups (bias_correction, a step counter, no amsgrad), made by the client and
+    handed to DeepSpeed: not refused as RAdam/Adamax; with weight decay its adam_w_mode is not
+    recorded, so optimizer= decides; bias_correction=False is kept."""
+    from jax_ucp._src.optax_torch import _torch_recipe, identify
+
+    group = {"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.0, "step": 0}
+    group |= {"bias_correction": False, "params": ["w"]}
+    assert identify([group], {}, "ckpt")[0] == "adamw"
+    decayed = {**group, "weight_decay": 0.1}
+    with pytest.raises(RequestError, match=r"FusedAdam / DeepSpeedCPUAdam .* adam_w_mode"):
+        identify([decayed], {}, "ckpt")
+    assert identify([decayed], {}, "ckpt", "adam")[0] == "adam"
+    recipe = _torch_recipe({"optimizer": {"param_groups": [decayed]}}, [decayed], 3, "adam", "c")
+    assert recipe.optimizer == "adam" and recipe.bias_correction is False
+    with pytest.raises(RequestError, match=r"RAdam"):  # betas without amsgrad or bias_correction
+        identify([{k: v for k, v in group.items() if k != "bias_correction"}], {}, "ckpt")

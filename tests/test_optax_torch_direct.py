@@ -74,22 +74,28 @@ def test_a_source_without_its_optimizer_says_so(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "fixture", ["megatron_bridge/llama_tp1dp2", "megatron/legacy_gpt_distopt_pp2dp2_synthetic"]
+    ("fixture", "says"),
+    [
+        ("megatron_bridge/llama_tp1dp2", None),
+        ("megatron/legacy_gpt_distopt_pp2dp2_synthetic", r"opt_param_scheduler.max_lr"),
+    ],
 )
-def test_a_megatron_run_says_its_moments_are_there_but_no_torch_record(tmp_path, fixture):
-    """A Megatron import recorded its optimizer layout under source["optimizer"] (a string, or
-    True), the key every other format gives torch's record (param_groups): optax_from_torch
-    raised a raw AttributeError on it, straight from the source and converted alike (harness
-    long run, optax-direct, seed 29). The layout is source["optimizer_layout"] now, and the
-    refusal says the moments are in the tree."""
+def test_a_megatron_run_is_read_by_its_recipe_not_as_a_torch_record(tmp_path, fixture, says):
+    """A Megatron import records its optimizer layout under source["optimizer_layout"] (an
+    earlier jax_ucp put it under source["optimizer"], the key of torch's record: optax_from_torch
+    raised a raw AttributeError on it; harness long run, optax-direct, seed 29). Its arguments and
+    scheduler state are read by continuation.megatron, straight from the source and converted
+    alike: continued, or refused naming the field its record lacks."""
     src = os.path.join(REPO, "tests", "fixtures", fixture)
-    said = r"holds the Adam moments .* but no torch optimizer record"
-    with pytest.raises(jax_ucp.RequestError, match=said):
-        jax_ucp.optax_from_torch(src)
     out = jax_ucp.convert(src, tmp_path / "ucp")
     assert jax_ucp.inspect(out).source["optimizer_layout"] in ("dp_reshardable", "distrib_optim")
-    with pytest.raises(jax_ucp.RequestError, match=said):
-        jax_ucp.optax_from_torch(out)
+    for ckpt in (src, out):
+        if says is not None:
+            with pytest.raises(jax_ucp.UCPError, match=says):
+                jax_ucp.optax_from_torch(ckpt)
+            continue
+        run = jax_ucp.optax_from_torch(ckpt)
+        assert run.notes[0].startswith("megatron-core Adam") and run.step > 0
 
 
 def test_an_earlier_manifests_megatron_layout_is_no_torch_record():

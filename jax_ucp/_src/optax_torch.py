@@ -76,6 +76,10 @@ _NEUTRAL_KEYS = frozenset(
         "moe",
     }
 )
+#: the keys of DeepSpeed's FusedAdam (``step`` its group counter) and DeepSpeedCPUAdam
+#: (``amsgrad``, always false there) groups, beside the neutral ones: their Adam or AdamW
+#: (``adam_w_mode``) is an attribute, not recorded
+DS_ADAM_KEYS = frozenset({"betas", "eps", "bias_correction", "step", "amsgrad"})
 #: (a key only that optimizer writes, its name): what a group that is not Adam/AdamW looks like
 _LOOKALIKES = (
     ("momentum_decay", "NAdam"),
@@ -294,6 +298,8 @@ def identify(
     modes = set()
     for i, g in enumerate(groups):
         keys = set(g) - _NEUTRAL_KEYS
+        if "bias_correction" in keys and keys <= DS_ADAM_KEYS:
+            continue  # DeepSpeed's FusedAdam / DeepSpeedCPUAdam, made by the client
         if not {"amsgrad", "betas"} <= keys or "momentum_decay" in keys:
             like = next((name for key, name in _LOOKALIKES if key in keys), None)
             raise RequestError(
@@ -333,6 +339,13 @@ def identify(
     rates = sorted({float(g.get("weight_decay") or 0.0) for g in groups} - {0.0})
     if not rates:  # no decay: Adam and AdamW are the same update
         return "adamw", "Adam/AdamW without weight decay (the same update)"
+    if all("bias_correction" in g for g in groups):
+        raise RequestError(
+            f"{where}: the groups are DeepSpeed's FusedAdam / DeepSpeedCPUAdam (bias_correction) "
+            f"with weight_decay {rates}, made by the client: their adam_w_mode (decoupled AdamW "
+            f"decay, their default, or L2 added to the gradient) is not recorded. Pass "
+            f"optimizer='adamw' (adam_w_mode=True) or optimizer='adam'"
+        )
     raise RequestError(
         f"{where}: the optimizer records weight_decay {rates} without decoupled_weight_decay "
         f"(torch releases before that key write the same keys for Adam and AdamW) and no Trainer record: it "
@@ -586,13 +599,13 @@ def _from_run(
     source = run.source
     where = str(source.get("path") or ckpt)
     recorded = torch_optimizer_record(source)
-    recipe = _framework_recipe(source, run.saved, where, optimizer)
-    deepspeed = recipe is not None and isinstance(recorded.get("deepspeed"), dict)
     groups = recorded.get("param_groups") or []
-    if recipe is None and not groups:
-        raise RequestError(_no_optimizer(source, where))
     if groups:
         check_groups(groups, where)
+    recipe = _framework_recipe(source, run.saved, where, optimizer)
+    deepspeed = recipe is not None and isinstance(recorded.get("deepspeed"), dict)
+    if recipe is None and not groups:
+        raise RequestError(_no_optimizer(source, where))
     spec = _spec_with_recorded_settings(spec, source, notes := [])
     params, mu, nu, step = _restored_adam(run, options, spec, where)
     if recipe is None:
@@ -614,9 +627,9 @@ def _from_run(
             if recipe.optimizer == "adamw"
             else "L2, added to the gradient (Adam)"
         )
-        notes.append(
-            f"weight decay {recipe.weight_decay} on {sum(leaves)} of {len(leaves)} leaves, {style}"
-        )
+        rate = recipe.weight_decay
+        said = f"scheduled, {float(rate(step))} at step {step}" if callable(rate) else rate
+        notes.append(f"weight decay {said} on {sum(leaves)} of {len(leaves)} leaves, {style}")
     unrecovered = list(recipe.unrecovered)
     if unrecovered:
         notes.extend(f"not recovered: {u}" for u in unrecovered)
@@ -651,9 +664,15 @@ def _framework_recipe(source: dict, saved: dict, where: str, choice: str | None)
                 f"{where}: optimizer={choice!r}, but {recipe.how} is {recipe.optimizer!r}"
             )
         return recipe
-    # MEGATRON_RECIPE: the Megatron reader plugs in here --
-    # ``continuation.megatron.megatron_recipe(source, saved, where)``, a Recipe or None.
-    return None
+    from jax_ucp._src.continuation.megatron import megatron_recipe
+
+    recipe = megatron_recipe(source, saved, where)  # Megatron's arguments and scheduler
+    if recipe is None:
+        return None
+    if choice is not None and choice != recipe.optimizer:
+        raise RequestError(f"{where}: optimizer={choice!r}, but {recipe.how}")
+    unrecorded = [u for u in recipe.unrecovered if u.startswith("clip_grad")]
+    return dataclasses.replace(recipe, clip_recorded=not unrecorded)
 
 
 def _client_schedule(recipe: Recipe, source: dict, groups: list[dict], step: int) -> Recipe:
@@ -692,6 +711,9 @@ def _torch_recipe(
         notes.append(f"gradients clipped to global norm {max_norm}")
     unrecovered = _unrecovered(source)
     clip_recorded = "max_grad_norm" in trainer_args
+    bias_correction = _one(groups, "bias_correction", where)  # DeepSpeed's Adams record it
+    if bias_correction is not None and not isinstance(bias_correction, bool):
+        raise RequestError(f"{where}: param_groups' bias_correction = {bias_correction!r}")
     return Recipe(
         optimizer=kind,
         how=f"torch {'AdamW' if kind == 'adamw' else 'Adam'}: {how}",
@@ -701,6 +723,7 @@ def _torch_recipe(
         weight_decay=rate,
         decayed=decayed,
         clip=clip,
+        bias_correction=bias_correction is not False,
         notes=tuple(notes),
         unrecovered=tuple(unrecovered),
         schedule_recorded=has_schedule,
@@ -742,7 +765,7 @@ def _with_given(recipe: Recipe, given: dict[str, Any], step: int, where: str) ->
             )
         if not recipe.clip_recorded:
             changes["clip"] = norm
-            unrecovered = [u for u in unrecovered if "clipping" not in u]
+            unrecovered = [u for u in unrecovered if "clipping" not in u and "clip_grad" not in u]
             said = f"to global norm {norm}" if norm else "none"
             notes.append(f"gradient clipping: given (clip=), {said}")
     if not changes and notes == list(recipe.notes):
