@@ -156,6 +156,14 @@ def test_optimizer_record_keeps_only_what_the_files_hold():
         "iteration": 3,
     }
     assert optimizer_record({"model": {}}, "common.pt") is None
+    many = {"opt_param_scheduler": dict.fromkeys(range(1000), 0.0)}
+    assert optimizer_record(many, "common.pt") == {
+        "file": "common.pt",
+        "opt_param_scheduler": "<dict of 1000 keys>",
+    }
+    chained = {"optimizer": {i: {"optimizer": {"param_groups": [{"lr": i}]}} for i in range(12)}}
+    record = optimizer_record(chained, "common.pt")
+    assert record is not None and [g["lr"] for g in record["param_groups"]] == list(range(12))
 
 
 def test_not_megatron_or_nothing_recorded_is_none(scheduled):

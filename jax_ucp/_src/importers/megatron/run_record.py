@@ -82,7 +82,7 @@ def _plain(value: Any, nested: bool = False) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _groups(optimizer_state: Any) -> list[dict] | None:
+def _groups(optimizer_state: Any) -> list[Any] | None:
     """The hyper-parameters of every saved param group (a ChainedOptimizer's members in order),
     without their parameter lists; None when none is saved."""
     members: list[Any]
@@ -91,19 +91,33 @@ def _groups(optimizer_state: Any) -> list[dict] | None:
     elif isinstance(optimizer_state, dict) and "optimizer" in optimizer_state:
         members = [optimizer_state]
     elif isinstance(optimizer_state, dict):  # ChainedOptimizer: {index: member state}
-        members = [optimizer_state[k] for k in sorted(optimizer_state, key=str)]
+        order = sorted(optimizer_state, key=lambda k: (not isinstance(k, int), str(k).zfill(9)))
+        members = [optimizer_state[k] for k in order]
     elif isinstance(optimizer_state, list):
         members = list(optimizer_state)
     else:
         return None
-    groups = []
+    groups: list[Any] = []
     for member in members:
         inner = member.get("optimizer") if isinstance(member, dict) else None
         saved = inner.get("param_groups") if isinstance(inner, dict) else None
         for group in saved if isinstance(saved, list) else ():
             if isinstance(group, dict):
-                groups.append({str(k): _plain(v) for k, v in group.items() if k != "params"})
+                groups.append(_mapping({k: v for k, v in group.items() if k != "params"}))
+    if len(groups) > _MAX_ITEMS:
+        return [f"<{len(groups)} param groups>"]  # refused by its reader as no list of groups
     return groups or None
+
+
+#: the most keys of one record mapping, and param groups, kept (a run has a few dozen)
+_MAX_ITEMS = 256
+
+
+def _mapping(values: Mapping[Any, Any]) -> dict[str, Any] | str:
+    """A saved mapping's scalars (keys as bounded text), or what it was when too large."""
+    if len(values) > _MAX_ITEMS:
+        return f"<dict of {len(values)} keys>"
+    return {str(k)[:100]: _plain(v) for k, v in values.items()}
 
 
 def optimizer_record(state: Mapping[str, Any], where: str) -> dict | None:
@@ -117,7 +131,7 @@ def optimizer_record(state: Mapping[str, Any], where: str) -> dict | None:
         record["args"] = run_args
     scheduler = state.get("opt_param_scheduler")
     if isinstance(scheduler, dict):
-        record["opt_param_scheduler"] = {str(k): _plain(v) for k, v in scheduler.items()}
+        record["opt_param_scheduler"] = _mapping(scheduler)
     elif scheduler is not None:
         record["opt_param_scheduler"] = _plain(scheduler)
     groups = _groups(state.get("optimizer"))
