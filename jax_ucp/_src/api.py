@@ -102,11 +102,17 @@ class VerifyResult(list):
     ``(tree node, message)`` for what a restore gives back differently without being an error
     (a container class outside the allow-list comes back as a dict)."""
 
-    def __init__(self, problems=(), notices=(), logits=None):
+    def __init__(self, problems=(), notices=(), logits=None, against=None, source=None):
         super().__init__(problems)
         self.notices: list[tuple[str, str]] = list(notices)
         #: with ``logits=True``: the ``jax_ucp._src.logits.LogitsComparison`` of one batch
         self.logits = logits
+        #: with ``against=``: what was compared (``equal``, ``different``, ``not_compared``,
+        #: ``missing``: the tensors of each, for the counts ``jax-ucp verify`` prints)
+        self.against = against
+        #: a torch source verified itself (``verify(SRC)`` of no jax_ucp checkpoint): what was
+        #: checked and what could not be (``importers.source_checks.SourceCheck``)
+        self.source = source
 
 
 def verify(
@@ -118,7 +124,11 @@ def verify(
     logits: bool = False,
     logits_tolerance: float | None = None,
 ) -> VerifyResult:
-    """Reads every byte of the checkpoint at ``path`` through the paths a restore takes.
+    """Reads every byte of the checkpoint at ``path`` through the paths a restore takes; of a
+    source ``convert`` reads (torch DCP, a Trainer checkpoint, DeepSpeed, Megatron, torch.save
+    files, ...), every tensor through its import, each reader's checks run (zip CRC-32s, DCP
+    chunk coverage, ``integrity.json``, ZeRO ranks), ``.source`` saying what was checked and
+    what its files record no check of.
 
     Every shard file is checked against its digest in the manifest (it is the file this save
     wrote there, for this tensor and position) and every tensor is read in full (crc32c of each
@@ -160,6 +170,19 @@ def verify(
     budget = parse_size(
         DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget, "verify(memory_budget=)"
     )
+    from jax_ucp._src.restoring import verify_source
+
+    checkpoint_format = verify_source.source_format(os.fspath(path))
+    if checkpoint_format is not None:  # a torch source itself, no jax_ucp checkpoint
+        if against is not None:
+            raise RequestError(
+                f"verify(against=) compares a converted checkpoint with its source; "
+                f"{os.fspath(path)} is itself a {checkpoint_format} source: verify it alone"
+            )
+        problems, check = verify_source.verify_source(
+            os.fspath(path), checkpoint_format, progress, budget
+        )
+        return VerifyResult(problems, source=check)
     # A concurrent forced save is read again, not reported as damage (locate.read_consistently).
     result = locate.read_consistently(path, lambda root: _verify(root, progress, budget))
     if against is None or result:
@@ -194,6 +217,7 @@ def verify(
             ),
         ],
         compared,
+        against=found,
     )
 
 

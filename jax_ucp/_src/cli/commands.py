@@ -346,7 +346,6 @@ def verify(
         _verify_run(path, newest, memory_budget)
         return
     path = _at_step(path, step)
-    m = jax_ucp.inspect(path)
     with _bar("verifying", transient=True) as on_progress:
         bad = jax_ucp.verify(
             path,
@@ -360,6 +359,12 @@ def verify(
         output.marked("[yellow]![/yellow]", notice)
     if bad.logits is not None and bad.logits.ok:
         output.marked("[green]✓[/green]", bad.logits.describe())
+    if bad.against is not None:
+        _say_compared(bad.against, str(against))
+    if bad.source is not None:
+        _say_source_checked(bad)
+        return
+    m = jax_ucp.inspect(path)
     if bad:
         for _, err in bad:  # each message names its tensor and file
             output.marked("[red]✗[/red]", str(err))
@@ -374,6 +379,41 @@ def verify(
         raise typer.Exit(1)
     output.console.print(
         f"[green]✓ {layout.plural(len(m.tensors), 'tensor')} ({layout.human(m.nbytes)}) read back intact[/green]"
+    )
+
+
+def _say_compared(found, against: str) -> None:
+    """``verify --against``: how many tensors were compared, not compared, missing."""
+    compared = len(found.equal) + len(found.different)
+    output.say(
+        f"against {against}: {layout.plural(compared, 'tensor')} compared "
+        f"({len(found.equal)} equal, {len(found.different)} different), "
+        f"{len(found.not_compared)} not compared (built by the import), "
+        f"{len(found.missing)} missing from the checkpoint"
+    )
+
+
+def _say_source_checked(bad) -> None:
+    """``verify SRC`` of a torch source: what was checked, what its files record no check of,
+    what failed (exit 1)."""
+    check = bad.source
+    for line in check.checked:
+        output.marked("[green]✓[/green]", line)
+    for line in check.unchecked:
+        output.marked("[yellow]![/yellow]", f"not checked: {line}")
+    for _, err in bad:
+        output.marked("[red]✗[/red]", str(err))
+    if bad:
+        output.console.print(
+            f"[red]{layout.plural(len(bad), 'problem')} in the {check.format} source "
+            f"({layout.plural(check.tensors, 'tensor')})[/red]",
+            highlight=False,
+        )
+        raise typer.Exit(1)
+    output.console.print(
+        f"[green]✓ {layout.plural(check.tensors, 'tensor')} of the {check.format} source read back "
+        f"intact[/green]",
+        highlight=False,
     )
 
 
