@@ -649,3 +649,69 @@ def _scheduled_decay(rate, mask: dict):
         return out, _DecayState(state.count + 1)
 
     return optax.GradientTransformation(init, update)
+
+
+# megatron-core's own decision per parameter, run apart (it initialises torch.distributed):
+# the standard param groups' wd_mult of each parameter of the fixtures' GPTModels, keyed by the
+# name and global shape its sharded_state_dict gives the torch_dist save
+_MCORE_GROUPS = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("gen", sys.argv[1])
+gen = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gen)
+import torch.distributed as dist
+gen._shim_cuda()
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+from megatron.core import parallel_state
+from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+parallel_state.initialize_model_parallel(1, 1)
+out = {}
+for kind, grouped in (("gpt", False), ("llama", False), ("moe", False), ("moe", True)):
+    cfg = dict(kind=kind, tp=1, pp=1, ep=1, tied=False, grouped=grouped)
+    model, _ = gen.build_model(cfg, 0, 1)
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=0.0)
+    groups = _get_param_groups([model], config, None)
+    exempt = {id(p) for g in groups if g["wd_mult"] == 0.0 for p in g["params"]}
+    sd = model.sharded_state_dict()
+    out[kind + ("_grouped" if grouped else "")] = [
+        [sd[name].key, id(p) not in exempt] for name, p in model.named_parameters()
+    ]
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.torch
+def test_no_weight_decay_rule_is_megatron_cores(tmp_path, scheduled):
+    """The decayed parameters the recipe reads from each torch_dist fixture's names and shapes
+    (layers stacked, experts stacked) are those megatron-core's own param groups decay in the
+    model that wrote it (GPT with biases, Llama, MoE with sequential and grouped experts)."""
+    import subprocess
+    import sys
+
+    source, _ = scheduled
+    script = tmp_path / "mcore_groups.py"
+    script.write_text(_MCORE_GROUPS)
+    generator = Path(__file__).parents[1] / "tools" / "fixtures" / "make_megatron_fixtures.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(generator), str(tmp_path / "rendezvous")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    decisions = json.loads(done.stdout.strip().splitlines()[-1])
+    fixtures = {"gpt": "gpt_tp2", "llama": "llama_tp2", "moe": "moe_ep2"}
+    fixtures["moe_grouped"] = "moe_grouped_ep2"
+    for kind, fixture in fixtures.items():
+        jax_ucp.convert(FIX / fixture, tmp_path / fixture, weights_only=True)
+        saved = {
+            e.key: (tuple(e.shape), e.dtype) for e in jax_ucp.inspect(tmp_path / fixture).tensors
+        }
+        saved[("opt_state", "mu", "x")] = ((1,), np.float32)  # the moments are not read
+        recipe = megatron_recipe(source, saved, "ckpt")
+        assert recipe is not None
+        megatron: dict[str, bool] = {}
+        for key, decayed in decisions[kind]:
+            assert megatron.setdefault(key, decayed) == decayed, key  # one per stacked tensor
+        assert recipe.decayed == megatron, kind
