@@ -546,3 +546,65 @@ def test_a_client_made_fusedadam_is_told_by_its_keys_and_asks_what_they_cannot_t
     assert recipe.optimizer == "adam" and recipe.bias_correction is False
     with pytest.raises(RequestError, match=r"RAdam"):  # betas without amsgrad or bias_correction
         identify([{k: v for k, v in group.items() if k != "bias_correction"}], {}, "ckpt")
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_a_deepspeed_run_made_now_continues_in_jax(tmp_path):
+    """The ZeRO-2 bf16 run (FusedAdam, WarmupDecayLR, gradient_clipping 1.0) trained now by
+    DeepSpeed (2 gloo ranks, CPU), read straight from its folder: DeepSpeed's next 3 steps."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "tools", "fixtures"))
+    from make_deepspeed_recipe_fixtures import RUNS as CONFIGS  # pyright: ignore[reportMissingImports]
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = os.path.join(REPO, "tools", "fixtures", "ds_recipe_train.py")
+    config = json.dumps(CONFIGS["z2_bf16_adamw_decay"])
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(port), script, "--out", str(tmp_path), "--config", config],
+        check=True,
+        capture_output=True,
+        timeout=1500,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    with np.load(tmp_path / "truth.npz") as z:
+        truth = {k: z[k] for k in z.files}
+    run = jax_ucp.optax_from_torch(str(tmp_path / "ckpt"))
+    assert run.step == 3 and run.unrecovered == [] and str(truth["optimizer"]) == "FusedAdam"
+    params, state = jax.tree.map(jnp.asarray, dict(run.params)), run.opt_state
+    for i in range(3):
+        grads = jax.grad(_loss)(params, truth[f"x{i}"], truth[f"y{i}"], jnp.bfloat16)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, state = run.tx.update(grads, state, params)
+        params = dict(optax.apply_updates(params, updates))  # pyright: ignore[reportArgumentType]
+        for k, v in params.items():
+            np.testing.assert_allclose(np.asarray(v), truth[f"after{i}/{k}"], rtol=0, atol=1e-3)
+
+
+def test_onecycle_momentum_is_checked_against_the_held_betas():
+    """OneCycle's cycle_momentum rewrites the groups' betas to (its momentum, 0.99) every step:
+    the held beta1 must be its value at the step, beta2 0.99."""
+    sched = {"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01}}
+    saved = {"last_batch_iteration": 2}
+    kw = scheduler_params("OneCycle", sched["params"], 1, "t")
+    made = deepspeed_schedule("OneCycle", kw, 0.01)
+    lr, mom = float(made["lr"](3)), float(made["beta1"](3))
+    group = {"lr": lr, "betas": [mom, 0.99], "eps": 1e-8, "weight_decay": 0.0}
+    group |= {"bias_correction": True, "params": ["w"]}
+    recipe = deepspeed_recipe(_source(ADAMW, sched, [group], saved), "c")
+    assert recipe is not None and recipe.at_step is not None and recipe.beta1 is not None
+    assert recipe.at_step(3) == [] and recipe.betas == (mom, 0.99)
+    wrong = {**group, "betas": [0.5, 0.99]}
+    recipe = deepspeed_recipe(_source(ADAMW, sched, [wrong], saved), "c")
+    assert recipe is not None and recipe.at_step is not None
+    with pytest.raises(RequestError, match=r"OneCycle gives beta1 .* the optimizer holds 0.5"):
+        recipe.at_step(3)
+    with pytest.raises(RequestError, match=r"beta2 to 0.99, the groups hold 0.999"):
+        deepspeed_recipe(_source(ADAMW, sched, [{**group, "betas": [mom, 0.999]}], saved), "c")

@@ -448,7 +448,11 @@ def deepspeed_recipe(
         lr, beta1 = made_schedule["lr"], made_schedule["beta1"]
         notes.append(f"DeepSpeed {name} schedule: {dict(sorted(kw.items()))}")
         if beta1 is not None:
-            b2 = ONE_CYCLE_BETA2
+            if b2 != ONE_CYCLE_BETA2:
+                raise RequestError(
+                    f"{where}: OneCycle with cycle_momentum sets every group's beta2 to "
+                    f"{ONE_CYCLE_BETA2}, the groups hold {b2}: not the run the config describes"
+                )
             notes.append(
                 f"OneCycle cycle_momentum: beta1 cycled from {kw['cycle_min_mom']} to "
                 f"{kw['cycle_max_mom']}, beta2 {ONE_CYCLE_BETA2} (as OneCycle sets them)"
