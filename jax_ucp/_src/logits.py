@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import math
 import os
 from typing import Any
@@ -162,7 +161,7 @@ def read_config(folder: str) -> dict:
     ``TransformerLM`` computes, naming what it found."""
     path = files.inside_checkpoint(folder, "config.json", f"{folder}: the model's")
     try:
-        config = json.loads(files.read_regular(path, _MAX_CONFIG_BYTES))
+        config = files.strict_loads(files.read_regular(path, _MAX_CONFIG_BYTES))
     except (ValueError, RecursionError) as e:
         raise SourceError(f"{path}: not valid JSON ({str(e)[:200]})") from None
     if not isinstance(config, dict):

@@ -38,7 +38,8 @@ def base(tmp_path_factory) -> str:
     jax_ucp.save(os.path.join(root, "ck"), {"params": {"w": W}})
     os.makedirs(os.path.join(root, "st"))
     save_file({"w": W}, os.path.join(root, "st", "model.safetensors"))
-    ocp.StandardCheckpointer().save(os.path.join(root, "orb"), {"params": {"w": W}})
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(root, "orb"), {"params": {"w": W}})
     with ocp.CheckpointManager(os.path.join(root, "run")) as mngr:
         for step in (1, 2):
             args = ocp.args.Composite(state=jax_ucp.UCPSave({"params": {"w": W + step}}))

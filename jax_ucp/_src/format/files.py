@@ -74,6 +74,12 @@ def unique_keys(pairs: list) -> dict:
     return out
 
 
+def strict_loads(raw: bytes | str):
+    """``json.loads`` as the project reads a file: a key named twice (``DuplicateKeyError``)
+    and ``NaN`` / ``Infinity`` raise ``ValueError``, which the caller names the file for."""
+    return json.loads(raw, object_pairs_hook=unique_keys, parse_constant=no_json_constant)
+
+
 def strict_json(raw: bytes | str, what: str, error: type[Exception] = SourceError):
     """JSON as the project reads every file: each object's keys unique (``unique_keys``), no
     ``NaN`` / ``Infinity`` (``no_json_constant``), a bounded nesting; anything else raises
@@ -85,7 +91,7 @@ def strict_json(raw: bytes | str, what: str, error: type[Exception] = SourceErro
         error: the exception to raise (``SourceError`` for a source, ``CheckpointError``...).
     """
     try:
-        return json.loads(raw, object_pairs_hook=unique_keys, parse_constant=no_json_constant)
+        return strict_loads(raw)
     except DuplicateKeyError as e:
         raise error(f"{what}: {e}; which one is meant cannot be told, so it is refused") from None
     except RecursionError:

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import msgspec
+from msgspec import UNSET
 
 from jax_ucp._src import bulk
 from jax_ucp._src.errors import CheckpointError, RequestError
@@ -431,9 +432,18 @@ class Manifest(display.Tabular):
             return cls._from_model(decoded, where)
         if isinstance(text, bytes):
             text = _manifest_text(text, where=where)
-        decoder = json.JSONDecoder(parse_int=_bounded_int, parse_constant=files.no_json_constant)
+        decoder = json.JSONDecoder(
+            parse_int=_bounded_int,
+            parse_constant=files.no_json_constant,
+            object_pairs_hook=files.unique_keys,
+        )
         try:
             d = decoder.decode(text)
+        except files.DuplicateKeyError as e:
+            raise CheckpointError(
+                f"{where}: {e}; which one is meant cannot be told (readers differ), so the "
+                f"manifest is refused."
+            ) from None
         except RecursionError:  # the C scanner's own guard, far below the stack's end
             raise CheckpointError(
                 f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
@@ -449,8 +459,11 @@ class Manifest(display.Tabular):
         """The manifest of a decoded model, after the checks a schema cannot express."""
         with bulk.cyclic_gc_paused():
             entries: list = m.entries
-            if _deeper(m.source, 2) is not None or any(
-                e.provenance is not None and _deeper(e.provenance, 4) is not None
+            source = {} if m.source is UNSET else m.source
+            if _deeper(source, 2) is not None or any(
+                e.provenance is not None
+                and e.provenance is not UNSET
+                and _deeper(e.provenance, 4) is not None
                 for e in entries
                 if type(e) is model.TensorModel
             ):
@@ -460,15 +473,17 @@ class Manifest(display.Tabular):
                 entries[i] = (
                     _tensor_entry(e, at) if type(e) is model.TensorModel else _value_entry(e, at)
                 )
-            tree = None if m.tree is None else _tree_dicts(m.tree, entries, where)
+            tree = (
+                None if m.tree is None or m.tree is UNSET else _tree_dicts(m.tree, entries, where)
+            )
             try:  # Manifest's own checks (a key or directory twice) name the file too
                 return cls(
                     entries=entries,
                     save_id=m.save_id,
                     kvstore_driver=m.kvstore.driver,
-                    created_by=m.created_by,
-                    created_at=float(m.created_at),
-                    source=m.source,
+                    created_by="" if m.created_by is UNSET else m.created_by,
+                    created_at=0.0 if m.created_at is UNSET else float(m.created_at),
+                    source=source,
                     tree=tree,
                     version=m.version,
                     format=m.format,
@@ -485,8 +500,32 @@ def _decoded(text: str | bytes) -> model.ManifestModel | None:
     if _long_digit_run(text):
         return None
     with bulk.cyclic_gc_paused(), contextlib.suppress(*_REFUSALS):
-        return model.DECODER.decode(text)
+        decoded = model.DECODER.decode(text)
+        return decoded if _no_duplicate_keys(text, decoded) else None
     return None
+
+
+def _no_duplicate_keys(text: str | bytes, decoded: model.ManifestModel) -> bool:
+    """Whether every JSON object of ``text`` names each key once, as far as two counts in C
+    tell (False: the slow path decides, refusing a key named twice, ``"value":7,"value":8``).
+
+    msgspec keeps the last of two equal keys silently, another reader the first. Re-encoded,
+    the decoded model holds each member the text had once (a member the text left out is
+    UNSET and left out, ``model.DEFAULTS``), and the same strings: so the text has as many
+    ":" as the re-encoding exactly when no key was named twice, unless a string spells a ":"
+    as an escape (``\u003a``: one ":" more in the re-encoding), which takes the slow path too.
+    """
+    colon, escape = (b":", b"\\u003") if isinstance(text, bytes) else (":", "\\u003")
+    if escape in text:  # type: ignore[operator]
+        return False
+    encode, entries = model.ENCODER.encode, decoded.entries
+    found = encode(msgspec.structs.replace(decoded, entries=[])).count(b":")
+    for start in range(0, len(entries), _ENCODED_AT_ONCE):  # never a second copy of the text
+        found += encode(entries[start : start + _ENCODED_AT_ONCE]).count(b":")
+    return text.count(colon) == found  # type: ignore[arg-type]
+
+
+_ENCODED_AT_ONCE = 16384  # entries re-encoded together (about 9 MB of JSON at once)
 
 
 TREE_NODE_TYPES = model.TREE_NODE_TYPES
@@ -798,10 +837,11 @@ def _tensor_entry(e: model.TensorModel, where: str) -> TensorEntry:
     types = _key_types(e.key_types, key, where)
     shapes = e.shape, e.chunk_shape, e.inner_chunk_shape
     shapes = _SHAPES.get(shapes) or _remember(_SHAPES, shapes, _shapes(*shapes, _named(where, key)))
-    logical = e.logical_axes
+    logical = None if e.logical_axes is UNSET else e.logical_axes
     if logical is not None and len(logical) != len(e.shape):
         _fail(f"{_named(where, key)}.logical_axes", f"{len(e.shape)} names", list(logical))
-    saved = e.saved_sharding
+    saved = None if e.saved_sharding is UNSET else e.saved_sharding
+    key_impl = None if e.key_impl is UNSET else e.key_impl
     entry = object.__new__(TensorEntry)  # every field set here: __init__'s 17 frozen setattrs
     entry.__dict__.update(  # would double the cost of a parse; the fields are checked
         key=key,
@@ -811,20 +851,20 @@ def _tensor_entry(e: model.TensorModel, where: str) -> TensorEntry:
         dtype=_CANONICAL[e.dtype],
         chunk_shape=shapes[1],
         inner_chunk_shape=shapes[2],
-        compression=_CANONICAL.get(e.compression),
+        compression=_CANONICAL.get(e.compression),  # UNSET: None, as absent
         checksum=_CANONICAL.get(e.checksum),
         role=_CANONICAL[e.role],
-        sub_role=e.sub_role,
+        sub_role=None if e.sub_role is UNSET else e.sub_role,
         logical_axes=logical,
         saved_sharding=None if saved is None else _saved_sharding(saved),
-        provenance=e.provenance,
-        shard_digests=e.shard_digests,
-        frozen=e.frozen,
-        tied_to=e.tied_to,
-        key_impl=e.key_impl,
+        provenance=None if e.provenance is UNSET else e.provenance,
+        shard_digests=None if e.shard_digests is UNSET else e.shard_digests,
+        frozen=e.frozen is True,
+        tied_to=None if e.tied_to is UNSET else e.tied_to,
+        key_impl=key_impl,
     )
-    if e.key_impl is not None:
-        _key_impl(e.key_impl, e.dtype, shapes[0], _named(where, key))
+    if key_impl is not None:
+        _key_impl(key_impl, e.dtype, shapes[0], _named(where, key))
     return entry
 
 
@@ -862,8 +902,8 @@ def _value_entry(e: model.ValueModel, where: str) -> ValueEntry:
         key=key,
         key_types=_key_types(e.key_types, key, where),
         value=v,
-        role=e.role,
-        sub_role=e.sub_role,
+        role="other" if e.role is UNSET else e.role,
+        sub_role=None if e.sub_role is UNSET else e.sub_role,
     )
 
 

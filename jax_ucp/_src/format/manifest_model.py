@@ -86,12 +86,12 @@ class TensorModel(_Model, tag="tensor", tag_field="entry"):
     inner_chunk_shape: Annotated[PositiveDims, Meta(description="Divides chunk_shape.")]
     role: Role
     key_types: KeyTypes | UnsetType = UNSET
-    compression: Literal["zstd"] | None = None
-    checksum: Literal["crc32c"] | None = None
-    sub_role: str | None = None
-    logical_axes: tuple[str | None, ...] | None = None
-    saved_sharding: SavedShardingModel | None = None
-    provenance: dict[str, Any] | None = None
+    compression: Literal["zstd"] | UnsetType | None = UNSET
+    checksum: Literal["crc32c"] | UnsetType | None = UNSET
+    sub_role: str | UnsetType | None = UNSET
+    logical_axes: tuple[str | None, ...] | UnsetType | None = UNSET
+    saved_sharding: SavedShardingModel | UnsetType | None = UNSET
+    provenance: dict[str, Any] | UnsetType | None = UNSET
     shard_digests: (
         Annotated[
             dict[
@@ -103,10 +103,11 @@ class TensorModel(_Model, tag="tensor", tag_field="entry"):
                 "its inner chunks' crc32c trailers in index order."
             ),
         ]
+        | UnsetType
         | None
-    ) = None
-    frozen: bool = False
-    tied_to: str | None = None
+    ) = UNSET
+    frozen: bool | UnsetType = UNSET
+    tied_to: str | UnsetType | None = UNSET
     key_impl: (
         Annotated[
             Literal["threefry2x32", "rbg", "unsafe_rbg"],
@@ -118,8 +119,9 @@ class TensorModel(_Model, tag="tensor", tag_field="entry"):
                 "tensor."
             ),
         ]
+        | UnsetType
         | None
-    ) = None
+    ) = UNSET
 
 
 #: JAX's PRNG key implementations a ``key_impl`` may name, with the shape of one key's data
@@ -139,8 +141,8 @@ class ValueModel(_Model, tag="value", tag_field="entry"):
         ),
     ]
     key_types: KeyTypes | UnsetType = UNSET
-    role: Role = "other"
-    sub_role: str | None = None
+    role: Role | UnsetType = UNSET
+    sub_role: str | UnsetType | None = UNSET
 
 
 # The value's JSON type by the entry's "type" (the reader checks it too: a Struct has one tag).
@@ -224,13 +226,35 @@ class ManifestModel(_Model):
     save_id: Annotated[str, Meta(description="Unique per save; shard digests are tied to it.")]
     kvstore: KvStore
     entries: list[TensorModel | ValueModel]
-    created_by: str = ""
-    created_at: float = 0.0
-    source: Annotated[dict[str, Any], Meta(description="Free-form provenance.")] = {}
-    tree: TreeNode | None = None
+    created_by: str | UnsetType = UNSET
+    created_at: float | UnsetType = UNSET
+    source: Annotated[dict[str, Any], Meta(description="Free-form provenance.")] | UnsetType = UNSET
+    tree: TreeNode | UnsetType | None = UNSET
 
 
 DECODER = msgspec.json.Decoder(ManifestModel)
+#: re-encodes a decoded model: a member the text lacked (UNSET) is left out, so its ":"s are
+#: those of the members the text had, each once (``manifest._no_duplicate_keys``)
+ENCODER = msgspec.json.Encoder()
+
+#: what a member the text leaves out means. Absent members are UNSET in the model (never their
+#: default), so which members a text had is known: a key named twice is found by counting them.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "ManifestModel": {"created_by": "", "created_at": 0.0, "source": {}, "tree": None},
+    "TensorModel": {
+        "compression": None,
+        "checksum": None,
+        "sub_role": None,
+        "logical_axes": None,
+        "saved_sharding": None,
+        "provenance": None,
+        "shard_digests": None,
+        "frozen": False,
+        "tied_to": None,
+        "key_impl": None,
+    },
+    "ValueModel": {"role": "other", "sub_role": None},
+}
 
 
 def json_schema() -> dict:
@@ -240,6 +264,11 @@ def json_schema() -> dict:
     for part in schema["$defs"].values():  # the docstrings, without their indentation
         if "description" in part:
             part["description"] = " ".join(part["description"].split())
+    for name, defaults in DEFAULTS.items():  # what an absent member means, documented
+        part = schema if name == "ManifestModel" else schema["$defs"][name]
+        part = part if "properties" in part else schema["$defs"][name]
+        for field, default in defaults.items():
+            part["properties"][field]["default"] = default
     value = schema["$defs"]["ValueModel"]
     value["allOf"] = [
         {"if": {"properties": {"type": {"const": t}}}, "then": {"properties": {"value": s}}}

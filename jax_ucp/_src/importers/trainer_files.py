@@ -12,7 +12,6 @@ unpickler with inert stand-ins, for the schedule and clipping the run used; ``sc
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any
@@ -131,7 +130,7 @@ def check_optimizer_beside_scheduler(folder: str, weights_only: bool) -> None:
 def read_json(path: str) -> Any:
     """A Trainer's JSON file (bounded in size), or refused naming the file."""
     try:
-        return json.loads(files.read_regular(path, MAX_JSON_BYTES))
+        return files.strict_loads(files.read_regular(path, MAX_JSON_BYTES))
     except (ValueError, RecursionError) as e:
         raise SourceError(f"{path}: not valid JSON ({str(e)[:200]})") from None
 

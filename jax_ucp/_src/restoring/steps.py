@@ -4,7 +4,6 @@ step-name rule of every resume path (``restoring.resume``, ``locate``, the CLI).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Callable
@@ -224,7 +223,7 @@ def _committed(step_dir: str) -> bool:
         return True
     try:
         meta = fmt.files.read_regular(os.path.join(step_dir, ORBAX_STEP_METADATA), 1 << 20)
-        return json.loads(meta).get("commit_timestamp_nsecs") is not None
+        return fmt.files.strict_loads(meta).get("commit_timestamp_nsecs") is not None
     except (OSError, ValueError, AttributeError, RecursionError, fmt.UCPError):
         return False
 
@@ -233,7 +232,7 @@ def _item_handlers(step_dir: str) -> dict:
     """The ``item_handlers`` of the step's ``_CHECKPOINT_METADATA`` (item name -> handler class
     name); {} when none can be read."""
     try:
-        meta = json.loads(
+        meta = fmt.files.strict_loads(
             fmt.files.read_regular(os.path.join(step_dir, ORBAX_STEP_METADATA), 1 << 20)
         )
     except (OSError, ValueError, RecursionError, fmt.UCPError):

@@ -9,7 +9,6 @@ the classes megatron-core 0.13-0.15 subclass in ``.metadata`` (``MCoreSavePlan``
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +56,7 @@ def open_dcp(path: os.PathLike | str) -> MegatronDcpCheckpoint:
     mj = Path(path) / "metadata.json"
     if os.path.lexists(mj):  # a FIFO, a device or a huge file there is an error, not "none"
         try:
-            mcore = json.loads(
+            mcore = files.strict_loads(
                 files.read_regular(files.in_own_folder(mj), MAX_MCORE_METADATA_BYTES)
             )
         except files.UnsafeFileError as e:  # names the file

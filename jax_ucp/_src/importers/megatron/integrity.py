@@ -8,7 +8,6 @@ refused, never ignored."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from pathlib import Path
@@ -31,7 +30,7 @@ def _record(ckpt_dir: Path) -> dict[str, str]:
     try:
         files.in_own_folder(path)  # never another run's record linked in
         raw = files.read_regular(str(path), MAX_RECORD_BYTES)
-        data = json.loads(raw, parse_constant=files.no_json_constant)
+        data = files.strict_loads(raw)
     except files.UnsafeFileError as e:
         raise SourceError(str(e)) from None
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError included

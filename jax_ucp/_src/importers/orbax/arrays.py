@@ -25,7 +25,7 @@ from jax_ucp._src.errors import (
 )
 from jax_ucp._src.format import SavedSharding, role_of
 from jax_ucp._src.importers.orbax import zstd_rows
-from jax_ucp._src.importers.orbax.layout import STRINGS_FILE, read_json
+from jax_ucp._src.importers.orbax.layout import PYTREE_METADATA, STRINGS_FILE, read_json
 
 # the array a TensorStore error names: ``Error reading "params.w/.zarray"``
 _ARRAY_IN_MESSAGE = re.compile(r'"([^"]+?)/(?:\.zarray|zarr\.json|[0-9]+(?:[./][0-9]+)*)"')
@@ -37,6 +37,8 @@ def tree_metadata(path: str):
     import orbax.checkpoint as ocp
     from etils import epath
 
+    if os.path.isfile(os.path.join(path, PYTREE_METADATA)):  # a key named twice: refused
+        read_json(os.path.join(path, PYTREE_METADATA))  # (Orbax's json keeps the last)
     try:
         return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
     except (KeyError, TypeError, AttributeError, IndexError) as e:  # Orbax parsing _METADATA

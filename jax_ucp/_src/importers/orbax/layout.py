@@ -5,7 +5,6 @@ before Orbax or TensorStore opens anything."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any
@@ -54,7 +53,7 @@ def _steps(root: str) -> dict[int, str]:
 def read_json(path: str) -> Any:
     """An Orbax JSON record read within a size bound; unreadable is an error naming it."""
     try:
-        return json.loads(files.read_regular(files.in_own_folder(path), _MAX_JSON_BYTES))
+        return files.strict_loads(files.read_regular(files.in_own_folder(path), _MAX_JSON_BYTES))
     except (OSError, ValueError, RecursionError) as e:
         raise SourceError(f"{path}: not a readable Orbax JSON file ({e})") from None
 

@@ -15,7 +15,6 @@ Nothing else of the trainer state is imported: each ``train/`` file is listed in
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any
@@ -138,7 +137,7 @@ def _version(src: str) -> str | None:
     if not os.path.isfile(path):
         return None
     try:
-        data = json.loads(files.read_regular(path, MAX_JSON_BYTES))
+        data = files.strict_loads(files.read_regular(path, MAX_JSON_BYTES))
     except (ValueError, RecursionError, files.UnsafeFileError):
         return None
     version = data.get("version") if isinstance(data, dict) else None

@@ -141,7 +141,7 @@ def fsdp_config(folder: str, world: int) -> int | None:
     if not os.path.isfile(path):
         return None
     try:
-        data = json.loads(files.read_regular(files.in_own_folder(path), MAX_CONFIG_BYTES))
+        data = files.strict_loads(files.read_regular(files.in_own_folder(path), MAX_CONFIG_BYTES))
     except (ValueError, RecursionError, files.UnsafeFileError) as e:
         raise SourceError(f"{path}: not readable JSON ({str(e)[:200]})") from None
     if not isinstance(data, dict):

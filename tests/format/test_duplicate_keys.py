@@ -1,0 +1,151 @@
+"""A JSON object naming a key twice is refused in every file the project reads (issue 56): msgspec
+and Python's json keep the last silently, another reader the first, so ``ucp.json`` with
+``"value":7,"value":8`` restored 8 and verified clean, and a megatron ``integrity.json`` listing
+one file twice (the old hash, then the tampered file's) was accepted. The manifest's fast path
+finds a key named twice by two counts in C (``manifest._no_duplicate_keys``); these hostile copies
+of real checkpoints check that nothing slips past it, masking attempts included, and that what
+is not a duplicate still takes it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import jax_ucp
+from jax_ucp._src.format import manifest
+from jax_ucp._src.importers.megatron import integrity
+from jax_ucp.errors import CheckpointError, SourceError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("dup") / "good")
+    tree = {"params": {"w": np.arange(6, dtype=np.float32), "ü:b": np.ones(2, np.int8)}, "step": 7}
+    jax_ucp.save(path, tree)
+    return path
+
+
+def _copy_with(good: str, dest: Path, edit) -> str:
+    shutil.copytree(good, dest)
+    text = (dest / "ucp.json").read_text()
+    changed = edit(text)
+    assert changed != text, "the edit changed nothing"
+    (dest / "ucp.json").write_text(changed)
+    return str(dest)
+
+
+# edit of ucp.json's text -> the key the error names
+HOSTILE = {
+    "a value given twice": (lambda t: t.replace('"value":7', '"value":7,"value":8'), "value"),
+    "a shape given twice": (
+        lambda t: t.replace('"shape":[6]', '"shape":[3],"shape":[6]'),
+        "shape",
+    ),
+    "a header field twice": (
+        lambda t: t.replace(' "format": "jax_ucp",', ' "format": "jax_ucp", "format": "jax_ucp",'),
+        "format",
+    ),
+    "a shard digest twice": (
+        lambda t: t.replace('"shard_digests":{"c/0":', '"shard_digests":{"c/0":"00000000","c/0":'),
+        "c/0",
+    ),
+    "a dropped member hides a second role": (  # one ":" fewer, one more: the counts still differ
+        lambda t: t.replace('"role":"param","sub_role":null', '"role":"other","role":"param"'),
+        "role",
+    ),
+    "an escaped colon hides a second role": (  # "\u003a" is one ":" more once re-encoded
+        lambda t: t.replace(
+            '"role":"param","sub_role":null', '"role":"other","role":"param","sub_role":"\\u003a"'
+        ),
+        "role",
+    ),
+    "the tree's class twice": (
+        lambda t: t.replace(
+            '{"type":"dict","children"', '{"type":"dict","type":"dict","children"', 1
+        ),
+        "type",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_key_named_twice_in_the_manifest_is_refused(good, tmp_path, case):
+    edit, key = HOSTILE[case]
+    bad = _copy_with(good, tmp_path / "bad", edit)
+    message = rf"ucp.json: names '{key}' twice"
+    with pytest.raises(CheckpointError, match=message):
+        jax_ucp.restore(bad)
+    with pytest.raises(CheckpointError, match=message):
+        jax_ucp.verify(bad)
+    with pytest.raises(CheckpointError, match=message):
+        jax_ucp.inspect(bad)
+
+
+def test_what_is_no_duplicate_takes_the_fast_path(good, tmp_path):
+    """A ':' in a name, a non-ASCII name (escaped by the writer), every optional member left
+    out: read by msgspec alone, as the whole document says."""
+    raw = open(os.path.join(good, "ucp.json"), "rb").read()
+    assert b"\\u00fc:b" in raw  # the writer's escapes, a ':' inside a string
+    assert manifest._no_duplicate_keys(raw, manifest.model.DECODER.decode(raw))
+    lean = _copy_with(
+        good,
+        tmp_path / "lean",
+        lambda t: t.replace(',"sub_role":null', "").replace(',"provenance":null', ""),
+    )
+    raw = open(os.path.join(lean, "ucp.json"), "rb").read()
+    assert manifest._no_duplicate_keys(raw, manifest.model.DECODER.decode(raw))
+    out = jax_ucp.restore(lean)
+    assert out["step"] == 7 and out["params"]["ü:b"].tolist() == [1, 1]
+
+
+def test_an_escaped_colon_alone_is_read_by_the_slow_path(good, tmp_path):
+    bad = _copy_with(
+        good,
+        tmp_path / "esc",
+        lambda t: t.replace(
+            '"role":"param","sub_role":null', '"role":"param","sub_role":"a\\u003ab"', 1
+        ),
+    )
+    raw = open(os.path.join(bad, "ucp.json"), "rb").read()
+    assert not manifest._no_duplicate_keys(raw, manifest.model.DECODER.decode(raw))
+    assert "a:b" in [e.sub_role for e in jax_ucp.inspect(bad).tensors]
+
+
+def test_orbax_metadata_naming_a_key_twice_is_refused(tmp_path):
+    src = tmp_path / "orb"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(src, {"params": {"w": np.arange(4, dtype=np.float32)}})
+    meta = src / "_METADATA"
+    text = meta.read_text()
+    assert '"tree_metadata": {' in text
+    meta.write_text(
+        text.replace('"tree_metadata": {', '"tree_metadata": {}, "tree_metadata": {', 1)
+    )
+    with pytest.raises(SourceError, match=r"_METADATA.*names 'tree_metadata' twice"):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_megatron_integrity_record_listing_a_file_twice_is_refused(tmp_path):
+    """The old hash first, the tampered file's last: Python's json kept the last, so the
+    tampered file passed."""
+    (tmp_path / ".metadata").write_bytes(b"tampered")
+    old = hashlib.sha256(b"original").hexdigest()
+    new = hashlib.sha256(b"tampered").hexdigest()
+    record = '{"algorithm": "sha256", "files": {".metadata": "%s", ".metadata": "%s"}}'
+    (tmp_path / integrity.INTEGRITY_FILE).write_text(record % (old, new))
+    with pytest.raises(SourceError, match=r"integrity.json.*names '.metadata' twice"):
+        integrity.verify_integrity(tmp_path)
+    (tmp_path / integrity.INTEGRITY_FILE).write_text(
+        json.dumps({"algorithm": "sha256", "files": {".metadata": new}})
+    )
+    assert integrity.verify_integrity(tmp_path) is not None
