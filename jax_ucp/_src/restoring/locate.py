@@ -77,11 +77,26 @@ def find_checkpoint_dir(path) -> str:
                 f"{shown}); pass a step's item, e.g. {listed[0].items[0]} "
                 f"(or step=N / step='latest'; mngr.restore(step) in Orbax)."
             )
+        _refuse_incomplete_dcp(path)
         raise CheckpointError(
             f"{path}: no {fmt.MANIFEST_FILE} here nor in any item directory below "
             f"it; not a jax_ucp checkpoint (or the manifest was removed)."
         )
     raise CheckpointError(f"{path}: holds several UCP items {items}; pass one of them.")
+
+
+def _refuse_incomplete_dcp(path: str) -> None:
+    """A folder of torch DCP rank files without ``.metadata`` (which rank 0 writes last, once
+    every rank's files are written) is a DCP save still running or killed: named as that, not as
+    a folder that is no checkpoint."""
+    ranks = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+    if ranks and not os.path.lexists(os.path.join(path, ".metadata")):
+        shown = ", ".join(ranks[:3]) + (", ..." if len(ranks) > 3 else "")
+        raise CheckpointError(
+            f"{path}: an incomplete torch DCP checkpoint: {len(ranks)} rank file(s) ({shown}) "
+            f"but no .metadata, which torch.distributed.checkpoint writes last; its save is "
+            f"still running or was killed. Wait for it to finish, or pass a complete one."
+        )
 
 
 def is_step_dir(path: str) -> bool:
