@@ -323,3 +323,27 @@ def test_explicit_options_override_the_environment(s3_server, monkeypatch):
     finally:
         jax_ucp.set_object_store_options("s3", endpoint=None, aws_region=None)
     assert object_store.kvstore_root(url)["endpoint"] != env["AWS_ENDPOINT_URL"]
+
+
+def test_no_aws_sdk_noise_on_stderr_without_aws_files(s3_server, tmp_path):
+    """Every s3 operation printed the AWS SDK's ``E1126 ... Failed to open file
+    '/root/.aws/config'`` lines when the keys come from the environment and there are no AWS
+    files (issue 56): the environment is named as the credentials' source then."""
+    env, root = s3_server
+    url = _new(root, "quiet")
+    home = tmp_path / "home"  # no ~/.aws here
+    home.mkdir()
+    quiet = {**env, "HOME": str(home)}
+    code = f"import numpy as np, jax_ucp; jax_ucp.save({url!r}, {{'w': np.ones(4, np.float32)}})"
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **quiet, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = run_cli("verify", url, env=quiet)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for out in (p.stderr, r.stderr):
+        assert ".aws/config" not in out and ".aws/credentials" not in out, out[-2000:]

@@ -76,6 +76,9 @@ def kvstore_root(url: str) -> dict:
             spec["endpoint"] = endpoint
         if region:
             spec["aws_region"] = region
+        credentials = _aws_credentials()
+        if credentials is not None:
+            spec["aws_credentials"] = credentials
     elif os.environ.get("STORAGE_EMULATOR_HOST"):
         host = os.environ["STORAGE_EMULATOR_HOST"]
         spec.setdefault("context", {})["gcs_request_retries"] = {"max_retries": 2}
@@ -84,6 +87,25 @@ def kvstore_root(url: str) -> dict:
         )
     spec.update(_options.get(scheme, {}))
     return spec
+
+
+def _aws_credentials() -> dict | None:
+    """The AWS SDK's default chain reads ``~/.aws/config`` and ``~/.aws/credentials`` first and
+    prints an error line to stderr for each one missing (``E1126 ... Failed to open file
+    '/root/.aws/config'``) on every s3 open. With keys in the environment and no AWS files to
+    read, the environment is named as the source; otherwise (a profile, files, web identity,
+    an instance role) the default chain decides, as before."""
+    env = os.environ
+    if not (env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY")):
+        return None
+    home = os.path.expanduser("~")
+    files = [
+        env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"),
+        env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"),
+    ]
+    if env.get("AWS_PROFILE") or any(os.path.exists(f) for f in files):
+        return None
+    return {"type": "environment"}
 
 
 def join(root: str, *parts: str) -> str:
