@@ -41,7 +41,7 @@ from jax_ucp._src.format import files, keypath
 from jax_ucp._src.format.manifest import torch_optimizer_record
 from jax_ucp._src.torchfiles import dcp as safe_dcp
 
-__all__ = ["Comparison", "compare_with_source", "dcp_reader"]
+__all__ = ["Comparison", "compare_with_source", "dcp_reader", "source_weights"]
 
 # Every folder this module removes (ds_to_universal's temporary output) is logged here, as
 # every deletion jax_ucp makes: ``logging.getLogger("jax_ucp")`` shows it.
@@ -614,13 +614,60 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
     try:
         return _compare(ckpt, src, manifest, expected, progress)
     finally:
-        _TORCH_FILES.clear()
-        _dcp_keys.cache_clear()
-        for key, value in _DEEPSPEED.items():
-            if key.startswith("ds_to_universal:"):
-                # its parent: our mkdtemp, which holds DeepSpeed's latest_universal too
-                _discard(os.path.dirname(value["folder"]), "ds_to_universal's output, compared")
-        _DEEPSPEED.clear()
+        _clear_loaded()
+
+
+def _clear_loaded() -> None:
+    """What the loaders kept while a source was read (files, DCP keys, DeepSpeed's outputs)
+    dropped, ds_to_universal's temporary folder removed."""
+    _TORCH_FILES.clear()
+    _dcp_keys.cache_clear()
+    for key, value in _DEEPSPEED.items():
+        if key.startswith("ds_to_universal:"):
+            # its parent: our mkdtemp, which holds DeepSpeed's latest_universal too
+            _discard(os.path.dirname(value["folder"]), "ds_to_universal's output, compared")
+    _DEEPSPEED.clear()
+
+
+def source_weights(ckpt: str, src: str, tree: str) -> dict[str, np.ndarray]:
+    """The source's tensors of the checkpoint's model weights (``tree``: ``params`` or
+    ``model_params``), by their name below it (the Hugging Face names an import keeps), each
+    read by the source framework's own loader, as ``compare_with_source`` reads them: what
+    ``verify(logits=True)`` loads into transformers' model when the source holds no weights
+    ``from_pretrained`` reads (a DCP folder, DeepSpeed, torch.save files). A weight no loader
+    reads here is a ``SourceError`` naming it and why."""
+    from jax_ucp._src import store
+    from jax_ucp._src.restoring import locate
+
+    manifest = locate.read_consistently(ckpt, store.read_manifest)
+    expected = _plan_again(src, manifest)
+    framework = str(expected.source.get("framework") or "")
+    source_path = str(expected.source.get("path") or "")
+    out: dict[str, np.ndarray] = {}
+    try:
+        for entry in manifest.tensors:
+            if tuple(entry.key[:1]) != (tree,):
+                continue
+            name = ".".join(str(k) for k in entry.key[1:])
+            planned = expected.provenance.get(tuple(entry.key))
+            if planned is None:
+                raise SourceError(f"{entry.name}: the import of {src} makes no such tensor")
+            try:
+                read, _ = _loader(
+                    str(planned.get("format") or framework), src, planned, entry.name, source_path
+                )
+                out[name] = read()
+            except ImportError as e:
+                raise (_missing_extra(e) or e) from None
+            except (SourceError, OSError, ValueError, RuntimeError) as e:
+                if isinstance(e, (UnsafeFileError, MissingExtraError)):
+                    raise
+                raise SourceError(
+                    f"{entry.name}: no loader of the source reads it here ({str(e)[:300]})"
+                ) from None
+    finally:
+        _clear_loaded()
+    return out
 
 
 def _compare(ckpt: str, src: str, manifest: Any, expected: _Expected, progress) -> Comparison:

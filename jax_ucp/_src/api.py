@@ -153,7 +153,10 @@ def verify(
         checkpoint's records: a tensor the source does not make, or a source tensor the
         checkpoint lacks (not in its ``source.skipped``), is a problem too.
       logits: with ``against``, also run one fixed batch through the source loaded by
-        transformers' ``from_pretrained`` and through the checkpoint's weights in
+        transformers' ``from_pretrained`` (a source without the weight files it reads, e.g. a
+        torch DCP folder or DeepSpeed beside the config.json: the model its config.json names,
+        given the weights the source framework's own loader reads) and through the
+        checkpoint's weights in
         ``jax_ucp._src.models.TransformerLM`` (the families docs/HF.md lists; ``jax_ucp._src.logits``): a largest
         absolute difference above ``logits_tolerance`` is a problem; ``.logits`` holds the
         comparison. Needs transformers (``pip install 'jax_ucp[hf]'``).
@@ -202,9 +205,15 @@ def verify(
     ]
     compared = None
     if logits:  # after the tensors, even when some differ: how much the model's output moves
+        from jax_ucp._src.against import source_weights
         from jax_ucp._src.logits import compare_logits
 
-        compared = compare_logits(path, against, tolerance=logits_tolerance)
+        compared = compare_logits(
+            path,
+            against,
+            tolerance=logits_tolerance,
+            source_weights=lambda tree: source_weights(os.fspath(path), os.fspath(against), tree),
+        )
         if not compared.ok:
             problems.append(("logits", compared.describe()))
     return VerifyResult(

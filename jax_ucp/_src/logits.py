@@ -19,6 +19,7 @@ import dataclasses
 import gc
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -179,7 +180,11 @@ def read_config(folder: str) -> dict:
 
 
 def compare_logits(
-    ckpt: str | os.PathLike, src: str | os.PathLike, *, tolerance: float | None = None
+    ckpt: str | os.PathLike,
+    src: str | os.PathLike,
+    *,
+    tolerance: float | None = None,
+    source_weights: Callable[[str], dict[str, np.ndarray]] | None = None,
 ) -> LogitsComparison:
     """The logits of one fixed batch through the source loaded by transformers'
     ``from_pretrained`` and through the checkpoint's weights in ``TransformerLM``.
@@ -189,6 +194,11 @@ def compare_logits(
         src: the source it was converted from (a Hugging Face folder, a Trainer ``checkpoint-N/``,
             or a folder under one whose ``config.json`` names the model).
         tolerance: the largest absolute difference accepted (None: :data:`DEFAULT_TOLERANCE`).
+        source_weights: for a source holding no weights ``from_pretrained`` reads (a torch DCP
+            folder, DeepSpeed, torch.save files beside the config.json), ``source_weights(tree)``
+            gives its weights by Hugging Face name, read by its framework's own loader
+            (``against.source_weights``); transformers' model is built from the config.json and
+            given them.
     """
     tolerance = checked_tolerance(tolerance)
     folder = model_folder(os.fspath(src))
@@ -206,7 +216,12 @@ def compare_logits(
     tree, held = _model_tree(os.fspath(ckpt))
     _check_declared_size(folder, cfg, os.fspath(ckpt), tree, held)
     # the torch model is freed on return
-    want, source = _source_logits(folder, tokens, torch, transformers)
+    if source_weights is not None and not _holds_pretrained_weights(folder):
+        weights = source_weights(tree)
+        want, source = _source_logits_from_config(folder, weights, tokens, torch, transformers)
+        del weights
+    else:
+        want, source = _source_logits(folder, tokens, torch, transformers)
     gc.collect()
     got = _checkpoint_logits(os.fspath(ckpt), cfg, spec, tokens, tree)
     if got.shape != want.shape:
@@ -286,6 +301,56 @@ def _source_logits(
             f"({', '.join(sorted(missing)[:3])}, ...): they would be random, not the run's"
         )
     what = f"transformers {transformers.__version__} {type(model).__name__} from {folder}"
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.from_numpy(tokens)).logits.float().numpy()
+    del model
+    return out, what
+
+
+#: the weight files ``from_pretrained`` reads from a folder
+PRETRAINED_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def _holds_pretrained_weights(folder: str) -> bool:
+    return any(os.path.lexists(os.path.join(folder, name)) for name in PRETRAINED_WEIGHTS)
+
+
+def _source_logits_from_config(
+    folder: str, weights: dict[str, np.ndarray], tokens: np.ndarray, torch: Any, transformers: Any
+) -> tuple[np.ndarray, str]:
+    """The logits transformers computes for ``tokens`` with the model ``folder``'s config.json
+    names (built by ``from_config``, no code from the folder) holding ``weights`` (the source's,
+    by Hugging Face name, read by its framework's loader); a weight the model has and
+    ``weights`` lack (a tied output layer apart), or one it has not, is refused."""
+    config = transformers.AutoConfig.from_pretrained(
+        folder, local_files_only=True, trust_remote_code=False
+    )
+    major = int(transformers.__version__.split(".")[0])
+    dtype = {"dtype" if major >= 5 else "torch_dtype": torch.float32}
+    model: Any = transformers.AutoModelForCausalLM.from_config(config, **dtype)
+    state = {name: torch.from_numpy(np.ascontiguousarray(v)).float() for name, v in weights.items()}
+    result = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(result.missing_keys) - tied)
+    if missing or result.unexpected_keys:
+        raise SourceError(
+            f"{folder}: the source's weights do not fill transformers' "
+            f"{type(model).__name__}: {len(missing)} missing ({', '.join(missing[:3])}), "
+            f"{len(result.unexpected_keys)} not in the model "
+            f"({', '.join(sorted(result.unexpected_keys)[:3])})"
+        )
+    if tied:
+        model.tie_weights()
+    what = (
+        f"transformers {transformers.__version__} {type(model).__name__} built from "
+        f"{folder}/config.json, its {len(state)} weights read by the source framework's loader"
+    )
     model.eval()
     with torch.no_grad():
         out = model(torch.from_numpy(tokens)).logits.float().numpy()

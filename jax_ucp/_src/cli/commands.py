@@ -320,9 +320,11 @@ def verify(
     logits: bool = typer.Option(
         False,
         "--logits",
-        help="with --against (a Hugging Face model of a family docs/HF.md lists: Llama, Mistral, Qwen2/3, GPT-2, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE, Granite, OLMo 2, StableLM): also compare the logits of "
-        "one batch, the source loaded by transformers' from_pretrained vs the checkpoint's "
-        "weights in jax_ucp's flax model; exit 1 beyond the tolerance (needs jax_ucp[hf])",
+        help="with --against (a source whose config.json names a family docs/HF.md lists: Llama, Mistral, Qwen2/3, GPT-2, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE, Granite, OLMo 2, StableLM): also compare the logits of "
+        "one batch, the source loaded by transformers (from_pretrained, or the config's model "
+        "given the weights the source framework's own loader reads: DCP, DeepSpeed, torch.save) "
+        "vs the checkpoint's weights in jax_ucp's flax model; exit 1 beyond the tolerance "
+        "(needs jax_ucp[hf])",
     ),
     logits_tolerance: float | None = typer.Option(
         None, help="largest absolute difference of the logits accepted (default 1e-4)"
