@@ -9,10 +9,13 @@ could not be recovered (no schedule, no clipping recorded) is listed on the resu
 
 An import records the optimizer's ``param_groups`` (betas, eps, weight decay, learning rate,
 which parameters each group holds) and, for a Hugging Face Trainer checkpoint, the training
-arguments (schedule, warm-up, ``max_grad_norm``) and the scheduler's position. This module turns
-them into ``optax.chain(clip_by_global_norm, scale_by_adam, add_decayed_weights(mask),
-scale_by_learning_rate(schedule))`` -- torch AdamW's update, term for term -- and fills its state
-with the imported moments and step, so the next optax step is torch's next step.
+arguments (schedule, warm-up, ``max_grad_norm``) and the scheduler's position; a DeepSpeed
+config and a Megatron run's arguments are read by ``continuation.deepspeed`` /
+``continuation.megatron``. Each is a :class:`Recipe`, turned into one chain for every source
+(:func:`chain_of`: ``clip, L2 decay, Adam, decoupled decay, learning rate``) -- torch's and
+DeepSpeed's update, term for term -- whose state is filled with the imported moments and step,
+so the next optax step is the run's next step. What the files do not record (a plain torch
+run's schedule and clipping) the caller may supply (``schedule=``, ``clip=``).
 """
 
 from __future__ import annotations
@@ -596,6 +599,8 @@ def _from_run(
 ) -> TorchOptimizer:
     """``optax_from_torch`` of the opened run: the files read into a :class:`Recipe` (what its
     framework's config or torch's record says), the state restored, the chain built from it."""
+    import jax
+
     source = run.source
     where = str(source.get("path") or ckpt)
     recorded = torch_optimizer_record(source)
@@ -621,7 +626,7 @@ def _from_run(
     mask = None
     if _decays(recipe):
         mask = _mask_tree(run.saved, spec, params, dict(recipe.decayed), where)
-        leaves = jax_leaves(mask)
+        leaves = jax.tree.leaves(mask)
         style = (
             "decoupled (AdamW)"
             if recipe.optimizer == "adamw"
@@ -783,12 +788,6 @@ def _constant(value: Any) -> Callable[[Any], Any]:
 def _decays(recipe: Recipe) -> bool:
     rate = recipe.weight_decay
     return callable(rate) or bool(rate)
-
-
-def jax_leaves(tree: Any) -> list:
-    import jax
-
-    return jax.tree.leaves(tree)
 
 
 def clip_like_torch(max_norm: float | None) -> Any:
