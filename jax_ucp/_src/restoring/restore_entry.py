@@ -134,8 +134,6 @@ def restore_from(opened: OpenedSource, options: restore_options.RestoreOptions):
 def _restore_step(root: str, options: restore_options.RestoreOptions):
     """``restore(root, step=N | "latest", fallback=)``: the step's UCP item restored; for
     "latest" the step ``resume.latest_readable`` takes (the rule ``latest_step`` gives too)."""
-    from jax_ucp._src.restoring import resume
-
     plain = dataclasses.replace(options, step=None, fallback=False)
     if isinstance(options.step, int):  # checked when the options were made: N or "latest"
         return restore_tree(resume.step_item(root, options.step), plain)
