@@ -303,25 +303,10 @@ def _one_cycle(kw: Mapping[str, Any], position: Callable[[Any], Any]) -> dict[st
     return {"lr": lr, "beta1": beta1 if kw["cycle_momentum"] else None}
 
 
-def _adam_from_config(made: Any, groups: list[dict], where: str) -> tuple[str, str, bool, float]:
-    """(kind, how, bias_correction, the config's lr) of the Adam DeepSpeed built from
-    ``optimizer``, or refused naming the type or parameter."""
-    if not isinstance(made, Mapping) or not isinstance(made.get("type"), str):
-        raise RequestError(f"{where}: DeepSpeed config optimizer {made!r}: expected a 'type'")
-    name = made["type"]
-    params = made.get("params") or {}
-    if not isinstance(params, Mapping):
-        raise RequestError(f"{where}: DeepSpeed optimizer params {params!r} is not a mapping")
-    if name.lower() not in ADAM_TYPES:
-        other = name.lower() in OTHER_TYPES
-        raise RequestError(
-            f"{where}: the run's DeepSpeed optimizer is {name!r} "
-            f"({'a DeepSpeed optimizer' if other else 'not one DeepSpeed builds as Adam'}): "
-            f"optax_from_torch continues Adam/AdamW (types 'Adam', 'AdamW'); restore the weights "
-            f"(select=r'params/.*') and start a new optimizer"
-        )
+def _adam_params(name: str, params: Mapping[str, Any], field: str) -> float:
+    """The config's Adam parameters, each known to the class DeepSpeed builds, typed and
+    range-checked as it takes them; the learning rate (the class's default when not given)."""
     torch_adam = params.get("torch_adam", False)
-    field = f"{where}: DeepSpeed optimizer params"
     for key in ("torch_adam", "adam_w_mode", "bias_correction", "amsgrad", "set_grad_none"):
         if key in params:
             _value(_BOOL, params[key], 0, False, f"{field}.{key}")
@@ -345,7 +330,37 @@ def _adam_from_config(made: Any, groups: list[dict], where: str) -> tuple[str, s
             f"{field}.fp32_optimizer_states = false: DeepSpeedCPUAdam's moments in the parameters' "
             f"low precision are not reproduced"
         )
-    lr = _value(_NUMBER, params.get("lr", DEFAULT_LR), 0.0, False, f"{field}.lr")
+    for key in ("eps", "weight_decay"):
+        if key in params:
+            _value(_NUMBER, params[key], 0.0, False, f"{field}.{key}")
+    betas = params.get("betas", [0.9, 0.999])
+    if not isinstance(betas, list | tuple) or len(betas) != 2:
+        raise RequestError(f"{field}.betas = {betas!r}: expected two numbers in [0, 1)")
+    for j, b in enumerate(betas):
+        if _value(_NUMBER, b, 0.0, False, f"{field}.betas[{j}]") >= 1:
+            raise RequestError(f"{field}.betas[{j}] = {b!r}: expected a number in [0, 1)")
+    return float(_value(_NUMBER, params.get("lr", DEFAULT_LR), 0.0, False, f"{field}.lr"))
+
+
+def _adam_from_config(made: Any, groups: list[dict], where: str) -> tuple[str, str, bool, float]:
+    """(kind, how, bias_correction, the config's lr) of the Adam DeepSpeed built from
+    ``optimizer``, or refused naming the type or parameter."""
+    if not isinstance(made, Mapping) or not isinstance(made.get("type"), str):
+        raise RequestError(f"{where}: DeepSpeed config optimizer {made!r}: expected a 'type'")
+    name = made["type"]
+    params = made.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise RequestError(f"{where}: DeepSpeed optimizer params {params!r} is not a mapping")
+    if name.lower() not in ADAM_TYPES:
+        other = name.lower() in OTHER_TYPES
+        raise RequestError(
+            f"{where}: the run's DeepSpeed optimizer is {name!r} "
+            f"({'a DeepSpeed optimizer' if other else 'not one DeepSpeed builds as Adam'}): "
+            f"optax_from_torch continues Adam/AdamW (types 'Adam', 'AdamW'); restore the weights "
+            f"(select=r'params/.*') and start a new optimizer"
+        )
+    torch_adam = params.get("torch_adam", False)
+    lr = _adam_params(name, params, f"{where}: DeepSpeed optimizer params")
     adam_w_mode = params.get("adam_w_mode", True)
     decoupled = name.lower() == "adamw" or adam_w_mode
     bias_correction = params.get("bias_correction", True)
