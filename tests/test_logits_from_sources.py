@@ -53,8 +53,11 @@ def test_dcp_folder_with_its_config(tmp_path):
 
 
 def test_a_weight_changed_in_the_dcp_source_moves_the_logits(tmp_path):
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+    import torch  # pyright: ignore[reportMissingImports]
+    from torch.distributed.checkpoint.format_utils import (  # pyright: ignore[reportMissingImports]
+        dcp_to_torch_save,
+        torch_save_to_dcp,
+    )
 
     src = _dcp_with_config(tmp_path)
     ckpt = jax_ucp.convert(src, tmp_path / "ucp")
