@@ -612,3 +612,21 @@ def test_onecycle_momentum_is_checked_against_the_held_betas():
         recipe.at_step(3)
     with pytest.raises(RequestError, match=r"beta2 to 0.99, the groups hold 0.999"):
         deepspeed_recipe(_source(ADAMW, sched, [{**group, "betas": [mom, 0.999]}], saved), "c")
+
+
+def test_a_config_scheduler_over_the_clients_optimizer():
+    """No "optimizer" in the config: the client's torch optimizer (identified from its groups)
+    stepped under DeepSpeed's scheduler; one that scales the optimizer's learning rate at its
+    making (unrecorded) is refused, asking for schedule=."""
+    group = {"lr": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    group |= {"amsgrad": False, "params": ["w"]}
+    decay = {"type": "WarmupDecayLR", "params": {"total_num_steps": 20, "warmup_num_steps": 5}}
+    kw = scheduler_params("WarmupDecayLR", decay["params"], 1, "t")
+    held = float(deepspeed_schedule("WarmupDecayLR", kw, math.nan)["lr"](3))
+    source = _source(None, decay, [{**group, "lr": held}], {"last_batch_iteration": 2})
+    recipe = deepspeed_recipe(source, "c", ("adamw", "param_groups' decoupled_weight_decay"))
+    assert recipe is not None and recipe.at_step is not None and recipe.at_step(3) == []
+    assert recipe.how.startswith("torch AdamW") and recipe.clip == 1.0
+    cosine = {"type": "WarmupCosineLR", "params": {"total_num_steps": 20}}
+    with pytest.raises(RequestError, match=r"WarmupCosineLR scales the client optimizer's"):
+        deepspeed_recipe(_source(None, cosine, [group]), "c", ("adamw", "x"))
