@@ -200,6 +200,22 @@ def test_a_zstd_frame_past_the_chunk_budget_is_refused(tmp_path):
     assert_bit_exact(ck.read("model.big"), truth(ZSTD)["big"], "big")
 
 
+def test_a_compressed_object_decodes_within_its_budget(tmp_path, monkeypatch):
+    """A pickled object (BytesStorageMetadata) has no declared size: it decodes within
+    ``MAX_OBJECT_BYTES``, a frame past it refused naming the object."""
+    src = _copy(ZSTD, tmp_path)
+    monkeypatch.setattr(torch_dcp, "MAX_OBJECT_BYTES", 1 << 16)
+    bomb = zstandard.ZstdCompressor(write_content_size=False).compress(bytes((1 << 16) + 1))
+    with open(os.path.join(src, "__9_0.distcp"), "wb") as f:
+        f.write(bomb)
+    ck = torch_dcp.open_dcp(src)
+    ck.objects["step"] = dataclasses.replace(
+        ck.objects["step"], file="__9_0.distcp", byte_offset=0, byte_length=len(bomb)
+    )
+    with pytest.raises(SourceError, match=r"object 'step' in .*does not decode within the 65536"):
+        ck.read_object("step")
+
+
 def test_dcp_in_safetensors_format_is_refused_saying_what_it_is(tmp_path):
     """torch's ``serialization_format=SAFETENSORS`` puts every tensor of a rank at the start of
     one safetensors file appended to its ``.distcp``; torch's own ``dcp.load`` fails on it
