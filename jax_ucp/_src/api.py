@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
@@ -12,9 +12,10 @@ from jax_ucp._src import tree as tree_lib
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
 from jax_ucp._src.options import keywords_of
-from jax_ucp._src.restoring import locate, model, resume, steps, ucp_source
-from jax_ucp._src.restoring.inspecting import inspect as inspect  # JAX-free: defined there
 from jax_ucp._src.saving.options import SaveOptions
+
+if TYPE_CHECKING:  # the restoring modules load where used: a save never needs them
+    from jax_ucp._src.restoring import steps
 
 # JAX-free at import: ``verify`` and ``latest_step`` (``jax-ucp verify``/``latest``) never load
 # JAX (1-4 s); ``save`` imports the save engine and ``restore`` its module when first used.
@@ -25,6 +26,10 @@ def __getattr__(name: str):
         from jax_ucp._src.restoring.restore_entry import restore
 
         return restore
+    if name == "inspect":  # JAX-free: defined there
+        from jax_ucp._src.restoring.inspecting import inspect
+
+        return inspect
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -72,6 +77,8 @@ def latest_step(run_root: str | os.PathLike | Any, *, fallback: bool = False) ->
       fallback: pass over unreadable steps to older ones (default: the error, naming the newest
         step and why).
     """
+    from jax_ucp._src.restoring import resume
+
     root, step_format = _run_root(run_root)
     found = resume.latest_readable(root, fallback=fallback, step_format=step_format)
     found.warn(stacklevel=2)
@@ -80,6 +87,8 @@ def latest_step(run_root: str | os.PathLike | Any, *, fallback: bool = False) ->
 
 def _run_root(run_root) -> tuple[str, steps.StepFormat | None]:
     """A CheckpointManager root as a path, with the manager's step names when it is one."""
+    from jax_ucp._src.restoring import steps
+
     if isinstance(run_root, (str, os.PathLike)):
         return os.fspath(run_root), None
     directory = getattr(run_root, "directory", None)
@@ -187,6 +196,8 @@ def verify(
         )
         return VerifyResult(problems, source=check)
     # A concurrent forced save is read again, not reported as damage (locate.read_consistently).
+    from jax_ucp._src.restoring import locate
+
     result = locate.read_consistently(path, lambda root: _verify(root, progress, budget))
     if against is None or result:
         return result
@@ -231,6 +242,8 @@ def verify(
 
 
 def _verify(root: str, progress, budget: int) -> VerifyResult:
+    from jax_ucp._src.restoring import model, ucp_source
+
     manifest = store.read_manifest(root)
 
     def check(entry: fmt.TensorEntry) -> str | None:

@@ -13,7 +13,7 @@ from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import CheckpointError, SaveConflictError
 from jax_ucp._src.restoring import steps
-from jax_ucp._src.store.storage import local, object_store
+from jax_ucp._src.store.storage import local
 
 T = TypeVar("T")
 
@@ -172,6 +172,8 @@ def _ucp_items(path: str) -> list[str]:
 def _find_in_object_store(url: str) -> str:
     """``url`` when it holds ucp.json, else its single UCP item (an Orbax-style step prefix).
     A prefix without ucp.json is no checkpoint: a save that never completed."""
+    from jax_ucp._src.store.storage import object_store  # a local restore never loads it
+
     if object_store.exists(url, fmt.MANIFEST_FILE):
         return url
     items = sorted(

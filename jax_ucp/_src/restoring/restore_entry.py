@@ -14,16 +14,7 @@ from typing import Any
 
 from jax_ucp._src import store
 from jax_ucp._src.options import keywords_of
-from jax_ucp._src.restoring import (
-    engine,
-    import_open,
-    locate,
-    remote_safetensors,
-    requests,
-    resume,
-    safetensors_source,
-    ucp_source,
-)
+from jax_ucp._src.restoring import engine, locate, requests, ucp_source
 from jax_ucp._src.restoring import options as restore_options
 from jax_ucp._src.restoring.engine import OpenedSource
 
@@ -82,10 +73,16 @@ def opened_elsewhere(
     first): Hugging Face safetensors read in place, or any other source ``convert`` reads,
     opened through its import plan (``import_open``) with ``options.importing``."""
     explicit = options.importing is not None or options.format is not None
-    if not store.storage_for(path).renames and not explicit and remote_safetensors.is_source(path):
-        return remote_safetensors.opened_source(path, options.spec)
+    if not store.storage_for(path).renames and not explicit:
+        from jax_ucp._src.restoring import remote_safetensors  # an object store's only
+
+        if remote_safetensors.is_source(path):
+            return remote_safetensors.opened_source(path, options.spec)
     if locate.is_ucp(path) and not explicit and store.storage_for(path).renames:
         return None  # (a URL without ucp.json may be a torch DCP folder: import_format asks)
+    # imported here: a local UCP restore (above) never loads the importers' and safetensors' code
+    from jax_ucp._src.restoring import import_open, safetensors_source
+
     checkpoint_format = import_open.import_format(path, options.importing, options.format)
     if checkpoint_format is not None:
         return _imported(path, checkpoint_format, options)
@@ -96,6 +93,8 @@ def opened_elsewhere(
 
 @contextlib.contextmanager
 def _imported(path, checkpoint_format: str, options) -> Iterator[OpenedSource]:
+    from jax_ucp._src.restoring import import_open
+
     with import_open.opened_import(
         path, checkpoint_format, options.importing, options.spec, options.read_budget
     ) as imported:
@@ -134,6 +133,8 @@ def restore_from(opened: OpenedSource, options: restore_options.RestoreOptions):
 def _restore_step(root: str, options: restore_options.RestoreOptions):
     """``restore(root, step=N | "latest", fallback=)``: the step's UCP item restored; for
     "latest" the step ``resume.latest_readable`` takes (the rule ``latest_step`` gives too)."""
+    from jax_ucp._src.restoring import resume
+
     plain = dataclasses.replace(options, step=None, fallback=False)
     if isinstance(options.step, int):  # checked when the options were made: N or "latest"
         return restore_tree(resume.step_item(root, options.step), plain)

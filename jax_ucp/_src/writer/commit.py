@@ -21,7 +21,6 @@ import stat
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import RequestError, SaveConflictError
-from jax_ucp._src.store.storage.object_store import LOCK_OBJECT
 from jax_ucp._src.writer import durable, file_digest
 
 log = logging.getLogger(__name__)
@@ -425,6 +424,8 @@ def claim_object_store_prefix(url: str, *, force: bool) -> None:
     (an object store cannot replace one) and anything a killed jax_ucp save of this prefix
     cannot have left, naming it; deletes such a save's leftovers (its arrays' objects and
     digest reports, nothing else)."""
+    from jax_ucp._src.store.storage.object_store import LOCK_OBJECT  # a local save never loads it
+
     prefix = store.storage_for(url)
     names = [n for n in prefix.names() if n != LOCK_OBJECT]
     if fmt.MANIFEST_FILE in names:

@@ -7,12 +7,14 @@ type (``base.Storage``); nothing above it asks whether a path is a URL.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jax_ucp._src import format as fmt
-from jax_ucp._src.store.storage.base import Claim, Storage, Transaction, kvstore_join
+from jax_ucp._src.store.storage.base import SCHEMES, Claim, Storage, Transaction, kvstore_join
 from jax_ucp._src.store.storage.local import LocalDirectory
-from jax_ucp._src.store.storage.object_store import SCHEMES, ObjectStorePrefix
+
+if TYPE_CHECKING:  # loaded on first use (``__getattr__``): a local checkpoint never needs it
+    from jax_ucp._src.store.storage.object_store import ObjectStorePrefix
 
 __all__ = [
     "Claim",
@@ -28,6 +30,14 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str):
+    if name == "ObjectStorePrefix":
+        from jax_ucp._src.store.storage.object_store import ObjectStorePrefix
+
+        return ObjectStorePrefix
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def is_url(path: Any) -> bool:
     """True for ``s3://...`` / ``gs://...`` (an object-store checkpoint)."""
     return isinstance(path, str) and path.split("://", 1)[0] in SCHEMES and "://" in path
@@ -39,7 +49,11 @@ def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
     if isinstance(path, Storage):
         return path
     path = os.fspath(path)
-    return ObjectStorePrefix(path) if is_url(path) else LocalDirectory(path)
+    if is_url(path):
+        from jax_ucp._src.store.storage.object_store import ObjectStorePrefix
+
+        return ObjectStorePrefix(path)
+    return LocalDirectory(path)
 
 
 def read_manifest(root) -> fmt.Manifest:

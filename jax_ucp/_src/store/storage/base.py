@@ -16,6 +16,10 @@ from typing import Any, Protocol
 
 from jax_ucp._src import format as fmt
 
+# URL scheme -> TensorStore kvstore driver: the object stores (``object_store``); here, so that
+# choosing a path's medium (``storage_for``) does not import the object-store code
+SCHEMES = {"s3": "s3", "gs": "gcs"}
+
 
 class Claim(Protocol):
     """The writer's replace policy, asked by a medium under its lock before a save."""

@@ -31,11 +31,10 @@ import tensorstore as ts
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import CheckpointError, RequestError, SaveConflictError
 from jax_ucp._src.multihost import liveness
-from jax_ucp._src.store.storage.base import Claim, Storage, Transaction, kvstore_join
+from jax_ucp._src.store.storage.base import SCHEMES, Claim, Storage, Transaction, kvstore_join
 
 log = logging.getLogger(__name__)
 
-SCHEMES = {"s3": "s3", "gs": "gcs"}  # URL scheme -> TensorStore kvstore driver
 _options: dict[str, dict[str, Any]] = {}
 
 

@@ -1,0 +1,65 @@
+"""A local save + restore imports only what it needs (issue 59): the object-store, safetensors
+and importer code cost a fresh process ~40 ms more of first save / restore when they crept onto
+the path (``restoring.import_open`` in ``restore_entry``, ``object_store`` in ``store.storage``,
+...). They are imported where they are used; this keeps them there."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.ucp_testing import REPO
+
+# A fresh process: a small state saved locally and restored (no target), then the jax_ucp
+# modules it loaded.
+_CHILD = """
+import json, sys
+import jax.numpy as jnp
+import numpy as np
+import jax_ucp
+state = {"w": jnp.arange(6.0).reshape(2, 3), "opt": {"count": np.int32(3), "lr": 1e-3}}
+jax_ucp.save(sys.argv[1], state)
+out = jax_ucp.restore(sys.argv[1])
+assert np.array_equal(np.asarray(out["w"]), np.arange(6.0).reshape(2, 3)), out
+assert int(out["opt"]["count"]) == 3 and out["opt"]["lr"] == 1e-3, out
+print("MODULES " + json.dumps(sorted(m for m in sys.modules if m.startswith("jax_ucp"))))
+"""
+
+# Not needed by a local UCP checkpoint's save or restore: object stores, safetensors read in
+# place, the importers and what only they use, a CheckpointManager root's step choice.
+NOT_NEEDED = (
+    "jax_ucp._src.store.storage.object_store",
+    "jax_ucp._src.restoring.remote_safetensors",
+    "jax_ucp._src.restoring.safetensors_source",
+    "jax_ucp._src.store.safetensors_file",
+    "jax_ucp._src.format.safetensors",
+    "jax_ucp._src.restoring.import_open",
+    "jax_ucp._src.restoring.import_source",
+    "jax_ucp._src.restoring.resume",
+    "jax_ucp._src.importers",
+    "jax_ucp._src.torchfiles",
+    "jax_ucp._src.conversion",
+    "jax_ucp._src.exporters",
+)
+
+
+@pytest.mark.timeout(180)
+def test_a_local_save_and_restore_import_no_object_store_safetensors_or_importer(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path / "ckpt")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={"PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    loaded = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("MODULES "))[8:])
+    # the path itself ran (the save engine, the restore's open and read stages)
+    for needed in ("saving.engine", "restoring.restore_entry", "restoring.ucp_source"):
+        assert f"jax_ucp._src.{needed}" in loaded, loaded
+    crept = [m for m in loaded if any(m == n or m.startswith(n + ".") for n in NOT_NEEDED)]
+    assert crept == [], f"a local save + restore imported {crept}: import them where used"
