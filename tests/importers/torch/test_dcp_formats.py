@@ -377,11 +377,19 @@ def test_a_rank_local_file_without_offsets_beside_the_others_is_refused(tmp_path
 def test_torch_reads_the_same_values():
     """torch's ``dcp.load`` (zstd) and ``HuggingFaceStorageReader`` (rank-local) give what
     jax_ucp reads; torch's ``dcp.load`` of the safetensors-format folder fails."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    import torch  # pyright: ignore[reportMissingImports]
+    from torch.distributed.checkpoint.api import (  # pyright: ignore[reportMissingImports]
+        CheckpointException,
+    )
+    from torch.distributed.checkpoint.filesystem import (  # pyright: ignore[reportMissingImports]
+        FileSystemReader,
+    )
+    from torch.distributed.checkpoint.hf_storage import (  # pyright: ignore[reportMissingImports]
+        HuggingFaceStorageReader,
+    )
+    from torch.distributed.checkpoint.state_dict_loader import (  # pyright: ignore[reportMissingImports]
+        load,
+    )
 
     def empty(name):
         return {
@@ -399,7 +407,7 @@ def test_torch_reads_the_same_values():
         )
 
     back = {"model": empty(ZSTD), "step": 0}
-    dcp.load(back, storage_reader=FileSystemReader(os.path.join(FIX, ZSTD)), no_dist=True)
+    load(back, storage_reader=FileSystemReader(os.path.join(FIX, ZSTD)), no_dist=True)
     ours = jax_ucp.restore(os.path.join(FIX, ZSTD))["params"]
     assert back["step"] == 3
     for k, v in back["model"].items():
@@ -408,7 +416,7 @@ def test_torch_reads_the_same_values():
     for name in (RANK_LOCAL, TRANSFORMERS):
         back = empty(name)
         reader = HuggingFaceStorageReader(os.path.join(FIX, name))
-        dcp.load(back, storage_reader=reader, no_dist=True)
+        load(back, storage_reader=reader, no_dist=True)
         ours = jax_ucp.restore(os.path.join(FIX, name))["params"]
         assert sorted(ours) == sorted(back)
         for k, v in back.items():
@@ -416,4 +424,4 @@ def test_torch_reads_the_same_values():
 
     back = {"model": empty(ST_FORMAT), "step": 0}
     with pytest.raises(CheckpointException):
-        dcp.load(back, checkpoint_id=os.path.join(FIX, ST_FORMAT), no_dist=True)
+        load(back, checkpoint_id=os.path.join(FIX, ST_FORMAT), no_dist=True)
