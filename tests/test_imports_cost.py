@@ -1,4 +1,4 @@
-"""A local save + restore imports only what it needs (issue 59): the object-store, safetensors
+"""A local save, restore and inspect import only what they need (issue 59): the object-store, safetensors
 and importer code cost a fresh process ~40 ms more of first save / restore when they crept onto
 the path (``restoring.import_open`` in ``restore_entry``, ``object_store`` in ``store.storage``,
 ...). They are imported where they are used; this keeps them there."""
@@ -13,8 +13,8 @@ import pytest
 
 from tests.ucp_testing import REPO
 
-# A fresh process: a small state saved locally and restored (no target), then the jax_ucp
-# modules it loaded.
+# A fresh process: a small state saved locally, restored (no target) and inspected, then the
+# jax_ucp modules it loaded.
 _CHILD = """
 import json, sys
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ import jax_ucp
 state = {"w": jnp.arange(6.0).reshape(2, 3), "opt": {"count": np.int32(3), "lr": 1e-3}}
 jax_ucp.save(sys.argv[1], state)
 out = jax_ucp.restore(sys.argv[1])
+assert [e.name for e in jax_ucp.inspect(sys.argv[1]).entries] == ["opt/count", "opt/lr", "w"]
 assert np.array_equal(np.asarray(out["w"]), np.arange(6.0).reshape(2, 3)), out
 assert int(out["opt"]["count"]) == 3 and out["opt"]["lr"] == 1e-3, out
 print("MODULES " + json.dumps(sorted(m for m in sys.modules if m.startswith("jax_ucp"))))
@@ -47,7 +48,9 @@ NOT_NEEDED = (
 
 
 @pytest.mark.timeout(180)
-def test_a_local_save_and_restore_import_no_object_store_safetensors_or_importer(tmp_path):
+def test_a_local_save_restore_and_inspect_import_no_object_store_safetensors_or_importer(
+    tmp_path,
+):
     r = subprocess.run(
         [sys.executable, "-c", _CHILD, str(tmp_path / "ckpt")],
         cwd=tmp_path,
@@ -62,4 +65,6 @@ def test_a_local_save_and_restore_import_no_object_store_safetensors_or_importer
     for needed in ("saving.engine", "restoring.restore_entry", "restoring.ucp_source"):
         assert f"jax_ucp._src.{needed}" in loaded, loaded
     crept = [m for m in loaded if any(m == n or m.startswith(n + ".") for n in NOT_NEEDED)]
-    assert crept == [], f"a local save + restore imported {crept}: import them where used"
+    assert crept == [], (
+        f"a local save, restore and inspect imported {crept}: import them where used"
+    )
