@@ -65,6 +65,8 @@ KINDS = {
         Kind("megatron", ("megatron/gpt_tp2", "megatron/legacy_gpt_distopt_pp2dp2_synthetic")),
         Kind("megatron_bridge", ("megatron_bridge/llama_tp1dp2",)),
         Kind("torch_dcp", ("torch/fsdp2_fp32", "torch/fsdp2_bf16")),
+        # torch's ZStandard extension (every entry a zstd frame)
+        Kind("torch_dcp_zstd", ("torch/dcp_zstd",)),
         Kind(
             "torch_save",
             (

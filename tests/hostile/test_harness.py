@@ -38,6 +38,7 @@ CI_SLICE: dict[str, list[int]] = {
     "safetensors": [0, 1, 4, 5, 7],
     "torch_checkpointing": [0, 1, 2, 3, 4, 7],
     "torch_dcp": [0, 1, 3, 4, 7],
+    "torch_dcp_zstd": [0, 1, 6, 7, 18, 25],
     "torch_save": [0, 1, 3, 4, 6, 9],
     "torchtune": [0, 1, 2, 3, 4],
     "ucp": [0, 1, 2, 3, 4],
