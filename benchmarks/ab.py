@@ -2,9 +2,10 @@
 process whose ``PYTHONPATH`` picks the tree's ``jax_ucp``; the two alternate every round (who goes
 first swaps), so both see the same load.
 
-    python benchmarks/ab.py BASE [--rounds N] [--quick] [--dir /tmp] [--json out.json]
+    python benchmarks/ab.py BASE [--rounds N] [--quick] [--work REV] [--dir /tmp] [--json F]
 
-BASE's ``jax_ucp/`` is unpacked with ``git archive`` into a temporary folder. The measuring code
+BASE's ``jax_ucp/`` is unpacked with ``git archive`` into a temporary folder (``--work REV``:
+REV's too, in place of the working tree: two commits, unmoved by edits in progress). The measuring code
 comes from ONE tree, this one's ``benchmarks/`` (BASE may lack a benchmark or its ``--child``
 mode), run against each tree's ``jax_ucp``:
 
@@ -21,7 +22,9 @@ mode), run against each tree's ``jax_ucp``:
 * ``jax-ucp --version`` / ``jax-ucp inspect`` cold: the whole process (``python -m
   jax_ucp.cli``), as ``bench_cold_start.py`` times it; ``inspect`` of the 64 MiB checkpoint.
 
-Each tree restores and inspects what its own save wrote (a format change between the two cannot
+Both trees' ``jax_ucp`` are byte-compiled before each round (``compileall``, hash-checked
+.pyc), so imports cost what they cost an installed package, not the compiling. Each tree
+restores and inspects what its own save wrote (a format change between the two cannot
 make one refuse the other's files). ``--quick``: the 64 MiB and CLI rows only, 3 rounds (under
 2 minutes on the 2-core VM). A row that fails in a tree (BASE older than the feature) shows the
 error instead of figures.
@@ -79,6 +82,8 @@ jax_ucp.save({path!r}, make_state(64)[0])
 
 def verdict(base: list[float], work: list[float]) -> str:
     """Whether the two sets of rounds differ by more than their spread (the ranges disjoint)."""
+    if min(len(base), len(work)) < 2:
+        return "one round: no spread"
     if min(work) > max(base):
         return "regression beyond spread"
     if max(work) < min(base):
@@ -94,11 +99,16 @@ def _spread(xs: list[float]) -> str:
     return f"{_seconds(min(xs))}–{_seconds(max(xs))}"
 
 
-def table(results: dict[str, dict[str, list[float] | str]], base_name: str = "base") -> str:
+def table(
+    results: dict[str, dict[str, list[float] | str]],
+    base_name: str = "base",
+    work_name: str = "work",
+) -> str:
     """A markdown table from ``results[row]["base" | "work"]``: the rounds' seconds, or the
     error text of a tree where the row failed."""
     lines = [
-        f"| row | {base_name} median | work median | work/base | spread ({base_name}; work) "
+        f"| row | {base_name} median | {work_name} median | work/base | "
+        f"spread ({base_name}; {work_name}) "
         "| verdict |",
         "|---|---|---|---|---|---|",
     ]
@@ -148,6 +158,14 @@ def env_for(tree: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), "PYTHONWARNINGS": "ignore"}
 
 
+def compile_tree(tree: str) -> None:
+    """Byte-compiles the tree's ``jax_ucp`` as an installed package is, so children time imports
+    and not compiling (this host sets ``PYTHONDONTWRITEBYTECODE``); the .pyc files checked by
+    the source's hash, so one edited since is compiled again, never read stale."""
+    cmd = [sys.executable, "-m", "compileall", "-q", "--invalidation-mode", "checked-hash"]
+    subprocess.run([*cmd, os.path.join(tree, "jax_ucp")], check=True, stdout=subprocess.DEVNULL)
+
+
 def check_tree(tree: str, env: dict[str, str], cwd: str) -> None:
     """The tree's ``jax_ucp`` is the one a child imports (not an installed copy)."""
     code = "import jax_ucp, os; print(os.path.realpath(jax_ucp.__file__))"
@@ -170,6 +188,7 @@ def main() -> int:
     ap.add_argument("base", metavar="BASE", help="the git commit to compare the working tree with")
     ap.add_argument("--rounds", type=int, help="rounds (default 5; 3 with --quick)")
     ap.add_argument("--quick", action="store_true", help="the 64 MiB and CLI rows only")
+    ap.add_argument("--work", metavar="REV", help="a commit in place of the working tree")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the scratch folder goes")
     ap.add_argument("--json", help="also write every round's seconds here")
     a = ap.parse_args()
@@ -185,12 +204,19 @@ def main() -> int:
         os.makedirs(os.path.join(scratch, "base"))
         commit = unpack(a.base, os.path.join(scratch, "base"))
         trees = {"base": os.path.join(scratch, "base"), "work": WORK}
+        work_name = "work"
+        if a.work:
+            os.makedirs(os.path.join(scratch, "work"))
+            trees["work"] = os.path.join(scratch, "work")
+            work_name = f"{a.work} ({unpack(a.work, trees['work'])[:12]})"
         envs = {side: env_for(tree) for side, tree in trees.items()}
         run_dir = os.path.join(scratch, "run")  # children's working directory: no checkout
         os.makedirs(run_dir)
         for side in trees:
             check_tree(trees[side], envs[side], run_dir)
-        print(f"BASE {a.base} = {commit[:12]}, work = {WORK}; {rounds} rounds")
+        print(
+            f"BASE {a.base} = {commit[:12]}, work = {work_name}: {trees['work']}; {rounds} rounds"
+        )
         print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         results: dict[str, dict[str, list[float] | str]] = {
             r: {"base": [], "work": []} for r in rows
@@ -241,6 +267,8 @@ def main() -> int:
         small = 64 * MiB / GB
         for r in range(rounds):
             order = ["base", "work"] if r % 2 == 0 else ["work", "base"]
+            for tree in trees.values():
+                compile_tree(tree)  # again: the working tree may have been edited since
             for side in order:
                 shutil.rmtree(os.path.join(scratch, side + "_64m"), ignore_errors=True)
             for side in order:
@@ -288,7 +316,7 @@ def main() -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print()
-    print(table(results, base_name=a.base))
+    print(table(results, base_name=a.base, work_name=work_name))
     print()
     print(
         f"load average (1 min) over the run: {min(loads):.1f}–{max(loads):.1f} on "
@@ -300,6 +328,7 @@ def main() -> int:
                 {
                     "base": a.base,
                     "commit": commit,
+                    "work": work_name,
                     "rounds": rounds,
                     "loads": loads,
                     "results": results,

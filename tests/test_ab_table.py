@@ -24,7 +24,8 @@ def test_verdict_needs_disjoint_rounds(ab):
     assert ab.verdict([1.0, 1.1, 1.2], [1.3, 1.4, 1.5]) == "regression beyond spread"
     assert ab.verdict([1.3, 1.4, 1.5], [1.0, 1.1, 1.2]) == "improvement beyond spread"
     assert ab.verdict([1.0, 1.1, 1.3], [1.25, 1.4, 1.5]) == "within noise"  # overlapping
-    assert ab.verdict([1.0], [1.0]) == "within noise"
+    assert ab.verdict([1.0], [2.0]) == "one round: no spread"
+    assert ab.verdict([1.0, 1.0], [1.0, 1.0]) == "within noise"
 
 
 def test_table_rows_medians_ratio_and_spread(ab):
