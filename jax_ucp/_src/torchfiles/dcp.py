@@ -226,6 +226,8 @@ class DcpCheckpoint:
     #: writer's rank-local ``.safetensors`` files (:mod:`dcp_safetensors`), each chunk a
     #: tensor's raw bytes
     layout: str = "dcp"
+    #: what the reader could not check and the import records (``source.notes``)
+    notes: tuple[str, ...] = ()
     _covered: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
     _real: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 

@@ -132,6 +132,7 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
     if not pieces:
         raise SourceError(f"{root}: no tensor in its torch DCP Hugging Face shards {names[:5]}")
     tensors: dict[str, dcp.DcpTensor] = {}
+    inferred = []
     for tensor, found in pieces.items():
         first_file, dtype, offsets, _, _, _, recorded = found[0]
         for file, other, offs, _, _, _, shape in found[1:]:
@@ -141,6 +142,8 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
                     f"rank {len(offsets)}, global_shape {_shown(recorded)} in {first_file}; "
                     f"{other} of rank {len(offs)}, global_shape {_shown(shape)} in {file}"
                 )
+        if recorded is None:
+            inferred.append(tensor)
         shape = (
             recorded
             if recorded is not None
@@ -149,6 +152,19 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
         chunks = tuple(dcp.DcpChunk(p[2], p[3], p[0], p[4], p[5]) for p in found)
         tensors[tensor] = dcp.DcpTensor(tensor, shape, dtype, chunks)
     version = next(iter(versions)) if len(versions) == 1 else None
+    notes = ()
+    if inferred:
+        notes = (
+            f"{len(inferred)} of {len(tensors)} tensors' shapes are the extent of their pieces "
+            f"across {len(names)} shard files (no global_shape recorded; torch's own "
+            f"HuggingFaceStorageReader takes them so): a folder missing its last rank's file "
+            f"would read as smaller tensors, so compare the shapes with the model's config",
+        )
     return dcp.DcpCheckpoint(
-        root, tensors, {}, version if isinstance(version, str) else None, layout="hf_safetensors"
+        root,
+        tensors,
+        {},
+        version if isinstance(version, str) else None,
+        layout="hf_safetensors",
+        notes=notes,
     )

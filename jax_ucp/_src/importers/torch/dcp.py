@@ -163,6 +163,9 @@ def plan_torch_dcp(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
             units = trainer_files.rng_states(str(src))  # the Trainer's torch RNG states
         state.found.extend(units)
         state.skipped.update(units)
+        notes = [n for ck in checkpoints for n in ck.notes]
+        if notes:
+            info["notes"] = [*info.get("notes", []), *notes]
         plan = plan_state(
             state,
             {
