@@ -14,6 +14,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -343,12 +345,65 @@ def _race_worker(index, barrier, results, base, trials):
             results.put((t, index, type(e).__name__, str(e)))
 
 
+_SERIAL_MOTO = """
+import sys
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+from werkzeug.serving import run_simple
+run_simple("127.0.0.1", int(sys.argv[1]), DomainDispatcherApplication(create_backend_app),
+           threaded=False)
+"""
+
+
+@pytest.fixture(scope="module")
+def serial_s3(tmp_path_factory):
+    """An S3 server answering one request at a time: moto checks a conditional PUT's
+    ``If-None-Match: *`` and then stores the object, two steps its default threaded server
+    interleaves for concurrent requests, so under load both racing saves' lock objects were
+    "created" (S3 itself makes it one step). Served serially the lock's conditional PUT is
+    atomic, as on S3, and the race below is deterministic."""
+    from tests.ucp_testing import free_port
+
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERIAL_MOTO, str(port)], stdout=log, stderr=subprocess.STDOUT
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):  # up to 30 s for it to listen
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None, "the serial moto server exited"
+                time.sleep(0.05)
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/ucp-race", method="PUT"))
+        yield (
+            {
+                "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_REGION": "us-east-1",
+                "AWS_ENDPOINT_URL": endpoint,
+            },
+            "s3://ucp-race",
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
 @pytest.mark.timeout(300)
-def test_two_processes_saving_to_one_new_prefix(s3):
+def test_two_processes_saving_to_one_new_prefix(serial_s3, monkeypatch):
     """Started together (a Barrier) 20 times: one save wins whole, the other gets an error at
-    once (the prefix lock) or sees the winner's commit; never two successes or a mix."""
+    once (the prefix lock) or sees the winner's commit; never two successes or a mix. (It
+    once got ``OSError ... ALREADY_EXISTS: Error opening "zarr3" driver`` under load: moto's
+    threaded server let both conditional PUTs of the lock object succeed; ``serial_s3``.)"""
+    env, root = serial_s3
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     trials = 20
-    base = f"{s3}/race-{os.getpid()}"
+    base = f"{root}/race-{os.getpid()}"
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
     procs = [

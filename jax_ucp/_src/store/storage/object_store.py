@@ -269,7 +269,15 @@ def object_store_lock(url: str):
     where = join(url, LOCK_OBJECT)
     for _ in range(3):
         if create(url, LOCK_OBJECT, json.dumps(me).encode()):
-            break
+            # read back: a server whose conditional PUT is not atomic (moto's threaded one)
+            # lets two creators succeed; the one whose token is not there backs off
+            back = read_stamped(url, LOCK_OBJECT, 1 << 16)
+            if back is not None and (_lock_owner(back[0]) or {}).get("token") == token:
+                break
+            raise SaveConflictError(
+                f"{url}: another save took the lock object {where} at the same moment; "
+                f"nothing was written."
+            )
         held = read_stamped(url, LOCK_OBJECT, 1 << 16)
         if held is None:
             continue  # released meanwhile
