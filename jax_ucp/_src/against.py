@@ -40,6 +40,7 @@ from jax_ucp._src.errors import RequestError, SourceError, UnsafeFileError
 from jax_ucp._src.format import files, keypath
 from jax_ucp._src.format.manifest import torch_optimizer_record
 from jax_ucp._src.torchfiles import dcp as safe_dcp
+from jax_ucp._src.torchfiles import dcp_safetensors
 
 __all__ = ["Comparison", "compare_with_source", "dcp_reader", "source_weights"]
 
@@ -418,7 +419,11 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 def _dcp_folder_holding(src: str, key: str) -> str:
     """``src`` when it is a torch DCP folder, else its one DCP subfolder whose metadata holds
     ``key`` (the Trainer's ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` beside its files)."""
-    if os.path.isfile(os.path.join(src, ".metadata")) or not os.path.isdir(src):
+    if (
+        os.path.isfile(os.path.join(src, ".metadata"))
+        or not os.path.isdir(src)
+        or dcp_safetensors.is_rank_local(src)
+    ):
         return src
     for name in sorted(os.listdir(src)):
         folder = os.path.join(src, name)
@@ -449,9 +454,16 @@ def dcp_reader(folder: str) -> Any:
     naming anything but DCP's own data classes is refused before torch sees it."""
     from torch.distributed.checkpoint import filesystem  # pyright: ignore[reportMissingImports]
 
+    rank_local = dcp_safetensors.is_rank_local(folder)  # torch's HF writer: safetensors, no pickle
     if folder not in _VETTED:
-        safe_dcp.open_dcp(folder)
+        (dcp_safetensors.open_rank_local if rank_local else safe_dcp.open_dcp)(folder)
         _VETTED.add(folder)
+    if rank_local:
+        from torch.distributed.checkpoint import (  # pyright: ignore[reportMissingImports]
+            hf_storage,
+        )
+
+        return hf_storage.HuggingFaceStorageReader(folder)
 
     class Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:

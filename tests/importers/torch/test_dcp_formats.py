@@ -429,3 +429,26 @@ def test_torch_reads_the_same_values():
     back = {"model": empty(ST_FORMAT), "step": 0}
     with pytest.raises(CheckpointException):
         load(back, checkpoint_id=os.path.join(FIX, ST_FORMAT), no_dist=True)
+
+
+@pytest.mark.torch
+def test_verify_against_reads_the_sources_with_torch(tmp_path):
+    """``verify --against`` compares each import with torch's own read of its source
+    (``dcp.load``; ``HuggingFaceStorageReader`` for the rank-local shards); a value changed in
+    a rank's file after the import is found."""
+    for name in (ZSTD, RANK_LOCAL, TRANSFORMERS):
+        out = jax_ucp.convert(os.path.join(FIX, name), str(tmp_path / name))
+        assert jax_ucp.verify(out, against=os.path.join(FIX, name)) == [], name
+    (tmp_path / "tampered").mkdir()
+    src = _copy(RANK_LOCAL, tmp_path / "tampered")
+    out = jax_ucp.convert(src, str(tmp_path / "ucp"))
+    path = os.path.join(src, RANK[1])
+    header, data = _header(path)
+    begin = header["w"]["data_offsets"][0]
+    raw = bytearray(data)
+    raw[begin] ^= 0x40  # rank 2's first element of w
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - len(data))
+        f.write(raw)
+    problems = jax_ucp.verify(out, against=src)
+    assert problems and any("w" in str(p) for p in problems), problems
