@@ -136,8 +136,9 @@ def check_metadata(found: Any, layout: ArrayLayout, where: str) -> None:
     encoding or a fill value it does not imply (a ``bytes`` codec made big-endian, a
     ``transpose`` added) would read the stored bytes as another tensor without an error.
     Forms TensorStore writes for the same thing are equal (an index at the ``end`` said or
-    not, a single-byte type's endianness left out, any zstd level); anything else, an extra
-    field included, raises ``CheckpointError`` naming ``where`` and the field.
+    not, a single-byte type's endianness left out, any zstd level), ``attributes`` and
+    ``dimension_names`` are ignored (they name, they do not decode); anything else, an extra
+    member included, raises ``CheckpointError`` naming ``where`` and the member.
 
     Args:
         found: the parsed ``zarr.json``.
@@ -146,6 +147,8 @@ def check_metadata(found: Any, layout: ArrayLayout, where: str) -> None:
     """
     single = np.dtype(dtypes.to_numpy_dtype(layout.dtype)).itemsize == 1
     expected = _canonical(expected_metadata(layout), single)
+    if isinstance(found, dict):  # names only: docs/FORMAT.md 4.1 has readers ignore them
+        found = {k: v for k, v in found.items() if not _ignored(k, v, len(layout.shape))}
     problem = _difference(expected, _canonical(found, single), "")
     if problem is not None:
         field, want, got = problem
@@ -158,6 +161,17 @@ def check_metadata(found: Any, layout: ArrayLayout, where: str) -> None:
 
 
 _ABSENT = object()
+
+
+def _ignored(member: str, value: Any, rank: int) -> bool:
+    """``attributes`` (an object) and ``dimension_names`` (a name or null per dimension):
+    zarr members that change nothing a read gives, which FORMAT.md has readers ignore."""
+    if member == "attributes":
+        return isinstance(value, dict)
+    if member == "dimension_names":
+        names = value if isinstance(value, list) else []
+        return len(names) == rank and all(n is None or isinstance(n, str) for n in names)
+    return False
 
 
 def _canonical(meta: Any, single_byte: bool) -> Any:
