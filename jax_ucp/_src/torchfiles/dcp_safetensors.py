@@ -93,6 +93,29 @@ def _entries(f: safetensors.SafetensorsFile) -> dict[str, dict[str, tuple[int, .
     return out
 
 
+def _check_index(root: Path, pieces: dict[str, list]) -> None:
+    """The writer's ``model.safetensors.index.json`` (a rank-0 save: ``save_distributed=False``)
+    and the files agree: a file the index names that is gone would otherwise drop its tensors
+    without a word."""
+    index = root / safetensors.INDEX_FILE
+    if not os.path.lexists(index):
+        return
+    try:
+        files.inside(root, safetensors.INDEX_FILE, f"{root}: index")
+    except files.UnsafeFileError as e:
+        raise SourceError(str(e)) from None
+    weight_map = safetensors.read_weight_map(str(index), ".safetensors")
+    for tensor, name in weight_map.items():
+        if name not in {p[0] for p in pieces.get(tensor, ())}:
+            raise SourceError(
+                f"{index}: weight_map puts tensor {tensor[:100]!r} in {name[:100]!r}, which "
+                f"does not hold it (or is missing)"
+            )
+    unlisted = sorted(set(pieces) - set(weight_map))
+    if unlisted:
+        raise SourceError(f"{index}: tensor {unlisted[0][:100]!r} is in the files, not the index")
+
+
 def _shown(shape: tuple[int, ...] | None) -> str:
     return "not recorded" if shape is None else str(list(shape))
 
@@ -131,6 +154,7 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
             )
     if not pieces:
         raise SourceError(f"{root}: no tensor in its torch DCP Hugging Face shards {names[:5]}")
+    _check_index(root, pieces)
     tensors: dict[str, dcp.DcpTensor] = {}
     inferred = []
     for tensor, found in pieces.items():

@@ -362,6 +362,34 @@ def test_one_rank_local_file_alone_is_refused_pointing_at_the_folder(tmp_path):
         jax_ucp.restore(src)
 
 
+def test_a_rank0_save_with_its_index_is_read_and_a_file_it_names_missing_is_refused(tmp_path):
+    """``HuggingFaceStorageWriter(save_distributed=False)`` writes whole tensors (offsets all
+    zero) in ``model-0000M-of-0000N.safetensors`` files and an index: read as the same layout;
+    a file the index names, deleted, is refused (its tensors would be gone without a word)."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "rank0"
+    src.mkdir()
+    a, b = np.arange(12, dtype=np.float32).reshape(3, 4), np.ones(5, np.float32)
+    for i, (name, value) in enumerate((("a", a), ("b", b)), start=1):
+        offsets = json.dumps({name: {"saved_offsets": [0] * value.ndim}})
+        save_file(
+            {name: value},
+            str(src / f"model-0000{i}-of-00002.safetensors"),
+            metadata={"DCP_SHARDING_INFO": offsets, "DCP_VERSION": "1.0", "format": "pt"},
+        )
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    restored = jax_ucp.restore(str(src))["params"]
+    assert_bit_exact(restored["a"], a, "a")
+    assert_bit_exact(restored["b"], b, "b")
+    os.remove(src / "model-00002-of-00002.safetensors")
+    with pytest.raises(
+        SourceError, match=r"weight_map puts tensor 'b' in 'model-00002-of-00002.safetensors'"
+    ):
+        jax_ucp.restore(str(src))
+
+
 def test_a_rank_local_file_without_offsets_beside_the_others_is_refused(tmp_path):
     from safetensors.numpy import save_file
 
