@@ -11,7 +11,7 @@ from collections.abc import Callable
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import CheckpointError
 from jax_ucp._src.store.storage import local
-from jax_ucp._src.writer.commit import ORBAX_STEP_METADATA
+from jax_ucp._src.store.storage.local import ORBAX_STEP_METADATA
 
 # A step folder's name as Orbax's standard name formats build it: ``[<step_prefix>_]<digits>``,
 # ASCII digits only (``str.isdigit`` and Python's ``\d`` also take ``١٢``, ``１３``, ``²``).

@@ -21,11 +21,10 @@ import stat
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import RequestError, SaveConflictError
+from jax_ucp._src.store.storage.local import ORBAX_STEP_METADATA
 from jax_ucp._src.writer import durable, file_digest
 
 log = logging.getLogger(__name__)
-
-ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
 
 
 @dataclasses.dataclass(frozen=True)

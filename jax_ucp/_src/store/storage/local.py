@@ -26,6 +26,9 @@ from jax_ucp._src.store.storage.base import Claim, Storage, Transaction
 log = logging.getLogger(__name__)
 
 ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's temporary directories (its atomicity module)
+# Orbax's step metadata file: written by writer.commit, read by restoring.steps (here, so that a
+# restore does not import the writer)
+ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
 TMP_MARK = ".ucp-tmp-"
 REPLACING = ".ucp-replacing"
 REPLACED = ".ucp-replaced"
