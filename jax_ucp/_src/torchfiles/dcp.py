@@ -6,7 +6,9 @@ Lightning) and megatron-core's ``torch_dist`` (:mod:`jax_ucp._src.importers.mega
 On disk: ``.metadata`` (a pickle of ``torch.distributed.checkpoint.metadata.Metadata``: global
 shape, dtype and chunk list per tensor, plus a map chunk -> (file, byte offset, length)) and
 ``__R_N.distcp`` files whose byte ranges are each a small ``torch.save`` archive (one chunk) or
-a tensor's raw bytes.
+a tensor's raw bytes, either possibly passed through torch's stream transforms (its ZStandard
+extension: :mod:`dcp_transforms`). torch's Hugging Face writer's rank-local safetensors are read
+as the same typed checkpoint (:mod:`dcp_safetensors`).
 
 Why not ``torch.load``: checkpoints are untrusted. ``.metadata`` is unpickled by
 :mod:`~jax_ucp._src.torchfiles.pickle_format` with its DCP classes mapped to inert stand-ins, and
