@@ -6,6 +6,7 @@ import functools
 import importlib
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -598,6 +599,8 @@ def rebuild_structure(
         axes_at: the recorded logical axes of a leaf, by key: an ``nnx.Variable`` comes back
             with them as its ``out_sharding`` (None: without).
     """
+    for _, notice in class_notices(description):  # never silently a dict: the nodes named
+        warnings.warn(notice, UserWarning, stacklevel=2)
     return _rebuild(description, value_at, prefix, partial, axes_at)[0]
 
 

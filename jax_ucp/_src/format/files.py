@@ -56,27 +56,28 @@ def no_json_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
-class DuplicateKeyError(ValueError):
-    """A JSON object naming one key twice (``strict_json``)."""
+#: how ``unique_keys`` starts its error (a ``ValueError``, as any JSON error)
+DUPLICATE_KEY = "names {!r} twice"
 
 
 def unique_keys(pairs: list) -> dict:
     """``json.loads(..., object_pairs_hook=unique_keys)``: Python's json keeps the last of two
     equal keys silently, another reader the first (``"value":7,"value":8``), so which one a
-    file means cannot be told and it is refused."""
+    file means cannot be told and it is refused (``ValueError``)."""
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set = set()
         key = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise DuplicateKeyError(
-            f"names {str(key)[:100]!r} twice (a JSON object with a duplicate key)"
+        raise ValueError(
+            DUPLICATE_KEY.format(str(key)[:100]) + " (a JSON object with a duplicate key: "
+            "which one is meant cannot be told, so the file is refused)"
         )
     return out
 
 
 def strict_loads(raw: bytes | str):
-    """``json.loads`` as the project reads a file: a key named twice (``DuplicateKeyError``)
-    and ``NaN`` / ``Infinity`` raise ``ValueError``, which the caller names the file for."""
+    """``json.loads`` as the project reads a file: a key named twice (``unique_keys``) and
+    ``NaN`` / ``Infinity`` raise ``ValueError``, which the caller names the file for."""
     return json.loads(raw, object_pairs_hook=unique_keys, parse_constant=no_json_constant)
 
 
@@ -92,11 +93,11 @@ def strict_json(raw: bytes | str, what: str, error: type[Exception] = SourceErro
     """
     try:
         return strict_loads(raw)
-    except DuplicateKeyError as e:
-        raise error(f"{what}: {e}; which one is meant cannot be told, so it is refused") from None
     except RecursionError:
         raise error(f"{what}: nested too deep to be the file it names") from None
     except (ValueError, UnicodeDecodeError) as e:
+        if str(e).startswith("names "):  # unique_keys: the duplicate named
+            raise error(f"{what}: {e}") from None
         raise error(f"{what}: not valid JSON ({str(e)[:200]})") from None
 
 

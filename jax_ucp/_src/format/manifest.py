@@ -439,11 +439,6 @@ class Manifest(display.Tabular):
         )
         try:
             d = decoder.decode(text)
-        except files.DuplicateKeyError as e:
-            raise CheckpointError(
-                f"{where}: {e}; which one is meant cannot be told (readers differ), so the "
-                f"manifest is refused."
-            ) from None
         except RecursionError:  # the C scanner's own guard, far below the stack's end
             raise CheckpointError(
                 f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
@@ -803,6 +798,13 @@ def _tree_dicts(root: Any, entries: list[Entry], where: str) -> dict:
         if node.class_ is not msgspec.UNSET:
             d["class"] = node.class_
         if node.metadata is not msgspec.UNSET:  # an nnx.Variable's (JSON scalars, lists)
+            private = sorted(k for k in node.metadata if k.startswith("_"))[:3]
+            if private:  # a restore sets metadata on the Variable: never its internals
+                raise CheckpointError(
+                    f"{where}: tree node {keypath_lib.key_to_str(prefix) or 'the root'!r}: "
+                    f"metadata names {private}: private or special attributes of a Variable, "
+                    f"never recorded metadata (a restore would set them on it)."
+                )
             d["metadata"] = node.metadata
         children: list = []
         for name, kind, child in node.children:
