@@ -12,9 +12,11 @@ mode), run against each tree's ``jax_ucp``:
 * ``first save 64 MiB``: ``bench_scale.py --child jax-save`` (one 64 MiB float32 tensor, fully
   sharded on 8 CPU devices, saved durably) in a fresh process: the first call's seconds (its lazy
   imports and set-up included) and the whole process's;
-* ``first restore 64 MiB``: ``bench_cold_start.py``'s child, a preempted job's first restore
-  (``restore(path, mesh=, rules=)`` of its linen-style params + AdamW state onto a 2x2 mesh),
-  the call and the whole process;
+* ``first restore 64 MiB``: ``bench_scale.py --child jax-restore`` of that save (onto another
+  mesh, from a cold page cache), the call and the whole process;
+* ``cold start``: ``bench_cold_start.py``'s child, a preempted job's first restore
+  (``restore(path, mesh=, rules=)`` of its 64 MiB linen-style params + AdamW state onto a 2x2
+  mesh, page cache warm), the call and the whole process;
 * ``save 1 GB`` / ``restore 1 GB``: ``bench_scale.py``'s children at 1 GB (15 tensors; the restore
   onto another mesh from a cold page cache);
 * ``direct DCP restore 1 GB``: ``bench_direct_restore.py --run direct`` of a torch DCP
@@ -58,6 +60,8 @@ QUICK_ROWS = (
     "first save 64 MiB (process)",
     "first restore 64 MiB (call)",
     "first restore 64 MiB (process)",
+    "cold start: restore linen + AdamW 64 MiB (call)",
+    "cold start: restore linen + AdamW 64 MiB (process)",
     "jax-ucp --version (process)",
     "jax-ucp inspect (process)",
 )
@@ -278,7 +282,16 @@ def main() -> int:
                     names[0], side, lambda: scale_child("jax-save", p, small, envs[side], *names)
                 )
             for side in order:
+                p = os.path.join(scratch, side + "_64m")
                 names = ("first restore 64 MiB (call)", "first restore 64 MiB (process)")
+                record(
+                    names[0], side, lambda: scale_child("jax-restore", p, small, envs[side], *names)
+                )
+            for side in order:
+                names = (
+                    "cold start: restore linen + AdamW 64 MiB (call)",
+                    "cold start: restore linen + AdamW 64 MiB (process)",
+                )
                 record(names[0], side, lambda: cold_restore(side, *names))
             cli = [sys.executable, "-m", "jax_ucp.cli"]
             for name, argv in (("--version", ["--version"]), ("inspect", ["inspect"])):
