@@ -276,7 +276,76 @@ def _open(tspec, context, where: str, name: str, shape: tuple[int, ...]):
         )
     layout = array.chunk_layout
     check_chunks(where, name, tuple(shape), [layout.read_chunk.shape, layout.write_chunk.shape])
+    check_codecs(where, name, array.spec().to_json())
     return array
+
+
+#: byte-to-byte codecs (zarr v3) and v2 compressors an import decodes: each compresses or
+#: checksums, none changes which element a byte is (a damaged stream is an error)
+_STREAM_CODECS = frozenset(("zstd", "gzip", "blosc", "crc32c"))
+_V2_COMPRESSORS = frozenset(("zstd", "gzip", "zlib", "blosc", "lz4", "bz2", "lzma"))
+
+
+def check_codecs(where: str, name: str, spec: dict) -> None:
+    """Refuses an array whose codecs could read its bytes as other values without any error:
+    in an Orbax checkpoint the codecs are data, so only those the importer positively
+    understands are decoded. Orbax writes C order, little-endian ``bytes`` (or a zarr v2
+    dtype ``<``), an optional compressor, crc32c and sharding; a ``transpose`` codec, Fortran
+    order, big-endian bytes or a v2 filter (delta, scale-offset, astype, ...) from an edited
+    ``zarr.json`` / ``.zarray`` would give a transposed, byte-swapped or rescaled tensor with
+    every checksum intact.
+
+    Args:
+        where: the array's metadata file (or OCDBT entry), for the error.
+        name: the array's name, for the error.
+        spec: the opened array's TensorStore spec (``array.spec().to_json()``).
+    """
+    meta = spec.get("metadata") or {}
+    if spec.get("driver") == "zarr3":
+        found = _unknown_v3_codec(meta.get("codecs"), meta.get("data_type"))
+    else:
+        found = _unknown_v2_codec(meta)
+    if found is not None:
+        raise SourceError(
+            f"{where}: array {name!r}: {found}; an import decodes only the codecs Orbax writes "
+            f"(C order, little-endian bytes, a compressor, crc32c, sharding): this one would "
+            f"read the stored bytes as other values (refused: the file is edited or foreign)"
+        )
+
+
+def _unknown_v3_codec(codecs, data_type) -> str | None:
+    if not isinstance(codecs, list):
+        return f"codecs {str(codecs)[:100]!r} are not a list"
+    for codec in codecs:
+        codec = codec if isinstance(codec, dict) else {"name": codec}
+        kind, config = codec.get("name"), codec.get("configuration") or {}
+        if kind == "sharding_indexed":
+            for member in ("codecs", "index_codecs"):
+                inner = _unknown_v3_codec(config.get(member), data_type)
+                if inner is not None:
+                    return inner
+        elif kind == "bytes":
+            if config.get("endian", "little") != "little":
+                return f"codec bytes with endian {config.get('endian')!r}"
+        elif kind not in _STREAM_CODECS:
+            return f"codec {str(kind)[:60]!r}"
+    return None
+
+
+def _unknown_v2_codec(meta: dict) -> str | None:
+    compressor = meta.get("compressor")
+    if compressor is not None and (compressor or {}).get("id") not in _V2_COMPRESSORS:
+        return f"compressor {str((compressor or {}).get('id'))[:60]!r}"
+    if meta.get("filters"):
+        return f"filters {str(meta.get('filters'))[:100]}"
+    if meta.get("order", "C") != "C":
+        return f"order {str(meta.get('order'))[:10]!r} (not C)"
+    dtype = meta.get("dtype")
+    if isinstance(dtype, str) and dtype[:1] == ">":
+        return f"big-endian dtype {dtype!r}"
+    if not isinstance(dtype, str):  # a structured dtype: fields, offsets
+        return f"dtype {str(dtype)[:100]}"
+    return None
 
 
 def _read(array, where: str, name: str, lo: int | None = None, hi: int | None = None):
