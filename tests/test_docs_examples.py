@@ -320,8 +320,9 @@ def _params():
 
 
 def test_every_code_block_is_run_or_counted():
-    """A block that parses as Python is a ```python block (run alone, or as an excerpt); a
-    ```bash block is run or skipped with a reason; the skipped ones are the counted ones."""
+    """A block that parses as Python is a ```python block (run alone, or as an excerpt), one of
+    shell commands a ```bash block, run or skipped with a reason; the skipped ones are the
+    counted ones."""
     skipped: dict[str, int] = {}
     for b in ALL:
         if b.lang in ("python", "bash"):
@@ -335,6 +336,9 @@ def test_every_code_block_is_run_or_counted():
             continue
         if b.lang in ("json", "toml"):
             continue
+        assert not re.search(r"^\$?[ \t]*(jax-ucp|python3?|pip)[ \t]", b.code, re.M), (
+            f"{b.id}: a ```{b.lang or 'bare'} block of shell commands: fence it ```bash"
+        )
         try:
             tree = ast.parse(b.code)
         except SyntaxError:
