@@ -7,6 +7,8 @@ so the parent can name the mutation a hang or a signal struck.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -18,6 +20,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from typing import Any
 
 from tests.hostile import inputs, mutations, oracle
 from tests.hostile.spy import watch_opens
@@ -148,7 +151,14 @@ class Child:
         m = mutations.mutate(inp.root, rng, outside, ops=self.kind.ops, given=given)
         emit(event="mutated", index=index, source=source, mutation=m.describe())
         t0 = time.monotonic()
-        got, seen = self.run_entries(inp)
+        if m.op == "path-form":  # the same input, its path typed another way
+            with path_in_form(inp, m.detail, self.work) as typed:
+                got, seen = self.run_entries(typed)
+                here = os.getcwd()
+            # a result naming the path names it as typed: the same path, told apart no more
+            got = _untyped(got, here, os.path.realpath(inp.path), inp.path)
+        else:
+            got, seen = self.run_entries(inp)
         names = base["names"] | oracle.names_of(inp.root)
         labels = {}
         for entry in self.entries:
@@ -199,6 +209,57 @@ class Child:
                 ("resume-disagree", f"latest_step(fallback=True) = {a[1]}, restore chose {chose}")
             ]
         return []
+
+
+@contextlib.contextmanager
+def path_in_form(inp: inputs.Input, form: str, work: str):
+    """``inp`` with its path typed as ``form`` (``mutations.PATH_FORMS``), the working directory
+    ``<work>/in/link`` (a link to ``<work>/in/cwd``) meanwhile; ``x`` is the path relative to
+    ``<work>/in``."""
+    base = os.path.join(work, "in")
+    os.makedirs(os.path.join(base, "cwd"), exist_ok=True)
+    if not os.path.lexists(os.path.join(base, "link")):
+        os.symlink("cwd", os.path.join(base, "link"))
+    rel = os.path.relpath(inp.path, base)
+    typed = {
+        "../x": f"../{rel}",
+        "./../x/": f"./../{rel}/",
+        "../x//": f"../{rel}//",
+        "../link/../x": f"../link/../{rel}",
+        "/abs/./x/": f"{base}/./{rel}/",
+    }[form]
+    before = os.getcwd()
+    os.chdir(os.path.join(base, "link"))
+    try:
+        yield dataclasses.replace(inp, path=typed)
+    finally:
+        os.chdir(before)
+
+
+_QUOTED = re.compile(r"'([^']+)'|\"([^\"]+)\"")
+
+
+def _untyped(value: Any, cwd: str, real: str, plain: str) -> Any:
+    """``value`` (an outcome, nested) with every string that is a path to ``real`` from ``cwd``
+    (whole, or quoted inside a repr) written as ``plain``."""
+
+    def same(text: str) -> bool:
+        return "/" in text and os.path.realpath(os.path.join(cwd, text)) == real
+
+    def fix(text: str) -> str:
+        if same(text):
+            return plain
+        return _QUOTED.sub(
+            lambda m: m[0][0] + plain + m[0][0] if same(m[1] or m[2]) else m[0], text
+        )
+
+    if isinstance(value, str):
+        return fix(value)
+    if isinstance(value, dict):
+        return {k: _untyped(v, cwd, real, plain) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_untyped(v, cwd, real, plain) for v in value)
+    return value
 
 
 def _where(e: BaseException) -> str:

@@ -103,6 +103,24 @@ KINDS = {
             checksummed=True,
             jax=True,
         ),
+        # the semantic operators: zarr codecs edited, a JSON key twice, the path typed otherwise
+        Kind(
+            "ucp_semantic",
+            ("@ucp",),
+            RESTORE,
+            (),
+            checksummed=True,
+            jax=True,
+            ops=("zarr-codec", "json-duplicate-key", "path-form"),
+        ),
+        Kind(
+            "orbax_semantic",
+            ("@orbax_zarr",),
+            ("convert", "restore"),
+            (),
+            jax=True,
+            ops=("zarr-codec", "json-duplicate-key", "path-form"),
+        ),
         Kind(
             "orbax_v1_checkpoint",
             ("orbax_v1_checkpoint",),

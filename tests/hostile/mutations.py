@@ -504,6 +504,86 @@ def pickle_hostile(c: Context) -> Mutation | None:
     return Mutation("pickle-hostile", f"{rel}::{member}", way)
 
 
+# ---- semantic operators: a change of meaning, every byte checksum intact
+
+
+def _v3_codecs(z: dict) -> list | None:
+    """The array-to-bytes chain of a zarr v3 ``zarr.json`` (inside its sharding codec)."""
+    codecs = z.get("codecs")
+    if not isinstance(codecs, list) or not codecs:
+        return None
+    first = codecs[0] if isinstance(codecs[0], dict) else {}
+    if first.get("name") == "sharding_indexed":
+        inner = (first.get("configuration") or {}).get("codecs")
+        return inner if isinstance(inner, list) else None
+    return codecs
+
+
+def zarr_codec(c: Context) -> Mutation | None:
+    """One word of an array's zarr metadata changed so that the same bytes read as another
+    tensor with every checksum intact: the ``bytes`` codec made big-endian, a ``transpose``
+    added, two codecs swapped, ``.``-separated chunk keys, another fill value (zarr v3); Fortran
+    order or a big-endian dtype (zarr v2 ``.zarray``)."""
+    metas = [r for r in c.files if os.path.basename(r) in ("zarr.json", ".zarray")]
+    metas = [r for r in metas if c.size(r) <= 16 << 10]
+    if not metas:
+        return None
+    rel = c.rng.choice(metas)
+    try:
+        z = json.loads(c.read(rel))
+    except ValueError:
+        return None
+    if not isinstance(z, dict):
+        return None
+    if rel.endswith(".zarray"):
+        dtype = z.get("dtype")
+        ways = ["order F"] + (["big-endian dtype"] if str(dtype)[:1] == "<" else [])
+        way = c.rng.choice(ways)
+        if way == "order F":
+            z["order"] = "F"
+        else:
+            z["dtype"] = ">" + str(dtype)[1:]
+    else:
+        chain = _v3_codecs(z)
+        if chain is None:
+            return None
+        shape = z.get("shape") or []
+        ways = ["bytes big-endian", "chunk keys '.'", "fill value 1"]
+        ways += ["transpose added"] if len(shape) >= 2 else []
+        ways += ["codecs swapped"] if len(chain) >= 3 else []
+        way = c.rng.choice(ways)
+        if way == "bytes big-endian":
+            chain[0] = {"name": "bytes", "configuration": {"endian": "big"}}
+        elif way == "chunk keys '.'":
+            z["chunk_key_encoding"] = {"name": "default", "configuration": {"separator": "."}}
+        elif way == "fill value 1":
+            z["fill_value"] = True if z.get("data_type") == "bool" else 1
+        elif way == "transpose added":
+            order = list(range(len(shape)))[::-1]
+            chain.insert(0, {"name": "transpose", "configuration": {"order": order}})
+        else:
+            chain[1], chain[2] = chain[2], chain[1]
+    c.write(rel, json.dumps(z).encode())
+    return Mutation("zarr-codec", rel, way)
+
+
+#: how ``path-form`` hands the entry points their path (the child builds it, from a working
+#: directory reached through a link, ``child.path_in_form``)
+PATH_FORMS = ("../x", "./../x/", "../x//", "../link/../x", "/abs/./x/")
+
+
+def path_form(c: Context) -> Mutation | None:
+    """Nothing changed but how the path is typed: relative through ``..``, with ``./``,
+    trailing or doubled slashes, a link's ``..``, ``/./`` in an absolute path. The entry points
+    must give what they give the plain path."""
+    return Mutation("path-form", c.given, c.rng.choice(PATH_FORMS))
+
+
+#: operators a kind draws from only when it names them (``Kind.ops``): kept out of ``OPS`` so
+#: every other kind's (seed, index) still names the mutation it always did
+SEMANTIC_OPS = {"zarr-codec": zarr_codec, "path-form": path_form}
+
+
 OPS = {
     "flip-data": flip_data,
     "flip-meta": flip_meta,
@@ -528,9 +608,10 @@ def mutate(root: str, rng: random.Random, outside: str, ops=None, given: str = "
     ``root``) is the path the entry points are handed, never itself replaced by a link."""
     names = sorted(ops or OPS)
     ctx = Context(root, rng, outside, given)
+    every = {**OPS, **SEMANTIC_OPS}
     for _ in range(20):
         op = rng.choice(names)
-        m = OPS[op](ctx)
+        m = every[op](ctx)
         if m is not None:
             return m
     return Mutation("none", ".", "no mutation applies")

@@ -97,6 +97,8 @@ def judge_entry(entry: str, base, got, *, kind, mutation_op: str, names: set[str
             return "undetectable", "tensor bytes differ, names/shapes/dtypes the same"
         return "silent-wrong", _diff(base[1], value)
     cls, message, is_ucp = got[1], got[2], got[3]
+    if mutation_op == "path-form":  # nothing changed but how the path is typed
+        return "path-form-refused", f"{cls}: {message[:400]}"
     if cls == "NotStrictJson":
         return "not-strict-json", message[:300]
     if not is_ucp:

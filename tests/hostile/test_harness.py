@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import zipfile
 
 import pytest
@@ -43,6 +44,11 @@ CI_SLICE: dict[str, list[int]] = {
     "torchtune": [0, 1, 2, 3, 4],
     "ucp": [0, 1, 2, 3, 4],
     "ucp_imported": [0, 1, 3, 7, 9],
+    # the semantic operators (issue 56): a path typed through a link's "..", a value given twice
+    # in ucp.json, "."-separated chunk keys, a transpose codec added / a path with "/./", a key
+    # twice in Orbax's _METADATA, Fortran order, a big-endian dtype
+    "ucp_semantic": [0, 3, 6, 10],
+    "orbax_semantic": [0, 2, 3, 9],
     "verl": [0, 1, 2, 4, 5],
 }
 
@@ -235,3 +241,40 @@ def test_the_harness_catches_a_careless_reader(canary, finding):
     report = failed[0].report()
     assert f"--kind {canary} --seed 0 --index {failed[0].index}" in report
     assert failed[0].mutation in report
+
+
+def test_the_semantic_operators_change_meaning_not_bytes_checksums(tmp_path):
+    """``zarr-codec`` edits one array's metadata (its JSON still valid, nothing else touched) and
+    names what it did; ``path-form`` touches no file; both the same for one seed every time."""
+    import numpy as np
+
+    import jax_ucp
+
+    src = tmp_path / "ck"
+    jax_ucp.save(src, {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}, compression="zstd")
+
+    def files(root):
+        return {
+            os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+            for d, _, fs in os.walk(root)
+            for f in fs
+        }
+
+    before = files(src)
+    described = []
+    for attempt in range(2):
+        work = tmp_path / f"w{attempt}"
+        shutil.copytree(src, work)
+        m = mutations.mutate(
+            str(work), random.Random("s/1"), str(tmp_path / "out"), ops=["zarr-codec"]
+        )
+        after = files(work)
+        changed = [k for k in before if before[k] != after[k]]
+        assert changed == ["arrays/w/zarr.json"] and m.target == changed[0], (m, changed)
+        json.loads(after[changed[0]])
+        described.append(m.describe())
+        p = mutations.mutate(
+            str(work), random.Random("s/2"), str(tmp_path / "out"), ops=["path-form"]
+        )
+        assert p.op == "path-form" and p.detail in mutations.PATH_FORMS and files(work) == after
+    assert described[0] == described[1]
