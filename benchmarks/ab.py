@@ -34,14 +34,17 @@ error instead of figures.
 The table: each row's median for BASE and the working tree, the ratio work/base, the spread
 (min-max of the rounds, both sides) and the verdict: ``regression beyond spread`` when the work
 tree's fastest round is slower than BASE's slowest, ``improvement beyond spread`` the other way
-round, else ``within noise``. The load average is printed before, during and after: on a busy
-host repeat, or raise ``--rounds``.
+round, else ``within noise`` (under 3 rounds: none). Noise alone gives n rounds each disjoint
+ranges one way with probability 1/C(2n, n): 1/20 at 3 rounds, 1/252 at 5; the script prints it.
+The load average is printed before, during and after: on a busy host repeat, or raise
+``--rounds``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -85,14 +88,22 @@ jax_ucp.save({path!r}, make_state(64)[0])
 
 
 def verdict(base: list[float], work: list[float]) -> str:
-    """Whether the two sets of rounds differ by more than their spread (the ranges disjoint)."""
-    if min(len(base), len(work)) < 2:
-        return "one round: no spread"
+    """Whether the two sets of rounds differ by more than their spread (the ranges disjoint).
+    Noise alone makes n rounds each disjoint one way with probability 1/C(2n, n) (``chance``):
+    1/6 at 2 rounds, so under 3 rounds there is no verdict."""
+    if min(len(base), len(work)) < 3:
+        return "too few rounds for a verdict"
     if min(work) > max(base):
         return "regression beyond spread"
     if max(work) < min(base):
         return "improvement beyond spread"
     return "within noise"
+
+
+def chance(rounds: int) -> float:
+    """The probability that noise alone gives ``rounds`` rounds each a verdict in one given
+    direction (every ordering of the 2n times equally likely)."""
+    return 1 / math.comb(2 * rounds, rounds)
 
 
 def _seconds(x: float) -> str:
@@ -331,6 +342,10 @@ def main() -> int:
     print()
     print(table(results, base_name=a.base, work_name=work_name))
     print()
+    print(
+        f"a verdict from noise alone: 1 in {1 / chance(rounds):.0f} per row and direction "
+        f"at {rounds} rounds"
+    )
     print(
         f"load average (1 min) over the run: {min(loads):.1f}–{max(loads):.1f} on "
         f"{os.cpu_count()} cores; {rounds} rounds, BASE {commit[:12]}"

@@ -24,15 +24,16 @@ def test_verdict_needs_disjoint_rounds(ab):
     assert ab.verdict([1.0, 1.1, 1.2], [1.3, 1.4, 1.5]) == "regression beyond spread"
     assert ab.verdict([1.3, 1.4, 1.5], [1.0, 1.1, 1.2]) == "improvement beyond spread"
     assert ab.verdict([1.0, 1.1, 1.3], [1.25, 1.4, 1.5]) == "within noise"  # overlapping
-    assert ab.verdict([1.0], [2.0]) == "one round: no spread"
-    assert ab.verdict([1.0, 1.0], [1.0, 1.0]) == "within noise"
+    assert ab.verdict([1.0, 1.1], [2.0, 2.1]) == "too few rounds for a verdict"
+    assert ab.verdict([1.0, 1.0, 1.0], [1.0, 1.0, 1.0]) == "within noise"
+    assert ab.chance(3) == 1 / 20 and ab.chance(5) == 1 / 252
 
 
 def test_table_rows_medians_ratio_and_spread(ab):
     text = ab.table(
         {
             "first save 64 MiB (call)": {"base": [0.2, 0.3, 0.25], "work": [0.4, 0.5, 0.45]},
-            "jax-ucp --version (process)": {"base": [0.5, 0.4], "work": [0.3, 0.6]},
+            "jax-ucp --version (process)": {"base": [0.5, 0.4, 0.45], "work": [0.3, 0.6, 0.45]},
         },
         base_name="4abeab2",
     )
