@@ -614,7 +614,7 @@ def _from_run(
     spec = _spec_with_recorded_settings(spec, source, notes := [])
     params, mu, nu, step = _restored_adam(run, options, spec, where)
     if recipe is None:
-        recipe = _torch_recipe(source, groups, step, optimizer, where)
+        recipe = torch_recipe(source, groups, step, optimizer, where)
     elif recipe.at_step is not None:
         notes.extend(recipe.at_step(step))
     if deepspeed and not recipe.schedule_recorded:  # the client's (the Trainer's) scheduler
@@ -652,7 +652,7 @@ def _from_run(
 
 def _framework_recipe(source: dict, saved: dict, where: str, choice: str | None) -> Recipe | None:
     """The Recipe a framework's own record gives (DeepSpeed's config; Megatron's arguments and
-    scheduler), or None for torch's optimizer record read as it is (:func:`_torch_recipe`)."""
+    scheduler), or None for torch's optimizer record read as it is (:func:`torch_recipe`)."""
     from jax_ucp._src.continuation.deepspeed import deepspeed_recipe
 
     ds = torch_optimizer_record(source).get("deepspeed")
@@ -695,7 +695,7 @@ def _client_schedule(recipe: Recipe, source: dict, groups: list[dict], step: int
     )
 
 
-def _torch_recipe(
+def torch_recipe(
     source: dict, groups: list[dict], step: int, choice: str | None, where: str
 ) -> Recipe:
     """Torch's recorded Adam/AdamW (and the Trainer's arguments, schedule and clipping)."""
