@@ -537,7 +537,7 @@ def test_a_client_made_fusedadam_is_told_by_its_keys_and_asks_what_they_cannot_t
     """FusedAdam's groups (bias_correction, a step counter, no amsgrad), made by the client and
     handed to DeepSpeed: not refused as RAdam/Adamax; with weight decay its adam_w_mode is not
     recorded, so optimizer= decides; bias_correction=False is kept."""
-    from jax_ucp._src.optax_torch import torch_recipe, identify
+    from jax_ucp._src.optax_torch import identify, torch_recipe
 
     group = {"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.0, "step": 0}
     group |= {"bias_correction": False, "params": ["w"]}
