@@ -124,8 +124,10 @@ def restore_from(opened: OpenedSource, options: restore_options.RestoreOptions):
         from jax_ucp._src.sharding import restored_axes
 
         restored_axes.remember(
-            (r.key, x, getattr(wanted.available.get(r.key), "logical_axes", None))
-            for r, x in zip(wanted.requests, results)
+            [
+                (r.key, x, getattr(wanted.available.get(r.key), "logical_axes", None))
+                for r, x in zip(wanted.requests, results)
+            ]
         )
     return wanted.assemble(results)
 

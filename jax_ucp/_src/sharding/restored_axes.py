@@ -25,7 +25,7 @@ from typing import Any
 #: how many places are remembered at most (the oldest forgotten first)
 MAX_PLACES = 1 << 16
 
-_lock = threading.RLock()  # a weakref callback may run while it is held (a collection)
+_lock = threading.Lock()
 _by_id: dict[int, tuple[weakref.ref, tuple]] = {}
 # (shape, sharding) -> {restored path: names}
 _by_place: dict[tuple, dict[tuple[str, ...], tuple]] = {}
@@ -42,6 +42,9 @@ def remember(restored: Iterable[tuple[Sequence[str], Any, Sequence[str | None] |
     import jax
 
     global _places
+    with _lock:  # the arrays gone since (a weakref callback would run inside any later code)
+        for key in [k for k, (ref, _) in _by_id.items() if ref() is None]:
+            del _by_id[key]
     for path, leaf, names in restored:
         if not names or all(n is None for n in names) or not isinstance(leaf, jax.Array):
             continue
@@ -51,7 +54,7 @@ def remember(restored: Iterable[tuple[Sequence[str], Any, Sequence[str | None] |
         names = tuple(names)
         with _lock:
             key = id(leaf)
-            _by_id[key] = (weakref.ref(leaf, lambda _, k=key: _forget(k)), names)
+            _by_id[key] = (weakref.ref(leaf), names)
             place = _by_place.setdefault((tuple(leaf.shape), sharding), {})
             if tuple(map(str, path)) not in place:
                 _places += 1
@@ -84,13 +87,6 @@ def names_of(key: Sequence[str], leaf: Any) -> tuple | None:
             if len(path) > 1 and key[max(0, len(key) - len(path) + 1) :] == path[1:]
         }
     return matches.pop() if len(matches) == 1 else None
-
-
-def _forget(key: int) -> None:
-    with _lock:
-        found = _by_id.get(key)
-        if found is not None and found[0]() is None:
-            del _by_id[key]
 
 
 def _sharded(sharding) -> bool:
