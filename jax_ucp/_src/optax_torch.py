@@ -33,6 +33,7 @@ import numpy as np
 from jax_ucp._src.continuation.recipe import Recipe
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format.manifest import torch_optimizer_record
+from jax_ucp._src.language.recorded import spec_with_recorded_settings
 
 __all__ = ["TorchOptimizer", "hf_schedule", "optax_from_torch", "run_arguments"]
 
@@ -611,7 +612,7 @@ def _from_run(
     deepspeed = recipe is not None and isinstance(recorded.get("deepspeed"), dict)
     if recipe is None and not groups:
         raise RequestError(_no_optimizer(source, where))
-    spec = _spec_with_recorded_settings(spec, source, notes := [])
+    spec = spec_with_recorded_settings(spec, source, notes := [])
     params, mu, nu, step = _restored_adam(run, options, spec, where)
     if recipe is None:
         recipe = torch_recipe(source, groups, step, optimizer, where)
@@ -1010,25 +1011,6 @@ def _restore_keywords(options: Any, spec: Any, where: str) -> dict[str, Any]:
         if f.init and getattr(options, f.name) is not f.default
     }
     return {**given, "spec": spec}
-
-
-def _spec_with_recorded_settings(spec: Any, source: dict, notes: list[str]) -> Any:
-    """A spec given by name (``"hf_llama"``) with the model's head settings taken from the
-    config.json the import recorded, when the caller gave none."""
-    if not isinstance(spec, str):
-        return spec
-    from jax_ucp._src.language import load_spec
-    from jax_ucp._src.models import LMConfig
-
-    config = (source.get("trainer") or {}).get("model_config")
-    if not config:
-        return load_spec(spec)
-    try:
-        settings = LMConfig.from_hf_llama(config).head_settings
-    except (KeyError, TypeError, ValueError):  # not a Llama-style config: the spec as named
-        return load_spec(spec)
-    notes.append(f"spec {spec!r} with the recorded config.json's settings {settings}")
-    return load_spec(spec, **settings)
 
 
 def _unrecovered(source: dict) -> list[str]:
