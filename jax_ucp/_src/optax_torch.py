@@ -84,21 +84,27 @@ _NEUTRAL_KEYS = frozenset(
 #: (``amsgrad``, always false there) groups, beside the neutral ones: their Adam or AdamW
 #: (``adam_w_mode``) is an attribute, not recorded
 DS_ADAM_KEYS = frozenset({"betas", "eps", "bias_correction", "step", "amsgrad"})
-#: (a key only that optimizer writes, its name): what a group that is not Adam/AdamW looks like
+#: (a key only that optimizer writes, its name): what a group that is not Adam/AdamW looks like;
+#: transformers' Adafactor (``transformers.optimization.Adafactor``, the Trainer's
+#: ``optim="adafactor"``) first: its groups hold no key of torch's
 _LOOKALIKES = (
-    ("momentum_decay", "NAdam"),
-    ("nesterov", "SGD"),
-    ("dampening", "SGD"),
-    ("lr_decay", "Adagrad"),
-    ("initial_accumulator_value", "Adagrad"),
-    ("rho", "Adadelta"),
-    ("centered", "RMSprop"),
-    ("lambd", "ASGD"),
-    ("etas", "Rprop"),
-    ("beta2_decay", "Adafactor"),
-    ("history_size", "LBFGS"),
-    ("decoupled_weight_decay", "RAdam"),  # betas + decoupled_weight_decay without amsgrad
-    ("betas", "RAdam, Adamax or SparseAdam"),  # betas without amsgrad: not Adam/AdamW
+    ("relative_step", "transformers' Adafactor"),
+    ("scale_parameter", "transformers' Adafactor"),
+    ("warmup_init", "transformers' Adafactor"),
+    ("clip_threshold", "transformers' Adafactor"),
+    ("momentum_decay", "torch's NAdam"),
+    ("nesterov", "torch's SGD"),
+    ("dampening", "torch's SGD"),
+    ("lr_decay", "torch's Adagrad"),
+    ("initial_accumulator_value", "torch's Adagrad"),
+    ("rho", "torch's Adadelta"),
+    ("centered", "torch's RMSprop"),
+    ("lambd", "torch's ASGD"),
+    ("etas", "torch's Rprop"),
+    ("beta2_decay", "torch's Adafactor"),
+    ("history_size", "torch's LBFGS"),
+    ("decoupled_weight_decay", "torch's RAdam"),  # betas + decoupled_weight_decay, no amsgrad
+    ("betas", "torch's RAdam, Adamax or SparseAdam"),  # betas without amsgrad: not Adam/AdamW
 )
 #: transformers' scheduler arguments (``lr_scheduler_kwargs``) reproduced, per schedule, with
 #: transformers' default (``REQUIRED``: the schedule cannot be built without it)
@@ -307,8 +313,8 @@ def identify(
         if not {"amsgrad", "betas"} <= keys or "momentum_decay" in keys:
             like = next((name for key, name in _LOOKALIKES if key in keys), None)
             raise RequestError(
-                f"{where}: param_groups[{i}] holds the keys of torch's "
-                f"{like or 'unknown optimizer'} ({', '.join(sorted(keys))}): optax_from_torch "
+                f"{where}: param_groups[{i}] holds the keys of "
+                f"{like or 'an unknown optimizer'} ({', '.join(sorted(keys))}): optax_from_torch "
                 f"translates torch's Adam and AdamW only; restore the weights "
                 f"(select=r'params/.*') and start a new optimizer"
             )
