@@ -30,9 +30,22 @@ from jax_ucp._src.importers.trainer_files import (
 )
 
 __all__ = [
+    "ORDER_HINT",
     "Candidate",
     "trainer_candidates",
 ]
+
+#: what ``parameter_order=`` lists for an optimizer keyed by index: its parameters group after
+#: group as the optimizer was built (torch numbers them so), which for several groups (the
+#: Trainer's weight-decayed ones, then the rest) is not ``model.named_parameters()`` order
+ORDER_HINT = (
+    "parameter_order=[the trainable parameters' names as saved, group after group as the "
+    "optimizer was built: one group, [n for n, _ in model.named_parameters()]; the Trainer's "
+    "two, its weight-decayed parameters (Trainer.get_decay_parameter_names) then the others, "
+    "each in model.named_parameters() order: decay_names + no_decay_names, not "
+    "model.named_parameters() order, which interleaves the groups] (--parameter-order FILE on "
+    "the command line)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +93,7 @@ def _config_path(folder: str, model_config: str | None, why: str) -> tuple[str, 
     naming what was tried."""
     way_out = (
         f"pass model_config= (--model-config on the command line) the model's {CONFIG_FILE}, "
-        "or parameter_order=[names as saved, in model.named_parameters() order of the "
-        "trainable parameters], or convert with weights_only=True"
+        f"or {ORDER_HINT}, or convert with weights_only=True"
     )
     if model_config is not None:
         path = os.fspath(model_config)
@@ -220,7 +232,7 @@ def _model_on_meta(folder: str, n_tensors: int, model_config: str | None = None)
     except ImportError as e:
         raise SourceError(
             f"{folder}: {why} without transformers ({e}); install transformers (with torch), "
-            f"or pass parameter_order=[names in model.named_parameters() order]"
+            f"or pass {ORDER_HINT}"
         ) from None
     shipped = {
         name
