@@ -13,6 +13,12 @@ The asynchronous save (``enable_async_checkpointing``) writes ``dist_epoch_N/`` 
 DCP of the model and optimizer state dicts under torchtune's names (no conversion), the
 optimizer keyed by index, imported by the torch DCP importer as saved. The latest epoch of
 either kind is imported; the others' folders are listed in ``source.skipped``.
+
+A LoRA recipe writes its adapter beside the merged weights (``adapter_model.pt``, torchtune's
+names; ``adapter_model.safetensors`` / ``.bin`` and ``adapter_config.json``, peft's) and saves
+its optimizer over the adapter's ``lora_a`` / ``lora_b`` only: no moment belongs to a merged
+weight, so that optimizer state is refused saying so, and the adapter files are listed in
+``source.skipped`` when the weights alone are imported.
 """
 
 from __future__ import annotations
@@ -54,6 +60,17 @@ __all__ = [
 
 RECIPE_STATE = os.path.join("recipe_state", "recipe_state.pt")
 OPTIMIZER_KEY = "optimizer"  # torchtune's training.OPT_KEY
+#: what a LoRA recipe's checkpointer writes into ``epoch_N/`` beside the merged weights:
+#: torchtune's ``ADAPTER_MODEL_FNAME`` as ``.pt`` (its names), ``.safetensors`` or ``.bin``
+#: (peft's, ``safe_serialization``), and peft's ``adapter_config.json``
+ADAPTER_FILES = (
+    "adapter_model.pt",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "adapter_config.json",
+)
+#: the parameter names only a LoRA / DoRA model has (torchtune's ``LoRALinear``, ``DoRALinear``)
+_LORA_NAME = re.compile(r"(^|\.)(lora_a|lora_b|magnitude)(\.|$)")
 
 #: torchtune's parameter names -> Hugging Face's: ``torchtune.models.convert_weights._FROM_HF``
 #: (0.6.1) inverted, as ``tune_to_hf`` inverts it; ``{}`` is the layer number.
@@ -89,6 +106,46 @@ def epoch_folders(src: str, dist: bool = False) -> list[str]:
         return any(n.endswith(".safetensors") for n in os.listdir(path))
 
     return numbered_folders(src, rf"{'dist_' if dist else ''}epoch_([0-9]+)", holds, "epoch")
+
+
+def adapter_files(folder: str) -> list[str]:
+    """The LoRA adapter files of :data:`ADAPTER_FILES` in ``folder`` (links too: listed, never
+    read)."""
+    return [n for n in ADAPTER_FILES if os.path.lexists(os.path.join(folder, n))]
+
+
+def _adapter_units(src: str, epoch: str) -> tuple[list[str], str]:
+    """(the latest epoch's adapter files as source units, why they are not imported): the
+    merged weights are imported, the adapter's ``lora_a`` / ``lora_b`` are already in them;
+    an adapter-only save (``save_adapter_weights_only``) imports its ``adapter_model.
+    safetensors``, torchtune's own ``.pt`` copy of it skipped."""
+    found = adapter_files(os.path.join(src, epoch))
+    merged = any(
+        n.endswith(".safetensors") and n not in ADAPTER_FILES
+        for n in os.listdir(os.path.join(src, epoch))
+    )
+    if not merged:
+        found = [n for n in found if n != "adapter_model.safetensors"]
+        why = "torchtune's LoRA adapter in its own names (adapter_model.safetensors imported)"
+    else:
+        why = (
+            f"a LoRA adapter (torchtune's LoRA recipe): its lora_a / lora_b are merged into the "
+            f"{epoch}/ weights imported"
+        )
+    return [f"{epoch}/{n}" for n in found], why
+
+
+def _lora_refusal(recipe: str, epoch: str, found: list[str], state: dict) -> SourceError:
+    """The one refusal of a LoRA recipe's optimizer state, naming what said LoRA."""
+    keys = [k for k in state if isinstance(k, str) and _LORA_NAME.search(k)]
+    said = ", ".join(f"{epoch}/{n}" for n in found) if found else _names(keys)
+    return SourceError(
+        f"{recipe}: LoRA optimizer state (torchtune's LoRA recipe: {said}): its moments are "
+        f"of the adapter's lora_a / lora_b parameters ({len(state)} entries), which "
+        f"{epoch}/'s merged weights do not hold, so they belong to no imported weight: not "
+        f"imported. Convert with weights_only=True to import {epoch}/'s merged weights (the "
+        f"adapter files listed in source.skipped), and start a new optimizer"
+    )
 
 
 def _epoch_number(name: str) -> int:
@@ -263,6 +320,10 @@ def plan_torchtune(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     source.update(framework="torchtune", path=os.path.abspath(src), epoch=epochs[-1])
     units = [f"{e}/" for e in epochs[:-1] + dist]
     skip(source, units, f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)")
+    adapters, why = _adapter_units(src, epochs[-1])
+    if adapters:
+        units.extend(adapters)
+        skip(source, adapters, why)
     if has_recipe:
         units.append(RECIPE_STATE)
         skip(source, [RECIPE_STATE], "weights_only: torchtune's recipe state (optimizer, seed)")
@@ -346,9 +407,15 @@ def _optimizer_names(
     if not (keys and all(isinstance(k, int) for k in keys)):
         raise SourceError(f"{recipe}: torchtune's optimizer state, {described}: not imported")
     if order is None:
+        names = (
+            "[n for n, _ in model.named_parameters()]"
+            if len(groups) <= 1
+            else "[its parameters' names group after group, as the optimizer was built: "
+            "the groups' name lists concatenated, not model.named_parameters() order]"
+        )
         raise SourceError(
             f"{recipe}: torchtune's optimizer state, {described}. Give its order: "
-            f"parameter_order=[n for n, _ in model.named_parameters()] of the torchtune model "
+            f"parameter_order={names} of the torchtune model "
             f"the recipe trained (torchtune's names, the order it gave them to the optimizer; "
             f"--parameter-order FILE on the CLI), "
             f"or convert with weights_only=True to import the weights"
@@ -461,6 +528,9 @@ def _plan_with_optimizer(
     as torchtune's checkpointer converts the weights."""
     latest = os.path.join(src, epochs[-1])
     loaded, state, groups = _recipe_optimizer(recipe, epochs[-1])
+    found = adapter_files(latest)
+    if found or any(isinstance(k, str) and _LORA_NAME.search(k) for k in state):
+        raise _lora_refusal(recipe, epochs[-1], found, state)
     params, files = _epoch_weights(latest, epochs[-1])
     described, rule = recipe_optimizer(loaded), None
     if order is None and state and all(isinstance(k, int) for k in state):
