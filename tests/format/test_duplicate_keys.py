@@ -2,7 +2,7 @@
 and Python's json keep the last silently, another reader the first, so ``ucp.json`` with
 ``"value":7,"value":8`` restored 8 and verified clean, and a megatron ``integrity.json`` listing
 one file twice (the old hash, then the tampered file's) was accepted. The manifest's fast path
-finds a key named twice by two counts in C (``manifest._no_duplicate_keys``); these hostile copies
+finds a key named twice by two counts in C (``manifest.no_duplicate_keys``); these hostile copies
 of real checkpoints check that nothing slips past it, masking attempts included, and that what
 is not a duplicate still takes it."""
 
@@ -95,14 +95,14 @@ def test_what_is_no_duplicate_takes_the_fast_path(good, tmp_path):
     out: read by msgspec alone, as the whole document says."""
     raw = open(os.path.join(good, "ucp.json"), "rb").read()
     assert b"\\u00fc:b" in raw  # the writer's escapes, a ':' inside a string
-    assert manifest._no_duplicate_keys(raw, manifest.model.DECODER.decode(raw))
+    assert manifest.no_duplicate_keys(raw, manifest.model.DECODER.decode(raw))
     lean = _copy_with(
         good,
         tmp_path / "lean",
         lambda t: t.replace(',"sub_role":null', "").replace(',"provenance":null', ""),
     )
     raw = open(os.path.join(lean, "ucp.json"), "rb").read()
-    assert manifest._no_duplicate_keys(raw, manifest.model.DECODER.decode(raw))
+    assert manifest.no_duplicate_keys(raw, manifest.model.DECODER.decode(raw))
     out = jax_ucp.restore(lean)
     assert out["step"] == 7 and out["params"]["ü:b"].tolist() == [1, 1]
 
@@ -116,7 +116,7 @@ def test_an_escaped_colon_alone_is_read_by_the_slow_path(good, tmp_path):
         ),
     )
     raw = open(os.path.join(bad, "ucp.json"), "rb").read()
-    assert not manifest._no_duplicate_keys(raw, manifest.model.DECODER.decode(raw))
+    assert not manifest.no_duplicate_keys(raw, manifest.model.DECODER.decode(raw))
     assert "a:b" in [e.sub_role for e in jax_ucp.inspect(bad).tensors]
 
 

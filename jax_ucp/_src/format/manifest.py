@@ -496,11 +496,11 @@ def _decoded(text: str | bytes) -> model.ManifestModel | None:
         return None
     with bulk.cyclic_gc_paused(), contextlib.suppress(*_REFUSALS):
         decoded = model.DECODER.decode(text)
-        return decoded if _no_duplicate_keys(text, decoded) else None
+        return decoded if no_duplicate_keys(text, decoded) else None
     return None
 
 
-def _no_duplicate_keys(text: str | bytes, decoded: model.ManifestModel) -> bool:
+def no_duplicate_keys(text: str | bytes, decoded: model.ManifestModel) -> bool:
     """Whether every JSON object of ``text`` names each key once, as far as two counts in C
     tell (False: the slow path decides, refusing a key named twice, ``"value":7,"value":8``).
 

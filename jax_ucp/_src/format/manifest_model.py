@@ -234,7 +234,7 @@ class ManifestModel(_Model):
 
 DECODER = msgspec.json.Decoder(ManifestModel)
 #: re-encodes a decoded model: a member the text lacked (UNSET) is left out, so its ":"s are
-#: those of the members the text had, each once (``manifest._no_duplicate_keys``)
+#: those of the members the text had, each once (``manifest.no_duplicate_keys``)
 ENCODER = msgspec.json.Encoder()
 
 #: what a member the text leaves out means. Absent members are UNSET in the model (never their

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -181,11 +183,9 @@ class CheckpointSource(TensorSource):
         self.storage = store.storage_for(root)  # chosen once: every array is opened through it
         self.url = not self.storage.renames
         self._context = store.zarr3.read_context()
-        # per array: its zarr.json's bytes (None: missing) or their read in flight, then the
-        # array opened
-        self._futures: dict[
-            tuple, tuple[fmt.TensorEntry, bytes | _Fetch | ts.TensorStore | None]
-        ] = {}
+        # per array: its zarr.json's bytes (None: missing) or their fetch (``_Fetch``), then
+        # its checked layout, then the TensorStore array opened
+        self._futures: dict[tuple, tuple[fmt.TensorEntry, Any]] = {}
         self._kv: ts.KvStore | None = None  # an object store's, opened once
 
     def files(self, found: Available) -> str:
@@ -226,13 +226,12 @@ class CheckpointSource(TensorSource):
             raise tensor_error(entry.name, e) from None
         self._futures[entry.key] = (entry, data)
 
-    def _get(self, key) -> ts.TensorStore:
-        """The array, opened with what its manifest entry implies once its ``zarr.json`` was
-        found to say the same, field for field (``store.zarr3.check_metadata``): TensorStore
-        is told nothing the manifest does not say."""
+    def _checked(self, key) -> store.ArrayLayout:
+        """The array's layout as its manifest entry implies it, once its ``zarr.json`` was found
+        to say the same, member for member (``store.zarr3.check_metadata_file``)."""
         entry, pending = self._futures[key]
-        if isinstance(pending, ts.TensorStore):
-            return pending
+        if isinstance(pending, (store.ArrayLayout, ts.TensorStore)):
+            return store.zarr3.layout_of(entry)
         where = self.storage.join(entry.dir, ZARR_JSON)
         data = pending if isinstance(pending, bytes) else None
         if isinstance(pending, _Fetch):
@@ -255,10 +254,19 @@ class CheckpointSource(TensorSource):
             )
         layout = store.zarr3.layout_of(entry)
         try:
-            found = fmt.files.strict_json(data, where, CheckpointError)
-            store.zarr3.check_metadata(found, layout, where)
+            store.zarr3.check_metadata_file(data, layout, where)
         except fmt.UCPError as e:
             raise tensor_error(entry.name, e) from None
+        self._futures[key] = (entry, layout)
+        return layout
+
+    def _get(self, key) -> ts.TensorStore:
+        """The array opened with what its manifest entry implies (``_checked``): TensorStore is
+        told nothing the manifest does not say and reads no ``zarr.json``."""
+        layout = self._checked(key)
+        entry, opened = self._futures[key]
+        if isinstance(opened, ts.TensorStore):
+            return opened
         kv = self.storage.kvstore(entry.dir)
         try:
             t = store.open_array(kv, context=self._context, layout=layout).result()
@@ -271,25 +279,22 @@ class CheckpointSource(TensorSource):
         return t
 
     def reader(self, found: Available):
-        """``store.shard_reader`` where the stored array's zarr.json allows it, else the view."""
-        view = found.build({s.key: self._get(s.key) for s in found.sources})
+        """``store.shard_reader`` where the stored array's layout allows it (no TensorStore
+        array opened), else TensorStore's array or the view built of them."""
         entry = found.sources[0]
         kv = self.storage.kvstore(entry.dir)
-        if not found.stored or kv.get("driver") != "file":
-            return view
-        layout = shard_file.layout_from_metadata(
-            view.spec().to_json().get("metadata", {}), view.dtype.numpy_dtype
-        )
-        if layout is None:
-            return view
-        return shard_reader.ShardReader(
-            kv["path"],
-            layout,
-            view.dtype.numpy_dtype,
-            digests=entry.shard_digests,
-            tensor=entry.name,
-            root=self.root,
-        )
+        if found.stored and kv.get("driver") == "file":
+            layout = _shard_layout(self._checked(entry.key))
+            if layout is not None:
+                return shard_reader.ShardReader(
+                    kv["path"],
+                    layout,
+                    fmt.to_numpy_dtype(entry.dtype),
+                    digests=entry.shard_digests,
+                    tensor=entry.name,
+                    root=self.root,
+                )
+        return found.build({s.key: self._get(s.key) for s in found.sources})
 
     def check_fits(self, found: Available, limit: int, what: str) -> None:
         for src in found.sources:  # a reader decodes whole inner chunks
@@ -312,6 +317,14 @@ class CheckpointSource(TensorSource):
     def unit_rows(self, found: Available) -> int:
         """The stored array is split on its inner chunks."""
         return max(1, int(found.sources[0].inner_chunk_shape[0])) if found.stored else 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_layout(layout: store.ArrayLayout) -> store.ArrayLayout | None:
+    """``layout`` when ``store.shard_reader`` reads it (``shard_file.layout_from_metadata`` of
+    the metadata it implies), else None; one answer per layout."""
+    metadata = store.array_config({}, layout)["metadata"]
+    return shard_file.layout_from_metadata(metadata, fmt.to_numpy_dtype(layout.dtype))
 
 
 class _Fetch:

@@ -18,7 +18,7 @@ import numpy as np
 import tensorstore as ts
 
 from jax_ucp._src.errors import CheckpointError, RequestError
-from jax_ucp._src.format import dtypes
+from jax_ucp._src.format import dtypes, files
 from jax_ucp._src.format.manifest import MANIFEST_FILE
 from jax_ucp._src.store import storage
 
@@ -128,6 +128,30 @@ def expected_metadata(layout: ArrayLayout) -> dict:
     kind = np.dtype(dtypes.to_numpy_dtype(layout.dtype))
     zero: Any = False if kind == np.bool_ else [0.0, 0.0] if kind.kind == "c" else 0
     return {**metadata, "fill_value": zero, "node_type": "array", "zarr_format": 3}
+
+
+def check_metadata_file(data: bytes, layout: ArrayLayout, where: str) -> None:
+    """``check_metadata`` of an array's ``zarr.json`` as read: when its bytes are the ones
+    TensorStore writes for ``layout`` (nearly always) nothing is parsed; else it is parsed
+    strictly (a key named twice refused) and compared member for member."""
+    if data == written_bytes(layout):
+        return
+    check_metadata(files.strict_json(data, where, CheckpointError), layout, where)
+
+
+@functools.lru_cache(maxsize=4096)
+def written_bytes(layout: ArrayLayout) -> bytes:
+    """The ``zarr.json`` TensorStore writes for ``layout`` (keys sorted, compact, zstd level 3,
+    a single-byte type's endianness and the index location left out), byte for byte."""
+    single = np.dtype(dtypes.to_numpy_dtype(layout.dtype)).itemsize == 1
+    meta = _canonical(expected_metadata(layout), single)
+    kind = np.dtype(dtypes.to_numpy_dtype(layout.dtype))
+    if kind.kind == "f" or "float" in kind.name:  # floats, bfloat16, float8: "0.0"
+        meta["fill_value"] = 0.0
+    for codec in meta["codecs"][0]["configuration"]["codecs"]:
+        if codec["name"] == "zstd":
+            codec["configuration"]["level"] = layout.compression_level
+    return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
 
 
 def check_metadata(found: Any, layout: ArrayLayout, where: str) -> None:
