@@ -520,7 +520,7 @@ def no_duplicate_keys(text: str | bytes, decoded: model.ManifestModel) -> bool:
     return text.count(colon) == found  # type: ignore[arg-type]
 
 
-_ENCODED_AT_ONCE = 16384  # entries re-encoded together (about 9 MB of JSON at once)
+_ENCODED_AT_ONCE = 4096  # entries re-encoded together (about 2 MB of JSON at once)
 
 
 TREE_NODE_TYPES = model.TREE_NODE_TYPES
