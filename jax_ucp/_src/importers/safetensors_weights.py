@@ -14,6 +14,7 @@ from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import safetensors
 from jax_ucp._src.importers.plan import ImportOptions, ImportPlan, host_item, refuse_spec, skip
+from jax_ucp._src.importers.trainer_files import adapter_beside_model
 
 __all__ = ["plan_safetensors"]
 
@@ -59,6 +60,10 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
         # not opened (it is not read): accounted for as one unit
         skip(source, [optimizer_file], f"weights_only: {writer_name}'s torch optimizer state")
         found.append(optimizer_file)
+    adapters = adapter_beside_model(src)  # LoRA / peft adapter files: listed, never ignored
+    for name, why in adapters.items():
+        skip(source, [name], why)
+        found.append(name)
     mine = share.pick(names)
     items = (
         host_item(

@@ -23,9 +23,13 @@ from jax_ucp._src.importers.plan import jsonable
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
+    "ADAPTER_WEIGHTS",
     "ARG_FIELDS",
     "MODEL_FIELDS",
+    "MODEL_WEIGHTS",
+    "adapter_beside_model",
     "check_optimizer_beside_scheduler",
+    "is_adapter_checkpoint",
     "is_trainer_checkpoint",
     "read_json",
     "rng_states",
@@ -40,6 +44,16 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"  # peft's adapter (LoRA) beside adap
 STATE_FILE = "trainer_state.json"
 ARGS_FILE = "training_args.bin"
 SCHEDULER_FILE = "scheduler.pt"
+#: a LoRA / peft adapter's weights: peft's ``save_pretrained`` (safetensors or ``.bin``) and
+#: torchtune's own copy in its names (``.pt``)
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
+#: a full model's weights as transformers' ``save_pretrained`` names them
+MODEL_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 #: TrainingArguments fields that say how the optimizer stepped (recorded in the manifest)
 ARG_FIELDS = (
@@ -125,6 +139,30 @@ def check_optimizer_beside_scheduler(folder: str, weights_only: bool) -> None:
             f"optimizer.bin, optimizer_<i>.bin or an optimizer_0/ folder): the optimizer's "
             f"file is missing or renamed; pass weights_only=True to take the weights alone"
         )
+
+
+def _holds_model(folder: str) -> bool:
+    return any(os.path.lexists(os.path.join(folder, n)) for n in MODEL_WEIGHTS)
+
+
+def is_adapter_checkpoint(folder: str) -> bool:
+    """A peft adapter checkpoint (the Trainer's save of a ``PeftModel``): ``adapter_config.json``
+    and no full model's weights beside it, so its weights and optimizer are the adapter's."""
+    return os.path.lexists(os.path.join(folder, ADAPTER_CONFIG_FILE)) and not _holds_model(folder)
+
+
+def adapter_beside_model(folder: str) -> dict[str, str]:
+    """{file: why skipped} of the LoRA / peft adapter files in a folder that also holds a full
+    model's weights (:data:`MODEL_WEIGHTS`): the full model is imported, the adapter (its own
+    parameters, not the model's) is listed, never read. {} for an adapter checkpoint, whose
+    adapter is what is imported."""
+    if not (os.path.isdir(folder) and _holds_model(folder)):
+        return {}
+    return {
+        name: "a LoRA / peft adapter beside the full model's weights (the full model imported)"
+        for name in (*ADAPTER_WEIGHTS, ADAPTER_CONFIG_FILE)
+        if os.path.lexists(os.path.join(folder, name))
+    }
 
 
 def read_json(path: str) -> Any:

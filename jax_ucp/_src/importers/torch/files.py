@@ -298,6 +298,7 @@ def _skip_unused(
     of their own, each counted in ``found`` too."""
     if os.path.isdir(src) and first_model_file.endswith(".safetensors"):
         rng = trainer_files.rng_states(src)
+        rng.update(trainer_files.adapter_beside_model(src))  # LoRA files beside a full model
         found.extend(rng)
         skipped.update(rng)
     for name in optimizer_sources:
@@ -426,7 +427,7 @@ def _name_keys(order: _Order, state: dict, groups: list) -> tuple[str, dict]:
         to_name, info["parameter_order"] = _trainer_order(order, groups, state)
         said = _TRAINER_RULE
         adapter = trainer_files.side_file(order.src, trainer_files.ADAPTER_CONFIG_FILE)
-        if os.path.isfile(adapter):  # a peft adapter: the base model's config.json, found
+        if trainer_files.is_adapter_checkpoint(order.src) and os.path.isfile(adapter):
             said = _config_rule("the base model's config.json", info["parameter_order"])
         _say_order_assumed(order, to_name, state, said)
     else:  # one group, torch.save weights: by the state-dict order, else refused

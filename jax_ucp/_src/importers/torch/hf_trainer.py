@@ -25,6 +25,7 @@ from jax_ucp._src.importers.torch.optimizer import clean_name
 from jax_ucp._src.importers.trainer_files import (
     ADAPTER_CONFIG_FILE,
     CONFIG_FILE,
+    is_adapter_checkpoint,
     read_json,
     side_file,
 )
@@ -102,7 +103,7 @@ def _config_path(folder: str, model_config: str | None, why: str) -> tuple[str, 
         return path, ""
     path = side_file(folder, CONFIG_FILE)
     adapter_path = side_file(folder, ADAPTER_CONFIG_FILE)
-    if os.path.isfile(adapter_path):
+    if is_adapter_checkpoint(folder) and os.path.isfile(adapter_path):
         base, tried = _base_model_config(adapter_path)
         if base is not None:
             return base, tried
@@ -296,7 +297,7 @@ def trainer_candidates(
     """
     model, what = _model_on_meta(folder, n_tensors, model_config)
     adapter_path = side_file(folder, ADAPTER_CONFIG_FILE)
-    if os.path.isfile(adapter_path):  # model_config= or the adapter's base: the base model's
+    if is_adapter_checkpoint(folder) and os.path.isfile(adapter_path):  # the base model's
         return _lora_candidates(adapter_path, model, what)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     shapes = {n: tuple(p.shape) for n, p in named}

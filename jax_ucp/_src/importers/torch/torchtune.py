@@ -318,6 +318,14 @@ def plan_torchtune(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     plan = plan_safetensors(latest, dataclasses.replace(options, weights_only=False))
     source = dict(plan.source)
     source.update(framework="torchtune", path=os.path.abspath(src), epoch=epochs[-1])
+    # the adapter files the safetensors plan listed by their names in the epoch: listed below
+    # by their path in the output folder, with torchtune's reason
+    source["skipped"] = {
+        k: v for k, v in source.get("skipped", {}).items() if k not in ADAPTER_FILES
+    }
+    if not source["skipped"]:
+        del source["skipped"]
+    tensors = [n for n in plan.source_tensors or () if n not in ADAPTER_FILES]
     units = [f"{e}/" for e in epochs[:-1] + dist]
     skip(source, units, f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)")
     adapters, why = _adapter_units(src, epochs[-1])
@@ -327,9 +335,7 @@ def plan_torchtune(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     if has_recipe:
         units.append(RECIPE_STATE)
         skip(source, [RECIPE_STATE], "weights_only: torchtune's recipe state (optimizer, seed)")
-    return dataclasses.replace(
-        plan, source=source, source_tensors=[*(plan.source_tensors or ()), *units]
-    )
+    return dataclasses.replace(plan, source=source, source_tensors=[*tensors, *units])
 
 
 def _as_dist_epoch(plan: ImportPlan, src: str, epochs: list[str], dist: list[str]) -> ImportPlan:
