@@ -39,9 +39,9 @@ def test_safetensors_import_against_safetensors_own_reader(tmp_path):
          "b": np.ones(5, np.int64)},
         str(src),
     )  # fmt: skip
-    bad = jax_ucp.verify(out, against=src)
-    assert [name for name, _ in bad] == ["params/a"], bad
-    assert "1 of 12 elements" in bad[0][1]
+    bad = jax_ucp.verify(out, against=src)  # the file its certificate holds, then the tensor
+    assert [name for name, _ in bad] == ["model.safetensors", "params/a"], bad
+    assert "1 of 12 elements" in bad[1][1]
     r = runner.invoke(app, ["verify", str(out), "--against", str(src)])
     assert r.exit_code == 1 and "differs from the source" in r.output
 
@@ -66,6 +66,9 @@ def test_torch_imports_against_torch_own_loaders(tmp_path, kind):
         sd[name].view(-1)[0] += 1
         torch.save(sd, src)
         bad = jax_ucp.verify(out, against=src)
+        assert bad.against is not None  # the source's certificate names the file first
+        assert list(bad.against.files) == [os.path.basename(src)], bad
+        bad = bad[len(bad.against.files) :]
         assert len(bad) == 1 and name in bad[0][1], bad
 
 
@@ -260,6 +263,8 @@ def test_every_importer_against_its_framework_own_loader(tmp_path, kind):
 
     changed = _flip_source(kind, src)
     bad = jax_ucp.verify(out, against=src)
+    assert bad.against is not None and bad.against.files  # the certificate: the file, first
+    bad = bad[len(bad.against.files) :]
     tied = {"params/model.embed_tokens.weight", "params/lm_head.weight"}
     assert [n for n, _ in bad] == [changed] or (
         kind.endswith("tied") and {n for n, _ in bad} == tied
@@ -387,6 +392,7 @@ def test_a_source_tensor_the_checkpoint_lacks_is_reported_missing(tmp_path):
     _hf_source(src, drop=(dropped,))
     out = jax_ucp.convert(src, tmp_path / "ucp")
     _hf_source(src)  # the source as it is: the import dropped one of its tensors
+    _edit_manifest(out, lambda m: m["source"].pop("certificate"))  # one vouching for no file
     bad = dict(jax_ucp.verify(out, against=src))
     assert list(bad) == [f"params/{dropped}"], bad
     assert "missing from the checkpoint" in bad[f"params/{dropped}"]
@@ -413,6 +419,7 @@ def test_a_checkpoint_tensor_the_source_does_not_hold_is_reported(tmp_path):
     _hf_source(src, **{extra: np.zeros((2, 2), np.float32)})
     out = jax_ucp.convert(src, tmp_path / "ucp")
     _hf_source(src)  # the source without it
+    _edit_manifest(out, lambda m: m["source"].pop("certificate"))  # one vouching for no file
     bad = dict(jax_ucp.verify(out, against=src))
     assert list(bad) == [f"params/{extra}"], bad
     assert "not in the source" in bad[f"params/{extra}"]

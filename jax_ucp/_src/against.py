@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.errors import RequestError, SourceError, UnsafeFileError
-from jax_ucp._src.format import files, keypath
+from jax_ucp._src.format import certificate, files, keypath
 from jax_ucp._src.format.manifest import torch_optimizer_record
 from jax_ucp._src.torchfiles import dcp as safe_dcp
 from jax_ucp._src.torchfiles import dcp_safetensors
@@ -65,11 +65,19 @@ class Comparison:
     different: dict[str, str] = dataclasses.field(default_factory=dict)
     not_compared: dict[str, str] = dataclasses.field(default_factory=dict)
     missing: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: the source's files against the checkpoint's ``source.certificate``, checked first:
+    #: file name -> what differs (added, removed, changed); the tensors are compared after,
+    #: as far as the import of the source can still be planned
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: what the certificate check found, said (``"no certificate recorded"`` for a checkpoint
+    #: converted before certificates were)
+    certificate: str = ""
 
     @property
     def ok(self) -> bool:
-        """Every compared tensor equal (and at least one compared), none missing."""
-        return not self.different and not self.missing and bool(self.equal)
+        """Every certified file equal, every compared tensor equal (and at least one compared),
+        none missing."""
+        return not self.files and not self.different and not self.missing and bool(self.equal)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -118,6 +126,11 @@ def _loader(
         key = provenance.get("source_name") or name
         sub = provenance.get("folder")
         folder = _inside(src, sub, entry_name) if sub else _dcp_folder_holding(src, key)
+        return lambda: _dcp_tensor(folder, key), key
+    if fmt == "torch_dist" and provenance.get("pattern") == "torch_dist-global":
+        # megatron-core's torch_dist is torch DCP: the tensor as saved, read by dcp.load
+        key = provenance.get("source_name") or name
+        folder = os.path.dirname(_locate(src, recorded, ".metadata", entry_name))
         return lambda: _dcp_tensor(folder, key), key
     if fmt in ("torch_files", "safetensors"):
         file, _, inner = name.partition(":") if ":" in name else (provenance.get("file"), "", name)
@@ -622,11 +635,50 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
         prov = entry.provenance or {}
         for name in _recorded_files(str(prov.get("format") or recorded_framework), prov):
             _inside(src, name, f"{ckpt}: {entry.name} (its provenance)")
-    expected = _plan_again(src, manifest)
+    files_found, said, held = _check_certificate(src, manifest.source or {})
     try:
-        return _compare(ckpt, src, manifest, expected, progress)
+        expected = _plan_again(src, manifest)
+    except SourceError as e:
+        if not files_found or not held:
+            # no certified file at ``src`` at all: another folder; the import's reason says more
+            raise SourceError(f"{e} (certificate: {said})" if files_found else str(e)) from None
+        return Comparison(files=files_found, certificate=f"{said}; no tensor compared: {e}")
+    try:
+        result = _compare(ckpt, src, manifest, expected, progress)
+    except MissingExtraError as e:
+        if not files_found:
+            raise
+        # the certificate already fails it: named, with why no tensor could be compared here
+        return Comparison(files=files_found, certificate=f"{said}; no tensor compared: {e}")
     finally:
         _clear_loaded()
+    result.files, result.certificate = files_found, said
+    return result
+
+
+def _check_certificate(src: str, source: dict) -> tuple[dict[str, str], str, int]:
+    """(file name -> what differs, what was found said, how many certified files ``src``
+    holds, equal or changed) of ``src``'s files against the checkpoint's
+    ``source.certificate`` (``format.certificate``)."""
+    recorded = source.get(certificate.KEY)
+    if recorded is None:
+        return {}, "no certificate recorded (converted before jax_ucp recorded one)", 0
+    problems, equal = certificate.check(src, recorded)
+    if problems:
+        changed = sum(why.startswith(certificate.CHANGED) for why in problems.values())
+        return (
+            {
+                name: f"{name}: the source differs from the certificate convert recorded: {why}"
+                for name, why in problems.items()
+            },
+            f"{equal} certified files equal, {len(problems)} not",
+            equal + changed,
+        )
+    said = f"{equal} certified files equal ({certificate.ALGORITHM})"
+    checked = recorded.get("checked_by_import")
+    if isinstance(checked, list) and checked:
+        said += "; at import: " + "; ".join(str(c)[:200] for c in checked[:3])
+    return {}, said, equal
 
 
 def _clear_loaded() -> None:

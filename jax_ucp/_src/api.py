@@ -204,18 +204,19 @@ def verify(
     from jax_ucp._src.against import compare_with_source
 
     found = compare_with_source(os.fspath(path), os.fspath(against), progress)
-    if not found.equal and not found.different and not found.missing:
+    if not found.files and not found.equal and not found.different and not found.missing:
         raise SourceError(
             f"{os.fspath(against)}: no tensor of {os.fspath(path)} could be compared with it: "
             + "; ".join(f"{k}: {v}" for k, v in list(found.not_compared.items())[:3])
         )
-    problems = [(n, f"{n}: differs from the source: {why}") for n, why in found.different.items()]
+    problems = list(found.files.items())  # the source's certificate, checked first
+    problems += [(n, f"{n}: differs from the source: {why}") for n, why in found.different.items()]
     problems += [
         (n, f"{n}: in the source, missing from the checkpoint: {why}")
         for n, why in found.missing.items()
     ]
     compared = None
-    if logits:  # after the tensors, even when some differ: how much the model's output moves
+    if logits and not found.files:  # after the tensors, even when some differ
         from jax_ucp._src.against import source_weights
         from jax_ucp._src.logits import compare_logits
 

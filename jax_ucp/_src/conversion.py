@@ -16,7 +16,7 @@ from typing import Any
 
 from jax_ucp._src import store, writer
 from jax_ucp._src.errors import RequestError
-from jax_ucp._src.format import files
+from jax_ucp._src.format import certificate, files
 from jax_ucp._src.format.sizes import parse_size
 from jax_ucp._src.importers import registry
 from jax_ucp._src.importers.plan import ImportOptions, Share
@@ -164,8 +164,11 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
         job = agreement.join(dest, options.barrier_timeout) if options.distributed else None
         plan = _plan(source, dest, options, job)
         items = writer.with_progress(plan.items, plan.total_params, options.progress)
+        record = plan.source
+        if job is None or job[0] == 0:  # the process that commits records it
+            record = _certified(source, record)
         common: dict[str, Any] = dict(
-            force=options.force, source=plan.source, compression=options.compression
+            force=options.force, source=record, compression=options.compression
         )
         if job is not None:
             index, count, gather = job
@@ -177,6 +180,20 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
         from jax_ucp._src.orbax.manager_step import write_manager_step
 
         return write_manager_step(dest, items, step=options.step, **common)
+
+
+def _certified(source, record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with the certificate of the source's files (``format.certificate``), taken
+    before the import reads them, which ``verify --against`` checks first; a source in an
+    object store has none (its objects are read by ranged GETs, never listed whole)."""
+    if "://" in os.fspath(source):
+        return record
+    said = (
+        [f"megatron-core's integrity.json: {record['integrity']}"]
+        if record.get("integrity")
+        else []
+    )
+    return {**record, certificate.KEY: certificate.certify(source, said)}
 
 
 def _check_target(source, dest: str, options: ConvertOptions) -> None:

@@ -372,9 +372,11 @@ def verify(
             output.marked("[red]✗[/red]", str(err))
         far = bad.logits is not None and not bad.logits.ok
         held = {e.name for e in m.tensors}
+        changed = len(bad.against.files) if bad.against is not None else 0
         failed = sum(name in held for name, _ in bad)  # the logits' problem is no tensor
-        missing = len(bad) - failed - far  # the source's tensors the checkpoint lacks
-        said = [f"{layout.plural(failed, 'tensor')} of {len(m.tensors)} failed"] if failed else []
+        missing = len(bad) - failed - far - changed  # the source's tensors the checkpoint lacks
+        said = [f"{layout.plural(changed, 'source file')} not as certified"] if changed else []
+        said += [f"{layout.plural(failed, 'tensor')} of {len(m.tensors)} failed"] if failed else []
         said += [f"{layout.plural(missing, 'source tensor')} missing"] if missing else []
         said += ["the logits differ beyond the tolerance"] if far else []
         output.console.print(f"[red]{'; '.join(said)}[/red]", highlight=False)
@@ -385,13 +387,19 @@ def verify(
 
 
 def _say_compared(found, against: str) -> None:
-    """``verify --against``: how many tensors were compared, not compared, missing."""
-    compared = len(found.equal) + len(found.different)
+    """``verify --against``: the source's certificate (checked first), then how many tensors
+    were compared (weights and optimizer state apart), not compared, missing."""
+    output.say(f"against {against}: certificate: {found.certificate}")
+    if found.files:
+        return
+    compared = [*found.equal, *found.different]
+    moments = sum(name.split("/", 1)[0] == "opt_state" for name in compared)
     output.say(
-        f"against {against}: {layout.plural(compared, 'tensor')} compared "
+        f"against {against}: {layout.plural(len(compared), 'tensor')} compared "
         f"({len(found.equal)} equal, {len(found.different)} different), "
         f"{len(found.not_compared)} not compared (built by the import), "
-        f"{len(found.missing)} missing from the checkpoint"
+        f"{len(found.missing)} missing from the checkpoint; compared: "
+        f"{len(compared) - moments} weights, {moments} optimizer state"
     )
 
 

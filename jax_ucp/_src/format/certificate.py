@@ -1,0 +1,133 @@
+"""The certificate of a conversion's source: every file under the source path, its size and
+SHA-256, recorded by ``convert`` in the manifest's ``source.certificate`` (docs/FORMAT.md 2.2.2),
+so ``verify --against SRC`` can say first whether SRC is byte for byte the source that was
+converted, naming each file added, removed or changed, before any tensor is compared.
+
+Files are read in fixed-size chunks (bounded memory); a name is never joined from a record:
+the check walks the source and compares the two listings, so a recorded name leading out of
+the source is only ever reported, never opened.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Iterator
+from typing import Any
+
+from jax_ucp._src.format import files
+
+__all__ = ["ALGORITHM", "CHANGED", "KEY", "certify", "check", "file_digest"]
+
+#: ``source[KEY]`` holds the certificate
+KEY = "certificate"
+ALGORITHM = "sha256"
+#: how ``check`` starts the problem of a file whose bytes differ
+CHANGED = "changed: "
+#: bytes read at a time: large enough that the hash, not the system calls, sets the pace
+CHUNK = 4 << 20
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip files: the readers check each record's CRC-32
+
+
+def file_digest(path: str) -> tuple[int, str, bool]:
+    """(size, SHA-256 hex digest, whether the file is a zip archive) of the regular file
+    ``path``, read ``CHUNK`` bytes at a time into one buffer."""
+    fd = files.open_regular(path)
+    try:
+        digest = hashlib.sha256()
+        buffer = bytearray(CHUNK)
+        view = memoryview(buffer)
+        size, head = 0, b""
+        while n := os.readv(fd, [buffer]):
+            if not size:
+                head = bytes(view[:4])
+            digest.update(view[:n])
+            size += n
+        return size, digest.hexdigest(), head == _ZIP_MAGIC
+    finally:
+        os.close(fd)
+
+
+def _listing(source: str) -> Iterator[tuple[str, str]]:
+    """(name relative to ``source`` with ``/``, path) of every regular file under ``source``
+    (itself when it is a file), in sorted order; symlinked folders are not followed, things
+    that are no regular file (FIFOs, sockets, devices) are passed over."""
+    if not os.path.isdir(source):
+        yield os.path.basename(source), source
+        return
+    for folder, dirs, names in os.walk(source):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(folder, name)
+            try:
+                regular = stat.S_ISREG(os.stat(path).st_mode)
+            except OSError:  # a dangling link
+                regular = False
+            if regular:
+                yield os.path.relpath(path, source).replace(os.sep, "/"), path
+
+
+def certify(source: str | os.PathLike, checked_by_import: list[str] | None = None) -> dict:
+    """The certificate of the source path ``source`` (a folder or one file).
+
+    Args:
+        source: the path ``convert`` read.
+        checked_by_import: what the import's readers checked against the framework's own
+            digests (megatron-core's ``integrity.json``), recorded as said.
+
+    Returns:
+        ``{"algorithm": "sha256", "files": {name: {"size": n, "sha256": hex}},
+        "checked_by_import": [...]}``.
+    """
+    listed: dict[str, dict[str, Any]] = {}
+    zips = []
+    for name, path in _listing(os.fspath(source)):
+        size, digest, is_zip = file_digest(path)
+        listed[name] = {"size": size, ALGORITHM: digest}
+        if is_zip and not name.endswith(".distcp"):  # DCP's: records joined, no archive
+            zips.append(name)
+    said = list(checked_by_import or ())
+    if zips:
+        said.append(
+            f"the CRC-32 of every record read from the zip files {', '.join(zips[:5])}"
+            + (f" and {len(zips) - 5} more" if len(zips) > 5 else "")
+            + " (torch.save's format), checked by the reader as the import read it"
+        )
+    return {"algorithm": ALGORITHM, "files": listed, "checked_by_import": said}
+
+
+def check(source: str | os.PathLike, recorded: Any) -> tuple[dict[str, str], int]:
+    """The files of ``source`` against the certificate ``recorded`` (``source.certificate`` of
+    a manifest): ({file name: what differs}, how many files are equal). A certificate that is
+    not one (another algorithm, malformed entries) is one problem named ``certificate``."""
+    listed = recorded.get("files") if isinstance(recorded, dict) else None
+    algorithm = recorded.get("algorithm") if isinstance(recorded, dict) else None
+    if algorithm != ALGORITHM or not isinstance(listed, dict):
+        return {
+            KEY: f"source.certificate: expected algorithm {ALGORITHM!r} and a 'files' object, "
+            f"found {str(recorded)[:200]}"
+        }, 0
+    problems: dict[str, str] = {}
+    equal = 0
+    present = dict(_listing(os.fspath(source)))
+    for name, want in listed.items():
+        size = want.get("size") if isinstance(want, dict) else None
+        digest = want.get(ALGORITHM) if isinstance(want, dict) else None
+        if not isinstance(size, int) or not isinstance(digest, str):
+            problems[name] = f"source.certificate: malformed entry {str(want)[:200]}"
+            continue
+        path = present.pop(name, None)
+        if path is None:
+            problems[name] = f"missing from {os.fspath(source)} (certified: {size} bytes)"
+            continue
+        found_size, found_digest, _ = file_digest(path)
+        if found_size != size:
+            problems[name] = f"{CHANGED}{size} bytes certified, {found_size} found"
+        elif found_digest != digest:
+            problems[name] = f"{CHANGED}same size ({size} bytes), another {ALGORITHM}"
+        else:
+            equal += 1
+    for name in present:
+        problems[name] = f"in {os.fspath(source)} but not in the certificate (added since)"
+    return problems, equal
