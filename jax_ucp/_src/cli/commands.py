@@ -302,7 +302,7 @@ def inspect(
     if len(shown) < len(entries):
         output.console.print(f"… and {len(entries) - len(shown)} more (--limit 0 shows all)")
     if m.source:
-        output.say(f"source: {m.source}")
+        output.say(f"source: {_certificate_counted(m.source)}")
     for notice in m.notices:
         output.marked("[yellow]![/yellow]", notice)
 
@@ -384,6 +384,15 @@ def verify(
     output.console.print(
         f"[green]✓ {layout.plural(len(m.tensors), 'tensor')} ({layout.human(m.nbytes)}) read back intact[/green]"
     )
+
+
+def _certificate_counted(source: dict) -> dict:
+    """The manifest's source record with its certificate (a line per source file) counted."""
+    cert = source.get("certificate")
+    if not isinstance(cert, dict) or not isinstance(listed := cert.get("files"), dict):
+        return source
+    said = f"{len(listed)} files, {cert.get('algorithm')} (jax-ucp verify --against SRC checks it)"
+    return {**source, "certificate": said}
 
 
 def _say_compared(found, against: str) -> None:
