@@ -203,3 +203,32 @@ def test_an_intact_source_passes_moments_included(tmp_path, kind):
     out = " ".join(r.output.split())
     assert f"certificate: {files} certified files equal" in out
     assert f"{len(moments)} optimizer state" in out
+
+
+def test_a_file_that_cannot_be_read_is_said_not_a_failed_convert(tmp_path, monkeypatch):
+    """A file of the source no one may read (a lock file of another user): the import did not
+    read it either, so the convert goes on; the certificate says so, and a verify passes over
+    it (never counted as added)."""
+    src = tmp_path / "src"
+    made = _safetensors_source(tmp_path)
+    src.mkdir()
+    shutil.move(made, src / "model.safetensors")
+    (src / "run.lock").write_text("held")
+    real = certificate.file_digest
+
+    def refusing(path):
+        if path.endswith("run.lock"):
+            raise PermissionError(13, "Permission denied", path)
+        return real(path)
+
+    monkeypatch.setattr(certificate, "file_digest", refusing)
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp")
+    recorded = _recorded(ckpt)
+    assert list(recorded["files"]) == ["model.safetensors"]
+    assert recorded["unread"] == {
+        "run.lock": f"cannot be read: PermissionError: [Errno 13] Permission denied: "
+        f"'{src / 'run.lock'}'"
+    }
+    assert certificate.check(str(src), recorded) == ({}, 1)
+    found = jax_ucp.verify(ckpt, against=src)
+    assert found == [] and found.against is not None and found.against.equal == ["params/a"]

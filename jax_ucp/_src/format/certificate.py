@@ -52,13 +52,21 @@ def file_digest(path: str) -> tuple[int, str, bool]:
         os.close(fd)
 
 
-def _digests(paths: list[str]) -> list[tuple[int, str, bool]]:
-    """``file_digest`` of each path, ``WORKERS`` files at a time (hashlib releases the GIL
+def _digest_or_why(path: str) -> tuple[int, str, bool] | str:
+    """``file_digest(path)``, or why the file cannot be read (no permission, gone since)."""
+    try:
+        return file_digest(path)
+    except OSError as e:  # UnsafeFileError included
+        return f"cannot be read: {type(e).__name__}: {e}"[:300]
+
+
+def _digests(paths: list[str]) -> list[tuple[int, str, bool] | str]:
+    """``_digest_or_why`` of each path, ``WORKERS`` files at a time (hashlib releases the GIL
     while it hashes a chunk): memory ``WORKERS * CHUNK`` at most."""
     if len(paths) < 2:
-        return [file_digest(p) for p in paths]
+        return [_digest_or_why(p) for p in paths]
     with ThreadPoolExecutor(min(WORKERS, len(paths)), thread_name_prefix="certify") as pool:
-        return list(pool.map(file_digest, paths))
+        return list(pool.map(_digest_or_why, paths))
 
 
 def _listing(source: str) -> Iterator[tuple[str, str]]:
@@ -90,12 +98,18 @@ def certify(source: str | os.PathLike, checked_by_import: list[str] | None = Non
 
     Returns:
         ``{"algorithm": "sha256", "files": {name: {"size": n, "sha256": hex}},
-        "checked_by_import": [...]}``.
+        "checked_by_import": [...]}``, and ``"unread": {name: why}`` for the files that
+        cannot be read (the import did not read them either, or it would have failed).
     """
     listed: dict[str, dict[str, Any]] = {}
+    unread: dict[str, str] = {}
     zips = []
     paths = dict(_listing(os.fspath(source)))
-    for name, (size, digest, is_zip) in zip(paths, _digests(list(paths.values()))):
+    for name, found in zip(paths, _digests(list(paths.values()))):
+        if isinstance(found, str):
+            unread[name] = found
+            continue
+        size, digest, is_zip = found
         listed[name] = {"size": size, ALGORITHM: digest}
         if is_zip and not name.endswith(".distcp"):  # DCP's: records joined, no archive
             zips.append(name)
@@ -106,7 +120,8 @@ def certify(source: str | os.PathLike, checked_by_import: list[str] | None = Non
             + (f" and {len(zips) - 5} more" if len(zips) > 5 else "")
             + " (torch.save's format), checked by the reader as the import read it"
         )
-    return {"algorithm": ALGORITHM, "files": listed, "checked_by_import": said}
+    out = {"algorithm": ALGORITHM, "files": listed, "checked_by_import": said}
+    return {**out, "unread": unread} if unread else out
 
 
 def check(source: str | os.PathLike, recorded: Any) -> tuple[dict[str, str], int]:
@@ -122,7 +137,9 @@ def check(source: str | os.PathLike, recorded: Any) -> tuple[dict[str, str], int
         }, 0
     problems: dict[str, str] = {}
     equal = 0
-    present = dict(_listing(os.fspath(source)))
+    unread = recorded.get("unread")
+    unread = unread if isinstance(unread, dict) else {}
+    present = {n: p for n, p in _listing(os.fspath(source)) if n not in unread}
     same_size = [  # only these are read: another size is another file
         n
         for n, w in listed.items()
@@ -139,7 +156,11 @@ def check(source: str | os.PathLike, recorded: Any) -> tuple[dict[str, str], int
         if path is None:
             problems[name] = f"missing from {os.fspath(source)} (certified: {size} bytes)"
             continue
-        found_size, found_digest, _ = digests.get(name) or (os.stat(path).st_size, "", False)
+        found = digests.get(name) or (os.stat(path).st_size, "", False)
+        if isinstance(found, str):
+            problems[name] = found
+            continue
+        found_size, found_digest, _ = found
         if found_size != size:
             problems[name] = f"{CHANGED}{size} bytes certified, {found_size} found"
         elif found_digest != digest:
