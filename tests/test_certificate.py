@@ -40,8 +40,12 @@ SOURCES = {
 }  # fmt: skip
 
 
+# the Trainer's optimizer order rebuilt by transformers: its Adam moments imported too
+WITH_TORCH = {"hf_trainer_moments": ("hf_trainer/trainer_fp32/checkpoint-3", "optimizer.pt", {})}
+
+
 def _converted(tmp_path, kind):
-    fixture, rank_file, keywords = SOURCES[kind]
+    fixture, rank_file, keywords = {**SOURCES, **WITH_TORCH}[kind]
     src = str(tmp_path / "src")
     shutil.copytree(os.path.join(FIX, fixture), src)
     return src, jax_ucp.convert(src, tmp_path / "ucp", **keywords), rank_file
@@ -186,7 +190,7 @@ def test_a_checkpoint_without_a_certificate_still_verifies(tmp_path):
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("kind", ["dcp", "deepspeed", "megatron"])
+@pytest.mark.parametrize("kind", ["dcp", "deepspeed", "megatron", "hf_trainer_moments"])
 def test_an_intact_source_passes_moments_included(tmp_path, kind):
     """The certificate holds, then every weight and Adam moment the import copied is compared
     with the source framework's own loader: one command says "exactly that run"."""
