@@ -9,6 +9,11 @@ Tensors an import built (the optimizer step from per-parameter steps, Megatron's
 tensor-parallel merges) or no loader reads here (FSDP1's ShardedTensors) are listed as not
 compared, with why — said, never counted as equal.
 
+First of all, the source's files are checked against the certificate ``convert`` recorded
+(``source.certificate``: each file's size and SHA-256, ``format.certificate``): a file added,
+removed or changed since is named, so "this checkpoint is that run's files" is said before any
+tensor is read; a checkpoint converted before certificates were says it has none.
+
 The proof does not trust the thing it proves: which source tensor a checkpoint tensor is
 compared with is found from the source and the tensor's own key, by planning the import of the
 source again (the importer's rules; the options the manifest records), never from the
