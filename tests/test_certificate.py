@@ -236,3 +236,23 @@ def test_a_file_that_cannot_be_read_is_said_not_a_failed_convert(tmp_path, monke
     assert certificate.check(str(src), recorded) == ({}, 1)
     found = jax_ucp.verify(ckpt, against=src)
     assert found == [] and found.against is not None and found.against.equal == ["params/a"]
+
+
+def test_a_link_leading_out_of_the_source_is_never_read(tmp_path):
+    """A file linked out of the source (another user's file) is listed as not read, never
+    hashed; a link that stays inside is read as the file it names; one made out later is a
+    problem named by the check."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"x" * 10)
+    (tmp_path / "secret").write_bytes(b"s" * 5)
+    os.symlink(tmp_path / "secret", src / "out.bin")
+    os.symlink("a.bin", src / "in.bin")
+    cert = certificate.certify(src)
+    assert set(cert["files"]) == {"a.bin", "in.bin"}
+    assert "outside the checkpoint" in cert["unread"]["out.bin"]
+    assert certificate.check(src, cert) == ({}, 2)
+    os.remove(src / "in.bin")
+    os.symlink(tmp_path / "secret", src / "in.bin")  # swapped for a link out
+    problems, equal = certificate.check(src, cert)
+    assert equal == 1 and "outside the checkpoint" in problems["in.bin"], problems

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from jax_ucp._src.errors import UnsafeFileError
 from jax_ucp._src.format import files
 
 __all__ = ["ALGORITHM", "CHANGED", "KEY", "certify", "check", "file_digest"]
@@ -30,6 +31,8 @@ CHANGED = "changed: "
 CHUNK = 4 << 20
 #: files hashed at once: SHA-256 runs at about 1.5 GB/s on one core, below a local NVMe
 WORKERS = max(1, min(8, os.cpu_count() or 1))
+#: how a listed name that leads out of the source (a link) is said instead of its path
+OUT = "not read: "
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip files: the readers check each record's CRC-32
 
 
@@ -85,7 +88,16 @@ def _listing(source: str) -> Iterator[tuple[str, str]]:
             except OSError:  # a dangling link
                 regular = False
             if regular:
-                yield os.path.relpath(path, source).replace(os.sep, "/"), path
+                yield _inside(source, os.path.relpath(path, source).replace(os.sep, "/"))
+
+
+def _inside(source: str, name: str) -> tuple[str, str]:
+    """(name, its path) through the one rule for names (``files.inside``): a link leading out of
+    the source is never read; its path is then why, starting with ``OUT``."""
+    try:
+        return name, files.inside(source, name, f"{source}: certificate")
+    except UnsafeFileError as e:
+        return name, f"{OUT}{e}"[:300]
 
 
 def certify(source: str | os.PathLike, checked_by_import: list[str] | None = None) -> dict:
@@ -105,6 +117,8 @@ def certify(source: str | os.PathLike, checked_by_import: list[str] | None = Non
     unread: dict[str, str] = {}
     zips = []
     paths = dict(_listing(os.fspath(source)))
+    unread.update({n: p for n, p in paths.items() if p.startswith(OUT)})
+    paths = {n: p for n, p in paths.items() if n not in unread}
     for name, found in zip(paths, _digests(list(paths.values()))):
         if isinstance(found, str):
             unread[name] = found
@@ -140,6 +154,11 @@ def check(source: str | os.PathLike, recorded: Any) -> tuple[dict[str, str], int
     unread = recorded.get("unread")
     unread = unread if isinstance(unread, dict) else {}
     present = {n: p for n, p in _listing(os.fspath(source)) if n not in unread}
+    for name, path in list(present.items()):
+        if path.startswith(OUT):  # a link out since: named, never read
+            problems[name] = path
+            present.pop(name)
+            listed = {n: w for n, w in listed.items() if n != name}
     same_size = [  # only these are read: another size is another file
         n
         for n, w in listed.items()
