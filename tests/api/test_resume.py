@@ -248,8 +248,11 @@ def test_a_step_copied_over_is_refused_but_a_step_renamed_or_moved_is_its_new_na
     root = str(tmp_path / "run")
     _run(root)
     shutil.copytree(os.path.join(root, "3"), os.path.join(root, "4"))
-    with pytest.raises(jax_ucp.CheckpointError, match=r"4/state: saved as '3/state'"):
+    with pytest.raises(jax_ucp.CheckpointError, match=r"4/state: saved as '3/state'") as e:
         jax_ucp.restore(root, step="latest")
+    item = os.path.join(root, "4", "state")  # the way the refusal names, to restore it on purpose
+    assert f"jax_ucp.restore({item!r})" in str(e.value)
+    assert jax_ucp.restore(item)["step"] == 3
     copied_over = r"4/state: saved as '3/state'"
     with (
         ocp.CheckpointManager(root) as mngr,

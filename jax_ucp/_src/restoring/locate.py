@@ -144,7 +144,10 @@ def check_step_item(path: str, manifest: fmt.Manifest | None = None) -> None:
     shown = repr(recorded)[:200]
     raise CheckpointError(
         f"{path}: saved as {shown} of its run (source.{fmt.ORBAX_ITEM}), found as {found!r}: "
-        f"another step's item, swapped or copied in; never restored as this step"
+        f"another step's item, swapped or copied in; never restored as this step. To restore "
+        f"what it holds on purpose (a rollback copied forward), name the item folder itself: "
+        f"jax_ucp.restore({os.fspath(path)!r}) restores it as the checkpoint it is, or move it "
+        f"out of the run"
     )
 
 
