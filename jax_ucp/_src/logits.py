@@ -66,7 +66,7 @@ class LogitsComparison:
         return (
             f"logits of one batch {list(self.batch)}: max |diff| {self.max_abs_diff:.3g} {sign} "
             f"tolerance {self.tolerance:g} ({self.source} vs the checkpoint's {self.tree} in "
-            f"jax_ucp._src.models.TransformerLM, fp32)"
+            f"jax_ucp.models.TransformerLM, fp32)"
         )
 
 
@@ -172,7 +172,7 @@ def read_config(folder: str) -> dict:
         found = "custom code (auto_map)" if "auto_map" in config else repr(model_type)
         raise SourceError(
             f"--logits supports model_type {', '.join(SUPPORTED)} (the models "
-            f"jax_ucp._src.models.TransformerLM computes); found {found} in {path}"
+            f"jax_ucp.models.TransformerLM computes); found {found} in {path}"
         )
     config = canonical_config(config)
     _checked_numbers(config, path)
