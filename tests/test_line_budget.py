@@ -15,7 +15,7 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
     "cli": 1704,
-    "continuation": 1274,
+    "continuation": 1277,
     "exporters": 1226,
     "format": 2934,
     "importers": 14987,
@@ -29,11 +29,11 @@ CEILINGS = {
     "store": 2775,
     "torchfiles": 3241,
     "writer": 1701,
-    "modules": 3928,
+    "modules": 3909,
     "public": 384,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 46858
+TOTAL = 46842
 
 
 def _lines(paths) -> int:

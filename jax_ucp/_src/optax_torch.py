@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src.continuation.recipe import Recipe
+from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format.manifest import torch_optimizer_record
 from jax_ucp._src.language.recorded import spec_with_recorded_settings
@@ -236,13 +236,6 @@ def hf_schedule(
     return schedule
 
 
-def _one(groups: list[dict], key: str, where: str) -> Any:
-    values = {repr(g.get(key)) for g in groups}
-    if len(values) != 1:
-        raise RequestError(f"{where}: the parameter groups disagree on {key!r}: {values}")
-    return groups[0].get(key)
-
-
 def _check_adam(groups: list[dict], where: str) -> None:
     for i, g in enumerate(groups):
         for flag in ("amsgrad", "maximize", "nesterov"):
@@ -364,23 +357,11 @@ def identify(
     )
 
 
-def _decay(groups: list[dict], where: str) -> tuple[float, dict[str, bool]]:
-    """The one non-zero weight decay and, per torch parameter name, whether it is decayed."""
-    rates = {float(g.get("weight_decay") or 0.0) for g in groups} - {0.0}
-    if len(rates) > 1:
-        raise RequestError(f"{where}: several weight decay rates {sorted(rates)}")
-    rate = rates.pop() if rates else 0.0
-    decayed = {
-        name: float(g.get("weight_decay") or 0.0) != 0.0 for g in groups for name in g["params"]
-    }
-    return rate, decayed
-
-
 def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
     """The Trainer's schedule when recorded (checked against the learning rate the optimizer
     holds for the next step), else that learning rate, constant."""
     where = source.get("path", "checkpoint")
-    lr = float(_one(groups, "lr", where))
+    lr = float(agreed(groups, "lr", where))
     trainer = source.get("trainer") or {}
     args = trainer.get("training_args") or {}
     kind = args.get("lr_scheduler_type")
@@ -399,7 +380,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
         raise RequestError(f"{where}: the Trainer's schedule needs max_steps, found {total!r}")
     warmup = args.get("warmup_steps") or 0
     warmup = int(warmup) if warmup >= 1 else math.ceil(total * float(args.get("warmup_ratio") or 0))
-    base = _one(groups, "initial_lr", where)
+    base = agreed(groups, "initial_lr", where)
     base = float(base if base is not None else args["learning_rate"])
     last = (trainer.get("scheduler") or {}).get("last_epoch")
     if last is not None and last != step:
@@ -710,9 +691,9 @@ def torch_recipe(
     kind, how = identify(groups, trainer_args, where, choice)
     _check_adam(groups, where)
     notes: list[str] = []
-    b1, b2 = (float(b) for b in _one(groups, "betas", where))
-    eps = float(_one(groups, "eps", where))
-    rate, decayed = _decay(groups, where)
+    b1, b2 = (float(b) for b in agreed(groups, "betas", where))
+    eps = float(agreed(groups, "eps", where))
+    rate, decayed = group_decay(groups, where)
     schedule = _schedule(source, groups, step, notes)
     trainer = source.get("trainer") or {}
     has_schedule = (trainer.get("training_args") or {}).get("lr_scheduler_type") is not None
@@ -723,7 +704,7 @@ def torch_recipe(
         notes.append(f"gradients clipped to global norm {max_norm}")
     unrecovered = _unrecovered(source)
     clip_recorded = "max_grad_norm" in trainer_args
-    bias_correction = _one(groups, "bias_correction", where)  # DeepSpeed's Adams record it
+    bias_correction = agreed(groups, "bias_correction", where)  # DeepSpeed's Adams record it
     if bias_correction is not None and not isinstance(bias_correction, bool):
         raise RequestError(f"{where}: param_groups' bias_correction = {bias_correction!r}")
     return Recipe(

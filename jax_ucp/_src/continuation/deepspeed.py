@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jax_ucp._src.continuation.recipe import Recipe
+from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format.manifest import torch_optimizer_record
 
@@ -386,22 +386,6 @@ def _adam_from_config(made: Any, groups: list[dict], where: str) -> tuple[str, s
     return ("adamw" if decoupled else "adam"), how, bool(bias_correction), float(lr)
 
 
-def _decay(groups: list[dict], where: str) -> tuple[float, dict[str, bool]]:
-    """The one non-zero weight decay and, per torch parameter name, whether it is decayed."""
-    rates = {float(g.get("weight_decay") or 0.0) for g in groups} - {0.0}
-    if len(rates) > 1:
-        raise RequestError(f"{where}: several weight decay rates {sorted(rates)}")
-    decayed = {n: float(g.get("weight_decay") or 0.0) != 0.0 for g in groups for n in g["params"]}
-    return (rates.pop() if rates else 0.0), decayed
-
-
-def _one(groups: list[dict], key: str, where: str) -> Any:
-    values = {repr(g.get(key)) for g in groups}
-    if len(values) != 1:
-        raise RequestError(f"{where}: the parameter groups disagree on {key!r}: {values}")
-    return groups[0].get(key)
-
-
 def deepspeed_recipe(
     source: dict, where: str, client: tuple[str, str] | None = None
 ) -> Recipe | None:
@@ -433,10 +417,10 @@ def deepspeed_recipe(
         bias_correction, base_lr = True, math.nan
     clip = ds.get("gradient_clipping", 0.0)
     clip = float(_value(_NUMBER, clip, 0.0, False, f"{where}: DeepSpeed gradient_clipping"))
-    b1, b2 = (float(b) for b in _one(groups, "betas", where))
-    eps = float(_one(groups, "eps", where))
-    held = float(_one(groups, "lr", where))  # the next step's, as the scheduler left it
-    rate, decayed = _decay(groups, where)
+    b1, b2 = (float(b) for b in agreed(groups, "betas", where))
+    eps = float(agreed(groups, "eps", where))
+    held = float(agreed(groups, "lr", where))  # the next step's, as the scheduler left it
+    rate, decayed = group_decay(groups, where)
     scheduler = ds.get("scheduler")
     beta1 = None
     saved = record.get("scheduler") or {}

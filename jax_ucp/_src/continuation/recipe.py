@@ -15,7 +15,9 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Recipe"]
+from jax_ucp._src.errors import RequestError
+
+__all__ = ["Recipe", "agreed", "group_decay"]
 
 #: a value of optax's step count (the number of updates already applied)
 Schedule = Callable[[Any], Any]
@@ -59,3 +61,20 @@ class Recipe:
     #: supply them)
     schedule_recorded: bool = True
     clip_recorded: bool = True
+
+
+def agreed(groups: list[dict], key: str, where: str) -> Any:
+    """The value every torch param group records for ``key``, else refused naming it."""
+    values = {repr(g.get(key)) for g in groups}
+    if len(values) != 1:
+        raise RequestError(f"{where}: the parameter groups disagree on {key!r}: {values}")
+    return groups[0].get(key)
+
+
+def group_decay(groups: list[dict], where: str) -> tuple[float, dict[str, bool]]:
+    """The one non-zero weight decay and, per torch parameter name, whether it is decayed."""
+    rates = {float(g.get("weight_decay") or 0.0) for g in groups} - {0.0}
+    if len(rates) > 1:
+        raise RequestError(f"{where}: several weight decay rates {sorted(rates)}")
+    decayed = {n: float(g.get("weight_decay") or 0.0) != 0.0 for g in groups for n in g["params"]}
+    return (rates.pop() if rates else 0.0), decayed
