@@ -29,7 +29,7 @@ from jax_ucp._src.continuation.deepspeed import deepspeed_recipe
 from jax_ucp._src.optax_torch import run_arguments
 from jax_ucp.errors import RequestError
 from tests.test_optax_torch import continue_in_jax
-from tests.ucp_testing import REPO
+from tests.ucp_testing import REPO, run_torchrun
 
 pytestmark = pytest.mark.timeout(600)
 FIX = os.path.join(REPO, "tests", "fixtures", "hf_trainer")
@@ -170,23 +170,8 @@ def test_deepspeed_clipping_wins_over_the_trainers_unused_max_grad_norm():
 def test_train_with_deepspeed_now_convert_continue_in_jax(tmp_path, stage):
     """The Trainer + DeepSpeed run made now (the generator, 2 gloo ranks, into tmp), converted
     from its checkpoint-3/ and continued 2 steps in JAX: torch's losses of steps 4 and 5."""
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = os.path.join(REPO, "tools", "fixtures", "make_hf_trainer_deepspeed_checkpoints.py")
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(port), script, "--out", str(tmp_path / "run"),
-         "--stage", str(stage)],
-        check=True,
-        capture_output=True,
-        timeout=1500,
-        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    run_torchrun(script, "--out", str(tmp_path / "run"), "--stage", str(stage))
     kind = f"trainer_ds_z{stage}"
     src = str(tmp_path / "run" / kind / "checkpoint-3")
     with np.load(tmp_path / "run" / f"{kind}.truth.npz") as z:

@@ -31,7 +31,7 @@ from jax_ucp._src.continuation.deepspeed import (
 from jax_ucp._src.continuation.recipe import Recipe
 from jax_ucp._src.optax_torch import chain_of
 from jax_ucp.errors import RequestError
-from tests.ucp_testing import REPO
+from tests.ucp_testing import REPO, run_torchrun
 
 pytestmark = pytest.mark.timeout(600)
 FIX = os.path.join(REPO, "tests", "fixtures", "deepspeed")
@@ -558,26 +558,14 @@ def test_a_deepspeed_run_made_now_continues_in_jax(tmp_path):
     """The ZeRO-2 bf16 run (FusedAdam, WarmupDecayLR, gradient_clipping 1.0) trained now by
     DeepSpeed (2 gloo ranks, CPU), read straight from its folder: DeepSpeed's next 3 steps."""
     import json
-    import socket
-    import subprocess
     import sys
 
     sys.path.insert(0, os.path.join(REPO, "tools", "fixtures"))
     from make_deepspeed_recipe_fixtures import RUNS as CONFIGS  # pyright: ignore[reportMissingImports]
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = os.path.join(REPO, "tools", "fixtures", "ds_recipe_train.py")
     config = json.dumps(CONFIGS["z2_bf16_adamw_decay"])
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(port), script, "--out", str(tmp_path), "--config", config],
-        check=True,
-        capture_output=True,
-        timeout=1500,
-        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    run_torchrun(script, "--out", str(tmp_path), "--config", config)
     with np.load(tmp_path / "truth.npz") as z:
         truth = {k: z[k] for k in z.files}
     run = jax_ucp.optax_from_torch(str(tmp_path / "ckpt"))

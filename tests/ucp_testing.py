@@ -47,6 +47,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: how a rank of a DeepSpeed CPU run sometimes dies natively on the 2-core host (its JIT-built
+#: ops aborting: "terminate called without an active exception"): a crash of the framework, not
+#: of the run, met by starting it once more (tools/fixtures/make_deepspeed_fixtures.py does too)
+NATIVE_CRASHES = ("Signal 6 (SIGABRT)", "Signal 7 (SIGBUS)", "Signal 11 (SIGSEGV)")
+
+
+def run_torchrun(script: str, *args: str, processes: int = 2, env=None, timeout: int = 1500):
+    """``script`` under ``torch.distributed.run`` on a free port, DeepSpeed on CPU; a rank's
+    native crash starts it once more (printed); a failure shows the launcher's last
+    output (which rank died, and how)."""
+    e = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(env or {}))
+    for attempt in (1, 2):
+        command = [sys.executable, "-m", "torch.distributed.run"]
+        command += ["--nproc_per_node", str(processes), "--master_port", str(free_port())]
+        p = subprocess.run(
+            [*command, script, *args], env=e, capture_output=True, text=True, timeout=timeout
+        )
+        if p.returncode == 0:
+            return p
+        if attempt == 1 and any(crash in p.stderr for crash in NATIVE_CRASHES):
+            print(f"{script}: a rank died natively, started once more:\n{p.stderr[-3000:]}")
+            continue
+        raise AssertionError(
+            f"{os.path.basename(script)} failed ({p.returncode}):\n"
+            f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+        )
+    raise AssertionError("unreachable")
+
+
 def run_python(code: str, *, devices: int = 8, env=None, timeout=300, check=True):
     """Runs ``code`` in a fresh interpreter with ``devices`` CPU devices."""
     e = dict(os.environ)

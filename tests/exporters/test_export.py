@@ -21,7 +21,7 @@ from jax_ucp._src.exporters import (
 )
 from jax_ucp.cli import app
 from jax_ucp.errors import RequestError
-from tests.ucp_testing import REPO, free_port
+from tests.ucp_testing import REPO, run_torchrun
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -397,18 +397,13 @@ def test_deepspeed_universal_files_equal_ds_to_universal(tmp_path, fixture):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (param, f)
 
 
-def _deepspeed_load_universal(tmp_path, batch: str, *, port: int) -> None:
+def _deepspeed_load_universal(tmp_path, batch: str) -> None:
     """tools/fixtures/ds_load_universal.py under torchrun, one process (DP=1), fp32 ZeRO-2:
     loads tmp_path/uni, writes tmp_path/run/{loaded,stepped}.npz and loss.txt."""
-    import subprocess
-    import sys
-
     script = os.path.join(REPO_TOOLS, "ds_load_universal.py")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1"]
-    command += ["--master_port", str(port), script, "--load", str(tmp_path / "uni")]
-    command += ["--out", str(tmp_path / "run"), "--batch", batch, "--stage", "2", "--dtype", "fp32"]
-    subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
+    args = ["--load", str(tmp_path / "uni"), "--out", str(tmp_path / "run"), "--batch", batch]
+    args += ["--stage", "2", "--dtype", "fp32"]
+    run_torchrun(script, *args, processes=1, env={"PYTHONWARNINGS": "ignore"}, timeout=900)
 
 
 @pytest.mark.torch
@@ -422,7 +417,7 @@ def test_deepspeed_engine_loads_the_export_at_another_dp_size_and_continues(tmp_
     fixture = os.path.join(DS, "z2_fp32_dp2")
     ckpt = jax_ucp.convert(os.path.join(fixture, "ckpt"), str(tmp_path / "ucp"))
     jax_ucp.export(ckpt, tmp_path / "uni", DeepSpeedUniversalExport())
-    _deepspeed_load_universal(tmp_path, os.path.join(fixture, "next_batch.npy"), port=free_port())
+    _deepspeed_load_universal(tmp_path, os.path.join(fixture, "next_batch.npy"))
     saved = np.load(os.path.join(fixture, "ref_zero_to_fp32.npz"))
     loaded = np.load(tmp_path / "run" / "loaded.npz")
     for name in saved:
@@ -520,7 +515,7 @@ def test_a_jax_step_continues_in_deepspeed_with_the_same_loss(tmp_path):
     )
     jax_ucp.export(str(tmp_path / "jax_step"), tmp_path / "uni", DeepSpeedUniversalExport())
     np.save(tmp_path / "other.npy", other)
-    _deepspeed_load_universal(tmp_path, str(tmp_path / "other.npy"), port=free_port())
+    _deepspeed_load_universal(tmp_path, str(tmp_path / "other.npy"))
     ds_loss = float((tmp_path / "run" / "loss.txt").read_text())
     print(f"next-step loss: JAX {jax_loss!r}, DeepSpeed {ds_loss!r}")
     assert abs(ds_loss - jax_loss) <= 1e-5 * abs(jax_loss)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 
 import ml_dtypes
@@ -25,7 +24,7 @@ from tests.ucp_testing import (
     REPO,
     assert_destination_untouched,
     copy_deepspeed_fixture,
-    free_port,
+    run_torchrun,
 )
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
@@ -338,12 +337,10 @@ def test_a_fresh_deepspeed_run_imports_bit_exact(tmp_path, run):
 
     work = tmp_path / "run"
     processes = make.PIPE_MOE_PROCESSES.get(run, 2)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
-    # a free port, not a fixed one: another job's rendezvous on the host would take it
-    cmd += ["--master_port", str(free_port()), make.PIPE_MOE_TRAIN, "--out", str(work)]
-    subprocess.run(
-        cmd + make.PIPE_MOE[run], env=make.env(), check=True, capture_output=True, timeout=1500
-    )
+    run_torchrun(
+        make.PIPE_MOE_TRAIN, "--out", str(work), *make.PIPE_MOE[run], processes=processes,
+        env={"PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
     dest = str(tmp_path / "u")
     jax_ucp.convert(str(work / "ckpt"), dest)
     tree = jax_ucp.restore(dest)
