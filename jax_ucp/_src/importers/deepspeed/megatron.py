@@ -35,6 +35,7 @@ from jax_ucp._src import writer
 from jax_ucp._src.errors import LanguageError, SourceError
 from jax_ucp._src.format import mapped_file
 from jax_ucp._src.format.files import numbered_names
+from jax_ucp._src.importers import rank_grid
 from jax_ucp._src.importers.deepspeed import affine, files, zero
 from jax_ucp._src.importers.deepspeed.affine import AffineMap
 from jax_ucp._src.importers.deepspeed.ucp_info import spec_from_ucp_info
@@ -52,7 +53,6 @@ from jax_ucp._src.language import (
     SubParams,
     Vocab,
     load_spec,
-    merge,
 )
 from jax_ucp._src.language.patterns import compile_pattern
 
@@ -491,14 +491,6 @@ def _merged_kind(tp_kind):
     return tp_kind.inner if isinstance(tp_kind, Vocab) and tp_kind.inner is not None else tp_kind
 
 
-def _merge(checkpoint: MegatronDeepSpeedCheckpoint, name, kind, fragments, files_of) -> np.ndarray:
-    """``merge`` with a merge error naming the files (``files_of()``) it came from."""
-    try:
-        return np.asarray(merge(kind, fragments, name=name, settings=checkpoint.spec.settings))
-    except LanguageError as e:
-        raise SourceError(f"{e} [files: {files_of()}]") from None
-
-
 # --------------------------------------------------------------------------- streaming
 
 
@@ -585,7 +577,6 @@ def _parameter_items(
     match = checkpoint.matches[name]
     tp_kind, widths = _tp_kind(checkpoint, name, match.kind)
     provenance = _provenance(checkpoint, name, match, tp_kind, widths)
-    kind = PipelineTied(inner=tp_kind) if len(stages) > 1 else tp_kind
 
     def files_of() -> str:
         return "; ".join(
@@ -607,9 +598,7 @@ def _parameter_items(
         if amap is not None:
             value = _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of)
         else:
-            value = _merge(
-                checkpoint, name, kind, per_stage if len(stages) > 1 else per_stage[0], files_of
-            )
+            value = rank_grid.merged(tp_kind, per_stage, name, checkpoint.spec.settings, files_of)
         sources = [
             n
             for stage in stages
@@ -703,7 +692,9 @@ def _model_copy_item(
             checkpoint, name, checkpoint.affine[name], [fragments], "module", lambda: files
         )
     else:
-        value = _merge(checkpoint, name, tp_kind, fragments, lambda: files)
+        value = rank_grid.merged(
+            tp_kind, [fragments], name, checkpoint.spec.settings, lambda: files
+        )
     return host_item(
         ("model_params", name),
         value,

@@ -17,6 +17,7 @@ import tensorstore as ts
 from jax_ucp._src import writer
 from jax_ucp._src.errors import LanguageError
 from jax_ucp._src.format import mapped_file
+from jax_ucp._src.importers import rank_grid
 from jax_ucp._src.importers.megatron import legacy
 from jax_ucp._src.importers.megatron.common import (
     STATE_TREES,
@@ -43,7 +44,6 @@ from jax_ucp._src.importers.plan import (
 from jax_ucp._src.language import (
     QKV,
     Partitioned,
-    PipelineTied,
     Spec,
     SubParams,
     SwiGLU,
@@ -100,27 +100,17 @@ class LegacyMerger:
     def files_of(self, name: str) -> str:
         return ", ".join(self.tensors.files(name))
 
-    def merged(self, name: str, stages: dict, what: str) -> tuple[np.ndarray, str]:
-        """TP fragments merged by the name's kind; several stages: pipeline-tied copies."""
-        kind = self.matches[name].kind
-        settings = self.spec.settings
-        try:
-            if len(stages) == 1:
-                (per_tp,) = stages.values()
-                return np.asarray(merge(kind, per_tp, name=name, settings=settings)), kind.kind
-            tied = PipelineTied(inner=kind)
-            value = merge(tied, list(stages.values()), name=name, settings=settings)
-            return np.asarray(value), f"pipeline_tied({kind.kind})"
-        except LanguageError as e:
-            raise MegatronImportError(f"{what}: {e} (files: {self.files_of(name)})") from None
-
     def deferred(self, name: str, stages: dict, what: str) -> tuple[writer.Deferred, str]:
-        """``merged``, built only once the writer has room for it in the memory budget: a
+        """The TP fragments merged by the name's kind (several stages: pipeline-tied copies,
+        ``rank_grid``), built only once the writer has room for it in the memory budget: a
         merge's result is at most its fragments' bytes (pipeline-tied copies: one stage's)."""
-        kind = self.matches[name].kind
+        kind, grid = self.matches[name].kind, list(stages.values())
         pattern = kind.kind if len(stages) == 1 else f"pipeline_tied({kind.kind})"
-        bound = max(sum(np.asarray(a).nbytes for a in per_tp) for per_tp in stages.values())
-        make = lambda: self.merged(name, stages, what)[0]
+        bound = max(sum(np.asarray(a).nbytes for a in per_tp) for per_tp in grid)
+        settings, files = self.spec.settings, lambda: self.files_of(name)
+        make = lambda: rank_grid.merged(
+            kind, grid, name, settings, files, what=what, error=MegatronImportError
+        )
         view = self.rows_view(name, stages)
         if view is None:
             return writer.Deferred(None, None, make, bound=bound), pattern
