@@ -5,7 +5,7 @@ their ``PipelineTied`` copies, checked equal."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -13,19 +13,10 @@ from jax_ucp._src.errors import LanguageError, SourceError
 from jax_ucp._src.language import PipelineTied, merge
 
 
-def merged(
-    kind,
-    stages: Sequence,
-    name: str,
-    settings,
-    files: Callable[[], object],
-    *,
-    what: str = "",
-    error: type[SourceError] = SourceError,
-) -> np.ndarray:
-    """``name`` from ``stages``, each one's TP fragments (one stage: merged by ``kind``;
-    several: its pipeline-tied copies); a merge that fails is ``error``, saying ``what`` was
-    merged and naming the files (``files()``)."""
+def merged(kind, stages: Sequence, name: str, settings, files, what="", error=SourceError):
+    """``name`` (an array) from ``stages``, each one's TP fragments (one stage: merged by
+    ``kind``; several: its pipeline-tied copies); a merge that fails is ``error``, saying
+    ``what`` was merged and naming the files (``files()``)."""
     tied = len(stages) > 1
     try:
         kind, fragments = (PipelineTied(inner=kind), list(stages)) if tied else (kind, stages[0])

@@ -109,7 +109,7 @@ class LegacyMerger:
         bound = max(sum(np.asarray(a).nbytes for a in per_tp) for per_tp in grid)
         settings, files = self.spec.settings, lambda: self.files_of(name)
         make = lambda: rank_grid.merged(
-            kind, grid, name, settings, files, what=what, error=MegatronImportError
+            kind, grid, name, settings, files, what, MegatronImportError
         )
         view = self.rows_view(name, stages)
         if view is None:
