@@ -105,73 +105,78 @@ def _loader(
     fmt: str, src: str, provenance: dict, entry_name: str = "", recorded: str = ""
 ) -> tuple[Callable[[], np.ndarray], str]:
     """(a function reading the provenance's source tensor with the framework's own loader,
-    its name), or SourceError saying why it cannot be read that way. ``recorded`` is the
-    source path the import of ``src`` planned again records, whose tail locates rank files
-    under ``src``; every file name becomes a path through ``files.inside_checkpoint``."""
-    tensors = provenance.get("tensors") or []
-    if provenance.get("pattern") and fmt in ("verl", "torch_checkpointing", "torch_dcp"):
-        raise SourceError(f"built by the import ({provenance['pattern']})")
-    if fmt in ("verl", "torch_checkpointing"):
+    its name), or SourceError saying why it cannot be read that way: the loader the importers'
+    ``registry.AGAINST`` gives the format. ``recorded`` is the source path the import of
+    ``src`` planned again records, whose tail locates rank files under ``src``; every file name
+    becomes a path through ``files.inside_checkpoint``."""
+    how, tensors, pattern = _how(fmt), provenance.get("tensors") or [], provenance.get("pattern")
+    if how is None:
+        many = f"built from {len(tensors)} source tensors by the import"
+        raise SourceError(
+            many if len(tensors) != 1 else f"no framework loader compared for {fmt!r} imports yet"
+        )
+    loader = how.loader if how.read in (None, pattern or "") else how.other
+    if not loader:
+        raise SourceError(f"built by the import ({pattern})")
+    if loader == "ranks":
         parts = [
-            p for t in tensors for p in _rank_parts(fmt, src, recorded, provenance, t, entry_name)
+            p for t in tensors for p in _rank_parts(how, src, recorded, provenance, t, entry_name)
         ]
         if not parts:
             raise SourceError("the import names no source tensor")
         return lambda: _from_ranks(parts), ", ".join(f"{f}:{k}" for f, k, _ in parts)
-    if fmt == "deepspeed" and provenance.get("pattern") == "module" and len(tensors) == 1:
-        file, _, inner = tensors[0].partition(":")  # a weight the model states file holds
-        path = _locate(src, recorded, file, entry_name)
-        return lambda: _torch_file_tensor(path, inner), tensors[0]
-    if fmt == "deepspeed":
+    if loader == "zero":
         return _deepspeed_loader(src, provenance, entry_name)
     if len(tensors) != 1:
         raise SourceError(f"built from {len(tensors)} source tensors by the import")
     name = tensors[0]
-    if fmt == "torch_dcp":
-        key = provenance.get("source_name") or name
-        sub = provenance.get("folder")
-        folder = _inside(src, sub, entry_name) if sub else _dcp_folder_holding(src, key)
-        return lambda: _dcp_tensor(folder, key), key
-    if fmt == "torch_dist" and provenance.get("pattern") == "torch_dist-global":
-        # megatron-core's torch_dist is torch DCP: the tensor as saved, read by dcp.load
-        key = provenance.get("source_name") or name
-        folder = os.path.dirname(_locate(src, recorded, ".metadata", entry_name))
-        return lambda: _dcp_tensor(folder, key), key
-    if fmt in ("torch_files", "safetensors"):
-        file, _, inner = name.partition(":") if ":" in name else (provenance.get("file"), "", name)
-        if not isinstance(file, str):
-            raise SourceError("the import names no source file")
-        path = src if os.path.isfile(src) else _inside(src, file, entry_name)
-        if path.endswith(".safetensors"):
-            return lambda: _safetensors_tensor(path, inner), name
-        rows = provenance.get("rows_permuted")
-        if isinstance(rows, dict):  # torchtune's q/k moments, moved as its weights are
-            return lambda: _hf_rows(_torch_file_tensor(path, inner), **rows), name
+    if loader == "recorded_file":  # a weight the model states file holds
+        file, _, inner = name.partition(how.sep)
+        path = _locate(src, recorded, file, entry_name)
         return lambda: _torch_file_tensor(path, inner), name
-    raise SourceError(f"no framework loader compared for {fmt!r} imports yet")
+    if loader in ("dcp", "recorded_dcp"):
+        key = provenance.get("source_name") or name
+        if loader == "recorded_dcp":  # megatron-core's torch_dist: the tensor as saved
+            folder = os.path.dirname(_locate(src, recorded, ".metadata", entry_name))
+        elif sub := provenance.get("folder"):
+            folder = _inside(src, sub, entry_name)
+        else:
+            folder = _dcp_folder_holding(src, key)
+        return lambda: _dcp_tensor(folder, key), key
+    file, _, inner = name.partition(":") if ":" in name else (provenance.get("file"), "", name)
+    if not isinstance(file, str):
+        raise SourceError("the import names no source file")
+    path = src if os.path.isfile(src) else _inside(src, file, entry_name)
+    if path.endswith(".safetensors"):
+        return lambda: _safetensors_tensor(path, inner), name
+    rows = provenance.get("rows_permuted")
+    if isinstance(rows, dict):  # torchtune's q/k moments, moved as its weights are
+        return lambda: _hf_rows(_torch_file_tensor(path, inner), **rows), name
+    return lambda: _torch_file_tensor(path, inner), name
 
 
-_RANK = {
-    "verl": re.compile(r"_rank_([0-9]+)\.pt\Z"),
-    "torch_checkpointing": re.compile(r"_([0-9]+)\.pt\Z"),
-}
+def _how(fmt: str) -> Any:
+    """How the importers say a tensor of the provenance format ``fmt`` is read (None: not)."""
+    from jax_ucp._src.importers import registry  # loaded when a source is compared
+
+    return registry.AGAINST.get(fmt)
 
 
 def _rank_parts(
-    fmt: str, src: str, recorded: str, provenance: dict, tensor: str, entry_name: str
+    how: Any, src: str, recorded: str, provenance: dict, tensor: str, entry_name: str
 ) -> list[tuple[str, str, int]]:
-    """[(path, key, rank)] of the rank files' pieces of one source tensor: verl names each
-    ``FILE/key``; torch_checkpointing names ``item:key`` once, its rank files
-    ``item_R.pt`` in ``provenance["files"]``."""
-    if fmt == "verl":
-        file, _, key = tensor.partition("/")
+    """[(path, key, rank)] of the rank files' pieces of one source tensor: named ``FILE<sep>key``
+    (verl's), or ``item:key`` once, its rank files ``item_R.pt`` in ``provenance["files"]``
+    (torch_checkpointing's)."""
+    if how.sep:
+        file, _, key = tensor.partition(how.sep)
         files = [file]
     else:
         item, _, key = tensor.partition(":")
         files = [f for f in provenance.get("files") or () if f.startswith(f"{item}_")]
     out = []
     for file in files:
-        found = _RANK[fmt].search(file)
+        found = re.search(how.rank, file)
         if found is None:
             raise SourceError(f"{file}: no rank in the file name")
         out.append((_locate(src, recorded, file, entry_name), key, int(found.group(1))))
@@ -613,9 +618,9 @@ def _recorded_files(fmt: str, provenance: dict) -> list[Any]:
     names = [provenance[k] for k in ("file", "folder") if provenance.get(k) is not None]
     listed = provenance.get("files")
     names += list(listed) if isinstance(listed, list) else [listed] if listed is not None else []
+    sep = getattr(_how(fmt), "sep", "")
     for tensor in provenance.get("tensors") or ():
-        sep = "/" if fmt == "verl" else ":"
-        if fmt in ("verl", "torch_files", "safetensors", "deepspeed") and sep in str(tensor):
+        if sep and sep in str(tensor):
             names.append(str(tensor).partition(sep)[0])
     return names
 

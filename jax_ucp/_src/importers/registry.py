@@ -67,6 +67,36 @@ OPTION_FIELDS = tuple(
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Against:
+    """How ``verify(against=)`` reads a source tensor with its framework's own loader
+    (:mod:`jax_ucp._src.against`): ``loader`` for a provenance whose pattern is ``read`` ("":
+    none; None: any), ``other`` for another ("": built by the import, not compared); ``sep``
+    parts a source tensor's name into file and key; ``rank`` finds a rank file's rank. The
+    loaders: ``ranks`` (every rank file's piece), ``zero`` (DeepSpeed's consolidation),
+    ``file``, ``recorded_file`` (the file where the recorded source path puts it), ``dcp`` (of
+    the folder holding the key), ``recorded_dcp`` (of the recorded folder)."""
+
+    loader: str
+    read: str | None = ""
+    other: str = ""
+    sep: str = ""
+    rank: str = ""
+
+
+#: How ``verify(against=)`` reads each source: by the ``format`` the importers record in a
+#: tensor's provenance (else the source's ``framework``; several layouts record ``torch_dcp``)
+AGAINST = {
+    "verl": Against("ranks", sep="/", rank=r"_rank_([0-9]+)\.pt\Z"),
+    "torch_checkpointing": Against("ranks", rank=r"_([0-9]+)\.pt\Z"),  # item:key, its files
+    "deepspeed": Against("recorded_file", read="module", other="zero", sep=":"),
+    "torch_dcp": Against("dcp"),
+    "torch_dist": Against("recorded_dcp", read="torch_dist-global"),  # megatron-core's
+    "torch_files": Against("file", read=None, sep=":"),
+    "safetensors": Against("file", read=None, sep=":"),
+}
+
+
 def _layouts(checkpoint_format: str) -> list[Importer]:
     """The importers of a format that claim sources (not those that take claims over), in
     the order they are asked."""
