@@ -53,6 +53,15 @@ class _Command(_PlainPlaceholders, typer.core.TyperCommand):
         if self.help:
             self.help = re.sub(r"(?<!\n)\n(?!\n)", " ", inspect_lib.cleandoc(self.help))
 
+    def format_help(self, ctx, formatter) -> None:
+        """``{formats}`` in an option's help: the importers' (loaded for ``--help`` alone)."""
+        for param in self.params:
+            if isinstance(param, typer.core.TyperOption) and "{formats}" in (param.help or ""):
+                from jax_ucp._src.importers.registry import FORMATS
+
+                param.help = (param.help or "").replace("{formats}", ", ".join(FORMATS))
+        super().format_help(ctx, formatter)
+
     def collect_usage_pieces(self, ctx) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
         for param in self.get_params(ctx):
@@ -550,8 +559,7 @@ def convert(
     from_: str | None = typer.Option(
         None,
         "--from",
-        help="the source format: deepspeed, megatron, orbax, safetensors, torch or verl "
-        "(default: detected from the files)",
+        help="the source format: {formats} (default: detected from the files)",
     ),
     processes: int | None = typer.Option(
         None, min=1, help="convert with N local processes (each reads 1/N of it)"
