@@ -34,9 +34,8 @@ class ConvertOptions:
     format's options (``importing``) as built at the edge, which reach the format whole.
 
     Attributes:
-        format: "deepspeed", "megatron", "orbax", "safetensors", "torch" or "verl", or one
-            layout's importer (``importers.registry.IMPORTERS``: "torch_dcp", ...); detected
-            from the files when None.
+        format: one of ``importers.registry.FORMATS``, or a layout's importer (its
+            ``IMPORTERS``' names); detected from the files when None.
         importing: the import options: the format's options class (``TorchOptions``,
             ``MegatronOptions``, ``DeepSpeedOptions``, ``OrbaxOptions``) or a more general one
             (``ImportOptions``: ``spec``, ``weights_only``) specialised once the format is
