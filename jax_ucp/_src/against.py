@@ -155,6 +155,18 @@ def _loader(
     return lambda: _torch_file_tensor(path, inner), name
 
 
+def _read(src: str, name: str, planned: dict, source: dict) -> tuple[np.ndarray, str]:
+    """(the source tensor of checkpoint tensor ``name``, its name in the source), read by the
+    loader of the format its ``planned`` provenance (else the ``source`` record) names; a
+    loader's package not installed is the extra to install."""
+    fmt, path = planned.get("format") or source.get("framework"), source.get("path")
+    try:
+        read, source_name = _loader(str(fmt or ""), src, planned, name, str(path or ""))
+        return read(), source_name
+    except ImportError as e:
+        raise (_missing_extra(e) or e) from None
+
+
 def _how(fmt: str) -> Any:
     """How the importers say a tensor of the provenance format ``fmt`` is read (None: not)."""
     from jax_ucp._src.importers import registry  # loaded when a source is compared
@@ -715,8 +727,6 @@ def source_weights(ckpt: str, src: str, tree: str) -> dict[str, np.ndarray]:
 
     manifest = locate.read_consistently(ckpt, store.read_manifest)
     expected = _plan_again(src, manifest)
-    framework = str(expected.source.get("framework") or "")
-    source_path = str(expected.source.get("path") or "")
     out: dict[str, np.ndarray] = {}
     try:
         for entry in manifest.tensors:
@@ -727,12 +737,7 @@ def source_weights(ckpt: str, src: str, tree: str) -> dict[str, np.ndarray]:
             if planned is None:
                 raise SourceError(f"{entry.name}: the import of {src} makes no such tensor")
             try:
-                read, _ = _loader(
-                    str(planned.get("format") or framework), src, planned, entry.name, source_path
-                )
-                out[name] = read()
-            except ImportError as e:
-                raise (_missing_extra(e) or e) from None
+                out[name], _ = _read(src, entry.name, planned, expected.source)
             except (SourceError, OSError, ValueError, RuntimeError) as e:
                 if isinstance(e, (UnsafeFileError, MissingExtraError)):
                     raise
@@ -747,7 +752,6 @@ def source_weights(ckpt: str, src: str, tree: str) -> dict[str, np.ndarray]:
 def _compare(ckpt: str, src: str, manifest: Any, expected: _Expected, progress) -> Comparison:
     """``compare_with_source`` once the import is planned again."""
     framework = str(expected.source.get("framework") or "")
-    source_path = str(expected.source.get("path") or "")
     result = Comparison()
     total = len(manifest.tensors)
     for done, entry in enumerate(manifest.tensors, 1):
@@ -758,7 +762,7 @@ def _compare(ckpt: str, src: str, manifest: Any, expected: _Expected, progress) 
                 f"{entry.name!r}"
             )
         else:
-            _compare_one(ckpt, src, entry, planned, framework, source_path, result)
+            _compare_one(ckpt, src, entry, planned, expected.source, result)
         if progress is not None:
             progress(entry.name, done, total)
     held = {tuple(e.key) for e in (*manifest.tensors, *manifest.values)}
@@ -788,15 +792,7 @@ def _compare(ckpt: str, src: str, manifest: Any, expected: _Expected, progress) 
     return result
 
 
-def _compare_one(
-    ckpt: str,
-    src: str,
-    entry: Any,
-    planned: dict,
-    framework: str,
-    source_path: str,
-    result: Comparison,
-) -> None:
+def _compare_one(ckpt: str, src: str, entry: Any, planned: dict, source: dict, result) -> None:
     """One checkpoint tensor against the source tensor the import of ``src`` takes it from
     (``planned``); a recorded provenance that says otherwise is reported."""
     from jax_ucp._src.restoring import restore_entry
@@ -810,14 +806,9 @@ def _compare_one(
             f"makes it from {_shown(planned)}"
         )
     try:
-        read, source_name = _loader(
-            str(planned.get("format") or framework), src, planned, entry.name, source_path
-        )
-        want = read()
+        want, source_name = _read(src, entry.name, planned, source)
     except (UnsafeFileError, MissingExtraError):
         raise
-    except ImportError as e:
-        raise (_missing_extra(e) or e) from None
     except (SourceError, OSError, ValueError, RuntimeError) as e:
         if not said:
             result.not_compared[entry.name] = str(e)[:300]
