@@ -9,7 +9,7 @@ Bit-exact tensors (``jax_ucp._src.against``) prove the bytes were copied; equal 
 landed where a model reads them (q/k/v merged in the right head order, gate/up, transposes).
 Only models ``TransformerLM`` computes are compared (the ``model_type`` families of
 ``hf_families.FAMILIES``: Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral,
-Qwen2-MoE, Granite, OLMo 2, StableLM); any other, or a config field a family does not compute, is refused, never skipped. The torch model is freed before the checkpoint is restored: the two
+Qwen2-MoE, Qwen3-MoE, Llama 4 text, Granite, OLMo 2, StableLM); any other, or a config field a family does not compute, is refused, never skipped. The torch model is freed before the checkpoint is restored: the two
 copies of the weights are never in memory at once.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files
-from jax_ucp._src.models.hf_families import FAMILIES, canonical_config, hf_model
+from jax_ucp._src.models.hf_families import FAMILIES, LACKS, canonical_config, hf_model
 
 __all__ = [
     "DEFAULT_TOLERANCE",
@@ -170,9 +170,11 @@ def read_config(folder: str) -> dict:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED or "auto_map" in config:
         found = "custom code (auto_map)" if "auto_map" in config else repr(model_type)
+        lacks = LACKS.get(str(model_type))
+        lacks = f" (TransformerLM lacks {lacks})" if lacks else ""
         raise SourceError(
             f"--logits supports model_type {', '.join(SUPPORTED)} (the models "
-            f"jax_ucp.models.TransformerLM computes); found {found} in {path}"
+            f"jax_ucp.models.TransformerLM computes); found {found}{lacks} in {path}"
         )
     config = canonical_config(config)
     _checked_numbers(config, path)

@@ -133,6 +133,44 @@ FAMILIES = {
         {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
         r"rope_scaling\.rope_type 'llama3'",
     ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            _TINY,
+            num_hidden_layers=3,
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=5,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+        {"attention_bias": True},
+        r"attention_bias True",
+    ),
+    "llama4_text": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            _TINY,
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=16,
+            intermediate_size_mlp=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=5,
+            floor_scale=3,
+            attn_scale=0.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        ),
+        {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
+        r"rope_parameters\.rope_type 'llama3'",
+    ),
     "granite": (
         "GraniteConfig",
         "GraniteForCausalLM",
@@ -256,6 +294,14 @@ def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_pa
         ("gemma3_text", {"rope_parameters": {"rope_type": "default"}}, r"rope_parameters"),
         ("mixtral", {"num_experts_per_tok": 5}, r"num_experts_per_tok 5"),
         ("qwen2_moe", {"mlp_only_layers": "1"}, r"mlp_only_layers"),
+        ("qwen3_moe", {"decoder_sparse_step": 0}, r"decoder_sparse_step 0"),
+        ("llama4_text", {"no_rope_layers": [1, 2, 1, 0]}, r"no_rope_layers \[1, 2, 1, 0\]"),
+        ("llama4_text", {"moe_layers": "1"}, r"moe_layers '1'"),
+        ("llama4_text", {"layer_types": ["sliding_attention"] * 4}, r"layer_types"),
+        ("llama4_text", {"attention_chunk_size": None}, r"attention_chunk_size None"),
+        ("llama4_text", {"floor_scale": 0}, r"floor_scale 0"),
+        ("llama4_text", {"num_experts_per_tok": 5}, r"num_experts_per_tok 5"),
+        ("llama", {"model_type": ["llama"]}, r"model_type \['llama'\]"),
         ("phi3", {"partial_rotary_factor": 0.375}, r"partial_rotary_factor 0.375.*odd"),
         ("phi3", {"partial_rotary_factor": 1.5}, r"partial_rotary_factor 1.5"),
         ("qwen3", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor"),
@@ -269,6 +315,27 @@ def test_values_no_model_has_are_refused_naming_the_field(family, changes, names
     config = _config(family, **changes) if family in FAMILIES else {"model_type": family}
     with pytest.raises(jax_ucp.RequestError, match=names):
         hf_model(config)
+
+
+@pytest.mark.parametrize(
+    "model_type, lacks",
+    [
+        ("deepseek_v3", r"multi-head latent attention \(MLA.*routed scaling, shared experts"),
+        ("gpt_oss", r"attention sinks, the experts' clamped SwiGLU"),
+        ("llama4", r"the multimodal Llama4ForConditionalGeneration.*llama4_text"),
+    ],
+)
+def test_a_family_transformers_has_and_transformerlm_does_not_is_refused_naming_what_it_lacks(
+    model_type, lacks, tmp_path
+):
+    """Torch-free: DeepSeek V3, GPT-OSS and the multimodal Llama 4 are refused by hf_model and
+    by --logits (before the checkpoint is touched), naming the math TransformerLM lacks."""
+    with pytest.raises(jax_ucp.RequestError, match=rf"'{model_type}': TransformerLM lacks {lacks}"):
+        hf_model({"model_type": model_type})
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(jax_ucp.SourceError, match=rf"'{model_type}' \(TransformerLM lacks {lacks}"):
+        compare_logits(str(tmp_path / "never-read"), str(tmp_path / "src"))
 
 
 def test_the_sliding_window_masks_keys_further_back_than_it():
@@ -328,6 +395,16 @@ def test_an_older_config_reads_as_transformers_reads_it(family, tmp_path):
         **{k: v for k, v in older.items() if k != "model_type"}
     ).to_dict()
     assert hf_model(older) == hf_model(again)
+
+
+def test_llama4_text_reads_its_layer_lists_as_transformers_does():
+    """Torch-free: no_rope_layers empty or absent is every ``no_rope_layer_interval``-th layer
+    without RoPE (the others chunked), moe_layers absent every ``interleave_moe_layer_step``-th,
+    as Llama4TextConfig fills them in."""
+    for rope in ([], None):
+        cfg, _ = hf_model(_config("llama4_text", no_rope_layers=rope, num_hidden_layers=8))
+        assert cfg.nope_layers == (3, 7) and cfg.sliding_layers == (0, 1, 2, 4, 5, 6)
+        assert cfg.dense_layers == (0, 2, 4, 6) and cfg.attn_temperature == (3.0, 0.5)
 
 
 def test_an_empty_rope_scaling_gives_way_to_rope_parameters():

@@ -19,7 +19,7 @@ from typing import Any
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.models.transformer import LMConfig
 
-__all__ = ["FAMILIES", "Family", "canonical_config", "hf_model"]
+__all__ = ["FAMILIES", "LACKS", "Family", "canonical_config", "hf_model"]
 
 _COMMON = (
     "vocab_size",
@@ -53,6 +53,7 @@ def _family(model_type, architecture, spec, reads, **defaults) -> Family:
 
 
 _QWEN_WINDOW = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+_QWEN_MOE = "num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob"
 _GEMMA = (
     "hidden_activation",
     "query_pre_attn_scalar",
@@ -186,13 +187,9 @@ FAMILIES: dict[str, Family] = {
                 "hidden_act",
                 *_QWEN_WINDOW,
                 "qkv_bias",
-                "num_experts",
-                "num_experts_per_tok",
-                "moe_intermediate_size",
                 "shared_expert_intermediate_size",
-                "norm_topk_prob",
-                "decoder_sparse_step",
-                "mlp_only_layers",
+                _QWEN_MOE,
+                "decoder_sparse_step, mlp_only_layers",
             ),
             rms_norm_eps=1e-6,
             sliding_window=4096,
@@ -204,6 +201,50 @@ FAMILIES: dict[str, Family] = {
             shared_expert_intermediate_size=5632,
             norm_topk_prob=False,
             decoder_sparse_step=1,
+        ),
+        _family(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            "hf_qwen3_moe",
+            (
+                *_COMMON,
+                "hidden_act, attention_bias",
+                *_QWEN_WINDOW[:2],
+                _QWEN_MOE,
+                "num_local_experts",
+            ),
+            rms_norm_eps=1e-6,
+            sliding_window=4096,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+        ),
+        _family(
+            "llama4_text",
+            "Llama4ForCausalLM",
+            "hf_llama4_text",
+            (
+                *_COMMON,
+                "hidden_act, attention_bias, intermediate_size_mlp, use_qk_norm",
+                "num_local_experts, num_experts_per_tok, moe_layers, interleave_moe_layer_step",
+                "no_rope_layers, no_rope_layer_interval, layer_types, attention_chunk_size",
+                "attn_temperature_tuning, floor_scale, attn_scale",
+            ),
+            rms_norm_eps=1e-5,
+            head_dim=128,
+            rope_theta=5e5,
+            intermediate_size_mlp=16384,
+            num_local_experts=16,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=1,
+            no_rope_layer_interval=4,
+            attention_chunk_size=8192,
+            use_qk_norm=True,
+            attn_temperature_tuning=True,
+            floor_scale=8192,
+            attn_scale=0.1,
         ),
         _family(
             "granite",
@@ -251,6 +292,17 @@ FAMILIES: dict[str, Family] = {
     )
 }
 
+#: families transformers has that TransformerLM does not compute: what it lacks for each
+LACKS = {
+    "deepseek_v3": "multi-head latent attention (MLA: low-rank q and kv, a decoupled RoPE head), "
+    "sigmoid routing limited to top groups with a score-correction bias and routed scaling, "
+    "shared experts, yarn RoPE",
+    "gpt_oss": "attention sinks, the experts' clamped SwiGLU (swiglu_limit, swiglu_alpha) with "
+    "biases, biases on the router and attention, yarn RoPE",
+    "llama4": "the multimodal Llama4ForConditionalGeneration (vision tower, language_model.* "
+    "names); its text model is model_type llama4_text",
+}
+
 _GPT2_NAMES = {
     "hidden_size": "n_embd",
     "num_hidden_layers": "n_layer",
@@ -262,7 +314,7 @@ _GPT2_NAMES = {
 def canonical_config(config: Mapping[str, Any]) -> dict:
     """``config`` with the family's missing fields at transformers' defaults, and GPT-2's own
     names (``n_embd``, ...) copied to the common ones (``hidden_size``, ...) the checks read."""
-    family = FAMILIES.get(config.get("model_type"))  # type: ignore[arg-type]
+    family = FAMILIES.get(str(config.get("model_type")))
     out = {**(family.defaults if family else {}), **config}
     if family is not None and family.model_type == "gpt2":
         for common, own in _GPT2_NAMES.items():
@@ -279,10 +331,14 @@ def hf_model(config: Mapping[str, Any]) -> tuple[LMConfig, str]:
     tensors; a family not in :data:`FAMILIES` or a field it does not compute is refused
     (``RequestError`` naming the field and value)."""
     model_type = config.get("model_type")
-    family = FAMILIES.get(model_type)  # type: ignore[arg-type]
+    family = FAMILIES.get(str(model_type))
     if family is None or "auto_map" in config:
         found = "custom code (auto_map)" if "auto_map" in config else repr(model_type)
-        raise RequestError(f"model_type {found}: TransformerLM computes {', '.join(FAMILIES)}")
+        lacks = LACKS.get(str(model_type))
+        lacks = f"TransformerLM lacks {lacks}; " if lacks else ""
+        raise RequestError(
+            f"model_type {found}: {lacks}TransformerLM computes {', '.join(FAMILIES)}"
+        )
     c = canonical_config(config)
     if family.model_type == "gpt2":
         return _gpt2(c), family.spec
@@ -374,21 +430,27 @@ def _rope(c: Mapping, partial_ok: bool = False) -> tuple[float, float, float]:
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def _layer_types(c: Mapping, layers: int, default: list[str]) -> list[str]:
+def _layer_types(c: Mapping, layers: int, default: list[str], kinds=_LAYER_TYPES) -> list[str]:
     types = c.get("layer_types")
     if types is None:
         return default
-    if (
-        not isinstance(types, list)
-        or len(types) != layers
-        or any(t not in _LAYER_TYPES for t in types)
-    ):
+    if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
         raise _refuse(
             "layer_types",
             repr(types)[:200],
-            f"expected {layers} of {', '.join(_LAYER_TYPES)} (one per layer)",
+            f"expected {layers} of {', '.join(kinds)} (one per layer)",
         )
     return types
+
+
+def _ints(c: Mapping, field: str, default: list) -> list[int]:
+    """A list of integers (layer indices, flags), ``default`` when absent."""
+    value = default if c.get(field) is None else c[field]
+    if not isinstance(value, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) for i in value
+    ):
+        raise _refuse(field, repr(value)[:200], "expected a list of integers (one per layer)")
+    return value
 
 
 def _window(c: Mapping, types: list[str], window: Any) -> dict:
@@ -577,34 +639,93 @@ def _mixtral(c: Mapping) -> LMConfig:
     return LMConfig(**_base(c), **_every_layer_window(c), num_experts=experts, moe_router_topk=top)
 
 
-def _qwen2_moe(c: Mapping) -> LMConfig:
-    _act(c, "hidden_act", _SILU)
-    kw = _base(c)
-    layers = kw["num_layers"]
+def _qwen_moe(c: Mapping, layers: int) -> dict:
+    """The experts Qwen2-MoE and Qwen3-MoE share: softmax router over all experts, top-k
+    (renormalised only with ``norm_topk_prob``), dense layers (``mlp_only_layers``, and those
+    ``decoder_sparse_step`` skips)."""
     experts, top = _int(c, "num_experts"), _int(c, "num_experts_per_tok")
     if top > experts:
         raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
-    step = _int(c, "decoder_sparse_step")
-    only = c.get("mlp_only_layers") or []
-    if not isinstance(only, list) or any(
-        isinstance(i, bool) or not isinstance(i, int) for i in only
-    ):
-        raise _refuse("mlp_only_layers", repr(only), "expected a list of layer indices")
-    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
-    shared = c.get("shared_expert_intermediate_size")
-    return LMConfig(
-        **kw,
-        **_qwen_window(c, layers, moe=True),
-        qkv_bias=bool(c.get("qkv_bias", True)),
+    step, only = _int(c, "decoder_sparse_step"), _ints(c, "mlp_only_layers", [])
+    return dict(
         num_experts=experts,
         moe_router_topk=top,
         moe_ffn_hidden_size=_int(c, "moe_intermediate_size"),
         moe_norm_topk=bool(c.get("norm_topk_prob", False)),
+        dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step),
+    )
+
+
+def _qwen2_moe(c: Mapping) -> LMConfig:
+    _act(c, "hidden_act", _SILU)
+    kw = _base(c)
+    layers = kw["num_layers"]
+    shared = c.get("shared_expert_intermediate_size")
+    return LMConfig(
+        **kw,
+        **_qwen_window(c, layers, moe=True),
+        **_qwen_moe(c, layers),
+        qkv_bias=bool(c.get("qkv_bias", True)),
         moe_shared_expert_intermediate_size=_int(c, "shared_expert_intermediate_size")
         if shared
         else None,
         moe_shared_expert_gate=bool(shared),
-        dense_layers=dense,
+    )
+
+
+def _qwen3_moe(c: Mapping) -> LMConfig:
+    """Qwen3's attention (q/k norms, no biases; ``sliding_window`` on every layer, only with
+    ``use_sliding_window``) and Qwen2-MoE's experts without the shared expert."""
+    if "num_local_experts" in c:  # transformers 5 writes it (Mixtral's name), and reads it first
+        c = {**c, "num_experts": c["num_local_experts"]}
+    _act(c, "hidden_act", _SILU)
+    _false(c, "attention_bias")
+    kw = _base(c)
+    window = _every_layer_window(c) if c.get("use_sliding_window") else {}
+    return LMConfig(**kw, **window, **_qwen_moe(c, kw["num_layers"]), qk_norm=True)
+
+
+def _llama4_text(c: Mapping) -> LMConfig:
+    """Llama 4's text model: RoPE layers (``no_rope_layers`` 1) with chunked attention
+    (``layer_types``, ``attention_chunk_size``) and weightless q/k L2 norms after RoPE
+    (``use_qk_norm``), NoPE layers with attention temperature tuning (``floor_scale``,
+    ``attn_scale``); ``moe_layers`` weigh each token's top-k experts' input by sigmoid(router
+    logit) and add a shared expert, the other layers' MLP is ``intermediate_size_mlp`` wide."""
+    _act(c, "hidden_act", _SILU)
+    _false(c, "attention_bias")
+    kw = _base(c)
+    layers, moe_width = kw["num_layers"], kw["ffn_hidden_size"]
+    experts, top = _int(c, "num_local_experts"), _int(c, "num_experts_per_tok")
+    if top > experts:
+        raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
+    interval = _int(c, "no_rope_layer_interval")
+    rope = _ints(c, "no_rope_layers", []) or [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(rope) != layers or not set(rope) <= {0, 1}:
+        raise _refuse("no_rope_layers", repr(rope)[:200], f"expected {layers} of 0, 1")
+    step = _int(c, "interleave_moe_layer_step")
+    moe = _ints(c, "moe_layers", list(range(step - 1, layers, step)))
+    default = ["chunked_attention" if r else "full_attention" for r in rope]
+    types = _layer_types(c, layers, default, ("full_attention", "chunked_attention"))
+    chunked = tuple(i for i, t in enumerate(types) if t == "chunked_attention")
+    window = _int(c, "attention_chunk_size") if chunked else None
+    tuning = c.get("attn_temperature_tuning") and (
+        _number("floor_scale", c.get("floor_scale")),
+        _number("attn_scale", c.get("attn_scale")),
+    )
+    return LMConfig(
+        **{**kw, "ffn_hidden_size": _int(c, "intermediate_size_mlp")},
+        sliding_window=window,
+        sliding_layers=chunked,
+        sliding_chunked=True,
+        nope_layers=tuple(i for i, r in enumerate(rope) if not r),
+        attn_temperature=tuning or None,
+        qk_l2_norm=bool(c.get("use_qk_norm")),
+        num_experts=experts,
+        moe_router_topk=top,
+        moe_sigmoid_input=True,
+        moe_ffn_hidden_size=moe_width,
+        moe_shared_expert_intermediate_size=moe_width,
+        dense_layers=tuple(i for i in range(layers) if i not in moe),
     )
 
 
@@ -666,6 +787,8 @@ def _reader(model_type: str):
         "gemma3_text": _gemma3,
         "mixtral": _mixtral,
         "qwen2_moe": _qwen2_moe,
+        "qwen3_moe": _qwen3_moe,
+        "llama4_text": _llama4_text,
         "granite": _granite,
         "olmo2": _olmo2,
         "stablelm": _stablelm,

@@ -77,6 +77,15 @@ class LMConfig:
     moe_shared_expert_intermediate_size: int | None = None  # a shared expert on every token
     moe_shared_expert_gate: bool = False  # the shared expert scaled by sigmoid(x @ gate)
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP
+    # Llama 4: the windowed layers' window a chunk (a query sees the keys of its own chunk), the
+    # NoPE layers (no RoPE; q times log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1 with
+    # attn_temperature = (floor_scale, attn_scale)), q/k L2 norms (no weight) after RoPE, the
+    # experts' input scaled by sigmoid(top-k router logit) instead of their output by softmax
+    sliding_chunked: bool = False
+    nope_layers: tuple[int, ...] = ()
+    attn_temperature: tuple[float, float] | None = None
+    qk_l2_norm: bool = False
+    moe_sigmoid_input: bool = False
 
     @property
     def groups(self) -> int:
@@ -203,7 +212,7 @@ class LMConfig:
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
         """From the ``config.json`` of any Hugging Face family ``verify --logits`` computes
-        (Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE, Granite,
+        (Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral, Qwen2/3-MoE, Granite,
         OLMo 2, StableLM: ``hf_families.FAMILIES``); a field the model does not compute is a
         ``RequestError`` naming it. :meth:`hf_spec` gives the spec its weights restore through."""
         from jax_ucp._src.models.hf_families import hf_model
@@ -323,12 +332,18 @@ class Attention(nn.Module):
         elif cfg.qk_norm:  # over each head's head_dim, before RoPE
             q, k = _norm_layer(cfg, "q_norm")(q), _norm_layer(cfg, "k_norm")(k)
         sliding = cfg.is_sliding(self.layer)
-        if cfg.position == "rope":
+        if cfg.position == "rope" and self.layer not in cfg.nope_layers:
             base, factor = cfg.rotary_base, cfg.rotary_scaling_factor
             if sliding and cfg.local_rotary_base is not None:
                 base, factor = cfg.local_rotary_base, cfg.local_rotary_scaling_factor
             rotary_dim = int(head_dim * cfg.rotary_percent)
             q, k = (_apply_rope(x, jnp.arange(seq), base, factor, rotary_dim) for x in (q, k))
+            if cfg.qk_l2_norm:
+                q, k = (nn.RMSNorm(cfg.eps, use_scale=False)(x) for x in (q, k))
+        elif cfg.attn_temperature is not None:
+            floor_scale, scale = cfg.attn_temperature
+            temperature = jnp.log1p(jnp.floor((jnp.arange(seq) + 1.0) / floor_scale)) * scale + 1
+            q = q * temperature[:, None, None]
         k, v = (jnp.repeat(x, q_per_group, axis=2) for x in (k, v))  # each group's heads
         scores = jnp.einsum("bqnd,bknd->bnqk", q, k)
         if cfg.attention_scale is None:
@@ -340,7 +355,10 @@ class Attention(nn.Module):
         if sliding:  # key j is seen from query i when i - window < j <= i
             position = jnp.arange(seq)
             window = cfg.sliding_window or 0  # set: is_sliding
-            mask = mask & (position[None, :] > position[:, None] - window)
+            if cfg.sliding_chunked:
+                mask = mask & (position[None, :] // window == position[:, None] // window)
+            else:
+                mask = mask & (position[None, :] > position[:, None] - window)
         scores = jnp.where(mask, scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)
         context = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(batch, seq, heads * head_dim)
@@ -413,7 +431,9 @@ class MoE(nn.Module):
         assert experts is not None  # Block builds an MoE only when num_experts is set
         logits = nn.Dense(experts, use_bias=False, name="router")(x)
         top, index = jax.lax.top_k(logits, cfg.moe_router_topk)
-        if cfg.moe_norm_topk:
+        if cfg.moe_sigmoid_input:
+            probs = jax.nn.sigmoid(top)
+        elif cfg.moe_norm_topk:
             probs = jax.nn.softmax(top, axis=-1)
         else:
             probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), index, axis=-1)
@@ -422,9 +442,13 @@ class MoE(nn.Module):
         )  # [b, s, E]
         fc1 = _StackedKernel((experts, hidden_size, ffn * (2 if cfg.gated else 1)), name="fc1")()
         fc2 = _StackedKernel((experts, ffn, hidden_size), name="fc2")()
-        hidden = _activation(cfg, jnp.einsum("bsh,ehx->bsex", x, fc1))
-        y = jnp.einsum("bsef,efh->bseh", hidden, fc2)
-        out = jnp.einsum("bse,bseh->bsh", weights, y)
+        if cfg.moe_sigmoid_input:  # expert e computes on x * weight_e (0 for the others)
+            hidden = _activation(cfg, jnp.einsum("bse,bsh,ehx->bsex", weights, x, fc1))
+            out = jnp.einsum("bsef,efh->bsh", hidden, fc2)
+        else:
+            hidden = _activation(cfg, jnp.einsum("bsh,ehx->bsex", x, fc1))
+            y = jnp.einsum("bsef,efh->bseh", hidden, fc2)
+            out = jnp.einsum("bse,bseh->bsh", weights, y)
         if cfg.moe_shared_expert_intermediate_size:
             shared = MLP(cfg, cfg.moe_shared_expert_intermediate_size, False, name="shared")(x)
             if cfg.moe_shared_expert_gate:
