@@ -25,10 +25,8 @@ from jax_ucp._src.importers.plan import (
     ImportPlan,
     Share,
     accounted,
-    trainer_checkpoints,
 )
 from jax_ucp._src.importers.runs import TrainerRun
-from jax_ucp._src.importers.torch.olmo_core import step_folders
 from jax_ucp._src.importers.verl.layout import verl_run
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
@@ -142,15 +140,13 @@ def detected(src) -> Importer:
             f"{src}: not a directory (expected a checkpoint folder, or a .safetensors, .bin, "
             f".pt, .pth or .ckpt file)."
         )
-    for runs, what in (
-        (trainer_checkpoints(src), "a Hugging Face Trainer output directory"),
-        (step_folders(src), "an OLMo-core save folder"),
-    ):
-        if runs:
-            raise SourceError(
-                f"{src}: {what} with {len(runs)} checkpoints: {', '.join(runs)}. Convert one of "
-                f"them (e.g. {os.path.join(src, runs[-1])})."
-            )
+    run = trainer_run(src)  # a run root of checkpoints (``Importer.run``): which to convert
+    if run is not None:
+        names = ", ".join(os.path.basename(step.path) for step in reversed(run.steps))
+        raise SourceError(
+            f"{src}: {run.what} with {len(run.steps)} checkpoints: {names}. Convert one of them "
+            f"(e.g. {run.steps[0].path})."
+        )
     found = sorted(os.listdir(src))
     listing = ", ".join(found[:12]) + (f", ... ({len(found)} entries)" if len(found) > 12 else "")
     tried = "; ".join(f"{name}: {reason}" for name, reason in refused.items())

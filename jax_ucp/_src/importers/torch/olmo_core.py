@@ -20,10 +20,10 @@ import re
 from typing import Any
 
 from jax_ucp._src.format import files
-from jax_ucp._src.importers.plan import Detection, numbered_folders
+from jax_ucp._src.importers.plan import Detection
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
-__all__ = ["MODEL_DIR", "TRAIN_DIR", "detect", "is_step_folder", "step_folders", "train_record"]
+__all__ = ["MODEL_DIR", "TRAIN_DIR", "detect", "is_step_folder", "train_record"]
 
 MODEL_DIR = "model_and_optim"
 TRAIN_DIR = "train"
@@ -54,11 +54,6 @@ def detect(src: os.PathLike | str) -> Detection:
     if is_step_folder(src):
         return Detection(True, "an OLMo-core step folder (model_and_optim/ torch DCP, train/)")
     return Detection(False, "no OLMo-core `model_and_optim/` + `train/`")
-
-
-def step_folders(src: os.PathLike | str) -> list[str]:
-    """The ``stepN`` checkpoint folders of an OLMo-core save folder, by step."""
-    return numbered_folders(src, r"step([0-9]+)", is_step_folder, "step")
 
 
 def rank_files(src: str) -> list[str]:
