@@ -249,7 +249,7 @@ def verify(
     )
 
 
-def _verify(root: str, progress, budget: int) -> VerifyResult:
+def _verify(root: store.storage.Storage, progress, budget: int) -> VerifyResult:
     from jax_ucp._src.restoring import model, ucp_source
 
     manifest = store.read_manifest(root)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 import jax_ucp
+from jax_ucp._src.store.storage import Storage
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 
 
 def test_a_chmod_of_an_idle_checkpoint_is_no_concurrent_save(tmp_path):
@@ -25,3 +29,34 @@ def test_a_chmod_of_an_idle_checkpoint_is_no_concurrent_save(tmp_path):
     got = jax_ucp.restore(path, select=chmod_meanwhile)
     np.testing.assert_array_equal(got["a"], np.arange(4.0))
     assert jax_ucp.verify(path, progress=lambda *_: chmod_meanwhile("")) == []
+
+
+def _storages_made(monkeypatch) -> list[str]:
+    """The roots of every ``Storage`` constructed from here on."""
+    made: list[str] = []
+    real = Storage.__init__
+
+    def counted(self, root):
+        made.append(root)
+        real(self, root)
+
+    monkeypatch.setattr(Storage, "__init__", counted)
+    return made
+
+
+def test_a_restore_chooses_its_storage_once(tmp_path, monkeypatch):
+    """``restore`` calls ``storage_for`` once; below it the ``Storage`` is handed down (it was
+    built 10 times in one restore: issue 58)."""
+    path = jax_ucp.save(str(tmp_path / "ck"), {"a": np.arange(4.0), "b": np.ones(3)})
+    made = _storages_made(monkeypatch)
+    np.testing.assert_array_equal(jax_ucp.restore(path)["a"], np.arange(4.0))
+    assert made == [path]
+
+
+@pytest.mark.xfail(strict=True, reason="the importers take paths: importers/torch/dcp.py chooses")
+def test_a_direct_dcp_restore_chooses_its_storage_once(monkeypatch):
+    """A torch DCP folder restored in place: one ``Storage`` too (today the restore's, then one
+    for each question the importers' detection, walk and reader ask of the path they take)."""
+    made = _storages_made(monkeypatch)
+    jax_ucp.restore(os.path.join(FIXTURES, "torch", "fsdp2_fp32"))
+    assert len(made) == 1

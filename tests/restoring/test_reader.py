@@ -531,15 +531,15 @@ def test_a_reader_between_the_two_renames_of_a_swap(tmp_path, monkeypatch):
     jax_ucp.convert(sources[0], out)
     jax_ucp.convert(sources[1], out + local.REPLACING)
     os.rename(out, out + local.REPLACED)
-    found = locate.find_checkpoint_dir
+    found = locate.find_checkpoint
 
-    def then_the_second_rename(path):
-        root = found(path)
+    def then_the_second_rename(storage):
+        root = found(storage)
         if os.path.isdir(out + local.REPLACING):
             os.rename(out + local.REPLACING, out)
         return root
 
-    monkeypatch.setattr(locate, "find_checkpoint_dir", then_the_second_rename)
+    monkeypatch.setattr(locate, "find_checkpoint", then_the_second_rename)
     assert _which(jax_ucp.restore(out)) == _BASES[1]
     assert jax_ucp.inspect(out).save_id == store.read_manifest(out).save_id
 

@@ -9,6 +9,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.format import safetensors
 from jax_ucp._src.restoring import locate, safetensors_source
+from jax_ucp._src.store import storage_for
 
 
 def _never(*args):
@@ -23,11 +24,11 @@ def test_a_ucp_checkpoint_is_opened_without_probing_safetensors(tmp_path, monkey
     monkeypatch.setattr(safetensors_source, "is_source", _never)
     monkeypatch.setattr(safetensors, "is_safetensors", _never)
     np.testing.assert_array_equal(jax_ucp.restore(path)["w"], w)
-    assert locate.is_ucp(path) and locate.is_ucp(str(tmp_path / "missing"))
+    assert locate.is_ucp(storage_for(path)) and locate.is_ucp(storage_for(tmp_path / "missing"))
 
 
 def test_a_path_that_is_no_checkpoint_still_says_so(tmp_path):
     (tmp_path / "empty").mkdir()
-    assert not locate.is_ucp(tmp_path / "empty")
+    assert not locate.is_ucp(storage_for(tmp_path / "empty"))
     with pytest.raises(jax_ucp.CheckpointError, match="not a jax_ucp checkpoint"):
         jax_ucp.restore(tmp_path / "empty")

@@ -64,7 +64,7 @@ def export(
     # transaction removed what it wrote), never reported as damage
     with writer.memory_budget_scope(budget):  # what readers and writers hold
         return locate.read_consistently(
-            ckpt, lambda root: _export_root(root, dst, options), redo=False
+            ckpt, lambda root: _export_root(root.root, dst, options), redo=False
         )
 
 

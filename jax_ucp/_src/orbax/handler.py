@@ -60,7 +60,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         donated or deleted array would change under the write); a blocking save skips them.
         """
         directory = os.fspath(directory)
-        if not store.storage_for(directory).renames and local.ORBAX_TMP_MARK in directory:
+        if not store.storage_for(directory).local and local.ORBAX_TMP_MARK in directory:
             raise fmt.UCPError(
                 f"{directory}: Orbax is saving into a temporary prefix it would then rename, which "
                 f"an object store cannot do atomically. Pass CheckpointManagerOptions("
@@ -123,8 +123,9 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             )
         args = args or UCPRestore(target=item)
         # a manager restores its step's item: never another step's swapped or copied in
-        locate.check_step_item(str(directory))
-        return restore_entry.restore_tree(str(directory), args.options)
+        storage = store.storage_for(str(directory))
+        locate.check_step_item(storage)
+        return restore_entry.restore_tree(storage, args.options)
 
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
         return store.read_manifest(str(directory))

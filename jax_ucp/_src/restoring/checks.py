@@ -113,8 +113,8 @@ def diff(
         CheckpointError: a checkpoint is missing, unreadable or corrupt (names the tensor and
             the file).
     """
-    root_a, root_b = locate.find_checkpoint_dir(a), locate.find_checkpoint_dir(b)
-    man_a, man_b = store.read_manifest(root_a), store.read_manifest(root_b)
+    root_a, root_b = (locate.find_checkpoint(store.storage_for(p)) for p in (a, b))
+    man_a, man_b = root_a.read_manifest(), root_b.read_manifest()
     by_a, by_b = man_a.by_key(), man_b.by_key()
     common = [k for k in by_a if k in by_b]
     tensors, values, same = [], [], 0
@@ -169,7 +169,7 @@ def compare_tensor(root_a, man_a, ea, root_b, man_b, eb) -> TensorDiff | None:
     bit for bit), read and compared ``BLOCK`` elements at a time so one tensor of each is held.
 
     Args:
-        root_a: the first checkpoint's folder.
+        root_a: the first checkpoint (its folder or ``Storage``).
         man_a: its manifest.
         ea: its tensor entry.
         root_b: the second checkpoint's folder.

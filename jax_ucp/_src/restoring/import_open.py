@@ -34,16 +34,16 @@ def import_format(
     ``safetensors_source``, unless import options are given).
 
     Args:
-      path: what was passed to restore / plan.
+      path: what was passed to restore / plan (its storage, once chosen).
       importing: the import options given (``RestoreOptions.importing``), or None.
       format: the format given (``RestoreOptions.format``), or None.
       weights_in_place: plain safetensors are read in place (None); False: imported too.
     """
-    path = os.fspath(path)
-    explicit = importing is not None or format is not None
-    if not store.storage_for(path).renames:
-        return _object_store_format(path, format)
-    if locate.is_ucp(path):
+    storage = store.storage_for(path)
+    path, explicit = storage.root, importing is not None or format is not None
+    if not storage.local:
+        return _object_store_format(storage, format)
+    if locate.is_ucp(storage):
         if explicit and os.path.exists(path):
             raise RequestError(
                 f"{path}: a jax_ucp checkpoint; importing= and format= apply to the sources "
@@ -77,14 +77,15 @@ def import_format(
     return found
 
 
-def _object_store_format(url: str, format: str | None) -> str | None:
+def _object_store_format(prefix: store.storage.Storage, format: str | None) -> str | None:
     """An object-store prefix is read through an import when it is a torch DCP folder (a
     ``.metadata`` object, no ``ucp.json``): its chunks are fetched by ranged GETs. Any other
     prefix is a UCP checkpoint (None), or the safetensors ``remote_safetensors`` reads."""
     from jax_ucp._src.importers import registry  # the edge restoring -> importers
 
-    if store.storage_for(url).exists(fmt.MANIFEST_FILE):
+    if prefix.exists(fmt.MANIFEST_FILE):
         return None
+    url = prefix.root
     dcp = registry.IMPORTERS["torch_dcp"]
     if format not in (None, dcp.format, dcp.name) or not dcp.detect(url).found:
         if format is not None:

@@ -19,14 +19,15 @@ def inspect(path: str | os.PathLike) -> fmt.Manifest:
     ``convert`` reads (torch, DeepSpeed, Megatron, a safetensors folder, ...) gives the
     manifest its conversion would write (``import_open.manifest_of``, the format's default
     import options): its tensors and the import's record (``source``), nothing written."""
-    if not locate.is_ucp(path):  # imported here: inspecting a UCP checkpoint never loads it
+    storage = store.storage_for(path)
+    if not locate.is_ucp(storage):  # imported here: inspecting a UCP checkpoint never loads it
         from jax_ucp._src.restoring import import_open
 
-        found = import_open.import_format(path, weights_in_place=False)
+        found = import_open.import_format(storage, weights_in_place=False)
         if found is not None:
             manifest = import_open.manifest_of(path, found)
             manifest.notices = []
             return manifest
-    manifest = locate.read_consistently(path, store.read_manifest)
+    manifest = locate.read_consistently(storage, store.read_manifest)
     manifest.notices = [message for _, message in tree_lib.class_notices(manifest.tree)]
     return manifest

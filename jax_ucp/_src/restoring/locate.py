@@ -13,17 +13,17 @@ from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import CheckpointError, SaveConflictError
 from jax_ucp._src.restoring import steps
-from jax_ucp._src.store.storage import local
+from jax_ucp._src.store.storage import Storage, local
 
 T = TypeVar("T")
 
 
-def is_ucp(path) -> bool:
-    """Whether ``path`` is read as a UCP checkpoint rather than another source (safetensors):
-    an object-store URL, a directory holding ucp.json or one with an item directory holding it,
-    or nothing there yet (a forced save's swap, or the error ``find_checkpoint_dir`` gives)."""
-    path = os.fspath(path)
-    if "://" in path or os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
+def is_ucp(storage: Storage) -> bool:
+    """Whether ``storage`` is read as a UCP checkpoint rather than another source (safetensors):
+    an object-store prefix, a directory holding ucp.json or one with an item directory holding
+    it, or nothing there yet (a forced save's swap, or the error ``find_checkpoint`` gives)."""
+    path = storage.root
+    if not storage.local or storage.exists(fmt.MANIFEST_FILE):
         return True
     if os.path.isdir(path):  # an Orbax step directory holding a UCP item
         return any(
@@ -32,23 +32,24 @@ def is_ucp(path) -> bool:
     return not os.path.lexists(path)
 
 
-def find_checkpoint_dir(path) -> str:
-    """``path`` itself when it holds ucp.json, else its single UCP item (an Orbax step dir).
+def find_checkpoint(storage: Storage) -> Storage:
+    """``storage`` itself when it holds ucp.json, else its single UCP item (an Orbax step dir).
 
     A forced save killed between its two renames leaves ``path`` missing with both whole
     checkpoints beside it: the newer one (``<path>.ucp-replacing``, committed before the swap
     began) is read, else the older one (``<path>.ucp-replaced``). Reading never renames; the
     next save to ``path`` completes the interrupted swap.
     """
-    path = os.fspath(path).rstrip("/") or "/"
-    if not store.storage_for(path).renames:  # an object-store prefix: no swap, no links
-        return _find_in_object_store(path)
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
-        return path
+    path = storage.root.rstrip("/") or "/"
+    storage = storage if storage.root == path else store.storage_for(path)
+    if not storage.local:  # an object-store prefix: no swap, no links
+        return _find_in_object_store(storage)
+    if os.path.isdir(path) and storage.exists(fmt.MANIFEST_FILE):
+        return storage
     if not os.path.lexists(path):
         for survivor in (path + local.REPLACING, path + local.REPLACED):
             if os.path.isdir(survivor):
-                return find_checkpoint_dir(survivor)
+                return find_checkpoint(store.storage_for(survivor))
         raise CheckpointError(f"{path}: no such checkpoint directory.")
     if not os.path.isdir(path):
         raise CheckpointError(
@@ -61,7 +62,7 @@ def find_checkpoint_dir(path) -> str:
             fmt.files.inside(path, items[0], path)
         except fmt.files.UnsafeFileError as e:
             raise CheckpointError(str(e)) from None
-        return os.path.join(path, items[0])
+        return store.storage_for(os.path.join(path, items[0]))
     if len(items) == 1:  # any folder holding one checkpoint is not read as that checkpoint
         raise CheckpointError(
             f"{path}: no {fmt.MANIFEST_FILE} here; it is not a checkpoint nor an Orbax step "
@@ -110,7 +111,7 @@ def is_step_dir(path: str) -> bool:
     )
 
 
-def check_step_item(path: str, manifest: fmt.Manifest | None = None) -> None:
+def check_step_item(path: str | Storage, manifest: fmt.Manifest | None = None) -> None:
     """The item at ``path``, restored as a step of its run, is that step's: the step folder
     and item it was written as (``source.orbax_item``, recorded by the Orbax handler) are the
     ones it is found under, or that step folder is no longer in the run (a folder renamed or
@@ -119,17 +120,19 @@ def check_step_item(path: str, manifest: fmt.Manifest | None = None) -> None:
     record none and move freely.
 
     Args:
-      path: the item directory, ``<root>/<step folder>/<item>`` (local; an object store's
-        prefixes are not compared).
+      path: the item directory, ``<root>/<step folder>/<item>`` (or its storage; local: an
+        object store's prefixes are not compared).
       manifest: its manifest (None: read here; no manifest there, e.g. a torch source read in
         place through Orbax's args: nothing to check).
     """
-    if "://" in os.fspath(path):
+    storage = store.storage_for(path)
+    if not storage.local:
         return
+    path = storage.root
     if manifest is None:
         if not os.path.isfile(os.path.join(path, fmt.MANIFEST_FILE)):
             return
-        manifest = store.read_manifest(path)
+        manifest = storage.read_manifest()
     recorded = (manifest.source or {}).get(fmt.ORBAX_ITEM)
     if recorded is None:
         return
@@ -172,22 +175,21 @@ def _ucp_items(path: str) -> list[str]:
     )
 
 
-def _find_in_object_store(url: str) -> str:
-    """``url`` when it holds ucp.json, else its single UCP item (an Orbax-style step prefix).
+def _find_in_object_store(prefix: Storage) -> Storage:
+    """``prefix`` when it holds ucp.json, else its single UCP item (an Orbax-style step prefix).
     A prefix without ucp.json is no checkpoint: a save that never completed."""
-    from jax_ucp._src.store.storage import object_store  # a local restore never loads it
-
-    if object_store.exists(url, fmt.MANIFEST_FILE):
-        return url
+    if prefix.exists(fmt.MANIFEST_FILE):
+        return prefix
+    url = prefix.root
     items = sorted(
         {
             name.split("/")[0]
-            for name in object_store.list_names(url)
+            for name in prefix.names()
             if name.count("/") == 1 and name.endswith("/" + fmt.MANIFEST_FILE)
         }
     )
     if len(items) == 1:
-        return object_store.join(url, items[0])
+        return store.storage_for(prefix.join(items[0]))
     if not items:
         raise CheckpointError(
             f"{url}: no {fmt.MANIFEST_FILE} here nor in any item below it; not a jax_ucp "
@@ -197,25 +199,25 @@ def _find_in_object_store(url: str) -> str:
     raise CheckpointError(f"{url}: holds several UCP items {items}; pass one of them.")
 
 
-def read_consistently(path, read: Callable[[str], T], *, redo: bool = True) -> T:
-    """``read(root)`` of the checkpoint at ``path`` (``find_checkpoint_dir``), or of the one a
+def read_consistently(path, read: Callable[[Storage], T], *, redo: bool = True) -> T:
+    """``read(root)`` of the checkpoint at ``path`` (``find_checkpoint``), or of the one a
     concurrent forced save swapped in while it ran (see ``consistent_reads``).
 
     Args:
       path: the checkpoint directory, or an Orbax step directory holding one UCP item.
-      read: reads the checkpoint directory it is given.
+      read: reads the checkpoint it is given (its ``Storage``).
       redo: a successful ``read`` during which the directory changed is run again (False for a
         read with effects, as an export: a success is whole, every shard checked against the
         manifest's digest).
     """
     result = cast(T, None)
-    for attempt in consistent_reads(path, redo=redo):
+    for attempt in consistent_reads(store.storage_for(path), redo=redo):
         with attempt:
             result = read(attempt.find())
     return result
 
 
-def consistent_reads(path, *, redo: bool = True) -> Iterator[Attempt]:
+def consistent_reads(storage: Storage, *, redo: bool = True) -> Iterator[Attempt]:
     """The attempts at reading the checkpoint at ``path`` whole while a concurrent forced save
     may swap it, as ``for attempt in consistent_reads(p): with attempt: r = read(attempt.find())``
     (the loop ends after the read that counts; the caller keeps control, no callback).
@@ -225,20 +227,20 @@ def consistent_reads(path, *, redo: bool = True) -> Iterator[Attempt]:
     directory and shards from the next (``CheckpointError``: not the shard the manifest lists),
     or its directory vanish. Each of those is told from damage by what changed around the read:
     the directory read (device and inode, and its manifest's inode, mtime and size: ext4 gives a
-    freed inode to the next directory at once, the new manifest tells them apart; ``_identity``)
-    or the swap's names beside ``path`` (``.ucp-replacing``,
-    ``.ucp-replaced``). An error with nothing changed is the checkpoint's own; one with a change
-    is retried, and after ``_SWAP_RETRIES`` such retries ``SaveConflictError`` ("being
-    replaced, retry") is raised, never a corrupt-checkpoint error.
+    freed inode to the next directory at once, the new manifest tells them apart) or the swap's
+    names beside ``path`` (``.ucp-replacing``, ``.ucp-replaced``; ``Storage.swap_state``). An
+    error with nothing changed is the checkpoint's own; one with a change is retried, and after
+    ``_SWAP_RETRIES`` such retries ``SaveConflictError`` ("being replaced, retry") is raised,
+    never a corrupt-checkpoint error.
 
     Args:
-      path: the checkpoint directory, or an Orbax step directory holding one UCP item.
+      storage: the checkpoint directory, or an Orbax step directory holding one UCP item.
       redo: see ``read_consistently``.
     """
-    path = os.fspath(path).rstrip("/") or "/"
+    path = storage.root.rstrip("/") or "/"
     error: BaseException | None = None
     for _ in range(_SWAP_RETRIES + 1):
-        attempt = Attempt(path, redo)
+        attempt = Attempt(storage, redo)
         yield attempt
         if attempt.done:
             return
@@ -256,21 +258,21 @@ class Attempt:
     which the directory changed (retried: the exception is swallowed) from the checkpoint's own
     error (raised) and a read that counts (``done``)."""
 
-    def __init__(self, path: str, redo: bool):
-        self.path, self.redo = path, redo
-        self.root: str | None = None
+    def __init__(self, storage: Storage, redo: bool):
+        self.storage, self.redo = storage, redo
+        self.root: Storage | None = None
         self.stamp = None
         self.done = False
         self.error: BaseException | None = None
 
     def __enter__(self) -> Attempt:
-        self.around = _swap_state(self.path)
+        self.around = self.storage.swap_state()
         return self
 
-    def find(self) -> str:
-        """The checkpoint directory this attempt reads (``find_checkpoint_dir``)."""
-        self.root = find_checkpoint_dir(self.path)
-        self.stamp = _identity(self.root)
+    def find(self) -> Storage:
+        """The checkpoint this attempt reads (``find_checkpoint``)."""
+        self.root = find_checkpoint(self.storage)
+        self.stamp = self.root.identity()
         return self.root
 
     def __exit__(self, kind, error, traceback) -> bool:
@@ -279,25 +281,14 @@ class Attempt:
             return False
         if not isinstance(error, fmt.UCPError):
             return False
-        if _swap_state(self.path) == self.around and not self._moved():
+        if self.storage.swap_state() == self.around and not self._moved():
             return False  # the checkpoint's own, nothing changed meanwhile
         self.error = error
         return True
 
     def _moved(self) -> bool:
         """The directory found is gone or another one since ``find()``."""
-        return self.root is not None and (self.stamp is None or _identity(self.root) != self.stamp)
+        return self.root is not None and (self.stamp is None or self.root.identity() != self.stamp)
 
 
 _SWAP_RETRIES = 3
-
-
-def _identity(root: str):
-    """What tells one directory at ``root`` from the next, keyed on what a save changes (the
-    medium's ``identity``: not the ctime, which a ``chmod`` of an idle checkpoint changes)."""
-    return store.storage_for(root).identity()
-
-
-def _swap_state(path: str) -> tuple:
-    """``path`` and the names a forced replacement of it uses beside it."""
-    return tuple(_identity(p) for p in (path, path + local.REPLACING, path + local.REPLACED))

@@ -248,14 +248,15 @@ def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
 
 
 def _plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
-    elsewhere = restore_entry.opened_elsewhere(path, options)
+    storage = store.storage_for(path)
+    elsewhere = restore_entry.opened_elsewhere(storage, options)
     if elsewhere is not None:  # a source read in place: what its import (or header) holds
         with elsewhere as opened:
             return _planned(opened.source.path, opened.available, opened.values, options)
-    root = locate.find_checkpoint_dir(path)
-    manifest = store.read_manifest(root)
+    root = locate.find_checkpoint(storage)
+    manifest = root.read_manifest()
     available = ucp_source.available_tensors(manifest, options.spec)
-    return _planned(root, available, manifest.values, options)
+    return _planned(root.root, available, manifest.values, options)
 
 
 def _planned(root: str, available, values, options: PlanOptions) -> RestorePlan:

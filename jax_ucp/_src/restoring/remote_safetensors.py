@@ -28,14 +28,12 @@ VIEW_CHUNK_BYTES = 4 << 20  # rows per chunk of a TensorStore view
 _VIEW_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
 
 
-def is_source(url) -> bool:
+def is_source(prefix: store.storage.Storage) -> bool:
     """An object-store ``.safetensors`` object, or a prefix holding safetensors objects (or
     their index) and no ``ucp.json``."""
-    url = str(url).rstrip("/")
-    prefix = store.storage_for(url)
-    if prefix.renames:  # a local directory: not this source's medium
+    if prefix.local:  # a local directory: not this source's medium
         return False
-    if url.endswith(".safetensors"):
+    if prefix.root.rstrip("/").endswith(".safetensors"):
         return True
     if prefix.exists(fmt.MANIFEST_FILE):
         return False

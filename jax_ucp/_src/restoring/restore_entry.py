@@ -54,12 +54,13 @@ def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
         safetensors (a file, or a folder of them).
       options: what to restore and how (checked when constructed).
     """
-    elsewhere = opened_elsewhere(path, options)
+    storage = store.storage_for(path)  # chosen once, handed down
+    elsewhere = opened_elsewhere(storage, options)
     if elsewhere is not None:  # read in place: no UCP checkpoint there
         with elsewhere as opened:
             return restore_from(opened, options)
     result: Any = None
-    for attempt in locate.consistent_reads(path):
+    for attempt in locate.consistent_reads(storage):
         with attempt:
             opened = ucp_source.open_checkpoint(attempt.find(), options.spec)
             result = restore_from(opened, options)
@@ -67,27 +68,27 @@ def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
 
 
 def opened_elsewhere(
-    path, options: restore_options.RestoreOptions
+    storage: store.storage.Storage, options: restore_options.RestoreOptions
 ) -> contextlib.AbstractContextManager[OpenedSource] | None:
     """The "open" stage for a source that is no UCP checkpoint (None for one: UCP is detected
     first): Hugging Face safetensors read in place, or any other source ``convert`` reads,
     opened through its import plan (``import_open``) with ``options.importing``."""
     explicit = options.importing is not None or options.format is not None
-    if not store.storage_for(path).renames and not explicit:
+    if not storage.local and not explicit:
         from jax_ucp._src.restoring import remote_safetensors  # an object store's only
 
-        if remote_safetensors.is_source(path):
-            return remote_safetensors.opened_source(path, options.spec)
-    if locate.is_ucp(path) and not explicit and store.storage_for(path).renames:
+        if remote_safetensors.is_source(storage):
+            return remote_safetensors.opened_source(storage.root, options.spec)
+    if storage.local and not explicit and locate.is_ucp(storage):
         return None  # (a URL without ucp.json may be a torch DCP folder: import_format asks)
     # imported here: a local UCP restore (above) never loads the importers' and safetensors' code
     from jax_ucp._src.restoring import import_open, safetensors_source
 
-    checkpoint_format = import_open.import_format(path, options.importing, options.format)
+    checkpoint_format = import_open.import_format(storage, options.importing, options.format)
     if checkpoint_format is not None:
-        return _imported(path, checkpoint_format, options)
-    if not locate.is_ucp(path) and safetensors_source.is_source(path):
-        return safetensors_source.opened_source(path, options.spec)
+        return _imported(storage.root, checkpoint_format, options)
+    if safetensors_source.is_source(storage):
+        return safetensors_source.opened_source(storage.root, options.spec)
     return None
 
 

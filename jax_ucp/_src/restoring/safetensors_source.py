@@ -24,14 +24,15 @@ from jax_ucp._src.restoring import locate
 from jax_ucp._src.restoring.engine import OpenedSource, TensorSource
 from jax_ucp._src.restoring.model import Available
 from jax_ucp._src.store import safetensors_file
+from jax_ucp._src.store.storage import Storage
 
 ROOT = "params"  # where the importer puts the weights: a spec's param root
 
 
-def is_source(path) -> bool:
+def is_source(storage: Storage) -> bool:
     """A local ``.safetensors`` file, or a folder holding safetensors files and no ``ucp.json``,
     itself or in an item directory (a converted checkpoint or an Orbax step is read as one)."""
-    return not locate.is_ucp(path) and safetensors.is_safetensors(path)
+    return not locate.is_ucp(storage) and safetensors.is_safetensors(storage.root)
 
 
 def _available(tensors: dict, spec) -> tuple[dict[tuple[str, ...], Available], dict]:

@@ -32,11 +32,11 @@ MAX_ZARR_JSON_BYTES = 16 << 10
 ZARR_JSON = "zarr.json"
 
 
-def open_checkpoint(root: str, spec=None) -> OpenedSource:
-    """The checkpoint directory ``root`` (``locate.find_checkpoint_dir``) opened for a restore:
-    its manifest read, what it offers (``spec``'s views of it, or its tensors) and its values."""
+def open_checkpoint(root: store.storage.Storage, spec=None) -> OpenedSource:
+    """The checkpoint ``root`` (``locate.find_checkpoint``) opened for a restore: its manifest
+    read, what it offers (``spec``'s views of it, or its tensors) and its values."""
     with bulk.cyclic_gc_paused():  # an object or more per tensor, none dropped
-        manifest = store.read_manifest(root)
+        manifest = root.read_manifest()
         return OpenedSource(
             CheckpointSource(root),
             available_tensors(manifest, spec),
@@ -91,7 +91,7 @@ def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...]
 
 
 def read(
-    root: str,
+    root: str | store.storage.Storage,
     manifest: fmt.Manifest,
     requests: Sequence[Request],
     *,
@@ -177,11 +177,10 @@ class CheckpointSource(TensorSource):
 
     metadata = fmt.MANIFEST_FILE
 
-    def __init__(self, root: str):
-        self.root = self.path = root
-        self.where = f"the checkpoint {root}"
+    def __init__(self, root: str | store.storage.Storage):
         self.storage = store.storage_for(root)  # chosen once: every array is opened through it
-        self.url = not self.storage.renames
+        self.root = self.path = root = self.storage.root
+        self.where = f"the checkpoint {root}"
         self._context = store.zarr3.read_context()
         # per array: its zarr.json's bytes (None: missing) or their fetch (``_Fetch``), then
         # its checked layout, then the TensorStore array opened
@@ -200,7 +199,7 @@ class CheckpointSource(TensorSource):
         for _, pending in self._futures.values():
             if isinstance(pending, _Fetch):  # the whole objects fetched at once in turn
                 pending.advance(self._kv)
-        if self.url:
+        if not self.storage.local:
             verify_shard_objects(self.storage, sources.values())
 
     def _open(self, entry: fmt.TensorEntry) -> None:
@@ -310,9 +309,9 @@ class CheckpointSource(TensorSource):
     def verify(self, found: Available, reader) -> None:
         """Read by TensorStore: every shard file it may open checked first (object stores
         were checked at once, by ``prepare``)."""
-        if not self.url and not isinstance(reader, shard_reader.ShardReader):
+        if self.storage.local and not isinstance(reader, shard_reader.ShardReader):
             for src in found.sources:
-                verify_shard_files(self.root, src)
+                verify_shard_files(self.storage, src)
 
     def unit_rows(self, found: Available) -> int:
         """The stored array is split on its inner chunks."""
@@ -357,19 +356,19 @@ class _Fetch:
         return b" " * (MAX_ZARR_JSON_BYTES + 1) if too_large else content
 
 
-def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
+def verify_shard_files(storage: store.storage.Storage, entry: fmt.TensorEntry) -> None:
     """Before TensorStore reads ``entry``: each shard file exists, is a regular file, and (with
     checksums) is the one the manifest lists (its digest), so a swapped, stale or missing shard
     is an error naming the file, and a FIFO never blocks the read."""
-    kv = store.kvstore_config(root, entry.dir)
-    if kv.get("driver") != "file":
-        verify_shard_objects(root, [entry])
+    if not storage.local:
+        verify_shard_objects(storage, [entry])
         return
+    kv = storage.kvstore(entry.dir)
     n_chunks = _chunks_per_shard(entry)
     for key in shard_file.grid_keys(entry.shape, entry.chunk_shape):
         path = os.path.join(kv["path"], *key.split("/"))
         with _shard_checked(entry, "file", path):
-            fmt.files.inside(root, f"{entry.dir}/{key}", "shard file")
+            fmt.files.inside(storage.root, f"{entry.dir}/{key}", "shard file")
             if entry.checksum == "crc32c" and entry.shard_digests is not None:
                 found = shard_reader.file_digest(path, n_chunks)
                 shard_file.check_digest(path, found, entry.shard_digests.get(key), entry.name)
@@ -396,7 +395,7 @@ def _shard_checked(entry: fmt.TensorEntry, kind: str, where: str):
         raise tensor_error(entry.name, e) from None
 
 
-def verify_shard_objects(root: str | store.storage.Storage, entries) -> None:
+def verify_shard_objects(storage: store.storage.Storage, entries) -> None:
     """``verify_shard_files`` for many tensors in an object store at once: each shard object's
     digest from its index and chunk trailers, read as byte ranges, all objects' requests issued
     together (two round trips for a whole restore, where one object after another took two
@@ -404,7 +403,6 @@ def verify_shard_objects(root: str | store.storage.Storage, entries) -> None:
     entries = [e for e in entries if e.checksum == "crc32c" and e.shard_digests is not None]
     if not entries:
         return
-    storage = store.storage_for(root)  # the source's own, or chosen here
     kvstore = ts.KvStore.open(storage.kvstore()).result()
     shards, owners = [], []
     for entry in entries:

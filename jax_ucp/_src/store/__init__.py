@@ -14,7 +14,7 @@ from jax_ucp._src.store.chunking import (
     outer_chunk_shape,
 )
 from jax_ucp._src.store.in_flight import InFlightBytes
-from jax_ucp._src.store.storage import read_manifest, storage_for, write_manifest
+from jax_ucp._src.store.storage import read_manifest, storage_for
 from jax_ucp._src.store.zarr3 import (
     ArrayLayout,
     array_config,

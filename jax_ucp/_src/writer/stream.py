@@ -287,4 +287,4 @@ async def write_stream(
     manifest = fmt.new_manifest(
         entries, source=source, kvstore_driver=store.kvstore_driver(directory)
     )
-    store.write_manifest(directory, manifest, manifest_file)
+    store.storage_for(directory).write_manifest(manifest, manifest_file)

@@ -22,11 +22,9 @@ __all__ = [
     "ObjectStorePrefix",
     "Storage",
     "Transaction",
-    "is_url",
     "kvstore_join",
     "read_manifest",
     "storage_for",
-    "write_manifest",
 ]
 
 
@@ -38,18 +36,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def is_url(path: Any) -> bool:
-    """True for ``s3://...`` / ``gs://...`` (an object-store checkpoint)."""
-    return isinstance(path, str) and path.split("://", 1)[0] in SCHEMES and "://" in path
-
-
 def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
     """The storage of the checkpoint at ``path``: an object-store prefix for ``s3://`` and
     ``gs://`` URLs, else a local directory."""
     if isinstance(path, Storage):
         return path
     path = os.fspath(path)
-    if is_url(path):
+    if isinstance(path, str) and path.split("://", 1)[0] in SCHEMES and "://" in path:
         from jax_ucp._src.store.storage.object_store import ObjectStorePrefix
 
         return ObjectStorePrefix(path)
@@ -59,14 +52,3 @@ def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
 def read_manifest(root) -> fmt.Manifest:
     """The checkpoint's ``ucp.json`` (strictly validated), local or in an object store."""
     return storage_for(root).read_manifest()
-
-
-def write_manifest(root, manifest: fmt.Manifest, name: str = fmt.MANIFEST_FILE) -> None:
-    """``ucp.json`` (or a part of it) at ``root``; for an object store, one PUT, the commit.
-
-    Args:
-        root: the checkpoint (a local directory or an object-store prefix)
-        manifest: what to write
-        name: the file name (``ucp.json``, or a part's name)
-    """
-    storage_for(root).write_manifest(manifest, name)

@@ -71,6 +71,7 @@ class Storage(abc.ABC):
     it ("/"-separated)."""
 
     renames: bool  # commits by renaming a directory into place (else: its manifest, written last)
+    local = False  # files opened, linked and swapped by ``os`` at ``root`` (else: requests only)
 
     def __init__(self, root: str):
         self.root = root
@@ -126,6 +127,11 @@ class Storage(abc.ABC):
     def identity(self) -> Any:
         """What tells the committed checkpoint at ``root`` from the next one there (None when
         there is none)."""
+
+    def swap_state(self) -> tuple:
+        """``identity()`` of ``root`` and of what a forced replacement puts beside it while it
+        swaps (``root``'s alone where nothing is swapped); a reader compares it before and after."""
+        return (self.identity(),)
 
     @abc.abstractmethod
     def lock(self) -> contextlib.AbstractContextManager[None]:

@@ -219,6 +219,22 @@ def save_lock(path: str):
             os.close(fd)  # releases the lock
 
 
+def directory_identity(path: str):
+    """What a save changes at ``path`` (None: nothing there): the directory (device, inode) and
+    its manifest (inode, mtime, size: ext4 gives a freed inode to the next directory at once);
+    not the ctime, which a ``chmod`` of an idle checkpoint changes too."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    try:
+        m = os.stat(os.path.join(path, fmt.MANIFEST_FILE))
+        manifest = (m.st_ino, m.st_mtime_ns, m.st_size)
+    except OSError:
+        manifest = None
+    return (st.st_dev, st.st_ino, manifest)
+
+
 def _remove(path: str) -> None:
     """A directory tree, or a plain file / link that a forced write replaced."""
     if os.path.lexists(path):
@@ -232,7 +248,7 @@ def _remove(path: str) -> None:
 class LocalDirectory(Storage):
     """A checkpoint directory: committed by rename, made durable by syncfs, locked by a file."""
 
-    renames = True
+    renames = local = True
 
     def absolute(self) -> str:
         return os.path.abspath(self.root)
@@ -290,19 +306,11 @@ class LocalDirectory(Storage):
         self.write(name, manifest.dumps().encode())
 
     def identity(self):
-        """What a save changes: the directory (device, inode: ext4 gives a freed inode to the
-        next directory made at once) and its manifest (inode, mtime, size: written anew by every
-        save). Not the ctime, which a ``chmod`` of an idle checkpoint changes too."""
-        try:
-            st = os.stat(self.root)
-        except OSError:
-            return None
-        try:
-            m = os.stat(os.path.join(self.root, fmt.MANIFEST_FILE))
-            manifest = (m.st_ino, m.st_mtime_ns, m.st_size)
-        except OSError:
-            manifest = None
-        return (st.st_dev, st.st_ino, manifest)
+        return directory_identity(self.root)
+
+    def swap_state(self) -> tuple:
+        path = self.root.rstrip("/") or "/"
+        return tuple(directory_identity(p) for p in (path, path + REPLACING, path + REPLACED))
 
     def lock(self):
         return save_lock(self.absolute())
