@@ -532,6 +532,20 @@ def test_renames_and_object_writes_stay_in_the_storage_modules():
     assert not wrong, "\n".join(sorted(wrong))
 
 
+def test_the_medium_is_asked_only_inside_the_storage_modules():
+    """Whether a path is an object store is its ``Storage``'s to answer (``local``,
+    ``identity()``, its requests), chosen once and handed down (issue 58): no ``.renames`` (how
+    a medium commits) nor ``"://"`` sniffed anywhere above ``store/storage/``."""
+    wrong = []
+    for path in _modules():
+        rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
+        with open(path, encoding="utf-8") as f:
+            lines = [] if rel.startswith(STORAGE) else list(enumerate(f, 1))
+        forks = (".renames", '"://"', "'://'")
+        wrong += [f"jax_ucp/_src/{rel}:{n}" for n, s in lines if any(k in s for k in forks)]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_storage_rule_sees_a_rename_and_an_object_write():
     code = (
         "import os, pathlib\n"

@@ -120,8 +120,8 @@ def _until_heard(gather: Gather, where: str) -> None:
 
 def _identity(path: str) -> tuple[int, int] | None:
     """The directory ``path`` (device, inode): what it stays when renamed into place. None for
-    an object store (no rename) or when it cannot be read."""
-    if "://" in path:
+    an object store's URL (a transaction's directory is absolute) or when it cannot be read."""
+    if not os.path.isabs(path):
         return None
     try:
         st = os.stat(path)
@@ -143,7 +143,7 @@ def _outcome_from_storage(
             f"{where}: whether the primary committed it cannot be read from storage here; {detail}"
         ) from lost
     parent, name = os.path.split(os.path.abspath(where))
-    candidates = [where]
+    candidates = [os.path.join(parent, name)]  # where the commit renamed it (made absolute)
     if not os.path.lexists(where):  # mid-replacement: the newer one sits beside it
         with contextlib.suppress(OSError):
             beside = [n for n in os.listdir(parent) if n.startswith(name + ".")]

@@ -174,9 +174,7 @@ class ObjectPath(str):
 
 def folder(path: os.PathLike | str) -> Path | ObjectPath:
     """``path`` as the reader holds it: an :class:`ObjectPath` for an object-store URL."""
-    return (
-        ObjectPath(str(path).rstrip("/")) if not storage.storage_for(path).renames else Path(path)
-    )
+    return Path(path) if storage.storage_for(path).local else ObjectPath(str(path).rstrip("/"))
 
 
 @dataclass(frozen=True)

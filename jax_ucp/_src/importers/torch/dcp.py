@@ -74,7 +74,7 @@ def dcp_dirs(src: os.PathLike | str) -> list[Path] | list[torch_dcp.ObjectPath]:
     ``optimizer_N/`` inside it; [] when none. An object-store prefix (``s3://``, ``gs://``)
     is one when it holds a ``.metadata`` object (Accelerate's and OLMo-core's folders are read
     from local disk only)."""
-    if not store.storage_for(src).renames:
+    if not store.storage_for(src).local:
         prefix = torch_dcp.ObjectPath(os.fspath(src).rstrip("/"))
         return [prefix] if store.storage_for(prefix).exists(torch_dcp.METADATA_FILE) else []
     path = Path(src)
@@ -92,7 +92,7 @@ def dcp_dirs(src: os.PathLike | str) -> list[Path] | list[torch_dcp.ObjectPath]:
 def is_torch_dcp(src: os.PathLike | str) -> bool:
     """A plain torch DCP checkpoint (not megatron-core's, which has common.pt/metadata.json)."""
     dirs = dcp_dirs(src)
-    if dirs and not store.storage_for(src).renames:
+    if dirs and not store.storage_for(src).local:
         return not any(store.storage_for(src).exists(f) for f in MEGATRON_FILES)
     return bool(dirs) and not any(os.path.lexists(d / f) for d in dirs for f in MEGATRON_FILES)
 
@@ -102,7 +102,7 @@ def detect(src: os.PathLike | str) -> Detection:
     folders holding one, or the rank-local safetensors of torch's Hugging Face writer), not
     megatron-core's, from names alone (and a safetensors header's ``__metadata__``)."""
     if is_torch_dcp(src):
-        if store.storage_for(src).renames and dcp_safetensors.is_rank_local(src):
+        if store.storage_for(src).local and dcp_safetensors.is_rank_local(src):
             return Detection(True, "torch DCP rank-local safetensors (DCP_SHARDING_INFO)")
         return Detection(True, "torch DCP (.metadata)")
     return Detection(
@@ -136,7 +136,7 @@ def plan_torch_dcp(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
             f"{src}: no .metadata (and no pytorch_model_fsdp_N/ or optimizer_N/ folder holding "
             f"one): not a torch DCP checkpoint"
         )
-    remote = not store.storage_for(src).renames
+    remote = not store.storage_for(src).local
     try:
         for d in dirs:  # Accelerate's folders inside src, never links to another run's
             if not remote and d != Path(src):
