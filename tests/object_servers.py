@@ -98,3 +98,141 @@ def bucket(request, monkeypatch):
 def bucket_url(bucket):
     """The URL of ``bucket``."""
     return bucket[1]
+
+
+class HubServer:
+    """A local server with the Hugging Face Hub's layout (``hub_server``): ``/api/models/REPO/
+    revision/REV`` (the model info: ``sha``, ``siblings``), ``/REPO/resolve/REV/PATH`` (a
+    ``.safetensors`` file redirected to the CDN, another server on another port, as the Hub
+    does; other files served there), ``Range`` on both; the token required on the Hub's own
+    host. ``log``: every request (server, method, file, range). Synthetic: no network."""
+
+    TOKEN = "synthetic-token"
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.repos: dict[str, dict] = {}
+        self.log: list[dict] = []
+        self.redirect_to: str | None = None  # the CDN hop's target instead of the CDN
+        self._after_listing: dict[str, dict] = {}
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                outer.answer(self, self.server is outer.cdn)
+
+            do_GET = do_HEAD
+
+        self.hub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.cdn = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        for s in (self.hub, self.cdn):
+            threading.Thread(target=s.serve_forever, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self.hub.server_address[1]}"
+        self.cdn_url = f"http://127.0.0.1:{self.cdn.server_address[1]}"
+
+    def add(self, repo: str, files: dict[str, bytes]) -> str:
+        """A commit of ``files`` to ``repo``'s ``main``: its sha."""
+        import hashlib
+
+        entry = self.repos.setdefault(repo, {"refs": {}, "commits": {}})
+        sha = hashlib.sha1(repr((repo, len(entry["commits"]), sorted(files))).encode()).hexdigest()
+        entry["commits"][sha], entry["refs"]["main"] = dict(files), sha
+        return sha
+
+    def file_commit(self, repo: str) -> dict[str, bytes]:
+        """The files of ``repo``'s ``main``."""
+        entry = self.repos[repo]
+        return entry["commits"][entry["refs"]["main"]]
+
+    def push_after_each_listing(self, repo: str, shas: list[str]) -> None:
+        """After every listing of ``repo``, its ``main`` moved to the next of ``shas`` (a push
+        mid-read, again and again)."""
+        self._after_listing[repo] = {"shas": shas, "next": 0}
+
+    def close(self) -> None:
+        for s in (self.hub, self.cdn):
+            s.shutdown()
+            s.server_close()
+
+    def answer(self, h, cdn: bool) -> None:
+        import urllib.parse
+
+        path = urllib.parse.unquote(urllib.parse.urlsplit(h.path).path).lstrip("/")
+        auth = h.headers.get("Authorization")
+        if not cdn and auth != f"Bearer {self.TOKEN}":
+            return self._send(h, 401, b"", {"X-Error-Message": "Invalid credentials"})
+        if cdn:  # /SHA/PATH
+            sha, _, name = path.partition("/")
+            commits = [e["commits"][sha] for e in self.repos.values() if sha in e["commits"]]
+            return self._file(h, commits[0] if commits else {}, name, "cdn", auth)
+        if path.startswith("api/models/"):
+            repo, _, rev = path[len("api/models/") :].partition("/revision/")
+            entry, sha = self._commit(repo, rev)
+            if sha is None:
+                code = "RevisionNotFound" if entry["commits"] else "RepoNotFound"
+                return self._send(h, 404, b"", {"X-Error-Code": code})
+            siblings = [{"rfilename": n} for n in sorted(entry["commits"][sha])]
+            body = json.dumps({"id": repo, "sha": sha, "siblings": siblings}).encode()
+            push = self._after_listing.get(repo)
+            if push is not None:
+                entry["refs"]["main"] = push["shas"][push["next"] % len(push["shas"])]
+                push["next"] += 1
+            return self._send(h, 200, body, {"Content-Type": "application/json"})
+        org, name, resolve, rest = (path.split("/", 3) + ["", "", "", ""])[:4]
+        rev, _, file = rest.partition("/")
+        entry, sha = self._commit(f"{org}/{name}", rev)
+        if resolve != "resolve" or sha is None:
+            return self._send(h, 404, b"", {"X-Error-Code": "RepoNotFound"})
+        if file.endswith(".safetensors") and file in entry["commits"][sha]:
+            hop = self.redirect_to or f"{self.cdn_url}/{sha}/{file}?X-Amz-Signature=synthetic"
+            self.log.append({"server": "hub", "method": h.command, "path": file, "range": None})
+            return self._send(h, 302, b"", {"Location": hop})
+        return self._file(h, entry["commits"][sha], file, "hub", auth)
+
+    def _commit(self, repo: str, rev: str) -> tuple[dict, str | None]:
+        """(the repo's entry, {} when there is none; the commit ``rev`` names, or None)."""
+        entry = self.repos.get(repo, {"refs": {}, "commits": {}})
+        sha = entry["refs"].get(rev, rev)
+        return entry, sha if sha in entry["commits"] else None
+
+    def _file(self, h, files: dict, name: str, server: str, auth) -> None:
+        import re
+
+        if name not in files:
+            return self._send(h, 404, b"", {"X-Error-Code": "EntryNotFound"})
+        data, asked = files[name], h.headers.get("Range")
+        record = {"server": server, "method": h.command, "path": name, "range": asked}
+        self.log.append({**record, "authorization": auth, "start": None, "stop": None})
+        m = re.fullmatch(r"bytes=(\d+)-(\d*)", asked or "")
+        if asked is None or m is None:
+            return self._send(h, 200, data, {})
+        start, stop = int(m[1]), min(int(m[2]) + 1 if m[2] else len(data), len(data))
+        self.log[-1].update(start=start, stop=int(m[2]) + 1 if m[2] else len(data))
+        if start >= len(data):
+            return self._send(h, 416, b"", {"Content-Range": f"bytes */{len(data)}"})
+        content_range = f"bytes {start}-{stop - 1}/{len(data)}"
+        return self._send(h, 206, data[start:stop], {"Content-Range": content_range})
+
+    @staticmethod
+    def _send(h, status: int, body: bytes, headers: dict) -> None:
+        h.send_response(status)
+        for k, v in {**headers, "Content-Length": str(len(body))}.items():
+            h.send_header(k, v)
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(body)
+
+
+@pytest.fixture
+def hub_server(monkeypatch):
+    """A ``HubServer`` on 127.0.0.1, ``HF_ENDPOINT`` and ``HF_TOKEN`` pointing at it."""
+    server = HubServer()
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    monkeypatch.setenv("HF_TOKEN", HubServer.TOKEN)
+    yield server
+    server.close()

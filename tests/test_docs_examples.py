@@ -54,6 +54,7 @@ SKIPPED = {
     "README.md": 1,
     "docs/ELASTIC.md": 2,
     "docs/EXPORT.md": 1,
+    "docs/HF.md": 1,
     "docs/RELIABILITY.md": 1,
     "docs/TORCH.md": 1,
 }

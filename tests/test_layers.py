@@ -487,7 +487,7 @@ OBJECT_CLIENTS = {"object_store"}  # the object-store client
 OBJECT_WRITES = {"write", "create", "delete", "delete_names"}
 KVSTORE_READERS = {
     "restoring/ucp_source.py",  # opens a prefix to read its shards' digests
-    "restoring/remote_safetensors.py",  # byte ranges of safetensors objects, read only
+    "store/safetensors_remote.py",  # byte ranges of safetensors objects, read only
 }
 
 

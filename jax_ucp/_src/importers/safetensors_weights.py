@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 
-from jax_ucp._src import writer
+from jax_ucp._src import store, writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import safetensors
 from jax_ucp._src.importers.plan import ImportOptions, ImportPlan, host_item, refuse_spec, skip
 from jax_ucp._src.importers.trainer_files import adapter_beside_model
+from jax_ucp._src.store import safetensors_remote
 
 __all__ = ["plan_safetensors"]
 
@@ -30,6 +31,8 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
     spec, weights_only, share = options.spec, options.weights_only, options.share
     refuse_spec(spec, "safetensors imports keep Hugging Face's names", SourceError)
     src = os.fspath(src)
+    if not store.storage_for(src).local:  # an object store's or the Hub's: read by ranges
+        return _plan_remote(src, options)
     opened, owner = safetensors.open_checkpoint(src)
     names = sorted(owner)
     dtypes = sorted({str(owner[n].header[n][0]) for n in names})
@@ -74,3 +77,33 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
         for n in mine
     )
     return ImportPlan(items, source, len(mine), source_tensors=found)
+
+
+def _plan_remote(url: str, options: ImportOptions) -> ImportPlan:
+    """The import of safetensors in an object store or a Hub repo (``hf://``): each tensor one
+    ranged read (rows in slabs when larger than the memory budget); ``path`` the source as
+    read, a Hub repo's pinned to the commit it was read at (``hf://ORG/NAME@SHA``)."""
+    prefix, tensors = safetensors_remote.open_remote(url.rstrip("/"))
+    names = sorted(tensors)
+    source = {
+        "framework": "safetensors",
+        "path": prefix.absolute(),
+        "files": sorted({t.shown.rpartition("/")[2] for t in tensors.values()}),
+        "dtypes": sorted({str(tensors[n].dtype) for n in names}),
+    }
+
+    def deferred(t: safetensors_remote.RemoteTensor) -> writer.Deferred:
+        rows = t.shape[0] if t.shape else 1
+        return writer.Deferred(
+            t.shape,
+            t.dtype,
+            lambda: t.rows(0, rows).reshape(t.shape),
+            rows=t.rows if t.shape else None,
+        )
+
+    mine = options.share.pick(names)
+    items = (
+        host_item(("params", n), deferred(tensors[n]), {"file": tensors[n].shown, "tensors": [n]})
+        for n in mine
+    )
+    return ImportPlan(items, source, len(mine), source_tensors=names)

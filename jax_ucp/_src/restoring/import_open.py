@@ -88,6 +88,8 @@ def _object_store_format(prefix: store.storage.Storage, format: str | None) -> s
     url = prefix.root
     dcp = registry.IMPORTERS["torch_dcp"]
     if format not in (None, dcp.format, dcp.name) or not dcp.detect(url).found:
+        if format is None and registry.IMPORTERS["safetensors"].detect(url).found:
+            return "safetensors"  # read in place by ranges (an object store's, the Hub's)
         if format is not None:
             raise RequestError(
                 f"{url}: from an object store only a torch DCP folder (a .metadata object) is "

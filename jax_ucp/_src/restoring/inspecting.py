@@ -20,7 +20,8 @@ def inspect(path: str | os.PathLike) -> fmt.Manifest:
     manifest its conversion would write (``import_open.manifest_of``, the format's default
     import options): its tensors and the import's record (``source``), nothing written."""
     storage = store.storage_for(path)
-    if not locate.is_ucp(storage):  # imported here: inspecting a UCP checkpoint never loads it
+    # imported here: inspecting a local UCP checkpoint never loads it (a remote one: a source?)
+    if not storage.local or not locate.is_ucp(storage):
         from jax_ucp._src.restoring import import_open
 
         found = import_open.import_format(storage, weights_in_place=False)

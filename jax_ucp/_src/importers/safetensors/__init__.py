@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import os
 
+from jax_ucp._src import store
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format import safetensors
 from jax_ucp._src.importers import trainer_files
 from jax_ucp._src.importers.plan import Detection, ImportOptions, ImportPlan
 from jax_ucp._src.importers.safetensors_weights import plan_safetensors
+from jax_ucp._src.store import safetensors_remote
 
 __all__ = ["detect", "plan"]
+
+#: a run's state beside remote weights: read through a local view of the folder instead
+_RUN_STATE = ("optimizer", "scheduler", "adapter_", "trainer_state", "rng_state")
 
 
 def detect(src: os.PathLike | str) -> Detection:
@@ -29,6 +34,11 @@ def detect(src: os.PathLike | str) -> Detection:
     index), from names and headers' lengths only. A folder is a weak claim: DeepSpeed,
     Megatron, Orbax and torch DCP folders may hold safetensors too."""
     src = os.fspath(src)
+    remote = store.storage_for(src)
+    if safetensors_remote.holds(remote) and not any(  # weights alone: read in place by ranges
+        n.rpartition("/")[2].startswith(_RUN_STATE) for n in remote.names()
+    ):
+        return Detection(True, "Hugging Face safetensors (read by ranges)", weak=True)
     if os.path.isfile(src):
         if src.endswith(".safetensors"):
             return Detection(True, "a .safetensors file")

@@ -38,10 +38,14 @@ def __getattr__(name: str):
 
 def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
     """The storage of the checkpoint at ``path``: an object-store prefix for ``s3://`` and
-    ``gs://`` URLs, else a local directory."""
+    ``gs://`` URLs, a Hugging Face Hub repo (read-only) for ``hf://``, else a local directory."""
     if isinstance(path, Storage):
         return path
     path = os.fspath(path)
+    if path.startswith("hf://"):
+        from jax_ucp._src.store.storage.hub import HubRepo
+
+        return HubRepo(path)
     if isinstance(path, str) and path.split("://", 1)[0] in SCHEMES and "://" in path:
         from jax_ucp._src.store.storage.object_store import ObjectStorePrefix
 

@@ -91,6 +91,11 @@ class Storage(abc.ABC):
     def kvstore(self, *subpath: str) -> dict:
         """The TensorStore kvstore spec of ``root`` joined with ``subpath``."""
 
+    def ranged(self, name: str) -> tuple[dict, str]:
+        """A kvstore spec and the key in it that file ``name`` is read from by byte ranges
+        (a medium whose files redirect elsewhere, the Hub's, says where)."""
+        return self.kvstore(), name
+
     @abc.abstractmethod
     def read(self, name: str, limit: int) -> bytes | None:
         """The whole of ``name`` (None when absent); more than ``limit`` bytes is an error."""

@@ -1,0 +1,227 @@
+"""Hugging Face safetensors files read in place by byte ranges from a medium that is no local
+directory (an object store's ``s3://`` / ``gs://`` prefix, a Hub repo's ``hf://``): each file's
+header checked (its length, then the header, then the file's exact size), each tensor's regions
+fetched as ranges of whole rows through TensorStore's kvstore drivers (where the medium says a
+file is read from: ``Storage.ranged``), nothing written. What ``restoring.remote_safetensors``
+restores from and the safetensors importer converts. JAX-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import tensorstore as ts
+
+from jax_ucp._src import format as fmt
+from jax_ucp._src.errors import CheckpointError, SourceError, tensorstore_message
+from jax_ucp._src.format import safetensors
+from jax_ucp._src.store import shard_reader
+from jax_ucp._src.store.storage import Storage, storage_for
+
+VIEW_CHUNK_BYTES = 4 << 20  # rows per chunk of a TensorStore view
+_VIEW_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+
+
+def holds(prefix: Storage) -> bool:
+    """A ``.safetensors`` object, or a prefix / repo holding safetensors (or their index) and
+    no ``ucp.json``, in a medium that is no local directory."""
+    if prefix.local:  # a local directory: ``format.safetensors`` reads it
+        return False
+    if prefix.root.rstrip("/").endswith(".safetensors"):
+        return True
+    if prefix.exists(fmt.MANIFEST_FILE):
+        return False
+    return prefix.exists(safetensors.INDEX_FILE) or any(
+        "/" not in n and n.endswith(".safetensors") for n in prefix.names()
+    )
+
+
+def objects(url: str) -> tuple[Storage, list[str]]:
+    """(the medium, the safetensors objects in it) of the checkpoint at ``url``: one storage,
+    so a Hub repo's files are all read at the commit it resolved once."""
+    if url.endswith(".safetensors"):
+        prefix, _, name = url.rpartition("/")
+        return storage_for(prefix), [name]
+    prefix = storage_for(url)
+    raw = prefix.read(safetensors.INDEX_FILE, safetensors.MAX_INDEX_BYTES)
+    if raw is None:
+        names = sorted(n for n in prefix.names() if "/" not in n and n.endswith(".safetensors"))
+        if len(names) != 1:
+            raise SourceError(
+                f"{url}: {len(names)} .safetensors objects and no {safetensors.INDEX_FILE} "
+                f"saying which belong to the model; add the index, or pass the one you mean."
+            )
+        return prefix, names
+    where = prefix.join(safetensors.INDEX_FILE)
+    try:
+        data = safetensors.strict_json(raw.decode("utf-8"), where)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise SourceError(f"{where}: not a valid JSON index ({str(e)[:200]})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise SourceError(f"{where}: expected a 'weight_map' of tensor name -> file name.")
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if "/" in name or name in (".", "..") or not name.endswith(".safetensors"):
+            raise SourceError(
+                f"{where}: weight_map names {name[:100]!r}; expected a .safetensors object "
+                f"beside the index."
+            )
+    return prefix, names
+
+
+@dataclasses.dataclass
+class RemoteTensor:
+    """One tensor of a safetensors object: regions fetched as byte ranges of whole rows (a
+    ``sharding.RegionReader``)."""
+
+    kv: ts.KvStore
+    object: str  # the object's name under the kvstore's prefix
+    shown: str  # its URL, for errors
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the object
+
+    @property
+    def row_bytes(self) -> int:
+        return (
+            math.prod(self.shape[1:]) * self.dtype.itemsize if self.shape else self.dtype.itemsize
+        )
+
+    def _fetch(self, a: int, b: int):
+        start = self.offset + a * self.row_bytes
+        return self.kv.read(self.object, byte_range=slice(start, start + (b - a) * self.row_bytes))
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        """Rows ``a:b`` of the tensor (``[0:1]`` of a scalar), one ranged read."""
+        return self.rows_from(self._fetch(a, b), a, b)
+
+    def rows_from(self, future, a: int, b: int) -> np.ndarray:
+        want = (b - a) * self.row_bytes
+        try:
+            got = future.result()
+        except ValueError as e:  # a range past the end: the object shrank since it was opened
+            raise CheckpointError(
+                f"{self.shown}: tensor {self.name!r}: rows {a}:{b} cannot be read "
+                f"({tensorstore_message(e)})."
+            ) from None
+        if got.state != "value" or len(got.value) != want:
+            raise CheckpointError(
+                f"{self.shown}: tensor {self.name!r} truncated or gone (rows {a}:{b} need "
+                f"{want} bytes from byte {self.offset + a * self.row_bytes}, got "
+                f"{len(got.value) if got.state == 'value' else 'no object'})."
+            )
+        shard_reader.count_bytes_read(want)
+        return np.frombuffer(got.value, self.dtype).reshape((b - a, *self.shape[1:]))
+
+    def read_into(self, dests) -> _Fetches:
+        fetches: dict[tuple[int, int], object] = {}
+        for region, out in dests:
+            shape = shard_reader.check_destination(region, out, self.shape, self.dtype)
+            if 0 in shape:
+                continue
+            rows = region[0] if self.shape else (0, 1)
+            if rows not in fetches:
+                fetches[rows] = self._fetch(*rows)
+        return _Fetches(self, fetches, dests)
+
+    def view(self) -> ts.TensorStore:
+        """A lazy view of the whole tensor (the source of a spec's views)."""
+        if not self.shape:
+            out = np.empty((), self.dtype)
+            self.read_into([((), out)]).result()
+            return ts.array(out)
+        rows = max(1, min(self.shape[0], VIEW_CHUNK_BYTES // max(1, self.row_bytes)))
+
+        def fill(domain, array, params):
+            del params
+            box = [(d.inclusive_min, d.exclusive_max) for d in domain]
+            a, b = box[0]
+            block = self.rows_from(self._fetch(a, b), a, b)
+            array[...] = block[(slice(None), *(slice(s, e) for s, e in box[1:]))]
+
+        return ts.virtual_chunked(
+            fill,
+            dtype=ts.dtype(self.dtype.name),
+            domain=ts.IndexDomain(shape=list(self.shape)),
+            chunk_layout=ts.ChunkLayout(read_chunk_shape=[rows, *self.shape[1:]]),
+            context=_VIEW_CONTEXT,
+        )
+
+
+class _Fetches:
+    """Ranged reads in flight; ``result()`` waits for them and cuts each region from its rows."""
+
+    def __init__(self, tensor: RemoteTensor, fetches: dict, dests):
+        self._tensor, self._fetches, self._dests = tensor, fetches, dests
+
+    def result(self) -> None:
+        t, rows = self._tensor, {}
+        for region, out in self._dests:
+            if 0 in out.shape:
+                continue
+            a, b = region[0] if t.shape else (0, 1)
+            if (a, b) not in rows:
+                rows[(a, b)] = t.rows_from(self._fetches[(a, b)], a, b)
+            block = rows[(a, b)]
+            out[...] = (
+                block[(slice(None), *(slice(s, e) for s, e in region[1:]))] if t.shape else block[0]
+            )
+
+
+def header(kv: ts.KvStore, name: str, shown: str) -> safetensors.SafetensorsFile:
+    """The object's checked header: its length, then the header, then its exact size."""
+    got = kv.read(name, byte_range=slice(0, 8)).result()
+    if got.state != "value":
+        raise SourceError(f"{shown}: no such object.")
+    if len(got.value) < 8:
+        raise SourceError(f"{shown}: {len(got.value)} bytes, too short for a header.")
+    n = int.from_bytes(bytes(got.value), "little")
+    if n > safetensors.MAX_HEADER_BYTES:
+        raise SourceError(f"{shown}: header of {n} bytes (at most {safetensors.MAX_HEADER_BYTES}).")
+    raw = bytes(kv.read(name, byte_range=slice(8, 8 + n)).result().value)
+    if len(raw) != n:
+        raise SourceError(f"{shown}: header of {n} bytes, the object ends after {len(raw)}.")
+    # the data ends where the last tensor ends: the object must end there too
+    parsed = safetensors.SafetensorsFile.from_header(shown, raw, 8 + n, None)
+    end = 8 + n + max((e for *_, e in parsed.header.values()), default=0)
+    if not _holds(kv, name, end) or _holds(kv, name, end + 1):
+        raise SourceError(
+            f"{shown}: the header's tensors end at byte {end}; the object is "
+            f"{'longer' if _holds(kv, name, end) else 'shorter (truncated)'}."
+        )
+    return parsed
+
+
+def _holds(kv: ts.KvStore, name: str, size: int) -> bool:
+    """Whether object ``name`` has at least ``size`` bytes (a one-byte ranged read before it;
+    a range past the end is TensorStore's OUT_OF_RANGE)."""
+    try:
+        got = kv.read(name, byte_range=slice(size - 1, size)).result()
+    except ValueError:
+        return False
+    return got.state == "value" and len(got.value) == 1
+
+
+def open_remote(url: str) -> tuple[Storage, dict[str, RemoteTensor]]:
+    """(the medium, each tensor by name) of the safetensors checkpoint at ``url`` (a
+    ``.safetensors`` object, or a prefix / repo holding them, with the index when several),
+    every header checked; no tensor bytes are read."""
+    prefix, names = objects(url)
+    tensors: dict[str, RemoteTensor] = {}
+    for name in names:
+        spec, key = prefix.ranged(name)
+        kv, shown = ts.KvStore.open(spec).result(), prefix.join(name)
+        parsed = header(kv, key, shown)
+        for tensor, (dtype, shape, begin, _) in parsed.header.items():
+            if tensor in tensors:
+                raise SourceError(f"{url}: tensor {tensor[:100]!r} is in two objects.")
+            tensors[tensor] = RemoteTensor(
+                kv, key, shown, tensor, np.dtype(dtype), tuple(shape), parsed.data_start + begin
+            )
+    return prefix, tensors
