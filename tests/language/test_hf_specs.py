@@ -115,7 +115,7 @@ def test_llama_config_checks():
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         LMConfig.from_hf_llama({**HF_CONFIG, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="rope_scaling"):
-        LMConfig.from_hf_llama({**HF_CONFIG, "rope_scaling": {"type": "linear", "factor": 2.0}})
+        LMConfig.from_hf_llama({**HF_CONFIG, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     # transformers 5's config.json: RoPE's settings under rope_parameters
     rope = {"rope_type": "default", "rope_theta": 500000.0}
     assert LMConfig.from_hf_llama({**HF_CONFIG, "rope_parameters": rope}).rotary_base == 5e5

@@ -145,44 +145,9 @@ class LMConfig:
     @classmethod
     def from_hf_llama(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
         """From a Hugging Face Llama-family ``config.json`` (LlamaForCausalLM and kin: RMSNorm,
-        SwiGLU, RoPE, GQA, no biases): the model the shipped ``hf_llama`` spec restores into."""
-        act = config.get("hidden_act", "silu")
-        if act != "silu" or config.get("attention_bias") or config.get("mlp_bias"):
-            raise RequestError(
-                f"config.json: hidden_act {act!r}, attention_bias "
-                f"{config.get('attention_bias')}, mlp_bias {config.get('mlp_bias')}: only "
-                "silu without biases is a Llama-family model TransformerLM computes"
-            )
-        if config.get("rope_scaling"):
-            raise RequestError(
-                f"config.json: rope_scaling {config['rope_scaling']} is not supported"
-            )
-        rope = config.get("rope_parameters")  # transformers 5 writes RoPE's settings there
-        rope = rope if isinstance(rope, Mapping) else {}
-        if rope.get("rope_type", "default") != "default":
-            raise RequestError(
-                f"config.json: rope_parameters {dict(rope)}: only the default RoPE is supported"
-            )
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        if int(config.get("head_dim") or hidden // heads) != hidden // heads:
-            raise RequestError("config.json: head_dim other than hidden_size / heads")
-        kw: dict[str, Any] = dict(
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden,
-            num_layers=int(config["num_hidden_layers"]),
-            num_attention_heads=heads,
-            ffn_hidden_size=int(config["intermediate_size"]),
-            num_query_groups=int(config.get("num_key_value_heads") or heads),
-            normalization="RMSNorm",
-            gated=True,
-            bias=False,
-            position="rope",
-            max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
-            rotary_base=float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0),
-            eps=float(config.get("rms_norm_eps") or 1e-6),
-            tied=bool(config.get("tie_word_embeddings", False)),
-        )
-        return cls(**kw | overrides)
+        SwiGLU, RoPE, GQA, no biases), read as ``model_type`` llama by :meth:`from_hf`: the
+        model the shipped ``hf_llama`` spec restores into."""
+        return cls.from_hf({**config, "model_type": "llama"}, **overrides)
 
     @classmethod
     def from_hf_gpt2(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
