@@ -49,15 +49,17 @@ class FileMap(mmap.mmap):
             os.close(fd)
 
 
-def map_file(path: str, fd: int | None = None) -> FileMap | None:
+def map_file(path: str, fd: int | None = None, *, sealed: bool = False) -> FileMap | None:
     """A :class:`FileMap` of the regular file ``path`` (None when it is empty). ``fd``: a
-    descriptor already open on it (duplicated; the caller still owns it)."""
+    descriptor already open on it (duplicated; the caller still owns it). ``sealed``: the
+    mapping cannot be touched at all (``PROT_NONE``), only read through this module: a file
+    filled in as its ranges are first read (``store.storage.local_view``)."""
     own = os.dup(fd) if fd is not None else open_regular(path)
     try:
         if os.fstat(own).st_size == 0:
             os.close(own)
             return None
-        mm = FileMap(own, 0, access=mmap.ACCESS_READ)
+        mm = FileMap(own, 0, prot=0) if sealed else FileMap(own, 0, access=mmap.ACCESS_READ)
     except BaseException:
         os.close(own)
         raise
@@ -107,10 +109,10 @@ def check_pending(mm: FileMap, start: int = 0, end: int | None = None) -> None:
         start: the first byte of the span.
         end: the end of the span (None: the end of the file).
     """
-    if not mm.pending:
+    if mm.pending is None:
         return
     end = len(mm) if end is None else end
-    with mm.pending_lock:
+    with mm.pending_lock:  # taken even when none is left: a check still running holds it
         due = sorted((s, e, c) for s, (e, c) in mm.pending.items() if s < end and start < e)
         for s, e, check in due:
             del mm.pending[s]  # the check's own reads of the range pass (this thread, RLock)
@@ -122,7 +124,7 @@ def check_pending(mm: FileMap, start: int = 0, end: int | None = None) -> None:
 
 
 def _pread_into(mm: FileMap, offset: int, buf: memoryview, what: str) -> None:
-    if mm.pending:
+    if mm.pending is not None:  # a check that is running has left ``pending`` already
         check_pending(mm, offset, offset + len(buf))
     got = preadv_full(mm.fd, [buf], offset)
     if got < len(buf):

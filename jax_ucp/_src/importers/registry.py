@@ -10,10 +10,13 @@ module holds them in the order detection asks them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from typing import Any
 
+from jax_ucp._src import store
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.importers import deepspeed, megatron, orbax, safetensors, torch, verl
 from jax_ucp._src.importers.deepspeed.files import deepspeed_run
@@ -28,6 +31,7 @@ from jax_ucp._src.importers.plan import (
 )
 from jax_ucp._src.importers.runs import TrainerRun
 from jax_ucp._src.importers.verl.layout import verl_run
+from jax_ucp._src.store.storage import local_view
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
 # first weak claim (a folder of .safetensors, of .bin / .pt files).
@@ -101,11 +105,33 @@ def _layouts(checkpoint_format: str) -> list[Importer]:
     return [i for i in IMPORTERS.values() if i.format == checkpoint_format and not i.takes_over]
 
 
+_IN_PLACE = ("torch_dcp", "safetensors")  # importers that fetch a remote source's ranges
+
+
+@contextlib.contextmanager
+def _readable(source) -> Iterator[tuple[str, local_view.View | None]]:
+    """(``source`` as the importers read it, its view): a remote folder or file that no
+    importer reads in place (torch DCP fetches its own ranges) is read through a local view of
+    it (``store.storage.local_view``: its archives' bytes fetched as they are read), its errors
+    naming ``source``."""
+    storage = store.storage_for(source)
+    if storage.local or any(IMPORTERS[n].detect(storage.root).found for n in _IN_PLACE):
+        yield os.fspath(source), None
+        return
+    view, path = local_view.local_view(storage)
+    with view.named():
+        yield path, view
+
+
 def detected(src) -> Importer:
     """The importer of the checkpoint at ``src``, from the files it holds (none is unpickled):
     of a format's layouts that find it, the first; a format claiming by its own markers before
     one claiming weakly. A source no importer claims is an error giving each one's reason."""
-    src = os.fspath(src)
+    with _readable(src) as (src, _):
+        return _detected(src)
+
+
+def _detected(src: str) -> Importer:
     refused: dict[str, str] = {}
     weak: dict[str, Importer] = {}  # format -> its first layout that finds src
     strong: dict[str, Importer] = {}
@@ -199,8 +225,11 @@ def importer_for(source, format: str | None = None) -> Importer:
             f"Unknown checkpoint format {format!r} (expected "
             f"{', '.join(repr(name) for name in FORMATS)})."
         )
-    src = os.fspath(source)
+    with _readable(source) as (src, _):
+        return _layout_reading(src, layouts)
 
+
+def _layout_reading(src: str, layouts: list[Importer]) -> Importer:
     def reads(layout: Importer) -> bool:
         return layout.given(src) if layout.given is not None else layout.detect(src).found
 
@@ -280,13 +309,17 @@ def plan_import(
     Returns:
         The checked plan, its items accounted for.
     """
-    importer = importer_for(source, format)
-    options = for_format(importer, options)
-    if share != WHOLE:
-        options = dataclasses.replace(options, share=share)
-    reader = taken_over(source, importer, options)
-    plan = reader.plan(source, for_format(reader, options))
-    items = accounted(
-        plan, f"{os.fspath(source)} ({importer.format})", whole=options.share.count == 1
-    )
+    with _readable(source) as (src, view):
+        importer = importer_for(src, format)
+        options = for_format(importer, options)
+        if share != WHOLE:
+            options = dataclasses.replace(options, share=share)
+        reader = taken_over(src, importer, options)
+        plan = reader.plan(src, for_format(reader, options))
+        items = accounted(
+            plan, f"{os.fspath(source)} ({importer.format})", whole=options.share.count == 1
+        )
+    if view is not None:  # read later: its errors and its record name the source, not the view
+        items = view.named_items(items)
+        plan.source.update({k: view.as_url(v) for k, v in plan.source.items() if type(v) is str})
     return dataclasses.replace(plan, items=items)

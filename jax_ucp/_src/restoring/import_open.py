@@ -78,25 +78,21 @@ def import_format(
 
 
 def _object_store_format(prefix: store.storage.Storage, format: str | None) -> str | None:
-    """An object-store prefix is read through an import when it is a torch DCP folder (a
-    ``.metadata`` object, no ``ucp.json``): its chunks are fetched by ranged GETs. Any other
-    prefix is a UCP checkpoint (None), or the safetensors ``remote_safetensors`` reads."""
+    """An object-store prefix without ``ucp.json`` is read through an import: a torch DCP
+    folder (a ``.metadata`` object) fetches its chunks by ranged GETs, any other source is
+    read through a local view of it (``registry``: its archives' ranges fetched as read). A
+    prefix no importer claims is None (the UCP reader's "no manifest")."""
     from jax_ucp._src.importers import registry  # the edge restoring -> importers
 
     if prefix.exists(fmt.MANIFEST_FILE):
         return None
-    url = prefix.root
     dcp = registry.IMPORTERS["torch_dcp"]
-    if format not in (None, dcp.format, dcp.name) or not dcp.detect(url).found:
-        if format is None and registry.IMPORTERS["safetensors"].detect(url).found:
-            return "safetensors"  # read in place by ranges (an object store's, the Hub's)
-        if format is not None:
-            raise RequestError(
-                f"{url}: from an object store only a torch DCP folder (a .metadata object) is "
-                f"read through an import; format={format!r} is not (convert it from local disk)."
-            )
+    if format in (None, dcp.format, dcp.name) and dcp.detect(prefix.root).found:
+        return dcp.name
+    try:
+        return format or registry.detect_format(prefix.root)
+    except SourceError:
         return None
-    return dcp.name
 
 
 @dataclasses.dataclass

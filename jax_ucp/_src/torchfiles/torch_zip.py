@@ -11,6 +11,12 @@ out with :func:`jax_ucp._src.format.mapped_file.read_out` (pread), never by touc
 a file truncated meanwhile is then an error naming it, not SIGBUS. Every member's CRC-32 is
 checked, a deflated member is inflated within bounds, a member present twice is refused, and
 persistent ids must be well-formed storage references to members that exist.
+
+A file that stands for an archive in an object store (``store.storage.local_view``) is filled in
+as it is read: its members' local headers when it is opened (neighbours in one ranged GET), a
+member's bytes when the pickle references it (``lazy_crc``: when they are first read, its CRC-32
+checked then; the mapping cannot be touched, only read through ``mapped_file``), so a process
+fetches the members it reads and no others.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.format import files, mapped_file
+from jax_ucp._src.store.storage import local_view
 from jax_ucp._src.torchfiles import pickle_format
 from jax_ucp._src.torchfiles.allow_list import Storage, StorageType, TorchFileError, short_repr
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
@@ -51,6 +58,7 @@ MAX_INFLATED_TOTAL = 256 << 20
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_MAGIC = 0x04034B50
+HEADER_GAP = 64 << 10  # local headers this close are fetched in one GET (the members between too)
 
 
 class _BufferFile(io.RawIOBase):
@@ -93,15 +101,18 @@ class TorchArchive:
     def __init__(self, path: os.PathLike | str, *, lazy_crc: bool = False):
         self.path = os.fspath(path)
         self.lazy_crc = lazy_crc
+        self._remote = remote = local_view.remote_of(self.path)
         try:  # a regular file only: a FIFO or device would block or never end
-            mm = mapped_file.map_file(self.path)
+            mm = mapped_file.map_file(self.path, sealed=remote is not None and lazy_crc)
         except files.UnsafeFileError as e:
             raise TorchFileError(self.path, str(e).split(": ", 1)[-1]) from None
         except OSError as e:
             raise TorchFileError(self.path, f"cannot open: {e.strerror}") from None
         if mm is None:
             raise TorchFileError(self.path, "file is empty")
-        head = mapped_file.read_bytes(mm, 0, min(8, len(mm)), "reading the file's signature")
+        if remote is not None:  # found by its zip directory
+            self.path = mm.path = remote.url
+        head = b"PK" if remote else mapped_file.read_bytes(mm, 0, min(8, len(mm)), "signature")
         if not head.startswith(b"PK"):
             if head[:1] == b"\x80":
                 raise TorchFileError(
@@ -119,6 +130,7 @@ class TorchArchive:
     defer_crc = False
     lazy_crc = False
     _filemap: mapped_file.FileMap | None = None
+    _remote: local_view.Remote | None = None
 
     @classmethod
     def from_buffer(cls, view: np.ndarray, where: str, *, defer_crc: bool = False) -> TorchArchive:
@@ -162,6 +174,15 @@ class TorchArchive:
                 f"{what}: members present twice: {', '.join(map(repr, twice[:4]))}; which copy "
                 "is the tensor is no choice to make (torch.load reads the first), refused",
             )
+        if self._remote is not None:  # every local header, neighbours in one GET
+            spans: list[list[int]] = []
+            for off in sorted({i.header_offset for i in infos}):
+                end = min(off + _LOCAL_HEADER.size, self.size)
+                if spans and off - spans[-1][1] <= HEADER_GAP:
+                    spans[-1][1] = max(spans[-1][1], end)
+                elif 0 <= off < end:
+                    spans.append([off, end])
+            self._fetch(*((start, end) for start, end in spans))
         pkls = [n for n in self._infos if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkls) != 1:
             raise TorchFileError(
@@ -186,7 +207,9 @@ class TorchArchive:
         view = self._views.get(name)
         if view is not None:
             return view
+        span = (data_off, data_off + info.compress_size)
         if info.compress_type != zipfile.ZIP_STORED:
+            self._fetch(span)
             view = self._inflate(name, info, data_off, declared=declared)
         else:
             if info.file_size != info.compress_size:
@@ -196,15 +219,21 @@ class TorchArchive:
             if self.defer_crc and storage:
                 self.unchecked[name] = (data_off, info.file_size, info.CRC)
             elif self.lazy_crc and storage and self._filemap is not None and info.file_size:
-                check = _crc_check(self.path, name, data_off, info.file_size, info.CRC)
+                check = _crc_check(self.path, name, span, info.CRC, self._remote)
                 mapped_file.check_before_read(self._filemap, data_off, info.file_size, check)
             else:
+                self._fetch(span)
                 # The member's CRC-32, checked once, when first referenced (ISA-L's CRC-32 runs
                 # at several GB/s; the copy that follows reads the same pages from the page
                 # cache).
                 _crc_matches(self.path, name, info.CRC, mapped_file.crc32(view, crc=zip_crc32))
         self._views[name] = view
         return view
+
+    def _fetch(self, *spans: tuple[int, int]) -> None:
+        """For an archive in an object store: the byte ranges ``spans`` fetched, if not yet."""
+        if self._remote is not None:
+            self._remote.fetch(list(spans))
 
     def _data_offset(self, name: str, info: zipfile.ZipInfo) -> int:
         """Where member ``name``'s bytes start, its local header and extent checked."""
@@ -378,7 +407,9 @@ class TorchArchive:
             if info.compress_type == zipfile.ZIP_STORED or name in self._views:
                 self._member_view(name)
             else:
-                self._inflate(name, info, self._data_offset(name, info), keep=False)
+                off = self._data_offset(name, info)
+                self._fetch((off, off + info.compress_size))
+                self._inflate(name, info, off, keep=False)
         if self._filemap is not None:  # lazy_crc: the checks left for the first read, run now
             mapped_file.check_pending(self._filemap)
 
@@ -402,13 +433,16 @@ def _crc_matches(path: str, name: str, recorded: int, found: int) -> None:
 
 
 def _crc_check(
-    path: str, name: str, offset: int, size: int, recorded: int
+    path: str, name: str, span: tuple[int, int], recorded: int, remote: local_view.Remote | None
 ) -> Callable[[mapped_file.FileMap], None]:
-    """The CRC-32 check of a stored member, run by :func:`mapped_file.check_before_read` (it
-    holds no archive: the mapping outlives it)."""
+    """The CRC-32 check of a stored member's bytes ``span``, run by
+    :func:`mapped_file.check_before_read` (it holds no archive: the mapping outlives it); of an
+    archive in an object store, the bytes are fetched first."""
 
     def check(mm: mapped_file.FileMap) -> None:
-        view = np.frombuffer(mm, np.uint8, count=size, offset=offset)
+        if remote is not None:
+            remote.fetch([span])
+        view = np.frombuffer(mm, np.uint8, count=span[1] - span[0], offset=span[0])
         _crc_matches(path, name, recorded, mapped_file.crc32(view, crc=zip_crc32))
 
     return check

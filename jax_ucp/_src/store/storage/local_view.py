@@ -1,0 +1,304 @@
+"""A remote checkpoint folder (``s3://``, ``gs://``, any ``Storage`` that is not ``local``) seen
+as a local folder, for the importers that walk folders and read ``torch.save`` archives
+(DeepSpeed, Megatron's legacy files, verl, torchtune, torch_checkpointing, ``torch.save``
+files): one listing gives the folder, each object a file of its size in a private temporary
+directory. Small objects (trackers, configs) are fetched whole (at most :data:`MAX_WHOLE` bytes
+each); a zip archive (``.pt``, ``.pth``, ``.bin``, ``.ckpt``) is a sparse file of which its
+first :data:`HEAD` bytes and its zip directory are fetched (a suffix GET, two one-byte GETs
+holding the size the directory implies to the object's, a GET of the head).
+``torchfiles.torch_zip.TorchArchive`` fetches the rest as it needs it (:meth:`Remote.fetch`:
+ranged GETs, concurrent within :data:`IN_FLIGHT` bytes): a member when the pickle references it
+or, for a lazily checked archive, when its bytes are first read (its mapping then cannot be
+touched, only read through ``format.mapped_file``), so a process fetches the members it reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import struct
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Iterator
+
+import tensorstore as ts
+
+from jax_ucp._src.errors import SourceError, UCPError
+from jax_ucp._src.store.in_flight import InFlightBytes
+from jax_ucp._src.store.storage.base import Storage
+
+ARCHIVES = (".pt", ".pth", ".bin", ".ckpt")  # fetched by ranges when they are zip archives
+TAIL = 64 << 10  # the suffix GET that finds an archive's zip directory
+HEAD = 4 << 10  # an archive's first bytes, fetched with its directory
+MAX_WHOLE = 1 << 30  # the largest other object fetched whole
+MAX_DIRECTORY = 256 << 20  # the largest zip directory fetched
+PIECE = 8 << 20  # bytes per ranged GET
+IN_FLIGHT = 64 << 20  # bytes of ranged GETs in flight at once
+
+_counts = {"gets": 0, "bytes": 0}
+_lock = threading.Lock()
+#: URL -> (when built, its listing, the view, the path): a view is reused by the next import of
+#: its URL within ``REUSE`` seconds whose listing is the same (a restore's detection, its plan)
+_views: dict[str, tuple[float, list[str], View, str]] = {}
+REUSE = 30.0
+
+
+def fetched() -> tuple[int, int]:
+    """(GETs, bytes) this process has fetched into local views so far."""
+    return _counts["gets"], _counts["bytes"]
+
+
+def _count(gets: int, nbytes: int) -> None:
+    with _lock:
+        _counts["gets"] += gets
+        _counts["bytes"] += nbytes
+
+
+@dataclasses.dataclass(eq=False)
+class Remote:
+    """A zip archive in a remote storage (``key`` in ``kv``), standing as the sparse local file
+    ``fd`` is open on (for writing, closed with this): ``size`` bytes, of which the ranges
+    ``here`` are fetched."""
+
+    url: str
+    kv: ts.KvStore
+    key: str
+    size: int
+    fd: int
+    here: list[tuple[int, int]]  # the ranges fetched (merged, sorted)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+    def missing(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of ``[start, end)`` not fetched yet."""
+        out, at = [], max(0, start)
+        for lo, hi in self.here:
+            if lo >= end:
+                break
+            if hi > at:
+                if lo > at:
+                    out.append((at, lo))
+                at = max(at, hi)
+        return [*out, (at, end)] if at < end else out
+
+    def fetch(self, ranges: list[tuple[int, int]]) -> None:
+        """Bytes ``[start, end)`` of each of ``ranges`` into the local file, those not here
+        yet: ranged GETs of :data:`PIECE` bytes, at most :data:`IN_FLIGHT` bytes in flight. An
+        object shorter than ``size`` is an error naming it."""
+        with self.lock:
+            self._fetch([m for a, b in ranges for m in self.missing(a, min(b, self.size))])
+
+    def _fetch(self, todo: list[tuple[int, int]]) -> None:
+        window: InFlightBytes[tuple[int, int, ts.Future]] = InFlightBytes(IN_FLIGHT)
+        for start, end in todo:
+            for at in range(start, end, PIECE):
+                n = min(PIECE, end - at)
+                for job in window.make_room(n):
+                    self._finish(*job)
+                window.add((at, n, self.kv.read(self.key, byte_range=slice(at, at + n))), n)
+        for job in window.drain():
+            self._finish(*job)
+        merged: list[tuple[int, int]] = []
+        for lo, hi in sorted([*self.here, *todo]):
+            if merged and lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        self.here = merged
+
+    def _finish(self, at: int, n: int, future) -> None:
+        try:
+            got = future.result()
+            data = bytes(got.value) if got.state == "value" else None
+        except ValueError:  # the range starts past the object's end (OUT_OF_RANGE)
+            data = b""
+        if data is None:
+            raise SourceError(f"{self.url}: the object is gone (deleted while being read)")
+        _count(1, len(data))
+        if len(data) != n:
+            raise SourceError(
+                f"{self.url}: bytes [{at}, {at + n}) asked, {len(data)} came; its zip directory "
+                f"gave {self.size} bytes (truncated or replaced while being read)"
+            )
+        view = memoryview(data)
+        while view:
+            view = view[os.pwrite(self.fd, view, at + len(data) - len(view)) :]
+
+
+#: local file -> the archive it stands for, while its view or a reader holds it
+_remotes: weakref.WeakValueDictionary[str, Remote] = weakref.WeakValueDictionary()
+
+
+def remote_of(path: str) -> Remote | None:
+    """The remote archive the local file ``path`` stands for (None: a file of its own)."""
+    return _remotes.get(os.path.realpath(path)) if _remotes else None
+
+
+@dataclasses.dataclass
+class View:
+    """A remote folder as the local folder ``path``; ``url`` is its name in messages."""
+
+    url: str
+    path: str
+    tmp: tempfile.TemporaryDirectory
+    remotes: list[Remote] = dataclasses.field(default_factory=list)
+
+    def as_url(self, text: str) -> str:
+        """``text`` naming ``url`` where it names the local folder."""
+        return text.replace(self.path, self.url)
+
+    def _rename(self, e: BaseException) -> None:
+        e.args = tuple(self.as_url(a) if isinstance(a, str) else a for a in e.args)
+
+    @contextlib.contextmanager
+    def named(self) -> Iterator[None]:
+        """Errors raised and warnings given inside name ``url``, not the local folder."""
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                yield
+        except UCPError as e:
+            self._rename(e)
+            raise
+        finally:
+            for w in seen:
+                self._rename(w.message)  # type: ignore[arg-type]
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+    def named_items(self, items: Iterator) -> Iterator:
+        """``items``, the errors met reading them naming ``url``; once they are read, the view
+        is not reused (its files go when the last reader lets them go)."""
+        try:
+            yield from items
+        except UCPError as e:
+            self._rename(e)
+            raise
+        finally:
+            for key in [k for k, (*_, view, _) in _views.items() if view is self]:
+                del _views[key]
+
+
+def local_view(storage: Storage) -> tuple[View, str]:
+    """(the view, the local path standing for ``storage.root``): a folder, or a file when
+    ``storage.root`` names one object (a ``torch.save`` file)."""
+    asked, now = storage.root, time.monotonic()
+    names = storage.names()
+    parent, _, base = asked.rstrip("/").rpartition("/")
+    single = not names and base.lower().endswith(ARCHIVES) and "/" in parent.partition("://")[2]
+    if single:
+        storage, names = type(storage)(parent), [base]
+    if not names:
+        raise SourceError(f"{asked}: no objects there (nothing to import)")
+    for key in [k for k, (built, *_) in _views.items() if now - built > REUSE]:
+        del _views[key]
+    if asked in _views and _views[asked][1] == names:
+        return _views[asked][2:]
+    url = storage.root.rstrip("/")
+    tmp = tempfile.TemporaryDirectory(prefix="ucp-view-")
+    view = View(url, os.path.join(tmp.name, url.rpartition("/")[2] or "root"), tmp)
+    for name in names:
+        _place(storage, name, view)
+    path = os.path.join(view.path, base) if single else view.path
+    _views[asked] = now, names, view, path
+    return view, path
+
+
+def _place(storage: Storage, name: str, view: View) -> None:
+    """Object ``name`` as a file under ``view.path``."""
+    parts = name.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise SourceError(f"{storage.join(name)}: an object name the folder cannot hold")
+    path = os.path.join(view.path, *parts)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:  # "a" and "a/b" both objects: no folder holds both
+        raise SourceError(
+            f"{storage.join(name)}: cannot stand in a folder ({e.strerror})"
+        ) from None
+    try:
+        if name.lower().endswith(ARCHIVES) and _archive(storage, name, path, fd, view):
+            return
+        data = storage.read(name, MAX_WHOLE)
+        if data is None:
+            raise SourceError(f"{storage.join(name)}: listed, then gone")
+        _count(2, len(data))
+        os.write(fd, data)
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+
+
+def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> bool:
+    """A zip archive as a sparse file, its directory fetched (False: not one; fetched whole)."""
+    spec, key = storage.ranged(name)
+    kv = ts.KvStore.open(spec).result()
+    try:
+        tail = kv.read(key, byte_range=slice(-TAIL, None)).result()
+    except ValueError:  # shorter than TAIL: whole
+        return False
+    _count(1, len(tail.value))
+    if tail.state != "value":
+        raise SourceError(f"{storage.join(name)}: listed, then gone")
+    found = zip_extent(bytes(tail.value))
+    if found is None:
+        return False
+    size, directory = found
+    ends = [_length(kv, key, size - 1), _length(kv, key, size)]  # the size, held to the object's
+    if ends != [1, 0] or size < len(tail.value) or size - directory > MAX_DIRECTORY:
+        raise SourceError(
+            f"{storage.join(name)}: its zip directory implies a {size}-byte archive "
+            f"(directory at {directory}); the object disagrees (truncated or corrupt)"
+        )
+    os.ftruncate(fd, size)
+    os.pwrite(fd, tail.value, size - len(tail.value))
+    remote = Remote(storage.join(name), kv, key, size, os.dup(fd), [(size - len(tail.value), size)])
+    # its first bytes (a reader checks the signature with a plain read); a directory larger
+    # than the tail
+    remote.fetch([(0, min(HEAD, size)), (directory, size)])
+    _remotes[os.path.realpath(path)] = remote
+    view.remotes.append(remote)
+    return True
+
+
+def _length(kv: ts.KvStore, key: str, at: int) -> int:
+    """How many bytes of ``[at, at + 1)`` the object holds (one ranged GET)."""
+    try:
+        got = kv.read(key, byte_range=slice(at, at + 1)).result()
+    except ValueError:  # past the end (OUT_OF_RANGE)
+        return 0
+    _count(1, len(got.value))
+    return len(got.value) if got.state == "value" else 0
+
+
+_EOCD = struct.Struct("<4sHHHHIIH")
+
+
+def zip_extent(tail: bytes) -> tuple[int, int] | None:
+    """(the archive's size, where its central directory starts) from its last bytes (zip64
+    too), or None when they end no zip archive. The size is where a record the tail holds
+    starts, by its own offsets, plus the bytes from it to the tail's end."""
+    at = tail.rfind(b"PK\x05\x06", 0, max(0, len(tail) - _EOCD.size + 4))
+    if at < 0:
+        return None
+    _, _, _, here, total, cd_size, cd_start, comment = _EOCD.unpack_from(tail, at)
+    if at + _EOCD.size + comment != len(tail):
+        return None
+    record, pos, locator = cd_start + cd_size, at, at - 20
+    if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":  # zip64 (torch's always)
+        (record,) = struct.unpack_from("<Q", tail, locator + 8)
+        pos = tail.rfind(b"PK\x06\x06", 0, locator)
+        if pos < 0 or pos + 56 > locator:
+            return None
+        cd_size, cd_start = struct.unpack_from("<QQ", tail, pos + 40)
+    elif 0xFFFFFFFF in (cd_size, cd_start) or 0xFFFF in (here, total):
+        return None
+    if cd_start + cd_size > record:
+        return None
+    return record + len(tail) - pos, cd_start

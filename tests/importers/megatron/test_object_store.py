@@ -1,0 +1,25 @@
+"""Megatron's legacy per-rank folders (``iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt``, the
+distributed optimizer's ``distrib_optim.pt``) in an object store (``s3://`` on the local moto
+server) restore onto a mesh as the local folders do, their archives read by ranged GETs through
+a local view of the prefix."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.importers.deepspeed.test_object_store import restores_as_local, served
+from tests.ucp_testing import REPO
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize(
+    "name", ["legacy_gpt_tp2pp2_synthetic", "legacy_gpt_distopt_pp2dp2_synthetic"]
+)
+def test_legacy_megatron_in_an_object_store_restores_as_the_local_folder(
+    s3_server, monkeypatch, name
+):
+    url = served(monkeypatch, s3_server)
+    restores_as_local(os.path.join(REPO, "tests", "fixtures", "megatron", name), url)
