@@ -23,7 +23,7 @@ import warnings
 from typing import Any
 
 from tests.hostile import inputs, mutations, oracle
-from tests.hostile.spy import watch_opens
+from tests.hostile.spy import NativeOpens, watch_opens
 
 MEMORY_LIMIT = 6 << 30  # address space: a hostile length that allocates it all fails fast
 FILE_LIMIT = 1 << 30  # no write grows a file past this
@@ -43,7 +43,7 @@ class Child:
     def __init__(self, kind: inputs.Kind, work: str, long: bool):
         self.kind, self.work, self.long = kind, work, long
         self.entries = kind.entries + (kind.long_entries if long else ())
-        self.baselines: dict[str, tuple] = {}
+        self.baselines: dict[str, dict] = {}
 
     # ---- one run of the entry points over the copy at <work>/in/src
 
@@ -86,6 +86,9 @@ class Child:
 
         outcomes: dict = {}
         state: dict = {}
+        # every file opened in the work folder outside the input and the output, by anyone
+        # (TensorStore's native reads too): the allowed folders are not watched
+        native = NativeOpens(work, lambda d: any(_under(d, a) for a in allowed_reads))
         for entry in self.entries:
             now[0] = entry
             with warnings.catch_warnings(record=True) as caught:
@@ -110,6 +113,9 @@ class Child:
                         outcomes[entry] = ("ok", _plain(value), kinds)
             if "displays" in state:
                 outcomes[entry + ":displays"] = state.pop("displays")
+            for path in native.drain():
+                seen[(f"read-outside in {entry}", os.path.realpath(path))] = None
+        native.close()
         return outcomes, list(seen)
 
     # ---- the intact copy
@@ -120,7 +126,7 @@ class Child:
         pristine = os.path.join(self.work, "pristine", str(len(self.baselines)))
         inp = inputs.build(source, pristine, self.work)
         self.reset(pristine)
-        outcomes, seen = self.run_entries(inp)
+        outcomes, seen = self.run_entries(inputs.upload(inp, "m") if self.kind.remote else inp)
         alt = {}
         for s in inp.steps:  # every step's values, for what a fallback or a gone step returns
             import jax_ucp
@@ -158,8 +164,9 @@ class Child:
             # a result naming the path names it as typed: the same path, told apart no more
             got = _untyped(got, here, os.path.realpath(inp.path), inp.path)
         else:
-            got, seen = self.run_entries(inp)
-        names = base["names"] | oracle.names_of(inp.root)
+            read = inputs.upload(inp, f"m{index}") if self.kind.remote else inp
+            got, seen = self.run_entries(read)
+        names = base["names"] | oracle.names_of(inp.root) | {f"s3://hostile/m{index}"}
         labels = {}
         for entry in self.entries:
             label, detail = oracle.judge_entry(

@@ -18,6 +18,8 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
+from tests.hostile.mutations import OPS
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 
@@ -40,6 +42,8 @@ class Kind:
         checksummed: the format checks the tensor bytes (crc32c): a data flip must be caught.
         jax: the entry points need JAX (a child without it starts in ~0.3 s).
         ops: the mutation operators to draw from (default: all of them).
+        remote: the copy is read from an object store (each one uploaded to the local S3
+            server, ``upload``), not from its folder.
     """
 
     name: str
@@ -49,7 +53,13 @@ class Kind:
     checksummed: bool = False
     jax: bool = False
     ops: tuple[str, ...] | None = None
+    remote: bool = False
 
+
+#: what an object-store copy can be given: no links, FIFOs or pickles run through a file
+_OBJECT_OPS = ("flip-data", "flip-meta", "truncate", "delete", "duplicate", "swap", "rename",
+               "stray-copy", "json-value", "pickle-hostile")  # fmt: skip
+_RECORD_OPS = (*OPS, "record-swap")  # every operator, and a consistent swap in a record
 
 KINDS = {
     k.name: k
@@ -64,9 +74,28 @@ KINDS = {
         ),
         Kind("megatron", ("megatron/gpt_tp2", "megatron/legacy_gpt_distopt_pp2dp2_synthetic")),
         Kind("megatron_bridge", ("megatron_bridge/llama_tp1dp2",)),
+        # megatron-core 0.19's integrity.json (SHA-256 of every file), checked before any read
+        Kind(
+            "megatron_integrity",
+            ("megatron/mcore_versions/0.19.2/gpt_tp2_integrity",),
+            ops=_RECORD_OPS,
+        ),
+        # DeepSpeed's BF16_Optimizer (bf16_zero_* files) and ZeRO-0 bf16 (the model file alone)
+        Kind("deepspeed_bf16", ("deepspeed/bf16opt_z1_dp2/ckpt", "deepspeed/z0_bf16_dp2/ckpt")),
         Kind("torch_dcp", ("torch/fsdp2_fp32", "torch/fsdp2_bf16")),
         # torch's ZStandard extension (every entry a zstd frame)
         Kind("torch_dcp_zstd", ("torch/dcp_zstd",)),
+        # torch 2.15's DCP: several chunks per rank, TensorProperties with strides
+        Kind("torch_dcp_215", ("torch/dcp_torch215_multishard",)),
+        # a DCP folder in an object store (moto's S3 server on 127.0.0.1), restored from there
+        Kind(
+            "torch_dcp_s3",
+            ("torch/fsdp2_fp32",),
+            ("restore-direct",),
+            ("plan-direct",),
+            ops=_OBJECT_OPS,
+            remote=True,
+        ),
         Kind(
             "torch_save",
             (
@@ -121,6 +150,25 @@ KINDS = {
             jax=True,
             ops=("zarr-codec", "json-duplicate-key", "path-form"),
         ),
+        # a consistent swap in ucp.json (two tensors' folders and digests traded), an array
+        # reached outside the checkpoint (its folder or a chunk linked out, ".." in its dir)
+        Kind(
+            "ucp_record",
+            ("@ucp",),
+            ("restore", "verify", "plan"),
+            (),
+            checksummed=True,
+            jax=True,
+            ops=("record-swap", "array-out"),
+        ),
+        Kind(
+            "orbax_array_out",
+            ("@orbax_zarr",),
+            ("convert", "restore"),
+            (),
+            jax=True,
+            ops=("array-out",),
+        ),
         Kind(
             "orbax_v1_checkpoint",
             ("orbax_v1_checkpoint",),
@@ -144,6 +192,8 @@ CANARIES = {
         Kind("canary-fifo", ("@canary",), ("canary-read",), (), ops=("fifo",)),
         Kind("canary-abort", ("@canary",), ("canary-read",), (), ops=("flip-meta",)),
         Kind("canary-write", ("@canary",), ("canary-write",), (), ops=("flip-meta",)),
+        # TensorStore reading an array through a link out: native reads the spy cannot see
+        Kind("canary-tensorstore", ("@canary_zarr",), ("canary-ts-read",), (), ops=("array-out",)),
     ]
 }
 
@@ -188,7 +238,10 @@ def build(source: str, pristine: str, work: str) -> Input:
 
 def _options(source: str) -> dict:
     """A Trainer checkpoint's optimizer order as the Trainer built it (decayed, then the norms),
-    so the import needs no transformers (as tests/importers/test_reads_inside.py gives it)."""
+    so the import needs no transformers (as tests/importers/test_reads_inside.py gives it); a
+    megatron-core 0.19 checkpoint's vocabulary (as tests/importers/megatron/test_integrity.py)."""
+    if source.startswith("megatron/mcore_versions/"):
+        return {"vocab_size": 61}
     if not source.startswith("hf_trainer/"):
         return {}
     import numpy as np
@@ -309,6 +362,30 @@ def _build_canary(pristine, root, out, work) -> Input:
     return Input(root, root, out)
 
 
+def _build_canary_zarr(pristine, root, out, work) -> Input:
+    import numpy as np
+    import tensorstore as ts
+
+    for name in ("a", "b"):
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{pristine}/{name}"}}
+        meta = {"shape": [4], "data_type": "float32", "chunk_grid": {"name": "regular",
+                "configuration": {"chunk_shape": [2]}}}  # fmt: skip
+        t = ts.open({**spec, "metadata": meta}, create=True).result()
+        t.write(np.arange(4, dtype=np.float32)).result()
+    return Input(root, root, out)
+
+
+def _canary_ts_read(root: str) -> dict:
+    """Every array under ``root`` read by TensorStore, links followed, nothing checked."""
+    import tensorstore as ts
+
+    out = {}
+    for name in sorted(os.listdir(root)):
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{root}/{name}"}}
+        out[name] = ts.open(spec).result().read().result().tolist()
+    return out
+
+
 def _canary_read(root: str) -> dict:
     """Everything under ``root`` read the careless way."""
     out = {}
@@ -326,6 +403,7 @@ def _canary_read(root: str) -> dict:
 
 BUILDERS: dict[str, Callable[..., Input]] = {
     "@canary": _build_canary,
+    "@canary_zarr": _build_canary_zarr,
     "@ucp": _build_ucp,
     "@ucp_imported": _build_ucp_imported,
     "@run_root": _build_run_root,
@@ -334,6 +412,48 @@ BUILDERS: dict[str, Callable[..., Input]] = {
     "@orbax_zarr": _build_orbax(ocdbt=False),
     "@hf_cache": _build_hf_cache,
 }
+
+
+# ------------------------------------------------------------------ an object store
+
+
+_S3: list = []  # the child's moto server, started by the first upload
+
+
+def upload(inp: Input, tag: str) -> Input:
+    """``inp`` with its path an ``s3://`` prefix holding every regular file under its root (a
+    new prefix per ``tag``), on moto's S3 server on 127.0.0.1 (started once per child, stopped
+    when it exits; tests/object_servers.py starts the tests' own alike)."""
+    import atexit
+    import subprocess
+    import tempfile
+    import urllib.request
+
+    from jax_ucp._src.store.storage import object_store
+    from tests.object_servers import _wait_for
+    from tests.ucp_testing import free_port
+
+    if not _S3:
+        port = free_port()
+        log = tempfile.TemporaryFile("w+")
+        proc = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)], stdout=log,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        proc.stdout = log
+        atexit.register(proc.kill)
+        _wait_for(port, proc, "moto_server")
+        endpoint = f"http://127.0.0.1:{port}"
+        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                          AWS_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint)  # fmt: skip
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/hostile", method="PUT"))
+        _S3.append(proc)
+    url = f"s3://hostile/{tag}"
+    for dirpath, dirnames, filenames in os.walk(inp.root):
+        dirnames.sort()
+        for name in sorted(n for n in filenames if n.isprintable()):  # moto refuses the rest
+            with open(os.path.join(dirpath, name), "rb") as f:
+                rel = os.path.relpath(os.path.join(dirpath, name), inp.root)
+                object_store.write(url, rel, f.read())
+    return dataclasses.replace(inp, path=url)
 
 
 # ------------------------------------------------------------------ digests
@@ -483,6 +603,8 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
         return _run_digest(jax_ucp.optax_from_torch(p))
     if name == "canary-read":
         return _canary_read(p)
+    if name == "canary-ts-read":
+        return _canary_ts_read(p)
     if name == "canary-write":
         with open(os.path.join(os.path.dirname(p), "seen.txt"), "w") as f:
             f.write("read")
@@ -494,9 +616,9 @@ def _importing(inp: Input):
     """The import options ``convert`` is given, as a direct restore takes them."""
     if not inp.options:
         return None
-    from jax_ucp.conversion import TorchOptions
+    from jax_ucp.conversion import MegatronOptions, TorchOptions
 
-    return TorchOptions(**inp.options)
+    return (MegatronOptions if "vocab_size" in inp.options else TorchOptions)(**inp.options)
 
 
 def _run_digest(run) -> dict:

@@ -327,13 +327,23 @@ def symlink_out(c: Context) -> Mutation | None:
     if not choices:
         return None
     rel = c.rng.choice(choices)
+    return Mutation("symlink-out", rel, f"{_link_out(c, rel)} link to a copy outside the input")
+
+
+def _away(c: Context, rel: str) -> str:
+    """A new path under ``c.outside`` for ``rel``."""
     os.makedirs(c.outside, exist_ok=True)
-    away = os.path.join(c.outside, f"{len(os.listdir(c.outside))}-{os.path.basename(rel)}")
+    return os.path.join(c.outside, f"{len(os.listdir(c.outside))}-{os.path.basename(rel)}")
+
+
+def _link_out(c: Context, rel: str) -> str:
+    """``rel`` moved out of the input and linked back by an absolute or relative link (which)."""
+    away = _away(c, rel)
     shutil.move(c.path(rel), away)
     how = c.rng.choice(["absolute", "relative"])
     link = away if how == "absolute" else os.path.relpath(away, os.path.dirname(c.path(rel)))
     os.symlink(link, c.path(rel))
-    return Mutation("symlink-out", rel, f"{how} link to a copy outside the input")
+    return how
 
 
 def fifo(c: Context) -> Mutation | None:
@@ -567,6 +577,78 @@ def zarr_codec(c: Context) -> Mutation | None:
     return Mutation("zarr-codec", rel, way)
 
 
+def record_swap(c: Context) -> Mutation | None:
+    """A consistent swap in a record and what it lists, so that every digest still matches and
+    only a cross-check can tell: two tensors of one shape and dtype trade their ``ucp.json``
+    entries' folders and shard digests (each name then reads the other's data); two files listed
+    in a record of digests (megatron's ``integrity.json``) trade places and digests."""
+    cands: list[tuple[str, tuple, str, str]] = []
+    for rel in c.json_files():
+        doc = json.loads(c.read(rel))
+        if os.path.basename(rel) == "ucp.json" and isinstance(doc, dict):
+            tensors = [
+                e for e in doc.get("entries") or [] if isinstance(e, dict) and "shard_digests" in e
+            ]
+            for i, a in enumerate(tensors):
+                for b in tensors[i + 1 :]:
+                    if (a.get("shape"), a.get("dtype")) == (b.get("shape"), b.get("dtype")):
+                        cands.append((rel, ("entries",), str(a.get("dir")), str(b.get("dir"))))
+            continue
+        folder = os.path.dirname(rel)
+        for at, node in _json_nodes(doc):
+            if isinstance(node, dict):
+                listed = sorted(k for k in node if os.path.join(folder, k) in c.files)
+                cands += [(rel, at, a, b) for i, a in enumerate(listed) for b in listed[i + 1 :]]
+    if not cands:
+        return None
+    rel, at, a, b = c.rng.choice(cands)
+    doc = json.loads(c.read(rel))
+    if at == ("entries",):
+        ea, eb = (e for e in doc["entries"] if isinstance(e, dict) and e.get("dir") in (a, b))
+        for field in ("dir", "shard_digests"):
+            ea[field], eb[field] = eb[field], ea[field]
+        detail = f"entries of {a!r} and {b!r}: folders and shard digests traded"
+    else:
+        node = doc
+        for k in at:
+            node = node[k]
+        node[a], node[b] = node[b], node[a]
+        folder = os.path.dirname(rel)
+        pa, pb = c.path(os.path.join(folder, a)), c.path(os.path.join(folder, b))
+        os.rename(pa, pa + ".swap-tmp")
+        os.rename(pb, pa)
+        os.rename(pa + ".swap-tmp", pb)
+        detail = f"{a!r} and {b!r} traded places and their entries in {'/'.join(map(str, at))}"
+    c.write(rel, json.dumps(doc, indent=1).encode())
+    return Mutation("record-swap", rel, detail)
+
+
+def array_out(c: Context) -> Mutation | None:
+    """An array TensorStore reads found outside the input, same bytes: its folder or one chunk
+    file moved out and linked back, or (``ucp.json``) its entry's folder named through ``..``
+    to a copy outside. Any read of it is a read outside (``spy.native_opens`` sees TensorStore's)."""
+    metas = [r for r in c.files if os.path.basename(r) in ("zarr.json", ".zarray")]
+    arrays = sorted({os.path.dirname(r) for r in metas} - {"", c.given})
+    if not arrays:
+        return None
+    arr = c.rng.choice(arrays)
+    chunks = [r for r in c.files if r.startswith(arr + os.sep) and r not in metas]
+    ways = ["folder linked out"] + ["chunk linked out"] * bool(chunks)
+    ways += ["'..' in ucp.json's dir"] if "ucp.json" in c.files else []
+    way = c.rng.choice(ways)
+    if way == "'..' in ucp.json's dir":
+        away = _away(c, arr)
+        shutil.copytree(c.path(arr), away)
+        doc = json.loads(c.read("ucp.json"))
+        for e in doc.get("entries") or []:
+            if isinstance(e, dict) and e.get("dir") == arr:
+                e["dir"] = os.path.relpath(away, c.root)
+        c.write("ucp.json", json.dumps(doc, indent=1).encode())
+        return Mutation("array-out", arr, f"{way}: {os.path.relpath(away, c.root)!r}")
+    rel = arr if way == "folder linked out" else c.rng.choice(chunks)
+    return Mutation("array-out", rel, f"{way} ({_link_out(c, rel)} link)")
+
+
 #: how ``path-form`` hands the entry points their path (the child builds it, from a working
 #: directory reached through a link, ``child.path_in_form``)
 PATH_FORMS = ("../x", "./../x/", "../x//", "../link/../x", "/abs/./x/")
@@ -581,7 +663,12 @@ def path_form(c: Context) -> Mutation | None:
 
 #: operators a kind draws from only when it names them (``Kind.ops``): kept out of ``OPS`` so
 #: every other kind's (seed, index) still names the mutation it always did
-SEMANTIC_OPS = {"zarr-codec": zarr_codec, "path-form": path_form}
+SEMANTIC_OPS = {
+    "zarr-codec": zarr_codec,
+    "path-form": path_form,
+    "record-swap": record_swap,
+    "array-out": array_out,
+}
 
 
 OPS = {

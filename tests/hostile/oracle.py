@@ -32,6 +32,7 @@ PASS = {
     "said",
     "plan-only",
     "step-renamed",
+    "record-consistent",
 }
 
 _HTML = re.compile(r"<\s*(script|img|iframe|svg)\b", re.I)
@@ -87,7 +88,7 @@ def judge_entry(entry: str, base, got, *, kind, mutation_op: str, names: set[str
         payload = mutation_op in ("flip-data", "flip-meta", "swap")
         if (
             entry == "plan-direct"
-            and mutation_op in ("swap", "flip-meta")
+            and mutation_op in ("swap", "flip-meta", "record-swap")
             and not kind.checksummed
             and isinstance(value, dict)
             and value.keys() == base[1].keys()
@@ -95,6 +96,9 @@ def judge_entry(entry: str, base, got, *, kind, mutation_op: str, names: set[str
             return "plan-only", _diff(base[1], value)
         if payload and not kind.checksummed and _data_only(base[1], value):
             return "undetectable", "tensor bytes differ, names/shapes/dtypes the same"
+        if mutation_op == "record-swap" and _data_only(base[1], value):
+            # the record and what it lists agree: only a cross-check could tell (counted apart)
+            return "record-consistent", "tensor bytes differ, every digest agrees"
         return "silent-wrong", _diff(base[1], value)
     cls, message, is_ucp = got[1], got[2], got[3]
     if mutation_op == "path-form":  # nothing changed but how the path is typed
@@ -161,8 +165,9 @@ def judge_displays(shown: dict, hostile_names: bool) -> list[tuple[str, str]]:
     if not hostile_names:
         return out
     for where, text in shown.items():
-        if where in ("_repr_markdown_", "_repr_html_") and _HTML.search(text):
-            out.append(("display-unsafe", f"{where} carries live HTML: {_HTML.search(text)[0]!r}"))
+        live = _HTML.search(text)
+        if where in ("_repr_markdown_", "_repr_html_") and live:
+            out.append(("display-unsafe", f"{where} carries live HTML: {live[0]!r}"))
         if where in ("_repr_pretty_", "str", "repr") and _ESC.search(text.replace("\n", "")):
             out.append(("display-unsafe", f"{where} passes a control character through"))
     return out

@@ -58,7 +58,30 @@ def kvstore_config(root: str | os.PathLike | Mapping[str, Any], *subpath: str) -
     """A kvstore spec for ``root`` joined with ``subpath``: a local path or any TensorStore kvstore."""
     if isinstance(root, Mapping):
         return storage.kvstore_join(root, *subpath)
-    return storage.storage_for(root).kvstore(*subpath)
+    kv = storage.storage_for(root).kvstore(*subpath)
+    if kv.get("driver") == "file":
+        real, real_root = os.path.realpath(kv["path"]), os.path.realpath(root)
+        if os.path.commonpath([real, real_root]) != real_root:
+            raise CheckpointError(
+                f"Array {'/'.join(subpath)!r}: {kv['path']} resolves to {real}, outside the "
+                f"checkpoint {real_root}; TensorStore is given no path out of it."
+            )
+    return kv
+
+
+def _resolved(kvstore: Mapping[str, Any]) -> None:
+    """TensorStore reads a ``file`` kvstore natively, past ``format.files.inside``: its path
+    must be its own real path (``storage`` builds it from the resolved checkpoint root), so no
+    link and no ``..`` below the root can lead it out of the checkpoint."""
+    if kvstore.get("driver") != "file":
+        return
+    path = str(kvstore.get("path", ""))
+    if os.path.realpath(path) != path.rstrip("/"):
+        raise CheckpointError(
+            f"Array {path}: reached through a link or a '..' (it is "
+            f"{os.path.realpath(path)}); TensorStore is given only resolved paths inside the "
+            f"checkpoint."
+        )
 
 
 def kvstore_driver(root) -> str:
@@ -341,6 +364,7 @@ def open_array(
     With ``layout`` (a manifest entry's, ``layout_of``) TensorStore is told everything about
     the array and reads no ``zarr.json``: the caller has held that file to the manifest
     (``check_metadata``). Without it, TensorStore reads the array's ``zarr.json``."""
+    _resolved(kvstore)
     # Missing data is an error, never the fill value (a deleted shard file must not read as 0).
     spec: dict = {"driver": "zarr3", "kvstore": dict(kvstore), "fill_missing_data_reads": False}
     context = context if context is not None else read_context()
