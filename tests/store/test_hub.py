@@ -171,12 +171,14 @@ print("READ", read)
 
 def test_each_process_fetches_only_its_devices_rows(repo, tmp_path):
     """A 2-process job (4 CPU devices each) on one 2 x 4 mesh: each process fetches the rows of
-    its own devices, counted at its own server and by ``store.bytes_read``."""
+    its own devices, counted at its own server and by ``store.bytes_read``; both read the
+    commit process 0 resolved, though ``main`` moved on at process 1's server."""
     server, arrays = repo
     files = server.file_commit("org/model")
     other = HubServer()  # the second process's server, the same repo at the same commit
     try:
         other.add("org/model", files)
+        other.add("org/model", synthetic_repo(1)[0])  # a push process 0 did not see
         np.savez(tmp_path / "want.npz", **arrays)
         endpoints = f"{server.endpoint},{other.endpoint}"
         server.log.clear()

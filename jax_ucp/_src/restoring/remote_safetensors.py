@@ -15,6 +15,7 @@ import numpy as np
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
+from jax_ucp._src.errors import MultiProcessError
 from jax_ucp._src.format import safetensors
 from jax_ucp._src.restoring.engine import OpenedSource, TensorSource
 from jax_ucp._src.restoring.model import Available
@@ -45,10 +46,31 @@ def opened_source(url, spec=None) -> Iterator[OpenedSource]:
       url: a ``.safetensors`` object, or a prefix holding them (with the index when several).
       spec: a UCP-language spec whose views of the tensors are restored (None: the tensors).
     """
-    url = str(url).rstrip("/")
+    url = _one_revision(str(url).rstrip("/"))
     _, found = safetensors_remote.open_remote(url)  # a Hub repo: at one commit throughout
     tensors = {(ROOT, name): t for name, t in found.items()}
     yield OpenedSource(RemoteSafetensorsSource(url, tensors), _available(tensors, spec))
+
+
+def _one_revision(url: str) -> str:
+    """``url`` as process 0 of a multi-process job resolved it (``Storage.absolute``: a Hub
+    branch pinned to its commit), so that every process reads one revision of it."""
+    import jax
+
+    if jax.process_count() == 1:
+        return url
+    from jax_ucp._src.multihost import agreement
+
+    try:
+        hello = {"url": store.storage_for(url).absolute()}
+    except fmt.UCPError as e:  # posted, so that the others stop waiting
+        hello = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    where = f"{url}: opening it in {jax.process_count()} processes:"
+    peers = agreement.Exchange("remote-safetensors", where, 300.0, hello=hello).peers
+    for i, peer in enumerate(peers):
+        if "error" in peer:
+            raise MultiProcessError(f"{where} process {i}: {peer['error']}")
+    return peers[0]["url"]
 
 
 def _available(tensors: dict, spec) -> dict[tuple[str, ...], Available]:
