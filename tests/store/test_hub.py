@@ -122,6 +122,26 @@ def test_a_sharded_repo_restores_onto_a_mesh_fetching_only_the_rows_needed(repo,
     np.testing.assert_array_equal(host["params"]["layers.0.proj"], arrays["layers.0.proj"])
 
 
+def test_a_single_file_repo_restores_and_converts(hub_server, tmp_path):
+    files, arrays = synthetic_repo(2)
+    one = {"model.safetensors": save(arrays), "config.json": files["config.json"]}
+    sha = hub_server.add("org/single", one)
+    mesh = _mesh()
+    out = jax_ucp.restore("hf://org/single@main", target=_target(arrays, mesh))
+    for name, want in arrays.items():
+        np.testing.assert_array_equal(np.asarray(out["params"][name]), want)
+    cdn = [r for r in hub_server.log if r["server"] == "cdn"]
+    _only_needed(cdn, one, _needed_ranges(one, mesh))
+    hub_server.log.clear()
+    dest = jax_ucp.convert("hf://org/single", tmp_path / "one")
+    assert jax_ucp.inspect(dest).source["path"] == f"hf://org/single@{sha}"
+    cdn = [r for r in hub_server.log if r["server"] == "cdn"]
+    assert cdn and all(r["range"] is not None for r in cdn), "a whole file was downloaded"
+    back = jax_ucp.restore(dest)["params"]
+    for name, want in arrays.items():
+        np.testing.assert_array_equal(back[name], want)
+
+
 def _only_needed(requests, files, needed) -> int:
     """The ranges ``requests`` fetched are exactly ``needed`` besides each file's header (its
     length, then the header) and the one-byte reads that check its size: their bytes."""
