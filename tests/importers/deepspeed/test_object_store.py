@@ -142,3 +142,23 @@ def test_a_zero_folder_in_an_object_store_converts_as_the_local_folder(
     assert_same(jax_ucp.restore(got), jax_ucp.restore(jax_ucp.convert(ZERO, str(tmp_path / "l"))))
     source = jax_ucp.inspect(got).source
     assert source["path"].startswith(url) and "ucp-view-" not in str(source)
+
+
+def test_a_zero_folder_in_a_hub_repo_restores_by_ranges(hub_server, monkeypatch):
+    """The same through ``hf://`` (tests/object_servers.py's server with the Hub's layout): no
+    rank file downloaded whole, the moments of a weights-only restore never fetched."""
+    served(monkeypatch)
+    files = {}
+    for folder, _, names in os.walk(ZERO):
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as f:
+                files[os.path.relpath(f.name, ZERO)] = f.read()
+    hub_server.add("org/zero", files)
+    assert_same(jax_ucp.restore("hf://org/zero"), jax_ucp.restore(ZERO))
+    archives = [r for r in hub_server.log if r["path"].endswith(".pt") and r["method"] == "GET"]
+    assert archives and all(r["range"] is not None for r in archives), "a rank file fetched whole"
+    weights = ImportOptions(weights_only=True)
+    moments = sum(x.nbytes for x in jax.tree.leaves(jax_ucp.restore(ZERO)["opt_state"]))
+    remote, gets, nbytes = fetched(lambda: jax_ucp.restore("hf://org/zero", importing=weights))
+    assert_same(remote, jax_ucp.restore(ZERO, importing=weights))
+    assert nbytes <= size_of(ZERO) - moments + 2 * len(files), (gets, nbytes, moments)
