@@ -16,26 +16,13 @@ import numpy as np
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import MultiProcessError
-from jax_ucp._src.format import safetensors
 from jax_ucp._src.restoring.engine import OpenedSource, TensorSource
 from jax_ucp._src.restoring.model import Available
 from jax_ucp._src.store import safetensors_remote
 
 ROOT = "params"  # where the importer puts the weights, as safetensors_source
-
-
-def is_source(prefix: store.storage.Storage) -> bool:
-    """An object-store ``.safetensors`` object, or a prefix holding safetensors objects (or
-    their index) and no ``ucp.json``."""
-    if prefix.local:  # a local directory: not this source's medium
-        return False
-    if prefix.root.rstrip("/").endswith(".safetensors"):
-        return True
-    if prefix.exists(fmt.MANIFEST_FILE):
-        return False
-    return prefix.exists(safetensors.INDEX_FILE) or any(
-        "/" not in n and n.endswith(".safetensors") for n in prefix.names()
-    )
+#: an object-store ``.safetensors`` object, or a prefix / Hub repo of them and no ``ucp.json``
+is_source = safetensors_remote.holds
 
 
 @contextlib.contextmanager
