@@ -1,7 +1,7 @@
 """Processes deciding as one: each posts its outcome of a step through a ``gather`` exchange and
 every process takes the same decision from the same list (``agree``); ``Exchange`` is that
 exchange in a ``jax.distributed`` job (its key-value store, no device collective), checking on
-the way that the peers it waits for on this host still live (``liveness``): the one a save, a
+the way that the peers it waits for still live (``heartbeat``, ``liveness``): the one a save, a
 distributed convert (``join``) and a read-once restore (``restoring.replicated``) meet through."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from jax_ucp._src.errors import MultiProcessError
-from jax_ucp._src.multihost import liveness
+from jax_ucp._src.multihost import heartbeat, liveness
 
 
 class ProcessLostError(MultiProcessError):
@@ -61,7 +61,7 @@ def agree(
 _RUNS: dict[str, Iterator[int]] = collections.defaultdict(itertools.count)  # per purpose
 _POLL_MS = 200  # how often a waiting process checks that the processes it waits for still live
 # how long fewer processes than the job's must be connected to the coordinator before one that
-# has not answered is taken for lost (a connection being made again is not a death)
+# has not answered, and never beat, is taken for lost (a connection made again is not a death)
 CUT_OFF_S = 1.0
 
 
@@ -88,13 +88,13 @@ def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int
 class Exchange:
     """The processes of a ``jax.distributed`` job meeting through its key-value store (no
     device collective): each posts its value of a step and ``gather`` waits for every one's.
-    While it waits, the processes it waits for that run on this host are checked every 0.2 s,
-    so one that died is named at once instead of after jax's heartbeat timeout (100 s) or
-    ``timeout``; one that ``abort``ed is named too. The processes first exchange who they are
-    (and ``hello``'s fields, in ``peers``). From that first message on, the process serving
-    jax.distributed's coordinator (process 0) also counts the connections made to it: a process
-    killed before it said who it is, or on another host, closes its connection, and the ones
-    that have not answered are named within ~1 s (and every other process told, ``abort``).
+    While it waits, the processes it waits for are checked every 0.2 s, so one that died is
+    named, not waited for until jax's heartbeat (100 s) or ``timeout``: on this host by
+    ``/proc``, anywhere by its beat standing still (``heartbeat``); one that ``abort``ed is named
+    too. The processes first exchange who they are (and ``hello``'s fields, in ``peers``). From
+    then on, the process serving the coordinator (process 0) also counts the connections made to
+    it, for those that never beat: a killed one's closes, and the ones that have not answered
+    are named within ~1 s (unless another program connects too); every other process is told.
 
     Args:
         purpose: what the processes do together (the keys' prefix; "the restore" in errors).
@@ -125,7 +125,10 @@ class Exchange:
         self.peers: list[dict] = []
         self.served = _served_port()
         self._short_since: float | None = None  # since when fewer processes are connected
-        me = dict(liveness.identity(os.getpid()) or {}, index=self.index, **(hello or {}))
+        heartbeat.start()
+        self.beats = heartbeat.Beats(self.client)
+        self.me = liveness.identity(os.getpid()) or {}
+        me = dict(self.me, index=self.index, **(hello or {}))
         self.peers = [json.loads(v) for v in self.gather("hello", json.dumps(me))]
 
     def gather(
@@ -164,6 +167,7 @@ class Exchange:
                 # the aborts first, then the values: a process that fails posts its value
                 # before its abort, so the error behind an abort is never missed
                 aborted = dict(self.client.key_value_dir_get(f"{self.prefix}abort/"))
+                self.beats.hear()
                 values = posted()
                 missing = [i for i in range(self.count) if i not in values]
                 if not missing:
@@ -201,21 +205,30 @@ class Exchange:
             )
 
     def raise_if_lost(self, indices: Iterable[int], step: str | None, head: str) -> None:
-        """``lost`` naming the first of ``indices`` that ran on this host and is gone."""
-        i = liveness.first_lost(self.peers, indices, self.index)
-        if i is not None:
-            peer = self.peers[i]
-            at = f" at '{step}'" if step else ""
-            raise self.lost(
-                f"{head} process {i} (pid {peer['pid']} on {peer['host']}) died while process "
-                f"{self.index} waited for it{at}"
-            )
+        """``lost`` naming the first of ``indices`` that is gone: it ran on this host and
+        ``/proc`` shows it no more, or it ran elsewhere and its beat stands still."""
+        for i in indices:
+            peer = (self.peers[i] if i < len(self.peers) else None) or self.beats.identity(i)
+            if i == self.index or not peer:
+                continue
+            here, at = liveness.alive_here(peer, self.me), f" at '{step}'" if step else ""
+            who = f"{head} process {i} (pid {peer.get('pid')} on {peer.get('host')})"
+            if here is False:
+                raise self.lost(f"{who} died while process {self.index} waited for it{at}")
+            if here is None and self.beats.stopped(i):
+                raise self.lost(
+                    f"{who} stopped beating while process {self.index} waited for it{at}: no "
+                    f"sign of life for {heartbeat.CUT_OFF_S:g} s (killed, or cut off from "
+                    "jax.distributed's coordinator)"
+                )
 
     def raise_if_cut_off(self, missing: list[int], step: str, head: str) -> None:
         """``lost`` when this process serves the coordinator and fewer than the job's processes
-        have been connected to it for ``CUT_OFF_S``: the ``missing`` ones (which have not
-        answered ``step``) are named, even one that never said who it is."""
+        have been connected to it for ``CUT_OFF_S`` while some ``missing`` ones (which have not
+        answered ``step``) never beat: those are named."""
+        missing = [i for i in missing if i not in self.beats.heard]
         if self.served is None or not missing:
+            self._short_since = None
             return
         now = liveness.connected(self.served)
         if now is None or now >= self.count:

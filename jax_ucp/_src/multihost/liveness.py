@@ -1,13 +1,13 @@
 """Whether the processes of a multi-process job that run on this host are still alive.
 
 Each process records its ``identity`` when the job starts; a process waiting on a peer later
-compares that record with what ``/proc`` says now, so a dead peer is noticed within a poll
-instead of after ``jax.distributed``'s heartbeat (100 s). Only processes of this host (same host
-name, boot and pid namespace) can be checked that way; the others are left to the heartbeat.
+compares that record with what ``/proc`` says now (``alive_here``), so a dead peer is noticed
+within a poll. Only processes of this host (same host name, boot and pid namespace) can be
+checked that way; the others are left to ``heartbeat``.
 
-A peer that dies before it said who it is (before the first exchange) has no record: the
-process serving the job's coordinator sees it go all the same, as the TCP connection every
-process holds to the coordinator (``connected``), wherever it runs.
+A peer that dies before it beat has no record: the process serving the job's coordinator sees
+it go all the same, as the TCP connection every process holds to the coordinator
+(``connected``), wherever it runs, unless another program holds one to that port too.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Iterable, Sequence
 
 
 def identity(pid: int) -> dict | None:
@@ -51,26 +50,14 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def first_lost(peers: Sequence[dict], indices: Iterable[int], me: int) -> int | None:
-    """The first of ``indices`` whose process (``peers[i]``, its ``identity`` when the job
-    started) ran on this host and is gone: no such pid, a zombie, or another process with it.
-
-    Args:
-        peers: every process's ``identity`` when the job started.
-        indices: the processes to check.
-        me: this process's index (never checked).
-    """
-    here = identity(os.getpid()) or {}  # this process: always found
-    for i in indices:
-        if i >= len(peers) or i == me or not peers[i]:
-            continue
-        peer = peers[i]
-        if any(peer.get(k) != here[k] for k in ("host", "boot", "pidns")):
-            continue  # another machine: jax.distributed's heartbeat notices it
-        now = identity(peer["pid"])
-        if now is None or now.get("zombie") or now["start"] != peer["start"]:
-            return i
-    return None
+def alive_here(peer: dict, me: dict) -> bool | None:
+    """Whether process ``peer`` (its ``identity`` when the job started) still runs, if it ran on
+    this host (``me``: this process's ``identity``): False when its pid is gone, a zombie, or
+    another process's; None elsewhere."""
+    if not me or any(peer.get(k) != me[k] for k in ("host", "boot", "pidns")):
+        return None  # another machine: its heartbeat tells
+    now = identity(peer["pid"])
+    return not (now is None or now.get("zombie") or now["start"] != peer["start"])
 
 
 _TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
