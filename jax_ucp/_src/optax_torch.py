@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp._src.continuation.deepspeed import deepspeed_recipe, recorded_config
 from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format.manifest import torch_optimizer_record
@@ -596,7 +597,7 @@ def _from_run(
     if groups:
         check_groups(groups, where)
     recipe = _framework_recipe(source, run.saved, where, optimizer)
-    deepspeed = recipe is not None and isinstance(recorded.get("deepspeed"), dict)
+    deepspeed = recipe is not None and recorded_config(source) is not None
     if recipe is None and not groups:
         raise RequestError(_no_optimizer(source, where))
     spec = spec_with_recorded_settings(spec, source, notes := [])
@@ -641,10 +642,8 @@ def _from_run(
 def _framework_recipe(source: dict, saved: dict, where: str, choice: str | None) -> Recipe | None:
     """The Recipe a framework's own record gives (DeepSpeed's config; Megatron's arguments and
     scheduler), or None for torch's optimizer record read as it is (:func:`torch_recipe`)."""
-    from jax_ucp._src.continuation.deepspeed import deepspeed_recipe
-
-    ds = torch_optimizer_record(source).get("deepspeed")
-    if isinstance(ds, dict) and ds.get("optimizer") is None and ds.get("scheduler") is not None:
+    ds = recorded_config(source) or {}
+    if ds.get("optimizer") is None and ds.get("scheduler") is not None:
         groups = torch_optimizer_record(source).get("param_groups") or []
         check_groups(groups, where)
         client = identify(groups, run_arguments(source, where), where, choice)
@@ -968,8 +967,8 @@ def run_arguments(source: dict, where: str) -> dict:
     scheduler, are read by ``continuation.deepspeed``)."""
     del where
     args = dict((source.get("trainer") or {}).get("training_args") or {})
-    ds = torch_optimizer_record(source).get("deepspeed")
-    if not isinstance(ds, dict):
+    ds = recorded_config(source)
+    if ds is None:
         return args
     args["max_grad_norm"] = ds.get("gradient_clipping", 0.0)
     if ds.get("optimizer") is not None:
@@ -1012,7 +1011,7 @@ def _unrecovered(source: dict) -> list[str]:
         "the learning-rate schedule (none recorded: the optimizer's learning rate for the "
         "next step, held constant; pass optax_from_torch(schedule=) the run's)"
     ]
-    if not isinstance(torch_optimizer_record(source).get("deepspeed"), dict):
+    if recorded_config(source) is None:
         out.append(
             "gradient clipping (none recorded: pass optax_from_torch(clip=) the run's max_norm, "
             "or clip=None if it did not clip)"

@@ -386,6 +386,12 @@ def _adam_from_config(made: Any, groups: list[dict], where: str) -> tuple[str, s
     return ("adamw" if decoupled else "adam"), how, bool(bias_correction), float(lr)
 
 
+def recorded_config(source: dict) -> dict | None:
+    """The DeepSpeed config its import recorded (``source.optimizer.deepspeed``; None: none)."""
+    config = torch_optimizer_record(source).get("deepspeed")
+    return config if isinstance(config, dict) else None
+
+
 def deepspeed_recipe(
     source: dict, where: str, client: tuple[str, str] | None = None
 ) -> Recipe | None:
@@ -399,9 +405,8 @@ def deepspeed_recipe(
         client: ``(kind, how)`` of the client's torch optimizer (``identify``), needed when the
             config has a scheduler but no optimizer.
     """
-    record = torch_optimizer_record(source)
-    ds = record.get("deepspeed")
-    if not isinstance(ds, Mapping) or (ds.get("optimizer") is None and ds.get("scheduler") is None):
+    record, ds = torch_optimizer_record(source), recorded_config(source)
+    if ds is None or (ds.get("optimizer") is None and ds.get("scheduler") is None):
         return None
     groups = record.get("param_groups") or []
     if not groups:

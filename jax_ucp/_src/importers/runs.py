@@ -33,10 +33,6 @@ class TrainerRun:
     what: str
     steps: tuple[RunStep, ...]
 
-    def newest_complete(self) -> RunStep | None:
-        """The newest step whose files show a completed save (None: no step does)."""
-        return next((s for s in self.steps if s.problem is None), None)
-
 
 def numbered_steps(root: str, pattern: str) -> dict[int, str]:
     """step -> folder name of the folders of ``root`` named ``pattern`` (a regular expression
