@@ -14,6 +14,7 @@ touched, only read through ``format.mapped_file``), so a process fetches the mem
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -27,20 +28,22 @@ from collections.abc import Iterator
 
 import tensorstore as ts
 
-from jax_ucp._src.errors import SourceError, UCPError
+from jax_ucp._src.errors import RequestError, SourceError, UCPError
 from jax_ucp._src.store.in_flight import InFlightBytes
 from jax_ucp._src.store.storage.base import Storage
 
 ARCHIVES = (".pt", ".pth", ".bin", ".ckpt")  # fetched by ranges when they are zip archives
 TAIL = 64 << 10  # the suffix GET that finds an archive's zip directory
 HEAD = 4 << 10  # an archive's first bytes, fetched with its directory
+MAX_SMALL = 64 << 20  # other objects up to this size are fetched PLACING at once
 MAX_WHOLE = 1 << 30  # the largest other object fetched whole
 MAX_DIRECTORY = 256 << 20  # the largest zip directory fetched
 PIECE = 8 << 20  # bytes per ranged GET
 IN_FLIGHT = 64 << 20  # bytes of ranged GETs in flight at once
+PLACING = 16  # objects of a view placed at once
 
 _counts = {"gets": 0, "bytes": 0}
-_lock = threading.Lock()
+_lock, _large = threading.Lock(), threading.Lock()
 #: URL -> (when built, its listing, the view, the path): a view is reused by the next import of
 #: its URL within ``REUSE`` seconds whose listing is the same (a restore's detection, its plan)
 _views: dict[str, tuple[float, list[str], View, str]] = {}
@@ -201,8 +204,8 @@ def local_view(storage: Storage) -> tuple[View, str]:
     url = storage.root.rstrip("/")
     tmp = tempfile.TemporaryDirectory(prefix="ucp-view-")
     view = View(url, os.path.join(tmp.name, url.rpartition("/")[2] or "root"), tmp)
-    for name in names:
-        _place(storage, name, view)
+    with concurrent.futures.ThreadPoolExecutor(PLACING) as pool:  # round trips overlapped
+        list(pool.map(lambda name: _place(storage, name, view), names))
     path = os.path.join(view.path, base) if single else view.path
     _views[asked] = now, names, view, path
     return view, path
@@ -224,7 +227,11 @@ def _place(storage: Storage, name: str, view: View) -> None:
     try:
         if name.lower().endswith(ARCHIVES) and _archive(storage, name, path, fd, view):
             return
-        data = storage.read(name, MAX_WHOLE)
+        try:
+            data = storage.read(name, MAX_SMALL)
+        except RequestError:  # a larger one: one at a time (memory: one, not PLACING)
+            with _large:
+                data = storage.read(name, MAX_WHOLE)
         if data is None:
             raise SourceError(f"{storage.join(name)}: listed, then gone")
         _count(2, len(data))
@@ -250,8 +257,11 @@ def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> boo
     if found is None:
         return False
     size, directory = found
-    ends = [_length(kv, key, size - 1), _length(kv, key, size)]  # the size, held to the object's
-    if ends != [1, 0] or size < len(tail.value) or size - directory > MAX_DIRECTORY:
+    if (  # the size, held to the object's: a byte at size - 1, none at size
+        size < len(tail.value)
+        or size - directory > MAX_DIRECTORY
+        or [_length(kv, key, size - 1), _length(kv, key, size)] != [1, 0]
+    ):
         raise SourceError(
             f"{storage.join(name)}: its zip directory implies a {size}-byte archive "
             f"(directory at {directory}); the object disagrees (truncated or corrupt)"
