@@ -407,6 +407,24 @@ def test_llama4_text_reads_its_layer_lists_as_transformers_does():
         assert cfg.dense_layers == (0, 2, 4, 6) and cfg.attn_temperature == (3.0, 0.5)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "family, field", [("qwen2_moe", "mlp_only_layers"), ("llama4_text", "moe_layers")]
+)
+def test_a_config_listing_half_of_a_million_layers_is_read_and_counted(family, field):
+    """Hostile-size input: every other of 2**20 layers listed (dense for Qwen2-MoE, MoE for
+    Llama 4) is read and its size counted (what --logits checks before from_pretrained) without
+    a scan per layer of the list; the count is the 2-layer model's per-layer size times 2**19."""
+    import dataclasses
+
+    layers = 2**20
+    big, _ = hf_model(_config(family, num_hidden_layers=layers, **{field: [*range(0, layers, 2)]}))
+    two, _ = hf_model(_config(family, num_hidden_layers=2, **{field: [0]}))
+    none = dataclasses.replace(two, num_layers=0).parameter_count()
+    assert len(big.dense_layers) == layers // 2
+    assert big.parameter_count() - none == layers // 2 * (two.parameter_count() - none)
+
+
 def test_an_empty_rope_scaling_gives_way_to_rope_parameters():
     """transformers reads ``rope_scaling or rope_parameters``: an empty ``rope_scaling`` beside
     transformers 5's ``rope_parameters`` must not reset RoPE's base to the default."""

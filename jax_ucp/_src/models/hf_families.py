@@ -646,7 +646,7 @@ def _qwen_moe(c: Mapping, layers: int) -> dict:
     experts, top = _int(c, "num_experts"), _int(c, "num_experts_per_tok")
     if top > experts:
         raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
-    step, only = _int(c, "decoder_sparse_step"), _ints(c, "mlp_only_layers", [])
+    step, only = _int(c, "decoder_sparse_step"), set(_ints(c, "mlp_only_layers", []))
     return dict(
         num_experts=experts,
         moe_router_topk=top,
@@ -703,7 +703,7 @@ def _llama4_text(c: Mapping) -> LMConfig:
     if len(rope) != layers or not set(rope) <= {0, 1}:
         raise _refuse("no_rope_layers", repr(rope)[:200], f"expected {layers} of 0, 1")
     step = _int(c, "interleave_moe_layer_step")
-    moe = _ints(c, "moe_layers", list(range(step - 1, layers, step)))
+    moe = set(_ints(c, "moe_layers", list(range(step - 1, layers, step))))
     default = ["chunked_attention" if r else "full_attention" for r in rope]
     types = _layer_types(c, layers, default, ("full_attention", "chunked_attention"))
     chunked = tuple(i for i, t in enumerate(types) if t == "chunked_attention")

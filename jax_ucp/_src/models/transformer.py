@@ -129,9 +129,10 @@ class LMConfig:
         total = self.vocab_size * h * (1 if self.tied else 2) + norm
         if self.position == "learned_absolute":
             total += self.max_position_embeddings * h
+        dense = set(self.dense_layers)  # a set: a config may list 2**20 layers
         for layer in range(self.num_layers):
             total += attn + norm * norms
-            if not self.is_moe(layer):
+            if not self.num_experts or layer in dense:
                 total += mlp(self.ffn_hidden_size, self.bias)
                 continue
             experts = self.num_experts or 0
