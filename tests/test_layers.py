@@ -567,3 +567,64 @@ def test_the_storage_rule_sees_a_rename_and_an_object_write():
             "opens a TensorStore KvStore",
         ]
     )
+
+
+# --------------------------------------------------------------------------- format knowledge
+
+#: The string literals naming an importer's format or layout that a module outside
+#: ``importers/`` may hold, each for a reason that is not a format's knowledge (issue 58: what a
+#: format is, reads and records, and how ``verify --against`` reads it, is in ``importers/``).
+FORMAT_NAMES_ALLOWED = {
+    # Python packages: the extra a missing loader's package names; OLMo-core's pickled module
+    "against.py": {"deepspeed", "torch", "olmo_core"},
+    "options.py": {"orbax"},  # a module name: Orbax's frames skipped to find the user's line
+    # torch's module name in the pickles of torch's file formats
+    "torchfiles/pickle_format.py": {"torch"},
+    "torchfiles/torch_zip.py": {"torch"},
+    "torchfiles/dcp.py": {"torch"},
+    # the exporters' own output formats (an exporter is its format's module, as an importer is)
+    "exporters/engine.py": {"safetensors", "orbax"},
+    "exporters/options.py": {"safetensors", "orbax"},
+    "cli/commands.py": {"safetensors"},  # export --to's default: an exporter's name
+    # the records a run is continued from (continuation imports format alone): the DeepSpeed
+    # config in source.optimizer, the framework of a Megatron import
+    "continuation/deepspeed.py": {"deepspeed"},
+    "continuation/megatron.py": {"megatron"},
+    "format/manifest.py": {"torch"},  # the display's name of an import recording no framework
+    # the restore's open stage, which moves 2 and 3 of issue 58 rewrite (safetensors read in
+    # place, a torch DCP folder in an object store)
+    "restoring/import_open.py": {"safetensors", "torch_dcp"},
+}
+
+
+def _format_names(rel: str, tree: ast.AST, names: set[str]) -> list[str]:
+    """Where module ``rel`` holds a string literal of ``names`` its allow-list does not."""
+    names = names - FORMAT_NAMES_ALLOWED.get(rel, set())
+    return [
+        f"jax_ucp/_src/{rel}:{node.lineno}: {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+    ]
+
+
+def test_format_names_stay_in_the_importers():
+    """No module outside ``importers/`` names an importer's format or layout in a string literal
+    (``registry.IMPORTERS``' names, ``FORMATS``, the provenance formats of ``AGAINST``), but for
+    ``FORMAT_NAMES_ALLOWED``'s reasons: it asks the registry (issue 58)."""
+    from jax_ucp._src.importers import registry
+
+    names = {*registry.IMPORTERS, *registry.FORMATS, *registry.AGAINST}
+    wrong = []
+    for path in _modules():
+        rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
+        if not rel.startswith("importers/"):
+            with open(path, encoding="utf-8") as f:
+                wrong += _format_names(rel, ast.parse(f.read(), path), names)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_format_names_rule_sees_a_format_name():
+    code = 'x.get("verl")\nfmt == "torch"\nsaid = "verl\'s ranks"\n'
+    found = _format_names("against.py", ast.parse(code), {"verl", "torch"})
+    assert found == ["jax_ucp/_src/against.py:1: 'verl'"]  # torch: a package against.py names
+    assert len(_format_names("writer/x.py", ast.parse(code), {"verl", "torch"})) == 2
