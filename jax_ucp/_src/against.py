@@ -110,33 +110,25 @@ def _loader(
     ``src`` planned again records, whose tail locates rank files under ``src``; every file name
     becomes a path through ``files.inside_checkpoint``."""
     how, tensors, pattern = _how(fmt), provenance.get("tensors") or [], provenance.get("pattern")
-    if how is None:
-        many = f"built from {len(tensors)} source tensors by the import"
-        raise SourceError(
-            many if len(tensors) != 1 else f"no framework loader compared for {fmt!r} imports yet"
-        )
-    loader = how.loader if how.read in (None, pattern or "") else how.other
-    if not loader:
+    if how.read not in (None, pattern or ""):
         raise SourceError(f"built by the import ({pattern})")
-    if loader == "ranks":
+    if how.loader == "ranks":
         parts = [
             p for t in tensors for p in _rank_parts(how, src, recorded, provenance, t, entry_name)
         ]
         if not parts:
             raise SourceError("the import names no source tensor")
         return lambda: _from_ranks(parts), ", ".join(f"{f}:{k}" for f, k, _ in parts)
-    if loader == "zero":
-        return _deepspeed_loader(src, provenance, entry_name)
+    if how.loader == "zero":
+        return _deepspeed_loader(src, provenance, entry_name, recorded)
     if len(tensors) != 1:
         raise SourceError(f"built from {len(tensors)} source tensors by the import")
+    if not how.loader:
+        raise SourceError(f"no framework loader compared for {fmt!r} imports yet")
     name = tensors[0]
-    if loader == "recorded_file":  # a weight the model states file holds
-        file, _, inner = name.partition(how.sep)
-        path = _locate(src, recorded, file, entry_name)
-        return lambda: _torch_file_tensor(path, inner), name
-    if loader in ("dcp", "recorded_dcp"):
+    if how.loader in ("dcp", "recorded_dcp"):
         key = provenance.get("source_name") or name
-        if loader == "recorded_dcp":  # megatron-core's torch_dist: the tensor as saved
+        if how.loader == "recorded_dcp":  # megatron-core's torch_dist: the tensor as saved
             folder = os.path.dirname(_locate(src, recorded, ".metadata", entry_name))
         elif sub := provenance.get("folder"):
             folder = _inside(src, sub, entry_name)
@@ -168,10 +160,11 @@ def _read(src: str, name: str, planned: dict, source: dict) -> tuple[np.ndarray,
 
 
 def _how(fmt: str) -> Any:
-    """How the importers say a tensor of the provenance format ``fmt`` is read (None: not)."""
+    """How the importers say a tensor of the provenance format ``fmt`` is read (no loader: a
+    format they give none)."""
     from jax_ucp._src.importers import registry  # loaded when a source is compared
 
-    return registry.AGAINST.get(fmt)
+    return registry.AGAINST.get(fmt) or registry.Against("", read=None)
 
 
 def _rank_parts(
@@ -286,13 +279,19 @@ _DEEPSPEED: dict[str, dict[str, Any]] = {}
 
 
 def _deepspeed_loader(
-    src: str, provenance: dict, entry_name: str
+    src: str, provenance: dict, entry_name: str, recorded: str
 ) -> tuple[Callable[[], np.ndarray], str]:
     """A ZeRO import's fp32 weights against DeepSpeed's own consolidation
     (``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``, the whole state once, as
     DeepSpeed reads it); its moments against DeepSpeed's ``ds_to_universal`` (run once into a
     temporary folder, removed after: disk for one copy of the weights and moments), each
-    ``zero/<param>/<state>.pt`` read with ``torch.load(weights_only=True)``."""
+    ``zero/<param>/<state>.pt`` read with ``torch.load(weights_only=True)``; a weight the
+    model states file holds (its ``module``) with ``torch.load``."""
+    tensors = provenance.get("tensors") or []
+    if provenance.get("pattern") == "module" and len(tensors) == 1:
+        file, _, inner = tensors[0].partition(":")
+        path = _locate(src, recorded, file, entry_name)
+        return lambda: _torch_file_tensor(path, inner), tensors[0]
     kind, _, rest = entry_name.partition("/")
     stage = provenance.get("zero_stage")
     if stage not in (1, 2, 3):
@@ -307,7 +306,6 @@ def _deepspeed_loader(
             return _torch_to_numpy(state[name])
 
         return read, f"zero_to_fp32:{name}"
-    tensors = provenance.get("tensors") or []
     moment = str(tensors[0]).rsplit(".", 1)[-1] if tensors else ""
     if kind != "opt_state" or not moment.startswith("exp_avg"):
         raise SourceError(f"no DeepSpeed loader gives {entry_name!r} whole")
@@ -630,7 +628,7 @@ def _recorded_files(fmt: str, provenance: dict) -> list[Any]:
     names = [provenance[k] for k in ("file", "folder") if provenance.get(k) is not None]
     listed = provenance.get("files")
     names += list(listed) if isinstance(listed, list) else [listed] if listed is not None else []
-    sep = getattr(_how(fmt), "sep", "")
+    sep = _how(fmt).sep
     for tensor in provenance.get("tensors") or ():
         if sep and sep in str(tensor):
             names.append(str(tensor).partition(sep)[0])

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import warnings
 from collections.abc import Callable
@@ -33,6 +32,7 @@ import numpy as np
 from jax_ucp._src.continuation.deepspeed import deepspeed_recipe, recorded_config
 from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
 from jax_ucp._src.errors import RequestError
+from jax_ucp._src.format.files import strict_loads
 from jax_ucp._src.format.manifest import torch_optimizer_record
 from jax_ucp._src.language.recorded import spec_with_recorded_settings
 
@@ -413,9 +413,9 @@ def schedule_kwargs(args: dict, kind: str, where: str) -> dict[str, Any]:
     kwargs = args.get("lr_scheduler_kwargs") or {}
     if isinstance(kwargs, str):
         try:
-            kwargs = json.loads(kwargs)
-        except ValueError:
-            kwargs = None
+            kwargs = strict_loads(kwargs)
+        except ValueError as e:  # a key named twice, or no JSON
+            raise RequestError(f"{where}: lr_scheduler_kwargs {kwargs[:200]!r}: {e}") from None
     if not isinstance(kwargs, dict):
         raise RequestError(f"{where}: lr_scheduler_kwargs {kwargs!r} is not a dict")
     allowed = SCHEDULE_KWARGS.get(kind, {})

@@ -149,3 +149,52 @@ def test_a_megatron_integrity_record_listing_a_file_twice_is_refused(tmp_path):
         json.dumps({"algorithm": "sha256", "files": {".metadata": new}})
     )
     assert integrity.verify_integrity(tmp_path) is not None
+
+
+def test_every_other_json_a_user_hands_us_refuses_a_key_named_twice(good, tmp_path):
+    """An export's record, an Orbax step's metadata, a model config, a Trainer's scheduler
+    arguments: hostile copies of each, one key named twice."""
+    from jax_ucp._src.exporters.source import read_config
+    from jax_ucp._src.importers.verl.side_files import hf_config
+    from jax_ucp._src.optax_torch import schedule_kwargs
+    from jax_ucp._src.store.storage.local import ORBAX_STEP_METADATA
+    from jax_ucp._src.writer import commit
+    from jax_ucp.exporters import SafetensorsExport
+
+    out = tmp_path / "out"
+    jax_ucp.export(good, out)
+    record = out / commit.EXPORT_RECORD
+    text = record.read_text()
+    record.write_text(text.replace('"files":', '"files": {}, "files":', 1))
+    before = sorted(os.listdir(out))
+    with pytest.raises(
+        jax_ucp.errors.RequestError, match=r"export\.json, which names 'files' twice"
+    ):
+        jax_ucp.export(good, out, SafetensorsExport(force=True))
+    assert sorted(os.listdir(out)) == before
+    record.write_text(text)  # the record as written: the export is replaced
+    jax_ucp.export(good, out, SafetensorsExport(force=True))
+
+    step = tmp_path / "step"
+    step.mkdir()
+    meta = '{"item_handlers": {"a": "h"}, "item_handlers": {"a": "h", "b": "h"}}'
+    (step / ORBAX_STEP_METADATA).write_text(meta)
+    assert commit.orbax_step_items(str(step)) is None  # not a step whose items can be told
+    (step / ORBAX_STEP_METADATA).write_text('{"item_handlers": {"a": "h", "b": "h"}}')
+    assert commit.orbax_step_items(str(step)) == {"a", "b"}
+
+    config = tmp_path / "config.json"
+    config.write_text('{"hidden_size": 8, "hidden_size": 16}')
+    with pytest.raises(jax_ucp.errors.RequestError, match="names 'hidden_size' twice"):
+        read_config(config)
+    (tmp_path / "huggingface").mkdir()
+    config.rename(tmp_path / "huggingface" / "config.json")
+    with pytest.raises(SourceError, match=r"config\.json.*names 'hidden_size' twice"):
+        hf_config(str(tmp_path))
+
+    args = {"lr_scheduler_kwargs": '{"num_cycles": 0.5, "num_cycles": 3}'}
+    with pytest.raises(jax_ucp.errors.RequestError, match="names 'num_cycles' twice"):
+        schedule_kwargs(args, "cosine", "trainer_state.json")
+    assert schedule_kwargs({"lr_scheduler_kwargs": '{"num_cycles": 3}'}, "cosine", "t") == {
+        "num_cycles": 3
+    }

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect as inspect_lib
-import json
 import os
 import re
 import sys
@@ -631,7 +630,7 @@ def _read_parameter_order(path: str) -> list[str]:
         raise typer.BadParameter(f"{path}: {e}", param_hint="--parameter-order") from None
     if text.lstrip().startswith("["):
         try:
-            names = json.loads(text)
+            names = files.strict_loads(text)
         except ValueError as e:
             raise typer.BadParameter(
                 f"{path}: not a JSON list ({e})", param_hint="--parameter-order"

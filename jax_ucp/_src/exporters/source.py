@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -221,7 +220,7 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]
         return dict(config)
     try:
         raw = fmt.files.read_regular(os.fspath(config), 16 << 20)
-        loaded = json.loads(raw)
+        loaded = fmt.files.strict_loads(raw)
     except (OSError, ValueError, RecursionError) as e:
         raise RequestError(f"config {config}: not a readable JSON file ({e})") from None
     if not isinstance(loaded, dict):

@@ -73,15 +73,14 @@ OPTION_FIELDS = tuple(
 class Against:
     """How ``verify(against=)`` reads a source tensor with its framework's own loader
     (:mod:`jax_ucp._src.against`): ``loader`` for a provenance whose pattern is ``read`` ("":
-    none; None: any), ``other`` for another ("": built by the import, not compared); ``sep``
-    parts a source tensor's name into file and key; ``rank`` finds a rank file's rank. The
-    loaders: ``ranks`` (every rank file's piece), ``zero`` (DeepSpeed's consolidation),
-    ``file``, ``recorded_file`` (the file where the recorded source path puts it), ``dcp`` (of
-    the folder holding the key), ``recorded_dcp`` (of the recorded folder)."""
+    none; None: any; another is a tensor the import built, not compared); ``sep`` parts a
+    source tensor's name into file and key; ``rank`` finds a rank file's rank. The loaders:
+    ``ranks`` (every rank file's piece), ``zero`` (DeepSpeed's own, its model states file's
+    weights), ``file``, ``dcp`` (of the folder holding the key), ``recorded_dcp`` (of the
+    folder where the recorded source path puts ``.metadata``)."""
 
     loader: str
     read: str | None = ""
-    other: str = ""
     sep: str = ""
     rank: str = ""
 
@@ -91,7 +90,7 @@ class Against:
 AGAINST = {
     "verl": Against("ranks", sep="/", rank=r"_rank_([0-9]+)\.pt\Z"),
     "torch_checkpointing": Against("ranks", rank=r"_([0-9]+)\.pt\Z"),  # item:key, its files
-    "deepspeed": Against("recorded_file", read="module", other="zero", sep=":"),
+    "deepspeed": Against("zero", read=None, sep=":"),
     "torch_dcp": Against("dcp"),
     "torch_dist": Against("recorded_dcp", read="torch_dist-global"),  # megatron-core's
     "torch_files": Against("file", read=None, sep=":"),
@@ -187,21 +186,12 @@ def trainer_run(src) -> TrainerRun | None:
     ``checkpoint/``, a DeepSpeed ``save_dir``, a Megatron or verl save root): its steps, newest
     first, each with why its save did not complete; the first importer's listing that finds
     step folders in it (``Importer.run``), None when none does."""
-    src = os.fspath(src)
-    asked = []
-    for importer in IMPORTERS.values():
-        if importer.run is None or importer.run in asked:
-            continue
-        asked.append(importer.run)
-        run = importer.run(src)
-        if run is not None:
-            return run
-    return None
+    src, listings = os.fspath(src), dict.fromkeys(i.run for i in IMPORTERS.values() if i.run)
+    return next((run for listing in listings if (run := listing(src)) is not None), None)
 
 
 def detect_format(src) -> str:
-    """'deepspeed', 'megatron', 'orbax', 'safetensors', 'torch' (any torch layout) or 'verl',
-    from the files a path holds (:func:`detected`)."""
+    """The format (one of ``FORMATS``) a path's files hold (:func:`detected`)."""
     return detected(src).format
 
 

@@ -140,7 +140,9 @@ def merge(save: PreparedSave, process_count: int) -> None:
             f"shard digests; the save is incomplete and is not committed."
         )
     for name in others:
-        reported = json.loads(storage.read(name, 64 << 20) or b"{}")
+        reported = fmt.files.strict_json(
+            storage.read(name, 64 << 20) or b"{}", f"{root}/{name}", fmt.UCPError
+        )
         for array_dir, shard_digests in reported.items():
             digests.setdefault(array_dir, {}).update(shard_digests)
     entries = []

@@ -231,7 +231,7 @@ def orbax_step_items(path: str) -> frozenset[str] | None:
     if not _regular_file(meta):
         return None
     try:
-        metadata = json.loads(fmt.files.read_regular(meta, _STEP_METADATA_LIMIT))
+        metadata = fmt.files.strict_loads(fmt.files.read_regular(meta, _STEP_METADATA_LIMIT))
     except (OSError, ValueError, RecursionError):
         return None
     handlers = metadata.get("item_handlers") if isinstance(metadata, dict) else None
@@ -330,11 +330,13 @@ def export_problems(path: str, *, content: bool = True) -> list[str]:
     sizes). ``content=False`` compares names and sizes only (a quick first check, no reads)."""
     try:
         raw = fmt.files.read_regular(os.path.join(path, EXPORT_RECORD), 16 << 20)
-        record = json.loads(raw)
+        record = fmt.files.strict_loads(raw)
         recorded = record["files"]
         if record.get("format") != _EXPORT_FORMAT or not isinstance(recorded, dict):
             raise ValueError("not an export record")
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        if str(e).startswith("names "):  # format.files.unique_keys: a key named twice
+            return [f"{EXPORT_RECORD}, which {e}"]
         names = sorted(os.listdir(path))
         return [f"no {EXPORT_RECORD}: {', '.join(_shown(path, n) for n in names[:_SHOWN])}"]
     if record.get("version") != _EXPORT_RECORD_VERSION or record.get("digest") != file_digest.KIND:

@@ -18,7 +18,6 @@ listed in ``source.skipped``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.errors import RequestError, SourceError
-from jax_ucp._src.format.files import in_own_folder, numbered_names, read_regular
+from jax_ucp._src.format.files import in_own_folder, numbered_names, read_regular, strict_loads
 from jax_ucp._src.importers.plan import (
     Detection,
     ImportPlan,
@@ -104,7 +103,7 @@ def _metadata(src: str) -> tuple[dict, int]:
 
 def _json_path(key: Any, where: str) -> list:
     try:
-        value = json.loads(key)
+        value = strict_loads(key)
     except (TypeError, ValueError):
         value = None
     if not isinstance(value, list):

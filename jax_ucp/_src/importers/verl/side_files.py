@@ -5,7 +5,6 @@ other model folder, ``huggingface/`` weights)."""
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any
@@ -164,9 +163,7 @@ def hf_config(folder: str) -> dict | None:
         return None
     try:
         real = files.inside(folder, os.path.join("huggingface", "config.json"), "model config")
-        data = json.loads(
-            files.read_regular(real, MAX_CONFIG_BYTES), parse_constant=files.no_json_constant
-        )
+        data = files.strict_loads(files.read_regular(real, MAX_CONFIG_BYTES))
     except files.UnsafeFileError as e:
         raise SourceError(str(e)) from None
     except (ValueError, RecursionError) as e:

@@ -81,9 +81,9 @@ def kvstore_root(url: str) -> dict:
     elif os.environ.get("STORAGE_EMULATOR_HOST"):
         host = os.environ["STORAGE_EMULATOR_HOST"]
         spec.setdefault("context", {})["gcs_request_retries"] = {"max_retries": 2}
-        os.environ.setdefault(
-            "TENSORSTORE_GCS_HTTP_URL", host if "://" in host else f"http://{host}"
-        )
+        if "TENSORSTORE_GCS_HTTP_URL" not in os.environ:  # an emulator takes no credentials
+            os.environ["TENSORSTORE_GCS_HTTP_URL"] = host if "://" in host else f"http://{host}"
+            os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")  # no E1126 line
     spec.update(_options.get(scheme, {}))
     return spec
 
@@ -316,7 +316,7 @@ def object_store_lock(url: str):
 
 def _lock_owner(data: bytes) -> dict | None:
     with contextlib.suppress(ValueError, RecursionError):
-        owner = json.loads(data)
+        owner = fmt.files.strict_loads(data)
         if (
             isinstance(owner, dict)
             and isinstance(owner.get("host"), str)
