@@ -120,3 +120,24 @@ def test_a_record_that_is_no_json_file_is_refused(src, tmp_path, kind):
 
 
 FIX_PATH = __import__("pathlib").Path(FIX)
+
+
+@pytest.mark.parametrize("entry", ["convert", "restore"])
+def test_a_deleted_metadata_json_never_makes_it_a_plain_dcp_that_skips_the_record(
+    src, tmp_path, entry
+):
+    """Without megatron's ``metadata.json`` the folder is still megatron-core's (its
+    ``integrity.json`` says so): never read as a plain torch DCP, which would skip the record
+    and let a flipped byte through (found by the hostile harness)."""
+    (src / "metadata.json").unlink()
+    path = src / "__1_0.distcp"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    call = {
+        "convert": lambda: jax_ucp.convert(src, tmp_path / "out"),
+        "restore": lambda: jax_ucp.restore(src),
+    }
+    with pytest.raises(SourceError, match=r"(__1_0\.distcp|metadata\.json): .*integrity\.json"):
+        call[entry]()
+    assert not (tmp_path / "out").exists()

@@ -125,6 +125,7 @@ def detect(src: os.PathLike | str) -> Detection:
         "iter_*",
         "metadata.json",  # torch_dist: megatron's own beside torch DCP's .metadata
         "common.pt",
+        "integrity.json",  # megatron-core's record: a DCP with it is never read as plain torch
         "mp_rank_*/model_optim_rng.pt",
     )
     return glob_detection(

@@ -65,7 +65,7 @@ NON_MODEL_ROOTS = ("train_state", "lr_scheduler", "lr_schedulers", "dataloader",
 #: Accelerate's / HF Trainer's sharded FSDP folders inside a save_state / checkpoint folder.
 _ACCELERATE_DIR = re.compile(r"^(pytorch_model_fsdp|optimizer)_[0-9]+\Z")
 #: megatron-core's files beside its torch_dist .metadata (that is the Megatron importer's)
-MEGATRON_FILES = ("common.pt", "metadata.json")
+MEGATRON_FILES = ("common.pt", "metadata.json", "integrity.json")
 
 
 def dcp_dirs(src: os.PathLike | str) -> list[Path] | list[torch_dcp.ObjectPath]:
