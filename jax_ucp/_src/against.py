@@ -160,8 +160,7 @@ def _read(src: str, name: str, planned: dict, source: dict) -> tuple[np.ndarray,
 
 
 def _how(fmt: str) -> Any:
-    """How the importers say a tensor of the provenance format ``fmt`` is read (no loader: a
-    format they give none)."""
+    """How the importers say a tensor of the provenance format ``fmt`` is read (or by none)."""
     from jax_ucp._src.importers import registry  # loaded when a source is compared
 
     return registry.AGAINST.get(fmt) or registry.Against("", read=None)
@@ -402,12 +401,9 @@ def _zero_to_fp32(src: str) -> dict[str, Any]:
         get_fp32_state_dict_from_zero_checkpoint,
     )
 
+    parent, tag = os.path.split(os.path.normpath(_tag_folder(src)))  # the tag 'latest' names
     with contextlib.redirect_stdout(sys.stderr):  # its progress lines, not verify's output
-        if os.path.isfile(os.path.join(src, "latest")):  # the run folder (checkpoint-N)
-            state = get_fp32_state_dict_from_zero_checkpoint(src)
-        else:
-            parent, tag = os.path.split(os.path.normpath(src))  # the tag folder itself
-            state = get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
+        state = get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
     if state is None:
         raise SourceError(f"{src}: DeepSpeed's zero_to_fp32 finds no weights")
     return dict(state)

@@ -52,13 +52,11 @@ class _Command(_PlainPlaceholders, typer.core.TyperCommand):
         if self.help:
             self.help = re.sub(r"(?<!\n)\n(?!\n)", " ", inspect_lib.cleandoc(self.help))
 
-    def format_help(self, ctx, formatter) -> None:
-        """``{formats}`` in an option's help: the importers' (loaded for ``--help`` alone)."""
-        for param in self.params:
-            if isinstance(param, typer.core.TyperOption) and "{formats}" in (param.help or ""):
-                from jax_ucp._src.importers.registry import FORMATS
+    def format_help(self, ctx, formatter) -> None:  # {formats}: the importers', for --help alone
+        from jax_ucp._src.importers.registry import FORMATS
 
-                param.help = (param.help or "").replace("{formats}", ", ".join(FORMATS))
+        for param in (p for p in self.params if isinstance(p, typer.core.TyperOption)):
+            param.help = (param.help or "").replace("{formats}", ", ".join(FORMATS))
         super().format_help(ctx, formatter)
 
     def collect_usage_pieces(self, ctx) -> list[str]:

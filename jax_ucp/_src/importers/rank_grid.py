@@ -1,7 +1,5 @@
-"""The TP x PP rank grid merged into one tensor, for both Megatron readers (Megatron-LM's
-legacy ``mp_rank_*`` files, Megatron-DeepSpeed's model-parallel ranks): each pipeline stage's
-TP fragments merged by the tensor's kind; a tensor several stages hold (tied embeddings) is
-their ``PipelineTied`` copies, checked equal."""
+"""The TP x PP rank grid merged into one tensor, for both Megatron readers (Megatron-LM's legacy
+``mp_rank_*`` files, Megatron-DeepSpeed's model-parallel ranks)."""
 
 from __future__ import annotations
 

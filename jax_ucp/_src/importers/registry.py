@@ -72,12 +72,10 @@ OPTION_FIELDS = tuple(
 @dataclasses.dataclass(frozen=True)
 class Against:
     """How ``verify(against=)`` reads a source tensor with its framework's own loader
-    (:mod:`jax_ucp._src.against`): ``loader`` for a provenance whose pattern is ``read`` ("":
-    none; None: any; another is a tensor the import built, not compared); ``sep`` parts a
-    source tensor's name into file and key; ``rank`` finds a rank file's rank. The loaders:
-    ``ranks`` (every rank file's piece), ``zero`` (DeepSpeed's own, its model states file's
-    weights), ``file``, ``dcp`` (of the folder holding the key), ``recorded_dcp`` (of the
-    folder where the recorded source path puts ``.metadata``)."""
+    (:mod:`jax_ucp._src.against`): ``loader`` (``ranks``: every rank file's piece; ``zero``:
+    DeepSpeed's; ``file``; ``dcp``; ``recorded_dcp``: where the recorded path puts it) for a
+    provenance whose pattern is ``read`` ("": none; None: any; another: built by the import);
+    ``sep`` parts a source tensor's name into file and key; ``rank`` finds a file's rank."""
 
     loader: str
     read: str | None = ""
