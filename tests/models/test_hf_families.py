@@ -26,13 +26,23 @@ _TINY = dict(
     max_position_embeddings=64,
 )
 
+#: Llama 3.1's RoPE scaling, sized so that the tiny head's wavelengths fall in all three ranges
+_LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 1e4,
+}
+
 #: family -> (config class, model class, config kwargs, a field the model does not compute
 #: as {field: value} merged into config.json, what the refusal names)
 FAMILIES = {
     "llama": (
         "LlamaConfig",
         "LlamaForCausalLM",
-        dict(_TINY, tie_word_embeddings=True),
+        dict(_TINY, tie_word_embeddings=True, rope_parameters=_LLAMA3),
         {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
         r"rope_parameters\.rope_type 'yarn'",
     ),
@@ -130,8 +140,8 @@ FAMILIES = {
             shared_expert_intermediate_size=24,
             mlp_only_layers=[1],
         ),
-        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-        r"rope_scaling\.rope_type 'llama3'",
+        {"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}},
+        r"rope_scaling\.rope_type 'dynamic'",
     ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
@@ -166,10 +176,10 @@ FAMILIES = {
             attention_chunk_size=5,
             floor_scale=3,
             attn_scale=0.5,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+            rope_parameters={**_LLAMA3, "high_freq_factor": 1.0},  # Llama 4 Scout's form
         ),
-        {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
-        r"rope_parameters\.rope_type 'llama3'",
+        {"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}},
+        r"rope_parameters\.rope_type 'yarn'",
     ),
     "granite": (
         "GraniteConfig",
@@ -289,6 +299,11 @@ def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_pa
     [
         ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"rope_scaling\.rope_type"),
         ("llama", {"mlp_bias": True}, r"mlp_bias True"),
+        (
+            "llama",
+            {"rope_parameters": {**_LLAMA3, "low_freq_factor": None}},
+            r"low_freq_factor None",
+        ),
         ("qwen2", {"head_dim": 0}, r"head_dim 0"),
         ("gemma2", {"query_pre_attn_scalar": float("nan")}, r"query_pre_attn_scalar nan"),
         ("gemma3_text", {"rope_parameters": {"rope_type": "default"}}, r"rope_parameters"),
@@ -376,7 +391,7 @@ def _older_config(config: dict) -> dict:
     if "partial_rotary_factor" in rope:
         old["partial_rotary_factor"] = rope["partial_rotary_factor"]
     if rope.get("rope_type", "default") != "default":
-        old["rope_scaling"] = {"rope_type": rope["rope_type"], "factor": rope["factor"]}
+        old["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     return old
 
 

@@ -3,7 +3,7 @@ names (the only copy of that mapping: ``jax_ucp/_src/language/specs/hf_*.toml``)
 ``config.json`` becomes an ``LMConfig``.
 
 Each family reads the config fields listed in :data:`FAMILIES`; a value of one of them the
-model does not compute (a RoPE type other than default or linear, biases where the family has
+model does not compute (a RoPE type other than default, linear or llama3, biases where the family has
 none, bidirectional attention, an activation other than the family's) is a ``RequestError``
 naming the field, never computed differently. Missing fields take transformers' defaults for
 the family (5.24), so a ``config.json`` written by an older transformers reads the same.
@@ -32,7 +32,7 @@ _COMMON = (
     "max_position_embeddings",
     "rms_norm_eps",
     "tie_word_embeddings",
-    "rope_parameters (rope_type default or linear, rope_theta, factor)",
+    "rope_parameters (rope_type default, linear or llama3, rope_theta, factor, ...)",
     "rope_theta, rope_scaling (older config.json)",
 )
 
@@ -383,11 +383,12 @@ def _act(c: Mapping, field: str, allowed: Mapping[str, str]) -> str:
 
 
 # ---------------------------------------------------------------------------------- RoPE
-_ROPE_TYPES = ("default", "linear")
+_ROPE_TYPES = ("default", "linear", "llama3")
+_LLAMA3 = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def _rope_one(params: Any, field: str, theta: Any, partial_ok: bool) -> tuple[float, float, float]:
-    """(base, linear factor, rotary fraction) of one RoPE parameter set."""
+def _rope_one(params: Any, field: str, theta: Any, partial_ok: bool) -> tuple:
+    """(base, factor, rotary fraction, llama3's three numbers or None) of one RoPE set."""
     if params is None:
         params = {}
     if not isinstance(params, Mapping):
@@ -397,7 +398,10 @@ def _rope_one(params: Any, field: str, theta: Any, partial_ok: bool) -> tuple[fl
         raise _refuse(
             f"{field}.rope_type", repr(kind), f"supported RoPE types: {', '.join(_ROPE_TYPES)}"
         )
-    factor = _number(f"{field}.factor", params.get("factor")) if kind == "linear" else 1.0
+    factor = _number(f"{field}.factor", params.get("factor")) if kind != "default" else 1.0
+    llama3 = None
+    if kind == "llama3":
+        llama3 = tuple(_number(f"{field}.{key}", params.get(key)) for key in _LLAMA3)
     base = params.get("rope_theta", theta)
     base = _number(f"{field}.rope_theta", 10000.0 if base is None else base)
     partial = params.get("partial_rotary_factor", 1.0)
@@ -406,10 +410,10 @@ def _rope_one(params: Any, field: str, theta: Any, partial_ok: bool) -> tuple[fl
         raise _refuse(f"{field}.partial_rotary_factor", partial, "not computed for this family")
     if partial > 1.0:
         raise _refuse(f"{field}.partial_rotary_factor", partial, "expected at most 1")
-    return base, factor, partial
+    return base, factor, partial, llama3
 
 
-def _rope(c: Mapping, partial_ok: bool = False) -> tuple[float, float, float]:
+def _rope(c: Mapping, partial_ok: bool = False) -> tuple:
     """RoPE of a family with one set: ``rope_parameters`` (transformers 5) or the older
     ``rope_scaling`` + ``rope_theta`` (+ ``partial_rotary_factor``); both are checked, the
     older one read first (as transformers does)."""
@@ -512,7 +516,7 @@ def _base(c: Mapping, partial_ok: bool = False) -> dict:
     head_dim = _int(c, "head_dim") if head_dim is not None else hidden // heads
     if _int(c, "num_key_value_heads", groups) and heads % groups:
         raise _refuse("num_key_value_heads", groups, f"does not divide {heads} heads")
-    base, factor, partial = _rope(c, partial_ok)
+    base, factor, partial, llama3 = _rope(c, partial_ok)
     if int(head_dim * partial) % 2:
         raise _refuse("partial_rotary_factor", partial, f"gives an odd rotary dim of {head_dim}")
     return dict(
@@ -532,6 +536,7 @@ def _base(c: Mapping, partial_ok: bool = False) -> dict:
         ),
         rotary_base=base,
         rotary_scaling_factor=factor,
+        rotary_llama3=llama3,
         rotary_percent=partial,
         eps=_number("rms_norm_eps", c.get("rms_norm_eps") or 1e-6),
         tied=bool(c.get("tie_word_embeddings", False)),
@@ -612,7 +617,9 @@ def _gemma3(c: Mapping) -> LMConfig:
             params.get("sliding_attention"), "rope_parameters.sliding_attention", 1e4, False
         )
         kw = _base({**plain, "rope_parameters": {"rope_type": "default", "rope_theta": glob[0]}})
-        kw["rotary_scaling_factor"] = glob[1]
+        kw["rotary_scaling_factor"], kw["rotary_llama3"] = glob[1], glob[3]
+        if local[3]:
+            raise _refuse("rope_parameters.sliding_attention.rope_type", "llama3", "not computed")
     else:
         kw = _base({**c, "rope_theta": c.get("rope_theta", 1e6)})
         local = _rope_one({}, "rope_local_base_freq", c.get("rope_local_base_freq", 1e4), False)

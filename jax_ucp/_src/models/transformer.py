@@ -70,6 +70,9 @@ class LMConfig:
     sliding_layers: tuple[int, ...] | None = None  # the windowed layers (None: all of them)
     rotary_percent: float = 1.0  # RoPE on the first int(head_dim * rotary_percent) dims
     rotary_scaling_factor: float = 1.0  # linear RoPE scaling (positions / factor)
+    # llama3 RoPE scaling (Llama 3.1+, Llama 4): (low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings) with rotary_scaling_factor; global layers only
+    rotary_llama3: tuple[float, float, float] | None = None
     local_rotary_base: float | None = None  # RoPE base of the windowed layers (Gemma 3)
     local_rotary_scaling_factor: float = 1.0
     moe_ffn_hidden_size: int | None = None  # the experts' width (None: ffn_hidden_size)
@@ -251,13 +254,22 @@ def _norm_layer(cfg: LMConfig, name: str):
     return nn.LayerNorm(epsilon=cfg.eps, use_fast_variance=False, name=name)
 
 
-def _apply_rope(x, positions, base, factor: float = 1.0, rotary_dim: int | None = None):
+def _apply_rope(x, positions, base, factor: float = 1.0, rotary_dim=None, llama3=None):
     """Rotary position embedding, non-interleaved (rotate-half) like megatron-core's default,
     on the first ``rotary_dim`` dims (partial rotary; the rest pass), positions divided by
-    ``factor`` (linear scaling; applied to the frequencies, as transformers does)."""
+    ``factor`` (linear scaling; applied to the frequencies, as transformers does); with
+    ``llama3`` = (low, high, original length) only wavelengths above original / low are
+    divided, those between original / high and it smoothly (transformers' llama3 RoPE)."""
     dim = x.shape[-1] if rotary_dim is None else rotary_dim
     inverse_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    if factor != 1.0:
+    if llama3 is not None:
+        low, high, original = llama3
+        wavelength = 2 * math.pi / inverse_freq
+        smooth = (original / wavelength - low) / (high - low)
+        scaled = jnp.where(wavelength > original / low, inverse_freq / factor, inverse_freq)
+        medium = (wavelength >= original / high) & (wavelength <= original / low)
+        inverse_freq = jnp.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif factor != 1.0:
         inverse_freq = inverse_freq / factor
     freqs = positions[:, None].astype(jnp.float32) * inverse_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], -1)
@@ -299,11 +311,14 @@ class Attention(nn.Module):
             q, k = _norm_layer(cfg, "q_norm")(q), _norm_layer(cfg, "k_norm")(k)
         sliding = cfg.is_sliding(self.layer)
         if cfg.position == "rope" and self.layer not in cfg.nope_layers:
-            base, factor = cfg.rotary_base, cfg.rotary_scaling_factor
+            base, factor, llama3 = cfg.rotary_base, cfg.rotary_scaling_factor, cfg.rotary_llama3
             if sliding and cfg.local_rotary_base is not None:
                 base, factor = cfg.local_rotary_base, cfg.local_rotary_scaling_factor
+                llama3 = None
             rotary_dim = int(head_dim * cfg.rotary_percent)
-            q, k = (_apply_rope(x, jnp.arange(seq), base, factor, rotary_dim) for x in (q, k))
+            q, k = (
+                _apply_rope(x, jnp.arange(seq), base, factor, rotary_dim, llama3) for x in (q, k)
+            )
             if cfg.qk_l2_norm:
                 q, k = (nn.RMSNorm(cfg.eps, use_scale=False)(x) for x in (q, k))
         elif cfg.attn_temperature is not None:
