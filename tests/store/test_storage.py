@@ -14,12 +14,12 @@ from jax_ucp._src.store.storage import LocalDirectory, ObjectStorePrefix
 
 def test_the_medium_is_chosen_once_from_the_path(tmp_path):
     local = storage_for(tmp_path / "ck")
-    assert isinstance(local, LocalDirectory) and local.renames
+    assert isinstance(local, LocalDirectory) and local.local
     assert local.absolute() == os.path.join(os.path.abspath(tmp_path), "ck")
     assert storage_for(local) is local  # handed down, never chosen again
     for url in ("s3://bucket/ck", "gs://bucket/run/ck"):
         prefix = storage_for(url)
-        assert isinstance(prefix, ObjectStorePrefix) and not prefix.renames
+        assert isinstance(prefix, ObjectStorePrefix) and not prefix.local
         assert prefix.absolute() == url and prefix.join("arrays", "w") == f"{url}/arrays/w"
     assert isinstance(storage_for("file://x"), LocalDirectory)  # no object-store scheme
 

@@ -70,7 +70,6 @@ class Storage(abc.ABC):
     """Where one checkpoint lives. ``root`` is the path or URL as given; names are relative to
     it ("/"-separated)."""
 
-    renames: bool  # commits by renaming a directory into place (else: its manifest, written last)
     local = False  # files opened, linked and swapped by ``os`` at ``root`` (else: requests only)
 
     def __init__(self, root: str):

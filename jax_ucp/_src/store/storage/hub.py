@@ -104,8 +104,6 @@ class HubRepo(Storage):
     """A Hub model repo (or a folder of it) at one commit: listed by the Hub's API, its files
     read by ranged GETs. Nothing is written."""
 
-    renames = False
-
     def __init__(self, root: str):
         super().__init__(root)
         self.repo, self.revision, self.path = parse(root)

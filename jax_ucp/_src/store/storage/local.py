@@ -248,7 +248,7 @@ def _remove(path: str) -> None:
 class LocalDirectory(Storage):
     """A checkpoint directory: committed by rename, made durable by syncfs, locked by a file."""
 
-    renames = local = True
+    local = True
 
     def absolute(self) -> str:
         return os.path.abspath(self.root)

@@ -341,8 +341,6 @@ class ObjectStorePrefix(Storage):
     """A checkpoint under an ``s3://`` / ``gs://`` prefix: no rename, so committed by its
     ``ucp.json``, written last and only if absent; locked by an object in the prefix."""
 
-    renames = False
-
     def absolute(self) -> str:
         return self.root
 
