@@ -353,6 +353,38 @@ def test_a_family_transformers_has_and_transformerlm_does_not_is_refused_naming_
         compare_logits(str(tmp_path / "never-read"), str(tmp_path / "src"))
 
 
+@pytest.mark.torch
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "config_class, model_class, kwargs, lacks",
+    [
+        (
+            "DeepseekV3Config",
+            "DeepseekV3ForCausalLM",
+            dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8),
+            "multi-head latent attention",
+        ),
+        ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4), "attention sinks"),
+    ],
+)
+def test_deepseek_v3_and_gpt_oss_saved_by_transformers_are_refused_by_logits(
+    config_class, model_class, kwargs, lacks, tmp_path
+):
+    """transformers' own tiny DeepSeek V3 / GPT-OSS, saved and converted (the weights are
+    copied exactly), then refused by --logits naming what TransformerLM lacks, never compared
+    through a model that computes something else."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**_TINY, "head_dim": 16, **kwargs})
+    getattr(transformers, model_class)(config).save_pretrained(tmp_path / "src")
+    ckpt = jax_ucp.convert(tmp_path / "src", tmp_path / "ucp")
+    assert jax_ucp.verify(ckpt, against=tmp_path / "src") == []
+    with pytest.raises(jax_ucp.SourceError, match=rf"\(TransformerLM lacks {lacks}"):
+        jax_ucp.verify(ckpt, against=tmp_path / "src", logits=True)
+
+
 def test_the_sliding_window_masks_keys_further_back_than_it():
     """A window at least the sequence's length is full attention, bit for bit; a window of 1
     is not (each query sees only itself)."""
