@@ -70,9 +70,6 @@ class LMConfig:
     sliding_layers: tuple[int, ...] | None = None  # the windowed layers (None: all of them)
     rotary_percent: float = 1.0  # RoPE on the first int(head_dim * rotary_percent) dims
     rotary_scaling_factor: float = 1.0  # linear RoPE scaling (positions / factor)
-    # llama3 RoPE scaling (Llama 3.1+, Llama 4): (low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings) with rotary_scaling_factor; global layers only
-    rotary_llama3: tuple[float, float, float] | None = None
     local_rotary_base: float | None = None  # RoPE base of the windowed layers (Gemma 3)
     local_rotary_scaling_factor: float = 1.0
     moe_ffn_hidden_size: int | None = None  # the experts' width (None: ffn_hidden_size)
@@ -89,6 +86,9 @@ class LMConfig:
     attn_temperature: tuple[float, float] | None = None
     qk_l2_norm: bool = False
     moe_sigmoid_input: bool = False
+    # llama3 RoPE scaling (Llama 3.1+, Llama 4): (low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings) with rotary_scaling_factor; global layers only
+    rotary_llama3: tuple[float, float, float] | None = None
 
     @property
     def groups(self) -> int:
