@@ -104,11 +104,10 @@ def _torch_to_numpy(t: Any) -> np.ndarray:
 def _loader(
     fmt: str, src: str, provenance: dict, entry_name: str = "", recorded: str = ""
 ) -> tuple[Callable[[], np.ndarray], str]:
-    """(a function reading the provenance's source tensor with the framework's own loader,
-    its name), or SourceError saying why it cannot be read that way: the loader the importers'
-    ``registry.AGAINST`` gives the format. ``recorded`` is the source path the import of
-    ``src`` planned again records, whose tail locates rank files under ``src``; every file name
-    becomes a path through ``files.inside_checkpoint``."""
+    """(a function reading the provenance's source tensor with the loader ``registry.AGAINST``
+    gives its format, its name), or SourceError saying why it cannot be read that way.
+    ``recorded``: the source path the import planned again records, whose tail locates rank
+    files under ``src``; every file name becomes a path through ``files.inside_checkpoint``."""
     how, tensors, pattern = _how(fmt), provenance.get("tensors") or [], provenance.get("pattern")
     if how.read not in (None, pattern or ""):
         raise SourceError(f"built by the import ({pattern})")
@@ -172,12 +171,9 @@ def _rank_parts(
     """[(path, key, rank)] of the rank files' pieces of one source tensor: named ``FILE<sep>key``
     (verl's), or ``item:key`` once, its rank files ``item_R.pt`` in ``provenance["files"]``
     (torch_checkpointing's)."""
-    if how.sep:
-        file, _, key = tensor.partition(how.sep)
-        files = [file]
-    else:
-        item, _, key = tensor.partition(":")
-        files = [f for f in provenance.get("files") or () if f.startswith(f"{item}_")]
+    item, _, key = tensor.partition(how.sep or ":")
+    listed = provenance.get("files") or ()
+    files = [item] if how.sep else [f for f in listed if f.startswith(f"{item}_")]
     out = []
     for file in files:
         found = re.search(how.rank, file)

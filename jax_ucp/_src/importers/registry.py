@@ -83,8 +83,7 @@ class Against:
     rank: str = ""
 
 
-#: How ``verify(against=)`` reads each source: by the ``format`` the importers record in a
-#: tensor's provenance (else the source's ``framework``; several layouts record ``torch_dcp``)
+#: How ``verify(against=)`` reads a tensor, by the format its provenance (else source) records
 AGAINST = {
     "verl": Against("ranks", sep="/", rank=r"_rank_([0-9]+)\.pt\Z"),
     "torch_checkpointing": Against("ranks", rank=r"_([0-9]+)\.pt\Z"),  # item:key, its files
@@ -238,11 +237,9 @@ def taken_over(source, importer: Importer, options: ImportOptions) -> Importer:
     """
     if options.weights_only:
         return importer
-    src = os.fspath(source)
-    for taker in IMPORTERS.values():
-        if importer.format in taker.takes_over and taker.detect(src).found:
-            return taker
-    return importer
+    src, takers = os.fspath(source), [t for t in IMPORTERS.values() if t.takes_over]
+    found = (t for t in takers if importer.format in t.takes_over and t.detect(src).found)
+    return next(found, importer)
 
 
 def _takers(field: str) -> str:

@@ -598,7 +598,7 @@ def _parameter_items(
         if amap is not None:
             value = _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of)
         else:
-            value = rank_grid.merged(tp_kind, per_stage, name, checkpoint.spec.settings, files_of)
+            value = rank_grid.merged(tp_kind, per_stage, name, checkpoint.spec, files_of)
         sources = [
             n
             for stage in stages
@@ -692,9 +692,7 @@ def _model_copy_item(
             checkpoint, name, checkpoint.affine[name], [fragments], "module", lambda: files
         )
     else:
-        value = rank_grid.merged(
-            tp_kind, [fragments], name, checkpoint.spec.settings, lambda: files
-        )
+        value = rank_grid.merged(tp_kind, [fragments], name, checkpoint.spec, lambda: files)
     return host_item(
         ("model_params", name),
         value,

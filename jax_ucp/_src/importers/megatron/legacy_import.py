@@ -107,10 +107,8 @@ class LegacyMerger:
         kind, grid = self.matches[name].kind, list(stages.values())
         pattern = kind.kind if len(stages) == 1 else f"pipeline_tied({kind.kind})"
         bound = max(sum(np.asarray(a).nbytes for a in per_tp) for per_tp in grid)
-        settings, files = self.spec.settings, lambda: self.files_of(name)
-        make = lambda: rank_grid.merged(
-            kind, grid, name, settings, files, what, MegatronImportError
-        )
+        files, error = (lambda: self.files_of(name)), MegatronImportError
+        make = lambda: rank_grid.merged(kind, grid, name, self.spec, files, what, error)
         view = self.rows_view(name, stages)
         if view is None:
             return writer.Deferred(None, None, make, bound=bound), pattern
