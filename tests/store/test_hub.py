@@ -142,6 +142,27 @@ def test_a_single_file_repo_restores_and_converts(hub_server, tmp_path):
         np.testing.assert_array_equal(back[name], want)
 
 
+def test_a_spec_on_a_mesh_reads_the_hub_as_the_local_folder(hub_server, tmp_path):
+    """``restore(hf://..., mesh=, spec=hf_llama)``: the flax tree, each tensor as the same
+    restore of the folder gives it (the spec's views over ranged reads)."""
+    from jax_ucp.language import load_spec
+    from jax_ucp.models import LMConfig
+    from tests.restoring.test_safetensors_source import _llama, _sharded_folder
+
+    folder = _sharded_folder(tmp_path / "hf", _llama(np.random.default_rng(2)))
+    hub_server.add("org/llama", {p.name: p.read_bytes() for p in folder.iterdir()})
+    config = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "intermediate_size": 48, "vocab_size": 64}  # fmt: skip
+    spec = load_spec("hf_llama", **LMConfig.from_hf_llama(config).head_settings)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    hub, local = (jax_ucp.restore(p, mesh=mesh, spec=spec) for p in ("hf://org/llama", folder))
+    flat = jax.tree_util.tree_flatten_with_path
+    assert jax.tree.structure(hub) == jax.tree.structure(local)
+    for (path, x), (_, y) in zip(flat(hub)[0], flat(local)[0]):
+        assert x.sharding == y.sharding and x.dtype == y.dtype, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def _only_needed(requests, files, needed) -> int:
     """The ranges ``requests`` fetched are exactly ``needed`` besides each file's header (its
     length, then the header) and the one-byte reads that check its size: their bytes."""

@@ -139,11 +139,23 @@ class RemoteTensor:
         rows = max(1, min(self.shape[0], VIEW_CHUNK_BYTES // max(1, self.row_bytes)))
 
         def fill(domain, array, params):
+            """Answers with a future: a read function waiting on its own ranged GET inside
+            TensorStore's threads never returns (its kvstore's reply needs them too)."""
             del params
             box = [(d.inclusive_min, d.exclusive_max) for d in domain]
-            a, b = box[0]
-            block = self.rows_from(self._fetch(a, b), a, b)
-            array[...] = block[(slice(None), *(slice(s, e) for s, e in box[1:]))]
+            (a, b), promise, done = box[0], *ts.Promise.new()
+            fetch = self._fetch(a, b)
+
+            def copy(_):
+                try:
+                    block = self.rows_from(fetch, a, b)
+                    array[...] = block[(slice(None), *(slice(s, e) for s, e in box[1:]))]
+                    promise.set_result(None)
+                except Exception as e:  # the read's error, named, to the reader
+                    promise.set_exception(e)
+
+            fetch.add_done_callback(copy)
+            return done
 
         return ts.virtual_chunked(
             fill,
