@@ -273,6 +273,8 @@ class Attempt:
         """The checkpoint this attempt reads (``find_checkpoint``)."""
         self.root = find_checkpoint(self.storage)
         self.stamp = self.root.identity()
+        step = os.path.dirname(self.root.root)  # an Orbax step's folder, its metadata in it
+        self.step = step if os.path.isfile(os.path.join(step, local.ORBAX_STEP_METADATA)) else None
         return self.root
 
     def __exit__(self, kind, error, traceback) -> bool:
@@ -281,10 +283,24 @@ class Attempt:
             return False
         if not isinstance(error, fmt.UCPError):
             return False
+        if self._removed():  # a retention's delete, not damage: said so (issue 56)
+            what = f"step {os.path.basename(self.step)}" if self.step else "the checkpoint"
+            raise CheckpointError(
+                f"{self.storage.root}: {what} was removed while it was read (retention of "
+                f"another process?)"
+            ) from error
         if self.storage.swap_state() == self.around and not self._moved():
             return False  # the checkpoint's own, nothing changed meanwhile
         self.error = error
         return True
+
+    def _removed(self) -> bool:
+        """The checkpoint found is being deleted since ``find()`` (no forced save's swap beside
+        it): its ucp.json gone, or its step folder's metadata, which Orbax deletes first."""
+        if self.root is None or any(self.storage.swap_state()[1:]):
+            return False
+        meta = self.step and os.path.join(self.step, local.ORBAX_STEP_METADATA)
+        return (meta and not os.path.isfile(meta)) or not self.root.exists(fmt.MANIFEST_FILE)
 
     def _moved(self) -> bool:
         """The directory found is gone or another one since ``find()``."""
