@@ -112,7 +112,8 @@ class TorchArchive:
             raise TorchFileError(self.path, "file is empty")
         if remote is not None:  # found by its zip directory
             self.path = mm.path = remote.url
-        head = b"PK" if remote else mapped_file.read_bytes(mm, 0, min(8, len(mm)), "signature")
+        what = "reading the file's signature"
+        head = b"PK" if remote else mapped_file.read_bytes(mm, 0, min(8, len(mm)), what)
         if not head.startswith(b"PK"):
             if head[:1] == b"\x80":
                 raise TorchFileError(

@@ -10,6 +10,7 @@ holding the size the directory implies to the object's, a GET of the head).
 ranged GETs, concurrent within :data:`IN_FLIGHT` bytes): a member when the pickle references it
 or, for a lazily checked archive, when its bytes are first read (its mapping then cannot be
 touched, only read through ``format.mapped_file``), so a process fetches the members it reads.
+A prefix holding no torch archive is never viewed (an Orbax step's arrays are not fetched).
 """
 
 from __future__ import annotations
@@ -195,8 +196,11 @@ def local_view(storage: Storage) -> tuple[View, str]:
     single = not names and base.lower().endswith(ARCHIVES) and "/" in parent.partition("://")[2]
     if single:
         storage, names = type(storage)(parent), [base]
-    if not names:
-        raise SourceError(f"{asked}: no objects there (nothing to import)")
+    if not any(n.lower().endswith(ARCHIVES) for n in names):  # never a zarr array fetched whole
+        raise SourceError(
+            f"{asked}: no torch archive ({', '.join(ARCHIVES)}) among its {len(names)} objects; "
+            f"only torch DCP, safetensors and folders of torch archives are read in place"
+        )
     for key in [k for k, (built, *_) in _views.items() if now - built > REUSE]:
         del _views[key]
     if asked in _views and _views[asked][1] == names:
