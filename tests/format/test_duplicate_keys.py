@@ -21,7 +21,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.format import manifest
 from jax_ucp._src.importers.megatron import integrity
-from jax_ucp.errors import CheckpointError, SourceError
+from jax_ucp.errors import CheckpointError, RequestError, SourceError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -167,9 +167,7 @@ def test_every_other_json_a_user_hands_us_refuses_a_key_named_twice(good, tmp_pa
     text = record.read_text()
     record.write_text(text.replace('"files":', '"files": {}, "files":', 1))
     before = sorted(os.listdir(out))
-    with pytest.raises(
-        jax_ucp.errors.RequestError, match=r"export\.json, which names 'files' twice"
-    ):
+    with pytest.raises(RequestError, match=r"export\.json, which names 'files' twice"):
         jax_ucp.export(good, out, SafetensorsExport(force=True))
     assert sorted(os.listdir(out)) == before
     record.write_text(text)  # the record as written: the export is replaced
@@ -185,7 +183,7 @@ def test_every_other_json_a_user_hands_us_refuses_a_key_named_twice(good, tmp_pa
 
     config = tmp_path / "config.json"
     config.write_text('{"hidden_size": 8, "hidden_size": 16}')
-    with pytest.raises(jax_ucp.errors.RequestError, match="names 'hidden_size' twice"):
+    with pytest.raises(RequestError, match="names 'hidden_size' twice"):
         read_config(config)
     (tmp_path / "huggingface").mkdir()
     config.rename(tmp_path / "huggingface" / "config.json")
@@ -193,7 +191,7 @@ def test_every_other_json_a_user_hands_us_refuses_a_key_named_twice(good, tmp_pa
         hf_config(str(tmp_path))
 
     args = {"lr_scheduler_kwargs": '{"num_cycles": 0.5, "num_cycles": 3}'}
-    with pytest.raises(jax_ucp.errors.RequestError, match="names 'num_cycles' twice"):
+    with pytest.raises(RequestError, match="names 'num_cycles' twice"):
         schedule_kwargs(args, "cosine", "trainer_state.json")
     assert schedule_kwargs({"lr_scheduler_kwargs": '{"num_cycles": 3}'}, "cosine", "t") == {
         "num_cycles": 3
