@@ -55,20 +55,14 @@ DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
 
 def strict_json(raw: bytes | str, what: str):
     """JSON with every object's keys unique (``json`` keeps the last silently; the safetensors
-    package refuses such a header); errors start with ``what``."""
-
-    def unique(pairs: list) -> dict:
-        out: dict = {}
-        for key, value in pairs:
-            if key in out:
-                raise SourceError(
-                    f"{what}: names {key[:100]!r} twice (a JSON object with a duplicate key); "
-                    "which one is meant cannot be told, so the file is refused"
-                )
-            out[key] = value
-        return out
-
-    return json.loads(raw, object_pairs_hook=unique)
+    package refuses such a header): ``SourceError`` starting with ``what``; other JSON errors
+    are ``ValueError``s (``files.strict_loads``)."""
+    try:
+        return files.strict_loads(raw)
+    except ValueError as e:
+        if str(e).startswith("names "):  # files.unique_keys: a key named twice
+            raise SourceError(f"{what}: {e}") from None
+        raise
 
 
 def is_safetensors(src) -> bool:

@@ -214,7 +214,7 @@ F32 = '{{"dtype": "F32", "shape": [2], "data_offsets": [{0}, {1}]}}'
     [
         (
             '{"w": ' + F32.format(0, 8) + ', "w": ' + F32.format(8, 16) + "}",
-            r"model\.safetensors: the header: names 'w' twice \(a JSON object with a duplicate key\)",
+            r"model\.safetensors: the header: names 'w' twice \(a JSON object with a duplicate key",
         ),
         (
             '{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "dtype": "I32"}}',
