@@ -443,3 +443,19 @@ def test_a_dcp_source_torch_cannot_load_is_not_compared_never_a_raw_exception(tm
     found = jax_ucp.verify(out, against=src)
     said = [m for _, m in found.notices if "torch DCP's own load of" in m]
     assert said and "fails (RuntimeError: PytorchStreamReader" in said[0], found.notices
+
+
+@pytest.mark.torch
+def test_a_dcp_another_torch_wrote_is_compared_or_named_never_a_bare_unpack_error(tmp_path):
+    """torch 2.15's DCP (``dcp_torch215_multishard``): a torch that reads its ``.metadata``
+    compares every tensor; one that cannot (2.13's unpickled classes take fewer fields) is
+    named with its version, never "too many values to unpack" alone (found by tests/hostile)."""
+    torch = pytest.importorskip("torch")
+    src = os.path.join(FIX, "torch", "dcp_torch215_multishard")
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    try:
+        found = jax_ucp.verify(out, against=src)
+    except jax_ucp.SourceError as e:
+        assert f"torch {torch.__version__}'s own DCP reader cannot read its .metadata" in str(e)
+    else:
+        assert not found and not found.notices, (list(found), found.notices)

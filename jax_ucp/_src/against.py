@@ -527,7 +527,13 @@ def _dcp_tensor(src: str, key: str) -> np.ndarray:
         load,
     )
 
-    meta = dcp_reader(src).read_metadata().state_dict_metadata.get(key)
+    try:
+        meta = dcp_reader(src).read_metadata().state_dict_metadata.get(key)
+    except (ValueError, TypeError, AttributeError) as e:  # its unpickled classes another torch's
+        raise SourceError(
+            f"{src}: torch {torch.__version__}'s own DCP reader cannot read its .metadata "
+            f"({type(e).__name__}: {e}; written by another torch release?)"
+        ) from None
     if not isinstance(meta, TensorStorageMetadata):
         raise SourceError(f"{src}: torch DCP's metadata has no tensor {key!r}")
     from torch.distributed.checkpoint.api import (  # pyright: ignore[reportMissingImports]
