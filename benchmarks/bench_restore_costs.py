@@ -9,6 +9,8 @@ in 120 shard files of 8 MiB). Rows:
 
 * ``one file, 8 MiB reads``: the shard files' bytes concatenated into ONE file (written here once,
   beside CKPT) read sequentially into one reused buffer: ``bench_scale.py``'s ``disk`` contender;
+* ``one file per tensor``: each array's shard files concatenated into one file (written here
+  once), read sequentially like the row above: what larger shard files would read at;
 * ``shard files, 1 thread`` / ``16 threads``: the checkpoint's own files read whole, the first
   sequentially, the second as ``ShardReader`` issues them (16 reads in flight), into reused
   buffers (no fresh memory);
@@ -120,6 +122,17 @@ def main() -> None:
                 with open(p, "rb") as g:
                     f.write(g.read())
             os.fsync(f.fileno())
+    per_dir = a.ckpt.rstrip("/") + "_pertensor"
+    if not os.path.isdir(per_dir):
+        os.makedirs(per_dir)
+        for name in sorted(os.listdir(os.path.join(a.ckpt, "arrays"))):
+            mine = [p for p in files if p.split(os.sep)[-4] == name]  # arrays/NAME/c/i/j
+            with open(os.path.join(per_dir, name), "wb") as f:
+                for p in mine:
+                    with open(p, "rb") as g:
+                        f.write(g.read())
+                os.fsync(f.fileno())
+    per_tensor = sorted(os.path.join(per_dir, f) for f in os.listdir(per_dir))
     buf = bytearray(8 * MiB)
 
     def one_file() -> None:
@@ -130,14 +143,19 @@ def main() -> None:
         finally:
             os.close(fd)
 
-    def sequential() -> None:
-        whole = bytearray(max(os.path.getsize(p) for p in files))
-        for p in files:
-            read_whole(p, memoryview(whole)[: os.path.getsize(p)])
+    def sequential(paths: list[str]) -> None:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                while os.readv(fd, [buf]):
+                    pass
+            finally:
+                os.close(fd)
 
     rows = {
         "one file, 8 MiB reads": (one_dir, one_file),
-        "shard files, 1 thread": (a.ckpt, sequential),
+        "one file per tensor, 8 MiB reads": (per_dir, lambda: sequential(per_tensor)),
+        "shard files, 1 thread": (a.ckpt, lambda: sequential(files)),
         "shard files, 16 threads": (a.ckpt, lambda: parallel(files, False, False)),
         "shard files, 16 threads, fresh": (a.ckpt, lambda: parallel(files, True, False)),
         "... + populate": (a.ckpt, lambda: parallel(files, True, True)),
