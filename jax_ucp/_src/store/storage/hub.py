@@ -13,7 +13,6 @@ from ``HF_TOKEN``. Everything the Hub sends is bounded (the listing, any file re
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
@@ -131,7 +130,7 @@ class HubRepo(Storage):
         if len(raw) > MAX_LISTING_BYTES:
             raise SourceError(f"{api}: more than {MAX_LISTING_BYTES} bytes of listing")
         try:
-            info = json.loads(raw)
+            info = fmt.files.strict_loads(raw)
             sha, siblings = info["sha"], [s["rfilename"] for s in info["siblings"]]
         except (ValueError, RecursionError, KeyError, TypeError) as e:
             raise SourceError(f"{api}: not the Hub's model info ({str(e)[:200]})") from None
