@@ -14,26 +14,26 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: package of jax_ucp/_src (or "modules": its top-level modules; "public": jax_ucp/ outside
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
-    "cli": 1704,
-    "continuation": 1277,
-    "exporters": 1226,
-    "format": 2934,
-    "importers": 14987,
+    "cli": 1709,
+    "continuation": 1282,
+    "exporters": 1225,
+    "format": 2930,
+    "importers": 15062,
     "language": 3221,
-    "models": 1201,
-    "multihost": 736,
-    "orbax": 425,
-    "restoring": 5336,
-    "saving": 965,
+    "models": 1336,
+    "multihost": 816,
+    "orbax": 426,
+    "restoring": 5171,
+    "saving": 967,
     "sharding": 820,
-    "store": 2775,
-    "torchfiles": 3241,
-    "writer": 1701,
-    "modules": 3909,
+    "store": 3579,
+    "torchfiles": 3274,
+    "writer": 1703,
+    "modules": 3901,
     "public": 384,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 46842
+TOTAL = 47806
 
 
 def _lines(paths) -> int:
