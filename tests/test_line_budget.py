@@ -23,7 +23,7 @@ CEILINGS = {
     "models": 1336,
     "multihost": 816,
     "orbax": 426,
-    "restoring": 5171,
+    "restoring": 5179,
     "saving": 967,
     "sharding": 820,
     "store": 3579,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 384,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 47806
+TOTAL = 47814
 
 
 def _lines(paths) -> int:

@@ -74,3 +74,14 @@ def test_a_missing_rank_object_is_an_error_naming_it(bucket_url):
     object_store.delete(url, "__1_0.distcp")
     with pytest.raises(jax_ucp.UCPError, match=r"__1_0\.distcp"):
         jax_ucp.restore(url)
+
+
+def test_a_dcp_prefix_without_its_metadata_is_named_incomplete(bucket_url):
+    """Rank objects but no ``.metadata`` (torch writes it last): a DCP save still running or
+    killed, named as that as for a local folder, not "no ucp.json here" (found by tests/hostile)."""
+    _, url = _upload("fsdp2_fp32", bucket_url)
+    object_store.delete(url, ".metadata")
+    with pytest.raises(
+        jax_ucp.CheckpointError, match=r"an incomplete torch DCP checkpoint: 2 rank"
+    ):
+        jax_ucp.restore(url)

@@ -7,6 +7,7 @@ tensor's bytes are and what to check first. JAX-free (results on a sharding are 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -128,15 +129,21 @@ def _read_all(source: TensorSource, plan: list, casting, memory_budget, replicat
         for done in shared:
             reads.finish(done)
     read_once = {position for position, _, _ in once}
-    for position, item in enumerate(plan):
-        if position in read_once:
-            continue
-        if item[0] == "value":
-            reads.out[position] = item[1]
-        else:
-            reads.start(position, item[1], item[2])
-    for done in reads.window.drain():
-        reads.finish(done)
+    try:
+        for position, item in enumerate(plan):
+            if position in read_once:
+                continue
+            if item[0] == "value":
+                reads.out[position] = item[1]
+            else:
+                reads.start(position, item[1], item[2])
+        for done in reads.window.drain():
+            reads.finish(done)
+    except BaseException:  # the reads still in flight end before the error leaves this call
+        for *_, pending in reads.window.drain():
+            with contextlib.suppress(Exception):
+                pending.result()
+        raise
     return reads.out
 
 

@@ -78,7 +78,7 @@ def find_checkpoint(storage: Storage) -> Storage:
                 f"{shown}); pass a step's item, e.g. {listed[0].items[0]} "
                 f"(or step=N / step='latest'; mngr.restore(step) in Orbax)."
             )
-        _refuse_incomplete_dcp(path)
+        _refuse_incomplete_dcp(path, os.listdir(path))
         raise CheckpointError(
             f"{path}: no {fmt.MANIFEST_FILE} here nor in any item directory below "
             f"it; not a jax_ucp checkpoint (or the manifest was removed)."
@@ -86,12 +86,12 @@ def find_checkpoint(storage: Storage) -> Storage:
     raise CheckpointError(f"{path}: holds several UCP items {items}; pass one of them.")
 
 
-def _refuse_incomplete_dcp(path: str) -> None:
-    """A folder of torch DCP rank files without ``.metadata`` (which rank 0 writes last, once
-    every rank's files are written) is a DCP save still running or killed: named as that, not as
-    a folder that is no checkpoint."""
-    ranks = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
-    if ranks and not os.path.lexists(os.path.join(path, ".metadata")):
+def _refuse_incomplete_dcp(path: str, names: list[str]) -> None:
+    """A folder (or object-store prefix) of torch DCP rank files without ``.metadata`` (which
+    rank 0 writes last, once every rank's files are written) is a DCP save still running or
+    killed: named as that, not as a folder that is no checkpoint."""
+    ranks = sorted(n for n in names if n.endswith(".distcp") and "/" not in n)
+    if ranks and ".metadata" not in names:
         shown = ", ".join(ranks[:3]) + (", ..." if len(ranks) > 3 else "")
         raise CheckpointError(
             f"{path}: an incomplete torch DCP checkpoint: {len(ranks)} rank file(s) ({shown}) "
@@ -191,6 +191,7 @@ def _find_in_object_store(prefix: Storage) -> Storage:
     if len(items) == 1:
         return store.storage_for(prefix.join(items[0]))
     if not items:
+        _refuse_incomplete_dcp(url, list(prefix.names()))
         raise CheckpointError(
             f"{url}: no {fmt.MANIFEST_FILE} here nor in any item below it; not a jax_ucp "
             f"checkpoint (or its save did not complete: an object-store checkpoint exists once "
