@@ -71,7 +71,7 @@ class _Store:
     """The beats a key-value store holds (synthetic)."""
 
     def __init__(self):
-        self.beats = {"jax_ucp/beat/1": json.dumps({"pid": 7, "n": 0})}
+        self.beats = {"jax_ucp/beat/1": json.dumps({"pid": 7, "start": "9", "n": 0})}
 
     def key_value_dir_get(self, prefix):
         return [(k, v) for k, v in self.beats.items() if k.startswith(prefix)]
@@ -93,12 +93,12 @@ def test_a_beat_standing_still_is_stopped_only_over_the_cut_off_of_steady_pollin
 
     poll_for(heartbeat.CUT_OFF_S - 0.25)
     assert not beats.stopped(1) and not beats.stopped(2)
-    store.beats["jax_ucp/beat/1"] = json.dumps({"pid": 7, "n": 1})  # it moved
+    store.beats["jax_ucp/beat/1"] = json.dumps({"pid": 7, "start": "9", "n": 1})  # it moved
     poll_for(heartbeat.CUT_OFF_S)  # heard moving at the first of these polls
     assert not beats.stopped(1)
     poll_for(0.25)
     assert beats.stopped(1) and not beats.stopped(2)
-    assert beats.identity(1) == {"pid": 7, "n": 1} and beats.identity(2) is None
+    assert beats.identity(1) == {"pid": 7, "start": "9", "n": 1} and beats.identity(2) is None
     clock[0] += heartbeat.CUT_OFF_S  # this process held up: nothing heard meanwhile
     beats.hear()
     assert not beats.stopped(1)
@@ -106,3 +106,33 @@ def test_a_beat_standing_still_is_stopped_only_over_the_cut_off_of_steady_pollin
     assert not beats.stopped(1)
     poll_for(0.25)
     assert beats.stopped(1)
+
+
+def test_beats_another_program_writes_are_not_heard(monkeypatch):
+    """Keys under ``jax_ucp/beat/`` that no process of the job wrote: an index in other digits
+    or not a number, a beat that is no JSON object (or names a key twice, or has no pid), and
+    a moving beat under process 1's index with another process's identity (synthetic). None
+    is heard: process 1, whose own beat stood still, is stopped after the cut-off. Before: a
+    raw ``ValueError`` from ``int()`` / ``json.loads`` inside every waiting process's poll,
+    and the forged counter kept a dead process 1 "alive"."""
+    clock = [1000.0]
+    monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
+    store = _Store()
+    beats = heartbeat.Beats(store)
+    beats.expect = [{"pid": 5, "start": "8"}, {"pid": 7, "start": "9"}]
+    beats.hear()
+    for n in range(round(heartbeat.CUT_OFF_S / 0.25)):
+        store.beats.update(
+            {
+                "jax_ucp/beat/x": "{}",
+                "jax_ucp/beat/\u0661": json.dumps({"pid": 7, "start": "9", "n": n}),
+                "jax_ucp/beat/0": '{"pid": 5, "pid": 6, "start": "8", "n": %d}' % n,
+                "jax_ucp/beat/2": f"[{n}]",
+                "jax_ucp/beat/3": '{"pid": NaN, "start": "1"}',
+            }
+        )
+        clock[0] += 0.25
+        beats.hear()
+        store.beats["jax_ucp/beat/1"] = json.dumps({"pid": 99, "start": "9", "n": n})  # forged
+    assert beats.stopped(1) and beats.identity(1) == {"pid": 7, "start": "9", "n": 0}
+    assert sorted(beats.heard) == [1]

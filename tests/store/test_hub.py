@@ -318,3 +318,39 @@ def test_a_redirect_off_http_or_in_a_loop_is_refused(repo, hub_server):
     hub_server.redirect_to = "/org/model/resolve/main/model-00001-of-00002.safetensors"
     with pytest.raises(jax_ucp.UCPError, match="more than 5 redirects"):
         jax_ucp.restore("hf://org/model")
+
+
+def test_the_token_never_goes_over_http_from_an_https_endpoint(monkeypatch):
+    """A hop from the https endpoint to http on the same host (a downgrade) gets no token, as
+    ``huggingface_hub``'s requests strips it; before: sent in clear text (only the host was
+    compared)."""
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example")
+    monkeypatch.setenv("HF_TOKEN", HubServer.TOKEN)
+    assert hub._headers("https://hub.example/org/m/resolve/x") == {
+        "Authorization": f"Bearer {HubServer.TOKEN}"
+    }
+    for other in (
+        "http://hub.example/org/m",
+        "https://cdn.example/x",
+        "https://hub.example:8443/x",
+    ):
+        assert hub._headers(other) == {}
+
+
+@pytest.mark.parametrize("name", ["../evil.bin", "/etc/passwd", "a\x00b.json", "x//y.json"])
+def test_a_listed_name_no_folder_holds_is_named_not_no_manifest(hub_server, monkeypatch, name):
+    """A repo of torch archives (read through a local view of it) whose listing names a file
+    through '..', absolutely, with a NUL or an empty part (synthetic): a ``SourceError``
+    naming that file. Before: a raw ``ValueError`` ("embedded null byte") or "no ucp.json
+    here ... not a jax_ucp checkpoint" (the view's refusal taken for "no importer claims
+    it"). A folder marker (``sub/``) is no file: that repo restores as the folder does."""
+    from tests.importers.deepspeed.test_object_store import assert_same
+    from tests.importers.torch.test_object_store import HF_BIN_SHARDED, files_of
+
+    files = files_of(HF_BIN_SHARDED)
+    hub_server.add("org/marked", {**files, "sub/": b""})
+    hub_server.add("org/odd", {**files, name: b"{}"})
+    with pytest.raises(jax_ucp.SourceError, match="an object name the folder cannot hold") as e:
+        jax_ucp.restore("hf://org/odd")
+    assert repr(name)[1:-1].lstrip("/") in str(e.value)
+    assert_same(jax_ucp.restore("hf://org/marked"), jax_ucp.restore(HF_BIN_SHARDED))

@@ -130,6 +130,7 @@ class Exchange:
         self.me = liveness.identity(os.getpid()) or {}
         me = dict(self.me, index=self.index, **(hello or {}))
         self.peers = [json.loads(v) for v in self.gather("hello", json.dumps(me))]
+        self.beats.expect = self.peers  # a beat with another identity is not that process's
 
     def gather(
         self,

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 
+from jax_ucp._src.format import files
 from jax_ucp._src.multihost import liveness
 
 BEAT_S = 0.5  # how often each process posts its counter
@@ -56,22 +57,41 @@ class Beats:
         self.client = client
         self.heard: dict[int, tuple[str, float]] = {}  # index -> (beat, when it last moved)
         self.polled = 0.0
+        self.expect: list[dict] = []  # each process's identity as it said hello, once known
 
     def hear(self) -> None:
-        """Reads every beat now (one request)."""
+        """Reads every beat now (one request). A key other than ``<index>`` in ASCII digits, or
+        a beat that is not the identity its process said hello with, is no beat of the job's
+        (another program wrote it): not heard."""
         beats = dict(self.client.key_value_dir_get(_PREFIX))
         now = time.monotonic()
         fresh = now - self.polled > _HELD_UP_S  # this process was held up: counts afresh
         for key, beat in beats.items():
-            i = int(key.rsplit("/", 1)[1])
+            i, me = files.name_number(key.rsplit("/", 1)[1]), _identity(beat)
+            said = self.expect[i] if i is not None and i < len(self.expect) else None
+            if i is None or me is None or (said and any(me.get(k) != said.get(k) for k in _SELF)):
+                continue
             if fresh or self.heard.get(i, ("",))[0] != beat:
                 self.heard[i] = (beat, now)
         self.polled = now
 
     def identity(self, i: int) -> dict | None:
         """Process ``i``'s ``liveness.identity`` as it beat (None if it never did)."""
-        return json.loads(self.heard[i][0]) if i in self.heard else None
+        return _identity(self.heard[i][0]) if i in self.heard else None
 
     def stopped(self, i: int) -> bool:
         """Whether process ``i`` beat once and its counter has not moved since ``CUT_OFF_S``."""
         return i in self.heard and time.monotonic() - self.heard[i][1] >= CUT_OFF_S
+
+
+_SELF = ("pid", "start", "boot")  # what tells a process from any other
+
+
+def _identity(beat: str) -> dict | None:
+    """The ``liveness.identity`` a beat carries (strict JSON), None when it carries none."""
+    try:
+        me = files.strict_loads(beat)
+    except (ValueError, RecursionError):
+        return None
+    ok = isinstance(me, dict) and type(me.get("pid")) is int and isinstance(me.get("start"), str)
+    return me if ok else None

@@ -23,6 +23,7 @@ from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.restoring import locate, steps
 from jax_ucp._src.restoring.engine import OpenedSource
 from jax_ucp._src.restoring.import_source import ImportSource
+from jax_ucp._src.store.storage.local_view import ViewError
 
 
 def import_format(
@@ -91,6 +92,8 @@ def _object_store_format(prefix: store.storage.Storage, format: str | None) -> s
         return dcp.name
     try:
         return format or registry.detect_format(prefix.root)
+    except ViewError:
+        raise  # a source there, damaged: never "no manifest"
     except SourceError:
         return None
 

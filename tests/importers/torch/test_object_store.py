@@ -6,11 +6,19 @@ test_object_store.py has the DeepSpeed folders and the errors)."""
 from __future__ import annotations
 
 import os
+import struct
 
 import pytest
 
+import jax_ucp
+from jax_ucp._src.store.storage import object_store
 from jax_ucp.conversion import ImportOptions
-from tests.importers.deepspeed.test_object_store import restores_as_local, served
+from tests.importers.deepspeed.test_object_store import (
+    assert_same,
+    restores_as_local,
+    served,
+    upload,
+)
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,3 +41,38 @@ def test_torch_sources_in_an_object_store_restore_as_the_local_ones(
 ):
     url = served(monkeypatch, s3_server)
     restores_as_local(os.path.join(FIXTURES, name), url, **options)
+
+
+HF_BIN_SHARDED = os.path.join(FIXTURES, "torch", "hf_bin_sharded")
+
+
+def files_of(folder: str) -> dict[str, bytes]:
+    """{name relative to ``folder``: bytes} of every file under it."""
+    out = {}
+    for where, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(where, name), "rb") as f:
+                out[os.path.relpath(f.name, folder)] = f.read()
+    return out
+
+
+def test_folder_markers_are_no_files_and_a_lying_zip_directory_is_named(s3_server, monkeypatch):
+    """A prefix holding zero-byte folder markers (``sub/``, as the S3 console and other tools
+    make) restores as the local folder; one whose archive's zip64 locator places its end
+    record later, or declares a 2**62-byte archive, is a ``SourceError`` naming that object
+    and its zip directory. Before: each "no ucp.json here ... not a jax_ucp checkpoint" (the
+    view's refusal taken for "no importer claims it"), the markers refused too."""
+    url = served(monkeypatch, s3_server)
+    marked = upload(HF_BIN_SHARDED, url)
+    for marker in ("sub/", "sub/deeper/"):
+        object_store.write(marked, marker, b"")
+    assert_same(jax_ucp.restore(marked), jax_ucp.restore(HF_BIN_SHARDED))
+    name = "pytorch_model-00001-of-00002.bin"
+    data = files_of(HF_BIN_SHARDED)[name]
+    at = data.rfind(b"PK\x06\x07") + 8  # the zip64 locator's offset of the end record
+    (record,) = struct.unpack_from("<Q", data, at)
+    for lie in (record + 1000, 2**62):
+        lying = upload(HF_BIN_SHARDED, url)
+        object_store.write(lying, name, data[:at] + struct.pack("<Q", lie) + data[at + 8 :])
+        with pytest.raises(jax_ucp.SourceError, match=rf"{lying}/{name}: its zip directory"):
+            jax_ucp.restore(lying)

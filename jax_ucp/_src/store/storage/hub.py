@@ -6,9 +6,10 @@ every file is then read at that commit (``{endpoint}/{repo}/resolve/{sha}/{path}
 while a restore reads cannot mix two revisions. Tensor bytes are fetched by TensorStore's
 ``http`` kvstore with ``Range`` requests; it follows no redirect, so the Hub's hop to its CDN is
 followed here once per file (``ranged``): relative hops on the Hub itself, up to the first one
-to another host (http or https only), which is fetched without the token, as
-``huggingface_hub`` does. Endpoint from ``HF_ENDPOINT`` (default https://huggingface.co), token
-from ``HF_TOKEN``. Everything the Hub sends is bounded (the listing, any file read whole).
+to another host or scheme (http or https only), which is fetched without the token, as
+``huggingface_hub`` does (never over http from an https endpoint). Endpoint from
+``HF_ENDPOINT`` (default https://huggingface.co), token from ``HF_TOKEN``.
+Everything the Hub sends is bounded (the listing, any file read whole).
 """
 
 from __future__ import annotations
@@ -47,19 +48,24 @@ def _endpoint() -> str:
 
 
 def _headers(url: str) -> dict[str, str]:
-    """The token, for the endpoint's own host only (never for the CDN a file redirects to)."""
+    """The token, for the endpoint's own scheme and host only (never for the CDN a file
+    redirects to, nor over http where the endpoint is https)."""
     token = os.environ.get("HF_TOKEN")
-    same = urllib.parse.urlsplit(url).netloc == urllib.parse.urlsplit(_endpoint()).netloc
+    same = _origin(url) == _origin(_endpoint())
     return {"Authorization": f"Bearer {token}"} if token and same else {}
+
+
+def _origin(url: str) -> tuple[str, str]:
+    return urllib.parse.urlsplit(url)[:2]
 
 
 def _open(url: str, method: str = "GET", *, follow_off_host: bool = True):
     """(final URL, response or None for a 404) of ``url``, redirects followed here: only to
     http(s), at most ``MAX_REDIRECTS``; ``follow_off_host`` False stops at the first hop to
     another host and returns (that URL, None) without requesting it."""
-    host = urllib.parse.urlsplit(_endpoint()).netloc
+    host = _origin(_endpoint())
     for _ in range(MAX_REDIRECTS + 1):
-        if not follow_off_host and urllib.parse.urlsplit(url).netloc != host:
+        if not follow_off_host and _origin(url) != host:
             return url, None
         request = urllib.request.Request(url, method=method, headers=_headers(url))
         try:

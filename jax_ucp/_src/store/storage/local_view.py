@@ -51,6 +51,12 @@ _views: dict[str, tuple[float, list[str], View, str]] = {}
 REUSE = 30.0
 
 
+class ViewError(SourceError):
+    """An object of the remote folder that cannot stand as a file of its view (a name no
+    folder holds, a zip directory the object disagrees with, gone since the listing): the
+    source is there and damaged, unlike a prefix with nothing to view."""
+
+
 def fetched() -> tuple[int, int]:
     """(GETs, bytes) this process has fetched into local views so far."""
     return _counts["gets"], _counts["bytes"]
@@ -191,7 +197,7 @@ def local_view(storage: Storage) -> tuple[View, str]:
     """(the view, the local path standing for ``storage.root``): a folder, or a file when
     ``storage.root`` names one object (a ``torch.save`` file)."""
     asked, now = storage.root, time.monotonic()
-    names = storage.names()
+    names = [n for n in storage.names() if not n.endswith("/")]  # no folder markers
     parent, _, base = asked.rstrip("/").rpartition("/")
     single = not names and base.lower().endswith(ARCHIVES) and "/" in parent.partition("://")[2]
     if single:
@@ -218,15 +224,15 @@ def local_view(storage: Storage) -> tuple[View, str]:
 def _place(storage: Storage, name: str, view: View) -> None:
     """Object ``name`` as a file under ``view.path``."""
     parts = name.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise SourceError(f"{storage.join(name)}: an object name the folder cannot hold")
+    if any(p in ("", ".", "..") or "\0" in p for p in parts):
+        raise ViewError(f"{storage.join(name)[:300]!r}: an object name the folder cannot hold")
     path = os.path.join(view.path, *parts)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as e:  # "a" and "a/b" both objects: no folder holds both
-        raise SourceError(
-            f"{storage.join(name)}: cannot stand in a folder ({e.strerror})"
+        raise ViewError(
+            f"{storage.join(name)[:300]}: cannot stand in a folder ({e.strerror})"
         ) from None
     try:
         if name.lower().endswith(ARCHIVES) and _archive(storage, name, path, fd, view):
@@ -237,7 +243,7 @@ def _place(storage: Storage, name: str, view: View) -> None:
             with _large:
                 data = storage.read(name, MAX_WHOLE)
         if data is None:
-            raise SourceError(f"{storage.join(name)}: listed, then gone")
+            raise ViewError(f"{storage.join(name)}: listed, then gone")
         _count(2, len(data))
         os.write(fd, data)
     except BaseException:
@@ -256,7 +262,7 @@ def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> boo
         return False
     _count(1, len(tail.value))
     if tail.state != "value":
-        raise SourceError(f"{storage.join(name)}: listed, then gone")
+        raise ViewError(f"{storage.join(name)}: listed, then gone")
     found = zip_extent(bytes(tail.value))
     if found is None:
         return False
@@ -266,7 +272,7 @@ def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> boo
         or size - directory > MAX_DIRECTORY
         or [_length(kv, key, size - 1), _length(kv, key, size)] != [1, 0]
     ):
-        raise SourceError(
+        raise ViewError(
             f"{storage.join(name)}: its zip directory implies a {size}-byte archive "
             f"(directory at {directory}); the object disagrees (truncated or corrupt)"
         )
