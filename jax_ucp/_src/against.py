@@ -481,7 +481,10 @@ def dcp_reader(folder: str) -> Any:
 
     rank_local = dcp_safetensors.is_rank_local(folder)  # torch's HF writer: safetensors, no pickle
     if folder not in _VETTED:
-        (dcp_safetensors.open_rank_local if rank_local else safe_dcp.open_dcp)(folder)
+        if rank_local:  # vetted for its pickles, whatever its layout (fsdp_dtensor too)
+            dcp_safetensors.open_rank_local(folder)
+        else:
+            safe_dcp.open_dcp(folder, fsdp_dtensor=True)
         _VETTED.add(folder)
     if rank_local:
         from torch.distributed.checkpoint import (  # pyright: ignore[reportMissingImports]

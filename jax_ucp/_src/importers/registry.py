@@ -90,6 +90,7 @@ AGAINST = {
     "deepspeed": Against("zero", read=None, sep=":"),
     "torch_dcp": Against("dcp"),
     "torch_dist": Against("recorded_dcp", read="torch_dist-global"),  # megatron-core's
+    "fsdp_dtensor": Against("recorded_dcp", read="torch_dist-global"),  # megatron-core's
     "torch_files": Against("file", read=None, sep=":"),
     "safetensors": Against("file", read=None, sep=":"),
 }

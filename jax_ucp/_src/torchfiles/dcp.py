@@ -727,9 +727,10 @@ def refuse_fsdp_dtensor(names: list, where: str) -> None:
     """Megatron-LM's ``--ckpt-format fsdp_dtensor`` (Megatron-FSDP) is plain torch DCP with the
     distributed optimizer's state keyed by parameter name (megatron-core's
     ``sharded_param_state_fsdp_dtensor``: ``optimizer.state.<param>.*`` beside
-    ``optimizer.param_to_group_meta.<param>.*``); read as torch DCP or torch_dist it would come
-    out as wrongly named weights, so it is refused by that key. (A model-only fsdp_dtensor save
-    has no such key: its ``model.module.*`` weights read as torch DCP, under those names.)"""
+    ``optimizer.param_to_group_meta.<param>.*``); read as plain torch DCP it would come out as
+    wrongly named weights, so that importer refuses it by that key (the Megatron importer reads
+    it). (A model-only fsdp_dtensor save has no such key: its ``model.module.*`` weights read as
+    torch DCP, under those names.)"""
     meta = next(
         (n for n in names if isinstance(n, str) and n.startswith("optimizer.param_to_group_meta.")),
         None,
@@ -737,8 +738,8 @@ def refuse_fsdp_dtensor(names: list, where: str) -> None:
     if meta is not None:
         raise SourceError(
             f"{where}: a megatron-core fsdp_dtensor checkpoint (Megatron-FSDP, --ckpt-format "
-            f"fsdp_dtensor; key {meta!r}): fsdp_dtensor is not supported (its per-parameter "
-            f"DTensor optimizer layout is not read; weights_only=True does not avoid it)"
+            f"fsdp_dtensor; key {meta!r}): read it as a Megatron checkpoint (format='megatron'), "
+            f"not as plain torch DCP, whose names its per-parameter optimizer state would not fit"
         )
 
 
@@ -884,13 +885,17 @@ def _tensor_entry(
     return DcpTensor(name, shape, dt, tuple(chunks))
 
 
-def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = None) -> DcpCheckpoint:
+def open_dcp(
+    path: os.PathLike | str, extra_classes: dict[str, Any] | None = None, fsdp_dtensor: bool = False
+) -> DcpCheckpoint:
     """Parse ``.metadata`` into typed, checked entries. ``extra_classes``: stand-ins beyond
-    :data:`DCP_CLASSES` that a producer's subclasses need (e.g. megatron-core's). An
+    :data:`DCP_CLASSES` that a producer's subclasses need (e.g. megatron-core's);
+    ``fsdp_dtensor``: megatron-core's fsdp_dtensor layout is read, not refused. An
     ``s3://`` / ``gs://`` folder is read by ranged GETs (:class:`ObjectPath`)."""
     root = folder(path)
     mfile, md, sdm, storage = _load_metadata(root, extra_classes)
-    refuse_fsdp_dtensor(list(sdm), str(mfile))
+    if not fsdp_dtensor:
+        refuse_fsdp_dtensor(list(sdm), str(mfile))
     by_fqn = _storage_by_fqn(storage, mfile)
     tensors: dict[str, DcpTensor] = {}
     objects: dict[str, DcpObject] = {}

@@ -51,7 +51,7 @@ class MegatronDcpCheckpoint(DcpCheckpoint):
 
 def open_dcp(path: os.PathLike | str) -> MegatronDcpCheckpoint:
     """Parse ``.metadata`` (and ``metadata.json`` when present) into typed, checked entries."""
-    base = dcp.open_dcp(path, MCORE_CLASSES)
+    base = dcp.open_dcp(path, MCORE_CLASSES, fsdp_dtensor=True)  # read by .fsdp_dtensor
     mcore = {}
     mj = Path(path) / "metadata.json"
     if os.path.lexists(mj):  # a FIFO, a device or a huge file there is an error, not "none"

@@ -87,6 +87,10 @@ def plan_torch_dist(
     spec, weights_only, share = options.spec, options.weights_only, options.share
     vouched = verify_integrity(source_dir.ckpt_dir)  # before any byte of it is read
     checkpoint, common, common_path = open_torch_dist(source_dir.ckpt_dir)
+    from jax_ucp._src.importers.megatron import fsdp_dtensor  # it imports this module
+
+    if not common and fsdp_dtensor.is_fsdp_dtensor(checkpoint):
+        return fsdp_dtensor.plan_fsdp_dtensor(checkpoint, settings, options)
     if not settings.get("num_layers") and isinstance(common, dict):
         add_arg_settings(legacy.args_dict(common.get("args")), settings)
     model_names = [n for n in checkpoint.tensors if not is_optimizer_name(n)]
