@@ -37,7 +37,7 @@ def make(n: int, directory: str) -> str:
 
     from jax_ucp._src import format as fmt
 
-    saved = fmt.SavedSharding(("data", "model"), (2, 4), ())
+    saved = fmt.SavedSharding.of(("data", "model"), (2, 4), ())
     entries = []
     for name, shape in moe_names(n):
         key = ("params", *name.split("/"))

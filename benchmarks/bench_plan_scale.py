@@ -221,9 +221,9 @@ def build(
 
 
 def _with_digests(entry: fmt.TensorEntry, digests: dict) -> fmt.TensorEntry:
-    import dataclasses
+    import msgspec
 
-    return dataclasses.replace(entry, shard_digests=digests)
+    return msgspec.structs.replace(entry, shard_digests=digests)
 
 
 # --- the reads a restore issues, replayed from the plan ---------------------------------------

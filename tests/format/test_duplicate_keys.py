@@ -59,13 +59,11 @@ HOSTILE = {
         "c/0",
     ),
     "a dropped member hides a second role": (  # one ":" fewer, one more: the counts still differ
-        lambda t: t.replace('"role":"param","sub_role":null', '"role":"other","role":"param"'),
+        lambda t: t.replace(',"sub_role":null', ',"role":"other"', 1),
         "role",
     ),
     "an escaped colon hides a second role": (  # "\u003a" is one ":" more once re-encoded
-        lambda t: t.replace(
-            '"role":"param","sub_role":null', '"role":"other","role":"param","sub_role":"\\u003a"'
-        ),
+        lambda t: t.replace(',"sub_role":null', ',"role":"other","sub_role":"\\u003a"', 1),
         "role",
     ),
     "the tree's class twice": (
@@ -95,14 +93,14 @@ def test_what_is_no_duplicate_takes_the_fast_path(good, tmp_path):
     out: read by msgspec alone, as the whole document says."""
     raw = open(os.path.join(good, "ucp.json"), "rb").read()
     assert b"\\u00fc:b" in raw  # the writer's escapes, a ':' inside a string
-    assert manifest.no_duplicate_keys(raw, manifest.model.DECODER.decode(raw))
+    assert manifest.no_duplicate_keys(raw, *manifest.model.decode(raw))
     lean = _copy_with(
         good,
         tmp_path / "lean",
         lambda t: t.replace(',"sub_role":null', "").replace(',"provenance":null', ""),
     )
     raw = open(os.path.join(lean, "ucp.json"), "rb").read()
-    assert manifest.no_duplicate_keys(raw, manifest.model.DECODER.decode(raw))
+    assert manifest.no_duplicate_keys(raw, *manifest.model.decode(raw))
     out = jax_ucp.restore(lean)
     assert out["step"] == 7 and out["params"]["ü:b"].tolist() == [1, 1]
 
@@ -111,12 +109,10 @@ def test_an_escaped_colon_alone_is_read_by_the_slow_path(good, tmp_path):
     bad = _copy_with(
         good,
         tmp_path / "esc",
-        lambda t: t.replace(
-            '"role":"param","sub_role":null', '"role":"param","sub_role":"a\\u003ab"', 1
-        ),
+        lambda t: t.replace('"sub_role":null', '"sub_role":"a\\u003ab"', 1),
     )
     raw = open(os.path.join(bad, "ucp.json"), "rb").read()
-    assert not manifest.no_duplicate_keys(raw, manifest.model.DECODER.decode(raw))
+    assert not manifest.no_duplicate_keys(raw, *manifest.model.decode(raw))
     assert "a:b" in [e.sub_role for e in jax_ucp.inspect(bad).tensors]
 
 

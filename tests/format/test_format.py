@@ -37,12 +37,12 @@ def test_dotted_source_names_do_not_collide_with_nesting():
 
 def test_manifest_json_round_trip_keeps_values_exact():
     entries = [
-        fmt.ValueEntry(key=("f",), key_types=("key",), value=float("nan")),
-        fmt.ValueEntry(key=("g",), key_types=("key",), value=-0.0),
-        fmt.ValueEntry(key=("i",), key_types=("key",), value=2**70),
-        fmt.ValueEntry(key=("s",), key_types=("key",), value="x/y"),
-        fmt.ValueEntry(key=("b",), key_types=("key",), value=True),
-        fmt.ValueEntry(key=("n",), key_types=("key",), value=None),
+        fmt.ValueEntry.of(("f",), ("key",), float("nan")),
+        fmt.ValueEntry.of(("g",), ("key",), -0.0),
+        fmt.ValueEntry.of(("i",), ("key",), 2**70),
+        fmt.ValueEntry.of(("s",), ("key",), "x/y"),
+        fmt.ValueEntry.of(("b",), ("key",), True),
+        fmt.ValueEntry.of(("n",), ("key",), None),
     ]
     m = fmt.Manifest.loads(fmt.Manifest(entries=entries).dumps())
     vals = {e.key[0]: e.value for e in m.values}

@@ -321,12 +321,12 @@ def _manifest_text(n: int = 3, tree_depth: int = 1) -> str:
             compression=None,
             checksum="crc32c",
             role="param",
-            saved_sharding=fmt.SavedSharding(("data",), (2,), ("data", None)),
+            saved_sharding=fmt.SavedSharding.of(("data",), (2,), ("data", None)),
             shard_digests={"c/0/0": "0123abcd"},
         )
         for key in keys
     ]
-    entries.append(fmt.ValueEntry(key=("step",), key_types=("key",), value=5))
+    entries.append(fmt.ValueEntry.of(("step",), ("key",), 5))
     root: dict = {"type": "dict", "children": [["step", "key", {"type": "leaf"}]]}
     for key in keys:
         node: Any = root

@@ -5,7 +5,6 @@ them; nothing is written. Torch-free: the project's own readers."""
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
@@ -13,6 +12,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import msgspec
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
@@ -296,7 +296,7 @@ def test_inspect_of_a_source_is_the_manifest_convert_writes(tmp_path, rel):
     assert direct.source == _uncertified(converted.source)
     assert len(direct.tensors) == len(converted.tensors) > 5
     for a, b in zip(direct.tensors, converted.tensors):
-        assert dataclasses.replace(a, shard_digests=None) == dataclasses.replace(
+        assert msgspec.structs.replace(a, shard_digests=None) == msgspec.structs.replace(
             b, shard_digests=None
         )
     assert direct.values == converted.values

@@ -10,12 +10,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
 import re
-import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -41,7 +39,7 @@ ARRAYS_DIR = "arrays"
 ROLES = ("param", "opt_state", "other")
 # optax state fields recorded as an opt_state leaf's sub-role
 OPTAX_STATE_NAMES = ("mu", "nu", "count", "trace", "ema", "master")
-KEY_TYPES = ("key", "index", "attr")
+KEY_TYPES = model.KEY_TYPES
 COMPRESSIONS = (None, "zstd")
 CHECKSUMS = (None, "crc32c")
 
@@ -70,199 +68,13 @@ MAX_JSON_DEPTH = 512  # a recorded tree structure nests 3 JSON levels per pytree
 #: containers nested in a saved tree: what ``ucp.json`` can record within ``MAX_JSON_DEPTH``
 #: (checked at save, so what ``save`` writes ``restore`` reads)
 MAX_TREE_DEPTH = MAX_JSON_DEPTH // 3
-MAX_INT_DIGITS = 64  # Python values may be large ints (2**70); a 5000-digit one is an attack
-_FLOAT_HEX_RE = re.compile(model.FLOAT_HEX_PATTERN)
+MAX_INT_DIGITS = model.MAX_INT_DIGITS
+KEY_IMPLS = model.KEY_IMPLS
 
 
-@dataclasses.dataclass(frozen=True)
-class SavedSharding:
-    """Informational: the mesh and PartitionSpec a tensor was saved from."""
-
-    mesh_axis_names: tuple[str, ...]
-    mesh_shape: tuple[int, ...]
-    partition_spec: tuple[Any, ...]  # entries: None, axis name, or tuple of axis names
-
-    def to_json(self) -> dict:
-        """The JSON form recorded in ``ucp.json``."""
-        return {
-            "mesh": {"axis_names": list(self.mesh_axis_names), "shape": list(self.mesh_shape)},
-            "partition_spec": [list(p) if isinstance(p, tuple) else p for p in self.partition_spec],
-        }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str = "saved_sharding") -> SavedSharding:
-        """Parsed from its JSON form, strictly; errors name ``where``."""
-        return _saved_sharding(_converted(d, model.SavedShardingModel, where))
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorEntry(display.Tabular):
-    """One array leaf stored as one zarr v3 array under ``arrays/<dir>``."""
-
-    key: tuple[str, ...]
-    key_types: tuple[str, ...]  # per component: 'key' | 'index' | 'attr'
-    dir: str  # relative to the checkpoint root, e.g. "arrays/params.w"
-    shape: tuple[int, ...]
-    dtype: str
-    chunk_shape: tuple[int, ...]  # outer shard = save-time per-device shard
-    inner_chunk_shape: tuple[int, ...]
-    compression: str | None
-    checksum: str | None
-    role: str
-    sub_role: str | None = None
-    logical_axes: tuple[str | None, ...] | None = None
-    saved_sharding: SavedSharding | None = None
-    provenance: dict | None = None
-    # Shard file key ("c/0/1") -> crc32c (8 hex digits) of the crc32c trailers of its inner
-    # chunks in index order: binds each file to its tensor, position and save. None when the
-    # array has no checksums (nothing cheap to bind to).
-    shard_digests: Mapping[str, str] | None = None
-    # A parameter the run did not train (requires_grad=False): no optimizer state exists for it.
-    frozen: bool = False
-    # A parameter that is the same tensor as another (a tied lm_head.weight and its embedding):
-    # the other's key, "/"-joined. Its optimizer state is the other's.
-    tied_to: str | None = None
-    # A typed PRNG key array (``jax.random.key``, an NNX ``Rngs`` stream): the JAX key
-    # implementation (``KEY_IMPLS``) whose key data (uint32, its key shape last) this stores;
-    # a restore wraps the data back into keys (``jax.random.wrap_key_data``).
-    key_impl: str | None = None
-
-    entry_type = "tensor"
-
-    @functools.cached_property
-    def name(self) -> str:
-        """The key path as ``a/b/c`` (how messages and the CLI name a tensor; built once)."""
-        return keypath_lib.key_to_str(self.key)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the array (shape × itemsize)."""
-        return math.prod(self.shape) * _itemsize(self.dtype)
-
-    def to_row(self) -> dict[str, Any]:
-        """One row of :meth:`Manifest.to_rows`: name, shape, dtype, bytes, role, logical axes,
-        saved PartitionSpec and mesh, and where an import read it from."""
-        saved = self.saved_sharding
-        return {
-            "name": self.name,
-            "shape": tuple(self.shape),
-            "dtype": self.dtype,
-            "bytes": self.nbytes,
-            "role": self.role + (f"/{self.sub_role}" if self.sub_role else ""),
-            "logical_axes": None if self.logical_axes is None else tuple(self.logical_axes),
-            "saved_spec": None if saved is None else tuple(saved.partition_spec),
-            "saved_mesh": None
-            if saved is None
-            else display.mesh_text(saved.mesh_axis_names, saved.mesh_shape),
-            "source": ", ".join((self.provenance or {}).get("tensors", [])[:3]) or None,
-        }
-
-    def table(self):
-        return f"tensor {self.name}", [], [self.to_row()], _ENTRY_COLUMNS
-
-    def to_json(self) -> dict:
-        """The JSON form recorded in ``ucp.json``: every field, in declaration order, except
-        ``frozen``, ``tied_to`` and ``key_impl`` at their defaults (manifests without them stay
-        unchanged)."""
-        d: dict = {"entry": self.entry_type}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name in _OMITTED_AT_DEFAULT and v == f.default:
-                continue
-            if isinstance(v, SavedSharding):
-                v = v.to_json()
-            d[f.name] = (
-                list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v
-            )
-        return d
-
-    @classmethod
-    def from_json(cls, d: Any, where: str = "entry") -> TensorEntry:
-        """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
-        return _tensor_entry(_converted(d, model.TensorModel, where), where)
-
-
-# JSON "type" of a value entry -> (what its "value" must be, the check)
-_VALUE_TYPES = {
-    "none": ("null", lambda v: v is None),
-    "bool": ("a JSON boolean", lambda v: isinstance(v, bool)),
-    "int": ("a JSON integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    "float": ("a float.hex string", lambda v: isinstance(v, str) and _FLOAT_HEX_RE.fullmatch(v)),
-    "str": ("a JSON string", lambda v: isinstance(v, str)),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class ValueEntry:
-    """A non-array leaf (Python scalar, string, None) kept as a typed JSON value."""
-
-    key: tuple[str, ...]
-    key_types: tuple[str, ...]
-    value: Any
-    role: str = "other"
-    sub_role: str | None = None
-
-    entry_type = "value"
-
-    @property
-    def name(self) -> str:
-        """The key path as ``a/b/c``."""
-        return keypath_lib.key_to_str(self.key)
-
-    @property
-    def nbytes(self) -> int:
-        """0: a value holds no array bytes."""
-        return 0
-
-    def to_json(self) -> dict:
-        """The JSON form recorded in ``ucp.json`` (floats as ``float.hex``, exact)."""
-        v = self.value
-        if v is None:
-            typed = {"type": "none", "value": None}
-        elif isinstance(v, bool):
-            typed = {"type": "bool", "value": v}
-        elif isinstance(v, int):
-            if abs(v) >= 10**MAX_INT_DIGITS:
-                raise CheckpointError(
-                    f"Leaf {self.name!r}: an int of more than {MAX_INT_DIGITS} digits is not "
-                    f"storable as a value; save it as an array or a string."
-                )
-            typed = {"type": "int", "value": v}
-        elif isinstance(v, float):
-            # float.hex is exact and carries nan/inf, which plain JSON cannot.
-            typed = {"type": "float", "value": float.hex(v)}
-        elif isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise CheckpointError(
-                    f"Leaf {self.name!r}: value: not encodable as UTF-8 ({e.reason} at {e.start})."
-                ) from None
-            typed = {"type": "str", "value": v}
-        else:
-            raise RequestError(
-                f"Leaf {self.name!r}: {type(v).__name__} is not a storable value "
-                f"(expected None, bool, int, float, str or an array)."
-            )
-        return {
-            "entry": self.entry_type,
-            "key": list(self.key),
-            "key_types": list(self.key_types),
-            "role": self.role,
-            "sub_role": self.sub_role,
-            **typed,
-        }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str = "entry") -> ValueEntry:
-        """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
-        return _value_entry(_converted(d, model.ValueModel, where), where)
-
-
-#: what a table of tensors shows (``to_rows`` has a few more)
-_ENTRY_COLUMNS = ("name", "shape", "dtype", "role", "logical_axes", "saved_spec")
-
-
+SavedSharding = model.SavedSharding
+TensorEntry = model.TensorEntry
+ValueEntry = model.ValueEntry
 Entry = TensorEntry | ValueEntry
 
 
@@ -370,7 +182,7 @@ class Manifest(display.Tabular):
 
     def table(self):
         rows = [e.to_row() for e in self.tensors]
-        return "jax_ucp checkpoint", self.summary_lines(), rows, _ENTRY_COLUMNS
+        return "jax_ucp checkpoint", self.summary_lines(), rows, model.ENTRY_COLUMNS
 
     def __repr__(self) -> str:
         return (
@@ -380,39 +192,33 @@ class Manifest(display.Tabular):
 
     def to_json(self) -> dict:
         """The JSON form of ``ucp.json``."""
-        return {
-            "format": self.format,
-            "version": self.version,
-            "save_id": self.save_id,
-            "created_by": self.created_by,
-            "created_at": self.created_at,
-            "kvstore": {"driver": self.kvstore_driver},
-            "source": self.source,
-            **({"tree": self.tree} if self.tree is not None else {}),
-            "entries": [e.to_json() for e in self.entries],
-        }
+        return json.loads(self.dumps())
 
     def dumps(self) -> str:
-        """``ucp.json``'s text, refused when nested deeper than a reader accepts. One field a
-        line, the tree on one line and one entry a line, each compact: readable and greppable
-        (a tensor per line) at 57 % of the indented size, which a 100 000-tensor checkpoint
-        parses in proportion."""
-        d = self.to_json()
-        _check_nesting(d, f"{MANIFEST_FILE} to be written (the saved tree nests too deep)")
-
-        def compact(v, field: str) -> str:
-            try:
-                return json.dumps(v, separators=(",", ":"), allow_nan=False)
-            except ValueError:  # NaN or an infinity that a record took from a source's file
-                raise CheckpointError(
-                    f"{MANIFEST_FILE} to be written: {field!r} holds NaN or an infinity, which "
-                    f"JSON cannot hold"
-                ) from None
-
-        fields = [f" {json.dumps(k)}: {compact(v, k)}" for k, v in d.items() if k != "entries"]
-        entries = ",\n  ".join(compact(e, "entries") for e in d["entries"])
-        body = ",\n".join([*fields, f' "entries": [\n  {entries}\n ]'])
-        return "{\n" + body + "\n}\n"
+        """``ucp.json``'s text, refused when nested deeper than a reader accepts or holding a
+        NaN. One field a line, the tree on one line and one entry a line (msgspec's encoding),
+        each compact: readable and greppable (a tensor per line) at 57 % of the indented size,
+        which a 100 000-tensor checkpoint parses in proportion."""
+        where = f"{MANIFEST_FILE} to be written"
+        head = {"format": self.format, "version": self.version, "save_id": self.save_id}
+        head |= {"created_by": self.created_by, "created_at": self.created_at}
+        head |= {"kvstore": {"driver": self.kvstore_driver}, "source": self.source}
+        head |= {} if self.tree is None else {"tree": self.tree}
+        provenances = [e.provenance for e in self.tensors if e.provenance]
+        if any(
+            _deeper(n, d) is not None for n, d in [(self.source, 2), *((p, 4) for p in provenances)]
+        ):
+            raise CheckpointError(
+                f"{where} (the saved tree nests too deep): JSON nested deeper than {MAX_JSON_DEPTH} levels."
+            )
+        fields = [f" {json.dumps(k)}: {_compact(v, k, where)}" for k, v in head.items()]
+        if any(map(_non_finite, provenances)):
+            _compact(float("nan"), "entries", where)
+        lines = model.ENCODER.encode_lines(
+            [e if type(e) is TensorEntry else e.to_json() for e in self.entries]
+        )
+        entries = lines[:-1].decode().replace("\n", ",\n  ")
+        return "{\n" + ",\n".join([*fields, f' "entries": [\n  {entries}\n ]']) + "\n}\n"
 
     @classmethod
     def from_json(cls, d: Any, *, where: str = MANIFEST_FILE) -> Manifest:
@@ -456,18 +262,10 @@ class Manifest(display.Tabular):
             entries: list = m.entries
             source = {} if m.source is UNSET else m.source
             if _deeper(source, 2) is not None or any(
-                e.provenance is not None
-                and e.provenance is not UNSET
-                and _deeper(e.provenance, 4) is not None
+                type(e) is TensorEntry and e.provenance and _deeper(e.provenance, 4) is not None
                 for e in entries
-                if type(e) is model.TensorModel
             ):
                 raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
-            for i, e in enumerate(entries):  # in place: each model freed as its entry is built
-                at = f"{where}: entries[{i}]"
-                entries[i] = (
-                    _tensor_entry(e, at) if type(e) is model.TensorModel else _value_entry(e, at)
-                )
             tree = (
                 None if m.tree is None or m.tree is UNSET else _tree_dicts(m.tree, entries, where)
             )
@@ -495,20 +293,21 @@ def _decoded(text: str | bytes) -> model.ManifestModel | None:
     if _long_digit_run(text):
         return None
     with bulk.cyclic_gc_paused(), contextlib.suppress(*_REFUSALS):
-        decoded = model.DECODER.decode(text)
-        return decoded if no_duplicate_keys(text, decoded) else None
+        decoded, absent = model.decode(text)
+        return decoded if no_duplicate_keys(text, decoded, absent) else None
     return None
 
 
-def no_duplicate_keys(text: str | bytes, decoded: model.ManifestModel) -> bool:
+def no_duplicate_keys(text: str | bytes, decoded: model.ManifestModel, absent: int) -> bool:
     """Whether every JSON object of ``text`` names each key once, as far as two counts in C
     tell (False: the slow path decides, refusing a key named twice, ``"value":7,"value":8``).
 
     msgspec keeps the last of two equal keys silently, another reader the first. Re-encoded,
-    the decoded model holds each member the text had once (a member the text left out is
-    UNSET and left out, ``model.DEFAULTS``), and the same strings: so the text has as many
-    ":" as the re-encoding exactly when no key was named twice, unless a string spells a ":"
-    as an escape (``\u003a``: one ":" more in the re-encoding), which takes the slow path too.
+    the decoded model holds each member the text had once, and the ``absent`` ones its entries
+    left out (``model.decode``; ``frozen``, ``tied_to`` and ``key_impl`` left out at their
+    defaults, as written), and the same strings: so the text has as many ":" as the
+    re-encoding less ``absent`` exactly when no key was named twice, unless a string spells a
+    ":" as an escape (``\u003a``: one ":" more in the re-encoding): the slow path then too.
     """
     colon, escape = (b":", b"\\u003") if isinstance(text, bytes) else (":", "\\u003")
     if escape in text:  # type: ignore[operator]
@@ -517,7 +316,7 @@ def no_duplicate_keys(text: str | bytes, decoded: model.ManifestModel) -> bool:
     found = encode(msgspec.structs.replace(decoded, entries=[])).count(b":")
     for start in range(0, len(entries), _ENCODED_AT_ONCE):  # never a second copy of the text
         found += encode(entries[start : start + _ENCODED_AT_ONCE]).count(b":")
-    return text.count(colon) == found  # type: ignore[arg-type]
+    return text.count(colon) == found - absent  # type: ignore[arg-type]
 
 
 _ENCODED_AT_ONCE = 4096  # entries re-encoded together (about 2 MB of JSON at once)
@@ -594,24 +393,8 @@ def array_dir(key: Sequence[str]) -> str:
 # --- strict field checks (the JSON schema, in code: the reader is never looser than it) -------
 
 
-@functools.cache
-def _itemsize(dtype: str) -> int:
-    return dtypes_lib.to_numpy_dtype(dtype).itemsize
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    """A bounded repr: a hostile value's repr is never built in full."""
-    if isinstance(value, (dict, list)):
-        return f"a JSON {'object' if isinstance(value, dict) else 'array'} of {len(value)} items"
-    if isinstance(value, str):
-        return repr(value[:limit] + ("…" if len(value) > limit else ""))
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**limit:
-        return "a very large integer"
-    return repr(value)[:limit]
-
-
 def _fail(where: str, expected: str, found: Any) -> NoReturn:
-    raise CheckpointError(f"{where}: expected {expected}, found {_short(found)}.")
+    raise CheckpointError(f"{where}: expected {expected}, found {model.short(found)}.")
 
 
 def _check_header(d: Any, where: str) -> None:
@@ -621,7 +404,7 @@ def _check_header(d: Any, where: str) -> None:
         found = d.get("format") if isinstance(d, Mapping) else type(d).__name__
         raise CheckpointError(
             f'{where}: not a jax_ucp manifest (expected "format": "{FORMAT_NAME}", '
-            f"found {_short(found)})."
+            f"found {model.short(found)})."
         )
     version = d.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -651,6 +434,7 @@ def _converted(d: Any, kind: type, where: str, top: bool = False) -> Any:
 
 # msgspec names the culprit as a path: `$.entries[2].shape[0]`, `key` in `$.x.shard_digests`
 _PATH_PART = re.compile(r"\.([A-Za-z_]+)|\[([0-9]+|\.\.\.)\]")
+_OWN_RULE = re.compile(r"([a-z_]+): (?=expected )")
 # fields reported whole (as the format describes them), not by the element at fault
 _WHOLE = frozenset(
     ("key", "key_types", "shape", "chunk_shape", "inner_chunk_shape", "logical_axes")
@@ -694,6 +478,8 @@ def _field_error(message: str, d: Any, where: str, top: bool) -> CheckpointError
     index and key path) and the field as the format names them, and what was found."""
     message, _, at = message.partition(" - at `")
     parts = [n or (None if i == "..." else int(i)) for n, i in _PATH_PART.findall(at)]
+    own = _OWN_RULE.match(message)  # a rule across an entry's fields: the field it names
+    parts += [own[1]] if own else []
     node, name, sep = d, where, "."
     if top:
         sep = ": "
@@ -715,18 +501,20 @@ def _field_error(message: str, d: Any, where: str, top: bool) -> CheckpointError
     field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in kept)[1:]
     if field:
         name += (sep if not field.startswith("[") else "") + field
+    if own:
+        return CheckpointError(f"{name}: {message[own.end() :]}")
     if message.startswith(("Object missing required field", "Object contains unknown field")):
         missing = message.split("`")[1]
         if "missing" in message:
             return CheckpointError(f"{name}: missing field {missing!r}.")
-        return CheckpointError(f"{name}: unknown field(s) [{_short(missing, 40)}].")
+        return CheckpointError(f"{name}: unknown field(s) [{model.short(missing, 40)}].")
     found = _at(node, kept)
     if kept[-1:] == ["metadata"] and isinstance(found, dict):  # name the value at fault
         bad = next((k for k, v in found.items() if not _metadata_value(v)), None)
         if bad is not None:
             name, found = f"{name}.{bad}", found[bad]
     return CheckpointError(
-        f"{name}: expected {_expected(message, kept, node, found, kind)}, found {_short(found)}."
+        f"{name}: expected {_expected(message, kept, node, found, kind)}, found {model.short(found)}."
     )
 
 
@@ -749,7 +537,7 @@ def _expected(message: str, kept: list, node: Any, found: Any, kind: str) -> str
             return "a string" if kept[-1] == 0 else f"one of {list(KEY_TYPES)}"
         return "[name, key type, node]"
     if last == "type":
-        allowed = model.TREE_NODE_TYPES if kind == "tree" else tuple(_VALUE_TYPES)
+        allowed = model.TREE_NODE_TYPES if kind == "tree" else tuple(model.VALUE_SCHEMAS)
         return f"one of {list(allowed)}"
     if last == "key_types":
         key = node.get("key") if isinstance(node, dict) else None
@@ -832,146 +620,6 @@ def _named(where: str, key: tuple[str, ...]) -> str:
     return f"{where} ({keypath_lib.key_to_str(key)!r})"
 
 
-def _tensor_entry(e: model.TensorModel, where: str) -> TensorEntry:
-    """The entry of a decoded tensor model, after the checks across its fields; what entries
-    share (key names, key types, shapes, saved shardings) is one object for all."""
-    key = tuple(map(sys.intern, e.key))
-    types = _key_types(e.key_types, key, where)
-    shapes = e.shape, e.chunk_shape, e.inner_chunk_shape
-    shapes = _SHAPES.get(shapes) or _remember(_SHAPES, shapes, _shapes(*shapes, _named(where, key)))
-    logical = None if e.logical_axes is UNSET else e.logical_axes
-    if logical is not None and len(logical) != len(e.shape):
-        _fail(f"{_named(where, key)}.logical_axes", f"{len(e.shape)} names", list(logical))
-    saved = None if e.saved_sharding is UNSET else e.saved_sharding
-    key_impl = None if e.key_impl is UNSET else e.key_impl
-    entry = object.__new__(TensorEntry)  # every field set here: __init__'s 17 frozen setattrs
-    entry.__dict__.update(  # would double the cost of a parse; the fields are checked
-        key=key,
-        key_types=types,
-        dir=e.dir,
-        shape=shapes[0],
-        dtype=_CANONICAL[e.dtype],
-        chunk_shape=shapes[1],
-        inner_chunk_shape=shapes[2],
-        compression=_CANONICAL.get(e.compression),  # UNSET: None, as absent
-        checksum=_CANONICAL.get(e.checksum),
-        role=_CANONICAL[e.role],
-        sub_role=None if e.sub_role is UNSET else e.sub_role,
-        logical_axes=logical,
-        saved_sharding=None if saved is None else _saved_sharding(saved),
-        provenance=None if e.provenance is UNSET else e.provenance,
-        shard_digests=None if e.shard_digests is UNSET else e.shard_digests,
-        frozen=e.frozen is True,
-        tied_to=None if e.tied_to is UNSET else e.tied_to,
-        key_impl=key_impl,
-    )
-    if key_impl is not None:
-        _key_impl(key_impl, e.dtype, shapes[0], _named(where, key))
-    return entry
-
-
-_OMITTED_AT_DEFAULT = frozenset(("frozen", "tied_to", "key_impl"))
-#: JAX's PRNG key implementations a ``key_impl`` may name, with the shape of one key's data
-#: (the stored tensor's last dimensions): a manifest names nothing else.
-KEY_IMPLS = model.KEY_IMPLS
-
-
-def _key_impl(v: str, dtype: str, shape: tuple[int, ...], where: str) -> None:
-    """A ``key_impl`` checked against the tensor it describes: uint32 key data whose last
-    dimensions are one key's (the name itself is the model's enum)."""
-    key_shape = KEY_IMPLS[v]
-    if dtype != "uint32" or tuple(shape[len(shape) - len(key_shape) :]) != key_shape:
-        _fail(
-            f"{where}.key_impl",
-            f"uint32 key data of shape (..., {', '.join(map(str, key_shape))}) for {v!r}",
-            f"{dtype} of shape {list(shape)}",
-        )
-
-
-def _value_entry(e: model.ValueModel, where: str) -> ValueEntry:
-    """The entry of a decoded value model, its value checked against its ``type``."""
-    key = tuple(e.key)
-    expected, valid = _VALUE_TYPES[e.type]
-    v = e.value
-    if not valid(v):
-        _fail(f"{_named(where, key)}.value", expected, v)
-    if e.type == "float":
-        try:
-            v = float.fromhex(v)
-        except (ValueError, OverflowError):
-            _fail(f"{_named(where, key)}.value", expected, e.value)
-    return ValueEntry(
-        key=key,
-        key_types=_key_types(e.key_types, key, where),
-        value=v,
-        role="other" if e.role is UNSET else e.role,
-        sub_role=None if e.sub_role is UNSET else e.sub_role,
-    )
-
-
-def _key_types(types: Any, key: tuple[str, ...], where: str) -> tuple[str, ...]:
-    """An entry's key types (absent: all "key"), as long as its key; one shared tuple each."""
-    if types is msgspec.UNSET:
-        types = ("key",) * len(key)
-    elif len(types) != len(key):
-        n = len(key)
-        _fail(f"{_named(where, key)}.key_types", f"a list of {n} of {list(KEY_TYPES)}", list(types))
-    return _KEY_TYPES.get(types) or _remember(_KEY_TYPES, types, types)
-
-
-def _shapes(shape: tuple, chunk_shape: tuple, inner: tuple, w: str) -> tuple[tuple, tuple, tuple]:
-    """An entry's shape, chunk_shape and inner_chunk_shape, checked together."""
-    if not (len(shape) == len(chunk_shape) == len(inner)):
-        _fail(
-            f"{w}.chunk_shape",
-            f"{len(shape)} dimensions like shape {list(shape)}",
-            list(chunk_shape),
-        )
-    if any(c > max(n, 1) for n, c in zip(shape, chunk_shape)):
-        _fail(  # a chunk larger than its array would make a reader allocate for nothing
-            f"{w}.chunk_shape",
-            f"extents at most shape {list(shape)} (1 for a zero-size dimension)",
-            list(chunk_shape),
-        )
-    if any(c % i for c, i in zip(chunk_shape, inner)):
-        _fail(
-            f"{w}.inner_chunk_shape",
-            f"extents dividing chunk_shape {list(chunk_shape)}",
-            list(inner),
-        )
-    return shape, chunk_shape, inner
-
-
-def _saved_sharding(s: model.SavedShardingModel) -> SavedSharding:
-    """A decoded saved sharding as its dataclass, the one of equal entries shared."""
-    known = _SHARDINGS.get(s)
-    if known is None:
-        known = SavedSharding(s.mesh.axis_names, s.mesh.shape, s.partition_spec)
-        _remember(_SHARDINGS, s, known)
-    return known
-
-
-def _remember(memo: dict, key: Any, value: Any) -> Any:
-    """``memo[key] = value``, the memo emptied first when full (a hostile manifest of all
-    different shapes keeps it bounded); returns ``value``."""
-    if len(memo) >= _MEMO_SIZE:
-        memo.clear()
-    memo[key] = value
-    return value
-
-
-# Values many entries share, built once: (shape, chunk_shape, inner) triples, key types and
-# saved shardings (decoded by type: equal means the same, no True == 1).
-_MEMO_SIZE = 4096
-_SHAPES: dict[tuple, tuple] = {}
-_KEY_TYPES: dict[tuple, tuple] = {}
-_SHARDINGS: dict[model.SavedShardingModel, SavedSharding] = {}
-# one str object per name for every entry (the parsed JSON has one per occurrence)
-_CANONICAL: dict[Any, str] = {
-    name: name for name in (*dtypes_lib.SUPPORTED, *ROLES, *COMPRESSIONS[1:], *CHECKSUMS[1:])
-}
-
-
 def _bounded_int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
         raise ValueError(f"an integer of {len(text)} digits (at most {MAX_INT_DIGITS} allowed)")
@@ -1008,13 +656,25 @@ def _long_digit_run(text: str | bytes) -> bool:
 _DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
 
 
-def _check_nesting(d: dict, where: str) -> None:
-    """Refuses a manifest to be written that nests deeper than ``MAX_JSON_DEPTH`` in its
-    free-form parts (the source record, each entry's provenance), as a reader would."""
-    stack: list[tuple[Any, int]] = [(d.get("source"), 2)]
-    stack += [(e.get("provenance"), 4) for e in d["entries"]]
-    if any(_deeper(node, depth) is not None for node, depth in stack):
-        raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
+def _compact(v: Any, field: str, where: str) -> str:
+    try:
+        return json.dumps(v, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # NaN or an infinity that a record took from a source's file
+        raise CheckpointError(
+            f"{where}: {field!r} holds NaN or an infinity, which JSON cannot hold"
+        ) from None
+
+
+def _non_finite(node: Any) -> bool:
+    """Whether a record (nested dicts and lists) holds a NaN or an infinity."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            return True
+        if isinstance(node, (dict, list)):
+            stack.extend(node.values() if isinstance(node, dict) else node)
+    return False
 
 
 def _deeper(node: Any, depth: int, limit: int = MAX_JSON_DEPTH, kinds: tuple = (dict, list)):

@@ -80,7 +80,7 @@ class ImportSource(TensorSource):
             if isinstance(value, _SCALARS):
                 key_types = tuple(item.key_types or ("key",) * len(key))
                 self.values.append(
-                    fmt.ValueEntry(key, key_types, value, role=item.role, sub_role=item.sub_role)
+                    fmt.ValueEntry.of(key, key_types, value, role=item.role, sub_role=item.sub_role)
                 )
                 continue
             self.tensors[key] = self._tensor(key, name, value, item)

@@ -360,9 +360,6 @@ def describe(sharding: jax.sharding.Sharding | None) -> SavedSharding | None:
     if isinstance(sharding, NamedSharding):
         mesh = sharding.mesh
         spec = tuple(tuple(p) if isinstance(p, list) else p for p in sharding.spec)
-        return SavedSharding(
-            mesh_axis_names=tuple(mesh.axis_names),
-            mesh_shape=tuple(int(mesh.shape[a]) for a in mesh.axis_names),
-            partition_spec=spec,
-        )
+        sizes = [int(mesh.shape[a]) for a in mesh.axis_names]
+        return SavedSharding.of(mesh.axis_names, sizes, spec)
     return None

@@ -138,11 +138,7 @@ def value_entry(
         role: param, opt_state, ... (see the format).
         sub_role: a finer role, if any.
     """
-    entry = fmt.ValueEntry(
-        key=tuple(key), key_types=tuple(key_types), value=value, role=role, sub_role=sub_role
-    )
-    entry.to_json()  # type check now, with the leaf's name, not at manifest time
-    return entry
+    return fmt.ValueEntry.of(key, key_types, value, role=role, sub_role=sub_role)
 
 
 def prepare_host_tensor(

@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 import tensorstore as ts
 
@@ -158,7 +159,7 @@ def with_progress(
 def with_digests(entry: _E, digests: Mapping[str, str] | None) -> _E:
     """``entry`` with the digests of its shard files, when the array has checksums to bind."""
     if isinstance(entry, fmt.TensorEntry) and entry.checksum == "crc32c" and digests is not None:
-        return dataclasses.replace(entry, shard_digests=dict(sorted(digests.items())))
+        return msgspec.structs.replace(entry, shard_digests=dict(sorted(digests.items())))
     return entry
 
 

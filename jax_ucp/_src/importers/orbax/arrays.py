@@ -176,7 +176,7 @@ def _saved_sharding(leaf) -> SavedSharding | None:
     used = [n for p in spec if p is not None for n in ((p,) if isinstance(p, str) else p)]
     if len(names) != len(sizes) or len(spec) > len(leaf.shape) or not set(used) <= set(names):
         return None
-    return SavedSharding(mesh_axis_names=names, mesh_shape=sizes, partition_spec=spec)
+    return SavedSharding.of(names, sizes, spec)
 
 
 def host_items(leaves) -> Iterator[writer.HostItem]:
