@@ -29,18 +29,25 @@ STATE = "optimizer.state.module.module."
 pytestmark = pytest.mark.timeout(120)
 
 
-def reference() -> dict[str, dict[str, np.ndarray]]:
+#: name -> (parameters, the optimizer keys' prefix: one more "module." under Float16Module)
+FIXTURES = {"gpt_dp2": (17, STATE), "llama_bf16_dp2": (10, STATE + "module.")}
+
+
+def reference(name: str = "gpt_dp2") -> dict[str, dict[str, np.ndarray]]:
     """torch's dcp.load of the checkpoint, as the import's tree: params (the model tensors,
-    Megatron-FSDP's main weights), mu / nu (exp_avg / exp_avg_sq), under the unwrapped names."""
-    with np.load(os.path.join(FIX, "gpt_dp2.consolidated.npz")) as z:
+    Megatron-FSDP's fp32 main weights, bf16 run too), mu / nu (exp_avg / exp_avg_sq), under the
+    unwrapped names."""
+    count, state = FIXTURES[name]
+    with np.load(os.path.join(FIX, f"{name}.consolidated.npz")) as z:
         saved = {k: z[k] for k in z.files}
     params = {k[len("model.module.") :]: v for k, v in saved.items() if k.startswith("model.")}
-    assert len(params) == 17 and not any(k.startswith("module.") for k in params)
+    assert len(params) == count and not any(k.startswith("module.") for k in params)
+    assert {v.dtype for v in params.values()} == {np.dtype(np.float32)}
     return {
         "params": params,
-        "mu": {k: saved[f"{STATE}{k}.exp_avg"] for k in params},
-        "nu": {k: saved[f"{STATE}{k}.exp_avg_sq"] for k in params},
-        "step": {k: saved[f"{STATE}{k}.step"] for k in params},
+        "mu": {k: saved[f"{state}{k}.exp_avg"] for k in params},
+        "nu": {k: saved[f"{state}{k}.exp_avg_sq"] for k in params},
+        "step": {k: saved[f"{state}{k}.step"] for k in params},
     }
 
 
@@ -61,16 +68,20 @@ def _target(want: dict) -> dict:
     return {"params": {k: one(v) for k, v in want["params"].items()}, "opt_state": opt_state}
 
 
-@pytest.mark.parametrize("src", [SRC, ITER])
-def test_restores_bit_exact_onto_a_mesh_and_through_convert(tmp_path, src):
+@pytest.mark.parametrize(
+    "name, src",
+    [("gpt_dp2", SRC), ("gpt_dp2", ITER), ("llama_bf16_dp2", os.path.join(FIX, "llama_bf16_dp2"))],
+)
+def test_restores_bit_exact_onto_a_mesh_and_through_convert(tmp_path, name, src):
     """Weights (the optimizer's fp32 parameters), both Adam moments and the step, from the save
     root or its iter folder, straight onto a 2 x 4 mesh and through convert: equal to torch's
-    own read of every uneven chunk; the Adam step equals every parameter's saved step."""
+    own read of every uneven chunk; the Adam step equals every parameter's saved step. The
+    bf16 SwiGLU run's fc1 comes as Megatron-LM saved it, its halves ``weight_w`` / ``weight_v``."""
     # an iter folder alone is plain torch DCP by its file names (detection unpickles nothing):
     # the torch importer refuses it by its keys, pointing here
     fmt = "megatron" if src == ITER else None
     assert registry.detect_format(src) == ("torch" if src == ITER else "megatron")
-    want = reference()
+    want = reference(name)
     target = _target(want)
     direct = jax_ucp.restore(src, target=target, format=fmt)
     ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), format=fmt)
@@ -89,9 +100,15 @@ def test_restores_bit_exact_onto_a_mesh_and_through_convert(tmp_path, src):
     assert {float(s) for s in want["step"].values()} == {2.0}
     source = jax_ucp.inspect(ckpt).source
     assert source["format"] == "fsdp_dtensor" and source["optimizer_layout"] == "fsdp_dtensor"
-    assert source["iteration"] == 2 and source["tensors"] == 17
+    count, state = FIXTURES[name]
+    assert source["iteration"] == 2 and source["tensors"] == count
     # every .metadata tensor imported or named: the per-parameter steps, read as the one count
-    assert sorted(source["skipped"]) == sorted(f"{STATE}{k}.step" for k in want["params"])
+    assert sorted(source["skipped"]) == sorted(f"{state}{k}.step" for k in want["params"])
+    if name.startswith("llama"):
+        assert {k for k in want["params"] if "linear_fc1" in k} == {
+            "decoder.layers.0.mlp.linear_fc1.weight_w",
+            "decoder.layers.0.mlp.linear_fc1.weight_v",
+        }
 
 
 def test_weights_only_names_every_optimizer_tensor(tmp_path):
