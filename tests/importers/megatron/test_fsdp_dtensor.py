@@ -104,6 +104,13 @@ def test_restores_bit_exact_onto_a_mesh_and_through_convert(tmp_path, name, src)
     assert source["iteration"] == 2 and source["tensors"] == count
     # every .metadata tensor imported or named: the per-parameter steps, read as the one count
     assert sorted(source["skipped"]) == sorted(f"{state}{k}.step" for k in want["params"])
+    # megatron-core's two param groups (no weight decay on norms and biases: wd_mult 0), from
+    # the per-parameter group records, with the generator's OptimizerConfig (lr, weight decay)
+    groups = source["megatron_optimizer"]["param_groups"]
+    assert sorted(g["wd_mult"] for g in groups) == [0.0, 1.0]
+    assert {(g["lr"], g["weight_decay"], tuple(g["betas"])) for g in groups} == {
+        (0.01, 0.01, (0.9, 0.999))
+    }
     if name.startswith("llama"):
         assert {k for k in want["params"] if "linear_fc1" in k} == {
             "decoder.layers.0.mlp.linear_fc1.weight_w",

@@ -35,6 +35,7 @@ from jax_ucp._src.importers.megatron.common import (
     tied_embeddings,
 )
 from jax_ucp._src.importers.megatron.rules import add_arg_settings, import_rules_spec
+from jax_ucp._src.importers.megatron.run_record import MEGATRON_OPTIMIZER, optimizer_record
 from jax_ucp._src.importers.megatron.torch_dist import TorchDistReader, torch_dist_items
 from jax_ucp._src.importers.plan import VALUES, ImportOptions, ImportPlan, agreed_step, host_item
 
@@ -110,12 +111,38 @@ def plan_fsdp_dtensor(
         **({"skipped": skipped} if skipped else {}),
         "tied_embeddings": tied_embeddings(list(by_param), settings),
     }
+    record = optimizer_record(_run_state(checkpoint, iteration), ".metadata")
+    if record is not None:  # how the run stepped: args, scheduler state, param groups
+        info[MEGATRON_OPTIMIZER] = record
     items = _items(reader, mine, model, states, count if options.share.primary else None)
     return ImportPlan(items, info, len(mine), source_tensors=list(checkpoint.tensors))
 
 
 def _object(checkpoint: dcp.DcpCheckpoint, name: str) -> Any:
     return checkpoint.read_object(name, legacy.LEGACY_CLASSES)
+
+
+def _run_state(checkpoint: dcp.DcpCheckpoint, iteration: Any) -> dict[str, Any]:
+    """The saved state :func:`optimizer_record` reads, as ``common.pt`` holds it: ``args``, the
+    scheduler's (``opt_param_scheduler.<field>`` objects) and each distinct param group, from
+    the per-parameter ``optimizer.param_to_group_meta.<param>.<field>`` objects."""
+    metas: dict[str, dict[str, Any]] = {}
+    scheduler: dict[str, Any] = {}
+    for n in checkpoint.objects:
+        if n.startswith(_GROUP_META):
+            param, _, field = n[len(_GROUP_META) :].rpartition(".")
+            metas.setdefault(param, {})[field] = _object(checkpoint, n)
+        elif n.startswith("opt_param_scheduler."):
+            scheduler[n[len("opt_param_scheduler.") :]] = _object(checkpoint, n)
+    groups = {repr(sorted(m.items(), key=str)): m for m in metas.values()}
+    state: dict[str, Any] = {"iteration": iteration}
+    if "args" in checkpoint.objects:
+        state["args"] = _object(checkpoint, "args")
+    if scheduler:
+        state["opt_param_scheduler"] = scheduler
+    if groups:
+        state["optimizer"] = {"optimizer": {"param_groups": list(groups.values())}}
+    return state
 
 
 def _states(
