@@ -110,9 +110,7 @@ class SavedSharding(Struct, forbid_unknown_fields=True, gc=False, frozen=True):
         return self.mesh.shape
 
 
-class _Entry(
-    Struct, display.Tabular, forbid_unknown_fields=True, gc=False, frozen=True, omit_defaults=True
-):
+class _Entry(Struct, forbid_unknown_fields=True, gc=False, frozen=True, omit_defaults=True):
     """What both kinds of entry have: a key path (``name``: ``a/b/c``) and key types (absent in
     the text: all "key")."""
 
@@ -121,9 +119,17 @@ class _Entry(
         """The key path as ``a/b/c`` (how messages and the CLI name a leaf)."""
         return keypath_lib.key_to_str(self.key)  # pyright: ignore[reportAttributeAccessIssue]
 
+    def to_json(self) -> dict:
+        """The JSON form recorded in ``ucp.json`` (a tensor's ``frozen``, ``tied_to`` and
+        ``key_impl`` left out at their defaults, a value's float as ``float.hex``, exact)."""
+        d = msgspec.json.decode(ENCODER.encode(self))
+        if d.get("type") == "float":
+            d["value"] = float.hex(self.value)  # pyright: ignore[reportAttributeAccessIssue]
+        return d
+
     def _absent(self, defaults: tuple[tuple[str, Any], ...]) -> None:
         """Fills each member the text left out (UNSET) with what it means, counting them for
-        the duplicate-key check (``absent_members``); key types shared between entries."""
+        the duplicate-key check (``decode``); key types shared between entries."""
         n = 0
         for field, default in defaults:
             if getattr(self, field) is UNSET:
@@ -139,7 +145,7 @@ class _Entry(
         _COUNTS.absent = getattr(_COUNTS, "absent", 0) + n
 
 
-class TensorEntry(_Entry, tag="tensor", tag_field="entry", frozen=True):
+class TensorEntry(_Entry, display.Tabular, tag="tensor", tag_field="entry", frozen=True):
     """One array leaf stored as one zarr v3 array under ``arrays/<dir>``."""
 
     key: Key
@@ -196,7 +202,7 @@ class TensorEntry(_Entry, tag="tensor", tag_field="entry", frozen=True):
         force_setattr(self, "shape", known[0])
         force_setattr(self, "chunk_shape", known[1])
         force_setattr(self, "inner_chunk_shape", known[2])
-        force_setattr(self, "dtype", _CANONICAL[self.dtype])
+        force_setattr(self, "dtype", _CANONICAL.get(self.dtype, self.dtype))
         if self.logical_axes is not None and len(self.logical_axes) != len(self.shape):
             expected = f"{len(self.shape)} names"
             raise ValueError(_fault("logical_axes", expected, list(self.logical_axes)))
@@ -236,11 +242,6 @@ class TensorEntry(_Entry, tag="tensor", tag_field="entry", frozen=True):
     def table(self):
         return f"tensor {self.name}", [], [self.to_row()], ENTRY_COLUMNS
 
-    def to_json(self) -> dict:
-        """The JSON form recorded in ``ucp.json`` (``frozen``, ``tied_to`` and ``key_impl``
-        left out at their defaults: manifests without them stay unchanged)."""
-        return msgspec.to_builtins(self)
-
 
 #: what a table of tensors shows (``to_rows`` has a few more)
 ENTRY_COLUMNS = ("name", "shape", "dtype", "role", "logical_axes", "saved_spec")
@@ -273,7 +274,7 @@ class ValueEntry(_Entry, tag="value", tag_field="entry", frozen=True):
         expected, valid = _VALUE_TYPES[self.type]
         if not valid(self.value):
             raise ValueError(_fault("value", expected, self.value))
-        if self.type == "float" and isinstance(self.value, str):
+        if self.type == "float":
             try:
                 force_setattr(self, "value", float.fromhex(self.value))
             except (ValueError, OverflowError):
@@ -301,14 +302,11 @@ class ValueEntry(_Entry, tag="value", tag_field="entry", frozen=True):
                 raise CheckpointError(
                     f"Leaf {name!r}: value: not encodable as UTF-8 ({e.reason} at {e.start})."
                 ) from None
+        value = float.hex(value) if kind == "float" else value  # as the text holds it
         return cls(tuple(key), kind, value, tuple(key_types), role, sub_role)
 
-    def to_json(self) -> dict:
-        """The JSON form recorded in ``ucp.json`` (a float as ``float.hex``, exact)."""
-        d = msgspec.to_builtins(self)
-        if self.type == "float":
-            d["value"] = float.hex(self.value)
-        return d
+    def __reduce__(self):  # a copy is built as the entry was, from the Python value
+        return ValueEntry.of, (self.key, self.key_types, self.value, self.role, self.sub_role)
 
 
 _PY_TYPES = {"none": type(None), "bool": bool, "int": int, "float": float, "str": str}
@@ -317,10 +315,7 @@ _VALUE_TYPES = {
     "none": ("null", lambda v: v is None),
     "bool": ("a JSON boolean", lambda v: isinstance(v, bool)),
     "int": ("a JSON integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    "float": (
-        "a float.hex string",
-        lambda v: type(v) is float or (isinstance(v, str) and _FLOAT_HEX_RE.fullmatch(v)),
-    ),
+    "float": ("a float.hex string", lambda v: isinstance(v, str) and _FLOAT_HEX_RE.fullmatch(v)),
     "str": ("a JSON string", lambda v: isinstance(v, str)),
 }
 _TENSOR_DEFAULTS = tuple(
@@ -483,27 +478,15 @@ class ManifestModel(_Model):
 
 
 DECODER = msgspec.json.Decoder(ManifestModel)
-#: re-encodes a decoded model: a member the text lacked (UNSET) is left out, so its ":"s are
-#: those of the members the text had, each once (``manifest.no_duplicate_keys``)
+#: writes entries, and re-encodes a decoded model (``manifest.no_duplicate_keys``)
 ENCODER = msgspec.json.Encoder()
 
-#: what a member the text leaves out means. Absent members are UNSET in the model (never their
-#: default), so which members a text had is known: a key named twice is found by counting them.
+#: what a member the text leaves out means (documented in the schema). An entry's are filled in
+#: by its ``__post_init__``, counted: a key named twice is found by counting the members.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "ManifestModel": {"created_by": "", "created_at": 0.0, "source": {}, "tree": None},
-    "TensorEntry": {
-        "compression": None,
-        "checksum": None,
-        "sub_role": None,
-        "logical_axes": None,
-        "saved_sharding": None,
-        "provenance": None,
-        "shard_digests": None,
-        "frozen": False,
-        "tied_to": None,
-        "key_impl": None,
-    },
-    "ValueEntry": {"role": "other", "sub_role": None},
+    "TensorEntry": dict(_TENSOR_DEFAULTS),  # frozen, tied_to, key_impl: msgspec's own defaults
+    "ValueEntry": dict(_VALUE_DEFAULTS),
 }
 
 
