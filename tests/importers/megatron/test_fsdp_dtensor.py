@@ -163,6 +163,10 @@ EDITS = {
         lambda t, o, x: t.update({f"{STATE}{P0}.exp_avg": x.tensor(np.zeros((2, 2), np.float32))}),
         r"shape \[2, 2\], its parameter's is \[32, 16\]",
     ),
+    "another optimizer layout": (
+        lambda t, o, x: t.update({"optimizer.optimizer.state.0.exp_avg": x.tensor(ZEROS)}),
+        r"'optimizer\.optimizer\.state\.0\.exp_avg' in .*: not fsdp_dtensor's optimizer layout",
+    ),
     "virtual pipeline chunks": (
         lambda t, o, x: t.update({"model0.module.x.weight": x.tensor(ZEROS)}),
         r"virtual pipeline chunks of an fsdp_dtensor checkpoint are not supported",

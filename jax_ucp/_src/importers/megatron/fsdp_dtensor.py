@@ -82,14 +82,23 @@ def plan_fsdp_dtensor(
     skipped = {
         n: "not a model or optimizer tensor (RNG or other run state)"
         for n in checkpoint.tensors
-        if n not in model and not n.startswith(_STATE)
+        if n not in model and not n.startswith("optimizer.")
     }
+    # e.g. Megatron-LM's torch_dcp format (torch's optimizer state dict): not this layout
+    alien = [
+        n for n in checkpoint.tensors if n.startswith("optimizer.") and not n.startswith(_STATE)
+    ]
+    if alien and not options.weights_only:
+        raise MegatronImportError(
+            f"tensor {alien[0]!r} in {where}: not fsdp_dtensor's optimizer layout "
+            f"({_STATE}<param>.<state>). {WEIGHTS_ONLY_HINT}"
+        )
     by_param = {v: k for k, v in model.items()}
     if len(by_param) != len(model):
         raise MegatronImportError(f"{where}: two model tensors name one parameter {sorted(model)}")
     states, steps = ({}, {}) if options.weights_only else _states(checkpoint, by_param)
     for n in checkpoint.tensors:
-        if n.startswith(_STATE) and (options.weights_only or n in steps):
+        if n.startswith("optimizer.") and (options.weights_only or n in steps):
             skipped[n] = (
                 "weights_only: optimizer state (layout 'fsdp_dtensor')"
                 if options.weights_only
