@@ -128,6 +128,17 @@ def test_weights_only_names_every_optimizer_tensor(tmp_path):
     assert len(skipped) == 17 * 3 and all("weights_only" in why for why in skipped.values())
 
 
+def test_vocab_padding_is_stripped_from_weights_and_moments(tmp_path):
+    """vocab_size=61: the embedding's and output layer's 64 padded rows cut to 61 in the
+    weight and both moments alike, from the chunks holding them."""
+    got = jax_ucp.restore(jax_ucp.convert(SRC, str(tmp_path / "ucp"), vocab_size=61))
+    want = reference()
+    for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert_bit_exact(got["params"][k], want["params"][k][:61], k)
+        for m in ("mu", "nu"):
+            assert_bit_exact(got["opt_state"][m][k], want[m][k][:61], f"{m}/{k}")
+
+
 def test_plain_torch_dcp_importer_refuses_it_by_name(tmp_path):
     """Forced through the torch DCP importer it would be wrongly named weights: refused,
     pointing at the Megatron importer."""
