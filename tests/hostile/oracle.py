@@ -80,9 +80,11 @@ def judge_entry(entry: str, base, got, *, kind, mutation_op: str, names: set[str
         if gone and mutation_op in ("delete", "rename", "symlink-out", "fifo"):
             return "step-gone", f"{entry} gave step {older[0] if older else value}"
         if mutation_op in ("delete", "rename") and _subset(value, base[1]):
-            return "dropped", "the entry point went on without what the mutation removed: " + _diff(
-                base[1], value
-            )
+            # the importers' own word for it: "... the weights imported alone" (a lost optimizer)
+            said = any("imported alone" in w for w in warnings)
+            return "said" if said else "dropped", "went on without what the mutation removed" + (
+                ", warned: " if said else ": "
+            ) + _diff(base[1], value)
         if entry.startswith("optax") and _said(base[1], value, warnings):
             return "said", f"went on without {value['unrecovered']}, warned"
         payload = mutation_op in ("flip-data", "flip-meta", "swap")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from typing import Any
 
 from jax_ucp._src.errors import SourceError
@@ -127,18 +128,34 @@ _OPTIMIZER = re.compile(r"optimizer(_[0-9]+)?(\.(pt|bin))?")
 def check_optimizer_beside_scheduler(folder: str, weights_only: bool) -> None:
     """A folder holding a scheduler's state but no optimizer's lost it (the Trainer and
     Accelerate's ``save_state`` write both, or neither): refused unless only the weights are
-    asked for, so a resume never starts its optimizer from nothing unsaid."""
+    asked for, so a resume never starts its optimizer from nothing unsaid. Without a
+    scheduler, a run's other state (the Trainer's ``rng_state*.pth``, written only with its
+    optimizer; Accelerate's ``random_states_*.pkl``, written by every ``save_state``) or a
+    name like an optimizer's (``optimizer.bin.bak``) is said: a warning, the weights alone."""
     if weights_only or not os.path.isdir(folder):
         return
     names = os.listdir(folder)
+    if any(_OPTIMIZER.fullmatch(n) for n in names):
+        return
     schedulers = sorted(n for n in names if _SCHEDULER.fullmatch(n))
-    if schedulers and not any(_OPTIMIZER.fullmatch(n) for n in names):
+    if schedulers:
         raise SourceError(
             f"{folder}: {schedulers[0]} is here (a training run's state, as the Trainer and "
             f"Accelerate's save_state write it) but no optimizer state (optimizer.pt, "
             f"optimizer.bin, optimizer_<i>.bin or an optimizer_0/ folder): the optimizer's "
             f"file is missing or renamed; pass weights_only=True to take the weights alone"
         )
+    signs = [n for n in names if "optimizer" in n.lower() or n.startswith(_RUN_STATE)]
+    if signs:
+        warnings.warn(
+            f"{folder}: {', '.join(sorted(signs)[:4])} here, no optimizer state (optimizer.pt, "
+            f"optimizer.bin): a training run's save whose optimizer file is lost or renamed (or "
+            f"a run without one); the weights are imported alone",
+            stacklevel=2,
+        )
+
+
+_RUN_STATE = ("rng_state", "random_states_")  # the Trainer's / Accelerate's RNG states
 
 
 def _holds_model(folder: str) -> bool:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tomllib
+import warnings
 
 import numpy as np
 import pytest
@@ -218,6 +220,36 @@ def test_a_run_folder_whose_optimizer_file_is_gone_is_refused_not_weights_only(
     assert sorted(weights) == sorted(converted)
     for name, value in converted.items():
         assert_bit_exact(weights[name], value, name)
+
+
+@pytest.mark.parametrize(
+    "source, change, says",
+    [  # a save_state without a scheduler: its RNG states, or the optimizer's renamed file
+        ("torch/accelerate_save_state", "delete", r"random_states_0\.pkl, random_states_1\.pkl"),
+        ("torch/accelerate_save_state", "optimizer.bin.bak", r"optimizer\.bin\.bak, random_"),
+        ("torch/accelerate_full", "optimizer.bin.old", r"optimizer\.bin\.old here"),
+        ("torch/accelerate_full", "delete", None),  # nothing shows it: a weights-only save
+    ],
+)
+def test_a_lost_optimizer_file_is_said_where_the_folder_shows_it(tmp_path, source, change, says):
+    """An Accelerate folder whose ``optimizer.bin`` was deleted or renamed, no scheduler
+    beside it: imported as weights alone without a word (issue 56), as a weights-only save
+    looks. Where the folder shows a run's save (``save_state``'s ``random_states_*.pkl``, a
+    name like an optimizer's), convert and a direct restore warn ("... the weights are imported
+    alone") and take the weights; where nothing shows it, no word (a legitimate folder)."""
+    src = shutil.copytree(os.path.join(HERE, source), tmp_path / "src")
+    if change == "delete":
+        os.remove(src / "optimizer.bin")
+    else:
+        os.rename(src / "optimizer.bin", src / change)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored = jax_ucp.restore(src)
+        out = jax_ucp.convert(src, tmp_path / "weights")
+    said = [str(w.message) for w in caught if "imported alone" in str(w.message)]
+    assert len(said) == (0 if says is None else 2), said
+    assert all(re.search(says, w) and "no optimizer state" in w for w in said)
+    assert list(restored) == list(jax_ucp.restore(out)) == ["params"]
 
 
 @pytest.mark.parametrize("kind", ["accelerate_plain", "accelerate_groups"])

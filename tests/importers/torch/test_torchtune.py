@@ -9,7 +9,9 @@ checkpointer permuted the weights, bit-exact against the run's live state."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -216,6 +218,52 @@ def test_a_recipe_state_folder_without_its_file_is_refused_not_weights_only(tmp_
     assert list(jax_ucp.restore(out)) == ["params"]
 
 
+def test_an_earlier_epochs_recipe_state_is_never_merged_with_the_latest_weights(tmp_path):
+    """A finished two-epoch run: epoch_0/ and recipe_state/ (saved after 1 epoch) from the
+    intermediate save, epoch_1/ from the final one, which writes no recipe state. Before:
+    epoch_1's weights imported with epoch_0's Adam moments and step, without a word. Now the
+    weights alone, the recipe state listed in ``source.skipped`` as epoch_0's, a note and a
+    warning; by convert and a direct restore."""
+    src = shutil.copytree(DIST, tmp_path / "tt")
+    shutil.copytree(src / "epoch_0", src / "epoch_1")
+    says = (
+        r"recipe_state\.pt is the recipe state saved after 1 epoch\(s\) \(epoch_0/'s\), not epoch_1"
+    )
+    with pytest.warns(UserWarning, match=says):
+        out = jax_ucp.convert(src, tmp_path / "out")
+    source = jax_ucp.inspect(out).source
+    assert re.search(says, source["skipped"]["recipe_state/recipe_state.pt"])
+    assert re.search(says, source["notes"][-1]) and source["epoch"] == "epoch_1"
+    with pytest.warns(UserWarning, match=says):
+        assert list(jax_ucp.restore(src)) == list(jax_ucp.restore(out)) == ["params"]
+
+
+@pytest.mark.parametrize("change", ["recipe_state.bak", "two epochs", "one epoch"])
+def test_a_recipe_state_renamed_or_gone_beside_an_earlier_epoch_is_said(tmp_path, change):
+    """recipe_state/ renamed (``recipe_state.bak``), or removed while an earlier epoch's
+    folder shows a recipe wrote one: the weights alone, a warning and a note saying so
+    (before: no word). Removed beside one epoch: a final epoch's save, no word."""
+    src = shutil.copytree(DIST, tmp_path / "tt")
+    if change == "recipe_state.bak":
+        os.rename(src / "recipe_state", src / change)
+    else:
+        shutil.rmtree(src / "recipe_state")
+    if change == "two epochs":
+        shutil.copytree(src / "epoch_0", src / "epoch_1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = jax_ucp.convert(src, tmp_path / "out")
+    said = [str(w.message) for w in caught if "imported alone" in str(w.message)]
+    notes = jax_ucp.inspect(out).source.get("notes", [])
+    if change == "one epoch":
+        assert said == [] and not [n for n in notes if "imported alone" in n]
+    else:
+        assert len(said) == 1 and "no recipe_state/recipe_state.pt beside" in said[0]
+        assert ("recipe_state.bak" if change != "two epochs" else "epoch_0") in said[0]
+        assert said[0].endswith(notes[-1])
+    assert list(jax_ucp.restore(out)) == ["params"]
+
+
 def test_a_model_type_tune_to_hf_does_not_convert_is_refused(tmp_path):
     src = shutil.copytree(DIST, tmp_path / "tt")
     config = os.path.join(src, "epoch_0", "config.json")
@@ -335,11 +383,19 @@ def test_the_latest_epoch_of_either_save_is_imported(tmp_path):
     _assert_the_live_dist_run(out)
     os.rename(run / "dist_epoch_1", run / "dist_epoch_0")
     shutil.copytree(run / "epoch_0", run / "epoch_1")
-    out = jax_ucp.convert(run, tmp_path / "b")
+    with pytest.warns(UserWarning, match=r"after 1 epoch\(s\) \(epoch_0/'s\), not epoch_1/'s"):
+        out = jax_ucp.convert(run, tmp_path / "b")  # recipe_state.pt is epoch_0's: not merged
     source = jax_ucp.inspect(out).source
     assert source["epoch"] == "epoch_1"
     assert source["skipped"]["dist_epoch_0/"] == "an earlier epoch's checkpoint (epoch_1/ imported)"
-    _assert_the_live_run(out, DIST_TRUTH)
+    weights = jax_ucp.restore(jax_ucp.convert(DIST, tmp_path / "w", weights_only=True))
+    got = jax_ucp.restore(out)
+    assert (
+        list(got) == list(weights) == ["params"]
+        and got["params"].keys() == weights["params"].keys()
+    )
+    for name, value in weights["params"].items():
+        assert_bit_exact(got["params"][name], value, name)
 
 
 @pytest.mark.torch

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -306,10 +307,11 @@ def plan_torchtune(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
         if rebuilt is not None:
             plan.source["parameter_order"] = rebuilt[1]
         return _as_dist_epoch(plan, src, epochs, dist)
-    if has_recipe and not weights_only:
+    said = None if weights_only else _recipe_not_the_latest(src, recipe, has_recipe, epochs)
+    if has_recipe and not weights_only and said is None:
         refuse_spec(spec, "torchtune imports keep Hugging Face's names", SourceError)
         return _plan_with_optimizer(src, epochs, recipe, options, parameter_order)
-    if parameter_order is not None:
+    if parameter_order is not None and said is None:
         raise SourceError(
             f"{src}: parameter_order numbers the optimizer of {RECIPE_STATE}, which "
             f"{'weights_only leaves out' if has_recipe else 'this folder does not hold'}"
@@ -334,8 +336,42 @@ def plan_torchtune(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
         skip(source, adapters, why)
     if has_recipe:
         units.append(RECIPE_STATE)
-        skip(source, [RECIPE_STATE], "weights_only: torchtune's recipe state (optimizer, seed)")
+        skip(
+            source,
+            [RECIPE_STATE],
+            said or "weights_only: torchtune's recipe state (optimizer, seed)",
+        )
+    if said is not None:
+        source["notes"] = [*source.get("notes", []), said]
+        warnings.warn(f"{src}: {said}", stacklevel=3)
     return dataclasses.replace(plan, source=source, source_tensors=[*tensors, *units])
+
+
+def _recipe_not_the_latest(src: str, recipe: str, has_recipe: bool, epochs: list[str]):
+    """Why the latest epoch's weights come without an optimizer, when the folder shows they
+    had one or have another's (None: the recipe state is the latest epoch's, or no sign). A
+    recipe writes ``recipe_state.pt`` at every epoch but the last and never removes it: one
+    whose ``epochs_run`` is not the latest epoch's is another epoch's; none beside two epochs,
+    or a name like it (``recipe_state.bak``), was removed or renamed."""
+    latest = epochs[-1] if epochs else None
+    if has_recipe and latest is not None:
+        loaded = torch_zip.load_torch_file(recipe)
+        run = loaded.get("epochs_run") if isinstance(loaded, dict) else None
+        if type(run) is int and run != _epoch_number(latest) + 1:
+            return (
+                f"{RECIPE_STATE} is the recipe state saved after {run} epoch(s) (epoch_"
+                f"{run - 1}/'s), not {latest}/'s (a final epoch's save writes none): "
+                f"{latest}/'s weights imported alone"
+            )
+        return None
+    odd = [n for n in os.listdir(src) if "recipe_state" in n and n != "recipe_state"]
+    if latest is not None and (odd or len(epochs) > 1):
+        return (
+            f"no {RECIPE_STATE} beside {', '.join(odd[:3]) or ', '.join(epochs[:3])}: "
+            f"the recipe's optimizer state was removed or renamed (or {latest}/ is a final "
+            f"epoch, saved without one): {latest}/'s weights imported alone"
+        )
+    return None
 
 
 def _as_dist_epoch(plan: ImportPlan, src: str, epochs: list[str], dist: list[str]) -> ImportPlan:
