@@ -393,10 +393,6 @@ def array_dir(key: Sequence[str]) -> str:
 # --- strict field checks (the JSON schema, in code: the reader is never looser than it) -------
 
 
-def _fail(where: str, expected: str, found: Any) -> NoReturn:
-    raise CheckpointError(f"{where}: expected {expected}, found {model.short(found)}.")
-
-
 def _check_header(d: Any, where: str) -> None:
     """The format and version, checked before any other field: a newer version may have
     fields this reader does not know."""
@@ -408,7 +404,8 @@ def _check_header(d: Any, where: str) -> None:
         )
     version = d.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        _fail(f"{where}: version", "an integer ≥ 1", version)
+        found = model.short(version)
+        raise CheckpointError(f"{where}: version: expected an integer ≥ 1, found {found}.")
     if version > FORMAT_VERSION:
         raise CheckpointError(
             f"{where}: format version {version} is newer than this jax_ucp "
