@@ -354,3 +354,19 @@ def test_a_listed_name_no_folder_holds_is_named_not_no_manifest(hub_server, monk
         jax_ucp.restore("hf://org/odd")
     assert repr(name)[1:-1].lstrip("/") in str(e.value)
     assert_same(jax_ucp.restore("hf://org/marked"), jax_ucp.restore(HF_BIN_SHARDED))
+
+
+def test_a_server_ignoring_range_requests_is_named(repo, hub_server, monkeypatch):
+    """The CDN answers every ranged GET with the whole file (HTTP 200, as some mirrors and
+    proxies do): a ``SourceError`` naming the file; before: TensorStore's raw ``ValueError``
+    ("FAILED_PRECONDITION: Requested byte range [0, 8) was ignored by server")."""
+    answer = hub_server._file
+
+    def whole(h, files, name, server, auth):
+        if server == "cdn" and name in files:
+            return hub_server._send(h, 200, files[name], {})
+        return answer(h, files, name, server, auth)
+
+    monkeypatch.setattr(hub_server, "_file", whole)
+    with pytest.raises(jax_ucp.SourceError, match=r"-of-00002\.safetensors: .*ignored by server"):
+        jax_ucp.restore("hf://org/model")

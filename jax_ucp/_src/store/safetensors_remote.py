@@ -188,7 +188,10 @@ class _Fetches:
 
 def header(kv: ts.KvStore, name: str, shown: str) -> safetensors.SafetensorsFile:
     """The object's checked header: its length, then the header, then its exact size."""
-    got = kv.read(name, byte_range=slice(0, 8)).result()
+    try:
+        got = kv.read(name, byte_range=slice(0, 8)).result()
+    except ValueError as e:  # the server's answer (a Range ignored, an error status), named
+        raise SourceError(f"{shown}: {tensorstore_message(e)}") from None
     if got.state != "value":
         raise SourceError(f"{shown}: no such object.")
     if len(got.value) < 8:
