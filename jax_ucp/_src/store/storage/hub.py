@@ -9,7 +9,8 @@ followed here once per file (``ranged``): relative hops on the Hub itself, up to
 to another host or scheme (http or https only), which is fetched without the token, as
 ``huggingface_hub`` does (never over http from an https endpoint). Endpoint from
 ``HF_ENDPOINT`` (default https://huggingface.co), token from ``HF_TOKEN``.
-Everything the Hub sends is bounded (the listing, any file read whole).
+Everything the Hub sends is bounded (the listing, any file read whole), and so are the
+retries of a server that keeps failing (``RETRIES``: ~50 s, where TensorStore's own wait ~15 min).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ SCHEME = "hf://"
 MAX_LISTING_BYTES = 16 << 20  # the repo's file list (the Hub's JSON for a large repo: ~1 MB)
 MAX_REDIRECTS = 5
 TIMEOUT_S = 60
+RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "8s"}  # TensorStore's reads
 READ_ONLY = "a Hub repo is read-only: convert it to a local or s3:// destination"
 _SHA = re.compile(r"[0-9a-f]{40}\Z")
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
@@ -167,8 +169,9 @@ class HubRepo(Storage):
     def kvstore(self, *subpath: str) -> dict:
         """The ``http`` kvstore of the files at the commit (a redirected file: ``ranged``)."""
         tail = "/".join(p.strip("/") for p in (self.path, *subpath) if p)
-        base = f"{_endpoint()}/{self.repo}/resolve/{self.sha}/{urllib.parse.quote(tail + '/')}"
-        return {"driver": "http", "base_url": base, "headers": _kv_headers(base)}
+        folder = urllib.parse.quote(tail + "/") if tail else ""  # the repo's root: no '//'
+        base = f"{_endpoint()}/{self.repo}/resolve/{self.sha}/{folder}"
+        return _kvstore(base)
 
     def ranged(self, name: str) -> tuple[dict, str]:
         """A kvstore spec and key that file ``name`` is read from by ``Range`` requests: the
@@ -176,7 +179,7 @@ class HubRepo(Storage):
         url, response = _open(self._url(name), "HEAD", follow_off_host=False)
         if response is not None:
             response.close()
-        return {"driver": "http", "base_url": url, "headers": _kv_headers(url)}, ""
+        return _kvstore(url), ""
 
     def read(self, name: str, limit: int) -> bytes | None:
         if not self.exists(name):
@@ -223,5 +226,9 @@ class HubRepo(Storage):
     write_manifest = delete = lock = refuse_early = transaction = write
 
 
-def _kv_headers(url: str) -> list[str]:
-    return [f"{k}: {v}" for k, v in _headers(url).items()]
+def _kvstore(url: str) -> dict:
+    """TensorStore's ``http`` kvstore of ``url``, its retries of a failing server bounded
+    (~50 s: TensorStore's own 32 retries up to 32 s apart wait ~15 min on a Hub answering 5xx)."""
+    headers = [f"{k}: {v}" for k, v in _headers(url).items()]
+    context = {"http_request_retries": RETRIES}
+    return {"driver": "http", "base_url": url, "headers": headers, "context": context}
