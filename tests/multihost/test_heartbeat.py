@@ -126,7 +126,7 @@ def test_beats_another_program_writes_are_not_heard(monkeypatch):
             {
                 "jax_ucp/beat/x": "{}",
                 "jax_ucp/beat/\u0661": json.dumps({"pid": 7, "start": "9", "n": n}),
-                "jax_ucp/beat/0": '{"pid": 5, "pid": 6, "start": "8", "n": %d}' % n,
+                "jax_ucp/beat/0": f'{{"pid": 5, "pid": 6, "start": "8", "n": {n}}}',
                 "jax_ucp/beat/2": f"[{n}]",
                 "jax_ucp/beat/3": '{"pid": NaN, "start": "1"}',
             }
