@@ -326,7 +326,7 @@ def test_the_token_never_goes_over_http_from_an_https_endpoint(monkeypatch):
     compared)."""
     monkeypatch.setenv("HF_ENDPOINT", "https://hub.example")
     monkeypatch.setenv("HF_TOKEN", HubServer.TOKEN)
-    assert hub._headers("https://hub.example/org/m/resolve/x") == {
+    assert hub.auth_headers("https://hub.example/org/m/resolve/x") == {
         "Authorization": f"Bearer {HubServer.TOKEN}"
     }
     for other in (
@@ -334,7 +334,7 @@ def test_the_token_never_goes_over_http_from_an_https_endpoint(monkeypatch):
         "https://cdn.example/x",
         "https://hub.example:8443/x",
     ):
-        assert hub._headers(other) == {}
+        assert hub.auth_headers(other) == {}
 
 
 @pytest.mark.parametrize("name", ["../evil.bin", "/etc/passwd", "a\x00b.json", "x//y.json"])

@@ -49,7 +49,7 @@ def _endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
-def _headers(url: str) -> dict[str, str]:
+def auth_headers(url: str) -> dict[str, str]:
     """The token, for the endpoint's own scheme and host only (never for the CDN a file
     redirects to, nor over http where the endpoint is https)."""
     token = os.environ.get("HF_TOKEN")
@@ -69,7 +69,7 @@ def _open(url: str, method: str = "GET", *, follow_off_host: bool = True):
     for _ in range(MAX_REDIRECTS + 1):
         if not follow_off_host and _origin(url) != host:
             return url, None
-        request = urllib.request.Request(url, method=method, headers=_headers(url))
+        request = urllib.request.Request(url, method=method, headers=auth_headers(url))
         try:
             return url, _OPENER.open(request, timeout=TIMEOUT_S)
         except urllib.error.HTTPError as e:
@@ -229,6 +229,6 @@ class HubRepo(Storage):
 def _kvstore(url: str) -> dict:
     """TensorStore's ``http`` kvstore of ``url``, its retries of a failing server bounded
     (~50 s: TensorStore's own 32 retries up to 32 s apart wait ~15 min on a Hub answering 5xx)."""
-    headers = [f"{k}: {v}" for k, v in _headers(url).items()]
+    headers = [f"{k}: {v}" for k, v in auth_headers(url).items()]
     context = {"http_request_retries": RETRIES}
     return {"driver": "http", "base_url": url, "headers": headers, "context": context}
