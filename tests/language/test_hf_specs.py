@@ -119,8 +119,8 @@ def test_llama_config_checks():
     # transformers 5's config.json: RoPE's settings under rope_parameters
     rope = {"rope_type": "default", "rope_theta": 500000.0}
     assert LMConfig.from_hf_llama({**HF_CONFIG, "rope_parameters": rope}).rotary_base == 5e5
-    with pytest.raises(ValueError, match=r"rope_parameters.*yarn"):
-        LMConfig.from_hf_llama({**HF_CONFIG, "rope_parameters": {**rope, "rope_type": "yarn"}})
+    with pytest.raises(ValueError, match=r"rope_parameters.*dynamic"):
+        LMConfig.from_hf_llama({**HF_CONFIG, "rope_parameters": {**rope, "rope_type": "dynamic"}})
 
 
 def _logits_through_jax_and_back(tmp_path, model_class, config, cfg, spec_in, spec_out):

@@ -36,6 +36,21 @@ _LLAMA3 = {
     "rope_theta": 1e4,
 }
 
+#: yarn RoPE (GPT-OSS, DeepSeek V3, Qwen's long context): the tiny head's correction range
+#: (from beta_fast / beta_slow) falls inside its 8 frequencies
+_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 2048,
+    "rope_theta": 1e4,
+}
+#: yarn's optional fields, each case a different attention factor / correction range
+_YARN_CASES = {
+    "defaults": {},
+    "untruncated-mscale": {"truncate": False, "mscale": 1.0, "mscale_all_dim": 0.5},
+    "attention-factor-betas": {"attention_factor": 1.3, "beta_fast": 16, "beta_slow": 2},
+}
+
 #: family -> (config class, model class, config kwargs, a field the model does not compute
 #: as {field: value} merged into config.json, what the refusal names)
 FAMILIES = {
@@ -43,8 +58,8 @@ FAMILIES = {
         "LlamaConfig",
         "LlamaForCausalLM",
         dict(_TINY, tie_word_embeddings=True, rope_parameters=_LLAMA3),
-        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-        r"rope_parameters\.rope_type 'yarn'",
+        {"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}},
+        r"rope_parameters\.rope_type 'longrope'",
     ),
     "mistral": (
         "MistralConfig",
@@ -178,8 +193,8 @@ FAMILIES = {
             attn_scale=0.5,
             rope_parameters={**_LLAMA3, "high_freq_factor": 1.0},  # Llama 4 Scout's form
         ),
-        {"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}},
-        r"rope_parameters\.rope_type 'yarn'",
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 5e5}},
+        r"rope_parameters\.rope_type 'dynamic'",
     ),
     "granite": (
         "GraniteConfig",
@@ -198,8 +213,8 @@ FAMILIES = {
         "Olmo2Config",
         "Olmo2ForCausalLM",
         dict(_TINY, pad_token_id=0, eos_token_id=0),
-        {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
-        r"rope_parameters\.rope_type 'yarn'",
+        {"rope_parameters": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4}},
+        r"rope_parameters\.rope_type 'longrope'",
     ),
     "stablelm": (
         "StableLmConfig",
@@ -211,7 +226,7 @@ FAMILIES = {
 }
 
 
-def _save_tiny(family: str, folder) -> str:
+def _save_tiny(family: str, folder, **changes) -> str:
     """transformers' model of ``family`` from its tiny config, every weight moved off its
     initial value at random (a norm left at 1 or 0 would not show a misplaced one), saved."""
     import torch
@@ -219,7 +234,8 @@ def _save_tiny(family: str, folder) -> str:
 
     config_class, model_class, kwargs, _, _ = FAMILIES[family]
     torch.manual_seed(0)
-    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**kwargs))
+    config = getattr(transformers, config_class)(**{**kwargs, **changes})
+    model = getattr(transformers, model_class)(config)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.2)
@@ -299,6 +315,9 @@ def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_pa
     [
         ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"rope_scaling\.rope_type"),
         ("llama", {"mlp_bias": True}, r"mlp_bias True"),
+        ("qwen3", {"rope_parameters": {**_YARN, "truncate": "no"}}, r"truncate 'no'"),
+        ("qwen3", {"rope_parameters": {**_YARN, "beta_fast": -1}}, r"beta_fast -1"),
+        ("qwen3", {"rope_parameters": {**_YARN, "factor": None}}, r"factor None"),
         (
             "llama",
             {"rope_parameters": {**_LLAMA3, "low_freq_factor": None}},
@@ -478,3 +497,82 @@ def test_an_empty_rope_scaling_gives_way_to_rope_parameters():
     rope = {"rope_type": "default", "rope_theta": 5e5}
     cfg, _ = hf_model(_config("llama", rope_scaling={}, rope_parameters=rope))
     assert cfg.rotary_base == 5e5
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", sorted(_YARN_CASES))
+def test_yarn_rope_gives_the_sources_logits(case, tmp_path):
+    """A tiny Qwen3 with yarn RoPE (each set of its optional fields): logits within 1e-4 of
+    transformers'."""
+    rope = {**_YARN, **_YARN_CASES[case]}
+    src = _save_tiny("qwen3", tmp_path / "src", rope_parameters=rope, max_position_embeddings=8192)
+    found = jax_ucp.verify(jax_ucp.convert(src, tmp_path / "ucp"), against=src, logits=True)
+    assert found == [] and found.logits is not None, found
+    assert found.logits.max_abs_diff <= 1e-4 and found.logits.batch == (2, 16)
+
+
+#: transformers 5.23's ``_compute_yarn_parameters`` for the tiny Qwen3 (head_dim 16) with
+#: each case: (inverse frequencies, attention factor), printed by it and copied here
+_YARN_TRANSFORMERS = {
+    "defaults": (
+        [
+            1.0,
+            0.316227764,
+            0.100000001,
+            0.025693506,
+            0.00624999963,
+            0.00138349656,
+            0.00025,
+            7.90569466e-05,
+        ],
+        1.138629436111989,
+    ),
+    "untruncated-mscale": (
+        [
+            1.0,
+            0.316227764,
+            0.100000001,
+            0.0238701962,
+            0.00505697168,
+            0.000811290462,
+            0.00025,
+            7.90569466e-05,
+        ],
+        1.0648216253695715,
+    ),
+    "attention-factor-betas": (
+        [
+            1.0,
+            0.316227764,
+            0.100000001,
+            0.023717083,
+            0.005,
+            0.000790569466,
+            0.00025,
+            7.90569466e-05,
+        ],
+        1.3,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_YARN_CASES))
+def test_yarn_rope_rotates_by_the_frequencies_transformers_computes(case):
+    """Torch-free: position 1 turns (1, 0) pairs into attention * (cos, sin) of each inverse
+    frequency; read back, the frequencies and attention factor are transformers' own."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_ucp._src.models import transformer
+
+    cfg, _ = hf_model(_config("qwen3", rope_parameters={**_YARN, **_YARN_CASES[case]}))
+    x = jnp.concatenate([jnp.ones(8), jnp.zeros(8)])[None, None, None, :]
+    out = np.asarray(
+        transformer._apply_rope(
+            x, jnp.arange(1, 2), cfg.rotary_base, cfg.rotary_scaling_factor, yarn=cfg.rotary_yarn
+        )
+    )[0, 0, 0]
+    inverse, attention = _YARN_TRANSFORMERS[case]
+    np.testing.assert_allclose(np.arctan2(out[8:], out[:8]), inverse, rtol=1e-5)
+    np.testing.assert_allclose(np.hypot(out[8:], out[:8]), attention, rtol=1e-6)

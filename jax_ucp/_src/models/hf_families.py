@@ -383,12 +383,36 @@ def _act(c: Mapping, field: str, allowed: Mapping[str, str]) -> str:
 
 
 # ---------------------------------------------------------------------------------- RoPE
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _LLAMA3 = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
+def _yarn(params: Mapping, field: str, factor: float) -> tuple:
+    """(beta_fast, beta_slow, original length, truncate, attention factor) of a yarn RoPE, the
+    attention factor (on cos and sin) inferred from ``factor`` / ``mscale`` / ``mscale_all_dim``
+    as transformers' ``_compute_yarn_parameters`` does when not given."""
+    read = {
+        key: None if params.get(key) is None else _number(f"{field}.{key}", params[key])
+        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+    }
+    original = _number(f"{field}.original_max_position_embeddings", params.get(_LLAMA3[2]))
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise _refuse(f"{field}.truncate", repr(truncate), "expected true or false")
+
+    def mscale(m: float = 1.0) -> float:
+        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    attention = read["attention_factor"]
+    if attention is None and read["mscale"] and read["mscale_all_dim"]:
+        attention = mscale(read["mscale"]) / mscale(read["mscale_all_dim"])
+    beta = (read["beta_fast"] or 32.0, read["beta_slow"] or 1.0)
+    return (*beta, original, truncate, mscale() if attention is None else attention)
+
+
 def _rope_one(params: Any, field: str, theta: Any, partial_ok: bool) -> tuple:
-    """(base, factor, rotary fraction, llama3's three numbers or None) of one RoPE set."""
+    """(base, factor, rotary fraction, the LMConfig fields of a llama3 / yarn scaling) of one
+    RoPE set."""
     if params is None:
         params = {}
     if not isinstance(params, Mapping):
@@ -399,9 +423,13 @@ def _rope_one(params: Any, field: str, theta: Any, partial_ok: bool) -> tuple:
             f"{field}.rope_type", repr(kind), f"supported RoPE types: {', '.join(_ROPE_TYPES)}"
         )
     factor = _number(f"{field}.factor", params.get("factor")) if kind != "default" else 1.0
-    llama3 = None
+    scaling = {}
     if kind == "llama3":
-        llama3 = tuple(_number(f"{field}.{key}", params.get(key)) for key in _LLAMA3)
+        scaling["rotary_llama3"] = tuple(
+            _number(f"{field}.{key}", params.get(key)) for key in _LLAMA3
+        )
+    elif kind == "yarn":
+        scaling["rotary_yarn"] = _yarn(params, field, factor)
     base = params.get("rope_theta", theta)
     base = _number(f"{field}.rope_theta", 10000.0 if base is None else base)
     partial = params.get("partial_rotary_factor", 1.0)
@@ -410,7 +438,7 @@ def _rope_one(params: Any, field: str, theta: Any, partial_ok: bool) -> tuple:
         raise _refuse(f"{field}.partial_rotary_factor", partial, "not computed for this family")
     if partial > 1.0:
         raise _refuse(f"{field}.partial_rotary_factor", partial, "expected at most 1")
-    return base, factor, partial, llama3
+    return base, factor, partial, scaling
 
 
 def _rope(c: Mapping, partial_ok: bool = False) -> tuple:
@@ -516,7 +544,7 @@ def _base(c: Mapping, partial_ok: bool = False) -> dict:
     head_dim = _int(c, "head_dim") if head_dim is not None else hidden // heads
     if _int(c, "num_key_value_heads", groups) and heads % groups:
         raise _refuse("num_key_value_heads", groups, f"does not divide {heads} heads")
-    base, factor, partial, llama3 = _rope(c, partial_ok)
+    base, factor, partial, scaling = _rope(c, partial_ok)
     if int(head_dim * partial) % 2:
         raise _refuse("partial_rotary_factor", partial, f"gives an odd rotary dim of {head_dim}")
     return dict(
@@ -536,7 +564,7 @@ def _base(c: Mapping, partial_ok: bool = False) -> dict:
         ),
         rotary_base=base,
         rotary_scaling_factor=factor,
-        rotary_llama3=llama3,
+        **scaling,
         rotary_percent=partial,
         eps=_number("rms_norm_eps", c.get("rms_norm_eps") or 1e-6),
         tied=bool(c.get("tie_word_embeddings", False)),
@@ -617,9 +645,10 @@ def _gemma3(c: Mapping) -> LMConfig:
             params.get("sliding_attention"), "rope_parameters.sliding_attention", 1e4, False
         )
         kw = _base({**plain, "rope_parameters": {"rope_type": "default", "rope_theta": glob[0]}})
-        kw["rotary_scaling_factor"], kw["rotary_llama3"] = glob[1], glob[3]
+        kw.update(rotary_scaling_factor=glob[1], **glob[3])
         if local[3]:
-            raise _refuse("rope_parameters.sliding_attention.rope_type", "llama3", "not computed")
+            kind = params["sliding_attention"].get("rope_type")
+            raise _refuse("rope_parameters.sliding_attention.rope_type", kind, "not computed")
     else:
         kw = _base({**c, "rope_theta": c.get("rope_theta", 1e6)})
         local = _rope_one({}, "rope_local_base_freq", c.get("rope_local_base_freq", 1e4), False)

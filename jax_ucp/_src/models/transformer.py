@@ -89,6 +89,9 @@ class LMConfig:
     # llama3 RoPE scaling (Llama 3.1+, Llama 4): (low_freq_factor, high_freq_factor,
     # original_max_position_embeddings) with rotary_scaling_factor; global layers only
     rotary_llama3: tuple[float, float, float] | None = None
+    # yarn RoPE scaling (GPT-OSS, DeepSeek V3, Qwen long context): (beta_fast, beta_slow,
+    # original_max_position_embeddings, truncate, attention factor) with rotary_scaling_factor
+    rotary_yarn: tuple[float, float, float, bool, float] | None = None
 
     @property
     def groups(self) -> int:
@@ -254,14 +257,18 @@ def _norm_layer(cfg: LMConfig, name: str):
     return nn.LayerNorm(epsilon=cfg.eps, use_fast_variance=False, name=name)
 
 
-def _apply_rope(x, positions, base, factor: float = 1.0, rotary_dim=None, llama3=None):
+def _apply_rope(x, positions, base, factor=1.0, rotary_dim=None, llama3=None, yarn=None):
     """Rotary position embedding, non-interleaved (rotate-half) like megatron-core's default,
     on the first ``rotary_dim`` dims (partial rotary; the rest pass), positions divided by
     ``factor`` (linear scaling; applied to the frequencies, as transformers does); with
     ``llama3`` = (low, high, original length) only wavelengths above original / low are
-    divided, those between original / high and it smoothly (transformers' llama3 RoPE)."""
+    divided, those between original / high and it smoothly (transformers' llama3 RoPE); with
+    ``yarn`` = (beta_fast, beta_slow, original length, truncate, attention factor) the
+    frequencies below the beta_fast..beta_slow correction range are divided, those in it by a
+    linear ramp, and cos / sin times the attention factor (transformers' yarn RoPE)."""
     dim = x.shape[-1] if rotary_dim is None else rotary_dim
     inverse_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    attention = 1.0
     if llama3 is not None:
         low, high, original = llama3
         wavelength = 2 * math.pi / inverse_freq
@@ -269,11 +276,21 @@ def _apply_rope(x, positions, base, factor: float = 1.0, rotary_dim=None, llama3
         scaled = jnp.where(wavelength > original / low, inverse_freq / factor, inverse_freq)
         medium = (wavelength >= original / high) & (wavelength <= original / low)
         inverse_freq = jnp.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif yarn is not None:
+        *betas, original, truncate, attention = yarn
+        low, high = (
+            dim * math.log(original / (b * 2 * math.pi)) / (2 * math.log(base)) for b in betas
+        )
+        low, high = (math.floor(low), math.ceil(high)) if truncate else (low, high)
+        low, high = max(low, 0), min(high, dim - 1)
+        high += 0.001 if low == high else 0
+        extrapolation = 1 - jnp.clip((jnp.arange(dim // 2) - low) / (high - low), 0, 1)
+        inverse_freq = inverse_freq / factor * (1 - extrapolation) + inverse_freq * extrapolation
     elif factor != 1.0:
         inverse_freq = inverse_freq / factor
     freqs = positions[:, None].astype(jnp.float32) * inverse_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], -1)
-    cos, sin = jnp.cos(emb)[None, :, None, :], jnp.sin(emb)[None, :, None, :]
+    cos, sin = (f(emb)[None, :, None, :] * attention for f in (jnp.cos, jnp.sin))
     rot, rest = x[..., :dim], x[..., dim:]
     first, second = rot[..., : dim // 2], rot[..., dim // 2 :]
     rotated = rot * cos + jnp.concatenate([-second, first], -1) * sin
@@ -311,13 +328,14 @@ class Attention(nn.Module):
             q, k = _norm_layer(cfg, "q_norm")(q), _norm_layer(cfg, "k_norm")(k)
         sliding = cfg.is_sliding(self.layer)
         if cfg.position == "rope" and self.layer not in cfg.nope_layers:
-            base, factor, llama3 = cfg.rotary_base, cfg.rotary_scaling_factor, cfg.rotary_llama3
+            base, factor = cfg.rotary_base, cfg.rotary_scaling_factor
+            scaling = (cfg.rotary_llama3, cfg.rotary_yarn)
             if sliding and cfg.local_rotary_base is not None:
                 base, factor = cfg.local_rotary_base, cfg.local_rotary_scaling_factor
-                llama3 = None
+                scaling = (None, None)
             rotary_dim = int(head_dim * cfg.rotary_percent)
             q, k = (
-                _apply_rope(x, jnp.arange(seq), base, factor, rotary_dim, llama3) for x in (q, k)
+                _apply_rope(x, jnp.arange(seq), base, factor, rotary_dim, *scaling) for x in (q, k)
             )
             if cfg.qk_l2_norm:
                 q, k = (nn.RMSNorm(cfg.eps, use_scale=False)(x) for x in (q, k))
