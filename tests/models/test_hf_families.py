@@ -196,6 +196,21 @@ FAMILIES = {
         {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 5e5}},
         r"rope_parameters\.rope_type 'dynamic'",
     ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            _TINY,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=5,
+            swiglu_limit=0.5,  # below the tiny model's activations: the clamp is exercised
+            rope_parameters={**_YARN, "truncate": False, "rope_theta": 15e4},
+        ),
+        {"layer_types": ["full_attention", "chunked_attention"]},
+        r"layer_types",
+    ),
     "granite": (
         "GraniteConfig",
         "GraniteForCausalLM",
@@ -355,14 +370,13 @@ def test_values_no_model_has_are_refused_naming_the_field(family, changes, names
     "model_type, lacks",
     [
         ("deepseek_v3", r"multi-head latent attention \(MLA.*routed scaling, shared experts"),
-        ("gpt_oss", r"attention sinks, the experts' clamped SwiGLU"),
         ("llama4", r"the multimodal Llama4ForConditionalGeneration.*llama4_text"),
     ],
 )
 def test_a_family_transformers_has_and_transformerlm_does_not_is_refused_naming_what_it_lacks(
     model_type, lacks, tmp_path
 ):
-    """Torch-free: DeepSeek V3, GPT-OSS and the multimodal Llama 4 are refused by hf_model and
+    """Torch-free: DeepSeek V3 and the multimodal Llama 4 are refused by hf_model and
     by --logits (before the checkpoint is touched), naming the math TransformerLM lacks."""
     with pytest.raises(jax_ucp.RequestError, match=rf"'{model_type}': TransformerLM lacks {lacks}"):
         hf_model({"model_type": model_type})
@@ -383,13 +397,12 @@ def test_a_family_transformers_has_and_transformerlm_does_not_is_refused_naming_
             dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8),
             "multi-head latent attention",
         ),
-        ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4), "attention sinks"),
     ],
 )
-def test_deepseek_v3_and_gpt_oss_saved_by_transformers_are_refused_by_logits(
+def test_deepseek_v3_saved_by_transformers_is_refused_by_logits(
     config_class, model_class, kwargs, lacks, tmp_path
 ):
-    """transformers' own tiny DeepSeek V3 / GPT-OSS, saved and converted (the weights are
+    """transformers' own tiny DeepSeek V3, saved and converted (the weights are
     copied exactly), then refused by --logits naming what TransformerLM lacks, never compared
     through a model that computes something else."""
     import torch

@@ -247,6 +247,33 @@ FAMILIES: dict[str, Family] = {
             attn_scale=0.1,
         ),
         _family(
+            "gpt_oss",
+            "GptOssForCausalLM",
+            "hf_gpt_oss",
+            (
+                *_COMMON,
+                "attention_bias, sliding_window, layer_types, num_local_experts",
+                "num_experts_per_tok, swiglu_alpha, swiglu_limit",
+            ),
+            rms_norm_eps=1e-5,
+            head_dim=64,
+            rope_theta=150000.0,
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=32.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=4096,
+            ),
+            sliding_window=128,
+            num_local_experts=128,
+            num_experts_per_tok=4,
+            swiglu_alpha=1.702,
+            swiglu_limit=7.0,
+            attention_bias=True,
+        ),
+        _family(
             "granite",
             "GraniteForCausalLM",
             "hf_llama",
@@ -296,9 +323,7 @@ FAMILIES: dict[str, Family] = {
 LACKS = {
     "deepseek_v3": "multi-head latent attention (MLA: low-rank q and kv, a decoupled RoPE head), "
     "sigmoid routing limited to top groups with a score-correction bias and routed scaling, "
-    "shared experts, yarn RoPE",
-    "gpt_oss": "attention sinks, the experts' clamped SwiGLU (swiglu_limit, swiglu_alpha) with "
-    "biases, biases on the router and attention, yarn RoPE",
+    "shared experts",
     "llama4": "the multimodal Llama4ForConditionalGeneration (vision tower, language_model.* "
     "names); its text model is model_type llama4_text",
 }
@@ -812,6 +837,31 @@ def _stablelm(c: Mapping) -> LMConfig:
     return LMConfig(**kw, qkv_bias=bool(c.get("use_qkv_bias")))
 
 
+def _gpt_oss(c: Mapping) -> LMConfig:
+    """GPT-OSS: attention sinks, q/k/v/o biases (``attention_bias``), windowed layers
+    (``layer_types``, by default every other), every layer's MLP experts: a router with a bias
+    (softmax over the top-k logits), experts with biases and the clamped SwiGLU (``swiglu_alpha``,
+    ``swiglu_limit``) over interleaved gate / up; yarn RoPE."""
+    kw = _base(c)
+    layers = kw["num_layers"]
+    experts, top = _int(c, "num_local_experts"), _int(c, "num_experts_per_tok")
+    if top > experts:
+        raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
+    default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    return LMConfig(
+        **{**kw, "bias": bool(c.get("attention_bias"))},
+        **_window(c, _layer_types(c, layers, default), None),
+        attention_sinks=True,
+        num_experts=experts,
+        moe_router_topk=top,
+        moe_bias=True,
+        moe_clamped_swiglu=(
+            _number("swiglu_alpha", c.get("swiglu_alpha")),
+            _number("swiglu_limit", c.get("swiglu_limit")),
+        ),
+    )
+
+
 def _reader(model_type: str):
     return {
         "llama": _llama,
@@ -825,6 +875,7 @@ def _reader(model_type: str):
         "qwen2_moe": _qwen2_moe,
         "qwen3_moe": _qwen3_moe,
         "llama4_text": _llama4_text,
+        "gpt_oss": _gpt_oss,
         "granite": _granite,
         "olmo2": _olmo2,
         "stablelm": _stablelm,

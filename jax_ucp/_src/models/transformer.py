@@ -92,6 +92,13 @@ class LMConfig:
     # yarn RoPE scaling (GPT-OSS, DeepSeek V3, Qwen long context): (beta_fast, beta_slow,
     # original_max_position_embeddings, truncate, attention factor) with rotary_scaling_factor
     rotary_yarn: tuple[float, float, float, bool, float] | None = None
+    # GPT-OSS: a learned logit per head (attn/sinks) beside each query's scores in the softmax,
+    # dropped after it; router and experts with biases; the experts' fc1 [gate, up] interleaved
+    # and their SwiGLU clamped: (up.clip(-limit, limit) + 1) * g * sigmoid(alpha * g) with
+    # g = gate.clip(max=limit), moe_clamped_swiglu = (alpha, limit)
+    attention_sinks: bool = False
+    moe_bias: bool = False
+    moe_clamped_swiglu: tuple[float, float] | None = None
 
     @property
     def groups(self) -> int:
@@ -129,6 +136,7 @@ class LMConfig:
         attn = h * qkv + heads * hd * h
         attn += qkv if (self.bias or self.qkv_bias) else 0
         attn += h if self.bias else 0
+        attn += heads if self.attention_sinks else 0
         if self.qk_norm:
             attn += 2 * hd if self.qk_norm_scope == "head" else (heads + groups) * hd
         norms = (2 if self.pre_norm else 0) + (2 if self.sandwich_norm else 0)
@@ -144,6 +152,7 @@ class LMConfig:
             experts = self.num_experts or 0
             width = self.moe_ffn_hidden_size or self.ffn_hidden_size
             total += h * experts + experts * (h * width * glu + width * h)
+            total += (experts + experts * (width * glu + h)) if self.moe_bias else 0
             if self.moe_shared_expert_intermediate_size:
                 total += mlp(self.moe_shared_expert_intermediate_size, False)
                 total += h if self.moe_shared_expert_gate else 0
@@ -185,7 +194,7 @@ class LMConfig:
     def from_hf(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
         """From the ``config.json`` of any Hugging Face family ``verify --logits`` computes
         (Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral, Qwen2/3-MoE, Granite,
-        OLMo 2, StableLM: ``hf_families.FAMILIES``); a field the model does not compute is a
+        OLMo 2, StableLM, GPT-OSS: ``hf_families.FAMILIES``); a field the model does not compute is a
         ``RequestError`` naming it. :meth:`hf_spec` gives the spec its weights restore through."""
         from jax_ucp._src.models.hf_families import hf_model
 
@@ -359,7 +368,12 @@ class Attention(nn.Module):
             else:
                 mask = mask & (position[None, :] > position[:, None] - window)
         scores = jnp.where(mask, scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
+        if cfg.attention_sinks:
+            sinks = self.param("sinks", nn.initializers.zeros, (heads,))
+            sinks = jnp.broadcast_to(sinks[None, :, None, None], (*scores.shape[:3], 1))
+            probs = jax.nn.softmax(jnp.concatenate([scores, sinks], -1), axis=-1)[..., :-1]
+        else:
+            probs = jax.nn.softmax(scores, axis=-1)
         context = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(batch, seq, heads * head_dim)
         return nn.Dense(cfg.hidden_size, use_bias=cfg.bias, name="proj")(context)
 
@@ -374,6 +388,12 @@ GLU_ACTIVATIONS = {
 
 def _activation(cfg: LMConfig, hidden):
     """GLU (``act(gate) * up`` over [gate | up], SwiGLU by default) when gated, GELU otherwise."""
+    if cfg.moe_clamped_swiglu:  # GPT-OSS's experts (it has no dense MLP): interleaved
+        alpha, limit = cfg.moe_clamped_swiglu
+        gate = jnp.minimum(hidden[..., ::2], limit)
+        return (
+            (jnp.clip(hidden[..., 1::2], -limit, limit) + 1) * gate * jax.nn.sigmoid(alpha * gate)
+        )
     if cfg.gated:
         gate, up = jnp.split(hidden, 2, axis=-1)
         if cfg.glu_activation not in GLU_ACTIVATIONS:
@@ -428,7 +448,7 @@ class MoE(nn.Module):
         experts, hidden_size = cfg.num_experts, cfg.hidden_size
         ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
         assert experts is not None  # Block builds an MoE only when num_experts is set
-        logits = nn.Dense(experts, use_bias=False, name="router")(x)
+        logits = nn.Dense(experts, use_bias=cfg.moe_bias, name="router")(x)
         top, index = jax.lax.top_k(logits, cfg.moe_router_topk)
         if cfg.moe_sigmoid_input:
             probs = jax.nn.sigmoid(top)
@@ -445,8 +465,12 @@ class MoE(nn.Module):
             hidden = _activation(cfg, jnp.einsum("bse,bsh,ehx->bsex", weights, x, fc1))
             out = jnp.einsum("bsef,efh->bsh", hidden, fc2)
         else:
-            hidden = _activation(cfg, jnp.einsum("bsh,ehx->bsex", x, fc1))
-            y = jnp.einsum("bsef,efh->bseh", hidden, fc2)
+            hidden = jnp.einsum("bsh,ehx->bsex", x, fc1)
+            if cfg.moe_bias:  # GPT-OSS: each expert's fc1 and fc2 biases [E, 2F], [E, H]
+                hidden = hidden + self.param("fc1_bias", nn.initializers.zeros, fc1.shape[::2])
+            y = jnp.einsum("bsef,efh->bseh", _activation(cfg, hidden), fc2)
+            if cfg.moe_bias:
+                y = y + self.param("fc2_bias", nn.initializers.zeros, fc2.shape[::2])
             out = jnp.einsum("bse,bseh->bsh", weights, y)
         if cfg.moe_shared_expert_intermediate_size:
             shared = MLP(cfg, cfg.moe_shared_expert_intermediate_size, False, name="shared")(x)
