@@ -582,7 +582,7 @@ def test_yarn_rope_rotates_by_the_frequencies_transformers_computes(case):
     cfg, _ = hf_model(_config("qwen3", rope_parameters={**_YARN, **_YARN_CASES[case]}))
     x = jnp.concatenate([jnp.ones(8), jnp.zeros(8)])[None, None, None, :]
     out = np.asarray(
-        transformer._apply_rope(
+        transformer.apply_rope(
             x, jnp.arange(1, 2), cfg.rotary_base, cfg.rotary_scaling_factor, yarn=cfg.rotary_yarn
         )
     )[0, 0, 0]

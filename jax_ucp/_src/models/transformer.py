@@ -266,7 +266,7 @@ def _norm_layer(cfg: LMConfig, name: str):
     return nn.LayerNorm(epsilon=cfg.eps, use_fast_variance=False, name=name)
 
 
-def _apply_rope(x, positions, base, factor=1.0, rotary_dim=None, llama3=None, yarn=None):
+def apply_rope(x, positions, base, factor=1.0, rotary_dim=None, llama3=None, yarn=None):
     """Rotary position embedding, non-interleaved (rotate-half) like megatron-core's default,
     on the first ``rotary_dim`` dims (partial rotary; the rest pass), positions divided by
     ``factor`` (linear scaling; applied to the frequencies, as transformers does); with
@@ -344,7 +344,7 @@ class Attention(nn.Module):
                 scaling = (None, None)
             rotary_dim = int(head_dim * cfg.rotary_percent)
             q, k = (
-                _apply_rope(x, jnp.arange(seq), base, factor, rotary_dim, *scaling) for x in (q, k)
+                apply_rope(x, jnp.arange(seq), base, factor, rotary_dim, *scaling) for x in (q, k)
             )
             if cfg.qk_l2_norm:
                 q, k = (nn.RMSNorm(cfg.eps, use_scale=False)(x) for x in (q, k))
