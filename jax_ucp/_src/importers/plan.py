@@ -150,6 +150,10 @@ class Importer:
         given: with its format given by name (``--from torch``), whether this layout reads a
             source (None: when ``detect`` finds it); torch DCP reads megatron-core's
             torch_dist folders as plain DCP then, which detection leaves to Megatron.
+        hands_over: ``hands_over(path)``: (format, folder, record) when ``path`` is this
+            layout around another format's checkpoint (verl's Megatron backend: megatron-core's
+            ``dist_ckpt/``): that format's importer reads the folder, ``record`` joins its
+            source record; None otherwise.
         run: ``run(root)``: the steps of a run root of the trainers that save this layout
             (a Trainer's ``checkpoint-N``, DeepSpeed's tags, ...) and which completed
             (:mod:`~jax_ucp._src.importers.runs`); None when the path is no such root, or
@@ -164,6 +168,7 @@ class Importer:
     outranks: tuple[str, ...] = ()
     takes_over: tuple[str, ...] = ()
     given: Callable[[str], bool] | None = None
+    hands_over: Callable[[str], tuple[str, str, dict[str, Any]] | None] | None = None
     run: Callable[[str], TrainerRun | None] | None = None
 
     def __post_init__(self):

@@ -20,6 +20,7 @@ from jax_ucp._src import store
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.importers import deepspeed, megatron, orbax, safetensors, torch, verl
 from jax_ucp._src.importers.deepspeed.files import deepspeed_run
+from jax_ucp._src.importers.megatron.dcp import open_dcp
 from jax_ucp._src.importers.megatron.source import megatron_run
 from jax_ucp._src.importers.plan import (
     WHOLE,
@@ -47,6 +48,8 @@ IMPORTERS: dict[str, Importer] = {
             verl.plan,
             verl.VerlOptions,
             outranks=("megatron", "deepspeed"),
+            # megatron's reading of the .metadata tells verl's bridge mode (no model tensor)
+            hands_over=lambda src: verl.megatron_backend(src, lambda d: open_dcp(d).tensors),
             run=verl_run,
         ),
         Importer(
@@ -297,11 +300,15 @@ def plan_import(
     """
     with _readable(source) as (src, view):
         importer = importer_for(src, format)
+        handed = importer.hands_over(src) if importer.hands_over else None
+        if handed is not None:  # another format's checkpoint inside this layout
+            importer, src = IMPORTERS[handed[0]], handed[1]
         options = for_format(importer, options)
         if share != WHOLE:
             options = dataclasses.replace(options, share=share)
         reader = taken_over(src, importer, options)
         plan = reader.plan(src, for_format(reader, options))
+        plan.source.update(handed[2] if handed else {})
         items = accounted(
             plan, f"{os.fspath(source)} ({importer.format})", whole=options.share.count == 1
         )

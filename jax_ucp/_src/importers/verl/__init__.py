@@ -23,6 +23,6 @@ Modules: ``layout`` (where the rank files are), ``rank_tensors`` (the model's te
 
 from __future__ import annotations
 
-from jax_ucp._src.importers.verl.planning import VerlOptions, detect, plan
+from jax_ucp._src.importers.verl.planning import VerlOptions, detect, megatron_backend, plan
 
-__all__ = ["VerlOptions", "detect", "plan"]
+__all__ = ["VerlOptions", "detect", "megatron_backend", "plan"]

@@ -5,7 +5,8 @@ verl's trainer saves ``<run>/global_step_N/actor/`` through its ``FSDPCheckpoint
 ``huggingface/``), ``global_step_N/data.pt`` (the data loader's position), optionally
 ``global_step_N/critic/`` (the same layout), and ``<run>/latest_checkpointed_iteration.txt``
 naming N. The tracker has Megatron-LM's file name; the ``global_step_N/actor/`` rank files tell
-the two apart.
+the two apart. verl's Megatron backend (``MegatronCheckpointManager``) writes the same tree with
+``actor/dist_ckpt/`` (megatron-core's torch_dist folder) in place of the rank files.
 """
 
 from __future__ import annotations
@@ -18,17 +19,39 @@ from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
 
-__all__ = ["TRACKER", "Located", "RankFiles", "is_model_dir", "locate", "rank_files", "step_dirs"]
+__all__ = [
+    "TRACKER",
+    "Located",
+    "RankFiles",
+    "is_megatron_dir",
+    "is_model_dir",
+    "locate",
+    "rank_files",
+    "step_dirs",
+]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_DIRS = ("actor", "critic")
+DIST_CKPT = "dist_ckpt"  # the Megatron backend's megatron-core torch_dist folder
 # ASCII digits and the whole name (``$`` would also take a name ending in a newline)
 _STEP_DIR = re.compile(r"global_step_([0-9]+)")
 RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_([0-9]+)_rank_([0-9]+)\.pt")
 
 
+def is_megatron_dir(path: str) -> bool:
+    """A folder verl's Megatron checkpoint manager wrote: ``dist_ckpt/`` with megatron-core's
+    ``.metadata`` and its ``common.pt`` or ``metadata.json``."""
+    ckpt = os.path.join(path, DIST_CKPT)
+    return os.path.isfile(os.path.join(ckpt, ".metadata")) and any(
+        os.path.isfile(os.path.join(ckpt, n)) for n in ("common.pt", "metadata.json")
+    )
+
+
 def is_model_dir(path: str) -> bool:
-    """A folder verl's FSDP checkpoint manager wrote: it holds ``model_world_size_W_rank_R.pt``."""
+    """A folder verl's FSDP checkpoint manager wrote (it holds ``model_world_size_W_rank_R.pt``)
+    or its Megatron one (:func:`is_megatron_dir`)."""
+    if is_megatron_dir(path):
+        return True
     try:
         return os.path.isdir(path) and any(
             (m := RANK_FILE.fullmatch(n)) and m.group(1) == "model" for n in os.listdir(path)
@@ -98,8 +121,8 @@ def locate(src: str) -> Located:
     steps = step_dirs(src)
     if not steps:
         raise SourceError(
-            f"{src}: not a verl checkpoint (no model_world_size_W_rank_R.pt, no "
-            f"global_step_N/actor/)"
+            f"{src}: not a verl checkpoint (no model_world_size_W_rank_R.pt or {DIST_CKPT}/, "
+            f"no global_step_N/actor/)"
         )
     tracker = _read_tracker(src)
     if tracker is None:
@@ -187,6 +210,9 @@ def verl_run(root: str) -> runs.TrainerRun | None:
     def complete(path: str) -> str | None:
         if is_model_dir(os.path.join(path, MODEL_DIRS[0])):
             return None
-        return f"{path}: no {MODEL_DIRS[0]}/model_world_size_W_rank_R.pt: its save did not complete"
+        return (
+            f"{path}: no {MODEL_DIRS[0]}/model_world_size_W_rank_R.pt or {DIST_CKPT}/: its save "
+            "did not complete"
+        )
 
     return runs.trainer_run(root, "a verl run", found, complete, tracked)

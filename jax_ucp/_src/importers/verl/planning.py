@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
 from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import files
 from jax_ucp._src.importers.plan import (
     TENSORS,
     Detection,
@@ -23,7 +24,7 @@ from jax_ucp._src.importers.plan import (
 )
 from jax_ucp._src.importers.verl import layout, optimizer, rank_tensors, side_files
 
-__all__ = ["VerlOptions", "detect", "plan"]
+__all__ = ["VerlOptions", "detect", "megatron_backend", "plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,8 @@ def detect(src: os.PathLike | str) -> Detection:
     """Whether ``src`` is a verl run root, ``global_step_N/`` or its ``actor/`` folder, from
     file names alone."""
     path = os.fspath(src)
+    if layout.is_megatron_dir(path):
+        return Detection(True, f"a verl Megatron-backend model folder ({layout.DIST_CKPT}/)")
     if layout.is_model_dir(path):
         return Detection(True, "verl FSDP rank files (model_world_size_W_rank_R.pt)")
     if layout.is_model_dir(os.path.join(path, layout.MODEL_DIRS[0])):
@@ -43,8 +46,34 @@ def detect(src: os.PathLike | str) -> Detection:
         return Detection(True, f"a verl run ({', '.join(steps[-3:])})")
     return Detection(
         False,
-        "no verl `model_world_size_W_rank_R.pt`, `global_step_N/actor/` or run root with them",
+        "no verl `model_world_size_W_rank_R.pt` or `dist_ckpt/`, `global_step_N/actor/` or run "
+        "root with them",
     )
+
+
+def megatron_backend(
+    src: os.PathLike | str, tensor_names: Callable[[str], Iterable[str]]
+) -> tuple[str, str, dict[str, Any]] | None:
+    """(``"megatron"``, megatron-core's ``dist_ckpt/`` folder, the verl record its import
+    keeps) when ``src`` locates a step of verl's Megatron backend, which megatron's importer
+    reads (``Importer.hands_over``); None for an FSDP one. Bridge mode's ``dist_ckpt/`` (the
+    optimizer's state alone: of ``tensor_names(folder)``, megatron's reading of its
+    ``.metadata``, none outside ``optimizer.``) is refused by name."""
+    where = layout.locate(os.fspath(src))
+    if not layout.is_megatron_dir(where.model_dir):
+        return None
+    ckpt = files.inside(where.model_dir, layout.DIST_CKPT, "verl's megatron-core folder")
+    if all(name.startswith("optimizer.") for name in tensor_names(ckpt)):
+        hf = os.path.join(where.model_dir, "huggingface")
+        raise SourceError(
+            f"{ckpt}: no model weights, only the optimizer's state: verl's Megatron backend in "
+            f"bridge mode (use_dist_checkpointing=False) saves the weights as safetensors in "
+            f"{hf}; convert that folder (the optimizer state in {layout.DIST_CKPT}/ is not read)"
+        )
+    record: dict[str, Any] = {"backend": "megatron", "path": where.model_dir}
+    record.update(global_step=where.step, tracker_step=where.tracker_step)
+    record["model_config"] = side_files.hf_config(where.model_dir)
+    return "megatron", ckpt, {"verl": {k: v for k, v in record.items() if v is not None}}
 
 
 def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
