@@ -17,23 +17,23 @@ CEILINGS = {
     "cli": 1709,
     "continuation": 1282,
     "exporters": 1225,
-    "format": 2930,
-    "importers": 15062,
+    "format": 2829,
+    "importers": 15427,
     "language": 3221,
-    "models": 1336,
-    "multihost": 816,
+    "models": 1458,
+    "multihost": 837,
     "orbax": 426,
-    "restoring": 5179,
+    "restoring": 5182,
     "saving": 967,
-    "sharding": 820,
-    "store": 3579,
-    "torchfiles": 3274,
-    "writer": 1703,
-    "modules": 3901,
+    "sharding": 817,
+    "store": 3601,
+    "torchfiles": 3279,
+    "writer": 1700,
+    "modules": 3904,
     "public": 384,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 47814
+TOTAL = 48248
 
 
 def _lines(paths) -> int:
