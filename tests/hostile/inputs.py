@@ -80,6 +80,9 @@ KINDS = {
             ("megatron/mcore_versions/0.19.2/gpt_tp2_integrity",),
             ops=_RECORD_OPS,
         ),
+        # Megatron-FSDP's fsdp_dtensor (plain DCP, per-parameter optimizer state), read with
+        # format="megatron" as a user must (auto-detection says torch DCP and points there)
+        Kind("megatron_fsdp_dtensor", ("megatron_fsdp_dtensor/gpt_dp2",)),
         # DeepSpeed's BF16_Optimizer (bf16_zero_* files) and ZeRO-0 bf16 (the model file alone)
         Kind("deepspeed_bf16", ("deepspeed/bf16opt_z1_dp2/ckpt", "deepspeed/z0_bf16_dp2/ckpt")),
         Kind("torch_dcp", ("torch/fsdp2_fp32", "torch/fsdp2_bf16")),
@@ -242,6 +245,8 @@ def _options(source: str) -> dict:
     megatron-core 0.19 checkpoint's vocabulary (as tests/importers/megatron/test_integrity.py)."""
     if source.startswith("megatron/mcore_versions/"):
         return {"vocab_size": 61}
+    if source.startswith("megatron_fsdp_dtensor/"):
+        return {"format": "megatron"}
     if not source.startswith("hf_trainer/"):
         return {}
     import numpy as np
@@ -561,16 +566,16 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
     if name == "restore":
         return tree_digest(jax_ucp.restore(p))
     if name == "restore-direct":  # straight from the source, nothing written
-        return tree_digest(jax_ucp.restore(p, importing=_importing(inp)))
+        return tree_digest(jax_ucp.restore(p, importing=_importing(inp), format=_format(inp)))
     if name == "plan-direct":  # by tensor, so a file's tensors gone are told from others
-        result = jax_ucp.plan(p, mesh=_mesh(), importing=_importing(inp))
+        result = jax_ucp.plan(p, mesh=_mesh(), importing=_importing(inp), format=_format(inp))
         state["displays"] = Displays.all(result)
         return {
             t.name: ["plan", list(t.shape), str(t.dtype), str(t.partition_spec), t.error]
             for t in result.tensors
         }
     if name == "optax-direct":
-        options = jax_ucp.RestoreOptions(importing=_importing(inp))
+        options = jax_ucp.RestoreOptions(importing=_importing(inp), format=_format(inp))
         return _run_digest(jax_ucp.optax_from_torch(p, options=options))
     if name == "restore-latest":
         return tree_digest(jax_ucp.restore(p, step="latest"))
@@ -614,11 +619,17 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
 
 def _importing(inp: Input):
     """The import options ``convert`` is given, as a direct restore takes them."""
-    if not inp.options:
+    fields = {k: v for k, v in inp.options.items() if k != "format"}
+    if not fields:
         return None
     from jax_ucp.conversion import MegatronOptions, TorchOptions
 
-    return (MegatronOptions if "vocab_size" in inp.options else TorchOptions)(**inp.options)
+    return (MegatronOptions if "vocab_size" in fields else TorchOptions)(**fields)
+
+
+def _format(inp: Input) -> str | None:
+    """The format ``convert`` is given by name, as a direct restore and a plan take it."""
+    return inp.options.get("format")
 
 
 def _run_digest(run) -> dict:
