@@ -114,6 +114,8 @@ KINDS = {
         Kind("torch_checkpointing", ("torch_checkpointing/tc_fsdp2_synthetic_layout/step-3",)),
         Kind("torchtune", ("torchtune/tt_dist_fp32",)),
         Kind("verl", ("verl/fsdp2",)),
+        # verl's Megatron backend: its run layout around a folder megatron-core wrote itself
+        Kind("verl_megatron", ("@verl_megatron",)),
         Kind("orbax_pytree", ("@orbax_ocdbt", "@orbax_zarr"), jax=True),
         Kind("safetensors", ("@safetensors",), ("convert", "restore"), (), jax=True),
         Kind("hf_cache", ("@hf_cache",), ("convert", "restore"), (), jax=True),
@@ -358,6 +360,22 @@ def _build_hf_cache(pristine, root, out, work) -> Input:
     return Input(root, os.path.join(root, "snapshots", rev), out)
 
 
+def _build_verl_megatron(pristine, root, out, work) -> Input:
+    """A verl run root as its MegatronCheckpointManager lays it out (as
+    tests/importers/verl/test_megatron_backend.py builds it) around megatron-core's own folder."""
+    actor = os.path.join(pristine, "global_step_2", "actor")
+    dist_ckpt = os.path.join(FIXTURES, "megatron", "mcore_versions", "0.17.1")
+    shutil.copytree(os.path.join(dist_ckpt, "gpt_distopt_dp2_fully_reshardable"),
+                    os.path.join(actor, "dist_ckpt"))  # fmt: skip
+    os.makedirs(os.path.join(actor, "huggingface"))
+    for name, text in (("transformer_config.json", '{"num_layers": 2}'),
+                       ("huggingface/config.json", '{"vocab_size": 61}'),
+                       ("../../latest_checkpointed_iteration.txt", "2")):  # fmt: skip
+        with open(os.path.join(actor, name), "w") as f:
+            f.write(text)
+    return Input(root, root, out)
+
+
 def _build_canary(pristine, root, out, work) -> Input:
     os.makedirs(pristine)
     with open(os.path.join(pristine, "record.json"), "w") as f:
@@ -416,6 +434,7 @@ BUILDERS: dict[str, Callable[..., Input]] = {
     "@orbax_ocdbt": _build_orbax(ocdbt=True),
     "@orbax_zarr": _build_orbax(ocdbt=False),
     "@hf_cache": _build_hf_cache,
+    "@verl_megatron": _build_verl_megatron,
 }
 
 
