@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from jax_ucp._src import store
+from jax_ucp._src import store, writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.importers import deepspeed, megatron, orbax, safetensors, torch, verl
 from jax_ucp._src.importers.deepspeed.files import deepspeed_run
@@ -182,6 +182,17 @@ def _detected(src: str) -> Importer:
     )
 
 
+def _held(item, view: local_view.View):
+    """``item`` whose tensor, built after the plan is read (a direct restore's regions), keeps
+    ``view``'s files and names its URL."""
+    value = item.value
+    if not isinstance(value, writer.Deferred):
+        return item
+    rows = value.rows and view.holding(value.rows)
+    value = dataclasses.replace(value, make=view.holding(value.make), rows=rows)
+    return dataclasses.replace(item, value=value)
+
+
 def trainer_run(src) -> TrainerRun | None:
     """The run root ``src`` of a torch trainer (a Trainer's ``output_dir``, torchtitan's
     ``checkpoint/``, a DeepSpeed ``save_dir``, a Megatron or verl save root): its steps, newest
@@ -313,6 +324,6 @@ def plan_import(
             plan, f"{os.fspath(source)} ({importer.format})", whole=options.share.count == 1
         )
     if view is not None:  # read later: its errors and its record name the source, not the view
-        items = view.named_items(items)
+        items = (_held(item, view) for item in view.named_items(items))
         plan.source.update({k: view.as_url(v) for k, v in plan.source.items() if type(v) is str})
     return dataclasses.replace(plan, items=items)

@@ -23,3 +23,13 @@ def test_legacy_megatron_in_an_object_store_restores_as_the_local_folder(
 ):
     url = served(monkeypatch, s3_server)
     restores_as_local(os.path.join(REPO, "tests", "fixtures", "megatron", name), url)
+
+
+def test_megatron_fsdp_dtensor_in_an_object_store_restores_as_the_local_folder(
+    s3_server, monkeypatch
+):
+    """megatron-core's own fsdp_dtensor save (torch DCP with uneven DP row chunks) from s3://."""
+    url = served(monkeypatch, s3_server)
+    restores_as_local(
+        os.path.join(REPO, "tests", "fixtures", "megatron_fsdp_dtensor", "gpt_dp2"), url
+    )

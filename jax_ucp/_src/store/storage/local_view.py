@@ -10,7 +10,8 @@ holding the size the directory implies to the object's, a GET of the head).
 ranged GETs, concurrent within :data:`IN_FLIGHT` bytes): a member when the pickle references it
 or, for a lazily checked archive, when its bytes are first read (its mapping then cannot be
 touched, only read through ``format.mapped_file``), so a process fetches the members it reads.
-A prefix holding no torch archive is never viewed (an Orbax step's arrays are not fetched).
+A prefix holding no torch archive nor torch DCP folder (megatron-core's ``dist_ckpt``, its
+``.distcp`` files fetched whole) is never viewed (an Orbax step's arrays are not fetched).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import tensorstore as ts
 
@@ -34,6 +35,7 @@ from jax_ucp._src.store.in_flight import InFlightBytes
 from jax_ucp._src.store.storage.base import Storage
 
 ARCHIVES = (".pt", ".pth", ".bin", ".ckpt")  # fetched by ranges when they are zip archives
+DCP = "/.metadata"  # a torch DCP folder inside (megatron-core's): its files fetched whole
 TAIL = 64 << 10  # the suffix GET that finds an archive's zip directory
 HEAD = 4 << 10  # an archive's first bytes, fetched with its directory
 MAX_SMALL = 64 << 20  # other objects up to this size are fetched PLACING at once
@@ -180,6 +182,16 @@ class View:
                 self._rename(w.message)  # type: ignore[arg-type]
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
+    def holding(self, read: Callable) -> Callable:
+        """``read`` called later (a tensor built after its plan is read): the view's files
+        live while it can be called, its errors name ``url``."""
+
+        def call(*args):
+            with self.named():
+                return read(*args)
+
+        return call
+
     def named_items(self, items: Iterator) -> Iterator:
         """``items``, the errors met reading them naming ``url``; once they are read, the view
         is not reused (its files go when the last reader lets them go)."""
@@ -202,10 +214,11 @@ def local_view(storage: Storage) -> tuple[View, str]:
     single = not names and base.lower().endswith(ARCHIVES) and "/" in parent.partition("://")[2]
     if single:
         storage, names = type(storage)(parent), [base]
-    if not any(n.lower().endswith(ARCHIVES) for n in names):  # never a zarr array fetched whole
-        raise SourceError(
-            f"{asked}: no torch archive ({', '.join(ARCHIVES)}) among its {len(names)} objects; "
-            f"only torch DCP, safetensors and folders of torch archives are read in place"
+    if not any(n.lower().endswith(ARCHIVES) or n.endswith(DCP) for n in names):
+        raise SourceError(  # never a zarr array fetched whole
+            f"{asked}: no torch archive ({', '.join(ARCHIVES)}) nor torch DCP {DCP} among its "
+            f"{len(names)} objects; only torch DCP, safetensors and folders of torch archives "
+            f"are read in place"
         )
     for key in [k for k, (built, *_) in _views.items() if now - built > REUSE]:
         del _views[key]
