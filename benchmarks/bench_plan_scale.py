@@ -71,7 +71,7 @@ from jax_ucp._src.sharding import mesh_layout  # noqa: E402
 from jax_ucp._src.sharding.mesh_layout import axes_of  # noqa: E402
 from jax_ucp._src.store.shard_reader import ShardReader  # noqa: E402
 from jax_ucp._src.writer import checkpoint as writer_checkpoint  # noqa: E402
-from jax_ucp._src.writer.layout import SaveOptions, array_layout, tensor_entry, value_entry  # noqa: E402
+from jax_ucp._src.writer.layout import ArrayOptions, array_layout, tensor_entry, value_entry  # noqa: E402
 
 NAME = "llama3_70b_adamw_manifest_only_synthetic"
 
@@ -150,7 +150,7 @@ def build(
     ``inner_chunk_bytes``, ``jax_ucp.save``'s keyword); returns its manifest, what it holds and
     each array's zarr.json size."""
     mesh = abstract_mesh(save_mesh)
-    options = SaveOptions(inner_chunk_bytes=inner_chunk_bytes)
+    options = ArrayOptions(inner_chunk_bytes=inner_chunk_bytes)
     entries: list = []
     layouts = {}
     for top, dtype in (

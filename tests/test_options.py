@@ -209,11 +209,11 @@ SHARED = {
     "importing": "the import options of convert and of a restore straight from a source",
     "format": "the source format convert and a restore straight from a source read",
     # forwarded layout options: the save args (saving.options.SaveArgs, UCPSave's base) and
-    # UCPStreamSave re-list the writer's SaveOptions, which the engine builds from them
-    "compression": "SaveArgs / UCPStreamSave / convert re-list writer.layout.SaveOptions'",
-    "compression_level": "SaveArgs re-lists SaveOptions'",
-    "checksum": "SaveArgs re-lists SaveOptions'",
-    "inner_chunk_bytes": "SaveArgs / UCPStreamSave re-list SaveOptions'",
+    # UCPStreamSave re-list the writer's ArrayOptions, which the engine builds from them
+    "compression": "SaveArgs / UCPStreamSave / convert re-list writer.layout.ArrayOptions'",
+    "compression_level": "SaveArgs re-lists ArrayOptions'",
+    "checksum": "SaveArgs re-lists ArrayOptions'",
+    "inner_chunk_bytes": "SaveArgs / UCPStreamSave re-list ArrayOptions'",
     "source": "SaveArgs' and UCPStreamSave's provenance (the two save args)",
 }
 

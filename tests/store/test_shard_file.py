@@ -50,7 +50,7 @@ DTYPES = [
 
 
 def _write(root, value, *, fast, inner_chunk_bytes, checksum, monkeypatch):
-    opts = tensor_writes.SaveOptions(inner_chunk_bytes=inner_chunk_bytes, checksum=checksum)
+    opts = tensor_writes.ArrayOptions(inner_chunk_bytes=inner_chunk_bytes, checksum=checksum)
     p = tensor_writes.prepare_host_tensor(("x",), ("key",), value, opts, primary=True)
     calls = []
     real = shard_writer.write

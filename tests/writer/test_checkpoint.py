@@ -72,7 +72,7 @@ def test_pipelined_writer_bounds_bytes_in_flight(tmp_path):
 
     async def run():
         w = tensor_writes.PipelinedWriter(tmp_path, max_bytes=3 * 4096, max_tensors=64)
-        opts = tensor_writes.SaveOptions()
+        opts = tensor_writes.ArrayOptions()
         for i in range(10):
             p = tensor_writes.prepare_host_tensor(
                 (f"t{i}",), ("key",), np.full(1024, i, np.float32), opts, primary=True

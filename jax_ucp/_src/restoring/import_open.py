@@ -198,7 +198,7 @@ def manifest_of(path, checkpoint_format: str, importing=None) -> fmt.Manifest:
     """
     from jax_ucp._src.writer import layout as layout_lib
 
-    options = layout_lib.SaveOptions()
+    options = layout_lib.ArrayOptions()
     entries: list[fmt.Entry] = []
     with opened_import(path, checkpoint_format, importing) as imported:
         found = imported.opened.source

@@ -62,7 +62,7 @@ def prepare(
         pool: where those copies come from (None: new memory).
         copies_out: receives the copies, for ``pool.release`` once they are written.
     """
-    options = writer.SaveOptions(
+    options = writer.ArrayOptions(
         compression=args.compression,
         compression_level=args.compression_level,
         inner_chunk_bytes=int(args.inner_chunk_bytes or store.DEFAULT_INNER_CHUNK_BYTES),

@@ -22,8 +22,8 @@ from jax_ucp._src.errors import RequestError
 from jax_ucp._src.saving import budget as budget_lib
 from jax_ucp._src.sharding import restored_axes
 from jax_ucp._src.writer import (
+    ArrayOptions,
     PreparedTensor,
-    SaveOptions,
     array_layout,
     prepare_host_tensor,
     tensor_entry,
@@ -209,7 +209,7 @@ class _Snapshots:
 
 def prepare_tree(
     tree,
-    options: SaveOptions,
+    options: ArrayOptions,
     *,
     primary: bool,
     copy: bool,

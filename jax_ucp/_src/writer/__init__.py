@@ -12,8 +12,8 @@ from jax_ucp._src.writer.checkpoint import (
     write_shared_checkpoint,
 )
 from jax_ucp._src.writer.layout import (
+    ArrayOptions,
     PreparedTensor,
-    SaveOptions,
     array_layout,
     prepare_host_tensor,
     tensor_entry,

@@ -18,7 +18,7 @@ from jax_ucp._src.errors import RequestError
 
 
 @dataclasses.dataclass(frozen=True)
-class SaveOptions:
+class ArrayOptions:
     """How arrays are laid out on disk: compression, inner-chunk size, checksums."""
 
     compression: str | None = None  # None or "zstd" (see README: why off by default)
@@ -42,7 +42,7 @@ class PreparedTensor:
 
 
 def array_layout(
-    shape, dtype_name: str, shard_shape, itemsize: int, options: SaveOptions
+    shape, dtype_name: str, shard_shape, itemsize: int, options: ArrayOptions
 ) -> store.ArrayLayout:
     """The zarr layout of one array: one shard file per ``shard_shape``, inner chunks within.
 
@@ -145,7 +145,7 @@ def prepare_host_tensor(
     key,
     key_types,
     value,
-    options: SaveOptions,
+    options: ArrayOptions,
     *,
     primary: bool,
     stable_source: bool = False,

@@ -240,7 +240,7 @@ async def write_stream(
         budget: bytes held at once (None: ``memory_budget()``).
     """
     directory = os.fspath(directory)
-    options = layout_lib.SaveOptions(
+    options = layout_lib.ArrayOptions(
         compression=compression,
         inner_chunk_bytes=inner_chunk_bytes or store.DEFAULT_INNER_CHUNK_BYTES,
     )
