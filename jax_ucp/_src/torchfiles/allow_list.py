@@ -1,13 +1,7 @@
 """What a torch pickle may name, and what each name becomes: the allow-list of the restricted
-unpickler (:mod:`~jax_ucp._src.torchfiles.pickle_format`).
-
-Globals resolve only through :data:`BASE_ALLOWED` (tensor rebuild functions, storage types, torch
-dtypes, ``collections.OrderedDict`` and a few builtins) plus the caller's ``extra_classes``, a
-mapping ``"module.QualName" -> stand-in`` (:class:`StandIn`, :func:`standin_class`,
-:func:`int_enum_standin`); anything else is refused *before* anything is called. Every callable
-here checks its pickled arguments; tensors come back as read-only ``numpy`` views of their
-storages, bfloat16 / float8 as ``ml_dtypes``.
-"""
+unpickler. Globals resolve only through :data:`BASE_ALLOWED` plus the caller's ``extra_classes``
+(``"module.QualName" -> stand-in``); anything else is refused before anything is called. Every
+callable here checks its pickled arguments."""
 
 from __future__ import annotations
 
@@ -27,10 +21,9 @@ from jax_ucp._src.torchfiles import dtypes
 
 
 class TorchFileError(SourceError):
-    """A torch file is missing, truncated, corrupt, in an unsupported format, or its pickle asks
-    for something outside the allow-list (nothing was executed); ``path``: the file. A class of
-    its own for the importers, which keep it as it is (it names the file already) while they
-    re-word the other refusals of their readers."""
+    """A torch file is missing, truncated, corrupt, unsupported, or its pickle asks for something
+    outside the allow-list; ``path``: the file. Its own class: importers keep it as it is (it names
+    the file)."""
 
     def __init__(self, path: os.PathLike | str, message: str):
         self.path = str(path)
@@ -86,12 +79,8 @@ def short_repr(obj: Any, limit: int = 200) -> str:
 
 
 class StandIn:
-    """Inert stand-in for a pickled Python object: keeps the pickled args and state as data.
-
-    Works for both ways objects are pickled: ``REDUCE`` (``cls(*args)``) and protocol-2
-    ``NEWOBJ`` + ``BUILD`` (``cls.__new__(cls)`` then ``__setstate__(state)``). A dict state
-    becomes attributes (so ``fragment_address.numel`` reads naturally).
-    """
+    """Inert stand-in for a pickled Python object, by ``REDUCE`` (``cls(*args)``) or ``NEWOBJ`` +
+    ``BUILD``; a dict state becomes attributes."""
 
     qualname: str = "?"
 
@@ -268,10 +257,8 @@ class _WrapperClass:
 
 @dataclass(eq=False)
 class WrapperTensor:
-    """A pickled tensor subclass as inert data: DTensor or ShardedTensor (``qualname``), its
-    global ``shape`` and ``dtype``, and its pickled ``state`` (the local shards and how they
-    lie; :mod:`jax_ucp._src.torchfiles.sharded` reads it). Loaded only with
-    :data:`SHARDED_TENSOR_CLASSES` among the extra classes."""
+    """A pickled DTensor or ShardedTensor (``qualname``) as inert data: global ``shape``, ``dtype``
+    and its pickled ``state`` (read by :mod:`sharded`)."""
 
     qualname: str
     shape: tuple[int, ...]
@@ -358,10 +345,8 @@ def _bytearray(x=b"", encoding=None):
 
 
 def _ordered_dict(items=()):
-    """``collections.OrderedDict(items)`` with every key checked by :func:`hashable_key` before
-    it is hashed: a key that is a tuple of shared tuples hashes in time exponential in its depth
-    (a 300-byte pickle would never finish). torch pickles an OrderedDict as a call with no
-    arguments followed by SETITEMS, which checks keys the same way."""
+    """``collections.OrderedDict(items)`` with every key checked by :func:`hashable_key` first (a
+    tuple of shared tuples hashes in exponential time)."""
     if isinstance(items, dict):  # built by this unpickler: its keys were checked
         return collections.OrderedDict(items)
     if not isinstance(items, (list, tuple)):
@@ -386,9 +371,8 @@ _KEY_SCALARS = (str, bytes, int, float, bool, type(None), np.dtype)
 
 
 def hashable_key(key: Any, what: str = "dict key") -> Any:
-    """``key`` if hashing and comparing it takes bounded work: a scalar, a flat tuple of scalars,
-    or a stand-in that defines its own bounded ``__hash__``. A tuple of shared tuples hashes in
-    time exponential in its depth, so nested tuples are refused."""
+    """``key`` if hashing it takes bounded work: a scalar, a flat tuple of scalars, or a stand-in
+    with its own bounded ``__hash__``."""
     if isinstance(key, _KEY_SCALARS):
         return key
     if type(key) is tuple and len(key) <= 64 and all(isinstance(k, _KEY_SCALARS) for k in key):

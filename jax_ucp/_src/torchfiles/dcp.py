@@ -1,25 +1,10 @@
-"""A torch Distributed Checkpoint (``torch.distributed.checkpoint``) both ways, without torch.
-
-Shared by the plain DCP importer (:mod:`torch_dcp`: FSDP1/FSDP2, torchtitan, Accelerate,
-Lightning) and megatron-core's ``torch_dist`` (:mod:`jax_ucp._src.importers.megatron.dcp` adds its own pieces).
-
-On disk: ``.metadata`` (a pickle of ``torch.distributed.checkpoint.metadata.Metadata``: global
-shape, dtype and chunk list per tensor, plus a map chunk -> (file, byte offset, length)) and
-``__R_N.distcp`` files whose byte ranges are each a small ``torch.save`` archive (one chunk) or
-a tensor's raw bytes, either possibly passed through torch's stream transforms (its ZStandard
-extension: :mod:`dcp_transforms`). torch's Hugging Face writer's rank-local safetensors are read
-as the same typed checkpoint (:mod:`dcp_safetensors`).
-
-Why not ``torch.load``: checkpoints are untrusted. ``.metadata`` is unpickled by
-:mod:`~jax_ucp._src.torchfiles.pickle_format` with its DCP classes mapped to inert stand-ins, and
-every chunk is an embedded archive (:mod:`~jax_ucp._src.torchfiles.torch_zip`), memory-mapped.
-
-A tensor is assembled one at a time (:meth:`DcpCheckpoint.read`) after its chunks have been
-checked to tile the global shape exactly (no gap, no overlap, inside bounds) and each chunk's
-dtype and shape agree with the metadata.
-
-Written by :func:`write_dcp` as torch's ``FileSystemWriter`` lays it out, in one ``.distcp`` file.
-"""
+"""A torch Distributed Checkpoint (``torch.distributed.checkpoint``) both ways, without torch, for
+the plain DCP importer and megatron-core's ``torch_dist``. On disk: ``.metadata`` (a pickle of
+``Metadata``: shape, dtype and chunks per tensor, and chunk -> (file, byte offset, length)) and
+``__R_N.distcp`` files whose byte ranges are each a ``torch.save`` archive or a tensor's raw
+bytes, maybe passed through torch's stream transforms (:mod:`dcp_transforms`). Checkpoints are
+untrusted: ``.metadata`` is unpickled with inert stand-ins (:mod:`pickle_format`), every chunk is
+checked to tile its tensor exactly before it is read."""
 
 from __future__ import annotations
 
@@ -158,9 +143,8 @@ MAX_OBJECT_BYTES = 256 << 20
 
 
 class ObjectPath(str):
-    """A DCP folder in an object store (``s3://``, ``gs://``): its URL, joined with ``/`` as a
-    ``Path`` is, so the reader names its objects as it names local files; its files are read by
-    ranged GETs (:func:`object_store.read_range`), never listed or written."""
+    """A DCP folder in an object store: its URL, joined with ``/`` as a ``Path`` is; its files are
+    read by ranged GETs, never listed or written."""
 
     __slots__ = ()
 
@@ -260,10 +244,8 @@ class DcpCheckpoint:
             self._covered.add(name)
 
     def read(self, name: str, rows: int | None = None) -> np.ndarray:
-        """The tensor's global array, assembled from its chunks (checked first).
-
-        ``rows`` keeps only the first ``rows`` entries of dim 0 (vocab padding stripped without
-        ever materialising the padded tensor); chunks wholly past it are not read."""
+        """The tensor's global array from its chunks (checked first); ``rows`` keeps the first rows
+        of dim 0 (vocab padding stripped without materialising it)."""
         t = self.tensors[name]
         if rows is not None and (not t.shape or not 0 <= rows <= t.shape[0]):
             raise SourceError(
@@ -316,14 +298,9 @@ class DcpCheckpoint:
     def _read_chunk_into(
         self, t: DcpTensor, c: DcpChunk, region: np.ndarray, skip: int = 0
     ) -> None:
-        """Chunk ``c`` into ``region`` (its place in the tensor, or rows of it from its row
-        ``skip`` on).
-
-        When the chunk's bytes are exactly the region's (a contiguous storage holding just this
-        chunk, a row shard of a C-order tensor: what FSDP and torchtitan write) they are read
-        with ``preadv`` straight into it and their zip CRC-32 is computed on them there, a few
-        MiB at a time while they are in the CPU cache: one copy, one pass. Anything else goes
-        through :meth:`read_chunk` (CRC on the mapped bytes, then a copy)."""
+        """Chunk ``c`` into ``region`` (from its row ``skip`` on). A chunk whose bytes are exactly
+        the region's (a row shard: what FSDP writes) is read with ``preadv`` straight into it,
+        its CRC-32 computed there while in cache: one copy, one pass."""
         if (
             not skip
             and region.flags.c_contiguous
@@ -397,14 +374,13 @@ class DcpCheckpoint:
         return arr
 
     def read_range(self, name: str, start: int, end: int) -> np.ndarray:
-        """Elements ``[start, end)`` of the 1-D tensor ``name``, from the chunks that overlap
-        them only (memory: the range, not the tensor).
+        """Elements ``[start, end)`` of the 1-D tensor ``name``, from the chunks that overlap them
+        only.
 
         Args:
             name: the 1-D tensor.
             start: the first element.
-            end: one past the last element.
-        """
+            end: one past the last element."""
         t = self.tensors[name]
         if len(t.shape) != 1 or not 0 <= start <= end <= t.shape[0]:
             raise SourceError(f"tensor {name!r}: range [{start}, {end}) of shape {list(t.shape)}")
@@ -473,13 +449,9 @@ MAX_COVERAGE_CORNERS = 1 << 25
 
 
 def check_coverage(t: DcpTensor, where: Path | str) -> None:
-    """Every element of ``t`` comes from exactly one chunk: each chunk inside the global shape,
-    no two overlapping (in the tensor or in their bytes), their element counts summing to the
-    tensor's, each chunk's stored bytes at least its elements' bytes. Counted in Python ints: a
-    shape like [2**62, 32] must not wrap to 0 in int64 and pass with no chunk at all.
-
-    O(n log n) in the chunk count (:func:`_tiling_witness`): a .metadata of 10**5 chunks is
-    checked in a fraction of a second, not the minutes a pairwise check takes."""
+    """Every element of ``t`` comes from exactly one chunk, each inside the shape and its stored
+    bytes at least its elements'. Python ints: [2**62, 32] must not wrap to 0. O(n log n)
+    (:func:`_tiling_witness`)."""
     nd = len(t.shape)
     total = 0
     for c in t.chunks:
@@ -529,18 +501,13 @@ def check_coverage(t: DcpTensor, where: Path | str) -> None:
 
 
 def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[DcpChunk]] | None:
-    """None when the chunks (each inside the shape) tile ``t.shape`` exactly, else an element
-    that is in no chunk or in several, and the chunks holding it.
+    """None when the chunks tile ``t.shape`` exactly, else an element in no chunk or in several, and
+    the chunks holding it.
 
-    Why this is exact: let ``g = sum of the chunks' indicator functions - the tensor's``. The
-    chunks tile the tensor iff ``g == 0``. The mixed difference of a box's indicator is +-1 at
-    its 2**d corners (sign -1 per coordinate taken at the box's end), so ``D g`` is the signed
-    sum of all chunks' corners minus the tensor's: computed by sorting the corners. ``g`` is
-    the sum of ``D g`` over the points below it, so ``g == 0`` iff ``D g == 0``, and at the
-    lexicographically smallest point ``p`` where ``D g != 0`` (no other such point is below
-    it), ``g(p) = D g(p)``: > 0, ``p`` is in two chunks; < 0, in none. Dimensions every chunk
-    spans whole factor out (d = the others); empty chunks hold nothing and are left out.
-    """
+    Exact: with ``g`` = sum of the chunks' indicators - the tensor's, the mixed difference ``D g``
+    is the signed sum of all boxes' corners (found by sorting), ``g == 0`` iff ``D g == 0``, and at
+    the lexicographically smallest ``p`` with ``D g != 0``, ``g(p) = D g(p)``: > 0 in two chunks, <
+    0 in none. Dimensions every chunk spans whole factor out."""
     chunks = [c for c in t.chunks if all(c.sizes)]
     shape = np.array(t.shape, np.int64)
     nd = len(t.shape)
@@ -590,9 +557,8 @@ def _object_size(root: ObjectPath, name: str, end: int) -> int:
 
 
 def _file_range(path: Path | ObjectPath, offset: int, length: int, where: str) -> np.ndarray:
-    """A read-only memory-mapped uint8 view of ``path[offset:offset+length]``: its bytes are
-    read through :mod:`jax_ucp._src.format.mapped_file` (pread), never by touching the mapping, which
-    would kill the process if the file shrank since. An object's range is fetched (one GET)."""
+    """A read-only mapped uint8 view of ``path[offset:offset+length]``, read by pread only (touching
+    a mapping of a file that shrank kills the process); an object's range is one GET."""
     if isinstance(path, ObjectPath):
         root, _, name = path.rpartition("/")
         got = object_store.read_range(root, name, offset, offset + length) if length else b""
@@ -672,16 +638,10 @@ def _check_crc(found: int, crc: int | None, where: str) -> None:
 def pread_into(
     path: Path | str, offset: int, region: np.ndarray, crc: int | None, where: str
 ) -> None:
-    """``region.nbytes`` bytes of ``path`` from ``offset`` read into ``region`` (C-contiguous)
-    with ``preadv``; their zip CRC-32 checked against ``crc`` unless it is None.
-
-    Args:
-        path: the file.
-        offset: where the bytes start in it.
-        region: the C-contiguous array filled.
-        crc: the zip CRC-32 of those bytes, or None.
-        where: what is read, for the errors.
-    """
+    """``region.nbytes`` bytes of ``path`` from ``offset`` read into ``region`` with ``preadv``,
+    their zip CRC-32 checked against ``crc`` unless it is None. Args: path: the file. offset:
+    where the bytes start in it. region: the C-contiguous array filled. crc: the zip CRC-32 of
+    those bytes, or None. where: what is read, for the errors."""
     buf = region.reshape(-1).view(np.uint8).data
     try:
         fd = files.open_regular(str(path))
@@ -709,9 +669,9 @@ def pread_into(
 def _load_embedded(
     view: np.ndarray, archive: str, where: str, defer_crc: bool = False, extra_classes=None
 ) -> tuple[Any, dict[str, tuple[int, int, int]]]:
-    """One DCP chunk or object: a ``torch.save`` archive that is a byte range of a ``.distcp``
-    file (``archive``: ``<file>@<offset>``); what it holds, and the storages whose CRC-32
-    ``defer_crc`` leaves to the caller. Errors name ``where``."""
+    """One chunk or object: a ``torch.save`` archive inside a ``.distcp`` (``archive``:
+    ``<file>@<offset>``); what it holds, and the storages whose CRC ``defer_crc`` leaves to the
+    caller."""
     try:
         embedded = torch_zip.TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
         with contextlib.closing(embedded) as arch:
@@ -724,13 +684,9 @@ def _load_embedded(
 
 
 def refuse_fsdp_dtensor(names: list, where: str) -> None:
-    """Megatron-LM's ``--ckpt-format fsdp_dtensor`` (Megatron-FSDP) is plain torch DCP with the
-    distributed optimizer's state keyed by parameter name (megatron-core's
-    ``sharded_param_state_fsdp_dtensor``: ``optimizer.state.<param>.*`` beside
-    ``optimizer.param_to_group_meta.<param>.*``); read as plain torch DCP it would come out as
-    wrongly named weights, so that importer refuses it by that key (the Megatron importer reads
-    it). (A model-only fsdp_dtensor save has no such key: its ``model.module.*`` weights read as
-    torch DCP, under those names.)"""
+    """Megatron-FSDP's fsdp_dtensor is torch DCP with the optimizer state keyed by parameter name
+    (``optimizer.param_to_group_meta.<param>.*``): read as plain DCP it would give wrongly named
+    weights, so it is refused by that key (the Megatron importer reads it)."""
     meta = next(
         (n for n in names if isinstance(n, str) and n.startswith("optimizer.param_to_group_meta.")),
         None,
@@ -804,52 +760,29 @@ def _dims(
     return tuple(value)
 
 
-def _read_metadata(root: ObjectPath) -> bytes:
-    """An object store's ``.metadata`` object (at most :data:`MAX_METADATA_BYTES`)."""
-    try:
-        raw = object_store.read(root, METADATA_FILE, MAX_METADATA_BYTES)
-    except RequestError as e:
-        raise SourceError(str(e)) from None
-    if raw is None:
-        raise SourceError(f"{root}: no .metadata object (not a torch DCP checkpoint)")
-    return raw
-
-
 def _load_metadata(root: Path | ObjectPath, extra_classes: dict[str, Any] | None):
     """``.metadata`` unpickled with only the allowed classes: (its path, the pickle, its
     ``state_dict_metadata``, its ``storage_data``), both checked to be dicts."""
     mfile = root / METADATA_FILE
-    if isinstance(root, ObjectPath):
-        try:
-            md = restricted_loads(
-                _read_metadata(root),
-                where=str(mfile),
-                extra_classes={**DCP_CLASSES, **(extra_classes or {})},
-            )
-        except allow_list.TorchFileError as e:
-            raise SourceError(str(e)) from None
-    elif not os.path.lexists(mfile):
-        raise SourceError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
-    else:
-        md = _load_local_metadata(Path(mfile), extra_classes)
+    try:
+        if isinstance(root, ObjectPath):
+            raw = object_store.read(root, METADATA_FILE, MAX_METADATA_BYTES)
+            if raw is None:
+                raise SourceError(f"{root}: no .metadata object (not a torch DCP checkpoint)")
+        elif not os.path.lexists(mfile):
+            raise SourceError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
+        else:
+            files.in_own_folder(mfile)  # never another checkpoint's .metadata through a link
+            raw = files.read_regular(str(mfile), MAX_METADATA_BYTES)
+        extra = {**DCP_CLASSES, **(extra_classes or {})}
+        md = restricted_loads(raw, where=str(mfile), extra_classes=extra)
+    except (RequestError, allow_list.TorchFileError, files.UnsafeFileError) as e:
+        raise SourceError(str(e)) from None
     sdm = getattr(md, "state_dict_metadata", None)
     storage = getattr(md, "storage_data", None)
     if not isinstance(sdm, dict) or not isinstance(storage, dict):
         raise SourceError(f"{mfile}: not a torch.distributed.checkpoint Metadata pickle")
     return mfile, md, sdm, storage
-
-
-def _load_local_metadata(mfile: Path, extra_classes: dict[str, Any] | None):
-    try:
-        files.in_own_folder(mfile)  # never another checkpoint's .metadata through a link
-        md = restricted_loads(
-            files.read_regular(str(mfile), MAX_METADATA_BYTES),
-            where=str(mfile),
-            extra_classes={**DCP_CLASSES, **(extra_classes or {})},
-        )
-    except (allow_list.TorchFileError, files.UnsafeFileError) as e:
-        raise SourceError(str(e)) from None
-    return md
 
 
 def _storage_by_fqn(storage: dict[Any, Any], mfile: Path | str) -> dict[str, dict[Any, Any]]:
@@ -888,10 +821,8 @@ def _tensor_entry(
 def open_dcp(
     path: os.PathLike | str, extra_classes: dict[str, Any] | None = None, fsdp_dtensor: bool = False
 ) -> DcpCheckpoint:
-    """Parse ``.metadata`` into typed, checked entries. ``extra_classes``: stand-ins beyond
-    :data:`DCP_CLASSES` that a producer's subclasses need (e.g. megatron-core's);
-    ``fsdp_dtensor``: megatron-core's fsdp_dtensor layout is read, not refused. An
-    ``s3://`` / ``gs://`` folder is read by ranged GETs (:class:`ObjectPath`)."""
+    """Parse ``.metadata`` into typed, checked entries. ``extra_classes``: more stand-ins (e.g.
+    megatron-core's); ``fsdp_dtensor``: that layout is read, not refused."""
     root = folder(path)
     mfile, md, sdm, storage = _load_metadata(root, extra_classes)
     if not fsdp_dtensor:
@@ -921,9 +852,8 @@ def open_dcp(
 
 
 def _diagnose_overlap(ck: DcpCheckpoint) -> None:
-    """Refuse by name a checkpoint ``dcp.save`` wrote with ``serialization_format=SAFETENSORS``
-    (its tensor entries all share one offset: the safetensors file appended to the
-    ``.distcp``), found from the first bytes of each file's first tensor entry."""
+    """Refuse by name a ``dcp.save`` with ``serialization_format=SAFETENSORS`` (its entries share
+    one offset), from each file's first entry's bytes."""
     seen: set[tuple[str, int]] = set()
     for t in ck.tensors.values():
         for c in t.chunks:
@@ -944,13 +874,10 @@ _MAX_SAFETENSORS_HEADER = 100 << 20
 def _refuse_safetensors_format(
     raw: np.ndarray, root: Path | ObjectPath, file: str, offset: int
 ) -> None:
-    """Refuse the entry whose bytes ``raw`` start a safetensors file (an 8-byte header length,
-    then ``{"``): ``dcp.save(storage_writer=FileSystemWriter(serialization_format=
-    SerializationFormat.SAFETENSORS))`` appends one safetensors file of the rank's tensors
-    to each ``.distcp`` and records every tensor at its start with its element bytes as length,
-    so ``.metadata`` does not say where a tensor's bytes are; torch's own ``dcp.load`` cannot
-    read it either (its FileSystemReader ``torch.load``s each entry; a rank's second chunk of a
-    tensor is not even in the file: its safetensors names each tensor once)."""
+    """Refuse an entry whose bytes start a safetensors file:
+    ``FileSystemWriter(serialization_format=SAFETENSORS)`` appends one per rank and records every
+    tensor at its start, so ``.metadata`` locates no tensor (torch's own ``dcp.load`` fails on it
+    too)."""
     head = mapped_file.read_bytes(raw, 0, min(raw.size, 10), f"{root / file}@{offset}")
     length = int.from_bytes(head[:8], "little") if len(head) == 10 else 0
     if not 2 <= length <= _MAX_SAFETENSORS_HEADER or head[8:] != b'{"':
@@ -969,17 +896,10 @@ def _refuse_safetensors_format(
 def check_disjoint(
     tensors: dict[str, DcpTensor], objects: dict[str, DcpObject], where: Path | str
 ) -> None:
-    """No two storage entries of the checkpoint (chunks of any tensors, objects) share a byte of
-    a file: a tensor whose entry names another tensor's bytes would import with its values.
-
-    Sorted per file by start, O(n log n) in the entries: if any entry overlaps a later one, it
-    overlaps the next one, so comparing neighbours finds every case.
-
-    Args:
-        tensors: every tensor's chunks.
-        objects: every pickled object's entry.
-        where: the ``.metadata`` file, for errors.
-    """
+    """No two storage entries share a byte of a file (a tensor would import another's values).
+    Sorted per file by start: an overlap with any later entry is one with the next. Args:
+    tensors: every tensor's chunks. objects: every pickled object's entry. where: the
+    ``.metadata`` file, for errors."""
     file_ids: dict[str, int] = {}  # files in the order met: the order of the sort
     entries = sorted(  # (file id, start, end, file, tensor or object name, chunk or None)
         (
@@ -1059,16 +979,11 @@ def write_dcp(
     save_id: str,
     slabs: torch_zip.Slabs = None,
 ):
-    """A single-file DCP checkpoint of ``items`` (tensors take their values from ``arrays``, in
-    order). Readable by ``torch.distributed.checkpoint.load`` at any world size.
-
-    Args:
-        directory: the DCP folder (exists, empty).
-        items: every entry: tensors and pickled objects, in order.
-        arrays: the tensors' values, in the order of the tensor items.
-        save_id: the ``storage_meta.save_id`` recorded in ``.metadata``.
-        slabs: reads each value (:data:`~jax_ucp._src.torchfiles.torch_zip.Slabs`).
-    """
+    """A single-file DCP checkpoint of ``items``, readable by ``torch.distributed.checkpoint.load``
+    at any world size. Args: directory: the DCP folder (exists, empty). items: every entry:
+    tensors and pickled objects, in order. arrays: the tensors' values, in the order of the
+    tensor items. save_id: the ``storage_meta.save_id`` recorded in ``.metadata``. slabs: reads
+    each value (:data:`~jax_ucp._src.torchfiles.torch_zip.Slabs`)."""
     storage_data: list = []
     metadata: dict = {}
     tensors = iter(arrays)

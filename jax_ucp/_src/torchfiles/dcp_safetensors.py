@@ -1,19 +1,9 @@
-"""torch DCP's Hugging Face safetensors, rank-local: a folder of
-``shard-<rank>-model-<i>-of-<n>.safetensors`` files as one torch DCP checkpoint, without torch.
-
-Written by ``dcp.save(storage_writer=HuggingFaceStorageWriter(save_distributed=True,
-enable_consolidation=False))`` (transformers' ``save_pretrained(distributed_checkpoint=True)``,
-torchtitan's HF saves): each rank writes its pieces of each tensor as one plain safetensors
-file, and no ``.metadata``. The file's ``__metadata__`` ``DCP_SHARDING_INFO`` (JSON) gives,
-for every tensor in it, ``saved_offsets``: where its piece sits in the full tensor (and, where
-a torch version records it, ``global_shape``). torch's own ``HuggingFaceStorageReader`` takes
-the full shape as the largest extent of the pieces, so is it here when no ``global_shape`` is
-recorded (a missing last rank's file then cannot be told from a smaller tensor).
-
-Each tensor becomes a :class:`dcp.DcpTensor` whose chunks are the pieces' raw little-endian
-bytes in their files, so it is assembled, range-read and coverage-checked (overlaps, holes, a
-piece outside the shape: errors naming the tensor and the files) as any DCP tensor.
-"""
+"""torch DCP's rank-local Hugging Face safetensors
+(``HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=False)``:
+``shard-<rank>-model-<i>-of-<n>.safetensors``, no ``.metadata``) as one DCP checkpoint. Each file's
+``DCP_SHARDING_INFO`` gives each piece's ``saved_offsets`` (and maybe ``global_shape``; else the
+full shape is the pieces' largest extent, as torch's reader takes it). Each tensor becomes a
+:class:`dcp.DcpTensor` whose chunks are raw bytes, checked and read as any DCP tensor."""
 
 from __future__ import annotations
 
@@ -94,9 +84,8 @@ def _entries(f: safetensors.SafetensorsFile) -> dict[str, dict[str, tuple[int, .
 
 
 def _check_index(root: Path, pieces: dict[str, list]) -> None:
-    """The writer's ``model.safetensors.index.json`` (a rank-0 save: ``save_distributed=False``)
-    and the files agree: a file the index names that is gone would otherwise drop its tensors
-    without a word."""
+    """The writer's ``model.safetensors.index.json`` and the files agree: a file it names that is
+    gone would drop its tensors silently."""
     index = root / safetensors.INDEX_FILE
     if not os.path.lexists(index):
         return
@@ -121,12 +110,11 @@ def _shown(shape: tuple[int, ...] | None) -> str:
 
 
 def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
-    """Every ``.safetensors`` file of the folder ``path`` opened and checked (headers,
-    DCP_SHARDING_INFO), each tensor's pieces gathered as chunks; nothing of the tensors read.
+    """Every ``.safetensors`` file of the folder ``path`` opened and checked, each tensor's pieces
+    gathered as chunks; nothing read.
 
     Args:
-        path: the folder the ranks wrote.
-    """
+        path: the folder the ranks wrote."""
     root = Path(path)
     names = sorted(n for n in os.listdir(root) if n.endswith(".safetensors"))
     # tensor -> (file, dtype, offsets, sizes, byte offset, byte length, global_shape or None)

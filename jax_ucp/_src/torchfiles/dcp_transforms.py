@@ -1,20 +1,8 @@
-"""The stream transforms of a torch DCP storage entry (``_StorageInfo.transform_descriptors``),
-undone without torch and within a memory budget.
-
-torch's ``FileSystemWriter(_extensions=[...])`` passes each chunk's (and each pickled
-object's) bytes through its extensions before they reach the ``.distcp`` file and records their
-descriptors; the storage entry's offset and length are then those of the transformed bytes.
-torch ships one extension (``torch/distributed/checkpoint/_extension.py``, torch 2.13):
-``ZStandard``, descriptor ``stream.zstd/1``: one zstd frame per entry, written by a
-``zstandard`` stream writer (no content size in its header). torch's reader wraps the entry's
-bytes in each descriptor's decoder, in the recorded order, and accepts any version whose major
-number is ``1``; so is it here. Any other descriptor is refused by name.
-
-Checkpoints are untrusted: a frame is decoded into at most ``limit`` bytes (what the entry may
-hold: a chunk's tensor bytes plus its ``torch.save`` archive's own), a frame declaring more is
-refused before anything is decoded, one decoding past it is refused as it does, and the entry
-must be exactly one frame (its blocks walked to their end, nothing after them).
-"""
+"""The stream transforms of a torch DCP storage entry (``transform_descriptors``) undone without
+torch, within a memory budget. torch ships one (``ZStandard``, ``stream.zstd/1``: one zstd frame per
+entry, no content size); any major version 1 is accepted as torch does, any other descriptor refused
+by name. A frame is decoded into at most ``limit`` bytes (refused when it declares or decodes more)
+and the entry must be exactly one frame."""
 
 from __future__ import annotations
 
@@ -41,15 +29,14 @@ def check_descriptors(descriptors: Sequence[str], where: str) -> None:
 
 
 def undo(data: bytes, descriptors: Sequence[str], limit: int, where: str) -> bytes:
-    """``data`` with each transform of ``descriptors`` undone in the recorded order, every
-    step at most ``limit`` bytes.
+    """``data`` with each transform of ``descriptors`` undone in the recorded order, each within
+    ``limit`` bytes.
 
     Args:
         data: the storage entry's bytes.
         descriptors: its ``transform_descriptors``.
         limit: the most bytes the decoded entry may hold.
-        where: names the entry in errors.
-    """
+        where: names the entry in errors."""
     check_descriptors(descriptors, where)
     for _ in descriptors:
         data = _zstd(data, limit, where)

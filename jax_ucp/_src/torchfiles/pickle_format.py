@@ -1,17 +1,8 @@
-"""torch's pickles both ways: read with a restricted unpickler that executes nothing, written
-opcode by opcode without torch.
-
-Torch checkpoints are untrusted input: ``torch.load`` runs arbitrary pickled callables. The
-reader replaces every code-running opcode of Python's pure-Python unpickler by a checked one:
-globals resolve through the allow-list (:mod:`~jax_ucp._src.torchfiles.allow_list`), REDUCE /
-NEWOBJ / INST / OBJ call only allow-listed objects, BUILD targets only stand-ins,
-APPEND/SETITEM/ADDITEMS fill only plain lists/dicts/sets, persistent ids go to the caller (the
-zip archive's storages), and the object graph is bounded (:func:`check_expansion`).
-
-The writer emits a small tree of :class:`Global` / :class:`Call` / :class:`New` nodes, so classes
-are named without being imported; what is written is what torch 2.x itself writes for the same
-objects (checked against torch in the torch-marked tests).
-"""
+"""torch's pickles both ways: read by a restricted unpickler that executes nothing (every
+code-running opcode replaced by a checked one: globals through :mod:`allow_list`, BUILD only on
+stand-ins, containers filled only when plain, the graph bounded by :func:`check_expansion`), written
+opcode by opcode from :class:`Global` / :class:`Call` / :class:`New` nodes as torch 2.x writes them
+(checked in the torch-marked tests)."""
 
 from __future__ import annotations
 
@@ -53,18 +44,14 @@ def _children(x: Any) -> Iterable[Any]:
 
 
 def check_expansion(obj: Any, where: str, pickle_bytes: int = 0) -> None:
-    """Refuses an unpickled object graph that expands beyond ``max(MAX_EXPANDED_OBJECTS, 2 *
-    pickle_bytes)`` objects or nests deeper than :data:`MAX_DEPTH` when walked as a tree, or
-    that contains a cycle.
-
-    Linear in the number of distinct objects (each one's expanded size is computed once);
-    atoms (numbers, strings, None) are counted, not visited, since a real pickle is mostly them.
+    """Refuses an object graph that expands beyond ``max(MAX_EXPANDED_OBJECTS, 2 * pickle_bytes)``
+    objects, nests deeper than :data:`MAX_DEPTH` walked as a tree, or has a cycle; linear in the
+    distinct objects.
 
     Args:
         obj: the unpickled object graph.
         where: names the file in errors.
-        pickle_bytes: the size of the pickle it came from.
-    """
+        pickle_bytes: the size of the pickle it came from."""
     limit = max(MAX_EXPANDED_OBJECTS, 2 * pickle_bytes)
     size: dict[int, int] = {}
     depth: dict[int, int] = {}

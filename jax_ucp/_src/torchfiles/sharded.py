@@ -1,13 +1,7 @@
-"""Where a rank's piece of a DTensor or ShardedTensor lies in the whole tensor, read from the
-inert pickled state (:class:`~jax_ucp._src.torchfiles.allow_list.WrapperTensor`) of a ``torch.save``
-file: what FSDP2 (DTensor, ``Shard(dim)`` over a 1-D mesh) and FSDP1's ``SHARDED_STATE_DICT``
-(ShardedTensor, its shards' offsets recorded) save per rank.
-
-Only layouts whose placement the file states are read: a DTensor replicated or sharded on one
-dimension of a 1-D mesh (torch's chunking: ``ceil(n / mesh size)`` rows a rank), a ShardedTensor
-with its local shards' offsets and sizes. Anything else (``_StridedShard``, ``Partial``, 2-D
-meshes) is an error saying what was found.
-"""
+"""Where a rank's piece of a DTensor (FSDP2) or ShardedTensor (FSDP1's ``SHARDED_STATE_DICT``) lies
+in the whole tensor, from its inert pickled state. Only layouts the file states are read (a DTensor
+replicated or ``Shard(d)`` on a 1-D mesh, a ShardedTensor's recorded offsets); anything else
+(``_StridedShard``, ``Partial``, 2-D meshes) is an error saying what was found."""
 
 from __future__ import annotations
 
@@ -116,16 +110,14 @@ def dtensor_box(
     coords: Sequence[int],
     dims: Sequence[int | None],
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offsets, shape) of the shard at mesh ``coords`` by DTensor's own rule: mesh dimension
-    after mesh dimension, ``Shard(d)`` cuts what the earlier ones left of dim ``d`` in
-    ``ceil(n / mesh size)`` chunks (the last ones shorter or empty).
+    """(offsets, shape) of the shard at mesh ``coords`` by DTensor's rule: mesh dimension after mesh
+    dimension, ``Shard(d)`` cuts what is left of dim ``d`` in ``ceil(n / mesh size)`` chunks.
 
     Args:
         shape: the whole tensor's shape.
         mesh_shape: the device mesh's shape.
         coords: the rank's coordinate on each mesh dimension.
-        dims: per mesh dimension, the tensor dim it shards (``Shard(d)``), None to replicate.
-    """
+        dims: per mesh dimension, the tensor dim it shards (``Shard(d)``), None to replicate."""
     offset = [0] * len(shape)
     local = list(shape)
     for mesh_dim, d in enumerate(dims):
@@ -198,16 +190,14 @@ def covers(shape: Sequence[int], pieces: Sequence[Piece]) -> str | None:
 def assemble(
     shape: tuple[int, ...], dtype: np.dtype, pieces: Sequence[Piece], start: int = 0, stop=None
 ) -> np.ndarray:
-    """Rows ``start:stop`` (dim 0) of the whole tensor from its ``pieces`` (already checked to
-    tile it), copied from the files' mapped bytes.
+    """Rows ``start:stop`` of the whole tensor from its ``pieces`` (checked to tile it).
 
     Args:
         shape: the whole tensor's shape.
         dtype: its dtype.
         pieces: its blocks (every rank's).
         start: the first row.
-        stop: past the last row (None: the end).
-    """
+        stop: past the last row (None: the end)."""
     for piece in pieces:  # numpy would cast another dtype's values without a word
         if np.dtype(piece.array.dtype).name != np.dtype(dtype).name:
             raise ShardLayoutError(

@@ -1,23 +1,11 @@
-"""The ``torch.save`` zip archive both ways, without torch.
+"""The ``torch.save`` zip archive both ways, without torch: ``<name>/data.pkl`` (a protocol-2 pickle
+whose tensors are ``_rebuild_tensor_v2`` calls on persistent storage references),
+``<name>/data/<key>`` (raw bytes), ``byteorder`` and ``version``, stored uncompressed.
 
-A ``torch.save`` file is a zip archive (members stored, not compressed): ``<name>/data.pkl`` (a
-protocol-2 pickle whose tensors are ``torch._utils._rebuild_tensor_v2`` calls on persistent
-storage references), ``<name>/data/<key>`` (each storage's raw bytes), ``<name>/byteorder`` and
-``<name>/version``.
-
-Read: one read-only ``mmap`` of the file; tensors are read-only ``numpy`` views of it, so loading
-costs page cache, not anonymous memory, and only touched bytes are read. Their bytes are read
-out with :func:`jax_ucp._src.format.mapped_file.read_out` (pread), never by touching the mapping:
-a file truncated meanwhile is then an error naming it, not SIGBUS. Every member's CRC-32 is
-checked, a deflated member is inflated within bounds, a member present twice is refused, and
-persistent ids must be well-formed storage references to members that exist.
-
-A file that stands for an archive in an object store (``store.storage.local_view``) is filled in
-as it is read: its members' local headers when it is opened (neighbours in one ranged GET), a
-member's bytes when the pickle references it (``lazy_crc``: when they are first read, its CRC-32
-checked then; the mapping cannot be touched, only read through ``mapped_file``), so a process
-fetches the members it reads and no others.
-"""
+Read through one read-only ``mmap``: tensors are views of it (page cache, not anonymous memory),
+their bytes read out by pread (:mod:`mapped_file`) so a file truncated meanwhile is an error, not
+SIGBUS. Every CRC-32 is checked, deflate is bounded, duplicate members are refused. An archive in an
+object store (``local_view``) fetches only the members it reads."""
 
 from __future__ import annotations
 
@@ -91,12 +79,8 @@ class _BufferFile(io.RawIOBase):
 
 class TorchArchive:
     """A torch zip archive opened read-only with one ``mmap``; members resolved lazily.
-
-    ``lazy_crc``: a tensor storage's CRC-32 is checked when its bytes are first read (through
-    :mod:`jax_ucp._src.format.mapped_file`, the only way they are read), not when the pickle
-    references it: loading a ZeRO rank file then reads its pickle only, and a weights-only
-    import never reads the moments it skips. Every byte read is still checked first.
-    """
+    ``lazy_crc``: a storage's CRC-32 is checked when its bytes are first read, so a weights-only
+    import never reads the moments it skips."""
 
     def __init__(self, path: os.PathLike | str, *, lazy_crc: bool = False):
         self.path = os.fspath(path)
@@ -135,16 +119,14 @@ class TorchArchive:
 
     @classmethod
     def from_buffer(cls, view: np.ndarray, where: str, *, defer_crc: bool = False) -> TorchArchive:
-        """An archive that is a byte range of a larger file (e.g. one torch DCP chunk); its
-        tensors come back as views into it, like those of a whole file.
+        """An archive that is a byte range of a larger file (one DCP chunk); its tensors are views
+        into it.
 
         Args:
             view: a read-only uint8 array holding the archive (typically a memory-mapped slice).
             where: names it in errors.
-            defer_crc: tensor storages are not CRC-checked here but listed in ``unchecked``; the
-                caller checks each CRC-32 on the bytes it copies out (one pass over them, not
-                two).
-        """
+            defer_crc: storages are not CRC-checked but listed in ``unchecked``, for the caller to
+                check on the bytes it copies out (one pass, not two)."""
         self = cls.__new__(cls)
         self.path = where
         self.defer_crc = defer_crc
@@ -272,11 +254,9 @@ class TorchArchive:
         keep: bool = True,
         declared: int | None = None,
     ) -> np.ndarray:
-        """A deflated member, streamed: never more than its declared size is produced, at most
-        :data:`MAX_COMPRESSED_MEMBER` bytes, and at most :data:`MAX_INFLATED_TOTAL` kept from
-        one archive (torch.save never compresses; a small deflate stream can expand a
-        thousandfold). ``declared``: the bytes the pickle's storage needs, which the member may
-        not exceed. ``keep=False``: only its CRC-32 is checked, nothing is kept."""
+        """A deflated member, streamed within its ``declared`` size, :data:`MAX_COMPRESSED_MEMBER`
+        and :data:`MAX_INFLATED_TOTAL` (a small deflate stream can expand a thousandfold).
+        ``keep=False``: only its CRC-32 is checked."""
         if info.compress_type != zipfile.ZIP_DEFLATED:
             raise TorchFileError(
                 self.path,
@@ -437,8 +417,7 @@ def _crc_check(
     path: str, name: str, span: tuple[int, int], recorded: int, remote: local_view.Remote | None
 ) -> Callable[[mapped_file.FileMap], None]:
     """The CRC-32 check of a stored member's bytes ``span``, run by
-    :func:`mapped_file.check_before_read` (it holds no archive: the mapping outlives it); of an
-    archive in an object store, the bytes are fetched first."""
+    :func:`mapped_file.check_before_read`; in an object store, fetched first."""
 
     def check(mm: mapped_file.FileMap) -> None:
         if remote is not None:
@@ -460,11 +439,9 @@ def load_torch_file(
     Args:
         path: the ``torch.save`` zip file.
         extra_classes: more allow-listed classes, ``"module.QualName"`` -> a :class:`StandIn`
-            subclass (for pickled objects), an ``int_enum_standin`` (for IntEnums), or any
-            side-effect-free callable that validates its arguments (REDUCE calls it with
-            pickled data).
-        verify_crc: check every storage's CRC-32 while loading.
-    """
+            subclass, an ``int_enum_standin``, or a side-effect-free callable that checks its
+            arguments.
+        verify_crc: check every storage's CRC-32 while loading."""
     with contextlib.closing(TorchArchive(path)) as arch:
         if verify_crc:
             arch.verify_crc()
@@ -576,9 +553,8 @@ def write_torch_save(
     arrays: Sequence[Any] = (),
     slabs: Slabs = None,
 ) -> int:
-    """Appends one ``torch.save`` archive to the open file ``f`` at its position; returns its
-    length. A tensor is written slab by slab as ``slabs`` reads it (lazily, when it does), the
-    CRC computed on the way.
+    """Appends one ``torch.save`` archive to ``f`` at its position; returns its length. A tensor is
+    written slab by slab, its CRC computed on the way.
 
     Args:
         f: a binary file open for writing, at the archive's start.
@@ -586,8 +562,7 @@ def write_torch_save(
         array: a tensor to save on its own.
         name: the archive's top folder (torch uses the file's stem).
         arrays: the tensors ``TensorSlot`` nodes of ``obj`` refer to (``shape``, ``dtype``).
-        slabs: reads each of them (:data:`Slabs`).
-    """
+        slabs: reads each of them (:data:`Slabs`)."""
     if array is not None:
         obj, arrays = TensorSlot(0, tuple(array.shape), array.dtype), [array]
     start = f.tell()
@@ -612,15 +587,13 @@ def _member(name: str) -> zipfile.ZipInfo:
 
 
 def save_file(path: str, obj: Any, arrays: Sequence[Any] = (), slabs: Slabs = None) -> None:
-    """``torch.save(obj, path)`` without torch (see :func:`write_torch_save`), fsynced. The
-    archive is named after the file, as torch names it.
+    """``torch.save(obj, path)`` without torch, fsynced; the archive named after the file.
 
     Args:
         path: the file to write.
         obj: plain data and nodes (``TensorSlot(i, ...)`` for ``arrays[i]``).
         arrays: the tensors ``obj`` refers to.
-        slabs: reads each of them (:data:`Slabs`).
-    """
+        slabs: reads each of them (:data:`Slabs`)."""
     stem = os.path.basename(path).removesuffix(".pt")
     with durable.durable_file(path) as f:
         write_torch_save(f, obj, name=stem, arrays=arrays, slabs=slabs)
