@@ -460,6 +460,7 @@ def test_a_spec_by_name_takes_the_recorded_config_settings(tmp_path, monkeypatch
     assert any("recorded config.json" in n for n in by_name.notes)
 
 
+@pytest.mark.slow  # ~6 s; test_optax_torch_direct continues a run on a mesh in the default run
 def test_a_trainer_run_continues_on_a_mesh_sharded_by_rules(tmp_path, monkeypatch):
     """``optax_from_torch(ckpt, spec=, options=RestoreOptions(mesh=, rules=))`` on 8 devices
     (data=2 x model=4): params and Adam's moments come back as jax.Arrays placed alike by the

@@ -401,6 +401,7 @@ def test_an_orbax_array_over_the_budget_stays_within_it(tmpfs_path):
     run_child(_ORBAX_CHECK, tmpfs_path / "ucp", 40960, 1024, "ucp")
 
 
+@pytest.mark.slow  # ~9 s; the default run keeps the import over the budget
 @pytest.mark.timeout(600)
 def test_an_orbax_export_over_the_budget_writes_chunk_by_chunk(tmpfs_path):
     """A 160 MiB tensor exported to Orbax at a 32 MiB budget: written in chunks of a sixteenth

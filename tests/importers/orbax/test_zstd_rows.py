@@ -117,6 +117,7 @@ assert np.array_equal(np.asarray(jax_ucp.restore(sys.argv[1])["embed"]), embed)
 """
 
 
+@pytest.mark.slow  # ~10 s; the default run keeps writer/test_stream_memory_budget's twin
 @pytest.mark.timeout(900)
 def test_a_one_chunk_orbax_array_over_the_budget_stays_within_it(tmpfs_path):
     """A 160 MiB array saved by Orbax's defaults (one zstd chunk of 147 MiB compressed),
