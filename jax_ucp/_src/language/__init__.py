@@ -1,11 +1,6 @@
-"""The UCP language: rules over parameter names -> kinds (import) and lazy views (restore).
-
-Modules, bottom up: ``errors``; ``settings`` (model hyper-parameters, integer expressions, name
-templates); ``plain_form`` (the dict/TOML form of kinds and ops); ``views`` (lazy TensorStore
-primitives); ``kinds`` (import side: how fragments merge); ``ops`` (restore side: what a rule
-does); ``spec`` (rules, roots, ``Spec`` and their dict form); ``toml_io`` (TOML text, shipped
-specs); ``plan`` (restore rules compiled into lazy view plans). See docs/LANGUAGE.md.
-"""
+"""The UCP language: rules over parameter names -> kinds (import) and lazy views (restore). Bottom
+up: ``settings``, ``plain_form``, ``views``, ``kinds``, ``ops``, ``spec``, ``toml_io``, ``plan``.
+See docs/LANGUAGE.md."""
 
 from jax_ucp._src.language import views
 from jax_ucp._src.language.kinds import (

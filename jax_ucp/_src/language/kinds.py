@@ -1,13 +1,6 @@
-"""Import-side kinds: how one parameter is spread over per-rank fragments, and how to merge
-them back into one consolidated array (and split it again, the way TP/PP/EP would).
-
-``merge(kind, fragments, name=..., settings=...)`` returns a numpy array (fragments are numpy
-arrays, possibly memory-mapped); ``merge(..., lazy=True)`` returns a lazy TensorStore view built
-with ``ts.concat``/``ts.stack`` over the fragments (no copy) where the kind allows it.
-``split(kind, full, n, ...)`` is the inverse: the list of per-rank fragments.
-
-Kinds (``KINDS``: TOML name -> class) are documented on their classes.
-"""
+"""Import-side kinds: how one parameter is spread over per-rank fragments, and how to merge them
+back (numpy, or with ``lazy=True`` a TensorStore view over the fragments, no copy) and split them
+again as TP/PP/EP would. ``KINDS``: TOML name -> class."""
 
 from __future__ import annotations
 
@@ -119,13 +112,9 @@ KINDS: dict[str, type[Kind]] = {}
 
 @dataclass(frozen=True)
 class Kind:
-    """How one parameter is spread over per-rank fragments (TP, PP, EP), as a value.
-
-    Frameworks save a parameter as fragments that differ by parallelism (partitioned along a
-    dim, replicated, fused sub-parameters split separately, padded vocab, ...). A kind names that
-    layout so ``merge`` can rebuild the consolidated tensor (checking what can be checked) and
-    ``split`` can redo the fragments; import rules map parameter names to kinds. Parameters may
-    be setting expressions, evaluated by ``resolve``. Subclasses set ``kind`` (the TOML name)."""
+    """How one parameter is spread over per-rank fragments (TP, PP, EP), as a value: ``merge``
+    rebuilds the consolidated tensor (checking what can be checked), ``split`` redoes the fragments.
+    Parameters may be setting expressions (``resolve``); subclasses set ``kind`` (the TOML name)."""
 
     kind: ClassVar[str] = ""
 
@@ -250,9 +239,9 @@ class Partitioned(Kind):
 
 @dataclass(frozen=True)
 class SubParams(Kind):
-    """A fused parameter made of sub-parameters, each split over TP ranks separately: rank r holds
-    [part0_r; part1_r; ...] along ``dim``. ``sizes`` are the full sizes of the parts; per-rank
-    sizes are sizes[j] / tp, or given explicitly per rank as ``rank_sizes`` (uneven widths)."""
+    """A fused parameter of sub-parameters, each split over TP separately: rank r holds [part0_r;
+    part1_r; ...] along ``dim``; per-rank sizes are sizes[j] / tp, or ``rank_sizes`` (uneven
+    widths)."""
 
     kind: ClassVar[str] = "sub_params"
     dim: int = _int_field(0)
@@ -347,12 +336,9 @@ class SwiGLU(Kind):
 
 @dataclass(frozen=True)
 class QKV(Kind):
-    """Fused QKV over TP ranks, GQA included.
-
-    interleaved=True (Megatron): the full tensor is, per query group g, [q heads of g; k_g; v_g];
-    each TP rank holds whole groups (head_split(groups, tp) of them: uneven counts allowed).
-    interleaved=False: the full tensor is [Q; K; V]; rank r holds [Q_r; K_r; V_r] with its share of
-    heads (uneven widths: q and k/v parts differ, and heads may not split evenly)."""
+    """Fused QKV over TP ranks, GQA included. interleaved=True (Megatron): per query group g, [q
+    heads of g; k_g; v_g], each rank holding whole groups (uneven counts allowed).
+    interleaved=False: [Q; K; V], rank r holding [Q_r; K_r; V_r]."""
 
     kind: ClassVar[str] = "qkv"
     dim: int = _int_field(0)
@@ -445,9 +431,9 @@ class QKV(Kind):
 
 @dataclass(frozen=True)
 class Vocab(Kind):
-    """Vocab-parallel (embedding / output layer): partitioned along ``dim`` over TP, padded to a
-    multiple of divisible_by * tp. merge strips the padding back to ``vocab_size``; split pads
-    with zeros to ``padded_size`` (default: the Megatron rule for the given tp)."""
+    """Vocab-parallel: partitioned along ``dim`` over TP, padded to a multiple of divisible_by * tp;
+    merge strips the padding to ``vocab_size``, split pads with zeros to ``padded_size`` (default:
+    Megatron's rule)."""
 
     kind: ClassVar[str] = "vocab"
     dim: int = _int_field(0)
@@ -514,20 +500,13 @@ class PipelineTied(Kind):
 
 @dataclass(frozen=True)
 class Expert(Kind):
-    """MoE experts over expert-parallel (EP) ranks; fragments are per EP rank in order, each a list
-    of TP fragments when ``inner`` (the per-expert TP kind) is given.
+    """MoE experts over EP ranks; fragments per EP rank in order, each a list of TP fragments when
+    ``inner`` (the per-expert TP kind) is given.
 
-    layout="stacked":    each EP rank holds [E_local, ...] (experts along ``dim``, default 0); inner
-                         dims refer to one expert's tensor (without the expert axis).
-    layout="grouped":    grouped-GEMM: each EP rank's tensor has its E_local experts' blocks
-                         concatenated along ``dim`` (megatron-core's weight2 [E_local*ffn, hidden],
-                         dim=0). Its weight1 [hidden, E_local*X] is NOT column blocks: megatron
-                         reads it as weight1.view(E_local, hidden, X), so EP ranks merge by flat
-                         concatenation of their buffers (the Megatron importer does that) and the
-                         mixtral spec's restore rule reinterprets it as [E, hidden, X].
-    layout="per_expert": each EP rank gives a list of its E_local per-expert tensors; the result is
-                         stacked [E, ...] (see ``expert_global_index`` for renaming keys instead).
-    """
+    layout="stacked": each EP rank holds [E_local, ...] along ``dim``. layout="grouped":
+    grouped-GEMM, E_local experts' blocks concatenated along ``dim`` (megatron-core's weight2; its
+    weight1 is merged flat by the Megatron importer and reinterpreted by the mixtral spec).
+    layout="per_expert": a list of per-expert tensors per rank, stacked [E, ...]."""
 
     kind: ClassVar[str] = "expert"
     layout: str = "stacked"
@@ -617,15 +596,13 @@ class Expert(Kind):
         return Partitioned(dim=d)._split(full, n, name)
 
     def split_tp(self, local, tp, *, num_local: int | None = None, name: str = "?") -> list:
-        """Split one EP rank's local tensor over TP with ``inner``, expert by expert (the inverse of
-        the TP part of merge). Grouped layout needs ``num_local`` (experts on this EP rank).
+        """Split one EP rank's local tensor over TP with ``inner``, expert by expert.
 
         Args:
             local: one EP rank's local tensor.
             tp: the tensor-parallel degree.
             num_local: experts on this EP rank (grouped layout).
-            name: the tensor, for errors.
-        """
+            name: the tensor, for errors."""
         if self.inner is None:
             return [local for _ in range(tp)]
         if self.layout == "per_expert":

@@ -1,19 +1,8 @@
-"""Restore-side operations: what a restore rule does to the tensors it matched.
-
-A restore rule matches saved parameter names and runs its ``ops`` in order over a list of
-*entries* ``(vars, view)`` where ``vars`` holds the regex captures plus variables introduced by
-ops. Three shapes of op:
-
-- map (1 -> 1): transpose, split_dim, merge_dims, group/ungroup/regroup_stages, slice, pad.
-- fan-out (1 -> N, introduces a variable ``var``): unstack (var = layer index), split
-  (var = part name, e.g. gate/up), split_qkv (var = q/k/v).
-- fan-in (N -> 1, consumes a variable ``over``): stack (over = layer index), concat
-  (over = part name), merge_qkv (over = q/k/v). Entries that agree on every other variable are
-  combined, in order of the ``over`` variable.
-
-Every op is a lazy, exact TensorStore view (see ``views``). Integer parameters may be setting
-expressions (``"num_layers // pp"``).
-"""
+"""Restore-side operations: what a restore rule does, in order, to the entries ``(vars, view)`` it
+matched (``vars``: the regex captures and variables ops introduce). Map ops (1 -> 1), fan-out (1 ->
+N, introducing ``var``: unstack, split, split_qkv) and fan-in (N -> 1, consuming ``over``: stack,
+concat, merge_qkv; entries agreeing on every other variable combine in ``over``'s order). Each is a
+lazy, exact view; integer parameters may be setting expressions."""
 
 from __future__ import annotations
 
@@ -35,12 +24,9 @@ OPS: dict[str, type[Op]] = {}
 
 @dataclass(frozen=True)
 class Op:
-    """One step of a restore rule: a lazy, exact change of structure (transpose, unstack, split,
-    stack, ...) applied to the tensors the rule matched.
-
-    Ops exist so that restore rules stay declarative: a rule names its ops (in TOML or as
-    objects) and ``plan.compile_restore_plan`` composes them into TensorStore views checked at
-    compile time. Subclasses set ``op`` (the TOML name) and ``arity`` (map/fanout/fanin)."""
+    """One step of a restore rule: a lazy, exact change of structure, named in TOML or as an object
+    and composed by ``plan.compile_restore_plan``. Subclasses set ``op`` (the TOML name) and
+    ``arity``."""
 
     op: ClassVar[str] = ""
     arity: ClassVar[str] = "map"
@@ -112,14 +98,13 @@ class FanIn(Op):
     parts: tuple
 
     def order(self, labels: Sequence[str], env: Env, where: str) -> list[str]:
-        """The labels of the parts in the order they combine (by default exactly the named
-        ``parts``); an error names a missing one.
+        """The labels of the parts in the order they combine (by default the named ``parts``); an
+        error names a missing one.
 
         Args:
             labels: the values ``over`` took among the matched tensors
             env: settings and captured variables
-            where: the rule, for messages
-        """
+            where: the rule, for messages"""
         if sorted(labels) != sorted(self.parts):
             missing = [p for p in self.parts if p not in labels]
             extra = [x for x in labels if x not in self.parts]
@@ -150,10 +135,8 @@ class Transpose(Op):
 
 @dataclass(frozen=True)
 class RopeHalf(Op):
-    """q/k rows from RoPE's interleaved pairs to rotate-half order, head by head (torchtitan and
-    Meta Llama checkpoints -> transformers / megatron-core / TransformerLM). Applied only to the
-    tensors whose variable ``over`` is one of ``parts`` (q, k), so one rule can take q, k, v and
-    merge them; a tensor without that variable is always permuted."""
+    """q/k rows from RoPE's interleaved pairs to rotate-half order, head by head; only tensors whose
+    variable ``over`` is one of ``parts`` (q, k), or that lack it, are permuted."""
 
     op: ClassVar[str] = "rope_half"
     axis: Any = 0
@@ -264,11 +247,9 @@ class Pad(Op):
 
 @dataclass(frozen=True)
 class Unstack(FanOut):
-    r"""[L, ...] -> L tensors; the index becomes variable ``var`` (default ``i``).
-
-    ``if_unbound=true``: a no-op for a tensor whose name already bound ``var`` (an optional regex
-    group), so one rule covers stacked ``decoder.layers.x`` [L, ...] and per-layer
-    ``decoder.layers.3.x`` alike: ``decoder\\.layers\\.(?:(?P<i>\\d+)\\.)?x``."""
+    r"""[L, ...] -> L tensors; the index becomes variable ``var``. ``if_unbound=true``: a no-op for a
+    name that already bound ``var`` (an optional group), so one rule covers stacked and per-layer
+    layers: ``decoder\\.layers\\.(?:(?P<i>\\d+)\\.)?x``."""
 
     op: ClassVar[str] = "unstack"
     axis: Any = 0
@@ -303,9 +284,8 @@ class Split(FanOut):
 
 @dataclass(frozen=True)
 class SplitQKV(FanOut):
-    """Fused QKV -> q, k, v along ``axis`` (Megatron per-group interleaved order by default).
-
-    Uses settings num_attention_heads, num_query_groups, head_dim (overridable here)."""
+    """Fused QKV -> q, k, v along ``axis`` (Megatron's per-group order by default), by settings
+    num_attention_heads, num_query_groups, head_dim."""
 
     op: ClassVar[str] = "split_qkv"
     axis: Any = 0

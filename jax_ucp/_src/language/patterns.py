@@ -1,18 +1,11 @@
-"""Name patterns matched in time linear in the name: every spec pattern runs on RE2.
+r"""Name patterns matched in time linear in the name: every spec pattern runs on RE2. Patterns come
+from files jax_ucp does not control, and Python's ``re`` backtracks (``(\w+\.?)+\.never`` is
+exponential), so one line of a file could hang an import. One engine however the spec was written,
+so a spec means the same in code and TOML.
 
-Patterns come from files jax_ucp does not control (a spec TOML, the
-``universal_checkpoint_info`` inside a DeepSpeed checkpoint). Python's ``re`` backtracks: a
-pattern such as ``(\\w+\\.?)+\\.never`` takes exponential time on an ordinary parameter name,
-so one line of a file could hang an import. RE2 (``google-re2``) guarantees time linear in the
-name and bounded memory for the compiled program, and speaks Python's syntax for what it
-supports. One engine for every spec pattern, however the spec was written (a file or Python
-objects), so a spec means the same in code and in TOML (``spec_to_toml`` round-trips).
-
-What RE2 refuses (back-references, look-arounds, possessive or atomic groups, ``(?x)``,
-``\\Z``, counted repetitions above 1000) is a :class:`LanguageError` naming the pattern and where it
-came from; so is ``{,n}``, which Python reads as ``{0,n}`` and RE2 as literal text. ``\\d``,
-``\\w``, ``\\s`` and ``\\b`` are ASCII classes in RE2 (Python's ``re.ASCII``).
-"""
+What RE2 refuses (back-references, look-arounds, ``(?x)``, ``\Z``, repetitions above 1000) and
+``{,n}`` (``{0,n}`` to Python, literal to RE2) is a :class:`LanguageError` naming the pattern;
+``\d``, ``\w``, ``\s``, ``\b`` are ASCII classes."""
 
 from __future__ import annotations
 
@@ -42,9 +35,9 @@ def _python_only_quantifier(pattern: str) -> bool:
 
 
 def compile_pattern(pattern: Any, where: str = "") -> Any:
-    """``pattern`` compiled with RE2 (``fullmatch``/``match`` give ``groups()``/``groupdict()``
-    like Python's ``re``); an error starting with ``where`` when RE2 cannot compile it or it is
-    not a string of at most :data:`MAX_PATTERN_CHARS` characters."""
+    """``pattern`` compiled with RE2 (``groups()``/``groupdict()`` as ``re``'s); an error starting
+    with ``where`` when RE2 refuses it or it is not a string of at most :data:`MAX_PATTERN_CHARS`.
+    """
     if not isinstance(pattern, str):
         raise LanguageError(f"{where}pattern must be a string, got {type(pattern).__name__}")
     if len(pattern) > MAX_PATTERN_CHARS:

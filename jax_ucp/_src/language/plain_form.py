@@ -1,6 +1,5 @@
-"""The plain form of kinds and ops (what a TOML spec or a dict holds): ``"name"`` or a table
-``{<tag> = "name", parameter = value, ...}``. One parser serves both registries (``KINDS``,
-``OPS``), so both give the same errors."""
+"""The plain form of kinds and ops (TOML or dict): ``"name"`` or ``{<tag> = "name", parameter =
+value, ...}``; one parser for both registries, so both give the same errors."""
 
 from __future__ import annotations
 
@@ -44,8 +43,8 @@ def parse_plain_form(
     where: str,
     convert: Callable[[str, Any], Any],
 ) -> tuple[type, dict]:
-    """(class, keyword arguments) from ``"name"`` or ``{<tag> = "name", param = value, ...}``.
-    Unknown names and parameters are errors that list what is known.
+    """(class, keyword arguments) from the plain form; unknown names and parameters are errors
+    listing what is known.
 
     Args:
         obj: the plain value: a name, or a table with ``tag`` and parameters
@@ -53,8 +52,7 @@ def parse_plain_form(
         registry: name -> dataclass
         a_noun: what is parsed, for messages (``a kind``)
         where: the message prefix (file, table, line)
-        convert: ``convert(parameter, value)`` -> the field's value
-    """
+        convert: ``convert(parameter, value)`` -> the field's value"""
     noun = a_noun.split(" ", 1)[1]
     if isinstance(obj, str):
         obj = {tag: obj}

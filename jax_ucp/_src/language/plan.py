@@ -1,14 +1,7 @@
-"""Compile a spec's restore rules over a saved checkpoint's tensors into lazy view plans.
-
-``compile_restore_plan(spec, saved)`` maps every saved key (a tuple of str) with its
-``TensorInfo(shape, dtype)`` to target keys, each with a ``ViewPlan`` whose ``build(opened)``
-returns a lazy, exact ``tensorstore.TensorStore`` view over the opened sources: nothing is read
-until the caller reads (a slice of) the view, so each process still reads only its own slices.
-
-Shapes, dtypes and every error (a non-divisible stage count, a missing layer, a fused QKV of the
-wrong size, two tensors mapped to one key) are found at compile time: the plan is first built
-over *placeholder* stores (``ts.virtual_chunked`` that refuse to be read) of the saved shapes.
-"""
+"""Compile a spec's restore rules over a saved checkpoint's tensors into lazy view plans:
+``compile_restore_plan(spec, saved)`` maps every saved key to target keys, each a ``ViewPlan``.
+Every error (stage counts, a missing layer, a wrong-sized QKV, two tensors to one key) is found at
+compile time, over placeholder stores that refuse to be read."""
 
 from __future__ import annotations
 
@@ -45,11 +38,8 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class ViewPlan:
-    """How to build one restored tensor: its shape and dtype, the saved keys it reads, and
-    ``build(opened)`` -> a lazy, exact TensorStore view over those opened sources.
-
-    Restore compiles every rule once into view plans, then each process builds the views over its
-    opened sources and reads only the slices it needs."""
+    """One restored tensor: shape, dtype, the saved keys it reads, and ``build(opened)`` -> a lazy,
+    exact view over them (each process then reads only its slices)."""
 
     shape: tuple
     dtype: np.dtype
@@ -124,17 +114,13 @@ def _tensor_info(x) -> TensorInfo:
 def compile_restore_plan(
     spec: Spec | str, saved: Mapping[Key, Any], *, strict: bool | None = None
 ) -> dict[Key, ViewPlan]:
-    """Target key -> ViewPlan for every saved tensor.
-
-    Keys under a param root are matched against the spec's active restore rules (first match
-    wins) relative to that root; keys outside param roots move with their root (or stay). Not
-    ``strict``, uncovered keys pass through unchanged.
+    """Target key -> ViewPlan for every saved tensor: keys under a param root by the first matching
+    restore rule, others moved with their root; uncovered keys pass unless ``strict``.
 
     Args:
       spec: a ``Spec``, or what ``load_spec`` takes (a shipped spec's name, a file).
       saved: saved key → ``TensorInfo`` (or anything with ``shape`` and ``dtype``).
-      strict: refuse uncovered parameters and unmatched required rules (None: the spec's own).
-    """
+      strict: refuse uncovered parameters and unmatched required rules (None: the spec's own)."""
     if not isinstance(spec, Spec):
         spec = load_spec(spec)
     rules = spec.active_restore()
@@ -164,10 +150,9 @@ def _put(targets: _Targets, tkey, plan: ViewPlan, what: str) -> None:
 
 
 def _assign(spec: Spec, rules, saved: Mapping[Key, Any], targets: _Targets):
-    """Each saved tensor to the first restore rule matching it under its param root; tensors
-    outside param roots are put in ``targets`` at once (moved with their root, or as they are).
-    Returns (rule index → [(instance, target prefix, captured variables, node, relative
-    name)], the param tensors no rule covers as (key, info, target prefix, relative name))."""
+    """Each saved tensor to the first restore rule matching it under its param root (others straight
+    into ``targets``): (rule index → [(instance, target prefix, vars, node, relative name)], the
+    uncovered param tensors)."""
     per_rule: dict[int, list] = {i: [] for i, _ in rules}
     uncovered = []
     # Parameters before the optimizer state that mirrors them, so an error names the parameter.
@@ -348,28 +333,25 @@ def unflatten_nested(flat: Mapping[Key, Any]) -> dict:
 def apply_restore_plan(
     plan: Mapping[Key, ViewPlan], arrays: Mapping[Key, Any], *, read: bool = True
 ) -> dict[Key, Any]:
-    """Build every view over in-memory ``arrays`` (numpy or TensorStore); read them to numpy
-    unless ``read=False``. Convenient for tests and small trees; ``restore`` reads per device.
+    """Build every view over in-memory ``arrays``; read them to numpy unless ``read=False`` (for
+    tests and small trees).
 
     Args:
         plan: target key -> view plan.
         arrays: saved key -> array (numpy or TensorStore).
-        read: read the views to numpy.
-    """
+        read: read the views to numpy."""
     opened = {k: views.as_view(v) for k, v in arrays.items()}
     built = {k: p.build(opened) for k, p in plan.items()}
     return {k: t.read().result() for k, t in built.items()} if read else built
 
 
 def apply_spec_to_tree(spec: Spec | str, tree: Mapping, *, strict: bool | None = None) -> dict:
-    """Apply a spec's restore rules to an in-memory nested dict of arrays (e.g. ``{"params":
-    {torch name: array}}``): the nested dict restore would give, read into numpy.
+    """A spec's restore rules applied to an in-memory nested dict of arrays, read into numpy.
 
     Args:
         spec: the spec (a ``Spec``, shipped name or file).
         tree: a nested dict of arrays.
-        strict: override the spec's ``strict``.
-    """
+        strict: override the spec's ``strict``."""
     plan = compile_restore_plan(spec, saved_infos(tree), strict=strict)
     return unflatten_nested(apply_restore_plan(plan, flatten_nested(tree)))
 

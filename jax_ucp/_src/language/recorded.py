@@ -1,8 +1,6 @@
-"""A spec named by the caller (``restore(src, spec="hf_llama")``, ``optax_from_torch(spec=...)``)
-completed with the model settings its source recorded: a shipped spec has no model of its own,
-and its q/k/v ops need the heads, which a torch run's files say (the Trainer's or verl's
-``config.json``, Megatron's run arguments). One rule for every caller, so a restore and a
-continuation of the same source read the same model."""
+"""A spec named by the caller completed with the model settings its source recorded (a shipped
+spec's q/k/v ops need the heads): one rule for every caller, so a restore and a continuation of a
+source read the same model."""
 
 from __future__ import annotations
 
@@ -19,11 +17,10 @@ _MEGATRON_HEADS = ("num_attention_heads", "num_query_groups", "head_dim")
 
 
 def recorded_settings(source: Mapping[str, Any] | None) -> tuple[dict[str, int], str]:
-    """The head settings ``source`` (a manifest's or an import's ``source`` record) holds, and
-    what recorded them: the ``config.json`` a Trainer or verl run kept
-    (``source.trainer.model_config``), else Megatron's saved run arguments (``source.settings``);
-    ``({}, "")`` where neither does. A recorded value that is no positive integer is a
-    ``LanguageError`` naming it."""
+    """The head settings ``source`` records and what recorded them: a Trainer's or verl's
+    ``config.json`` (``source.trainer.model_config``), else Megatron's run arguments
+    (``source.settings``); ``({}, "")`` without. A value that is no positive integer is a
+    ``LanguageError``."""
     source = source if isinstance(source, Mapping) else {}
     trainer = source.get("trainer")
     config = trainer.get("model_config") if isinstance(trainer, Mapping) else None
@@ -56,9 +53,8 @@ def recorded_settings(source: Mapping[str, Any] | None) -> tuple[dict[str, int],
 def spec_with_recorded_settings(
     spec: Any, source: Mapping[str, Any] | None, notes: list[str] | None = None
 ) -> Any:
-    """``spec`` given by name or file (``"hf_llama"``) loaded with the head settings ``source``
-    recorded (:func:`recorded_settings`) where the spec has none of its own; a ``Spec`` object
-    (the caller's settings) or None as given. What was taken is said in ``notes``."""
+    """``spec`` given by name or file loaded with the head settings ``source`` recorded where it has
+    none; a ``Spec`` or None as given. What was taken is said in ``notes``."""
     if not isinstance(spec, (str, os.PathLike)):
         return spec
     loaded = load_spec(spec)

@@ -1,11 +1,6 @@
-"""Spec settings (model hyper-parameters that parametrise kinds and transforms), integer
-expressions over them, and name templates.
-
-Settings are a plain ``dict``. Canonical names follow Megatron's arguments; common aliases are
-accepted (``num_heads`` for ``num_attention_heads``, ``num_kv_heads`` for ``num_query_groups``, ...).
-Anywhere an integer is expected, a spec may write a string expression over settings, e.g.
-``"num_layers // pp"`` or ``"hidden_size * 4"`` (``+ - * // %`` and parentheses only).
-"""
+"""Spec settings (a plain dict of model hyper-parameters, Megatron's names with common aliases),
+integer expressions over them (``"num_layers // pp"``: ``+ - * // %`` and parentheses), and name
+templates."""
 
 from __future__ import annotations
 
@@ -68,9 +63,8 @@ def derived(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def hf_head_settings(config: Mapping[str, Any], where: str = "config.json") -> dict[str, int]:
-    """The head settings a shipped spec's q/k/v ops need (``num_attention_heads``,
-    ``num_query_groups``, ``head_dim``) from a Hugging Face ``config.json`` (Llama and kin):
-    ``num_key_value_heads`` defaults to the heads, ``head_dim`` to hidden / heads."""
+    """The head settings a shipped spec's q/k/v ops need from a Hugging Face ``config.json``
+    (``num_key_value_heads`` defaulting to the heads, ``head_dim`` to hidden / heads)."""
     try:
         heads = int(config["num_attention_heads"])
         groups = int(config.get("num_key_value_heads") or heads)

@@ -1,25 +1,11 @@
 """Specs: ordered rules over parameter names (first match wins), roots, settings, strictness.
 
-A ``Spec`` holds
-- ``settings``: model hyper-parameters (see ``settings``) that parametrise kinds and ops;
-- ``imports``: ``ImportRule(pattern -> kind)``, how each source parameter is spread over
-  TP/PP/EP fragments (used by importers through ``Spec.match`` / ``Spec.classify``);
-- ``restore``: ``RestoreRule(pattern -> target, ops)``, how saved UCP tensors map into the JAX
-  tree at restore (compiled into lazy views by ``plan.compile_restore_plan``);
-- ``roots``: where parameters live in the saved tree. Rules are written once, relative to a
-  root; every tensor under every *param root* (``params``, ``model_params``, the optimizer moments
-  ``opt_state/**/mu``, ``opt_state/**/nu``, ...) gets the same rule, so a rule written for a
-  parameter applies to its optimizer moments automatically.
-
-Patterns are regexes matched in full against the parameter's name relative to its root: the
-single key component for flat imports (``decoder.layers.0.mlp.linear_fc1.weight``), or the
-components joined with ``/`` for nested trees (``layers/attn/qkv/kernel``). They run on RE2
-(``patterns``: time linear in the name, whoever wrote the pattern), in Python's syntax.
-
-The dict form of a spec (what a TOML file holds: ``spec_from_dict`` / ``spec_to_dict``, and
-``import_rule_from_dict``, ``restore_rule_from_dict``, ``root_from_dict`` for its tables) lives
-here, next to the types it builds; ``toml_io`` only turns TOML text into that dict and back.
-"""
+``settings`` parametrise kinds and ops; ``imports`` (``ImportRule``: pattern -> kind) say how each
+source parameter is spread over TP/PP/EP; ``restore`` (``RestoreRule``: pattern -> target, ops) how
+saved tensors map into the JAX tree; ``roots`` where parameters live, so a rule written for a
+parameter also applies to its optimizer moments. Patterns are RE2 regexes in Python's syntax,
+matched in full against the name relative to its root. The dict form (TOML's) is built and written
+here; ``toml_io`` only parses the text."""
 
 from __future__ import annotations
 
@@ -61,10 +47,8 @@ def _with_rule_options(d: dict, rule) -> dict:
 
 @dataclass(frozen=True)
 class ImportRule:
-    """``pattern`` (regex over source parameter names) -> ``kind`` (how fragments merge).
-
-    Importers meet per-rank fragments of every parameter; import rules say, by name, how each
-    one was spread over ranks so that it can be merged into one consolidated tensor."""
+    """``pattern`` (regex over source parameter names) -> ``kind`` (how its per-rank fragments
+    merge)."""
 
     pattern: str
     kind: Kind
@@ -108,11 +92,7 @@ class ImportRule:
 @dataclass(frozen=True)
 class RestoreRule:
     """``pattern`` -> ``target`` (a template over regex groups, op variables and settings, relative
-    to the root; None keeps the name) after running ``ops`` (see ``ops``).
-
-    A checkpoint's names and layout rarely match the model that restores it (torch names, stacked
-    or per-layer layers, fused or split QKV); restore rules say how, and are compiled into lazy
-    views by ``plan.compile_restore_plan``."""
+    to the root; None keeps the name) after running ``ops``."""
 
     pattern: str
     target: str | None = None
@@ -164,15 +144,13 @@ class RestoreRule:
 
 @dataclass(frozen=True)
 class Root:
-    """Where parameters live in the saved tree, so one rule covers a parameter and every optimizer
-    moment that mirrors it.
+    """Where parameters live in the saved tree, so one rule covers a parameter and its optimizer
+    moments.
 
-    ``source`` is a glob over key components separated by ``/``: ``*`` is one component, ``**``
-    any number (e.g. ``opt_state/**/mu`` matches ("opt_state","mu") and ("opt_state","0","mu")).
-    ``target`` is where that prefix goes in the restored tree: a template where ``{1}``, ``{2}``...
-    are the wildcards' matches (``**`` as a ``/``-joined path) and ``{name}`` are settings;
-    None keeps the prefix. ``params=False`` moves keys without applying rules (e.g. the step
-    count: ``opt_state/count`` -> ``opt_state/0/count``)."""
+    ``source`` is a glob over ``/``-separated key components (``*`` one, ``**`` any number:
+    ``opt_state/**/mu``); ``target`` where that prefix goes, a template of the wildcards' matches
+    ``{1}``, ``{2}``... and settings ``{name}`` (None keeps it). ``params=False`` moves keys without
+    applying rules (``opt_state/count`` -> ``opt_state/0/count``)."""
 
     source: str
     target: str | None = None
@@ -260,13 +238,9 @@ class ImportMatch:
 
 @dataclass(frozen=True)
 class Spec:
-    """A model's rules in one value: settings, import rules, restore rules, roots, strictness.
-
-    Importing and restoring a checkpoint both need to know, parameter by parameter, how it is
-    laid out; a spec says it once, declaratively, for every parameter name, so it can be shipped
-    (``load_spec("llama")``), written in TOML, checked strictly (a name no rule covers is an
-    error) and reused by every importer and by restore. Rules may be objects or their dict form.
-    """
+    """A model's rules in one value (settings, import rules, restore rules, roots, strictness):
+    shipped (``load_spec("llama")``), written in TOML, checked strictly and reused by every importer
+    and by restore. Rules may be objects or their dict form."""
 
     name: str = "spec"
     description: str = ""
@@ -349,16 +323,15 @@ def describe_rule(rule, index: int, side: str) -> str:
 def check_strict(
     spec_name: str, side: str, uncovered: Sequence[str], rules, matched: Iterable[int]
 ) -> None:
-    """A strict spec: a ``LanguageError`` naming every uncovered tensor and every required rule
-    of ``rules`` whose index is not ``matched``.
+    """A strict spec: a ``LanguageError`` naming every uncovered tensor and every required rule not
+    ``matched``.
 
     Args:
         spec_name: the spec, as named in the error.
         side: ``"import"`` or ``"restore"``.
         uncovered: the tensors no rule covers.
         rules: (index, rule) pairs of the spec's rules on this side.
-        matched: the indices of the rules that matched a tensor.
-    """
+        matched: the indices of the rules that matched a tensor."""
     problems = []
     if uncovered:
         problems.append(
@@ -461,16 +434,14 @@ def spec_from_dict(
     settings: Mapping | None = None,
     table_lines: Mapping[str, Sequence[int]] | None = None,
 ) -> Spec:
-    """A ``Spec`` from its dict form (a parsed TOML file): top-level ``name``, ``description``,
-    ``strict``, ``[settings]``, ``[[roots]]``, ``[[import]]``, ``[[restore]]``. Errors name
-    ``source``, the table and its number, and its line when ``table_lines`` gives it.
+    """A ``Spec`` from its dict form (a parsed TOML file). Errors name ``source``, the table and its
+    number, and its line when ``table_lines`` gives it.
 
     Args:
         d: the spec's dict form
         source: the file it came from, for messages
         settings: overrides of the dict's ``[settings]``
-        table_lines: table name -> the line of each of its entries, for messages
-    """
+        table_lines: table name -> the line of each of its entries, for messages"""
     extra = set(d) - _TOP_LEVEL_KEYS
     if extra:
         raise LanguageError(

@@ -43,11 +43,8 @@ MAX_TOML_DEPTH = 64
 
 
 def _check_nesting(text: str, source: str) -> None:
-    """Refuses TOML nested deeper than :data:`MAX_TOML_DEPTH` before ``tomllib`` parses it.
-
-    One pass over the text that skips strings and comments, counting the open ``[``/``{`` and
-    the dots of the key being read (a key starts a line, follows ``{`` or a ``,`` inside an
-    inline table, or is a ``[table]`` header; it ends at ``=`` or at the header's ``]``)."""
+    """Refuses TOML nested deeper than :data:`MAX_TOML_DEPTH` before ``tomllib`` parses it: one pass
+    skipping strings and comments, counting open ``[``/``{`` and the dots of the key being read."""
     brackets: list[str] = []  # "h" for a table header's brackets
     in_key, key_dots, i, n = True, 0, 0, len(text)
     while i < n:
@@ -95,16 +92,14 @@ def _table_lines(text: str, table: str) -> list[int]:
 
 
 def spec_from_toml(text: str, *, source: str = "<spec>", settings: Mapping | None = None) -> Spec:
-    """A spec from TOML text; ``settings`` override its ``[settings]``. Errors name ``source``
-    and the line of the offending ``[[import]]``/``[[restore]]``/``[[roots]]`` table. Text
-    longer than :data:`MAX_SPEC_BYTES` or nested deeper than :data:`MAX_TOML_DEPTH` is refused
-    before it is parsed.
+    """A spec from TOML text; ``settings`` override its ``[settings]``. Errors name ``source`` and
+    the offending table's line; text over :data:`MAX_SPEC_BYTES` or :data:`MAX_TOML_DEPTH` is
+    refused unparsed.
 
     Args:
         text: the TOML text
         source: the file it came from, for messages
-        settings: overrides of its ``[settings]``
-    """
+        settings: overrides of its ``[settings]``"""
     if len(text) > MAX_SPEC_BYTES:
         raise LanguageError(
             f"{source}: {len(text)} characters; a spec file holds at most {MAX_SPEC_BYTES}"

@@ -1,13 +1,7 @@
-"""Lazy, exact TensorStore views: the primitives every restore-side transform is made of.
-
-Every function takes and returns ``tensorstore.TensorStore`` objects and never reads data:
-they only compose index transforms (``transpose``, slicing, ``translate_to``) and the virtual
-``ts.concat`` / ``ts.stack`` drivers. Every returned view has a zero origin, so a consumer can
-index it exactly like a numpy array of the same shape.
-
-numpy arrays are accepted wherever a view is (wrapped with ``ts.array``, which copies nothing
-beyond what numpy already holds).
-"""
+"""Lazy, exact TensorStore views: the primitives every restore-side transform is made of. They
+compose index transforms and the virtual ``ts.concat`` / ``ts.stack`` drivers and never read data;
+every view has a zero origin (indexed like a numpy array); numpy arrays are accepted wherever a view
+is."""
 
 from __future__ import annotations
 
@@ -25,9 +19,8 @@ MAPPED_CHUNK_BYTES = 4 << 20
 
 
 def as_view(x) -> ts.TensorStore:
-    """A zero-origin TensorStore view of ``x`` (TensorStore or numpy array). A view of a
-    memory-mapped source file is read with ``pread`` a chunk of rows at a time, never through
-    the mapping: a file truncated meanwhile is an error naming it, not SIGBUS."""
+    """A zero-origin TensorStore view of ``x``. A mapped source file is read with ``pread``, never
+    through the mapping: a file truncated meanwhile is an error naming it, not SIGBUS."""
     if isinstance(x, ts.TensorStore):
         return zero_origin(x)
     x = np.asarray(x)
@@ -91,16 +84,14 @@ def transpose(tensor: ts.TensorStore, perm: Sequence[int] | None = None) -> ts.T
 
 
 def rope_interleaved_to_half(tensor: ts.TensorStore, axis: int, head_dim: int) -> ts.TensorStore:
-    """Rows (along ``axis``) of every head of a q/k projection from RoPE's interleaved pair order
-    ``(x0, y0, x1, y1, ...)`` (Meta's Llama, torchtitan's complex RoPE) to rotate-half order
-    ``(x0, x1, ..., y0, y1, ...)`` (transformers, megatron-core): the permutation transformers'
-    ``convert_llama_weights_to_hf`` applies. One lazy index-array view, exact.
+    """Rows of every head of a q/k projection from RoPE's interleaved pair order (Meta's Llama,
+    torchtitan) to rotate-half order (transformers, megatron-core), as
+    ``convert_llama_weights_to_hf`` permutes them; one lazy view, exact.
 
     Args:
         tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
         axis: the axis of the heads' rows (whole heads of ``head_dim``)
-        head_dim: rows per head (even)
-    """
+        head_dim: rows per head (even)"""
     tensor, a, n = _view_axis(tensor, axis)
     if head_dim <= 0 or head_dim % 2 or n % head_dim:
         raise LanguageError(
