@@ -1,7 +1,5 @@
-"""DeepSpeed's universal checkpoint, written without torch or DeepSpeed.
-
-The layout DeepSpeed's ``ds_to_universal`` writes and ``"checkpoint": {"load_universal": true}``
-loads at any data-parallel size::
+"""DeepSpeed's universal checkpoint (what ``ds_to_universal`` writes and ``"load_universal": true``
+loads at any DP size), written without torch or DeepSpeed::
 
     DST/latest_universal                         -> "global_step<N>_universal"
     DST/global_step<N>_universal/mp_rank_00_model_states.pt
@@ -11,11 +9,8 @@ loads at any data-parallel size::
     DST/global_step<N>_universal/zero/<param>/exp_avg_sq.pt  (second moment)
     DST/global_step<N>_universal/zero/<param>/step.pt        a 0-d float32 tensor
 
-DeepSpeed's loader reads the weights from ``zero/`` (fp32 masters, then cast to the engine's
-precision), takes ``ds_version`` and the param groups from ``optimizer_state.pt`` (written with no
-hyperparameters, so the loading engine keeps its own lr, betas, clipping and loss scaling) and
-the step counters from ``mp_rank_00_model_states.pt``.
-"""
+``optimizer_state.pt`` holds no hyperparameters: the loading engine keeps its own lr, betas,
+clipping and loss scaling."""
 
 from __future__ import annotations
 
@@ -66,8 +61,7 @@ def write_universal(
         states: (param, state, fp32 array) for every param and every state of :data:`STATES`.
         step: the optimizer step recorded in each ``step.pt``.
         model_weights: (name, array) of the model-precision weights, or None.
-        param_groups: param groups of the loading engine's optimizer.
-    """
+        param_groups: param groups of the loading engine's optimizer."""
     tag = f"global_step{step}_universal"  # the folder name ds_to_universal gives the step
     tag_dir = os.path.join(root, tag)
     zero = os.path.join(tag_dir, "zero")
@@ -170,8 +164,7 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
     Args:
         root: the UCP checkpoint directory (a manager step already resolved).
         dst: the directory to create.
-        options: this format's options (``engine.export`` checked them).
-    """
+        options: this format's options (``engine.export`` checked them)."""
     manifest = store.read_manifest(root)
     available = ucp_source.available_tensors(manifest)
     by_key = {e.key: e for e in manifest.tensors}
@@ -218,9 +211,8 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
 
 
 def _universal_keys(root, by_key):
-    """The keys DeepSpeed universal needs, found by manifest role: each trainable parameter's
-    (key -> its path below the top level), its Adam moments ((param, "mu"/"nu") -> key) and the
-    step count; ``RequestError`` naming what is missing."""
+    """The keys DeepSpeed universal needs, by manifest role: each trainable parameter's, its Adam
+    moments and the step count; ``RequestError`` naming what is missing."""
     # frozen parameters have no optimizer state and no place under zero/ (DeepSpeed keeps
     # them out of its optimizer); they are listed as skipped. A tied one is its twin's.
     params = {

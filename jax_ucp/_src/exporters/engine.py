@@ -1,7 +1,6 @@
-"""One export, format-neutral: the options checked, the destination checked, then the format's
-module (``WRITERS``) reads the checkpoint through the restore engine's reader (digests, crc32c,
-casting rules) and writes every file into one ``commit.transaction`` of the destination, one row
-slab in memory at a time."""
+"""One export, format-neutral: options and destination checked, then the format's module
+(``WRITERS``) reads through the restore engine's reader and writes every file into one
+``commit.transaction``, one row slab in memory at a time."""
 
 from __future__ import annotations
 
@@ -28,14 +27,11 @@ WRITERS = {
 def export(
     ckpt: str | os.PathLike, dst: str | os.PathLike, options: Options | None = None
 ) -> Exported:
-    """Writes the tensors of the checkpoint ``ckpt`` to ``dst`` in the format of ``options``.
-
-    Streamed one row slab at a time (at most half of ``options.memory_budget``), atomic (one
-    ``commit.transaction``: written into a temporary sibling of ``dst`` under the save lock and
-    renamed into place: a failed export leaves ``dst`` as it was). Each format's options class
-    (``SafetensorsExport``, the default; ``TorchDcpExport``, ``DeepSpeedUniversalExport``,
-    ``OrbaxExport``) says what it writes and takes, checked when it is built;
-    ``options_for(name, **fields)`` builds one from a format's name. See docs/EXPORT.md.
+    """Writes the tensors of the checkpoint ``ckpt`` to ``dst`` in the format of ``options``: one
+    row slab at a time (at most half of ``options.memory_budget``), atomically (a failed export
+    leaves ``dst`` as it was). Each format has its options class (``SafetensorsExport``, the
+    default; ``TorchDcpExport``, ``DeepSpeedUniversalExport``, ``OrbaxExport``); ``options_for(name,
+    **fields)`` builds one by name. See docs/EXPORT.md.
 
     Args:
         ckpt: a jax_ucp checkpoint directory (or an Orbax step holding one UCP item).
@@ -49,8 +45,7 @@ def export(
     Raises:
         RequestError: nothing can be exported as asked (a dtype the format cannot hold, a name
             twice, an existing destination); nothing is written.
-        CheckpointError: the checkpoint is missing or corrupt (names the tensor and the file).
-    """
+        CheckpointError: the checkpoint is missing or corrupt (names the tensor and the file)."""
     options = SafetensorsExport() if options is None else options
     if not isinstance(options, OPTIONS_TYPES):
         raise RequestError(

@@ -33,8 +33,7 @@ class _Export:
     Attributes:
         progress: ``progress(name, done, total)`` after each tensor.
         memory_budget: bytes of tensor data in flight (an int, or e.g. "256MiB"; None: the
-            default, ``format.sizes.DEFAULT_MEMORY_BUDGET``).
-    """
+            default, ``format.sizes.DEFAULT_MEMORY_BUDGET``)."""
 
     format: ClassVar[str]
     progress: Callable[[str, int, int], None] | None = None
@@ -61,8 +60,7 @@ class DeepSpeedUniversalExport(_Export):
     Attributes:
         force: replace an earlier export at the destination.
         param_groups: the loading engine's optimizer param groups (DeepSpeed pairs them by
-            position).
-    """
+            position)."""
 
     format: ClassVar[str] = "deepspeed-universal"
     force: bool = False
@@ -84,8 +82,7 @@ class _TensorsExport(_Export):
         select: the key-path prefix to export (None: the format's default, see ``prefix``).
         spec: a UCP-language spec (name, path or ``Spec``) whose views are exported.
         dtype: write every tensor in this dtype (None: as saved).
-        casting: numpy casting rule for ``dtype``.
-    """
+        casting: numpy casting rule for ``dtype``."""
 
     force: bool = False
     select: str | None = None
@@ -127,8 +124,7 @@ class SafetensorsExport(_TensorsExport):
 
     Attributes:
         max_file_bytes: data per file before the output is split: bytes or e.g. "5GB".
-        config: a ``config.json`` (dict or JSON file path) to write beside the weights.
-    """
+        config: a ``config.json`` (dict or JSON file path) to write beside the weights."""
 
     format: ClassVar[str] = "safetensors"
     default_select: ClassVar[str] = "params"
@@ -148,9 +144,8 @@ FORMATS = tuple(BY_FORMAT)
 
 
 def options_for(to: str, **given: Any) -> Options:
-    """The options of the format named ``to`` (``jax-ucp export --to``) from the fields given;
-    one given (not None, not False) that the format does not take is a ``RequestError`` naming
-    it and the format."""
+    """The options of the format named ``to`` from the fields given; a field given (not None, not
+    False) the format does not take is a ``RequestError`` naming it."""
     cls = BY_FORMAT.get(to)
     if cls is None:
         raise RequestError(f"export format {to!r} is not supported (choose from {FORMATS})")

@@ -1,13 +1,7 @@
-"""jax_ucp → Orbax: a checkpoint ``ocp.StandardCheckpointer().restore`` (or a
-``CheckpointManager``) reads with Orbax's own API, written by Orbax itself.
-
-The saved tree (optax NamedTuples included, from ``ucp.json``'s ``tree``) goes to Orbax's
-``PyTreeCheckpointHandler`` with every tensor as a lazy leaf: a type handler that reads one tensor
-from the UCP checkpoint (digests and crc32c checked) and writes it with Orbax's own TensorStore
-spec (``ocp.type_handlers.get_json_tspec_write``) before reading the next. Orbax records it as
-``np.ndarray`` (its ``NumpyHandler``'s type), so any Orbax reader restores it; memory stays at
-one tensor, whatever the checkpoint size. Orbax's save is atomic (temporary + rename).
-"""
+"""jax_ucp → Orbax, written by Orbax itself: the saved tree goes to Orbax's
+``PyTreeCheckpointHandler`` with every tensor a lazy leaf that reads one tensor (digests checked)
+and writes it with Orbax's own TensorStore spec, recorded as ``np.ndarray`` so any Orbax reader
+restores it; memory stays at one tensor."""
 
 from __future__ import annotations
 
@@ -126,9 +120,8 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
 
 
 def _slabs(t, shape: tuple[int, ...], nbytes: int, max_bytes: int) -> list[tuple[int, int]]:
-    """Row ranges of whole write chunks of ``t``, each at most ``max_bytes`` of the tensor's
-    ``nbytes`` (at least one chunk's rows): what is read and what TensorStore encodes at once
-    stay within the budget."""
+    """Row ranges of whole write chunks of ``t``, each at most ``max_bytes`` (at least one chunk's
+    rows), so reads and encodes stay within the budget."""
     rows = shape[0]
     chunk = int((t.chunk_layout.write_chunk.shape or shape)[0] or rows)
     row_bytes = nbytes // rows
@@ -165,11 +158,8 @@ def export_orbax(
     progress: Callable[[str, int, int], None] | None = None,
 ) -> str:
     """Writes the UCP checkpoint ``ckpt`` as an Orbax checkpoint; returns the Orbax directory.
-
-    ``step=None``: ``dst`` is what ``ocp.StandardCheckpointer().restore(dst)`` reads.
-    ``step=N``: ``dst`` is a ``CheckpointManager`` root and the tree is item ``item`` of step
-    ``N`` (``mngr.restore(N, args=ocp.args.Composite(state=ocp.args.StandardRestore(...)))``).
-    ``dst`` (the step, with ``step=N``) must not exist, or be an empty directory.
+    ``step=None``: what ``ocp.StandardCheckpointer().restore(dst)`` reads; ``step=N``: item ``item``
+    of step ``N`` of a ``CheckpointManager`` root. ``dst`` (the step) must not exist or be empty.
 
     Args:
         ckpt: the UCP checkpoint to export.
@@ -178,8 +168,7 @@ def export_orbax(
         item: the item name of that step.
         use_ocdbt: Orbax's OCDBT layout (Orbax's default, as is zstd).
         use_zarr3: zarr v3 arrays instead of Orbax's default v2.
-        progress: called as ``progress(name, done, total)`` per tensor.
-    """
+        progress: called as ``progress(name, done, total)`` per tensor."""
     root = locate.find_checkpoint(store.storage_for(ckpt)).root
     manifest = store.read_manifest(root)
     empty = [e.name for e in manifest.tensors if math.prod(e.shape) == 0]
@@ -232,15 +221,12 @@ def export_orbax(
 
 
 def export(root: str, dst: str, options: OrbaxExport) -> Exported:
-    """The whole tree through Orbax's own writer, inside the export's transaction (the save
-    lock; Orbax writes its temporary directory and renames it); Orbax's writer threads share
-    one malloc arena.
+    """The whole tree through Orbax's own writer, inside the export's transaction.
 
     Args:
         root: the UCP checkpoint directory (a manager step already resolved).
         dst: the directory to create.
-        options: this format's options (``engine.export`` checked them).
-    """
+        options: this format's options (``engine.export`` checked them)."""
     with writer.one_malloc_arena(), source.transaction(dst, force=False, staged=False) as tx:
         path = export_orbax(root, tx.path, progress=options.progress)
     manifest = store.read_manifest(root)
@@ -263,9 +249,8 @@ class _RaisedAgain(logging.Filter):
 
 @contextlib.contextmanager
 def _one_error(destination: str):
-    """An Orbax save whose failure is one error naming ``destination``: jax_ucp's own errors
-    pass as they are, TensorStore's (a full disk while Orbax writes its metadata) become an
-    ``RequestError``; Orbax's thread tracebacks for them are not logged a second time."""
+    """An Orbax save whose failure is one error naming ``destination``: TensorStore's become a
+    ``RequestError``, Orbax's thread tracebacks not logged twice."""
     quiet = _RaisedAgain()
     absl = logging.getLogger("absl")
     absl.addFilter(quiet)

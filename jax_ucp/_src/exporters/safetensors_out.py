@@ -1,14 +1,6 @@
-"""Write tensors as Hugging Face safetensors, one tensor at a time, without torch.
-
-The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian header length, a
-JSON header (name -> dtype, shape, ``data_offsets`` [begin, end) into the data that follows, and
-``__metadata__``), padded with spaces to a multiple of 8, then the raw little-endian bytes of
-every tensor, back to back in header order. Several files are tied together by
-``model.safetensors.index.json`` (``weight_map``: name -> file), as ``transformers`` writes them.
-
-Every header is computed from shapes and dtypes before a byte is written, so each file is
-written front to back in one pass and only one row slab of a tensor is in memory at a time.
-"""
+"""Write tensors as Hugging Face safetensors, one tensor at a time, without torch: every header
+computed from shapes and dtypes first, so each file is written front to back in one pass, one row
+slab in memory; shards tied by ``model.safetensors.index.json`` as ``transformers`` writes them."""
 
 from __future__ import annotations
 
@@ -93,8 +85,7 @@ def write_file(
         path: the file to write.
         tensors: name, dtype and shape of each tensor, in file order.
         values: their arrays (or ``Deferred`` ones, read as they are written), in that order.
-        metadata: the header's ``__metadata__`` strings.
-    """
+        metadata: the header's ``__metadata__`` strings."""
     with durable.durable_file(path) as f:
         f.write(header_bytes(tensors, metadata))
         for tensor, value in zip(tensors, values, strict=True):
@@ -114,8 +105,7 @@ def write_index(path: str, files: Sequence[Sequence[Tensor]], names: Sequence[st
     Args:
         path: the index file to write.
         files: the tensors of each shard file, in file order.
-        names: the shard files' names.
-    """
+        names: the shard files' names."""
     index = {
         "metadata": {"total_size": sum(t.nbytes for group in files for t in group)},
         "weight_map": {t.name: name for group, name in zip(files, names) for t in group},
@@ -124,14 +114,13 @@ def write_index(path: str, files: Sequence[Sequence[Tensor]], names: Sequence[st
 
 
 def export(root: str, dst: str, options: SafetensorsExport) -> Exported:
-    """The tensors under ``select`` as ``model.safetensors`` (or shards of ``max_file_bytes``
-    and their index), and ``config.json`` when one was given.
+    """The tensors under ``select`` as ``model.safetensors`` (or shards and their index), and
+    ``config.json`` when given.
 
     Args:
         root: the UCP checkpoint directory (a manager step already resolved).
         dst: the directory to create.
-        options: this format's options (``engine.export`` checked them).
-    """
+        options: this format's options (``engine.export`` checked them)."""
     chosen = source.select(root, options, dtype_name, with_values=False)
 
     def write(tmp: str) -> list[str]:

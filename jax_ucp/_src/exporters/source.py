@@ -1,7 +1,6 @@
-"""What every format's exporter shares: tensors of a UCP checkpoint as ``Deferred`` arrays, read
-row slab by row slab (``ucp_source.read_rows``, at most half the memory budget each) only when a
-writer writes their bytes, so an export holds one slab at a time whatever the tensor size; the
-named tensors under ``select`` (``select``); the transaction the files are written in."""
+"""What every exporter shares: a checkpoint's tensors as ``Deferred`` arrays read row slab by row
+slab only as a writer writes them, the tensors under ``select``, and the transaction the files are
+written in."""
 
 from __future__ import annotations
 
@@ -101,9 +100,8 @@ class Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
-    """The tensors under ``select`` as written (each with its ``Deferred`` values and its key
-    path below ``select``), the saved Python values under it (name, path, value) when the format
-    holds them, and the names of every other leaf."""
+    """The tensors under ``select`` as written (``Deferred`` values, key path below ``select``), the
+    saved Python values under it when the format holds them, and every other leaf's name."""
 
     tensors: list[Tensor]
     arrays: list[Deferred]
@@ -119,14 +117,13 @@ class Selection:
 
 def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool) -> Selection:
     """The tensors (and saved values) under ``options.select``, named by their key path below it
-    joined with ``.``; every dtype and cast checked before anything is written.
+    joined with ``.``; every dtype and cast checked first.
 
     Args:
         root: the UCP checkpoint directory.
         options: the format's options (``select``, ``spec``, ``dtype``, ``casting``).
         check_dtype: refuses an output dtype the format cannot store.
-        with_values: also the saved Python values (formats that can hold them).
-    """
+        with_values: also the saved Python values (formats that can hold them)."""
     manifest = store.read_manifest(root)
     spec = options.spec
     if isinstance(spec, (str, os.PathLike)):
@@ -178,14 +175,13 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
 
 @contextlib.contextmanager
 def transaction(dst: str, *, force: bool, staged: bool = True):
-    """``commit.transaction`` of an export; a destination it refuses is a ``RequestError``
-    (checked again under the lock: it may have changed while the tensors were planned).
+    """``commit.transaction`` of an export; a destination it refuses (checked again under the lock)
+    is a ``RequestError``.
 
     Args:
         dst: the export's destination directory.
         force: replace an earlier export at ``dst`` (never anything jax_ucp did not write).
-        staged: write into a temporary sibling renamed into place (Orbax renames its own).
-    """
+        staged: write into a temporary sibling renamed into place (Orbax renames its own)."""
     with contextlib.ExitStack() as stack:
         try:
             tx = stack.enter_context(
@@ -197,17 +193,14 @@ def transaction(dst: str, *, force: bool, staged: bool = True):
 
 
 def write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -> list[str]:
-    """``write(tmp)`` in one ``commit.transaction`` of ``dst``: a temporary sibling, recorded
-    (``EXPORT_RECORD``: each file's size and content digest, taken as it is written), made
-    durable and renamed into place (an earlier export there swapped out, then removed); on any
-    failure the temporary goes and ``dst`` is as it was. Returns what ``write`` returned (the
-    files written).
+    """``write(tmp)`` in one ``commit.transaction`` of ``dst``: a recorded (``EXPORT_RECORD``),
+    durable temporary sibling renamed into place; on failure ``dst`` is as it was. Returns what
+    ``write`` returned.
 
     Args:
         dst: the export's destination directory.
         write: writes the files into the temporary directory it is given.
-        force: replace an earlier export at ``dst`` (never anything jax_ucp did not write).
-    """
+        force: replace an earlier export at ``dst`` (never anything jax_ucp did not write)."""
     # the export record: what a later force may replace (these files only)
     with transaction(dst, force=force) as tx, commit.export_record(tx.path):
         return write(tx.path)

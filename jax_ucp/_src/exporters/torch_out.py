@@ -1,6 +1,5 @@
-"""Export a UCP checkpoint as a torch distributed checkpoint: the tensors and values chosen by
-:mod:`~jax_ucp._src.exporters.source`, written by :func:`jax_ucp._src.torchfiles.dcp.write_dcp`
-(the torch formats, read and written, live in :mod:`jax_ucp._src.torchfiles`)."""
+"""Export a UCP checkpoint as a torch distributed checkpoint
+(:func:`~jax_ucp._src.torchfiles.dcp.write_dcp`)."""
 
 from __future__ import annotations
 
@@ -11,14 +10,13 @@ from jax_ucp._src.torchfiles.dtypes import torch_dtype
 
 
 def export(root: str, dst: str, options: TorchDcpExport) -> Exported:
-    """The tensors and saved Python values under ``select`` as a single-file DCP checkpoint,
-    under their key paths below ``select`` (DCP's nested state dicts).
+    """The tensors and saved values under ``select`` as a single-file DCP checkpoint, under their
+    key paths below ``select``.
 
     Args:
         root: the UCP checkpoint directory (a manager step already resolved).
         dst: the directory to create.
-        options: this format's options (``engine.export`` checked them).
-    """
+        options: this format's options (``engine.export`` checked them)."""
     chosen = source.select(root, options, torch_dtype, with_values=True)
     items = [DcpItem(t.name, p, t.shape, t.dtype) for t, p in zip(chosen.tensors, chosen.paths)]
     items += [DcpItem(name, path, value=v) for name, path, v in chosen.values]
