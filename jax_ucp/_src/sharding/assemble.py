@@ -1,8 +1,5 @@
-"""Reading exactly the slices a process's devices need, and assembling a global ``jax.Array``.
-
-Works on any TensorStore object, including the lazy views the UCP language builds, so a
-transformed tensor is read slice by slice like a stored one.
-"""
+"""Reading exactly the slices a process's devices need from any TensorStore (the language's lazy
+views included), and assembling a global ``jax.Array``."""
 
 from __future__ import annotations
 
@@ -43,9 +40,8 @@ class RegionReader(Protocol):
 
 
 def _reads_regions(source) -> TypeGuard[RegionReader]:
-    """``isinstance(source, RegionReader)`` by its members, without typing's protocol check
-    (it gathers the protocol's attributes on every call: ~2 ms a tensor on a loaded host, a
-    fifth of a small state's first restore)."""
+    """``isinstance(source, RegionReader)`` by its members: typing's protocol check costs ~2 ms a
+    tensor."""
     return all(hasattr(source, m) for m in ("read_into", "shape", "dtype"))
 
 
@@ -182,13 +178,9 @@ _OWN_MAPPING_AT = 4 << 20  # numpy advises huge pages from here up (its HUGEPAGE
 
 
 def convert(data: np.ndarray, dtype) -> tuple[np.ndarray, int]:
-    """``data`` as ``dtype`` in a new 64-byte-aligned array, and how many of its values the cast
-    overflowed: finite values beyond the target's range (they become inf, or NaN in float8),
-    and infinities into a dtype without inf (they become NaN).
-
-    Only a cast into a float dtype of smaller range (float32 → float16/bfloat16/float8, int32 →
-    float16, an inf into float8_e4m3fn) is counted, block by block right after each block is
-    converted (still in cache): every other cast is a plain copy.
+    """``data`` as ``dtype`` in a new 64-byte-aligned array, and how many values the cast overflowed
+    (finite beyond the target's range, or an inf into a dtype without inf). Only casts into a float
+    of smaller range are counted, block by block while in cache; every other cast is a plain copy.
     """
     dtype = np.dtype(dtype)
     out = aligned_empty(data.shape, dtype)
@@ -215,9 +207,8 @@ _CAST_BLOCK = 1 << 16  # elements converted and checked at once
 
 @functools.cache
 def _overflow_check(source: np.dtype, target: np.dtype):
-    """None when casting ``source`` into ``target`` cannot overflow; else a function giving,
-    for a block of source values, which ones must stay finite after the cast (finite values,
-    plus infinities when ``target`` has no inf)."""
+    """None when casting ``source`` into ``target`` cannot overflow; else a function giving which
+    values of a block must stay finite after the cast."""
     if not is_floating(target):
         return None
     info = np.finfo(target) if target.kind == "c" else ml_dtypes.finfo(target)
@@ -236,14 +227,10 @@ def _overflow_check(source: np.dtype, target: np.dtype):
 
 
 def aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
-    """An uninitialised C-ordered array whose data starts at a multiple of 64 bytes.
-
-    From ``_OWN_MAPPING_AT`` bytes up it is a mapping of its own, without numpy's
-    ``madvise(MADV_HUGEPAGE)``: where THP's ``defrag`` is ``madvise`` (the kernel's default)
-    that advice lets a page fault compact memory first, and a restore faults in every page of
-    its fresh buffers. Measured on a cold 0.54 GB restore (benchmarks/bench_restore_pages.py,
-    docs/BENCHMARKS.md): 1.05 s on the system's pages against 1.80 s with the advice. The
-    system's own THP policy still applies."""
+    """An uninitialised C-ordered array whose data starts at a multiple of 64 bytes. From
+    ``_OWN_MAPPING_AT`` bytes up it is a mapping of its own, without numpy's
+    ``madvise(MADV_HUGEPAGE)``, which lets each page fault compact memory first: 1.05 s against 1.80
+    s on a cold 0.54 GB restore (docs/BENCHMARKS.md)."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes >= _OWN_MAPPING_AT and hasattr(mmap, "MAP_ANONYMOUS"):
@@ -255,13 +242,8 @@ def aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
 
 
 def _tiled_box(keys: list[tuple], shape: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
-    """The bounding box of several distinct slices when they tile it exactly (no gap, no
-    overlap), else None.
-
-    Devices of one process often hold neighbouring slices of one stored shard (e.g. the two
-    halves of a column block): reading the box once reads each inner chunk once, where one read
-    per slice would fetch a chunk they share twice.
-    """
+    """The bounding box of several distinct slices when they tile it exactly, else None: one read of
+    the box reads a chunk the slices share once."""
     if len(keys) < 2 or any(step != 1 for key in keys for _, _, step in key):
         return None
     box = tuple(

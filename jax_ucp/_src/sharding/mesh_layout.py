@@ -1,11 +1,7 @@
-"""Which sharding each restored tensor gets on the target mesh.
-
-Three ways to say it, most explicit first: a ``jax.sharding.Sharding`` per leaf (given directly or
-carried by a target array / ``ShapeDtypeStruct``); logical-axis ``rules`` on a ``mesh`` (flax
-style: the logical names recorded at save time are mapped to mesh axes); or ``mesh`` alone, which
-reuses each tensor's saved PartitionSpec dimension by dimension where the axis names exist in the
-new mesh and divide the dimension, and replicates that dimension otherwise.
-"""
+"""Which sharding each restored tensor gets on the target mesh, most explicit first: a ``Sharding``
+per leaf (given, or carried by a target); logical-axis ``rules`` on a ``mesh`` (flax style); or
+``mesh`` alone, keeping each saved PartitionSpec per dimension where its axes exist and divide, else
+replicating."""
 
 from __future__ import annotations
 
@@ -45,8 +41,7 @@ def check_divisible(name: str, shape: Sequence[int], sharding: jax.sharding.Shar
     Args:
         name: the tensor's name, for the message
         shape: its global shape
-        sharding: the sharding asked for it
-    """
+        sharding: the sharding asked for it"""
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
         if len(spec) > len(shape):
@@ -84,8 +79,7 @@ def partition_spec_from_saved(
     Args:
         shape: the tensor's global shape
         saved: its saved sharding from the manifest (None: replicated)
-        mesh: the mesh restored onto
-    """
+        mesh: the mesh restored onto"""
     if saved is None:
         return PartitionSpec()
     out: list = []
@@ -115,8 +109,7 @@ def partition_spec_from_logical(
         shape: the tensor's global shape
         logical_axes: its logical axis name per dimension (None: unnamed)
         rules: ``(logical name, mesh axes)`` pairs, first match wins
-        mesh: the mesh restored onto
-    """
+        mesh: the mesh restored onto"""
     out: list = []
     used: set[str] = set()
     for dim, name in enumerate(logical_axes):
@@ -161,10 +154,8 @@ def _closest(name: str, known: Iterable[str]) -> str:
 
 
 def _near_miss(name: str, known: Iterable[str]) -> bool:
-    """``name`` reads like a misspelling of a known one (``modle``/``model``, ``embd``/``embed``).
-    Names unlike every known one are left alone: a purely data-parallel mesh axis, a mesh with new
-    axis names (tensors saved sharded then warn with the bytes per device), rules shared with
-    activation axes."""
+    """``name`` reads like a misspelling of a known one (``modle``/``model``); names unlike every
+    known one are left alone."""
     return bool(difflib.get_close_matches(name, sorted(set(known)), n=1, cutoff=0.75))
 
 
@@ -186,8 +177,7 @@ def unmatched_rules_message(where: str, unmatched: Sequence[str], logical_names)
     Args:
         where: the checkpoint, for the message.
         unmatched: the logical names of rules that matched no tensor.
-        logical_names: the logical axis names the tensors carry.
-    """
+        logical_names: the logical axis names the tensors carry."""
     carried = _listed(logical_names)
     hint = (
         "the checkpoint records no logical axis names: restore an imported model with the spec "
@@ -212,15 +202,9 @@ def check_names(
     strict: bool = True,
 ) -> None:
     """Refuses, before anything is read, misspelt names that would make a restore replicate
-    silently.
-
-    With ``rules``: a logical name no tensor of the checkpoint carries but close to one that
-    does (``"embd"`` for ``"embed"`` gave ``P(None, 'model')``). With or without: a mesh axis (of
-    size > 1) that no rule and no saved PartitionSpec uses but close to one that is (``modle``
-    for ``model``): every tensor would be replicated along it. ``strict=False`` allows both.
-    Names unlike any known one pass (``_near_miss``); what then ends up replicated although
-    saved sharded is reported by a ``ReplicationWarning``.
-    A rule naming a mesh axis the mesh lacks is always an error (``check_rules``).
+    silently: a rule's logical name no tensor carries but close to one that does, or a mesh axis
+    (size > 1) nothing uses but close to one that is. ``strict=False`` allows both; a rule naming an
+    axis the mesh lacks is always an error.
 
     Args:
         mesh: the mesh restored onto
@@ -228,8 +212,7 @@ def check_names(
         logical_names: every logical name the checkpoint's tensors carry
         saved_axes: every mesh axis a saved PartitionSpec uses
         where: the checkpoint, for messages
-        strict: refuse near-miss names (False: allow them)
-    """
+        strict: refuse near-miss names (False: allow them)"""
     if rules is not None:
         check_rules(rules, mesh)
     if not strict:
@@ -288,8 +271,7 @@ def replicated_unasked(
     logical_axes: Sequence[str | None] | None,
     rules: LogicalRules | None,
 ) -> bool:
-    """The tensor was saved sharded, ``spec`` replicates it on every device of ``mesh``, and
-    no rule asked for that (every logical name of it mapped to ``None``).
+    """The tensor was saved sharded, ``spec`` replicates it, and no rule asked for that.
 
     Args:
         shape: the tensor's global shape
@@ -297,8 +279,7 @@ def replicated_unasked(
         mesh: the mesh restored onto
         saved: its saved sharding
         logical_axes: its logical axis names
-        rules: the logical-axis rules given
-    """
+        rules: the logical-axis rules given"""
     if math.prod(mesh.shape.values()) < 2 or math.prod(shape) < 2:
         return False
     if any(axes_of(entry) for entry in spec):
@@ -340,16 +321,15 @@ def sharding_for(
     logical_axes: Sequence[str | None] | None,
     rules: LogicalRules | None,
 ) -> NamedSharding:
-    """The sharding a restore onto ``mesh`` gives a tensor: by the rules where they apply to
-    its logical axis names, else its saved PartitionSpec kept where it fits.
+    """The sharding a restore onto ``mesh`` gives a tensor: by the rules where they apply, else its
+    saved PartitionSpec kept where it fits.
 
     Args:
         shape: the tensor's global shape
         mesh: the mesh restored onto
         saved: its saved sharding from the manifest
         logical_axes: its logical axis names
-        rules: the logical-axis rules given (they win over the saved PartitionSpec)
-    """
+        rules: the logical-axis rules given (they win over the saved PartitionSpec)"""
     if rules is not None and logical_axes is not None:
         return NamedSharding(mesh, partition_spec_from_logical(shape, logical_axes, rules, mesh))
     return NamedSharding(mesh, partition_spec_from_saved(shape, saved, mesh))

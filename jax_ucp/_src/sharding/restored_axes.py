@@ -1,19 +1,9 @@
-"""The logical axis names a restore placed its arrays by (a spec's names, or a manifest's), kept
-for the save of the same run.
-
-A restore returns plain ``jax.Array`` leaves (what an optax step and a jitted model take); their
-``NamedSharding`` names mesh axes only. Without this, ``restore(src, spec=..., rules=...)``,
-a few steps, then ``save`` (or ``UCPSave``) recorded no logical axes, and a restore onto a mesh
-with other axis names replicated every tensor. A save takes a leaf's names from, in order,
-``save(logical_axes=)``, its flax box or nnx metadata, then what is remembered here:
-
-- the restored array itself (by identity, while it lives);
-- an array a step made from it: a ``jax.Array`` at the same place, its tree path ending with
-  the restored one's path below its root (``params/...``), of the same shape and placed by the
-  same ``NamedSharding`` on a mesh axis, where every such restored array carries the same names.
-
-Only arrays placed on a mesh by names are remembered; the last restore of a place wins.
-"""
+"""The logical axis names a restore placed its arrays by, kept for the save of the same run: a
+restored ``jax.Array``'s ``NamedSharding`` names mesh axes only, so without this a restore, a few
+steps, then ``save`` recorded no logical axes. A save takes a leaf's names from
+``save(logical_axes=)``, its box or nnx metadata, then from here: the restored array itself (while
+it lives), or an array at the same path below its root, of the same shape and ``NamedSharding``,
+where every such restored array carries the same names. The last restore of a place wins."""
 
 from __future__ import annotations
 
@@ -37,8 +27,7 @@ def remember(restored: Iterable[tuple[Sequence[str], Any, Sequence[str | None] |
 
     Args:
       restored: the restored tree's path of each leaf, the leaf, and its logical axis names
-        (None or all None: nothing to remember).
-    """
+        (None or all None: nothing to remember)."""
     import jax
 
     global _places
