@@ -1,3 +1,2 @@
-"""What several processes need to work as one: a process's identity and the check that a peer on
-this host is gone (``liveness``), the exchange of a ``jax.distributed`` job and the outcome of a
-step every process agrees on (``agreement``)."""
+"""What several processes need to work as one: identity and liveness of peers, and the exchange
+through which they agree on a step."""

@@ -1,8 +1,6 @@
-"""Processes deciding as one: each posts its outcome of a step through a ``gather`` exchange and
-every process takes the same decision from the same list (``agree``); ``Exchange`` is that
-exchange in a ``jax.distributed`` job (its key-value store, no device collective), checking on
-the way that the peers it waits for still live (``heartbeat``, ``liveness``): the one a save, a
-distributed convert (``join``) and a read-once restore (``restoring.replicated``) meet through."""
+"""Processes deciding as one: each posts its outcome of a step through a ``gather`` exchange and all
+take the same decision from the same list (``agree``); ``Exchange`` is that exchange over a
+``jax.distributed`` key-value store, checking that the peers it waits for still live."""
 
 from __future__ import annotations
 
@@ -19,9 +17,8 @@ from jax_ucp._src.multihost import heartbeat, liveness
 
 
 class ProcessLostError(MultiProcessError):
-    """A process of a multi-process job died while the others waited for it. A class of its own
-    for the command line, which then leaves at once (``jax.distributed``'s shutdown would wait
-    for the lost process's heartbeat)."""
+    """A process of a multi-process job died while the others waited for it; its own class so the
+    CLI leaves at once (``jax.distributed``'s shutdown would wait for the lost heartbeat)."""
 
 
 Gather = Callable[[str, str, bool], "list[str]"]
@@ -31,11 +28,9 @@ _OK, _FAILED = "ok:", "failed:"
 def agree(
     gather: Gather, step: str, result: str | BaseException, where: str, wait: bool = True
 ) -> list[str]:
-    """Every process's outcome of ``step``, exchanged through ``gather`` (each process's value, in
-    process order, once all have posted theirs): ``result`` is this process's payload, or its
-    error. Every process sees the same list, so all decide alike: this process's own error is
-    raised, else a ``MultiProcessError`` naming each process that failed and why; else the
-    payloads. ``wait=False`` only posts this process's outcome (the others wait for it).
+    """Every process's outcome of ``step``, exchanged through ``gather``; all decide alike: this
+    process's own error is raised, else a ``MultiProcessError`` naming each process that failed,
+    else the payloads. ``wait=False`` only posts.
 
     Args:
         gather: the exchange (see ``write_shared_checkpoint``).
@@ -45,8 +40,7 @@ def agree(
         wait: wait for every process's outcome (False: post this one's only).
 
     Returns:
-        Every process's payload, in process order.
-    """
+        Every process's payload, in process order."""
     failed = isinstance(result, BaseException)
     mine = _FAILED + f"{type(result).__name__}: {result}"[:4000] if failed else _OK + result
     values = gather(step, mine, wait)
@@ -66,15 +60,13 @@ CUT_OFF_S = 1.0
 
 
 def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int, Gather] | None:
-    """This process's index, the process count and ``gather(step, value, wait=True)``: every
-    process's value for ``step`` (an ``Exchange``), for a ``purpose`` (e.g. "convert") writing
-    ``where``. None in a single-process job.
+    """This process's index, the process count and ``gather(step, value, wait=True)`` (an
+    ``Exchange``) for a ``purpose`` writing ``where``; None in a single-process job.
 
     Args:
         where: the path written, for the errors.
         timeout: seconds to wait for the others.
-        purpose: what the processes do together, for the errors.
-    """
+        purpose: what the processes do together, for the errors."""
     import jax
 
     if jax.process_count() == 1:
@@ -86,15 +78,12 @@ def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int
 
 
 class Exchange:
-    """The processes of a ``jax.distributed`` job meeting through its key-value store (no
-    device collective): each posts its value of a step and ``gather`` waits for every one's.
-    While it waits, the processes it waits for are checked every 0.2 s, so one that died is
-    named, not waited for until jax's heartbeat (100 s) or ``timeout``: on this host by
-    ``/proc``, anywhere by its beat standing still (``heartbeat``); one that ``abort``ed is named
-    too. The processes first exchange who they are (and ``hello``'s fields, in ``peers``). From
-    then on, the process serving the coordinator (process 0) also counts the connections made to
-    it, for those that never beat: a killed one's closes, and the ones that have not answered
-    are named within ~1 s (unless another program connects too); every other process is told.
+    """The processes of a ``jax.distributed`` job meeting through its key-value store (no device
+    collective): each posts its value of a step, ``gather`` waits for all. While waiting, the
+    awaited processes are checked every 0.2 s, so a dead one is named, not waited for until jax's
+    heartbeat (100 s) or ``timeout``: by ``/proc`` on this host, by its beat standing still
+    anywhere, by ``abort``; the coordinator's server also counts connections, naming those that
+    never beat within ~1 s.
 
     Args:
         purpose: what the processes do together (the keys' prefix; "the restore" in errors).
@@ -102,8 +91,7 @@ class Exchange:
         timeout: seconds to wait for the others at each step.
         hint: added to the timeout's error (the option that sets it).
         lost: the error naming a process that died.
-        hello: fields every process posts at the start, read back from ``peers``.
-    """
+        hello: fields every process posts at the start, read back from ``peers``."""
 
     def __init__(
         self,
@@ -224,9 +212,8 @@ class Exchange:
                 )
 
     def raise_if_cut_off(self, missing: list[int], step: str, head: str) -> None:
-        """``lost`` when this process serves the coordinator and fewer than the job's processes
-        have been connected to it for ``CUT_OFF_S`` while some ``missing`` ones (which have not
-        answered ``step``) never beat: those are named."""
+        """``lost`` naming the ``missing`` processes that never beat, when this process serves the
+        coordinator and fewer than all have been connected for ``CUT_OFF_S``."""
         missing = [i for i in missing if i not in self.beats.heard]
         if self.served is None or not missing:
             self._short_since = None

@@ -1,17 +1,11 @@
-"""One checkpoint written by every process of a job and committed once, by the primary: the
-protocol of ``jax_ucp.save`` (a directory or an object store) and of a distributed convert
-(``writer.write_shared_checkpoint``). Three steps, each agreed on (``agreement.agree``), so no
-process waits for one that already failed: "ready" (the primary opened the transaction: where to
-write), "written" (every process wrote its part and reports it), "committed" (the primary merged
-the reports and committed). A failure anywhere is raised in every process, what was written is
-removed and the previous checkpoint is never touched. JAX-free: the exchange is handed in.
+"""One checkpoint written by every process and committed once, by the primary (``jax_ucp.save`` and
+a distributed convert), in three agreed steps: "ready" (the primary opened the transaction),
+"written" (every process reports its part), "committed". A failure anywhere is raised everywhere and
+what was written removed; the previous checkpoint is never touched. JAX-free: the exchange is handed
+in.
 
-The primary serves the exchange (jax.distributed's coordinator): it returns only once every
-other process has "heard" its outcome, or is gone, so a program that ends right after its save
-does not take the outcome away from the others. A process that loses the exchange while it
-waits for that outcome reports what it can prove from storage: the directory every process
-wrote is now the checkpoint (committed: no error), or it is not (the error).
-"""
+The primary returns only once every other process has heard its outcome or is gone; a process that
+loses the exchange meanwhile reports what storage proves."""
 
 from __future__ import annotations
 
@@ -49,13 +43,11 @@ def commit_once(
         where: the destination, for error messages.
         index: this process's index (0: the primary, which opens and commits).
         gather: the exchange between the processes (``agreement.join``); None: one process.
-        begin: the primary's transaction (``writer.commit.transaction``): a context manager
-            whose value has ``path`` (where every process writes) and ``commit()``; leaving it
-            with an error removes what was written.
+        begin: the primary's transaction: a context manager whose value has ``path`` and
+            ``commit()``; leaving it with an error removes what was written.
         write: writes this process's part under the given path; returns its report.
         merge: the primary's merge of every process's report (in process order) under the
-            given path, before the commit.
-    """
+            given path, before the commit."""
     gather = gather or _alone
     with contextlib.ExitStack() as stack:
         ready: str | BaseException = ""
@@ -133,10 +125,9 @@ def _identity(path: str) -> tuple[int, int] | None:
 def _outcome_from_storage(
     where: str, written_into: tuple[int, int] | None, lost: MultiProcessError
 ) -> None:
-    """The exchange was lost while waiting for the primary's outcome: returns when storage
-    proves the commit (the directory every process wrote is now ``where``, its manifest in it,
-    or the newer half of a replacement a reader completes), raises ``lost`` when it proves
-    there was none, and says the outcome is unknown when it cannot tell (an object store)."""
+    """The exchange was lost while waiting for the primary's outcome: returns when storage proves
+    the commit, raises ``lost`` when it proves there was none, says the outcome is unknown when it
+    cannot tell (an object store)."""
     if written_into is None:
         detail = str(lost).removeprefix(f"{where}: not committed; ")
         raise MultiProcessError(

@@ -1,11 +1,7 @@
-"""The processes of a ``jax.distributed`` job proving to each other that they live: each one's
-daemon thread (``start``, from its first exchange until ``jax.distributed.shutdown``) posts a
-counter and its ``liveness.identity`` under ``jax_ucp/beat/<index>`` of the job's key-value
-store every ``BEAT_S``; a process waiting for another (``Beats``) takes it for lost once its
-counter stands still for ``CUT_OFF_S``. A plain connection to the coordinator's port passes for
-no process. A live one beats late only while one call holds its interpreter lock (measured:
-3.6 s waited for, 4.5 s not) or its machine starves it that long (0.62 s at most, busy in
-Python, numpy or jit on a host loaded ~3x); a waiting process held up counts afresh."""
+"""The processes of a ``jax.distributed`` job proving they live: each one's daemon thread posts a
+counter and its identity under ``jax_ucp/beat/<index>`` every ``BEAT_S``; a waiting process takes a
+peer for lost once its counter stands still for ``CUT_OFF_S``. A live one beats late only while one
+call holds its GIL (3.6 s measured) or its host starves it (0.62 s at most under ~3x load)."""
 
 from __future__ import annotations
 
@@ -60,9 +56,8 @@ class Beats:
         self.expect: list[dict] = []  # each process's identity as it said hello, once known
 
     def hear(self) -> None:
-        """Reads every beat now (one request). A key other than ``<index>`` in ASCII digits, or
-        a beat that is not the identity its process said hello with, is no beat of the job's
-        (another program wrote it): not heard."""
+        """Reads every beat now (one request); a key that is not ``<index>`` or a beat that is not
+        its process's identity is another program's: not heard."""
         beats = dict(self.client.key_value_dir_get(_PREFIX))
         now = time.monotonic()
         fresh = now - self.polled > _HELD_UP_S  # this process was held up: counts afresh

@@ -30,8 +30,7 @@ def initialize(coordinator: str | None, num_processes=None, process_id=None, **k
         coordinator: ``host:port`` where process 0 serves the job (None: the cluster's).
         num_processes: how many processes the job has (None: the cluster's).
         process_id: this process's index (None: the cluster's).
-        **kwargs: passed on to ``jax.distributed.initialize``.
-    """
+        **kwargs: passed on to ``jax.distributed.initialize``."""
     import jax
 
     from jax_ucp._src.multihost import heartbeat
@@ -61,9 +60,9 @@ def _available_memory() -> int | None:
 
 @dataclasses.dataclass
 class LocalRun:
-    """How the processes ``run_local`` started ended: ``failed`` (the first failure first) and
-    ``stopped`` (killed because another failed) index ``procs``; ``outputs`` holds the end of
-    what each failed process but the first printed (process 0 prints to the terminal)."""
+    """How the processes ``run_local`` started ended: ``failed`` (first failure first) and
+    ``stopped`` index ``procs``; ``outputs``: the end of what each failed process but the first
+    printed."""
 
     procs: list[subprocess.Popen]
     failed: list[int]
@@ -86,17 +85,14 @@ class LocalRun:
 
 
 def run_local(n: int, command: Callable[[int, str], list[str]], env=None) -> LocalRun:
-    """Runs ``command(index, coordinator)`` as ``n`` processes of a jax.distributed job on
-    127.0.0.1 and waits for them: process 0's output goes to the terminal, the others' is
-    kept for the error. A process killed by a signal stops the others at once (one that fails
-    with an error lets them finish reporting theirs, 10 s at most); no process outlives this
-    call (Ctrl-C, SIGTERM or an error here kills them).
+    """Runs ``command(index, coordinator)`` as ``n`` processes of a jax.distributed job on 127.0.0.1
+    and waits for them (process 0 prints to the terminal). A process killed by a signal stops the
+    others at once; no process outlives this call.
 
     Args:
         n: how many processes.
         command: the argv of process ``index`` joining the job served at ``coordinator``.
-        env: their environment (None: this one's), ``JAX_PLATFORMS`` defaulting to "cpu".
-    """
+        env: their environment (None: this one's), ``JAX_PLATFORMS`` defaulting to "cpu"."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         coordinator = f"127.0.0.1:{s.getsockname()[1]}"
@@ -132,9 +128,8 @@ def run_local(n: int, command: Callable[[int, str], list[str]], env=None) -> Loc
 
 
 def wait_for_children(procs) -> tuple[list[int], list[int]]:
-    """Waits for every process; returns the indices of those that failed (the first one first)
-    and of those it stopped: once one is killed by a signal, the others are killed at once;
-    once one exits with an error, the others get 10 s to finish first (they report theirs)."""
+    """Waits for every process; returns the indices of those that failed (first first) and of those
+    it stopped (at once after a signal, after 10 s after an error)."""
     pending = dict(enumerate(procs))
     failed: list[int] = []
     while pending and not failed:

@@ -1,14 +1,7 @@
-"""Whether the processes of a multi-process job that run on this host are still alive.
-
-Each process records its ``identity`` when the job starts; a process waiting on a peer later
-compares that record with what ``/proc`` says now (``alive_here``), so a dead peer is noticed
-within a poll. Only processes of this host (same host name, boot and pid namespace) can be
-checked that way; the others are left to ``heartbeat``.
-
-A peer that dies before it beat has no record: the process serving the job's coordinator sees
-it go all the same, as the TCP connection every process holds to the coordinator
-(``connected``), wherever it runs, unless another program holds one to that port too.
-"""
+"""Whether the processes of a multi-process job that run on this host are still alive: each records
+its ``identity`` at the start, and a waiting peer compares it with ``/proc`` now (``alive_here``);
+other hosts are left to ``heartbeat``. A peer that dies before it beat is seen by the coordinator's
+server as its TCP connection closing (``connected``)."""
 
 from __future__ import annotations
 
@@ -51,9 +44,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def alive_here(peer: dict, me: dict) -> bool | None:
-    """Whether process ``peer`` (its ``identity`` when the job started) still runs, if it ran on
-    this host (``me``: this process's ``identity``): False when its pid is gone, a zombie, or
-    another process's; None elsewhere."""
+    """Whether process ``peer`` (its start ``identity``) still runs, if it ran on this host: False
+    when its pid is gone, a zombie or another's; None elsewhere."""
     if not me or any(peer.get(k) != me[k] for k in ("host", "boot", "pidns")):
         return None  # another machine: its heartbeat tells
     now = identity(peer["pid"])
@@ -98,9 +90,8 @@ def serves(port: int) -> bool:
 
 
 def connected(port: int) -> int | None:
-    """How many TCP connections to ``port`` of this host are established now (counted on the
-    server's side: one per client that has not closed it; a killed process's are closed by its
-    kernel at once); None where ``/proc/net`` cannot be read."""
+    """How many TCP connections to ``port`` of this host are established now (a killed process's
+    close at once); None where ``/proc/net`` cannot be read."""
     sockets = _sockets(port)
     return None if sockets is None else sum(state == _ESTABLISHED for state, _ in sockets)
 
