@@ -1,15 +1,9 @@
 """A DeepSpeed run's config, as its checkpoint records it, read into a :class:`Recipe`.
 
-DeepSpeed 0.19.8 builds the optimizer its config names (``engine._configure_basic_optimizer``):
-type ``Adam``/``AdamW`` is FusedAdam, or DeepSpeedCPUAdam under ZeRO-Offload, or torch's
-Adam/AdamW with ``torch_adam``; ``Adam`` is AdamW (decoupled decay) unless ``adam_w_mode`` is
-false. All of them take the same step (the CPU and CUDA kernels: ``m/(1-b1^t)`` over
-``sqrt(v)/sqrt(1-b2^t) + eps``, decoupled decay ``p -= lr*wd*p`` or L2 ``g += wd*p``; without
-``bias_correction`` the raw moments). Its schedules (``deepspeed/runtime/lr_schedules.py``) step
-once per applied optimizer step (an fp16 overflow skips both), so after ``c`` optimizer steps the
-scheduler's ``last_batch_iteration`` is ``c - 1`` and the next step's learning rate is the
-schedule at ``c - 1`` (at ``-1``: the value its constructor set). Every config value is checked
-as DeepSpeed's classes take it; anything else is refused naming it.
+DeepSpeed 0.19.8 builds the optimizer its config names (FusedAdam, DeepSpeedCPUAdam, or torch's with
+``torch_adam``; ``Adam`` is AdamW unless ``adam_w_mode`` is false), all taking the same step. Its
+schedules step once per applied optimizer step, so after ``c`` steps the next learning rate is the
+schedule at ``c - 1``. Every config value is checked as DeepSpeed takes it, else refused naming it.
 """
 
 from __future__ import annotations
@@ -144,9 +138,8 @@ def _value(kind: str, value: Any, low: float, strict: bool, field: str) -> Any:
 
 
 def scheduler_params(kind: str, params: Any, groups: int, where: str) -> dict[str, Any]:
-    """A DeepSpeed scheduler's ``params`` with its defaults, each typed and range-checked; an
-    unknown name, a per-group list whose values differ, or ``last_batch_iteration`` other than
-    -1 (a schedule begun mid-way), is refused naming it."""
+    """A DeepSpeed scheduler's ``params`` with its defaults, typed and range-checked; an unknown
+    name, per-group values that differ, or ``last_batch_iteration`` other than -1 is refused."""
     if kind not in SCHEDULERS:
         raise RequestError(
             f"{where}: DeepSpeed scheduler {kind!r}: reproduced are {', '.join(SCHEDULERS)}"
@@ -189,14 +182,13 @@ def scheduler_params(kind: str, params: Any, groups: int, where: str) -> dict[st
 
 
 def deepspeed_schedule(kind: str, kw: Mapping[str, Any], base_lr: float) -> dict[str, Any]:
-    """DeepSpeed's ``kind`` schedule as functions of optax's step count ``c`` (optimizer steps
-    applied): ``{"lr": ..., "beta1": ... or None}``, the values the ``c + 1``-th step takes.
+    """DeepSpeed's ``kind`` schedule as functions of optax's step count: ``{"lr": ..., "beta1": ...
+    or None}``.
 
     Args:
         kind: one of ``SCHEDULERS``.
         kw: its params, as :func:`scheduler_params` returns them.
-        base_lr: the optimizer's learning rate when the scheduler was made (the config's).
-    """
+        base_lr: the optimizer's learning rate when the scheduler was made (the config's)."""
     import jax.numpy as jnp
 
     def position(count):
@@ -395,16 +387,14 @@ def recorded_config(source: dict) -> dict | None:
 def deepspeed_recipe(
     source: dict, where: str, client: tuple[str, str] | None = None
 ) -> Recipe | None:
-    """The Recipe of a DeepSpeed run whose config made its optimizer or its schedule; None when
-    the import records no DeepSpeed config, or one with neither (the client's torch optimizer
-    and scheduler: read as torch's, DeepSpeed clipping by ``gradient_clipping``).
+    """The Recipe of a DeepSpeed run whose config made its optimizer or schedule; None without such
+    a config.
 
     Args:
         source: the import's record (a manifest's ``source``).
         where: the checkpoint, for errors.
         client: ``(kind, how)`` of the client's torch optimizer (``identify``), needed when the
-            config has a scheduler but no optimizer.
-    """
+            config has a scheduler but no optimizer."""
     record, ds = torch_optimizer_record(source), recorded_config(source)
     if ds is None or (ds.get("optimizer") is None and ds.get("scheduler") is None):
         return None
@@ -498,9 +488,8 @@ def _position_check(
     b1: float,
     where: str,
 ) -> Callable[[int], list[str]] | None:
-    """What checks, once the optimizer's step is restored, that the scheduler stands where the
-    files say: its saved ``last_batch_iteration`` is step - 1, the learning rate (and OneCycle's
-    beta1) the optimizer holds for its next step is the schedule's there."""
+    """Checks, once the step is restored, that the scheduler stands where the files say
+    (``last_batch_iteration`` is step - 1, the held learning rate the schedule's)."""
     if name is None or lr is None:
         return None
 

@@ -1,15 +1,8 @@
-"""How a Megatron run stepped, read from its import's ``source.megatron_optimizer`` (the saved
-``args``, the ``OptimizerParamScheduler`` state and the param-group hyper-parameters) into a
-:class:`~jax_ucp._src.continuation.recipe.Recipe`.
-
-Megatron's scheduler counts samples: Megatron-LM's ``train_step`` steps it by the global batch
-size after each successful update, so the update that follows ``count`` Adam steps uses
-``get_lr(count * global_batch_size)``. That holds only while the batch size is fixed: a
-batch-size ramp-up, or a saved ``num_steps`` that is not the saved Adam step times the global
-batch, is refused. The schedules below are megatron-core 0.16's ``get_lr`` / ``get_wd``
-(decay styles constant, linear, cosine, inverse-square-root, WSD with its anneal styles; weight
-decay increments constant, linear, cosine), written for ``numpy`` and ``jax.numpy`` alike.
-"""
+"""How a Megatron run stepped (its saved ``args``, ``OptimizerParamScheduler`` state and param
+groups) read into a :class:`Recipe`. Megatron's scheduler counts samples, so the update after
+``count`` Adam steps uses ``get_lr(count * global_batch_size)``: a batch-size ramp-up or a
+``num_steps`` that disagrees is refused. The schedules are megatron-core 0.16's ``get_lr`` /
+``get_wd``, for numpy and jax.numpy alike."""
 
 from __future__ import annotations
 
@@ -219,22 +212,17 @@ def megatron_recipe(
     saved: Mapping[Any, tuple[tuple[int, ...], Any]],
     where: str,
 ) -> Recipe | None:
-    """The Recipe of a Megatron import, or None when ``source`` is not Megatron's or records no
-    ``megatron_optimizer``.
+    """The Recipe of a Megatron import, or None when ``source`` records no ``megatron_optimizer``.
 
     Args:
         source: the manifest's ``source`` record.
-        saved: the import's tensor keys (``("params", name)``, ``("opt_state", "mu", name)``,
-            ..., or the same as ``params/<name>`` strings) -> (shape, dtype): which parameters
-            are decayed is Megatron's rule on their names and per-layer shapes.
+        saved: the import's tensor keys -> (shape, dtype): which parameters are decayed is
+            Megatron's rule on their names and per-layer shapes.
         where: the checkpoint, named in every refusal.
 
     Raises:
-        SourceError: a field missing, of the wrong type or out of range, or fields that
-            contradict each other (named, with the file).
-        RequestError: what the Recipe cannot hold (SGD or another optimizer, a batch-size
-            ramp-up, a learning rate of its own for some parameters).
-    """
+        SourceError: a field missing, wrong or contradicting another.
+        RequestError: what the Recipe cannot hold (another optimizer, a batch-size ramp-up)."""
     if source.get("framework") not in _FRAMEWORKS or source.get(RECORD) is None:
         return None
     file, args, scheduler, groups = _read_record(source, saved, where)
@@ -450,9 +438,8 @@ def _group_number(group: _Fields, key: str) -> float | None:
 
 
 def _wsd(scheduler: _Fields, args: _Fields) -> tuple[float, str]:
-    """WSD's anneal length (samples) and style: the scheduler's own record where it holds them,
-    else Megatron-LM's ``get_optimizer_param_scheduler`` from the args (iterations x global
-    batch when ``train_iters``, samples when ``train_samples``)."""
+    """WSD's anneal length (samples) and style: the scheduler's record, else as Megatron-LM derives
+    them from the args."""
     if scheduler.has("wsd_decay_steps"):
         steps = scheduler.number("wsd_decay_steps")
     elif args.has("train_iters") and args.number("train_iters", integer=True) > 0:
@@ -609,9 +596,8 @@ _STACKED_EXPERTS = re.compile(r"\.experts\.experts\.")
 
 
 def _per_layer_ndim(name: str, shape: tuple[int, ...]) -> int:
-    """The rank Megatron's module gave the parameter: torch_dist stacks a layer's tensors
-    ``[L, ...]`` (``layers.<rest>`` without a number) and an MoE layer's experts ``[L, E, ...]``
-    (``experts.experts.``)."""
+    """The rank Megatron's module gave the parameter: torch_dist stacks ``[L, ...]`` (and experts
+    ``[L, E, ...]``)."""
     stacked = len(_STACKED_LAYERS.findall(name)) + len(_STACKED_EXPERTS.findall(name))
     return len(shape) - stacked
 
@@ -623,9 +609,8 @@ def _decayed(
     file: str,
     unrecovered: list[str],
 ) -> dict[str, bool]:
-    """megatron-core's standard overrides (``get_standard_config_overrides``): no weight decay
-    for ``*.bias`` and one-dimensional parameters (q/k layer norms decayed under
-    ``apply_wd_to_qk_layernorm``), checked against the param groups' ``wd_mult``."""
+    """megatron-core's standard overrides: no weight decay for ``*.bias`` and 1-D parameters (q/k
+    norms under ``apply_wd_to_qk_layernorm``), checked against the groups' ``wd_mult``."""
     qk = args.flag("apply_wd_to_qk_layernorm")
     if args.values.get("no_weight_decay_cond_type") is not None:
         raise RequestError(

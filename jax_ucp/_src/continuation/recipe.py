@@ -1,13 +1,6 @@
 """How a torch run stepped, as its files record it: the one record ``optax_from_torch`` builds its
-optax chain from, whatever framework wrote the run (torch's own optimizer record, a DeepSpeed
-config, Megatron's saved arguments and ``OptimizerParamScheduler`` state).
-
-Each framework's reader (``continuation.deepspeed``, ``continuation.megatron``, torch's record in
-``optax_torch``) turns only what its files positively identify into a :class:`Recipe`; the chain
-built from it has one shape for every source (``clip, [L2 decay], scale_by_adam, [decoupled
-decay], scale_by_learning_rate``; a missing piece is an empty state), so a user's own additions
-never change the state's structure.
-"""
+chain from, whatever framework wrote the run; each reader turns only what its files positively
+identify into a :class:`Recipe`."""
 
 from __future__ import annotations
 
@@ -25,12 +18,8 @@ Schedule = Callable[[Any], Any]
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """What a run's files say of how its optimizer stepped.
-
-    ``learning_rate`` and a scheduled ``weight_decay`` are functions of optax's step count (the
-    optimizer steps taken, Adam's bias-correction step), so the chain's next update is the
-    framework's next one.
-    """
+    """What a run's files say of how its optimizer stepped; ``learning_rate`` and a scheduled
+    ``weight_decay`` are functions of optax's step count."""
 
     #: "adam" (L2 decay added to the gradient) or "adamw" (decoupled decay)
     optimizer: str
