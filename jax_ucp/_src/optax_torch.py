@@ -1,22 +1,11 @@
-"""Continue a PyTorch run in JAX: torch's recorded Adam/AdamW hyper-parameters as an optax
-transformation, with its state restored from the converted checkpoint.
+"""Continue a PyTorch run in JAX: its recorded Adam/AdamW hyper-parameters as an optax
+transformation, its state restored from the checkpoint.
 
-A translation is built only from what the files positively identify (:func:`identify`): the
-optimizer by the keys its ``param_groups`` hold (and the Trainer's recorded ``optim``), Adam's
-coupled L2 decay told from AdamW's decoupled decay by ``decoupled_weight_decay`` or a record,
-every scheduler argument used. Anything else is refused naming what it looks like, and what
-could not be recovered (no schedule, no clipping recorded) is listed on the result and warned.
-
-An import records the optimizer's ``param_groups`` (betas, eps, weight decay, learning rate,
-which parameters each group holds) and, for a Hugging Face Trainer checkpoint, the training
-arguments (schedule, warm-up, ``max_grad_norm``) and the scheduler's position; a DeepSpeed
-config and a Megatron run's arguments are read by ``continuation.deepspeed`` /
-``continuation.megatron``. Each is a :class:`Recipe`, turned into one chain for every source
-(:func:`chain_of`: ``clip, L2 decay, Adam, decoupled decay, learning rate``) -- torch's and
-DeepSpeed's update, term for term -- whose state is filled with the imported moments and step,
-so the next optax step is the run's next step. What the files do not record (a plain torch
-run's schedule and clipping) the caller may supply (``schedule=``, ``clip=``).
-"""
+Built only from what the files positively identify (:func:`identify`); anything else is refused, and
+what could not be recovered (no schedule, no clipping recorded) is listed and warned. Every source
+(a Trainer's records, ``continuation.deepspeed`` / ``continuation.megatron``) gives a
+:class:`Recipe`, turned into one chain (:func:`chain_of`) whose state is filled with the imported
+moments and step, so the next optax step is the run's next step."""
 
 from __future__ import annotations
 
@@ -42,8 +31,8 @@ __all__ = ["TorchOptimizer", "hf_schedule", "optax_from_torch", "run_arguments"]
 @dataclasses.dataclass
 class TorchOptimizer:
     """What continues the run: ``params`` and ``opt_state`` for ``tx``, the learning-rate
-    ``schedule`` (of optax's step count), the step the run reached, and how each setting was
-    found (``notes``)."""
+    ``schedule`` (of optax's step count), the step reached, and how each setting was found
+    (``notes``)."""
 
     tx: Any  # optax.GradientTransformation
     opt_state: Any
@@ -212,8 +201,7 @@ def hf_schedule(
         warmup: warm-up steps.
         total: the run's total optimizer steps.
         **kwargs: the schedule's ``lr_scheduler_kwargs`` (``SCHEDULE_KWARGS[kind]``; missing ones
-            take transformers' defaults).
-    """
+            take transformers' defaults)."""
     import jax.numpy as jnp
 
     if kind not in SCHEDULES:
@@ -284,19 +272,15 @@ def identify(
     groups: list[dict], trainer_args: dict, where: str, choice: str | None = None
 ) -> tuple[str, str]:
     """Which optimizer wrote ``groups``: ``("adam" | "adamw", how it was told)``, or refused.
-
-    Torch's Adam and AdamW are the groups holding ``amsgrad`` with ``betas`` (every torch since
-    1.0); ``decoupled_weight_decay`` (newer torch) tells them apart. Older torch writes the same
-    keys for both, so a non-zero weight decay then needs a record (the Trainer's ``optim``) or the
-    caller's ``choice``; a missing key is never taken for a value. Any other key set is another
-    optimizer, refused naming the one it looks like.
+    Torch's Adam/AdamW groups hold ``amsgrad`` and ``betas``; ``decoupled_weight_decay`` (newer
+    torch) tells them apart, else a non-zero decay needs a record or the caller's ``choice``.
+    Another key set is refused naming the optimizer it looks like.
 
     Args:
         groups: the recorded ``param_groups``.
         trainer_args: the Trainer's recorded training arguments ({} without them).
         where: the checkpoint, for errors.
-        choice: the caller's ``optimizer=`` ("adam" or "adamw"), for what the files cannot tell.
-    """
+        choice: the caller's ``optimizer=`` ("adam" or "adamw"), for what the files cannot tell."""
     if choice is not None and choice not in OPTIMIZERS:
         raise RequestError(f"optimizer={choice!r}: expected one of {OPTIMIZERS}")
     modes = set()
@@ -401,15 +385,13 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
 
 
 def schedule_kwargs(args: dict, kind: str, where: str) -> dict[str, Any]:
-    """The Trainer's ``lr_scheduler_kwargs``, each one used or the translation refused: a name
-    the schedule does not take, a value of the wrong type or out of its range, or a required one
-    missing, is an error naming it.
+    """The Trainer's ``lr_scheduler_kwargs``, each used or refused by name (unknown, wrong type, out
+    of range, or required and missing).
 
     Args:
         args: the Trainer's recorded arguments.
         kind: the scheduler the kwargs are for.
-        where: the checkpoint, for the errors.
-    """
+        where: the checkpoint, for the errors."""
     kwargs = args.get("lr_scheduler_kwargs") or {}
     if isinstance(kwargs, str):
         try:
@@ -537,8 +519,7 @@ def optax_from_torch(
 
     Returns:
         A :class:`TorchOptimizer`: ``tx.update(grads, opt_state, params)`` is torch's next step
-        (clipping, AdamW with its no-decay groups, the scheduler's learning rate).
-    """
+        (clipping, AdamW with its no-decay groups, the scheduler's learning rate)."""
     given: dict[str, Any] = {} if schedule is None else {"schedule": schedule}
     if clip is not _UNSET:
         given["clip"] = clip
@@ -565,7 +546,7 @@ def _opened_run(ckpt, options: Any):
     from jax_ucp._src.restoring.options import RestoreOptions
 
     importing, given = getattr(options, "importing", None), getattr(options, "format", None)
-    found = import_open.import_format(ckpt, importing, given, weights_in_place=False)
+    found = import_open.import_format(ckpt, importing, given)
     if found is None:
         from jax_ucp._src.api import inspect, restore
 
@@ -778,9 +759,8 @@ def _decays(recipe: Recipe) -> bool:
 
 
 def clip_like_torch(max_norm: float | None) -> Any:
-    """torch's ``clip_grad_norm_`` and DeepSpeed's clipping: the gradients times
-    ``min(1, max_norm / (norm + 1e-6))`` (optax's ``clip_by_global_norm`` has no 1e-6); None:
-    unchanged. Its state is empty either way."""
+    """torch's ``clip_grad_norm_``: the gradients times ``min(1, max_norm / (norm + 1e-6))``
+    (optax's has no 1e-6); None: unchanged."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -797,9 +777,8 @@ def clip_like_torch(max_norm: float | None) -> Any:
 
 
 def decay_at(rate: Any, mask: Any) -> Any:
-    """``rate * param`` added to the update on the masked leaves (``rate`` a number or a
-    function of the step count); its state is the step count, so the chain's shape does not
-    depend on whether the run decayed."""
+    """``rate * param`` added to the update on the masked leaves; its state is the step count, so
+    the chain's shape does not depend on whether the run decayed."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -825,10 +804,9 @@ def decay_at(rate: Any, mask: Any) -> Any:
 
 
 def scale_by_torch_adam(b1: Any, b2: float, eps: float, bias_correction: bool = True) -> Any:
-    """Adam's moments and ``m_hat / (sqrt(v_hat) + eps)`` as torch's Adam and DeepSpeed's
-    FusedAdam / CPU Adam step: ``b1`` a number or a function of the step count (OneCycle's
-    cycled momentum, bias-corrected with the beta1 of the step, as they do), the correction left
-    out when ``bias_correction`` is false. Its state is optax's ``ScaleByAdamState``."""
+    """Adam's ``m_hat / (sqrt(v_hat) + eps)`` as torch's Adam and DeepSpeed's FusedAdam step it;
+    ``b1`` may be a function of the step count (OneCycle), the bias correction off when
+    ``bias_correction`` is false."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -858,10 +836,9 @@ def scale_by_torch_adam(b1: Any, b2: float, eps: float, bias_correction: bool = 
 
 
 def chain_of(recipe: Recipe, mask: Any) -> Any:
-    """The one chain every source continues with: ``clip, L2 decay, Adam, decoupled decay,
-    learning rate`` (a piece the run did not have passes the gradient through, its state kept),
-    so ``tx.update(grads, opt_state, params)`` and the state's structure are the same for a
-    Trainer, a DeepSpeed or a plain torch run."""
+    """The one chain every source continues with: ``clip, L2 decay, Adam, decoupled decay, learning
+    rate`` (an absent piece passes the gradient through), so the state's structure is the same for
+    every run."""
     import optax
 
     b1, b2 = recipe.betas
@@ -878,11 +855,9 @@ def chain_of(recipe: Recipe, mask: Any) -> Any:
 
 
 def _recorded_steps(source: dict, step: int, notes: list[str], where: str) -> None:
-    """The run's other step counts against the optimizer's, which the continuation takes (Adam's
-    bias correction and the schedule run on it): the Trainer's ``global_step``
-    (``trainer_state.json``) and DeepSpeed's ``global_steps`` (its model states). One that
-    differs (updates skipped on an fp16 overflow count there, not in the optimizer; or files of
-    two saves) is said in a warning and the notes, naming both."""
+    """The run's other step counts (the Trainer's ``global_step``, DeepSpeed's ``global_steps``)
+    against the optimizer's, which the continuation takes: one that differs (fp16 overflow skips, or
+    two saves' files) is warned and noted."""
     trainer = source.get("trainer") or {}
     folder = str(source.get("trainer_path") or source.get("path") or where)
     counts = {
@@ -918,9 +893,8 @@ def _restored_adam(run: _Run, options: Any, spec: Any, where: str) -> tuple[Any,
 
 
 def _state_of(tx: Any, params: Any, mu: Any, nu: Any, step: int) -> tuple:
-    """The chain's state around the restored moments, from shapes alone: ``tx.init(params)``
-    would build zeros the size of the model (placed wherever ``jnp.zeros_like`` puts them)
-    only for the moments to replace them."""
+    """The chain's state around the restored moments from shapes alone (``tx.init`` would build
+    model-sized zeros only to replace them)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -960,11 +934,9 @@ def _no_optimizer(source: dict, where: str) -> str:
 
 
 def run_arguments(source: dict, where: str) -> dict:
-    """The Trainer's recorded training arguments as the run stepped with them. Under DeepSpeed
-    (``source.optimizer.deepspeed``: its config) DeepSpeed clips, by its ``gradient_clipping``
-    (the Trainer's ``max_grad_norm`` only fills an ``"auto"`` there), and an optimizer its config
-    names is made by DeepSpeed, not by the Trainer's ``optim`` (what it made, and a DeepSpeed
-    scheduler, are read by ``continuation.deepspeed``)."""
+    """The Trainer's recorded training arguments as the run stepped with them: under DeepSpeed its
+    ``gradient_clipping`` clips and its config's optimizer is the one made
+    (``continuation.deepspeed`` reads them)."""
     del where
     args = dict((source.get("trainer") or {}).get("training_args") or {})
     ds = recorded_config(source)
@@ -1000,9 +972,8 @@ def _restore_keywords(options: Any, spec: Any, where: str) -> dict[str, Any]:
 
 
 def _unrecovered(source: dict) -> list[str]:
-    """What a run may have had that the import found no record of: without the Trainer's
-    training arguments, its schedule and clipping are unknown (a plain torch run records
-    neither in its files; a DeepSpeed run records its clipping in its config)."""
+    """What a run may have had that the import found no record of: without the Trainer's arguments,
+    its schedule and clipping."""
     trainer = source.get("trainer") or {}
     args = trainer.get("training_args")
     if args is not None:

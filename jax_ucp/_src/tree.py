@@ -21,19 +21,15 @@ def _is_leaf(x) -> bool:
 
 
 def _is_box(x) -> bool:
-    """A flax metadata box (nn.Partitioned, nn.LogicallyPartitioned: they name axes). Asked of
-    flax only once flax.core.meta is imported (no box exists before): importing flax to ask
-    would cost a first save or restore ~0.2 s."""
+    """A flax metadata box (they name axes), asked only once flax.core.meta is imported: importing
+    flax to ask costs ~0.2 s."""
     meta = sys.modules.get("flax.core.meta")
     return meta is not None and isinstance(x, meta.AxisMetadata)
 
 
 def flatten(tree) -> tuple[list[tuple[tuple[str, ...], tuple[str, ...], Any]], Any]:
-    """[(key, key_types, leaf)] in flatten order, and the treedef. None is a leaf (a saved value).
-
-    Key components must be UTF-8 text (they become ucp.json strings and directory names) and a
-    dict's keys must be sortable (JAX sorts them): otherwise a ``RequestError`` names the key path.
-    """
+    """[(key, key_types, leaf)] in flatten order, and the treedef; None is a leaf. Keys must be
+    UTF-8 text and a dict's keys sortable, else a ``RequestError`` names the key path."""
     import jax  # here, not at import: inspect reads a tree's classes without JAX
 
     try:
@@ -122,9 +118,8 @@ def rebox(target_leaf, value) -> Any:
 
 
 def target_leaves(target, boxed: bool = True) -> tuple[list[tuple[tuple[str, ...], Any]], Callable]:
-    """A restore target flattened once: its leaves by key, out of their flax metadata boxes,
-    and ``rebuild(values)``, the target's structure with one value per leaf (in the leaf's box
-    when ``boxed``), so a restore gives back the target's treedef."""
+    """A restore target flattened once: its leaves by key, unboxed, and ``rebuild(values)`` giving
+    back the target's structure (boxed again when ``boxed``)."""
     import jax  # here, not at import: inspect reads a tree's classes without JAX
 
     leaves, treedef = flatten(target)
@@ -162,9 +157,8 @@ def _variables(tree) -> list:
 
 
 def variable_roles(tree) -> dict[tuple[str, ...], str]:
-    """{key of the array inside an ``nnx.Variable``: "param" or "opt_state"} for every
-    ``nnx.Param`` and ``nnx.OptState`` of ``tree``: the manifest role its class says, wherever
-    the user put it (``{"model": nnx.state(model)}``: no ``params`` key to go by)."""
+    """{key of the array inside an ``nnx.Variable``: "param" or "opt_state"} by its class
+    (``nnx.Param`` / ``nnx.OptState``), wherever the user put it."""
     import jax  # here, not at import: inspect reads a tree's classes without JAX
 
     out: dict[tuple[str, ...], str] = {}
@@ -184,9 +178,8 @@ def variable_roles(tree) -> dict[tuple[str, ...], str]:
 
 
 def variable_axes(tree) -> dict[tuple[str, ...], tuple]:
-    """{key of the array inside an ``nnx.Variable``: its axis names} for every Variable of
-    ``tree`` whose metadata names them (``nnx.with_partitioning``), so a save records them as
-    it records linen boxes' names. Keys are those ``flatten`` gives (``…/kernel/value``)."""
+    """{key of the array inside an ``nnx.Variable``: its axis names} for every Variable whose
+    metadata names them (``nnx.with_partitioning``); keys as ``flatten`` gives them."""
     import jax  # here, not at import: inspect reads a tree's classes without JAX
 
     out: dict[tuple[str, ...], tuple] = {}
@@ -203,9 +196,8 @@ def variable_axes(tree) -> dict[tuple[str, ...], tuple]:
 
 
 def nest(items: Iterable[tuple[Sequence[str], Sequence[str], Any]], *, partial=False) -> Any:
-    """Nested dicts from (key, key_types, value); a level whose keys are all sequence indices
-    0..n-1 becomes a list (tuples and lists were saved that way). ``partial`` (a selection):
-    a level of indices is a list only when no index is missing, else a dict of int keys."""
+    """Nested dicts from (key, key_types, value); a level of indices 0..n-1 becomes a list (with
+    ``partial``, only when none is missing, else a dict of int keys)."""
     root: dict = {}
     types_at: dict[tuple, set] = {}
     for key, key_types, value in items:
@@ -454,9 +446,8 @@ def _allowed_in(package: str) -> dict[str, type]:
 
 
 def allowed_classes() -> dict[str, type]:
-    """Manifest class name → class, for every container class a restore rebuilds: optax's
-    public NamedTuples (enumerated from its public modules), flax's dict-like containers and
-    flax's own ``nnx.Variable`` classes."""
+    """Manifest class name → class, for every container a restore rebuilds: optax's public
+    NamedTuples, flax's dict-likes and ``nnx.Variable`` classes."""
     return {k: v for package in _PACKAGES for k, v in _allowed_in(package).items()}
 
 
@@ -492,9 +483,8 @@ def allowed_class(name: object) -> type | None:
 
 
 def class_kind(name: object, live: bool) -> tuple[str, tuple[str, ...] | None] | None:
-    """("namedtuple", fields) | ("dict", None) | ("variable", None) for an allow-listed class
-    name, else None. ``live``: from the classes themselves (imports their package); else from
-    ``KNOWN_CLASSES`` (no import)."""
+    """("namedtuple", fields) | ("dict", None) | ("variable", None) for an allow-listed class name,
+    else None; ``live``: from the classes (imports them), else from ``KNOWN_CLASSES``."""
     package = _package_of(name)
     if package is None:
         return None
@@ -521,9 +511,8 @@ _PLAIN_KINDS = {dict: "dict", list: "list", tuple: "tuple"}
 
 
 def describe_structure(tree) -> dict:
-    """The container structure of ``tree`` as JSON: node types, classes, child names. A dict's
-    integer key (an ``nnx.State``'s ``{0: ...}`` of an optimizer chain) is recorded with key
-    type "index", so a restore gives the int back."""
+    """The container structure of ``tree`` as JSON: node types, classes, child names (an int dict
+    key recorded as "index", so it comes back an int)."""
 
     def node(x) -> dict:
         children = None if _is_leaf(x) else _children(x)
@@ -584,12 +573,9 @@ def rebuild_structure(
     partial: bool = False,
     axes_at: Callable[[tuple], tuple | None] | None = None,
 ) -> Any:
-    """The tree ``describe_structure`` described, with each leaf from ``value_at(key)`` (which
-    returns ``_MISSING`` for leaves not restored, e.g. not selected): containers that lose
-    children become dicts (of int keys for a sequence's positions), empty subtrees of a
-    selection disappear. ``partial`` (a selection): only containers of restored leaves come
-    back; a leafless node (optax's ``EmptyState()``) comes back only beside siblings restored
-    whole, so ``select=r"opt_state/.*"`` still gives the optimizer's tuple.
+    """The tree ``describe_structure`` described, each leaf ``value_at(key)`` (``_MISSING`` when not
+    restored): containers that lose children become dicts, empty subtrees of a selection disappear,
+    a leafless node comes back only beside siblings restored whole.
 
     Args:
         description: what ``describe_structure`` recorded.
@@ -597,8 +583,7 @@ def rebuild_structure(
         prefix: the key of ``description``'s node.
         partial: a selection: only containers of restored leaves.
         axes_at: the recorded logical axes of a leaf, by key: an ``nnx.Variable`` comes back
-            with them as its ``out_sharding`` (None: without).
-    """
+            with them as its ``out_sharding`` (None: without)."""
     for _, notice in class_notices(description):  # never silently a dict: the nodes named
         warnings.warn(notice, UserWarning, stacklevel=2)
     return _rebuild(description, value_at, prefix, partial, axes_at)[0]
@@ -681,9 +666,8 @@ def _child_key(name: str, key_type: str):
 
 
 def _variable(cls: type, value: Any, metadata: dict | None, names: tuple | None) -> Any:
-    """An ``nnx.Variable`` of class ``cls`` holding ``value`` with the metadata the save
-    recorded (lists as tuples; without any, the recorded logical axes as its
-    ``out_sharding``), so ``nnx.update`` keeps the model's sharding names and stream tags."""
+    """An ``nnx.Variable`` of class ``cls`` holding ``value`` with the recorded metadata (or the
+    logical axes as its ``out_sharding``), so ``nnx.update`` keeps the sharding names."""
     variable = cls(value)
     if metadata is None and names is not None and any(n is not None for n in names):
         metadata = {_VARIABLE_AXES_METADATA[0]: names}
@@ -698,10 +682,8 @@ def _variable(cls: type, value: Any, metadata: dict | None, names: tuple | None)
 
 
 def _node_kind(description: dict, live: bool = True) -> str | None:
-    """How a "namedtuple"/"object" node is rebuilt: "namedtuple" (an allow-listed NamedTuple
-    whose fields are exactly the children's names), "variable" (an allow-listed nnx.Variable
-    holding one "value"), "dict" (an allow-listed dict-like class); None: as a dict of its
-    fields. ``live``: see ``class_kind``."""
+    """How a "namedtuple"/"object" node is rebuilt: "namedtuple" (fields exactly the children),
+    "variable" (one "value"), "dict"; None: a dict of its fields."""
     found = class_kind(description.get("class"), live)
     if found is None:
         return None
@@ -717,11 +699,9 @@ def _node_kind(description: dict, live: bool = True) -> str | None:
 
 
 def class_notices(description: dict | None) -> list[tuple[str, str]]:
-    """[(tree node, notice)]: one notice for the whole tree, naming the "namedtuple"/"object"
-    nodes a restore without a target gives back as plain dicts (a class outside the
-    allow-list, or fields that differ), by class, with a few of their paths; [] when there
-    are none. Judged without importing optax or flax when they are not loaded yet
-    (``KNOWN_CLASSES``), so ``inspect`` and ``verify`` start without JAX."""
+    """[(tree node, notice)]: one notice naming the nodes a restore without a target gives back as
+    plain dicts (by class, a few paths); judged without importing optax or flax when not loaded, so
+    ``inspect`` starts without JAX."""
     found: list[tuple[str, str, str]] = []  # (node path, class, why)
     stack: list[tuple[tuple[str, ...], dict]] = (
         [((), description)] if description is not None else []
