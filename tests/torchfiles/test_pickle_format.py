@@ -31,7 +31,6 @@ from jax_ucp._src.torchfiles.torch_zip import (
     MAX_COMPRESSED_MEMBER,
     MAX_INFLATED_TOTAL,
     load_torch_file,
-    scan_globals,
 )
 from tests.ucp_testing import REPO, python_lines
 
@@ -155,13 +154,11 @@ def test_compressed_member_still_reads(tmp_path):
     np.testing.assert_array_equal(load_torch_file(p), base.reshape(2, 3))
 
 
-def test_real_deepspeed_file_loads_and_scans():
+def test_real_deepspeed_file_loads():
     files = sorted(
         glob.glob(os.path.join(FIX, "z*_bf16_dp2", "ckpt", "global_step2", "*optim_states.pt"))
     )
     assert files, "DeepSpeed fixtures missing"
-    g = scan_globals(files[0])
-    assert "deepspeed.utils.tensor_fragment.fragment_address" in g
     with pytest.raises(TorchFileError, match="deepspeed"):
         load_torch_file(files[0])  # DeepSpeed classes are not in the base allow-list
     from jax_ucp._src.importers.deepspeed import DS_CLASSES

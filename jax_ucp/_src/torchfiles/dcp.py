@@ -158,6 +158,8 @@ class ObjectPath(str):
 
 def folder(path: os.PathLike | str) -> Path | ObjectPath:
     """``path`` as the reader holds it: an :class:`ObjectPath` for an object-store URL."""
+    if isinstance(path, Path | ObjectPath):
+        return path
     return Path(path) if storage.storage_for(path).local else ObjectPath(str(path).rstrip("/"))
 
 

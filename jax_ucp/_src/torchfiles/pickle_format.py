@@ -272,8 +272,7 @@ def restricted_loads(
         data: the pickle bytes.
         where: names the data in errors.
         extra_classes: more allow-listed classes (``module.QualName`` -> stand-in).
-        persistent_load: resolves persistent ids (torch's storages).
-    """
+        persistent_load: resolves persistent ids (torch's storages)."""
     allowed = {**allow_list.BASE_ALLOWED, **(extra_classes or {})}
     up = _RestrictedUnpickler(data, where, allowed, persistent_load)
     try:

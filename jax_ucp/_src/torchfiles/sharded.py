@@ -47,8 +47,7 @@ def local_pieces(tensor: WrapperTensor, mesh_size: int) -> list[Piece]:
 
     Args:
         tensor: a DTensor or ShardedTensor as loaded with ``SHARDED_TENSOR_CLASSES``.
-        mesh_size: the number of ranks the tensor is spread over (a DTensor's 1-D mesh).
-    """
+        mesh_size: the number of ranks the tensor is spread over (a DTensor's 1-D mesh)."""
     if tensor.qualname == DTENSOR:
         return [_dtensor_piece(tensor, mesh_size)]
     if tensor.qualname == SHARDED_TENSOR:

@@ -14,7 +14,6 @@ import contextlib
 import io
 import math
 import os
-import pickletools
 import struct
 import zipfile
 import zlib
@@ -446,25 +445,6 @@ def load_torch_file(
         if verify_crc:
             arch.verify_crc()
         return arch.load(extra_classes)
-
-
-def scan_globals(path: os.PathLike | str) -> set[str]:
-    """The ``module.QualName`` globals a torch file's pickle references, found without loading it."""
-    with contextlib.closing(TorchArchive(path)) as arch:
-        data = arch.read_member(arch.prefix + "data.pkl")
-    found: set[str] = set()
-    strings: list[str] = []
-    try:
-        for op, arg, _pos in pickletools.genops(data):
-            if op.name in ("GLOBAL", "INST"):
-                found.add(str(arg).replace(" ", ".").replace("__builtin__.", "builtins."))
-            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-                found.add(f"{strings[-2]}.{strings[-1]}")
-            if isinstance(arg, str):
-                strings.append(arg)
-    except Exception as e:
-        raise TorchFileError(path, f"corrupt pickle ({e})") from None
-    return found
 
 
 # --------------------------------------------------------------------------- writing
