@@ -21,9 +21,7 @@ from jax_ucp._src.torchfiles import dtypes
 
 
 class TorchFileError(SourceError):
-    """A torch file is missing, truncated, corrupt, unsupported, or its pickle asks for something
-    outside the allow-list; ``path``: the file. Its own class: importers keep it as it is (it names
-    the file)."""
+    """A torch file is missing, corrupt, unsupported, or beyond the allow-list (``path``)."""
 
     def __init__(self, path: os.PathLike | str, message: str):
         self.path = str(path)
@@ -72,15 +70,13 @@ _BOUNDED_REPR = _BoundedRepr()
 
 
 def short_repr(obj: Any, limit: int = 200) -> str:
-    """A repr of untrusted pickled data for error messages: bounded work, at most ``limit``
-    characters (never ``repr(obj)[:limit]``, which builds the whole string first)."""
+    """A repr of untrusted data for errors: bounded work, at most ``limit`` characters."""
     r = _BOUNDED_REPR.repr(obj)
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 class StandIn:
-    """Inert stand-in for a pickled Python object, by ``REDUCE`` (``cls(*args)``) or ``NEWOBJ`` +
-    ``BUILD``; a dict state becomes attributes."""
+    """Inert stand-in for a pickled object (``REDUCE`` or ``NEWOBJ`` + ``BUILD``): data only."""
 
     qualname: str = "?"
 
@@ -196,8 +192,7 @@ def _rebuild_tensor(
             f"but storage {storage.key!r} holds {n_elems} {dt} elements"
         )
     if numel > n_elems - storage_offset:
-        # stride 0 (``expand``) or overlapping strides: more elements than the storage's bytes
-        # hold. Materialising it could take any amount of memory from a tiny file.
+        # stride 0 or overlapping: materialising it could take any memory from a tiny file
         raise ValueError(
             f"tensor of size {shape} (stride {strides}) declares {numel} elements but storage "
             f"{storage.key!r} holds {n_elems - storage_offset} from offset {storage_offset}: "
@@ -249,16 +244,14 @@ class Allowed:
 
 @dataclass(frozen=True)
 class _WrapperClass:
-    """A tensor subclass torch pickles through ``_rebuild_wrapper_subclass`` (DTensor,
-    ShardedTensor): only its name is kept; it is never called."""
+    """A tensor subclass pickled via ``_rebuild_wrapper_subclass``: its name only, never called."""
 
     qualname: str
 
 
 @dataclass(eq=False)
 class WrapperTensor:
-    """A pickled DTensor or ShardedTensor (``qualname``) as inert data: global ``shape``, ``dtype``
-    and its pickled ``state`` (read by :mod:`sharded`)."""
+    """A pickled DTensor or ShardedTensor as inert data: ``shape``, ``dtype``, pickled ``state``."""
 
     qualname: str
     shape: tuple[int, ...]
@@ -345,8 +338,7 @@ def _bytearray(x=b"", encoding=None):
 
 
 def _ordered_dict(items=()):
-    """``collections.OrderedDict(items)`` with every key checked by :func:`hashable_key` first (a
-    tuple of shared tuples hashes in exponential time)."""
+    """``OrderedDict(items)``, every key checked by :func:`hashable_key` before it is hashed."""
     if isinstance(items, dict):  # built by this unpickler: its keys were checked
         return collections.OrderedDict(items)
     if not isinstance(items, (list, tuple)):
@@ -371,8 +363,7 @@ _KEY_SCALARS = (str, bytes, int, float, bool, type(None), np.dtype)
 
 
 def hashable_key(key: Any, what: str = "dict key") -> Any:
-    """``key`` if hashing it takes bounded work: a scalar, a flat tuple of scalars, or a stand-in
-    with its own bounded ``__hash__``."""
+    """``key`` if hashing it takes bounded work (no nested tuples: exponential hashing)."""
     if isinstance(key, _KEY_SCALARS):
         return key
     if type(key) is tuple and len(key) <= 64 and all(isinstance(k, _KEY_SCALARS) for k in key):
@@ -419,8 +410,7 @@ _SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
 
 
 def _process_group_state(owner: Any, name: Any) -> Allowed:
-    """``getattr(ShardedTensor, "ProcessGroupState")``, the one attribute lookup a pickled
-    ShardedTensor makes; any other is refused."""
+    """``ShardedTensor.ProcessGroupState``, the one attribute lookup its pickle makes."""
     if owner != _WrapperClass(_SHARDED_TENSOR) or name != "ProcessGroupState":
         raise ValueError(f"getattr{short_repr((owner, name), 120)} is not allowed")
     qualname = f"{_SHARDED_TENSOR}.ProcessGroupState"
@@ -467,8 +457,7 @@ def _sharded_tensor_classes() -> dict[str, Any]:
     return d
 
 
-#: Extra classes for files holding DTensors and ShardedTensors (FSDP2 / FSDP1
-#: ``SHARDED_STATE_DICT`` state dicts saved with ``torch.save``): each becomes a
+#: Extra classes for files holding DTensors and ShardedTensors (FSDP2 / FSDP1): each a
 #: :class:`WrapperTensor`, its mesh, placements and shard metadata inert stand-ins.
 SHARDED_TENSOR_CLASSES: Mapping[str, Any] = _sharded_tensor_classes()
 
@@ -485,6 +474,5 @@ def _numpy_classes() -> dict[str, Any]:
     }
 
 
-#: numpy's pickled arrays, dtypes and scalars (``np.random.get_state()`` in a run's RNG state,
-#: numbers in its arguments) as inert stand-ins, for files saved beside the weights.
+#: numpy's pickled arrays, dtypes and scalars (a run's RNG state) as inert stand-ins.
 NUMPY_CLASSES: Mapping[str, Any] = _numpy_classes()

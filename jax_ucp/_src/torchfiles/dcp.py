@@ -49,8 +49,7 @@ class _MetadataIndex(allow_list.StandIn):
     qualname = "torch.distributed.checkpoint.metadata.MetadataIndex"
 
     def _key(self):
-        # Checked before hashing: a hostile offset of shared nested tuples would hash in
-        # exponential time.
+        # checked before hashing: shared nested tuples hash in exponential time
         d = self.__dict__
         fqn, off, index = d.get("fqn"), d.get("offset"), d.get("index")
         if (
@@ -77,8 +76,7 @@ def _get_layout(name: Any) -> str:
 
 
 def path_standin(*parts: Any) -> str:
-    """A pickled ``pathlib`` path (``REDUCE(PosixPath, parts)``) as the plain string it names:
-    only strings are accepted and nothing on the file system is touched."""
+    """A pickled ``pathlib`` path as the string it names (strings only; the disk is not touched)."""
     if not all(isinstance(p, str) for p in parts) or sum(len(p) for p in parts) > 1 << 16:
         raise ValueError(f"bad path parts {allow_list.short_repr(parts)}")
     return posixpath.join(*parts) if parts else "."
@@ -106,8 +104,7 @@ def _standins() -> dict[str, Any]:
     }
     d[m + "MetadataIndex"] = _MetadataIndex
     d[m + "_MEM_FORMAT_ENCODING"] = allow_list.int_enum_standin(m + "_MEM_FORMAT_ENCODING")
-    # torch's FileSystemWriter, and OLMo-core's RemoteFileSystemWriter (same fields:
-    # relative_path, offset, length; each chunk a torch.save archive as torch writes it)
+    # torch's FileSystemWriter, and OLMo-core's RemoteFileSystemWriter (the same fields)
     for owner in (_FILESYSTEM, "olmo_core.distributed.checkpoint.filesystem"):
         name = f"{owner}._StorageInfo"
         d[name] = allow_list.standin_class(name)
@@ -130,9 +127,7 @@ DCP_CLASSES: dict[str, Any] = _standins()
 #: Largest ``.metadata`` read (it lists every chunk of every tensor: megabytes for big models).
 MAX_METADATA_BYTES = 1 << 30
 
-#: Most bytes a chunk's decoded ``torch.save`` archive may hold beyond its elements' (the pickle,
-#: the zip's headers and 64-byte alignment: ~1.5 KiB as torch writes one chunk): the budget a
-#: compressed chunk (:mod:`dcp_transforms`) is decoded within.
+#: Most bytes a decoded chunk's archive may hold beyond its elements' (torch writes ~1.5 KiB).
 ARCHIVE_OVERHEAD = 1 << 20
 
 #: Most bytes a compressed pickled object (a ``BytesStorageMetadata`` entry) may decode to.
@@ -143,8 +138,7 @@ MAX_OBJECT_BYTES = 256 << 20
 
 
 class ObjectPath(str):
-    """A DCP folder in an object store: its URL, joined with ``/`` as a ``Path`` is; its files are
-    read by ranged GETs, never listed or written."""
+    """A DCP folder in an object store: a URL joined with ``/``, read by ranged GETs only."""
 
     __slots__ = ()
 
@@ -208,9 +202,7 @@ class DcpCheckpoint:
     tensors: dict[str, DcpTensor]
     objects: dict[str, DcpObject]
     version: str | None = None
-    #: "dcp": ``.metadata`` and its ``.distcp`` files; "hf_safetensors": torch's Hugging Face
-    #: writer's rank-local ``.safetensors`` files (:mod:`dcp_safetensors`), each chunk a
-    #: tensor's raw bytes
+    #: "dcp": ``.distcp`` files; "hf_safetensors": rank-local safetensors (:mod:`dcp_safetensors`)
     layout: str = "dcp"
     #: what the reader could not check and the import records (``source.notes``)
     notes: tuple[str, ...] = ()
@@ -218,8 +210,7 @@ class DcpCheckpoint:
     _real: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def file_path(self, name: str) -> str:
-        """The real path of storage file ``name`` (symlinks resolved), refused unless it lies
-        inside the checkpoint folder: a ``.distcp`` linked to a file elsewhere is never read."""
+        """The real path of storage file ``name``, refused unless it lies inside the folder."""
         if isinstance(self.path, ObjectPath):
             return self.path / name  # a plain name (checked in _storage_ref): no link to follow
         real = self._real.get(name)
@@ -233,8 +224,7 @@ class DcpCheckpoint:
 
     @property
     def index(self) -> str:
-        """What records the chunks, for errors: ``.metadata``, or the rank-local safetensors
-        files' offsets."""
+        """What records the chunks, for errors: ``.metadata``, or the safetensors files."""
         if self.layout == "dcp":
             return str(self.path / METADATA_FILE)
         return f"{self.path} (DCP_SHARDING_INFO of its .safetensors files)"
@@ -246,8 +236,7 @@ class DcpCheckpoint:
             self._covered.add(name)
 
     def read(self, name: str, rows: int | None = None) -> np.ndarray:
-        """The tensor's global array from its chunks (checked first); ``rows`` keeps the first rows
-        of dim 0 (vocab padding stripped without materialising it)."""
+        """The tensor's array from its chunks; ``rows`` keeps the first rows (vocab padding)."""
         t = self.tensors[name]
         if rows is not None and (not t.shape or not 0 <= rows <= t.shape[0]):
             raise SourceError(
@@ -256,8 +245,7 @@ class DcpCheckpoint:
         return self._assemble(t, 0, t.shape[0] if rows is None and t.shape else rows)
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` of dim 0 of the tensor, from the chunks that overlap them only
-        (memory: the rows, not the tensor): a tensor over the memory budget in row slabs."""
+        """Rows ``start:stop`` of the tensor, from the chunks that overlap them only."""
         t = self.tensors[name]
         if not t.shape or not 0 <= start <= stop <= t.shape[0]:
             raise SourceError(
@@ -270,8 +258,7 @@ class DcpCheckpoint:
         self.check_tensor(t.name)
         self.check_files([t])  # so what is allocated below is at most the bytes on disk
         shape = t.shape if stop is None else (stop - start, *t.shape[1:])
-        # its own mapping, unmapped once the writer drops it: glibc keeps freed blocks under its
-        # dynamic mmap threshold (up to 32 MiB) resident in the heap (+120 MiB measured)
+        # its own mapping: glibc keeps freed blocks under 32 MiB in the heap (+120 MiB measured)
         out = writer.unpooled_empty(shape, t.dtype)
         jobs = []
         for c in t.chunks:
@@ -300,9 +287,8 @@ class DcpCheckpoint:
     def _read_chunk_into(
         self, t: DcpTensor, c: DcpChunk, region: np.ndarray, skip: int = 0
     ) -> None:
-        """Chunk ``c`` into ``region`` (from its row ``skip`` on). A chunk whose bytes are exactly
-        the region's (a row shard: what FSDP writes) is read with ``preadv`` straight into it,
-        its CRC-32 computed there while in cache: one copy, one pass."""
+        """Chunk ``c`` into ``region`` (from its row ``skip`` on). A row shard's bytes are read with
+        ``preadv`` straight into it, the CRC computed there while in cache: one copy, one pass."""
         if (
             not skip
             and region.flags.c_contiguous
@@ -346,8 +332,7 @@ class DcpCheckpoint:
     def _chunk_bytes(
         self, t: DcpTensor, c: DcpChunk
     ) -> tuple[str, Path | ObjectPath, np.ndarray, bool]:
-        """(``c`` named in errors, its file, its mapped bytes, whether they are a torch.save
-        archive rather than a tensor's raw bytes)."""
+        """(``c`` for errors, its file, its mapped bytes, whether they are a torch.save archive)."""
         where, fpath = self._where(t, c), self._file(c.file)
         raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
         return where, fpath, raw, mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04"
@@ -404,8 +389,7 @@ class DcpCheckpoint:
         return obj
 
     def check_files(self, tensors: Iterable[DcpTensor] | None = None) -> None:
-        """Every file the metadata references (or ``tensors``' chunks reference) exists and is
-        long enough."""
+        """Every file the chunks (of ``tensors``) reference exists and is long enough."""
         sizes: dict[str, int] = {}
         objects = self.objects.values() if tensors is None else ()
         entries = list(
@@ -445,15 +429,13 @@ class DcpCheckpoint:
                 )
 
 
-#: Most corner coordinates :func:`check_coverage` sorts for one tensor (chunks x 2**split dims x
-#: (split dims + 1)): 256 MiB of int64. A million chunks split along 3 dims stays below it.
+#: Most corner coordinates :func:`check_coverage` sorts for one tensor: 256 MiB of int64.
 MAX_COVERAGE_CORNERS = 1 << 25
 
 
 def check_coverage(t: DcpTensor, where: Path | str) -> None:
-    """Every element of ``t`` comes from exactly one chunk, each inside the shape and its stored
-    bytes at least its elements'. Python ints: [2**62, 32] must not wrap to 0. O(n log n)
-    (:func:`_tiling_witness`)."""
+    """Every element of ``t`` comes from exactly one chunk, each inside the shape with enough bytes,
+    in Python ints (no int64 wrap); O(n log n)."""
     nd = len(t.shape)
     total = 0
     for c in t.chunks:
@@ -550,8 +532,7 @@ def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[Dc
 
 
 def _object_size(root: ObjectPath, name: str, end: int) -> int:
-    """``end`` when object ``name`` holds at least ``end`` bytes, else how many it holds (-1:
-    missing), found by one-byte ranged reads (an object store lists no sizes here)."""
+    """``end`` when object ``name`` holds that many bytes, else its size (-1: missing)."""
     if end and object_store.read_range(root, name, end - 1, end) not in (None, b""):
         return end
     got = object_store.read_range(root, name, 0, end)
@@ -559,8 +540,7 @@ def _object_size(root: ObjectPath, name: str, end: int) -> int:
 
 
 def _file_range(path: Path | ObjectPath, offset: int, length: int, where: str) -> np.ndarray:
-    """A read-only mapped uint8 view of ``path[offset:offset+length]``, read by pread only (touching
-    a mapping of a file that shrank kills the process); an object's range is one GET."""
+    """A read-only uint8 view of ``path[offset:offset+length]``, read by pread only (no SIGBUS)."""
     if isinstance(path, ObjectPath):
         root, _, name = path.rpartition("/")
         got = object_store.read_range(root, name, offset, offset + length) if length else b""
@@ -615,8 +595,7 @@ PARALLEL_BYTES = 4 << 20
 
 @functools.cache
 def _pool(pid: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The reading threads of process ``pid`` (a forked child has none of its parent's: it gets
-    its own pool, or work queued to the inherited one would never run)."""
+    """The reading threads of process ``pid`` (a forked child needs its own pool)."""
     return concurrent.futures.ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 1)), "dcp-read")
 
 
@@ -624,8 +603,7 @@ def _address(arr: np.ndarray) -> int:
     return arr.__array_interface__["data"][0]
 
 
-#: Bytes read and CRC-checked per step of :func:`pread_into`: small enough to stay in the CPU
-#: cache between the read and the CRC.
+#: Bytes read and CRC-checked per step of :func:`pread_into` (they stay in the CPU cache).
 READ_PIECE = 4 << 20
 
 
@@ -671,9 +649,7 @@ def pread_into(
 def _load_embedded(
     view: np.ndarray, archive: str, where: str, defer_crc: bool = False, extra_classes=None
 ) -> tuple[Any, dict[str, tuple[int, int, int]]]:
-    """One chunk or object: a ``torch.save`` archive inside a ``.distcp`` (``archive``:
-    ``<file>@<offset>``); what it holds, and the storages whose CRC ``defer_crc`` leaves to the
-    caller."""
+    """A chunk or object's ``torch.save`` archive: what it holds, and the CRCs left to check."""
     try:
         embedded = torch_zip.TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
         with contextlib.closing(embedded) as arch:
@@ -686,9 +662,8 @@ def _load_embedded(
 
 
 def refuse_fsdp_dtensor(names: list, where: str) -> None:
-    """Megatron-FSDP's fsdp_dtensor is torch DCP with the optimizer state keyed by parameter name
-    (``optimizer.param_to_group_meta.<param>.*``): read as plain DCP it would give wrongly named
-    weights, so it is refused by that key (the Megatron importer reads it)."""
+    """Megatron-FSDP's fsdp_dtensor keys its optimizer state by parameter name: read as plain DCP it
+    would give wrongly named weights, so it is refused here."""
     meta = next(
         (n for n in names if isinstance(n, str) and n.startswith("optimizer.param_to_group_meta.")),
         None,
@@ -763,8 +738,7 @@ def _dims(
 
 
 def _load_metadata(root: Path | ObjectPath, extra_classes: dict[str, Any] | None):
-    """``.metadata`` unpickled with only the allowed classes: (its path, the pickle, its
-    ``state_dict_metadata``, its ``storage_data``), both checked to be dicts."""
+    """``.metadata`` restrictedly unpickled: (path, pickle, its two checked dicts)."""
     mfile = root / METADATA_FILE
     try:
         if isinstance(root, ObjectPath):
@@ -823,8 +797,7 @@ def _tensor_entry(
 def open_dcp(
     path: os.PathLike | str, extra_classes: dict[str, Any] | None = None, fsdp_dtensor: bool = False
 ) -> DcpCheckpoint:
-    """Parse ``.metadata`` into typed, checked entries. ``extra_classes``: more stand-ins (e.g.
-    megatron-core's); ``fsdp_dtensor``: that layout is read, not refused."""
+    """Parse ``.metadata`` into checked entries (``extra_classes``: more stand-ins)."""
     root = folder(path)
     mfile, md, sdm, storage = _load_metadata(root, extra_classes)
     if not fsdp_dtensor:
@@ -854,8 +827,7 @@ def open_dcp(
 
 
 def _diagnose_overlap(ck: DcpCheckpoint) -> None:
-    """Refuse by name a ``dcp.save`` with ``serialization_format=SAFETENSORS`` (its entries share
-    one offset), from each file's first entry's bytes."""
+    """Refuse by name a ``dcp.save`` with ``serialization_format=SAFETENSORS``."""
     seen: set[tuple[str, int]] = set()
     for t in ck.tensors.values():
         for c in t.chunks:
@@ -877,9 +849,8 @@ def _refuse_safetensors_format(
     raw: np.ndarray, root: Path | ObjectPath, file: str, offset: int
 ) -> None:
     """Refuse an entry whose bytes start a safetensors file:
-    ``FileSystemWriter(serialization_format=SAFETENSORS)`` appends one per rank and records every
-    tensor at its start, so ``.metadata`` locates no tensor (torch's own ``dcp.load`` fails on it
-    too)."""
+    ``FileSystemWriter(serialization_format=SAFETENSORS)`` records every tensor at its start, so
+    nothing is located (torch's ``dcp.load`` fails too)."""
     head = mapped_file.read_bytes(raw, 0, min(raw.size, 10), f"{root / file}@{offset}")
     length = int.from_bytes(head[:8], "little") if len(head) == 10 else 0
     if not 2 <= length <= _MAX_SAFETENSORS_HEADER or head[8:] != b'{"':

@@ -22,8 +22,7 @@ _FIELDS = ("saved_offsets", "global_shape")
 
 
 def is_rank_local(path: os.PathLike | str) -> bool:
-    """A local folder of torch DCP Hugging Face shards (no ``.metadata``: that is a DCP
-    checkpoint of ``.distcp`` files)."""
+    """A local folder of torch DCP Hugging Face shards (and no ``.metadata``)."""
     path = os.fspath(path)
     return (
         os.path.isdir(path)
@@ -46,8 +45,7 @@ def _dims(value: Any, rank: int, what: str) -> tuple[int, ...]:
 
 
 def _entries(f: safetensors.SafetensorsFile) -> dict[str, dict[str, tuple[int, ...]]]:
-    """The checked DCP_SHARDING_INFO of ``f``: tensor -> {field: dims}, one entry per tensor
-    of the file, nothing else."""
+    """The checked DCP_SHARDING_INFO of ``f``: tensor -> {field: dims}, one per tensor."""
     what = f"{f.path}: __metadata__ {safetensors.DCP_SHARDING_INFO}"
     if f.sharding is None:
         raise SourceError(
@@ -84,8 +82,7 @@ def _entries(f: safetensors.SafetensorsFile) -> dict[str, dict[str, tuple[int, .
 
 
 def _check_index(root: Path, pieces: dict[str, list]) -> None:
-    """The writer's ``model.safetensors.index.json`` and the files agree: a file it names that is
-    gone would drop its tensors silently."""
+    """The writer's index agrees with the files (a file gone would drop its tensors silently)."""
     index = root / safetensors.INDEX_FILE
     if not os.path.lexists(index):
         return

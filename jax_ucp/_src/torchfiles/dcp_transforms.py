@@ -74,8 +74,7 @@ def _zstd(data: bytes, limit: int, where: str) -> bytes:
 
 
 def frame_end(data: bytes, where: str) -> int:
-    """The length of the zstd frame ``data`` starts with: its header, its blocks (each a 3-byte
-    header and its content), its checksum when the header has one."""
+    """The length of the zstd frame ``data`` starts with: header, blocks, checksum."""
     try:
         pos = zstandard.frame_header_size(data)
     except zstandard.ZstdError as e:

@@ -11,8 +11,7 @@ from jax_ucp._src.errors import RequestError
 
 __all__ = ["BY_NAME", "STORAGES", "TORCH_DTYPES", "torch_dtype"]
 
-#: torch dtype name (``torch.<name>``, aliases included) -> numpy dtype (bfloat16 and float8
-#: from ``ml_dtypes``)
+#: torch dtype name (aliases included) -> numpy dtype (bfloat16 and float8 from ``ml_dtypes``)
 BY_NAME: dict[str, np.dtype] = {
     name: np.dtype(getattr(ml_dtypes, name) if name.startswith(("bfloat", "float8")) else name)
     for name in [

@@ -19,12 +19,8 @@ import numpy as np
 from jax_ucp._src.torchfiles import allow_list
 from jax_ucp._src.torchfiles.allow_list import Allowed, StandIn, TorchFileError, short_repr
 
-#: At most this many objects, or two per byte of the pickle when that is more (shared
-#: references counted each time they are reached), and this nesting depth in one unpickled
-#: file. Every object of a real pickle costs at least one opcode byte, so a real file expands to
-#: about as many objects as it has bytes (a big model's DCP ``.metadata`` included); a few
-#: hundred bytes of shared sub-lists ("billion laughs") expand to 2**100, and any later walk
-#: over them (an error's repr, json.dumps, a tree flatten) would never end.
+#: At most this many objects (or two per pickle byte, a real file's ratio; shared references
+#: counted each time reached) and this depth: shared sub-lists ("billion laughs") expand to 2**100.
 MAX_EXPANDED_OBJECTS = 4_000_000
 MAX_DEPTH = 200
 

@@ -22,14 +22,12 @@ SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
 
 
 class ShardLayoutError(SourceError):
-    """A DTensor / ShardedTensor whose layout is not one this module reads (the caller names the
-    file and the tensor)."""
+    """A DTensor / ShardedTensor whose layout this module does not read."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """A rank's local block of a tensor: its offsets in the whole, and its bytes (a read-only
-    view of the file); ``replicated``: the whole tensor, held by every rank."""
+    """A rank's block of a tensor: offsets and bytes; ``replicated``: the whole tensor."""
 
     offsets: tuple[int, ...]
     array: np.ndarray
@@ -165,8 +163,7 @@ def _sharded_tensor_pieces(tensor: WrapperTensor) -> list[Piece]:
 
 
 def covers(shape: Sequence[int], pieces: Sequence[Piece]) -> str | None:
-    """None when the non-replicated ``pieces`` tile ``shape`` exactly (no gap, no overlap),
-    else what is wrong."""
+    """None when the non-replicated ``pieces`` tile ``shape`` exactly, else what is wrong."""
     total = math.prod(shape)
     found = sum(p.array.size for p in pieces)
     if found != total:

@@ -38,9 +38,7 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the s
 
 #: Largest deflate-compressed member inflated into memory (torch itself never compresses).
 MAX_COMPRESSED_MEMBER = 256 << 20
-#: Most bytes inflated from one archive's deflated members in total: inflated bytes live in
-#: anonymous memory for as long as the tensors viewing them, so many members each under the
-#: per-member cap would otherwise add up to any amount (16 x 255 MiB from a 4 MB file).
+#: Most bytes inflated from one archive in total (they stay in memory as long as their tensors).
 MAX_INFLATED_TOTAL = 256 << 20
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -77,9 +75,8 @@ class _BufferFile(io.RawIOBase):
 
 
 class TorchArchive:
-    """A torch zip archive opened read-only with one ``mmap``; members resolved lazily.
-    ``lazy_crc``: a storage's CRC-32 is checked when its bytes are first read, so a weights-only
-    import never reads the moments it skips."""
+    """A torch zip archive opened read-only with one ``mmap``. ``lazy_crc``: a storage's CRC-32 is
+    checked when first read, so skipped moments are never read."""
 
     def __init__(self, path: os.PathLike | str, *, lazy_crc: bool = False):
         self.path = os.fspath(path)
@@ -108,8 +105,7 @@ class TorchArchive:
         self._filemap: mapped_file.FileMap | None = mm
         self._open_zip(np.frombuffer(mm, np.uint8), "zip archive")
 
-    #: Storage members handed out with their CRC-32 not checked yet (``defer_crc``): member
-    #: name -> (offset of its bytes in the archive, size, the CRC-32 the archive records).
+    #: Members handed out unchecked (``defer_crc``): name -> (offset, size, recorded CRC-32).
     unchecked: dict[str, tuple[int, int, int]]
     defer_crc = False
     lazy_crc = False
@@ -133,8 +129,7 @@ class TorchArchive:
         return self
 
     def _open_zip(self, view: np.ndarray, what: str) -> None:
-        """Member table, pickle prefix and byte order: the same for a file and a byte range
-        (``view``: its bytes, the central directory read from them with pread)."""
+        """Member table, pickle prefix and byte order, for a file or a byte range."""
         self._mm = view
         self.size = int(view.size)
         self._f = _BufferFile(view)
@@ -180,8 +175,7 @@ class TorchArchive:
         self._storage_types: dict[str, np.dtype] = {}
 
     def _member_view(self, name: str, declared: int | None = None) -> np.ndarray:
-        """The bytes of member ``name`` (a view of the file, or inflated); ``declared``: the
-        bytes the pickle's storage needs from it, which a deflated member may not exceed."""
+        """The bytes of member ``name``; a deflated one may not exceed ``declared``."""
         info = self._infos.get(name)
         if info is None:
             raise TorchFileError(self.path, f"missing archive member {name!r}")
@@ -205,9 +199,7 @@ class TorchArchive:
                 mapped_file.check_before_read(self._filemap, data_off, info.file_size, check)
             else:
                 self._fetch(span)
-                # The member's CRC-32, checked once, when first referenced (ISA-L's CRC-32 runs
-                # at several GB/s; the copy that follows reads the same pages from the page
-                # cache).
+                # its CRC-32, checked once, when first referenced
                 _crc_matches(self.path, name, info.CRC, mapped_file.crc32(view, crc=zip_crc32))
         self._views[name] = view
         return view
@@ -322,8 +314,7 @@ class TorchArchive:
 
     @property
     def saved_name(self) -> str:
-        """The name of the archive's top folder: ``torch.save(obj, path)`` writes the stem of
-        ``path`` there ("archive" when it saved to a file object), so it survives a rename."""
+        """The archive's top folder: the stem of ``torch.save``'s path, so it survives a rename."""
         return self.prefix.rstrip("/")
 
     def read_member(self, name: str) -> bytes:
@@ -381,8 +372,7 @@ class TorchArchive:
         )
 
     def verify_crc(self) -> None:
-        """Check every member's CRC-32 now, also members no pickle references (reads the file);
-        a deflated member is inflated only to check it, nothing kept."""
+        """Check every member's CRC-32 now, referenced or not."""
         for name, info in self._infos.items():
             if info.compress_type == zipfile.ZIP_STORED or name in self._views:
                 self._member_view(name)
@@ -394,8 +384,7 @@ class TorchArchive:
             mapped_file.check_pending(self._filemap)
 
     def close(self) -> None:
-        """Close the file handle and drop the caches; arrays already returned keep the mapping
-        (or their inflated bytes) alive, nothing else does."""
+        """Close the file and drop the caches; arrays returned keep the mapping alive."""
         self._views.clear()
         self._storages.clear()
         self._filemap = None
@@ -415,8 +404,7 @@ def _crc_matches(path: str, name: str, recorded: int, found: int) -> None:
 def _crc_check(
     path: str, name: str, span: tuple[int, int], recorded: int, remote: local_view.Remote | None
 ) -> Callable[[mapped_file.FileMap], None]:
-    """The CRC-32 check of a stored member's bytes ``span``, run by
-    :func:`mapped_file.check_before_read`; in an object store, fetched first."""
+    """The CRC-32 check of a stored member's bytes ``span`` (fetched first in an object store)."""
 
     def check(mm: mapped_file.FileMap) -> None:
         if remote is not None:
@@ -451,8 +439,7 @@ def load_torch_file(
 
 
 class _Window(io.RawIOBase):
-    """A file seen from ``start`` on: zipfile's offsets become relative to the archive's start,
-    so an archive can sit inside a larger file (as every chunk of a ``.distcp`` file does)."""
+    """A file seen from ``start`` on, so an archive can sit inside a larger file."""
 
     def __init__(self, f, start: int):
         self._f, self._start = f, start
@@ -480,8 +467,7 @@ class _Window(io.RawIOBase):
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """Where tensor ``index`` of the ``arrays`` given to :func:`write_torch_save` goes in the
-    pickled object (a contiguous tensor on its own storage)."""
+    """Where tensor ``index`` of ``arrays`` goes in the pickled object."""
 
     index: int
     shape: tuple[int, ...]
