@@ -18,7 +18,8 @@ import dataclasses
 import os
 from typing import Any
 
-from jax_ucp._src.importers.deepspeed import megatron, moe, universal, zero
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.importers.deepspeed import autoep, megatron, moe, universal, zero
 from jax_ucp._src.importers.deepspeed.files import (
     DS_CLASSES,
     check_every_file_read,
@@ -74,6 +75,8 @@ def open_deepspeed_checkpoint(
         spec: import rules to use instead of ``universal_checkpoint_info``.
     """
     tag_dir = resolve_tag_dir(os.fspath(src), tag)
+    if autoep.autoep_states(tag_dir) is not None:
+        raise SourceError(f"{tag_dir}: a DeepSpeed AutoEP checkpoint: read it with convert")
     if is_moe(tag_dir):
         return moe.open_moe_zero_checkpoint(tag_dir)[0]
     if is_model_parallel(tag_dir):
@@ -83,6 +86,10 @@ def open_deepspeed_checkpoint(
 
 def _plan_training_checkpoint(tag_dir: str, options: ImportOptions) -> ImportPlan:
     spec, weights_only, share = options.spec, options.weights_only, options.share
+    found = autoep.autoep_states(tag_dir)
+    if found is not None:
+        refuse_spec(spec, "convert: a DeepSpeed AutoEP checkpoint is imported raw")
+        return autoep.plan_autoep(tag_dir, *found, options)
     if is_moe(tag_dir):
         refuse_spec(
             spec,

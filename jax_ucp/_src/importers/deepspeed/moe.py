@@ -193,7 +193,7 @@ def _read_expert_file(experts: Experts, path: str, layer: int, expert: int) -> N
 # --------------------------------------------------------------------------- ZeRO 1/2
 
 
-def _expert_groups(optimizer: files.OptimizerStates) -> dict[int, int]:
+def expert_groups(optimizer: files.OptimizerStates) -> dict[int, int]:
     """{param group: expert parallel size} of the expert groups, from DP rank 0's
     ``base_optimizer_state.param_groups`` (``moe``, ``name`` = ``ep_size_E``), checked against
     ``partition_count`` (an expert group is partitioned over W / E ranks)."""
@@ -239,11 +239,11 @@ def _expert_groups(optimizer: files.OptimizerStates) -> dict[int, int]:
 def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts, dict[int, int]]:
     """The ZeRO 1/2 files of a MoE tag folder as one :class:`DeepSpeedCheckpoint` whose expert
     parameters carry their global names; every expert file's tensor is one of them."""
-    optimizer = _moe_optimizer_states(tag_dir)
+    optimizer = moe_optimizer_states(tag_dir)
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     model_states = files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)
-    ep_of_group = _expert_groups(optimizer)
+    ep_of_group = expert_groups(optimizer)
     local_shapes = files.param_shapes_of(model_states, model_file)
     if len(local_shapes) != len(optimizer.states[0]["single_partition_of_fp32_groups"]):
         raise SourceError(
@@ -305,7 +305,7 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
     return checkpoint, experts, ep_of_group
 
 
-def _moe_optimizer_states(tag_dir: str):
+def moe_optimizer_states(tag_dir: str):
     """The ZeRO 1/2 optimizer files of a MoE tag folder (those of model-parallel rank 0, the
     only one: MoE with tensor or pipeline parallelism is refused, as stage 0's own reader is
     elsewhere and stage 3 is not read)."""

@@ -1,0 +1,365 @@
+"""DeepSpeed AutoEP checkpoints (``expert_parallel``: ``AutoEPMoELayer``), experts stacked.
+
+ZeRO 1/2 (DeepSpeed 0.19.8 ``_save_moe_checkpoint``; docs/DEEPSPEED.md "DeepSpeed AutoEP"): the
+model states' ``ds_autoep_layers`` records, per-expert files ``layer_<i>_expert_<g>_*`` holding
+``<prefix>.w1|w2|w3.<g>`` (``g = ep_rank * L + local``), the ZeRO partitions as DeepSpeed MoE's
+(:mod:`.moe`) with each EP rank's fused local ``[L, ...]`` tensors. Output: ``<prefix>.w1``
+(w2, w3) stacked ``[E, ...]``, as DeepSpeed's universal checkpoint stores them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src import writer
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import mapped_file
+from jax_ucp._src.format.files import numbered_names
+from jax_ucp._src.importers.deepspeed import files, moe, zero
+from jax_ucp._src.importers.deepspeed.files import require
+from jax_ucp._src.importers.plan import ImportOptions, ImportPlan, Share, host_item, skip
+
+#: The model states keys of DeepSpeed's AutoEP layer records (and the older name).
+RECORD_KEYS = ("ds_autoep_layers", "autoep_layers")
+WEIGHTS = ("w1", "w2", "w3")
+#: Joins a fused expert tensor's name and an EP rank while its local parts are read.
+EP_PART = "@ep"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One ``AutoEPMoELayer``'s record, checked: ``<module>.experts``, experts, EP size."""
+
+    prefix: str
+    experts: int
+    ep: int
+
+    @property
+    def local(self) -> int:
+        return self.experts // self.ep
+
+
+def autoep_states(tag_dir: str) -> tuple[str, Mapping] | None:
+    """``(path, model states)`` of a tag folder whose model states file (``mp_rank_00``, or
+    ZeRO-3's rank 0) records AutoEP layers; None for any other folder."""
+    for name in ("mp_rank_00_model_states.pt", zero.ZERO3_MODEL_NAME.format(0, 0)):
+        path = os.path.join(tag_dir, name)
+        if os.path.isfile(path):
+            states = files.load_model_states(path)
+            return (path, states) if any(states.get(k) for k in RECORD_KEYS) else None
+    return None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _contiguous_map(experts: int, ep: int, expert_shape: tuple[int, ...]) -> dict:
+    """DeepSpeed's affine map (``ParamAffineMap.to_dict``) of a fused ``[E, ...]`` tensor whose
+    EP rank r holds experts ``r*L .. r*L+L-1`` in order."""
+    local, shape = experts // ep, [experts, *expert_shape]
+    strides = [int(np.prod(shape[i + 1 :])) for i in range(len(shape))]
+    part = [local, *expert_shape]
+    piece = {"dest": [0, strides], "shape": part}
+    return {
+        "logical_shape": shape,
+        "ranks": {
+            r: {
+                "pieces": [dict(piece, locations=[r], source=[r * local * strides[0], strides])],
+                "shard_shape": part,
+            }
+            for r in range(ep)
+        },
+    }
+
+
+def autoep_records(states: Mapping, path: str) -> tuple[str, list]:
+    """``(key, records)`` of the model states file ``path``: per-expert files, no AutoTP."""
+    if states.get("folding") is not None or states.get("mp_world_size", 1) != 1:
+        raise SourceError(
+            f"{path}: AutoEP folded with AutoTP (tensor_parallel.autotp_size > 1: 'folding' "
+            f"metadata, mp_world_size {states.get('mp_world_size')}): expert shards per (TP "
+            "rank, EP rank) are not read; supported: AutoEP with data parallelism, ZeRO 1/2"
+        )
+    key = next(k for k in RECORD_KEYS if states.get(k))
+    records = states[key] if isinstance(states[key], list) else [states[key]]
+    for index, record in enumerate(records):
+        fmt = require(record, "checkpoint_format", f"{path}: {key}[{index}]")
+        if fmt == "zero3_partitioned":
+            raise SourceError(
+                f"{path}: {key}[{index}]: checkpoint_format 'zero3_partitioned' (AutoEP under "
+                "ZeRO-3): no expert files; each EP rank's experts are fragments of its "
+                "expert-data-parallel ZeRO-3 partitions, placed by the record's affine_maps, "
+                "which this importer does not read; supported: ZeRO 1/2 ('per_expert_files')"
+            )
+        if fmt != "per_expert_files":
+            raise SourceError(
+                f"{path}: {key}[{index}]: checkpoint_format {fmt!r}, expected 'per_expert_files'"
+            )
+    return key, records
+
+
+def autoep_layers(
+    key: str, records: list, path: str, local_shapes: Mapping[str, tuple[int, ...]]
+) -> list[Layer]:
+    """The records of :func:`autoep_records` checked against the expert group's fused local
+    ``param_shapes``: the contiguous placement and affine maps DeepSpeed names the expert files
+    by (file index ``ep_rank * num_local_experts + local``, whatever the placement says)."""
+    layers = []
+    for index, record in enumerate(records):
+        where = f"{path}: {key}[{index}]"
+        prefix = require(record, "expert_key_prefix", where)
+        layer = Layer(str(prefix), require(record, "num_experts", where), record.get("ep_size"))
+        if not (
+            isinstance(layer.experts, int)
+            and isinstance(layer.ep, int)
+            and layer.ep > 0
+            and layer.experts % layer.ep == 0
+            and record.get("num_local_experts") == layer.local
+            and record.get("moe_layer_id") == index
+        ):
+            raise SourceError(
+                f"{where}: num_experts {layer.experts!r}, ep_size {layer.ep!r}, "
+                f"num_local_experts {record.get('num_local_experts')!r}, moe_layer_id "
+                f"{record.get('moe_layer_id')!r}: expected E = ep_size * num_local_experts, "
+                f"layer {index}"
+            )
+        placement = _plain(require(record, "expert_placement", where))
+        ranks = [
+            {"experts": list(range(r * layer.local, (r + 1) * layer.local)), "rank": r}
+            for r in range(layer.ep)
+        ]
+        want = {"ep_size": layer.ep, "num_experts": layer.experts, "ranks": ranks, "version": 1}
+        if placement != want:
+            raise SourceError(
+                f"{where}: expert_placement {placement!r}, expected {want!r}: DeepSpeed names "
+                "an expert file by ep_rank * num_local_experts + local, which is that expert "
+                "only under this contiguous placement (version 1)"
+            )
+        maps = _plain(require(record, "affine_maps", where))
+        names = [f"{prefix}.{w}" for w in WEIGHTS]
+        version = maps.get("version") if isinstance(maps, dict) else maps
+        if version != 1:
+            raise SourceError(f"{where}: affine_maps version {version!r}, expected 1")
+        for name in names:
+            shape = local_shapes.get(name)
+            if shape is None or tuple(shape)[:1] != (layer.local,):
+                raise SourceError(
+                    f"{path}: param_shapes hold {name!r} as {shape}, expected "
+                    f"[{layer.local}, ...] (the expert param group, local experts)"
+                )
+            want = _contiguous_map(layer.experts, layer.ep, tuple(shape)[1:])
+            if (maps.get("params") or {}).get(name) != want:
+                raise SourceError(
+                    f"{where}: affine_maps.params[{name!r}] is not the contiguous map of "
+                    f"expert_placement ({want!r})"
+                )
+        layers.append(layer)
+    return layers
+
+
+def read_expert_files(
+    tag_dir: str, layers: list[Layer], fused: Mapping[str, tuple[int, ...]]
+) -> dict[str, list[tuple[Any, str]]]:
+    """``{<prefix>.<w>: [(expert g's weight, "<file>:<key>") for g in 0..E-1]}`` from exactly
+    the files ``layer_<i>_expert_<g>_mp_rank_00_model_states.pt``, each holding
+    ``<prefix>.<w>.<g>`` (of the fused local shape ``fused`` without its first dim) for w1, w2,
+    w3 and nothing else."""
+    listed = numbered_names(
+        [
+            (tuple(int(g) for g in m.groups()), name)
+            for name in os.listdir(tag_dir)
+            if (m := files.EXPERT_FILE.match(name))
+        ],
+        tag_dir,
+        "(layer, expert, model-parallel rank)",
+    )
+    want = {(i, g, 0) for i, layer in enumerate(layers) for g in range(layer.experts)}
+    extra = sorted(set(listed) - want)
+    if extra:
+        raise SourceError(
+            f"{os.path.join(tag_dir, listed[extra[0]])}: an expert file no ds_autoep_layers "
+            f"record names ({len(layers)} layers of {[x.experts for x in layers]} experts)"
+        )
+    out: dict[str, list[tuple[Any, str]]] = {}
+    for i, layer in enumerate(layers):
+        for g in range(layer.experts):
+            name = f"layer_{i}_expert_{g}_mp_rank_00_model_states.pt"
+            path = os.path.join(tag_dir, name)
+            if (i, g, 0) not in listed:
+                raise SourceError(
+                    f"{path}: missing file of expert {g} of AutoEP layer {i} ({layer.prefix}, "
+                    f"{layer.experts} experts)"
+                )
+            state = files.load_deepspeed_file(path)
+            keys = {f"{layer.prefix}.{w}.{g}": f"{layer.prefix}.{w}" for w in WEIGHTS}
+            if not isinstance(state, Mapping) or set(state) != set(keys):
+                found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+                raise SourceError(f"{path}: holds {found}, expected {sorted(keys)}")
+            for key, base in keys.items():
+                value, held = state[key], out.setdefault(base, [])
+                want = (tuple(fused[base])[1:], held[0][0].dtype if held else None)
+                if (
+                    not isinstance(value, np.ndarray)
+                    or value.shape != want[0]
+                    or (held and value.dtype != want[1])
+                ):
+                    raise SourceError(
+                        f"{path}: {key!r} is {getattr(value, 'shape', value)} "
+                        f"{getattr(value, 'dtype', '')}; expected {want} (param_shapes, expert 0)"
+                    )
+                held.append((value, f"{name}:{key}"))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _WholeExperts(Share):
+    """A ``Share`` that keeps every EP rank's part of one fused tensor in the same process."""
+
+    def pick(self, names):
+        names = list(names)
+        mine = set(super().pick(dict.fromkeys(n.split(EP_PART)[0] for n in names)))
+        return [n for n in names if n.split(EP_PART)[0] in mine]
+
+
+def plan_autoep(
+    tag_dir: str, model_file: str, states: Mapping, options: ImportOptions
+) -> ImportPlan:
+    """The import of an AutoEP tag folder (ZeRO 1/2, per-expert files)."""
+    key, records = autoep_records(states, model_file)
+    if not any(files.OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
+        raise SourceError(
+            f"{tag_dir}: an AutoEP checkpoint at ZeRO stage 0 (no ZeRO optimizer files): not "
+            "supported; supported: ZeRO 1/2"
+        )
+    optimizer = moe.moe_optimizer_states(tag_dir)
+    ep_of_group = moe.expert_groups(optimizer)
+    local_shapes = files.param_shapes_of(states, model_file)
+    fused = {n: s for g in ep_of_group for n, s in local_shapes[g].items()}
+    layers = autoep_layers(key, records, model_file, fused)
+    experts = read_expert_files(tag_dir, layers, fused)
+    ep = layers[0].ep
+    if {*ep_of_group.values(), *(x.ep for x in layers)} != {ep} or set(fused) != set(experts):
+        raise SourceError(
+            f"{model_file}: the expert param groups ({sorted(ep_of_group.values())} EP ranks: "
+            f"{sorted(fused)}) and ds_autoep_layers ({[x.ep for x in layers]}: "
+            f"{sorted(experts)}) disagree"
+        )
+    shapes = [
+        {f"{n}{EP_PART}{r}": s for n, s in group.items() for r in range(ep)}
+        if g in ep_of_group
+        else group
+        for g, group in enumerate(local_shapes)
+    ]
+
+    def rename(dp_rank: int, group: int, name: str) -> str:  # expert-then-data topology
+        return f"{name}{EP_PART}{dp_rank % ep}" if group in ep_of_group else name
+
+    checkpoint = zero.open_zero_rank(
+        tag_dir,
+        model_file,
+        states,
+        optimizer,
+        param_shapes=shapes,
+        rename=rename,
+        rank_stride=dict(ep_of_group),
+    )
+    if checkpoint.frozen:
+        raise SourceError(f"{model_file}: frozen parameters {sorted(checkpoint.frozen)[:5]}")
+    source = zero.zero_source_info(checkpoint)
+    source.update(layout="autoep", ep_size=ep, num_experts=[x.experts for x in layers])
+    source["expert_names"] = "<expert_key_prefix>.w1|w2|w3 stacked [num_experts, ...]"
+    found = zero.zero_tensors(checkpoint, source, weights_only=options.weights_only)
+    expert_tensors = [tensor for held in experts.values() for _, tensor in held]
+    if checkpoint.model_dtype == np.dtype(np.float32):
+        skip(
+            source,
+            expert_tensors,
+            "the expert's weight in the run's precision (fp32): the same values as its fp32 "
+            "master (checked), imported as params/",
+        )
+    found += expert_tensors
+    share = _WholeExperts(options.share.index, options.share.count)
+    items = zero.iter_zero_items(checkpoint, dataclasses.replace(options, share=share))
+    names = [n for n in dict.fromkeys(n.split(EP_PART)[0] for n in checkpoint.names)]
+    return ImportPlan(_stacked(items, experts, ep), source, len(options.share.pick(names)), found)
+
+
+def _stacked(
+    items: Iterator[writer.HostItem], experts: dict[str, list[tuple[Any, str]]], ep: int
+) -> Iterator[writer.HostItem]:
+    """``items`` with each fused expert tensor's EP-rank parts (``<name>@ep<r>``, consecutive
+    ranks of one name) stacked into ``[E, ...]``; its model copy the expert files' weights."""
+    held: dict[tuple[str, ...], list[writer.HostItem]] = {}
+    for item in items:
+        *tree, name = item.key
+        base, part, rank = name.partition(EP_PART)
+        if not part:
+            yield item
+            continue
+        parts = held.setdefault((*tree, base), [])
+        parts.append(item)
+        assert int(rank) == len(parts) - 1, item.key  # rename() orders them so
+        if len(parts) == ep:
+            del held[(*tree, base)]
+            yield _stack(tuple(tree), base, parts, experts[base])
+    assert not held, sorted(held)
+
+
+def _stack(
+    tree: tuple[str, ...], name: str, parts: list[writer.HostItem], stored: list[tuple[Any, str]]
+) -> writer.HostItem:
+    first = parts[0].value
+    shape, dtype = (len(stored), *stored[0][0].shape), first.dtype
+    if tree == ("model_params",):  # the run's own model-precision weights: the expert files
+        dtype = stored[0][0].dtype
+        arrays, tensors = [a for a, _ in stored], [t for _, t in stored]
+        value = writer.Deferred(shape, dtype, lambda: zero.joined_parts(arrays, shape, dtype))
+        return files.sourced_item((*tree, name), value, "module", tensors)
+
+    def make() -> np.ndarray:
+        out = zero.joined_parts(
+            [p.value.make() if isinstance(p.value, writer.Deferred) else p.value for p in parts],
+            shape,
+            dtype,
+        )
+        if tree == ("params",):
+            _check_experts(name, out, stored)
+        return out
+
+    provenance = dict(parts[0].provenance or {})
+    for key in ("files", "tensors", "dp_ranks"):
+        provenance[key] = [x for p in parts for x in (p.provenance or {}).get(key, [])]
+    provenance["files"] = sorted(set(provenance["files"]))
+    provenance["pattern"] += "+autoep-stack"
+    return host_item((*tree, name), writer.Deferred(shape, dtype, make), provenance)
+
+
+def _check_experts(name: str, master: np.ndarray, stored: list[tuple[Any, str]]) -> None:
+    """Each expert's stacked fp32 master rounds to its expert file's weight, every element: a
+    part of another EP rank's partition (``use_data_before_expert_parallel``) cannot pass."""
+    for g, (weight, tensor) in enumerate(stored):
+        want = mapped_file.read_out(np.asarray(weight))
+        if master[g].astype(want.dtype).tobytes() != np.ascontiguousarray(want).tobytes():
+            raise SourceError(
+                f"{name!r}: expert {g} of the fp32 master read from the ZeRO partitions "
+                f"disagrees with {tensor}: EP ranks assigned otherwise than DeepSpeed's "
+                "default expert-then-data topology, or files from different saves"
+            )
+
+
+__all__ = [
+    "Layer",
+    "autoep_layers",
+    "autoep_records",
+    "autoep_states",
+    "plan_autoep",
+    "read_expert_files",
+]

@@ -1,0 +1,188 @@
+"""DeepSpeed AutoEP (``expert_parallel``): real runs of DeepSpeed 0.19.8 on CPU, a tiny HF OLMoE
+with EP 2 over 2 processes (``tools/fixtures/make_deepspeed_autoep_fixture.py``), ZeRO-1 fp32
+and ZeRO-2 bf16; the fused ``experts.w1/w2/w3`` come back stacked ``[num_experts, ...]``.
+
+Truth: ``live.npz``, the run's live state right after the save (every EP rank's local experts
+placed at their global index by the layer's own placement), bit for bit; every source tensor
+accounted for. Refused by name: a missing expert file, expert files swapped, a placement or
+affine map other than the contiguous one, ZeRO-3's ``zero3_partitioned`` (a real run).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ucp
+from jax_ucp._src.importers.deepspeed import files as deepspeed_files
+from jax_ucp._src.torchfiles import torch_zip
+from jax_ucp.errors import SourceError
+from tests.importers.deepspeed.test_pipe_moe import check_against_live, same_bits
+from tests.ucp_testing import REPO, assert_destination_untouched, copy_deepspeed_fixture
+
+pytestmark = pytest.mark.timeout(120)
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
+RUNS = ["autoep_ep2_z1_fp32", "autoep_ep2_z2_bf16"]
+W1 = "model.layers.{}.mlp.experts.w1"
+MODEL = "global_step2/mp_rank_00_model_states.pt"
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_autoep_imports_stacked_experts_bit_exact(tmp_path, run):
+    """Before: refused as a DeepSpeed MoE folder ("not a parameter of expert 0"). Now every
+    weight, master, moment and the step equal the live run's; the fused expert tensors stacked
+    [4, ...] from both EP ranks' partitions, every expert file's tensor accounted for."""
+    dest = str(tmp_path / "u")
+    jax_ucp.convert(os.path.join(FIXTURES, run, "ckpt"), dest)
+    tree = jax_ucp.restore(dest)
+    assert check_against_live(tree, os.path.join(FIXTURES, run, "live.npz")) == 4 * 27
+    assert tree["params"][W1.format(1)].shape == (4, 8, 16)
+    manifest = jax_ucp.inspect(dest)
+    source = manifest.source
+    assert (source["layout"], source["ep_size"], source["num_experts"]) == ("autoep", 2, [4, 4])
+    entries = {tuple(e.key): e for e in manifest.tensors}
+    prefix = "bf16_" if run.endswith("bf16") else ""
+    mu = entries[("opt_state", "mu", W1.format(0))].provenance or {}
+    assert mu["files"] == [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    experts = [f"layer_1_expert_{g}_mp_rank_00_model_states.pt" for g in range(4)]
+    if run.endswith("bf16"):  # the model copy is the expert files' own weights
+        model = entries[("model_params", W1.format(1))].provenance or {}
+        assert model["tensors"] == [f"{f}:{W1.format(1)}.{g}" for g, f in enumerate(experts)]
+    else:  # fp32: the same values as the masters (checked), listed as skipped
+        assert f"{experts[3]}:{W1.format(1)}.3" in source["skipped"]
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_autoep_restores_onto_a_2x4_mesh(tmp_path, run):
+    """Restored straight from the DeepSpeed folder onto a 2 x 4 mesh (experts over 'a'), and
+    through convert: the same bits as the live run, on the asked shardings."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    src = os.path.join(FIXTURES, run, "ckpt")
+
+    def spec(x):
+        dims = [None] * x.ndim
+        if x.ndim == 3:  # stacked experts: one EP shard per 'a', the last dim over 'b'
+            dims[0], dims[-1] = "a", "b"
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(*dims)))
+
+    target = jax.tree.map(spec, jax.eval_shape(lambda: jax_ucp.restore(src)))
+    jax_ucp.convert(src, str(tmp_path / "u"))
+    live = np.load(os.path.join(FIXTURES, run, "live.npz"))
+    for tree in (
+        jax_ucp.restore(src, target=target),
+        jax_ucp.restore(tmp_path / "u", target=target),
+    ):
+        for layer in (0, 1):
+            got = tree["opt_state"]["nu"][W1.format(layer)]
+            assert got.sharding == NamedSharding(mesh, P("a", None, "b"))
+            assert same_bits(np.asarray(got), live[f"exp_avg_sq/{W1.format(layer)}"])
+            model = tree.get("model_params", tree["params"])[W1.format(layer)]
+            assert same_bits(np.asarray(model), live[f"param/{W1.format(layer)}"])
+
+
+def _rewrite_model_states(src: str, edit) -> None:
+    """``edit(states)`` on the AutoEP model states file, written back torch-free (it holds
+    plain containers and tensors only)."""
+    path = os.path.join(src, MODEL)
+    arrays: list = []
+
+    def nodes(x):
+        if isinstance(x, np.ndarray):
+            arrays.append(np.array(x))
+            return torch_zip.TensorSlot(len(arrays) - 1, x.shape, x.dtype)
+        if isinstance(x, dict):
+            return {k: nodes(v) for k, v in x.items()}
+        return type(x)(map(nodes, x)) if isinstance(x, (list, tuple)) else x
+
+    states = nodes(deepspeed_files.load_deepspeed_file(path))
+    edit(states)
+    os.unlink(path)
+    torch_zip.save_file(path, states, arrays)
+
+
+def _record(states, layer=1):
+    return states["ds_autoep_layers"][layer]
+
+
+def _swap_experts(states):
+    ranks = _record(states)["expert_placement"]["ranks"]
+    ranks[0]["experts"], ranks[1]["experts"] = ranks[1]["experts"], ranks[0]["experts"]
+
+
+def _shift_map(states):
+    piece = _record(states)["affine_maps"]["params"][W1.format(1)]["ranks"][1]["pieces"][0]
+    piece["source"][0] -= 128
+
+
+HOSTILE = {
+    "unchanged": (lambda states: None, None),
+    "placement swapped": (_swap_experts, r"ds_autoep_layers\[1\]: expert_placement .*contiguous"),
+    "affine map off": (_shift_map, r"affine_maps.params\['model.layers.1.mlp.experts.w1'\] is not"),
+    "format unknown": (
+        lambda states: _record(states).update(checkpoint_format="per_rank_files"),
+        r"checkpoint_format 'per_rank_files', expected 'per_expert_files'",
+    ),
+    "placement version 2": (
+        lambda states: _record(states)["expert_placement"].update(version=2),
+        r"expert_placement .*'version': 2",
+    ),
+    "folded with AutoTP": (
+        lambda states: states.update(folding={"version": 1}),
+        r"AutoEP folded with AutoTP",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_autoep_records_are_checked(tmp_path, case):
+    """The model states' AutoEP records: rewritten unchanged, bit-exact still; a placement or
+    affine map other than the contiguous one the expert files are named by, an unknown format
+    or placement version, AutoTP folding metadata: refused by name, nothing written."""
+    edit, match = HOSTILE[case]
+    src = copy_deepspeed_fixture(tmp_path, "autoep_ep2_z1_fp32")
+    _rewrite_model_states(src, edit)
+    dest = str(tmp_path / "u")
+    if match is None:
+        jax_ucp.convert(src, dest)
+        live = os.path.join(FIXTURES, "autoep_ep2_z1_fp32", "live.npz")
+        assert check_against_live(jax_ucp.restore(dest), live) == 4 * 27
+        return
+    with pytest.raises(SourceError, match=match):
+        jax_ucp.convert(src, dest)
+    assert_destination_untouched(dest)
+
+
+def test_autoep_expert_files_missing_or_swapped_are_refused(tmp_path):
+    """A missing expert file, and an expert file under another expert's name (DeepSpeed's zip
+    archive keeps the name it was saved as), refused naming the file; nothing written."""
+    src = copy_deepspeed_fixture(tmp_path, "autoep_ep2_z2_bf16")
+    tag = os.path.join(src, "global_step2")
+    name = "layer_{}_expert_{}_mp_rank_00_model_states.pt"
+    os.replace(os.path.join(tag, name.format(0, 1)), tmp_path / "one")
+    os.replace(os.path.join(tag, name.format(0, 2)), os.path.join(tag, name.format(0, 1)))
+    dest = str(tmp_path / "u")
+    with pytest.raises(
+        SourceError,
+        match=r"expert_1_mp_rank_00_model_states.pt: this file was saved as 'layer_0_expert_2_",
+    ):
+        jax_ucp.convert(src, dest)
+    with pytest.raises(SourceError, match=r"layer_0_expert_2_.*: missing file of expert 2 of"):
+        os.replace(tmp_path / "one", os.path.join(tag, name.format(0, 1)))
+        jax_ucp.convert(src, dest)
+    assert_destination_untouched(dest)
+
+
+def test_autoep_zero3_is_refused_with_the_reason(tmp_path):
+    """A real AutoEP ZeRO-3 save (no expert files; ``checkpoint_format: zero3_partitioned``):
+    before, refused by accident (an element count); now by name, with the reason."""
+    src = copy_deepspeed_fixture(tmp_path, "autoep_ep2_z3_fp32")
+    with pytest.raises(SourceError, match=r"checkpoint_format 'zero3_partitioned' \(AutoEP under"):
+        jax_ucp.convert(src, str(tmp_path / "u"))
+    assert_destination_untouched(str(tmp_path / "u"))
+    shutil.rmtree(src)
