@@ -112,9 +112,9 @@ KINDS: dict[str, type[Kind]] = {}
 
 @dataclass(frozen=True)
 class Kind:
-    """How one parameter is spread over per-rank fragments (TP, PP, EP), as a value: ``merge``
-    rebuilds the consolidated tensor (checking what can be checked), ``split`` redoes the fragments.
-    Parameters may be setting expressions (``resolve``); subclasses set ``kind`` (the TOML name)."""
+    """How one parameter is spread over per-rank fragments, as a value: ``merge`` rebuilds it,
+    ``split`` redoes the fragments; parameters may be setting expressions; ``kind``: the TOML
+    name."""
 
     kind: ClassVar[str] = ""
 
@@ -124,8 +124,7 @@ class Kind:
             KINDS[cls.kind] = cls
 
     def resolve(self, env: Mapping[str, Any], *, lenient: bool = False) -> Kind:
-        """Evaluate setting expressions in the parameters (e.g. ``vocab_size = "vocab_size"``).
-        ``lenient``: leave an expression whose settings are unknown as it is (resolved later)."""
+        """Evaluate setting expressions; ``lenient`` leaves unknown ones for later."""
 
         def evaluate(x, fname):  # tuples (sizes, rank_sizes) element by element
             if isinstance(x, (tuple, list)):
@@ -204,8 +203,7 @@ class Averaged(Kind):
 
 @dataclass(frozen=True)
 class Partitioned(Kind):
-    """Split along ``dim`` over TP ranks: column parallel dim=0, row parallel dim=1 (torch layout).
-    Fragments may have uneven widths; ``split`` divides evenly unless ``sizes`` are given."""
+    """Split along ``dim`` over TP (column parallel 0, row parallel 1), maybe unevenly."""
 
     kind: ClassVar[str] = "partitioned"
     dim: int = _int_field(0)
@@ -239,9 +237,8 @@ class Partitioned(Kind):
 
 @dataclass(frozen=True)
 class SubParams(Kind):
-    """A fused parameter of sub-parameters, each split over TP separately: rank r holds [part0_r;
-    part1_r; ...] along ``dim``; per-rank sizes are sizes[j] / tp, or ``rank_sizes`` (uneven
-    widths)."""
+    """A fused parameter whose parts are each split over TP: rank r holds [part0_r; part1_r; ...]
+    along ``dim`` (sizes[j] / tp each, or ``rank_sizes``)."""
 
     kind: ClassVar[str] = "sub_params"
     dim: int = _int_field(0)
@@ -336,9 +333,8 @@ class SwiGLU(Kind):
 
 @dataclass(frozen=True)
 class QKV(Kind):
-    """Fused QKV over TP ranks, GQA included. interleaved=True (Megatron): per query group g, [q
-    heads of g; k_g; v_g], each rank holding whole groups (uneven counts allowed).
-    interleaved=False: [Q; K; V], rank r holding [Q_r; K_r; V_r]."""
+    """Fused QKV over TP, GQA included: per query group [q heads; k; v], whole groups a rank
+    (``interleaved``, Megatron), or [Q; K; V] with rank r holding [Q_r; K_r; V_r]."""
 
     kind: ClassVar[str] = "qkv"
     dim: int = _int_field(0)
@@ -431,9 +427,7 @@ class QKV(Kind):
 
 @dataclass(frozen=True)
 class Vocab(Kind):
-    """Vocab-parallel: partitioned along ``dim`` over TP, padded to a multiple of divisible_by * tp;
-    merge strips the padding to ``vocab_size``, split pads with zeros to ``padded_size`` (default:
-    Megatron's rule)."""
+    """Vocab-parallel over TP, padded to a multiple of divisible_by * tp."""
 
     kind: ClassVar[str] = "vocab"
     dim: int = _int_field(0)
@@ -479,8 +473,7 @@ class Vocab(Kind):
 
 @dataclass(frozen=True)
 class PipelineTied(Kind):
-    """A weight held on several pipeline stages (tied embedding / output layer). Fragments are
-    per stage (each a list of TP fragments merged with ``inner`` when given); all must agree."""
+    """A weight held alike on several pipeline stages (tied embeddings)."""
 
     kind: ClassVar[str] = "pipeline_tied"
     inner: Kind | None = None
@@ -629,8 +622,7 @@ def expert_global_index(local_index: int, ep_rank: int, num_experts: int, ep: in
         local_index: the expert's index on its EP rank
         ep_rank: the expert-parallel rank
         num_experts: experts in the layer (all ranks)
-        ep: expert-parallel size
-    """
+        ep: expert-parallel size"""
     if num_experts % ep:
         raise LanguageError(f"{num_experts} experts do not divide over {ep} EP ranks")
     nl = num_experts // ep
@@ -640,8 +632,7 @@ def expert_global_index(local_index: int, ep_rank: int, num_experts: int, ep: in
 
 
 def kind_from_obj(obj, *, where: str = "") -> Kind:
-    """A Kind from its plain form: ``"replicated"``, ``{kind = "partitioned", dim = 1}``, or a
-    Kind object. Nested kinds (``inner``) use the same form."""
+    """A Kind from its plain form (``"replicated"``, ``{kind = "partitioned", dim = 1}``)."""
     if isinstance(obj, Kind):
         return obj
 
@@ -681,8 +672,7 @@ def merge(
         fragments: one array per rank, in rank order
         name: the tensor's name, for messages
         settings: run settings the kind reads (head counts, ...)
-        lazy: return a lazy TensorStore view instead of numpy
-    """
+        lazy: return a lazy TensorStore view instead of numpy"""
     if len(fragments) == 0:
         raise LanguageError(f"{name}: no fragments to merge")
     k = _resolved_kind(kind, settings, name)
@@ -697,8 +687,7 @@ def split(kind, full, n: int, *, name: str = "<tensor>", settings: Mapping | Non
         full: the consolidated array
         n: how many ranks
         name: the tensor's name, for messages
-        settings: run settings the kind reads
-    """
+        settings: run settings the kind reads"""
     if n <= 0:
         raise LanguageError(f"{name}: cannot split over {n} ranks")
     k = _resolved_kind(kind, settings, name)
@@ -712,8 +701,7 @@ def split_parts(kind, full, *, settings: Mapping | None = None) -> dict:
     Args:
         kind: a fused kind (qkv, swiglu)
         full: the fused array
-        settings: run settings the kind reads (head counts, ...)
-    """
+        settings: run settings the kind reads (head counts, ...)"""
     k = _resolved_kind(kind, settings, "<tensor>")
     if not hasattr(k, "parts"):
         raise LanguageError(f"kind {k.kind!r} has no named parts")

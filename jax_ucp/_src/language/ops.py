@@ -24,9 +24,7 @@ OPS: dict[str, type[Op]] = {}
 
 @dataclass(frozen=True)
 class Op:
-    """One step of a restore rule: a lazy, exact change of structure, named in TOML or as an object
-    and composed by ``plan.compile_restore_plan``. Subclasses set ``op`` (the TOML name) and
-    ``arity``."""
+    """One step of a restore rule: a lazy, exact change of structure; ``op``: the TOML name."""
 
     op: ClassVar[str] = ""
     arity: ClassVar[str] = "map"
@@ -48,8 +46,7 @@ class Op:
         """The named fields as ints (``_int`` of each)."""
         return [self._int(getattr(self, n), env) for n in names]
 
-    #: an op that is one ``views`` function of the tensor (a fan-in: the parts) and some fields
-    #: as ints: (that function, the fields' names); other ops define ``apply`` / ``combine``
+    #: (a ``views`` function, the fields passed to it as ints); other ops define ``apply`` / ``combine``
     view: ClassVar[tuple] = ()
 
     def apply(self, tensor: ts.TensorStore, env: Env) -> ts.TensorStore:
@@ -57,15 +54,13 @@ class Op:
 
         Args:
             tensor: the view the rule's previous op produced
-            env: settings and the variables the rule's pattern captured
-        """
+            env: settings and the variables the rule's pattern captured"""
         fn, *fields = self.view
         return fn(tensor, *self._ints(env, *fields))
 
 
 class FanOut(Op):
-    """An op that turns one tensor into several, labelled by the variable ``var``. By default the
-    labels are the op's named ``parts`` and ``_pieces`` cuts (and validates) them."""
+    """An op turning one tensor into several, labelled by ``var`` (by default its ``parts``)."""
 
     arity: ClassVar[str] = "fanout"
     var: str
@@ -85,8 +80,7 @@ class FanOut(Op):
         Args:
             tensor: the view to split
             env: settings and captured variables
-            index: which part
-        """
+            index: which part"""
         return self._pieces(tensor, env)[index]
 
 
@@ -135,8 +129,7 @@ class Transpose(Op):
 
 @dataclass(frozen=True)
 class RopeHalf(Op):
-    """q/k rows from RoPE's interleaved pairs to rotate-half order, head by head; only tensors whose
-    variable ``over`` is one of ``parts`` (q, k), or that lack it, are permuted."""
+    """q/k rows from RoPE's interleaved pairs to rotate-half order (for ``over`` in ``parts``)."""
 
     op: ClassVar[str] = "rope_half"
     axis: Any = 0
@@ -284,8 +277,7 @@ class Split(FanOut):
 
 @dataclass(frozen=True)
 class SplitQKV(FanOut):
-    """Fused QKV -> q, k, v along ``axis`` (Megatron's per-group order by default), by settings
-    num_attention_heads, num_query_groups, head_dim."""
+    """Fused QKV -> q, k, v along ``axis`` (Megatron's per-group order by default)."""
 
     op: ClassVar[str] = "split_qkv"
     axis: Any = 0

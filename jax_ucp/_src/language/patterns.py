@@ -27,17 +27,14 @@ _OPTIONS.max_mem = MAX_PROGRAM_BYTES
 
 
 def _python_only_quantifier(pattern: str) -> bool:
-    """True when ``pattern`` holds ``{,n}`` outside a character class (Python: ``{0,n}``; RE2:
-    the literal text), i.e. a pattern the two engines would read differently."""
+    """True when ``pattern`` holds ``{,n}`` outside a class (Python and RE2 differ)."""
     plain = re.sub(r"\\.", "e", pattern, flags=re.S)  # escapes out of the way, then classes
     plain = re.sub(r"\[\^?\]?[^\]]*(?:\]|$)", "c", plain)  # (a leading ']' is a literal)
     return re.search(r"\{,[0-9]+\}", plain) is not None
 
 
 def compile_pattern(pattern: Any, where: str = "") -> Any:
-    """``pattern`` compiled with RE2 (``groups()``/``groupdict()`` as ``re``'s); an error starting
-    with ``where`` when RE2 refuses it or it is not a string of at most :data:`MAX_PATTERN_CHARS`.
-    """
+    """``pattern`` compiled with RE2, or an error starting with ``where``."""
     if not isinstance(pattern, str):
         raise LanguageError(f"{where}pattern must be a string, got {type(pattern).__name__}")
     if len(pattern) > MAX_PATTERN_CHARS:

@@ -12,8 +12,7 @@ from jax_ucp._src.language.settings import MAX_EXPRESSION_CHARS
 
 
 def plain_fields(obj: Any) -> dict:
-    """The dataclass ``obj``'s fields not at their default, as plain (TOML) values: a nested
-    kind as its own dict, tuples as lists."""
+    """The dataclass ``obj``'s non-default fields as plain (TOML) values."""
 
     def plain(v):
         if isinstance(v, tuple):

@@ -25,8 +25,7 @@ _Targets = dict[Key, tuple["ViewPlan", str]]  # the plans by target key, with wh
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Shape and dtype of a saved tensor: all a plan needs to be compiled (and checked) before any
-    data is read."""
+    """Shape and dtype of a saved tensor: all a plan needs to be compiled and checked."""
 
     shape: tuple
     dtype: np.dtype
@@ -38,8 +37,7 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class ViewPlan:
-    """One restored tensor: shape, dtype, the saved keys it reads, and ``build(opened)`` -> a lazy,
-    exact view over them (each process then reads only its slices)."""
+    """One restored tensor: shape, dtype, the saved keys it reads, ``build(opened)``."""
 
     shape: tuple
     dtype: np.dtype
@@ -150,9 +148,8 @@ def _put(targets: _Targets, tkey, plan: ViewPlan, what: str) -> None:
 
 
 def _assign(spec: Spec, rules, saved: Mapping[Key, Any], targets: _Targets):
-    """Each saved tensor to the first restore rule matching it under its param root (others straight
-    into ``targets``): (rule index → [(instance, target prefix, vars, node, relative name)], the
-    uncovered param tensors)."""
+    """Each saved tensor to the first restore rule matching it under its root (others into
+    ``targets``); returns the matches by rule and the uncovered tensors."""
     per_rule: dict[int, list] = {i: [] for i, _ in rules}
     uncovered = []
     # Parameters before the optimizer state that mirrors them, so an error names the parameter.
@@ -182,8 +179,7 @@ def _assign(spec: Spec, rules, saved: Mapping[Key, Any], targets: _Targets):
 
 
 def _match_rule(rules, rel: str):
-    """(index, captured variables) of the first rule whose pattern matches ``rel`` in full:
-    unnamed groups by position ("1", "2", ...), named groups by name; None when none does."""
+    """(index, captured variables) of the first rule ``rel`` matches in full."""
     for i, r in rules:
         m = r.fullmatch(rel)
         if m:

@@ -17,10 +17,8 @@ _MEGATRON_HEADS = ("num_attention_heads", "num_query_groups", "head_dim")
 
 
 def recorded_settings(source: Mapping[str, Any] | None) -> tuple[dict[str, int], str]:
-    """The head settings ``source`` records and what recorded them: a Trainer's or verl's
-    ``config.json`` (``source.trainer.model_config``), else Megatron's run arguments
-    (``source.settings``); ``({}, "")`` without. A value that is no positive integer is a
-    ``LanguageError``."""
+    """The head settings ``source`` records (a Trainer's or verl's ``config.json``, else Megatron's
+    args) and what recorded them; ``({}, "")`` without; a bad value is a ``LanguageError``."""
     source = source if isinstance(source, Mapping) else {}
     trainer = source.get("trainer")
     config = trainer.get("model_config") if isinstance(trainer, Mapping) else None
@@ -53,8 +51,7 @@ def recorded_settings(source: Mapping[str, Any] | None) -> tuple[dict[str, int],
 def spec_with_recorded_settings(
     spec: Any, source: Mapping[str, Any] | None, notes: list[str] | None = None
 ) -> Any:
-    """``spec`` given by name or file loaded with the head settings ``source`` recorded where it has
-    none; a ``Spec`` or None as given. What was taken is said in ``notes``."""
+    """``spec`` (a name or file) with the head settings ``source`` recorded, said in ``notes``."""
     if not isinstance(spec, (str, os.PathLike)):
         return spec
     loaded = load_spec(spec)

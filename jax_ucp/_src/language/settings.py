@@ -63,8 +63,7 @@ def derived(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def hf_head_settings(config: Mapping[str, Any], where: str = "config.json") -> dict[str, int]:
-    """The head settings a shipped spec's q/k/v ops need from a Hugging Face ``config.json``
-    (``num_key_value_heads`` defaulting to the heads, ``head_dim`` to hidden / heads)."""
+    """The head settings a shipped spec's q/k/v ops need, from a Hugging Face ``config.json``."""
     try:
         heads = int(config["num_attention_heads"])
         groups = int(config.get("num_key_value_heads") or heads)
@@ -88,8 +87,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> 
     Args:
         vocab_size: the tokenizer's vocabulary size
         divisible_by: Megatron's ``make_vocab_size_divisible_by``
-        tp: tensor-parallel size
-    """
+        tp: tensor-parallel size"""
     m = max(1, int(divisible_by)) * max(1, int(tp))
     return -(-int(vocab_size) // m) * m
 
@@ -111,8 +109,7 @@ _DERIVED_FROM = {
 
 
 def missing_setting(name: str, env: Mapping[str, Any]) -> str:
-    """Why a setting is missing and how to pass it: a shipped spec loaded by name
-    (``restore(spec="hf_llama")``) has no model settings of its own."""
+    """Why a setting is missing and how to pass it (a shipped spec has no model settings)."""
     canon = canonical(name)
     aliases = ALIASES.get(canon, ())
     text = f"unknown setting {name!r}"
@@ -138,8 +135,7 @@ _BINARY_OPERATORS = {
 }
 
 
-#: An expression is a short formula over settings ("num_layers // pp"); longer or deeper ones
-#: are refused before Python's parser and the evaluator recurse over them.
+#: Longer or deeper expressions are refused before Python's parser recurses over them.
 MAX_EXPRESSION_CHARS = 1000
 MAX_EXPRESSION_DEPTH = 64
 
@@ -160,8 +156,7 @@ def eval_int(expr, env: Mapping[str, Any], *, where: str = "") -> int:
     Args:
         expr: an int, or an expression string (``hidden / heads``)
         env: settings and captured variables it may name
-        where: the message prefix of an error
-    """
+        where: the message prefix of an error"""
     v = _as_int(expr)
     if v is not None:
         return v
@@ -224,8 +219,7 @@ def _setting(name: str, expr: str, env: Mapping[str, Any], where: str) -> int:
 
 
 def normalize_env(env: Mapping[str, Any]) -> dict[str, Any]:
-    """An expression environment: every name also under its canonical name, and regex group
-    ``N`` also as ``_N`` (a valid name inside expressions)."""
+    """An expression environment: names also under canonical names, group ``N`` also as ``_N``."""
     out = {}
     for k, v in env.items():
         out[k] = v
@@ -245,8 +239,7 @@ def render(template: str, env: Mapping[str, Any], *, where: str = "") -> str:
     Args:
         template: text with ``{name}`` / ``{expr}`` fields
         env: settings and captured variables
-        where: the message prefix of an error
-    """
+        where: the message prefix of an error"""
 
     def sub(m):
         key = m.group(1).strip()

@@ -24,8 +24,7 @@ from jax_ucp._src.language.settings import canonical, derived, normalize, render
 
 
 def _active(rules: tuple, settings: Mapping[str, Any]) -> list:
-    """(index, rule) of the ``rules`` whose ``when`` the settings meet (each a value, or a list
-    of accepted values)."""
+    """(index, rule) of the ``rules`` whose ``when`` the settings meet."""
 
     def met(name, wanted):
         have = settings.get(canonical(name), settings.get(name))
@@ -47,16 +46,14 @@ def _with_rule_options(d: dict, rule) -> dict:
 
 @dataclass(frozen=True)
 class ImportRule:
-    """``pattern`` (regex over source parameter names) -> ``kind`` (how its per-rank fragments
-    merge)."""
+    """``pattern`` (regex over source names) -> ``kind`` (how its per-rank fragments merge)."""
 
     pattern: str
     kind: Kind
     required: bool = True  # strict: an error if it matches nothing
     when: Mapping[str, Any] = field(default_factory=dict)  # active only if settings match
     label: str = ""  # for messages; defaults to "import rule #i"
-    # further patterns the whole name must match too (captures come from ``pattern`` alone):
-    # how a rule says "matches A and B", which RE2 has no look-ahead for
+    # patterns the whole name must match too ("A and B": RE2 has no look-ahead)
     also: tuple = ()
     if TYPE_CHECKING:  # compiled by __post_init__
         _regex: Any = field(init=False)
@@ -74,8 +71,7 @@ class ImportRule:
         object.__setattr__(self, "_also", tuple(compile_pattern(p, where) for p in self.also))
 
     def fullmatch(self, name: str):
-        """The match of ``pattern`` over the whole of ``name`` (None unless every ``also``
-        pattern matches the whole name too)."""
+        """The full match of ``pattern`` on ``name`` (None unless every ``also`` matches too)."""
         m = self._regex.fullmatch(name)
         if m is None or any(r.fullmatch(name) is None for r in self._also):
             return None
@@ -91,8 +87,7 @@ class ImportRule:
 
 @dataclass(frozen=True)
 class RestoreRule:
-    """``pattern`` -> ``target`` (a template over regex groups, op variables and settings, relative
-    to the root; None keeps the name) after running ``ops``."""
+    """``pattern`` -> ``target`` (relative to the root; None keeps the name) after ``ops``."""
 
     pattern: str
     target: str | None = None
@@ -100,8 +95,7 @@ class RestoreRule:
     required: bool = True
     when: Mapping[str, Any] = field(default_factory=dict)
     label: str = ""
-    # logical axis names of the restored tensor (flax's: "embed", "mlp", "heads", "vocab"...), so
-    # ``restore(mesh=, rules=)`` places it like a flax parameter carrying them; None: unnamed
+    # logical axis names of the restored tensor, for ``restore(mesh=, rules=)``; None: unnamed
     axes: tuple | None = None
     if TYPE_CHECKING:  # compiled by __post_init__
         _regex: Any = field(init=False)
@@ -144,13 +138,10 @@ class RestoreRule:
 
 @dataclass(frozen=True)
 class Root:
-    """Where parameters live in the saved tree, so one rule covers a parameter and its optimizer
-    moments.
-
-    ``source`` is a glob over ``/``-separated key components (``*`` one, ``**`` any number:
-    ``opt_state/**/mu``); ``target`` where that prefix goes, a template of the wildcards' matches
-    ``{1}``, ``{2}``... and settings ``{name}`` (None keeps it). ``params=False`` moves keys without
-    applying rules (``opt_state/count`` -> ``opt_state/0/count``)."""
+    """Where parameters live in the saved tree, so one rule covers a parameter and its moments.
+    ``source``: a glob of ``/``-separated components (``*`` one, ``**`` any); ``target``: where it
+    goes, ``{1}``... the wildcards' matches (None keeps it); ``params=False`` moves keys without
+    rules."""
 
     source: str
     target: str | None = None
@@ -212,8 +203,7 @@ DEFAULT_ROOTS: tuple[Root, ...] = (
 
 
 def optax_chain_roots(index: int = 0, params_prefix: str = "params") -> tuple[Root, ...]:
-    """Roots for an imported checkpoint (``opt_state/{mu,nu,count}``) restored into the optax state
-    of ``optax.adam``/``optax.adamw`` (a chain: ``opt_state/<index>/{mu,nu,count}``)."""
+    """Roots moving an import's ``opt_state/{mu,nu,count}`` into ``optax.adam``'s chain state."""
     return (
         Root("params", params_prefix),
         Root("model_params"),
@@ -227,8 +217,7 @@ def optax_chain_roots(index: int = 0, params_prefix: str = "params") -> tuple[Ro
 
 @dataclass(frozen=True)
 class ImportMatch:
-    """The import rule that matched a name: its position, its kind resolved against the settings
-    and the name's regex captures."""
+    """The import rule that matched a name: its index, its resolved kind and the captures."""
 
     rule: ImportRule
     index: int
@@ -238,9 +227,7 @@ class ImportMatch:
 
 @dataclass(frozen=True)
 class Spec:
-    """A model's rules in one value (settings, import rules, restore rules, roots, strictness):
-    shipped (``load_spec("llama")``), written in TOML, checked strictly and reused by every importer
-    and by restore. Rules may be objects or their dict form."""
+    """A model's rules in one value (settings, import and restore rules, roots, strictness)."""
 
     name: str = "spec"
     description: str = ""
@@ -293,8 +280,7 @@ class Spec:
     def classify(
         self, names: Iterable[str], *, strict: bool | None = None
     ) -> dict[str, ImportMatch]:
-        """Match every name; strict (default: the spec's) -> an error naming each uncovered name and
-        each required rule that matched nothing."""
+        """Match every name; strict: uncovered names and unmatched required rules are an error."""
         matches = {n: self.match(n) for n in names}
         out = {n: m for n, m in matches.items() if m is not None}
         uncovered = [n for n, m in matches.items() if m is None]
@@ -314,8 +300,7 @@ def describe_rule(rule, index: int, side: str) -> str:
     Args:
         rule: an import or restore rule
         index: its position in the spec (0-based; shown 1-based)
-        side: ``import`` or ``restore``
-    """
+        side: ``import`` or ``restore``"""
     label = f" ({rule.label})" if rule.label else ""
     return f"{side} rule #{index + 1}{label} pattern {rule.pattern!r}"
 
@@ -366,8 +351,7 @@ _IMPORT_KEYS = {"pattern", "required", "when", "label", "also"}
 
 
 def import_rule_from_dict(obj: Mapping, where: str) -> ImportRule:
-    """An ``ImportRule`` from its dict form: ``pattern``, the kind (``kind`` and its parameters
-    inline), optional ``required``, ``when``, ``label``, ``also``. Errors start with ``where``."""
+    """An ``ImportRule`` from its dict form; errors start with ``where``."""
     if "pattern" not in obj:
         raise LanguageError(f"{where}: missing 'pattern'")
     if "kind" not in obj:
@@ -390,8 +374,7 @@ _RESTORE_KEYS = {"pattern", "target", "ops", "required", "when", "label", "axes"
 
 
 def restore_rule_from_dict(obj: Mapping, where: str) -> RestoreRule:
-    """A ``RestoreRule`` from its dict form: ``pattern``, optional ``target``, ``ops`` (one op or
-    a list), ``required``, ``when``, ``label``. Errors start with ``where``."""
+    """A ``RestoreRule`` from its dict form; errors start with ``where``."""
     if "pattern" not in obj:
         raise LanguageError(f"{where}: missing 'pattern'")
     extra = set(obj) - _RESTORE_KEYS

@@ -15,8 +15,7 @@ specs (``specs/*.toml``) found by name with ``load_spec``.
     [[restore]]
     pattern = 'decoder\\.layers\\.(\\d+)\\.self_attention\\.linear_qkv\\.weight'
     target = "layers_{1}/attn/qkv/kernel"
-    ops = ["transpose"]
-"""
+    ops = ["transpose"]"""
 
 from __future__ import annotations
 
@@ -36,15 +35,13 @@ SPECS_DIR = Path(__file__).parent / "specs"
 
 #: A spec file is a few kilobytes; this bounds what reading and parsing one can cost.
 MAX_SPEC_BYTES = 4 << 20
-#: Deepest nesting accepted: arrays and inline tables, plus the components of a dotted key.
-#: Python's tomllib recurses per level (a RecursionError at about 1000) and copies the key
-#: path per dotted component (memory quadratic in their number: 20k components take 1.5 GB).
+#: Deepest nesting accepted (arrays, inline tables, dotted key components): tomllib recurses per
+#: level and copies the key path per component (20k components take 1.5 GB).
 MAX_TOML_DEPTH = 64
 
 
 def _check_nesting(text: str, source: str) -> None:
-    """Refuses TOML nested deeper than :data:`MAX_TOML_DEPTH` before ``tomllib`` parses it: one pass
-    skipping strings and comments, counting open ``[``/``{`` and the dots of the key being read."""
+    """Refuses TOML nested deeper than :data:`MAX_TOML_DEPTH` before ``tomllib`` parses it."""
     brackets: list[str] = []  # "h" for a table header's brackets
     in_key, key_dots, i, n = True, 0, 0, len(text)
     while i < n:
@@ -129,8 +126,7 @@ def _plain(v: Any, where: str) -> Any:
 
 
 def spec_to_toml(spec: Spec) -> str:
-    """TOML text of ``spec`` (its dict form, in the order a spec file is read, written by
-    ``tomli_w``); ``spec_from_toml`` gives the spec back."""
+    """TOML text of ``spec``; ``spec_from_toml`` gives the spec back."""
     return tomli_w.dumps(_plain(spec_to_dict(spec), "spec"))
 
 
@@ -145,8 +141,7 @@ def list_specs() -> list[str]:
 
 
 def load_spec(name_or_path: str | os.PathLike | Spec, **settings) -> Spec:
-    """A shipped spec by name (see ``list_specs()``) or a TOML file, with settings overridden
-    by keyword arguments (e.g. ``load_spec("llama", num_layers=2, vocab_size=1000)``)."""
+    """A shipped spec by name (``list_specs()``) or a TOML file, settings overridden by keywords."""
     if isinstance(name_or_path, Spec):
         return name_or_path.with_settings(**settings) if settings else name_or_path
     path = Path(name_or_path)

@@ -19,8 +19,7 @@ MAPPED_CHUNK_BYTES = 4 << 20
 
 
 def as_view(x) -> ts.TensorStore:
-    """A zero-origin TensorStore view of ``x``. A mapped source file is read with ``pread``, never
-    through the mapping: a file truncated meanwhile is an error naming it, not SIGBUS."""
+    """A zero-origin TensorStore view of ``x``; a mapped file is read by ``pread`` (no SIGBUS)."""
     if isinstance(x, ts.TensorStore):
         return zero_origin(x)
     x = np.asarray(x)
@@ -108,8 +107,7 @@ def take(tensor: ts.TensorStore, axis: int, index: int) -> ts.TensorStore:
     Args:
         tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
         axis: the axis to select on (negative counts from the end)
-        index: the index kept (negative counts from the end)
-    """
+        index: the index kept (negative counts from the end)"""
     tensor, a, n = _view_axis(tensor, axis)
     if not -n <= index < n:
         raise LanguageError(f"index {index} out of range for axis {a} of size {n}")
@@ -123,8 +121,7 @@ def slice_axis(tensor: ts.TensorStore, axis: int, start: int, stop: int) -> ts.T
         tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
         axis: the axis to cut
         start: first index kept
-        stop: one past the last index kept
-    """
+        stop: one past the last index kept"""
     tensor, a, n = _view_axis(tensor, axis)
     if not 0 <= start <= stop <= n:
         raise LanguageError(f"slice [{start}, {stop}) out of range for axis {a} of size {n}")
@@ -178,8 +175,7 @@ def split_sizes(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> list
     Args:
         tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
         axis: the axis to split
-        sizes: the pieces' extents, in order, adding up to the axis
-    """
+        sizes: the pieces' extents, in order, adding up to the axis"""
     tensor, a, _ = _view_axis(tensor, axis)
     if sum(sizes) != tensor.shape[a] or any(s < 0 for s in sizes):
         raise LanguageError(
@@ -196,8 +192,7 @@ def split_even(tensor: ts.TensorStore, axis: int, n: int) -> list[ts.TensorStore
     Args:
         tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
         axis: the axis to split
-        n: how many equal pieces
-    """
+        n: how many equal pieces"""
     tensor, a, _ = _view_axis(tensor, axis)
     if n <= 0 or tensor.shape[a] % n:
         raise LanguageError(
@@ -212,8 +207,7 @@ def split_dim(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> ts.Ten
     Args:
         tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
         axis: the axis of size ``a*b`` to split
-        sizes: ``(a, b)``; one may be -1 (inferred)
-    """
+        sizes: ``(a, b)``; one may be -1 (inferred)"""
     tensor, ax, n = _view_axis(tensor, axis)
     a, b = int(sizes[0]), int(sizes[1])
     if a == -1 and b > 0 and n % b == 0:
@@ -241,8 +235,7 @@ def group_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.Tenso
     Args:
         tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
         stages: pipeline stages (must divide the layers)
-        axis: the layer axis
-    """
+        axis: the layer axis"""
     tensor, a, n = _view_axis(tensor, axis)
     if stages <= 0 or n % stages:
         raise LanguageError(
@@ -263,8 +256,7 @@ def regroup_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.Ten
     Args:
         tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
         stages: the new number of pipeline stages
-        axis: the saved stage axis (the layer axis follows it)
-    """
+        axis: the saved stage axis (the layer axis follows it)"""
     tensor, a, _ = _view_axis(tensor, axis)
     if tensor.rank < a + 2:
         raise LanguageError(
@@ -289,8 +281,7 @@ def pad_axis(tensor: ts.TensorStore, axis: int, size: int) -> ts.TensorStore:
     Args:
         tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
         axis: the axis to pad at its end
-        size: the padded extent (at least the current one)
-    """
+        size: the padded extent (at least the current one)"""
     tensor, a, n = _view_axis(tensor, axis)
     if size < n:
         raise LanguageError(f"pad: axis {a} has size {n} > requested {size}")
@@ -311,8 +302,7 @@ def qkv_sizes(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[int, in
     Args:
         num_heads: query heads
         num_kv_heads: key/value heads (query groups; divides ``num_heads``)
-        head_dim: rows per head
-    """
+        head_dim: rows per head"""
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise LanguageError(
             f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
@@ -337,8 +327,7 @@ def split_qkv(
         num_kv_heads: key/value heads (query groups)
         head_dim: rows per head
         interleaved: Megatron's order, per query group g ``[q heads of g, k_g, v_g]`` (True), or
-            a plain ``[Q; K; V]`` (False)
-    """
+            a plain ``[Q; K; V]`` (False)"""
     tensor, a, _ = _view_axis(tensor, axis)
     qg, kg, vg = qkv_sizes(num_heads, num_kv_heads, head_dim)
     g = num_kv_heads
@@ -368,8 +357,7 @@ def merge_qkv(
         num_heads: query heads
         num_kv_heads: key/value heads (query groups)
         head_dim: rows per head
-        interleaved: Megatron's per-group order (True) or a plain ``[Q; K; V]`` (False)
-    """
+        interleaved: Megatron's per-group order (True) or a plain ``[Q; K; V]`` (False)"""
     q, k, v = as_view(q), as_view(k), as_view(v)
     a = _checked_axis(q, axis)
     qg, kg, vg = qkv_sizes(num_heads, num_kv_heads, head_dim)
