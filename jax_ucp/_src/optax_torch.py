@@ -30,9 +30,7 @@ __all__ = ["TorchOptimizer", "hf_schedule", "optax_from_torch", "run_arguments"]
 
 @dataclasses.dataclass
 class TorchOptimizer:
-    """What continues the run: ``params`` and ``opt_state`` for ``tx``, the learning-rate
-    ``schedule`` (of optax's step count), the step reached, and how each setting was found
-    (``notes``)."""
+    """What continues the run: ``tx``, its ``params`` and ``opt_state``, ``schedule``, ``notes``."""
 
     tx: Any  # optax.GradientTransformation
     opt_state: Any
@@ -70,13 +68,9 @@ _NEUTRAL_KEYS = frozenset(
         "moe",
     }
 )
-#: the keys of DeepSpeed's FusedAdam (``step`` its group counter) and DeepSpeedCPUAdam
-#: (``amsgrad``, always false there) groups, beside the neutral ones: their Adam or AdamW
-#: (``adam_w_mode``) is an attribute, not recorded
+#: the keys of DeepSpeed's FusedAdam and DeepSpeedCPUAdam groups (Adam or AdamW is not recorded)
 DS_ADAM_KEYS = frozenset({"betas", "eps", "bias_correction", "step", "amsgrad"})
-#: (a key only that optimizer writes, its name): what a group that is not Adam/AdamW looks like;
-#: transformers' Adafactor (``transformers.optimization.Adafactor``, the Trainer's
-#: ``optim="adafactor"``) first: its groups hold no key of torch's
+#: (a key only that optimizer writes, its name): what a group that is not Adam/AdamW looks like
 _LOOKALIKES = (
     ("relative_step", "transformers' Adafactor"),
     ("scale_parameter", "transformers' Adafactor"),
@@ -248,8 +242,7 @@ def _number(value: Any, field: str, where: str, *, below: float | None = None) -
 
 
 def check_groups(groups: list, where: str) -> None:
-    """Every group's ``lr``, ``betas``, ``eps`` and ``weight_decay`` as torch would accept them,
-    else refused naming the group and the field (a damaged or hand-made record)."""
+    """Each group's ``lr``, ``betas``, ``eps``, ``weight_decay`` as torch takes them, or refused."""
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise RequestError(f"{where}: param_groups is not a list of groups")
     for i, g in enumerate(groups):
@@ -343,8 +336,7 @@ def identify(
 
 
 def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
-    """The Trainer's schedule when recorded (checked against the learning rate the optimizer
-    holds for the next step), else that learning rate, constant."""
+    """The Trainer's schedule when recorded (checked against the held rate), else the held rate."""
     where = source.get("path", "checkpoint")
     lr = float(agreed(groups, "lr", where))
     trainer = source.get("trainer") or {}
@@ -445,8 +437,7 @@ def _schedule_argument(key: str, value: Any, where: str) -> Any:
 
 
 def _mask_tree(saved_tensors: dict, spec, params, decayed: dict[str, bool], where: str):
-    """Per leaf of ``params``: decayed or not, from the torch parameters it is made of
-    (``saved_tensors``: key -> (shape, dtype) of the run's tensors)."""
+    """Per leaf of ``params``: decayed or not, from the torch parameters it is made of."""
     import jax
 
     from jax_ucp._src import language
@@ -529,8 +520,7 @@ def optax_from_torch(
 
 @dataclasses.dataclass(frozen=True)
 class _Run:
-    """What the translation reads of a run: the import's record (a converted checkpoint's
-    manifest source), its tensors' (shape, dtype), and how to restore from it."""
+    """What the translation reads of a run: its record, tensor shapes, how to restore."""
 
     source: dict
     saved: dict
@@ -539,8 +529,7 @@ class _Run:
 
 @contextlib.contextmanager
 def _opened_run(ckpt, options: Any):
-    """``ckpt`` opened once: a converted checkpoint, or a torch source read in place through
-    its import (``options.importing``), nothing written."""
+    """``ckpt`` opened once: a converted checkpoint, or a torch source read in place."""
     from jax_ucp._src.format import to_numpy_dtype
     from jax_ucp._src.restoring import import_open, restore_entry
     from jax_ucp._src.restoring.options import RestoreOptions
@@ -567,8 +556,7 @@ def _opened_run(ckpt, options: Any):
 def _from_run(
     run: _Run, ckpt, spec: Any, optimizer: str | None, options: Any, given: dict[str, Any]
 ) -> TorchOptimizer:
-    """``optax_from_torch`` of the opened run: the files read into a :class:`Recipe` (what its
-    framework's config or torch's record says), the state restored, the chain built from it."""
+    """``optax_from_torch`` of the opened run: its Recipe, the state restored, the chain built."""
     import jax
 
     source = run.source
@@ -621,8 +609,7 @@ def _from_run(
 
 
 def _framework_recipe(source: dict, saved: dict, where: str, choice: str | None) -> Recipe | None:
-    """The Recipe a framework's own record gives (DeepSpeed's config; Megatron's arguments and
-    scheduler), or None for torch's optimizer record read as it is (:func:`torch_recipe`)."""
+    """The Recipe a framework's own record gives (DeepSpeed, Megatron), or None for torch's record."""
     ds = recorded_config(source) or {}
     if ds.get("optimizer") is None and ds.get("scheduler") is not None:
         groups = torch_optimizer_record(source).get("param_groups") or []
@@ -649,8 +636,7 @@ def _framework_recipe(source: dict, saved: dict, where: str, choice: str | None)
 
 
 def _client_schedule(recipe: Recipe, source: dict, groups: list[dict], step: int) -> Recipe:
-    """A DeepSpeed recipe without a DeepSpeed scheduler: the client's, the Trainer's when its
-    arguments record it (checked against the held learning rate), else the held rate."""
+    """A DeepSpeed recipe's schedule without its scheduler: the Trainer's, else the held rate."""
     notes: list[str] = []
     schedule = _schedule(source, groups, step, notes)
     args = (source.get("trainer") or {}).get("training_args") or {}
@@ -705,8 +691,7 @@ def torch_recipe(
 
 
 def _with_given(recipe: Recipe, given: dict[str, Any], step: int, where: str) -> Recipe:
-    """``recipe`` with what the caller supplied (``schedule=``, ``clip=``) for what the files do
-    not record; a value the files contradict is refused naming both."""
+    """``recipe`` with the caller's ``schedule=`` / ``clip=``; a contradicted one is refused."""
     changes: dict[str, Any] = {}
     unrecovered = list(recipe.unrecovered)
     notes = list(recipe.notes)
@@ -777,8 +762,7 @@ def clip_like_torch(max_norm: float | None) -> Any:
 
 
 def decay_at(rate: Any, mask: Any) -> Any:
-    """``rate * param`` added to the update on the masked leaves; its state is the step count, so
-    the chain's shape does not depend on whether the run decayed."""
+    """``rate * param`` added on the masked leaves; its state is the step count, decayed or not."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -804,9 +788,7 @@ def decay_at(rate: Any, mask: Any) -> Any:
 
 
 def scale_by_torch_adam(b1: Any, b2: float, eps: float, bias_correction: bool = True) -> Any:
-    """Adam's ``m_hat / (sqrt(v_hat) + eps)`` as torch's Adam and DeepSpeed's FusedAdam step it;
-    ``b1`` may be a function of the step count (OneCycle), the bias correction off when
-    ``bias_correction`` is false."""
+    """Adam's ``m_hat / (sqrt(v_hat) + eps)`` as torch and DeepSpeed step it."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -837,8 +819,7 @@ def scale_by_torch_adam(b1: Any, b2: float, eps: float, bias_correction: bool = 
 
 def chain_of(recipe: Recipe, mask: Any) -> Any:
     """The one chain every source continues with: ``clip, L2 decay, Adam, decoupled decay, learning
-    rate`` (an absent piece passes the gradient through), so the state's structure is the same for
-    every run."""
+    rate`` (absent pieces pass through), one state structure for every run."""
     import optax
 
     b1, b2 = recipe.betas
@@ -855,9 +836,7 @@ def chain_of(recipe: Recipe, mask: Any) -> Any:
 
 
 def _recorded_steps(source: dict, step: int, notes: list[str], where: str) -> None:
-    """The run's other step counts (the Trainer's ``global_step``, DeepSpeed's ``global_steps``)
-    against the optimizer's, which the continuation takes: one that differs (fp16 overflow skips, or
-    two saves' files) is warned and noted."""
+    """The run's other step counts against the optimizer's; a difference is warned."""
     trainer = source.get("trainer") or {}
     folder = str(source.get("trainer_path") or source.get("path") or where)
     counts = {
@@ -876,8 +855,7 @@ def _recorded_steps(source: dict, step: int, notes: list[str], where: str) -> No
 
 
 def _restored_adam(run: _Run, options: Any, spec: Any, where: str) -> tuple[Any, Any, Any, int]:
-    """(params, mu, nu, step) restored as ``options`` asks; the step is the one count the
-    imported opt_state holds."""
+    """(params, mu, nu, step) restored as ``options`` asks; the step is the opt_state's count."""
     tree = run.restore(_restore_keywords(options, spec, where))
     if "opt_state" not in tree:
         raise RequestError(f"{where}: the checkpoint holds no optimizer state")
@@ -893,8 +871,7 @@ def _restored_adam(run: _Run, options: Any, spec: Any, where: str) -> tuple[Any,
 
 
 def _state_of(tx: Any, params: Any, mu: Any, nu: Any, step: int) -> tuple:
-    """The chain's state around the restored moments from shapes alone (``tx.init`` would build
-    model-sized zeros only to replace them)."""
+    """The chain's state around the restored moments, from shapes (no ``tx.init`` zeros)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -934,9 +911,7 @@ def _no_optimizer(source: dict, where: str) -> str:
 
 
 def run_arguments(source: dict, where: str) -> dict:
-    """The Trainer's recorded training arguments as the run stepped with them: under DeepSpeed its
-    ``gradient_clipping`` clips and its config's optimizer is the one made
-    (``continuation.deepspeed`` reads them)."""
+    """The Trainer's recorded arguments as the run stepped with them."""
     del where
     args = dict((source.get("trainer") or {}).get("training_args") or {})
     ds = recorded_config(source)
@@ -972,8 +947,7 @@ def _restore_keywords(options: Any, spec: Any, where: str) -> dict[str, Any]:
 
 
 def _unrecovered(source: dict) -> list[str]:
-    """What a run may have had that the import found no record of: without the Trainer's arguments,
-    its schedule and clipping."""
+    """What the import found no record of: without the Trainer's arguments, schedule and clipping."""
     trainer = source.get("trainer") or {}
     args = trainer.get("training_args")
     if args is not None:

@@ -21,15 +21,13 @@ def _is_leaf(x) -> bool:
 
 
 def _is_box(x) -> bool:
-    """A flax metadata box (they name axes), asked only once flax.core.meta is imported: importing
-    flax to ask costs ~0.2 s."""
+    """A flax metadata box, asked only once flax.core.meta is imported (importing flax: 0.2 s)."""
     meta = sys.modules.get("flax.core.meta")
     return meta is not None and isinstance(x, meta.AxisMetadata)
 
 
 def flatten(tree) -> tuple[list[tuple[tuple[str, ...], tuple[str, ...], Any]], Any]:
-    """[(key, key_types, leaf)] in flatten order, and the treedef; None is a leaf. Keys must be
-    UTF-8 text and a dict's keys sortable, else a ``RequestError`` names the key path."""
+    """[(key, key_types, leaf)] in flatten order, and the treedef; a bad key is a ``RequestError``."""
     import jax  # here, not at import: inspect reads a tree's classes without JAX
 
     try:
@@ -110,16 +108,14 @@ def unbox(leaf) -> tuple[Any, tuple | None]:
 
 
 def rebox(target_leaf, value) -> Any:
-    """``value`` in the flax metadata box ``target_leaf`` is (``nn.LogicallyPartitioned``,
-    ``nn.Partitioned``, ...), so a restore gives back the target's treedef; else ``value``."""
+    """``value`` in the flax box ``target_leaf`` is, so a restore keeps the target's treedef."""
     if _is_box(target_leaf):
         return target_leaf.replace_boxed(value)
     return value
 
 
 def target_leaves(target, boxed: bool = True) -> tuple[list[tuple[tuple[str, ...], Any]], Callable]:
-    """A restore target flattened once: its leaves by key, unboxed, and ``rebuild(values)`` giving
-    back the target's structure (boxed again when ``boxed``)."""
+    """A restore target flattened once: its unboxed leaves by key, and ``rebuild(values)``."""
     import jax  # here, not at import: inspect reads a tree's classes without JAX
 
     leaves, treedef = flatten(target)
@@ -157,8 +153,7 @@ def _variables(tree) -> list:
 
 
 def variable_roles(tree) -> dict[tuple[str, ...], str]:
-    """{key of the array inside an ``nnx.Variable``: "param" or "opt_state"} by its class
-    (``nnx.Param`` / ``nnx.OptState``), wherever the user put it."""
+    """{key inside an ``nnx.Variable``: "param" or "opt_state"}, by the Variable's class."""
     import jax  # here, not at import: inspect reads a tree's classes without JAX
 
     out: dict[tuple[str, ...], str] = {}
@@ -178,8 +173,7 @@ def variable_roles(tree) -> dict[tuple[str, ...], str]:
 
 
 def variable_axes(tree) -> dict[tuple[str, ...], tuple]:
-    """{key of the array inside an ``nnx.Variable``: its axis names} for every Variable whose
-    metadata names them (``nnx.with_partitioning``); keys as ``flatten`` gives them."""
+    """{key inside an ``nnx.Variable``: its axis names}, where its metadata names them."""
     import jax  # here, not at import: inspect reads a tree's classes without JAX
 
     out: dict[tuple[str, ...], tuple] = {}
@@ -196,8 +190,7 @@ def variable_axes(tree) -> dict[tuple[str, ...], tuple]:
 
 
 def nest(items: Iterable[tuple[Sequence[str], Sequence[str], Any]], *, partial=False) -> Any:
-    """Nested dicts from (key, key_types, value); a level of indices 0..n-1 becomes a list (with
-    ``partial``, only when none is missing, else a dict of int keys)."""
+    """Nested dicts from (key, key_types, value); a level of indices 0..n-1 becomes a list."""
     root: dict = {}
     types_at: dict[tuple, set] = {}
     for key, key_types, value in items:
@@ -238,15 +231,8 @@ def flatten_axes(logical_axes) -> dict[tuple[str, ...], tuple | None]:
 
 
 # --- container types: recorded at save, rebuilt on restore without a target ----------------------
-# A restore without a target must give back a state ``tx.update`` accepts: optax states are
-# NamedTuples (ScaleByAdamState, EmptyState() with no leaves at all), chains are tuples; an NNX
-# state is an ``nnx.State`` of ``nnx.Variable``s (Param, BatchStat, RngKey, OptState, ...) for
-# ``nnx.update``. The save records every container node as "<module>:<qualname>"; the restore
-# rebuilds a node only when that exact name is in ``allowed_classes()``. A manifest is untrusted:
-# its class names are looked up in that table, never imported or resolved by attribute (a walk
-# such as "jax.version:subprocess.Popen" once reached any class). Anything else is a dict of its
-# fields. Only the package a name starts with is imported to build its part of the table (an
-# optax state's restore does not pay flax's import).
+# A manifest is untrusted: its class names are looked up in ``allowed_classes()``, never imported
+# or resolved by attribute; anything else comes back a dict of its fields.
 
 # Public optax modules whose NamedTuples (optimizer states) are rebuilt.
 _OPTAX_MODULES = (
@@ -262,11 +248,8 @@ _DICT_CLASSES = (("flax.core", "FrozenDict"), ("flax.nnx", "State"))
 _VARIABLE_MODULE = "flax.nnx"
 _PACKAGES = ("optax", "flax")
 
-#: What ``allowed_classes`` holds for the releases this code is tested with (optax 0.2.8, flax
-#: 0.12), by package and qualname: a NamedTuple's fields, "dict" (a dict-like class) or
-#: "variable" (an ``nnx.Variable``). ``inspect`` and ``verify`` judge a manifest's classes by it
-#: without importing optax or flax (and so JAX: 1-4 s); tests/test_tree.py checks it against
-#: the installed packages.
+#: ``allowed_classes`` for optax 0.2.8 / flax 0.12, judged without importing them (and JAX: 1-4 s);
+#: tests/test_tree.py checks it against the installed packages.
 KNOWN_CLASSES: dict[str, dict[str, tuple[str, ...] | str]] = {
     "optax": {
         "AddNoiseState": ("count", "rng_key"),
@@ -405,8 +388,7 @@ def class_name(cls: type) -> str:
 
 @functools.cache
 def _allowed_in(package: str) -> dict[str, type]:
-    """The allow-list's classes of one package (``_PACKAGES``), built from our own list of
-    modules, never from a manifest."""
+    """The allow-list's classes of one package, from our own list of modules, never a manifest's."""
     table: dict[str, type] = {}
     if package == "optax":
         for module_name in _OPTAX_MODULES:
@@ -446,15 +428,13 @@ def _allowed_in(package: str) -> dict[str, type]:
 
 
 def allowed_classes() -> dict[str, type]:
-    """Manifest class name → class, for every container a restore rebuilds: optax's public
-    NamedTuples, flax's dict-likes and ``nnx.Variable`` classes."""
+    """Manifest class name → class, for every container a restore rebuilds."""
     return {k: v for package in _PACKAGES for k, v in _allowed_in(package).items()}
 
 
 @functools.cache
 def _by_qualname(package: str) -> dict[str, type | None]:
-    """qualname → class of one package, for names unique in its table (None when ambiguous):
-    optax moves classes between private modules across releases."""
+    """qualname → class of one package where unique: optax moves classes between private modules."""
     out: dict[str, type | None] = {}
     for cls in _allowed_in(package).values():
         key = cls.__qualname__
@@ -470,8 +450,7 @@ def _package_of(name: object) -> str | None:
 
 
 def allowed_class(name: object) -> type | None:
-    """The class a manifest's ``"<module>:<qualname>"`` names, if the allow-list holds it: the
-    exact name, or the same qualname in the same top package (a class optax has moved)."""
+    """The allow-listed class ``"<module>:<qualname>"`` names, or one optax has since moved."""
     package = _package_of(name)
     if package is None:
         return None
@@ -484,7 +463,7 @@ def allowed_class(name: object) -> type | None:
 
 def class_kind(name: object, live: bool) -> tuple[str, tuple[str, ...] | None] | None:
     """("namedtuple", fields) | ("dict", None) | ("variable", None) for an allow-listed class name,
-    else None; ``live``: from the classes (imports them), else from ``KNOWN_CLASSES``."""
+    else None."""
     package = _package_of(name)
     if package is None:
         return None
@@ -511,8 +490,7 @@ _PLAIN_KINDS = {dict: "dict", list: "list", tuple: "tuple"}
 
 
 def describe_structure(tree) -> dict:
-    """The container structure of ``tree`` as JSON: node types, classes, child names (an int dict
-    key recorded as "index", so it comes back an int)."""
+    """The container structure of ``tree`` as JSON: node types, classes, child names."""
 
     def node(x) -> dict:
         children = None if _is_leaf(x) else _children(x)
@@ -548,8 +526,7 @@ def _json_scalar(v) -> bool:
 
 
 def _variable_metadata(variable) -> dict:
-    """An ``nnx.Variable``'s metadata that JSON holds (out_sharding, an RNG stream's tag, ...),
-    recorded so a restore without a target gives the Variable back with it."""
+    """An ``nnx.Variable``'s metadata that JSON holds, so a restore without a target gives it back."""
     metadata = variable.get_metadata() if hasattr(variable, "get_metadata") else {}
     out = {}
     for name, v in metadata.items():
@@ -666,8 +643,7 @@ def _child_key(name: str, key_type: str):
 
 
 def _variable(cls: type, value: Any, metadata: dict | None, names: tuple | None) -> Any:
-    """An ``nnx.Variable`` of class ``cls`` holding ``value`` with the recorded metadata (or the
-    logical axes as its ``out_sharding``), so ``nnx.update`` keeps the sharding names."""
+    """An ``nnx.Variable`` of class ``cls`` holding ``value`` with the recorded metadata."""
     variable = cls(value)
     if metadata is None and names is not None and any(n is not None for n in names):
         metadata = {_VARIABLE_AXES_METADATA[0]: names}
@@ -682,8 +658,7 @@ def _variable(cls: type, value: Any, metadata: dict | None, names: tuple | None)
 
 
 def _node_kind(description: dict, live: bool = True) -> str | None:
-    """How a "namedtuple"/"object" node is rebuilt: "namedtuple" (fields exactly the children),
-    "variable" (one "value"), "dict"; None: a dict of its fields."""
+    """How a "namedtuple"/"object" node is rebuilt: "namedtuple", "variable", "dict"; None: a dict."""
     found = class_kind(description.get("class"), live)
     if found is None:
         return None
@@ -699,9 +674,7 @@ def _node_kind(description: dict, live: bool = True) -> str | None:
 
 
 def class_notices(description: dict | None) -> list[tuple[str, str]]:
-    """[(tree node, notice)]: one notice naming the nodes a restore without a target gives back as
-    plain dicts (by class, a few paths); judged without importing optax or flax when not loaded, so
-    ``inspect`` starts without JAX."""
+    """[(tree node, notice)]: one notice naming the nodes a restore without a target gives as dicts."""
     found: list[tuple[str, str, str]] = []  # (node path, class, why)
     stack: list[tuple[tuple[str, ...], dict]] = (
         [((), description)] if description is not None else []
