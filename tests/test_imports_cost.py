@@ -36,9 +36,6 @@ print("MODULES " + json.dumps(sorted(m for m in sys.modules if m.startswith("jax
 # place, the importers and what only they use, a CheckpointManager root's step choice.
 NOT_NEEDED = (
     "jax_ucp._src.store.storage.object_store",
-    "jax_ucp._src.restoring.remote_safetensors",
-    "jax_ucp._src.restoring.safetensors_source",
-    "jax_ucp._src.store.safetensors_file",
     "jax_ucp._src.format.safetensors",
     "jax_ucp._src.restoring.import_open",
     "jax_ucp._src.restoring.import_source",

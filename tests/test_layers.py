@@ -69,9 +69,8 @@ JAX_FREE = {
     "jax_ucp._src.restoring.model",
     "jax_ucp._src.restoring.engine",
     "jax_ucp._src.restoring.ucp_source",
-    "jax_ucp._src.restoring.safetensors_source",
-    "jax_ucp._src.restoring.remote_safetensors",
     "jax_ucp._src.restoring.import_source",
+    "jax_ucp._src.restoring.gathered",
     "jax_ucp._src.restoring.import_open",
     "jax_ucp._src.restoring.inspecting",
     "jax_ucp._src.api",  # verify and latest_step: jax-ucp verify starts without JAX

@@ -101,7 +101,7 @@ def test_both_sources_check_a_target_leaf_alike(tmp_path):
     save_file(tensors, str(tmp_path / "m.safetensors"))
     jax_ucp.save(tmp_path / "c", {"params": tensors})
     for path, holder in [
-        (tmp_path / "m.safetensors", r".*m\.safetensors:w"),
+        (tmp_path / "m.safetensors", r".*m\.safetensors \(m\.safetensors:w\)"),
         (tmp_path / "c", "the checkpoint .*c"),
     ]:
         back = jax_ucp.restore(path, target={"params": {"step": 0}})

@@ -18,8 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 import jax_ucp
 from jax_ucp._src import store
-from jax_ucp._src.restoring import safetensors_source
-from jax_ucp._src.store import safetensors_file
+from jax_ucp._src.restoring import gathered, import_source
 from jax_ucp.language import load_spec
 from jax_ucp.models import LMConfig
 from tests.importers.safetensors.test_import import BAD
@@ -144,16 +143,17 @@ def test_hf_llama_spec_equals_convert_then_restore(tmp_path, monkeypatch):
     files give, on a mesh and on host, exactly what the converted checkpoint gives. Every kernel
     (transposed, q/k/v merged, gate|up concatenated) is read by ``Gathered`` (row blocks and
     tiles made small here so that several of each are cut), the rest as stored."""
-    monkeypatch.setattr(safetensors_file, "BLOCK_BYTES", 200)
-    monkeypatch.setattr(safetensors_file, "TILE", 3)
-    gathered = []
-    read_into = safetensors_file.Gathered.read_into
+    monkeypatch.setattr(import_source, "BLOCK_BYTES", 200)
+    monkeypatch.setattr(gathered, "TILE", 3)
+    read = []
+    gather_map = gathered.gather_map
 
-    def counting(self, dests):
-        gathered.extend(t.name for t in self.sources)
-        return read_into(self, dests)
+    def counting(plan, shapes, dtypes):
+        found = gather_map(plan, shapes, dtypes)
+        read.extend("/".join(k[1:]) for k in plan.sources if found is not None)
+        return found
 
-    monkeypatch.setattr(safetensors_file.Gathered, "read_into", counting)
+    monkeypatch.setattr(import_source, "gather_map", counting)
     weights = _llama(np.random.default_rng(2))
     src = _sharded_folder(tmp_path / "hf", weights)
     config = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -166,17 +166,17 @@ def test_hf_llama_spec_equals_convert_then_restore(tmp_path, monkeypatch):
     for (path, x), (_, y) in zip(flat(host_direct)[0], flat(host_converted)[0]):
         _assert_same(x, y, jax.tree_util.keystr(path))
     assert host_direct["params"]["layers_0"]["attn"]["qkv"]["kernel"].shape == (32, 64)
-    assert sorted(set(gathered)) == sorted(
+    assert sorted(set(read)) == sorted(
         n for n in weights if weights[n].ndim == 2 and "embed_tokens" not in n
     )
     # the same through TensorStore's lazy views over the files (what any other op takes)
-    ops = safetensors_source.GATHER_OPS
-    monkeypatch.setattr(safetensors_source, "GATHER_OPS", set())
-    gathered.clear()
+    ops = gathered.GATHER_OPS
+    monkeypatch.setattr(gathered, "GATHER_OPS", set())
+    read.clear()
     for (path, x), (_, y) in zip(flat(jax_ucp.restore(src, spec=spec))[0], flat(host_converted)[0]):
         _assert_same(x, y, jax.tree_util.keystr(path))
-    assert gathered == []
-    monkeypatch.setattr(safetensors_source, "GATHER_OPS", ops)
+    assert read == []
+    monkeypatch.setattr(gathered, "GATHER_OPS", ops)
     mesh = _mesh()
     for spec2d in (P(None, "model"), P("model", None), P("data", "model")):
         target = jax.tree.map(
@@ -225,8 +225,8 @@ def test_reads_only_the_needed_bytes_once(tmp_path):
 def test_small_blocks_and_budget(tmp_path, monkeypatch):
     """Row blocks smaller than a tensor and a read budget smaller than one: still exact (column
     cuts across block edges, several regions sharing one block)."""
-    monkeypatch.setattr(safetensors_file, "BLOCK_BYTES", 200)
-    monkeypatch.setattr(safetensors_file, "VIEW_CHUNK_BYTES", 100)
+    monkeypatch.setattr(import_source, "BLOCK_BYTES", 200)
+    monkeypatch.setattr(import_source, "VIEW_CHUNK_BYTES", 100)
     weights = _llama(np.random.default_rng(4), dtype=np.float32, layers=1)
     src = _sharded_folder(tmp_path / "hf", weights)
     mesh = _mesh()
@@ -281,7 +281,8 @@ def test_target_errors_name_the_tensor_and_file(tmp_path):
     sds = jax.ShapeDtypeStruct
     with pytest.raises(
         jax_ucp.UCPError,
-        match=r"'params/w': the target asks for shape \(6, 4\), .*model\.safetensors:w holds shape \(4, 6\)",
+        match=r"'params/w': the target asks for shape \(6, 4\), .*model\.safetensors:w\) holds "
+        r"shape \(4, 6\)",
     ):
         jax_ucp.restore(file, target={"params": {"w": sds((6, 4), np.float32)}})
     with pytest.raises(jax_ucp.UCPError, match=r"'params/x'.*safetensors"):

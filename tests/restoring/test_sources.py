@@ -1,5 +1,5 @@
-"""``restore`` opens its source in order: a UCP checkpoint first (``locate.is_ucp``), safetensors
-only for a path that is none; a UCP path is never probed for safetensors."""
+"""``restore`` opens its source in order: a UCP checkpoint first (``locate.is_ucp``), an import
+(safetensors included) only for a path that is none; a UCP path is never probed for one."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.format import safetensors
-from jax_ucp._src.restoring import locate, safetensors_source
+from jax_ucp._src.importers import registry
+from jax_ucp._src.restoring import locate
 from jax_ucp._src.store import storage_for
 
 
@@ -21,7 +22,7 @@ def test_a_ucp_checkpoint_is_opened_without_probing_safetensors(tmp_path, monkey
     path = jax_ucp.save(str(tmp_path / "ck"), {"w": w})
     with open(tmp_path / "ck" / "model.safetensors", "wb"):  # a stray file beside ucp.json
         pass
-    monkeypatch.setattr(safetensors_source, "is_source", _never)
+    monkeypatch.setattr(registry, "importer_for", _never)
     monkeypatch.setattr(safetensors, "is_safetensors", _never)
     np.testing.assert_array_equal(jax_ucp.restore(path)["w"], w)
     assert locate.is_ucp(storage_for(path)) and locate.is_ucp(storage_for(tmp_path / "missing"))

@@ -1,5 +1,5 @@
 """Hugging Face safetensors files: the header parser and checks shared by the importer
-(``importers.safetensors``) and the direct restore (``store.safetensors_file``).
+(``importers.safetensors``) and through it the direct restore.
 
 The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
 [begin, end) byte offsets into the data that follows; plus ``__metadata__``) and the raw

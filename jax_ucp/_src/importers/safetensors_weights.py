@@ -1,5 +1,7 @@
 """Hugging Face safetensors weights as an import plan: ``params/<HF name>`` in the stored dtype,
-each tensor a read-only view of a memory map streamed into the writer.
+each tensor a read-only view of a memory map (read with ``pread``: the writer streams it, a direct
+restore reads each region's rows straight into its buffer), or in an object store or Hub repo a
+``Deferred`` whose rows are ranged reads.
 
 Shared importer layer: the safetensors importer's plan, and torchtune's (its ``epoch_N/``
 folders are such weights). Format packages never import each other; what two of them share
@@ -71,7 +73,7 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
     items = (
         host_item(
             ("params", n),
-            writer.mapped_deferred(owner[n].tensor(n), f"{owner[n].path}: tensor {n[:100]!r}"),
+            owner[n].tensor(n),  # a mapped view: never touched, read with pread
             {"file": os.path.basename(owner[n].path), "tensors": [n]},
         )
         for n in mine
@@ -80,8 +82,8 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
 
 
 def _plan_remote(url: str, options: ImportOptions) -> ImportPlan:
-    """The import of safetensors in an object store or a Hub repo (``hf://``): each tensor one
-    ranged read (rows in slabs when larger than the memory budget); ``path`` the source as
+    """The import of safetensors in an object store or a Hub repo (``hf://``): each tensor's
+    rows ranged reads (in slabs when larger than the memory budget); ``path`` the source as
     read, a Hub repo's pinned to the commit it was read at (``hf://ORG/NAME@SHA``)."""
     prefix, tensors = safetensors_remote.open_remote(url.rstrip("/"))
     names = sorted(tensors)
@@ -99,6 +101,7 @@ def _plan_remote(url: str, options: ImportOptions) -> ImportPlan:
             t.dtype,
             lambda: t.rows(0, rows).reshape(t.shape),
             rows=t.rows if t.shape else None,
+            ranged=True,
         )
 
     mine = options.share.pick(names)

@@ -1,11 +1,12 @@
 """The read engine: plans which byte ranges each process needs, reads them (from jax_ucp
-checkpoints or Hugging Face safetensors in place) and assembles them onto any mesh.
+checkpoints, or any source convert reads, safetensors included, in place) and assembles them
+onto any mesh.
 
 By stage: ``locate`` (where the checkpoint is; reads kept whole across a forced save's swap),
 ``requests`` (a target tree, or ``select``/``mesh=``, as requests: the only part needing JAX),
 ``engine`` with ``model`` (the read loop, ``Request``/``Available`` and the cast rules), and the
-sources (``ucp_source``, ``safetensors_source``; ``sources`` opens either). Besides: ``plan``,
-``replicated`` reads, ``checks`` (diff), ``options``.
+sources (``ucp_source``; ``import_source``, opened by ``import_open``, for any other). Besides:
+``plan``, ``replicated`` reads, ``checks`` (diff), ``options``.
 
 Below the Orbax layer: restore, verify, diff and the exporters all read through it.
 """

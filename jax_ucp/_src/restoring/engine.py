@@ -37,8 +37,8 @@ from jax_ucp._src.store import shard_reader
 
 class TensorSource(Protocol):
     """What the read engine (``read_from``) reads tensors from: a UCP checkpoint's arrays
-    (``ucp_source.CheckpointSource``), a safetensors file read in place
-    (``safetensors_source``); the idea of torch DCP's ``StorageReader``. The engine plans,
+    (``ucp_source.CheckpointSource``), an import's items read in place
+    (``import_source.ImportSource``); the idea of torch DCP's ``StorageReader``. The engine plans,
     budgets, checks memory, reads and finishes; a source only says where a tensor's bytes are
     and what to check first."""
 

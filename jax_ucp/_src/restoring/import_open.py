@@ -1,5 +1,5 @@
 """The "open" stage of a restore straight from a source ``convert`` reads: which sources are
-read through their import (``import_format``), the import planned (``registry.plan_import``:
+read through their import and by which importer, detected once (``import_for``), the import planned (``registry.plan_import``:
 the one edge restoring -> importers, docs/INTERNAL_CONTRACTS.md) and its items read in place by
 an ``import_source.ImportSource`` (``opened_import``), and the manifest convert would write for
 ``jax_ucp.inspect`` (``manifest_of``). Iterating the items reads no tensor bytes (but what
@@ -14,36 +14,41 @@ import dataclasses
 import json
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store, writer
-from jax_ucp._src.errors import RequestError, SourceError
+from jax_ucp._src.errors import MultiProcessError, RequestError, SourceError
 from jax_ucp._src.restoring import locate, steps
 from jax_ucp._src.restoring.engine import OpenedSource
 from jax_ucp._src.restoring.import_source import ImportSource
 from jax_ucp._src.store.storage.local_view import ViewError
 
+if TYPE_CHECKING:
+    from jax_ucp._src.importers.plan import Importer
 
-def import_format(
-    path, importing=None, format: str | None = None, *, weights_in_place: bool = True
-) -> str | None:
-    """The format ``convert`` would import ``path`` as, when a restore reads it through an
-    import; None when it is a UCP checkpoint (or what ``locate`` explains: a missing path, a
-    CheckpointManager root, a folder no importer claims) or plain safetensors (read in place by
-    ``safetensors_source``, unless import options are given).
+
+def import_for(
+    path, importing=None, format: str | None = None, *, warn: bool = False
+) -> tuple[str, Importer] | None:
+    """``(the path read, the importer convert would import it with)`` when a restore reads
+    ``path`` through an import (a run root: its newest complete step, ``run_root_step``); None
+    when it is a UCP checkpoint (or what ``locate`` explains: a missing path, a CheckpointManager
+    root, a folder no importer claims). The importer is detected here once and passed down.
 
     Args:
       path: what was passed to restore / plan (its storage, once chosen).
       importing: the import options given (``RestoreOptions.importing``), or None.
       format: the format given (``RestoreOptions.format``), or None.
-      weights_in_place: plain safetensors are read in place (None); False: imported too.
+      warn: a run root's newer steps passed over are said (``ResumeWarning``).
     """
     storage = store.storage_for(path)
     path, explicit = storage.root, importing is not None or format is not None
     if not storage.local:
-        return _object_store_format(storage, format)
+        found = _object_store_importer(storage, format)
+        return None if found is None else (path, found)
     if locate.is_ucp(storage):
         if explicit and os.path.exists(path):
             raise RequestError(
@@ -56,46 +61,61 @@ def import_format(
     from jax_ucp._src.importers import registry  # the edge restoring -> importers
 
     try:
-        found = format or registry.detect_format(path)
+        return path, registry.importer_for(path, format)
     except SourceError:
         if explicit:
             raise
-        step = run_root_step(path)  # a Trainer's output_dir: its newest complete checkpoint
-        if step is not None:
-            return import_format(step, importing, format, weights_in_place=weights_in_place)
-        return None  # no importer claims it: the UCP reader's "not a jax_ucp checkpoint"
-    from jax_ucp._src.importers.torch.files import has_torch_optimizer
-    from jax_ucp._src.importers.trainer_files import check_optimizer_beside_scheduler
-
-    if (
-        found == "safetensors"
-        and weights_in_place
-        and not explicit
-        and not has_torch_optimizer(path)
-    ):
-        check_optimizer_beside_scheduler(path, weights_only=False)  # a run's state lost it
-        return None  # weights alone: safetensors_source reads them (a spec as restore's)
-    return found
+        step = run_root_step(path, warn=warn)  # a Trainer's output_dir: its newest checkpoint
+        return None if step is None else import_for(step, importing, format)
 
 
-def _object_store_format(prefix: store.storage.Storage, format: str | None) -> str | None:
+def import_format(path, importing=None, format: str | None = None) -> str | None:
+    """The format ``convert`` would import ``path`` as (``import_for``), None for a UCP
+    checkpoint or what no importer reads."""
+    found = import_for(path, importing, format)
+    return None if found is None else found[1].format
+
+
+def _object_store_importer(prefix: store.storage.Storage, format: str | None) -> Importer | None:
     """An object-store prefix without ``ucp.json`` is read through an import: a torch DCP
-    folder (a ``.metadata`` object) fetches its chunks by ranged GETs, any other source is
-    read through a local view of it (``registry``: its archives' ranges fetched as read). A
-    prefix no importer claims is None (the UCP reader's "no manifest")."""
+    folder (a ``.metadata`` object) fetches its chunks by ranged GETs, safetensors their rows,
+    any other source is read through a local view of it (``registry``: its archives' ranges
+    fetched as read). A prefix no importer claims is None (the UCP reader's "no manifest")."""
     from jax_ucp._src.importers import registry  # the edge restoring -> importers
 
     if prefix.exists(fmt.MANIFEST_FILE):
         return None
     dcp = registry.IMPORTERS["torch_dcp"]
     if format in (None, dcp.format, dcp.name) and dcp.detect(prefix.root).found:
-        return dcp.name
+        return dcp
     try:
-        return format or registry.detect_format(prefix.root)
+        return registry.importer_for(prefix.root, format)
     except ViewError:
         raise  # a source there, damaged: never "no manifest"
     except SourceError:
         return None
+
+
+def one_revision(storage: store.storage.Storage) -> str:
+    """``storage``'s URL as process 0 of a multi-process job resolved it (``Storage.absolute``:
+    a Hub branch pinned to its commit), so that every process of a restore reads one revision
+    of a source in an object store or a Hub repo."""
+    import jax
+
+    if jax.process_count() == 1 or storage.local:
+        return storage.root
+    from jax_ucp._src.multihost import agreement
+
+    try:
+        hello = {"url": storage.absolute()}
+    except fmt.UCPError as e:  # posted, so that the others stop waiting
+        hello = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    where = f"{storage.root}: opening it in {jax.process_count()} processes:"
+    peers = agreement.Exchange("remote-source", where, 300.0, hello=hello).peers
+    for i, peer in enumerate(peers):
+        if "error" in peer:
+            raise MultiProcessError(f"{where} process {i}: {peer['error']}")
+    return peers[0]["url"]
 
 
 @dataclasses.dataclass
@@ -122,14 +142,15 @@ class Import:
 
 @contextlib.contextmanager
 def opened_import(
-    path, checkpoint_format: str, importing=None, spec=None, memory_budget: int | None = None
+    path, importer: Importer | str, importing=None, spec=None, memory_budget: int | None = None
 ) -> Iterator[Import]:
     """``path`` opened through ``registry.plan_import`` for one restore, its tensors read in
     place; what the plan holds open is dropped after.
 
     Args:
       path: the source (a folder, or a file).
-      checkpoint_format: its format (``import_format``).
+      importer: its importer (``import_for``: ``path`` is the one it gave), or its format
+        (``import_format``: a run root read as its newest step).
       importing: the import options (an ``ImportOptions`` or a format's subclass; None: the
         format's defaults).
       spec: a restore-time spec whose views of the imported tensors are restored.
@@ -138,9 +159,12 @@ def opened_import(
     from jax_ucp._src.importers import registry  # the edge restoring -> importers
 
     path = os.fspath(path)
-    path = run_root_step(path, warn=True) or path
+    if isinstance(importer, str):
+        path = run_root_step(path, warn=True) or path
+    checkpoint_format = importer if isinstance(importer, str) else importer.format
     with writer.memory_budget_scope(memory_budget):
-        plan = registry.plan_import(path, importing, format=checkpoint_format)
+        name = importer if isinstance(importer, str) else importer.name  # no detector again
+        plan = registry.plan_import(path, importing, format=name)
         where = f"the {checkpoint_format} checkpoint {path}"
         source = ImportSource(path, where, plan.items)
         record = json.loads(json.dumps(plan.source, default=str))  # as the manifest holds it
@@ -185,7 +209,7 @@ def run_root_step(path: str, *, warn: bool = False) -> str | None:
     return found.step.path
 
 
-def manifest_of(path, checkpoint_format: str, importing=None) -> fmt.Manifest:
+def manifest_of(path, importer: Importer | str, importing=None) -> fmt.Manifest:
     """The manifest ``convert`` would write for ``path`` (``jax_ucp.inspect`` of a source read
     in place): every entry as the writer records it, the import's record as its source; no
     shard digests (nothing is written), no tensor read (except what ``ImportSource`` builds to
@@ -193,14 +217,14 @@ def manifest_of(path, checkpoint_format: str, importing=None) -> fmt.Manifest:
 
     Args:
       path: the source.
-      checkpoint_format: its format (``import_format``).
+      importer: its importer or format (``opened_import``).
       importing: the import options (None: the format's defaults).
     """
     from jax_ucp._src.writer import layout as layout_lib
 
     options = layout_lib.ArrayOptions()
     entries: list[fmt.Entry] = []
-    with opened_import(path, checkpoint_format, importing) as imported:
+    with opened_import(path, importer, importing) as imported:
         found = imported.opened.source
         assert isinstance(found, ImportSource)
         for key, t in found.tensors.items():

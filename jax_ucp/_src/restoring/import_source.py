@@ -11,7 +11,10 @@ dtypes, saved shardings and logical axes, its values), so a direct restore gives
 restore gives. Typed against the items' fields alone: this module imports no importer.
 
 Each process reads only the rows its devices' slices cover (a column cut reads its rows whole,
-once, in blocks of at most ``BLOCK_BYTES``); a ``Deferred`` without row reads (a ZeRO-3 flat
+once, in blocks of at most ``BLOCK_BYTES``): a value read by ranges (a view of a mapped file, as
+Hugging Face safetensors are, read with ``pread``; a ``Deferred`` whose rows are ranged reads of an
+object) straight into each region of whole rows, the other rows range by range; a spec's
+transpose / merge of such rank-2 tensors by ``gathered.Gathered``. A ``Deferred`` without row reads (a ZeRO-3 flat
 partition spanning many tensors, a tensor-parallel merge) is built whole on each process that
 needs any part of it, and one whose shape is known only once built (a Megatron legacy merge) is
 built when the source is opened. A torch zip member's CRC-32 is checked as its bytes are first
@@ -35,6 +38,7 @@ from jax_ucp._src.errors import CheckpointError, SourceError
 from jax_ucp._src.format import mapped_file
 from jax_ucp._src.format.sizes import format_size
 from jax_ucp._src.restoring.engine import TensorSource
+from jax_ucp._src.restoring.gathered import Gathered, gather_map
 from jax_ucp._src.restoring.model import Available
 from jax_ucp._src.store import shard_reader
 
@@ -69,6 +73,7 @@ class ImportSource(TensorSource):
         self.values: list[fmt.ValueEntry] = []
         self._builds = threading.Lock()  # an importer's Deferreds are built one at a time
         self._built: dict[tuple[str, ...], np.ndarray] = {}  # built to learn their shape
+        self.gathers: dict[tuple[str, ...], tuple[Any, Any]] = {}  # key -> ``gather_map``'s
         seen: set[tuple[str, ...]] = set()
         for item in items:
             key = tuple(str(k) for k in item.key)
@@ -86,7 +91,10 @@ class ImportSource(TensorSource):
             self.tensors[key] = self._tensor(key, name, value, item)
 
     def _tensor(self, key, name: str, value, item) -> _Tensor:
-        files = ", ".join(map(str, (item.provenance or {}).get("files") or ())) or self.path
+        p = item.provenance or {}
+        files = ", ".join(map(str, p.get("files") or ())) or (
+            f"{p['file']}:{p['tensors'][0]}" if len(p.get("tensors") or ()) == 1 else self.path
+        )
         if isinstance(value, writer.Deferred) and value.shape is None:
             with self._builds:  # its shape is known once built: kept until read
                 built = mapped_file.read_out(value.build(name), f"tensor {name!r}")
@@ -137,6 +145,11 @@ class ImportSource(TensorSource):
                         key_types=tuple(item.key_types or ("key",) * len(view.key)),
                         saved_sharding=item.saved_sharding,
                     )
+            elif all(map(self.ranged, sources)):  # rows of rank-2 tensors: gathered?
+                ts_ = [self.tensors[k] for k in sources]
+                found = gather_map(plan, [t.shape for t in ts_], [t.dtype for t in ts_])
+                if found is not None:
+                    self.gathers[view.key] = found
             out[view.key] = view
         return out
 
@@ -166,6 +179,9 @@ class ImportSource(TensorSource):
         return f"{self.where} ({self.files(found)})"
 
     def reader(self, found: Available):
+        if found.key in self.gathers:
+            (which, rows), read = self.gathers[found.key], [self.rows(k) for k in found.sources]
+            return Gathered(read, which, rows, found.shape, found.dtype)
         if found.stored and found.shape:
             return _Reader(self, found.sources[0])
         return found.build({k: self.view(k) for k in found.sources})
@@ -191,29 +207,51 @@ class ImportSource(TensorSource):
         return 1
 
     # --- reading
+    def ranged(self, key) -> bool:
+        """Whether tensor ``key``'s rows are independent reads, any rows from any thread: a
+        view of a mapped file (``pread``), a ``Deferred`` whose rows are ranged reads."""
+        v = self.tensors[key].value
+        ranged = isinstance(v, writer.Deferred) and v.ranged and v.rows is not None
+        return isinstance(v, np.ndarray) or ranged
+
     def rows(self, key) -> tuple[Any, int]:
-        """``(read(a, b) -> rows a:b as an array, rows per block)`` of tensor ``key``; a value
-        that cannot give rows alone gives all of them as one block, built once."""
+        """``(read(a, b, out=None) -> rows a:b, rows per block)`` of tensor ``key``: ``read``
+        fills ``out`` when given (a view of a mapped file ``pread`` straight into it), else gives
+        an array (for a mapped view a scratch buffer, valid until the thread's next read). A
+        value that cannot give rows alone gives all of them as one block, built once."""
         t = self.tensors[key]
         v, what = t.value, f"tensor {t.name!r}"
         inner = math.prod(t.shape[1:]) * t.dtype.itemsize
         block = max(1, BLOCK_BYTES // max(1, inner))
         if isinstance(v, np.ndarray):
-            return (lambda a, b: mapped_file.read_out(v[a:b], what)), block
-        if isinstance(v, ts.TensorStore):
-            return (lambda a, b: np.asarray(v[a:b].read().result())), block
-        if v.rows is not None:
+            mapped = mapped_file.mapped_at(v) is not None
 
-            def built_rows(a, b):
+            def mapped_rows(a, b, out=None):
+                if out is None:
+                    out = shard_reader.scratch((b - a) * inner).view(t.dtype)
+                    out = out.reshape((b - a, *t.shape[1:]))
+                mapped_file.copy_into(out, v[a:b], what)
+                if mapped:
+                    shard_reader.count_bytes_read(out.nbytes)
+                return out
+
+            return mapped_rows, block
+        if isinstance(v, ts.TensorStore):
+            return (lambda a, b, out=None: _into(v[a:b].read().result(), out)), block
+        if v.rows is not None:
+            if v.ranged:
+                return (lambda a, b, out=None: _into(v.rows(a, b), out)), block
+
+            def built_rows(a, b, out=None):
                 with self._builds:
-                    return mapped_file.read_out(v.rows(a, b), what)
+                    return _into(mapped_file.read_out(v.rows(a, b), what), out)
 
             # slabs as convert's writer streams them: a slab starting inside a torch DCP chunk
             # reads (and CRC-checks) that whole chunk, so few and large, within the budget
             slab = max(BLOCK_BYTES, writer.memory_budget() // 2)
             return built_rows, max(1, slab // max(1, inner))
         whole = self._whole(key)
-        return (lambda a, b: whole[a:b]), max(1, t.shape[0])
+        return (lambda a, b, out=None: _into(whole[a:b], out)), max(1, t.shape[0])
 
     def _whole(self, key) -> np.ndarray:
         """A ``Deferred`` without rows built whole (once, if built when opened)."""
@@ -242,6 +280,9 @@ class ImportSource(TensorSource):
         def fill(domain, array, params):
             del params
             box = [(d.inclusive_min, d.exclusive_max) for d in domain]
+            if array.flags.c_contiguous and all(c == (0, n) for c, n in zip(box[1:], t.shape[1:])):
+                read(*box[0], array)  # whole rows: straight into TensorStore's chunk
+                return
             rows = read(*box[0])
             array[...] = rows[(slice(None), *(slice(a, b) for a, b in box[1:]))]
 
@@ -275,11 +316,25 @@ class _Reader:
             pool = shard_reader.read_pool()
             return shard_reader.PendingReads([pool.submit(self._scalar, dests)])
         read, per_block = self._source.rows(self._key)
-        blocks = shard_reader.row_blocks(dests, per_block)
+        tasks = []
+        if self._source.ranged(
+            self._key
+        ):  # whole rows read straight into their region; the others range by range
+            whole = [all(c == (0, n) for c, n in zip(r[1:], self.shape[1:])) for r, _ in dests]
+            for (region, out), _ in filter(lambda d: d[1], zip(dests, whole)):
+                for r in range(0, len(out), per_block):
+                    part = out[r : r + per_block]
+                    tasks.append((read, region[0][0] + r, region[0][0] + r + len(part), part))
+            dests = [d for d, w in zip(dests, whole) if not w]
+            ranges = {region[0] for region, _ in dests}  # no range merged into a neighbour's
+            blocks = sorted(
+                {(r, min(r + per_block, b)) for a, b in ranges for r in range(a, b, per_block)}
+            )
+        else:
+            blocks = shard_reader.row_blocks(dests, per_block)
+        tasks += [(_read_block, read, a, b, dests) for a, b in blocks]
         pool = shard_reader.read_pool()
-        return shard_reader.PendingReads(
-            [pool.submit(_read_block, read, a, b, dests) for a, b in blocks]
-        )
+        return shard_reader.PendingReads([pool.submit(*task) for task in tasks])
 
     def _scalar(self, dests) -> None:
         t = self._source.tensors[self._key]
@@ -303,3 +358,11 @@ def _read_block(read, a: int, b: int, dests) -> None:
             continue
         src = (slice(lo - a, hi - a), *(slice(s, e) for s, e in region[1:]))
         out[lo - region[0][0] : hi - region[0][0]] = block[src]
+
+
+def _into(rows, out):
+    """``rows`` (an array-like), copied into ``out`` when given."""
+    if out is None:
+        return np.asarray(rows)
+    out[...] = rows
+    return out

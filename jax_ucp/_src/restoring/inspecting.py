@@ -24,7 +24,7 @@ def inspect(path: str | os.PathLike) -> fmt.Manifest:
     if not storage.local or not locate.is_ucp(storage):
         from jax_ucp._src.restoring import import_open
 
-        found = import_open.import_format(storage, weights_in_place=False)
+        found = import_open.import_format(storage)
         if found is not None:
             manifest = import_open.manifest_of(path, found)
             manifest.notices = []

@@ -1,8 +1,7 @@
 """``jax_ucp.restore``, importing JAX but not Orbax (a restore reads through TensorStore; only
 saving and Orbax's handlers need Orbax, ~0.5 s more to start): the stages in order, each
-entered once: the source located and opened (``locate``, ``ucp_source``,
-``safetensors_source`` / ``remote_safetensors``, or ``import_open``) → its requests (``requests``, the JAX part) → the read engine
-(``engine``) → the result's tree."""
+entered once: the source located and opened (``locate`` and ``ucp_source``, or ``import_open``)
+→ its requests (``requests``, the JAX part) → the read engine (``engine``) → the result's tree."""
 
 from __future__ import annotations
 
@@ -26,11 +25,11 @@ def restore(path: str | os.PathLike, options: restore_options.RestoreOptions):
 
     Args:
       path: the checkpoint directory (holding ucp.json) or an Orbax step directory with one UCP
-        item; or Hugging Face safetensors (a ``.safetensors`` file, or a folder of them with
-        ``model.safetensors.index.json``, also in an object store), read in place as its
-        conversion would hold it (``params/<HF name>``): each process reads only its slices'
-        byte ranges, a ``spec`` (``"hf_llama"``) applied as lazy views; no copy on disk. Or any
-        source ``convert`` reads (torch DCP, torch.save files, a Trainer folder, DeepSpeed,
+        item; or any source ``convert`` reads, e.g. Hugging Face safetensors (a ``.safetensors``
+        file, or a folder of them with ``model.safetensors.index.json``, also in an object
+        store or a Hub repo) read in place as its conversion would hold it (``params/<HF
+        name>``): each process reads only its slices' byte ranges, a ``spec``
+        (``"hf_llama"``) applied as lazy views; no copy on disk. Or any other source ``convert`` reads (torch DCP, torch.save files, a Trainer folder, DeepSpeed,
         Megatron, verl, Orbax, ...): opened through its import (``importing=``, ``format=``)
         and read in place; the tree is the one convert + restore gives, nothing is written.
       options: built from the keywords, each documented in ``RestoreOptions``.
@@ -42,7 +41,7 @@ def restore(path: str | os.PathLike, options: restore_options.RestoreOptions):
 
 def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
     """Restores the checkpoint at ``path`` (see ``jax_ucp.restore``), whole or not at all: its
-    source opened (a UCP checkpoint, else safetensors or an import read in place), the requests ``options``
+    source opened (a UCP checkpoint, else its import read in place), the requests ``options``
     make of it, read by the engine.
 
     A concurrent forced save swaps directories: the restore starts over on the new one
@@ -56,7 +55,7 @@ def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
     """
     storage = store.storage_for(path)  # chosen once, handed down
     elsewhere = opened_elsewhere(storage, options)
-    if elsewhere is not None:  # read in place: no UCP checkpoint there
+    if elsewhere is not None:  # read in place through its import: no UCP checkpoint there
         with elsewhere as opened:
             return restore_from(opened, options)
     result: Any = None
@@ -71,33 +70,25 @@ def opened_elsewhere(
     storage: store.storage.Storage, options: restore_options.RestoreOptions
 ) -> contextlib.AbstractContextManager[OpenedSource] | None:
     """The "open" stage for a source that is no UCP checkpoint (None for one: UCP is detected
-    first): Hugging Face safetensors read in place, or any other source ``convert`` reads,
-    opened through its import plan (``import_open``) with ``options.importing``."""
+    first): any source ``convert`` reads (Hugging Face safetensors too), its importer detected
+    once and its import plan opened (``import_open``) with ``options.importing``."""
     explicit = options.importing is not None or options.format is not None
-    if not storage.local and not explicit:
-        from jax_ucp._src.restoring import remote_safetensors  # an object store's only
-
-        if remote_safetensors.is_source(storage):
-            return remote_safetensors.opened_source(storage.root, options.spec)
     if storage.local and not explicit and locate.is_ucp(storage):
-        return None  # (a URL without ucp.json may be a torch DCP folder: import_format asks)
-    # imported here: a local UCP restore (above) never loads the importers' and safetensors' code
-    from jax_ucp._src.restoring import import_open, safetensors_source
+        return None  # (a URL without ucp.json may be a source: import_for asks)
+    # imported here: a local UCP restore (above) never loads the importers' code
+    from jax_ucp._src.restoring import import_open
 
-    checkpoint_format = import_open.import_format(storage, options.importing, options.format)
-    if checkpoint_format is not None:
-        return _imported(storage.root, checkpoint_format, options)
-    if safetensors_source.is_source(storage):
-        return safetensors_source.opened_source(storage.root, options.spec)
-    return None
+    found = import_open.import_for(storage, options.importing, options.format, warn=True)
+    return None if found is None else _imported(*found, options)
 
 
 @contextlib.contextmanager
-def _imported(path, checkpoint_format: str, options) -> Iterator[OpenedSource]:
+def _imported(path: str, importer, options) -> Iterator[OpenedSource]:
     from jax_ucp._src.restoring import import_open
 
+    path = import_open.one_revision(store.storage_for(path))  # one Hub commit for every process
     with import_open.opened_import(
-        path, checkpoint_format, options.importing, options.spec, options.read_budget
+        path, importer, options.importing, options.spec, options.read_budget
     ) as imported:
         yield imported.opened
 

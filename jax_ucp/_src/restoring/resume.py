@@ -186,7 +186,7 @@ def _unplannable(path: str) -> str | None:
     from jax_ucp._src.restoring import import_open
 
     try:
-        found = import_open.import_format(path, weights_in_place=False)
+        found = import_open.import_format(path)
         if found is None:
             return f"{path}: no importer reads it"
         import_open.manifest_of(path, found)

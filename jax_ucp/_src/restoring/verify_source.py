@@ -15,7 +15,7 @@ from jax_ucp._src.restoring import engine, import_open, model
 def source_format(path: str) -> str | None:
     """The format ``path`` is read as through an import (torch safetensors included), None for
     a jax_ucp checkpoint or what no importer reads."""
-    return import_open.import_format(path, weights_in_place=False)
+    return import_open.import_format(path)
 
 
 def verify_source(

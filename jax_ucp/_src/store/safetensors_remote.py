@@ -1,9 +1,9 @@
 """Hugging Face safetensors files read in place by byte ranges from a medium that is no local
 directory (an object store's ``s3://`` / ``gs://`` prefix, a Hub repo's ``hf://``): each file's
-header checked (its length, then the header, then the file's exact size), each tensor's regions
-fetched as ranges of whole rows through TensorStore's kvstore drivers (where the medium says a
-file is read from: ``Storage.ranged``), nothing written. What ``restoring.remote_safetensors``
-restores from and the safetensors importer converts. JAX-free.
+header checked (its length, then the header, then the file's exact size), each tensor's rows
+fetched as byte ranges through TensorStore's kvstore drivers (where the medium says a file is read
+from: ``Storage.ranged``), nothing written. What the safetensors importer reads (a convert, or a
+direct restore through ``restoring.import_source``). JAX-free.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ from jax_ucp._src.errors import CheckpointError, SourceError, tensorstore_messag
 from jax_ucp._src.format import safetensors
 from jax_ucp._src.store import shard_reader
 from jax_ucp._src.store.storage import Storage, storage_for
-
-VIEW_CHUNK_BYTES = 4 << 20  # rows per chunk of a TensorStore view
-_VIEW_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
 
 
 def holds(prefix: Storage) -> bool:
@@ -76,8 +73,7 @@ def objects(url: str) -> tuple[Storage, list[str]]:
 
 @dataclasses.dataclass
 class RemoteTensor:
-    """One tensor of a safetensors object: regions fetched as byte ranges of whole rows (a
-    ``sharding.RegionReader``)."""
+    """One tensor of a safetensors object: its rows fetched as byte ranges."""
 
     kv: ts.KvStore
     object: str  # the object's name under the kvstore's prefix
@@ -93,15 +89,12 @@ class RemoteTensor:
             math.prod(self.shape[1:]) * self.dtype.itemsize if self.shape else self.dtype.itemsize
         )
 
-    def _fetch(self, a: int, b: int):
-        start = self.offset + a * self.row_bytes
-        return self.kv.read(self.object, byte_range=slice(start, start + (b - a) * self.row_bytes))
-
     def rows(self, a: int, b: int) -> np.ndarray:
         """Rows ``a:b`` of the tensor (``[0:1]`` of a scalar), one ranged read."""
-        return self.rows_from(self._fetch(a, b), a, b)
-
-    def rows_from(self, future, a: int, b: int) -> np.ndarray:
+        start = self.offset + a * self.row_bytes
+        future = self.kv.read(
+            self.object, byte_range=slice(start, start + (b - a) * self.row_bytes)
+        )
         want = (b - a) * self.row_bytes
         try:
             got = future.result()
@@ -118,72 +111,6 @@ class RemoteTensor:
             )
         shard_reader.count_bytes_read(want)
         return np.frombuffer(got.value, self.dtype).reshape((b - a, *self.shape[1:]))
-
-    def read_into(self, dests) -> _Fetches:
-        fetches: dict[tuple[int, int], object] = {}
-        for region, out in dests:
-            shape = shard_reader.check_destination(region, out, self.shape, self.dtype)
-            if 0 in shape:
-                continue
-            rows = region[0] if self.shape else (0, 1)
-            if rows not in fetches:
-                fetches[rows] = self._fetch(*rows)
-        return _Fetches(self, fetches, dests)
-
-    def view(self) -> ts.TensorStore:
-        """A lazy view of the whole tensor (the source of a spec's views)."""
-        if not self.shape:
-            out = np.empty((), self.dtype)
-            self.read_into([((), out)]).result()
-            return ts.array(out)
-        rows = max(1, min(self.shape[0], VIEW_CHUNK_BYTES // max(1, self.row_bytes)))
-
-        def fill(domain, array, params):
-            """Answers with a future: a read function waiting on its own ranged GET inside
-            TensorStore's threads never returns (its kvstore's reply needs them too)."""
-            del params
-            box = [(d.inclusive_min, d.exclusive_max) for d in domain]
-            (a, b), promise, done = box[0], *ts.Promise.new()
-            fetch = self._fetch(a, b)
-
-            def copy(_):
-                try:
-                    block = self.rows_from(fetch, a, b)
-                    array[...] = block[(slice(None), *(slice(s, e) for s, e in box[1:]))]
-                    promise.set_result(None)
-                except Exception as e:  # the read's error, named, to the reader
-                    promise.set_exception(e)
-
-            fetch.add_done_callback(copy)
-            return done
-
-        return ts.virtual_chunked(
-            fill,
-            dtype=ts.dtype(self.dtype.name),
-            domain=ts.IndexDomain(shape=list(self.shape)),
-            chunk_layout=ts.ChunkLayout(read_chunk_shape=[rows, *self.shape[1:]]),
-            context=_VIEW_CONTEXT,
-        )
-
-
-class _Fetches:
-    """Ranged reads in flight; ``result()`` waits for them and cuts each region from its rows."""
-
-    def __init__(self, tensor: RemoteTensor, fetches: dict, dests):
-        self._tensor, self._fetches, self._dests = tensor, fetches, dests
-
-    def result(self) -> None:
-        t, rows = self._tensor, {}
-        for region, out in self._dests:
-            if 0 in out.shape:
-                continue
-            a, b = region[0] if t.shape else (0, 1)
-            if (a, b) not in rows:
-                rows[(a, b)] = t.rows_from(self._fetches[(a, b)], a, b)
-            block = rows[(a, b)]
-            out[...] = (
-                block[(slice(None), *(slice(s, e) for s, e in region[1:]))] if t.shape else block[0]
-            )
 
 
 def header(kv: ts.KvStore, name: str, shown: str) -> safetensors.SafetensorsFile:

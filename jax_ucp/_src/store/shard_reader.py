@@ -115,7 +115,7 @@ _BYTES_READ_LOCK = threading.Lock()
 
 def bytes_read() -> int:
     """Bytes this process has read from checkpoint files through jax_ucp's own readers
-    (``ShardReader``, ``safetensors_file``): a metric, like TensorStore's
+    (``ShardReader``, an import read in place): a metric, like TensorStore's
     ``/tensorstore/kvstore/file/bytes_read``, which does not see these reads."""
     return _BYTES_READ[0]
 

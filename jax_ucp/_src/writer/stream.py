@@ -83,6 +83,8 @@ class Deferred:
     #: ``rows(start, stop)`` builds rows ``start:stop`` of dim 0 alone (shape known): a tensor
     #: larger than the memory budget is then written in row slabs instead of built whole.
     rows: Callable[[int, int], np.ndarray] | None = None
+    #: ``rows`` are independent ranged reads (an object's bytes): several threads may read at once
+    ranged: bool = False
 
     @property
     def nbytes(self) -> int:
