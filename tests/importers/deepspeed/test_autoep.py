@@ -12,7 +12,7 @@ affine map other than the contiguous one, ZeRO-3's ``zero3_partitioned`` (a real
 from __future__ import annotations
 
 import os
-import shutil
+import sys
 
 import jax
 import numpy as np
@@ -25,7 +25,12 @@ from jax_ucp._src.importers.deepspeed import files as deepspeed_files
 from jax_ucp._src.torchfiles import torch_zip
 from jax_ucp.errors import SourceError
 from tests.importers.deepspeed.test_pipe_moe import check_against_live, same_bits
-from tests.ucp_testing import REPO, assert_destination_untouched, copy_deepspeed_fixture
+from tests.ucp_testing import (
+    REPO,
+    assert_destination_untouched,
+    copy_deepspeed_fixture,
+    run_torchrun,
+)
 
 pytestmark = pytest.mark.timeout(120)
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
@@ -185,4 +190,31 @@ def test_autoep_zero3_is_refused_with_the_reason(tmp_path):
     with pytest.raises(SourceError, match=r"checkpoint_format 'zero3_partitioned' \(AutoEP under"):
         jax_ucp.convert(src, str(tmp_path / "u"))
     assert_destination_untouched(str(tmp_path / "u"))
-    shutil.rmtree(src)
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("run", [*RUNS, "autoep_ep2_z3_fp32"])
+def test_a_fresh_autoep_run_imports_bit_exact(tmp_path, run):
+    """Trains the fixture's configuration again with DeepSpeed's AutoEP (CPU) and imports the
+    new checkpoint against that run's own live state (ZeRO-3: refused by name)."""
+    pytest.importorskip("deepspeed")
+    sys.path.insert(0, os.path.join(REPO, "tools", "fixtures"))
+    import make_deepspeed_autoep_fixture as make  # pyright: ignore[reportMissingImports]
+
+    stage, dtype, processes = make.RUNS[run]
+    work = tmp_path / "run"
+    script = os.path.join(REPO, "tools", "fixtures", "make_deepspeed_autoep_fixture.py")
+    run_torchrun(script, "--train", str(work), str(stage), dtype, processes=processes)
+    dest = str(tmp_path / "u")
+    if stage == 3:
+        with pytest.raises(SourceError, match=r"checkpoint_format 'zero3_partitioned'"):
+            jax_ucp.convert(str(work / "ckpt"), dest)
+        return
+    jax_ucp.convert(str(work / "ckpt"), dest)
+    live = {}
+    for rank in range(processes):
+        live.update(np.load(work / f"live_rank{rank}.npz"))
+    np.savez(tmp_path / "live.npz", **live)
+    assert check_against_live(jax_ucp.restore(dest), str(tmp_path / "live.npz")) == 4 * 27
