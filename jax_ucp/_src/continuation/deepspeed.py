@@ -33,8 +33,7 @@ OTHER_TYPES = (
     "musgd",
     "muon",
 )
-#: Adam parameters DeepSpeed's classes take: FusedAdam / DeepSpeedCPUAdam, and torch's Adam(W)
-#: (``torch_adam``); ``adam_w_mode``, ``torch_adam``, ``fp32_optimizer_states`` are the engine's
+#: Adam parameters DeepSpeed's classes (FusedAdam, DeepSpeedCPUAdam, torch's) and engine take
 DS_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad")
 DS_ENGINE_PARAMS = ("adam_w_mode", "torch_adam", "fp32_optimizer_states", "set_grad_none")
 TORCH_ADAM_PARAMS = (
@@ -138,8 +137,7 @@ def _value(kind: str, value: Any, low: float, strict: bool, field: str) -> Any:
 
 
 def scheduler_params(kind: str, params: Any, groups: int, where: str) -> dict[str, Any]:
-    """A DeepSpeed scheduler's ``params`` with its defaults, typed and range-checked; an unknown
-    name, per-group values that differ, or ``last_batch_iteration`` other than -1 is refused."""
+    """A DeepSpeed scheduler's ``params`` with its defaults, typed and range-checked, or refused."""
     if kind not in SCHEDULERS:
         raise RequestError(
             f"{where}: DeepSpeed scheduler {kind!r}: reproduced are {', '.join(SCHEDULERS)}"
@@ -209,8 +207,7 @@ def deepspeed_schedule(kind: str, kw: Mapping[str, Any], base_lr: float) -> dict
             def lr(count):
                 p = position(count)
                 up = low + ramp(p) * (1.0 - low)
-                # (1 + cos(pi * progress)) / 2 as sin(pi * rest / 2) ** 2, rest = 1 - progress
-                # counted in steps: float32 keeps its digits near the schedule's end
+                # (1 + cos(pi * p)) / 2 as sin(pi * (1 - p) / 2) ** 2: float32 keeps its digits
                 rest = jnp.maximum(0.0, (total - (p - warm + 1.0)) / total)
                 cosine = jnp.sin(0.5 * math.pi * rest) ** 2
                 down = jnp.maximum(0.0, floor + (1.0 - floor) * cosine)
@@ -296,8 +293,7 @@ def _one_cycle(kw: Mapping[str, Any], position: Callable[[Any], Any]) -> dict[st
 
 
 def _adam_params(name: str, params: Mapping[str, Any], field: str) -> float:
-    """The config's Adam parameters, each known to the class DeepSpeed builds, typed and
-    range-checked as it takes them; the learning rate (the class's default when not given)."""
+    """The config's Adam parameters as DeepSpeed's class takes them, checked; and the lr."""
     torch_adam = params.get("torch_adam", False)
     for key in ("torch_adam", "adam_w_mode", "bias_correction", "amsgrad", "set_grad_none"):
         if key in params:
@@ -335,8 +331,7 @@ def _adam_params(name: str, params: Mapping[str, Any], field: str) -> float:
 
 
 def _adam_from_config(made: Any, groups: list[dict], where: str) -> tuple[str, str, bool, float]:
-    """(kind, how, bias_correction, the config's lr) of the Adam DeepSpeed built from
-    ``optimizer``, or refused naming the type or parameter."""
+    """(kind, how, bias_correction, lr) of the Adam DeepSpeed built from ``optimizer``."""
     if not isinstance(made, Mapping) or not isinstance(made.get("type"), str):
         raise RequestError(f"{where}: DeepSpeed config optimizer {made!r}: expected a 'type'")
     name = made["type"]
@@ -488,8 +483,7 @@ def _position_check(
     b1: float,
     where: str,
 ) -> Callable[[int], list[str]] | None:
-    """Checks, once the step is restored, that the scheduler stands where the files say
-    (``last_batch_iteration`` is step - 1, the held learning rate the schedule's)."""
+    """Checks, once the step is restored, that the scheduler stands where the files say."""
     if name is None or lr is None:
         return None
 

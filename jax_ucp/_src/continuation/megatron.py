@@ -28,8 +28,7 @@ WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 # keys of AnnealingLR's state before the scheduler counted samples (load_state_dict's fallbacks)
 _OLD_KEYS = ("start_lr", "warmup_iter", "warmup_steps", "end_iter", "decay_steps", "num_iters")
-#: the OptimizerParamScheduler state this reader knows (megatron-core 0.16's state_dict, with
-#: the warm-up start and WSD's anneal where a release saves them too)
+#: the OptimizerParamScheduler state this reader knows (megatron-core 0.16's, and later fields)
 SCHEDULER_KEYS = (
     "max_lr",
     "min_lr",
@@ -65,8 +64,7 @@ class MegatronSchedule:
     lr_wsd_decay_style: str | None = None
 
     def lr(self, num_steps: Any, xp: Any = np) -> Any:
-        """``OptimizerParamScheduler.get_lr`` at ``num_steps`` samples (``xp``: numpy or
-        jax.numpy; every branch is computed, the one Megatron takes is kept)."""
+        """``OptimizerParamScheduler.get_lr`` at ``num_steps`` samples (numpy or jax.numpy)."""
         n = xp.asarray(num_steps, dtype=float) if xp is np else num_steps
         warm, decay = float(self.lr_warmup_steps), float(self.lr_decay_steps)
         max_lr, min_lr, init = self.max_lr, self.min_lr, self.init_lr
@@ -119,8 +117,7 @@ class MegatronSchedule:
 
 
 class _Fields:
-    """One section of the record (``args``, ``opt_param_scheduler``, a param group), read with
-    its file named in every refusal."""
+    """One section of the record, read with its file named in every refusal."""
 
     def __init__(self, values: Mapping[str, Any], section: str, where: str):
         self.values, self.section, self.where = values, section, where
@@ -301,8 +298,7 @@ def megatron_recipe(
 
 
 def _step_check(saved_step: int, gbs: int, file: str) -> Callable[[int], list[str]]:
-    """What checks, once the optimizer's step is restored, that it is the step the scheduler's
-    saved position maps to (its ``num_steps`` = step x global batch)."""
+    """Checks, once the step is restored, that the scheduler's ``num_steps`` maps to it."""
 
     def check(step: int) -> list[str]:
         if step != saved_step:
@@ -364,8 +360,7 @@ def _read_record(
 
 
 def _schedule(scheduler: _Fields, args: _Fields, groups: list[_Fields]) -> MegatronSchedule:
-    """The scheduler's values, the param groups' max_lr / min_lr (get_lr prefers them) checked
-    equal to its own, WSD's decay length from the args Megatron-LM derives it from."""
+    """The scheduler's values, checked against the param groups' max_lr / min_lr."""
     max_lr = scheduler.number("max_lr")
     min_lr = scheduler.number("min_lr", high=max_lr)
     style = scheduler.choice("lr_decay_style", LR_DECAY_STYLES)
@@ -438,8 +433,7 @@ def _group_number(group: _Fields, key: str) -> float | None:
 
 
 def _wsd(scheduler: _Fields, args: _Fields) -> tuple[float, str]:
-    """WSD's anneal length (samples) and style: the scheduler's record, else as Megatron-LM derives
-    them from the args."""
+    """WSD's anneal length (samples) and style: recorded, else as Megatron-LM derives them."""
     if scheduler.has("wsd_decay_steps"):
         steps = scheduler.number("wsd_decay_steps")
     elif args.has("train_iters") and args.number("train_iters", integer=True) > 0:
@@ -520,8 +514,7 @@ def _step(
 
 
 def _check_groups_lr(groups: list[_Fields], schedule: MegatronSchedule, n: int, file: str):
-    """The lr / weight decay the scheduler last set on the param groups are the schedule's at
-    the saved sample count: the translation reproduces what Megatron set."""
+    """The groups' lr / weight decay are the schedule's at the saved sample count."""
     lr = float(schedule.lr(n))
     wd = float(schedule.wd(n))
     for group in groups:
@@ -596,8 +589,7 @@ _STACKED_EXPERTS = re.compile(r"\.experts\.experts\.")
 
 
 def _per_layer_ndim(name: str, shape: tuple[int, ...]) -> int:
-    """The rank Megatron's module gave the parameter: torch_dist stacks ``[L, ...]`` (and experts
-    ``[L, E, ...]``)."""
+    """The rank Megatron's module gave the parameter (torch_dist stacks ``[L, ...]``)."""
     stacked = len(_STACKED_LAYERS.findall(name)) + len(_STACKED_EXPERTS.findall(name))
     return len(shape) - stacked
 
@@ -609,8 +601,7 @@ def _decayed(
     file: str,
     unrecovered: list[str],
 ) -> dict[str, bool]:
-    """megatron-core's standard overrides: no weight decay for ``*.bias`` and 1-D parameters (q/k
-    norms under ``apply_wd_to_qk_layernorm``), checked against the groups' ``wd_mult``."""
+    """megatron-core's rule: no weight decay for ``*.bias`` and 1-D parameters."""
     qk = args.flag("apply_wd_to_qk_layernorm")
     if args.values.get("no_weight_decay_cond_type") is not None:
         raise RequestError(

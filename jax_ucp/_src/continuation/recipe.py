@@ -18,8 +18,7 @@ Schedule = Callable[[Any], Any]
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """What a run's files say of how its optimizer stepped; ``learning_rate`` and a scheduled
-    ``weight_decay`` are functions of optax's step count."""
+    """What a run's files say of how its optimizer stepped (schedules of optax's step count)."""
 
     #: "adam" (L2 decay added to the gradient) or "adamw" (decoupled decay)
     optimizer: str
@@ -32,22 +31,17 @@ class Recipe:
     weight_decay: float | Schedule
     #: per source parameter name (the import's ``params/<name>``): decayed or not
     decayed: Mapping[str, bool]
-    #: the global gradient norm clipped to; None when the run did not clip (or it is unknown:
-    #: then it is in ``unrecovered``)
+    #: the global gradient norm clipped to; None: no clipping (or unknown: see ``unrecovered``)
     clip: float | None
     bias_correction: bool = True
     notes: tuple[str, ...] = ()
     #: what the run may have had that its files do not record (said, and warned)
     unrecovered: tuple[str, ...] = ()
-    #: Adam's beta1 as a function of the step count when a schedule rewrote it every step
-    #: (DeepSpeed's OneCycle ``cycle_momentum``); ``betas[0]`` is then its value at the save
+    #: Adam's beta1 as a function of the step count when scheduled (DeepSpeed's OneCycle)
     beta1: Schedule | None = None
-    #: called with the optimizer's restored step once it is known: raises when the files' saved
-    #: schedule position or held learning rate contradict it, else returns notes
+    #: called with the restored step: raises when the saved schedule position contradicts it
     at_step: Callable[[int], list[str]] | None = None
-    #: whether the files record the schedule / the clipping (False: ``learning_rate`` holds the
-    #: optimizer's rate constant, ``clip`` None, and ``optax_from_torch(schedule=, clip=)`` may
-    #: supply them)
+    #: whether the files record the schedule / the clipping (else the caller may supply them)
     schedule_recorded: bool = True
     clip_recorded: bool = True
 
