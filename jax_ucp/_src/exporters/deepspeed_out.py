@@ -101,8 +101,7 @@ def _write_states(
     states: Iterable[tuple[str, str, np.ndarray | Deferred]],
     step: int,
 ) -> list[str]:
-    """``zero/<param>/<state>.pt`` for every state yielded, each checked fp32 of the parameter's
-    shape, and ``step.pt`` after a parameter's last state. Returns the paths written."""
+    """``zero/<param>/<state>.pt`` for every state (checked fp32), and ``step.pt``; the paths."""
     written = []
     step_tensor = np.asarray(float(step), np.float32)
     for name, state, array in states:
@@ -126,8 +125,7 @@ def _write_states(
 
 
 def _model_states(params: list[tuple[str, tuple[int, ...]]], module: dict, step: int) -> dict:
-    """``mp_rank_00_model_states.pt``'s pickle: one rank, no parallelism, the step counters and
-    ``module`` (name -> tensor slot) as an OrderedDict."""
+    """``mp_rank_00_model_states.pt``'s pickle: one rank, the step counters and ``module``."""
     return {
         "module": Call(
             Global("collections", "OrderedDict"), ([[k, v] for k, v in module.items()],)
@@ -211,10 +209,8 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
 
 
 def _universal_keys(root, by_key):
-    """The keys DeepSpeed universal needs, by manifest role: each trainable parameter's, its Adam
-    moments and the step count; ``RequestError`` naming what is missing."""
-    # frozen parameters have no optimizer state and no place under zero/ (DeepSpeed keeps
-    # them out of its optimizer); they are listed as skipped. A tied one is its twin's.
+    """The keys DeepSpeed universal needs, by manifest role, or a ``RequestError``."""
+    # frozen parameters have no optimizer state nor place under zero/: skipped
     params = {
         k: k[1:]
         for k, e in by_key.items()

@@ -14,8 +14,7 @@ from jax_ucp._src.exporters.options import OPTIONS_TYPES, Exported, Options, Saf
 from jax_ucp._src.restoring import locate
 from jax_ucp._src.writer import commit
 
-#: each format's module, whose ``export(root, dst, options)`` plans the format's files and writes
-#: them in one transaction of ``dst`` (imported when used: Orbax's only for an Orbax export)
+#: each format's module, whose ``export(root, dst, options)`` writes it (imported when used)
 WRITERS = {
     "safetensors": "safetensors_out",
     "torch-dcp": "torch_out",
@@ -55,8 +54,7 @@ def export(
     budget = options.memory_budget
     assert not isinstance(budget, str)  # parsed by the options
     dst = os.path.abspath(os.fspath(dst))
-    # a read that fails because a concurrent forced save replaced ``ckpt`` starts over (its
-    # transaction removed what it wrote), never reported as damage
+    # a read failing because a forced save replaced ``ckpt`` starts over, never reported as damage
     with writer.memory_budget_scope(budget):  # what readers and writers hold
         return locate.read_consistently(
             ckpt, lambda root: _export_root(root.root, dst, options), redo=False

@@ -46,8 +46,7 @@ class _Export:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OrbaxExport(_Export):
-    """The whole tree as saved, saved containers included, as an Orbax checkpoint (written to a
-    new directory) that ``ocp.StandardCheckpointer().restore(dst)`` reads bit-exact."""
+    """The whole tree as saved, containers included, as an Orbax checkpoint restored bit-exact."""
 
     format: ClassVar[str] = "orbax"
 
@@ -105,15 +104,13 @@ class _TensorsExport(_Export):
 
     @property
     def prefix(self) -> str:
-        """``select``, or the format's default: the weights (``"params"``) for safetensors,
-        everything for torch DCP."""
+        """``select``, or the format's default (``"params"`` for safetensors, all for DCP)."""
         return self.default_select if self.select is None else self.select
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TorchDcpExport(_TensorsExport):
-    """A single-file torch DCP checkpoint (``.metadata`` + ``__0_0.distcp``): the tensors and the
-    saved Python values."""
+    """A single-file torch DCP checkpoint: the tensors and the saved Python values."""
 
     format: ClassVar[str] = "torch-dcp"
 
@@ -144,8 +141,7 @@ FORMATS = tuple(BY_FORMAT)
 
 
 def options_for(to: str, **given: Any) -> Options:
-    """The options of the format named ``to`` from the fields given; a field given (not None, not
-    False) the format does not take is a ``RequestError`` naming it."""
+    """The options of the format named ``to``; a field it does not take is a ``RequestError``."""
     cls = BY_FORMAT.get(to)
     if cls is None:
         raise RequestError(f"export format {to!r} is not supported (choose from {FORMATS})")

@@ -48,8 +48,7 @@ class _Tensor:
 
 
 class _TensorHandler(ocp.type_handlers.NumpyHandler):
-    """Orbax's ``NumpyHandler`` on-disk format (typestr ``np.ndarray``), fed lazily: tensors
-    are read and written one at a time in the commit future."""
+    """Orbax's ``NumpyHandler`` format, fed lazily: one tensor at a time in the commit future."""
 
     def __init__(
         self,
@@ -64,8 +63,7 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
         self._contexts: dict[bool, ts.Context] = {}
 
     def _context(self, ocdbt: bool) -> ts.Context:
-        """Orbax's TensorStore context without its 100 MB OCDBT cache pool: nothing written
-        here is read back, and the memory budget leaves no room for it."""
+        """Orbax's TensorStore context without its 100 MB OCDBT cache (nothing is read back)."""
         if ocdbt not in self._contexts:
             self._contexts[ocdbt] = ts.Context(
                 ts.Context.Spec({"cache_pool#ocdbt": {"total_bytes_limit": 0}}),
@@ -84,8 +82,7 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
             ocdbt = bool(info.is_ocdbt_checkpoint)
             nbytes = np.dtype(value.dtype).itemsize * math.prod(value.shape)
             if value.shape and nbytes > self._budget // 4 and arg.chunk_byte_size is None:
-                # chunks of at most 1/16 of the budget, written a few at a time: Orbax's one
-                # chunk per array held the array's compressed copy beside its own (+416 MiB)
+                # chunks of 1/16 of the budget: one chunk per array held a compressed copy (+416 MiB)
                 arg = dataclasses.replace(arg, chunk_byte_size=max(self._budget // 16, 1 << 20))
             tspec = ocp.type_handlers.get_json_tspec_write(
                 info,
@@ -120,8 +117,7 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
 
 
 def _slabs(t, shape: tuple[int, ...], nbytes: int, max_bytes: int) -> list[tuple[int, int]]:
-    """Row ranges of whole write chunks of ``t``, each at most ``max_bytes`` (at least one chunk's
-    rows), so reads and encodes stay within the budget."""
+    """Row ranges of whole write chunks of ``t``, each within ``max_bytes`` (at least a chunk)."""
     rows = shape[0]
     chunk = int((t.chunk_layout.write_chunk.shape or shape)[0] or rows)
     row_bytes = nbytes // rows
@@ -130,8 +126,7 @@ def _slabs(t, shape: tuple[int, ...], nbytes: int, max_bytes: int) -> list[tuple
 
 
 def lazy_tree(root: str, manifest: fmt.Manifest) -> tuple[Any, int]:
-    """The checkpoint's tree with each tensor a lazy ``_Tensor`` and each saved Python value
-    in place; the saved containers when ``ucp.json`` records them, else nested dicts/lists."""
+    """The checkpoint's tree, each tensor a lazy ``_Tensor``, in its saved containers."""
     available = ucp_source.available_tensors(manifest)
     leaves: dict[tuple, Any] = {}
     key_types: dict[tuple, tuple] = {}
@@ -240,8 +235,7 @@ def export(root: str, dst: str, options: OrbaxExport) -> Exported:
 
 
 class _RaisedAgain(logging.Filter):
-    """Drops the tracebacks Orbax's commit threads log for an error its save then raises to
-    the caller (``_SignalingThread.run() raised an exception``): the caller reports it once."""
+    """Drops Orbax's commit-thread tracebacks for an error its save raises to the caller."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and "raised an exception" in record.getMessage())
@@ -249,8 +243,7 @@ class _RaisedAgain(logging.Filter):
 
 @contextlib.contextmanager
 def _one_error(destination: str):
-    """An Orbax save whose failure is one error naming ``destination``: TensorStore's become a
-    ``RequestError``, Orbax's thread tracebacks not logged twice."""
+    """An Orbax save whose failure is one error naming ``destination``."""
     quiet = _RaisedAgain()
     absl = logging.getLogger("absl")
     absl.addFilter(quiet)

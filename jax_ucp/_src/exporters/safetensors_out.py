@@ -37,8 +37,7 @@ def dtype_name(tensor: str, dtype: np.dtype) -> str:
 
 
 def plan_files(tensors: Sequence[Tensor], max_file_bytes: int) -> list[list[Tensor]]:
-    """Tensors grouped into files of at most ``max_file_bytes`` of data each, in order (a tensor
-    larger than the limit gets a file of its own, as ``transformers`` does)."""
+    """Tensors grouped in order into files of at most ``max_file_bytes`` (a larger one alone)."""
     files: list[list[Tensor]] = [[]]
     size = 0
     for tensor in tensors:

@@ -23,8 +23,7 @@ from jax_ucp._src.writer import commit
 
 @dataclasses.dataclass(frozen=True)
 class Deferred:
-    """An array of known shape and dtype whose values ``slabs()`` yields as consecutive slabs of
-    rows (one array for a 0-d tensor), read only when a writer writes them."""
+    """An array of known shape and dtype whose ``slabs()`` are read only when written."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -32,8 +31,7 @@ class Deferred:
 
 
 def pieces(value: np.ndarray | Deferred, where: str) -> Iterator[np.ndarray]:
-    """The C-ordered little-endian data of ``value`` (an array, or a ``Deferred``'s slabs), each
-    slab checked against the planned shape and dtype (``RequestError`` naming ``where``)."""
+    """The C-ordered little-endian data of ``value``, each slab checked against the plan."""
     if not isinstance(value, Deferred):
         value = Deferred(tuple(value.shape), value.dtype, lambda a=value: [a])
     rows = 0
@@ -63,8 +61,7 @@ class Source:
     done: int = 0
 
     def tensor(self, key: tuple[str, ...], dtype: Any = None, name: str = "") -> Deferred:
-        """Tensor ``key`` (as ``dtype``; None: as saved), ``progress`` called once it is read
-        (under ``name``; with an empty name, not counted)."""
+        """Tensor ``key`` (as ``dtype``), ``progress`` called under ``name`` once it is read."""
         found = self.available[key]
         dtype = found.dtype if dtype is None else np.dtype(dtype)
         return Deferred(tuple(found.shape), dtype, lambda: self._slabs(key, dtype, name))
@@ -100,8 +97,7 @@ class Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
-    """The tensors under ``select`` as written (``Deferred`` values, key path below ``select``), the
-    saved Python values under it when the format holds them, and every other leaf's name."""
+    """The tensors under ``select`` as written, the saved values, and every other leaf's name."""
 
     tensors: list[Tensor]
     arrays: list[Deferred]
@@ -207,8 +203,7 @@ def write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
-    """A ``config.json`` given as a dict or a path, read within a size bound and checked to be
-    a JSON object."""
+    """A ``config.json`` (dict or path), read within a size bound, checked to be an object."""
     if isinstance(config, Mapping):
         return dict(config)
     try:
