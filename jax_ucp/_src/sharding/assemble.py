@@ -27,21 +27,18 @@ class Waitable(Protocol):
 
 @runtime_checkable
 class RegionReader(Protocol):
-    """A tensor read region by region straight into arrays the caller allocates
-    (``store.shard_reader.ShardReader``, ``store.safetensors_file.SafetensorsTensor``)."""
+    """A tensor read region by region into arrays the caller allocates."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
 
     def read_into(self, dests: list[tuple[tuple[tuple[int, int], ...], np.ndarray]]) -> Waitable:
-        """Reads each ``(region, out)``: ``(start, stop)`` per dimension into a writable
-        C-contiguous array of ``dtype`` and the region's shape."""
+        """Reads each ``(region, out)`` (``(start, stop)`` per dimension) into ``out``."""
         ...
 
 
 def _reads_regions(source) -> TypeGuard[RegionReader]:
-    """``isinstance(source, RegionReader)`` by its members: typing's protocol check costs ~2 ms a
-    tensor."""
+    """``isinstance(source, RegionReader)`` by its members (typing's check: ~2 ms a tensor)."""
     return all(hasattr(source, m) for m in ("read_into", "shape", "dtype"))
 
 
@@ -67,10 +64,8 @@ class PendingArray:
         self._device_index: list[tuple[Any, tuple]] = []  # (jax device, slice key)
         self._slices: dict[tuple, tuple] = {}
         self._box = None
-        # A source that reads regions into arrays we hand it (``store.shard_reader``): every slice
-        # is read into its own 64-byte-aligned buffer, which ``jax.device_put`` adopts without a
-        # copy on CPU; devices holding the same slice share that buffer, as ``device_put`` of
-        # one host array onto a replicated sharding does.
+        # each slice read into its own aligned buffer, which ``jax.device_put`` adopts without a
+        # copy on CPU; devices holding the same slice share it
         self._reader = source if _reads_regions(source) and self.shape else None
         self._outs: dict[tuple, np.ndarray] = {}
         # Values that a narrowing cast turned into inf/NaN (see ``convert``), once read.
@@ -95,8 +90,7 @@ class PendingArray:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory ``start`` + ``result`` allocate at most: the read buffers, plus the
-        converted copies when the dtype changes."""
+        """Host memory ``start`` + ``result`` allocate at most (reads, converted copies)."""
         if _stored_dtype(self._source) == self.dtype:
             return self.read_bytes
         return self.read_bytes + self.result_bytes
@@ -167,8 +161,7 @@ class PendingArray:
         return jax.make_array_from_single_device_arrays(self.shape, self.sharding, singles)
 
     def release(self) -> None:
-        """Drops the reads and their host buffers once the result is taken (the result keeps
-        what it adopted), so they are freed now rather than whenever this object is."""
+        """Drops the reads and their host buffers once the result is taken, freeing them now."""
         self._reads.clear()
         self._outs.clear()
 
@@ -207,8 +200,7 @@ _CAST_BLOCK = 1 << 16  # elements converted and checked at once
 
 @functools.cache
 def _overflow_check(source: np.dtype, target: np.dtype):
-    """None when casting ``source`` into ``target`` cannot overflow; else a function giving which
-    values of a block must stay finite after the cast."""
+    """None when casting ``source`` into ``target`` cannot overflow, else a check per block."""
     if not is_floating(target):
         return None
     info = np.finfo(target) if target.kind == "c" else ml_dtypes.finfo(target)
@@ -242,8 +234,7 @@ def aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
 
 
 def _tiled_box(keys: list[tuple], shape: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
-    """The bounding box of several distinct slices when they tile it exactly, else None: one read of
-    the box reads a chunk the slices share once."""
+    """The bounding box of distinct slices that tile it exactly, else None."""
     if len(keys) < 2 or any(step != 1 for key in keys for _, _, step in key):
         return None
     box = tuple(
@@ -254,8 +245,7 @@ def _tiled_box(keys: list[tuple], shape: Sequence[int]) -> tuple[tuple[int, int]
 
 
 def tile(boxes: Sequence[tuple[tuple[int, int], ...]], volume: int) -> bool:
-    """Whether ``boxes`` ((start, stop) per dimension) cover ``volume`` elements exactly: their
-    volumes add up to it and no two overlap."""
+    """Whether ``boxes`` cover ``volume`` elements exactly: volumes add up, no two overlap."""
     if sum(math.prod(b - a for a, b in box) for box in boxes) != volume:
         return False
     return not any(

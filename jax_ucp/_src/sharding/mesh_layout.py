@@ -154,8 +154,7 @@ def _closest(name: str, known: Iterable[str]) -> str:
 
 
 def _near_miss(name: str, known: Iterable[str]) -> bool:
-    """``name`` reads like a misspelling of a known one (``modle``/``model``); names unlike every
-    known one are left alone."""
+    """``name`` reads like a misspelling of a known one (``modle``/``model``)."""
     return bool(difflib.get_close_matches(name, sorted(set(known)), n=1, cutoff=0.75))
 
 

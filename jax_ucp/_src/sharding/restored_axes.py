@@ -54,8 +54,7 @@ def remember(restored: Iterable[tuple[Sequence[str], Any, Sequence[str | None] |
 
 
 def names_of(key: Sequence[str], leaf: Any) -> tuple | None:
-    """The logical names remembered for the leaf at tree path ``key`` of a tree being saved,
-    None when none are (see the module)."""
+    """The logical names remembered for the leaf at path ``key`` of a tree being saved, or None."""
     import jax
 
     if not isinstance(leaf, jax.Array):
