@@ -17,8 +17,7 @@ from jax_ucp._src.multihost import heartbeat, liveness
 
 
 class ProcessLostError(MultiProcessError):
-    """A process of a multi-process job died while the others waited for it; its own class so the
-    CLI leaves at once (``jax.distributed``'s shutdown would wait for the lost heartbeat)."""
+    """A process of the job died while the others waited (the CLI then leaves at once)."""
 
 
 Gather = Callable[[str, str, bool], "list[str]"]
@@ -54,8 +53,7 @@ def agree(
 
 _RUNS: dict[str, Iterator[int]] = collections.defaultdict(itertools.count)  # per purpose
 _POLL_MS = 200  # how often a waiting process checks that the processes it waits for still live
-# how long fewer processes than the job's must be connected to the coordinator before one that
-# has not answered, and never beat, is taken for lost (a connection made again is not a death)
+# how long a process that never beat must be disconnected from the coordinator to be lost
 CUT_OFF_S = 1.0
 
 
@@ -128,9 +126,9 @@ class Exchange:
         head: str | None = None,
         check: Callable[[dict[int, str]], None] | None = None,
     ) -> list[str]:
-        """Posts this process's ``value`` of ``step``; every process's, in process order
-        (``wait=False``: posts only). ``check`` sees the values posted so far at each poll
-        (it raises to stop waiting); ``head`` replaces the exchange's in the errors."""
+        """Posts this process's ``value`` of ``step``; every process's, in order (``wait=False``:
+        posts only). ``check`` sees the values so far at each poll; ``head`` replaces the
+        exchange's."""
         from jax.errors import JaxRuntimeError
 
         head = head or self.head
@@ -153,8 +151,7 @@ class Exchange:
         deadline = time.monotonic() + self.timeout
         while True:
             try:
-                # the aborts first, then the values: a process that fails posts its value
-                # before its abort, so the error behind an abort is never missed
+                # aborts first: a failing process posts its value before its abort
                 aborted = dict(self.client.key_value_dir_get(f"{self.prefix}abort/"))
                 self.beats.hear()
                 values = posted()
@@ -194,8 +191,7 @@ class Exchange:
             )
 
     def raise_if_lost(self, indices: Iterable[int], step: str | None, head: str) -> None:
-        """``lost`` naming the first of ``indices`` that is gone: it ran on this host and
-        ``/proc`` shows it no more, or it ran elsewhere and its beat stands still."""
+        """``lost`` naming the first of ``indices`` that is gone."""
         for i in indices:
             peer = (self.peers[i] if i < len(self.peers) else None) or self.beats.identity(i)
             if i == self.index or not peer:
@@ -212,8 +208,7 @@ class Exchange:
                 )
 
     def raise_if_cut_off(self, missing: list[int], step: str, head: str) -> None:
-        """``lost`` naming the ``missing`` processes that never beat, when this process serves the
-        coordinator and fewer than all have been connected for ``CUT_OFF_S``."""
+        """``lost`` naming the ``missing`` processes that never beat."""
         missing = [i for i in missing if i not in self.beats.heard]
         if self.served is None or not missing:
             self._short_since = None
@@ -241,8 +236,7 @@ class Exchange:
 
 
 def _served_port() -> int | None:
-    """The TCP port of the jax.distributed coordinator this process serves (process 0), when
-    its connections can be counted (``liveness.connected``); else None."""
+    """The port of the coordinator this process serves, when its connections can be counted."""
     from jax._src import distributed
 
     state = distributed.global_state
@@ -257,8 +251,7 @@ def _served_port() -> int | None:
 
 
 def distributed_client():
-    """The key-value store client of this process's ``jax.distributed`` job (what Orbax's
-    ``multihost`` uses too: jax has no public accessor)."""
+    """This process's ``jax.distributed`` key-value client (as Orbax gets it)."""
     from jax._src import distributed
 
     client = distributed.global_state.client

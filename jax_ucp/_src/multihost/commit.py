@@ -74,8 +74,7 @@ def commit_once(
             except BaseException as e:
                 committed = e
         if index == 0:
-            # Only the others wait for the primary's outcome: a process lost after it committed
-            # does not turn a whole, committed checkpoint into an error here.
+            # a process lost after the commit does not turn it into an error here
             try:
                 agreement.agree(gather, "committed", committed, where, wait=False)
             finally:
@@ -102,8 +101,7 @@ def commit_once(
 
 
 def _until_heard(gather: Gather, where: str) -> None:
-    """The primary waits for every process to have read its outcome ("heard"): it serves the
-    exchange, and leaving ends it for everyone. A process lost by then is only logged."""
+    """The primary waits for every process to hear its outcome (leaving ends the exchange)."""
     try:
         gather("heard", "", True)
     except MultiProcessError as e:
@@ -111,8 +109,7 @@ def _until_heard(gather: Gather, where: str) -> None:
 
 
 def _identity(path: str) -> tuple[int, int] | None:
-    """The directory ``path`` (device, inode): what it stays when renamed into place. None for
-    an object store's URL (a transaction's directory is absolute) or when it cannot be read."""
+    """The directory ``path`` (device, inode), kept through a rename; else None."""
     if not os.path.isabs(path):
         return None
     try:
@@ -125,9 +122,8 @@ def _identity(path: str) -> tuple[int, int] | None:
 def _outcome_from_storage(
     where: str, written_into: tuple[int, int] | None, lost: MultiProcessError
 ) -> None:
-    """The exchange was lost while waiting for the primary's outcome: returns when storage proves
-    the commit, raises ``lost`` when it proves there was none, says the outcome is unknown when it
-    cannot tell (an object store)."""
+    """The exchange was lost awaiting the primary's outcome: return if storage proves the commit,
+    raise ``lost`` if it proves none, say unknown otherwise."""
     if written_into is None:
         detail = str(lost).removeprefix(f"{where}: not committed; ")
         raise MultiProcessError(

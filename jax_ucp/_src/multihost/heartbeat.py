@@ -23,8 +23,7 @@ _beating: list = [None]  # the client this process beats through
 
 
 def start() -> None:
-    """Starts this process's beat, once per ``jax.distributed`` job (none without one); it
-    stops when the job's client goes (``jax.distributed.shutdown``) and never raises."""
+    """Starts this process's beat, once per ``jax.distributed`` job; it never raises."""
     from jax._src import distributed
 
     client, index = distributed.global_state.client, distributed.global_state.process_id
@@ -46,8 +45,7 @@ def start() -> None:
 
 
 class Beats:
-    """The others' beats as a waiting process hears them (``hear``, at each poll, through
-    ``client``): one whose counter did not move for ``CUT_OFF_S`` of polling is ``stopped``."""
+    """The others' beats as a waiting process hears them (still for ``CUT_OFF_S``: ``stopped``)."""
 
     def __init__(self, client):
         self.client = client
@@ -56,8 +54,7 @@ class Beats:
         self.expect: list[dict] = []  # each process's identity as it said hello, once known
 
     def hear(self) -> None:
-        """Reads every beat now (one request); a key that is not ``<index>`` or a beat that is not
-        its process's identity is another program's: not heard."""
+        """Reads every beat now (one request); another program's keys or beats are not heard."""
         beats = dict(self.client.key_value_dir_get(_PREFIX))
         now = time.monotonic()
         fresh = now - self.polled > _HELD_UP_S  # this process was held up: counts afresh

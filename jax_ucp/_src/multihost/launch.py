@@ -16,8 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-#: host memory one convert process takes before it reads anything (JAX, TensorStore and
-#: jax_ucp imported, measured ~350 MiB), with room for its reads
+#: host memory one convert process takes before it reads anything (~350 MiB measured), and more
 PROCESS_MEMORY = 512 << 20
 #: local processes per CPU: converting is I/O-bound, but each process is a whole JAX runtime
 PROCESSES_PER_CPU = 4
@@ -60,9 +59,7 @@ def _available_memory() -> int | None:
 
 @dataclasses.dataclass
 class LocalRun:
-    """How the processes ``run_local`` started ended: ``failed`` (first failure first) and
-    ``stopped`` index ``procs``; ``outputs``: the end of what each failed process but the first
-    printed."""
+    """How ``run_local``'s processes ended: ``failed``, ``stopped``, and their ``outputs``."""
 
     procs: list[subprocess.Popen]
     failed: list[int]
@@ -128,8 +125,7 @@ def run_local(n: int, command: Callable[[int, str], list[str]], env=None) -> Loc
 
 
 def wait_for_children(procs) -> tuple[list[int], list[int]]:
-    """Waits for every process; returns the indices of those that failed (first first) and of those
-    it stopped (at once after a signal, after 10 s after an error)."""
+    """Waits for every process; the indices of those that failed and those it stopped."""
     pending = dict(enumerate(procs))
     failed: list[int] = []
     while pending and not failed:
@@ -155,8 +151,7 @@ def wait_for_children(procs) -> tuple[list[int], list[int]]:
 
 
 def next_exits(pending: dict) -> list[int]:
-    """Blocks until a child in ``pending`` exits; the indices of those that have, reaped. One
-    killed by SIGABRT comes after the others: jax aborts a process whose coordinator died."""
+    """Blocks until a child in ``pending`` exits; those that have, reaped, SIGABRT ones last."""
     if hasattr(os, "waitid"):
         # sleeps until a child exits, without reaping it (Popen does)
         with contextlib.suppress(ChildProcessError):

@@ -11,8 +11,7 @@ import socket
 
 
 def identity(pid: int) -> dict | None:
-    """Where process ``pid`` runs and when it started (None if there is no such process): the
-    start time tells a reused pid from the process it was."""
+    """Where process ``pid`` runs and when it started (None: no such process), so reuse is told."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().rsplit(b")", 1)[1].split()
@@ -44,8 +43,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def alive_here(peer: dict, me: dict) -> bool | None:
-    """Whether process ``peer`` (its start ``identity``) still runs, if it ran on this host: False
-    when its pid is gone, a zombie or another's; None elsewhere."""
+    """Whether process ``peer`` still runs, if it ran on this host (None elsewhere)."""
     if not me or any(peer.get(k) != me[k] for k in ("host", "boot", "pidns")):
         return None  # another machine: its heartbeat tells
     now = identity(peer["pid"])
@@ -57,8 +55,7 @@ _ESTABLISHED, _LISTEN = "01", "0A"
 
 
 def _sockets(port: int) -> list[tuple[str, str]] | None:
-    """(state, inode) of each TCP socket of this network namespace whose local port is
-    ``port``; None where ``/proc/net`` cannot be read."""
+    """(state, inode) of each TCP socket on local ``port``; None without ``/proc/net``."""
     found, read = [], False
     for table in _TCP_TABLES:
         try:
@@ -75,8 +72,7 @@ def _sockets(port: int) -> list[tuple[str, str]] | None:
 
 
 def serves(port: int) -> bool:
-    """Whether this process listens on TCP ``port`` (the listening socket is one of its own
-    file descriptors), i.e. the connections ``connected`` counts are made to it."""
+    """Whether this process listens on TCP ``port`` (so ``connected`` counts its clients)."""
     sockets = _sockets(port) or []
     listening = {f"socket:[{inode}]" for state, inode in sockets if state == _LISTEN}
     if not listening:
@@ -90,8 +86,7 @@ def serves(port: int) -> bool:
 
 
 def connected(port: int) -> int | None:
-    """How many TCP connections to ``port`` of this host are established now (a killed process's
-    close at once); None where ``/proc/net`` cannot be read."""
+    """How many TCP connections to ``port`` of this host are established (None: unknown)."""
     sockets = _sockets(port)
     return None if sockets is None else sum(state == _ESTABLISHED for state, _ in sockets)
 
