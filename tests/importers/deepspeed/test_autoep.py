@@ -12,6 +12,7 @@ affine map other than the contiguous one, ZeRO-3's ``zero3_partitioned`` (a real
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import jax
@@ -164,22 +165,24 @@ def test_autoep_records_are_checked(tmp_path, case):
 
 
 def test_autoep_expert_files_missing_or_swapped_are_refused(tmp_path):
-    """A missing expert file, and an expert file under another expert's name (DeepSpeed's zip
-    archive keeps the name it was saved as), refused naming the file; nothing written."""
+    """A missing expert file, an expert file under another expert's name (DeepSpeed's zip
+    archive keeps the name it was saved as), a second file of one expert: refused naming the
+    file; nothing written."""
     src = copy_deepspeed_fixture(tmp_path, "autoep_ep2_z2_bf16")
-    tag = os.path.join(src, "global_step2")
-    name = "layer_{}_expert_{}_mp_rank_00_model_states.pt"
-    os.replace(os.path.join(tag, name.format(0, 1)), tmp_path / "one")
-    os.replace(os.path.join(tag, name.format(0, 2)), os.path.join(tag, name.format(0, 1)))
+    tag, name = os.path.join(src, "global_step2"), "layer_{}_expert_{}_mp_rank_00_model_states.pt"
+    path = lambda *layer_expert: os.path.join(tag, name.format(*layer_expert))
     dest = str(tmp_path / "u")
-    with pytest.raises(
-        SourceError,
-        match=r"expert_1_mp_rank_00_model_states.pt: this file was saved as 'layer_0_expert_2_",
-    ):
+    os.replace(path(0, 1), tmp_path / "one")
+    os.replace(path(0, 2), path(0, 1))
+    with pytest.raises(SourceError, match=r"expert_1_mp_rank_00_model_states.pt: this file was"):
+        jax_ucp.convert(src, dest)  # ... saved as 'layer_0_expert_2_...'
+    os.replace(path(0, 1), path(0, 2))
+    with pytest.raises(SourceError, match=r"layer_0_expert_1_.*: missing file of expert 1 of"):
         jax_ucp.convert(src, dest)
-    with pytest.raises(SourceError, match=r"layer_0_expert_2_.*: missing file of expert 2 of"):
-        os.replace(tmp_path / "one", os.path.join(tag, name.format(0, 1)))
-        jax_ucp.convert(src, dest)
+    os.replace(tmp_path / "one", path(0, 1))
+    shutil.copy(path(0, 1), path("00", 1))
+    with pytest.raises(SourceError, match=r"layer_00_expert_1_mp_rank_00_model_states.pt"):
+        jax_ucp.convert(src, dest)  # a second file of expert 1: not read, refused
     assert_destination_untouched(dest)
 
 
