@@ -16,7 +16,9 @@ import jax_ucp
 from jax_ucp._src.importers import registry
 from jax_ucp._src.importers.orbax import OrbaxOptions
 from jax_ucp._src.importers.plan import Detection, ImportOptions
+from jax_ucp._src.store.storage import storage_for
 from jax_ucp.cli import app
+from jax_ucp.conversion import DeepSpeedOptions, MegatronOptions
 from jax_ucp.errors import RequestError, SourceError
 from tests.ucp_testing import REPO, assert_bit_exact
 
@@ -46,7 +48,7 @@ def test_every_format_is_a_package_with_detect_plan_and_typed_options():
                 assert function.__module__.startswith(package.__name__ + ".")
         assert dataclasses.is_dataclass(importer.options)
         assert issubclass(importer.options, ImportOptions)
-        assert isinstance(importer.detect(os.path.join(FIX, "no such dir")), Detection)
+        assert isinstance(importer.detect(storage_for(os.path.join(FIX, "no such dir"))), Detection)
     layouts = [i.name for i in registry.IMPORTERS.values() if i.format == "torch"]
     assert layouts == [
         "torch_checkpointing",
@@ -81,13 +83,13 @@ def test_own_markers_win_over_files_other_folders_hold_too(tmp_path):
     shutil.copytree(DEEPSPEED, ds)
     _hf(ds)
     (ds / "pytorch_model.bin").write_bytes(b"PK\x03\x04")
-    assert registry.IMPORTERS["safetensors"].detect(str(ds)) == Detection(
+    assert registry.IMPORTERS["safetensors"].detect(storage_for(ds)) == Detection(
         True, "Hugging Face safetensors", weak=True
     )
     assert registry.detect_format(ds) == "deepspeed"
     hf = _hf(tmp_path / "hf")
     (tmp_path / "hf" / "pytorch_model.bin").write_bytes(b"PK\x03\x04")
-    assert registry.IMPORTERS["torch_files"].detect(hf).found
+    assert registry.IMPORTERS["torch_files"].detect(storage_for(hf)).found
     assert registry.detect_format(hf) == "safetensors"
     assert registry.detect_format(os.path.join(hf, "model.safetensors")) == "safetensors"
 
@@ -99,7 +101,7 @@ def test_an_unknown_folder_says_what_each_format_looked_for(tmp_path):
     message = str(e.value)
     assert message.startswith(f"{tmp_path}: cannot tell the checkpoint format; it holds: weights")
     for name, importer in registry.IMPORTERS.items():
-        reason = importer.detect(str(tmp_path)).reason
+        reason = importer.detect(storage_for(tmp_path)).reason
         assert f"{name}: {reason}" in message
     assert "deepspeed: no `latest`, `global_stepN/`" in message
     assert "megatron: no `latest_checkpointed_iteration.txt`" in message
@@ -115,11 +117,13 @@ def test_an_option_the_format_does_not_take_is_refused_before_writing(tmp_path):
         RequestError,
         match=r"^vocab_size= applies to megatron checkpoints, not to safetensors ones$",
     ):
-        jax_ucp.convert(hf, tmp_path / "a", vocab_size=61)
+        jax_ucp.convert(hf, tmp_path / "a", importing=MegatronOptions(vocab_size=61))
     with pytest.raises(
         RequestError, match=r"^tag= applies to orbax and deepspeed checkpoints, not to torch ones$"
     ):
-        jax_ucp.convert(hf, tmp_path / "b", format="torch", tag="global_step1")
+        jax_ucp.convert(
+            hf, tmp_path / "b", format="torch", importing=DeepSpeedOptions(tag="global_step1")
+        )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     assert OrbaxOptions(tag="3").tag == 3 and OrbaxOptions(tag="last").tag == "last"
 
@@ -191,13 +195,13 @@ def test_safetensors_beside_a_torch_optimizer_is_handed_to_the_torch_importer():
     claimed, files = registry.IMPORTERS["safetensors"], registry.IMPORTERS["torch_files"]
     taker = registry.taken_over(src, claimed, options)
     assert taker is registry.IMPORTERS["hf_trainer"] and taker.takes_over == ("safetensors",)
-    handed = taker.plan(src, options)
+    handed = taker.plan(storage_for(src), options)
     assert handed is not None and handed.source["framework"] == "torch_files"
     assert handed.source["optimizer"]["param_groups"]
     assert registry.taken_over(src, files, options) is files
     assert registry.taken_over(src, claimed, TorchOptions(weights_only=True)) is claimed
     with pytest.raises(UCPError, match=r"optimizer\.pt.*weights_only=True"):
-        safetensors.plan(src, TorchOptions())
+        safetensors.plan(storage_for(src), TorchOptions())
     plan = registry.plan_import(src, options)
     assert plan.source == handed.source
 
@@ -317,7 +321,7 @@ def test_torch_given_for_megatron_core_torch_dist_reads_it_as_plain_dcp():
     package's own dispatch did (its ``dcp_dirs``)."""
     src = os.path.join(FIX, "megatron", "gpt_tp2")
     assert registry.detect_format(src) == "megatron"
-    assert not registry.IMPORTERS["torch_dcp"].detect(src).found
+    assert not registry.IMPORTERS["torch_dcp"].detect(storage_for(src)).found
     assert registry.importer_for(src, "torch").name == "torch_dcp"
     plan = registry.plan_import(src, format="torch")
     assert plan.source["framework"] == "torch_dcp" and plan.total_params == 17

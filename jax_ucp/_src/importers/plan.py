@@ -20,6 +20,7 @@ from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, keypath
 from jax_ucp._src.importers.runs import TrainerRun
+from jax_ucp._src.store.storage import Storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +136,9 @@ class Importer:
 
     Attributes:
         name: the layout's name (``torch_dcp``; the format's name for a format of one layout).
-        detect: ``detect(path)``: whether ``path`` holds this layout, and why (not).
-        plan: ``plan(path, options)``: the checked import, as an ``ImportPlan``.
+        detect: ``detect(storage)``: whether the ``Storage`` the source's entry chose
+            (``store.storage_for``, once) holds this layout, and why (not).
+        plan: ``plan(storage, options)``: the checked import, as an ``ImportPlan``.
         options: the format's options class (``ImportOptions`` or a subclass).
         format: the format it is a layout of (``format=``, ``--from``, what detection reports;
             "": its name). Of a format's layouts that find a source, the first listed plans it.
@@ -150,7 +152,7 @@ class Importer:
         given: with its format given by name (``--from torch``), whether this layout reads a
             source (None: when ``detect`` finds it); torch DCP reads megatron-core's
             torch_dist folders as plain DCP then, which detection leaves to Megatron.
-        hands_over: ``hands_over(path)``: (format, folder, record) when ``path`` is this
+        hands_over: ``hands_over(storage)``: (format, folder, record) when it is this
             layout around another format's checkpoint (verl's Megatron backend: megatron-core's
             ``dist_ckpt/``): that format's importer reads the folder, ``record`` joins its
             source record; None otherwise.
@@ -161,14 +163,14 @@ class Importer:
     """
 
     name: str
-    detect: Callable[[str], Detection]
-    plan: Callable[[str, Any], ImportPlan]
+    detect: Callable[[Storage], Detection]
+    plan: Callable[[Storage, Any], ImportPlan]
     options: type[ImportOptions]
     format: str = ""
     outranks: tuple[str, ...] = ()
     takes_over: tuple[str, ...] = ()
-    given: Callable[[str], bool] | None = None
-    hands_over: Callable[[str], tuple[str, str, dict[str, Any]] | None] | None = None
+    given: Callable[[Storage], bool] | None = None
+    hands_over: Callable[[Storage], tuple[str, str, dict[str, Any]] | None] | None = None
     run: Callable[[str], TrainerRun | None] | None = None
 
     def __post_init__(self):

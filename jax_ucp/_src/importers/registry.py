@@ -32,7 +32,7 @@ from jax_ucp._src.importers.plan import (
 )
 from jax_ucp._src.importers.runs import TrainerRun
 from jax_ucp._src.importers.verl.layout import verl_run
-from jax_ucp._src.store.storage import local_view
+from jax_ucp._src.store.storage import Storage, local_view
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
 # first weak claim (a folder of .safetensors, of .bin / .pt files).
@@ -49,7 +49,7 @@ IMPORTERS: dict[str, Importer] = {
             verl.VerlOptions,
             outranks=("megatron", "deepspeed"),
             # megatron's reading of the .metadata tells verl's bridge mode (no model tensor)
-            hands_over=lambda src: verl.megatron_backend(src, lambda d: open_dcp(d).tensors),
+            hands_over=lambda s: verl.megatron_backend(s.root, lambda d: open_dcp(d).tensors),
             run=verl_run,
         ),
         Importer(
@@ -109,34 +109,36 @@ _IN_PLACE = ("torch_dcp", "safetensors")  # importers that fetch a remote source
 
 
 @contextlib.contextmanager
-def _readable(source) -> Iterator[tuple[str, local_view.View | None]]:
-    """(``source`` as the importers read it, its view): a remote folder or file that no
-    importer reads in place (torch DCP fetches its own ranges) is read through a local view of
-    it (``store.storage.local_view``: its archives' bytes fetched as they are read), its errors
-    naming ``source``."""
+def _readable(source) -> Iterator[tuple[Storage, local_view.View | None]]:
+    """(the ``Storage`` the importers read ``source`` by, its view): ``source``'s own (chosen
+    here unless given), or for a remote folder or file that no importer reads in place (torch
+    DCP fetches its own ranges) a local view of it (``store.storage.local_view``: its archives'
+    bytes fetched as they are read), its errors naming ``source``."""
     storage = store.storage_for(source)
-    if storage.local or any(IMPORTERS[n].detect(storage.root).found for n in _IN_PLACE):
-        yield os.fspath(source), None
+    if storage.local or any(IMPORTERS[n].detect(storage).found for n in _IN_PLACE):
+        yield storage, None
         return
     view, path = local_view.local_view(storage)
     with view.named():
-        yield path, view
+        yield store.storage_for(path), view
 
 
 def detected(src) -> Importer:
-    """The importer of the checkpoint at ``src``, from the files it holds (none is unpickled):
-    of a format's layouts that find it, the first; a format claiming by its own markers before
-    one claiming weakly. A source no importer claims is an error giving each one's reason."""
-    with _readable(src) as (src, _):
-        return _detected(src)
+    """The importer of the checkpoint at ``src`` (a path or its ``Storage``), from the files it
+    holds (none is unpickled): of a format's layouts that find it, the first; a format claiming
+    by its own markers before one claiming weakly. A source no importer claims is an error
+    giving each one's reason."""
+    with _readable(src) as (storage, _):
+        return _detected(storage)
 
 
-def _detected(src: str) -> Importer:
+def _detected(storage: Storage) -> Importer:
+    src = storage.root
     refused: dict[str, str] = {}
     weak: dict[str, Importer] = {}  # format -> its first layout that finds src
     strong: dict[str, Importer] = {}
     reasons: dict[str, str] = {}
-    answers = {name: importer.detect(src) for name, importer in IMPORTERS.items()}
+    answers = {name: importer.detect(storage) for name, importer in IMPORTERS.items()}
     for name, importer in IMPORTERS.items():
         answer, fmt = answers[name], importer.format
         if not answer.found:
@@ -227,11 +229,11 @@ def importer_for(source, format: str | None = None) -> Importer:
             f"Unknown checkpoint format {format!r} (expected "
             f"{', '.join(repr(name) for name in FORMATS)})."
         )
-    with _readable(source) as (src, _):
-        return _layout_reading(src, layouts)
+    with _readable(source) as (storage, _):
+        return _layout_reading(storage, layouts)
 
 
-def _layout_reading(src: str, layouts: list[Importer]) -> Importer:
+def _layout_reading(src: Storage, layouts: list[Importer]) -> Importer:
     def reads(layout: Importer) -> bool:
         return layout.given(src) if layout.given is not None else layout.detect(src).found
 
@@ -252,7 +254,7 @@ def taken_over(source, importer: Importer, options: ImportOptions) -> Importer:
     """
     if options.weights_only:
         return importer
-    src, takers = os.fspath(source), [t for t in IMPORTERS.values() if t.takes_over]
+    src, takers = store.storage_for(source), [t for t in IMPORTERS.values() if t.takes_over]
     found = (t for t in takers if importer.format in t.takes_over and t.detect(src).found)
     return next(found, importer)
 
@@ -309,11 +311,12 @@ def plan_import(
     Returns:
         The checked plan, its items accounted for.
     """
-    with _readable(source) as (src, view):
+    storage = store.storage_for(source)  # chosen here unless given
+    with _readable(storage) as (src, view):
         importer = importer_for(src, format)
         handed = importer.hands_over(src) if importer.hands_over else None
         if handed is not None:  # another format's checkpoint inside this layout
-            importer, src = IMPORTERS[handed[0]], handed[1]
+            importer, src = IMPORTERS[handed[0]], store.storage_for(handed[1])
         options = for_format(importer, options)
         if share != WHOLE:
             options = dataclasses.replace(options, share=share)
@@ -321,7 +324,7 @@ def plan_import(
         plan = reader.plan(src, for_format(reader, options))
         plan.source.update(handed[2] if handed else {})
         items = accounted(
-            plan, f"{os.fspath(source)} ({importer.format})", whole=options.share.count == 1
+            plan, f"{storage.root} ({importer.format})", whole=options.share.count == 1
         )
     if view is not None:  # read later: its errors and its record name the source, not the view
         items = (_held(item, view) for item in view.named_items(items))

@@ -32,8 +32,9 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
     """
     spec, weights_only, share = options.spec, options.weights_only, options.share
     refuse_spec(spec, "safetensors imports keep Hugging Face's names", SourceError)
-    src = os.fspath(src)
-    if not store.storage_for(src).local:  # an object store's or the Hub's: read by ranges
+    storage = store.storage_for(src)  # the importer's (torchtune's: a path)
+    src = storage.root
+    if not storage.local:  # an object store's or the Hub's: read by ranges
         return _plan_remote(src, options)
     opened, owner = safetensors.open_checkpoint(src)
     names = sorted(owner)
@@ -60,7 +61,7 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
                 f"{'checkpoint' if trainer else 'folder'}; its "
                 f"torch optimizer state ({optimizer_file}, keyed by parameter index) is not "
                 f"imported. To import the model weights without it: convert(..., "
-                f"weights_only=True) / jax-ucp convert --weights-only"
+                f"importing=ImportOptions(weights_only=True)) / jax-ucp convert --weights-only"
             )
         # not opened (it is not read): accounted for as one unit
         skip(source, [optimizer_file], f"weights_only: {writer_name}'s torch optimizer state")

@@ -86,7 +86,7 @@ def _object_store_importer(prefix: store.storage.Storage, format: str | None) ->
     if prefix.exists(fmt.MANIFEST_FILE):
         return None
     dcp = registry.IMPORTERS["torch_dcp"]
-    if format in (None, dcp.format, dcp.name) and dcp.detect(prefix.root).found:
+    if format in (None, dcp.format, dcp.name) and dcp.detect(prefix).found:
         return dcp
     try:
         return registry.importer_for(prefix.root, format)
@@ -195,7 +195,8 @@ def run_root_step(path: str, *, warn: bool = False) -> str | None:
     if not os.path.isdir(path) or steps.with_ucp_items(path):
         return None
     try:
-        if any(importer.detect(path).found for importer in registry.IMPORTERS.values()):
+        local = store.storage_for(path)
+        if any(importer.detect(local).found for importer in registry.IMPORTERS.values()):
             return None  # an importer reads it as it is
     except (fmt.UCPError, OSError):
         return None  # a format's own file gone wrong: its importer says so

@@ -14,6 +14,8 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.importers.registry import IMPORTERS, detect_format
+from jax_ucp._src.store.storage import storage_for
+from jax_ucp.conversion import ImportOptions
 from jax_ucp.errors import SourceError
 from tests.importers.torch.test_hf_trainer import assert_matches_run
 from tests.ucp_testing import REPO, assert_destination_untouched, load_truth
@@ -42,8 +44,8 @@ def test_every_entry_point_is_detected_as_verl(kind, entry):
     path = os.path.join(FIX, kind, entry)
     assert detect_format(path) == "verl"
     if not entry:
-        assert IMPORTERS["megatron"].detect(path).found
-        assert IMPORTERS["deepspeed"].detect(path).found
+        assert IMPORTERS["megatron"].detect(storage_for(path)).found
+        assert IMPORTERS["deepspeed"].detect(storage_for(path)).found
 
 
 @pytest.mark.parametrize("entry", ["", STEP, ACTOR])
@@ -71,7 +73,9 @@ def test_fsdp1_weights_bit_exact_and_its_flat_optimizer_refused(tmp_path):
     with pytest.raises(SourceError, match=r"optim_world_size_2_rank_0\.pt.*weights_only=True"):
         jax_ucp.convert(os.path.join(FIX, "fsdp1"), tmp_path / "u")
     assert_destination_untouched(tmp_path / "u")
-    out = jax_ucp.convert(os.path.join(FIX, "fsdp1"), tmp_path / "w", weights_only=True)
+    out = jax_ucp.convert(
+        os.path.join(FIX, "fsdp1"), tmp_path / "w", importing=ImportOptions(weights_only=True)
+    )
     restored = jax_ucp.restore(out)
     want = _truth("fsdp1")
     params = {k.split("/", 1)[1]: v for k, v in want.items() if k.startswith("param/")}
@@ -172,7 +176,7 @@ def test_an_optimizer_other_than_adam_is_refused_naming_its_state(tmp_path):
 def test_the_critic_beside_the_actor_is_listed_and_imports_on_its_own(tmp_path):
     src = _copy(tmp_path)
     shutil.copytree(os.path.join(src, ACTOR), os.path.join(src, STEP, "critic"))
-    out = jax_ucp.convert(src, tmp_path / "a", weights_only=True)
+    out = jax_ucp.convert(src, tmp_path / "a", importing=ImportOptions(weights_only=True))
     assert "../critic/" in jax_ucp.inspect(out).source["skipped"]
     out = jax_ucp.convert(os.path.join(src, STEP, "critic"), tmp_path / "c")
     assert_matches_run(jax_ucp.restore(out), _truth("fsdp2"))

@@ -39,6 +39,7 @@ from jax_ucp._src.importers.plan import (
     refuse_spec,
 )
 from jax_ucp._src.importers.trainer_files import trainer_folder_above, trainer_record
+from jax_ucp._src.store.storage import Storage
 
 __all__ = [
     "DS_CLASSES",
@@ -142,10 +143,10 @@ MARKERS = (
 )
 
 
-def detect(src: os.PathLike | str) -> Detection:
+def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a DeepSpeed checkpoint folder, from its file names."""
     return glob_detection(
-        os.fspath(src),
+        storage.root,
         MARKERS,
         "DeepSpeed files",
         "no `latest`, `global_stepN/`, `mp_rank_XX_model_states.pt` (universal: "
@@ -153,7 +154,7 @@ def detect(src: os.PathLike | str) -> Detection:
     )
 
 
-def plan(src: os.PathLike | str, options: DeepSpeedOptions) -> ImportPlan:
+def plan(storage: Storage, options: DeepSpeedOptions) -> ImportPlan:
     """The import of a DeepSpeed checkpoint folder (``latest`` + tags, or ``options.tag``, or
     one tag folder); every file is found and checked before this returns. ``options.spec``:
     the import rules of a Megatron-DeepSpeed TP/PP checkpoint, instead of its
@@ -164,6 +165,7 @@ def plan(src: os.PathLike | str, options: DeepSpeedOptions) -> ImportPlan:
     deepspeed-universal``'s: its ``<tag>_universal`` folder, or a folder whose
     ``latest_universal`` names it) is read by :mod:`deepspeed.universal`.
     """
+    src = storage.root
     tag = None if options.tag is None else str(options.tag)
     universal_dir = universal.universal_tag_dir(os.fspath(src), tag)
     if universal_dir is not None:

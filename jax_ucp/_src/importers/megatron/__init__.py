@@ -35,6 +35,7 @@ from jax_ucp._src.importers.plan import (
     jsonable,
 )
 from jax_ucp._src.language import Spec, load_spec
+from jax_ucp._src.store.storage import Storage
 
 __all__ = [
     "MegatronImportError",
@@ -113,9 +114,10 @@ class MegatronOptions(ImportOptions):
     vocab_size: int | None = None
 
 
-def detect(src: os.PathLike | str) -> Detection:
+def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a Megatron-LM / megatron-core / Megatron Bridge checkpoint folder, from
     its file names."""
+    src = storage.root
     from jax_ucp._src.importers.megatron import bridge  # it imports this package
 
     markers = (
@@ -138,10 +140,11 @@ def detect(src: os.PathLike | str) -> Detection:
     )
 
 
-def plan(src: os.PathLike | str, options: MegatronOptions) -> ImportPlan:
+def plan(storage: Storage, options: MegatronOptions) -> ImportPlan:
     """Megatron Bridge (``latest_train_state.pt``, ``train_state.pt`` + ``run_config.yaml``)
     or Megatron-LM / megatron-core, with its options as one ``MegatronOptions``."""
     from jax_ucp._src.importers.megatron import bridge  # it imports this package
 
+    src = storage.root
     planner = bridge.plan_megatron_bridge if bridge.is_megatron_bridge(src) else plan_megatron
     return planner(src, options)

@@ -4,7 +4,6 @@ its tree path, and the options that pick the step."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from jax_ucp._src.errors import SourceError
@@ -32,14 +31,16 @@ from jax_ucp._src.importers.plan import (
     refuse_spec,
     skip,
 )
+from jax_ucp._src.store.storage import Storage
 
 
-def plan(src: os.PathLike | str, options: OrbaxOptions) -> ImportPlan:
+def plan(storage: Storage, options: OrbaxOptions) -> ImportPlan:
     """The import of an Orbax checkpoint, step or manager root (its ``options.tag`` step, None:
     the latest committed): every array and scalar of its PyTree items, keyed by its tree path
     (under the item name when a step has several PyTree items). ``weights_only``: only the
     ``params`` subtree (everything else listed in ``source.skipped``); a spec is refused (an
     Orbax import keeps the saved tree)."""
+    src = storage.root
     refuse_spec(options.spec, "Orbax imports keep the saved tree", SourceError)
     import orbax.checkpoint as ocp
     from etils import epath
@@ -70,8 +71,8 @@ def plan(src: os.PathLike | str, options: OrbaxOptions) -> ImportPlan:
             # the array's directory (or OCDBT key) Orbax's read spec joins from its name
             inside(path, leaf.name, f"{path}/{PYTREE_METADATA}: array {'.'.join(key)[:100]!r}")
             name = f"{item}/{leaf.name}" if item else leaf.name
-            storage = getattr(leaf, "storage", None)  # Orbax's record of the array's chunks
-            if (chunk_shape := getattr(storage, "chunk_shape", None)) is not None:
+            chunks = getattr(leaf, "storage", None)  # Orbax's record of the array's chunks
+            if (chunk_shape := getattr(chunks, "chunk_shape", None)) is not None:
                 where = metadata_file(path, leaf.name, ocdbt, zarr3)
                 check_chunks(where, name, tuple(leaf.shape), [tuple(chunk_shape)])
             found.append(name)
@@ -101,9 +102,9 @@ class OrbaxOptions(TaggedOptions):
             object.__setattr__(self, "tag", step)
 
 
-def detect(src: os.PathLike | str) -> Detection:
+def detect(storage: Storage) -> Detection:
     """Whether ``src`` is an Orbax checkpoint, step or CheckpointManager directory, from its
     file names."""
-    if is_orbax(src):
+    if is_orbax(storage.root):
         return Detection(True, "Orbax metadata")
     return Detection(False, f"no Orbax `{CHECKPOINT_METADATA}`, `{PYTREE_METADATA}` or steps")

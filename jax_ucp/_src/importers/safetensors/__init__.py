@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 
-from jax_ucp._src import store
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format import safetensors
 from jax_ucp._src.importers import trainer_files
 from jax_ucp._src.importers.plan import Detection, ImportOptions, ImportPlan
 from jax_ucp._src.importers.safetensors_weights import plan_safetensors
 from jax_ucp._src.store import safetensors_remote
+from jax_ucp._src.store.storage import Storage
 
 __all__ = ["detect", "plan"]
 
@@ -29,14 +29,13 @@ __all__ = ["detect", "plan"]
 _RUN_STATE = ("optimizer", "scheduler", "adapter_", "trainer_state", "rng_state")
 
 
-def detect(src: os.PathLike | str) -> Detection:
+def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a ``.safetensors`` file or a folder of them (with or without the
     index), from names and headers' lengths only. A folder is a weak claim: DeepSpeed,
     Megatron, Orbax and torch DCP folders may hold safetensors too."""
-    src = os.fspath(src)
-    remote = store.storage_for(src)
-    if safetensors_remote.holds(remote) and not any(  # weights alone: read in place by ranges
-        n.rpartition("/")[2].startswith(_RUN_STATE) for n in remote.names()
+    src = storage.root
+    if safetensors_remote.holds(storage) and not any(  # weights alone: read in place by ranges
+        n.rpartition("/")[2].startswith(_RUN_STATE) for n in storage.names()
     ):
         return Detection(True, "Hugging Face safetensors (read by ranges)", weak=True)
     if os.path.isfile(src):
@@ -50,7 +49,7 @@ def detect(src: os.PathLike | str) -> Detection:
     )
 
 
-def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
+def plan(storage: Storage, options: ImportOptions) -> ImportPlan:
     """safetensors weights (:func:`~jax_ucp._src.importers.safetensors_weights.plan_safetensors`),
     a torch optimizer beside them refused unless only weights are wanted. ``options``: the torch
     importer's (``TorchOptions``). A folder beside a torch optimizer (a Trainer
@@ -59,8 +58,8 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
     for field in ("parameter_order", "model_config"):
         if getattr(options, field, None) is not None:
             raise RequestError(
-                f"{src}: {field}= orders a torch optimizer's state; these safetensors "
+                f"{storage.root}: {field}= orders a torch optimizer's state; these safetensors "
                 f"come without one (or weights_only=True)"
             )
-    trainer_files.check_optimizer_beside_scheduler(os.fspath(src), options.weights_only)
-    return plan_safetensors(src, options)
+    trainer_files.check_optimizer_beside_scheduler(storage.root, options.weights_only)
+    return plan_safetensors(storage, options)

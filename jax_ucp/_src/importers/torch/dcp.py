@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jax_ucp._src import store
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import trainer_files
@@ -46,6 +45,7 @@ from jax_ucp._src.importers.torch.optimizer import (
     strip_wrappers,
 )
 from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import dcp as torch_dcp
 from jax_ucp._src.torchfiles import dcp_safetensors
 
@@ -68,16 +68,16 @@ _ACCELERATE_DIR = re.compile(r"^(pytorch_model_fsdp|optimizer)_[0-9]+\Z")
 MEGATRON_FILES = ("common.pt", "metadata.json", "integrity.json")
 
 
-def dcp_dirs(src: os.PathLike | str) -> list[Path] | list[torch_dcp.ObjectPath]:
+def dcp_dirs(storage: Storage) -> list[Path] | list[torch_dcp.ObjectPath]:
     """The DCP folders of ``src``: itself when it holds ``.metadata``, an OLMo-core step
     folder's ``model_and_optim/``, else Accelerate's ``pytorch_model_fsdp_N/`` and
     ``optimizer_N/`` inside it; [] when none. An object-store prefix (``s3://``, ``gs://``)
     is one when it holds a ``.metadata`` object (Accelerate's and OLMo-core's folders are read
     from local disk only)."""
-    if not store.storage_for(src).local:
-        prefix = torch_dcp.ObjectPath(os.fspath(src).rstrip("/"))
-        return [prefix] if store.storage_for(prefix).exists(torch_dcp.METADATA_FILE) else []
-    path = Path(src)
+    if not storage.local:
+        prefix = torch_dcp.ObjectPath(storage.root.rstrip("/"))
+        return [prefix] if storage.exists(torch_dcp.METADATA_FILE) else []
+    path = Path(storage.root)
     if not path.is_dir():
         return []
     if os.path.lexists(path / ".metadata") or dcp_safetensors.is_rank_local(path):
@@ -89,20 +89,20 @@ def dcp_dirs(src: os.PathLike | str) -> list[Path] | list[torch_dcp.ObjectPath]:
     )
 
 
-def is_torch_dcp(src: os.PathLike | str) -> bool:
+def is_torch_dcp(storage: Storage) -> bool:
     """A plain torch DCP checkpoint (not megatron-core's, which has common.pt/metadata.json)."""
-    dirs = dcp_dirs(src)
-    if dirs and not store.storage_for(src).local:
-        return not any(store.storage_for(src).exists(f) for f in MEGATRON_FILES)
+    dirs = dcp_dirs(storage)
+    if dirs and not storage.local:
+        return not any(storage.exists(f) for f in MEGATRON_FILES)
     return bool(dirs) and not any(os.path.lexists(d / f) for d in dirs for f in MEGATRON_FILES)
 
 
-def detect(src: os.PathLike | str) -> Detection:
+def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a torch DCP checkpoint (``.metadata``, or Accelerate's / OLMo-core's
     folders holding one, or the rank-local safetensors of torch's Hugging Face writer), not
     megatron-core's, from names alone (and a safetensors header's ``__metadata__``)."""
-    if is_torch_dcp(src):
-        if store.storage_for(src).local and dcp_safetensors.is_rank_local(src):
+    if is_torch_dcp(storage):
+        if storage.local and dcp_safetensors.is_rank_local(storage.root):
             return Detection(True, "torch DCP rank-local safetensors (DCP_SHARDING_INFO)")
         return Detection(True, "torch DCP (.metadata)")
     return Detection(
@@ -112,31 +112,32 @@ def detect(src: os.PathLike | str) -> Detection:
     )
 
 
-def plan_torch_dcp(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
+def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
     """The import of a torch DCP checkpoint folder (or Accelerate's folder holding several).
 
     Every check that needs no tensor bytes (files present and long enough, chunks tiling each
     tensor, optimizer state matching its parameters, one step) runs before this returns.
 
     Args:
-        src: the DCP folder (or Accelerate's folder holding several).
+        storage: the DCP folder (or Accelerate's folder holding several).
         options: ``weights_only``: the model weights alone, the optimizer state in
             ``source.skipped``; ``parameter_order``: the model's parameter names in the order
             torch numbered them, for an optimizer saved keyed by index
             (``optimizer.state_dict()`` as is: torchtune's asynchronous ``dist_epoch_N/``),
             None for one keyed by name.
     """
+    src = storage.root
     refuse_model_config(src, options)
     spec, weights_only = options.spec, options.weights_only
     parameter_order = options.parameter_order
     refuse_spec(spec, "torch DCP imports keep torch's parameter names", SourceError)
-    dirs = dcp_dirs(src)
+    dirs = dcp_dirs(storage)
     if not dirs:
         raise SourceError(
             f"{src}: no .metadata (and no pytorch_model_fsdp_N/ or optimizer_N/ folder holding "
             f"one): not a torch DCP checkpoint"
         )
-    remote = not store.storage_for(src).local
+    remote = not storage.local
     try:
         for d in dirs:  # Accelerate's folders inside src, never links to another run's
             if not remote and d != Path(src):

@@ -39,6 +39,7 @@ from jax_ucp._src.importers.torch.optimizer import (
     strip_wrappers,
 )
 from jax_ucp._src.importers.torch.options import TorchOptions
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
@@ -159,9 +160,10 @@ def _split(obj: Any, path: str) -> tuple[str | None, dict, str | None, Any]:
     return model_key, obj[model_key], prefix if optimizer is not None else None, optimizer
 
 
-def detect(src: os.PathLike | str) -> Detection:
+def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a torch.save file or a folder of them, from names (and a zip's
     signature). A folder is a weak claim: DeepSpeed and Megatron folders hold them too."""
+    src = storage.root
     if os.path.isfile(src):
         if is_torch_files(src):
             return Detection(True, "a torch.save file")
@@ -175,21 +177,21 @@ def detect(src: os.PathLike | str) -> Detection:
     )
 
 
-def detect_optimizer(src: os.PathLike | str) -> Detection:
+def detect_optimizer(storage: Storage) -> Detection:
     """Whether ``src`` holds a torch optimizer file beside its weights (a Hugging Face Trainer
     ``checkpoint-N/``, Accelerate's ``save_state``): read here with the safetensors weights
     that format's importer claims."""
-    if has_torch_optimizer(src):
+    if has_torch_optimizer(storage.root):
         return Detection(True, "a torch optimizer beside the weights (optimizer.pt / .bin)")
     return Detection(False, "no torch optimizer (`optimizer.pt`, `optimizer.bin`)")
 
 
-def plan_torch_files(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
+def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
     """The import of a torch.save checkpoint (file or folder), or of a folder of safetensors
     weights beside a torch optimizer (Trainer ``checkpoint-N/``, Accelerate ``save_state``).
 
     Args:
-        src: a torch.save file, or a folder of them (sharded ``.bin``, or safetensors weights
+        storage: a torch.save file, or a folder of them (sharded ``.bin``, or safetensors weights
             beside ``optimizer.pt``).
         options: ``weights_only``: the model weights alone, the optimizer state in
             ``source.skipped``; ``parameter_order``: the names of the optimizer's parameters
@@ -198,6 +200,7 @@ def plan_torch_files(src: os.PathLike | str, options: TorchOptions) -> ImportPla
             an optimizer keyed by bare indices whose order the files do not keep;
             ``model_config``: a Hugging Face ``config.json`` whose model gives that order.
     """
+    src = storage.root
     spec, weights_only = options.spec, options.weights_only
     parameter_order = options.parameter_order
     model_config = None if options.model_config is None else os.fspath(options.model_config)

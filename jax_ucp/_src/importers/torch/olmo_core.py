@@ -21,6 +21,7 @@ from typing import Any
 
 from jax_ucp._src.format import files
 from jax_ucp._src.importers.plan import Detection
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = ["MODEL_DIR", "TRAIN_DIR", "detect", "is_step_folder", "train_record"]
@@ -48,10 +49,10 @@ def is_step_folder(src: os.PathLike | str) -> bool:
     )
 
 
-def detect(src: os.PathLike | str) -> Detection:
+def detect(storage: Storage) -> Detection:
     """Whether ``src`` is an OLMo-core step folder, from names (its ``model_and_optim/`` is
     torch DCP, planned by the DCP importer, which reads ``train/`` too)."""
-    if is_step_folder(src):
+    if is_step_folder(storage.root):
         return Detection(True, "an OLMo-core step folder (model_and_optim/ torch DCP, train/)")
     return Detection(False, "no OLMo-core `model_and_optim/` + `train/`")
 

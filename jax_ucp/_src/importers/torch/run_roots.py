@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from jax_ucp._src import store
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.torch import dcp, olmo_core, torch_checkpointing
@@ -17,7 +18,8 @@ def torchtitan_run(root: str) -> runs.TrainerRun | None:
     or torch_checkpointing (0.3)."""
 
     def complete(path: str) -> str | None:
-        if dcp.is_torch_dcp(path) or torch_checkpointing.is_torch_checkpointing(path):
+        in_dcp = dcp.is_torch_dcp(store.storage_for(path))
+        if in_dcp or torch_checkpointing.is_torch_checkpointing(path):
             return None
         return (
             f"{path}: no torch DCP .metadata (written once every rank's files are) nor "

@@ -35,6 +35,7 @@ from jax_ucp._src.importers.plan import (
 )
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, plan_state, scalar_ref
 from jax_ucp._src.importers.torch.options import TorchOptions
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, dtypes, pickle_format, sharded, torch_zip
 
 __all__ = ["METADATA_FILE", "detect", "is_torch_checkpointing", "plan_torch_checkpointing"]
@@ -247,23 +248,24 @@ def _leaf(state: Any, nested: tuple) -> Any:
     return state
 
 
-def detect(src: os.PathLike | str) -> Detection:
+def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a torch_checkpointing folder, from its file names."""
-    if is_torch_checkpointing(src):
+    if is_torch_checkpointing(storage.root):
         return Detection(True, "a torch_checkpointing checkpoint (metadata.pkl, <item>_<rank>.pt)")
     return Detection(False, "no torch_checkpointing `metadata.pkl` + `<item>_<rank>.pt`")
 
 
-def plan_torch_checkpointing(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
+def plan_torch_checkpointing(storage: Storage, options: TorchOptions) -> ImportPlan:
     """The import of a torch_checkpointing folder: the ``model`` item's parameters and the
     ``optimizer`` item's state, assembled from every rank's shards, bit for bit.
 
     Args:
-        src: the checkpoint folder (``metadata.pkl``, ``<item>_<rank>.pt``).
+        storage: the checkpoint folder (``metadata.pkl``, ``<item>_<rank>.pt``).
         options: ``spec`` refused (torch's parameter names are kept), ``weights_only``: the
             model weights alone, the optimizer state in ``source.skipped``; an optimizer keyed
             by name takes no ``parameter_order`` / ``model_config``.
     """
+    src = storage.root
     if options.parameter_order is not None or options.model_config is not None:
         raise RequestError(
             f"{src}: a torch_checkpointing checkpoint keys its optimizer by name; "

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp._src import store
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files, safetensors
 from jax_ucp._src.importers.plan import (
@@ -47,6 +48,7 @@ from jax_ucp._src.importers.torch import dcp, torchtune_order
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
 from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
 from jax_ucp._src.importers.trainer_files import read_json, side_file
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 from jax_ucp._src.torchfiles import dcp as torch_dcp
 
@@ -255,26 +257,27 @@ def is_torchtune(src: os.PathLike | str) -> bool:
     return os.path.isdir(src) and bool(epoch_folders(src) or epoch_folders(src, dist=True))
 
 
-def detect(src: os.PathLike | str) -> Detection:
+def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a torchtune output folder, from names: a weak claim (its
     ``epoch_N/`` folders hold safetensors, as other formats' folders may)."""
-    if is_torchtune(src):  # epoch_N/ (+ recipe_state/)
+    if is_torchtune(storage.root):  # epoch_N/ (+ recipe_state/)
         return Detection(True, "a torchtune checkpoint", weak=True)
     return Detection(False, "no torchtune `epoch_N/` or `dist_epoch_N/`")
 
 
-def plan_torchtune(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
+def plan_torchtune(storage: Storage, options: TorchOptions) -> ImportPlan:
     """The latest epoch's weights and, unless weights_only, the recipe's optimizer state mapped
     onto them (Hugging Face's names and q/k row order).
 
     Args:
-        src: the torchtune output folder (``epoch_N/``, ``recipe_state/``).
+        storage: the torchtune output folder (``epoch_N/``, ``recipe_state/``).
         options: ``spec`` refused (the names are Hugging Face's, as the checkpointer wrote the
             weights); ``weights_only``: the weights alone, ``recipe_state.pt`` in
             ``source.skipped``; ``parameter_order``: torchtune's parameter names in
             ``model.parameters()`` order, for an optimizer keyed by index (the single-device
             recipes).
     """
+    src = storage.root
     refuse_model_config(src, options)
     spec, weights_only = options.spec, options.weights_only
     parameter_order = options.parameter_order
@@ -303,7 +306,7 @@ def plan_torchtune(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
             rebuilt = _dist_order(folder)
             if rebuilt is not None:
                 options = dataclasses.replace(options, parameter_order=rebuilt[0])
-        plan = dcp.plan_torch_dcp(folder, options)
+        plan = dcp.plan_torch_dcp(store.storage_for(folder), options)
         if rebuilt is not None:
             plan.source["parameter_order"] = rebuilt[1]
         return _as_dist_epoch(plan, src, epochs, dist)

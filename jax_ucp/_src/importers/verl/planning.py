@@ -23,6 +23,7 @@ from jax_ucp._src.importers.plan import (
     refuse_spec,
 )
 from jax_ucp._src.importers.verl import layout, optimizer, rank_tensors, side_files
+from jax_ucp._src.store.storage import Storage
 
 __all__ = ["VerlOptions", "detect", "megatron_backend", "plan"]
 
@@ -32,10 +33,10 @@ class VerlOptions(ImportOptions):
     """``ImportOptions``: a verl checkpoint takes no options of its own."""
 
 
-def detect(src: os.PathLike | str) -> Detection:
+def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a verl run root, ``global_step_N/`` or its ``actor/`` folder, from
     file names alone."""
-    path = os.fspath(src)
+    path = storage.root
     if layout.is_megatron_dir(path):
         return Detection(True, f"a verl Megatron-backend model folder ({layout.DIST_CKPT}/)")
     if layout.is_model_dir(path):
@@ -76,11 +77,11 @@ def megatron_backend(
     return "megatron", ckpt, {"verl": {k: v for k, v in record.items() if v is not None}}
 
 
-def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
+def plan(storage: Storage, options: ImportOptions) -> ImportPlan:
     """The import of the verl checkpoint at ``src`` (a run root, ``global_step_N/`` or its
     ``actor/``). Every check that needs no tensor bytes runs before this returns."""
     refuse_spec(options.spec, "a verl import keeps the model's parameter names", SourceError)
-    where = layout.locate(os.fspath(src))
+    where = layout.locate(storage.root)
     model_dir = where.model_dir
     ranks = layout.rank_files(model_dir)
     world = ranks.world_size
