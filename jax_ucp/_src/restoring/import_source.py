@@ -139,12 +139,6 @@ class ImportSource(TensorSource):
                 item = one.item
                 axes = item.logical_axes if view.logical_axes is None else view.logical_axes
                 view = self._stored(view.key, sources, view.shape, view.dtype, axes)
-                if view.key == sources[0]:  # the tensor under its own name: its key types too
-                    view = dataclasses.replace(
-                        view,
-                        key_types=tuple(item.key_types or ("key",) * len(view.key)),
-                        saved_sharding=item.saved_sharding,
-                    )
             elif all(map(self.ranged, sources)):  # rows of rank-2 tensors: gathered?
                 ts_ = [self.tensors[k] for k in sources]
                 found = gather_map(plan, [t.shape for t in ts_], [t.dtype for t in ts_])
