@@ -1,7 +1,5 @@
-"""What a torch pickle may name, and what each name becomes: the allow-list of the restricted
-unpickler. Globals resolve only through :data:`BASE_ALLOWED` plus the caller's ``extra_classes``
-(``"module.QualName" -> stand-in``); anything else is refused before anything is called. Every
-callable here checks its pickled arguments."""
+"""What a torch pickle may name, and what each becomes: only :data:`BASE_ALLOWED` and the caller's
+``extra_classes``, refused before anything is called."""
 
 from __future__ import annotations
 

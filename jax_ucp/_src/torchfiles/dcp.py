@@ -361,8 +361,7 @@ class DcpCheckpoint:
         return arr
 
     def read_range(self, name: str, start: int, end: int) -> np.ndarray:
-        """Elements ``[start, end)`` of the 1-D tensor ``name``, from the chunks that overlap them
-        only.
+        """Elements ``[start, end)`` of the 1-D tensor ``name``, from the chunks overlapping them.
 
         Args:
             name: the 1-D tensor.

@@ -1,9 +1,6 @@
-"""torch DCP's rank-local Hugging Face safetensors
-(``HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=False)``:
-``shard-<rank>-model-<i>-of-<n>.safetensors``, no ``.metadata``) as one DCP checkpoint. Each file's
-``DCP_SHARDING_INFO`` gives each piece's ``saved_offsets`` (and maybe ``global_shape``; else the
-full shape is the pieces' largest extent, as torch's reader takes it). Each tensor becomes a
-:class:`dcp.DcpTensor` whose chunks are raw bytes, checked and read as any DCP tensor."""
+"""torch DCP's rank-local Hugging Face safetensors (``shard-<rank>-model-<i>-of-<n>.safetensors``,
+no ``.metadata``) as one DCP checkpoint: each file's ``DCP_SHARDING_INFO`` places its pieces (the
+full shape, when unrecorded, their largest extent, as torch takes it), read as raw-byte chunks."""
 
 from __future__ import annotations
 
@@ -108,10 +105,7 @@ def _shown(shape: tuple[int, ...] | None) -> str:
 
 def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
     """Every ``.safetensors`` file of the folder ``path`` opened and checked, each tensor's pieces
-    gathered as chunks; nothing read.
-
-    Args:
-        path: the folder the ranks wrote."""
+    gathered as chunks; nothing read."""
     root = Path(path)
     names = sorted(n for n in os.listdir(root) if n.endswith(".safetensors"))
     # tensor -> (file, dtype, offsets, sizes, byte offset, byte length, global_shape or None)

@@ -1,8 +1,6 @@
-"""The stream transforms of a torch DCP storage entry (``transform_descriptors``) undone without
-torch, within a memory budget. torch ships one (``ZStandard``, ``stream.zstd/1``: one zstd frame per
-entry, no content size); any major version 1 is accepted as torch does, any other descriptor refused
-by name. A frame is decoded into at most ``limit`` bytes (refused when it declares or decodes more)
-and the entry must be exactly one frame."""
+"""torch DCP's stream transforms (``transform_descriptors``) undone without torch: ZStandard
+(``stream.zstd/1``, any 1.x as torch takes it), one frame per entry, decoded into at most ``limit``
+bytes; any other descriptor is refused by name."""
 
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ def check_descriptors(descriptors: Sequence[str], where: str) -> None:
 
 
 def undo(data: bytes, descriptors: Sequence[str], limit: int, where: str) -> bytes:
-    """``data`` with each transform of ``descriptors`` undone in the recorded order, each within
-    ``limit`` bytes.
+    """``data`` with each transform undone in the recorded order, each within ``limit``.
 
     Args:
         data: the storage entry's bytes.

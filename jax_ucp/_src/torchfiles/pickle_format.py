@@ -1,8 +1,5 @@
-"""torch's pickles both ways: read by a restricted unpickler that executes nothing (every
-code-running opcode replaced by a checked one: globals through :mod:`allow_list`, BUILD only on
-stand-ins, containers filled only when plain, the graph bounded by :func:`check_expansion`), written
-opcode by opcode from :class:`Global` / :class:`Call` / :class:`New` nodes as torch 2.x writes them
-(checked in the torch-marked tests)."""
+"""torch's pickles both ways: read by a restricted unpickler that executes nothing (globals through
+:mod:`allow_list`, the object graph bounded), written opcode by opcode as torch 2.x writes them."""
 
 from __future__ import annotations
 
@@ -40,9 +37,8 @@ def _children(x: Any) -> Iterable[Any]:
 
 
 def check_expansion(obj: Any, where: str, pickle_bytes: int = 0) -> None:
-    """Refuses an object graph that expands beyond ``max(MAX_EXPANDED_OBJECTS, 2 * pickle_bytes)``
-    objects, nests deeper than :data:`MAX_DEPTH` walked as a tree, or has a cycle; linear in the
-    distinct objects.
+    """Refuses an object graph beyond ``max(MAX_EXPANDED_OBJECTS, 2 * pickle_bytes)`` objects,
+    :data:`MAX_DEPTH` deep, or cyclic.
 
     Args:
         obj: the unpickled object graph.

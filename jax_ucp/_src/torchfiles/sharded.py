@@ -1,7 +1,5 @@
-"""Where a rank's piece of a DTensor (FSDP2) or ShardedTensor (FSDP1's ``SHARDED_STATE_DICT``) lies
-in the whole tensor, from its inert pickled state. Only layouts the file states are read (a DTensor
-replicated or ``Shard(d)`` on a 1-D mesh, a ShardedTensor's recorded offsets); anything else
-(``_StridedShard``, ``Partial``, 2-D meshes) is an error saying what was found."""
+"""Where a rank's piece of a DTensor or ShardedTensor lies in the whole, from its inert state; only
+layouts the file states (1-D mesh, recorded offsets), else an error."""
 
 from __future__ import annotations
 
@@ -41,11 +39,7 @@ def _attr(obj: Any, name: str, what: str) -> Any:
 
 
 def local_pieces(tensor: WrapperTensor, mesh_size: int) -> list[Piece]:
-    """The blocks of ``tensor`` this rank's file holds.
-
-    Args:
-        tensor: a DTensor or ShardedTensor as loaded with ``SHARDED_TENSOR_CLASSES``.
-        mesh_size: the number of ranks the tensor is spread over (a DTensor's 1-D mesh)."""
+    """The blocks of ``tensor`` this rank's file holds, of ``mesh_size`` ranks."""
     if tensor.qualname == DTENSOR:
         return [_dtensor_piece(tensor, mesh_size)]
     if tensor.qualname == SHARDED_TENSOR:
@@ -107,8 +101,7 @@ def dtensor_box(
     coords: Sequence[int],
     dims: Sequence[int | None],
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offsets, shape) of the shard at mesh ``coords`` by DTensor's rule: mesh dimension after mesh
-    dimension, ``Shard(d)`` cuts what is left of dim ``d`` in ``ceil(n / mesh size)`` chunks.
+    """(offsets, shape) of the shard at mesh ``coords`` by DTensor's own chunking rule.
 
     Args:
         shape: the whole tensor's shape.

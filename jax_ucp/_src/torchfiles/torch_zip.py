@@ -1,11 +1,7 @@
-"""The ``torch.save`` zip archive both ways, without torch: ``<name>/data.pkl`` (a protocol-2 pickle
-whose tensors are ``_rebuild_tensor_v2`` calls on persistent storage references),
-``<name>/data/<key>`` (raw bytes), ``byteorder`` and ``version``, stored uncompressed.
-
-Read through one read-only ``mmap``: tensors are views of it (page cache, not anonymous memory),
-their bytes read out by pread (:mod:`mapped_file`) so a file truncated meanwhile is an error, not
-SIGBUS. Every CRC-32 is checked, deflate is bounded, duplicate members are refused. An archive in an
-object store (``local_view``) fetches only the members it reads."""
+"""The ``torch.save`` zip archive both ways, without torch. Read through one read-only ``mmap``
+(tensors are views; bytes read out by pread, so a file truncated meanwhile is an error, not SIGBUS),
+every CRC-32 checked, deflate bounded, duplicate members refused; an archive in an object store
+fetches only the members it reads."""
 
 from __future__ import annotations
 
@@ -114,8 +110,7 @@ class TorchArchive:
 
     @classmethod
     def from_buffer(cls, view: np.ndarray, where: str, *, defer_crc: bool = False) -> TorchArchive:
-        """An archive that is a byte range of a larger file (one DCP chunk); its tensors are views
-        into it.
+        """An archive inside a larger file (one DCP chunk); its tensors are views into it.
 
         Args:
             view: a read-only uint8 array holding the archive (typically a memory-mapped slice).
@@ -519,8 +514,7 @@ def write_torch_save(
     arrays: Sequence[Any] = (),
     slabs: Slabs = None,
 ) -> int:
-    """Appends one ``torch.save`` archive to ``f`` at its position; returns its length. A tensor is
-    written slab by slab, its CRC computed on the way.
+    """Appends one ``torch.save`` archive to ``f``, tensors slab by slab; returns its length.
 
     Args:
         f: a binary file open for writing, at the archive's start.
