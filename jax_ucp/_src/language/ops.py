@@ -1,8 +1,6 @@
-"""Restore-side operations: what a restore rule does, in order, to the entries ``(vars, view)`` it
-matched (``vars``: the regex captures and variables ops introduce). Map ops (1 -> 1), fan-out (1 ->
-N, introducing ``var``: unstack, split, split_qkv) and fan-in (N -> 1, consuming ``over``: stack,
-concat, merge_qkv; entries agreeing on every other variable combine in ``over``'s order). Each is a
-lazy, exact view; integer parameters may be setting expressions."""
+"""Restore-side operations, run in order over the entries ``(vars, view)`` a rule matched: map ops,
+fan-outs introducing a variable ``var`` and fan-ins consuming ``over`` (entries agreeing on the
+other variables combined in its order); each a lazy, exact view."""
 
 from __future__ import annotations
 
@@ -50,11 +48,7 @@ class Op:
     view: ClassVar[tuple] = ()
 
     def apply(self, tensor: ts.TensorStore, env: Env) -> ts.TensorStore:
-        """A map op's result: one lazy view of ``tensor``.
-
-        Args:
-            tensor: the view the rule's previous op produced
-            env: settings and the variables the rule's pattern captured"""
+        """A map op's result: one lazy view of ``tensor`` (``env``: settings and captures)."""
         fn, *fields = self.view
         return fn(tensor, *self._ints(env, *fields))
 
@@ -92,8 +86,7 @@ class FanIn(Op):
     parts: tuple
 
     def order(self, labels: Sequence[str], env: Env, where: str) -> list[str]:
-        """The labels of the parts in the order they combine (by default the named ``parts``); an
-        error names a missing one.
+        """The labels of the parts in the order they combine; a missing one is an error.
 
         Args:
             labels: the values ``over`` took among the matched tensors
@@ -155,9 +148,7 @@ class SplitDim(Op):
         if len(self.sizes) != 2:
             raise LanguageError(f"split_dim needs sizes=[a, b], got {list(self.sizes)}")
         return views.split_dim(
-            tensor,
-            self._int(self.axis, env),
-            [self._int(s, env) for s in self.sizes],
+            tensor, self._int(self.axis, env), [self._int(s, env) for s in self.sizes]
         )
 
 

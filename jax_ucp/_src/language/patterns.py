@@ -1,11 +1,7 @@
-r"""Name patterns matched in time linear in the name: every spec pattern runs on RE2. Patterns come
-from files jax_ucp does not control, and Python's ``re`` backtracks (``(\w+\.?)+\.never`` is
-exponential), so one line of a file could hang an import. One engine however the spec was written,
-so a spec means the same in code and TOML.
-
-What RE2 refuses (back-references, look-arounds, ``(?x)``, ``\Z``, repetitions above 1000) and
-``{,n}`` (``{0,n}`` to Python, literal to RE2) is a :class:`LanguageError` naming the pattern;
-``\d``, ``\w``, ``\s``, ``\b`` are ASCII classes."""
+r"""Spec patterns run on RE2, in time linear in the name: they come from files jax_ucp does not
+control, and Python's ``re`` backtracks exponentially (``(\w+\.?)+\.never``). What RE2 refuses, and
+``{,n}`` (``{0,n}`` to Python, literal to RE2), is a :class:`LanguageError`; ``\d``, ``\w``, ``\s``,
+``\b`` are ASCII classes."""
 
 from __future__ import annotations
 

@@ -42,8 +42,7 @@ def parse_plain_form(
     where: str,
     convert: Callable[[str, Any], Any],
 ) -> tuple[type, dict]:
-    """(class, keyword arguments) from the plain form; unknown names and parameters are errors
-    listing what is known.
+    """(class, keyword arguments) from the plain form; unknown names list the known.
 
     Args:
         obj: the plain value: a name, or a table with ``tag`` and parameters

@@ -1,7 +1,5 @@
-"""Compile a spec's restore rules over a saved checkpoint's tensors into lazy view plans:
-``compile_restore_plan(spec, saved)`` maps every saved key to target keys, each a ``ViewPlan``.
-Every error (stage counts, a missing layer, a wrong-sized QKV, two tensors to one key) is found at
-compile time, over placeholder stores that refuse to be read."""
+"""Compile a spec's restore rules over saved tensors into lazy view plans, every error found at
+compile time over placeholder stores that refuse to be read."""
 
 from __future__ import annotations
 
@@ -112,8 +110,7 @@ def _tensor_info(x) -> TensorInfo:
 def compile_restore_plan(
     spec: Spec | str, saved: Mapping[Key, Any], *, strict: bool | None = None
 ) -> dict[Key, ViewPlan]:
-    """Target key -> ViewPlan for every saved tensor: keys under a param root by the first matching
-    restore rule, others moved with their root; uncovered keys pass unless ``strict``.
+    """Target key -> ViewPlan for every saved tensor (uncovered keys pass unless ``strict``).
 
     Args:
       spec: a ``Spec``, or what ``load_spec`` takes (a shipped spec's name, a file).
@@ -329,8 +326,7 @@ def unflatten_nested(flat: Mapping[Key, Any]) -> dict:
 def apply_restore_plan(
     plan: Mapping[Key, ViewPlan], arrays: Mapping[Key, Any], *, read: bool = True
 ) -> dict[Key, Any]:
-    """Build every view over in-memory ``arrays``; read them to numpy unless ``read=False`` (for
-    tests and small trees).
+    """Build every view over in-memory ``arrays`` (tests, small trees), read unless ``read=False``.
 
     Args:
         plan: target key -> view plan.

@@ -233,8 +233,8 @@ _TEMPLATE_FIELD = re.compile(r"\{([^{}]*)\}")
 
 
 def render(template: str, env: Mapping[str, Any], *, where: str = "") -> str:
-    """``{name}`` -> value of a captured variable or setting; ``{expr}`` -> integer expression
-    (numbered regex groups are ``{1}`` or ``_1`` inside expressions); ``{{``/``}}`` escape braces.
+    """``{name}`` -> a variable or setting, ``{expr}`` -> an integer expression; ``{{``/``}}``
+    escape.
 
     Args:
         template: text with ``{name}`` / ``{expr}`` fields

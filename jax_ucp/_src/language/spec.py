@@ -1,11 +1,7 @@
-"""Specs: ordered rules over parameter names (first match wins), roots, settings, strictness.
-
-``settings`` parametrise kinds and ops; ``imports`` (``ImportRule``: pattern -> kind) say how each
-source parameter is spread over TP/PP/EP; ``restore`` (``RestoreRule``: pattern -> target, ops) how
-saved tensors map into the JAX tree; ``roots`` where parameters live, so a rule written for a
-parameter also applies to its optimizer moments. Patterns are RE2 regexes in Python's syntax,
-matched in full against the name relative to its root. The dict form (TOML's) is built and written
-here; ``toml_io`` only parses the text."""
+"""Specs: settings, ``ImportRule`` (pattern -> kind), ``RestoreRule`` (pattern -> target, ops) and
+``Root`` (where parameters live, so a rule also covers their optimizer moments); first match wins,
+patterns are RE2 regexes matched in full against the name relative to its root. Also the spec's dict
+form (TOML's)."""
 
 from __future__ import annotations
 
@@ -308,8 +304,7 @@ def describe_rule(rule, index: int, side: str) -> str:
 def check_strict(
     spec_name: str, side: str, uncovered: Sequence[str], rules, matched: Iterable[int]
 ) -> None:
-    """A strict spec: a ``LanguageError`` naming every uncovered tensor and every required rule not
-    ``matched``.
+    """A strict spec: a ``LanguageError`` naming every uncovered tensor and unmatched required rule.
 
     Args:
         spec_name: the spec, as named in the error.
@@ -417,8 +412,7 @@ def spec_from_dict(
     settings: Mapping | None = None,
     table_lines: Mapping[str, Sequence[int]] | None = None,
 ) -> Spec:
-    """A ``Spec`` from its dict form (a parsed TOML file). Errors name ``source``, the table and its
-    number, and its line when ``table_lines`` gives it.
+    """A ``Spec`` from its dict form; errors name ``source``, the table and its line.
 
     Args:
         d: the spec's dict form

@@ -1,21 +1,6 @@
-"""The TOML file form of a spec: TOML text <-> the spec's dict form (``spec.spec_from_dict`` /
-``spec.spec_to_dict``, where validation lives; errors here add the rule's line), and the shipped
-specs (``specs/*.toml``) found by name with ``load_spec``.
-
-    name = "my-model"
-    strict = true
-    [settings]
-    num_layers = 2
-    [[roots]]                      # optional; default: params, model_params, opt_state/**/{mu,nu}
-    source = "opt_state/mu"
-    target = "opt_state/0/mu"
-    [[import]]
-    pattern = 'decoder\\.layers\\.\\d+\\.self_attention\\.linear_qkv\\.weight'
-    kind = "qkv"
-    [[restore]]
-    pattern = 'decoder\\.layers\\.(\\d+)\\.self_attention\\.linear_qkv\\.weight'
-    target = "layers_{1}/attn/qkv/kernel"
-    ops = ["transpose"]"""
+"""The TOML file form of a spec (docs/LANGUAGE.md shows one): TOML text <-> the spec's dict form
+(validated in ``spec``; errors here add the rule's line), and the shipped specs (``specs/*.toml``)
+found by name with ``load_spec``."""
 
 from __future__ import annotations
 
@@ -89,9 +74,7 @@ def _table_lines(text: str, table: str) -> list[int]:
 
 
 def spec_from_toml(text: str, *, source: str = "<spec>", settings: Mapping | None = None) -> Spec:
-    """A spec from TOML text; ``settings`` override its ``[settings]``. Errors name ``source`` and
-    the offending table's line; text over :data:`MAX_SPEC_BYTES` or :data:`MAX_TOML_DEPTH` is
-    refused unparsed.
+    """A spec from TOML text (over the size or depth limits: refused unparsed).
 
     Args:
         text: the TOML text

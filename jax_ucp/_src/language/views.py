@@ -1,7 +1,5 @@
-"""Lazy, exact TensorStore views: the primitives every restore-side transform is made of. They
-compose index transforms and the virtual ``ts.concat`` / ``ts.stack`` drivers and never read data;
-every view has a zero origin (indexed like a numpy array); numpy arrays are accepted wherever a view
-is."""
+"""Lazy, exact TensorStore views, the primitives of every restore-side transform: index transforms
+and virtual concat/stack, never a read; every view has a zero origin."""
 
 from __future__ import annotations
 
@@ -83,9 +81,7 @@ def transpose(tensor: ts.TensorStore, perm: Sequence[int] | None = None) -> ts.T
 
 
 def rope_interleaved_to_half(tensor: ts.TensorStore, axis: int, head_dim: int) -> ts.TensorStore:
-    """Rows of every head of a q/k projection from RoPE's interleaved pair order (Meta's Llama,
-    torchtitan) to rotate-half order (transformers, megatron-core), as
-    ``convert_llama_weights_to_hf`` permutes them; one lazy view, exact.
+    """q/k head rows from RoPE's interleaved pairs to rotate-half order, lazily.
 
     Args:
         tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
