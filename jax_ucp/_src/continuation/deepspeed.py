@@ -1,10 +1,6 @@
-"""A DeepSpeed run's config, as its checkpoint records it, read into a :class:`Recipe`.
-
-DeepSpeed 0.19.8 builds the optimizer its config names (FusedAdam, DeepSpeedCPUAdam, or torch's with
-``torch_adam``; ``Adam`` is AdamW unless ``adam_w_mode`` is false), all taking the same step. Its
-schedules step once per applied optimizer step, so after ``c`` steps the next learning rate is the
-schedule at ``c - 1``. Every config value is checked as DeepSpeed takes it, else refused naming it.
-"""
+"""A DeepSpeed run's config, as its checkpoint records it, read into a :class:`Recipe`: the Adam its
+config names (all DeepSpeed's take the same step) and its schedule, which after ``c`` optimizer
+steps is at ``c - 1``. Every value is checked as DeepSpeed takes it, else refused naming it."""
 
 from __future__ import annotations
 
@@ -180,8 +176,7 @@ def scheduler_params(kind: str, params: Any, groups: int, where: str) -> dict[st
 
 
 def deepspeed_schedule(kind: str, kw: Mapping[str, Any], base_lr: float) -> dict[str, Any]:
-    """DeepSpeed's ``kind`` schedule as functions of optax's step count: ``{"lr": ..., "beta1": ...
-    or None}``.
+    """DeepSpeed's ``kind`` schedule of optax's step count: ``{"lr": ..., "beta1": ... or None}``.
 
     Args:
         kind: one of ``SCHEDULERS``.
@@ -382,8 +377,7 @@ def recorded_config(source: dict) -> dict | None:
 def deepspeed_recipe(
     source: dict, where: str, client: tuple[str, str] | None = None
 ) -> Recipe | None:
-    """The Recipe of a DeepSpeed run whose config made its optimizer or schedule; None without such
-    a config.
+    """The Recipe of a run whose DeepSpeed config made its optimizer or schedule, else None.
 
     Args:
         source: the import's record (a manifest's ``source``).

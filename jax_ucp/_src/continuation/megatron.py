@@ -1,8 +1,6 @@
-"""How a Megatron run stepped (its saved ``args``, ``OptimizerParamScheduler`` state and param
-groups) read into a :class:`Recipe`. Megatron's scheduler counts samples, so the update after
-``count`` Adam steps uses ``get_lr(count * global_batch_size)``: a batch-size ramp-up or a
-``num_steps`` that disagrees is refused. The schedules are megatron-core 0.16's ``get_lr`` /
-``get_wd``, for numpy and jax.numpy alike."""
+"""How a Megatron run stepped (its ``args``, scheduler state, param groups) as a :class:`Recipe`.
+Its scheduler counts samples (``get_lr(count * global_batch_size)``): a batch-size ramp-up is
+refused. Schedules as megatron-core 0.16's ``get_lr`` / ``get_wd``."""
 
 from __future__ import annotations
 
@@ -205,9 +203,7 @@ def _agreed(groups: list[_Fields], key: str, read: Callable[[_Fields], Any]) -> 
 
 
 def megatron_recipe(
-    source: Mapping[str, Any],
-    saved: Mapping[Any, tuple[tuple[int, ...], Any]],
-    where: str,
+    source: Mapping[str, Any], saved: Mapping[Any, tuple[tuple[int, ...], Any]], where: str
 ) -> Recipe | None:
     """The Recipe of a Megatron import, or None when ``source`` records no ``megatron_optimizer``.
 
