@@ -26,11 +26,9 @@ WRITERS = {
 def export(
     ckpt: str | os.PathLike, dst: str | os.PathLike, options: Options | None = None
 ) -> Exported:
-    """Writes the tensors of the checkpoint ``ckpt`` to ``dst`` in the format of ``options``: one
-    row slab at a time (at most half of ``options.memory_budget``), atomically (a failed export
-    leaves ``dst`` as it was). Each format has its options class (``SafetensorsExport``, the
-    default; ``TorchDcpExport``, ``DeepSpeedUniversalExport``, ``OrbaxExport``); ``options_for(name,
-    **fields)`` builds one by name. See docs/EXPORT.md.
+    """Writes the tensors of ``ckpt`` to ``dst`` in the format of ``options``, one row slab at a
+    time, atomically; ``options_for(name, **fields)`` builds the options by name. See
+    docs/EXPORT.md.
 
     Args:
         ckpt: a jax_ucp checkpoint directory (or an Orbax step holding one UCP item).

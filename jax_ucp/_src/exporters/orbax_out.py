@@ -1,7 +1,5 @@
-"""jax_ucp → Orbax, written by Orbax itself: the saved tree goes to Orbax's
-``PyTreeCheckpointHandler`` with every tensor a lazy leaf that reads one tensor (digests checked)
-and writes it with Orbax's own TensorStore spec, recorded as ``np.ndarray`` so any Orbax reader
-restores it; memory stays at one tensor."""
+"""Export to ``orbax``, written by Orbax itself: each tensor a lazy leaf read (digests checked) and
+written with Orbax's TensorStore spec as ``np.ndarray``, one tensor in memory at a time."""
 
 from __future__ import annotations
 
@@ -152,9 +150,8 @@ def export_orbax(
     use_zarr3: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> str:
-    """Writes the UCP checkpoint ``ckpt`` as an Orbax checkpoint; returns the Orbax directory.
-    ``step=None``: what ``ocp.StandardCheckpointer().restore(dst)`` reads; ``step=N``: item ``item``
-    of step ``N`` of a ``CheckpointManager`` root. ``dst`` (the step) must not exist or be empty.
+    """Writes ``ckpt`` as an Orbax checkpoint (``step=N``: of a ``CheckpointManager``); returns its
+    path.
 
     Args:
         ckpt: the UCP checkpoint to export.

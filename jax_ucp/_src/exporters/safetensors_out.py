@@ -113,8 +113,7 @@ def write_index(path: str, files: Sequence[Sequence[Tensor]], names: Sequence[st
 
 
 def export(root: str, dst: str, options: SafetensorsExport) -> Exported:
-    """The tensors under ``select`` as ``model.safetensors`` (or shards and their index), and
-    ``config.json`` when given.
+    """The tensors under ``select`` as ``model.safetensors`` (or shards), and ``config.json``.
 
     Args:
         root: the UCP checkpoint directory (a manager step already resolved).

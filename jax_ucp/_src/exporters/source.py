@@ -112,8 +112,7 @@ class Selection:
 
 
 def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool) -> Selection:
-    """The tensors (and saved values) under ``options.select``, named by their key path below it
-    joined with ``.``; every dtype and cast checked first.
+    """The tensors (and values) under ``options.select``, named by their ``.``-joined key path.
 
     Args:
         root: the UCP checkpoint directory.
@@ -171,8 +170,7 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
 
 @contextlib.contextmanager
 def transaction(dst: str, *, force: bool, staged: bool = True):
-    """``commit.transaction`` of an export; a destination it refuses (checked again under the lock)
-    is a ``RequestError``.
+    """``commit.transaction`` of an export; a destination it refuses is a ``RequestError``.
 
     Args:
         dst: the export's destination directory.
@@ -189,9 +187,8 @@ def transaction(dst: str, *, force: bool, staged: bool = True):
 
 
 def write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -> list[str]:
-    """``write(tmp)`` in one ``commit.transaction`` of ``dst``: a recorded (``EXPORT_RECORD``),
-    durable temporary sibling renamed into place; on failure ``dst`` is as it was. Returns what
-    ``write`` returned.
+    """``write(tmp)`` into a recorded temporary sibling renamed into place; returns what it
+    returned.
 
     Args:
         dst: the export's destination directory.

@@ -10,8 +10,7 @@ from jax_ucp._src.torchfiles.dtypes import torch_dtype
 
 
 def export(root: str, dst: str, options: TorchDcpExport) -> Exported:
-    """The tensors and saved values under ``select`` as a single-file DCP checkpoint, under their
-    key paths below ``select``.
+    """The tensors and values under ``select`` as a single-file DCP checkpoint.
 
     Args:
         root: the UCP checkpoint directory (a manager step already resolved).
