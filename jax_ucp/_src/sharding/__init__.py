@@ -1,7 +1,4 @@
-"""Layer 4: slices for a mesh (target shardings, per-device reads, assembly).
-
-Names load on first use (PEP 562): ``assemble`` (reading a process's slices, the read engine's)
-imports JAX only to build a ``jax.Array``, ``mesh_layout`` (shardings for a mesh) at import."""
+"""Layer 4: slices for a mesh; names load on first use (``assemble`` imports JAX)."""
 
 from typing import TYPE_CHECKING
 

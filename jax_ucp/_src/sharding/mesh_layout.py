@@ -1,7 +1,5 @@
-"""Which sharding each restored tensor gets on the target mesh, most explicit first: a ``Sharding``
-per leaf (given, or carried by a target); logical-axis ``rules`` on a ``mesh`` (flax style); or
-``mesh`` alone, keeping each saved PartitionSpec per dimension where its axes exist and divide, else
-replicating."""
+"""Which sharding each restored tensor gets: a ``Sharding`` per leaf, else logical-axis ``rules`` on
+a ``mesh``, else each saved PartitionSpec kept per dimension where it fits."""
 
 from __future__ import annotations
 
@@ -201,9 +199,8 @@ def check_names(
     strict: bool = True,
 ) -> None:
     """Refuses, before anything is read, misspelt names that would make a restore replicate
-    silently: a rule's logical name no tensor carries but close to one that does, or a mesh axis
-    (size > 1) nothing uses but close to one that is. ``strict=False`` allows both; a rule naming an
-    axis the mesh lacks is always an error.
+    silently: a rule's logical name or a mesh axis close to a used one (``strict=False`` allows
+    them).
 
     Args:
         mesh: the mesh restored onto
@@ -320,8 +317,7 @@ def sharding_for(
     logical_axes: Sequence[str | None] | None,
     rules: LogicalRules | None,
 ) -> NamedSharding:
-    """The sharding a restore onto ``mesh`` gives a tensor: by the rules where they apply, else its
-    saved PartitionSpec kept where it fits.
+    """The sharding a restore onto ``mesh`` gives a tensor: by the rules, else its saved spec.
 
     Args:
         shape: the tensor's global shape

@@ -1,9 +1,6 @@
-"""The logical axis names a restore placed its arrays by, kept for the save of the same run: a
-restored ``jax.Array``'s ``NamedSharding`` names mesh axes only, so without this a restore, a few
-steps, then ``save`` recorded no logical axes. A save takes a leaf's names from
-``save(logical_axes=)``, its box or nnx metadata, then from here: the restored array itself (while
-it lives), or an array at the same path below its root, of the same shape and ``NamedSharding``,
-where every such restored array carries the same names. The last restore of a place wins."""
+"""The restored arrays' logical axis names, kept for the next save of the run (a
+``NamedSharding`` names mesh axes only): by identity, or for an array at the same path of the
+same shape and sharding."""
 
 from __future__ import annotations
 
@@ -23,11 +20,7 @@ _places = 0
 
 
 def remember(restored: Iterable[tuple[Sequence[str], Any, Sequence[str | None] | None]]) -> None:
-    """Notes each ``(path, array, logical names)`` a restore placed on a mesh.
-
-    Args:
-      restored: the restored tree's path of each leaf, the leaf, and its logical axis names
-        (None or all None: nothing to remember)."""
+    """Notes each ``(path, array, logical names)`` a restore placed on a mesh."""
     import jax
 
     global _places
