@@ -27,9 +27,8 @@ _OK, _FAILED = "ok:", "failed:"
 def agree(
     gather: Gather, step: str, result: str | BaseException, where: str, wait: bool = True
 ) -> list[str]:
-    """Every process's outcome of ``step``, exchanged through ``gather``; all decide alike: this
-    process's own error is raised, else a ``MultiProcessError`` naming each process that failed,
-    else the payloads. ``wait=False`` only posts.
+    """Every process's outcome of ``step`` through ``gather``; all decide alike: this process's
+    error, else a ``MultiProcessError`` naming each failure, else the payloads.
 
     Args:
         gather: the exchange (see ``write_shared_checkpoint``).
@@ -58,8 +57,7 @@ CUT_OFF_S = 1.0
 
 
 def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int, Gather] | None:
-    """This process's index, the process count and ``gather(step, value, wait=True)`` (an
-    ``Exchange``) for a ``purpose`` writing ``where``; None in a single-process job.
+    """This process's index, the count and ``gather`` for ``purpose``; None in a one-process job.
 
     Args:
         where: the path written, for the errors.
@@ -76,12 +74,10 @@ def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int
 
 
 class Exchange:
-    """The processes of a ``jax.distributed`` job meeting through its key-value store (no device
-    collective): each posts its value of a step, ``gather`` waits for all. While waiting, the
-    awaited processes are checked every 0.2 s, so a dead one is named, not waited for until jax's
-    heartbeat (100 s) or ``timeout``: by ``/proc`` on this host, by its beat standing still
-    anywhere, by ``abort``; the coordinator's server also counts connections, naming those that
-    never beat within ~1 s.
+    """The processes of a ``jax.distributed`` job meeting through its key-value store: each posts
+    its value of a step, ``gather`` waits for all, checking every 0.2 s that those awaited live
+    (``/proc`` here, beats elsewhere, connections to the coordinator), so a dead one is named at
+    once.
 
     Args:
         purpose: what the processes do together (the keys' prefix; "the restore" in errors).

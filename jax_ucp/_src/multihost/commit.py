@@ -1,11 +1,7 @@
-"""One checkpoint written by every process and committed once, by the primary (``jax_ucp.save`` and
-a distributed convert), in three agreed steps: "ready" (the primary opened the transaction),
-"written" (every process reports its part), "committed". A failure anywhere is raised everywhere and
-what was written removed; the previous checkpoint is never touched. JAX-free: the exchange is handed
-in.
-
-The primary returns only once every other process has heard its outcome or is gone; a process that
-loses the exchange meanwhile reports what storage proves."""
+"""One checkpoint written by every process and committed once by the primary, in three agreed steps
+("ready", "written", "committed"): a failure anywhere is raised everywhere, what was written
+removed, the previous checkpoint untouched. The primary returns once every process has heard its
+outcome; one that loses the exchange meanwhile reports what storage proves."""
 
 from __future__ import annotations
 

@@ -82,9 +82,8 @@ class LocalRun:
 
 
 def run_local(n: int, command: Callable[[int, str], list[str]], env=None) -> LocalRun:
-    """Runs ``command(index, coordinator)`` as ``n`` processes of a jax.distributed job on 127.0.0.1
-    and waits for them (process 0 prints to the terminal). A process killed by a signal stops the
-    others at once; no process outlives this call.
+    """Runs ``command(index, coordinator)`` as ``n`` local processes of a jax.distributed job and
+    waits; no process outlives this call.
 
     Args:
         n: how many processes.

@@ -1,7 +1,5 @@
-"""Whether the processes of a multi-process job that run on this host are still alive: each records
-its ``identity`` at the start, and a waiting peer compares it with ``/proc`` now (``alive_here``);
-other hosts are left to ``heartbeat``. A peer that dies before it beat is seen by the coordinator's
-server as its TCP connection closing (``connected``)."""
+"""Whether the job's processes on this host still live: each records its ``identity``, a waiting
+peer compares it with ``/proc``; other hosts are left to ``heartbeat``."""
 
 from __future__ import annotations
 
