@@ -1,11 +1,6 @@
-"""Continue a PyTorch run in JAX: its recorded Adam/AdamW hyper-parameters as an optax
-transformation, its state restored from the checkpoint.
-
-Built only from what the files positively identify (:func:`identify`); anything else is refused, and
-what could not be recovered (no schedule, no clipping recorded) is listed and warned. Every source
-(a Trainer's records, ``continuation.deepspeed`` / ``continuation.megatron``) gives a
-:class:`Recipe`, turned into one chain (:func:`chain_of`) whose state is filled with the imported
-moments and step, so the next optax step is the run's next step."""
+"""Continue a PyTorch run in JAX: its recorded Adam/AdamW hyper-parameters as an optax chain whose
+state is the imported moments and step, built only from what the files positively identify; what
+could not be recovered is listed and warned."""
 
 from __future__ import annotations
 
@@ -264,10 +259,8 @@ def check_groups(groups: list, where: str) -> None:
 def identify(
     groups: list[dict], trainer_args: dict, where: str, choice: str | None = None
 ) -> tuple[str, str]:
-    """Which optimizer wrote ``groups``: ``("adam" | "adamw", how it was told)``, or refused.
-    Torch's Adam/AdamW groups hold ``amsgrad`` and ``betas``; ``decoupled_weight_decay`` (newer
-    torch) tells them apart, else a non-zero decay needs a record or the caller's ``choice``.
-    Another key set is refused naming the optimizer it looks like.
+    """Which optimizer wrote ``groups``: ``("adam" | "adamw", how it was told)``, or refused naming
+    what it looks like; a non-zero decay of older torch needs a record or ``choice``.
 
     Args:
         groups: the recorded ``param_groups``.
@@ -377,8 +370,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
 
 
 def schedule_kwargs(args: dict, kind: str, where: str) -> dict[str, Any]:
-    """The Trainer's ``lr_scheduler_kwargs``, each used or refused by name (unknown, wrong type, out
-    of range, or required and missing).
+    """The Trainer's ``lr_scheduler_kwargs``, each used or refused by name.
 
     Args:
         args: the Trainer's recorded arguments.
@@ -476,41 +468,26 @@ def optax_from_torch(
     schedule: Any = None,
     clip: Any = _UNSET,
 ) -> TorchOptimizer:
-    """The optax optimizer and state that continue the torch run at ``ckpt``: read straight
-    from what its trainer wrote (nothing written), or from its converted checkpoint.
-
-    On a mesh (``options=RestoreOptions(mesh=, rules=)``, or ``target=``/``shardings=``) the
-    params and Adam's moments come back as ``jax.Array``s placed alike, each process reading
-    only its slices, once; nothing is built whole on one host (the optimizer state around the
-    moments is derived from shapes, ``jax.eval_shape``). A jitted step consumes it as it is.
+    """The optax optimizer and state that continue the torch run at ``ckpt``, read from what its
+    trainer wrote (nothing written) or from its converted checkpoint. On a mesh the params and
+    Adam's moments come back as ``jax.Array``s placed alike, each process reading only its slices.
 
     Args:
-        ckpt: a torch run's checkpoint with its Adam/AdamW state, as ``convert`` reads it (a
-            Hugging Face Trainer ``checkpoint-N/``, Accelerate, FSDP2/DCP, torch.save files,
-            DeepSpeed, Megatron; its import options as ``options.importing``), or the UCP
-            checkpoint ``convert`` made of it.
+        ckpt: a torch run's checkpoint with its Adam/AdamW state as ``convert`` reads it (its
+            import options as ``options.importing``), or the UCP checkpoint made of it.
         spec: the spec the parameters are restored with (e.g. ``hf_llama``), or None for
-            torch's names; the moments follow it, and the weight-decay mask is computed on the
-            restored tree from the torch parameters each leaf is made of.
-        optimizer: "adam" or "adamw", only for what the files cannot tell: a non-zero weight
-            decay recorded by a torch that writes the same keys for Adam (L2 decay added to the
-            gradient) and AdamW (decoupled decay), with no Trainer record. A choice the files
-            contradict is refused.
-        options: a :class:`jax_ucp.RestoreOptions` (mesh, rules, target or shardings,
-            memory_budget, ...): how params and moments are restored, as ``restore`` takes
-            them; its ``spec`` must be left unset (``spec=`` above is the one spec).
-        schedule: the run's learning rate as a function of optax's step count (optimizer steps
-            taken; e.g. an ``optax`` schedule), or a number, for a run whose files record no
-            schedule (a plain torch / FSDP2 / DCP run). Its value at the restored step must be
-            the learning rate the optimizer holds for its next step; refused when the files
-            record the schedule (a Trainer's, DeepSpeed's).
-        clip: the global gradient norm the run clipped to (``torch.nn.utils.clip_grad_norm_``'s
-            ``max_norm``; None or 0: it did not clip), for a run whose files do not record it;
-            refused when it contradicts what they record.
+            torch's names; the moments and the weight-decay mask follow it.
+        optimizer: "adam" or "adamw", only where the files cannot tell (a non-zero weight decay
+            from a torch that records both alike, no Trainer record); a contradiction is refused.
+        options: a :class:`jax_ucp.RestoreOptions` (mesh, rules, target, memory_budget, ...),
+            its ``spec`` unset.
+        schedule: the learning rate as a function of optax's step count, or a number, for a run
+            whose files record no schedule; it must match the rate held for the next step.
+        clip: the global gradient norm the run clipped to (None or 0: none), for a run whose
+            files do not record it; refused when it contradicts them.
 
     Returns:
-        A :class:`TorchOptimizer`: ``tx.update(grads, opt_state, params)`` is torch's next step
-        (clipping, AdamW with its no-decay groups, the scheduler's learning rate)."""
+        A :class:`TorchOptimizer`: ``tx.update(grads, opt_state, params)`` is torch's next step."""
     given: dict[str, Any] = {} if schedule is None else {"schedule": schedule}
     if clip is not _UNSET:
         given["clip"] = clip
