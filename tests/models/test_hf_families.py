@@ -211,6 +211,31 @@ FAMILIES = {
         {"layer_types": ["full_attention", "chunked_attention"]},
         r"layer_types",
     ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            _TINY,
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            first_k_dense_replace=1,  # layer 0 dense, 1 and 2 MoE
+            q_lora_rank=16,
+            kv_lora_rank=12,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            moe_intermediate_size=16,
+            n_shared_experts=2,
+            routed_scaling_factor=2.5,
+            rope_parameters={**_YARN, "mscale": 1.0, "mscale_all_dim": 0.8},
+        ),
+        {"attention_bias": True},
+        r"attention_bias True",
+    ),
     "granite": (
         "GraniteConfig",
         "GraniteForCausalLM",
@@ -254,6 +279,9 @@ def _save_tiny(family: str, folder, **changes) -> str:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.2)
+        for name, b in model.named_buffers():  # DeepSeek V3's router bias (a saved buffer)
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.2)
     model.save_pretrained(folder)
     return str(folder)
 
@@ -358,6 +386,12 @@ def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_pa
         ("bert", {}, r"model_type 'bert'"),
         ("llama", {"num_hidden_layers": 2**30}, r"num_hidden_layers 1073741824"),
         ("gpt2", {"n_layer": 2**30}, r"num_hidden_layers 1073741824"),
+        ("deepseek_v3", {"num_key_value_heads": 2}, r"num_key_value_heads 2: expected 4"),
+        ("deepseek_v3", {"n_group": 3}, r"n_group 3"),
+        ("deepseek_v3", {"n_group": 8}, r"n_group 8"),  # groups of one expert
+        ("deepseek_v3", {"topk_group": 1, "num_experts_per_tok": 3}, r"topk_group 1"),
+        ("deepseek_v3", {"first_k_dense_replace": -1}, r"first_k_dense_replace -1"),
+        ("deepseek_v3", {"qk_rope_head_dim": 7}, r"qk_rope_head_dim 7: expected an even"),
     ],
 )
 def test_values_no_model_has_are_refused_naming_the_field(family, changes, names):
@@ -369,14 +403,13 @@ def test_values_no_model_has_are_refused_naming_the_field(family, changes, names
 @pytest.mark.parametrize(
     "model_type, lacks",
     [
-        ("deepseek_v3", r"multi-head latent attention \(MLA.*routed scaling, shared experts"),
         ("llama4", r"the multimodal Llama4ForConditionalGeneration.*llama4_text"),
     ],
 )
 def test_a_family_transformers_has_and_transformerlm_does_not_is_refused_naming_what_it_lacks(
     model_type, lacks, tmp_path
 ):
-    """Torch-free: DeepSeek V3 and the multimodal Llama 4 are refused by hf_model and
+    """Torch-free: the multimodal Llama 4 is refused by hf_model and
     by --logits (before the checkpoint is touched), naming the math TransformerLM lacks."""
     with pytest.raises(jax_ucp.RequestError, match=rf"'{model_type}': TransformerLM lacks {lacks}"):
         hf_model({"model_type": model_type})
@@ -384,37 +417,6 @@ def test_a_family_transformers_has_and_transformerlm_does_not_is_refused_naming_
     (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": model_type}))
     with pytest.raises(jax_ucp.SourceError, match=rf"'{model_type}' \(TransformerLM lacks {lacks}"):
         compare_logits(str(tmp_path / "never-read"), str(tmp_path / "src"))
-
-
-@pytest.mark.torch
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "config_class, model_class, kwargs, lacks",
-    [
-        (
-            "DeepseekV3Config",
-            "DeepseekV3ForCausalLM",
-            dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8),
-            "multi-head latent attention",
-        ),
-    ],
-)
-def test_deepseek_v3_saved_by_transformers_is_refused_by_logits(
-    config_class, model_class, kwargs, lacks, tmp_path
-):
-    """transformers' own tiny DeepSeek V3, saved and converted (the weights are
-    copied exactly), then refused by --logits naming what TransformerLM lacks, never compared
-    through a model that computes something else."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**_TINY, "head_dim": 16, **kwargs})
-    getattr(transformers, model_class)(config).save_pretrained(tmp_path / "src")
-    ckpt = jax_ucp.convert(tmp_path / "src", tmp_path / "ucp")
-    assert jax_ucp.verify(ckpt, against=tmp_path / "src") == []
-    with pytest.raises(jax_ucp.SourceError, match=rf"\(TransformerLM lacks {lacks}"):
-        jax_ucp.verify(ckpt, against=tmp_path / "src", logits=True)
 
 
 def test_the_sliding_window_masks_keys_further_back_than_it():
@@ -589,3 +591,73 @@ def test_yarn_rope_rotates_by_the_frequencies_transformers_computes(case):
     inverse, attention = _YARN_TRANSFORMERS[case]
     np.testing.assert_allclose(np.arctan2(out[8:], out[:8]), inverse, rtol=1e-5)
     np.testing.assert_allclose(np.hypot(out[8:], out[:8]), attention, rtol=1e-6)
+
+
+#: DeepSeek V3's variants beside its FAMILIES config: one q projection (no q_lora_rank),
+#: RoPE dims not interleaved, top-k weights not renormalised, no dense layer, plain RoPE
+_DEEPSEEK_V3_CASES = {
+    "q-proj-rotate-half": dict(q_lora_rank=None, rope_interleave=False, norm_topk_prob=False),
+    "all-moe-default-rope": dict(first_k_dense_replace=0, rope_parameters={"rope_theta": 1e4}),
+    "deepseek-yarn": dict(  # DeepSeek V3's own rope_scaling form, mscale = mscale_all_dim
+        rope_parameters=None,
+        rope_scaling={
+            **_YARN,
+            "type": "yarn",
+            "factor": 40.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),
+}
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", sorted(_DEEPSEEK_V3_CASES))
+def test_deepseek_v3_variants_give_the_sources_logits(case, tmp_path):
+    """DeepSeek V3 saved by transformers with each variant: logits within 1e-4 of its own."""
+    src = _save_tiny("deepseek_v3", tmp_path / "src", **_DEEPSEEK_V3_CASES[case])
+    found = jax_ucp.verify(jax_ucp.convert(src, tmp_path / "ucp"), against=src, logits=True)
+    assert found == [] and found.logits is not None, found
+    assert found.logits.max_abs_diff <= 1e-4 and found.logits.batch == (2, 16)
+
+
+def test_moe_with_sigmoid_input_adds_the_experts_biases():
+    """Torch-free: ``moe_bias`` with ``moe_sigmoid_input`` (the chosen experts compute on x times
+    sigmoid(router logit)) adds each expert's fc1 / fc2 biases, and only the chosen experts'
+    outputs are summed: the MoE layer equals a per-token numpy reference."""
+    import jax
+    import numpy as np
+
+    from jax_ucp._src.models.transformer import MoE
+    from jax_ucp.models import LMConfig
+
+    cfg = LMConfig(
+        16,
+        8,
+        1,
+        2,
+        12,
+        normalization="RMSNorm",
+        gated=True,
+        bias=False,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_sigmoid_input=True,
+        moe_bias=True,
+    )
+    x = np.random.default_rng(0).normal(size=(1, 5, 8)).astype(np.float32)
+    params = MoE(cfg).init(jax.random.key(0), x)["params"]
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
+    assert set(params) == {"router", "fc1", "fc2", "fc1_bias", "fc2_bias"}
+    got = np.asarray(MoE(cfg).apply({"params": params}, x))
+    fc1, fc2 = params["fc1"]["kernel"], params["fc2"]["kernel"]
+    for t in range(5):
+        logits = x[0, t] @ params["router"]["kernel"] + params["router"]["bias"]
+        want = np.zeros(8, np.float32)
+        for e in np.argsort(-logits)[:2]:
+            h = x[0, t] / (1 + np.exp(-logits[e])) @ fc1[e] + params["fc1_bias"][e]
+            gate, up = h[:12], h[12:]
+            want += (gate / (1 + np.exp(-gate)) * up) @ fc2[e] + params["fc2_bias"][e]
+        np.testing.assert_allclose(got[0, t], want, rtol=1e-4, atol=1e-5)

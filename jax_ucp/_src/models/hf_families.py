@@ -274,6 +274,36 @@ FAMILIES: dict[str, Family] = {
             attention_bias=True,
         ),
         _family(
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            "hf_deepseek_v3",
+            (
+                *_COMMON,
+                "hidden_act, attention_bias, q_lora_rank, kv_lora_rank, qk_nope_head_dim",
+                "qk_rope_head_dim, v_head_dim, rope_interleave, rope_parameters.mscale_all_dim",
+                "n_routed_experts, num_experts_per_tok, moe_intermediate_size, n_shared_experts",
+                "first_k_dense_replace, n_group, topk_group, norm_topk_prob",
+                "routed_scaling_factor",
+            ),
+            rms_norm_eps=1e-6,
+            num_key_value_heads=128,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            rope_interleave=True,
+            n_routed_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=2048,
+            n_shared_experts=1,
+            first_k_dense_replace=3,
+            n_group=8,
+            topk_group=4,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        ),
+        _family(
             "granite",
             "GraniteForCausalLM",
             "hf_llama",
@@ -321,9 +351,6 @@ FAMILIES: dict[str, Family] = {
 
 #: families transformers has that TransformerLM does not compute: what it lacks for each
 LACKS = {
-    "deepseek_v3": "multi-head latent attention (MLA: low-rank q and kv, a decoupled RoPE head), "
-    "sigmoid routing limited to top groups with a score-correction bias and routed scaling, "
-    "shared experts",
     "llama4": "the multimodal Llama4ForConditionalGeneration (vision tower, language_model.* "
     "names); its text model is model_type llama4_text",
 }
@@ -862,6 +889,61 @@ def _gpt_oss(c: Mapping) -> LMConfig:
     )
 
 
+def _deepseek_v3(c: Mapping) -> LMConfig:
+    """DeepSeek V3: multi-head latent attention (``q_lora_rank`` (null: one q projection),
+    ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, RoPE dims
+    interleaved with ``rope_interleave``; the softmax scale times yarn's mscale(factor,
+    ``mscale_all_dim``) squared), dense MLPs in the first ``first_k_dense_replace`` layers, then
+    ``n_routed_experts`` with group-limited sigmoid routing (``n_group``, ``topk_group``, the
+    score-correction bias, ``norm_topk_prob``, ``routed_scaling_factor``) and shared experts."""
+    _act(c, "hidden_act", _SILU)
+    _false(c, "attention_bias")
+    heads, rope = _int(c, "num_attention_heads"), _int(c, "qk_rope_head_dim")
+    if c.get("num_key_value_heads") != heads:  # transformers' MLA repeats no kv heads
+        raise _refuse("num_key_value_heads", c.get("num_key_value_heads"), f"expected {heads}")
+    if rope % 2:
+        raise _refuse("qk_rope_head_dim", rope, "expected an even number (pairs rotate)")
+    kw = _base({**c, "head_dim": rope})  # transformers' head_dim: the RoPE dims
+    q_rank = None if c.get("q_lora_rank") is None else _int(c, "q_lora_rank")
+    mla = (q_rank or 0, _int(c, "kv_lora_rank"), _int(c, "qk_nope_head_dim"), rope)
+    scale = (mla[2] + rope) ** -0.5
+    params = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        all_dim = params.get("mscale_all_dim")
+        if all_dim:
+            mscale = (
+                0.1 * _number("mscale_all_dim", all_dim) * math.log(kw["rotary_scaling_factor"])
+            )
+            scale *= (mscale + 1.0) ** 2 if kw["rotary_scaling_factor"] > 1 else 1.0
+    layers, experts = kw["num_layers"], _int(c, "n_routed_experts")
+    groups, top_groups = _int(c, "n_group"), _int(c, "topk_group")
+    top, dense = _int(c, "num_experts_per_tok"), c.get("first_k_dense_replace")
+    if experts % groups or experts // groups < 2:
+        raise _refuse("n_group", groups, f"expected groups of at least 2 of {experts} experts")
+    if top_groups > groups or top > top_groups * experts // groups:
+        raise _refuse("topk_group", top_groups, f"too few groups for top {top} of {groups}")
+    if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
+        raise _refuse("first_k_dense_replace", repr(dense), "expected an integer >= 0")
+    width = _int(c, "moe_intermediate_size")
+    return LMConfig(
+        **kw,
+        attention_scale=scale,
+        mla=(*mla, _int(c, "v_head_dim")),
+        rope_interleaved=bool(c.get("rope_interleave")),
+        num_experts=experts,
+        moe_router_topk=top,
+        moe_ffn_hidden_size=width,
+        moe_norm_topk=bool(c.get("norm_topk_prob")),
+        moe_groups=(
+            groups,
+            top_groups,
+            _number("routed_scaling_factor", c.get("routed_scaling_factor")),
+        ),
+        moe_shared_expert_intermediate_size=width * _int(c, "n_shared_experts"),
+        dense_layers=tuple(range(min(dense, layers))),
+    )
+
+
 def _reader(model_type: str):
     return {
         "llama": _llama,
@@ -876,6 +958,7 @@ def _reader(model_type: str):
         "qwen3_moe": _qwen3_moe,
         "llama4_text": _llama4_text,
         "gpt_oss": _gpt_oss,
+        "deepseek_v3": _deepseek_v3,
         "granite": _granite,
         "olmo2": _olmo2,
         "stablelm": _stablelm,

@@ -99,6 +99,14 @@ class LMConfig:
     attention_sinks: bool = False
     moe_bias: bool = False
     moe_clamped_swiglu: tuple[float, float] | None = None
+    # DeepSeek V3: multi-head latent attention, mla = (q_lora_rank (0: one q projection),
+    # kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), the RoPE dims paired
+    # interleaved with rope_interleaved; moe_groups = (n_group, topk_group, routed_scaling_factor):
+    # sigmoid scores plus a correction bias pick the top groups (by their 2 best), then the
+    # top-k experts in them, weighted by their scores (renormalised: moe_norm_topk) times scaling
+    mla: tuple[int, int, int, int, int] | None = None
+    rope_interleaved: bool = False
+    moe_groups: tuple[int, int, float] | None = None
 
     @property
     def groups(self) -> int:
@@ -137,6 +145,14 @@ class LMConfig:
         attn += qkv if (self.bias or self.qkv_bias) else 0
         attn += h if self.bias else 0
         attn += heads if self.attention_sinks else 0
+        if self.mla:
+            q_rank, kv_rank, nope, rope, v = self.mla
+            q = (
+                q_rank * (h + 1) + q_rank * heads * (nope + rope)
+                if q_rank
+                else h * heads * (nope + rope)
+            )
+            attn = q + h * (kv_rank + rope) + kv_rank * (1 + heads * (nope + v)) + heads * v * h
         if self.qk_norm:
             attn += 2 * hd if self.qk_norm_scope == "head" else (heads + groups) * hd
         norms = (2 if self.pre_norm else 0) + (2 if self.sandwich_norm else 0)
@@ -153,6 +169,7 @@ class LMConfig:
             width = self.moe_ffn_hidden_size or self.ffn_hidden_size
             total += h * experts + experts * (h * width * glu + width * h)
             total += (experts + experts * (width * glu + h)) if self.moe_bias else 0
+            total += experts if self.moe_groups else 0
             if self.moe_shared_expert_intermediate_size:
                 total += mlp(self.moe_shared_expert_intermediate_size, False)
                 total += h if self.moe_shared_expert_gate else 0
@@ -378,6 +395,53 @@ class Attention(nn.Module):
         return nn.Dense(cfg.hidden_size, use_bias=cfg.bias, name="proj")(context)
 
 
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention (transformers' ``DeepseekV3Attention``): q through
+    a rank-``q_lora_rank`` projection and RMSNorm (``q_a``, ``q_norm``, ``q_b``; or one ``q``),
+    each head's [nope | rope] dims; keys and values from one normed rank-``kv_lora_rank``
+    latent (``kv_a`` -> ``kv_norm`` -> ``kv_b``: each head's [k nope | v]) and one RoPE key
+    shared by all heads (``kv_a``'s last ``qk_rope_head_dim`` outputs). The low-rank norms take
+    eps 1e-6 whatever ``cfg.eps`` is, as transformers builds them."""
+
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        assert cfg.mla is not None  # Block builds it only then
+        (batch, seq, _), heads = x.shape, cfg.num_attention_heads
+        q_rank, kv_rank, nope, rope, v_dim = cfg.mla
+        if q_rank:
+            x_q = nn.RMSNorm(1e-6, name="q_norm")(nn.Dense(q_rank, use_bias=False, name="q_a")(x))
+        q = nn.Dense(heads * (nope + rope), use_bias=False, name="q_b" if q_rank else "q")(
+            x_q if q_rank else x
+        )
+        q = q.reshape(batch, seq, heads, nope + rope)
+        latent = nn.Dense(kv_rank + rope, use_bias=False, name="kv_a")(x)
+        kv = nn.Dense(heads * (nope + v_dim), use_bias=False, name="kv_b")(
+            nn.RMSNorm(1e-6, name="kv_norm")(latent[..., :kv_rank])
+        ).reshape(batch, seq, heads, nope + v_dim)
+        q_rot, k_rot = q[..., nope:], latent[..., None, kv_rank:]
+        if cfg.rope_interleaved:  # pairs (x0, x1), (x2, x3), ...: the same rotation de-interleaved
+            q_rot, k_rot = (
+                jnp.concatenate([r[..., 0::2], r[..., 1::2]], -1) for r in (q_rot, k_rot)
+            )
+        scaling = (cfg.rotary_scaling_factor, None, cfg.rotary_llama3, cfg.rotary_yarn)
+        q_rot, k_rot = (
+            apply_rope(r, jnp.arange(seq), cfg.rotary_base, *scaling) for r in (q_rot, k_rot)
+        )
+        q = jnp.concatenate([q[..., :nope], q_rot], -1)
+        k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_rot, (*kv.shape[:3], rope))], -1)
+        scores = jnp.einsum("bqnd,bknd->bnqk", q, k) * (
+            cfg.attention_scale or (nope + rope) ** -0.5
+        )
+        scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, -jnp.inf)
+        context = jnp.einsum("bnqk,bknd->bqnd", jax.nn.softmax(scores, axis=-1), kv[..., nope:])
+        return nn.Dense(cfg.hidden_size, use_bias=False, name="proj")(
+            context.reshape(batch, seq, heads * v_dim)
+        )
+
+
 #: the gated MLP's activations (``LMConfig.glu_activation``)
 GLU_ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -450,28 +514,40 @@ class MoE(nn.Module):
         assert experts is not None  # Block builds an MoE only when num_experts is set
         logits = nn.Dense(experts, use_bias=cfg.moe_bias, name="router")(x)
         top, index = jax.lax.top_k(logits, cfg.moe_router_topk)
-        if cfg.moe_sigmoid_input:
+        if cfg.moe_groups:  # DeepSeek V3
+            groups, top_groups, scaling = cfg.moe_groups
+            scores = jax.nn.sigmoid(logits)
+            bias = self.param("router_score_bias", nn.initializers.zeros, (experts,))
+            choice = (scores + bias).reshape(*x.shape[:2], groups, experts // groups)
+            best = jnp.sum(jax.lax.top_k(choice, 2)[0], axis=-1)  # [b, s, groups]
+            chosen = jnp.sum(jax.nn.one_hot(jax.lax.top_k(best, top_groups)[1], groups), -2)
+            choice = jnp.where(chosen[..., None] > 0, choice, -jnp.inf).reshape(logits.shape)
+            index = jax.lax.top_k(choice, cfg.moe_router_topk)[1]
+            probs = jnp.take_along_axis(scores, index, axis=-1)
+            if cfg.moe_norm_topk:
+                probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + 1e-20)
+            probs = probs * scaling
+        elif cfg.moe_sigmoid_input:
             probs = jax.nn.sigmoid(top)
         elif cfg.moe_norm_topk:
             probs = jax.nn.softmax(top, axis=-1)
         else:
             probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), index, axis=-1)
-        weights = jnp.sum(
-            probs[..., None] * jax.nn.one_hot(index, experts, dtype=x.dtype), axis=-2
-        )  # [b, s, E]
+        picked = jax.nn.one_hot(index, experts, dtype=x.dtype)  # [b, s, k, E]
+        weights = jnp.sum(probs[..., None] * picked, axis=-2)  # [b, s, E]
         fc1 = _StackedKernel((experts, hidden_size, ffn * (2 if cfg.gated else 1)), name="fc1")()
         fc2 = _StackedKernel((experts, ffn, hidden_size), name="fc2")()
-        if cfg.moe_sigmoid_input:  # expert e computes on x * weight_e (0 for the others)
-            hidden = _activation(cfg, jnp.einsum("bse,bsh,ehx->bsex", weights, x, fc1))
-            out = jnp.einsum("bsef,efh->bsh", hidden, fc2)
+        if cfg.moe_sigmoid_input:  # the chosen experts compute on x * weight_e, summed
+            hidden = jnp.einsum("bse,bsh,ehx->bsex", weights, x, fc1)
+            weights = jnp.sum(picked, axis=-2)
         else:
             hidden = jnp.einsum("bsh,ehx->bsex", x, fc1)
-            if cfg.moe_bias:  # GPT-OSS: each expert's fc1 and fc2 biases [E, 2F], [E, H]
-                hidden = hidden + self.param("fc1_bias", nn.initializers.zeros, fc1.shape[::2])
-            y = jnp.einsum("bsef,efh->bseh", _activation(cfg, hidden), fc2)
-            if cfg.moe_bias:
-                y = y + self.param("fc2_bias", nn.initializers.zeros, fc2.shape[::2])
-            out = jnp.einsum("bse,bseh->bsh", weights, y)
+        if cfg.moe_bias:  # GPT-OSS: each expert's fc1 and fc2 biases [E, 2F], [E, H]
+            hidden = hidden + self.param("fc1_bias", nn.initializers.zeros, fc1.shape[::2])
+        y = jnp.einsum("bsef,efh->bseh", _activation(cfg, hidden), fc2)
+        if cfg.moe_bias:
+            y = y + self.param("fc2_bias", nn.initializers.zeros, fc2.shape[::2])
+        out = jnp.einsum("bse,bseh->bsh", weights, y)
         if cfg.moe_shared_expert_intermediate_size:
             shared = MLP(cfg, cfg.moe_shared_expert_intermediate_size, False, name="shared")(x)
             if cfg.moe_shared_expert_gate:
@@ -501,7 +577,12 @@ class Block(nn.Module):
                 h = h * cfg.residual_multiplier
             return x + h
 
-        x = sublayer(Attention(cfg, self.layer, name="attn"), x, "ln_1", "attn_out_norm")
+        attn = (
+            LatentAttention(cfg, name="attn")
+            if cfg.mla
+            else Attention(cfg, self.layer, name="attn")
+        )
+        x = sublayer(attn, x, "ln_1", "attn_out_norm")
         ffn = MoE(cfg, name="moe") if cfg.is_moe(self.layer) else MLP(cfg, name="mlp")
         return sublayer(ffn, x, "ln_2", "mlp_out_norm")
 
