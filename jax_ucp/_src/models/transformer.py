@@ -211,8 +211,9 @@ class LMConfig:
     def from_hf(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
         """From the ``config.json`` of any Hugging Face family ``verify --logits`` computes
         (Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral, Qwen2/3-MoE, Granite,
-        OLMo 2, StableLM, GPT-OSS: ``hf_families.FAMILIES``); a field the model does not compute is a
-        ``RequestError`` naming it. :meth:`hf_spec` gives the spec its weights restore through."""
+        OLMo 2, StableLM, GPT-OSS, DeepSeek V3: ``hf_families.FAMILIES``); a field the model does
+        not compute is a ``RequestError`` naming it. :meth:`hf_spec` gives the spec its weights
+        restore through."""
         from jax_ucp._src.models.hf_families import hf_model
 
         cfg, _ = hf_model(config)
@@ -501,7 +502,8 @@ class MoE(nn.Module):
     Every expert is evaluated densely (fine for small models; the math is what matters here):
     ``y = sum_k p_k * expert_{i_k}(x)``. Kernels are stacked over experts: fc1 [E, h, X], fc2
     [E, ffn, h] (the shipped ``mixtral`` spec's targets). ``moe_norm_topk=False`` weighs by the
-    softmax over all experts (Qwen2-MoE); a shared expert (``shared/{fc1,fc2}``, gated by
+    softmax over all experts (Qwen2-MoE); ``moe_groups`` routes as DeepSeek V3 (sigmoid scores,
+    ``router_score_bias``, top groups); a shared expert (``shared/{fc1,fc2}``, gated by
     ``sigmoid(x @ shared_gate)``) is added on every token."""
 
     cfg: LMConfig
