@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import pytest
 
 import jax_ucp
 from jax_ucp._src.store.storage import Storage
@@ -53,10 +52,9 @@ def test_a_restore_chooses_its_storage_once(tmp_path, monkeypatch):
     assert made == [path]
 
 
-@pytest.mark.xfail(strict=True, reason="the importers take paths: importers/torch/dcp.py chooses")
 def test_a_direct_dcp_restore_chooses_its_storage_once(monkeypatch):
-    """A torch DCP folder restored in place: one ``Storage`` too (today the restore's, then one
-    for each question the importers' detection, walk and reader ask of the path they take)."""
+    """A torch DCP folder restored in place: one ``Storage`` too, the restore's, handed to the
+    importers' detection and plan (16 in issue 58: one per question each importer asked)."""
     made = _storages_made(monkeypatch)
     jax_ucp.restore(os.path.join(FIXTURES, "torch", "fsdp2_fp32"))
     assert len(made) == 1

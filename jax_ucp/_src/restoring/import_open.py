@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 def import_for(
     path, importing=None, format: str | None = None, *, warn: bool = False
-) -> tuple[str, Importer] | None:
-    """``(the path read, the importer convert would import it with)`` when a restore reads
+) -> tuple[store.storage.Storage, Importer] | None:
+    """``(the storage read, the importer convert would import it with)`` when a restore reads
     ``path`` through an import (a run root: its newest complete step, ``run_root_step``); None
     when it is a UCP checkpoint (or what ``locate`` explains: a missing path, a CheckpointManager
     root, a folder no importer claims). The importer is detected here once and passed down.
@@ -48,7 +48,7 @@ def import_for(
     path, explicit = storage.root, importing is not None or format is not None
     if not storage.local:
         found = _object_store_importer(storage, format)
-        return None if found is None else (path, found)
+        return None if found is None else (storage, found)
     if locate.is_ucp(storage):
         if explicit and os.path.exists(path):
             raise RequestError(
@@ -61,7 +61,7 @@ def import_for(
     from jax_ucp._src.importers import registry  # the edge restoring -> importers
 
     try:
-        return path, registry.importer_for(path, format)
+        return storage, registry.importer_for(storage, format)
     except SourceError:
         if explicit:
             raise
@@ -85,25 +85,22 @@ def _object_store_importer(prefix: store.storage.Storage, format: str | None) ->
 
     if prefix.exists(fmt.MANIFEST_FILE):
         return None
-    dcp = registry.IMPORTERS["torch_dcp"]
-    if format in (None, dcp.format, dcp.name) and dcp.detect(prefix).found:
-        return dcp
     try:
-        return registry.importer_for(prefix.root, format)
+        return registry.importer_for(prefix, format)
     except ViewError:
         raise  # a source there, damaged: never "no manifest"
     except SourceError:
         return None
 
 
-def one_revision(storage: store.storage.Storage) -> str:
-    """``storage``'s URL as process 0 of a multi-process job resolved it (``Storage.absolute``:
+def one_revision(storage: store.storage.Storage) -> store.storage.Storage:
+    """``storage`` at its URL as process 0 of a multi-process job resolved it (``Storage.absolute``:
     a Hub branch pinned to its commit), so that every process of a restore reads one revision
     of a source in an object store or a Hub repo."""
     import jax
 
     if jax.process_count() == 1 or storage.local:
-        return storage.root
+        return storage
     from jax_ucp._src.multihost import agreement
 
     try:
@@ -115,7 +112,7 @@ def one_revision(storage: store.storage.Storage) -> str:
     for i, peer in enumerate(peers):
         if "error" in peer:
             raise MultiProcessError(f"{where} process {i}: {peer['error']}")
-    return peers[0]["url"]
+    return store.storage_for(peers[0]["url"])
 
 
 @dataclasses.dataclass
@@ -158,13 +155,14 @@ def opened_import(
     """
     from jax_ucp._src.importers import registry  # the edge restoring -> importers
 
-    path = os.fspath(path)
+    storage = store.storage_for(path)  # the restore's, when given
     if isinstance(importer, str):
-        path = run_root_step(path, warn=True) or path
+        storage = store.storage_for(run_root_step(storage.root, warn=True) or storage)
+    path = storage.root
     checkpoint_format = importer if isinstance(importer, str) else importer.format
     with writer.memory_budget_scope(memory_budget):
         name = importer if isinstance(importer, str) else importer.name  # no detector again
-        plan = registry.plan_import(path, importing, format=name)
+        plan = registry.plan_import(storage, importing, format=name)
         where = f"the {checkpoint_format} checkpoint {path}"
         source = ImportSource(path, where, plan.items)
         record = json.loads(json.dumps(plan.source, default=str))  # as the manifest holds it

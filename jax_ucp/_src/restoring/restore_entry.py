@@ -83,12 +83,12 @@ def opened_elsewhere(
 
 
 @contextlib.contextmanager
-def _imported(path: str, importer, options) -> Iterator[OpenedSource]:
+def _imported(storage, importer, options) -> Iterator[OpenedSource]:
     from jax_ucp._src.restoring import import_open
 
-    path = import_open.one_revision(store.storage_for(path))  # one Hub commit for every process
+    storage = import_open.one_revision(storage)  # one Hub commit for every process
     with import_open.opened_import(
-        path, importer, options.importing, options.spec, options.read_budget
+        storage, importer, options.importing, options.spec, options.read_budget
     ) as imported:
         yield imported.opened
 
