@@ -87,8 +87,8 @@ print(took, hwm() - before, hwm())
 
 _CONTENDER = {
     "msgspec": """
-from jax_ucp._src.format import manifest_model
-decode = manifest_model.DECODER.decode
+from jax_ucp._src.format import manifest
+decode = manifest.DECODER.decode
 """,
     "pydantic": """
 from typing import Annotated, Any, Literal, Union

@@ -234,5 +234,5 @@ def test_a_variables_recorded_metadata_is_json_scalars_and_never_flaxs_own(tmp_p
     assert w.get_metadata()["hijax"] is False and w.get_metadata()["ref"] is False
     node["metadata"] = {"tag": {"nested": "object"}}
     path.write_text(json.dumps(d))
-    with pytest.raises(jax_ucp.CheckpointError, match=r"metadata\.tag: expected a JSON scalar"):
+    with pytest.raises(jax_ucp.CheckpointError, match=r"metadata\.tag: expected bool \| int"):
         jax_ucp.restore(tmp_path / "c")

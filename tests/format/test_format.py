@@ -44,7 +44,7 @@ def test_manifest_json_round_trip_keeps_values_exact():
         fmt.ValueEntry.of(("b",), ("key",), True),
         fmt.ValueEntry.of(("n",), ("key",), None),
     ]
-    m = fmt.Manifest.loads(fmt.Manifest(entries=entries).dumps())
+    m = fmt.Manifest.loads(fmt.new_manifest(entries).dumps())
     vals = {e.key[0]: e.value for e in m.values}
     assert vals["f"] != vals["f"]  # nan
     assert str(vals["g"]) == "-0.0" and vals["i"] == 2**70 and vals["s"] == "x/y"
@@ -52,7 +52,7 @@ def test_manifest_json_round_trip_keeps_values_exact():
 
 
 def test_newer_version_and_foreign_json_are_refused():
-    d = fmt.Manifest(entries=[]).to_json()
+    d = fmt.new_manifest([]).to_json()
     d["version"] = fmt.FORMAT_VERSION + 1
     with pytest.raises(CheckpointError, match="newer"):
         fmt.Manifest.from_json(d)

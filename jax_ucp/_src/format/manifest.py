@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -17,10 +16,10 @@ import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn
 
 import msgspec
-from msgspec import UNSET
+from msgspec import UNSET, Meta
 
 from jax_ucp._src import bulk
 from jax_ucp._src.errors import CheckpointError, RequestError
@@ -28,6 +27,7 @@ from jax_ucp._src.format import display, files
 from jax_ucp._src.format import dtypes as dtypes_lib
 from jax_ucp._src.format import keypath as keypath_lib
 from jax_ucp._src.format import manifest_model as model
+from jax_ucp._src.format.manifest_model import KvStore
 from jax_ucp._src.format.sizes import format_size
 from jax_ucp._src.version import __version__
 
@@ -68,6 +68,7 @@ MAX_JSON_DEPTH = 512  # a recorded tree structure nests 3 JSON levels per pytree
 #: containers nested in a saved tree: what ``ucp.json`` can record within ``MAX_JSON_DEPTH``
 #: (checked at save, so what ``save`` writes ``restore`` reads)
 MAX_TREE_DEPTH = MAX_JSON_DEPTH // 3
+TOO_DEEP = f"JSON nested deeper than {MAX_JSON_DEPTH} levels."
 MAX_INT_DIGITS = model.MAX_INT_DIGITS
 KEY_IMPLS = model.KEY_IMPLS
 
@@ -93,50 +94,73 @@ def torch_optimizer_record(source: dict) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-@dataclasses.dataclass
-class Manifest(display.Tabular):
-    """Everything ``ucp.json`` says about a checkpoint."""
+class Manifest(msgspec.Struct, display.Tabular, forbid_unknown_fields=True, dict=True):
+    """The manifest at the root of a jax_ucp checkpoint: one entry per leaf of the saved tree.
+    docs/FORMAT.md is the normative definition; the reader also checks cross-field rules a
+    schema cannot express (key_types as long as key, chunk extents dividing, logical_axes as
+    long as shape, unique keys and dirs, tree leaves matching entries) and bounds (file size,
+    nesting, integer length)."""
 
-    entries: list[Entry]
-    save_id: str = ""  # unique per save: shard digests and concurrent readers are tied to it
-    kvstore_driver: str = "file"
-    created_by: str = ""
-    created_at: float = 0.0
-    source: dict = dataclasses.field(default_factory=dict)
-    # The saved pytree's container structure (dict/list/tuple/NamedTuple nodes, child names),
-    # so a restore without a target rebuilds e.g. optax states; None for imports.
-    tree: dict | None = None
-    version: int = FORMAT_VERSION
-    format: str = FORMAT_NAME
-    # Not stored: what a reader noticed (``jax_ucp.inspect`` fills it), e.g. a container class
-    # it will not rebuild. Each a full sentence naming the tree node.
-    notices: list[str] = dataclasses.field(default_factory=list, compare=False, repr=False)
+    format: Literal["jax_ucp"]
+    version: Annotated[int, Meta(ge=1, le=FORMAT_VERSION)]
+    save_id: Annotated[str, Meta(description="Unique per save; shard digests are tied to it.")]
+    kvstore: KvStore
+    entries: list[TensorEntry | ValueEntry]
+    created_by: str | model.Absent = model.ABSENT
+    created_at: float | model.Absent = model.ABSENT
+    source: Annotated[dict[str, Any], Meta(description="Free-form provenance.")] | model.Absent = (
+        model.ABSENT
+    )
+    # The saved pytree's containers (dict/list/tuple/NamedTuple nodes, child names) as the dicts
+    # of its JSON, so a restore without a target rebuilds e.g. optax states; None for imports.
+    tree: model.SavedTree = model.ABSENT
+    # Not stored: what a reader noticed (``jax_ucp.inspect`` sets it), e.g. a container class it
+    # will not rebuild; each a sentence naming the node.
+    if TYPE_CHECKING:
+        notices: list[str] = msgspec.field(default_factory=list)
+    else:
+        notices = ()
 
     def __post_init__(self):
-        """Refuses two entries with one key path or one array directory."""
+        """Fills what the text left out (counted, as for entries); refuses two entries with one
+        key path or one array directory, and JSON nested too deep (a decoded tree is checked as
+        its dicts are built, ``_with_tree``)."""
+        absent = [f for f, _ in _HEAD_DEFAULTS if getattr(self, f) is UNSET]
+        for field, default in _HEAD_DEFAULTS:
+            if field in absent:
+                setattr(self, field, {} if field == "source" else default)
+        model.COUNTS.absent = getattr(model.COUNTS, "absent", 0) + len(absent)
         seen: set[tuple] = set()
         dirs: dict[str, Entry] = {}
         for e in self.entries:
             if e.key in seen:
                 raise CheckpointError(f"Duplicate leaf {e.name!r} in manifest.")
             seen.add(e.key)
-            if isinstance(e, TensorEntry):
+            if type(e) is TensorEntry:
                 if e.dir in dirs:
                     raise CheckpointError(
                         f"Leaves {dirs[e.dir].name!r} and {e.name!r} map to the same directory "
                         f"{e.dir!r}; rename one of them."
                     )
                 dirs[e.dir] = e
+                if e.provenance and _deeper(e.provenance, 4) is not None:
+                    raise CheckpointError(f"{e.name!r}: provenance: {TOO_DEEP}")
+        if _deeper(self.source, 2) is not None:
+            raise CheckpointError(f"source: {TOO_DEEP}")
+
+    @property
+    def kvstore_driver(self) -> str:
+        return self.kvstore.driver
 
     @property
     def tensors(self) -> list[TensorEntry]:
         """The tensor entries, in manifest order."""
-        return [e for e in self.entries if isinstance(e, TensorEntry)]
+        return [e for e in self.entries if type(e) is TensorEntry]
 
     @property
     def values(self) -> list[ValueEntry]:
         """The saved Python values, in manifest order."""
-        return [e for e in self.entries if isinstance(e, ValueEntry)]
+        return [e for e in self.entries if type(e) is ValueEntry]
 
     def by_key(self) -> dict[tuple[str, ...], Entry]:
         """Key path -> entry."""
@@ -174,10 +198,9 @@ class Manifest(display.Tabular):
         meshes = self.saved_meshes
         if meshes:
             lines.append("saved mesh: " + "; ".join(meshes))
-        source = self.source or {}
-        if source.get("path"):  # an import
-            framework = source.get("framework") or source.get("format") or "torch"
-            lines.append(f"imported from {framework}: {source['path']}")
+        if self.source.get("path"):  # an import
+            framework = self.source.get("framework") or self.source.get("format") or "torch"
+            lines.append(f"imported from {framework}: {self.source['path']}")
         return lines
 
     def table(self):
@@ -202,17 +225,10 @@ class Manifest(display.Tabular):
         where = f"{MANIFEST_FILE} to be written"
         head = {"format": self.format, "version": self.version, "save_id": self.save_id}
         head |= {"created_by": self.created_by, "created_at": self.created_at}
-        head |= {"kvstore": {"driver": self.kvstore_driver}, "source": self.source}
+        head |= {"kvstore": {"driver": self.kvstore.driver}, "source": self.source}
         head |= {} if self.tree is None else {"tree": self.tree}
-        provenances = [e.provenance for e in self.tensors if e.provenance]
-        if any(
-            _deeper(n, d) is not None for n, d in [(self.source, 2), *((p, 4) for p in provenances)]
-        ):
-            raise CheckpointError(
-                f"{where} (the saved tree nests too deep): JSON nested deeper than {MAX_JSON_DEPTH} levels."
-            )
         fields = [f" {json.dumps(k)}: {_compact(v, k, where)}" for k, v in head.items()]
-        if any(map(_non_finite, provenances)):
+        if any(_non_finite(e.provenance) for e in self.tensors if e.provenance):
             _compact(float("nan"), "entries", where)
         lines = model.ENCODER.encode_lines(
             [e if type(e) is TensorEntry else e.to_json() for e in self.entries]
@@ -223,8 +239,27 @@ class Manifest(display.Tabular):
     @classmethod
     def from_json(cls, d: Any, *, where: str = MANIFEST_FILE) -> Manifest:
         """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
-        _check_header(d, where)
-        return cls._from_model(_converted(d, model.ManifestModel, where, top=True), where)
+        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+            found = d.get("format") if isinstance(d, dict) else type(d).__name__
+            raise CheckpointError(
+                f'{where}: not a jax_ucp manifest (expected "format": "{FORMAT_NAME}", '
+                f"found {model.short(found)})."
+            )
+        version = d.get("version")
+        if type(version) is int and version > FORMAT_VERSION:  # may have fields we do not know
+            raise CheckpointError(
+                f"{where}: format version {version} is newer than this jax_ucp "
+                f"understands (≤ {FORMAT_VERSION}); upgrade jax_ucp to read it."
+            )
+        missing = next((f for f in _REQUIRED if f not in d), None)
+        if missing is not None:  # before an unknown field: what is missing, then what is extra
+            raise CheckpointError(f"{where}: missing field {missing!r}.")
+        try:
+            with bulk.cyclic_gc_paused():
+                decoded = msgspec.convert(d, cls)
+        except msgspec.ValidationError as e:
+            raise _refused(str(e), d, where) from None
+        return _with_tree(decoded, where)
 
     @classmethod
     def loads(cls, text: str | bytes, *, where: str = MANIFEST_FILE) -> Manifest:
@@ -235,85 +270,60 @@ class Manifest(display.Tabular):
         error messages) and checked field by field for the error naming the field."""
         decoded = _decoded(text)
         if decoded is not None:
-            return cls._from_model(decoded, where)
-        if isinstance(text, bytes):
-            text = _manifest_text(text, where=where)
-        decoder = json.JSONDecoder(
-            parse_int=_bounded_int,
-            parse_constant=files.no_json_constant,
-            object_pairs_hook=files.unique_keys,
-        )
+            return _with_tree(decoded, where)
         try:
-            d = decoder.decode(text)
+            text = text.decode("utf-8") if isinstance(text, bytes) else text
+            d = json.JSONDecoder(
+                parse_int=_bounded_int,
+                parse_constant=files.no_json_constant,
+                object_pairs_hook=files.unique_keys,
+            ).decode(text)
         except RecursionError:  # the C scanner's own guard, far below the stack's end
-            raise CheckpointError(
-                f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
-            ) from None
+            raise CheckpointError(f"{where}: {TOO_DEEP}") from None
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{where}: not UTF-8 text ({e}).") from None
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
         except ValueError as e:
             raise CheckpointError(f"{where}: {e}") from None
         return cls.from_json(d, where=where)
 
-    @classmethod
-    def _from_model(cls, m: model.ManifestModel, where: str) -> Manifest:
-        """The manifest of a decoded model, after the checks a schema cannot express."""
-        with bulk.cyclic_gc_paused():
-            entries: list = m.entries
-            source = {} if m.source is UNSET else m.source
-            if _deeper(source, 2) is not None or any(
-                type(e) is TensorEntry and e.provenance and _deeper(e.provenance, 4) is not None
-                for e in entries
-            ):
-                raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
-            tree = (
-                None if m.tree is None or m.tree is UNSET else _tree_dicts(m.tree, entries, where)
-            )
-            try:  # Manifest's own checks (a key or directory twice) name the file too
-                return cls(
-                    entries=entries,
-                    save_id=m.save_id,
-                    kvstore_driver=m.kvstore.driver,
-                    created_by="" if m.created_by is UNSET else m.created_by,
-                    created_at=0.0 if m.created_at is UNSET else float(m.created_at),
-                    source=source,
-                    tree=tree,
-                    version=m.version,
-                    format=m.format,
-                )
-            except CheckpointError as e:
-                if str(e).startswith(where):
-                    raise
-                raise CheckpointError(f"{where}: {e}") from None
+
+_HEAD_DEFAULTS = tuple(model.DEFAULTS["Manifest"].items())
+_REQUIRED = [f.encode_name for f in msgspec.structs.fields(Manifest) if f.required]
+DECODER = msgspec.json.Decoder(Manifest)
 
 
-def _decoded(text: str | bytes) -> model.ManifestModel | None:
-    """``text`` decoded into the model by msgspec, or None where it refuses it (or holds a
-    long run of digits): the slow path then finds the error and names the field."""
+def _decoded(text: str | bytes) -> Manifest | None:
+    """``text`` decoded by msgspec, or None where it refuses it (or holds a long run of
+    digits): the slow path then finds the error and names the field."""
     if _long_digit_run(text):
         return None
     with bulk.cyclic_gc_paused(), contextlib.suppress(*_REFUSALS):
-        decoded, absent = model.decode(text)
-        return decoded if no_duplicate_keys(text, decoded, absent) else None
+        model.COUNTS.absent = 0
+        decoded = DECODER.decode(text)
+        return decoded if no_duplicate_keys(text, decoded, model.COUNTS.absent) else None
     return None
 
 
-def no_duplicate_keys(text: str | bytes, decoded: model.ManifestModel, absent: int) -> bool:
+def no_duplicate_keys(text: str | bytes, decoded: Manifest, absent: int) -> bool:
     """Whether every JSON object of ``text`` names each key once, as far as two counts in C
     tell (False: the slow path decides, refusing a key named twice, ``"value":7,"value":8``).
 
     msgspec keeps the last of two equal keys silently, another reader the first. Re-encoded,
-    the decoded model holds each member the text had once, and the ``absent`` ones its entries
-    left out (``model.decode``; ``frozen``, ``tied_to`` and ``key_impl`` left out at their
-    defaults, as written), and the same strings: so the text has as many ":" as the
-    re-encoding less ``absent`` exactly when no key was named twice, unless a string spells a
-    ":" as an escape (``\u003a``: one ":" more in the re-encoding): the slow path then too.
+    the decoded manifest holds each member the text had once, and the ``absent`` ones it left
+    out (each filled in by ``__post_init__``; an entry's ``frozen``, ``tied_to`` and
+    ``key_impl`` left out at their defaults, as written), and the same strings: so the text has
+    as many ":" as the re-encoding less ``absent`` exactly when no key was named twice, unless
+    a string spells a ":" as an escape (``\u003a``: one ":" more in the re-encoding): the slow
+    path then too.
     """
     colon, escape = (b":", b"\\u003") if isinstance(text, bytes) else (":", "\\u003")
     if escape in text:  # type: ignore[operator]
         return False
     encode, entries = model.ENCODER.encode, decoded.entries
-    found = encode(msgspec.structs.replace(decoded, entries=[])).count(b":")
+    head = {f: getattr(decoded, f) for f in decoded.__struct_fields__ if f != "entries"}
+    found = encode(head).count(b":") + 1  # and "entries":
     for start in range(0, len(entries), _ENCODED_AT_ONCE):  # never a second copy of the text
         found += encode(entries[start : start + _ENCODED_AT_ONCE]).count(b":")
     return text.count(colon) == found - absent  # type: ignore[arg-type]
@@ -347,16 +357,19 @@ def read_manifest_file(directory: str | os.PathLike) -> Manifest:
     decoded = _decoded(data)
     if decoded is None:
         return Manifest.loads(data, where=path)  # the error, naming the field
-    del data  # the bytes freed before the entries are built (50 MB for 100 000 tensors)
-    return Manifest._from_model(decoded, path)
+    del data  # the bytes freed before the tree's dicts are built (50 MB for 100 000 tensors)
+    return _with_tree(decoded, path)
 
 
-def _manifest_text(data: bytes, *, where: str = MANIFEST_FILE) -> str:
-    """``ucp.json``'s bytes as text (strict UTF-8); errors name ``where``."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{where}: not UTF-8 text ({e}).") from None
+def _with_tree(m: Manifest, where: str) -> Manifest:
+    """``m`` with its decoded tree as the dicts of its JSON, checked; errors name ``where``."""
+    if m.tree is not None and type(m.tree) is not dict:
+        try:
+            with bulk.cyclic_gc_paused():
+                m.tree = _tree_dicts(m.tree, {e.key for e in m.entries})
+        except CheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+    return m
 
 
 def new_manifest(
@@ -375,13 +388,15 @@ def new_manifest(
         tree: the pytree's structure (node types), for restoring without a target
     """
     return Manifest(
-        entries=list(entries),
-        save_id=uuid.uuid4().hex,
-        kvstore_driver=kvstore_driver,
-        created_by=f"jax_ucp {__version__}",
-        created_at=time.time(),
-        source=dict(source or {"framework": "jax"}),
-        tree=tree,
+        FORMAT_NAME,
+        FORMAT_VERSION,
+        uuid.uuid4().hex,
+        KvStore(kvstore_driver),
+        list(entries),
+        f"jax_ucp {__version__}",
+        time.time(),
+        dict(source or {"framework": "jax"}),
+        tree,
     )
 
 
@@ -390,165 +405,46 @@ def array_dir(key: Sequence[str]) -> str:
     return f"{ARRAYS_DIR}/{keypath_lib.encode_key(key)}"
 
 
-# --- strict field checks (the JSON schema, in code: the reader is never looser than it) -------
-
-
-def _check_header(d: Any, where: str) -> None:
-    """The format and version, checked before any other field: a newer version may have
-    fields this reader does not know."""
-    if not isinstance(d, Mapping) or d.get("format") != FORMAT_NAME:
-        found = d.get("format") if isinstance(d, Mapping) else type(d).__name__
-        raise CheckpointError(
-            f'{where}: not a jax_ucp manifest (expected "format": "{FORMAT_NAME}", '
-            f"found {model.short(found)})."
-        )
-    version = d.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        found = model.short(version)
-        raise CheckpointError(f"{where}: version: expected an integer ≥ 1, found {found}.")
-    if version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{where}: format version {version} is newer than this jax_ucp "
-            f"understands (≤ {FORMAT_VERSION}); upgrade jax_ucp to read it."
-        )
-    missing = next((f for f in _MANIFEST_REQUIRED if f not in d), None)
-    if missing is not None:  # before an unknown field: what is missing, then what is extra
-        raise CheckpointError(f"{where}: missing field {missing!r}.")
-
-
-_MANIFEST_REQUIRED = [
-    f.encode_name for f in msgspec.structs.fields(model.ManifestModel) if f.required
-]
-
-
-def _converted(d: Any, kind: type, where: str, top: bool = False) -> Any:
-    """``d`` (decoded JSON) as the model ``kind``; a refusal names ``where`` and the field."""
-    try:
-        return msgspec.convert(d, kind)
-    except msgspec.ValidationError as e:
-        raise _field_error(str(e), d, where, top) from None
-
-
-# msgspec names the culprit as a path: `$.entries[2].shape[0]`, `key` in `$.x.shard_digests`
-_PATH_PART = re.compile(r"\.([A-Za-z_]+)|\[([0-9]+|\.\.\.)\]")
-_OWN_RULE = re.compile(r"([a-z_]+): (?=expected )")
-# fields reported whole (as the format describes them), not by the element at fault
-_WHOLE = frozenset(
-    ("key", "key_types", "shape", "chunk_shape", "inner_chunk_shape", "logical_axes")
-    + ("axis_names", "shard_digests", "provenance", "source")
-)
-_DIMS = "a list of integers ≥ 0"
-_POSITIVE_DIMS = "a list of integers ≥ 1"
-# what a field must be, as messages say it (a field not here: msgspec's own words)
-_EXPECTED = {
-    "version": "an integer ≥ 1",
-    "kvstore": "a JSON object",
-    "entries": "a list",
-    "source": "a JSON object",
-    "created_at": "a number",
-    "entry": '"tensor" or "value"',
-    "key": "a non-empty list of strings",
-    "dir": "'arrays/<escaped key>' (no '/', no '..')",
-    "shape": _DIMS,
-    "chunk_shape": _POSITIVE_DIMS,
-    "inner_chunk_shape": _POSITIVE_DIMS,
-    "dtype": f"one of {list(dtypes_lib.SUPPORTED)}",
-    "role": f"one of {list(ROLES)}",
-    "compression": f"one of {list(COMPRESSIONS)}",
-    "checksum": f"one of {list(CHECKSUMS)}",
-    "logical_axes": "a list of strings or nulls",
-    "saved_sharding": "a JSON object",
-    "mesh": "a JSON object",
-    "axis_names": "a list of strings",
-    "partition_spec": "a list of: null, an axis name or a list of axis names",
-    "provenance": "a JSON object",
-    "shard_digests": "shard key -> 8 hex digits",
-    "frozen": "a JSON bool",
-    "key_impl": f"one of {list(model.KEY_IMPLS)}",
-    "metadata": "a JSON scalar or a list of them",
-    "children": "a list of [name, key type, node]",
-}
-
-
-def _field_error(message: str, d: Any, where: str, top: bool) -> CheckpointError:
-    """msgspec's refusal of ``d`` as the project's error, naming ``where``, the entry (its
-    index and key path) and the field as the format names them, and what was found."""
-    message, _, at = message.partition(" - at `")
-    parts = [n or (None if i == "..." else int(i)) for n, i in _PATH_PART.findall(at)]
-    own = _OWN_RULE.match(message)  # a rule across an entry's fields: the field it names
-    parts += [own[1]] if own else []
-    node, name, sep = d, where, "."
-    if top:
-        sep = ": "
-        if len(parts) > 2 and parts[0] == "entries" and isinstance(parts[1], int):
-            node, name, sep = _at(d, parts[:2]), f"{where}: entries[{parts[1]}]", "."
-            parts = parts[2:]
-    kind = "entry"
-    if sep == "." and parts and parts[0] not in ("key", "entry"):
-        key = node.get("key") if isinstance(node, dict) else None
-        if isinstance(key, list) and key and all(isinstance(k, str) for k in key):
-            name = _named(name, tuple(key))
-    elif sep == ": ":
-        kind = "tree" if parts[:1] == ["tree"] else "manifest"
-    kept: list = []
-    for part in parts:  # a list of scalars is named whole, a map by its own name
-        if part is None or (isinstance(part, int) and kept and kept[-1] in _WHOLE):
-            break
-        kept.append(part)
-    field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in kept)[1:]
-    if field:
-        name += (sep if not field.startswith("[") else "") + field
+def _refused(message: str, d: Any, where: str) -> CheckpointError:
+    """msgspec's refusal (``Expected `int` >= 0 - at `$.entries[2].shape[0]` ``) as the
+    project's error: the file, the entry (index and key path), the field, what was expected
+    and what was found."""
+    message, _, at = message.rpartition(" - at `") if " - at `" in message else (message, 0, "")
+    at, value_of_map, _ = at.partition("[...]")  # msgspec does not say which: the first it got
+    path: list = [n or int(i) for n, i in re.findall(r"\.([A-Za-z_]+)|\[([0-9]+)\]", at)]
+    node, got = _at(d, path), message.rpartition("got `")[2][:-1]
+    if value_of_map and isinstance(node, dict):
+        path += [k for k, v in node.items() if _JSON_TYPES.get(type(v)) == got][:1]
+    own = re.match(r"([a-z_]+): ", message)  # a rule across fields (``__post_init__``)
     if own:
-        return CheckpointError(f"{name}: {message[own.end() :]}")
-    if message.startswith(("Object missing required field", "Object contains unknown field")):
-        missing = message.split("`")[1]
-        if "missing" in message:
-            return CheckpointError(f"{name}: missing field {missing!r}.")
-        return CheckpointError(f"{name}: unknown field(s) [{model.short(missing, 40)}].")
-    found = _at(node, kept)
-    if kept[-1:] == ["metadata"] and isinstance(found, dict):  # name the value at fault
-        bad = next((k for k, v in found.items() if not _metadata_value(v)), None)
-        if bad is not None:
-            name, found = f"{name}.{bad}", found[bad]
-    return CheckpointError(
-        f"{name}: expected {_expected(message, kept, node, found, kind)}, found {model.short(found)}."
-    )
+        path, message = [*path, own[1]], message[own.end() :]
+    field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)[1:]
+    key = _at(d, [*path[:2], "key"]) if path[:1] == ["entries"] and len(path) > 1 else None
+    if isinstance(key, list) and key and all(isinstance(k, str) for k in key):
+        field = field.replace("]", f"] ({keypath_lib.key_to_str(tuple(key))!r})", 1)
+    name = (f"{where}: {field}" if field else where) + (" key" if at.startswith("key`") else "")
+    found = model.short(_at(d, path))
+    if message.startswith("Object missing required field"):
+        return CheckpointError(f"{name}: missing field {message.split('`')[1]!r}.")
+    if message.startswith("Object contains unknown field"):
+        return CheckpointError(f"{name}: unknown field {model.short(message[31:-1], 40)}.")
+    if message.startswith("Expected "):  # `int` >= 0, `array` of length <= 64, `str` matching
+        expected = message[9:].partition(", got")[0].replace("`", "")
+    elif message.startswith("Invalid"):  # a Literal: what it may be
+        last = next(p for p in reversed(path) if isinstance(p, str))
+        expected = f"one of {list(_CHOICES['tree' if path[0] == 'tree' else 0].get(last, ()))}"
+    else:  # a rule of the model's own, in its words
+        return CheckpointError(f"{name}: {message}")
+    return CheckpointError(f"{name}: expected {expected}, found {found}.")
 
 
-def _metadata_value(v: Any) -> bool:
-    """A JSON scalar or a list of them (what an nnx.Variable's recorded metadata may hold)."""
-    scalar = (str, int, float, bool, type(None))
-    return isinstance(v, scalar) or (isinstance(v, list) and all(isinstance(x, scalar) for x in v))
-
-
-def _expected(message: str, kept: list, node: Any, found: Any, kind: str) -> str:
-    """What the field at ``kept`` (names and indices) must be, as the format says it."""
-    last = next((p for p in reversed(kept) if isinstance(p, str)), "")
-    element = bool(kept) and isinstance(kept[-1], int)
-    if last == "entries" and element:
-        return 'a JSON object, "entry": "tensor" or "value"'
-    if last == "partition_spec" and element:
-        return "null, an axis name or a list of axis names"
-    if element and kind == "tree":  # children[i], or its name [0] or key type [1]
-        if isinstance(kept[-2], int) and kept[-1] in (0, 1):
-            return "a string" if kept[-1] == 0 else f"one of {list(KEY_TYPES)}"
-        return "[name, key type, node]"
-    if last == "type":
-        allowed = model.TREE_NODE_TYPES if kind == "tree" else tuple(model.VALUE_SCHEMAS)
-        return f"one of {list(allowed)}"
-    if last == "key_types":
-        key = node.get("key") if isinstance(node, dict) else None
-        n = len(key) if isinstance(key, list) else "as many as key"
-        return f"a list of {n} of {list(KEY_TYPES)}"
-    if last in ("shape", "chunk_shape", "inner_chunk_shape") and "length <=" in message:
-        return "at most 64 dimensions"
-    if last == "key" and isinstance(found, list) and found:
-        return "a list of strings"
-    if last in _EXPECTED:
-        return _EXPECTED[last]
-    if message.startswith("Expected `str`"):
-        return "a string"
-    return message[0].lower() + message[1:]
+_JSON_TYPES = {dict: "object", list: "array", str: "str", int: "int", float: "float", bool: "bool"}
+_CHOICES: dict = {
+    0: {"entry": ("tensor", "value"), "type": tuple(model.VALUE_SCHEMAS), "role": ROLES}
+    | {"dtype": dtypes_lib.SUPPORTED, "key_types": KEY_TYPES, "key_impl": tuple(KEY_IMPLS)}
+    | {"compression": COMPRESSIONS, "checksum": CHECKSUMS},
+    "tree": {"type": model.TREE_NODE_TYPES, "children": KEY_TYPES},
+}
 
 
 def _at(node: Any, path: Sequence) -> Any:
@@ -561,11 +457,11 @@ def _at(node: Any, path: Sequence) -> Any:
     return node
 
 
-def _tree_dicts(root: Any, entries: list[Entry], where: str) -> dict:
+def _tree_dicts(root: Any, remaining: set[tuple[str, ...]]) -> dict:
     """The saved tree as the dicts of its JSON, each node's children freed as they are built
     (walked without recursion), checked: at most ``MAX_JSON_DEPTH`` JSON levels deep (3 a
-    pytree level, below the manifest's own 2), and its leaves exactly the entries' keys."""
-    remaining = {e.key for e in entries}
+    pytree level, below the manifest's own 2), and its leaves exactly the entries' keys
+    (``remaining``, emptied)."""
     out: dict = {}
     stack: list[tuple[Any, dict, tuple[str, ...], int]] = [(root, out, (), 2)]
     while stack:
@@ -573,11 +469,11 @@ def _tree_dicts(root: Any, entries: list[Entry], where: str) -> dict:
         leaf = type(node) is model.LeafNode
         # a container's children list is one level deeper, each [name, type, node] two
         if level + (0 if leaf else 2 if node.children else 1) > MAX_JSON_DEPTH:
-            raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
+            raise CheckpointError(TOO_DEEP)
         d["type"] = _NODE_TAGS[type(node)]
         if leaf:
             if prefix not in remaining:  # not an entry's key, or a second leaf of one
-                _tree_differs(where, [prefix])
+                _tree_differs([prefix])
             remaining.discard(prefix)
             continue
         if node.class_ is not msgspec.UNSET:
@@ -586,7 +482,7 @@ def _tree_dicts(root: Any, entries: list[Entry], where: str) -> dict:
             private = sorted(k for k in node.metadata if k.startswith("_"))[:3]
             if private:  # a restore sets metadata on the Variable: never its internals
                 raise CheckpointError(
-                    f"{where}: tree node {keypath_lib.key_to_str(prefix) or 'the root'!r}: "
+                    f"tree node {keypath_lib.key_to_str(prefix) or 'the root'!r}: "
                     f"metadata names {private}: private or special attributes of a Variable, "
                     f"never recorded metadata (a restore would set them on it)."
                 )
@@ -598,23 +494,18 @@ def _tree_dicts(root: Any, entries: list[Entry], where: str) -> dict:
         node.children.clear()  # its nodes now held by the stack only
         d["children"] = children
     if remaining:
-        _tree_differs(where, sorted(remaining)[:3])
+        _tree_differs(sorted(remaining)[:3])
     return out
 
 
-def _tree_differs(where: str, odd: list[tuple[str, ...]]) -> NoReturn:
+def _tree_differs(odd: list[tuple[str, ...]]) -> NoReturn:
     raise CheckpointError(
-        f"{where}: tree: its leaves and the entries differ (e.g. "
+        f"tree: its leaves and the entries differ (e.g. "
         f"{[keypath_lib.key_to_str(k) for k in odd]}); expected exactly one leaf per entry."
     )
 
 
 _NODE_TAGS = {kind: kind.__struct_config__.tag for kind in model.TreeNode.__args__}
-
-
-def _named(where: str, key: tuple[str, ...]) -> str:
-    """How errors name an entry: ``where`` and its key path."""
-    return f"{where} ({keypath_lib.key_to_str(key)!r})"
 
 
 def _bounded_int(text: str) -> int:

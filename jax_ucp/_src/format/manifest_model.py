@@ -142,7 +142,7 @@ class _Entry(Struct, forbid_unknown_fields=True, gc=False, frozen=True, omit_def
             expected = f"a list of {len(key)} of {list(KEY_TYPES)}"
             raise ValueError(_fault("key_types", expected, list(types)))
         force_setattr(self, "key_types", _KEY_TYPES.get(types) or _remember(_KEY_TYPES, types))
-        _COUNTS.absent = getattr(_COUNTS, "absent", 0) + n
+        COUNTS.absent = getattr(COUNTS, "absent", 0) + n
 
 
 class TensorEntry(_Entry, display.Tabular, tag="tensor", tag_field="entry", frozen=True):
@@ -326,15 +326,8 @@ _TENSOR_DEFAULTS = tuple(
 _VALUE_DEFAULTS = (("role", "other"), ("sub_role", None))
 
 
-def decode(text: str | bytes) -> tuple[ManifestModel, int]:
-    """``text`` decoded, and how many members its entries left out (each now holds what its
-    absence means; ``manifest.no_duplicate_keys`` counts them)."""
-    _COUNTS.absent = 0
-    decoded = DECODER.decode(text)
-    return decoded, _COUNTS.absent
-
-
-_COUNTS = threading.local()
+#: members the text left out, filled in by ``__post_init__`` (``manifest.no_duplicate_keys``)
+COUNTS = threading.local()
 
 
 def _fault(field: str, expected: str, found: Any) -> str:
@@ -459,38 +452,24 @@ class KvStore(_Model):
     driver: str
 
 
-class ManifestModel(_Model):
-    """The manifest at the root of a jax_ucp checkpoint: one entry per leaf of the saved tree.
-    docs/FORMAT.md is the normative definition; the reader also checks cross-field rules a
-    schema cannot express (key_types as long as key, chunk extents dividing, logical_axes as
-    long as shape, unique keys and dirs, tree leaves matching entries) and bounds (file size,
-    nesting, integer length)."""
-
-    format: Literal["jax_ucp"]
-    version: Annotated[int, Meta(ge=1, le=FORMAT_VERSION)]
-    save_id: Annotated[str, Meta(description="Unique per save; shard digests are tied to it.")]
-    kvstore: KvStore
-    entries: list[TensorEntry | ValueEntry]
-    created_by: str | UnsetType = UNSET
-    created_at: float | UnsetType = UNSET
-    source: Annotated[dict[str, Any], Meta(description="Free-form provenance.")] | UnsetType = UNSET
-    tree: TreeNode | Absent | None = ABSENT
-
-
-DECODER = msgspec.json.Decoder(ManifestModel)
-#: writes entries, and re-encodes a decoded model (``manifest.no_duplicate_keys``)
+if TYPE_CHECKING:  # a decoded manifest holds its tree as the dicts of its JSON
+    SavedTree = dict | None
+else:
+    SavedTree = TreeNode | UnsetType | None
+#: writes entries, and re-encodes a decoded manifest (``manifest.no_duplicate_keys``)
 ENCODER = msgspec.json.Encoder()
 
 #: what a member the text leaves out means (documented in the schema). An entry's are filled in
 #: by its ``__post_init__``, counted: a key named twice is found by counting the members.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "ManifestModel": {"created_by": "", "created_at": 0.0, "source": {}, "tree": None},
+    "Manifest": {"created_by": "", "created_at": 0.0, "source": {}, "tree": None},
     "TensorEntry": dict(_TENSOR_DEFAULTS),  # frozen, tied_to, key_impl: msgspec's own defaults
     "ValueEntry": dict(_VALUE_DEFAULTS),
 }
 
 
 _SCHEMA_NAMES = {
+    "Manifest": "ManifestModel",
     "TensorEntry": "TensorModel",
     "ValueEntry": "ValueModel",
     "SavedSharding": "SavedShardingModel",
@@ -498,9 +477,11 @@ _SCHEMA_NAMES = {
 
 
 def json_schema() -> dict:
-    """The JSON Schema of ``ucp.json``, generated from :class:`ManifestModel` (plus the one rule
+    """The JSON Schema of ``ucp.json``, generated from ``manifest.Manifest`` (plus the one rule
     a Struct cannot carry: a value entry's ``value`` by its ``type``)."""
-    text = msgspec.json.encode(msgspec.json.schema(ManifestModel)).decode()
+    from jax_ucp._src.format.manifest import Manifest  # the root, built on these types
+
+    text = msgspec.json.encode(msgspec.json.schema(Manifest)).decode()
     for name, published in _SCHEMA_NAMES.items():  # the entries' names when it was published
         text = text.replace(f'"{name}"', f'"{published}"').replace(f'/{name}"', f'/{published}"')
     schema = json.loads(text)

@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable
 
 import jax
+import msgspec
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store, writer
@@ -157,7 +158,7 @@ def merge(save: PreparedSave, process_count: int) -> None:
                     f"{missing[:5]}; the save is incomplete and is not committed."
                 )
         entries.append(e)
-    manifest = dataclasses.replace(save.manifest, entries=entries)
+    manifest = msgspec.structs.replace(save.manifest, entries=entries)
     storage.write_manifest(manifest)  # in an object store, the commit: the reports go after
     storage.delete(others)
 
