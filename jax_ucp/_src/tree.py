@@ -248,11 +248,6 @@ _DICT_CLASSES = (("flax.core", "FrozenDict"), ("flax.nnx", "State"))
 _VARIABLE_MODULE = "flax.nnx"
 _PACKAGES = ("optax", "flax")
 
-
-def _fields(names: str) -> tuple[str, ...]:
-    return tuple(names.split())
-
-
 #: ``allowed_classes`` for optax 0.2.8 / flax 0.12, judged without importing them (and JAX: 1-4 s);
 #: tests/test_tree.py checks it against the installed packages.
 KNOWN_CLASSES: dict[str, dict[str, tuple[str, ...] | str]] = {
@@ -263,8 +258,13 @@ KNOWN_CLASSES: dict[str, dict[str, tuple[str, ...] | str]] = {
         "COCOBState": ("init_particles", "cumulative_gradients", "scale", "subgradients", "reward"),
         "ConditionallyMaskState": ("step", "inner_state"),
         "ConditionallyTransformState": ("inner_state", "step"),
-        "DAdaptAdamWState": _fields(
-            "exp_avg exp_avg_sq grad_sum estim_lr numerator_weighted count"
+        "DAdaptAdamWState": (
+            "exp_avg",
+            "exp_avg_sq",
+            "grad_sum",
+            "estim_lr",
+            "numerator_weighted",
+            "count",
         ),
         "DifferentiallyPrivateAggregateState": ("rng_key",),
         "DoGState": ("is_init_step", "init_params", "max_dist", "sum_sq_norm_grads"),
@@ -278,8 +278,11 @@ KNOWN_CLASSES: dict[str, dict[str, tuple[str, ...] | str]] = {
         "GradientTransformationExtraArgs": ("init", "update"),
         "HutchinsonState": ("key",),
         "InjectHyperparamsState": ("count", "hyperparams", "inner_state"),
-        "InjectStatefulHyperparamsState": _fields(
-            "count hyperparams hyperparams_states inner_state"
+        "InjectStatefulHyperparamsState": (
+            "count",
+            "hyperparams",
+            "hyperparams_states",
+            "inner_state",
         ),
         "LookaheadParams": ("fast", "slow"),
         "LookaheadState": ("fast_state", "steps_since_sync"),
@@ -290,15 +293,32 @@ KNOWN_CLASSES: dict[str, dict[str, tuple[str, ...] | str]] = {
         "MomoAdamState": ("exp_avg", "exp_avg_sq", "barf", "gamma", "lb", "count"),
         "MomoState": ("exp_avg", "barf", "gamma", "lb", "count"),
         "MonitorState": ("measurements", "measure_states"),
-        "MultiStepsState": _fields("mini_step gradient_step inner_opt_state acc_grads skip_state"),
+        "MultiStepsState": (
+            "mini_step",
+            "gradient_step",
+            "inner_opt_state",
+            "acc_grads",
+            "skip_state",
+        ),
         "MuonDimensionNumbers": ("reduction_axis", "output_axis"),
         "MuonState": ("count", "mu", "ns_coeffs"),
         "PartitionState": ("inner_states",),
-        "ProdigyState": _fields(
-            "exp_avg exp_avg_sq grad_sum params0 estim_lr numerator_weighted count"
+        "ProdigyState": (
+            "exp_avg",
+            "exp_avg_sq",
+            "grad_sum",
+            "params0",
+            "estim_lr",
+            "numerator_weighted",
+            "count",
         ),
-        "ReduceLROnPlateauState": _fields(
-            "scale best_value plateau_count cooldown_count count avg_value"
+        "ReduceLROnPlateauState": (
+            "scale",
+            "best_value",
+            "plateau_count",
+            "cooldown_count",
+            "count",
+            "avg_value",
         ),
         "SAMState": ("steps_since_sync", "opt_state", "adv_state", "cache"),
         "ScaleByAdaDeltaState": ("e_g", "e_x"),
@@ -308,8 +328,13 @@ KNOWN_CLASSES: dict[str, dict[str, tuple[str, ...] | str]] = {
         "ScaleByAmsgradState": ("count", "mu", "nu", "nu_max"),
         "ScaleByBacktrackingLinesearchState": ("learning_rate", "value", "grad", "info"),
         "ScaleByBeliefState": ("count", "mu", "nu"),
-        "ScaleByLBFGSState": _fields(
-            "count params updates diff_params_memory diff_updates_memory weights_memory"
+        "ScaleByLBFGSState": (
+            "count",
+            "params",
+            "updates",
+            "diff_params_memory",
+            "diff_updates_memory",
+            "weights_memory",
         ),
         "ScaleByLionState": ("count", "mu"),
         "ScaleByNovogradState": ("count", "mu", "nu"),
@@ -321,7 +346,14 @@ KNOWN_CLASSES: dict[str, dict[str, tuple[str, ...] | str]] = {
         "ScaleByScheduleState": ("count",),
         "ScaleBySimplifiedAdEMAMixState": ("t", "m", "n"),
         "ScaleByZoomLinesearchState": ("learning_rate", "value", "grad", "info"),
-        "ScheduleFreeState": _fields("b1 weight_sum step_count max_lr base_optimizer_state z"),
+        "ScheduleFreeState": (
+            "b1",
+            "weight_sum",
+            "step_count",
+            "max_lr",
+            "base_optimizer_state",
+            "z",
+        ),
         "SnapshotState": ("measurement",),
         "SophiaState": ("count", "mu", "nu", "hessian_fn_state"),
         "SplitRealAndImaginaryState": ("inner_state",),
@@ -518,8 +550,9 @@ def rebuild_structure(
     partial: bool = False,
     axes_at: Callable[[tuple], tuple | None] | None = None,
 ) -> Any:
-    """The tree ``describe_structure`` described, each leaf ``value_at(key)``; containers that lose
-    children become dicts, empty subtrees of a selection go.
+    """The tree ``describe_structure`` described, each leaf ``value_at(key)`` (``_MISSING`` when not
+    restored): containers that lose children become dicts, empty subtrees of a selection disappear,
+    a leafless node comes back only beside siblings restored whole.
 
     Args:
         description: what ``describe_structure`` recorded.
