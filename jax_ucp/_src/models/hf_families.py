@@ -906,15 +906,10 @@ def _deepseek_v3(c: Mapping) -> LMConfig:
     kw = _base({**c, "head_dim": rope})  # transformers' head_dim: the RoPE dims
     q_rank = None if c.get("q_lora_rank") is None else _int(c, "q_lora_rank")
     mla = (q_rank or 0, _int(c, "kv_lora_rank"), _int(c, "qk_nope_head_dim"), rope)
-    scale = (mla[2] + rope) ** -0.5
-    params = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    if params.get("rope_type", params.get("type", "default")) != "default":
-        all_dim = params.get("mscale_all_dim")
-        if all_dim:
-            mscale = (
-                0.1 * _number("mscale_all_dim", all_dim) * math.log(kw["rotary_scaling_factor"])
-            )
-            scale *= (mscale + 1.0) ** 2 if kw["rotary_scaling_factor"] > 1 else 1.0
+    scale, factor = (mla[2] + rope) ** -0.5, kw["rotary_scaling_factor"]  # factor 1: default
+    all_dim = (c.get("rope_scaling") or c.get("rope_parameters") or {}).get("mscale_all_dim")
+    if all_dim and factor > 1:
+        scale *= (0.1 * _number("mscale_all_dim", all_dim) * math.log(factor) + 1) ** 2
     layers, experts = kw["num_layers"], _int(c, "n_routed_experts")
     groups, top_groups = _int(c, "n_group"), _int(c, "topk_group")
     top, dense = _int(c, "num_experts_per_tok"), c.get("first_k_dense_replace")
