@@ -36,12 +36,8 @@ FORMAT_VERSION = model.FORMAT_VERSION
 MANIFEST_FILE = "ucp.json"
 ARRAYS_DIR = "arrays"
 
-ROLES = ("param", "opt_state", "other")
 # optax state fields recorded as an opt_state leaf's sub-role
 OPTAX_STATE_NAMES = ("mu", "nu", "count", "trace", "ema", "master")
-KEY_TYPES = model.KEY_TYPES
-COMPRESSIONS = (None, "zstd")
-CHECKSUMS = (None, "crc32c")
 
 
 def role_of(key: Sequence[str]) -> tuple[str, str | None]:
@@ -69,7 +65,6 @@ MAX_JSON_DEPTH = 512  # a recorded tree structure nests 3 JSON levels per pytree
 #: (checked at save, so what ``save`` writes ``restore`` reads)
 MAX_TREE_DEPTH = MAX_JSON_DEPTH // 3
 TOO_DEEP = f"JSON nested deeper than {MAX_JSON_DEPTH} levels."
-MAX_INT_DIGITS = model.MAX_INT_DIGITS
 KEY_IMPLS = model.KEY_IMPLS
 
 
@@ -332,7 +327,6 @@ def no_duplicate_keys(text: str | bytes, decoded: Manifest, absent: int) -> bool
 _ENCODED_AT_ONCE = 4096  # entries re-encoded together (about 2 MB of JSON at once)
 
 
-TREE_NODE_TYPES = model.TREE_NODE_TYPES
 _REFUSALS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError)
 
 
@@ -439,11 +433,12 @@ def _refused(message: str, d: Any, where: str) -> CheckpointError:
 
 
 _JSON_TYPES = {dict: "object", list: "array", str: "str", int: "int", float: "float", bool: "bool"}
-_CHOICES: dict = {
-    0: {"entry": ("tensor", "value"), "type": tuple(model.VALUE_SCHEMAS), "role": ROLES}
-    | {"dtype": dtypes_lib.SUPPORTED, "key_types": KEY_TYPES, "key_impl": tuple(KEY_IMPLS)}
-    | {"compression": COMPRESSIONS, "checksum": CHECKSUMS},
-    "tree": {"type": model.TREE_NODE_TYPES, "children": KEY_TYPES},
+_CHOICES: dict = {  # a Literal's values, by the field's name (in the tree, or an entry's)
+    "tree": {"type": model.TREE_NODE_TYPES, "children": model.KEY_TYPES},
+    0: {"entry": ("tensor", "value"), "type": tuple(model.VALUE_SCHEMAS)}
+    | {"role": ("param", "opt_state", "other"), "dtype": dtypes_lib.SUPPORTED}
+    | {"key_types": model.KEY_TYPES, "key_impl": tuple(KEY_IMPLS)}
+    | {"compression": (None, "zstd"), "checksum": (None, "crc32c")},
 }
 
 
@@ -509,8 +504,10 @@ _NODE_TAGS = {kind: kind.__struct_config__.tag for kind in model.TreeNode.__args
 
 
 def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise ValueError(f"an integer of {len(text)} digits (at most {MAX_INT_DIGITS} allowed)")
+    if len(text.lstrip("-")) > model.MAX_INT_DIGITS:
+        raise ValueError(
+            f"an integer of {len(text)} digits (at most {model.MAX_INT_DIGITS} allowed)"
+        )
     return int(text)
 
 
@@ -531,9 +528,9 @@ def _long_digit_run(text: str | bytes) -> bool:
     """Whether ``text`` holds more than ``MAX_INT_DIGITS`` ASCII digits in a row (JSON numbers
     have no other digits), found by mapping digits to ``0`` and everything else to a space
     in slices of its UTF-8 bytes (``str.find``, not a regex: ~40x faster on 50 MB)."""
-    run, step = b"0" * (MAX_INT_DIGITS + 1), 1 << 20
+    run, step = b"0" * (model.MAX_INT_DIGITS + 1), 1 << 20
     for start in range(0, len(text), step):  # the slices overlap by a run's length
-        part = text[start : start + step + MAX_INT_DIGITS]
+        part = text[start : start + step + model.MAX_INT_DIGITS]
         if isinstance(part, str):
             part = part.encode("utf-8", "surrogatepass")
         if run in part.translate(_DIGITS_AS_ZERO):
