@@ -73,24 +73,20 @@ class _OptimizerFound:
 
 
 def plan_torch_dist(
-    source_dir: MegatronSource, settings: dict, options: ImportOptions
+    source_dir: MegatronSource, opened: Opened, settings: dict, options: ImportOptions
 ) -> ImportPlan:
     """torch_dist: tensors read whole (vocab rows stripped); its ``source`` is the format's info.
 
     Args:
         source_dir: the detected torch_dist checkpoint.
+        opened: it opened (``open_torch_dist``).
         settings: the run's model settings.
         options: ``spec``: the loaded spec with import rules / settings (None: the defaults);
             ``weights_only``: the model weights alone, the optimizer state skipped and listed
             in ``source.skipped``.
     """
     spec, weights_only, share = options.spec, options.weights_only, options.share
-    vouched = verify_integrity(source_dir.ckpt_dir)  # before any byte of it is read
-    checkpoint, common, common_path = open_torch_dist(source_dir.ckpt_dir)
-    from jax_ucp._src.importers.megatron import fsdp_dtensor  # it imports this module
-
-    if not common and fsdp_dtensor.is_fsdp_dtensor(checkpoint):
-        return fsdp_dtensor.plan_fsdp_dtensor(checkpoint, settings, options)
+    checkpoint, common, common_path, vouched = opened
     if not settings.get("num_layers") and isinstance(common, dict):
         add_arg_settings(legacy.args_dict(common.get("args")), settings)
     model_names = [n for n in checkpoint.tensors if not is_optimizer_name(n)]
@@ -236,8 +232,14 @@ def _optimizer_step(
     )
 
 
-def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.MegatronDcpCheckpoint, Any, Path]:
-    """The checkpoint with every shard file and chunk tiling checked, and its ``common.pt``."""
+#: (the checkpoint, its common state, where that was read, the files integrity.json vouched for)
+Opened = tuple[dcp.MegatronDcpCheckpoint, Any, Path, int | None]
+
+
+def open_torch_dist(ckpt_dir: Path) -> Opened:
+    """The checkpoint with every shard file and chunk tiling checked (``integrity.json`` first,
+    before any byte of it is read), and its ``common.pt``."""
+    vouched = verify_integrity(ckpt_dir)
     checkpoint = dcp.open_dcp(ckpt_dir)
     backend = checkpoint.mcore_metadata.get("sharded_backend")
     if backend not in (None, "torch_dist"):
@@ -274,7 +276,7 @@ def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.MegatronDcpCheckpoint, Any, Pat
                 f"{allow_list.short_repr(common)}, expected the common state dict"
             )
         common_path = Path(ckpt_dir) / objects[0]
-    return checkpoint, common, common_path
+    return checkpoint, common, common_path, vouched
 
 
 class TorchDistReader:
