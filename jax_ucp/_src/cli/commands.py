@@ -52,11 +52,15 @@ class _Command(_PlainPlaceholders, typer.core.TyperCommand):
         if self.help:
             self.help = re.sub(r"(?<!\n)\n(?!\n)", " ", inspect_lib.cleandoc(self.help))
 
-    def format_help(self, ctx, formatter) -> None:  # {formats}: the importers', for --help alone
+    def format_help(self, ctx, formatter) -> None:  # the registries' formats, for --help alone
+        from jax_ucp._src.exporters.options import FORMATS as EXPORTS
         from jax_ucp._src.importers.registry import FORMATS
 
         for param in (p for p in self.params if isinstance(p, typer.core.TyperOption)):
             param.help = (param.help or "").replace("{formats}", ", ".join(FORMATS))
+            param.help = param.help.replace(
+                "{exports}", f"{', '.join(EXPORTS)} (default: the first)"
+            )
         super().format_help(ctx, formatter)
 
     def collect_usage_pieces(self, ctx) -> list[str]:
@@ -969,9 +973,7 @@ EXPORT_FIELDS = (
 def export(
     ckpt: str,
     dst: str,
-    to: str = typer.Option(
-        "safetensors", help="output format: safetensors, torch-dcp, deepspeed-universal or orbax"
-    ),
+    to: str | None = typer.Option(None, help="output format: {exports}"),
     step: StepOption = None,
     **options,
 ):
@@ -982,7 +984,7 @@ def export(
     ckpt = _at_step(ckpt, step)
 
     with _bar("exporting") as on_progress:
-        chosen = exporters.options_for(to, progress=on_progress, **options)
+        chosen = exporters.options_for(to or exporters.FORMATS[0], progress=on_progress, **options)
         out = exporters.export(ckpt, dst, chosen)
     output.say(
         f"✓ wrote {out.tensors} tensors ({out.bytes / 1e6:.1f} MB) to {out.path}: "
