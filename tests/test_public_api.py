@@ -126,10 +126,10 @@ PUBLIC_MODULES = {
     "jax_ucp.restoring",
     "jax_ucp.samples",
 }
-# The union of the public modules' ``__all__``: 99 names in issue 49, and the cap at that count,
-# no margin (issue 39 set "fewer than 100"): a new public name fails here until the cap is
-# raised in the same change, on purpose.
-MAX_PUBLIC_NAMES = 99
+# The union of the public modules' ``__all__``: 99 names in issue 49, 90 in issue 58 (an alias
+# and helpers the docs reach no more), the cap at that count, no margin: a new public name fails
+# here until the cap is raised in the same change, on purpose.
+MAX_PUBLIC_NAMES = 90
 
 
 def _public_modules() -> dict[str, pathlib.Path]:

@@ -4,7 +4,6 @@ class per format (docs/EXPORT.md). Importing it loads no JAX.
 The code is in ``jax_ucp._src``."""
 
 from jax_ucp._src.exporters import DeepSpeedUniversalExport as DeepSpeedUniversalExport
-from jax_ucp._src.exporters import Exported as Exported
 from jax_ucp._src.exporters import OrbaxExport as OrbaxExport
 from jax_ucp._src.exporters import SafetensorsExport as SafetensorsExport
 from jax_ucp._src.exporters import TorchDcpExport as TorchDcpExport
@@ -12,7 +11,6 @@ from jax_ucp._src.exporters import export as export
 
 __all__ = [
     "DeepSpeedUniversalExport",
-    "Exported",
     "OrbaxExport",
     "SafetensorsExport",
     "TorchDcpExport",

@@ -2,7 +2,6 @@
 
 The code is in ``jax_ucp._src``."""
 
-from jax_ucp._src.format import Entry as Entry
 from jax_ucp._src.format import Manifest as Manifest
 from jax_ucp._src.format import TensorEntry as TensorEntry
 from jax_ucp._src.format import UCPError as UCPError
@@ -10,7 +9,6 @@ from jax_ucp._src.format import ValueEntry as ValueEntry
 from jax_ucp._src.format import encode_key as encode_key
 
 __all__ = [
-    "Entry",
     "Manifest",
     "TensorEntry",
     "UCPError",

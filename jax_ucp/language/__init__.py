@@ -20,16 +20,12 @@ from jax_ucp._src.language import TensorInfo as TensorInfo
 from jax_ucp._src.language import Vocab as Vocab
 from jax_ucp._src.language import apply_restore_plan as apply_restore_plan
 from jax_ucp._src.language import compile_restore_plan as compile_restore_plan
-from jax_ucp._src.language import describe_plan as describe_plan
 from jax_ucp._src.language import dump_spec as dump_spec
-from jax_ucp._src.language import head_split as head_split
 from jax_ucp._src.language import list_specs as list_specs
 from jax_ucp._src.language import load_spec as load_spec
 from jax_ucp._src.language import merge as merge
 from jax_ucp._src.language import optax_chain_roots as optax_chain_roots
-from jax_ucp._src.language import spec_from_dict as spec_from_dict
 from jax_ucp._src.language import spec_from_toml as spec_from_toml
-from jax_ucp._src.language import spec_to_dict as spec_to_dict
 from jax_ucp._src.language import spec_to_toml as spec_to_toml
 from jax_ucp._src.language import split as split
 from jax_ucp._src.language import split_parts as split_parts
@@ -52,16 +48,12 @@ __all__ = [
     "Vocab",
     "apply_restore_plan",
     "compile_restore_plan",
-    "describe_plan",
     "dump_spec",
-    "head_split",
     "list_specs",
     "load_spec",
     "merge",
     "optax_chain_roots",
-    "spec_from_dict",
     "spec_from_toml",
-    "spec_to_dict",
     "spec_to_toml",
     "split",
     "split_parts",

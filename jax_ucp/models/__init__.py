@@ -5,11 +5,9 @@ The code is in ``jax_ucp._src``."""
 from jax_ucp._src.models import LMConfig as LMConfig
 from jax_ucp._src.models import TransformerLM as TransformerLM
 from jax_ucp._src.models import from_megatron as from_megatron
-from jax_ucp._src.models import shipped_spec_for as shipped_spec_for
 
 __all__ = [
     "LMConfig",
     "TransformerLM",
     "from_megatron",
-    "shipped_spec_for",
 ]

@@ -6,13 +6,11 @@ from jax_ucp._src.restoring import pictures as pictures
 from jax_ucp._src.restoring.checks import CheckpointDiff as CheckpointDiff
 from jax_ucp._src.restoring.checks import TensorDiff as TensorDiff
 from jax_ucp._src.restoring.checks import ValueDiff as ValueDiff
-from jax_ucp._src.restoring.plan import PlanOptions as PlanOptions
 from jax_ucp._src.restoring.plan import RestorePlan as RestorePlan
 from jax_ucp._src.restoring.plan import TensorPlan as TensorPlan
 
 __all__ = [
     "CheckpointDiff",
-    "PlanOptions",
     "RestorePlan",
     "TensorDiff",
     "TensorPlan",
