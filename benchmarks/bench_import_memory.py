@@ -78,8 +78,10 @@ def child(a) -> None:
 
             jax_ucp.export(a.src, a.dst, options_for(a.target, memory_budget=a.budget))
         else:
-            options = {"vocab_size": a.vocab_size} if a.vocab_size else {}
-            jax_ucp.convert(a.src, a.dst, memory_budget=a.budget, **options)
+            from jax_ucp.conversion import MegatronOptions
+
+            importing = MegatronOptions(vocab_size=a.vocab_size) if a.vocab_size else None
+            jax_ucp.convert(a.src, a.dst, memory_budget=a.budget, importing=importing)
     print("RESULT" + json.dumps({"base": base, "peak": peak.anon, "s": time.perf_counter() - t0}))
 
 

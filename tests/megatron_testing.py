@@ -23,12 +23,12 @@ def copy_megatron_fixture(name: str, tmp_path) -> Path:
 
 
 def assert_megatron_refused(src, tmp_path, match: str, **options) -> None:
-    """``convert(src, tmp_path / "out", vocab_size=61)`` refused by the Megatron importer with
-    a message matching ``match``, nothing left at ``out``."""
-    from jax_ucp._src.importers.megatron import MegatronImportError
+    """``convert(src, tmp_path / "out", importing=MegatronOptions(vocab_size=61))`` refused by
+    the Megatron importer with a message matching ``match``, nothing left at ``out``."""
+    from jax_ucp._src.importers.megatron import MegatronImportError, MegatronOptions
     from tests.ucp_testing import assert_convert_refused
 
-    options = {"vocab_size": 61, **options}
+    options = {"importing": MegatronOptions(vocab_size=61), **options}
     out = str(tmp_path / "out")
     assert_convert_refused(str(src), out, match, error=MegatronImportError, **options)
 

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
+from jax_ucp.conversion import ImportOptions, TorchOptions
 from tests.ucp_testing import REPO
 
 runner = CliRunner()
@@ -127,7 +128,7 @@ def test_fsdp1_sharded_tensors_no_torch_loader_reads_is_said_and_exits_1(tmp_pat
     """verl's FSDP1 ranks hold ShardedTensors, which torch.load(weights_only=True) refuses and
     torch rebuilds only inside the saving rank's process group: verify says so, never "OK"."""
     src = os.path.join(FIX, "verl", "fsdp1")
-    out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=ImportOptions(weights_only=True))
     with pytest.raises(jax_ucp.UCPError, match=r"no tensor .* could be compared.*ShardedTensor"):
         jax_ucp.verify(out, against=src)
     r = runner.invoke(app, ["verify", str(out), "--against", src], env={"COLUMNS": "300"})
@@ -156,7 +157,7 @@ def _convert(tmp_path, kind):
     if kw.get("parameter_order"):
         from tests.importers.torch.test_torchtune import ORDER
 
-        kw = {"parameter_order": ORDER}
+        kw = {"importing": TorchOptions(parameter_order=ORDER)}
     src = str(shutil.copytree(src, tmp_path / "src"))  # a copy: the tests change it
     return src, jax_ucp.convert(src, tmp_path / "ucp", **kw)
 
@@ -407,7 +408,7 @@ def test_a_tensor_listed_in_source_skipped_is_accounted_for(tmp_path):
     src = tmp_path / "src"
     _hf_source(src)
     (src / "optimizer.pt").write_bytes(b"not read")
-    out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=ImportOptions(weights_only=True))
     assert jax_ucp.verify(out, against=src) == []
 
 

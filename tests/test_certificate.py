@@ -20,6 +20,7 @@ from jax_ucp._src import writer
 from jax_ucp._src.format import certificate
 from jax_ucp._src.importers import registry
 from jax_ucp.cli import app
+from jax_ucp.conversion import ImportOptions
 from tests.ucp_testing import REPO
 
 runner = CliRunner()
@@ -36,7 +37,7 @@ SOURCES = {
     # megatron-core 0.19's fully_reshardable optimizer: its Adam moments are global tensors
     "megatron": ("megatron/mcore_versions/0.19.2/gpt_distopt_dp2_fully_reshardable", "__0_0.distcp", {}),
     # the Trainer's optimizer order needs transformers: its weights only, torch-free
-    "hf_trainer": ("hf_trainer/trainer_fp32/checkpoint-3", "model.safetensors", {"weights_only": True}),
+    "hf_trainer": ("hf_trainer/trainer_fp32/checkpoint-3", "model.safetensors", {"importing": ImportOptions(weights_only=True)}),
 }  # fmt: skip
 
 

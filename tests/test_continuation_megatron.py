@@ -20,6 +20,7 @@ import jax_ucp
 from jax_ucp._src.continuation.megatron import MegatronSchedule, megatron_recipe
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.importers.megatron import MegatronOptions, plan_megatron
+from jax_ucp.conversion import ImportOptions
 
 FIX = Path(__file__).parent / "fixtures" / "megatron"
 SCHEDULED = "gpt_distopt_dp2_scheduler_synthetic"
@@ -726,7 +727,9 @@ def test_no_weight_decay_rule_is_megatron_cores(tmp_path, scheduled):
     for kind, fixture in fixtures.items():
         if kind not in decisions:
             continue
-        jax_ucp.convert(FIX / fixture, tmp_path / fixture, weights_only=True)
+        jax_ucp.convert(
+            FIX / fixture, tmp_path / fixture, importing=ImportOptions(weights_only=True)
+        )
         saved = {
             e.key: (tuple(e.shape), e.dtype) for e in jax_ucp.inspect(tmp_path / fixture).tensors
         }

@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import jax_ucp
+from jax_ucp.conversion import ImportOptions, TorchOptions
 from jax_ucp.language import load_spec
 from jax_ucp.models import LMConfig, TransformerLM
 from tests.ucp_testing import REPO
@@ -91,7 +92,13 @@ def test_trainer_run_continues_in_jax_with_torchs_losses(tmp_path, monkeypatch, 
     order = [n for n in names if n not in norms] + norms
     truth_path = os.path.join(FIX, f"{kind}.truth.npz")
     per_token = kind.endswith("_tf4")
-    _check(src, truth_path, tmp_path, per_token=per_token, parameter_order=order)
+    _check(
+        src,
+        truth_path,
+        tmp_path,
+        per_token=per_token,
+        importing=TorchOptions(parameter_order=order),
+    )
 
 
 @pytest.mark.torch
@@ -118,7 +125,7 @@ def test_train_in_torch_convert_continue_in_jax(tmp_path):
 
 def test_optax_from_torch_refuses_a_weights_only_import(tmp_path):
     src = os.path.join(FIX, "trainer_fp32", "checkpoint-3")
-    ckpt = jax_ucp.convert(src, tmp_path / "w", weights_only=True)
+    ckpt = jax_ucp.convert(src, tmp_path / "w", importing=ImportOptions(weights_only=True))
     with pytest.raises(jax_ucp.UCPError, match=r"no torch optimizer recorded"):
         jax_ucp.optax_from_torch(ckpt)
 
@@ -449,7 +456,7 @@ def test_a_spec_by_name_takes_the_recorded_config_settings(tmp_path, monkeypatch
         names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
     norms = [n for n in names if n.endswith("norm.weight")]
     order = [n for n in names if n not in norms] + norms  # the Trainer's: decayed, then norms
-    ckpt = jax_ucp.convert(src, tmp_path / "ucp", parameter_order=order)
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp", importing=TorchOptions(parameter_order=order))
     with open(os.path.join(src, "config.json")) as f:
         cfg = LMConfig.from_hf_llama(json.load(f))
     by_hand = jax_ucp.optax_from_torch(ckpt, spec=load_spec("hf_llama", **cfg.head_settings))
@@ -479,7 +486,9 @@ def test_a_trainer_run_continues_on_a_mesh_sharded_by_rules(tmp_path, monkeypatc
     ckpt = jax_ucp.convert(
         src,
         tmp_path / "ucp",
-        parameter_order=[*sorted(set(names) - set(norms), key=names.index), *norms],
+        importing=TorchOptions(
+            parameter_order=[*sorted(set(names) - set(norms), key=names.index), *norms]
+        ),
     )
     with open(os.path.join(src, "config.json")) as f:
         cfg = LMConfig.from_hf_llama(json.load(f))
@@ -537,7 +546,9 @@ def test_a_trainer_global_step_other_than_the_optimizers_is_said(tmp_path, monke
         names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
     norms = [n for n in names if n.endswith("norm.weight")]
     ckpt = jax_ucp.convert(
-        src, tmp_path / "ucp", parameter_order=[n for n in names if n not in norms] + norms
+        src,
+        tmp_path / "ucp",
+        importing=TorchOptions(parameter_order=[n for n in names if n not in norms] + norms),
     )
     said = r"trainer_state\.json's global_step is 5, the optimizer's step \(optimizer\.pt\) 3"
     with pytest.warns(UserWarning, match=said):

@@ -27,6 +27,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.continuation.deepspeed import deepspeed_recipe
 from jax_ucp._src.optax_torch import run_arguments
+from jax_ucp.conversion import ImportOptions
 from jax_ucp.errors import RequestError
 from tests.test_optax_torch import continue_in_jax
 from tests.ucp_testing import REPO, run_torchrun
@@ -117,7 +118,7 @@ def test_a_trainer_file_linked_out_of_the_checkpoint_is_refused(tmp_path):
 
 def test_a_weights_only_deepspeed_import_is_refused_saying_so(tmp_path):
     src = os.path.join(FIX, "trainer_ds_z3", "checkpoint-3")
-    ckpt = jax_ucp.convert(src, tmp_path / "w", weights_only=True)
+    ckpt = jax_ucp.convert(src, tmp_path / "w", importing=ImportOptions(weights_only=True))
     with pytest.raises(
         jax_ucp.UCPError, match=r"no torch optimizer recorded: imported with weights_only=True"
     ):

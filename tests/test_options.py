@@ -52,9 +52,11 @@ def test_the_signatures_are_the_dataclasses_fields():
     assert list(inspect.signature(jax_ucp.UCPRestore).parameters) == fields
     assert list(inspect.signature(jax_ucp.plan).parameters) == ["path", *fields, "processes"]
     convert_fields = [f.name for f in dataclasses.fields(conversion.ConvertOptions)]
-    assert list(inspect.signature(jax_ucp.convert).parameters) == ["source", "dest"] + (
-        convert_fields + list(registry.OPTION_FIELDS)
-    )
+    assert list(inspect.signature(jax_ucp.convert).parameters) == [
+        "source",
+        "dest",
+        *convert_fields,
+    ]
     default = inspect.signature(jax_ucp.restore).parameters["casting"].default
     assert default == "same_kind" and issubclass(jax_ucp.UCPRestore, RestoreOptions)
 
@@ -160,9 +162,9 @@ def test_the_cli_takes_memory_budget_for_verify_and_convert(tmp_path, monkeypatc
 
 def test_the_import_options_built_at_the_edge_reach_the_format_unchanged(tmp_path, monkeypatch):
     """``convert(importing=TorchOptions(...))`` hands that very object to the torch DCP
-    importer's ``plan``; keywords build the options class of the importer the source is for
-    (detected first), and a general class given is specialised to the format the files show
-    (``TaggedOptions`` → ``OrbaxOptions`` for an Orbax source)."""
+    importer's ``plan``; a general class given (``ImportOptions``, ``TaggedOptions``) is
+    specialised to the format the files show (``TaggedOptions`` → ``OrbaxOptions`` for an Orbax
+    source); the import fields are no keywords of ``convert``."""
     from jax_ucp._src.importers.torch import TorchOptions
 
     seen = []
@@ -176,7 +178,7 @@ def test_the_import_options_built_at_the_edge_reach_the_format_unchanged(tmp_pat
     options = TorchOptions(weights_only=True)
     jax_ucp.convert(FSDP2, tmp_path / "u", importing=options)
     assert seen[0] is options
-    jax_ucp.convert(FSDP2, tmp_path / "k", weights_only=True)  # the keywords: detected first
+    jax_ucp.convert(FSDP2, tmp_path / "k", importing=ImportOptions(weights_only=True))
     assert type(seen[1]) is TorchOptions and seen[1].weights_only
     assert type(registry.importer_options(registry.IMPORTERS["deepspeed"], tag="3")) is (
         DeepSpeedOptions
@@ -187,8 +189,9 @@ def test_the_import_options_built_at_the_edge_reach_the_format_unchanged(tmp_pat
     assert (type(orbax), orbax.tag) == (OrbaxOptions, 3)
     with pytest.raises(jax_ucp.RequestError, match=r"^vocab_size=.*megatron.*orbax"):
         registry.importer_options(registry.IMPORTERS["orbax"], tag="3", vocab_size=3)
-    with pytest.raises(jax_ucp.RequestError, match=r"importing=.*weights_only="):
-        jax_ucp.convert(FSDP2, tmp_path / "v", importing=options, weights_only=True)
+    with pytest.raises(TypeError, match=r"weights_only"):  # one way in: importing=
+        jax_ucp.convert(FSDP2, tmp_path / "v", weights_only=True)  # type: ignore[call-arg]
+    assert not (tmp_path / "v").exists()
 
 
 # Where an option is a field of several dataclasses, and why. A name not listed here that two

@@ -8,7 +8,6 @@ through Orbax's CheckpointManager (``orbax.manager_step``), imported only then.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import operator
 import os
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from jax_ucp._src.importers import registry
 from jax_ucp._src.importers.plan import ImportOptions, Share
 from jax_ucp._src.multihost import agreement
 from jax_ucp._src.multihost.agreement import Gather
-from jax_ucp._src.options import field_namer, named_by
+from jax_ucp._src.options import field_namer, source_dest_keywords
 from jax_ucp._src.writer import commit
 
 Progress = Callable[[str, int, int], None]
@@ -86,8 +85,10 @@ class ConvertOptions:
             object.__setattr__(self, "memory_budget", budget)
 
 
-def convert(source, dest, **keywords: Any) -> str:
-    """Imports the torch checkpoint directory ``source`` as a UCP checkpoint at ``dest``.
+@source_dest_keywords(ConvertOptions)
+def convert(source, dest, options: ConvertOptions) -> str:
+    """Imports the checkpoint at ``source`` (torch, DeepSpeed, Megatron, Orbax, safetensors,
+    verl, ...) as a UCP checkpoint at ``dest``.
 
     Everything that needs no tensor bytes is checked before anything is written, and a failure
     leaves ``dest`` untouched (one ``commit.transaction``).
@@ -95,63 +96,9 @@ def convert(source, dest, **keywords: Any) -> str:
     Args:
         source: the checkpoint directory (or file) to import.
         dest: the UCP directory to create, or an ``s3://`` / ``gs://`` prefix.
-        **keywords: ``ConvertOptions``' fields, and for convenience the import options'
-            (``spec``, ``weights_only``, ``tag``, ``vocab_size``, ``parameter_order``,
-            ``model_config``: fields of the importers' options classes), which build
-            ``importing`` of the format's class once the source's importer is known.
-
-    Returns:
-        The UCP directory (the one holding ucp.json).
-    """
-    fields = {k: keywords.pop(k) for k in list(keywords) if k not in _OWN}
-    unknown = sorted(set(fields) - set(registry.OPTION_FIELDS))
-    if unknown:
-        raise TypeError(f"convert() got an unexpected keyword argument {unknown[0]!r}")
-    if fields and keywords.get("importing") is not None:
-        raise RequestError(
-            f"convert: importing= holds the import options whole; give it or "
-            f"{', '.join(f'{k}=' for k in fields)}, not both"
-        )
-    with named_by("convert"):
-        options = ConvertOptions(**keywords)
-    if fields:  # the importer first (detected unless named), then its format's options
-        importer = registry.importer_for(source, options.format)
-        importing = registry.importer_options(importer, **fields)
-        options = dataclasses.replace(options, format=importer.name, importing=importing)
-    return convert_with(source, dest, options)
-
-
-_OWN = frozenset(f.name for f in dataclasses.fields(ConvertOptions))
-
-
-def _signature() -> inspect.Signature:
-    """``convert``'s for ``help()``: ConvertOptions' fields, then the import options' (each
-    from the first importer options class that has it)."""
-    params = [
-        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        for name in ("source", "dest")
-    ]
-    params += inspect.signature(ConvertOptions).parameters.values()
-    for name in registry.OPTION_FIELDS:
-        cls = next(
-            i.options for i in registry.IMPORTERS.values() if name in i.options.__dataclass_fields__
-        )
-        params.append(
-            inspect.signature(cls).parameters[name].replace(kind=inspect.Parameter.KEYWORD_ONLY)
-        )
-    return inspect.Signature(params)
-
-
-convert.__signature__ = _signature()  # type: ignore[attr-defined]
-
-
-def convert_with(source, dest, options: ConvertOptions) -> str:
-    """``convert`` with its options as one ``ConvertOptions``.
-
-    Args:
-        source: the checkpoint directory (or file) to import.
-        dest: the UCP directory to create, or an ``s3://`` / ``gs://`` prefix.
-        options: what to import and how.
+        options: built from the keywords, each documented in ``ConvertOptions``; the format's
+            import options are one object, ``importing=`` (``ImportOptions(weights_only=True)``,
+            ``MegatronOptions(vocab_size=...)``, ...).
 
     Returns:
         The UCP directory (the one holding ucp.json).

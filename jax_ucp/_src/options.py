@@ -1,10 +1,9 @@
 """An operation's options, defined once: a typed dataclass whose fields are the keywords.
 
-``restore`` and ``plan`` take their dataclass's fields as keywords through ``keywords_of``: the
-signature a type checker (and ``help()``) sees is the dataclass's ``__init__``, so each option's
-name, type, default and doc live in one place (``convert`` builds its own, whose import options
-are the format's class). A leaf module (it
-imports nothing of jax_ucp), as ``errors``.
+``restore``, ``plan`` and ``convert`` take their dataclass's fields as keywords through
+``keywords_of`` / ``source_dest_keywords``: the signature a type checker (and ``help()``) sees is
+the dataclass's ``__init__``, so each option's name, type, default and doc live in one place. A
+leaf module (it imports nothing of jax_ucp), as ``errors``.
 """
 
 from __future__ import annotations
@@ -89,3 +88,10 @@ def keywords_of(
 ) -> Callable[[Callable[[Any, T], R]], Callable[Concatenate[str | os.PathLike, P], R]]:
     """``fn(path, options)`` called as ``fn(path, <options_type's fields>)``."""
     return _taking(options_type, 1)
+
+
+def source_dest_keywords(
+    options_type: Callable[P, T],
+) -> Callable[[Callable[[Any, Any, T], R]], Callable[Concatenate[Any, Any, P], R]]:
+    """``fn(source, dest, options)`` called as ``fn(source, dest, <options_type's fields>)``."""
+    return _taking(options_type, 2)

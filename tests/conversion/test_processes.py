@@ -21,6 +21,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import jax_ucp
+from jax_ucp.conversion import MegatronOptions
 from tests.ucp_testing import REPO, free_port, run_cli
 
 pytestmark = pytest.mark.timeout(300)
@@ -73,7 +74,8 @@ def _assert_same_checkpoint(single, shared):
 )
 def test_cli_processes_equal_a_single_process(tmp_path, fmt, src, extra):
     single = str(tmp_path / "single")
-    jax_ucp.convert(src, single, format=fmt, **({"vocab_size": 61} if extra else {}))
+    importing = MegatronOptions(vocab_size=61) if extra else None
+    jax_ucp.convert(src, single, format=fmt, importing=importing)
     shared = str(tmp_path / "shared")
     r = run_cli("convert", src, shared, "--from", fmt, *extra, "--processes", "3")
     assert r.returncode == 0, r.stdout + r.stderr

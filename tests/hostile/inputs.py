@@ -573,7 +573,7 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
     p = inp.path
     if name == "convert":
         shutil.rmtree(inp.out, ignore_errors=True)
-        jax_ucp.convert(p, inp.out, **inp.options)
+        jax_ucp.convert(p, inp.out, importing=_importing(inp), format=_format(inp))
         state["converted"] = True
         return ucp_digest(inp.out)
     if name == "verify-against":

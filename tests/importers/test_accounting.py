@@ -26,6 +26,7 @@ from jax_ucp._src.importers.megatron import legacy as megatron_legacy
 from jax_ucp._src.torchfiles import dcp as torch_dcp
 from jax_ucp._src.torchfiles import dcp_safetensors
 from jax_ucp._src.torchfiles.torch_zip import load_torch_file
+from jax_ucp.conversion import ImportOptions
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import REPO
 
@@ -200,7 +201,9 @@ def test_every_source_tensor_is_imported_or_skipped(tmp_path, importer, src, wei
     )
     if refused:
         with pytest.raises(jax_ucp.UCPError, match=refused):
-            jax_ucp.convert(src, str(tmp_path / "u"), weights_only=weights_only)
+            jax_ucp.convert(
+                src, str(tmp_path / "u"), importing=ImportOptions(weights_only=weights_only)
+            )
         assert not (tmp_path / "u").exists()
         return
     found = {
@@ -210,7 +213,11 @@ def test_every_source_tensor_is_imported_or_skipped(tmp_path, importer, src, wei
         "trainer": _safetensors_tensors,  # weights_only: safetensors + optimizer.pt as a unit
         "torch": _torch_tensors,
     }[importer](src)
-    manifest = jax_ucp.inspect(jax_ucp.convert(src, str(tmp_path / "u"), weights_only=weights_only))
+    manifest = jax_ucp.inspect(
+        jax_ucp.convert(
+            src, str(tmp_path / "u"), importing=ImportOptions(weights_only=weights_only)
+        )
+    )
     weights = [e for e in manifest.tensors if e.key[0] in ("params", "model_params")]
     named_like_optimizer = [e.key for e in weights if OPTIMIZER_WORDS.search("/".join(e.key[1:]))]
     assert named_like_optimizer == []

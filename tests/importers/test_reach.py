@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
+from jax_ucp.conversion import ImportOptions, MegatronOptions
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,7 +73,7 @@ def test_zero0_is_named_and_imports_weights_only(tmp_path):
     with pytest.raises(jax_ucp.UCPError, match=r"ZeRO stage 0 checkpoint.*--weights-only"):
         jax_ucp.convert(src, str(tmp_path / "refused"))
     assert not (tmp_path / "refused").exists()
-    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), weights_only=True)
+    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), importing=ImportOptions(weights_only=True))
     got = jax_ucp.restore(ckpt)
     assert sorted(got) == ["params"]
     ref = _ref("z0_fp32_dp2", "ref_module.npz")
@@ -88,7 +89,9 @@ def test_zero0_is_named_and_imports_weights_only(tmp_path):
 def test_weights_only_deepspeed(tmp_path):
     src = os.path.join(DS, "z2_bf16_dp2", "ckpt")
     full = jax_ucp.restore(jax_ucp.convert(src, str(tmp_path / "full")))
-    ckpt = jax_ucp.convert(src, str(tmp_path / "weights"), weights_only=True)
+    ckpt = jax_ucp.convert(
+        src, str(tmp_path / "weights"), importing=ImportOptions(weights_only=True)
+    )
     got = jax_ucp.restore(ckpt)
     assert sorted(got) == ["model_params", "params"]
     for name, value in full["params"].items():
@@ -131,7 +134,7 @@ def test_megatron_dp_reshardable_imports_with_its_optimizer_state(tmp_path, name
     original = megatron_dcp.open_dcp(src)
     optimizer = [n for n in original.tensors if n.startswith("optimizer.")]
     assert len(optimizer) == 3 * tp * pp * buckets  # what the fixture is meant to cover
-    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=61)
+    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=61))
     got = jax_ucp.restore(ckpt)
     model = [n for n in original.tensors if not n.startswith("optimizer.")]
     assert sorted(got["params"]) == sorted(model) and int(got["opt_state"]["count"]) == 2
@@ -154,7 +157,9 @@ def test_megatron_dp_reshardable_imports_with_its_optimizer_state(tmp_path, name
     source = jax_ucp.inspect(ckpt).source
     assert source["optimizer_layout"] == "dp_reshardable"
     # and the weights alone, as for any layout
-    weights = jax_ucp.convert(src, str(tmp_path / "w"), vocab_size=61, weights_only=True)
+    weights = jax_ucp.convert(
+        src, str(tmp_path / "w"), importing=MegatronOptions(vocab_size=61, weights_only=True)
+    )
     assert "opt_state" not in jax_ucp.restore(weights)
 
 
@@ -173,7 +178,7 @@ def test_megatron_dp_reshardable_bucket_sizes_are_checked(tmp_path, monkeypatch)
     with pytest.raises(
         jax_ucp.UCPError, match=r"bucket \d+ would end .* recorded|fill \d+ buckets"
     ):
-        jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=61)
+        jax_ucp.convert(src, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=61))
     assert not (tmp_path / "ucp").exists()
 
 
@@ -192,7 +197,7 @@ def test_megatron_dp_reshardable_with_a_wrong_layout_is_refused(tmp_path, monkey
     with pytest.raises(
         jax_ucp.UCPError, match=r"does not equal the model weight|would end .* recorded"
     ):
-        jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=61)
+        jax_ucp.convert(src, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=61))
     assert not (tmp_path / "ucp").exists()
 
 

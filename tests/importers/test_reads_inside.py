@@ -11,6 +11,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.format import files
+from jax_ucp.conversion import TorchOptions
 from tests.hostile.spy import watch_opens
 from tests.ucp_testing import REPO
 
@@ -56,7 +57,7 @@ def _options(source: str) -> dict:
     with np.load(os.path.join(FIXTURES, "hf_trainer", f"{kind}.truth.npz")) as z:
         names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
     norms = [n for n in names if n.endswith("norm.weight")]
-    return {"parameter_order": [n for n in names if n not in norms] + norms}
+    return {"importing": TorchOptions(parameter_order=[n for n in names if n not in norms] + norms)}
 
 
 @pytest.mark.timeout(120)

@@ -300,7 +300,7 @@ def test_no_importer_function_takes_the_common_fields_as_keywords():
 
     from jax_ucp._src import importers
 
-    fields = set(registry.OPTION_FIELDS) | {"share"}
+    fields = {f.name for i in registry.IMPORTERS.values() for f in dataclasses.fields(i.options)}
     offenders = []
     for info in pkgutil.walk_packages(importers.__path__, importers.__name__ + "."):
         module = importlib.import_module(info.name)

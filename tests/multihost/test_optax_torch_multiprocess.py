@@ -21,6 +21,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.store.zarr3 import READ_CACHE_BYTES
+from jax_ucp.conversion import TorchOptions
 from tests.ucp_testing import REPO, RSS_SAMPLER, run_workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -242,10 +243,14 @@ def test_optax_from_torch_on_two_processes_reads_and_holds_only_its_part(tmp_pat
     ):
         monkeypatch.delenv(name, raising=False)
     real = os.path.join(FIX, "trainer_fp32", "checkpoint-3")
-    small = jax_ucp.convert(real, tmp_path / "ucp", parameter_order=_trainer_order("trainer_fp32"))
+    small = jax_ucp.convert(
+        real,
+        tmp_path / "ucp",
+        importing=TorchOptions(parameter_order=_trainer_order("trainer_fp32")),
+    )
     groups = jax_ucp.inspect(small).source["optimizer"]["param_groups"]
     src, order = _big_trainer_synthetic(tmp_path, real, groups)
-    big = jax_ucp.convert(src, tmp_path / "ucp_big", parameter_order=order)
+    big = jax_ucp.convert(src, tmp_path / "ucp_big", importing=TorchOptions(parameter_order=order))
     truth = os.path.join(FIX, "trainer_fp32.truth.npz")
     results = run_workers(
         tmp_path,

@@ -221,7 +221,9 @@ def test_ucp_restore_reads_a_torch_source_through_orbax_args(tmp_path):
     src = os.path.join(FIXTURES, "torch", "fsdp2_fp32")
     handler = jax_ucp.UCPCheckpointHandler()
     got = handler.restore(src, args=jax_ucp.UCPRestore(importing=ImportOptions(weights_only=True)))
-    want = jax_ucp.restore(jax_ucp.convert(src, str(tmp_path / "ucp"), weights_only=True))
+    want = jax_ucp.restore(
+        jax_ucp.convert(src, str(tmp_path / "ucp"), importing=ImportOptions(weights_only=True))
+    )
     _equal(want, got)
     assert set(got) == {"params"}
 

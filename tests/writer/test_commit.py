@@ -189,7 +189,7 @@ def test_export_options_are_checked_once(tmp_path):
 
 
 def test_convert_options_are_checked_once(tmp_path):
-    from jax_ucp._src.conversion import ConvertOptions, convert_with
+    from jax_ucp._src.conversion import ConvertOptions
     from jax_ucp._src.importers.plan import ImportOptions
 
     with pytest.raises(ValueError, match=r"convert: step=-1: a non-negative int, or None"):
@@ -208,7 +208,7 @@ def test_convert_options_are_checked_once(tmp_path):
     from safetensors.numpy import save_file
 
     save_file({"w": np.arange(6, dtype=np.float32)}, str(src / "model.safetensors"))
-    out = convert_with(src, tmp_path / "run", ConvertOptions(step=5, memory_budget="1MiB"))
+    out = jax_ucp.convert(src, tmp_path / "run", step=5, memory_budget="1MiB")
     assert out == str(tmp_path / "run" / "5" / "state")
     assert_bit_exact(jax_ucp.restore(out)["params"]["w"], np.arange(6, dtype=np.float32))
 

@@ -14,6 +14,7 @@ import jax_ucp
 from jax_ucp._src import store, writer
 from jax_ucp._src.writer import checkpoint as host_checkpoint
 from jax_ucp._src.writer import shards
+from jax_ucp.conversion import MegatronOptions
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import REPO, peak_over_baseline, run_child, tree_files
 
@@ -196,13 +197,15 @@ def test_a_megatron_bucket_import_in_row_slabs_equals_the_default_one(
     monkeypatch.setattr(torch_dist.TorchDistReader, "read", weight_spy)
     src = os.path.join(MEGATRON, fixture)
     small = tmp_path / "small"
-    jax_ucp.convert(src, str(small), vocab_size=MEGATRON_VOCAB, memory_budget="2KiB")
+    jax_ucp.convert(
+        src, str(small), importing=MegatronOptions(vocab_size=MEGATRON_VOCAB), memory_budget="2KiB"
+    )
     slabs = [r for r in asked if r is not None]
     assert slabs and any(lo > 0 for lo, _ in slabs)  # rows read apart, not whole tensors
     assert weights and max(weights) <= 2 << 10, weights  # weights over it by rows, too
     asked.clear()
     default = tmp_path / "default"
-    jax_ucp.convert(src, str(default), vocab_size=MEGATRON_VOCAB)
+    jax_ucp.convert(src, str(default), importing=MegatronOptions(vocab_size=MEGATRON_VOCAB))
     assert asked and all(r is None for r in asked)
     _assert_same_checkpoint(small, default)
 
@@ -244,10 +247,12 @@ def test_a_megatron_legacy_import_in_row_slabs_equals_the_default_one(
     monkeypatch.setattr(shards.PipelinedWriter, "stream", stream_spy)
     src = os.path.join(MEGATRON, fixture)
     small, default = tmp_path / "small", tmp_path / "default"
-    jax_ucp.convert(src, str(small), vocab_size=MEGATRON_VOCAB, memory_budget="2KiB")
+    jax_ucp.convert(
+        src, str(small), importing=MegatronOptions(vocab_size=MEGATRON_VOCAB), memory_budget="2KiB"
+    )
     assert any(views) and any(streamed)  # several slabs for some tensors
     streamed.clear()
-    jax_ucp.convert(src, str(default), vocab_size=MEGATRON_VOCAB)
+    jax_ucp.convert(src, str(default), importing=MegatronOptions(vocab_size=MEGATRON_VOCAB))
     assert streamed == []
     _assert_same_checkpoint(small, default)
 

@@ -66,10 +66,6 @@ IMPORTERS: dict[str, Importer] = {
 }
 #: the formats (``format=``, ``--from``): what detection reports
 FORMATS = tuple(sorted({importer.format for importer in IMPORTERS.values()}))
-#: every import option some format takes (``share`` is the registry's, not the caller's)
-OPTION_FIELDS = tuple(
-    sorted({f.name for i in IMPORTERS.values() for f in dataclasses.fields(i.options)} - {"share"})
-)
 
 
 @dataclasses.dataclass(frozen=True)

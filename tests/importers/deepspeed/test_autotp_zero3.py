@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp.conversion import ImportOptions
 from tests.importers.deepspeed.test_autotp import check_against_the_run, same_bits
 from tests.ucp_testing import REPO
 
@@ -57,7 +58,9 @@ def test_autotp_zero3_missing_dp_rank_model_states_is_named(tmp_path):
 def test_autotp_zero3_weights_only(tmp_path):
     """weights_only: the merged fp32 masters and bf16 weights alone; the moments and the step
     named in source.skipped."""
-    jax_ucp.convert(os.path.join(RUN, "ckpt"), tmp_path / "u", weights_only=True)
+    jax_ucp.convert(
+        os.path.join(RUN, "ckpt"), tmp_path / "u", importing=ImportOptions(weights_only=True)
+    )
     tree = jax_ucp.restore(tmp_path / "u")
     assert sorted(tree) == ["model_params", "params"]
     ref = np.load(os.path.join(RUN, "ref_universal.npz"))

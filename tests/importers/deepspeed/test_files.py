@@ -18,6 +18,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.importers.deepspeed import files as deepspeed_files
+from jax_ucp.conversion import ImportOptions
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import REPO, assert_destination_untouched, copy_deepspeed_fixture
 
@@ -76,7 +77,9 @@ def test_bf16_optimizer_imports_exact_against_live_and_ds_to_universal(tmp_path)
 @pytest.mark.timeout(120)
 def test_bf16_optimizer_weights_only(tmp_path):
     dest = jax_ucp.convert(
-        os.path.join(FIXTURES, RUN, "ckpt"), str(tmp_path / "w"), weights_only=True
+        os.path.join(FIXTURES, RUN, "ckpt"),
+        str(tmp_path / "w"),
+        importing=ImportOptions(weights_only=True),
     )
     tree = jax_ucp.restore(dest)
     assert sorted(tree) == ["model_params", "params"]

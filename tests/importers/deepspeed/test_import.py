@@ -22,7 +22,7 @@ from jax_ucp._src.importers.deepspeed import is_deepspeed_checkpoint, open_deeps
 from jax_ucp._src.importers.deepspeed.zero import optimizer_step
 from jax_ucp._src.torchfiles import pickle_format, torch_zip
 from jax_ucp._src.torchfiles.allow_list import StandIn, TorchFileError
-from jax_ucp.conversion import convert
+from jax_ucp.conversion import MegatronOptions, convert
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import (
     FIXTURES,
@@ -549,7 +549,8 @@ def test_rank_files_linked_outside_are_refused(tmp_path, case):
     src = copy_fixture(tmp_path, rel, name=os.path.basename(rel))
     damage(src, tmp_path)
     dst = tmp_path / "out"
-    options = {"vocab_size": 61} if case.startswith("Megatron ") and "Bridge" not in case else {}
+    megatron = case.startswith("Megatron ") and "Bridge" not in case
+    options = {"importing": MegatronOptions(vocab_size=61)} if megatron else {}
     assert_convert_refused(src, dst, message, **options)
 
 
@@ -562,7 +563,7 @@ def test_rank_files_and_folders_linked_inside_read_exactly(tmp_path):
         (DS, {}, lambda src: _link_within(src, "global_step2", src / "kept")),
         (
             LEGACY,
-            {"vocab_size": 61},
+            {"importing": MegatronOptions(vocab_size=61)},
             lambda src: _link_within(
                 src, "iter_0000007/mp_rank_01_001/model_optim_rng.pt", src / "iter_0000007/kept"
             ),

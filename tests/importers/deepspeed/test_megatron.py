@@ -24,7 +24,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers.deepspeed import open_deepspeed_checkpoint
 from jax_ucp._src.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
-from jax_ucp.conversion import convert
+from jax_ucp.conversion import ImportOptions, convert
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import REPO, assert_destination_untouched, copy_deepspeed_fixture
 
@@ -279,7 +279,12 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
     info = real_load(os.path.join(src, TAG, "mp_rank_00_model_states.pt"))[
         "universal_checkpoint_info"
     ]
-    out = convert(src, tmp_path / "out2", format="deepspeed", spec=spec_from_ucp_info(info))
+    out = convert(
+        src,
+        tmp_path / "out2",
+        format="deepspeed",
+        importing=ImportOptions(spec=spec_from_ucp_info(info)),
+    )
     U = np.load(os.path.join(FIX, "megatron_ds_tp2_dp3_z2_fp32_synthetic", "ref_universal.npz"))
     got = jax_ucp.restore(out)
     for n, v in got["params"].items():
@@ -409,7 +414,9 @@ def test_spec_file_form(tmp_path):
     ]
     path = tmp_path / "spec.toml"
     dump_spec(spec_from_ucp_info(info), path)
-    got = jax_ucp.restore(jax_ucp.convert(src, tmp_path / "out", spec=str(path)))
+    got = jax_ucp.restore(
+        jax_ucp.convert(src, tmp_path / "out", importing=ImportOptions(spec=str(path)))
+    )
     U = np.load(os.path.join(FIX, name, "ref_universal.npz"))
     for n, v in got["opt_state"]["nu"].items():
         np.testing.assert_array_equal(v, U[f"{n}/exp_avg_sq"])

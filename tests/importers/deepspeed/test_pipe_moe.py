@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp.conversion import ImportOptions
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import (
     REPO,
@@ -98,7 +99,9 @@ def test_pipeline_weights_only(tmp_path):
     """``weights_only`` (refused before as if tensor-parallel): the weights alone."""
     run = "pipe_pp2_z1_bf16"
     dest = str(tmp_path / "u")
-    jax_ucp.convert(os.path.join(FIXTURES, run, "ckpt"), dest, weights_only=True)
+    jax_ucp.convert(
+        os.path.join(FIXTURES, run, "ckpt"), dest, importing=ImportOptions(weights_only=True)
+    )
     tree = jax_ucp.restore(dest)
     assert sorted(tree) == ["model_params", "params"]
     check_against_live(tree, os.path.join(FIXTURES, run, "live.npz"), weights_only=True)
@@ -185,7 +188,7 @@ def test_moe_zero0_imports_every_weight_and_the_moments(tmp_path):
         "expp_rank_1_mp_rank_00_optim_states.pt:optimizer.state.18.exp_avg_sq"
     ]
     # weights_only: the weights alone, every optimizer tensor listed as skipped
-    jax_ucp.convert(src, str(tmp_path / "w"), weights_only=True)
+    jax_ucp.convert(src, str(tmp_path / "w"), importing=ImportOptions(weights_only=True))
     weights = jax_ucp.restore(str(tmp_path / "w"))
     assert sorted(weights) == ["params"]
     check_against_live(weights, os.path.join(FIXTURES, run, "live.npz"), weights_only=True)
@@ -272,7 +275,7 @@ def test_moe_missing_expert_file_is_named(tmp_path, run):
         SourceError,
         match=r"layer_1_expert_1_mp_rank_00_model_states\.pt:.*expert 1 of MoE layer 1 \(2 experts\)",
     ):
-        jax_ucp.convert(src, str(tmp_path / "out"), weights_only=True)
+        jax_ucp.convert(src, str(tmp_path / "out"), importing=ImportOptions(weights_only=True))
     assert_destination_untouched(str(tmp_path / "out"))
 
 
@@ -284,7 +287,7 @@ def test_moe_missing_expert_parallel_optimizer_file_is_named(tmp_path):
         SourceError,
         match=r"expp_rank_1_mp_rank_00_optim_states\.pt:.*expert-parallel rank 1 \(expert parallel size 2\)",
     ):
-        jax_ucp.convert(src, str(tmp_path / "out"), weights_only=True)
+        jax_ucp.convert(src, str(tmp_path / "out"), importing=ImportOptions(weights_only=True))
     assert_destination_untouched(str(tmp_path / "out"))
 
 
@@ -317,7 +320,9 @@ def test_a_file_the_import_would_not_read_is_refused(tmp_path, run, stray):
             SourceError,
             match=rf"not read 1 of the folder's entries: \['{stray}'\]",
         ):
-            jax_ucp.convert(src, str(tmp_path / "out"), weights_only=weights_only)
+            jax_ucp.convert(
+                src, str(tmp_path / "out"), importing=ImportOptions(weights_only=weights_only)
+            )
         assert_destination_untouched(str(tmp_path / "out"))
 
 
@@ -358,9 +363,11 @@ def test_the_tag_folder_itself_is_a_source(tmp_path, run):
     ZeRO optimizer file, and was refused as "no DeepSpeed checkpoint here"."""
     tag = os.path.join(FIXTURES, run, "ckpt", "global_step2")
     dest = str(tmp_path / "u")
-    jax_ucp.convert(tag, dest, weights_only=run == "z0_fp32_dp2")
+    jax_ucp.convert(tag, dest, importing=ImportOptions(weights_only=run == "z0_fp32_dp2"))
     whole = str(tmp_path / "whole")
-    jax_ucp.convert(os.path.dirname(tag), whole, weights_only=run == "z0_fp32_dp2")
+    jax_ucp.convert(
+        os.path.dirname(tag), whole, importing=ImportOptions(weights_only=run == "z0_fp32_dp2")
+    )
     got, want = jax_ucp.restore(dest), jax_ucp.restore(whole)
     assert sorted(got["params"]) == sorted(want["params"])
     for name, value in want["params"].items():

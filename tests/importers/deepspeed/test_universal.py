@@ -127,7 +127,7 @@ def test_universal_tag_folder_and_tag_option(tmp_path):
 @pytest.mark.timeout(60)
 def test_universal_weights_only_lists_moments_and_step(tmp_path):
     src = os.path.join(FIXTURES, "z1_bf16_dp2", "universal")
-    jax_ucp.convert(src, tmp_path / "w", weights_only=True)
+    jax_ucp.convert(src, tmp_path / "w", importing=ImportOptions(weights_only=True))
     skipped = _manifest(tmp_path / "w")["source"]["skipped"]
     tree = jax_ucp.restore(tmp_path / "w")
     assert set(tree) == {"params", "model_params"}

@@ -8,6 +8,7 @@ import os
 import pytest
 
 import jax_ucp
+from jax_ucp.conversion import ImportOptions
 from tests.ucp_testing import FIXTURES as FIXTURES
 from tests.ucp_testing import copy_fixture as _copy
 
@@ -127,7 +128,10 @@ def test_weights_only_checks_the_masters_it_reads(tmp_path, name):
     raw[offset + master.nbytes // 2] ^= 0x40
     path.write_bytes(bytes(raw))
     assert_convert_refused(
-        src, tmp_path / "out", rf"{path.name}: member .*CRC-32 mismatch", weights_only=True
+        src,
+        tmp_path / "out",
+        rf"{path.name}: member .*CRC-32 mismatch",
+        importing=ImportOptions(weights_only=True),
     )
 
 
@@ -157,9 +161,13 @@ def test_weights_only_never_reads_the_moments(tmp_path, name):
     assert damaged >= 4  # two moments on each of the (at least two) ranks
     assert_convert_refused(src, tmp_path / "full", r"optim_states\.pt: member .*CRC-32 mismatch")
     want = jax_ucp.restore(
-        jax_ucp.convert(os.path.join(FIXTURES, rel), tmp_path / "a", weights_only=True)
+        jax_ucp.convert(
+            os.path.join(FIXTURES, rel), tmp_path / "a", importing=ImportOptions(weights_only=True)
+        )
     )
-    got = jax_ucp.restore(jax_ucp.convert(src, tmp_path / "b", weights_only=True))
+    got = jax_ucp.restore(
+        jax_ucp.convert(src, tmp_path / "b", importing=ImportOptions(weights_only=True))
+    )
     assert sorted(got) == sorted(want) == ["model_params", "params"]
     for tree in want:
         assert sorted(got[tree]) == sorted(want[tree])

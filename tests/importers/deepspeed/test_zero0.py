@@ -19,6 +19,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.importers.deepspeed import files as deepspeed_files
+from jax_ucp.conversion import ImportOptions
 from jax_ucp.errors import OptimizerOrderWarning, SourceError
 from tests.ucp_testing import REPO, assert_destination_untouched
 
@@ -79,7 +80,7 @@ def test_zero0_bf16_imports_masters_moments_and_step_exact(tmp_path):
 def test_zero0_bf16_weights_only_gives_the_fp32_masters(tmp_path):
     """``weights_only`` (before: the bf16 module weights as ``params``, nothing said): the fp32
     masters, and the bf16 weights as ``model_params``, as every other ZeRO import gives."""
-    dest = _convert(tmp_path / "w", weights_only=True)
+    dest = _convert(tmp_path / "w", importing=ImportOptions(weights_only=True))
     tree = jax_ucp.restore(dest)
     assert sorted(tree) == ["model_params", "params"]
     live = _live()
@@ -115,7 +116,7 @@ def test_zero0_bf16_without_masters_says_which_weights_were_taken(tmp_path, monk
 
     _altered(monkeypatch, drop)
     with pytest.warns(UserWarning, match=r"module weights in the run's bfloat16, not fp32 masters"):
-        dest = jax_ucp.convert(SRC, str(tmp_path / "w"), weights_only=True)
+        dest = jax_ucp.convert(SRC, str(tmp_path / "w"), importing=ImportOptions(weights_only=True))
     tree = jax_ucp.restore(dest)
     assert tree["params"]["wte.weight"].dtype == ml_dtypes.bfloat16
     notes = jax_ucp.inspect(dest).source["notes"]

@@ -21,6 +21,7 @@ from jax_ucp._src.importers.megatron import MegatronOptions
 from jax_ucp._src.importers.megatron import bridge as megatron_bridge
 from jax_ucp._src.importers.megatron.common import MegatronImportError
 from jax_ucp.cli import app
+from jax_ucp.conversion import ImportOptions
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,7 +166,7 @@ def test_weights_only_save_imports_bit_exact(tmp_path):
 
 
 def test_weights_only_import_names_every_optimizer_tensor(tmp_path):
-    ckpt = jax_ucp.convert(FULL, str(tmp_path / "ucp"), weights_only=True)
+    ckpt = jax_ucp.convert(FULL, str(tmp_path / "ucp"), importing=ImportOptions(weights_only=True))
     source = jax_ucp.inspect(ckpt).source
     skipped = source["skipped"]
     buffers = [n for n in skipped if n.startswith("optimizer.distributed.")]

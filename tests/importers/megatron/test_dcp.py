@@ -12,6 +12,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers.megatron import MegatronImportError, dcp
 from jax_ucp._src.torchfiles import dtypes, pickle_format, torch_zip
+from jax_ucp.conversion import MegatronOptions
 from tests.megatron_testing import (
     assert_bit_equal,
     assert_megatron_refused,
@@ -262,7 +263,7 @@ def test_tensor_never_read_beyond_its_chunks(tmp_path, edit, error, vocab_size):
         str(tmp_path / "out"),
         rf"tensor '{OUTPUT}' in \S+/\.metadata: .*{error}",
         error=MegatronImportError,
-        vocab_size=vocab_size,
+        importing=MegatronOptions(vocab_size=vocab_size),
     )
 
 

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ucp
 from jax_ucp._src.importers import registry
+from jax_ucp.conversion import ImportOptions, MegatronOptions
 from tests.importers.megatron.test_dcp import ExtraFile, read_layout, write_layout
 from tests.ucp_testing import REPO, assert_bit_exact, mesh
 
@@ -119,7 +120,7 @@ def test_restores_bit_exact_onto_a_mesh_and_through_convert(tmp_path, name, src)
 
 
 def test_weights_only_names_every_optimizer_tensor(tmp_path):
-    ckpt = jax_ucp.convert(SRC, str(tmp_path / "ucp"), weights_only=True)
+    ckpt = jax_ucp.convert(SRC, str(tmp_path / "ucp"), importing=ImportOptions(weights_only=True))
     got = jax_ucp.restore(ckpt)
     assert sorted(got) == ["params"]
     for k, v in reference()["params"].items():
@@ -131,7 +132,9 @@ def test_weights_only_names_every_optimizer_tensor(tmp_path):
 def test_vocab_padding_is_stripped_from_weights_and_moments(tmp_path):
     """vocab_size=61: the embedding's and output layer's 64 padded rows cut to 61 in the
     weight and both moments alike, from the chunks holding them."""
-    got = jax_ucp.restore(jax_ucp.convert(SRC, str(tmp_path / "ucp"), vocab_size=61))
+    got = jax_ucp.restore(
+        jax_ucp.convert(SRC, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=61))
+    )
     want = reference()
     for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
         assert_bit_exact(got["params"][k], want["params"][k][:61], k)
@@ -198,7 +201,12 @@ def test_a_damaged_layout_is_refused_by_name(tmp_path, case):
     assert not (tmp_path / "ucp").exists()
     if case != "virtual pipeline chunks":  # the weights alone are still read, and exactly
         got = jax_ucp.restore(
-            jax_ucp.convert(str(src), str(tmp_path / "w"), weights_only=True, format="megatron")
+            jax_ucp.convert(
+                str(src),
+                str(tmp_path / "w"),
+                importing=ImportOptions(weights_only=True),
+                format="megatron",
+            )
         )
         assert_bit_exact(got["params"][P0], reference()["params"][P0], P0)
 

@@ -18,7 +18,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.importers.megatron import MegatronImportError, dcp, detect_megatron
-from jax_ucp.conversion import convert
+from jax_ucp.conversion import ImportOptions, MegatronOptions, convert
 from tests.megatron_testing import (
     FIX,
     LEGACY,
@@ -46,7 +46,12 @@ def converted(tmp_path_factory):
 
     def get(name: str) -> str:
         if name not in cache:
-            cache[name] = convert(FIX / name, root / name, format="megatron", vocab_size=VOCAB)
+            cache[name] = convert(
+                FIX / name,
+                root / name,
+                format="megatron",
+                importing=MegatronOptions(vocab_size=VOCAB),
+            )
         return cache[name]
 
     return get
@@ -180,7 +185,7 @@ def test_vocab_size_from_spec_settings_and_step_and_progress(tmp_path):
         FIX / "gpt_pp2",
         tmp_path / "mgr",
         format="megatron",
-        spec=Spec(settings={"vocab_size": VOCAB}),
+        importing=ImportOptions(spec=Spec(settings={"vocab_size": VOCAB})),
         step=7,
         progress=lambda n, i, t: seen.append((n, i, t)),
     )
@@ -246,7 +251,9 @@ def test_legacy_missing_distrib_optim(tmp_path):
     with pytest.raises(
         MegatronImportError, match=r"missing shard file .*mp_rank_00_001/distrib_optim\.pt"
     ):
-        convert(src, tmp_path / "out", format="megatron", vocab_size=VOCAB)
+        convert(
+            src, tmp_path / "out", format="megatron", importing=MegatronOptions(vocab_size=VOCAB)
+        )
     assert_untouched(tmp_path / "out")
 
 
@@ -264,7 +271,7 @@ def test_legacy_distrib_optim_wrong_bucket_layout(tmp_path, monkeypatch):
             FIX / "legacy_gpt_distopt_pp2dp2_synthetic",
             tmp_path / "out",
             format="megatron",
-            vocab_size=VOCAB,
+            importing=MegatronOptions(vocab_size=VOCAB),
         )
     assert_untouched(tmp_path / "out")
 
@@ -367,10 +374,12 @@ def test_convert_detects_megatron_and_cli(tmp_path):
 
     from jax_ucp.cli import app
 
-    d = jax_ucp.convert(FIX / "llama_pp2", tmp_path / "a", vocab_size=VOCAB)
+    d = jax_ucp.convert(
+        FIX / "llama_pp2", tmp_path / "a", importing=MegatronOptions(vocab_size=VOCAB)
+    )
     assert jax_ucp.inspect(d).source["framework"] == "megatron"
     it_dir = FIX / "legacy_llama_tp2_synthetic" / "iter_0000007"
-    d = jax_ucp.convert(it_dir, tmp_path / "b", vocab_size=VOCAB)
+    d = jax_ucp.convert(it_dir, tmp_path / "b", importing=MegatronOptions(vocab_size=VOCAB))
     assert jax_ucp.inspect(d).source["iteration"] == 7
     res = CliRunner().invoke(
         app,
@@ -402,8 +411,7 @@ def test_legacy_with_shipped_spec_import_rules(tmp_path):
         FIX / "legacy_gpt_tp2pp2_synthetic",
         tmp_path / "o",
         format="megatron",
-        spec="megatron_gpt",
-        vocab_size=VOCAB,
+        importing=MegatronOptions(spec="megatron_gpt", vocab_size=VOCAB),
     )
     r = jax_ucp.restore(d)
     ref = load_reference("legacy_gpt_tp2pp2_synthetic")
@@ -450,7 +458,12 @@ def test_vocab_size_larger_than_padded(name, tmp_path):
     with pytest.raises(
         MegatronImportError, match=r"word_embeddings\.weight.*(fewer than|64 rows).*vocab_size=100"
     ):
-        convert(FIX / name, tmp_path / "out", format="megatron", vocab_size=100)
+        convert(
+            FIX / name,
+            tmp_path / "out",
+            format="megatron",
+            importing=MegatronOptions(vocab_size=100),
+        )
     assert_untouched(tmp_path / "out")
 
 
@@ -459,7 +472,7 @@ def test_missing_shard_file(tmp_path):
     (src / "__1_0.distcp").unlink()
     dest = tmp_path / "out"
     with pytest.raises(MegatronImportError, match=r"tensor '.+'.*__1_0\.distcp is missing"):
-        convert(src, dest, format="megatron", vocab_size=VOCAB)
+        convert(src, dest, format="megatron", importing=MegatronOptions(vocab_size=VOCAB))
     assert_untouched(dest)
 
 
@@ -472,7 +485,7 @@ def test_metadata_references_absent_file(tmp_path):
     with pytest.raises(
         MegatronImportError, match=r"tensor '.+'.*__7_7\.distcp is missing.*\.metadata"
     ):
-        convert(src, dest, format="megatron", vocab_size=VOCAB)
+        convert(src, dest, format="megatron", importing=MegatronOptions(vocab_size=VOCAB))
     assert_untouched(dest)
 
 
@@ -482,7 +495,7 @@ def test_truncated_shard_file(tmp_path):
     f.write_bytes(f.read_bytes()[:1000])
     dest = tmp_path / "out"
     with pytest.raises(MegatronImportError, match=r"__0_0\.distcp has 1000 bytes.*truncated"):
-        convert(src, dest, format="megatron", vocab_size=VOCAB)
+        convert(src, dest, format="megatron", importing=MegatronOptions(vocab_size=VOCAB))
     assert_untouched(dest)
 
 
@@ -507,7 +520,9 @@ def test_incomplete_shard_coverage(tmp_path, monkeypatch):
     _patched_open(monkeypatch, drop)
     dest = tmp_path / "out"
     with pytest.raises(MegatronImportError, match=rf"tensor '{name}'.*incomplete shard coverage"):
-        convert(FIX / "gpt_tp2", dest, format="megatron", vocab_size=VOCAB)
+        convert(
+            FIX / "gpt_tp2", dest, format="megatron", importing=MegatronOptions(vocab_size=VOCAB)
+        )
     assert_untouched(dest)
 
 
@@ -525,7 +540,9 @@ def test_overlapping_shards(tmp_path, monkeypatch):
     with pytest.raises(
         MegatronImportError, match=rf"tensor '{name}': overlapping shards.*__0_0.distcp"
     ):
-        convert(FIX / "gpt_tp2", dest, format="megatron", vocab_size=VOCAB)
+        convert(
+            FIX / "gpt_tp2", dest, format="megatron", importing=MegatronOptions(vocab_size=VOCAB)
+        )
     assert_untouched(dest)
 
 
@@ -549,7 +566,12 @@ def test_chunk_shape_disagreement(tmp_path, monkeypatch):
         match=rf"tensor '{name}' chunk at offsets \[0\] in .*distcp: shape disagreement: "
         r"metadata says \[32\], bytes hold \[32, 32\]",
     ):
-        convert(FIX / "gpt_tp2", tmp_path / "out", format="megatron", vocab_size=VOCAB)
+        convert(
+            FIX / "gpt_tp2",
+            tmp_path / "out",
+            format="megatron",
+            importing=MegatronOptions(vocab_size=VOCAB),
+        )
     assert_untouched(tmp_path / "out")
 
 
@@ -586,7 +608,7 @@ def test_dtype_disagreement_on_disk(tmp_path):
         # the storage's bytes are those of float32 values: twice what int16 storage needs
         match=r"'.+' chunk .*/__1_0\.distcp:.*expected \d+ bytes \(\d+ x int16\), member holds",
     ):
-        convert(src, dest, format="megatron", vocab_size=VOCAB)
+        convert(src, dest, format="megatron", importing=MegatronOptions(vocab_size=VOCAB))
     assert_untouched(dest)
 
 
@@ -594,19 +616,29 @@ def test_failed_import_leaves_existing_destination(tmp_path):
     src = copy_megatron_fixture("gpt_tp2", tmp_path)
     (src / "__0_1.distcp").unlink()
     dest = tmp_path / "out"
-    convert(FIX / "gpt_tp2", dest, format="megatron", vocab_size=VOCAB)
+    convert(FIX / "gpt_tp2", dest, format="megatron", importing=MegatronOptions(vocab_size=VOCAB))
     before = (dest / "ucp.json").read_bytes()
     with pytest.raises(MegatronImportError):
-        convert(src, dest, format="megatron", vocab_size=VOCAB, force=True)
+        convert(
+            src, dest, format="megatron", importing=MegatronOptions(vocab_size=VOCAB), force=True
+        )
     assert (dest / "ucp.json").read_bytes() == before  # the earlier import, whole
     assert jax_ucp.verify(dest) == []
     with pytest.raises(FileExistsError):
-        convert(FIX / "gpt_tp2", dest, format="megatron", vocab_size=VOCAB)
+        convert(
+            FIX / "gpt_tp2", dest, format="megatron", importing=MegatronOptions(vocab_size=VOCAB)
+        )
     user = tmp_path / "user"  # a folder that is not a checkpoint: refused untouched, even forced
     user.mkdir()
     (user / "keep.txt").write_text("x")
     with pytest.raises(jax_ucp.SaveConflictError, match=r"keep.txt"):
-        convert(FIX / "gpt_tp2", user, format="megatron", vocab_size=VOCAB, force=True)
+        convert(
+            FIX / "gpt_tp2",
+            user,
+            format="megatron",
+            importing=MegatronOptions(vocab_size=VOCAB),
+            force=True,
+        )
     assert (user / "keep.txt").read_text() == "x"
 
 
@@ -632,7 +664,12 @@ def test_unknown_transform_descriptor_rejected_by_name(tmp_path, monkeypatch):
         MegatronImportError,
         match=rf"tensor '{name}'.*unsupported transform descriptor 'stream.lz4/1'",
     ):
-        convert(FIX / "gpt_tp2", tmp_path / "out", format="megatron", vocab_size=VOCAB)
+        convert(
+            FIX / "gpt_tp2",
+            tmp_path / "out",
+            format="megatron",
+            importing=MegatronOptions(vocab_size=VOCAB),
+        )
     assert_untouched(tmp_path / "out")
 
 
@@ -643,7 +680,9 @@ def test_metadata_pickle_with_code_is_refused(tmp_path):
     with pytest.raises(
         MegatronImportError, match=r"\.metadata.*refusing to load global 'os.system'"
     ):
-        convert(src, tmp_path / "out", format="megatron", vocab_size=VOCAB)
+        convert(
+            src, tmp_path / "out", format="megatron", importing=MegatronOptions(vocab_size=VOCAB)
+        )
     assert not marker.exists()
     assert_untouched(tmp_path / "out")
 
@@ -659,14 +698,21 @@ def test_unsupported_optimizer_layout_named(tmp_path, monkeypatch):
         match=r"optimizer\.distributed\.dp_group_idx_0.*supported .*'fully_reshardable'.*"
         r"weights_only",
     ):
-        convert(FIX / "gpt_distopt_dp2", tmp_path / "out", format="megatron", vocab_size=VOCAB)
+        convert(
+            FIX / "gpt_distopt_dp2",
+            tmp_path / "out",
+            format="megatron",
+            importing=MegatronOptions(vocab_size=VOCAB),
+        )
 
 
 def test_legacy_missing_rank(tmp_path):
     src = copy_megatron_fixture("legacy_gpt_tp2pp2_synthetic", tmp_path)
     shutil.rmtree(src / "iter_0000007" / "mp_rank_01_001")
     with pytest.raises(MegatronImportError, match=r"missing rank directory .*mp_rank_01_001"):
-        convert(src, tmp_path / "out", format="megatron", vocab_size=VOCAB)
+        convert(
+            src, tmp_path / "out", format="megatron", importing=MegatronOptions(vocab_size=VOCAB)
+        )
     assert_untouched(tmp_path / "out")
 
 
@@ -676,11 +722,15 @@ def test_legacy_missing_file_and_bad_tracker(tmp_path):
     with pytest.raises(
         MegatronImportError, match=r"missing shard file .*mp_rank_01/model_optim_rng\.pt"
     ):
-        convert(src, tmp_path / "out", format="megatron", vocab_size=VOCAB)
+        convert(
+            src, tmp_path / "out", format="megatron", importing=MegatronOptions(vocab_size=VOCAB)
+        )
     (src / "latest_checkpointed_iteration.txt").write_text("9")
     # a tracker file that names no iteration is this checkpoint gone wrong, said as such
     with pytest.raises(MegatronImportError, match=r"names iteration 9 but .*iter_0000009 does not"):
-        convert(src, tmp_path / "out", format="megatron", vocab_size=VOCAB)
+        convert(
+            src, tmp_path / "out", format="megatron", importing=MegatronOptions(vocab_size=VOCAB)
+        )
 
 
 def test_legacy_old_qkv_ordering_refused(tmp_path, monkeypatch):
@@ -701,7 +751,7 @@ def test_legacy_old_qkv_ordering_refused(tmp_path, monkeypatch):
             FIX / "legacy_llama_tp2_synthetic",
             tmp_path / "out",
             format="megatron",
-            vocab_size=VOCAB,
+            importing=MegatronOptions(vocab_size=VOCAB),
         )
 
 
@@ -725,6 +775,6 @@ def test_legacy_tp_ranks_disagree_on_replicated_tensor(tmp_path, monkeypatch):
             FIX / "legacy_llama_tp2_synthetic",
             tmp_path / "out",
             format="megatron",
-            vocab_size=VOCAB,
+            importing=MegatronOptions(vocab_size=VOCAB),
         )
     assert_untouched(tmp_path / "out")

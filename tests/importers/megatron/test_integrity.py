@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp.conversion import MegatronOptions
 from jax_ucp.errors import SourceError, UnsafeFileError
 from tests.ucp_testing import REPO
 
@@ -40,8 +41,12 @@ def _write(src, record) -> None:
 
 def test_a_checkpoint_with_its_record_imports_bit_exact_and_says_it_was_checked(tmp_path):
     """Same seed as 0.19.2/gpt_tp2 (no record): the same weights bit for bit."""
-    got = jax_ucp.restore(jax_ucp.convert(FIX, tmp_path / "a", vocab_size=VOCAB))
-    plain = jax_ucp.convert(os.path.join(ROOT, "gpt_tp2"), tmp_path / "b", vocab_size=VOCAB)
+    got = jax_ucp.restore(
+        jax_ucp.convert(FIX, tmp_path / "a", importing=MegatronOptions(vocab_size=VOCAB))
+    )
+    plain = jax_ucp.convert(
+        os.path.join(ROOT, "gpt_tp2"), tmp_path / "b", importing=MegatronOptions(vocab_size=VOCAB)
+    )
     want = jax_ucp.restore(plain)
     assert sorted(got["params"]) == sorted(want["params"])
     for key, value in want["params"].items():
@@ -57,7 +62,7 @@ def test_a_flipped_byte_the_record_vouches_against_is_an_error_naming_the_file(s
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(SourceError, match=r"__1_0\.distcp: SHA-256 .*integrity\.json records"):
-        jax_ucp.convert(src, tmp_path / "out", vocab_size=VOCAB)
+        jax_ucp.convert(src, tmp_path / "out", importing=MegatronOptions(vocab_size=VOCAB))
     assert not os.path.exists(tmp_path / "out")
 
 
@@ -66,7 +71,7 @@ def test_a_file_the_import_reads_but_the_record_does_not_list_is_refused(src, tm
     del record["files"]["__0_0.distcp"]
     _write(src, record)
     with pytest.raises(SourceError, match=r"integrity\.json: does not list __0_0\.distcp"):
-        jax_ucp.convert(src, tmp_path / "out", vocab_size=VOCAB)
+        jax_ucp.convert(src, tmp_path / "out", importing=MegatronOptions(vocab_size=VOCAB))
 
 
 def test_a_listed_file_that_is_gone_is_an_error_naming_it(src, tmp_path):
@@ -74,7 +79,7 @@ def test_a_listed_file_that_is_gone_is_an_error_naming_it(src, tmp_path):
     record["files"]["common.pt"] = "0" * 64
     _write(src, record)
     with pytest.raises(SourceError, match=r"common\.pt: listed in integrity\.json but missing"):
-        jax_ucp.convert(src, tmp_path / "out", vocab_size=VOCAB)
+        jax_ucp.convert(src, tmp_path / "out", importing=MegatronOptions(vocab_size=VOCAB))
 
 
 @pytest.mark.parametrize(
@@ -91,7 +96,7 @@ def test_a_record_that_is_not_megatron_cores_is_refused_naming_what(src, tmp_pat
     edit(record)
     _write(src, record)
     with pytest.raises(SourceError, match=rf"integrity\.json: .*{says}"):
-        jax_ucp.convert(src, tmp_path / "out", vocab_size=VOCAB)
+        jax_ucp.convert(src, tmp_path / "out", importing=MegatronOptions(vocab_size=VOCAB))
 
 
 def test_a_record_naming_a_file_outside_the_folder_is_refused(src, tmp_path):
@@ -100,7 +105,7 @@ def test_a_record_naming_a_file_outside_the_folder_is_refused(src, tmp_path):
     record["files"]["../decoy"] = "0" * 64
     _write(src, record)
     with pytest.raises(UnsafeFileError, match=r"\.\./decoy"):
-        jax_ucp.convert(src, tmp_path / "out", vocab_size=VOCAB)
+        jax_ucp.convert(src, tmp_path / "out", importing=MegatronOptions(vocab_size=VOCAB))
 
 
 @pytest.mark.parametrize("kind", ["nan", "fifo", "link"])
@@ -116,7 +121,7 @@ def test_a_record_that_is_no_json_file_is_refused(src, tmp_path, kind):
             (tmp_path / "elsewhere.json").write_text(json.dumps(_record(FIX_PATH)))
             os.symlink(tmp_path / "elsewhere.json", path)
     with pytest.raises((SourceError, UnsafeFileError), match=r"integrity\.json"):
-        jax_ucp.convert(src, tmp_path / "out", vocab_size=VOCAB)
+        jax_ucp.convert(src, tmp_path / "out", importing=MegatronOptions(vocab_size=VOCAB))
 
 
 FIX_PATH = __import__("pathlib").Path(FIX)

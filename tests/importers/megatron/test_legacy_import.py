@@ -9,6 +9,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers.megatron import MegatronImportError
 from jax_ucp._src.torchfiles import pickle_format, torch_zip
+from jax_ucp.conversion import MegatronOptions
 from jax_ucp.errors import SourceError
 from tests.megatron_testing import (
     FIX,
@@ -113,15 +114,21 @@ def test_legacy_rank_that_does_not_fit_is_a_clear_error(tmp_path, case):
     _rewrite_rank(src / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt", edit)
     dest = tmp_path / "out"
     if error is None:
-        got = jax_ucp.restore(jax_ucp.convert(str(src), str(dest), vocab_size=61))["params"]
+        got = jax_ucp.restore(
+            jax_ucp.convert(str(src), str(dest), importing=MegatronOptions(vocab_size=61))
+        )["params"]
         original = FIX / LEGACY_LLAMA
-        ref = jax_ucp.restore(jax_ucp.convert(str(original), str(tmp_path / "ref"), vocab_size=61))
+        ref = jax_ucp.restore(
+            jax_ucp.convert(
+                str(original), str(tmp_path / "ref"), importing=MegatronOptions(vocab_size=61)
+            )
+        )
         assert sorted(got) == sorted(ref["params"]) and len(got) == 15
         for name, want in ref["params"].items():
             assert_bit_equal(got[name], want, name)
         return
     with pytest.raises(MegatronImportError, match=error):
-        jax_ucp.convert(str(src), str(dest), vocab_size=61)
+        jax_ucp.convert(str(src), str(dest), importing=MegatronOptions(vocab_size=61))
     assert_untouched(dest)
 
 
@@ -152,13 +159,17 @@ def test_legacy_non_distributed_optimizer_state_is_refused_or_listed(tmp_path):
         r"tensors, e\.g\. 'mp_rank_00/model_optim_rng\.pt:optimizer\.optimizer\.state\.0\."
         r"exp_avg'\), which is not supported \(only the distributed "
         r"optimizer's distrib_optim\.pt is read\)\. To import the model weights without the "
-        r"optimizer state: convert\(\.\.\., weights_only=True\)",
+        r"optimizer state: convert\(\.\.\., importing=ImportOptions\(weights_only=True\)\)",
     ):
-        jax_ucp.convert(str(src), str(dest), vocab_size=61)
+        jax_ucp.convert(str(src), str(dest), importing=MegatronOptions(vocab_size=61))
     assert_untouched(dest)
-    ckpt = jax_ucp.convert(str(src), str(dest), vocab_size=61, weights_only=True)
+    ckpt = jax_ucp.convert(
+        str(src), str(dest), importing=MegatronOptions(vocab_size=61, weights_only=True)
+    )
     ref = jax_ucp.restore(
-        jax_ucp.convert(str(FIX / LEGACY_LLAMA), str(tmp_path / "ref"), vocab_size=61)
+        jax_ucp.convert(
+            str(FIX / LEGACY_LLAMA), str(tmp_path / "ref"), importing=MegatronOptions(vocab_size=61)
+        )
     )
     got = jax_ucp.restore(ckpt)
     assert sorted(got) == ["params"] and sorted(got["params"]) == sorted(ref["params"])
@@ -196,7 +207,7 @@ def test_legacy_tensor_the_importer_does_not_know_commits_nothing(tmp_path):
         r"'mp_rank_00/model_optim_rng\.pt:model\.decoder\.extra\.0', "
         r"'mp_rank_01/model_optim_rng\.pt:grad_norms', .*Nothing was committed",
     ):
-        jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
+        jax_ucp.convert(str(src), str(tmp_path / "out"), importing=MegatronOptions(vocab_size=61))
     assert_untouched(tmp_path / "out")
 
 
@@ -208,7 +219,9 @@ def test_legacy_extra_state_tensor_is_listed_not_imported(tmp_path):
     src = _legacy_with(
         tmp_path, lambda model: model.__setitem__(name, np.arange(8, dtype=np.uint8)), None
     )
-    ckpt = jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
+    ckpt = jax_ucp.convert(
+        str(src), str(tmp_path / "out"), importing=MegatronOptions(vocab_size=61)
+    )
     assert name not in jax_ucp.restore(ckpt)["params"]
     skipped = jax_ucp.inspect(ckpt).source["skipped"]
     assert skipped == {
@@ -240,7 +253,9 @@ def test_legacy_expert_parallel_distrib_optim_is_refused_or_listed(tmp_path):
         r"iter_0000007: distrib_optim\.pt with expert-parallel experts is not supported\. "
         r"To import the model weights without the optimizer state",
     )
-    ckpt = jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61, weights_only=True)
+    ckpt = jax_ucp.convert(
+        str(src), str(tmp_path / "out"), importing=MegatronOptions(vocab_size=61, weights_only=True)
+    )
     skipped = jax_ucp.inspect(ckpt).source["skipped"]
     assert {k: v for k, v in skipped.items() if "distrib_optim" in k} == {
         f"{rank}/distrib_optim.pt:0.f32.param": f"weights_only: optimizer state ({rank}/distrib_optim.pt)"

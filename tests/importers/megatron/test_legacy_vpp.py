@@ -19,7 +19,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.importers.megatron import legacy as megatron_legacy
-from jax_ucp.conversion import convert
+from jax_ucp.conversion import ImportOptions, convert
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import REPO
 
@@ -42,7 +42,12 @@ def _check_truth(out: Path) -> dict:
 @pytest.mark.parametrize("weights_only", [False, True])
 def test_vpp_legacy_imports_every_layer_in_place(tmp_path, weights_only):
     source = _check_truth(
-        convert(FIX / NAME, tmp_path / "o", format="megatron", weights_only=weights_only)
+        convert(
+            FIX / NAME,
+            tmp_path / "o",
+            format="megatron",
+            importing=ImportOptions(weights_only=weights_only),
+        )
     )
     assert (source["pp"], source["virtual_pipeline"], source["tp"]) == (2, 2, 1)
     assert sorted(source["skipped"]) == [
@@ -113,7 +118,9 @@ def test_vpp_distributed_optimizer_bit_exact(tmp_path):
 def test_vpp_distributed_optimizer_weights_only(tmp_path):
     source = _check_truth(convert(FIX / NAME, tmp_path / "plain", format="megatron"))
     assert set(jax_ucp.restore(tmp_path / "plain")) == {"params"}
-    out = convert(FIX / DISTOPT, tmp_path / "w", format="megatron", weights_only=True)
+    out = convert(
+        FIX / DISTOPT, tmp_path / "w", format="megatron", importing=ImportOptions(weights_only=True)
+    )
     tree = jax_ucp.restore(out)
     assert set(tree) == {"params"}
     with open(Path(out) / "ucp.json") as f:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jax_ucp.conversion import MegatronOptions
 from tests.megatron_testing import FIX, LEGACY, TORCH_DIST, VOCAB, assert_bit_equal, load_reference
 from tests.ucp_testing import REPO
 
@@ -95,7 +96,12 @@ def test_regenerate_and_import_live(tmp_path):
         committed = load_reference(name)
         for k in committed:
             assert_regenerated(live[k], committed[k], k, f"regenerated {name}:{k}", name)
-        d = convert(out / name, tmp_path / f"ucp_{name}", format="megatron", vocab_size=VOCAB)
+        d = convert(
+            out / name,
+            tmp_path / f"ucp_{name}",
+            format="megatron",
+            importing=MegatronOptions(vocab_size=VOCAB),
+        )
         got = jax_ucp.restore(d)
         opt = any(k.startswith("optimizer.") for k in live)
         for k, v in got["params"].items():
@@ -141,7 +147,11 @@ def test_dp_reshardable_with_buckets_live(tmp_path):
         env=env,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    got = jax_ucp.restore(jax_ucp.convert(str(out / name), str(tmp_path / "ucp"), vocab_size=VOCAB))
+    got = jax_ucp.restore(
+        jax_ucp.convert(
+            str(out / name), str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=VOCAB)
+        )
+    )
     truth = np.load(out / f"{name}.truth.npz")
     committed = np.load(
         FIX / "mcore_versions" / "0.16.1" / "llama_distopt_bf16_tp2dp2_buckets.truth.npz"
@@ -178,7 +188,11 @@ def test_moe_distributed_optimizer_live(tmp_path, name):
         env=env,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    got = jax_ucp.restore(jax_ucp.convert(str(out / name), str(tmp_path / "ucp"), vocab_size=VOCAB))
+    got = jax_ucp.restore(
+        jax_ucp.convert(
+            str(out / name), str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=VOCAB)
+        )
+    )
     truth = np.load(out / f"{name}.truth.npz")
     committed = np.load(FIX / "mcore_versions" / "0.16.1" / f"{name}_dp_reshardable.truth.npz")
     assert sorted(truth.files) == sorted(committed.files)

@@ -36,6 +36,7 @@ import jax_ucp
 from jax_ucp._src.importers.megatron import MegatronImportError
 from jax_ucp._src.importers.megatron import dcp as megatron_dcp
 from jax_ucp._src.torchfiles import torch_zip
+from jax_ucp.conversion import ImportOptions, MegatronOptions
 from tests.importers.megatron.test_dcp import ExtraFile, read_layout, write_layout
 from tests.megatron_testing import (
     assert_bit_equal,
@@ -105,7 +106,7 @@ def test_moe_distributed_optimizer_imports_bit_exact(tmp_path, name):
     optimizer = [n for n in original.tensors if "optimizer." in n]
     assert len(optimizer) == count  # what the fixture is meant to cover
     assert any(".mlp.experts.experts.linear_fc1.weight" in n for n in model)
-    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB)
+    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=VOCAB))
     source = jax_ucp.inspect(ckpt).source
     assert source["optimizer_layout"] == layout
     # a float32 run: the masters are params/, every model weight named as skipped for them;
@@ -136,7 +137,9 @@ def test_moe_model_weights_match_torch_consolidation(tmp_path):
     every optimizer tensor of both ChainedOptimizer members listed in source.skipped."""
     name = "moe_distopt_ep2_dp_reshardable"
     src = os.path.join(ROOT, name)
-    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB, weights_only=True)
+    ckpt = jax_ucp.convert(
+        src, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=VOCAB, weights_only=True)
+    )
     got = jax_ucp.restore(ckpt)
     ref = np.load(src + ".consolidated.npz")
     model = {k: ref[k] for k in ref.files if "optimizer." not in k and k != "__bfloat16_keys__"}
@@ -167,7 +170,9 @@ def test_moe_expert_state_of_swapped_expert_ranks_is_refused(tmp_path, name):
         MegatronImportError,
         match=r"'decoder\.layers\.mlp\.experts\.experts\.linear_fc2\.weight': the fp32 master.*dp_reshardable.*model weight",
     ):
-        jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=VOCAB)
+        jax_ucp.convert(
+            str(src), str(tmp_path / "out"), importing=MegatronOptions(vocab_size=VOCAB)
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -184,7 +189,9 @@ def test_grouped_experts_weights_only(tmp_path, name):
     """weights_only on the grouped-GEMM runs: the model weights as saved (a float32 run: equal
     to the live fp32 masters), every optimizer tensor listed in source.skipped."""
     src = os.path.join(ROOT, name)
-    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB, weights_only=True)
+    ckpt = jax_ucp.convert(
+        src, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=VOCAB, weights_only=True)
+    )
     got = jax_ucp.restore(ckpt)
     truth = np.load(src + ".truth.npz")
     masters = {
@@ -225,7 +232,7 @@ def test_grouped_experts_are_not_read_as_sequential(monkeypatch, tmp_path):
         jax_ucp.convert(
             os.path.join(ROOT, "moe_grouped_distopt_ep2_dp_reshardable"),
             str(tmp_path / "out"),
-            vocab_size=VOCAB,
+            importing=MegatronOptions(vocab_size=VOCAB),
         )
     assert not (tmp_path / "out").exists()
 
@@ -297,9 +304,9 @@ def test_synthetic_moe_chained_optimizer_of_another_layout_is_refused(tmp_path):
         MegatronImportError,
         match=r"\.metadata \(model-parallel rank 0\): bucket 0 would end after "
         r"'embedding\.word_embeddings\.weight' at element 7488, but megatron-core recorded 6208 "
-        r".*convert\(\.\.\., weights_only=True\) / jax-ucp convert --weights-only",
+        r".*convert\(\.\.\., importing=ImportOptions\(weights_only=True\)\) / jax-ucp convert --weights-only",
     ):
-        jax_ucp.convert(str(src), str(dest), vocab_size=61)
+        jax_ucp.convert(str(src), str(dest), importing=MegatronOptions(vocab_size=61))
     assert_untouched(dest)
 
 
@@ -311,7 +318,9 @@ def test_synthetic_moe_chained_optimizer_weights_only_lists_every_optimizer_tens
     """weights_only=True: the model weights exactly as saved, nothing else under params/, and
     every optimizer tensor named in source.skipped with its reason."""
     src, added = _chained_moe(tmp_path, layout)
-    ckpt = jax_ucp.convert(str(src), str(tmp_path / "ucp"), weights_only=True)
+    ckpt = jax_ucp.convert(
+        str(src), str(tmp_path / "ucp"), importing=ImportOptions(weights_only=True)
+    )
     got = jax_ucp.restore(ckpt)
     ref = load_reference("moe_ep2")
     assert sorted(got) == ["params"] and sorted(got["params"]) == sorted(ref)

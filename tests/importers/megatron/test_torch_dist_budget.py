@@ -10,6 +10,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.importers.megatron import rank_states, torch_dist
+from jax_ucp.conversion import MegatronOptions
 from tests.ucp_testing import tree_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -46,7 +47,7 @@ def test_no_model_weight_is_kept_once_its_copy_is_written(tmp_path, monkeypatch)
 
     monkeypatch.setattr(torch_dist.ModelWeight, "__init__", init_spy)
     monkeypatch.setattr(torch_dist.ModelWeight, "get", get_spy)
-    jax_ucp.convert(SRC, tmp_path / "ucp", vocab_size=VOCAB)
+    jax_ucp.convert(SRC, tmp_path / "ucp", importing=MegatronOptions(vocab_size=VOCAB))
     assert len(made) > 5 and read
     assert [w.name for w in made if w.value is not None] == []
 
@@ -66,11 +67,13 @@ def test_a_whole_state_read_in_row_blocks_is_the_same_checkpoint(tmp_path, monke
         return flat(self, rank, bucket, state, start, end)
 
     monkeypatch.setattr(distopt.BucketStates, "flat", flat_spy)
-    default = jax_ucp.convert(SRC, tmp_path / "default", vocab_size=VOCAB)
+    default = jax_ucp.convert(
+        SRC, tmp_path / "default", importing=MegatronOptions(vocab_size=VOCAB)
+    )
     whole = list(ranges)
     ranges.clear()
     monkeypatch.setattr(rank_states, "BLOCK_BYTES", 256)
-    small = jax_ucp.convert(SRC, tmp_path / "small", vocab_size=VOCAB)
+    small = jax_ucp.convert(SRC, tmp_path / "small", importing=MegatronOptions(vocab_size=VOCAB))
     assert len(ranges) > 2 * len(whole), (len(ranges), len(whole))
     assert sum(ranges) == sum(whole)  # every element read once either way
     assert tree_files(small, skip=("ucp.json",)) == tree_files(default, skip=("ucp.json",))

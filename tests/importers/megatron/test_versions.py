@@ -12,6 +12,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.importers.megatron import dcp as megatron_dcp
+from jax_ucp.conversion import MegatronOptions
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,7 +51,9 @@ def _stripped(name: str, value: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("version, name", CASES)
 def test_older_megatron_core_checkpoints_import_bit_exact(tmp_path, version, name):
     ckpt = jax_ucp.convert(
-        os.path.join(ROOT, version, name), str(tmp_path / "ucp"), vocab_size=VOCAB
+        os.path.join(ROOT, version, name),
+        str(tmp_path / "ucp"),
+        importing=MegatronOptions(vocab_size=VOCAB),
     )
     got = jax_ucp.restore(ckpt)
     ref = _reference(version, name)
@@ -122,7 +125,9 @@ def test_megatron_core_013_to_016_optimizer_layouts_import_bit_exact(tmp_path, n
         assert len(states) == count and not any(
             n.startswith("optimizer.") for n in original.tensors
         )
-        ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB)
+        ckpt = jax_ucp.convert(
+            src, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=VOCAB)
+        )
         assert jax_ucp.inspect(ckpt).source["optimizer_layout"] == "dp_zero_gather_scatter"
         got = jax_ucp.restore(ckpt)
         _compare_to_truth(src, got, model, original, dtype)
@@ -134,7 +139,9 @@ def test_megatron_core_013_to_016_optimizer_layouts_import_bit_exact(tmp_path, n
         len(original.tensors[n].shape) == len(original.tensors[n.split(".", 3)[3]].shape) + 1
         for n in optimizer
     )
-    got = jax_ucp.restore(jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB))
+    got = jax_ucp.restore(
+        jax_ucp.convert(src, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=VOCAB))
+    )
     _compare_to_truth(src, got, model, original, dtype)
 
 
@@ -164,7 +171,7 @@ def test_dp_zero_gather_scatter_with_a_wrong_layout_is_refused(tmp_path, monkeyp
     )
     src = os.path.join(ROOT, "0.13.1", "gpt_distopt_dp_zero_gather_scatter")
     with pytest.raises(jax_ucp.UCPError, match=r"param_state.*holds \d+ elements.*lay out to"):
-        jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB)
+        jax_ucp.convert(src, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=VOCAB))
     assert not (tmp_path / "ucp").exists()
 
 
@@ -253,7 +260,7 @@ def test_megatron_core_017_to_019_optimizer_layouts_import_bit_exact(tmp_path, n
     model = [n for n in original.tensors if "optimizer." not in n]
     if "fully_parallel" in name:  # what the fixture is meant to cover: not module order
         assert model[0] != "embedding.word_embeddings.weight"
-    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB)
+    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=VOCAB))
     assert jax_ucp.inspect(ckpt).source["optimizer_layout"] == layout
     got = jax_ucp.restore(ckpt)
     assert int(got["opt_state"]["count"]) == 2
@@ -272,7 +279,7 @@ def test_singleton_local_shards_import_bit_exact(tmp_path):
     original = megatron_dcp.open_dcp(src)
     model = [n for n in original.tensors if "optimizer." not in n]
     assert "decoder.layers.1.mlp.linear_fc1.weight_v" in model  # what the fixture covers
-    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB)
+    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=VOCAB))
     got = jax_ucp.restore(ckpt)
     assert sorted(got["params"]) == sorted(model) and int(got["opt_state"]["count"]) == 2
     truth = np.load(

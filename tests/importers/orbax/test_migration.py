@@ -21,6 +21,7 @@ from jax_ucp._src.exporters import OrbaxExport, options_for
 from jax_ucp._src.exporters.orbax_out import export_orbax
 from jax_ucp._src.importers import plan_import
 from jax_ucp._src.writer import Deferred
+from jax_ucp.conversion import ImportOptions, OrbaxOptions
 from jax_ucp.errors import RequestError, SourceError
 from tests.ucp_testing import (
     assert_bit_exact,
@@ -170,7 +171,7 @@ def test_import_streams_one_lazy_array_at_a_time(tmp_path):
 def test_convert_step_tag_weights_only_and_refusals(tmp_path):
     state = _state()
     root = _save_orbax("manager_root", str(tmp_path / "run"), state)
-    dst = jax_ucp.convert(root, tmp_path / "w", tag=3, weights_only=True)
+    dst = jax_ucp.convert(root, tmp_path / "w", importing=OrbaxOptions(tag=3, weights_only=True))
     manifest = jax_ucp.inspect(dst)
     assert manifest.source["step"] == 3
     assert sorted(e.name for e in manifest.tensors) == ["params/emb", "params/w"]
@@ -179,7 +180,7 @@ def test_convert_step_tag_weights_only_and_refusals(tmp_path):
     assert skipped["state/step"] == "weights_only: not under params/"
     assert skipped["meta/"] == "an Orbax JsonCheckpointHandler item, not a PyTree of arrays"
     with pytest.raises(SourceError, match=r"run:.*step 5; steps found: \[3, 7\]"):
-        jax_ucp.convert(root, tmp_path / "x", tag=5)
+        jax_ucp.convert(root, tmp_path / "x", importing=OrbaxOptions(tag=5))
     with ocp.CheckpointManager(tmp_path / "ucp_run") as mngr:
         mngr.save(1, args=ocp.args.Composite(state=jax_ucp.UCPSave(state)))
         mngr.wait_until_finished()
@@ -416,9 +417,9 @@ def test_step_folders_in_other_digits_or_two_names_for_one_step(tmp_path):
     (one of them was taken by listing order)."""
     root = _save_orbax("manager_root", str(tmp_path / "run"), _state())
     shutil.copytree(os.path.join(root, "3"), os.path.join(root, "\u0669"))
-    dst = jax_ucp.convert(root, tmp_path / "latest", weights_only=True)
+    dst = jax_ucp.convert(root, tmp_path / "latest", importing=ImportOptions(weights_only=True))
     assert jax_ucp.inspect(dst).source["step"] == 7
     shutil.copytree(os.path.join(root, "3"), os.path.join(root, "0007"))
     with pytest.raises(SourceError, match=r"run: '0007' and '7' both name step 7"):
-        jax_ucp.convert(root, tmp_path / "refused", weights_only=True)
+        jax_ucp.convert(root, tmp_path / "refused", importing=ImportOptions(weights_only=True))
     assert not os.path.exists(tmp_path / "refused")

@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jax_ucp
+from jax_ucp.conversion import ImportOptions
 from tests.ucp_testing import (
     assert_bit_exact,
     assert_convert_refused,
@@ -186,7 +187,9 @@ def test_trainer_checkpoint_with_optimizer_state_needs_weights_only(tmp_path):
     with pytest.raises(jax_ucp.UCPError, match=r"optimizer\.pt"):
         jax_ucp.convert(str(folder), str(tmp_path / "refused"))
     assert not (tmp_path / "refused").exists()
-    ckpt = jax_ucp.convert(str(folder), str(tmp_path / "u"), weights_only=True)
+    ckpt = jax_ucp.convert(
+        str(folder), str(tmp_path / "u"), importing=ImportOptions(weights_only=True)
+    )
     assert_bit_exact(jax_ucp.restore(ckpt)["params"]["w"], tensors["w"])
     assert jax_ucp.inspect(ckpt).source["skipped"] == {
         "optimizer.pt": "weights_only: Hugging Face Trainer's torch optimizer state"

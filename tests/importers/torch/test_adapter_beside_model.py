@@ -15,6 +15,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.format import safetensors
+from jax_ucp.conversion import ImportOptions
 from tests.ucp_testing import REPO, load_truth
 
 TRAINER = os.path.join(REPO, "tests", "fixtures", "hf_trainer")
@@ -42,7 +43,7 @@ def _tensor_names(out) -> set[str]:
 
 def test_weights_only_lists_the_adapter_beside_the_full_model(tmp_path):
     src = _full_with_adapter(tmp_path)
-    out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=ImportOptions(weights_only=True))
     skipped = jax_ucp.inspect(out).source["skipped"]
     assert skipped["adapter_model.safetensors"] == WHY
     assert skipped["adapter_config.json"] == WHY

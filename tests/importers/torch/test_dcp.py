@@ -18,6 +18,7 @@ import jax_ucp
 from jax_ucp._src.importers import registry
 from jax_ucp._src.torchfiles import dcp as torch_dcp
 from jax_ucp._src.torchfiles import torch_zip
+from jax_ucp.conversion import ImportOptions
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched, load_truth
 
@@ -137,7 +138,11 @@ def test_sgd_momentum_becomes_trace(tmp_path):
 
 
 def test_weights_only_skips_and_records_the_optimizer(tmp_path):
-    out = jax_ucp.convert(os.path.join(FIX, "fsdp2_fp32"), tmp_path / "ucp", weights_only=True)
+    out = jax_ucp.convert(
+        os.path.join(FIX, "fsdp2_fp32"),
+        tmp_path / "ucp",
+        importing=ImportOptions(weights_only=True),
+    )
     restored = jax_ucp.restore(out)
     assert set(restored) == {"params"}
     want = truth("fsdp2_fp32")

@@ -16,6 +16,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers import registry
 from jax_ucp._src.torchfiles import pickle_format, torch_zip
+from jax_ucp.conversion import ImportOptions, TorchOptions
 from jax_ucp.errors import SourceError
 from tests.importers.torch.test_dcp import FIX, assert_matches_run
 from tests.ucp_testing import (
@@ -93,7 +94,7 @@ def test_accelerate_save_state_on_cpu_imports_weights_only(tmp_path):
         r"accelerate_save_state/optimizer\.bin: the optimizer numbers \d+ parameters by "
         r"index .*safetensors keeps no parameter order.*parameter_order=.*weights_only=True",
     )
-    out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=ImportOptions(weights_only=True))
     restored = jax_ucp.restore(out)
     params = {k: v for k, v in _truth("accelerate_save_state").items() if k.startswith("param/")}
     assert sorted(restored) == ["params"]
@@ -158,7 +159,7 @@ def test_optimizer_indices_that_do_not_match_the_model_are_an_error(tmp_path):
         jax_ucp.convert(src, dst)
     assert_destination_untouched(dst)
     # the weights alone still import, the optimizer listed as skipped
-    out = jax_ucp.convert(src, dst, weights_only=True)
+    out = jax_ucp.convert(src, dst, importing=ImportOptions(weights_only=True))
     skipped = jax_ucp.inspect(out).source["skipped"]
     assert skipped["optimizer.bin:state.0.exp_avg"] == "weights_only: optimizer state not imported"
 
@@ -351,9 +352,11 @@ def test_model_parallel_ckpt_refusal_gives_the_order_that_imports_exactly(tmp_pa
     assert_destination_untouched(tmp_path / "refused")
     by_model = [k.split("/", 1)[1] for k in live if k.startswith("param/")]
     with pytest.raises(SourceError, match=r"has shape"):
-        jax_ucp.convert(src, tmp_path / "by_model", parameter_order=by_model)
+        jax_ucp.convert(
+            src, tmp_path / "by_model", importing=TorchOptions(parameter_order=by_model)
+        )
     order = [n for group in groups for n in group]
-    out = jax_ucp.convert(src, tmp_path / "ucp", parameter_order=order)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=TorchOptions(parameter_order=order))
     matches_live(jax_ucp.restore(out), live)
     source = jax_ucp.inspect(out).source
     assert source["optimizer_keys"] == "parameter indices, named by parameter_order"

@@ -20,7 +20,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers.plan import tensor_names
 from jax_ucp._src.torchfiles import torch_zip
-from jax_ucp.conversion import ImportOptions
+from jax_ucp.conversion import ImportOptions, TorchOptions
 from tests.ucp_testing import (
     REPO,
     assert_bit_exact,
@@ -138,7 +138,9 @@ def test_trainer_refuses_a_grouping_it_cannot_verify(tmp_path):
     torch.save(raw, os.path.join(src, "optimizer.pt"))
     assert len(opt["param_groups"][0]["params"]) == 16
     assert_convert_refused(src, tmp_path / "u1", r"sizes \[15, 6\]\) are not the Trainer's group")
-    weights = jax_ucp.restore(jax_ucp.convert(src, tmp_path / "w1", weights_only=True))
+    weights = jax_ucp.restore(
+        jax_ucp.convert(src, tmp_path / "w1", importing=ImportOptions(weights_only=True))
+    )
     assert sorted(weights) == ["params"]
     # same group sizes, two indices traded between the groups: the shapes give it away
     g0, g1 = raw["param_groups"][0]["params"], raw["param_groups"][1]["params"]
@@ -172,7 +174,7 @@ def test_trainer_without_transformers_is_refused_naming_why(tmp_path, monkeypatc
     names = [k.split("/", 1)[1] for k in want if k.startswith("param/")]
     no_decay = [n for n in names if n.endswith("norm.weight")]
     order = [n for n in names if n not in no_decay] + no_decay
-    out = jax_ucp.convert(src, tmp_path / "ucp", parameter_order=order)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=TorchOptions(parameter_order=order))
     assert_matches_run(jax_ucp.restore(out), want)
     assert_accounted(out, src, "optimizer.pt")
     assert jax_ucp.inspect(out).source["skipped"]["rng_state.pth"].startswith("the torch run's")
@@ -213,7 +215,7 @@ def test_a_run_folder_whose_optimizer_file_is_gone_is_refused_not_weights_only(
         os.rename(src / optimizer, src / gone)
     said = r"scheduler\.(bin|pt) is here .* but no optimizer state .*weights_only=True"
     assert_source_refused(src, tmp_path / "refused", said)
-    out = jax_ucp.convert(src, tmp_path / "weights", weights_only=True)
+    out = jax_ucp.convert(src, tmp_path / "weights", importing=ImportOptions(weights_only=True))
     assert not [k for k in jax_ucp.restore(out) if k != "params"]
     weights = jax_ucp.restore(src, importing=ImportOptions(weights_only=True))["params"]
     converted = jax_ucp.restore(out)["params"]
@@ -266,13 +268,13 @@ def test_accelerate_bare_indices_need_the_parameter_order(tmp_path, kind):
     if kind == "accelerate_groups":  # the generator's groups: matrices, then vectors
         ndim = {n: want[f"param/{n}"].ndim for n in order}
         order = [n for n in order if ndim[n] >= 2] + [n for n in order if ndim[n] < 2]
-    out = jax_ucp.convert(src, tmp_path / "ucp", parameter_order=order)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=TorchOptions(parameter_order=order))
     assert_matches_run(jax_ucp.restore(out), want)
     with pytest.raises(jax_ucp.UCPError, match=r"parameter_order names 20 parameters"):
-        jax_ucp.convert(src, tmp_path / "short", parameter_order=order[:-1])
+        jax_ucp.convert(src, tmp_path / "short", importing=TorchOptions(parameter_order=order[:-1]))
     swapped = [order[1], order[0], *order[2:]]  # embed_tokens <-> q_proj: shapes differ
     with pytest.raises(jax_ucp.UCPError, match=r"has shape"):
-        jax_ucp.convert(src, tmp_path / "swapped", parameter_order=swapped)
+        jax_ucp.convert(src, tmp_path / "swapped", importing=TorchOptions(parameter_order=swapped))
 
 
 LLAMA_CONFIG = os.path.join(ACCELERATE, "llama.config.json")  # the fixtures' model's config.json
@@ -288,7 +290,7 @@ def test_accelerate_bare_indices_import_with_the_model_config(tmp_path, kind):
     src = os.path.join(ACCELERATE, kind)
     with pytest.raises(jax_ucp.UCPError, match=r"model_config= its config\.json \(--model-config"):
         jax_ucp.convert(src, tmp_path / "refused")
-    out = jax_ucp.convert(src, tmp_path / "ucp", model_config=LLAMA_CONFIG)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=TorchOptions(model_config=LLAMA_CONFIG))
     want = load_truth(os.path.join(ACCELERATE, f"{kind}.truth.npz"))
     want.pop("order")
     assert_matches_run(jax_ucp.restore(out), want)
@@ -312,7 +314,7 @@ def test_trainer_checkpoint_without_its_config_imports_with_the_model_config(tmp
     assert_convert_refused(
         src, tmp_path / "refused", r"no config\.json.*model_config= \(--model-config"
     )
-    out = jax_ucp.convert(src, tmp_path / "ucp", model_config=config)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=TorchOptions(model_config=config))
     assert_matches_run(
         jax_ucp.restore(out), load_truth(os.path.join(TRAINER, "trainer_fp32.truth.npz"))
     )
@@ -331,7 +333,9 @@ def test_a_model_config_of_another_model_is_refused_naming_the_misfit(tmp_path):
     other.write_text(json.dumps({**config, "intermediate_size": 40}))
     with pytest.raises(jax_ucp.UCPError, match=r"not one group of model\.named_parameters\(\) "):
         jax_ucp.convert(
-            os.path.join(ACCELERATE, "accelerate_plain"), tmp_path / "u", model_config=str(other)
+            os.path.join(ACCELERATE, "accelerate_plain"),
+            tmp_path / "u",
+            importing=TorchOptions(model_config=str(other)),
         )
     assert_destination_untouched(tmp_path / "u")
 
@@ -341,13 +345,17 @@ def test_model_config_and_parameter_order_together_or_elsewhere_are_refused(tmp_
     optimizer by name (torch DCP) or another format's."""
     src = os.path.join(ACCELERATE, "accelerate_plain")
     with pytest.raises(jax_ucp.UCPError, match=r"parameter_order= and model_config= both"):
-        jax_ucp.convert(src, tmp_path / "u1", model_config=LLAMA_CONFIG, parameter_order=["a"])
+        jax_ucp.convert(
+            src,
+            tmp_path / "u1",
+            importing=TorchOptions(model_config=LLAMA_CONFIG, parameter_order=["a"]),
+        )
     dcp = os.path.join(REPO, "tests", "fixtures", "torch", "fsdp2_fp32")
     with pytest.raises(jax_ucp.UCPError, match=r"model_config= orders an index-keyed optimizer"):
-        jax_ucp.convert(dcp, tmp_path / "u2", model_config=LLAMA_CONFIG)
+        jax_ucp.convert(dcp, tmp_path / "u2", importing=TorchOptions(model_config=LLAMA_CONFIG))
     missing = str(tmp_path / "nowhere.json")
     with pytest.raises(jax_ucp.UCPError, match=r"model_config=.*nowhere\.json: no such file"):
-        jax_ucp.convert(src, tmp_path / "u3", model_config=missing)
+        jax_ucp.convert(src, tmp_path / "u3", importing=TorchOptions(model_config=missing))
     for n in ("u1", "u2", "u3"):
         assert_destination_untouched(tmp_path / n)
 
@@ -366,9 +374,11 @@ def test_trainer_lora_checkpoint_imports_with_the_adapter_order(tmp_path):
         if not k.startswith("next_")
     }
     order = [k.split("/", 1)[1] for k in want if k.startswith("param/")]
-    out = jax_ucp.convert(src, tmp_path / "ucp", parameter_order=order)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=TorchOptions(parameter_order=order))
     assert_matches_run(jax_ucp.restore(out), want)
-    weights = jax_ucp.restore(jax_ucp.convert(src, tmp_path / "w", weights_only=True))
+    weights = jax_ucp.restore(
+        jax_ucp.convert(src, tmp_path / "w", importing=ImportOptions(weights_only=True))
+    )
     assert sorted(weights["params"]) == sorted(order)
 
 
@@ -385,7 +395,7 @@ def test_trainer_lora_checkpoint_imports_with_the_base_models_config(tmp_path):
         for k, v in load_truth(os.path.join(TRAINER, "trainer_lora.truth.npz")).items()
         if not k.startswith("next_")
     }
-    out = jax_ucp.convert(src, tmp_path / "ucp", model_config=base)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=TorchOptions(model_config=base))
     assert_matches_run(jax_ucp.restore(out), want)
     assert any("peft LoRA r=4 on q_proj, v_proj" in n for n in jax_ucp.inspect(out).source["notes"])
     hostile = _copy(src, tmp_path / "saves_more")
@@ -395,7 +405,10 @@ def test_trainer_lora_checkpoint_imports_with_the_base_models_config(tmp_path):
     with open(os.path.join(hostile, "adapter_config.json"), "w") as f:
         json.dump(adapter, f)
     assert_convert_refused(
-        hostile, tmp_path / "refused", r"adapter_config\.json: modules_to_save=", model_config=base
+        hostile,
+        tmp_path / "refused",
+        r"adapter_config\.json: modules_to_save=",
+        importing=TorchOptions(model_config=base),
     )
 
 
@@ -537,7 +550,9 @@ def test_a_trainer_side_file_linking_out_of_the_checkpoint_is_refused(tmp_path, 
     norms = [n for n in names if n.endswith("norm.weight")]
     order = [n for n in names if n not in norms] + norms  # the Trainer's: decayed, then norms
     with pytest.raises(jax_ucp.UCPError, match=rf"{name}.*outside the checkpoint"):
-        jax_ucp.convert(str(src), str(tmp_path / "out"), parameter_order=order)
+        jax_ucp.convert(
+            str(src), str(tmp_path / "out"), importing=TorchOptions(parameter_order=order)
+        )
     assert not (tmp_path / "out").exists()
 
 

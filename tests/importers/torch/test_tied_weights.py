@@ -10,6 +10,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src import format as fmt
+from jax_ucp.conversion import TorchOptions
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,7 +64,9 @@ def test_torch_tied_lm_head_is_tied_not_frozen(tmp_path):
     # a folder of pytorch_model.bin + optimizer.pt without config.json: the optimizer's order
     # is given (model.named_parameters(), which lists a tied weight once)
     order = [name for name, _ in model.named_parameters()]
-    ckpt = jax_ucp.convert(str(tmp_path / "src"), str(tmp_path / "ucp"), parameter_order=order)
+    ckpt = jax_ucp.convert(
+        str(tmp_path / "src"), str(tmp_path / "ucp"), importing=TorchOptions(parameter_order=order)
+    )
     info = jax_ucp.inspect(ckpt)
     by_name = {fmt.key_to_str(e.key): e for e in info.tensors}
     lm = by_name["params/lm_head.weight"]

@@ -16,6 +16,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers.registry import detect_format
 from jax_ucp._src.torchfiles import allow_list, pickle_format, sharded, torch_zip
+from jax_ucp.conversion import ImportOptions
 from tests.ucp_testing import (
     REPO,
     assert_bit_exact,
@@ -49,7 +50,7 @@ def test_detected_and_imported_bit_exact_from_the_ranks_shards(tmp_path):
 
 
 def test_weights_only_skips_the_optimizer(tmp_path):
-    out = jax_ucp.convert(SRC, tmp_path / "ucp", weights_only=True)
+    out = jax_ucp.convert(SRC, tmp_path / "ucp", importing=ImportOptions(weights_only=True))
     assert sorted(jax_ucp.restore(out)) == ["params"]
     skipped = jax_ucp.inspect(out).source["skipped"]
     assert (

@@ -20,6 +20,7 @@ from safetensors.numpy import load_file
 import jax_ucp
 from jax_ucp._src.importers.torch import torchtune_order
 from jax_ucp._src.torchfiles import torch_zip
+from jax_ucp.conversion import ImportOptions, TorchOptions
 from tests.ucp_testing import (
     REPO,
     assert_bit_exact,
@@ -91,7 +92,7 @@ def _assert_the_live_run(out, truth=TRUTH) -> None:
 
 
 def test_index_keyed_optimizer_imports_with_parameter_order_bit_exact(tmp_path):
-    out = jax_ucp.convert(SRC, tmp_path / "ucp", parameter_order=ORDER)
+    out = jax_ucp.convert(SRC, tmp_path / "ucp", importing=TorchOptions(parameter_order=ORDER))
     _assert_the_live_run(out)
     source = jax_ucp.inspect(out).source
     assert source["optimizer_keyed_by"] == "index"
@@ -109,7 +110,9 @@ def test_index_keyed_optimizer_imports_with_parameter_order_bit_exact(tmp_path):
 
 def test_parameter_order_of_another_length_is_refused(tmp_path):
     with pytest.raises(jax_ucp.UCPError, match=r"recipe_state\.pt: parameter_order names 20 .*21"):
-        jax_ucp.convert(SRC, tmp_path / "refused", parameter_order=ORDER[:-1])
+        jax_ucp.convert(
+            SRC, tmp_path / "refused", importing=TorchOptions(parameter_order=ORDER[:-1])
+        )
     assert_destination_untouched(tmp_path / "refused")
 
 
@@ -125,7 +128,7 @@ def test_torchtune_folder_weights_import_and_index_keyed_optimizer_asks_for_the_
     ):
         jax_ucp.convert(SRC, tmp_path / "refused")
     assert_destination_untouched(tmp_path / "refused")
-    out = jax_ucp.convert(SRC, tmp_path / "ucp", weights_only=True)
+    out = jax_ucp.convert(SRC, tmp_path / "ucp", importing=ImportOptions(weights_only=True))
     got = jax_ucp.restore(out)
     want = load_file(os.path.join(SRC, "epoch_0", "model-00001-of-00001.safetensors"))
     assert sorted(got) == ["params"]
@@ -143,7 +146,7 @@ def test_torchtune_folder_weights_import_and_index_keyed_optimizer_asks_for_the_
 def test_only_the_latest_epoch_is_imported_and_the_others_are_listed(tmp_path):
     src = shutil.copytree(SRC, tmp_path / "run")
     shutil.copytree(os.path.join(src, "epoch_0"), os.path.join(src, "epoch_1"))
-    out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=ImportOptions(weights_only=True))
     source = jax_ucp.inspect(out).source
     assert source["epoch"] == "epoch_1"
     assert source["skipped"]["epoch_0/"] == "an earlier epoch's checkpoint (epoch_1/ imported)"
@@ -186,7 +189,7 @@ def test_distributed_recipe_state_keyed_by_names_imports_bit_exact(tmp_path):
     source = jax_ucp.inspect(out).source
     assert (source["framework"], source["optimizer_keyed_by"]) == ("torchtune", "name")
     with pytest.raises(jax_ucp.UCPError, match=r"keyed by torchtune's parameter names; param"):
-        jax_ucp.convert(DIST, tmp_path / "refused", parameter_order=ORDER)
+        jax_ucp.convert(DIST, tmp_path / "refused", importing=TorchOptions(parameter_order=ORDER))
     assert_destination_untouched(tmp_path / "refused")
 
 
@@ -214,7 +217,7 @@ def test_a_recipe_state_folder_without_its_file_is_refused_not_weights_only(tmp_
     os.remove(src / "recipe_state" / "recipe_state.pt")
     said = r"recipe_state/ is here without recipe_state\.pt .* weights_only=True"
     assert_source_refused(src, tmp_path / "refused", said)
-    out = jax_ucp.convert(src, tmp_path / "weights", weights_only=True)
+    out = jax_ucp.convert(src, tmp_path / "weights", importing=ImportOptions(weights_only=True))
     assert list(jax_ucp.restore(out)) == ["params"]
 
 
@@ -314,7 +317,7 @@ def test_optimizer_in_backward_recipe_state_refusal_says_one_per_parameter(tmp_p
 def test_optax_from_torch_continues_the_torchtune_run_saying_what_the_files_lack(tmp_path):
     """The recipe state records AdamW's groups and step, not the recipe's schedule or
     clipping (those are in its YAML config): the translation says so."""
-    out = jax_ucp.convert(SRC, tmp_path / "ucp", parameter_order=ORDER)
+    out = jax_ucp.convert(SRC, tmp_path / "ucp", importing=TorchOptions(parameter_order=ORDER))
     with pytest.warns(UserWarning, match="gradient clipping"):
         run = jax_ucp.optax_from_torch(out)
     assert (run.optimizer, run.step) == ("adamw", 3)
@@ -340,14 +343,14 @@ def _assert_the_live_dist_run(out, *, moments: bool = True) -> None:
 def test_async_dist_epoch_is_detected_and_imports_with_parameter_order_bit_exact(tmp_path):
     """torchtune's asynchronous save (DistributedCheckpointer, 2 ranks): dist_epoch_0/ torch DCP,
     the optimizer keyed by index; the output folder and dist_epoch_0/ itself both import."""
-    out = jax_ucp.convert(ASYNC, tmp_path / "ucp", parameter_order=ORDER)
+    out = jax_ucp.convert(ASYNC, tmp_path / "ucp", importing=TorchOptions(parameter_order=ORDER))
     _assert_the_live_dist_run(out)
     source = jax_ucp.inspect(out).source
     assert (source["framework"], source["epoch"]) == ("torchtune", "dist_epoch_0")
     assert source["optimizer_keyed_by"] == "index"
     assert source["optimizer"]["param_groups"][0]["params"] == ORDER
     inner = os.path.join(ASYNC, "dist_epoch_0")
-    out = jax_ucp.convert(inner, tmp_path / "inner", parameter_order=ORDER)
+    out = jax_ucp.convert(inner, tmp_path / "inner", importing=TorchOptions(parameter_order=ORDER))
     _assert_the_live_dist_run(out)
     assert jax_ucp.inspect(out).source["framework"] == "torch_dcp"
 
@@ -362,12 +365,14 @@ def test_async_dist_epoch_without_order_asks_for_it_and_imports_weights_only(tmp
     ):
         jax_ucp.convert(ASYNC, tmp_path / "refused")
     assert_destination_untouched(tmp_path / "refused")
-    out = jax_ucp.convert(ASYNC, tmp_path / "ucp", weights_only=True)
+    out = jax_ucp.convert(ASYNC, tmp_path / "ucp", importing=ImportOptions(weights_only=True))
     _assert_the_live_dist_run(out, moments=False)
     skipped = jax_ucp.inspect(out).source["skipped"]
     assert skipped["optimizer.state.0.exp_avg"] == "weights_only: optimizer state not imported"
     with pytest.raises(jax_ucp.UCPError, match=r"parameter_order names 20 .*number 21"):
-        jax_ucp.convert(ASYNC, tmp_path / "short", parameter_order=ORDER[:-1])
+        jax_ucp.convert(
+            ASYNC, tmp_path / "short", importing=TorchOptions(parameter_order=ORDER[:-1])
+        )
 
 
 def test_the_latest_epoch_of_either_save_is_imported(tmp_path):
@@ -375,7 +380,7 @@ def test_the_latest_epoch_of_either_save_is_imported(tmp_path):
     after dist_epoch_0/ (the final, synchronous save): the safetensors one."""
     run = shutil.copytree(DIST, tmp_path / "run")
     shutil.copytree(os.path.join(ASYNC, "dist_epoch_0"), run / "dist_epoch_1")
-    out = jax_ucp.convert(run, tmp_path / "a", parameter_order=ORDER)
+    out = jax_ucp.convert(run, tmp_path / "a", importing=TorchOptions(parameter_order=ORDER))
     source = jax_ucp.inspect(out).source
     assert source["epoch"] == "dist_epoch_1"
     assert source["skipped"]["epoch_0/"] == "an earlier epoch's checkpoint (dist_epoch_1/ imported)"
@@ -388,7 +393,9 @@ def test_the_latest_epoch_of_either_save_is_imported(tmp_path):
     source = jax_ucp.inspect(out).source
     assert source["epoch"] == "epoch_1"
     assert source["skipped"]["dist_epoch_0/"] == "an earlier epoch's checkpoint (epoch_1/ imported)"
-    weights = jax_ucp.restore(jax_ucp.convert(DIST, tmp_path / "w", weights_only=True))
+    weights = jax_ucp.restore(
+        jax_ucp.convert(DIST, tmp_path / "w", importing=ImportOptions(weights_only=True))
+    )
     got = jax_ucp.restore(out)
     assert (
         list(got) == list(weights) == ["params"]
@@ -410,7 +417,7 @@ def test_verify_against_the_source_compares_the_permuted_moments_equal(tmp_path)
     result = jax_ucp.verify(out, against=DIST)
     assert list(result) == []
     assert [n for n, _ in result.notices] == ["opt_state/count"]  # built from 21 steps
-    out = jax_ucp.convert(ASYNC, tmp_path / "async", parameter_order=ORDER)
+    out = jax_ucp.convert(ASYNC, tmp_path / "async", importing=TorchOptions(parameter_order=ORDER))
     result = jax_ucp.verify(out, against=ASYNC)
     assert list(result) == []
     assert [n for n, _ in result.notices] == ["opt_state/count"]
@@ -421,7 +428,7 @@ def test_an_epoch_folder_named_in_other_digits_is_no_epoch(tmp_path):
     5 and imported it over epoch_0; only ASCII digits number an epoch."""
     src = shutil.copytree(SRC, tmp_path / "run")
     shutil.copytree(os.path.join(src, "epoch_0"), os.path.join(src, "epoch_\u0665"))
-    out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=ImportOptions(weights_only=True))
     assert jax_ucp.inspect(out).source["epoch"] == "epoch_0"
 
 
@@ -432,7 +439,7 @@ def test_two_names_for_one_epoch_are_refused_naming_both(tmp_path):
     for name in ("epoch_5", "epoch_05"):
         shutil.copytree(os.path.join(src, "epoch_0"), os.path.join(src, name))
     with pytest.raises(jax_ucp.UCPError, match=r"'epoch_05' and 'epoch_5' both name epoch 5"):
-        jax_ucp.convert(src, tmp_path / "refused", weights_only=True)
+        jax_ucp.convert(src, tmp_path / "refused", importing=ImportOptions(weights_only=True))
     assert_destination_untouched(tmp_path / "refused")
 
 

@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 import jax_ucp
 from jax_ucp._src.importers.torch import torchtune_order
 from jax_ucp._src.torchfiles import torch_zip
+from jax_ucp.conversion import ImportOptions
 from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
 
 SRC = os.path.join(REPO, "tests", "fixtures", "torchtune", "tt_fp32")
@@ -110,7 +111,7 @@ def test_lora_names_in_the_optimizer_alone_say_lora(tmp_path):
 
 def test_weights_only_lists_the_adapter_files_beside_the_merged_weights(tmp_path):
     src = _synthetic_lora_run(tmp_path)
-    out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=ImportOptions(weights_only=True))
     want = load_file(os.path.join(src, "epoch_0", "model-00001-of-00001.safetensors"))
     got = jax_ucp.restore(out)
     assert sorted(got["params"]) == sorted(want)

@@ -15,6 +15,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers.registry import detect_format
 from jax_ucp._src.torchfiles.dcp import DcpItem, write_dcp
+from jax_ucp.conversion import ImportOptions
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import REPO, assert_destination_untouched, run_cli
 
@@ -95,7 +96,9 @@ def test_the_cli_converts_the_run_root(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "formats" not in proc.stderr
     assert jax_ucp.inspect(tmp_path / "ucp").source["verl"]["global_step"] == 2
-    weights = jax_ucp.restore(jax_ucp.convert(run, tmp_path / "weights", weights_only=True))
+    weights = jax_ucp.restore(
+        jax_ucp.convert(run, tmp_path / "weights", importing=ImportOptions(weights_only=True))
+    )
     assert list(weights) == ["params"]  # megatron's weights_only, through verl's options
     full = jax_ucp.restore(tmp_path / "ucp")["params"]
     assert all(weights["params"][k].tobytes() == np.asarray(v).tobytes() for k, v in full.items())

@@ -237,7 +237,7 @@ def rebuild(amap: AffineMap, shards: list[np.ndarray], state: str, name: str) ->
         raise SourceError(
             f"{name}: {state} through a scaled affine-map piece (scale {scaled[0].scale}); the "
             "optimizer's lr and eps would stay in the unscaled coordinates (DeepSpeed refuses "
-            "it too). To import the weights alone: convert(..., weights_only=True)"
+            "it too). To import the weights alone: convert(..., importing=ImportOptions(weights_only=True))"
         )
     for rank, shard in enumerate(shards):
         if shard.size != math.prod(amap.shard_shapes[rank]):

@@ -256,7 +256,7 @@ def _param_folders(
             raise SourceError(
                 f"{folder}: parameter {name!r} has no {' / '.join(f'{m}.pt' for m in missing)} "
                 "(ds_to_universal writes fp32.pt alone for a parameter that never had optimizer "
-                "state). To import the weights alone: convert(..., weights_only=True) / "
+                "state). To import the weights alone: convert(..., importing=ImportOptions(weights_only=True)) / "
                 "jax-ucp convert --weights-only"
             )
         params[name] = _open_param(folder, name, shapes[name], mp_world_size)
@@ -366,7 +366,7 @@ def _step(checkpoint: UniversalCheckpoint) -> tuple[int, list[str], list[str]]:
         raise SourceError(
             f"{where}: no step.pt in any parameter folder and no step in {OPTIMIZER_STATE}; "
             "cannot recover the optimizer step. To import the weights alone: convert(..., "
-            "weights_only=True) / jax-ucp convert --weights-only"
+            "importing=ImportOptions(weights_only=True)) / jax-ucp convert --weights-only"
         )
     return agreed_step(found, where, recorded_by="parameters", error=SourceError), tensors, values
 

@@ -919,7 +919,7 @@ def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportP
             f"files{'; its optimizer state is inside this file' if has_optimizer else ''}). "
             "Importing ZeRO-0 optimizer state is not supported (supported: ZeRO stages 1, 2 "
             "and 3 of DeepSpeed 0.19). To import the model weights: convert(..., "
-            "weights_only=True) / jax-ucp convert --weights-only"
+            "importing=ImportOptions(weights_only=True)) / jax-ucp convert --weights-only"
         )
     module = model_states.get("module")
     if not isinstance(module, Mapping) or not module:

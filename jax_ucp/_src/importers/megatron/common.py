@@ -49,7 +49,7 @@ STATE_TREES = {
 }
 WEIGHTS_ONLY_HINT = (
     "To import the model weights without the optimizer state: "
-    "convert(..., weights_only=True) / jax-ucp convert --weights-only"
+    "convert(..., importing=ImportOptions(weights_only=True)) / jax-ucp convert --weights-only"
 )
 
 
