@@ -120,7 +120,7 @@ class HostItem:
 
     key: tuple[str, ...]
     value: Any  # np.ndarray (incl. memmap, ml_dtypes), TensorStore, Deferred, or JSON scalar
-    role: str = "other"  # one of format.ROLES
+    role: str = "other"  # "param", "opt_state" or "other" (the manifest's Role)
     sub_role: str | None = None
     provenance: dict | None = None
     logical_axes: tuple | None = None
