@@ -20,7 +20,7 @@ from jax_ucp._src import store, writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.importers import deepspeed, megatron, orbax, safetensors, torch, verl
 from jax_ucp._src.importers.deepspeed.files import deepspeed_run
-from jax_ucp._src.importers.megatron.dcp import open_dcp
+from jax_ucp._src.importers.megatron.dcp import open_dcp, parsed_once
 from jax_ucp._src.importers.megatron.source import megatron_run
 from jax_ucp._src.importers.plan import (
     WHOLE,
@@ -308,7 +308,7 @@ def plan_import(
         The checked plan, its items accounted for.
     """
     storage = store.storage_for(source)  # chosen here unless given
-    with _readable(storage) as (src, view):
+    with _readable(storage) as (src, view), parsed_once():  # verl hands over a parsed folder
         importer = importer_for(src, format)
         handed = importer.hands_over(src) if importer.hands_over else None
         if handed is not None:  # another format's checkpoint inside this layout

@@ -9,7 +9,10 @@ the classes megatron-core 0.13-0.15 subclass in ``.metadata`` (``MCoreSavePlan``
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +52,28 @@ class MegatronDcpCheckpoint(DcpCheckpoint):
     mcore_metadata: dict = field(default_factory=dict)  # metadata.json
 
 
+#: within ``parsed_once()``: each folder's parse, by real path
+_PARSED: contextvars.ContextVar[dict[str, MegatronDcpCheckpoint] | None] = contextvars.ContextVar(
+    "megatron_dcp_parsed", default=None
+)
+
+
+@contextlib.contextmanager
+def parsed_once() -> Iterator[None]:
+    """Within it ``open_dcp`` parses a folder once (verl's hand-over reads the names its plan
+    reads again)."""
+    token = _PARSED.set({})
+    try:
+        yield
+    finally:
+        _PARSED.reset(token)
+
+
 def open_dcp(path: os.PathLike | str) -> MegatronDcpCheckpoint:
     """Parse ``.metadata`` (and ``metadata.json`` when present) into typed, checked entries."""
+    parsed, key = _PARSED.get(), os.path.realpath(path)
+    if parsed is not None and key in parsed:
+        return parsed[key]
     base = dcp.open_dcp(path, MCORE_CLASSES, fsdp_dtensor=True)  # read by .fsdp_dtensor
     mcore = {}
     mj = Path(path) / "metadata.json"
@@ -65,6 +88,9 @@ def open_dcp(path: os.PathLike | str) -> MegatronDcpCheckpoint:
             raise SourceError(f"{mj}: not JSON ({str(e)[:200]})") from None
         if not isinstance(mcore, dict):
             raise SourceError(f"{mj}: a JSON {type(mcore).__name__}, expected an object")
-    return MegatronDcpCheckpoint(
+    found = MegatronDcpCheckpoint(
         base.path, base.tensors, base.objects, base.version, mcore_metadata=mcore
     )
+    if parsed is not None:
+        parsed[key] = found
+    return found
