@@ -24,9 +24,9 @@ def inspect(path: str | os.PathLike) -> fmt.Manifest:
     if not storage.local or not locate.is_ucp(storage):
         from jax_ucp._src.restoring import import_open
 
-        found = import_open.import_format(storage)
+        found = import_open.import_for(storage, warn=True)  # its storage and importer, handed on
         if found is not None:
-            manifest = import_open.manifest_of(path, found)
+            manifest = import_open.manifest_of(*found)
             manifest.notices = []
             return manifest
     manifest = locate.read_consistently(storage, store.read_manifest)
