@@ -14,26 +14,26 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: package of jax_ucp/_src (or "modules": its top-level modules; "public": jax_ucp/ outside
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
-    "cli": 1709,
-    "continuation": 1282,
-    "exporters": 1225,
-    "format": 2829,
-    "importers": 15427,
-    "language": 3221,
-    "models": 1458,
-    "multihost": 837,
+    "cli": 1711,
+    "continuation": 1214,
+    "exporters": 1134,
+    "format": 2698,
+    "importers": 15846,
+    "language": 2976,
+    "models": 1619,
+    "multihost": 759,
     "orbax": 426,
-    "restoring": 5182,
-    "saving": 967,
-    "sharding": 817,
-    "store": 3601,
-    "torchfiles": 3279,
-    "writer": 1700,
-    "modules": 3904,
-    "public": 384,
+    "restoring": 5080,
+    "saving": 968,
+    "sharding": 741,
+    "store": 3314,
+    "torchfiles": 2984,
+    "writer": 1702,
+    "modules": 3732,
+    "public": 366,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 48248
+TOTAL = 47270
 
 
 def _lines(paths) -> int:
