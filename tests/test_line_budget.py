@@ -29,11 +29,11 @@ CEILINGS = {
     "store": 3314,
     "torchfiles": 2984,
     "writer": 1702,
-    "modules": 3732,
+    "modules": 3741,
     "public": 366,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 47270
+TOTAL = 47279
 
 
 def _lines(paths) -> int:

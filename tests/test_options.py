@@ -275,3 +275,13 @@ def test_each_option_name_is_a_field_of_exactly_one_dataclass():
     assert {"tag", "vocab_size", "parameter_order", "importing", "weights_only"} <= set(fields)
     shared = {name: owners for name, owners in fields.items() if len(owners) > 1}
     assert sorted(shared) == sorted(SHARED), shared
+
+
+def test_an_import_option_given_flat_to_convert_says_where_it_goes(tmp_path):
+    """``convert(src, dst, weights_only=True)`` (the flattened keywords of earlier releases) is
+    refused before anything is read, naming the keyword and ``importing=``."""
+    with pytest.raises(TypeError, match=r"convert\(\).*\['weights_only'\].*importing="):
+        jax_ucp.convert(tmp_path / "nowhere", tmp_path / "out", weights_only=True)
+    with pytest.raises(TypeError, match=r"save\(\).*\['bogus'\]\Z"):
+        jax_ucp.save(tmp_path / "c", {"x": 1}, bogus=1)
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "c")

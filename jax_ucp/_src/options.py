@@ -66,17 +66,26 @@ def _taking(options_type, leading: int):
 
     def decorate(fn):
         head_params = list(inspect.signature(fn).parameters.values())[:leading]
+        fields = list(inspect.signature(options_type).parameters.values())
+        names = {f.name for f in fields}
+        hint = (  # convert's import options: one object, as restore's and plan's
+            "; a source format's options (weights_only, vocab_size, ...) are one object: "
+            "importing=ImportOptions(...), MegatronOptions(...), ..."
+            if "importing" in names
+            else ""
+        )
 
         def call(*args, **kwargs):
             head = list(args[:leading])
             head += [kwargs.pop(p.name) for p in head_params[len(head) :] if p.name in kwargs]
+            if unknown := sorted(set(kwargs) - names):
+                raise TypeError(f"{fn.__name__}() got unexpected keywords {unknown}{hint}")
             with named_by(fn.__name__):
                 options = options_type(*args[leading:], **kwargs)
             return fn(*head, options)
 
         functools.update_wrapper(call, fn)
         del call.__wrapped__  # inspect.signature would show fn's (path, options)
-        fields = list(inspect.signature(options_type).parameters.values())
         call.__signature__ = inspect.Signature(head_params + fields)  # type: ignore[attr-defined]
         return call
 
