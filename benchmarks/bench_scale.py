@@ -22,7 +22,7 @@ Parts (``--parts``; jax, dcp and hf by default):
   v1 ``ocp.load`` with ``CheckpointLayout.SAFETENSORS``.
 * ``zero3``: a DeepSpeed ZeRO-3 bf16 checkpoint written by DeepSpeed (``tools/fixtures/
   ds_train.py``, 2 gloo ranks, one Adam step) → ``jax_ucp.convert`` vs ``ds_to_universal`` and
-  ``jax_ucp.convert(weights_only=True)`` vs ``zero_to_fp32``.
+  ``jax_ucp.convert(importing=ImportOptions(weights_only=True))`` vs ``zero_to_fp32``.
 * ``megatron``: a megatron-core torch_dist checkpoint with the distributed optimizer as
   ``dp_reshardable``, written by megatron-core (``tools/fixtures/make_megatron_fixtures.py``,
   DP=2, bf16) → ``jax_ucp.convert`` vs ``dcp_to_torch_save`` + ``torch.load``.
@@ -465,7 +465,9 @@ STATUS = (
 JAX_UCP_CONVERT = STATUS + (
     "import sys, json\n"
     "import jax_ucp\n"
-    "jax_ucp.convert(sys.argv[1], sys.argv[2], weights_only=sys.argv[3:] == ['weights_only'])\n"
+    "from jax_ucp.conversion import ImportOptions\n"
+    "only = ImportOptions(weights_only=sys.argv[3:] == ['weights_only'])\n"
+    "jax_ucp.convert(sys.argv[1], sys.argv[2], importing=only)\n"
     "print('MEM' + json.dumps(_mem()))\n"
 )
 TORCH_CONVERT = STATUS + (

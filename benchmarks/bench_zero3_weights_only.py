@@ -1,4 +1,4 @@
-"""ZeRO-3 bf16, weights only: ``jax_ucp.convert(weights_only=True)`` vs DeepSpeed's
+"""ZeRO-3 bf16, weights only: ``convert(importing=ImportOptions(weights_only=True))`` vs DeepSpeed's
 ``zero_to_fp32``, and what dropping the derived bf16 ``model_params`` would buy (issue 52).
 
 A ZeRO-3 checkpoint holds no bf16 weights: jax_ucp's import writes the fp32 masters as
@@ -7,7 +7,7 @@ fp32 masters alone. Contenders, each a fresh process, alternating within every r
 warm page cache of the input:
 
   * ``zero_to_fp32``: ``python -m deepspeed.utils.zero_to_fp32 CKPT OUT`` (torch venv);
-  * ``jax_ucp weights_only``: ``jax_ucp.convert(CKPT, OUT, weights_only=True)``;
+  * ``jax_ucp weights_only``: ``jax_ucp.convert(CKPT, OUT, importing=ImportOptions(weights_only=True))``;
   * ``jax_ucp no model_params``: the same with the ``model_params`` items filtered out of the
     import's stream (an experiment, not an option: what the bytes not written are worth).
 
@@ -47,7 +47,8 @@ CONVERT = (
     "    real = zero.iter_zero_items\n"
     "    zero.iter_zero_items = lambda *a: (i for i in real(*a) "
     "if tuple(i.key[:1]) != ('model_params',))\n"
-    "jax_ucp.convert(sys.argv[1], sys.argv[2], weights_only=True)\n"
+    "from jax_ucp.conversion import ImportOptions\n"
+    "jax_ucp.convert(sys.argv[1], sys.argv[2], importing=ImportOptions(weights_only=True))\n"
 )
 
 
