@@ -55,7 +55,9 @@ def test_frozen_flag_is_strict_in_the_manifest(tmp_path):
     entry = next(e for e in manifest["entries"] if e.get("frozen"))
     entry["frozen"] = "true"
     json.dump(manifest, open(path, "w"))
-    with pytest.raises(jax_ucp.UCPError, match=r"'params/wpe.weight'\).frozen: expected bool, found 'true'"):
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"'params/wpe.weight'\).frozen: expected bool, found 'true'"
+    ):
         jax_ucp.inspect(ckpt)
 
 
