@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 1214,
     "exporters": 1134,
     "format": 2698,
-    "importers": 15846,
+    "importers": 15845,
     "language": 2976,
     "models": 1619,
     "multihost": 759,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 366,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 47279
+TOTAL = 47278
 
 
 def _lines(paths) -> int:

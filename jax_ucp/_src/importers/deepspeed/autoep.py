@@ -21,7 +21,7 @@ from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import mapped_file
 from jax_ucp._src.importers.deepspeed import files, moe, zero
 from jax_ucp._src.importers.deepspeed.files import require
-from jax_ucp._src.importers.plan import ImportOptions, ImportPlan, Share, host_item, skip
+from jax_ucp._src.importers.plan import ImportOptions, ImportPlan, Share, host_item
 
 #: The model states keys of DeepSpeed's AutoEP layer records (and the older name).
 RECORD_KEYS = ("ds_autoep_layers", "autoep_layers")
@@ -260,15 +260,9 @@ def plan_autoep(
     source.update(layout="autoep", ep_size=ep, num_experts=[x.experts for x in layers])
     source["expert_names"] = "<expert_key_prefix>.w1|w2|w3 stacked [num_experts, ...]"
     found = zero.zero_tensors(checkpoint, source, weights_only=options.weights_only)
-    expert_tensors = [tensor for held in experts.values() for _, tensor in held]
-    if checkpoint.model_dtype == np.dtype(np.float32):
-        skip(
-            source,
-            expert_tensors,
-            "the expert's weight in the run's precision (fp32): the same values as its fp32 "
-            "master (checked), imported as params/",
-        )
-    found += expert_tensors
+    found += moe.expert_weights(
+        checkpoint, source, [t for held in experts.values() for _, t in held]
+    )
     share = _WholeExperts(options.share.index, options.share.count)
     items = zero.iter_zero_items(checkpoint, dataclasses.replace(options, share=share))
     names = list(dict.fromkeys(n.split(EP_PART)[0] for n in checkpoint.names))

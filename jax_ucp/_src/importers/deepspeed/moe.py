@@ -362,6 +362,19 @@ def _check_expert(item: writer.HostItem, stored, tensor: str, value) -> Any:
     return value
 
 
+def expert_weights(checkpoint, source: dict, tensors: list[str]) -> list[str]:
+    """``tensors``, the experts' own weight files' tensors: in an fp32 run the same values as
+    their fp32 masters (checked element by element), so listed in ``source.skipped``."""
+    if checkpoint.model_dtype == np.dtype(np.float32):
+        skip(
+            source,
+            tensors,
+            "the expert's weight in the run's precision (fp32): the same values as its fp32 "
+            "master (checked), imported as params/",
+        )
+    return tensors
+
+
 def plan_moe(tag_dir: str, options: ImportOptions) -> ImportPlan:
     """The import of a DeepSpeed MoE tag folder: ZeRO 1/2, or ZeRO-0 (optimizer state in
     ``expp_rank_*`` files)."""
@@ -372,15 +385,7 @@ def plan_moe(tag_dir: str, options: ImportOptions) -> ImportPlan:
     source = zero.zero_source_info(checkpoint)
     source.update(_moe_source(experts, sorted(set(ep_of_group.values()))))
     found = zero.zero_tensors(checkpoint, source, weights_only=weights_only)
-    expert_tensors = [tensor for _, tensor in experts.weights.values()]
-    if checkpoint.model_dtype == np.dtype(np.float32):  # checked element by element
-        skip(
-            source,
-            expert_tensors,
-            "the expert's weight in the run's precision (fp32): the same values as its fp32 "
-            "master (checked), imported as params/",
-        )
-    found += expert_tensors
+    found += expert_weights(checkpoint, source, [t for _, t in experts.weights.values()])
     items = _checked_experts(zero.iter_zero_items(checkpoint, options), checkpoint, experts)
     return ImportPlan(items, source, len(share.pick(checkpoint.names)), source_tensors=found)
 
