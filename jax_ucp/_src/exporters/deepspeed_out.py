@@ -25,7 +25,7 @@ from jax_ucp._src import store
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.exporters import source
 from jax_ucp._src.exporters.options import DeepSpeedUniversalExport, Exported
-from jax_ucp._src.exporters.source import Deferred
+from jax_ucp._src.exporters.source import RowSlabs
 from jax_ucp._src.format import files
 from jax_ucp._src.restoring import ucp_source
 from jax_ucp._src.restoring.model import Request, check_cast
@@ -47,10 +47,10 @@ def check_name(name: str) -> None:
 def write_universal(
     root: str,
     params: list[tuple[str, tuple[int, ...]]],
-    states: Iterable[tuple[str, str, np.ndarray | Deferred]],
+    states: Iterable[tuple[str, str, np.ndarray | RowSlabs]],
     *,
     step: int,
-    model_weights: Iterable[tuple[str, np.ndarray | Deferred]] | None = None,
+    model_weights: Iterable[tuple[str, np.ndarray | RowSlabs]] | None = None,
     param_groups: int = 1,
 ) -> list[str]:
     """Writes the universal checkpoint under ``root``; returns the files written.
@@ -98,7 +98,7 @@ def write_universal(
 def _write_states(
     zero: str,
     shapes: dict[str, tuple[int, ...]],
-    states: Iterable[tuple[str, str, np.ndarray | Deferred]],
+    states: Iterable[tuple[str, str, np.ndarray | RowSlabs]],
     step: int,
 ) -> list[str]:
     """``zero/<param>/<state>.pt`` for every state (checked fp32), and ``step.pt``; the paths."""

@@ -14,7 +14,7 @@ import numpy as np
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.exporters import source
 from jax_ucp._src.exporters.options import Exported, SafetensorsExport
-from jax_ucp._src.exporters.source import Deferred, Tensor, pieces
+from jax_ucp._src.exporters.source import RowSlabs, Tensor, pieces
 from jax_ucp._src.format import safetensors
 from jax_ucp._src.writer import durable
 
@@ -75,7 +75,7 @@ def header_bytes(tensors: Sequence[Tensor], metadata: dict[str, str]) -> bytes:
 def write_file(
     path: str,
     tensors: Sequence[Tensor],
-    values: Sequence[np.ndarray | Deferred],
+    values: Sequence[np.ndarray | RowSlabs],
     metadata: dict[str, str],
 ) -> None:
     """Writes one safetensors file, each tensor's bytes slab by slab at its data offset.
@@ -83,7 +83,7 @@ def write_file(
     Args:
         path: the file to write.
         tensors: name, dtype and shape of each tensor, in file order.
-        values: their arrays (or ``Deferred`` ones, read as they are written), in that order.
+        values: their arrays (or ``RowSlabs`` ones, read as they are written), in that order.
         metadata: the header's ``__metadata__`` strings."""
     with durable.durable_file(path) as f:
         f.write(header_bytes(tensors, metadata))

@@ -1,4 +1,4 @@
-"""What every exporter shares: a checkpoint's tensors as ``Deferred`` arrays read row slab by row
+"""What every exporter shares: a checkpoint's tensors as ``RowSlabs`` arrays read row slab by row
 slab only as a writer writes them, the tensors under ``select``, and the transaction the files are
 written in."""
 
@@ -22,7 +22,7 @@ from jax_ucp._src.writer import commit
 
 
 @dataclasses.dataclass(frozen=True)
-class Deferred:
+class RowSlabs:
     """An array of known shape and dtype whose ``slabs()`` are read only when written."""
 
     shape: tuple[int, ...]
@@ -30,10 +30,10 @@ class Deferred:
     slabs: Callable[[], Iterable[np.ndarray]]
 
 
-def pieces(value: np.ndarray | Deferred, where: str) -> Iterator[np.ndarray]:
+def pieces(value: np.ndarray | RowSlabs, where: str) -> Iterator[np.ndarray]:
     """The C-ordered little-endian data of ``value``, each slab checked against the plan."""
-    if not isinstance(value, Deferred):
-        value = Deferred(tuple(value.shape), value.dtype, lambda a=value: [a])
+    if not isinstance(value, RowSlabs):
+        value = RowSlabs(tuple(value.shape), value.dtype, lambda a=value: [a])
     rows = 0
     for slab in value.slabs():
         if slab.dtype != value.dtype or (slab.shape[1:] if slab.ndim else ()) != value.shape[1:]:
@@ -50,7 +50,7 @@ def pieces(value: np.ndarray | Deferred, where: str) -> Iterator[np.ndarray]:
 
 @dataclasses.dataclass
 class Source:
-    """Reads the checkpoint's tensors as ``Deferred`` arrays, counting them for ``progress``."""
+    """Reads the checkpoint's tensors as ``RowSlabs`` arrays, counting them for ``progress``."""
 
     root: str
     manifest: fmt.Manifest
@@ -60,11 +60,11 @@ class Source:
     total: int = 0
     done: int = 0
 
-    def tensor(self, key: tuple[str, ...], dtype: Any = None, name: str = "") -> Deferred:
+    def tensor(self, key: tuple[str, ...], dtype: Any = None, name: str = "") -> RowSlabs:
         """Tensor ``key`` (as ``dtype``), ``progress`` called under ``name`` once it is read."""
         found = self.available[key]
         dtype = found.dtype if dtype is None else np.dtype(dtype)
-        return Deferred(tuple(found.shape), dtype, lambda: self._slabs(key, dtype, name))
+        return RowSlabs(tuple(found.shape), dtype, lambda: self._slabs(key, dtype, name))
 
     def _slabs(self, key, dtype, name: str) -> Iterator[np.ndarray]:
         yield from ucp_source.read_rows(
@@ -100,7 +100,7 @@ class Selection:
     """The tensors under ``select`` as written, the saved values, and every other leaf's name."""
 
     tensors: list[Tensor]
-    arrays: list[Deferred]
+    arrays: list[RowSlabs]
     paths: list[tuple[str, ...]]
     values: list[tuple[str, tuple[str, ...], Any]]
     skipped: list[str]
