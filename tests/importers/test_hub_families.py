@@ -1,0 +1,66 @@
+"""Every importer family read in place from a Hugging Face Hub repo (``hf://org/name``, on
+tests/object_servers.py's local server with the Hub's layout): torch.save folders, torchtune,
+torch_checkpointing, legacy Megatron, megatron-core's ``torch_dist`` and ``fsdp_dtensor``, verl
+(DeepSpeed: tests/importers/deepspeed/test_object_store.py; safetensors: tests/store/test_hub.py).
+Each restores onto a 2 x 4 mesh bit for bit as its local folder does; its torch archives are read
+by ranged GETs, none downloaded whole, and no byte is fetched twice."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jax_ucp
+from jax_ucp.conversion import ImportOptions
+from tests.importers.deepspeed.test_object_store import assert_same, served, size_of
+from tests.restoring.test_remote_safetensors import _target
+from tests.ucp_testing import REPO
+
+pytestmark = pytest.mark.timeout(300)
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+ARCHIVES = (".pt", ".bin", ".ckpt")
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("torch/hf_bin_sharded", {}),
+        ("torchtune/tt_fp32", {"importing": ImportOptions(weights_only=True)}),
+        ("torch_checkpointing/tc_fsdp2_synthetic_layout/step-3", {}),
+        ("megatron/legacy_gpt_tp2pp2_synthetic", {}),
+        ("megatron/gpt_tp2", {}),  # megatron-core's torch_dist
+        ("megatron_fsdp_dtensor/gpt_dp2", {}),
+        ("verl/fsdp2", {}),
+    ],
+)
+def test_each_importer_family_restores_from_a_hub_repo_as_its_local_folder(
+    hub_server, monkeypatch, name, options
+):
+    served(monkeypatch)
+    src = os.path.join(FIXTURES, name)
+    files = {}
+    for folder, _, names in os.walk(src):
+        for n in names:
+            with open(os.path.join(folder, n), "rb") as f:
+                files[os.path.relpath(f.name, src)] = f.read()
+    repo = "org/" + name.replace("/", "-")
+    hub_server.add(repo, files)
+    target = _target(
+        jax_ucp.restore(src, **options), Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    )
+    assert_same(
+        jax_ucp.restore(f"hf://{repo}", target=target, **options),
+        jax_ucp.restore(src, target=target, **options),
+    )
+    gets = [r for r in hub_server.log if r["method"] == "GET" and r["path"] in files]
+    whole = [r["path"] for r in gets if r["range"] is None and r["path"].endswith(ARCHIVES)]
+    assert not whole, f"archives downloaded whole: {whole}"
+    nbytes = sum(
+        len(files[r["path"]]) if r["range"] is None else r["stop"] - r["start"] for r in gets
+    )
+    # no byte twice (but the one-byte reads holding an archive's size to the object's)
+    assert 0 < nbytes <= size_of(src) + 2 * len(files), (len(gets), nbytes)
