@@ -176,8 +176,8 @@ READER_ONLY = {"float dim"}
 
 def test_the_checked_in_schema_is_the_one_the_model_generates():
     """``ucp_manifest.v1.schema.json`` is generated from the typed model (regenerate it with
-    ``python -m jax_ucp._src.format.manifest_model``), never edited by hand."""
-    from jax_ucp._src.format import manifest_model
+    ``python -m jax_ucp._src.format.schema``), never edited by hand."""
+    from jax_ucp._src.format import schema
 
-    assert manifest_model.SCHEMA_FILE.read_text(encoding="utf-8") == manifest_model.schema_text()
-    assert json.loads(manifest_model.schema_text()) == manifest_model.json_schema()
+    assert schema.SCHEMA_FILE.read_text(encoding="utf-8") == schema.schema_text()
+    assert json.loads(schema.schema_text()) == schema.json_schema()

@@ -10,7 +10,6 @@ from jax_ucp._src.format.manifest import (
     KEY_IMPLS,
     MANIFEST_FILE,
     MAX_MANIFEST_BYTES,
-    MAX_TREE_DEPTH,
     ORBAX_ITEM,
     Entry,
     Manifest,
@@ -18,8 +17,8 @@ from jax_ucp._src.format.manifest import (
     TensorEntry,
     ValueEntry,
     array_dir,
-    check_tree_depth,
     new_manifest,
     read_manifest_file,
     role_of,
 )
+from jax_ucp._src.format.tree_record import MAX_TREE_DEPTH, check_tree_depth

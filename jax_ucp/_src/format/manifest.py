@@ -3,38 +3,413 @@
 Versioned JSON.  A reader refuses a newer major ``version`` than it knows instead of guessing,
 and every field a reader needs is explicit (global shape, dtype, chunking, codecs, kvstore), so a
 checkpoint is self-describing without JAX, without the mesh it was saved from, and without us.
+
+The manifest and its entries are msgspec Structs, decoded from the text in C: the per-field rules
+are their types (the published JSON Schema is generated from them, ``format.schema``), the rules
+across fields their ``__post_init__``, in decoding; the saved tree's are ``format.tree_record``'s.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import math
 import os
 import re
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Never
 
 import msgspec
-from msgspec import UNSET, Meta
+from msgspec import UNSET, Meta, Struct, UnsetType
+from msgspec.structs import force_setattr
 
 from jax_ucp._src import bulk
 from jax_ucp._src.errors import CheckpointError, RequestError
-from jax_ucp._src.format import display, files
+from jax_ucp._src.format import display, files, tree_record
 from jax_ucp._src.format import dtypes as dtypes_lib
 from jax_ucp._src.format import keypath as keypath_lib
-from jax_ucp._src.format import manifest_model as model
-from jax_ucp._src.format.manifest_model import KvStore
 from jax_ucp._src.format.sizes import format_size
+from jax_ucp._src.format.tree_record import KEY_TYPES, TOO_DEEP, KeyType
 from jax_ucp._src.version import __version__
 
-FORMAT_NAME = model.FORMAT_NAME
-FORMAT_VERSION = model.FORMAT_VERSION
+FORMAT_NAME = "jax_ucp"
+FORMAT_VERSION = 1
 MANIFEST_FILE = "ucp.json"
 ARRAYS_DIR = "arrays"
+
+# The end of the text in Python's regexes and ECMA-262's alike (Python's `$` admits a final
+# newline, so "arrays/w\n" would pass).
+_END = r"(?![\s\S])"
+DIR_PATTERN = r"^arrays/(?!\.\.?" + _END + r")[A-Za-z0-9_%~.\-]+" + _END
+SHARD_KEY_PATTERN = r"^c(/[0-9]+)*" + _END
+DIGEST_PATTERN = r"^[0-9a-f]{8}" + _END
+FLOAT_HEX_PATTERN = r"^-?(0x[0-9a-fA-F](\.[0-9a-fA-F]*)?p[+-]?[0-9]+|inf|nan)" + _END
+
+Dim = Annotated[int, Meta(ge=0, lt=2**62)]
+PositiveDim = Annotated[int, Meta(ge=1, lt=2**62)]
+Dims = Annotated[tuple[Dim, ...], Meta(max_length=64)]
+PositiveDims = Annotated[tuple[PositiveDim, ...], Meta(max_length=64)]
+if TYPE_CHECKING:  # a checker sees what code builds and reads: names as str, never UNSET
+    Role = DType = ValueType = Compression = Checksum = KeyImpl = str
+    Absent = Never
+else:
+    Role = Literal["param", "opt_state", "other"]
+    DType = Literal[tuple(dtypes_lib.SUPPORTED)]
+    ValueType = Literal["none", "bool", "int", "float", "str"]
+    Compression, Checksum = Literal["zstd"], Literal["crc32c"]
+    KeyImpl = Annotated[
+        Literal["threefry2x32", "rbg", "unsafe_rbg"],
+        Meta(
+            description="A typed PRNG key array (jax.random.key, an NNX Rngs stream): the JAX "
+            "key implementation whose key data this tensor stores (uint32, one key's data in "
+            "the last dimensions: (2,) for threefry2x32, (4,) for rbg and unsafe_rbg). A "
+            "restore wraps the data back into keys. Absent for every other tensor."
+        ),
+    ]
+    Absent = UnsetType
+#: the default of a member that may be absent (the decoded entry holds what absence means)
+ABSENT: Any = UNSET
+Key = Annotated[
+    tuple[str, ...], Meta(min_length=1, description="The leaf's key path, one name a level.")
+]
+KeyTypes = Annotated[
+    tuple[KeyType, ...],
+    Meta(description="The kind of container each key component indexes; absent: all 'key'."),
+]
+MAX_INT_DIGITS = 64  # Python values may be large ints (2**70); a 5000-digit one is an attack
+_FLOAT_HEX_RE = re.compile(FLOAT_HEX_PATTERN)
+
+
+class _Strict(Struct, forbid_unknown_fields=True, gc=False, frozen=True):
+    """Strict (an unknown field is an error) and untracked by the cyclic GC (JSON holds no
+    cycles): 100 000 entries cost neither a GC pass nor a GC header each."""
+
+
+class KvStore(_Strict, frozen=True):
+    """The TensorStore kvstore the arrays were written with (arrays are found by 'dir')."""
+
+    driver: str
+
+
+class Mesh(_Strict, frozen=True):
+    """The mesh a tensor was saved from."""
+
+    axis_names: tuple[str, ...]
+    shape: Dims
+
+
+class SavedSharding(_Strict, frozen=True):
+    """Informational: the mesh and PartitionSpec a tensor was saved from (hashable: equal ones
+    are one object in the entries)."""
+
+    mesh: Mesh
+    partition_spec: tuple[str | tuple[str, ...] | None, ...]
+
+    @classmethod
+    def of(cls, axis_names: Sequence[str], shape: Sequence[int], spec: Sequence) -> SavedSharding:
+        """A mesh's axis names and sizes and a PartitionSpec (None, a name or names each)."""
+        return cls(Mesh(tuple(axis_names), tuple(shape)), tuple(spec))
+
+    @property
+    def mesh_axis_names(self) -> tuple[str, ...]:
+        return self.mesh.axis_names
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return self.mesh.shape
+
+
+class _Entry(_Strict, frozen=True, omit_defaults=True):
+    """What both kinds of entry have: a key path (``name``: ``a/b/c``) and key types (absent in
+    the text: all "key")."""
+
+    @property
+    def name(self) -> str:
+        """The key path as ``a/b/c`` (how messages and the CLI name a leaf)."""
+        return keypath_lib.key_to_str(self.key)  # pyright: ignore[reportAttributeAccessIssue]
+
+    def to_json(self) -> dict:
+        """The JSON form recorded in ``ucp.json`` (a tensor's ``frozen``, ``tied_to`` and
+        ``key_impl`` left out at their defaults, a value's float as ``float.hex``, exact)."""
+        d = msgspec.json.decode(ENCODER.encode(self))
+        if d.get("type") == "float":
+            d["value"] = float.hex(self.value)  # pyright: ignore[reportAttributeAccessIssue]
+        return d
+
+    def _absent(self, defaults: dict[str, Any]) -> None:
+        """Fills each member the text left out with what it means (``_absent``), key types
+        shared between entries."""
+        key, types = self.key, self.key_types  # pyright: ignore[reportAttributeAccessIssue]
+        _absent(self, defaults, types is UNSET)
+        if types is UNSET:
+            types = ("key",) * len(key)
+        elif len(types) != len(key):
+            expected = f"a list of {len(key)} of {list(KEY_TYPES)}"
+            raise ValueError(_fault("key_types", expected, list(types)))
+        force_setattr(self, "key_types", _shared(_KEY_TYPES, types))
+
+
+class TensorEntry(_Entry, display.Tabular, tag="tensor", tag_field="entry", frozen=True):
+    """One array leaf stored as one zarr v3 array under ``arrays/<dir>``."""
+
+    key: Key
+    dir: Annotated[
+        str,
+        Meta(
+            pattern=DIR_PATTERN,
+            description="The array's directory relative to the checkpoint: 'arrays/' + the "
+            "escaped key path (docs/FORMAT.md). Readers locate the array by it.",
+        ),
+    ]
+    shape: Dims
+    dtype: DType
+    chunk_shape: Annotated[PositiveDims, Meta(description="The outer (shard file) chunk.")]
+    inner_chunk_shape: Annotated[PositiveDims, Meta(description="Divides chunk_shape.")]
+    role: Role
+    key_types: KeyTypes | Absent = ABSENT
+    compression: Compression | Absent | None = ABSENT
+    checksum: Checksum | Absent | None = ABSENT
+    sub_role: str | Absent | None = ABSENT
+    logical_axes: tuple[str | None, ...] | Absent | None = ABSENT
+    saved_sharding: SavedSharding | Absent | None = ABSENT
+    provenance: dict[str, Any] | Absent | None = ABSENT
+    shard_digests: (
+        Annotated[
+            dict[
+                Annotated[str, Meta(pattern=SHARD_KEY_PATTERN)],
+                Annotated[str, Meta(pattern=DIGEST_PATTERN)],
+            ],
+            Meta(
+                description='Shard file key ("c/0/1") -> crc32c, 8 lowercase hex digits, of '
+                "its inner chunks' crc32c trailers in index order."
+            ),
+        ]
+        | Absent
+        | None
+    ) = ABSENT
+    frozen: bool = False
+    tied_to: str | None = None
+    key_impl: KeyImpl | None = None
+
+    entry_type = "tensor"
+
+    def __post_init__(self):
+        """The rules across fields (a member the text left out: None; what entries share, the
+        key's names, shapes and saved shardings, one object for all)."""
+        self._absent(DEFAULTS["TensorEntry"])
+        force_setattr(self, "key", tuple(map(sys.intern, self.key)))
+        shapes = self.shape, self.chunk_shape, self.inner_chunk_shape
+        if shapes not in _SHAPES:
+            _check_shapes(*shapes)
+        known = _shared(_SHAPES, shapes)
+        force_setattr(self, "shape", known[0])
+        force_setattr(self, "chunk_shape", known[1])
+        force_setattr(self, "inner_chunk_shape", known[2])
+        force_setattr(self, "dtype", _CANONICAL.get(self.dtype, self.dtype))
+        if self.logical_axes is not None and len(self.logical_axes) != len(self.shape):
+            expected = f"{len(self.shape)} names"
+            raise ValueError(_fault("logical_axes", expected, list(self.logical_axes)))
+        if self.saved_sharding is not None:
+            force_setattr(self, "saved_sharding", _shared(_SHARDINGS, self.saved_sharding))
+        if self.key_impl is not None:
+            key_shape = KEY_IMPLS[self.key_impl]
+            stored = self.shape[len(self.shape) - len(key_shape) :]
+            if self.dtype != "uint32" or stored != key_shape:
+                expected = f"uint32 key data of shape (..., {', '.join(map(str, key_shape))}) for"
+                found = f"{self.dtype} of shape {list(self.shape)}"
+                raise ValueError(f"key_impl: expected {expected} {self.key_impl!r}, found {found}.")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the array (shape × itemsize)."""
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+    def to_row(self) -> dict[str, Any]:
+        """One row of ``Manifest.to_rows``: name, shape, dtype, bytes, role, logical axes,
+        saved PartitionSpec and mesh, and where an import read it from."""
+        saved = self.saved_sharding
+        return {
+            "name": self.name,
+            "shape": tuple(self.shape),
+            "dtype": self.dtype,
+            "bytes": self.nbytes,
+            "role": self.role + (f"/{self.sub_role}" if self.sub_role else ""),
+            "logical_axes": self.logical_axes,
+            "saved_spec": None if saved is None else saved.partition_spec,
+            "saved_mesh": None
+            if saved is None
+            else display.mesh_text(saved.mesh_axis_names, saved.mesh_shape),
+            "source": ", ".join((self.provenance or {}).get("tensors", [])[:3]) or None,
+        }
+
+    def table(self):
+        return f"tensor {self.name}", [], [self.to_row()], ENTRY_COLUMNS
+
+
+#: what a table of tensors shows (``to_rows`` has a few more)
+ENTRY_COLUMNS = ("name", "shape", "dtype", "role", "logical_axes", "saved_spec")
+#: JAX's PRNG key implementations a ``key_impl`` may name, with the shape of one key's data
+KEY_IMPLS = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
+
+
+class ValueEntry(_Entry, tag="value", tag_field="entry", frozen=True):
+    """A non-array leaf (Python None, bool, int, float or str) kept as a typed JSON value."""
+
+    key: Key
+    type: ValueType
+    value: Annotated[
+        Any,
+        Meta(
+            description="none: null; bool: true/false; int: a JSON integer (at most 64 digits); "
+            'float: the float.hex() string ("0x1.8p+0", "inf", "nan"); str: a JSON string.'
+        ),
+    ]
+    key_types: KeyTypes | Absent = ABSENT
+    role: Role | Absent = ABSENT
+    sub_role: str | Absent | None = ABSENT
+
+    entry_type = "value"
+    nbytes = 0  # a value holds no array bytes
+
+    def __post_init__(self):
+        """The value checked against its type (a float's hex string read)."""
+        self._absent(DEFAULTS["ValueEntry"])
+        expected, valid = _VALUE_TYPES[self.type]
+        if not valid(self.value):
+            raise ValueError(_fault("value", expected, self.value))
+        if self.type == "float":
+            try:
+                force_setattr(self, "value", float.fromhex(self.value))
+            except (ValueError, OverflowError):
+                raise ValueError(_fault("value", expected, self.value)) from None
+
+    @classmethod
+    def of(cls, key, key_types, value, role: str = "other", sub_role: str | None = None):
+        """The entry of a Python value (None, bool, int, float, str), refused naming the leaf."""
+        name = keypath_lib.key_to_str(key)
+        kind = next((t for t, k in _PY_TYPES.items() if isinstance(value, k)), None)
+        if kind is None:
+            raise RequestError(
+                f"Leaf {name!r}: {type(value).__name__} is not a storable value "
+                f"(expected None, bool, int, float, str or an array)."
+            )
+        if kind == "int" and abs(value) >= 10**MAX_INT_DIGITS:
+            raise CheckpointError(
+                f"Leaf {name!r}: an int of more than {MAX_INT_DIGITS} digits is not "
+                f"storable as a value; save it as an array or a string."
+            )
+        if kind == "str":
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise CheckpointError(
+                    f"Leaf {name!r}: value: not encodable as UTF-8 ({e.reason} at {e.start})."
+                ) from None
+        value = float.hex(value) if kind == "float" else value  # as the text holds it
+        return cls(tuple(key), kind, value, tuple(key_types), role, sub_role)
+
+    def __reduce__(self):  # a copy is built as the entry was, from the Python value
+        return ValueEntry.of, (self.key, self.key_types, self.value, self.role, self.sub_role)
+
+
+_PY_TYPES = {"none": type(None), "bool": bool, "int": int, "float": float, "str": str}
+# JSON "type" of a value entry -> (what its "value" must be, the check)
+_VALUE_TYPES = {
+    "none": ("null", lambda v: v is None),
+    "bool": ("a JSON boolean", lambda v: isinstance(v, bool)),
+    "int": ("a JSON integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a float.hex string", lambda v: isinstance(v, str) and _FLOAT_HEX_RE.fullmatch(v)),
+    "str": ("a JSON string", lambda v: isinstance(v, str)),
+}
+#: what a member the text leaves out means (documented in the schema): filled in by
+#: ``__post_init__`` (an entry's ``frozen``, ``tied_to`` and ``key_impl``: msgspec's defaults)
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "Manifest": {"created_by": "", "created_at": 0.0, "source": {}, "tree": None},
+    "TensorEntry": dict.fromkeys(
+        ("compression", "checksum", "sub_role", "logical_axes", "saved_sharding")
+        + ("provenance", "shard_digests")
+    ),
+    "ValueEntry": {"role": "other", "sub_role": None},
+}
+#: members the text left out, filled in by ``__post_init__``: a key named twice is found by
+#: counting the members (``no_duplicate_keys``)
+COUNTS = threading.local()
+
+
+def _absent(struct: Struct, defaults: dict[str, Any], n: int = 0) -> None:
+    """Fills each member of ``struct`` the text left out (UNSET) with what it means (a dict
+    a new one), counted in ``COUNTS`` with ``n`` more."""
+    for field, default in defaults.items():
+        if getattr(struct, field) is UNSET:
+            force_setattr(struct, field, default.copy() if type(default) is dict else default)
+            n += 1
+    COUNTS.absent = getattr(COUNTS, "absent", 0) + n
+
+
+def _fault(field: str, expected: str, found: Any) -> str:
+    """A refusal of one field, as ``__post_init__`` raises it (``manifest`` names the entry)."""
+    return f"{field}: expected {expected}, found {short(found)}."
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """A bounded repr: a hostile value's repr is never built in full."""
+    if isinstance(value, (dict, list)):
+        return f"a JSON {'object' if isinstance(value, dict) else 'array'} of {len(value)} items"
+    if isinstance(value, str):
+        return repr(value[:limit] + ("…" if len(value) > limit else ""))
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**limit:
+        return "a very large integer"
+    return repr(value)[:limit]
+
+
+def _check_shapes(shape: tuple, chunk_shape: tuple, inner: tuple) -> None:
+    """An entry's shape, chunk_shape and inner_chunk_shape, checked together."""
+    if not (len(shape) == len(chunk_shape) == len(inner)):
+        expected = f"{len(shape)} dimensions like shape {list(shape)}"
+        raise ValueError(_fault("chunk_shape", expected, list(chunk_shape)))
+    if any(c > max(n, 1) for n, c in zip(shape, chunk_shape)):
+        # a chunk larger than its array would make a reader allocate for nothing
+        expected = f"extents at most shape {list(shape)} (1 for a zero-size dimension)"
+        raise ValueError(_fault("chunk_shape", expected, list(chunk_shape)))
+    if any(c % i for c, i in zip(chunk_shape, inner)):
+        expected = f"extents dividing chunk_shape {list(chunk_shape)}"
+        raise ValueError(_fault("inner_chunk_shape", expected, list(inner)))
+
+
+def _shared(memo: dict, value: Any) -> Any:
+    """The value equal to ``value`` that ``memo`` holds, else ``value``, remembered (the memo
+    emptied first when full: a hostile manifest of all different shapes keeps it bounded)."""
+    known = memo.get(value)
+    if known is None:
+        if len(memo) >= 4096:
+            memo.clear()
+        known = memo[value] = value
+    return known
+
+
+# Values many entries share, built once: (shape, chunk_shape, inner) triples, key types and
+# saved shardings (decoded by type: equal means the same, no True == 1).
+_SHAPES: dict[tuple, tuple] = {}
+_KEY_TYPES: dict[tuple, tuple] = {}
+_SHARDINGS: dict[SavedSharding, SavedSharding] = {}
+# one str object per dtype name for every entry (the parsed JSON has one per occurrence)
+_CANONICAL: dict[Any, str] = {name: name for name in dtypes_lib.SUPPORTED}
+
+
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    return dtypes_lib.to_numpy_dtype(dtype).itemsize
+
+
+#: writes entries, and re-encodes a decoded manifest (``no_duplicate_keys``)
+ENCODER = msgspec.json.Encoder()
+
 
 # optax state fields recorded as an opt_state leaf's sub-role
 OPTAX_STATE_NAMES = ("mu", "nu", "count", "trace", "ema", "master")
@@ -58,19 +433,9 @@ def role_of(key: Sequence[str]) -> tuple[str, str | None]:
     return "other", None
 
 
-# Bounds on what a manifest may be: a hostile ucp.json must fail fast, not exhaust the host.
+# Bounds on what a manifest may be: a hostile ucp.json must fail fast, not exhaust the host
+# (and ``tree_record``'s nesting).
 MAX_MANIFEST_BYTES = 512 << 20
-MAX_JSON_DEPTH = 512  # a recorded tree structure nests 3 JSON levels per pytree level
-#: containers nested in a saved tree: what ``ucp.json`` can record within ``MAX_JSON_DEPTH``
-#: (checked at save, so what ``save`` writes ``restore`` reads)
-MAX_TREE_DEPTH = MAX_JSON_DEPTH // 3
-TOO_DEEP = f"JSON nested deeper than {MAX_JSON_DEPTH} levels."
-KEY_IMPLS = model.KEY_IMPLS
-
-
-SavedSharding = model.SavedSharding
-TensorEntry = model.TensorEntry
-ValueEntry = model.ValueEntry
 Entry = TensorEntry | ValueEntry
 
 
@@ -101,14 +466,12 @@ class Manifest(msgspec.Struct, display.Tabular, forbid_unknown_fields=True, dict
     save_id: Annotated[str, Meta(description="Unique per save; shard digests are tied to it.")]
     kvstore: KvStore
     entries: list[TensorEntry | ValueEntry]
-    created_by: str | model.Absent = model.ABSENT
-    created_at: float | model.Absent = model.ABSENT
-    source: Annotated[dict[str, Any], Meta(description="Free-form provenance.")] | model.Absent = (
-        model.ABSENT
-    )
+    created_by: str | Absent = ABSENT
+    created_at: float | Absent = ABSENT
+    source: Annotated[dict[str, Any], Meta(description="Free-form provenance.")] | Absent = ABSENT
     # The saved pytree's containers (dict/list/tuple/NamedTuple nodes, child names) as the dicts
     # of its JSON, so a restore without a target rebuilds e.g. optax states; None for imports.
-    tree: model.SavedTree = model.ABSENT
+    tree: tree_record.SavedTree = ABSENT
     # Not stored: what a reader noticed (``jax_ucp.inspect`` sets it), e.g. a container class it
     # will not rebuild; each a sentence naming the node.
     if TYPE_CHECKING:
@@ -120,11 +483,7 @@ class Manifest(msgspec.Struct, display.Tabular, forbid_unknown_fields=True, dict
         """Fills what the text left out (counted, as for entries); refuses two entries with one
         key path or one array directory, and JSON nested too deep (a decoded tree is checked as
         its dicts are built, ``_with_tree``)."""
-        absent = [f for f, _ in _HEAD_DEFAULTS if getattr(self, f) is UNSET]
-        for field, default in _HEAD_DEFAULTS:
-            if field in absent:
-                setattr(self, field, {} if field == "source" else default)
-        model.COUNTS.absent = getattr(model.COUNTS, "absent", 0) + len(absent)
+        _absent(self, DEFAULTS["Manifest"])
         seen: set[tuple] = set()
         dirs: dict[str, Entry] = {}
         for e in self.entries:
@@ -138,9 +497,9 @@ class Manifest(msgspec.Struct, display.Tabular, forbid_unknown_fields=True, dict
                         f"{e.dir!r}; rename one of them."
                     )
                 dirs[e.dir] = e
-                if e.provenance and _deeper(e.provenance, 4) is not None:
+                if e.provenance and tree_record.deeper(e.provenance, 4) is not None:
                     raise CheckpointError(f"{e.name!r}: provenance: {TOO_DEEP}")
-        if _deeper(self.source, 2) is not None:
+        if tree_record.deeper(self.source, 2) is not None:
             raise CheckpointError(f"source: {TOO_DEEP}")
 
     @property
@@ -200,7 +559,7 @@ class Manifest(msgspec.Struct, display.Tabular, forbid_unknown_fields=True, dict
 
     def table(self):
         rows = [e.to_row() for e in self.tensors]
-        return "jax_ucp checkpoint", self.summary_lines(), rows, model.ENTRY_COLUMNS
+        return "jax_ucp checkpoint", self.summary_lines(), rows, ENTRY_COLUMNS
 
     def __repr__(self) -> str:
         return (
@@ -225,7 +584,7 @@ class Manifest(msgspec.Struct, display.Tabular, forbid_unknown_fields=True, dict
         fields = [f" {json.dumps(k)}: {_compact(v, k, where)}" for k, v in head.items()]
         if any(_non_finite(e.provenance) for e in self.tensors if e.provenance):
             _compact(float("nan"), "entries", where)
-        lines = model.ENCODER.encode_lines(
+        lines = ENCODER.encode_lines(
             [e if type(e) is TensorEntry else e.to_json() for e in self.entries]
         )
         entries = lines[:-1].decode().replace("\n", ",\n  ")
@@ -238,7 +597,7 @@ class Manifest(msgspec.Struct, display.Tabular, forbid_unknown_fields=True, dict
             found = d.get("format") if isinstance(d, dict) else type(d).__name__
             raise CheckpointError(
                 f'{where}: not a jax_ucp manifest (expected "format": "{FORMAT_NAME}", '
-                f"found {model.short(found)})."
+                f"found {short(found)})."
             )
         version = d.get("version")
         if type(version) is int and version > FORMAT_VERSION:  # may have fields we do not know
@@ -284,7 +643,6 @@ class Manifest(msgspec.Struct, display.Tabular, forbid_unknown_fields=True, dict
         return cls.from_json(d, where=where)
 
 
-_HEAD_DEFAULTS = tuple(model.DEFAULTS["Manifest"].items())
 _REQUIRED = [f.encode_name for f in msgspec.structs.fields(Manifest) if f.required]
 DECODER = msgspec.json.Decoder(Manifest)
 
@@ -295,9 +653,9 @@ def _decoded(text: str | bytes) -> Manifest | None:
     if _long_digit_run(text):
         return None
     with bulk.cyclic_gc_paused(), contextlib.suppress(*_REFUSALS):
-        model.COUNTS.absent = 0
+        COUNTS.absent = 0
         decoded = DECODER.decode(text)
-        return decoded if no_duplicate_keys(text, decoded, model.COUNTS.absent) else None
+        return decoded if no_duplicate_keys(text, decoded, COUNTS.absent) else None
     return None
 
 
@@ -316,7 +674,7 @@ def no_duplicate_keys(text: str | bytes, decoded: Manifest, absent: int) -> bool
     colon, escape = (b":", b"\\u003") if isinstance(text, bytes) else (":", "\\u003")
     if escape in text:  # type: ignore[operator]
         return False
-    encode, entries = model.ENCODER.encode, decoded.entries
+    encode, entries = ENCODER.encode, decoded.entries
     head = {f: getattr(decoded, f) for f in decoded.__struct_fields__ if f != "entries"}
     found = encode(head).count(b":") + 1  # and "entries":
     for start in range(0, len(entries), _ENCODED_AT_ONCE):  # never a second copy of the text
@@ -360,7 +718,7 @@ def _with_tree(m: Manifest, where: str) -> Manifest:
     if m.tree is not None and type(m.tree) is not dict:
         try:
             with bulk.cyclic_gc_paused():
-                m.tree = _tree_dicts(m.tree, {e.key for e in m.entries})
+                m.tree = tree_record.tree_dicts(m.tree, {e.key for e in m.entries})
         except CheckpointError as e:
             raise CheckpointError(f"{where}: {e}") from None
     return m
@@ -417,11 +775,11 @@ def _refused(message: str, d: Any, where: str) -> CheckpointError:
     if isinstance(key, list) and key and all(isinstance(k, str) for k in key):
         field = field.replace("]", f"] ({keypath_lib.key_to_str(tuple(key))!r})", 1)
     name = (f"{where}: {field}" if field else where) + (" key" if at.startswith("key`") else "")
-    found = model.short(_at(d, path))
+    found = short(_at(d, path))
     if message.startswith("Object missing required field"):
         return CheckpointError(f"{name}: missing field {message.split('`')[1]!r}.")
     if message.startswith("Object contains unknown field"):
-        return CheckpointError(f"{name}: unknown field {model.short(message[31:-1], 40)}.")
+        return CheckpointError(f"{name}: unknown field {short(message[31:-1], 40)}.")
     if message.startswith("Expected "):  # `int` >= 0, `array` of length <= 64, `str` matching
         expected = message[9:].partition(", got")[0].replace("`", "")
     elif message.startswith("Invalid"):  # a Literal: what it may be
@@ -434,10 +792,10 @@ def _refused(message: str, d: Any, where: str) -> CheckpointError:
 
 _JSON_TYPES = {dict: "object", list: "array", str: "str", int: "int", float: "float", bool: "bool"}
 _CHOICES: dict = {  # a Literal's values, by the field's name (in the tree, or an entry's)
-    "tree": {"type": model.TREE_NODE_TYPES, "children": model.KEY_TYPES},
-    0: {"entry": ("tensor", "value"), "type": tuple(model.VALUE_SCHEMAS)}
+    "tree": {"type": tuple(tree_record.NODE_TAGS.values()), "children": KEY_TYPES},
+    0: {"entry": ("tensor", "value"), "type": tuple(_VALUE_TYPES)}
     | {"role": ("param", "opt_state", "other"), "dtype": dtypes_lib.SUPPORTED}
-    | {"key_types": model.KEY_TYPES, "key_impl": tuple(KEY_IMPLS)}
+    | {"key_types": KEY_TYPES, "key_impl": tuple(KEY_IMPLS)}
     | {"compression": (None, "zstd"), "checksum": (None, "crc32c")},
 }
 
@@ -452,85 +810,19 @@ def _at(node: Any, path: Sequence) -> Any:
     return node
 
 
-def _tree_dicts(root: Any, remaining: set[tuple[str, ...]]) -> dict:
-    """The saved tree as the dicts of its JSON, each node's children freed as they are built
-    (walked without recursion), checked: at most ``MAX_JSON_DEPTH`` JSON levels deep (3 a
-    pytree level, below the manifest's own 2), and its leaves exactly the entries' keys
-    (``remaining``, emptied)."""
-    out: dict = {}
-    stack: list[tuple[Any, dict, tuple[str, ...], int]] = [(root, out, (), 2)]
-    while stack:
-        node, d, prefix, level = stack.pop()
-        leaf = type(node) is model.LeafNode
-        # a container's children list is one level deeper, each [name, type, node] two
-        if level + (0 if leaf else 2 if node.children else 1) > MAX_JSON_DEPTH:
-            raise CheckpointError(TOO_DEEP)
-        d["type"] = _NODE_TAGS[type(node)]
-        if leaf:
-            if prefix not in remaining:  # not an entry's key, or a second leaf of one
-                _tree_differs([prefix])
-            remaining.discard(prefix)
-            continue
-        if node.class_ is not msgspec.UNSET:
-            d["class"] = node.class_
-        if node.metadata is not msgspec.UNSET:  # an nnx.Variable's (JSON scalars, lists)
-            private = sorted(k for k in node.metadata if k.startswith("_"))[:3]
-            if private:  # a restore sets metadata on the Variable: never its internals
-                raise CheckpointError(
-                    f"tree node {keypath_lib.key_to_str(prefix) or 'the root'!r}: "
-                    f"metadata names {private}: private or special attributes of a Variable, "
-                    f"never recorded metadata (a restore would set them on it)."
-                )
-            d["metadata"] = node.metadata
-        children: list = []
-        for name, kind, child in node.children:
-            children.append([name, kind, {}])
-            stack.append((child, children[-1][2], (*prefix, name), level + 3))
-        node.children.clear()  # its nodes now held by the stack only
-        d["children"] = children
-    if remaining:
-        _tree_differs(sorted(remaining)[:3])
-    return out
-
-
-def _tree_differs(odd: list[tuple[str, ...]]) -> NoReturn:
-    raise CheckpointError(
-        f"tree: its leaves and the entries differ (e.g. "
-        f"{[keypath_lib.key_to_str(k) for k in odd]}); expected exactly one leaf per entry."
-    )
-
-
-_NODE_TAGS = {kind: kind.__struct_config__.tag for kind in model.TreeNode.__args__}
-
-
 def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > model.MAX_INT_DIGITS:
-        raise ValueError(
-            f"an integer of {len(text)} digits (at most {model.MAX_INT_DIGITS} allowed)"
-        )
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits (at most {MAX_INT_DIGITS} allowed)")
     return int(text)
-
-
-def check_tree_depth(tree: Any) -> None:
-    """Refuses a tree whose dicts, lists and tuples nest deeper than :data:`MAX_TREE_DEPTH`,
-    walking it without recursion, before anything recursive (flattening, the manifest) runs:
-    ``ucp.json`` could not record it, and a reader would refuse it."""
-    path = _deeper(tree, 1, MAX_TREE_DEPTH, (Mapping, list, tuple))
-    if path is not None:
-        raise RequestError(
-            f"the tree nests containers deeper than {MAX_TREE_DEPTH} levels (at "
-            f"{path[:120]!r}...): {MANIFEST_FILE} records at most {MAX_JSON_DEPTH} JSON "
-            f"levels, so such a checkpoint could not be restored; flatten part of the tree"
-        )
 
 
 def _long_digit_run(text: str | bytes) -> bool:
     """Whether ``text`` holds more than ``MAX_INT_DIGITS`` ASCII digits in a row (JSON numbers
     have no other digits), found by mapping digits to ``0`` and everything else to a space
     in slices of its UTF-8 bytes (``str.find``, not a regex: ~40x faster on 50 MB)."""
-    run, step = b"0" * (model.MAX_INT_DIGITS + 1), 1 << 20
+    run, step = b"0" * (MAX_INT_DIGITS + 1), 1 << 20
     for start in range(0, len(text), step):  # the slices overlap by a run's length
-        part = text[start : start + step + model.MAX_INT_DIGITS]
+        part = text[start : start + step + MAX_INT_DIGITS]
         if isinstance(part, str):
             part = part.encode("utf-8", "surrogatepass")
         if run in part.translate(_DIGITS_AS_ZERO):
@@ -560,20 +852,3 @@ def _non_finite(node: Any) -> bool:
         if isinstance(node, (dict, list)):
             stack.extend(node.values() if isinstance(node, dict) else node)
     return False
-
-
-def _deeper(node: Any, depth: int, limit: int = MAX_JSON_DEPTH, kinds: tuple = (dict, list)):
-    """Where ``node`` (at level ``depth``) holds a container (``kinds``) nested deeper than
-    ``limit``, as ``/key/index/...`` (built only then), or None. Walked without recursion."""
-    stack: list[tuple[Any, int, Any]] = [(node, depth, None)] if isinstance(node, kinds) else []
-    while stack:
-        node, depth, at = stack.pop()
-        if depth > limit:
-            keys = []
-            while at is not None:
-                at, key = at
-                keys.append(f"/{key}")
-            return "".join(reversed(keys))
-        pairs = node.items() if isinstance(node, Mapping) else enumerate(node)
-        stack.extend((v, depth + 1, (at, k)) for k, v in pairs if isinstance(v, kinds))
-    return None
