@@ -1,12 +1,12 @@
 """DeepSpeed AutoEP (``expert_parallel``): real runs of DeepSpeed 0.19.8 on CPU, a tiny HF OLMoE
-with EP 2 (``tools/fixtures/make_deepspeed_autoep_fixture.py``): ZeRO-1 fp32 and ZeRO-2 bf16
-over 2 processes, ZeRO-2 fp32 over 4 (2 expert-data-parallel ranks per EP rank); the fused
-``experts.w1/w2/w3`` come back stacked ``[num_experts, ...]``.
+with EP 2 (``tools/fixtures/make_deepspeed_autoep_fixture.py``): ZeRO-1 fp32, ZeRO-2 bf16 and
+ZeRO-3 fp32 over 2 processes, ZeRO-2 fp32 and ZeRO-3 bf16 over 4 (2 expert-data-parallel ranks
+per EP rank); the fused ``experts.w1/w2/w3`` come back stacked ``[num_experts, ...]``.
 
 Truth: ``live.npz``, the run's live state right after the save (every EP rank's local experts
 placed at their global index by the layer's own placement), bit for bit; every source tensor
 accounted for. Refused by name: a missing expert file, expert files swapped, a placement or
-affine map other than the contiguous one, ZeRO-3's ``zero3_partitioned`` (a real run).
+affine map other than the contiguous one, a ZeRO-3 rank's records naming another EP rank.
 """
 
 from __future__ import annotations
@@ -36,15 +36,17 @@ from tests.ucp_testing import (
 pytestmark = pytest.mark.timeout(120)
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
 RUNS = ["autoep_ep2_z1_fp32", "autoep_ep2_z2_bf16", "autoep_ep2_edp2_z2_fp32"]
+RUNS += ["autoep_ep2_z3_fp32", "autoep_ep2_edp2_z3_bf16"]
 W1 = "model.layers.{}.mlp.experts.w1"
 MODEL = "global_step2/mp_rank_00_model_states.pt"
 
 
 @pytest.mark.parametrize("run", RUNS)
 def test_autoep_imports_stacked_experts_bit_exact(tmp_path, run):
-    """Before: refused as a DeepSpeed MoE folder ("not a parameter of expert 0"). Now every
-    weight, master, moment and the step equal the live run's; the fused expert tensors stacked
-    [4, ...] from both EP ranks' partitions, every expert file's tensor accounted for."""
+    """Before: refused as a DeepSpeed MoE folder ("not a parameter of expert 0"; ZeRO-3: by
+    name). Now every weight, master, moment and the step equal the live run's; the fused expert
+    tensors stacked [4, ...] from both EP ranks' partitions, every expert file's tensor (ZeRO
+    1/2) accounted for."""
     dest = str(tmp_path / "u")
     jax_ucp.convert(os.path.join(FIXTURES, run, "ckpt"), dest)
     tree = jax_ucp.restore(dest)
@@ -57,7 +59,9 @@ def test_autoep_imports_stacked_experts_bit_exact(tmp_path, run):
     mu = entries[("opt_state", "mu", W1.format(0))].provenance or {}
     assert {r % 2 for r in mu["dp_ranks"]} == {0, 1}  # both EP ranks' partitions (DP r: r % 2)
     experts = [f"layer_1_expert_{g}_mp_rank_00_model_states.pt" for g in range(4)]
-    if run.endswith("bf16"):  # the model copy is the expert files' own weights
+    if "_z3_" in run:  # no expert files: the model copy is cast from the masters
+        assert source["zero_stage"] == 3 and mu["pattern"] == "zero3-flat+autoep-stack"
+    elif run.endswith("bf16"):  # the model copy is the expert files' own weights
         model = entries[("model_params", W1.format(1))].provenance or {}
         assert model["tensors"] == [f"{f}:{W1.format(1)}.{g}" for g, f in enumerate(experts)]
     else:  # fp32: the same values as the masters (checked), listed as skipped
@@ -92,10 +96,10 @@ def test_autoep_restores_onto_a_2x4_mesh(tmp_path, run):
             assert same_bits(np.asarray(model), live[f"param/{W1.format(layer)}"])
 
 
-def _rewrite_model_states(src: str, edit) -> None:
-    """``edit(states)`` on the AutoEP model states file, written back torch-free (it holds
+def _rewrite_model_states(src: str, edit, model: str = MODEL) -> None:
+    """``edit(states)`` on an AutoEP model states file, written back torch-free (it holds
     plain containers and tensors only)."""
-    path = os.path.join(src, MODEL)
+    path = os.path.join(src, model)
     arrays: list = []
 
     def nodes(x):
@@ -186,11 +190,32 @@ def test_autoep_expert_files_missing_or_swapped_are_refused(tmp_path):
     assert_destination_untouched(dest)
 
 
-def test_autoep_zero3_is_refused_with_the_reason(tmp_path):
-    """A real AutoEP ZeRO-3 save (no expert files; ``checkpoint_format: zero3_partitioned``):
-    before, refused by accident (an element count); now by name, with the reason."""
-    src = copy_deepspeed_fixture(tmp_path, "autoep_ep2_z3_fp32")
-    with pytest.raises(SourceError, match=r"checkpoint_format 'zero3_partitioned' \(AutoEP under"):
+ZERO3 = "global_step2/zero_pp_rank_{}_mp_rank_00_model_states.pt"
+ZERO3_HOSTILE = {
+    "rank 1 says EP rank 0": (1, lambda states: _record(states).update(ep_rank=0), r"rank_1_.*EP"),
+    "rank 0 per-expert files": (
+        0,
+        lambda states: _record(states, 0).update(checkpoint_format="per_expert_files"),
+        r"checkpoint_format 'per_expert_files', expected 'zero3_partitioned'",
+    ),
+    "expert group split otherwise": (
+        3,
+        lambda states: _record(states).update(expert_data_parallel_rank=0),
+        r"zero_pp_rank_3_.*expert-data-parallel rank 1 of 2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ZERO3_HOSTILE)
+def test_autoep_zero3_records_of_every_rank_are_checked(tmp_path, case):
+    """ZeRO-3 holds no expert files: which experts a rank's partitions are is said by that
+    rank's own model states (EP rank r % ep, expert-data-parallel rank r // ep, DeepSpeed's
+    expert-then-data topology), checked for every rank; another EP rank or data-parallel rank
+    there, or rank 0 recording per-expert files: refused by name, nothing written."""
+    rank, edit, match = ZERO3_HOSTILE[case]
+    src = copy_deepspeed_fixture(tmp_path, "autoep_ep2_edp2_z3_bf16")
+    _rewrite_model_states(src, edit, ZERO3.format(rank))
+    with pytest.raises(SourceError, match=match):
         jax_ucp.convert(src, str(tmp_path / "u"))
     assert_destination_untouched(str(tmp_path / "u"))
 
@@ -198,10 +223,10 @@ def test_autoep_zero3_is_refused_with_the_reason(tmp_path):
 @pytest.mark.torch
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("run", [*RUNS, "autoep_ep2_z3_fp32"])
+@pytest.mark.parametrize("run", RUNS)
 def test_a_fresh_autoep_run_imports_bit_exact(tmp_path, run):
     """Trains the fixture's configuration again with DeepSpeed's AutoEP (CPU) and imports the
-    new checkpoint against that run's own live state (ZeRO-3: refused by name)."""
+    new checkpoint against that run's own live state."""
     pytest.importorskip("deepspeed")
     sys.path.insert(0, os.path.join(REPO, "tools", "fixtures"))
     import make_deepspeed_autoep_fixture as make  # pyright: ignore[reportMissingImports]
@@ -211,13 +236,29 @@ def test_a_fresh_autoep_run_imports_bit_exact(tmp_path, run):
     script = os.path.join(REPO, "tools", "fixtures", "make_deepspeed_autoep_fixture.py")
     run_torchrun(script, "--train", str(work), str(stage), dtype, processes=processes)
     dest = str(tmp_path / "u")
-    if stage == 3:
-        with pytest.raises(SourceError, match=r"checkpoint_format 'zero3_partitioned'"):
-            jax_ucp.convert(str(work / "ckpt"), dest)
-        return
     jax_ucp.convert(str(work / "ckpt"), dest)
     live = {}
     for rank in range(processes):
         live.update(np.load(work / f"live_rank{rank}.npz"))
     np.savez(tmp_path / "live.npz", **live)
     assert check_against_live(jax_ucp.restore(dest), str(tmp_path / "live.npz")) == 4 * 27
+
+
+@pytest.mark.parametrize(
+    "run", ["autoep_ep2_z1_fp32", "autoep_ep2_edp2_z3_bf16", "z1_fp32_dp2", "moe_ep2_z0_fp32"]
+)
+def test_each_file_is_parsed_once_per_import(tmp_path, monkeypatch, run):
+    """Before: AutoEP's detection parsed the model states file, then the importer parsed it
+    again (every DeepSpeed training import). Now each file of the tag folder is parsed once:
+    counted by wrapping the one reader of DeepSpeed's torch files."""
+    parsed: list[str] = []
+    read = deepspeed_files.load_deepspeed_file
+
+    def counting(path, **kwargs):
+        parsed.append(os.path.basename(path))
+        return read(path, **kwargs)
+
+    monkeypatch.setattr(deepspeed_files, "load_deepspeed_file", counting)
+    jax_ucp.convert(os.path.join(FIXTURES, run, "ckpt"), str(tmp_path / "u"))
+    assert parsed and sorted(parsed) == sorted(set(parsed))
+    assert len(set(parsed)) == len(os.listdir(os.path.join(FIXTURES, run, "ckpt", "global_step2")))

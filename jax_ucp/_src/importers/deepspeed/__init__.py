@@ -26,6 +26,7 @@ from jax_ucp._src.importers.deepspeed.files import (
     is_model_parallel,
     is_moe,
     is_tag_dir,
+    parse_once,
     resolve_tag_dir,
 )
 from jax_ucp._src.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
@@ -171,7 +172,8 @@ def plan(storage: Storage, options: DeepSpeedOptions) -> ImportPlan:
     if universal_dir is not None:
         return universal.plan_universal(universal_dir, options)
     tag_dir = resolve_tag_dir(os.fspath(src), tag)
-    plan = _plan_training_checkpoint(tag_dir, options)
+    with parse_once():  # AutoEP's detection and the importer read one parse of a file
+        plan = _plan_training_checkpoint(tag_dir, options)
     # every file of the tag folder is read: a file nobody reads is a silent loss (refused)
     check_every_file_read(tag_dir, plan.source_tensors)
     trainer = trainer_folder_above(tag_dir)  # a Trainer's checkpoint-N/ holding global_stepN/

@@ -1,10 +1,13 @@
 """DeepSpeed AutoEP checkpoints (``expert_parallel``: ``AutoEPMoELayer``), experts stacked.
 
-ZeRO 1/2 (DeepSpeed 0.19.8 ``_save_moe_checkpoint``; docs/DEEPSPEED.md "DeepSpeed AutoEP"): the
-model states' ``ds_autoep_layers`` records, per-expert files ``layer_<i>_expert_<g>_*`` holding
-``<prefix>.w1|w2|w3.<g>`` (``g = ep_rank * L + local``), the ZeRO partitions as DeepSpeed MoE's
-(:mod:`.moe`) with each EP rank's fused local ``[L, ...]`` tensors. Output: ``<prefix>.w1``
-(w2, w3) stacked ``[E, ...]``, as DeepSpeed's universal checkpoint stores them.
+DeepSpeed 0.19.8 ``_save_moe_checkpoint`` (docs/DEEPSPEED.md "DeepSpeed AutoEP"): the model
+states' ``ds_autoep_layers`` records; ZeRO 1/2 (``per_expert_files``): per-expert files
+``layer_<i>_expert_<g>_*`` holding ``<prefix>.w1|w2|w3.<g>`` (``g = ep_rank * L + local``), the
+ZeRO partitions as DeepSpeed MoE's (:mod:`.moe`) with each EP rank's fused local ``[L, ...]``
+tensors; ZeRO-3 (``zero3_partitioned``): no expert files, each EP rank's fused local tensors
+partitioned over its expert-data-parallel ranks (``ds_zero_partition_groups``), each rank's
+model states naming its EP rank. Output: ``<prefix>.w1`` (w2, w3) stacked ``[E, ...]``, as
+DeepSpeed's universal checkpoint stores them.
 """
 
 from __future__ import annotations
@@ -80,27 +83,24 @@ def _contiguous_map(experts: int, ep: int, expert_shape: tuple[int, ...]) -> dic
 
 
 def autoep_records(states: Mapping, path: str) -> tuple[str, list]:
-    """``(key, records)`` of the model states file ``path``: per-expert files, no AutoTP."""
+    """``(key, records)`` of the model states file ``path``: no AutoTP; per-expert files, or
+    ZeRO-3's partitions when ``path`` is ZeRO-3's rank-0 model states file."""
     if states.get("folding") is not None or states.get("mp_world_size", 1) != 1:
         raise SourceError(
             f"{path}: AutoEP folded with AutoTP (tensor_parallel.autotp_size > 1: 'folding' "
             f"metadata, mp_world_size {states.get('mp_world_size')}): expert shards per (TP "
-            "rank, EP rank) are not read; supported: AutoEP with data parallelism, ZeRO 1/2"
+            "rank, EP rank) are not read; supported: AutoEP with data parallelism, ZeRO 1/2/3"
         )
     key = next(k for k in RECORD_KEYS if states.get(k))
     records = states[key] if isinstance(states[key], list) else [states[key]]
+    zero3 = os.path.basename(path) == zero.ZERO3_MODEL_NAME.format(0, 0)
+    want = "zero3_partitioned" if zero3 else "per_expert_files"
     for index, record in enumerate(records):
         fmt = require(record, "checkpoint_format", f"{path}: {key}[{index}]")
-        if fmt == "zero3_partitioned":
+        if fmt != want:
             raise SourceError(
-                f"{path}: {key}[{index}]: checkpoint_format 'zero3_partitioned' (AutoEP under "
-                "ZeRO-3): no expert files; each EP rank's experts are fragments of its "
-                "expert-data-parallel ZeRO-3 partitions, placed by the record's affine_maps, "
-                "which this importer does not read; supported: ZeRO 1/2 ('per_expert_files')"
-            )
-        if fmt != "per_expert_files":
-            raise SourceError(
-                f"{path}: {key}[{index}]: checkpoint_format {fmt!r}, expected 'per_expert_files'"
+                f"{path}: {key}[{index}]: checkpoint_format {fmt!r}, expected {want!r}"
+                + (" (ZeRO-3's model states files)" if zero3 else "")
             )
     return key, records
 
@@ -212,28 +212,99 @@ class _WholeExperts(Share):
         return [n for n in names if n.split(EP_PART)[0] in mine]
 
 
+def _zero3_expert_groups(
+    optimizer: files.OptimizerStates, groups: int, ep: int, group_name: str
+) -> dict[int, int]:
+    """``{sub-group: ep}`` of the expert sub-groups of a ZeRO-3 save (``families``
+    ``['autoep_expert']`` on DP rank 0), every rank's ``ds_zero_partition_groups`` checked to be
+    DeepSpeed's expert-then-data topology: the ``groups`` sub-groups in order, the dense ones
+    partitioned over all W ranks, the expert ones over the ranks ``r % ep, r % ep + ep, ...``."""
+    world, where = optimizer.world_size, optimizer.files[0]
+    if not (isinstance(ep, int) and ep > 0 and world % ep == 0):
+        raise SourceError(f"{where}: ep_size {ep!r} of ds_autoep_layers, {world} DP ranks")
+    first = require(optimizer.states[0], "ds_zero_partition_groups", where)
+    experts = {i for i, g in enumerate(_plain(first)) if g.get("families") == ["autoep_expert"]}
+    for r, (path, state) in enumerate(zip(optimizer.files, optimizer.states)):
+        want = []
+        for i in range(groups):
+            ranks = list(range(r % ep, world, ep)) if i in experts else list(range(world))
+            family, name = ("autoep_expert", group_name) if i in experts else ("replicated",) * 2
+            want.append({"sub_group": i, "partition_count": len(ranks)})
+            want[-1].update(partition_rank=ranks.index(r), partition_ranks=ranks)
+            want[-1].update(families=[family], group_names=[name])
+        if _plain(state.get("ds_zero_partition_groups")) != want:
+            raise SourceError(
+                f"{path}: ds_zero_partition_groups {state.get('ds_zero_partition_groups')!r}, "
+                f"expected {want!r}: DeepSpeed's expert-then-data topology, DP rank {r} of EP "
+                f"rank {r % ep}"
+            )
+    return dict.fromkeys(sorted(experts), ep)
+
+
+def _check_zero3_ranks(
+    tag_dir: str, key: str, records: list, states: Mapping, world: int, ep: int
+) -> None:
+    """Each DP rank r's model states (ZeRO-3 writes one per rank) name it EP rank ``r % ep``,
+    expert-data-parallel rank ``r // ep``, records and ``param_shapes`` otherwise rank 0's."""
+    shapes = files.param_shapes_of(states, zero.ZERO3_MODEL_NAME.format(0, 0))
+    for r in range(world):
+        path = os.path.join(tag_dir, zero.ZERO3_MODEL_NAME.format(r, 0))
+        held = files.load_model_states(path)  # once per import (files.parse_once)
+        e = r % ep
+        want = [
+            dict(
+                _plain(x),
+                ep_rank=e,
+                expert_data_parallel_rank=r // ep,
+                ep_group_name=f"ep_size_{ep}",
+            )
+            for x in records
+        ]
+        for x in want:
+            x.update(expert_data_parallel_world_size=world // ep, checkpoint_format_version=1)
+            local = x["num_local_experts"]  # an int (autoep_layers)
+            x.update(global_expert_start=e * local, global_expert_end=(e + 1) * local)
+        if _plain(held.get(key)) != want or files.param_shapes_of(held, path) != shapes:
+            raise SourceError(
+                f"{path}: {key} or param_shapes other than rank 0's for EP rank {e}, "
+                f"expert-data-parallel rank {r // ep} of {world // ep} ({want!r})"
+            )
+
+
 def plan_autoep(
     tag_dir: str, model_file: str, states: Mapping, options: ImportOptions
 ) -> ImportPlan:
-    """The import of an AutoEP tag folder (ZeRO 1/2, per-expert files)."""
+    """The import of an AutoEP tag folder (ZeRO 1/2: per-expert files; ZeRO-3: partitions)."""
     key, records = autoep_records(states, model_file)
     if not any(files.OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
         raise SourceError(
             f"{tag_dir}: an AutoEP checkpoint at ZeRO stage 0 (no ZeRO optimizer files): not "
-            "supported; supported: ZeRO 1/2"
+            "supported; supported: ZeRO 1/2/3"
         )
-    optimizer = moe.moe_optimizer_states(tag_dir)
-    ep_of_group = moe.expert_groups(optimizer)
+    by_rank, _ = files.optimizer_files_by_rank(tag_dir)
+    if set(by_rank) != {0}:
+        raise SourceError(f"{tag_dir}: optimizer files of model-parallel ranks {sorted(by_rank)}")
+    optimizer = files.read_optimizer_states(tag_dir, by_rank[0])
+    if zero.model_states_file(tag_dir, optimizer) != model_file:
+        raise SourceError(f"{optimizer.files[0]}: zero_stage {optimizer.stage} beside {model_file}")
     local_shapes = files.param_shapes_of(states, model_file)
+    ep = require(records[0], "ep_size", f"{model_file}: {key}[0]")
+    if optimizer.stage == 3:
+        groups = len(local_shapes)
+        ep_of_group = _zero3_expert_groups(optimizer, groups, ep, f"ep_size_{ep}")
+    else:
+        ep_of_group = moe.expert_groups(optimizer)
     fused = {n: s for g in ep_of_group for n, s in local_shapes[g].items()}
     layers = autoep_layers(key, records, model_file, fused)
-    experts = read_expert_files(tag_dir, layers, fused)
-    ep = layers[0].ep
-    if {*ep_of_group.values(), *(x.ep for x in layers)} != {ep} or set(fused) != set(experts):
+    if optimizer.stage == 3:
+        _check_zero3_ranks(tag_dir, key, records, states, optimizer.world_size, ep)
+    names = {f"{x.prefix}.{w}" for x in layers for w in WEIGHTS}
+    experts = {} if optimizer.stage == 3 else read_expert_files(tag_dir, layers, fused)
+    if {*ep_of_group.values(), *(x.ep for x in layers)} != {ep} or set(fused) != names:
         raise SourceError(
             f"{model_file}: the expert param groups ({sorted(ep_of_group.values())} EP ranks: "
             f"{sorted(fused)}) and ds_autoep_layers ({[x.ep for x in layers]}: "
-            f"{sorted(experts)}) disagree"
+            f"{sorted(names)}) disagree"
         )
     shapes = [
         {f"{n}{EP_PART}{r}": s for n, s in group.items() for r in range(ep)}
@@ -286,16 +357,20 @@ def _stacked(
         assert int(rank) == len(parts) - 1, item.key  # rename() orders them so
         if len(parts) == ep:
             del held[(*tree, base)]
-            yield _stack(tuple(tree), base, parts, experts[base])
+            yield _stack(tuple(tree), base, parts, experts.get(base))
     assert not held, sorted(held)
 
 
 def _stack(
-    tree: tuple[str, ...], name: str, parts: list[writer.HostItem], stored: list[tuple[Any, str]]
+    tree: tuple[str, ...],
+    name: str,
+    parts: list[writer.HostItem],
+    stored: list[tuple[Any, str]] | None,
 ) -> writer.HostItem:
+    """The EP-rank ``parts`` stacked; ``stored``: the expert files' weights (ZeRO 1/2)."""
     first = parts[0].value
-    shape, dtype = (len(stored), *stored[0][0].shape), first.dtype
-    if tree == ("model_params",):  # the run's own model-precision weights: the expert files
+    shape, dtype = (len(parts) * first.shape[0], *first.shape[1:]), first.dtype
+    if tree == ("model_params",) and stored:  # the run's model-precision weights: expert files
         dtype = stored[0][0].dtype
         arrays, tensors = [a for a, _ in stored], [t for _, t in stored]
         value = writer.Deferred(shape, dtype, lambda: zero.joined_parts(arrays, shape, dtype))
@@ -307,7 +382,7 @@ def _stack(
             shape,
             dtype,
         )
-        if tree == ("params",):
+        if tree == ("params",) and stored:
             _check_experts(name, out, stored)
         return out
 

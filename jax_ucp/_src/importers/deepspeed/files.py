@@ -9,6 +9,7 @@ complete and consistent ZeRO partitioning, and what its model states file says.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import re
 from collections.abc import Collection, Iterator, Mapping
@@ -394,13 +395,36 @@ def read_optimizer_states(
 # --------------------------------------------------------------------------- model states files
 
 
+#: The model states files parsed while :func:`parse_once` is open, by path.
+_PARSED: contextvars.ContextVar[dict[str, Mapping] | None] = contextvars.ContextVar(
+    "parsed_model_states", default=None
+)
+
+
+@contextlib.contextmanager
+def parse_once() -> Iterator[None]:
+    """While open (the planning of one import), :func:`load_model_states` parses each file once
+    and hands every later reader the same states: the layout's detection (AutoEP's records),
+    then its importer."""
+    token = _PARSED.set({})
+    try:
+        yield
+    finally:
+        _PARSED.reset(token)
+
+
 def load_model_states(path: str, *, of_rank: str = "") -> Mapping:
     """A ``*model_states.pt`` file (param_shapes, module, ds_config, ...), which must exist."""
+    parsed = _PARSED.get()
+    if parsed is not None and path in parsed:
+        return parsed[path]
     if not os.path.lexists(path):  # present but not a regular file: the reader says what it is
         raise SourceError(f"{path}: missing model states file{of_rank}")
     model_states = load_deepspeed_file(path)
     if not isinstance(model_states, Mapping):
         raise SourceError(f"{path}: expected a dict, found {type(model_states).__name__}")
+    if parsed is not None:
+        parsed[path] = model_states
     return model_states
 
 

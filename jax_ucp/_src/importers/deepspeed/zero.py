@@ -389,18 +389,26 @@ def _check_no_overlap(plan: Mapping[str, ParameterFragments], dp_rank: int, path
 
 
 def _plan_stage3(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragments]:
-    """Stage 3 records no map: each parameter takes ``ceil(numel / W)`` of every rank, in order;
-    every rank's flat fp32 vector is exactly as long as its share of ``param_shapes``."""
+    """Stage 3 records no map: each parameter of the stored ``param_shapes`` takes
+    ``ceil(numel / W)`` of every rank, in order; every rank's flat fp32 vector is exactly as long
+    as its share. A group of ``rank_stride`` s (AutoEP's experts) is partitioned over W / s
+    ranks ``e, e + s, ...`` for each e < s, each a parameter of its own (``rename(e, ...)``)."""
     plan: dict[str, ParameterFragments] = {}
     offset = 0
-    world = checkpoint.world_size
-    for group, shapes in enumerate(checkpoint.param_shapes):
+    world, rename = checkpoint.world_size, checkpoint.rename or (lambda _, __, name: name)
+    stored = checkpoint.param_shapes
+    if checkpoint.rename is not None:  # param_shapes holds the output names
+        stored = param_shapes_of(checkpoint.model_states, checkpoint.model_file)
+    for group, shapes in enumerate(stored):
+        stride = checkpoint.rank_stride.get(group, 1)
         for name, shape in shapes.items():
             count = math.prod(shape)
-            part = math.ceil(count / world)
-            takes = ((dp_rank, min(part, count - dp_rank * part)) for dp_rank in range(world))
-            pieces = [Piece(dp_rank, offset, take) for dp_rank, take in takes if take > 0]
-            plan[name] = ParameterFragments(group, pieces)
+            part = math.ceil(count * stride / world)
+            for first in range(stride):
+                ranks = range(first, world, stride)
+                takes = ((r, min(part, count - i * part)) for i, r in enumerate(ranks))
+                pieces = [Piece(r, offset, take) for r, take in takes if take > 0]
+                plan[rename(first, group, name)] = ParameterFragments(group, pieces)
             offset += part
     for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
         path = checkpoint.optim_files[dp_rank]
