@@ -19,7 +19,7 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, keypath
-from jax_ucp._src.importers.runs import TrainerRun
+from jax_ucp._src.importers.runs import TrainerRun, numbered_steps
 from jax_ucp._src.store.storage import Storage
 
 
@@ -390,33 +390,6 @@ def _few(names: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def numbered_folders(
-    src, pattern: str, holds: Callable[[str], bool], what: str = "number"
-) -> list[str]:
-    """The entries of ``src`` named ``pattern`` whose path ``holds``, by their number; [] when
-    ``src`` cannot be listed.
-
-    Args:
-        src: the folder.
-        pattern: a regular expression of the whole name, its one group the number (ASCII
-            digits: :data:`files.DIGITS`).
-        holds: whether a matching entry's path is one (a folder of the right kind).
-        what: what the number is (``"epoch"``), for the error.
-
-    Two entries of one number (``epoch_5``, ``epoch_05``) are refused naming both.
-    """
-    try:
-        names = os.listdir(src)
-    except OSError:
-        return []
-    found = [
-        (int(m.group(1)), n)
-        for n in names
-        if (m := re.fullmatch(pattern, n, re.ASCII)) and holds(os.path.join(src, n))
-    ]
-    return list(files.numbered_names(found, os.fspath(src), what).values())
-
-
 def trainer_checkpoints(src: str) -> list[str]:
     """The ``checkpoint-N`` folders of a Hugging Face Trainer output directory, by step."""
-    return numbered_folders(src, rf"checkpoint-({files.DIGITS})", os.path.isdir, "step")
+    return list(numbered_steps(src, rf"checkpoint-({files.DIGITS})", os.path.isdir).values())

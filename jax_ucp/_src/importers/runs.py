@@ -11,7 +11,11 @@ import os
 import re
 from collections.abc import Callable
 
+from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
+
+#: Megatron-LM's tracker file (verl writes it too): the latest iteration number, or "release".
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,22 +38,56 @@ class TrainerRun:
     steps: tuple[RunStep, ...]
 
 
-def numbered_steps(root: str, pattern: str) -> dict[int, str]:
-    """step -> folder name of the folders of ``root`` named ``pattern`` (a regular expression
-    of the whole name whose one group is the step, ASCII digits); a link is never a step.
-    Two folders of one step (``iter_5``, ``iter_05``) are refused naming both."""
+def numbered_steps(
+    root, pattern: str, holds: Callable[[str], bool] | None = None, what: str = "step"
+) -> dict[int, str]:
+    """number -> name of the entries of ``root`` named ``pattern`` whose path ``holds``, by
+    number; {} when ``root`` cannot be listed.
+
+    Args:
+        root: the folder.
+        pattern: a regular expression of the whole name, its one group the number (ASCII
+            digits: :data:`files.DIGITS`).
+        holds: whether a matching entry's path is one (None: a folder, never a link).
+        what: what the number is (``"epoch"``), for the error.
+
+    Two entries of one number (``iter_5``, ``iter_05``) are refused naming both.
+    """
     try:
         names = os.listdir(root)
     except OSError:
         return {}
+    if holds is None:
+        holds = lambda path: os.path.isdir(path) and not os.path.islink(path)
     found = [
         (int(m.group(1)), n)
         for n in names
-        if (m := re.fullmatch(pattern, n, re.ASCII))
-        and os.path.isdir(os.path.join(root, n))
-        and not os.path.islink(os.path.join(root, n))
+        if (m := re.fullmatch(pattern, n, re.ASCII)) and holds(os.path.join(root, n))
     ]
-    return files.numbered_names(found, root, "step")
+    return files.numbered_names(found, os.fspath(root), what)
+
+
+def read_tracker(
+    tracker, error: type[SourceError] = SourceError, what: str = "an iteration number"
+) -> int | str | None:
+    """The iteration a tracker file names (:data:`TRACKER_FILE`, a regular file in its own
+    folder): a number of at most 18 ASCII digits (``int()`` takes "١٢", " 5" and "5_0" too),
+    or ``"release"``; None when there is no file. Anything else is ``error``, naming the file
+    and saying ``what`` was expected."""
+    if not os.path.lexists(tracker):
+        return None
+    try:
+        raw = files.read_regular(files.in_own_folder(tracker), 4096)
+    except files.UnsafeFileError as e:
+        raise error(str(e)) from None
+    text = raw.decode("utf-8", "replace").strip()
+    step = files.name_number(text)
+    if text != "release" and (step is None or len(text) > 18):
+        raise error(
+            f"{tracker}: expected {what} of at most 18 ASCII digits (or 'release'), found "
+            f"{text[:40]!r}{'...' if len(text) > 40 else ''}"
+        )
+    return text if step is None else step
 
 
 def trainer_run(

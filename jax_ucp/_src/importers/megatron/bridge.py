@@ -36,6 +36,7 @@ import numpy as np
 import yaml
 
 from jax_ucp._src.format import files
+from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.megatron import MegatronOptions, legacy, plan_megatron
 from jax_ucp._src.importers.megatron.common import MegatronImportError
 from jax_ucp._src.importers.megatron.run_record import MEGATRON_OPTIMIZER, run_config_args
@@ -115,22 +116,8 @@ def _iteration_inside(root: Path, iter_dir: Path) -> None:
 
 def _tracker_step(tracker: Path) -> int | None:
     """The iteration in Megatron-LM's tracker file (None: no file, or 'release')."""
-    if not os.path.lexists(tracker):
-        return None
-    try:
-        raw = files.read_regular(files.in_own_folder(tracker), 4096)
-        text = raw.decode("utf-8", "replace").strip()
-    except files.UnsafeFileError as e:
-        raise MegatronImportError(str(e)) from None
-    if text == "release":
-        return None
-    step = files.name_number(text)
-    if step is None or len(text) > 18:
-        raise MegatronImportError(
-            f"{tracker}: iteration {text[:40]!r}{'...' if len(text) > 40 else ''} is not a "
-            f"number of at most 18 ASCII digits (or 'release')"
-        )
-    return step
+    step = runs.read_tracker(tracker, MegatronImportError)
+    return step if isinstance(step, int) else None
 
 
 def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:

@@ -32,6 +32,7 @@ import numpy as np
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
+from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.plan import tensor_names
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
@@ -106,27 +107,17 @@ class LegacyCheckpoint:
         return key[0] // (self.pp // self.virtual_pipeline), self.virtual_pipeline
 
 
-#: Megatron-LM's tracker file: the latest iteration number, or "release".
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
+TRACKER_FILE = runs.TRACKER_FILE
 
 
 def resolve_iteration_dir(src: Path) -> tuple[Path, int | None]:
     """(iteration dir, iteration) for a root holding the tracker file or an iter dir."""
     src = Path(src)
     tracker = src / TRACKER_FILE
-    if os.path.lexists(tracker):
-        try:
-            raw = files.read_regular(files.in_own_folder(tracker), 4096)
-            text = raw.decode("utf-8", "replace").strip()
-        except files.UnsafeFileError as e:
-            raise SourceError(str(e)) from None
-        if text == "release":
-            return src / "release", None
-        it = files.name_number(text)  # ASCII digits: int() takes "١٢", " 5" and "5_0" too
-        if it is None:
-            raise SourceError(
-                f"{tracker}: expected an iteration number or 'release', found {text!r}"
-            )
+    it = runs.read_tracker(tracker)
+    if it == "release":
+        return src / "release", None
+    if isinstance(it, int):
         d = src / f"iter_{it:07d}"
         if not d.is_dir():
             raise SourceError(f"{tracker} names iteration {it} but {d} does not exist")

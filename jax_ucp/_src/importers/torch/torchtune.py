@@ -38,11 +38,11 @@ from jax_ucp._src.format import files, safetensors
 from jax_ucp._src.importers.plan import (
     Detection,
     ImportPlan,
-    numbered_folders,
     refuse_spec,
     skip,
     tensor_names,
 )
+from jax_ucp._src.importers.runs import numbered_steps
 from jax_ucp._src.importers.safetensors_weights import plan_safetensors
 from jax_ucp._src.importers.torch import dcp, torchtune_order
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
@@ -108,7 +108,8 @@ def epoch_folders(src: str, dist: bool = False) -> list[str]:
             return os.path.isfile(os.path.join(path, ".metadata"))
         return any(n.endswith(".safetensors") for n in os.listdir(path))
 
-    return numbered_folders(src, rf"{'dist_' if dist else ''}epoch_([0-9]+)", holds, "epoch")
+    pattern = rf"{'dist_' if dist else ''}epoch_([0-9]+)"
+    return list(numbered_steps(src, pattern, holds, "epoch").values())
 
 
 def adapter_files(folder: str) -> list[str]:

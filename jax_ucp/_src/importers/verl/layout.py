@@ -30,7 +30,7 @@ __all__ = [
     "step_dirs",
 ]
 
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = runs.TRACKER_FILE
 MODEL_DIRS = ("actor", "critic")
 DIST_CKPT = "dist_ckpt"  # the Megatron backend's megatron-core torch_dist folder
 # ASCII digits and the whole name (``$`` would also take a name ending in a newline)
@@ -62,16 +62,8 @@ def is_model_dir(path: str) -> bool:
 
 def step_dirs(root: str) -> list[str]:
     """The ``global_step_N`` folders of a verl run holding a saved actor, by step."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
-    found = [
-        (int(m.group(1)), n)
-        for n in names
-        if (m := _STEP_DIR.fullmatch(n)) and is_model_dir(os.path.join(root, n, MODEL_DIRS[0]))
-    ]
-    return list(files.numbered_names(found, root, "step").values())
+    holds = lambda path: is_model_dir(os.path.join(path, MODEL_DIRS[0]))
+    return list(runs.numbered_steps(root, _STEP_DIR.pattern, holds).values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,19 +81,11 @@ class Located:
 
 def _read_tracker(root: str) -> int | None:
     """The step the run's tracker names (None without one)."""
-    if not os.path.isfile(os.path.join(root, TRACKER)):
-        return None
-    path = files.in_own_folder(os.path.join(root, TRACKER))
-    try:
-        text = files.read_regular(path, 4096).decode("utf-8", "replace").strip()
-    except files.UnsafeFileError as e:
-        raise SourceError(str(e)) from None
-    step = files.name_number(text)
-    if step is None:
-        raise SourceError(
-            f"{os.path.join(root, TRACKER)}: expected verl's step number, found {text!r}"
-        )
-    return step
+    path = os.path.join(root, TRACKER)
+    step = runs.read_tracker(path, what="verl's step number") if os.path.isfile(path) else None
+    if step == "release":
+        raise SourceError(f"{path}: expected verl's step number, found 'release'")
+    return step if isinstance(step, int) else None
 
 
 def locate(src: str) -> Located:
