@@ -26,7 +26,7 @@ from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
 from jax_ucp._src.store import storage
-from jax_ucp._src.store.storage import object_store
+from jax_ucp._src.store.storage import local_view, object_store
 from jax_ucp._src.torchfiles import allow_list, dcp_transforms, torch_zip
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
 from jax_ucp._src.torchfiles.pickle_format import (
@@ -151,7 +151,11 @@ class ObjectPath(str):
 
 
 def folder(path: os.PathLike | str) -> Path | ObjectPath:
-    """``path`` as the reader holds it: an :class:`ObjectPath` for an object-store URL."""
+    """``path`` as the reader holds it: an :class:`ObjectPath` for an object-store URL, or for
+    a folder of an object store's local view (``local_view.url_of``: its files are empty)."""
+    url = None if isinstance(path, ObjectPath) else local_view.url_of(path)
+    if url is not None:
+        return ObjectPath(url)
     if isinstance(path, Path | ObjectPath):
         return path
     return Path(path) if storage.storage_for(path).local else ObjectPath(str(path).rstrip("/"))
@@ -208,6 +212,8 @@ class DcpCheckpoint:
     notes: tuple[str, ...] = ()
     _covered: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
     _real: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: objects (an :class:`ObjectPath`'s) found to hold at least this many bytes: probed once
+    _long: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def file_path(self, name: str) -> str:
         """The real path of storage file ``name``, refused unless it lies inside the folder."""
@@ -406,7 +412,9 @@ class DcpCheckpoint:
             ends[file] = max(end, ends.get(file, 0))
         for name, file, end in entries:
             if file not in sizes and isinstance(self.path, ObjectPath):
-                sizes[file] = _object_size(self.path, file, ends[file])
+                if self._long.get(file, -1) < ends[file]:
+                    self._long[file] = _object_size(self.path, file, ends[file])
+                sizes[file] = self._long[file]
             if file not in sizes:
                 p = Path(self.file_path(file))
                 if os.path.lexists(p):

@@ -2,15 +2,30 @@
 mesh as the local folders do: the legacy per-rank folders (``iter_N/mp_rank_XX[_YYY]/
 model_optim_rng.pt``, the distributed optimizer's ``distrib_optim.pt``), their archives read by
 ranged GETs through a local view of the prefix; megatron-core's ``torch_dist`` and
-``fsdp_dtensor`` folders, their DCP files fetched whole into that view."""
+``fsdp_dtensor`` folders, read at their URL by the torch DCP reader: each ``.distcp`` object only
+by the byte ranges of the chunks a restore reads (every GET recorded), never whole."""
 
 from __future__ import annotations
 
 import os
+import re
 
+import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh
 
-from tests.importers.deepspeed.test_object_store import restores_as_local, served
+import jax_ucp
+from jax_ucp._src.importers.megatron import dcp
+from jax_ucp._src.store.storage import local_view, object_store
+from tests.importers.deepspeed.test_object_store import (
+    assert_same,
+    restores_as_local,
+    served,
+    size_of,
+    upload,
+)
+from tests.restoring.test_remote_safetensors import _target
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,3 +55,89 @@ def test_megatron_fsdp_dtensor_in_an_object_store_restores_as_the_local_folder(
     restores_as_local(
         os.path.join(REPO, "tests", "fixtures", "megatron_fsdp_dtensor", "gpt_dp2"), url
     )
+
+
+def _gets(monkeypatch) -> list[tuple[str, int | None, int | None]]:
+    """Every GET of the object store from now on: (object name, start, stop) of a ranged one,
+    (name, None, None) of a whole one."""
+    gets: list[tuple[str, int | None, int | None]] = []
+    ranged, whole = object_store.read_range, object_store.read
+    monkeypatch.setattr(
+        object_store,
+        "read_range",
+        lambda root, name, a, b: gets.append((name, a, b)) or ranged(root, name, a, b),
+    )
+    monkeypatch.setattr(
+        object_store,
+        "read",
+        lambda root, name, limit: gets.append((name, None, None)) or whole(root, name, limit),
+    )
+    return gets
+
+
+@pytest.mark.parametrize(
+    "src, inside, select",
+    [
+        ("megatron/gpt_tp2", "", r".*word_embeddings.*"),
+        ("megatron_fsdp_dtensor/gpt_dp2", "iter_0000002", r".*linear_fc1.*"),
+    ],
+)
+def test_megatron_dcp_objects_are_read_by_the_byte_ranges_of_the_chunks_read(
+    s3_server, monkeypatch, src, inside, select
+):
+    """The ``.distcp`` objects are read only by ranged GETs, each one chunk's (or pickled
+    object's) byte range from ``.metadata`` or a one-byte probe of an object's size, never
+    whole; a restore of a few tensors reads only their chunks' bytes, fewer than the files'."""
+    root = os.path.join(REPO, "tests", "fixtures", src)
+    url = upload(root, served(monkeypatch, s3_server))
+    folder = os.path.join(root, inside)
+    ck = dcp.open_dcp(folder)
+    sizes = {f: os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)}
+    entries = [*(c for t in ck.tensors.values() for c in t.chunks), *ck.objects.values()]
+    extents = set(map(_extent, entries))
+    probes = {(f, sizes[f] - 1, sizes[f]) for f, *_ in extents}
+    local = jax_ucp.restore(root)
+    target = _target(local, Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b")))
+    gets = _gets(monkeypatch)
+    view = local_view.fetched()[1]
+    assert_same(jax_ucp.restore(url, target=target), jax_ucp.restore(root, target=target))
+    dcp_gets = [g for g in gets if g[0].endswith(".distcp")]
+    assert dcp_gets and set(dcp_gets) <= extents | probes, sorted(set(dcp_gets) - extents)
+    assert all(b - a < sizes[name] for name, a, b in dcp_gets)  # never an object whole
+    dcp_files = sum(n for f, n in sizes.items() if f == ".metadata" or f.endswith(".distcp"))
+    assert local_view.fetched()[1] - view <= size_of(root) - dcp_files  # the view: none of them
+
+    gets.clear()
+    part = jax_ucp.restore(url, select=select)
+    assert_same(part, jax_ucp.restore(root, select=select))
+    chosen = [t for k, t in ck.tensors.items() if re.fullmatch(select, k)]
+    steps = [t for t in ck.tensors.values() if not t.shape]  # each parameter's, held equal
+    mine = {_extent(c) for t in chosen + steps for c in t.chunks}
+    objects = set(map(_extent, ck.objects.values()))
+    read = {g for g in gets if g[0].endswith(".distcp")} - probes
+    assert chosen and read <= mine | objects, sorted(read - mine - objects)
+    total = sum(n for f, n in sizes.items() if f.endswith(".distcp"))
+    assert sum(b - a for _, a, b in read) < total  # the pickled objects, its tensors' chunks
+    tensors = sum(c.byte_length for t in ck.tensors.values() for c in t.chunks)
+    assert 0 < sum(b - a for _, a, b in read - objects) < tensors / 2, (read, tensors)
+
+
+def _extent(entry) -> tuple[str, int, int]:
+    """(file, start, stop) of a chunk's or pickled object's bytes, as ``.metadata`` gives them."""
+    return entry.file, entry.byte_offset, entry.byte_offset + entry.byte_length
+
+
+def test_integrity_json_is_checked_on_the_objects_themselves(s3_server, monkeypatch):
+    """megatron-core 0.19's ``integrity.json`` from s3://: each listed object hashed by ranged
+    GETs (not the view's empty stand-ins), the restore equal to the local folder's; an object
+    whose bytes changed is refused by its SHA-256, naming its URL."""
+    src = os.path.join(REPO, "tests", "fixtures", "megatron", "mcore_versions", "0.19.2")
+    src = os.path.join(src, "gpt_tp2_integrity")
+    url = upload(src, served(monkeypatch, s3_server))
+    assert_same(jax_ucp.restore(url), jax_ucp.restore(src))
+    with open(os.path.join(src, "__1_0.distcp"), "rb") as f:
+        data = bytearray(f.read())
+    data[-1] ^= 1
+    object_store.write(url, "__1_0.distcp", bytes(data))
+    with pytest.raises(jax_ucp.UCPError, match=rf"{url}/__1_0\.distcp: SHA-256 .*integrity"):
+        jax_ucp.restore(url)

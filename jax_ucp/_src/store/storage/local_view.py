@@ -10,8 +10,11 @@ holding the size the directory implies to the object's, a GET of the head).
 ranged GETs, concurrent within :data:`IN_FLIGHT` bytes): a member when the pickle references it
 or, for a lazily checked archive, when its bytes are first read (its mapping then cannot be
 touched, only read through ``format.mapped_file``), so a process fetches the members it reads.
-A prefix holding no torch archive nor torch DCP folder (megatron-core's ``dist_ckpt``, its
-``.distcp`` files fetched whole) is never viewed (an Orbax step's arrays are not fetched).
+A torch DCP folder's ``.metadata`` and ``.distcp`` objects (megatron-core's ``torch_dist`` and
+``fsdp_dtensor``, verl's ``dist_ckpt``) stand as empty files: ``torchfiles.dcp`` opens the
+folder at its URL (:func:`url_of`) and fetches the byte ranges of the chunks it reads. A prefix
+holding no torch archive nor torch DCP folder is never viewed (an Orbax step's arrays are not
+fetched).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from jax_ucp._src.store.in_flight import InFlightBytes
 from jax_ucp._src.store.storage.base import Storage
 
 ARCHIVES = (".pt", ".pth", ".bin", ".ckpt")  # fetched by ranges when they are zip archives
-DCP = "/.metadata"  # a torch DCP folder inside (megatron-core's): its files fetched whole
+DCP = ".metadata"  # a torch DCP folder's: it and its .distcp files read at their URL
 TAIL = 64 << 10  # the suffix GET that finds an archive's zip directory
 HEAD = 4 << 10  # an archive's first bytes, fetched with its directory
 MAX_SMALL = 64 << 20  # other objects up to this size are fetched PLACING at once
@@ -145,11 +148,22 @@ class Remote:
 
 #: local file -> the archive it stands for, while its view or a reader holds it
 _remotes: weakref.WeakValueDictionary[str, Remote] = weakref.WeakValueDictionary()
+#: local folder -> the view it is, while the view lives
+_viewed: weakref.WeakValueDictionary[str, View] = weakref.WeakValueDictionary()
 
 
 def remote_of(path: str) -> Remote | None:
     """The remote archive the local file ``path`` stands for (None: a file of its own)."""
     return _remotes.get(os.path.realpath(path)) if _remotes else None
+
+
+def url_of(path: os.PathLike | str) -> str | None:
+    """The URL the local ``path`` inside a live view stands for (None: not inside one)."""
+    real = os.path.realpath(path) if _viewed else ""
+    for root, view in list(_viewed.items()):
+        if real == root or real.startswith(root + os.sep):
+            return view.url + real[len(root) :].replace(os.sep, "/")
+    return None
 
 
 @dataclasses.dataclass
@@ -214,7 +228,7 @@ def local_view(storage: Storage) -> tuple[View, str]:
     single = not names and base.lower().endswith(ARCHIVES) and "/" in parent.partition("://")[2]
     if single:
         storage, names = type(storage)(parent), [base]
-    if not any(n.lower().endswith(ARCHIVES) or n.endswith(DCP) for n in names):
+    if not any(n.lower().endswith(ARCHIVES) or n.rpartition("/")[2] == DCP for n in names):
         raise SourceError(  # never a zarr array fetched whole
             f"{asked}: no torch archive ({', '.join(ARCHIVES)}) nor torch DCP {DCP} among its "
             f"{len(names)} objects; only torch DCP, safetensors and folders of torch archives "
@@ -231,6 +245,7 @@ def local_view(storage: Storage) -> tuple[View, str]:
         list(pool.map(lambda name: _place(storage, name, view), names))
     path = os.path.join(view.path, base) if single else view.path
     _views[asked] = now, names, view, path
+    _viewed[os.path.realpath(view.path)] = view
     return view, path
 
 
@@ -248,6 +263,8 @@ def _place(storage: Storage, name: str, view: View) -> None:
             f"{storage.join(name)[:300]}: cannot stand in a folder ({e.strerror})"
         ) from None
     try:
+        if name.rpartition("/")[2] == DCP or name.endswith(".distcp"):
+            return  # read at its URL by ranges (url_of)
         if name.lower().endswith(ARCHIVES) and _archive(storage, name, path, fd, view):
             return
         try:
@@ -259,10 +276,8 @@ def _place(storage: Storage, name: str, view: View) -> None:
             raise ViewError(f"{storage.join(name)}: listed, then gone")
         _count(2, len(data))
         os.write(fd, data)
-    except BaseException:
+    finally:
         os.close(fd)
-        raise
-    os.close(fd)
 
 
 def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> bool:
@@ -298,6 +313,28 @@ def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> boo
     _remotes[os.path.realpath(path)] = remote
     view.remotes.append(remote)
     return True
+
+
+def pieces(storage: Storage, name: str) -> Iterator[bytes]:
+    """Object ``name`` of ``storage``, :data:`PIECE` bytes per ranged GET (the last one to its
+    end); FileNotFoundError when there is none."""
+    spec, key = storage.ranged(name)
+    kv, at = ts.KvStore.open(spec).result(), 0
+    while True:
+        try:
+            got = kv.read(key, byte_range=slice(at, at + PIECE)).result()
+        except ValueError:  # fewer bytes left: the rest (none: OUT_OF_RANGE again)
+            try:
+                got = kv.read(key, byte_range=slice(at, None)).result()
+            except ValueError:
+                return
+        if got.state != "value":
+            raise FileNotFoundError(storage.join(name))
+        _count(1, len(got.value))
+        yield bytes(got.value)
+        if len(got.value) < PIECE:
+            return
+        at += PIECE
 
 
 def _length(kv: ts.KvStore, key: str, at: int) -> int:
