@@ -217,13 +217,16 @@ def compare_logits(
     torch, transformers = _torch_and_transformers()
     tree, held = _model_tree(os.fspath(ckpt))
     _check_declared_size(folder, cfg, os.fspath(ckpt), tree, held)
-    # the torch model is freed on return
+    major = int(transformers.__version__.split(".")[0])
+    fp32 = {"dtype" if major >= 5 else "torch_dtype": torch.float32}  # transformers 4's name
     if source_weights is not None and not _holds_pretrained_weights(folder):
-        weights = source_weights(tree)
-        want, source = _source_logits_from_config(folder, weights, tokens, torch, transformers)
-        del weights
+        model, source = _model_from_config(folder, source_weights(tree), torch, transformers, fp32)
     else:
-        want, source = _source_logits(folder, tokens, torch, transformers)
+        model, source = _pretrained_model(folder, transformers, fp32)
+    model.eval()
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens)).logits.float().numpy()
+    del model  # the torch model (and the source's weights) freed before the checkpoint's
     gc.collect()
     got = _checkpoint_logits(os.fspath(ckpt), cfg, spec, tokens, tree)
     if got.shape != want.shape:
@@ -273,21 +276,17 @@ def _check_declared_size(folder: str, cfg: Any, ckpt: str, tree: str, held: int)
         )
 
 
-def _source_logits(
-    folder: str, tokens: np.ndarray, torch: Any, transformers: Any
-) -> tuple[np.ndarray, str]:
-    """The logits transformers computes for ``tokens`` from ``folder`` (local files only, no
-    code from the folder), in fp32 and eval mode; a weight the folder lacks is refused (it
-    would be initialised at random, not compared)."""
-    major = int(transformers.__version__.split(".")[0])
-    dtype = {"dtype" if major >= 5 else "torch_dtype": torch.float32}
+def _pretrained_model(folder: str, transformers: Any, fp32: dict) -> tuple[Any, str]:
+    """(transformers' model loaded from ``folder`` (local files only, no code from the folder)
+    in fp32, what it is); a weight the folder lacks is refused (it would be initialised at
+    random, not compared)."""
     try:
         loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
             folder,
             local_files_only=True,
             trust_remote_code=False,
             output_loading_info=True,
-            **dtype,
+            **fp32,
         )
         model, info = loaded  # (model, loading info) with output_loading_info=True
     except Exception as e:  # transformers' own refusal of the folder
@@ -302,12 +301,7 @@ def _source_logits(
             f"{folder}: from_pretrained found no weights for {len(missing)} parameters "
             f"({', '.join(sorted(missing)[:3])}, ...): they would be random, not the run's"
         )
-    what = f"transformers {transformers.__version__} {type(model).__name__} from {folder}"
-    model.eval()
-    with torch.no_grad():
-        out = model(torch.from_numpy(tokens)).logits.float().numpy()
-    del model
-    return out, what
+    return model, f"transformers {transformers.__version__} {type(model).__name__} from {folder}"
 
 
 #: the weight files ``from_pretrained`` reads from a folder
@@ -323,19 +317,17 @@ def _holds_pretrained_weights(folder: str) -> bool:
     return any(os.path.lexists(os.path.join(folder, name)) for name in PRETRAINED_WEIGHTS)
 
 
-def _source_logits_from_config(
-    folder: str, weights: dict[str, np.ndarray], tokens: np.ndarray, torch: Any, transformers: Any
-) -> tuple[np.ndarray, str]:
-    """The logits transformers computes for ``tokens`` with the model ``folder``'s config.json
-    names (built by ``from_config``, no code from the folder) holding ``weights`` (the source's,
-    by Hugging Face name, read by its framework's loader); a weight the model has and
-    ``weights`` lack (a tied output layer apart), or one it has not, is refused."""
+def _model_from_config(
+    folder: str, weights: dict[str, np.ndarray], torch: Any, transformers: Any, fp32: dict
+) -> tuple[Any, str]:
+    """(transformers' model of the ``folder``'s config.json (built by ``from_config`` in fp32,
+    no code from the folder) holding ``weights`` (the source's, by Hugging Face name, read by
+    its framework's loader), what it is); a weight the model has and ``weights`` lack (a tied
+    output layer apart), or one it has not, is refused."""
     config = transformers.AutoConfig.from_pretrained(
         folder, local_files_only=True, trust_remote_code=False
     )
-    major = int(transformers.__version__.split(".")[0])
-    dtype = {"dtype" if major >= 5 else "torch_dtype": torch.float32}
-    model: Any = transformers.AutoModelForCausalLM.from_config(config, **dtype)
+    model: Any = transformers.AutoModelForCausalLM.from_config(config, **fp32)
     state = {name: torch.from_numpy(np.ascontiguousarray(v)).float() for name, v in weights.items()}
     result = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
@@ -349,15 +341,10 @@ def _source_logits_from_config(
         )
     if tied:
         model.tie_weights()
-    what = (
+    return model, (
         f"transformers {transformers.__version__} {type(model).__name__} built from "
         f"{folder}/config.json, its {len(state)} weights read by the source framework's loader"
     )
-    model.eval()
-    with torch.no_grad():
-        out = model(torch.from_numpy(tokens)).logits.float().numpy()
-    del model
-    return out, what
 
 
 def _checkpoint_logits(
