@@ -77,6 +77,11 @@ class RankFile:
     ep: int = 0
     model_key: str = "model"  # where ``model`` sits in ``state`` (``model<v>``: a VPP chunk)
 
+    def source(self, name: str) -> str:
+        """How the import names model tensor ``name`` of this file (its source tensor):
+        ``<rank dir>/<file>:<model key>.<name>``."""
+        return f"{self.path.parent.name}/{self.path.name}:{self.model_key}.{name}"
+
 
 @dataclass
 class LegacyCheckpoint:

@@ -350,9 +350,7 @@ def _collect_legacy_tensors(
                 tensors.skipped.append(name if checkpoint.pp == 1 else f"stage{stage}:{name}")
                 for (pp_rank, _, _), rank_file in checkpoint.ep_ranks.items():
                     if pp_rank == stage and isinstance(rank_file.model[name], np.ndarray):
-                        prefix = _rank_dir_file(checkpoint, rank_file.path)
-                        source = f"{prefix}:{rank_file.model_key}.{name}"
-                        tensors.not_imported[source] = (
+                        tensors.not_imported[rank_file.source(name)] = (
                             "TransformerEngine _extra_state (FP8 scaling metadata), not a weight"
                         )
                 continue
@@ -399,9 +397,7 @@ def _add_grouped_experts(
     values = [r.model[name] for r in holders]
     _check_equal_shares(name, values, [r.path for r in holders], "expert-parallel")
     tensors.grouped.setdefault(global_name, {})[stage] = values
-    tensors.sources.setdefault(global_name, []).extend(
-        f"{_rank_dir_file(checkpoint, r.path)}:{r.model_key}.{name}" for r in holders
-    )
+    tensors.sources.setdefault(global_name, []).extend(r.source(name) for r in holders)
 
 
 def _check_equal_shares(name: str, values: list, paths: list, what: str) -> None:
@@ -446,16 +442,13 @@ def _add_tp_fragments(
             for tp_rank, value in enumerate(per_tp):
                 tensors.local[(stage, tp_rank)].append((name, expert_name, value))
         tensors.fragments.setdefault(expert_name, {})[stage] = per_tp
-        tensors.sources.setdefault(expert_name, []).extend(
-            f"{_rank_dir_file(checkpoint, r.path)}:{r.model_key}.{name}" for r in holders
-        )
+        tensors.sources.setdefault(expert_name, []).extend(r.source(name) for r in holders)
     if expert is None:  # a non-expert tensor: every EP rank holds a copy, EP rank 0's is read
         for ep_rank in range(1, checkpoint.ep):
             for tp_rank in range(checkpoint.tp):
                 copy = checkpoint.ep_ranks[(stage, tp_rank, ep_rank)]
                 read = checkpoint.ep_ranks[(stage, tp_rank, 0)]
-                source = f"{_rank_dir_file(checkpoint, copy.path)}:{copy.model_key}.{name}"
-                tensors.not_imported[source] = (
+                tensors.not_imported[copy.source(name)] = (
                     f"expert-parallel rank {ep_rank}'s copy of a non-expert tensor: imported "
                     f"from EP rank 0's {_rank_dir_file(checkpoint, read.path)}"
                 )

@@ -11,6 +11,7 @@ from typing import Any
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import MANIFEST_FILE, files
+from jax_ucp._src.importers import runs
 from jax_ucp._src.store.storage.local import ORBAX_TMP_MARK
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
@@ -35,19 +36,16 @@ def is_orbax(src) -> bool:
 
 
 def _steps(root: str) -> dict[int, str]:
-    """Committed steps of a manager root: step number -> directory (temporaries excluded)."""
-    found: list[tuple[int, str]] = []
-    for name in os.listdir(root):
-        m = _STEP.fullmatch(name)
-        path = os.path.join(root, name)
-        if (
-            m
-            and ORBAX_TMP_MARK not in name
-            and os.path.isfile(os.path.join(path, CHECKPOINT_METADATA))
-        ):
-            found.append((int(m.group(1)), name))
-    named = files.numbered_names(found, root, "step")  # 5 and 0005: refused, not one taken
+    """Committed steps of a manager root: step number -> directory (temporaries excluded; 5
+    and 0005: refused, not one taken)."""
+    named = runs.numbered_steps(root, _STEP.pattern, _committed)
     return {step: os.path.join(root, name) for step, name in named.items()}
+
+
+def _committed(path: str) -> bool:
+    return ORBAX_TMP_MARK not in os.path.basename(path) and os.path.isfile(
+        os.path.join(path, CHECKPOINT_METADATA)
+    )
 
 
 def read_json(path: str) -> Any:

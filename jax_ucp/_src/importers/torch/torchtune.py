@@ -47,7 +47,12 @@ from jax_ucp._src.importers.safetensors_weights import plan_safetensors
 from jax_ucp._src.importers.torch import dcp, torchtune_order
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
 from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
-from jax_ucp._src.importers.trainer_files import read_json, side_file
+from jax_ucp._src.importers.trainer_files import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS,
+    read_json,
+    side_file,
+)
 from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 from jax_ucp._src.torchfiles import dcp as torch_dcp
@@ -66,12 +71,7 @@ OPTIMIZER_KEY = "optimizer"  # torchtune's training.OPT_KEY
 #: what a LoRA recipe's checkpointer writes into ``epoch_N/`` beside the merged weights:
 #: torchtune's ``ADAPTER_MODEL_FNAME`` as ``.pt`` (its names), ``.safetensors`` or ``.bin``
 #: (peft's, ``safe_serialization``), and peft's ``adapter_config.json``
-ADAPTER_FILES = (
-    "adapter_model.pt",
-    "adapter_model.safetensors",
-    "adapter_model.bin",
-    "adapter_config.json",
-)
+ADAPTER_FILES = (*ADAPTER_WEIGHTS, ADAPTER_CONFIG_FILE)
 #: the parameter names only a LoRA / DoRA model has (torchtune's ``LoRALinear``, ``DoRALinear``)
 _LORA_NAME = re.compile(r"(^|\.)(lora_a|lora_b|magnitude)(\.|$)")
 
@@ -156,22 +156,12 @@ def _epoch_number(name: str) -> int:
     return int(name.rsplit("_", 1)[1])
 
 
-def hf_name(name: str) -> str | None:
-    """torchtune's parameter ``name`` as Hugging Face's, or None when the table has none
+def renamed(name: str, table: dict[str, str]) -> str | None:
+    """Parameter ``name`` through torchtune's name ``table`` (:data:`TUNE_TO_HF`: torchtune's
+    as Hugging Face's; :data:`_HF_TO_TUNE`, inverted), or None when the table has none
     (``get_mapped_key``: every ``.<digits>`` is the layer number)."""
     layer = re.search(r"\.([0-9]+)", name)
-    key = re.sub(r"\.[0-9]+", ".{}", name)
-    mapped = TUNE_TO_HF.get(key)
-    if mapped is None:
-        return None
-    return mapped.format(layer.group(1)) if layer else mapped
-
-
-def tune_name(name: str) -> str | None:
-    """Hugging Face's parameter ``name`` as torchtune's (:func:`hf_name` inverted), or None."""
-    layer = re.search(r"\.([0-9]+)\.", name)
-    key = re.sub(r"\.[0-9]+\.", ".{}.", name, count=1)
-    mapped = _HF_TO_TUNE.get(key)
+    mapped = table.get(re.sub(r"\.[0-9]+", ".{}", name))
     if mapped is None:
         return None
     return mapped.format(layer.group(1)) if layer else mapped
@@ -538,7 +528,7 @@ def _moments(
     moved: dict[str, str] = {}
     for key, per in state.items():
         tune = to_name[key]
-        hf = hf_name(tune)
+        hf = renamed(tune, TUNE_TO_HF)
         if hf is None:
             raise SourceError(
                 f"{recipe}: optimizer state of torchtune's {tune!r}, which torchtune's "
@@ -581,7 +571,9 @@ def _plan_with_optimizer(
     described, rule = recipe_optimizer(loaded), None
     if order is None and state and all(isinstance(k, int) for k in state):
         # keyed by index: torchtune's builder, if installed, rebuilds the order
-        tune = {t: ref.shape for n, ref in params.items() if (t := tune_name(n)) is not None}
+        tune = {
+            t: ref.shape for n, ref in params.items() if (t := renamed(n, _HF_TO_TUNE)) is not None
+        }
         rebuilt = torchtune_order.builder_order(tune, recipe) if len(tune) == len(params) else None
         if isinstance(rebuilt, tuple):
             order, rule = rebuilt
