@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ucp
 from jax_ucp._src.importers.deepspeed import files as deepspeed_files
 from jax_ucp._src.torchfiles import torch_zip
+from jax_ucp.conversion import ImportOptions
 from jax_ucp.errors import SourceError
 from tests.importers.deepspeed.test_pipe_moe import check_against_live, same_bits
 from tests.ucp_testing import (
@@ -36,17 +37,17 @@ from tests.ucp_testing import (
 pytestmark = pytest.mark.timeout(120)
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
 RUNS = ["autoep_ep2_z1_fp32", "autoep_ep2_z2_bf16", "autoep_ep2_edp2_z2_fp32"]
-RUNS += ["autoep_ep2_z3_fp32", "autoep_ep2_edp2_z3_bf16"]
+RUNS += ["autoep_ep2_z3_fp32", "autoep_ep2_edp2_z3_bf16", "autoep_ep2_z0_fp32"]
 W1 = "model.layers.{}.mlp.experts.w1"
 MODEL = "global_step2/mp_rank_00_model_states.pt"
 
 
 @pytest.mark.parametrize("run", RUNS)
 def test_autoep_imports_stacked_experts_bit_exact(tmp_path, run):
-    """Before: refused as a DeepSpeed MoE folder ("not a parameter of expert 0"; ZeRO-3: by
-    name). Now every weight, master, moment and the step equal the live run's; the fused expert
-    tensors stacked [4, ...] from both EP ranks' partitions, every expert file's tensor (ZeRO
-    1/2) accounted for."""
+    """Before: refused as a DeepSpeed MoE folder ("not a parameter of expert 0"; ZeRO-0 and
+    ZeRO-3: by name). Now every weight, master, moment and the step equal the live run's; the
+    fused expert tensors stacked [4, ...] from both EP ranks' partitions (ZeRO-0: optimizer
+    files), every expert file's tensor (ZeRO 0/1/2) accounted for."""
     dest = str(tmp_path / "u")
     jax_ucp.convert(os.path.join(FIXTURES, run, "ckpt"), dest)
     tree = jax_ucp.restore(dest)
@@ -57,8 +58,14 @@ def test_autoep_imports_stacked_experts_bit_exact(tmp_path, run):
     assert (source["layout"], source["ep_size"], source["num_experts"]) == ("autoep", 2, [4, 4])
     entries = {tuple(e.key): e for e in manifest.tensors}
     mu = entries[("opt_state", "mu", W1.format(0))].provenance or {}
-    assert {r % 2 for r in mu["dp_ranks"]} == {0, 1}  # both EP ranks' partitions (DP r: r % 2)
     experts = [f"layer_1_expert_{g}_mp_rank_00_model_states.pt" for g in range(4)]
+    if "_z0_" in run:  # EP rank r's torch optimizer state holds its local experts (index 21 on)
+        files = [f"expp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+        assert mu["tensors"] == [f"{f}:optimizer.state.21.exp_avg" for f in files]
+        params = entries[("params", W1.format(1))].provenance or {}
+        assert params["tensors"] == [f"{f}:{W1.format(1)}.{g}" for g, f in enumerate(experts)]
+        return
+    assert {r % 2 for r in mu["dp_ranks"]} == {0, 1}  # both EP ranks' partitions (DP r: r % 2)
     if "_z3_" in run:  # no expert files: the model copy is cast from the masters
         assert source["zero_stage"] == 3 and mu["pattern"] == "zero3-flat+autoep-stack"
     elif run.endswith("bf16"):  # the model copy is the expert files' own weights
@@ -244,8 +251,42 @@ def test_a_fresh_autoep_run_imports_bit_exact(tmp_path, run):
     assert check_against_live(jax_ucp.restore(dest), str(tmp_path / "live.npz")) == 4 * 27
 
 
+def test_autoep_zero0_weights_only_and_its_optimizer_files_checked(tmp_path, monkeypatch):
+    """ZeRO-0: weights_only takes the module's and expert files' weights (the live run's, bit
+    for bit) and lists the optimizer state as skipped; EP rank 1's optimizer file gone, or its
+    expert moments in another order (w1 and w2 swapped): refused by name, nothing written."""
+    src = copy_deepspeed_fixture(tmp_path, "autoep_ep2_z0_fp32")
+    dest = str(tmp_path / "u")
+    jax_ucp.convert(src, dest, importing=ImportOptions(weights_only=True))
+    live = os.path.join(FIXTURES, "autoep_ep2_z0_fp32", "live.npz")
+    assert check_against_live(jax_ucp.restore(dest), live, weights_only=True) == 2 * 27
+    skipped = jax_ucp.inspect(dest).source["skipped"]
+    assert "expp_rank_1_mp_rank_00_optim_states.pt:optimizer.state.26.exp_avg_sq" in skipped
+    file = "expp_rank_1_mp_rank_00_optim_states.pt"
+    read = deepspeed_files.load_deepspeed_file
+
+    def swapped(path, **kwargs):  # index 21: layer 0's w1 (2, 8, 16), 22: its w2 (2, 16, 8)
+        state = read(path, **kwargs)
+        if os.path.basename(path) == file:
+            inner = state["optimizer"]["state"]
+            inner[21], inner[22] = inner[22], inner[21]
+        return state
+
+    dest = str(tmp_path / "v")
+    monkeypatch.setattr(deepspeed_files, "load_deepspeed_file", swapped)
+    with pytest.raises(SourceError, match=rf"{file}:optimizer\.state\.21\.exp_avg: shape"):
+        jax_ucp.convert(src, dest)
+    monkeypatch.undo()
+    os.unlink(os.path.join(src, "global_step2", file))
+    with pytest.raises(SourceError, match=rf"{file}: missing optimizer file of expert-parallel"):
+        jax_ucp.convert(src, dest)
+    assert_destination_untouched(dest)
+
+
 @pytest.mark.parametrize(
-    "run", ["autoep_ep2_z1_fp32", "autoep_ep2_edp2_z3_bf16", "z1_fp32_dp2", "moe_ep2_z0_fp32"]
+    "run",
+    ["autoep_ep2_z1_fp32", "autoep_ep2_edp2_z3_bf16", "autoep_ep2_z0_fp32", "z1_fp32_dp2"]
+    + ["moe_ep2_z0_fp32"],
 )
 def test_each_file_is_parsed_once_per_import(tmp_path, monkeypatch, run):
     """Before: AutoEP's detection parsed the model states file, then the importer parsed it

@@ -13,6 +13,7 @@ DeepSpeed's universal checkpoint stores them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -22,9 +23,16 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import mapped_file
-from jax_ucp._src.importers.deepspeed import files, moe, zero
+from jax_ucp._src.importers.deepspeed import files, moe, zero, zero0
 from jax_ucp._src.importers.deepspeed.files import require
-from jax_ucp._src.importers.plan import ImportOptions, ImportPlan, Share, host_item
+from jax_ucp._src.importers.plan import (
+    ImportOptions,
+    ImportPlan,
+    Share,
+    host_item,
+    skip,
+    tensor_names,
+)
 
 #: The model states keys of DeepSpeed's AutoEP layer records (and the older name).
 RECORD_KEYS = ("ds_autoep_layers", "autoep_layers")
@@ -274,13 +282,10 @@ def _check_zero3_ranks(
 def plan_autoep(
     tag_dir: str, model_file: str, states: Mapping, options: ImportOptions
 ) -> ImportPlan:
-    """The import of an AutoEP tag folder (ZeRO 1/2: per-expert files; ZeRO-3: partitions)."""
+    """The import of an AutoEP tag folder (ZeRO 0/1/2: per-expert files; ZeRO-3: partitions)."""
     key, records = autoep_records(states, model_file)
     if not any(files.OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
-        raise SourceError(
-            f"{tag_dir}: an AutoEP checkpoint at ZeRO stage 0 (no ZeRO optimizer files): not "
-            "supported; supported: ZeRO 1/2/3"
-        )
+        return _plan_zero0(tag_dir, model_file, states, key, records, options)
     by_rank, _ = files.optimizer_files_by_rank(tag_dir)
     if set(by_rank) != {0}:
         raise SourceError(f"{tag_dir}: optimizer files of model-parallel ranks {sorted(by_rank)}")
@@ -338,6 +343,109 @@ def plan_autoep(
     items = zero.iter_zero_items(checkpoint, dataclasses.replace(options, share=share))
     names = list(dict.fromkeys(n.split(EP_PART)[0] for n in checkpoint.names))
     return ImportPlan(_stacked(items, experts, ep), source, len(options.share.pick(names)), found)
+
+
+def _recorded_local_shapes(key: str, records: list, path: str) -> dict[str, tuple[int, ...]]:
+    """Each fused expert tensor's local shape ``[L, ...]`` as its layer's affine map records it
+    (ZeRO-0 keeps no ``param_shapes``), checked against the whole map by :func:`autoep_layers`
+    and against every expert file by :func:`read_expert_files`."""
+    out = {}
+    for index, record in enumerate(records):
+        where = f"{path}: {key}[{index}]"
+        maps = require(require(record, "affine_maps", where), "params", f"{where}.affine_maps")
+        for name, held in maps.items() if isinstance(maps, Mapping) else ():
+            shape = require(held, "logical_shape", f"{where}.affine_maps.params[{name!r}]")
+            shape = files.checked_shape(shape, path, f"{key}[{index}] {name!r} logical_shape")
+            out[str(name)] = (record.get("num_local_experts"), *shape[1:])
+    return out
+
+
+def _plan_zero0(
+    tag_dir: str, model_file: str, states: Mapping, key: str, records: list, options: ImportOptions
+) -> ImportPlan:
+    """ZeRO-0 (no ZeRO optimizer files; an fp32 run): the dense weights from ``module``, the
+    experts' from their files (the trained values themselves, no master), stacked; Adam's
+    moments and step from each EP rank's torch ``optimizer.state_dict()`` (``expp_rank_<r>_*``,
+    the dense group a replica on each) by :func:`moe.zero0_moments`, rank r's expert group
+    holding its fused local tensors layer by layer, w1, w2, w3 (the layers' parameter order)."""
+    fused = _recorded_local_shapes(key, records, model_file)
+    layers = autoep_layers(key, records, model_file, fused)
+    experts = read_expert_files(tag_dir, layers, fused)
+    optimizer_files = moe.expert_optimizer_files(tag_dir, states, model_file)
+    ep, dense = len(optimizer_files), zero0.module_parameters(states)
+    if {x.ep for x in layers} != {ep} or set(fused) != set(experts) or not dense:
+        raise SourceError(
+            f"{model_file}: {ep} expp_rank_* optimizer files, ds_autoep_layers' ep_size "
+            f"{[x.ep for x in layers]}, module weights {len(dense)}: expected one file per EP "
+            "rank and the dense weights in module"
+        )
+    file = os.path.basename(model_file)
+    weights = {n: (v, f"{file}:module.{n}") for n, v in dense.items()}
+    for name, held in experts.items():  # each EP rank's fused local tensor: shape and dtype
+        carrier = np.broadcast_to(np.zeros((), held[0][0].dtype), fused[name])
+        weights.update({f"{name}{EP_PART}{r}": (carrier, "") for r in range(ep)})
+    source = files.source_record(tag_dir, states, 0, layout="autoep", ep_size=ep)
+    source["num_experts"] = [x.experts for x in layers]
+    found = [f"{file}:{n}" for n in tensor_names(states)]
+    found += [t for held in experts.values() for _, t in held]
+    loaded = {path: files.load_deepspeed_file(path) for path in optimizer_files}
+    for path, state in loaded.items():
+        found += [f"{os.path.basename(path)}:{n}" for n in tensor_names(state)]
+    moments, step = {}, None
+    if options.weights_only:
+        optimizer = [n for n in found if ":optimizer." in n]
+        skip(source, optimizer, "weights_only: ZeRO-0 optimizer state (torch state_dict())")
+    else:
+        local = lambda r: [f"{x.prefix}.{w}{EP_PART}{r}" for x in layers for w in WEIGHTS]
+        moments, step = moe.zero0_moments(
+            states, model_file, loaded, list(dense), local, weights, source
+        )
+    imported = {t for held in experts.values() for _, t in held}
+    imported |= {t for n, (_, t) in weights.items() if n in dense}
+    imported |= {t for *_, tensors in moments.values() for t in tensors}
+    imported |= set(step[1]) if step is not None else set()
+    skip(source, sorted(set(found) - imported), "not a module weight")  # the first reason stays
+    names = options.share.pick([*dense, *experts])
+    step = step if options.share.primary else None
+    items = _zero0_items(names, weights, experts, moments, step, ep)
+    return ImportPlan(items, source, len(names), source_tensors=found)
+
+
+def _joined(arrays: list, shape: tuple[int, ...]) -> Any:
+    """A lone array, else ``arrays`` end to end in ``shape`` once the writer has room."""
+    if len(arrays) == 1:
+        return arrays[0]
+    dtype = arrays[0].dtype
+    return writer.Deferred(shape, dtype, functools.partial(zero.joined_parts, arrays, shape, dtype))
+
+
+def _zero0_items(names, weights, experts, moments, step, ep) -> Iterator[writer.HostItem]:
+    """Each parameter (an expert tensor stacked from its files) with its Adam moments (an
+    expert tensor's EP ranks' parts stacked), then the step (``step``: None when not given)."""
+    for name in names:
+        if name in experts:
+            held = experts[name]
+            shape = (len(held), *held[0][0].shape)
+            value = _joined([a for a, _ in held], shape)
+            yield files.sourced_item(("params", name), value, "module", [t for _, t in held])
+            parts = [moments.get(f"{name}{EP_PART}{r}") for r in range(ep)]
+        else:
+            shape = weights[name][0].shape
+            yield files.sourced_item(
+                ("params", name), weights[name][0], "module", [weights[name][1]]
+            )
+            parts = [moments.get(name)]
+        if None in parts:  # weights_only
+            continue
+        for i, (tree, state) in enumerate((("mu", "exp_avg"), ("nu", "exp_avg_sq"))):
+            tensors = [t for *_, held in parts for t in held if t.endswith("." + state)]
+            value = _joined([part[i] for part in parts], shape)
+            yield files.sourced_item(
+                ("opt_state", tree, name), value, "zero0-optimizer-index", tensors
+            )
+    if step is not None:
+        count = np.asarray(step[0], np.int32)
+        yield files.sourced_item(("opt_state", "count"), count, "step", step[1])
 
 
 def _stacked(

@@ -60,9 +60,26 @@ EP_GROUP_NAME = re.compile(r"^ep_size_([0-9]+)\Z")
 class Experts:
     """The expert files of a tag folder, checked: every expert of every MoE layer present once."""
 
-    weights: dict[str, tuple[np.ndarray, str]]  # global name -> (weight, "<file>:<key>")
+    weights: dict[
+        str, tuple[np.ndarray, str]
+    ]  # global name -> (weight, "<file>:<key>")
     layer_of: dict[str, int] = field(default_factory=dict)  # MoE module prefix -> layer
     count: dict[int, int] = field(default_factory=dict)  # MoE layer -> experts
+
+    def local_names(self, ep_size: int, ep_rank: int) -> list[str]:
+        """Expert-parallel rank ``ep_rank``'s expert parameters: MoE layer by layer, local
+        expert by local expert, each in its expert file's key order."""
+        local: list[str] = []
+        for layer in sorted(self.count):
+            count = self.count[layer] // ep_size
+            for expert in range(ep_rank * count, (ep_rank + 1) * count):
+                prefix = f"layer_{layer}_expert_{expert}_"
+                local += [
+                    n
+                    for n, (_, tensor) in self.weights.items()
+                    if tensor.startswith(prefix)
+                ]
+        return local
 
     def global_name(self, name: str, ep_rank: int, ep_size: int, where: str) -> str:
         """The global name of a local expert parameter of expert-parallel rank ``ep_rank``.
@@ -177,7 +194,9 @@ def _read_expert_file(experts: Experts, path: str, layer: int, expert: int) -> N
                 "('<module>.deepspeed_experts.<expert>.<key>')"
             )
         if not isinstance(value, np.ndarray):
-            raise SourceError(f"{path}: {key!r} is a {type(value).__name__}, not a tensor")
+            raise SourceError(
+                f"{path}: {key!r} is a {type(value).__name__}, not a tensor"
+            )
         prefix = match.group(1)
         if experts.layer_of.setdefault(prefix, layer) != layer:
             raise SourceError(
@@ -185,9 +204,13 @@ def _read_expert_file(experts: Experts, path: str, layer: int, expert: int) -> N
                 f"expert files, layer {layer} here"
             )
         experts.weights[str(key)] = (value, f"{file}:{key}")
-    prefixes = {m.group(1) for k in state if (m := EXPERT_NAME.match(str(k))) is not None}
+    prefixes = {
+        m.group(1) for k in state if (m := EXPERT_NAME.match(str(k))) is not None
+    }
     if len(prefixes) != 1:
-        raise SourceError(f"{path}: parameters of several MoE modules: {sorted(prefixes)}")
+        raise SourceError(
+            f"{path}: parameters of several MoE modules: {sorted(prefixes)}"
+        )
 
 
 # --------------------------------------------------------------------------- ZeRO 1/2
@@ -236,7 +259,9 @@ def expert_groups(optimizer: files.OptimizerStates) -> dict[int, int]:
     return out
 
 
-def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts, dict[int, int]]:
+def open_moe_zero_checkpoint(
+    tag_dir: str,
+) -> tuple[DeepSpeedCheckpoint, Experts, dict[int, int]]:
     """The ZeRO 1/2 files of a MoE tag folder as one :class:`DeepSpeedCheckpoint` whose expert
     parameters carry their global names; every expert file's tensor is one of them."""
     optimizer = moe_optimizer_states(tag_dir)
@@ -282,7 +307,9 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
         ep_size = ep_of_group.get(group)
         if ep_size is None:
             return name
-        return experts.global_name(name, dp_rank % ep_size, ep_size, optimizer.files[dp_rank])
+        return experts.global_name(
+            name, dp_rank % ep_size, ep_size, optimizer.files[dp_rank]
+        )
 
     module = dict(model_states.get("module") or {})
     module.update({name: weight for name, (weight, _) in experts.weights.items()})
@@ -337,10 +364,16 @@ def _checked_experts(
     rank's partition (a topology we mis-assume) cannot pass."""
     for item in items:
         if item.key[0] == "params" and item.key[1] in experts.weights:
-            check = functools.partial(_check_expert, item, *experts.weights[item.key[1]])
-            if isinstance(item.value, writer.Deferred):  # checked once the writer builds it
+            check = functools.partial(
+                _check_expert, item, *experts.weights[item.key[1]]
+            )
+            if isinstance(
+                item.value, writer.Deferred
+            ):  # checked once the writer builds it
                 make = item.value.make
-                item.value = dataclasses.replace(item.value, make=lambda c=check, m=make: c(m()))
+                item.value = dataclasses.replace(
+                    item.value, make=lambda c=check, m=make: c(m())
+                )
             else:
                 check(item.value)
         yield item
@@ -385,9 +418,15 @@ def plan_moe(tag_dir: str, options: ImportOptions) -> ImportPlan:
     source = zero.zero_source_info(checkpoint)
     source.update(_moe_source(experts, sorted(set(ep_of_group.values()))))
     found = zero.zero_tensors(checkpoint, source, weights_only=weights_only)
-    found += expert_weights(checkpoint, source, [t for _, t in experts.weights.values()])
-    items = _checked_experts(zero.iter_zero_items(checkpoint, options), checkpoint, experts)
-    return ImportPlan(items, source, len(share.pick(checkpoint.names)), source_tensors=found)
+    found += expert_weights(
+        checkpoint, source, [t for _, t in experts.weights.values()]
+    )
+    items = _checked_experts(
+        zero.iter_zero_items(checkpoint, options), checkpoint, experts
+    )
+    return ImportPlan(
+        items, source, len(share.pick(checkpoint.names)), source_tensors=found
+    )
 
 
 def _moe_source(experts: Experts, ep_sizes: list[int]) -> dict:
@@ -411,7 +450,7 @@ def plan_moe_zero0(tag_dir: str, options: ImportOptions) -> ImportPlan:
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     model_states = files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)
-    optimizer_files = _expert_optimizer_files(tag_dir, model_states, model_file)
+    optimizer_files = expert_optimizer_files(tag_dir, model_states, model_file)
     weights = _module_weights(model_states, model_file)
     clash = sorted(set(weights) & set(experts.weights))
     if clash:
@@ -439,19 +478,24 @@ def plan_moe_zero0(tag_dir: str, options: ImportOptions) -> ImportPlan:
             "weights_only: ZeRO-0 optimizer state (torch optimizer.state_dict(), keyed by index)",
         )
     else:
+        local_names = functools.partial(experts.local_names, len(optimizer_files))
         moments, step = zero0_moments(
-            model_states, model_file, states, dense, experts, weights, source
+            model_states, model_file, states, dense, local_names, weights, source
         )
     imported = {tensor for _, tensor in weights.values()}
     imported |= {t for *_, tensors in moments.values() for t in tensors}
     imported |= set(step[1]) if step is not None else set()
-    skip(source, sorted(set(found) - imported), "not a module weight")  # the first reason stays
+    skip(
+        source, sorted(set(found) - imported), "not a module weight"
+    )  # the first reason stays
 
     items = _zero0_items(names, weights, moments, step if share.primary else None)
     return ImportPlan(items, source, len(names), source_tensors=found)
 
 
-def _module_weights(model_states: Mapping, model_file: str) -> dict[str, tuple[np.ndarray, str]]:
+def _module_weights(
+    model_states: Mapping, model_file: str
+) -> dict[str, tuple[np.ndarray, str]]:
     """The dense weights of ``module`` (buffers left out), each with the tensor it is read
     from."""
     module = model_states.get("module")
@@ -487,7 +531,7 @@ def _zero0_items(names, weights, moments, step) -> Iterator[writer.HostItem]:
 
 
 def zero0_index_names(
-    groups: list, dense: list[str], experts: Experts, ep_rank: int, ep_size: int, where: str
+    groups: list, dense: list[str], local: list[str], ep_rank: int, where: str
 ) -> dict[int, str]:
     """Parameter index -> name of one expert-parallel rank's ZeRO-0 torch optimizer.
 
@@ -496,17 +540,16 @@ def zero0_index_names(
     position. DeepSpeed MoE requires the groups of ``split_params_into_different_moe_groups_
     for_optimizer``, which keeps the module order within each group: one dense group (the
     module's parameters without the experts) and one expert group ``ep_size_E`` (this rank's
-    experts, MoE layer by layer, local expert by local expert, each in its expert file's key
-    order). Anything else (several dense groups, e.g. weight-decay groups, or other sizes) is
-    refused: which parameter sits at which position would be a guess. The caller checks every
+    experts: :meth:`Experts.local_names`; AutoEP's fused local tensors). Anything else
+    (several dense groups, e.g. weight-decay groups, or other sizes) is refused: which
+    parameter sits at which position would be a guess. The caller checks every
     moment's shape against its parameter.
 
     Args:
         groups: the torch optimizer's ``param_groups``.
         dense: the module's parameters without the experts, in module order.
-        experts: the expert files read.
+        local: this rank's expert parameters, in the expert group's order.
         ep_rank: this expert-parallel rank.
-        ep_size: the expert-parallel degree.
         where: the optimizer file, for errors.
     """
     dense_groups = [g for g in groups if isinstance(g, Mapping) and not g.get("moe")]
@@ -518,14 +561,6 @@ def zero0_index_names(
             "group and one expert group (split_params_into_different_moe_groups_for_optimizer "
             "of model.parameters()); import the weights with weights_only=True"
         )
-    local: list[str] = []
-    for layer in sorted(experts.count):
-        count = experts.count[layer] // ep_size
-        for expert in range(ep_rank * count, (ep_rank + 1) * count):
-            prefix = f"layer_{layer}_expert_{expert}_"
-            local += [
-                name for name, (_, tensor) in experts.weights.items() if tensor.startswith(prefix)
-            ]
     out: dict[int, str] = {}
     for group, names in ((dense_groups[0], dense), (expert_groups[0], local)):
         params = group.get("params")
@@ -544,7 +579,9 @@ def zero0_index_names(
     return out
 
 
-def zero0_moments(model_states, model_file, states, dense, experts, weights, source):
+def zero0_moments(
+    model_states, model_file, states, dense, local_names, weights, source
+):
     """``{name: (exp_avg, exp_avg_sq, source tensors)}`` and ``(step, tensors)`` of a ZeRO-0 MoE
     run: each expert's from its expert-parallel rank's file, the dense ones from rank 0's, which
     every other rank (and the model states' ``optimizer``, rank 0's own copy) must hold bit for
@@ -555,7 +592,7 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
         model_file: its path.
         states: each expert-parallel rank's optimizer file, loaded.
         dense: the dense parameters' names.
-        experts: the expert files read.
+        local_names: ``local_names(ep_rank)``: the rank's expert parameters, in group order.
         weights: every parameter's weight, by name (for the shape checks).
         source: the manifest's source record, whose ``skipped`` is filled.
     """
@@ -564,7 +601,6 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
             f"{model_file}: ZeRO-0 optimizer state is imported for fp32 runs (the weights are "
             "then the trained values); import the weights with weights_only=True"
         )
-    ep_size = len(states)
     moments: dict[str, tuple[np.ndarray, np.ndarray, list[str]]] = {}
     steps: dict[float, str] = {}
     step_tensors: list[str] = []
@@ -576,7 +612,9 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
         optimizer = require(state, "optimizer", path)
         groups = require(optimizer, "param_groups", f"{path} optimizer")
         inner = require(optimizer, "state", f"{path} optimizer")
-        by_index = zero0_index_names(list(groups), dense, experts, ep_rank, ep_size, path)
+        by_index = zero0_index_names(
+            list(groups), dense, local_names(ep_rank), ep_rank, path
+        )
         if set(inner) != set(by_index):
             raise SourceError(
                 f"{path}: optimizer state for parameter indices {sorted(inner)[:8]}..., the param "
@@ -588,18 +626,29 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
             pair = _adam_moments(entry, where, name, np.asarray(weights[name][0]).shape)
             if "step" in entry:
                 steps.setdefault(
-                    float(mapped_file.read_out(np.asarray(entry["step"]))), f"in {where}"
+                    float(mapped_file.read_out(np.asarray(entry["step"]))),
+                    f"in {where}",
                 )
                 if isinstance(entry["step"], np.ndarray):
                     step_tensors.append(f"{where}.step")
             tensors = [f"{where}.exp_avg", f"{where}.exp_avg_sq"]
             held = moments.get(name)
             _check_replica(held[:2] if held else (), pair, tensors, name)
-            if held is None or not held[2]:  # rank 0's own copy is listed below, not here
+            if (
+                held is None or not held[2]
+            ):  # rank 0's own copy is listed below, not here
                 first = held or pair
-                moments[name] = (first[0], first[1], [] if path == model_file else tensors)
+                moments[name] = (
+                    first[0],
+                    first[1],
+                    [] if path == model_file else tensors,
+                )
             else:
-                skip(source, tensors, f"replica of {held[2][0].rsplit('.', 1)[0]} (bit-identical)")
+                skip(
+                    source,
+                    tensors,
+                    f"replica of {held[2][0].rsplit('.', 1)[0]} (bit-identical)",
+                )
     model_copy = os.path.basename(model_file)
     skip(
         source,
@@ -648,7 +697,9 @@ def _check_replica(stored, pair, tensors: list[str], name: str) -> None:
             )
 
 
-def _expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str) -> list[str]:
+def expert_optimizer_files(
+    tag_dir: str, model_states: Mapping, model_file: str
+) -> list[str]:
     """``expp_rank_P_mp_rank_00_optim_states.pt`` for P = 0..E-1 (E from the expert param
     group's name ``ep_size_E`` in the model states' optimizer), no other."""
     listed = numbered_names(
@@ -676,7 +727,9 @@ def _expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str
         if isinstance(g, Mapping) and (m := EP_GROUP_NAME.match(str(g.get("name"))))
     }
     if len(sizes) > 1:
-        raise SourceError(f"{model_file}: several expert parallel sizes {sorted(sizes)}")
+        raise SourceError(
+            f"{model_file}: several expert parallel sizes {sorted(sizes)}"
+        )
     ep_size = sizes.pop() if sizes else len(found)
     for rank in range(ep_size):
         if rank not in found:
@@ -694,4 +747,10 @@ def _expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str
     return [found[rank] for rank in range(ep_size)]
 
 
-__all__ = ["Experts", "open_moe_zero_checkpoint", "plan_moe", "plan_moe_zero0", "read_experts"]
+__all__ = [
+    "Experts",
+    "open_moe_zero_checkpoint",
+    "plan_moe",
+    "plan_moe_zero0",
+    "read_experts",
+]
