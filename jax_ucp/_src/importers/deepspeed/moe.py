@@ -60,9 +60,7 @@ EP_GROUP_NAME = re.compile(r"^ep_size_([0-9]+)\Z")
 class Experts:
     """The expert files of a tag folder, checked: every expert of every MoE layer present once."""
 
-    weights: dict[
-        str, tuple[np.ndarray, str]
-    ]  # global name -> (weight, "<file>:<key>")
+    weights: dict[str, tuple[np.ndarray, str]]  # global name -> (weight, "<file>:<key>")
     layer_of: dict[str, int] = field(default_factory=dict)  # MoE module prefix -> layer
     count: dict[int, int] = field(default_factory=dict)  # MoE layer -> experts
 
@@ -74,11 +72,7 @@ class Experts:
             count = self.count[layer] // ep_size
             for expert in range(ep_rank * count, (ep_rank + 1) * count):
                 prefix = f"layer_{layer}_expert_{expert}_"
-                local += [
-                    n
-                    for n, (_, tensor) in self.weights.items()
-                    if tensor.startswith(prefix)
-                ]
+                local += [n for n, (_, tensor) in self.weights.items() if tensor.startswith(prefix)]
         return local
 
     def global_name(self, name: str, ep_rank: int, ep_size: int, where: str) -> str:
@@ -194,9 +188,7 @@ def _read_expert_file(experts: Experts, path: str, layer: int, expert: int) -> N
                 "('<module>.deepspeed_experts.<expert>.<key>')"
             )
         if not isinstance(value, np.ndarray):
-            raise SourceError(
-                f"{path}: {key!r} is a {type(value).__name__}, not a tensor"
-            )
+            raise SourceError(f"{path}: {key!r} is a {type(value).__name__}, not a tensor")
         prefix = match.group(1)
         if experts.layer_of.setdefault(prefix, layer) != layer:
             raise SourceError(
@@ -204,13 +196,9 @@ def _read_expert_file(experts: Experts, path: str, layer: int, expert: int) -> N
                 f"expert files, layer {layer} here"
             )
         experts.weights[str(key)] = (value, f"{file}:{key}")
-    prefixes = {
-        m.group(1) for k in state if (m := EXPERT_NAME.match(str(k))) is not None
-    }
+    prefixes = {m.group(1) for k in state if (m := EXPERT_NAME.match(str(k))) is not None}
     if len(prefixes) != 1:
-        raise SourceError(
-            f"{path}: parameters of several MoE modules: {sorted(prefixes)}"
-        )
+        raise SourceError(f"{path}: parameters of several MoE modules: {sorted(prefixes)}")
 
 
 # --------------------------------------------------------------------------- ZeRO 1/2
@@ -259,9 +247,7 @@ def expert_groups(optimizer: files.OptimizerStates) -> dict[int, int]:
     return out
 
 
-def open_moe_zero_checkpoint(
-    tag_dir: str,
-) -> tuple[DeepSpeedCheckpoint, Experts, dict[int, int]]:
+def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts, dict[int, int]]:
     """The ZeRO 1/2 files of a MoE tag folder as one :class:`DeepSpeedCheckpoint` whose expert
     parameters carry their global names; every expert file's tensor is one of them."""
     optimizer = moe_optimizer_states(tag_dir)
@@ -307,9 +293,7 @@ def open_moe_zero_checkpoint(
         ep_size = ep_of_group.get(group)
         if ep_size is None:
             return name
-        return experts.global_name(
-            name, dp_rank % ep_size, ep_size, optimizer.files[dp_rank]
-        )
+        return experts.global_name(name, dp_rank % ep_size, ep_size, optimizer.files[dp_rank])
 
     module = dict(model_states.get("module") or {})
     module.update({name: weight for name, (weight, _) in experts.weights.items()})
@@ -364,16 +348,10 @@ def _checked_experts(
     rank's partition (a topology we mis-assume) cannot pass."""
     for item in items:
         if item.key[0] == "params" and item.key[1] in experts.weights:
-            check = functools.partial(
-                _check_expert, item, *experts.weights[item.key[1]]
-            )
-            if isinstance(
-                item.value, writer.Deferred
-            ):  # checked once the writer builds it
+            check = functools.partial(_check_expert, item, *experts.weights[item.key[1]])
+            if isinstance(item.value, writer.Deferred):  # checked once the writer builds it
                 make = item.value.make
-                item.value = dataclasses.replace(
-                    item.value, make=lambda c=check, m=make: c(m())
-                )
+                item.value = dataclasses.replace(item.value, make=lambda c=check, m=make: c(m()))
             else:
                 check(item.value)
         yield item
@@ -418,15 +396,9 @@ def plan_moe(tag_dir: str, options: ImportOptions) -> ImportPlan:
     source = zero.zero_source_info(checkpoint)
     source.update(_moe_source(experts, sorted(set(ep_of_group.values()))))
     found = zero.zero_tensors(checkpoint, source, weights_only=weights_only)
-    found += expert_weights(
-        checkpoint, source, [t for _, t in experts.weights.values()]
-    )
-    items = _checked_experts(
-        zero.iter_zero_items(checkpoint, options), checkpoint, experts
-    )
-    return ImportPlan(
-        items, source, len(share.pick(checkpoint.names)), source_tensors=found
-    )
+    found += expert_weights(checkpoint, source, [t for _, t in experts.weights.values()])
+    items = _checked_experts(zero.iter_zero_items(checkpoint, options), checkpoint, experts)
+    return ImportPlan(items, source, len(share.pick(checkpoint.names)), source_tensors=found)
 
 
 def _moe_source(experts: Experts, ep_sizes: list[int]) -> dict:
@@ -485,17 +457,13 @@ def plan_moe_zero0(tag_dir: str, options: ImportOptions) -> ImportPlan:
     imported = {tensor for _, tensor in weights.values()}
     imported |= {t for *_, tensors in moments.values() for t in tensors}
     imported |= set(step[1]) if step is not None else set()
-    skip(
-        source, sorted(set(found) - imported), "not a module weight"
-    )  # the first reason stays
+    skip(source, sorted(set(found) - imported), "not a module weight")  # the first reason stays
 
     items = _zero0_items(names, weights, moments, step if share.primary else None)
     return ImportPlan(items, source, len(names), source_tensors=found)
 
 
-def _module_weights(
-    model_states: Mapping, model_file: str
-) -> dict[str, tuple[np.ndarray, str]]:
+def _module_weights(model_states: Mapping, model_file: str) -> dict[str, tuple[np.ndarray, str]]:
     """The dense weights of ``module`` (buffers left out), each with the tensor it is read
     from."""
     module = model_states.get("module")
@@ -579,9 +547,7 @@ def zero0_index_names(
     return out
 
 
-def zero0_moments(
-    model_states, model_file, states, dense, local_names, weights, source
-):
+def zero0_moments(model_states, model_file, states, dense, local_names, weights, source):
     """``{name: (exp_avg, exp_avg_sq, source tensors)}`` and ``(step, tensors)`` of a ZeRO-0 MoE
     run: each expert's from its expert-parallel rank's file, the dense ones from rank 0's, which
     every other rank (and the model states' ``optimizer``, rank 0's own copy) must hold bit for
@@ -612,9 +578,7 @@ def zero0_moments(
         optimizer = require(state, "optimizer", path)
         groups = require(optimizer, "param_groups", f"{path} optimizer")
         inner = require(optimizer, "state", f"{path} optimizer")
-        by_index = zero0_index_names(
-            list(groups), dense, local_names(ep_rank), ep_rank, path
-        )
+        by_index = zero0_index_names(list(groups), dense, local_names(ep_rank), ep_rank, path)
         if set(inner) != set(by_index):
             raise SourceError(
                 f"{path}: optimizer state for parameter indices {sorted(inner)[:8]}..., the param "
@@ -626,29 +590,18 @@ def zero0_moments(
             pair = _adam_moments(entry, where, name, np.asarray(weights[name][0]).shape)
             if "step" in entry:
                 steps.setdefault(
-                    float(mapped_file.read_out(np.asarray(entry["step"]))),
-                    f"in {where}",
+                    float(mapped_file.read_out(np.asarray(entry["step"]))), f"in {where}"
                 )
                 if isinstance(entry["step"], np.ndarray):
                     step_tensors.append(f"{where}.step")
             tensors = [f"{where}.exp_avg", f"{where}.exp_avg_sq"]
             held = moments.get(name)
             _check_replica(held[:2] if held else (), pair, tensors, name)
-            if (
-                held is None or not held[2]
-            ):  # rank 0's own copy is listed below, not here
+            if held is None or not held[2]:  # rank 0's own copy is listed below, not here
                 first = held or pair
-                moments[name] = (
-                    first[0],
-                    first[1],
-                    [] if path == model_file else tensors,
-                )
+                moments[name] = (first[0], first[1], [] if path == model_file else tensors)
             else:
-                skip(
-                    source,
-                    tensors,
-                    f"replica of {held[2][0].rsplit('.', 1)[0]} (bit-identical)",
-                )
+                skip(source, tensors, f"replica of {held[2][0].rsplit('.', 1)[0]} (bit-identical)")
     model_copy = os.path.basename(model_file)
     skip(
         source,
@@ -697,9 +650,7 @@ def _check_replica(stored, pair, tensors: list[str], name: str) -> None:
             )
 
 
-def expert_optimizer_files(
-    tag_dir: str, model_states: Mapping, model_file: str
-) -> list[str]:
+def expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str) -> list[str]:
     """``expp_rank_P_mp_rank_00_optim_states.pt`` for P = 0..E-1 (E from the expert param
     group's name ``ep_size_E`` in the model states' optimizer), no other."""
     listed = numbered_names(
@@ -727,9 +678,7 @@ def expert_optimizer_files(
         if isinstance(g, Mapping) and (m := EP_GROUP_NAME.match(str(g.get("name"))))
     }
     if len(sizes) > 1:
-        raise SourceError(
-            f"{model_file}: several expert parallel sizes {sorted(sizes)}"
-        )
+        raise SourceError(f"{model_file}: several expert parallel sizes {sorted(sizes)}")
     ep_size = sizes.pop() if sizes else len(found)
     for rank in range(ep_size):
         if rank not in found:
@@ -747,10 +696,4 @@ def expert_optimizer_files(
     return [found[rank] for rank in range(ep_size)]
 
 
-__all__ = [
-    "Experts",
-    "open_moe_zero_checkpoint",
-    "plan_moe",
-    "plan_moe_zero0",
-    "read_experts",
-]
+__all__ = ["Experts", "open_moe_zero_checkpoint", "plan_moe", "plan_moe_zero0", "read_experts"]
