@@ -391,10 +391,7 @@ def hf_model(config: Mapping[str, Any]) -> tuple[LMConfig, str]:
         raise RequestError(
             f"model_type {found}: {lacks}TransformerLM computes {', '.join(FAMILIES)}"
         )
-    c = canonical_config(config)
-    if family.model_type == "gpt2":
-        return _gpt2(c), family.spec
-    return _reader(family.model_type)(c), family.spec
+    return _reader(family.model_type)(canonical_config(config)), family.spec
 
 
 # ----------------------------------------------------------------------------- value checks
@@ -425,6 +422,14 @@ def _false(c: Mapping, *fields: str) -> None:
     for field in fields:
         if c.get(field):
             raise _refuse(field, c[field], "not computed by TransformerLM for this family")
+
+
+def _experts(c: Mapping, field: str) -> tuple[int, int]:
+    """(experts, top-k): the count in ``field`` and ``num_experts_per_tok``, at most as many."""
+    experts, top = _int(c, field), _int(c, "num_experts_per_tok")
+    if top > experts:
+        raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
+    return experts, top
 
 
 def _act(c: Mapping, field: str, allowed: Mapping[str, str]) -> str:
@@ -720,10 +725,7 @@ def _gemma3(c: Mapping) -> LMConfig:
 
 def _mixtral(c: Mapping) -> LMConfig:
     _act(c, "hidden_act", _SILU)
-    experts = _int(c, "num_local_experts")
-    top = _int(c, "num_experts_per_tok")
-    if top > experts:
-        raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
+    experts, top = _experts(c, "num_local_experts")
     return LMConfig(**_base(c), **_every_layer_window(c), num_experts=experts, moe_router_topk=top)
 
 
@@ -731,9 +733,7 @@ def _qwen_moe(c: Mapping, layers: int) -> dict:
     """The experts Qwen2-MoE and Qwen3-MoE share: softmax router over all experts, top-k
     (renormalised only with ``norm_topk_prob``), dense layers (``mlp_only_layers``, and those
     ``decoder_sparse_step`` skips)."""
-    experts, top = _int(c, "num_experts"), _int(c, "num_experts_per_tok")
-    if top > experts:
-        raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
+    experts, top = _experts(c, "num_experts")
     step, only = _int(c, "decoder_sparse_step"), set(_ints(c, "mlp_only_layers", []))
     return dict(
         num_experts=experts,
@@ -783,9 +783,7 @@ def _llama4_text(c: Mapping) -> LMConfig:
     _false(c, "attention_bias")
     kw = _base(c)
     layers, moe_width = kw["num_layers"], kw["ffn_hidden_size"]
-    experts, top = _int(c, "num_local_experts"), _int(c, "num_experts_per_tok")
-    if top > experts:
-        raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
+    experts, top = _experts(c, "num_local_experts")
     interval = _int(c, "no_rope_layer_interval")
     rope = _ints(c, "no_rope_layers", []) or [int((i + 1) % interval != 0) for i in range(layers)]
     if len(rope) != layers or not set(rope) <= {0, 1}:
@@ -818,16 +816,28 @@ def _llama4_text(c: Mapping) -> LMConfig:
 
 
 def _gpt2(c: Mapping) -> LMConfig:
-    """GPT-2 through ``LMConfig.from_hf_gpt2``; the attention variants it has flags for are
-    refused unless at their defaults."""
+    """GPT-2 (GPT2LMHeadModel): learned positions, LayerNorm, GELU (its tanh approximation but
+    for ``gelu``), fused c_attn, biases, tied output; the attention variants it has flags for
+    are refused unless at their defaults."""
     if c.get("scale_attn_weights", True) is not True:
         raise _refuse("scale_attn_weights", c["scale_attn_weights"], "only true is computed")
     _false(c, "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn")
-    for field in ("hidden_size", "num_attention_heads", "intermediate_size"):
-        _int(c, field)
-    _layers(c)
-    _int(c, "max_position_embeddings")
-    return LMConfig.from_hf_gpt2(c)
+    act = c.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+        raise RequestError(f"config.json: activation_function {act!r} is not a GELU")
+    return LMConfig(
+        vocab_size=_int(c, "vocab_size"),
+        hidden_size=_int(c, "hidden_size"),
+        num_layers=_layers(c),
+        num_attention_heads=_int(c, "num_attention_heads"),
+        ffn_hidden_size=_int(c, "intermediate_size"),
+        max_position_embeddings=_int(
+            c, "max_position_embeddings", c.get("max_position_embeddings") or 1024
+        ),
+        eps=_number("layer_norm_epsilon", c.get("layer_norm_epsilon") or 1e-5),
+        tied=bool(c.get("tie_word_embeddings", True)),
+        gelu_tanh=act != "gelu",
+    )
 
 
 def _granite(c: Mapping) -> LMConfig:
@@ -871,9 +881,7 @@ def _gpt_oss(c: Mapping) -> LMConfig:
     ``swiglu_limit``) over interleaved gate / up; yarn RoPE."""
     kw = _base(c)
     layers = kw["num_layers"]
-    experts, top = _int(c, "num_local_experts"), _int(c, "num_experts_per_tok")
-    if top > experts:
-        raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
+    experts, top = _experts(c, "num_local_experts")
     default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     return LMConfig(
         **{**kw, "bias": bool(c.get("attention_bias"))},
@@ -945,6 +953,7 @@ def _reader(model_type: str):
         "mistral": _mistral,
         "qwen2": _qwen2,
         "qwen3": _qwen3,
+        "gpt2": _gpt2,
         "phi3": _phi3,
         "gemma2": _gemma2,
         "gemma3_text": _gemma3,

@@ -185,27 +185,9 @@ class LMConfig:
     @classmethod
     def from_hf_gpt2(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
         """From a Hugging Face GPT-2 ``config.json`` (GPT2LMHeadModel: learned positions,
-        LayerNorm, GELU, fused c_attn, biases, tied output): what the ``hf_gpt2`` spec targets."""
-        act = config.get("activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
-            raise RequestError(f"config.json: activation_function {act!r} is not a GELU")
-        hidden = int(config.get("n_embd") or config["hidden_size"])
-        kw: dict[str, Any] = dict(
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden,
-            num_layers=int(config.get("n_layer") or config["num_hidden_layers"]),
-            num_attention_heads=int(config.get("n_head") or config["num_attention_heads"]),
-            ffn_hidden_size=int(config.get("n_inner") or 4 * hidden),
-            normalization="LayerNorm",
-            gated=False,
-            bias=True,
-            position="learned_absolute",
-            max_position_embeddings=int(config.get("n_positions") or 1024),
-            eps=float(config.get("layer_norm_epsilon") or 1e-5),
-            tied=bool(config.get("tie_word_embeddings", True)),
-            gelu_tanh=act != "gelu",
-        )
-        return cls(**kw | overrides)
+        LayerNorm, GELU, fused c_attn, biases, tied output), read as ``model_type`` gpt2 by
+        :meth:`from_hf`: what the ``hf_gpt2`` spec targets."""
+        return cls.from_hf({**config, "model_type": "gpt2"}, **overrides)
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
