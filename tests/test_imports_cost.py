@@ -1,7 +1,8 @@
 """A local save, restore and inspect import only what they need (issue 59): the object-store,
 safetensors and importer code cost a fresh process ~40 ms more of first save / restore when
-they crept onto the path (``restoring.import_open`` in ``restore_entry``, ``object_store`` in
-``store.storage``, ...). They are imported where they are used; this keeps them there."""
+they crept onto the path (``restoring.sources.import_open`` in ``restore_entry``,
+``object_store`` in ``store.storage``, ...). They are imported where they are used; this keeps
+them there."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ print("MODULES " + json.dumps(sorted(m for m in sys.modules if m.startswith("jax
 NOT_NEEDED = (
     "jax_ucp._src.store.storage.object_store",
     "jax_ucp._src.format.safetensors",
-    "jax_ucp._src.restoring.import_open",
-    "jax_ucp._src.restoring.import_source",
+    "jax_ucp._src.restoring.sources.import_open",
+    "jax_ucp._src.restoring.sources.import_source",
     "jax_ucp._src.restoring.resume",
     "jax_ucp._src.importers",
     "jax_ucp._src.torchfiles",
@@ -74,7 +75,11 @@ def test_a_local_save_restore_and_inspect_import_no_object_store_safetensors_or_
     assert "jax_ucp._src.saving.engine" in saved, saved  # the path itself ran
     assert _among(saved, NOT_NEEDED) == [], "a local save imported them: import them where used"
     restored = _loaded("restore", tmp_path / "ckpt")
-    for needed in ("restoring.restore_entry", "restoring.ucp_source", "restoring.inspecting"):
+    for needed in (
+        "restoring.restore_entry",
+        "restoring.sources.ucp_source",
+        "restoring.inspecting",
+    ):
         assert f"jax_ucp._src.{needed}" in restored, restored
     crept = _among(restored, NOT_NEEDED + NOT_NEEDED_TO_RESTORE)
     assert crept == [], "a local restore and inspect imported them: import them where used"

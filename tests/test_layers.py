@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import glob
 import os
 
 from tests.ucp_testing import REPO
@@ -22,7 +23,8 @@ ALLOWED = {
     "sharding": {"format"},
     "tree": {"format"},
     # + importers: the "open" stage plans the import of a source convert reads, read in place
-    # (restoring.import_open; registry.plan_import only reads, imported where it is called)
+    # (restoring.sources.import_open; registry.plan_import only reads, imported where it is
+    # called)
     "restoring": {
         "format",
         "store",
@@ -68,10 +70,11 @@ JAX_FREE = {
     "jax_ucp._src.restoring.resume",
     "jax_ucp._src.restoring.model",
     "jax_ucp._src.restoring.engine",
-    "jax_ucp._src.restoring.ucp_source",
-    "jax_ucp._src.restoring.import_source",
-    "jax_ucp._src.restoring.gathered",
-    "jax_ucp._src.restoring.import_open",
+    "jax_ucp._src.restoring.sources",
+    "jax_ucp._src.restoring.sources.ucp_source",
+    "jax_ucp._src.restoring.sources.import_source",
+    "jax_ucp._src.restoring.sources.gathered",
+    "jax_ucp._src.restoring.sources.import_open",
     "jax_ucp._src.restoring.inspecting",
     "jax_ucp._src.api",  # verify and latest_step: jax-ucp verify starts without JAX
     "jax_ucp._src.tree",
@@ -336,12 +339,12 @@ MAX_LINES = 450
 def test_the_restoring_modules_stay_small():
     folder = os.path.join(PACKAGE, "restoring")
     large = []
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py") and name not in LARGE_RESTORING:
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
+    for path in sorted(glob.glob(os.path.join(folder, "**", "*.py"), recursive=True)):
+        if os.path.basename(path) not in LARGE_RESTORING:
+            with open(path, encoding="utf-8") as f:
                 lines = sum(1 for _ in f)
             if lines > MAX_LINES:
-                large.append(f"restoring/{name}: {lines} lines")
+                large.append(f"restoring/{os.path.relpath(path, folder)}: {lines} lines")
     assert not large, "\n".join(large)
 
 
@@ -485,7 +488,7 @@ RENAMES = {("os", "rename"), ("os", "replace"), ("os", "renames"), ("shutil", "m
 OBJECT_CLIENTS = {"object_store"}  # the object-store client
 OBJECT_WRITES = {"write", "create", "delete", "delete_names"}
 KVSTORE_READERS = {
-    "restoring/ucp_source.py",  # opens a prefix to read its shards' digests
+    "restoring/sources/ucp_source.py",  # opens a prefix to read its shards' digests
     "store/safetensors_remote.py",  # byte ranges of safetensors objects, read only
 }
 
@@ -592,7 +595,7 @@ FORMAT_NAMES_ALLOWED = {
     "format/manifest.py": {"torch"},  # the display's name of an import recording no framework
     # the restore's open stage, which moves 2 and 3 of issue 58 rewrite (safetensors read in
     # place, a torch DCP folder in an object store)
-    "restoring/import_open.py": {"safetensors", "torch_dcp"},
+    "restoring/sources/import_open.py": {"safetensors", "torch_dcp"},
 }
 
 

@@ -208,7 +208,7 @@ SHARED = {
     "dtype": "restore's and the tensor exports' own cast",
     "casting": "restore's and the tensor exports' own casting rule",
     "select": "restore's and the tensor exports' own selection",
-    # a direct restore reads a source as convert imports it (restoring.import_source)
+    # a direct restore reads a source as convert imports it (restoring.sources.import_source)
     "importing": "the import options of convert and of a restore straight from a source",
     "format": "the source format convert and a restore straight from a source read",
     # forwarded layout options: the save args (saving.options.SaveArgs, UCPSave's base) and

@@ -250,7 +250,8 @@ def verify(
 
 
 def _verify(root: store.storage.Storage, progress, budget: int) -> VerifyResult:
-    from jax_ucp._src.restoring import model, ucp_source
+    from jax_ucp._src.restoring import model
+    from jax_ucp._src.restoring.sources import ucp_source
 
     manifest = store.read_manifest(root)
 

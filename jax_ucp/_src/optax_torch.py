@@ -508,8 +508,9 @@ class _Run:
 def _opened_run(ckpt, options: Any):
     """``ckpt`` opened once: a converted checkpoint, or a torch source read in place."""
     from jax_ucp._src.format import to_numpy_dtype
-    from jax_ucp._src.restoring import import_open, restore_entry
+    from jax_ucp._src.restoring import restore_entry
     from jax_ucp._src.restoring.options import RestoreOptions
+    from jax_ucp._src.restoring.sources import import_open
 
     importing, given = getattr(options, "importing", None), getattr(options, "format", None)
     found = import_open.import_format(ckpt, importing, given)

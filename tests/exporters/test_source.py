@@ -11,7 +11,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src import store
 from jax_ucp._src.exporters import options_for
-from jax_ucp._src.restoring import ucp_source
+from jax_ucp._src.restoring.sources import ucp_source
 from tests.ucp_testing import tree_files
 
 

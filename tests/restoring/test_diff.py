@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp._src.restoring import checks as diff_lib
-from jax_ucp._src.restoring import ucp_source
+from jax_ucp._src.restoring.sources import ucp_source
 from jax_ucp.cli import app
 
 runner = CliRunner()

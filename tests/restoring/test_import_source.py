@@ -5,6 +5,7 @@ them; nothing is written. Torch-free: the project's own readers."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -21,7 +22,7 @@ import jax_ucp
 from jax_ucp._src.format import certificate, to_numpy_dtype
 from jax_ucp._src.importers.megatron import legacy as megatron_legacy
 from jax_ucp._src.importers.plan import ImportOptions
-from jax_ucp._src.restoring import import_open
+from jax_ucp._src.restoring.sources import import_open
 from jax_ucp.language import load_spec
 from jax_ucp.models import LMConfig
 from tests.ucp_testing import REPO
@@ -369,3 +370,32 @@ def test_opening_a_torch_dist_source_reads_no_tensor_bytes(name, monkeypatch):
     tree = jax_ucp.restore(path, importing=ImportOptions())  # and the reads happen then
     assert [p for p in read if p.endswith(".distcp")]
     assert len(jax.tree.leaves(tree)) >= len(manifest.tensors)
+
+
+def test_a_trainer_checkpoint_is_detected_once_per_restore(monkeypatch):
+    """A Trainer ``checkpoint-N/`` (safetensors weights beside ``optimizer.pt``) is claimed by
+    safetensors and taken over by ``hf_trainer``: its detector is asked once per restore (the
+    importer detected is handed down to the plan), whole or weights only, and once per
+    ``plan_import`` (convert's)."""
+    from jax_ucp._src.importers import registry
+    from jax_ucp._src.importers.torch import TorchOptions
+
+    src = os.path.join(FIXTURES, "hf_trainer", "trainer_fp32", "checkpoint-3")
+    with np.load(os.path.join(FIXTURES, "hf_trainer", "trainer_fp32.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+    order = [n for n in names if not n.endswith("norm.weight")]
+    order += [n for n in names if n.endswith("norm.weight")]  # as the Trainer grouped them
+    taker = registry.IMPORTERS["hf_trainer"]
+    asked = []
+
+    def detect(storage):
+        asked.append(storage.root)
+        return taker.detect(storage)
+
+    monkeypatch.setitem(registry.IMPORTERS, "hf_trainer", dataclasses.replace(taker, detect=detect))
+    whole = jax_ucp.restore(src, importing=TorchOptions(parameter_order=order))
+    assert asked == [src] and "opt_state" in whole
+    weights = jax_ucp.restore(src, importing=TorchOptions(weights_only=True))
+    assert asked == [src] * 2 and "opt_state" not in weights
+    assert registry.plan_import(src, TorchOptions(parameter_order=order)).source["optimizer"]
+    assert asked == [src] * 3

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from typer.testing import CliRunner
 
 import jax_ucp
+from jax_ucp._src.restoring import pictures
 from jax_ucp._src.restoring.plan import Layouts, TensorPlan, abstract_mesh
 from jax_ucp.cli import app
 from tests.ucp_testing import assert_bit_exact, mesh
@@ -100,7 +101,6 @@ def test_mesh_alone_on_an_abstract_mesh_with_processes(tmp_path):
 
 def test_slices_match_jax_for_every_kind_of_spec():
     m = mesh((2, 2, 2), ("a", "b", "c"))
-    layouts = Layouts(None, None)
     for spec in [P(), P("a"), P(None, "b"), P(("a", "b"), "c"), P(("c", "a")), P("c", ("b", "a"))]:
         sharding = NamedSharding(m, spec)
         shape = (8, 8)
@@ -108,7 +108,8 @@ def test_slices_match_jax_for_every_kind_of_spec():
             d.id: tuple(s.indices(n)[:2] for s, n in zip(index, shape))
             for d, index in sharding.devices_indices_map(shape).items()
         }
-        got = {device: box for device, _, box in layouts.device_slices(shape, spec, m)}
+        boxes = pictures.device_slices(shape, spec, list(m.shape.items()))
+        got = {d.id: boxes[position] for position, d in enumerate(m.devices.flat)}
         assert got == want, spec
 
 
@@ -387,8 +388,9 @@ def test_plan_reads_per_process_match_every_device_enumerated():
                 devices = IndexedBytes()
                 per_device, reads = layouts.place(shape, NamedSharding(m, spec), 2, devices)
                 seen: dict[int, set] = {}
-                for _, process, box in layouts.device_slices(shape, spec, m):
-                    seen.setdefault(process, set()).add(box)
+                boxes = pictures.device_slices(shape, spec, list(zip(names, sizes)))
+                for position, box in boxes.items():  # processes hold contiguous blocks
+                    seen.setdefault(position // (n // p), set()).add(box)
                 size = {
                     box: 2 * int(np.prod([b - a for a, b in box]))
                     for s in seen.values()

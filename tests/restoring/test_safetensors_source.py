@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 import jax_ucp
 from jax_ucp._src import store
-from jax_ucp._src.restoring import gathered, import_source
+from jax_ucp._src.restoring.sources import gathered, import_source
 from jax_ucp.language import load_spec
 from jax_ucp.models import LMConfig
 from tests.importers.safetensors.test_import import BAD

@@ -27,8 +27,8 @@ from jax_ucp._src.exporters import source
 from jax_ucp._src.exporters.options import DeepSpeedUniversalExport, Exported
 from jax_ucp._src.exporters.source import RowSlabs
 from jax_ucp._src.format import files
-from jax_ucp._src.restoring import ucp_source
 from jax_ucp._src.restoring.model import Request, check_cast
+from jax_ucp._src.restoring.sources import ucp_source
 from jax_ucp._src.torchfiles import torch_zip
 from jax_ucp._src.torchfiles.pickle_format import Call, Global, torch_size
 from jax_ucp._src.writer import durable

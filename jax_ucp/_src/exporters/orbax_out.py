@@ -24,7 +24,8 @@ from jax_ucp._src import tree as tree_lib
 from jax_ucp._src.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
 from jax_ucp._src.exporters import source
 from jax_ucp._src.exporters.options import Exported, OrbaxExport
-from jax_ucp._src.restoring import locate, model, ucp_source
+from jax_ucp._src.restoring import locate, model
+from jax_ucp._src.restoring.sources import ucp_source
 
 
 @dataclasses.dataclass(frozen=True)

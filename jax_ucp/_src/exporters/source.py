@@ -17,7 +17,8 @@ from jax_ucp._src import format as fmt
 from jax_ucp._src import store, writer
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.exporters.options import Exported
-from jax_ucp._src.restoring import model, ucp_source
+from jax_ucp._src.restoring import model
+from jax_ucp._src.restoring.sources import ucp_source
 from jax_ucp._src.writer import commit
 
 

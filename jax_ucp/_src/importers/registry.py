@@ -24,6 +24,7 @@ from jax_ucp._src.importers.megatron.dcp import open_dcp, parsed_once
 from jax_ucp._src.importers.megatron.source import megatron_run
 from jax_ucp._src.importers.plan import (
     WHOLE,
+    Detection,
     Importer,
     ImportOptions,
     ImportPlan,
@@ -125,10 +126,11 @@ def detected(src) -> Importer:
     by its own markers before one claiming weakly. A source no importer claims is an error
     giving each one's reason."""
     with _readable(src) as (storage, _):
-        return _detected(storage)
+        return _detected(storage)[0]
 
 
-def _detected(storage: Storage) -> Importer:
+def _detected(storage: Storage) -> tuple[Importer, dict[str, Detection]]:
+    """(the importer claiming ``storage``, every importer's answer: takers' too)."""
     src = storage.root
     refused: dict[str, str] = {}
     weak: dict[str, Importer] = {}  # format -> its first layout that finds src
@@ -155,10 +157,8 @@ def _detected(storage: Storage) -> Importer:
             f"{src}: holds checkpoints of {len(strong)} formats: {found}. Pick one with "
             f"`--from {'|'.join(strong)}` (`format=` in Python)."
         )
-    if strong:
-        return next(iter(strong.values()))
-    if weak:
-        return next(iter(weak.values()))
+    if strong or weak:
+        return next(iter((strong or weak).values())), answers
     if not os.path.isdir(src):
         raise SourceError(
             f"{src}: not a directory (expected a checkpoint folder, or a .safetensors, .bin, "
@@ -205,7 +205,9 @@ def detect_format(src) -> str:
     return detected(src).format
 
 
-def importer_for(source, format: str | None = None) -> Importer:
+def importer_for(
+    source, format: str | None = None, options: ImportOptions | None = None
+) -> Importer:
     """The importer that reads ``source``: detected (``format`` None), the one named
     (``IMPORTERS``' names), or of a format of several layouts the first that reads the source
     (its ``given``, else its ``detect``; none: the last, which plans and says what is missing:
@@ -214,19 +216,30 @@ def importer_for(source, format: str | None = None) -> Importer:
     Args:
         source: the checkpoint directory (or file).
         format: one of ``FORMATS`` or ``IMPORTERS``' names, or None (detected).
+        options: given, the importer that reads the source whole with them (a taker's,
+            :func:`taken_over`, told by the same detection: no detector is asked twice), to
+            hand to :func:`plan_import` as its ``format``; None: the one claiming it.
     """
-    if format is None:
-        return detected(source)
-    if format in IMPORTERS:
+    if format in IMPORTERS and options is None:
         return IMPORTERS[format]
+    with _readable(source) as (storage, _):
+        claimed, answers = _claimed(storage, format)
+        return claimed if options is None else taken_over(storage, claimed, options, answers)
+
+
+def _claimed(storage: Storage, format: str | None) -> tuple[Importer, dict | None]:
+    """(the importer ``importer_for`` gives, the detection's answers when it detected)."""
+    if format is None:
+        return _detected(storage)
+    if format in IMPORTERS:
+        return IMPORTERS[format], None
     layouts = _layouts(format)
     if not layouts:
         raise SourceError(
             f"Unknown checkpoint format {format!r} (expected "
             f"{', '.join(repr(name) for name in FORMATS)})."
         )
-    with _readable(source) as (storage, _):
-        return _layout_reading(storage, layouts)
+    return _layout_reading(storage, layouts), None
 
 
 def _layout_reading(src: Storage, layouts: list[Importer]) -> Importer:
@@ -236,7 +249,9 @@ def _layout_reading(src: Storage, layouts: list[Importer]) -> Importer:
     return next((layout for layout in layouts if reads(layout)), layouts[-1])
 
 
-def taken_over(source, importer: Importer, options: ImportOptions) -> Importer:
+def taken_over(
+    source, importer: Importer, options: ImportOptions, answers: dict | None = None
+) -> Importer:
     """The importer that reads ``source`` whole: one whose ``takes_over`` names ``importer``'s
     format and whose ``detect`` finds the source too (safetensors weights beside a torch
     optimizer: the torch format's ``hf_trainer``, which maps the optimizer's state too), unless
@@ -247,11 +262,13 @@ def taken_over(source, importer: Importer, options: ImportOptions) -> Importer:
         source: the checkpoint directory.
         importer: the importer detected or named for it.
         options: the import options (their ``weights_only``).
+        answers: the takers' ``detect`` answers when the source was detected (None: asked).
     """
     if options.weights_only:
         return importer
     src, takers = store.storage_for(source), [t for t in IMPORTERS.values() if t.takes_over]
-    found = (t for t in takers if importer.format in t.takes_over and t.detect(src).found)
+    finds = (lambda t: answers[t.name]) if answers is not None else (lambda t: t.detect(src))
+    found = (t for t in takers if importer.format in t.takes_over and finds(t).found)
     return next(found, importer)
 
 
@@ -291,7 +308,11 @@ def for_format(importer: Importer, options: ImportOptions | None) -> ImportOptio
 
 
 def plan_import(
-    source, options: ImportOptions | None = None, *, format: str | None = None, share: Share = WHOLE
+    source,
+    options: ImportOptions | None = None,
+    *,
+    format: str | Importer | None = None,
+    share: Share = WHOLE,
 ) -> ImportPlan:
     """The import of ``source`` by its importer (detected unless ``format`` names it), its
     items held to the accounting rule (:func:`plan.accounted`): every tensor of the checkpoint
@@ -301,7 +322,9 @@ def plan_import(
         source: the checkpoint directory (or file).
         options: the import options (the format's class, or a more general one such as
             ``ImportOptions(weights_only=True)``: see :func:`for_format`; None: the defaults).
-        format: one of ``FORMATS`` or ``IMPORTERS``' names (None: detected from the files).
+        format: one of ``FORMATS`` or ``IMPORTERS``' names (None: detected from the files),
+            or the importer that reads the source whole (``importer_for`` with the options:
+            planned as it is, no detector asked again).
         share: this process's part of a distributed import.
 
     Returns:
@@ -309,14 +332,17 @@ def plan_import(
     """
     storage = store.storage_for(source)  # chosen here unless given
     with _readable(storage) as (src, view), parsed_once():  # verl hands over a parsed folder
-        importer = importer_for(src, format)
+        given = isinstance(format, Importer)  # takers already asked
+        importer, answers = (format, None) if given else _claimed(src, format)
         handed = importer.hands_over(src) if importer.hands_over else None
         if handed is not None:  # another format's checkpoint inside this layout
             importer, src = IMPORTERS[handed[0]], store.storage_for(handed[1])
+            answers = None  # asked of the folder around it
         options = for_format(importer, options)
         if share != WHOLE:
             options = dataclasses.replace(options, share=share)
-        reader = taken_over(src, importer, options)
+        asked = given and handed is None
+        reader = importer if asked else taken_over(src, importer, options, answers)
         plan = reader.plan(src, for_format(reader, options))
         plan.source.update(handed[2] if handed else {})
         items = accounted(

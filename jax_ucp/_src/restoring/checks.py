@@ -17,7 +17,8 @@ import numpy as np
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
-from jax_ucp._src.restoring import locate, model, ucp_source
+from jax_ucp._src.restoring import locate, model
+from jax_ucp._src.restoring.sources import ucp_source
 
 # Elements compared at once (float64 temporaries of this many elements, a few of them).
 BLOCK = 1 << 20

@@ -8,7 +8,7 @@ import os
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src import tree as tree_lib
-from jax_ucp._src.restoring import locate
+from jax_ucp._src.restoring import locate, sources
 
 
 def inspect(path: str | os.PathLike) -> fmt.Manifest:
@@ -20,15 +20,13 @@ def inspect(path: str | os.PathLike) -> fmt.Manifest:
     manifest its conversion would write (``import_open.manifest_of``, the format's default
     import options): its tensors and the import's record (``source``), nothing written."""
     storage = store.storage_for(path)
-    # imported here: inspecting a local UCP checkpoint never loads it (a remote one: a source?)
-    if not storage.local or not locate.is_ucp(storage):
-        from jax_ucp._src.restoring import import_open
+    found = sources.imported(storage)  # its storage and importer, handed on
+    if found is not None:
+        from jax_ucp._src.restoring.sources import import_open
 
-        found = import_open.import_for(storage, warn=True)  # its storage and importer, handed on
-        if found is not None:
-            manifest = import_open.manifest_of(*found)
-            manifest.notices = []
-            return manifest
+        manifest = import_open.manifest_of(*found)
+        manifest.notices = []
+        return manifest
     manifest = locate.read_consistently(storage, store.read_manifest)
     manifest.notices = [message for _, message in tree_lib.class_notices(manifest.tree)]
     return manifest

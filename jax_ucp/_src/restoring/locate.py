@@ -26,9 +26,7 @@ def is_ucp(storage: Storage) -> bool:
     if not storage.local or storage.exists(fmt.MANIFEST_FILE):
         return True
     if os.path.isdir(path):  # an Orbax step directory holding a UCP item
-        return any(
-            os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE)) for d in os.listdir(path)
-        )
+        return bool(steps.ucp_items(path))
     return not os.path.lexists(path)
 
 
@@ -56,7 +54,7 @@ def find_checkpoint(storage: Storage) -> Storage:
             f"{path}: is a file, not a checkpoint directory (expected a directory holding "
             f"{fmt.MANIFEST_FILE}, or an Orbax step directory with one UCP item)."
         )
-    items = _ucp_items(path)
+    items = steps.ucp_items(path)
     if len(items) == 1 and is_step_dir(path):
         try:  # the step's item, never a link to another checkpoint
             fmt.files.inside(path, items[0], path)
@@ -166,13 +164,6 @@ def check_readable(path: str) -> None:
                 raise CheckpointError(
                     f"{path}: tensor {entry.name!r}: shard file {entry.dir}/{key} is missing."
                 )
-
-
-def _ucp_items(path: str) -> list[str]:
-    """The item directories of ``path`` holding a ucp.json, sorted."""
-    return sorted(
-        d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE))
-    )
 
 
 def _find_in_object_store(prefix: Storage) -> Storage:

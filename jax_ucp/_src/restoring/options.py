@@ -138,14 +138,35 @@ class RestoreOptions:
         return DEFAULT_MEMORY_BUDGET if self.memory_budget is None else int(self.memory_budget)
 
 
+def _step(v) -> bool:
+    """None, "latest" or a step number (an int >= 0, not a bool)."""
+    return v in (None, "latest") or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+
+
+#: field -> (whether a value is of the kind it takes, what it takes, the value shown by its
+#: type's name rather than its repr)
+_KINDS = {
+    "mesh": (
+        lambda v: v is None or isinstance(v, (jax.sharding.Mesh, jax.sharding.AbstractMesh)),
+        "a jax.sharding.Mesh",
+        True,
+    ),
+    "casting": (lambda v: v in CASTINGS, f"one of {', '.join(map(repr, CASTINGS))}", False),
+    "select": (
+        lambda v: v is None or isinstance(v, str) or callable(v),
+        "a regex string or a predicate on the name",
+        True,
+    ),
+    "strict": (lambda v: isinstance(v, bool), "True or False", False),
+    "step": (_step, "a step number or 'latest'", False),
+    "fallback": (lambda v: isinstance(v, bool), "True or False", False),
+    "format": (lambda v: v is None or isinstance(v, str), "a format name such as 'torch'", False),
+    "replicated_read": (lambda v: v in (None, "each", "once"), "'each' or 'once'", False),
+}
+
+
 def _check_kinds(options: RestoreOptions, field) -> None:
     """Each field of the kind it accepts (``field(name)`` names it in the error)."""
-    if options.mesh is not None and not isinstance(
-        options.mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)
-    ):
-        raise RequestError(
-            f"{field('mesh')}: expected a jax.sharding.Mesh, got {type(options.mesh).__name__}."
-        )
     if options.rules is not None:
         bad = _bad_rule(options.rules)
         if bad is not None:
@@ -161,47 +182,18 @@ def _check_kinds(options: RestoreOptions, field) -> None:
                 f"{field('dtype')}: expected a dtype (np.float32, jnp.bfloat16, 'float16'), got "
                 f"{options.dtype!r}."
             ) from None
-    if options.casting not in CASTINGS:
-        raise RequestError(
-            f"{field('casting')}: expected one of {', '.join(map(repr, CASTINGS))}, got "
-            f"{options.casting!r}."
-        )
-    if options.select is not None and not (
-        isinstance(options.select, str) or callable(options.select)
-    ):
-        raise RequestError(
-            f"{field('select')}: expected a regex string or a predicate on the name, got "
-            f"{type(options.select).__name__}."
-        )
+    for name, (ok, expected, by_type) in _KINDS.items():
+        value = getattr(options, name)
+        if not ok(value):
+            shown = type(value).__name__ if by_type else repr(value)
+            raise RequestError(f"{field(name)}: expected {expected}, got {shown}.")
     try:  # an int or a size such as "256MiB", as every byte-size option
         options.memory_budget = parse_optional_size(options.memory_budget, field("memory_budget"))
     except RequestError as e:
         raise RequestError(f"{e}.") from None
-    if not isinstance(options.strict, bool):
-        raise RequestError(f"{field('strict')}: expected True or False, got {options.strict!r}.")
-    step = options.step
-    if (
-        step is not None
-        and step != "latest"
-        and (not isinstance(step, int) or isinstance(step, bool) or step < 0)
-    ):
-        raise RequestError(f"{field('step')}: expected a step number or 'latest', got {step!r}.")
-    if not isinstance(options.fallback, bool):
-        raise RequestError(
-            f"{field('fallback')}: expected True or False, got {options.fallback!r}."
-        )
-    if options.fallback and step != "latest":
+    if options.fallback and options.step != "latest":
         raise RequestError(
             f"{field('fallback')}: goes with step='latest' (older steps on failure)."
-        )
-    if options.format is not None and not isinstance(options.format, str):
-        raise RequestError(
-            f"{field('format')}: expected a format name such as 'torch', got {options.format!r}."
-        )
-    if options.replicated_read not in (None, "each", "once"):
-        raise RequestError(
-            f"{field('replicated_read')}: expected 'each' or 'once', got "
-            f"{options.replicated_read!r}."
         )
 
 

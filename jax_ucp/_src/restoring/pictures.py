@@ -24,6 +24,7 @@ from typing import Any
 
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format.sizes import format_size
+from jax_ucp._src.sharding.mesh_layout import axes_of
 
 __all__ = ["bytes_by_device", "bytes_chart", "device_slices", "slice_map"]
 
@@ -31,12 +32,6 @@ __all__ = ["bytes_by_device", "bytes_chart", "device_slices", "slice_map"]
 FIGURE_SLICES = 64
 #: devices a chart draws one bar each for; past it a plan's devices are one bar
 FIGURE_BARS = 64
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
 
 
 def device_slices(
@@ -58,7 +53,7 @@ def device_slices(
         dims = []
         for n, entry in zip(shape, spec):
             parts, index = 1, 0
-            for axis in _axes(entry):  # the first axis is the major one, as in JAX
+            for axis in axes_of(entry):  # the first axis is the major one, as in JAX
                 index = index * sizes[names.index(axis)] + where[axis]
                 parts *= sizes[names.index(axis)]
             step = math.ceil(n / parts) if parts else n
@@ -108,7 +103,7 @@ def _checked(shape, spec, mesh_axes) -> tuple[tuple[int, ...], list, list[str], 
         )
     used: set[str] = set()
     for entry in entries:
-        for axis in _axes(entry):
+        for axis in axes_of(entry):
             if axis not in names:
                 mesh = " × ".join(f"{a}={n}" for a, n in zip(names, sizes)) or "no axes"
                 raise RequestError(

@@ -15,6 +15,7 @@ mesh's device count: devices holding equal slices are one run of numbers, not a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -34,8 +35,9 @@ from jax_ucp._src.errors import CheckpointError, RequestError
 from jax_ucp._src.format import display
 from jax_ucp._src.format.sizes import format_size
 from jax_ucp._src.options import field_namer, keywords_of
-from jax_ucp._src.restoring import locate, model, requests, restore_entry, ucp_source
+from jax_ucp._src.restoring import engine, locate, model, requests, restore_entry
 from jax_ucp._src.restoring.options import RestoreOptions
+from jax_ucp._src.restoring.sources import ucp_source
 from jax_ucp._src.sharding.mesh_layout import axes_of
 
 
@@ -249,19 +251,18 @@ def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
 
 def _plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
     storage = store.storage_for(path)
-    elsewhere = restore_entry.opened_elsewhere(storage, options)
-    if elsewhere is not None:  # a source read in place: what its import (or header) holds
-        with elsewhere as opened:
-            return _planned(opened.source.path, opened.available, opened.values, options)
-    root = locate.find_checkpoint(storage)
-    manifest = root.read_manifest()
-    available = ucp_source.available_tensors(manifest, options.spec)
-    return _planned(root.root, available, manifest.values, options)
+    # a source read in place: what its import holds; else the UCP checkpoint's manifest
+    opened = restore_entry.opened_elsewhere(storage, options) or contextlib.nullcontext(
+        ucp_source.open_checkpoint(locate.find_checkpoint(storage), options.spec)
+    )
+    with opened as source:
+        return _planned(source, options)
 
 
-def _planned(root: str, available, values, options: PlanOptions) -> RestorePlan:
-    """The plan of a restore from ``available`` (key -> ``model.Available``) and ``values``
-    (the saved Python values) of the source at ``root``."""
+def _planned(opened: engine.OpenedSource, options: PlanOptions) -> RestorePlan:
+    """The plan of a restore from ``opened``: its tensors (key -> ``model.Available``) and its
+    saved Python values."""
+    root, available, values = opened.source.path, opened.available, opened.values
     mesh, rules, explicit = options.mesh, options.rules, options.has_target
     layouts = Layouts(mesh, options.processes)
     if mesh is not None:
@@ -604,14 +605,6 @@ class Layouts:
                 "processes= is for an AbstractMesh; a concrete Mesh knows its devices' processes."
             )
 
-    def _positions(self, mesh) -> tuple[list[int], list[int]]:
-        """Per mesh position (row-major): device key and process index."""
-        if isinstance(mesh, jax.sharding.Mesh):
-            devices = list(mesh.devices.flat)
-            return [d.id for d in devices], [d.process_index for d in devices]
-        n, p = self._split(mesh)
-        return list(range(n)), [i // (n // p) for i in range(n)]
-
     def _split(self, mesh) -> tuple[int, int]:
         """An AbstractMesh's device count and how many processes share it (contiguous blocks)."""
         n = math.prod(mesh.shape[a] for a in mesh.axis_names)
@@ -706,25 +699,6 @@ class Layouts:
                 memo[start] = _distinct_projections([(start, start + block)], sizes, in_spec)
             counts[q] = memo[start]
         return counts
-
-    def device_slices(self, shape, spec, mesh):
-        """(device, process, ((start, stop) per dimension)) for each position of ``mesh``, as
-        ``NamedSharding.devices_indices_map`` would give (the axes of one entry major first)."""
-        names = tuple(mesh.axis_names)
-        sizes = tuple(mesh.shape[a] for a in names)
-        spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-        dims = [[names.index(a) for a in axes_of(entry)] for entry in spec]
-        devices, processes = self._positions(mesh)
-        for position, coords in enumerate(np.ndindex(*sizes)):
-            box = []
-            for size, axes in zip(shape, dims):
-                parts, index = 1, 0
-                for a in axes:
-                    index = index * sizes[a] + coords[a]
-                    parts *= sizes[a]
-                block = size // parts
-                box.append((index * block, (index + 1) * block))
-            yield devices[position], processes[position], tuple(box)
 
 
 def _distinct_projections(intervals, sizes: tuple[int, ...], in_spec: tuple[bool, ...]) -> int:

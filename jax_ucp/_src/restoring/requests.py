@@ -23,6 +23,7 @@ from jax_ucp._src.options import user_stacklevel
 from jax_ucp._src.restoring.engine import OpenedSource
 from jax_ucp._src.restoring.model import Request, short_repr
 from jax_ucp._src.restoring.options import RestoreOptions
+from jax_ucp._src.sharding.mesh_layout import axes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,9 +306,7 @@ def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
         saved = av.saved_sharding
         if saved is not None:
             axes.update(saved.mesh_axis_names)
-            for entry in saved.partition_spec:
-                axes.update(entry if isinstance(entry, (tuple, list)) else (entry,))
-    axes.discard(None)
+            axes.update(a for entry in saved.partition_spec for a in axes_of(entry))
     sharding_lib.check_names(
         mesh, rules, logical_names=names, saved_axes=axes, where=root, strict=strict
     )

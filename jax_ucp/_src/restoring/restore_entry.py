@@ -1,7 +1,8 @@
 """``jax_ucp.restore``, importing JAX but not Orbax (a restore reads through TensorStore; only
 saving and Orbax's handlers need Orbax, ~0.5 s more to start): the stages in order, each
-entered once: the source located and opened (``locate`` and ``ucp_source``, or ``import_open``)
-→ its requests (``requests``, the JAX part) → the read engine (``engine``) → the result's tree."""
+entered once: the source located and opened (``sources``: ``locate`` and ``ucp_source``, or
+``import_open``) → its requests (``requests``, the JAX part) → the read engine (``engine``) → the
+result's tree."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from typing import Any
 
 from jax_ucp._src import store
 from jax_ucp._src.options import keywords_of
-from jax_ucp._src.restoring import engine, locate, requests, ucp_source
+from jax_ucp._src.restoring import engine, locate, requests, sources
 from jax_ucp._src.restoring import options as restore_options
 from jax_ucp._src.restoring.engine import OpenedSource
+from jax_ucp._src.restoring.sources import ucp_source
 
 
 @keywords_of(restore_options.RestoreOptions)
@@ -69,22 +71,17 @@ def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
 def opened_elsewhere(
     storage: store.storage.Storage, options: restore_options.RestoreOptions
 ) -> contextlib.AbstractContextManager[OpenedSource] | None:
-    """The "open" stage for a source that is no UCP checkpoint (None for one: UCP is detected
-    first): any source ``convert`` reads (Hugging Face safetensors too), its importer detected
-    once and its import plan opened (``import_open``) with ``options.importing``."""
-    explicit = options.importing is not None or options.format is not None
-    if storage.local and not explicit and locate.is_ucp(storage):
-        return None  # (a URL without ucp.json may be a source: import_for asks)
-    # imported here: a local UCP restore (above) never loads the importers' code
-    from jax_ucp._src.restoring import import_open
-
-    found = import_open.import_for(storage, options.importing, options.format, warn=True)
+    """The "open" stage for a source that is no UCP checkpoint (None for one): any source
+    ``convert`` reads (Hugging Face safetensors too), its importer detected once
+    (``sources.imported``) and its import plan opened with it (``import_open``) with
+    ``options.importing``."""
+    found = sources.imported(storage, options.importing, options.format)
     return None if found is None else _imported(*found, options)
 
 
 @contextlib.contextmanager
 def _imported(storage, importer, options) -> Iterator[OpenedSource]:
-    from jax_ucp._src.restoring import import_open
+    from jax_ucp._src.restoring.sources import import_open
 
     storage = import_open.one_revision(storage)  # one Hub commit for every process
     with import_open.opened_import(

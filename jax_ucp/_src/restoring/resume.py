@@ -22,7 +22,8 @@ from typing import Any
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import CheckpointError, ResumeWarning, SaveConflictError, SourceError
-from jax_ucp._src.restoring import locate, model, steps, ucp_source
+from jax_ucp._src.restoring import locate, model, steps
+from jax_ucp._src.restoring.sources import ucp_source
 
 
 @dataclasses.dataclass
@@ -183,13 +184,13 @@ def _read(step: steps.Step, read: Callable[[str], Any]) -> tuple[str | None, Any
 def _unplannable(path: str) -> str | None:
     """Why the import of the torch checkpoint folder ``path`` cannot be planned (its files
     missing, damaged or unknown), None when it can."""
-    from jax_ucp._src.restoring import import_open
+    from jax_ucp._src.restoring.sources import import_open
 
     try:
-        found = import_open.import_format(path)
+        found = import_open.import_for(path)  # its importer, detected once and handed on
         if found is None:
             return f"{path}: no importer reads it"
-        import_open.manifest_of(path, found)
+        import_open.manifest_of(*found)
     except (fmt.UCPError, OSError) as e:
         return str(e)
     return None

@@ -192,18 +192,24 @@ def with_ucp_items(root: str) -> list[Step]:
         return []
 
 
+def ucp_items(path: str) -> list[str]:
+    """The item directories of ``path`` holding a ucp.json, sorted."""
+    return sorted(
+        d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE))
+    )
+
+
 def _step_of_ucp(step: int, path: str) -> Step | None:
     """The committed step folder ``path`` as a ``Step`` (None: it holds no jax_ucp item)."""
     items, problem = [], None
-    for d in sorted(os.listdir(path)):
-        if not os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE)):
-            continue
+    for d in ucp_items(path):
         try:  # the step's own item, never a link out of it
             fmt.files.inside(path, d, path)
         except fmt.files.UnsafeFileError as e:
             problem = problem or str(e)
         items.append(os.path.join(path, d))
-    handlers = _item_handlers(path)
+    handlers = _step_metadata(path).get("item_handlers")  # item name -> handler class name
+    handlers = handlers if isinstance(handlers, dict) else {}
     ours = [n for n, h in handlers.items() if isinstance(h, str) and h.startswith("jax_ucp.")]
     lost = [n for n in ours if os.path.join(path, n) not in items]
     if lost:
@@ -221,21 +227,15 @@ def _step_of_ucp(step: int, path: str) -> Step | None:
 def _committed(step_dir: str) -> bool:
     if os.path.exists(os.path.join(step_dir, "commit_success.txt")):
         return True
-    try:
-        meta = fmt.files.read_regular(os.path.join(step_dir, ORBAX_STEP_METADATA), 1 << 20)
-        return fmt.files.strict_loads(meta).get("commit_timestamp_nsecs") is not None
-    except (OSError, ValueError, AttributeError, RecursionError, fmt.UCPError):
-        return False
+    return _step_metadata(step_dir).get("commit_timestamp_nsecs") is not None
 
 
-def _item_handlers(step_dir: str) -> dict:
-    """The ``item_handlers`` of the step's ``_CHECKPOINT_METADATA`` (item name -> handler class
-    name); {} when none can be read."""
+def _step_metadata(step_dir: str) -> dict:
+    """The step's ``_CHECKPOINT_METADATA``, {} when it cannot be read as a JSON object."""
     try:
         meta = fmt.files.strict_loads(
             fmt.files.read_regular(os.path.join(step_dir, ORBAX_STEP_METADATA), 1 << 20)
         )
     except (OSError, ValueError, RecursionError, fmt.UCPError):
         return {}
-    handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
-    return handlers if isinstance(handlers, dict) else {}
+    return meta if isinstance(meta, dict) else {}

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jax_ucp._src import format as fmt
-from jax_ucp._src.restoring import engine, import_open, model
+from jax_ucp._src.restoring import engine, model
+from jax_ucp._src.restoring.sources import import_open
 
 
 def source_format(path: str) -> str | None:

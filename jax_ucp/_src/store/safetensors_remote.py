@@ -3,7 +3,7 @@ directory (an object store's ``s3://`` / ``gs://`` prefix, a Hub repo's ``hf://`
 header checked (its length, then the header, then the file's exact size), each tensor's rows
 fetched as byte ranges through TensorStore's kvstore drivers (where the medium says a file is read
 from: ``Storage.ranged``), nothing written. What the safetensors importer reads (a convert, or a
-direct restore through ``restoring.import_source``). JAX-free.
+direct restore through ``restoring.sources.import_source``). JAX-free.
 """
 
 from __future__ import annotations

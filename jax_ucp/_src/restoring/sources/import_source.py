@@ -38,8 +38,8 @@ from jax_ucp._src.errors import CheckpointError, SourceError
 from jax_ucp._src.format import mapped_file
 from jax_ucp._src.format.sizes import format_size
 from jax_ucp._src.restoring.engine import TensorSource
-from jax_ucp._src.restoring.gathered import Gathered, gather_map
 from jax_ucp._src.restoring.model import Available
+from jax_ucp._src.restoring.sources.gathered import Gathered, gather_map
 from jax_ucp._src.store import shard_reader
 
 BLOCK_BYTES = 8 << 20  # bytes of whole rows read at once, then cut into the regions needing them
@@ -63,7 +63,9 @@ class _Tensor:
 class ImportSource(TensorSource):
     """The tensors of an import plan, read in place: rows read by the value's own means (``pread``
     of a mapped file, a TensorStore read, a ``Deferred``'s ``rows``) and cut into each region;
-    a ``Deferred`` without rows built whole once per tensor read."""
+    a ``Deferred`` without rows built whole once per tensor read. Nothing to open or verify
+    first (``TensorSource``'s defaults): the plan's values are open, and the source's own
+    checks (a torch zip member's CRC-32) run as its bytes are read."""
 
     metadata = "source files"
 
@@ -180,9 +182,6 @@ class ImportSource(TensorSource):
             return _Reader(self, found.sources[0])
         return found.build({k: self.view(k) for k in found.sources})
 
-    def prepare(self, tensors) -> None:
-        """Nothing to open: the plan's values are open already."""
-
     def check_fits(self, found: Available, limit: int, what: str) -> None:
         for key in found.sources:  # a Deferred without rows is built whole
             t = self.tensors[key]
@@ -193,12 +192,6 @@ class ImportSource(TensorSource):
                     f"{format_size(t.value.nbytes)}, more than {what} ({format_size(limit)}). "
                     f"Restore it on a host with more memory, or select= other tensors."
                 )
-
-    def verify(self, found: Available, reader) -> None:
-        """The source's own checks (a torch zip member's CRC-32) run as its bytes are read."""
-
-    def unit_rows(self, found: Available) -> int:
-        return 1
 
     # --- reading
     def ranged(self, key) -> bool:

@@ -21,9 +21,10 @@ import numpy as np
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store, writer
 from jax_ucp._src.errors import MultiProcessError, RequestError, SourceError
+from jax_ucp._src.options import user_stacklevel
 from jax_ucp._src.restoring import locate, steps
 from jax_ucp._src.restoring.engine import OpenedSource
-from jax_ucp._src.restoring.import_source import ImportSource
+from jax_ucp._src.restoring.sources.import_source import ImportSource
 from jax_ucp._src.store.storage.local_view import ViewError
 
 if TYPE_CHECKING:
@@ -31,24 +32,36 @@ if TYPE_CHECKING:
 
 
 def import_for(
-    path, importing=None, format: str | None = None, *, warn: bool = False
+    path, importing=None, format: str | None = None, *, warn: bool = False, whole: bool = True
 ) -> tuple[store.storage.Storage, Importer] | None:
     """``(the storage read, the importer convert would import it with)`` when a restore reads
     ``path`` through an import (a run root: its newest complete step, ``run_root_step``); None
     when it is a UCP checkpoint (or what ``locate`` explains: a missing path, a CheckpointManager
-    root, a folder no importer claims). The importer is detected here once and passed down.
+    root, a folder no importer claims). The importer is detected here once and passed down
+    (``opened_import``): no detector is asked again.
 
     Args:
       path: what was passed to restore / plan (its storage, once chosen).
       importing: the import options given (``RestoreOptions.importing``), or None.
       format: the format given (``RestoreOptions.format``), or None.
       warn: a run root's newer steps passed over are said (``ResumeWarning``).
+      whole: the importer that reads it whole with ``importing`` (one taking the claim over:
+        ``registry.taken_over``), else the one claiming it.
     """
+    from jax_ucp._src.importers import registry  # the edge restoring -> importers
+
     storage = store.storage_for(path)
     path, explicit = storage.root, importing is not None or format is not None
+    options = None if not whole else importing or registry.ImportOptions()
     if not storage.local:
-        found = _object_store_importer(storage, format)
-        return None if found is None else (storage, found)
+        if storage.exists(fmt.MANIFEST_FILE):
+            return None
+        try:  # torch DCP, safetensors: ranged GETs; any other: through a local view
+            return storage, registry.importer_for(storage, format, options)
+        except ViewError:
+            raise  # a source there, damaged: never "no manifest"
+        except SourceError:
+            return None  # what no importer claims: the UCP reader's "no manifest"
     if locate.is_ucp(storage):
         if explicit and os.path.exists(path):
             raise RequestError(
@@ -58,39 +71,20 @@ def import_for(
         return None
     if os.path.isdir(path) and steps.with_ucp_items(path):
         return None  # a CheckpointManager root: locate says which step to pass
-    from jax_ucp._src.importers import registry  # the edge restoring -> importers
-
     try:
-        return storage, registry.importer_for(storage, format)
+        return storage, registry.importer_for(storage, format, options)
     except SourceError:
         if explicit:
             raise
         step = run_root_step(path, warn=warn)  # a Trainer's output_dir: its newest checkpoint
-        return None if step is None else import_for(step, importing, format)
+        return None if step is None else import_for(step, importing, format, whole=whole)
 
 
 def import_format(path, importing=None, format: str | None = None) -> str | None:
-    """The format ``convert`` would import ``path`` as (``import_for``), None for a UCP
-    checkpoint or what no importer reads."""
-    found = import_for(path, importing, format)
+    """The format ``convert`` would import ``path`` as (``import_for``: the one claiming it),
+    None for a UCP checkpoint or what no importer reads."""
+    found = import_for(path, importing, format, whole=False)
     return None if found is None else found[1].format
-
-
-def _object_store_importer(prefix: store.storage.Storage, format: str | None) -> Importer | None:
-    """An object-store prefix without ``ucp.json`` is read through an import: a torch DCP
-    folder (a ``.metadata`` object) fetches its chunks by ranged GETs, safetensors their rows,
-    any other source is read through a local view of it (``registry``: its archives' ranges
-    fetched as read). A prefix no importer claims is None (the UCP reader's "no manifest")."""
-    from jax_ucp._src.importers import registry  # the edge restoring -> importers
-
-    if prefix.exists(fmt.MANIFEST_FILE):
-        return None
-    try:
-        return registry.importer_for(prefix, format)
-    except ViewError:
-        raise  # a source there, damaged: never "no manifest"
-    except SourceError:
-        return None
 
 
 def one_revision(storage: store.storage.Storage) -> store.storage.Storage:
@@ -131,9 +125,10 @@ class Import:
         """The same tensors seen through another restore-time ``spec`` (no new import)."""
         found = self.opened.source
         assert isinstance(found, ImportSource)
-        from jax_ucp._src.language.recorded import spec_with_recorded_settings
+        if spec is not None:  # a spec by name: the heads of its config.json
+            from jax_ucp._src.language.recorded import spec_with_recorded_settings
 
-        spec = spec_with_recorded_settings(spec, self.source)  # heads from its config.json
+            spec = spec_with_recorded_settings(spec, self.source)
         return OpenedSource(found, found.available(spec), found.values)
 
 
@@ -161,22 +156,15 @@ def opened_import(
     path = storage.root
     checkpoint_format = importer if isinstance(importer, str) else importer.format
     with writer.memory_budget_scope(memory_budget):
-        name = importer if isinstance(importer, str) else importer.name  # no detector again
-        plan = registry.plan_import(storage, importing, format=name)
+        plan = registry.plan_import(storage, importing, format=importer)  # no detector again
         where = f"the {checkpoint_format} checkpoint {path}"
         source = ImportSource(path, where, plan.items)
         record = json.loads(json.dumps(plan.source, default=str))  # as the manifest holds it
-        if spec is not None:  # a spec by name: the source's heads
-            from jax_ucp._src.language.recorded import spec_with_recorded_settings
-
-            spec = spec_with_recorded_settings(spec, record)
+        saved = {k: (t.shape, t.dtype) for k, t in source.tensors.items()}
+        imported = Import(OpenedSource(source, {}), record, saved, checkpoint_format)
         try:
-            yield Import(
-                OpenedSource(source, source.available(spec), source.values),
-                record,
-                {k: (t.shape, t.dtype) for k, t in source.tensors.items()},
-                checkpoint_format,
-            )
+            imported.opened = imported.with_spec(spec)
+            yield imported
         finally:
             source.close()
 
@@ -204,7 +192,7 @@ def run_root_step(path: str, *, warn: bool = False) -> str | None:
 
     found = resume.latest_readable(path, fallback=False)
     if warn:
-        found.warn(stacklevel=4)
+        found.warn(stacklevel=user_stacklevel())  # the user's call
     return found.step.path
 
 
