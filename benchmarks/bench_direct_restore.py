@@ -193,7 +193,7 @@ def target_of(src: str, mesh):
         node = tree
         for k in e.key[:-1]:
             node = node.setdefault(k, {})
-        if e.entry_type == "tensor":
+        if isinstance(e, jax_ucp.TensorEntry):
             sharding = NamedSharding(mesh, spec_of(e.shape, mesh))
             node[e.key[-1]] = jax.ShapeDtypeStruct(e.shape, np.dtype(e.dtype), sharding=sharding)
         else:

@@ -52,7 +52,7 @@ def test_manifest_json_round_trip_keeps_values_exact():
 
 
 def test_newer_version_and_foreign_json_are_refused():
-    d = fmt.new_manifest([]).to_json()
+    d = json.loads(fmt.new_manifest([]).dumps())
     d["version"] = fmt.FORMAT_VERSION + 1
     with pytest.raises(CheckpointError, match="newer"):
         fmt.Manifest.from_json(d)

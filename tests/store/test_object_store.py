@@ -64,7 +64,7 @@ def test_save_restore_onto_another_mesh_inspect_verify(bucket):
     assert np.asarray(out["params"]["e"]).tobytes() == e.tobytes()
     assert out["step"] == 7
     m = jax_ucp.inspect(url)
-    assert m.kvstore_driver == ("s3" if url.startswith("s3") else "gcs")
+    assert m.kvstore.driver == ("s3" if url.startswith("s3") else "gcs")
     assert sorted(e.name for e in m.tensors) == ["params/e", "params/w"]
     assert jax_ucp.verify(url) == []
     with pytest.raises(FileExistsError, match="already exists"):
