@@ -114,10 +114,12 @@ KINDS = {
         Kind("torch_checkpointing", ("torch_checkpointing/tc_fsdp2_synthetic_layout/step-3",)),
         Kind("torchtune", ("torchtune/tt_dist_fp32",)),
         Kind("verl", ("verl/fsdp2",)),
-        # DeepSpeed AutoEP: ds_autoep_layers records, per-expert files, ZeRO-1 / ZeRO-2 bf16
+        # DeepSpeed AutoEP: ds_autoep_layers records, per-expert files, ZeRO-1 / ZeRO-2 bf16;
+        # ZeRO-3 bf16 (every rank's records and partition groups), ZeRO-0 (expp_rank_* files)
         Kind(
             "deepspeed_autoep",
-            ("deepspeed/autoep_ep2_z1_fp32/ckpt", "deepspeed/autoep_ep2_z2_bf16/ckpt"),
+            ("deepspeed/autoep_ep2_z1_fp32/ckpt", "deepspeed/autoep_ep2_z2_bf16/ckpt")
+            + ("deepspeed/autoep_ep2_edp2_z3_bf16/ckpt", "deepspeed/autoep_ep2_z0_fp32/ckpt"),
             ops=_RECORD_OPS,
         ),
         # verl's Megatron backend: its run layout around a folder megatron-core wrote itself

@@ -64,8 +64,9 @@ CI_SLICE: dict[str, list[int]] = {
     # file, a hostile pickle, .metadata truncated, a rank file gone, a zip member twice
     "megatron_fsdp_dtensor": [0, 1, 3, 8, 10, 11],
     # DeepSpeed AutoEP (issue 57): an expert file a FIFO, two expert files swapped (each master
-    # checked against its file), one truncated, one gone, a hostile pickle in one
-    "deepspeed_autoep": [4, 5, 7, 11, 22],
+    # checked against its file), one truncated, one gone (ZeRO-0), two ZeRO-3 ranks' optimizer
+    # files swapped, their model states files swapped, a hostile pickle in one (ZeRO-3)
+    "deepspeed_autoep": [4, 5, 6, 7, 11, 14, 22],
     # verl's Megatron backend (issue 57): metadata.json flipped, a zip member twice, the actor
     # folder linked out, a data byte flipped, common.pt gone
     "verl_megatron": [1, 2, 4, 10, 12],
