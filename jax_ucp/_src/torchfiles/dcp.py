@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+import tensorstore as ts
 
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
@@ -548,17 +549,24 @@ def _object_size(root: ObjectPath, name: str, end: int) -> int:
 
 def _file_range(path: Path | ObjectPath, offset: int, length: int, where: str) -> np.ndarray:
     """A read-only uint8 view of ``path[offset:offset+length]``, read by pread only (no SIGBUS)."""
-    if isinstance(path, ObjectPath):
+    if isinstance(path, ObjectPath):  # pieces fetched at once, within the bytes in flight
         root, _, name = path.rpartition("/")
-        got = object_store.read_range(root, name, offset, offset + length) if length else b""
-        if got is None:
-            raise SourceError(f"{where}: shard object {path} is missing")
-        if len(got) != length:
-            raise SourceError(
-                f"{where}: byte range [{offset}, {offset + length}) beyond the object's end "
-                f"{offset + len(got)} (truncated)"
-            )
-        return np.frombuffer(got, np.uint8)
+        out = np.empty(length, np.uint8)
+
+        def put(at: int, n: int, got: bytes | None) -> None:
+            if got is None:
+                raise SourceError(f"{where}: shard object {path} is missing")
+            if len(got) != n:
+                raise SourceError(
+                    f"{where}: byte range [{offset}, {offset + length}) beyond the object's end "
+                    f"(truncated)"
+                )
+            out[at - offset : at - offset + n] = np.frombuffer(got, np.uint8)
+
+        kv = ts.KvStore.open(object_store.kvstore_root(root)).result()
+        local_view.fetch_ranges(kv, name, [(offset, offset + length)], put)
+        out.flags.writeable = False
+        return out
     try:
         size = path.stat().st_size
     except FileNotFoundError:

@@ -26,7 +26,7 @@ from tests.importers.deepspeed.test_object_store import (
     upload,
 )
 from tests.restoring.test_remote_safetensors import _target
-from tests.ucp_testing import REPO
+from tests.ucp_testing import REPO, run_workers
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,10 +58,17 @@ def test_megatron_fsdp_dtensor_in_an_object_store_restores_as_the_local_folder(
 
 
 def _gets(monkeypatch) -> list[tuple[str, int | None, int | None]]:
-    """Every GET of the object store from now on: (object name, start, stop) of a ranged one,
-    (name, None, None) of a whole one."""
+    """Every read of the object store from now on: (object name, start, stop) of a ranged one
+    (one call of ``local_view.fetch_ranges``, its pieces fetched at once, or a ranged GET),
+    (name, None, None) of a whole GET."""
     gets: list[tuple[str, int | None, int | None]] = []
-    ranged, whole = object_store.read_range, object_store.read
+    fetch, ranged, whole = local_view.fetch_ranges, object_store.read_range, object_store.read
+
+    def pieces(kv, key, ranges, put):
+        gets.extend((key.rpartition("/")[2], a, b) for a, b in ranges)
+        return fetch(kv, key, ranges, put)
+
+    monkeypatch.setattr(local_view, "fetch_ranges", pieces)
     monkeypatch.setattr(
         object_store,
         "read_range",
@@ -87,9 +94,11 @@ def test_megatron_dcp_objects_are_read_by_the_byte_ranges_of_the_chunks_read(
 ):
     """The ``.distcp`` objects are read only by ranged GETs, each one chunk's (or pickled
     object's) byte range from ``.metadata`` or a one-byte probe of an object's size, never
-    whole; a restore of a few tensors reads only their chunks' bytes, fewer than the files'."""
+    whole; a restore of a few tensors reads only their chunks' bytes, fewer than the files'.
+    The pieces of a chunk are fetched at once (4 KiB here, as 8 MiB ones of a larger chunk)."""
     root = os.path.join(REPO, "tests", "fixtures", src)
     url = upload(root, served(monkeypatch, s3_server))
+    monkeypatch.setattr(local_view, "PIECE", 4096)
     folder = os.path.join(root, inside)
     ck = dcp.open_dcp(folder)
     sizes = {f: os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)}
@@ -141,3 +150,48 @@ def test_integrity_json_is_checked_on_the_objects_themselves(s3_server, monkeypa
     object_store.write(url, "__1_0.distcp", bytes(data))
     with pytest.raises(jax_ucp.UCPError, match=rf"{url}/__1_0\.distcp: SHA-256 .*integrity"):
         jax_ucp.restore(url)
+
+
+WORKER = r"""
+import sys, threading
+pid, port, url, src = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+import jax
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=pid, initialization_timeout=120)
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax_ucp
+from jax_ucp._src.store.storage import local_view
+read, lock, fetch = [0], threading.Lock(), local_view.fetch_ranges
+def counting(kv, key, ranges, put):
+    with lock:
+        read[0] += sum(b - a for a, b in ranges) if key.endswith(".distcp") else 0
+    return fetch(kv, key, ranges, put)
+local_view.fetch_ranges = counting
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+assert {d.process_index for d in mesh.devices[pid]} == {pid}
+whole = jax_ucp.restore(src)  # the local folder, to host: the single-process answer
+rows = lambda x: P("data" if np.ndim(x) and np.shape(x)[0] % 2 == 0 else None)
+out = jax_ucp.restore(url, shardings=jax.tree.map(lambda x: NamedSharding(mesh, rows(x)), whole))
+for a, w in zip(jax.tree.leaves(out), jax.tree.leaves(whole)):
+    for s in a.addressable_shards:
+        assert np.asarray(s.data).tobytes() == np.asarray(w)[s.index].tobytes()
+print("READ", read[0])
+"""
+
+
+@pytest.mark.slow
+def test_each_process_of_a_two_process_restore_fetches_only_its_chunks(
+    s3_server, monkeypatch, tmp_path
+):
+    """A 2-process job (4 CPU devices each, rows split over the processes) restores the TP=2
+    torch_dist fixture from s3://: every shard equals the local folder's, and each process
+    fetches the chunks of its rows, not both ranks' (counted at ``local_view.fetch_ranges``)."""
+    src = os.path.join(REPO, "tests", "fixtures", "megatron", "gpt_tp2")
+    url = upload(src, served(monkeypatch, s3_server))
+    results = run_workers(tmp_path, WORKER, url, src, devices=4, timeout=240)
+    total = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src) if "distcp" in f)
+    for code, out, err in results:
+        assert code == 0, err[-3000:]
+        read = int(out.split("READ ", 1)[1].split()[0])
+        assert 0 < read < 0.75 * total, (read, total)

@@ -23,11 +23,18 @@ def test_a_verl_folder_in_an_object_store_restores_as_the_local_folder(s3_server
 def test_a_verl_megatron_run_in_an_object_store_restores_as_the_local_run(
     s3_server, monkeypatch, tmp_path
 ):
-    """verl's Megatron backend (global_step_N/actor/dist_ckpt/, megatron-core's own files)."""
-    from tests.importers.verl.test_megatron_backend import _verl_run
+    """verl's Megatron backend (global_step_N/actor/dist_ckpt/, megatron-core's own files):
+    its ``.distcp`` objects read by ranges only, never one whole."""
+    from tests.importers.megatron.test_object_store import _gets
+    from tests.importers.verl.test_megatron_backend import ACTOR, _verl_run
 
-    url = served(monkeypatch, s3_server)
-    restores_as_local(_verl_run(tmp_path), url)
+    url, run = served(monkeypatch, s3_server), _verl_run(tmp_path)
+    gets = _gets(monkeypatch)
+    restores_as_local(run, url)
+    dist_ckpt = os.path.join(run, ACTOR, "dist_ckpt")
+    sizes = {f: os.path.getsize(os.path.join(dist_ckpt, f)) for f in os.listdir(dist_ckpt)}
+    read = [(name, a, b) for name, a, b in gets if name.endswith(".distcp")]
+    assert read and all(a is not None and b - a < sizes[name] for name, a, b in read), read
 
 
 def test_a_damaged_dist_ckpt_object_is_named_by_its_url_when_its_rows_are_read(

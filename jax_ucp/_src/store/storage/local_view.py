@@ -110,15 +110,7 @@ class Remote:
             self._fetch([m for a, b in ranges for m in self.missing(a, min(b, self.size))])
 
     def _fetch(self, todo: list[tuple[int, int]]) -> None:
-        window: InFlightBytes[tuple[int, int, ts.Future]] = InFlightBytes(IN_FLIGHT)
-        for start, end in todo:
-            for at in range(start, end, PIECE):
-                n = min(PIECE, end - at)
-                for job in window.make_room(n):
-                    self._finish(*job)
-                window.add((at, n, self.kv.read(self.key, byte_range=slice(at, at + n))), n)
-        for job in window.drain():
-            self._finish(*job)
+        fetch_ranges(self.kv, self.key, todo, self._put)
         merged: list[tuple[int, int]] = []
         for lo, hi in sorted([*self.here, *todo]):
             if merged and lo <= merged[-1][1]:
@@ -127,12 +119,7 @@ class Remote:
                 merged.append((lo, hi))
         self.here = merged
 
-    def _finish(self, at: int, n: int, future) -> None:
-        try:
-            got = future.result()
-            data = bytes(got.value) if got.state == "value" else None
-        except ValueError:  # the range starts past the object's end (OUT_OF_RANGE)
-            data = b""
+    def _put(self, at: int, n: int, data: bytes | None) -> None:
         if data is None:
             raise SourceError(f"{self.url}: the object is gone (deleted while being read)")
         _count(1, len(data))
@@ -144,6 +131,33 @@ class Remote:
         view = memoryview(data)
         while view:
             view = view[os.pwrite(self.fd, view, at + len(data) - len(view)) :]
+
+
+def fetch_ranges(
+    kv: ts.KvStore, key: str, ranges: list[tuple[int, int]], put: Callable[..., None]
+) -> None:
+    """Bytes ``[start, end)`` of each of ``ranges`` of object ``key``: ranged GETs of
+    :data:`PIECE` bytes, at most :data:`IN_FLIGHT` bytes in flight, each handed on oldest first
+    as ``put(at, n, data)``: the ``n`` bytes from ``at``, fewer (none) where the object ends
+    before, None when it is gone."""
+    window: InFlightBytes[tuple[int, int, ts.Future]] = InFlightBytes(IN_FLIGHT)
+
+    def finish(at: int, n: int, future) -> None:
+        try:
+            got = future.result()
+            data = bytes(got.value) if got.state == "value" else None
+        except ValueError:  # the range ends past the object's end (OUT_OF_RANGE)
+            data = b""
+        put(at, n, data)
+
+    for start, end in ranges:
+        for at in range(start, end, PIECE):
+            n = min(PIECE, end - at)
+            for job in window.make_room(n):
+                finish(*job)
+            window.add((at, n, kv.read(key, byte_range=slice(at, at + n))), n)
+    for job in window.drain():
+        finish(*job)
 
 
 #: local file -> the archive it stands for, while its view or a reader holds it
@@ -330,7 +344,6 @@ def pieces(storage: Storage, name: str) -> Iterator[bytes]:
                 return
         if got.state != "value":
             raise FileNotFoundError(storage.join(name))
-        _count(1, len(got.value))
         yield bytes(got.value)
         if len(got.value) < PIECE:
             return
