@@ -184,10 +184,7 @@ def adapter_beside_model(folder: str) -> dict[str, str]:
 
 def read_json(path: str) -> Any:
     """A Trainer's JSON file (bounded in size), or refused naming the file."""
-    try:
-        return files.strict_loads(files.read_regular(path, MAX_JSON_BYTES))
-    except (ValueError, RecursionError) as e:
-        raise SourceError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+    return files.strict_json(files.read_regular(path, MAX_JSON_BYTES), path)
 
 
 def rng_states(folder: str) -> dict[str, str]:

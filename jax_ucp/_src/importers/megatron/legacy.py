@@ -174,18 +174,17 @@ def load_rank_file(path: Path) -> Any:
         raise SourceError(str(e)) from None
 
 
-def _load_rank(path: Path) -> tuple[dict, dict]:
-    """One rank's ``model_optim_rng.pt``: its top-level dict and its flattened model state dict."""
+def _load_rank(path: Path) -> dict:
+    """One rank's ``model_optim_rng.pt``: its top-level dict, holding ``model`` or the
+    virtual-pipeline model chunks."""
     if not path.is_file():
         raise SourceError(f"missing shard file {path}")
     state = load_rank_file(path)
     if not isinstance(state, dict):
         raise SourceError(f"{path}: top level is a {type(state).__name__}, expected a dict")
-    if "model" not in state:
-        if not model_chunks(state, path):
-            raise SourceError(f"{path}: no 'model' entry (keys: {sorted(map(str, state))})")
-        return state, {}
-    return state, flatten_state_dict(state["model"])
+    if "model" not in state and not model_chunks(state, path):
+        raise SourceError(f"{path}: no 'model' entry (keys: {sorted(map(str, state))})")
+    return state
 
 
 def model_chunks(state: dict, path: Path) -> list[str]:
@@ -230,7 +229,7 @@ def _rank_directories(
             f"{iteration_dir}: mixes mp_rank_* directory name forms: "
             f"{sorted(d.name for d, *_ in named)}"
         )
-    first_state, _ = _load_rank(named[0][0] / "model_optim_rng.pt")
+    first_state = _load_rank(named[0][0] / "model_optim_rng.pt")
     first_args = args_dict(first_state.get("args"))
     expert_parallel = int(first_args.get("expert_model_parallel_size") or 1)
     pipeline_parallel = int(first_args.get("pipeline_model_parallel_size") or 1)
@@ -271,7 +270,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
             )
         pp_rank, tp_rank, ep_rank = key
         path = directory / "model_optim_rng.pt"
-        state, model = _load_rank(path)
+        state = _load_rank(path)
         chunks = model_chunks(state, path)
         if virtual is None:
             virtual = len(chunks) or 1
@@ -279,17 +278,15 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
             raise SourceError(
                 f"{path}: {len(chunks) or 1} model chunk(s), the first rank file holds {virtual}"
             )
-        # (stage, model key, flattened model): a virtual-pipeline chunk is its own stage
-        parts = (
-            [(v * pp_size + pp_rank, k, flatten_state_dict(state[k])) for v, k in enumerate(chunks)]
-            if chunks
-            else [(pp_rank, "model", model)]
-        )
-        for stage, model_key, flat in parts:
-            rank_file = RankFile(tp_rank, stage, path, state, flat, ep_rank, model_key)
-            ep_ranks[(stage, tp_rank, ep_rank)] = rank_file
+        # (stage, model key): a virtual-pipeline chunk is its own stage
+        parts = [(v * pp_size + pp_rank, k) for v, k in enumerate(chunks)] or [(pp_rank, "model")]
+        for stage, key in parts:
+            model = flatten_state_dict(state[key])
+            ep_ranks[(stage, tp_rank, ep_rank)] = RankFile(
+                tp_rank, stage, path, state, model, ep_rank, key
+            )
         if ep_rank == 0 and (directory / "distrib_optim.pt").is_file():
-            for stage, _, _ in parts:
+            for stage, _ in parts:
                 distrib_optim[(stage, tp_rank)] = directory / "distrib_optim.pt"
     first = ep_ranks[(0, 0, 0)]
     assert virtual is not None  # set by the rank file of (0, 0)
