@@ -251,6 +251,27 @@ def test_a_fresh_autoep_run_imports_bit_exact(tmp_path, run):
     assert check_against_live(jax_ucp.restore(dest), str(tmp_path / "live.npz")) == 4 * 27
 
 
+def test_autoep_zero3_partition_groups_are_checked(tmp_path, monkeypatch):
+    """Which ranks partition an expert sub-group is read from every optimizer file's
+    ``ds_zero_partition_groups`` and must be DeepSpeed's expert-then-data topology: DP rank 2
+    recording its experts partitioned over ranks [2, 3] is refused naming the file."""
+    file = "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    read = deepspeed_files.load_deepspeed_file
+
+    def altered(path, **kwargs):
+        state = read(path, **kwargs)
+        if os.path.basename(path) == file:
+            groups = state["optimizer_state_dict"]["ds_zero_partition_groups"]
+            groups[1]["partition_ranks"] = [2, 3]
+        return state
+
+    monkeypatch.setattr(deepspeed_files, "load_deepspeed_file", altered)
+    dest = str(tmp_path / "u")
+    with pytest.raises(SourceError, match=rf"{file}: ds_zero_partition_groups .*rank 2 of EP"):
+        jax_ucp.convert(os.path.join(FIXTURES, "autoep_ep2_edp2_z3_bf16", "ckpt"), dest)
+    assert_destination_untouched(dest)
+
+
 def test_autoep_zero0_weights_only_and_its_optimizer_files_checked(tmp_path, monkeypatch):
     """ZeRO-0: weights_only takes the module's and expert files' weights (the live run's, bit
     for bit) and lists the optimizer state as skipped; EP rank 1's optimizer file gone, or its

@@ -230,8 +230,13 @@ def _zero3_expert_groups(
     world, where = optimizer.world_size, optimizer.files[0]
     if not (isinstance(ep, int) and ep > 0 and world % ep == 0):
         raise SourceError(f"{where}: ep_size {ep!r} of ds_autoep_layers, {world} DP ranks")
-    first = require(optimizer.states[0], "ds_zero_partition_groups", where)
-    experts = {i for i, g in enumerate(_plain(first)) if g.get("families") == ["autoep_expert"]}
+    first = _plain(require(optimizer.states[0], "ds_zero_partition_groups", where))
+    listed = first if isinstance(first, list) else []
+    experts = {
+        i
+        for i, g in enumerate(listed)
+        if isinstance(g, dict) and g.get("families") == ["autoep_expert"]
+    }
     for r, (path, state) in enumerate(zip(optimizer.files, optimizer.states)):
         want = []
         for i in range(groups):
@@ -259,19 +264,12 @@ def _check_zero3_ranks(
         path = os.path.join(tag_dir, zero.ZERO3_MODEL_NAME.format(r, 0))
         held = files.load_model_states(path)  # once per import (files.parse_once)
         e = r % ep
-        want = [
-            dict(
-                _plain(x),
-                ep_rank=e,
-                expert_data_parallel_rank=r // ep,
-                ep_group_name=f"ep_size_{ep}",
-            )
-            for x in records
-        ]
+        want = [dict(_plain(x), ep_rank=e, expert_data_parallel_rank=r // ep) for x in records]
         for x in want:
-            x.update(expert_data_parallel_world_size=world // ep, checkpoint_format_version=1)
+            x.update(ep_group_name=f"ep_size_{ep}", expert_data_parallel_world_size=world // ep)
             local = x["num_local_experts"]  # an int (autoep_layers)
             x.update(global_expert_start=e * local, global_expert_end=(e + 1) * local)
+            x.update(checkpoint_format_version=1)
         if _plain(held.get(key)) != want or files.param_shapes_of(held, path) != shapes:
             raise SourceError(
                 f"{path}: {key} or param_shapes other than rank 0's for EP rank {e}, "
@@ -290,8 +288,11 @@ def plan_autoep(
     if set(by_rank) != {0}:
         raise SourceError(f"{tag_dir}: optimizer files of model-parallel ranks {sorted(by_rank)}")
     optimizer = files.read_optimizer_states(tag_dir, by_rank[0])
-    if zero.model_states_file(tag_dir, optimizer) != model_file:
-        raise SourceError(f"{optimizer.files[0]}: zero_stage {optimizer.stage} beside {model_file}")
+    if (expected := zero.model_states_file(tag_dir, optimizer)) != model_file:
+        raise SourceError(
+            f"{optimizer.files[0]}: zero_stage {optimizer.stage}, whose model states are "
+            f"{os.path.basename(expected)}, beside the AutoEP records of {model_file}"
+        )
     local_shapes = files.param_shapes_of(states, model_file)
     ep = require(records[0], "ep_size", f"{model_file}: {key}[0]")
     if optimizer.stage == 3:
