@@ -13,7 +13,6 @@ DeepSpeed's universal checkpoint stores them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -409,44 +408,37 @@ def _plan_zero0(
     names = options.share.pick([*dense, *experts])
     step = step if options.share.primary else None
     items = _zero0_items(names, weights, experts, moments, step, ep)
-    return ImportPlan(items, source, len(names), source_tensors=found)
-
-
-def _joined(arrays: list, shape: tuple[int, ...]) -> Any:
-    """A lone array, else ``arrays`` end to end in ``shape`` once the writer has room."""
-    if len(arrays) == 1:
-        return arrays[0]
-    dtype = arrays[0].dtype
-    return writer.Deferred(shape, dtype, functools.partial(zero.joined_parts, arrays, shape, dtype))
+    return ImportPlan(_stacked(items, experts, ep), source, len(names), source_tensors=found)
 
 
 def _zero0_items(names, weights, experts, moments, step, ep) -> Iterator[writer.HostItem]:
-    """Each parameter (an expert tensor stacked from its files) with its Adam moments (an
-    expert tensor's EP ranks' parts stacked), then the step (``step``: None when not given)."""
+    """Each parameter (an expert tensor: from its files) with its Adam moments (an expert
+    tensor's: one per EP rank, ``_stacked`` after), then the step (None: not given)."""
     for name in names:
         if name in experts:
-            held = experts[name]
-            shape = (len(held), *held[0][0].shape)
-            value = _joined([a for a, _ in held], shape)
-            yield files.sourced_item(("params", name), value, "module", [t for _, t in held])
-            parts = [moments.get(f"{name}{EP_PART}{r}") for r in range(ep)]
+            yield _expert_files_item(("params", name), experts[name])
         else:
-            shape = weights[name][0].shape
-            yield files.sourced_item(
-                ("params", name), weights[name][0], "module", [weights[name][1]]
-            )
-            parts = [moments.get(name)]
-        if None in parts:  # weights_only
-            continue
-        for i, (tree, state) in enumerate((("mu", "exp_avg"), ("nu", "exp_avg_sq"))):
-            tensors = [t for *_, held in parts for t in held if t.endswith("." + state)]
-            value = _joined([part[i] for part in parts], shape)
-            yield files.sourced_item(
-                ("opt_state", tree, name), value, "zero0-optimizer-index", tensors
-            )
+            value, tensor = weights[name]
+            yield files.sourced_item(("params", name), value, "module", [tensor])
+        for part in [f"{name}{EP_PART}{r}" for r in range(ep)] if name in experts else [name]:
+            if part not in moments:  # weights_only
+                continue
+            mu, nu, tensors = moments[part]
+            for tree, value, state in (("mu", mu, "exp_avg"), ("nu", nu, "exp_avg_sq")):
+                held = [t for t in tensors if t.endswith("." + state)]
+                key = ("opt_state", tree, part)
+                yield files.sourced_item(key, value, "zero0-optimizer-index", held)
     if step is not None:
         count = np.asarray(step[0], np.int32)
         yield files.sourced_item(("opt_state", "count"), count, "step", step[1])
+
+
+def _expert_files_item(key: tuple[str, ...], stored: list[tuple[Any, str]]) -> writer.HostItem:
+    """The experts' weights as their files hold them, stacked ``[E, ...]`` when written."""
+    arrays, tensors = [a for a, _ in stored], [t for _, t in stored]
+    shape, dtype = (len(arrays), *arrays[0].shape), arrays[0].dtype
+    value = writer.Deferred(shape, dtype, lambda: zero.joined_parts(arrays, shape, dtype))
+    return files.sourced_item(key, value, "module", tensors)
 
 
 def _stacked(
@@ -480,10 +472,7 @@ def _stack(
     first = parts[0].value
     shape, dtype = (len(parts) * first.shape[0], *first.shape[1:]), first.dtype
     if tree == ("model_params",) and stored:  # the run's model-precision weights: expert files
-        dtype = stored[0][0].dtype
-        arrays, tensors = [a for a, _ in stored], [t for _, t in stored]
-        value = writer.Deferred(shape, dtype, lambda: zero.joined_parts(arrays, shape, dtype))
-        return files.sourced_item((*tree, name), value, "module", tensors)
+        return _expert_files_item((*tree, name), stored)
 
     def make() -> np.ndarray:
         out = zero.joined_parts(
