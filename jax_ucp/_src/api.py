@@ -183,8 +183,9 @@ def verify(
         DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget, "verify(memory_budget=)"
     )
     from jax_ucp._src.restoring import verify_source
+    from jax_ucp._src.restoring.sources import import_open
 
-    checkpoint_format = verify_source.source_format(os.fspath(path))
+    checkpoint_format = import_open.import_format(os.fspath(path))
     if checkpoint_format is not None:  # a torch source itself, no jax_ucp checkpoint
         if against is not None:
             raise RequestError(

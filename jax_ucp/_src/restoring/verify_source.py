@@ -13,12 +13,6 @@ from jax_ucp._src.restoring import engine, model
 from jax_ucp._src.restoring.sources import import_open
 
 
-def source_format(path: str) -> str | None:
-    """The format ``path`` is read as through an import (torch safetensors included), None for
-    a jax_ucp checkpoint or what no importer reads."""
-    return import_open.import_format(path)
-
-
 def verify_source(
     path: str,
     checkpoint_format: str,
@@ -32,7 +26,7 @@ def verify_source(
 
     Args:
       path: the source.
-      checkpoint_format: its format (:func:`source_format`).
+      checkpoint_format: its format (``import_open.import_format``).
       progress: called as ``progress(name, done, total)`` after each tensor.
       memory_budget: bytes the import and each read may hold at once.
     """
