@@ -1,6 +1,7 @@
 """A torch DCP folder in an object store restored straight onto a mesh (``s3://`` and ``gs://`` on
 the local servers tests/store/test_object_store.py starts): the tree equals the local folder's direct
-restore bit for bit; a corrupt or missing ``.distcp`` object is an error naming it."""
+restore bit for bit, its chunks fetched by ranges (nothing fetched whole into the prefix's local
+view); a corrupt or missing ``.distcp`` object is an error naming it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from jax.sharding import Mesh
 
 import jax_ucp
 from jax_ucp._src import store
-from jax_ucp._src.store.storage import object_store
+from jax_ucp._src.store.storage import local_view, object_store
 from jax_ucp._src.torchfiles import dcp
 from tests.restoring.test_remote_safetensors import _target
 
@@ -41,9 +42,10 @@ def test_dcp_in_an_object_store_restores_as_the_local_folder(bucket_url, name):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
     local = jax_ucp.restore(folder)
     target = _target(local, mesh)
-    before = store.bytes_read()
+    before, viewed = store.bytes_read(), local_view.fetched()
     remote = jax_ucp.restore(url, target=target)
     assert store.bytes_read() >= before  # nothing written: only read
+    assert local_view.fetched() == viewed  # listed, no object fetched into the view: by ranges
     on_mesh = jax_ucp.restore(folder, target=target)
     assert jax.tree.structure(remote) == jax.tree.structure(local)
     for a, b, c in zip(*(jax.tree.leaves(t) for t in (remote, on_mesh, local))):
@@ -85,3 +87,19 @@ def test_a_dcp_prefix_without_its_metadata_is_named_incomplete(bucket_url):
         jax_ucp.CheckpointError, match=r"an incomplete torch DCP checkpoint: 2 rank"
     ):
         jax_ucp.restore(url)
+
+
+def test_accelerates_two_dcp_folders_in_an_object_store_restore_as_the_local_folder(
+    s3_server, monkeypatch
+):
+    """Accelerate's FSDP ``save_state`` (``pytorch_model_fsdp_0/`` and ``optimizer_0/``, a DCP
+    folder each) from s3://: read through the prefix's local view, each folder at its URL."""
+    from tests.importers.deepspeed.test_object_store import assert_same, served, upload
+
+    folder = os.path.join(FIXTURES, "accelerate_fsdp")
+    url = upload(folder, served(monkeypatch, s3_server))
+    local = jax_ucp.restore(folder)
+    target = _target(local, Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b")))
+    viewed = local_view.fetched()
+    assert_same(jax_ucp.restore(url, target=target), jax_ucp.restore(folder, target=target))
+    assert local_view.fetched() == viewed

@@ -102,15 +102,16 @@ def _layouts(checkpoint_format: str) -> list[Importer]:
     return [i for i in IMPORTERS.values() if i.format == checkpoint_format and not i.takes_over]
 
 
-_IN_PLACE = ("torch_dcp", "safetensors")  # importers that fetch a remote source's ranges
+_IN_PLACE = ("safetensors",)  # importers that fetch a remote source's ranges themselves
 
 
 @contextlib.contextmanager
 def _readable(source) -> Iterator[tuple[Storage, local_view.View | None]]:
     """(the ``Storage`` the importers read ``source`` by, its view): ``source``'s own (chosen
-    here unless given), or for a remote folder or file that no importer reads in place (torch
-    DCP fetches its own ranges) a local view of it (``store.storage.local_view``: its archives'
-    bytes fetched as they are read), its errors naming ``source``."""
+    here unless given), or for a remote folder or file that no importer reads in place
+    (safetensors fetches its own ranges) a local view of it (``store.storage.local_view``: its
+    archives' bytes fetched as they are read, its torch DCP folders read at their URL), its
+    errors naming ``source``."""
     storage = store.storage_for(source)
     if storage.local or any(IMPORTERS[n].detect(storage).found for n in _IN_PLACE):
         yield storage, None

@@ -68,15 +68,11 @@ _ACCELERATE_DIR = re.compile(r"^(pytorch_model_fsdp|optimizer)_[0-9]+\Z")
 MEGATRON_FILES = ("common.pt", "metadata.json", "integrity.json")
 
 
-def dcp_dirs(storage: Storage) -> list[Path] | list[torch_dcp.ObjectPath]:
+def dcp_dirs(storage: Storage) -> list[Path]:
     """The DCP folders of ``src``: itself when it holds ``.metadata``, an OLMo-core step
     folder's ``model_and_optim/``, else Accelerate's ``pytorch_model_fsdp_N/`` and
-    ``optimizer_N/`` inside it; [] when none. An object-store prefix (``s3://``, ``gs://``)
-    is one when it holds a ``.metadata`` object (Accelerate's and OLMo-core's folders are read
-    from local disk only)."""
-    if not storage.local:
-        prefix = torch_dcp.ObjectPath(storage.root.rstrip("/"))
-        return [prefix] if storage.exists(torch_dcp.METADATA_FILE) else []
+    ``optimizer_N/`` inside it; [] when none. An object-store prefix is read through its local
+    view (``importers.registry``), whose DCP folders ``torchfiles.dcp`` reads at their URL."""
     path = Path(storage.root)
     if not path.is_dir():
         return []
@@ -92,8 +88,6 @@ def dcp_dirs(storage: Storage) -> list[Path] | list[torch_dcp.ObjectPath]:
 def is_torch_dcp(storage: Storage) -> bool:
     """A plain torch DCP checkpoint (not megatron-core's, which has common.pt/metadata.json)."""
     dirs = dcp_dirs(storage)
-    if dirs and not storage.local:
-        return not any(storage.exists(f) for f in MEGATRON_FILES)
     return bool(dirs) and not any(os.path.lexists(d / f) for d in dirs for f in MEGATRON_FILES)
 
 
@@ -137,10 +131,9 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
             f"{src}: no .metadata (and no pytorch_model_fsdp_N/ or optimizer_N/ folder holding "
             f"one): not a torch DCP checkpoint"
         )
-    remote = not storage.local
     try:
         for d in dirs:  # Accelerate's folders inside src, never links to another run's
-            if not remote and d != Path(src):
+            if d != Path(src):
                 files.inside(src, d.name, str(src))
         checkpoints = [_open(d) for d in dirs]
         for ck in checkpoints:
@@ -149,9 +142,7 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
                 ck.check_tensor(name)
         state, info = _state(checkpoints, str(src), weights_only, parameter_order)
         units: dict[str, str] = {}  # side files found and skipped whole
-        if remote:
-            units = {}  # a DCP folder alone: no trainer files are read from an object store
-        elif olmo_core.is_step_folder(src):  # the trainer's step, its files skipped as units
+        if olmo_core.is_step_folder(src):  # the trainer's step, its files skipped as units
             info["trainer"], units = olmo_core.train_record(str(src))
             if "global_step_unread" in info["trainer"]:
                 info["notes"] = [
@@ -171,8 +162,8 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
             state,
             {
                 "framework": "torch_dcp",
-                "path": str(dirs[0]) if remote else os.path.abspath(src),
-                "folders": ["."] if remote else [os.path.relpath(d, src) for d in dirs],
+                "path": os.path.abspath(src),
+                "folders": [os.path.relpath(d, src) for d in dirs],
                 "dcp_version": checkpoints[0].version,
                 **({"layout": "hf_safetensors"} if checkpoints[0].layout != "dcp" else {}),
                 **info,
@@ -184,10 +175,10 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
     return plan
 
 
-def _open(folder: Path | torch_dcp.ObjectPath) -> torch_dcp.DcpCheckpoint:
-    """A DCP folder: its ``.metadata``, else (a local folder) torch's Hugging Face writer's
-    rank-local ``.safetensors`` shards."""
-    if isinstance(folder, Path) and dcp_safetensors.is_rank_local(folder):
+def _open(folder: Path) -> torch_dcp.DcpCheckpoint:
+    """A DCP folder: its ``.metadata``, else torch's Hugging Face writer's rank-local
+    ``.safetensors`` shards."""
+    if dcp_safetensors.is_rank_local(folder):
         return dcp_safetensors.open_rank_local(folder)
     return torch_dcp.open_dcp(folder)
 

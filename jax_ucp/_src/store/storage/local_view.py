@@ -309,11 +309,11 @@ def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> boo
     if found is None:
         return False
     size, directory = found
-    if (  # the size, held to the object's: a byte at size - 1, none at size
-        size < len(tail.value)
-        or size - directory > MAX_DIRECTORY
-        or [_length(kv, key, size - 1), _length(kv, key, size)] != [1, 0]
-    ):
+    held: list[int] = []  # the size, held to the object's: a byte at size - 1, none at size
+    if len(tail.value) <= size <= directory + MAX_DIRECTORY:
+        probes = [(size - 1, size), (size, size + 1)]
+        fetch_ranges(kv, key, probes, lambda at, n, got: held.append(len(got or b"")))
+    if held != [1, 0]:
         raise ViewError(
             f"{storage.join(name)}: its zip directory implies a {size}-byte archive "
             f"(directory at {directory}); the object disagrees (truncated or corrupt)"
@@ -348,16 +348,6 @@ def pieces(storage: Storage, name: str) -> Iterator[bytes]:
         if len(got.value) < PIECE:
             return
         at += PIECE
-
-
-def _length(kv: ts.KvStore, key: str, at: int) -> int:
-    """How many bytes of ``[at, at + 1)`` the object holds (one ranged GET)."""
-    try:
-        got = kv.read(key, byte_range=slice(at, at + 1)).result()
-    except ValueError:  # past the end (OUT_OF_RANGE)
-        return 0
-    _count(1, len(got.value))
-    return len(got.value) if got.state == "value" else 0
 
 
 _EOCD = struct.Struct("<4sHHHHIIH")
