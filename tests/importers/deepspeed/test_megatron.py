@@ -292,19 +292,19 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
 
 
 def test_tp_ranks_disagreeing_on_step(tmp_path, monkeypatch):
-    from jax_ucp._src.importers.deepspeed import megatron as meg
+    from jax_ucp._src.importers.deepspeed import zero
 
     checkpoint = open_deepspeed_checkpoint(
         os.path.join(FIX, "megatron_ds_tp2_dp2_z1_bf16_synthetic", "ckpt")
     )
-    assert meg.optimizer_step(checkpoint) == 2
+    assert zero.optimizer_step(*checkpoint.every_rank) == 2
     rank = checkpoint.ranks[0][1]
     rank.optim_states[1]["base_optimizer_state"]["state"][0]["step"] = np.float32(3)
     with pytest.raises(
         SourceError,
         match=r"optimizer step: 2 in .*, 3 in .*rank_1_mp_rank_01",
     ):
-        meg.optimizer_step(checkpoint)
+        zero.optimizer_step(*checkpoint.every_rank)
 
 
 # ------------------------------------------------------------------ live (torch + deepspeed)

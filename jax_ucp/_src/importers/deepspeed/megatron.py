@@ -494,17 +494,12 @@ def _merged_kind(tp_kind):
 # --------------------------------------------------------------------------- streaming
 
 
-def optimizer_step(checkpoint: MegatronDeepSpeedCheckpoint) -> int:
-    """The step every rank and param group of every model-parallel rank agrees on."""
-    return zero.optimizer_step(*checkpoint.every_rank)
-
-
 def iter_megatron_deepspeed_items(
     checkpoint: MegatronDeepSpeedCheckpoint, share: Share = WHOLE
 ) -> Iterator[writer.HostItem]:
     """params / mu / nu / model_params one parameter at a time (TP merged, vocab stripped, tied
     stages checked), then ``opt_state.count``; ``share``: this process's part."""
-    count = optimizer_step(checkpoint)
+    count = zero.optimizer_step(*checkpoint.every_rank)
     for name in share.pick(checkpoint.names):
         yield from _parameter_items(checkpoint, name)
     if not share.primary:
@@ -587,18 +582,14 @@ def _parameter_items(
             for tp_rank in range(checkpoint.tp)
         )
 
-    amap = checkpoint.affine.get(name)
-    if amap is not None:
-        provenance["kind"] = {"kind": "affine_map", "pattern": amap.pattern}
+    if name in checkpoint.affine:
+        provenance["kind"] = {"kind": "affine_map", "pattern": checkpoint.affine[name].pattern}
     for state_name, tree in STATE_TREES:
         per_stage = [  # each stage's TP fragments, in their TP-local shapes
             [zero.gather_parameter(rank, name, state_name, {}) for rank in checkpoint.ranks[stage]]
             for stage in stages
         ]
-        if amap is not None:
-            value = _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of)
-        else:
-            value = rank_grid.merged(tp_kind, per_stage, name, checkpoint.spec, files_of)
+        value = _merged(checkpoint, name, tp_kind, per_stage, state_name, files_of)
         sources = [
             n
             for stage in stages
@@ -615,9 +606,13 @@ def _parameter_items(
         )
 
 
-def _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of) -> np.ndarray:
-    """The parameter rebuilt by its affine map on every stage holding it (which must agree),
-    then the vocabulary padding stripped as ds_to_universal does after a map."""
+def _merged(checkpoint, name, tp_kind, per_stage, state_name, files_of) -> np.ndarray:
+    """The parameter from each stage's TP fragments (``per_stage``): merged by ``tp_kind``
+    (``rank_grid``), or, with an affine map, rebuilt by it on every stage holding it (which
+    must agree), then the vocabulary padding stripped as ds_to_universal does after a map."""
+    amap = checkpoint.affine.get(name)
+    if amap is None:
+        return rank_grid.merged(tp_kind, per_stage, name, checkpoint.spec, files_of)
     try:
         values = [affine.rebuild(amap, f, state_name, name) for f in per_stage]
     except SourceError as e:
@@ -629,9 +624,7 @@ def _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of) -> np
                 f"{checkpoint.holders[name][0]} [files: {files_of()}]"
             )
     value = values[0]
-    match = checkpoint.matches.get(name)
-    kind = match.kind if match is not None else None
-    if isinstance(kind.inner if isinstance(kind, PipelineTied) else kind, Vocab):
+    if isinstance(tp_kind, Vocab):
         size = checkpoint.info.get("original_vocab_size")
         if isinstance(size, int) and not isinstance(size, bool) and 0 < size <= value.shape[0]:
             value = value[:size]
@@ -687,12 +680,7 @@ def _model_copy_item(
                 f"{os.path.basename(checkpoint.ranks[stage][tp_rank].model_file)} say {tuple(expected)}"
             )
     files = sorted(set(paths))
-    if name in checkpoint.affine:
-        value = _affine_merge(
-            checkpoint, name, checkpoint.affine[name], [fragments], "module", lambda: files
-        )
-    else:
-        value = rank_grid.merged(tp_kind, [fragments], name, checkpoint.spec, lambda: files)
+    value = _merged(checkpoint, name, tp_kind, [fragments], "module", lambda: files)
     return host_item(
         ("model_params", name),
         value,
