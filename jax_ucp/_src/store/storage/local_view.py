@@ -1,7 +1,7 @@
 """A remote checkpoint folder (``s3://``, ``gs://``, any ``Storage`` that is not ``local``) seen
 as a local folder, for the importers that walk folders and read ``torch.save`` archives
-(DeepSpeed, Megatron's legacy files, verl, torchtune, torch_checkpointing, ``torch.save``
-files): one listing gives the folder, each object a file of its size in a private temporary
+(DeepSpeed, Megatron, verl, torchtune, torch_checkpointing, ``torch.save`` files, torch DCP):
+one listing gives the folder, each object a file of its size in a private temporary
 directory. Small objects (trackers, configs) are fetched whole (at most :data:`MAX_WHOLE` bytes
 each); a zip archive (``.pt``, ``.pth``, ``.bin``, ``.ckpt``) is a sparse file of which its
 first :data:`HEAD` bytes and its zip directory are fetched (a suffix GET, two one-byte GETs
@@ -10,8 +10,8 @@ holding the size the directory implies to the object's, a GET of the head).
 ranged GETs, concurrent within :data:`IN_FLIGHT` bytes): a member when the pickle references it
 or, for a lazily checked archive, when its bytes are first read (its mapping then cannot be
 touched, only read through ``format.mapped_file``), so a process fetches the members it reads.
-A torch DCP folder's ``.metadata`` and ``.distcp`` objects (megatron-core's ``torch_dist`` and
-``fsdp_dtensor``, verl's ``dist_ckpt``) stand as empty files: ``torchfiles.dcp`` opens the
+A torch DCP folder's ``.metadata`` and ``.distcp`` objects (plain, megatron-core's
+``torch_dist`` and ``fsdp_dtensor``, verl's ``dist_ckpt``) stand as empty files: ``torchfiles.dcp`` opens the
 folder at its URL (:func:`url_of`) and fetches the byte ranges of the chunks it reads. A prefix
 holding no torch archive nor torch DCP folder is never viewed (an Orbax step's arrays are not
 fetched).
