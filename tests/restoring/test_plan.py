@@ -108,7 +108,7 @@ def test_slices_match_jax_for_every_kind_of_spec():
             d.id: tuple(s.indices(n)[:2] for s, n in zip(index, shape))
             for d, index in sharding.devices_indices_map(shape).items()
         }
-        boxes = pictures.device_slices(shape, spec, list(m.shape.items()))
+        boxes = pictures.device_slices(shape, tuple(spec), list(m.shape.items()))
         got = {d.id: boxes[position] for position, d in enumerate(m.devices.flat)}
         assert got == want, spec
 
@@ -388,7 +388,7 @@ def test_plan_reads_per_process_match_every_device_enumerated():
                 devices = IndexedBytes()
                 per_device, reads = layouts.place(shape, NamedSharding(m, spec), 2, devices)
                 seen: dict[int, set] = {}
-                boxes = pictures.device_slices(shape, spec, list(zip(names, sizes)))
+                boxes = pictures.device_slices(shape, tuple(spec), list(zip(names, sizes)))
                 for position, box in boxes.items():  # processes hold contiguous blocks
                     seen.setdefault(position // (n // p), set()).add(box)
                 size = {
