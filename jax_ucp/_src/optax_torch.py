@@ -834,6 +834,8 @@ def _recorded_steps(source: dict, step: int, notes: list[str], where: str) -> No
 
 def _restored_adam(run: _Run, options: Any, spec: Any, where: str) -> tuple[Any, Any, Any, int]:
     """(params, mu, nu, step) restored as ``options`` asks; the step is the opt_state's count."""
+    import jax
+
     tree = run.restore(_restore_keywords(options, spec, where))
     if "opt_state" not in tree:
         raise RequestError(f"{where}: the checkpoint holds no optimizer state")
@@ -842,7 +844,8 @@ def _restored_adam(run: _Run, options: Any, spec: Any, where: str) -> tuple[Any,
     if not nodes:
         raise RequestError(f"{where}: no Adam moments (mu, nu) in the checkpoint's opt_state")
     mu, nu = nodes[0]["mu"], nodes[0]["nu"]
-    counts = [v for k, v in _walk(tree["opt_state"]) if k == "count"]
+    leaves = jax.tree_util.tree_leaves_with_path(opt)
+    counts = [v for path, v in leaves if getattr(path[-1], "key", None) == "count"]
     if len(counts) != 1:
         raise RequestError(f"{where}: expected one step count in opt_state, found {counts}")
     return tree["params"], mu, nu, int(counts[0])
@@ -955,11 +958,3 @@ def _like(moment, init):
         return got if isinstance(got, jax.Array) else jnp.asarray(got)  # placed as restored
 
     return jax.tree.map(one, moment, init)
-
-
-def _walk(node, key=None):
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _walk(v, k)
-    else:
-        yield key, node

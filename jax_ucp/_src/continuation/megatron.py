@@ -267,23 +267,21 @@ def megatron_recipe(
         f"OptimizerParamScheduler {lr_style} lr, {schedule.wd_incr_style} weight decay"
     )
 
-    def learning_rate(count: Any) -> Any:
+    def of_count(at_samples: Callable[[Any, Any], Any]) -> Callable[[Any], Any]:
+        """``at_samples`` (``schedule.lr`` / ``.wd``) as a schedule of optax's step count."""
         import jax.numpy as jnp
 
-        return schedule.lr(jnp.asarray(count, jnp.float32) * gbs, jnp)
-
-    def weight_decay(count: Any) -> Any:
-        import jax.numpy as jnp
-
-        return schedule.wd(jnp.asarray(count, jnp.float32) * gbs, jnp)
+        return lambda count: at_samples(jnp.asarray(count, jnp.float32) * gbs, jnp)
 
     return Recipe(
         optimizer="adamw" if decoupled else "adam",
         how=how,
         betas=betas,
         eps=eps,
-        learning_rate=learning_rate,
-        weight_decay=schedule.end_wd if schedule.wd_incr_style == "constant" else weight_decay,
+        learning_rate=of_count(schedule.lr),
+        weight_decay=schedule.end_wd
+        if schedule.wd_incr_style == "constant"
+        else of_count(schedule.wd),
         decayed=decayed,
         clip=clip,
         bias_correction=True,
