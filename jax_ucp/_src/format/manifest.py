@@ -142,17 +142,22 @@ class _Entry(_Strict, frozen=True, omit_defaults=True):
             d["value"] = float.hex(self.value)  # pyright: ignore[reportAttributeAccessIssue]
         return d
 
-    def _absent(self, defaults: dict[str, Any]) -> None:
-        """Fills each member the text left out with what it means (``_absent``), key types
-        shared between entries."""
+    def _absent(self, defaults: tuple[tuple[str, Any], ...]) -> None:
+        """Fills each member the text left out (UNSET) with what it means, counting them for
+        the duplicate-key check (``no_duplicate_keys``); key types shared between entries."""
+        n = 0
+        for field, default in defaults:
+            if getattr(self, field) is UNSET:
+                force_setattr(self, field, default)
+                n += 1
         key, types = self.key, self.key_types  # pyright: ignore[reportAttributeAccessIssue]
-        _absent(self, defaults, types is UNSET)
         if types is UNSET:
-            types = ("key",) * len(key)
+            types, n = ("key",) * len(key), n + 1
         elif len(types) != len(key):
             expected = f"a list of {len(key)} of {list(KEY_TYPES)}"
             raise ValueError(_fault("key_types", expected, list(types)))
-        force_setattr(self, "key_types", _shared(_KEY_TYPES, types))
+        force_setattr(self, "key_types", _KEY_TYPES.get(types) or _remember(_KEY_TYPES, types))
+        COUNTS.absent = getattr(COUNTS, "absent", 0) + n
 
 
 class TensorEntry(_Entry, display.Tabular, tag="tensor", tag_field="entry", frozen=True):
@@ -200,12 +205,13 @@ class TensorEntry(_Entry, display.Tabular, tag="tensor", tag_field="entry", froz
     def __post_init__(self):
         """The rules across fields (a member the text left out: None; what entries share, the
         key's names, shapes and saved shardings, one object for all)."""
-        self._absent(DEFAULTS["TensorEntry"])
+        self._absent(_TENSOR_DEFAULTS)
         force_setattr(self, "key", tuple(map(sys.intern, self.key)))
         shapes = self.shape, self.chunk_shape, self.inner_chunk_shape
-        if shapes not in _SHAPES:
+        known = _SHAPES.get(shapes)
+        if known is None:
             _check_shapes(*shapes)
-        known = _shared(_SHAPES, shapes)
+            known = _remember(_SHAPES, shapes)
         force_setattr(self, "shape", known[0])
         force_setattr(self, "chunk_shape", known[1])
         force_setattr(self, "inner_chunk_shape", known[2])
@@ -213,8 +219,10 @@ class TensorEntry(_Entry, display.Tabular, tag="tensor", tag_field="entry", froz
         if self.logical_axes is not None and len(self.logical_axes) != len(self.shape):
             expected = f"{len(self.shape)} names"
             raise ValueError(_fault("logical_axes", expected, list(self.logical_axes)))
-        if self.saved_sharding is not None:
-            force_setattr(self, "saved_sharding", _shared(_SHARDINGS, self.saved_sharding))
+        saved = self.saved_sharding
+        if saved is not None:
+            shared = _SHARDINGS.get(saved) or _remember(_SHARDINGS, saved)
+            force_setattr(self, "saved_sharding", shared)
         if self.key_impl is not None:
             key_shape = KEY_IMPLS[self.key_impl]
             stored = self.shape[len(self.shape) - len(key_shape) :]
@@ -276,7 +284,7 @@ class ValueEntry(_Entry, tag="value", tag_field="entry", frozen=True):
 
     def __post_init__(self):
         """The value checked against its type (a float's hex string read)."""
-        self._absent(DEFAULTS["ValueEntry"])
+        self._absent(_VALUE_DEFAULTS)
         expected, valid = _VALUE_TYPES[self.type]
         if not valid(self.value):
             raise ValueError(_fault("value", expected, self.value))
@@ -324,29 +332,23 @@ _VALUE_TYPES = {
     "float": ("a float.hex string", lambda v: isinstance(v, str) and _FLOAT_HEX_RE.fullmatch(v)),
     "str": ("a JSON string", lambda v: isinstance(v, str)),
 }
-#: what a member the text leaves out means (documented in the schema): filled in by
+_TENSOR_DEFAULTS = tuple(
+    (f, None)
+    for f in ("compression", "checksum", "sub_role", "logical_axes", "saved_sharding")
+    + ("provenance", "shard_digests")
+)
+_VALUE_DEFAULTS = (("role", "other"), ("sub_role", None))
+_HEAD_DEFAULTS = (("created_by", ""), ("created_at", 0.0), ("source", {}), ("tree", None))
+#: what a member the text leaves out means (documented in the schema), filled in by
 #: ``__post_init__`` (an entry's ``frozen``, ``tied_to`` and ``key_impl``: msgspec's defaults)
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "Manifest": {"created_by": "", "created_at": 0.0, "source": {}, "tree": None},
-    "TensorEntry": dict.fromkeys(
-        ("compression", "checksum", "sub_role", "logical_axes", "saved_sharding")
-        + ("provenance", "shard_digests")
-    ),
-    "ValueEntry": {"role": "other", "sub_role": None},
+    "Manifest": dict(_HEAD_DEFAULTS),
+    "TensorEntry": dict(_TENSOR_DEFAULTS),
+    "ValueEntry": dict(_VALUE_DEFAULTS),
 }
 #: members the text left out, filled in by ``__post_init__``: a key named twice is found by
 #: counting the members (``no_duplicate_keys``)
 COUNTS = threading.local()
-
-
-def _absent(struct: Struct, defaults: dict[str, Any], n: int = 0) -> None:
-    """Fills each member of ``struct`` the text left out (UNSET) with what it means (a dict
-    a new one), counted in ``COUNTS`` with ``n`` more."""
-    for field, default in defaults.items():
-        if getattr(struct, field) is UNSET:
-            force_setattr(struct, field, default.copy() if type(default) is dict else default)
-            n += 1
-    COUNTS.absent = getattr(COUNTS, "absent", 0) + n
 
 
 def _fault(field: str, expected: str, found: Any) -> str:
@@ -379,15 +381,13 @@ def _check_shapes(shape: tuple, chunk_shape: tuple, inner: tuple) -> None:
         raise ValueError(_fault("inner_chunk_shape", expected, list(inner)))
 
 
-def _shared(memo: dict, value: Any) -> Any:
-    """The value equal to ``value`` that ``memo`` holds, else ``value``, remembered (the memo
-    emptied first when full: a hostile manifest of all different shapes keeps it bounded)."""
-    known = memo.get(value)
-    if known is None:
-        if len(memo) >= 4096:
-            memo.clear()
-        known = memo[value] = value
-    return known
+def _remember(memo: dict, value: Any) -> Any:
+    """``memo[value] = value``, the memo emptied first when full (a hostile manifest of all
+    different shapes keeps it bounded); returns ``value``."""
+    if len(memo) >= 4096:
+        memo.clear()
+    memo[value] = value
+    return value
 
 
 # Values many entries share, built once: (shape, chunk_shape, inner) triples, key types and
@@ -480,7 +480,11 @@ class Manifest(msgspec.Struct, display.Tabular, forbid_unknown_fields=True, dict
         """Fills what the text left out (counted, as for entries); refuses two entries with one
         key path or one array directory, and JSON nested too deep (a decoded tree is checked as
         its dicts are built, ``_with_tree``)."""
-        _absent(self, DEFAULTS["Manifest"])
+        absent = [f for f, _ in _HEAD_DEFAULTS if getattr(self, f) is UNSET]
+        for field, default in _HEAD_DEFAULTS:
+            if field in absent:
+                setattr(self, field, {} if field == "source" else default)
+        COUNTS.absent = getattr(COUNTS, "absent", 0) + len(absent)
         seen: set[tuple] = set()
         dirs: dict[str, Entry] = {}
         for e in self.entries:
