@@ -512,6 +512,34 @@ def check_against_module(checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.nd
 # --------------------------------------------------------------------------- reading
 
 
+def _layout(checkpoint: DeepSpeedCheckpoint) -> tuple[str, str]:
+    """Where a rank's ``optimizer_state_dict`` keeps the flat fp32 masters and the torch
+    optimizer's own state dict (stage 1/2: per param group; stage 3: per sub-group)."""
+    if checkpoint.stage in (1, 2):
+        return "single_partition_of_fp32_groups", "base_optimizer_state"
+    return "fp32_flat_groups", "optimizer_state_dict"
+
+
+def _state_arrays(
+    checkpoint: DeepSpeedCheckpoint, dp_rank: int, state_name: str
+) -> list[tuple[str, np.ndarray]]:
+    """DP rank ``dp_rank``'s flat arrays of one optimizer state, each with its dotted path in
+    the rank file: one per param group (stage 1/2), or per sub-group (stage 3)."""
+    state, path = checkpoint.optim_states[dp_rank], checkpoint.optim_files[dp_rank]
+    fp32_key, inner_key = _layout(checkpoint)
+    if state_name == "fp32":
+        return [(f"optimizer_state_dict.{fp32_key}.{i}", a) for i, a in enumerate(state[fp32_key])]
+    inner = require(require(state, inner_key, path), "state", f"{path} {inner_key}")
+    keys = range(len(checkpoint.param_shapes)) if checkpoint.stage in (1, 2) else sorted(inner)
+    return [
+        (
+            f"optimizer_state_dict.{inner_key}.state.{k}.{state_name}",
+            np.asarray(require(inner[k], state_name, f"{path} state[{k}]")).reshape(-1),
+        )
+        for k in keys
+    ]
+
+
 def state_vectors(
     checkpoint: DeepSpeedCheckpoint, dp_rank: int, state_name: str
 ) -> FlatVector | list[np.ndarray]:
@@ -523,25 +551,11 @@ def state_vectors(
         dp_rank: the data-parallel rank.
         state_name: "fp32", "exp_avg" or "exp_avg_sq".
     """
-    optimizer_state = checkpoint.optim_states[dp_rank]
-    path = checkpoint.optim_files[dp_rank]
+    arrays = [array for _, array in _state_arrays(checkpoint, dp_rank, state_name)]
     if checkpoint.stage in (1, 2):
-        if state_name == "fp32":
-            return list(optimizer_state["single_partition_of_fp32_groups"])
-        inner = optimizer_state["base_optimizer_state"]["state"]
-        return [
-            np.asarray(inner[group][state_name]).reshape(-1)
-            for group in range(len(checkpoint.param_shapes))
-        ]
-    if state_name == "fp32":
-        return FlatVector(optimizer_state["fp32_flat_groups"], f"{path} fp32_flat_groups")
-    inner = require(
-        require(optimizer_state, "optimizer_state_dict", path),
-        "state",
-        f"{path} optimizer_state_dict",
-    )
-    arrays = [require(inner[i], state_name, f"{path} state[{i}]") for i in sorted(inner)]
-    return FlatVector(arrays, f"{path} {state_name}")
+        return arrays
+    what = "fp32_flat_groups" if state_name == "fp32" else state_name
+    return FlatVector(arrays, f"{checkpoint.optim_files[dp_rank]} {what}")
 
 
 def gather_parameter(
@@ -556,11 +570,7 @@ def gather_parameter(
         state_name: "fp32", "exp_avg" or "exp_avg_sq".
         vectors: the cache of :func:`state_vectors`.
     """
-    return _whole(_parts(checkpoint, name, state_name, vectors), checkpoint.shapes[name])
-
-
-def _whole(parts: list, shape) -> np.ndarray:
-    """A lone part reshaped (a view of the memory map), else the parts joined."""
+    parts, shape = _parts(checkpoint, name, state_name, vectors), checkpoint.shapes[name]
     return (
         parts[0].reshape(shape) if len(parts) == 1 else joined_parts(parts, shape, parts[0].dtype)
     )
@@ -611,7 +621,7 @@ def _state_item(
     shape = tuple(checkpoint.shapes[name])
 
     def make() -> np.ndarray:
-        value = _whole(parts, shape)
+        value = gather_parameter(checkpoint, name, state_name, vectors)
         if state_name == "fp32" and checkpoint.stage in (1, 2):
             check_against_module(checkpoint, name, value)
         return value
@@ -622,7 +632,7 @@ def _state_item(
 def _steps(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, str, Any]]:
     """Every rank's per-group ``step``: its source name (``<rank file>:<path>``), where it is
     (for messages) and its value (older torch kept Adam's step as a Python number)."""
-    inner = "base_optimizer_state" if checkpoint.stage in (1, 2) else "optimizer_state_dict"
+    _, inner = _layout(checkpoint)
     for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
         file = os.path.basename(path)
         for group, group_state in state[inner]["state"].items():
@@ -696,18 +706,6 @@ def step_item(step: int, *checkpoints: DeepSpeedCheckpoint) -> writer.HostItem:
     return host_item(("opt_state", "count"), np.asarray(step, np.int32), provenance)
 
 
-def _state_prefix(checkpoint: DeepSpeedCheckpoint, state_name: str) -> tuple[str, list[str]]:
-    """Where one optimizer state's flat arrays sit in every rank's optimizer file: the dotted
-    prefix and the keys of its arrays (stage 1/2: one per param group; stage 3: sub-groups)."""
-    first, stage12 = checkpoint.optim_states[0], checkpoint.stage in (1, 2)
-    if state_name == "fp32":
-        key = "single_partition_of_fp32_groups" if stage12 else "fp32_flat_groups"
-        return f"optimizer_state_dict.{key}.{{}}", [str(i) for i in range(len(first[key]))]
-    inner = "base_optimizer_state" if stage12 else "optimizer_state_dict"
-    keys = range(len(checkpoint.param_shapes)) if stage12 else sorted(first[inner]["state"])
-    return f"optimizer_state_dict.{inner}.state.{{}}.{state_name}", [str(k) for k in keys]
-
-
 def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -> list[str]:
     """The source tensors (``<rank file>:<path>``) one optimizer state of ``name`` is read from.
 
@@ -717,18 +715,17 @@ def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -
         state_name: "fp32", "exp_avg" or "exp_avg_sq".
     """
     fragments = checkpoint.fragment_plan[name]
-    template, keys = _state_prefix(checkpoint, state_name)
     out = []
     for piece in fragments.pieces:
         file = os.path.basename(checkpoint.optim_files[piece.dp_rank])
+        named = _state_arrays(checkpoint, piece.dp_rank, state_name)
         if checkpoint.stage in (1, 2):
-            out.append(f"{file}:{template.format(keys[fragments.group])}")
+            out.append(f"{file}:{named[fragments.group][0]}")
             continue
-        vector = state_vectors(checkpoint, piece.dp_rank, state_name)
-        assert isinstance(vector, FlatVector)  # stage 3
-        for key, low, high in zip(keys, vector.offsets, vector.offsets[1:]):
+        at = np.cumsum([0] + [array.size for _, array in named]).tolist()
+        for (key, _), low, high in zip(named, at, at[1:]):
             if max(low, piece.start) < min(high, piece.start + piece.numel):
-                out.append(f"{file}:{template.format(key)}")
+                out.append(f"{file}:{key}")
     return out
 
 
@@ -990,9 +987,7 @@ def torch_optimizer_record(checkpoint: DeepSpeedCheckpoint) -> dict | None:
     ``gradient_clipping``: under DeepSpeed the Trainer does not clip). None when the files hold
     no param groups, or not one per ``param_shapes`` group (nothing is guessed)."""
     state = checkpoint.optim_states[0]
-    inner = state.get(
-        "base_optimizer_state" if checkpoint.stage in (1, 2) else "optimizer_state_dict"
-    )
+    inner = state.get(_layout(checkpoint)[1])
     groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
     if not isinstance(groups, list | tuple) or len(groups) != len(checkpoint.param_shapes):
         return None
