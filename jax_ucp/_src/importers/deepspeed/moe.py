@@ -39,7 +39,7 @@ from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import mapped_file
 from jax_ucp._src.format.files import numbered_names
-from jax_ucp._src.importers.deepspeed import files, zero
+from jax_ucp._src.importers.deepspeed import files, zero, zero0
 from jax_ucp._src.importers.deepspeed.files import require
 from jax_ucp._src.importers.deepspeed.zero import DeepSpeedCheckpoint
 from jax_ucp._src.importers.plan import (
@@ -123,22 +123,8 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
         model_file: its path, for errors.
     """
     by_layer: dict[int, dict[int, str]] = {}
-    listed = numbered_names(  # layer_1_expert_0 and layer_01_expert_0: refused, not one taken
-        [
-            (tuple(int(g) for g in m.groups()), name)
-            for name in os.listdir(tag_dir)
-            if (m := files.EXPERT_FILE.match(name))
-        ],
-        tag_dir,
-        "(layer, expert, model-parallel rank)",
-    )
-    for (layer, expert, mp_rank), name in listed.items():
-        if mp_rank != 0:
-            raise SourceError(
-                f"{os.path.join(tag_dir, name)}: an expert file of model-parallel rank {mp_rank}; "
-                "DeepSpeed MoE with tensor or pipeline parallelism is not supported (supported: "
-                "expert + data parallelism, ZeRO 0/1/2)"
-            )
+    listed = _rank0_files(tag_dir, files.EXPERT_FILE, "(layer, expert, model-parallel rank)")
+    for (layer, expert), name in listed.items():
         by_layer.setdefault(layer, {})[expert] = name
     recorded = model_states.get("num_experts")
     if isinstance(recorded, (list, tuple)) and len(recorded) != len(by_layer):
@@ -173,6 +159,29 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
         for expert, name in sorted(by_expert.items()):
             _read_expert_file(experts, os.path.join(tag_dir, name), layer, expert)
     return experts
+
+
+def _rank0_files(tag_dir: str, pattern: re.Pattern, what: str) -> dict[tuple[int, ...], str]:
+    """The files of ``tag_dir`` ``pattern`` names (its groups: numbers, ``what``, the last the
+    model-parallel rank) by their numbers but the last; two names of one number
+    (``layer_1_expert_0`` and ``layer_01_expert_0``) or a model-parallel rank but 0 refused."""
+    listed = numbered_names(
+        [
+            (tuple(int(g) for g in m.groups()), name)
+            for name in os.listdir(tag_dir)
+            if (m := pattern.match(name))
+        ],
+        tag_dir,
+        what,
+    )
+    for numbers, name in listed.items():
+        if numbers[-1] != 0:
+            raise SourceError(
+                f"{os.path.join(tag_dir, name)}: a file of model-parallel rank {numbers[-1]}; "
+                "DeepSpeed MoE with tensor or pipeline parallelism is not supported (supported: "
+                "expert + data parallelism, ZeRO 0/1/2)"
+            )
+    return {numbers[:-1]: name for numbers, name in listed.items()}
 
 
 def _read_expert_file(experts: Experts, path: str, layer: int, expert: int) -> None:
@@ -423,7 +432,12 @@ def plan_moe_zero0(tag_dir: str, options: ImportOptions) -> ImportPlan:
     model_states = files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)
     optimizer_files = expert_optimizer_files(tag_dir, model_states, model_file)
-    weights = _module_weights(model_states, model_file)
+    if not isinstance(model_states.get("module"), Mapping) or not model_states["module"]:
+        raise SourceError(f"{model_file}: no 'module' weights to import")
+    file = os.path.basename(model_file)
+    weights = {  # the dense weights (buffers left out), each with the tensor it is read from
+        n: (v, f"{file}:module.{n}") for n, v in zero0.module_parameters(model_states).items()
+    }
     clash = sorted(set(weights) & set(experts.weights))
     if clash:
         raise SourceError(
@@ -432,7 +446,6 @@ def plan_moe_zero0(tag_dir: str, options: ImportOptions) -> ImportPlan:
     dense = list(weights)
     weights.update(experts.weights)
     names = share.pick(weights)
-    file = os.path.basename(model_file)
     source = files.source_record(
         tag_dir, model_states, 0, **_moe_source(experts, [len(optimizer_files)])
     )
@@ -461,21 +474,6 @@ def plan_moe_zero0(tag_dir: str, options: ImportOptions) -> ImportPlan:
 
     items = _zero0_items(names, weights, moments, step if share.primary else None)
     return ImportPlan(items, source, len(names), source_tensors=found)
-
-
-def _module_weights(model_states: Mapping, model_file: str) -> dict[str, tuple[np.ndarray, str]]:
-    """The dense weights of ``module`` (buffers left out), each with the tensor it is read
-    from."""
-    module = model_states.get("module")
-    if not isinstance(module, Mapping) or not module:
-        raise SourceError(f"{model_file}: no 'module' weights to import")
-    file = os.path.basename(model_file)
-    buffers = set(model_states.get("buffer_names") or [])
-    return {
-        str(n): (v, f"{file}:module.{n}")
-        for n, v in module.items()
-        if isinstance(v, np.ndarray) and n not in buffers
-    }
 
 
 def _zero0_items(names, weights, moments, step) -> Iterator[writer.HostItem]:
@@ -653,23 +651,10 @@ def _check_replica(stored, pair, tensors: list[str], name: str) -> None:
 def expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str) -> list[str]:
     """``expp_rank_P_mp_rank_00_optim_states.pt`` for P = 0..E-1 (E from the expert param
     group's name ``ep_size_E`` in the model states' optimizer), no other."""
-    listed = numbered_names(
-        [
-            ((int(m.group(1)), int(m.group(2))), name)
-            for name in os.listdir(tag_dir)
-            if (m := files.EXPERT_OPTIMIZER_FILE.match(name))
-        ],
-        tag_dir,
-        "(expert-parallel rank, model-parallel rank)",
+    listed = _rank0_files(
+        tag_dir, files.EXPERT_OPTIMIZER_FILE, "(expert-parallel rank, model-parallel rank)"
     )
-    found: dict[int, str] = {}
-    for (ep_rank, mp_rank), name in listed.items():
-        if mp_rank != 0:
-            raise SourceError(
-                f"{os.path.join(tag_dir, name)}: model-parallel rank {mp_rank}; "
-                "DeepSpeed MoE with tensor or pipeline parallelism is not supported"
-            )
-        found[ep_rank] = os.path.join(tag_dir, name)
+    found = {ep_rank: os.path.join(tag_dir, name) for (ep_rank,), name in listed.items()}
     optimizer = model_states.get("optimizer")
     groups = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
     sizes = {
