@@ -87,6 +87,7 @@ class MegatronDeepSpeedCheckpoint:
     matches: dict = field(default_factory=dict)  # name -> the spec's ImportMatch
     # AutoTP: name -> its affine map (preferred to the rule's kind, as ds_to_universal does)
     affine: dict[str, AffineMap] = field(default_factory=dict)
+    layer_tensors: dict[str, list[str]] = field(default_factory=dict)  # layer file -> its tensors
 
     @property
     def every_rank(self) -> list[DeepSpeedCheckpoint]:
@@ -414,6 +415,7 @@ def _add_layer_weights(
         state_dict = files.load_deepspeed_file(path)
         if not isinstance(state_dict, Mapping):
             raise SourceError(f"{path}: expected a state dict, found {type(state_dict).__name__}")
+        checkpoint.layer_tensors[file_name] = [f"{file_name}:{n}" for n in tensor_names(state_dict)]
         for key, value in state_dict.items():
             if not isinstance(value, np.ndarray):
                 continue
@@ -527,11 +529,9 @@ def megatron_deepspeed_tensors(
     found = []
     for rank in checkpoint.every_rank:
         found += zero_tensors(rank, source, weights_only=weights_only, imported_module=imported)
-    layer_tensors = []
-    for file in sorted(os.listdir(checkpoint.tag_dir)):
-        if files.LAYER_FILE.match(file):
-            state = files.load_deepspeed_file(os.path.join(checkpoint.tag_dir, file))
-            layer_tensors += [f"{file}:{n}" for n in tensor_names(state)]
+    layer_tensors = [
+        t for file in sorted(checkpoint.layer_tensors) for t in checkpoint.layer_tensors[file]
+    ]
     found += layer_tensors
     known = {
         entry[2]: name for name, stored in checkpoint.module.items() for entry in stored.values()
