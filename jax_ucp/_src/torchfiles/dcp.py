@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
-import tensorstore as ts
 
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
 from jax_ucp._src.store import storage
-from jax_ucp._src.store.storage import local_view, object_store
+from jax_ucp._src.store.storage import Storage, local_view
 from jax_ucp._src.torchfiles import allow_list, dcp_transforms, torch_zip
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
 from jax_ucp._src.torchfiles.pickle_format import (
@@ -139,27 +138,51 @@ MAX_OBJECT_BYTES = 256 << 20
 
 
 class ObjectPath(str):
-    """A DCP folder in an object store: a URL joined with ``/``, read by ranged GETs only."""
+    """A DCP folder (or a file of it) in an object store or a Hub repo: its URL, for messages;
+    read by ranged GETs only, as object ``key`` of ``storage`` (the one medium the read chose:
+    a Hub repo's commit listed once)."""
 
-    __slots__ = ()
+    storage: Storage
+    key: str
+
+    def __new__(cls, url: str, where: Storage, key: str = "") -> ObjectPath:
+        self = super().__new__(cls, url.rstrip("/"))
+        self.storage, self.key = where, key.strip("/")
+        return self
 
     def __truediv__(self, name: str) -> ObjectPath:
-        return ObjectPath(object_store.join(self, name))
+        key = f"{self.key}/{name}" if self.key else name
+        return ObjectPath(f"{self}/{name}", self.storage, key)
 
     @property
     def name(self) -> str:
-        return self.rstrip("/").rpartition("/")[2]
+        return self.rpartition("/")[2]
+
+    def read_range(self, start: int, stop: int) -> bytes | None:
+        """Bytes ``[start, stop)`` (one ranged GET): None when there is no such object, fewer
+        (maybe none) when it ends before ``stop``."""
+        kv, key = local_view.ranged(self.storage, self.key)
+        try:
+            got = kv.read(key, byte_range=slice(start, stop)).result()
+        except ValueError:  # the range starts past the end (OUT_OF_RANGE)
+            return b"" if self.storage.exists(self.key) else None
+        return bytes(got.value) if got.state == "value" else None
 
 
 def folder(path: os.PathLike | str) -> Path | ObjectPath:
-    """``path`` as the reader holds it: an :class:`ObjectPath` for an object-store URL, or for
-    a folder of an object store's local view (``local_view.url_of``: its files are empty)."""
-    url = None if isinstance(path, ObjectPath) else local_view.url_of(path)
-    if url is not None:
-        return ObjectPath(url)
-    if isinstance(path, Path | ObjectPath):
+    """``path`` as the reader holds it: an :class:`ObjectPath` for a remote URL (an object
+    store's, a Hub repo's), or for a folder of a remote source's local view
+    (``local_view.stored_at``: its DCP files are empty there)."""
+    if isinstance(path, ObjectPath):
         return path
-    return Path(path) if storage.storage_for(path).local else ObjectPath(str(path).rstrip("/"))
+    viewed = local_view.stored_at(path)
+    if viewed is not None:
+        where, key = viewed
+        return ObjectPath("/".join(p for p in (where.root.rstrip("/"), key) if p), where, key)
+    if isinstance(path, Path):
+        return path
+    where = storage.storage_for(path)
+    return Path(path) if where.local else ObjectPath(str(path), where)
 
 
 @dataclass(frozen=True)
@@ -541,16 +564,15 @@ def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[Dc
 
 def _object_size(root: ObjectPath, name: str, end: int) -> int:
     """``end`` when object ``name`` holds that many bytes, else its size (-1: missing)."""
-    if end and object_store.read_range(root, name, end - 1, end) not in (None, b""):
+    if end and (root / name).read_range(end - 1, end) not in (None, b""):
         return end
-    got = object_store.read_range(root, name, 0, end)
+    got = (root / name).read_range(0, end)
     return -1 if got is None else len(got)
 
 
 def _file_range(path: Path | ObjectPath, offset: int, length: int, where: str) -> np.ndarray:
     """A read-only uint8 view of ``path[offset:offset+length]``, read by pread only (no SIGBUS)."""
     if isinstance(path, ObjectPath):  # pieces fetched at once, within the bytes in flight
-        root, _, name = path.rpartition("/")
         out = np.empty(length, np.uint8)
 
         def put(at: int, n: int, got: bytes | None) -> None:
@@ -563,8 +585,8 @@ def _file_range(path: Path | ObjectPath, offset: int, length: int, where: str) -
                 )
             out[at - offset : at - offset + n] = np.frombuffer(got, np.uint8)
 
-        kv = ts.KvStore.open(object_store.kvstore_root(root)).result()
-        local_view.fetch_ranges(kv, name, [(offset, offset + length)], put)
+        kv, key = local_view.ranged(path.storage, path.key)
+        local_view.fetch_ranges(kv, key, [(offset, offset + length)], put)
         out.flags.writeable = False
         return out
     try:
@@ -757,7 +779,7 @@ def _load_metadata(root: Path | ObjectPath, extra_classes: dict[str, Any] | None
     mfile = root / METADATA_FILE
     try:
         if isinstance(root, ObjectPath):
-            raw = object_store.read(root, METADATA_FILE, MAX_METADATA_BYTES)
+            raw = root.storage.read((root / METADATA_FILE).key, MAX_METADATA_BYTES)
             if raw is None:
                 raise SourceError(f"{root}: no .metadata object (not a torch DCP checkpoint)")
         elif not os.path.lexists(mfile):

@@ -66,8 +66,9 @@ def plan_fsdp_dtensor(
             ``source.skipped``), ``share``.
     """
     where = checkpoint.path / ".metadata"
-    if not settings.get("num_layers") and "args" in checkpoint.objects:
-        add_arg_settings(legacy.args_dict(_object(checkpoint, "args")), settings)
+    args = _object(checkpoint, "args") if "args" in checkpoint.objects else None  # read once
+    if not settings.get("num_layers") and args is not None:
+        add_arg_settings(legacy.args_dict(args), settings)
     chunks = [n for n in checkpoint.tensors if re.match(r"model[0-9]+\.", n)]
     if chunks:  # Megatron-LM's virtual pipeline chunks: model0, model1, ...
         raise MegatronImportError(
@@ -120,7 +121,7 @@ def plan_fsdp_dtensor(
         **({"skipped": skipped} if skipped else {}),
         "tied_embeddings": tied_embeddings(list(by_param), settings),
     }
-    record = optimizer_record(_run_state(checkpoint, iteration), ".metadata")
+    record = optimizer_record(_run_state(checkpoint, iteration, args), ".metadata")
     if record is not None:  # how the run stepped: args, scheduler state, param groups
         info[MEGATRON_OPTIMIZER] = record
     items = _items(reader, mine, model, states, count if options.share.primary else None)
@@ -131,7 +132,7 @@ def _object(checkpoint: dcp.DcpCheckpoint, name: str) -> Any:
     return checkpoint.read_object(name, legacy.LEGACY_CLASSES)
 
 
-def _run_state(checkpoint: dcp.DcpCheckpoint, iteration: Any) -> dict[str, Any]:
+def _run_state(checkpoint: dcp.DcpCheckpoint, iteration: Any, args: Any) -> dict[str, Any]:
     """The saved state :func:`optimizer_record` reads, as ``common.pt`` holds it: ``args``, the
     scheduler's (``opt_param_scheduler.<field>`` objects) and each distinct param group, from
     the per-parameter ``optimizer.param_to_group_meta.<param>.<field>`` objects."""
@@ -145,8 +146,8 @@ def _run_state(checkpoint: dcp.DcpCheckpoint, iteration: Any) -> dict[str, Any]:
             scheduler[n[len("opt_param_scheduler.") :]] = _object(checkpoint, n)
     groups = {repr(sorted(m.items(), key=str)): m for m in metas.values()}
     state: dict[str, Any] = {"iteration": iteration}
-    if "args" in checkpoint.objects:
-        state["args"] = _object(checkpoint, "args")
+    if args is not None:
+        state["args"] = args
     if scheduler:
         state["opt_param_scheduler"] = scheduler
     if groups:

@@ -12,7 +12,6 @@ import os
 import re
 from pathlib import Path
 
-from jax_ucp._src import store
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.store.storage import local_view
@@ -56,10 +55,10 @@ def _record(ckpt_dir: Path) -> dict[str, str]:
 
 
 def _sha256(path: str) -> str:
-    url = local_view.url_of(path)
-    if url is not None:  # a file of an object store's local view: its object, by pieces
-        h, (root, _, name) = hashlib.sha256(), url.rpartition("/")
-        for piece in local_view.pieces(store.storage_for(root), name):
+    viewed = local_view.stored_at(path)
+    if viewed is not None:  # a file of a remote source's local view: its object, by pieces
+        h = hashlib.sha256()
+        for piece in local_view.pieces(*viewed):
             h.update(piece)
         return h.hexdigest()
     fd = files.open_regular(path)

@@ -116,6 +116,7 @@ class HubRepo(Storage):
         self.repo, self.revision, self.path = parse(root)
         self._pinned: tuple[str, list[str]] | None = None
         self._lock = threading.Lock()  # one listing, whichever thread asks first
+        self._ranged: dict[str, tuple[dict, str]] = {}
 
     def _listing(self) -> tuple[str, list[str]]:
         """(commit sha, every file of the repo at it), asked of the Hub once."""
@@ -175,11 +176,13 @@ class HubRepo(Storage):
 
     def ranged(self, name: str) -> tuple[dict, str]:
         """A kvstore spec and key that file ``name`` is read from by ``Range`` requests: the
-        Hub's redirect to its CDN followed once, here."""
-        url, response = _open(self._url(name), "HEAD", follow_off_host=False)
-        if response is not None:
-            response.close()
-        return _kvstore(url), ""
+        Hub's redirect to its CDN followed once per file, here."""
+        if name not in self._ranged:
+            url, response = _open(self._url(name), "HEAD", follow_off_host=False)
+            if response is not None:
+                response.close()
+            self._ranged[name] = _kvstore(url), ""
+        return self._ranged[name]
 
     def read(self, name: str, limit: int) -> bytes | None:
         if not self.exists(name):

@@ -12,7 +12,7 @@ or, for a lazily checked archive, when its bytes are first read (its mapping the
 touched, only read through ``format.mapped_file``), so a process fetches the members it reads.
 A torch DCP folder's ``.metadata`` and ``.distcp`` objects (plain, megatron-core's
 ``torch_dist`` and ``fsdp_dtensor``, verl's ``dist_ckpt``) stand as empty files: ``torchfiles.dcp`` opens the
-folder at its URL (:func:`url_of`) and fetches the byte ranges of the chunks it reads. A prefix
+folder at its storage (:func:`stored_at`) and fetches the byte ranges of the chunks it reads. A prefix
 holding no torch archive nor torch DCP folder is never viewed (an Orbax step's arrays are not
 fetched).
 """
@@ -171,12 +171,13 @@ def remote_of(path: str) -> Remote | None:
     return _remotes.get(os.path.realpath(path)) if _remotes else None
 
 
-def url_of(path: os.PathLike | str) -> str | None:
-    """The URL the local ``path`` inside a live view stands for (None: not inside one)."""
+def stored_at(path: os.PathLike | str) -> tuple[Storage, str] | None:
+    """(the storage, the object name) the local ``path`` inside a live view stands for (None:
+    not inside one): the view's own storage, so a Hub repo stays at the commit it listed."""
     real = os.path.realpath(path) if _viewed else ""
     for root, view in list(_viewed.items()):
         if real == root or real.startswith(root + os.sep):
-            return view.url + real[len(root) :].replace(os.sep, "/")
+            return view.storage, real[len(root) :].replace(os.sep, "/").strip("/")
     return None
 
 
@@ -187,6 +188,7 @@ class View:
     url: str
     path: str
     tmp: tempfile.TemporaryDirectory
+    storage: Storage
     remotes: list[Remote] = dataclasses.field(default_factory=list)
 
     def as_url(self, text: str) -> str:
@@ -254,7 +256,7 @@ def local_view(storage: Storage) -> tuple[View, str]:
         return _views[asked][2:]
     url = storage.root.rstrip("/")
     tmp = tempfile.TemporaryDirectory(prefix="ucp-view-")
-    view = View(url, os.path.join(tmp.name, url.rpartition("/")[2] or "root"), tmp)
+    view = View(url, os.path.join(tmp.name, url.rpartition("/")[2] or "root"), tmp, storage)
     with concurrent.futures.ThreadPoolExecutor(PLACING) as pool:  # round trips overlapped
         list(pool.map(lambda name: _place(storage, name, view), names))
     path = os.path.join(view.path, base) if single else view.path
@@ -278,7 +280,7 @@ def _place(storage: Storage, name: str, view: View) -> None:
         ) from None
     try:
         if name.rpartition("/")[2] == DCP or name.endswith(".distcp"):
-            return  # read at its URL by ranges (url_of)
+            return  # read in place by ranges (stored_at)
         if name.lower().endswith(ARCHIVES) and _archive(storage, name, path, fd, view):
             return
         try:
@@ -329,11 +331,17 @@ def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> boo
     return True
 
 
+def ranged(storage: Storage, name: str) -> tuple[ts.KvStore, str]:
+    """The opened kvstore object ``name`` of ``storage`` is read from by byte ranges, and its
+    key there."""
+    spec, key = storage.ranged(name)
+    return ts.KvStore.open(spec).result(), key
+
+
 def pieces(storage: Storage, name: str) -> Iterator[bytes]:
     """Object ``name`` of ``storage``, :data:`PIECE` bytes per ranged GET (the last one to its
     end); FileNotFoundError when there is none."""
-    spec, key = storage.ranged(name)
-    kv, at = ts.KvStore.open(spec).result(), 0
+    (kv, key), at = ranged(storage, name), 0
     while True:
         try:
             got = kv.read(key, byte_range=slice(at, at + PIECE)).result()
