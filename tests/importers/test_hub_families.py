@@ -1,7 +1,6 @@
 """Every importer family read in place from a Hugging Face Hub repo (``hf://org/name``, on
 tests/object_servers.py's local server with the Hub's layout): torch.save folders, torch DCP,
-torchtune,
-torch_checkpointing, legacy Megatron, megatron-core's ``torch_dist`` and ``fsdp_dtensor``, verl
+OLMo-core, torchtune, torch_checkpointing, legacy Megatron, megatron-core's ``torch_dist`` and ``fsdp_dtensor``, verl
 (DeepSpeed: tests/importers/deepspeed/test_object_store.py; safetensors: tests/store/test_hub.py).
 Each restores onto a 2 x 4 mesh bit for bit as its local folder does; its torch archives are read
 by ranged GETs (DCP's only the chunks' ranges), none downloaded whole, and no byte is fetched
@@ -33,6 +32,7 @@ ARCHIVES = (".pt", ".bin", ".ckpt", ".distcp")
         ("torch/hf_bin_sharded", {}),
         ("torch/fsdp2_fp32", {}),  # torch DCP
         ("torch/dcp_zstd", {}),  # torch 2.15's ZStandard extension
+        ("olmo_core/olmo_fp32", {}),  # torch DCP with OLMo-core's storage records
         ("torchtune/tt_fp32", {"importing": ImportOptions(weights_only=True)}),
         ("torch_checkpointing/tc_fsdp2_synthetic_layout/step-3", {}),
         ("megatron/legacy_gpt_tp2pp2_synthetic", {}),
