@@ -131,7 +131,8 @@ class HubServer:
         self.hub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.cdn = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         for s in (self.hub, self.cdn):
-            threading.Thread(target=s.serve_forever, daemon=True).start()
+            # a short poll: shutdown() waits for it (0.5 s each by default, per test)
+            threading.Thread(target=s.serve_forever, args=(0.02,), daemon=True).start()
         self.endpoint = f"http://127.0.0.1:{self.hub.server_address[1]}"
         self.cdn_url = f"http://127.0.0.1:{self.cdn.server_address[1]}"
 

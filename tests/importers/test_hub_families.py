@@ -29,16 +29,24 @@ ARCHIVES = (".pt", ".bin", ".ckpt", ".distcp")
 @pytest.mark.parametrize(
     "name, options",
     [
-        ("torch/hf_bin_sharded", {}),
-        ("torch/fsdp2_fp32", {}),  # torch DCP
+        # torch DCP, read by the chunks' byte ranges (the default run)
+        ("torch/fsdp2_fp32", {}),
         ("torch/dcp_zstd", {}),  # torch 2.15's ZStandard extension
         ("olmo_core/olmo_fp32", {}),  # torch DCP with OLMo-core's storage records
-        ("torchtune/tt_fp32", {"importing": ImportOptions(weights_only=True)}),
-        ("torch_checkpointing/tc_fsdp2_synthetic_layout/step-3", {}),
-        ("megatron/legacy_gpt_tp2pp2_synthetic", {}),
         ("megatron/gpt_tp2", {}),  # megatron-core's torch_dist
         ("megatron_fsdp_dtensor/gpt_dp2", {}),
-        ("verl/fsdp2", {}),
+        # zip archives through the local view of the repo, as DeepSpeed's folder in the default
+        # run (tests/importers/deepspeed/test_object_store.py): the slow stage
+        *(
+            pytest.param(name, options, marks=pytest.mark.slow)
+            for name, options in [
+                ("torch/hf_bin_sharded", {}),
+                ("torchtune/tt_fp32", {"importing": ImportOptions(weights_only=True)}),
+                ("torch_checkpointing/tc_fsdp2_synthetic_layout/step-3", {}),
+                ("megatron/legacy_gpt_tp2pp2_synthetic", {}),
+                ("verl/fsdp2", {}),
+            ]
+        ),
     ],
 )
 def test_each_importer_family_restores_from_a_hub_repo_as_its_local_folder(
