@@ -15,25 +15,25 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
     "cli": 1711,
-    "continuation": 1214,
-    "exporters": 1134,
-    "format": 2698,
-    "importers": 15845,
+    "continuation": 1212,
+    "exporters": 1136,
+    "format": 2667,
+    "importers": 16004,
     "language": 2976,
-    "models": 1619,
+    "models": 1610,
     "multihost": 759,
     "orbax": 426,
-    "restoring": 5080,
+    "restoring": 5039,
     "saving": 968,
     "sharding": 741,
-    "store": 3314,
-    "torchfiles": 2984,
+    "store": 3365,
+    "torchfiles": 3022,
     "writer": 1702,
-    "modules": 3741,
+    "modules": 3726,
     "public": 366,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 47278
+TOTAL = 47430
 
 
 def _lines(paths) -> int:
