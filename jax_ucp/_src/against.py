@@ -604,9 +604,11 @@ def _plan_again(src: str, manifest: Any) -> _Expected:
         for k, v in fields.items()
     )
     try:
-        importer = registry.importer_for(src)
+        # the importer reading it whole (a taker's too), detected once and handed to the plan
+        whole = registry.ImportOptions(weights_only=fields["weights_only"])
+        importer = registry.importer_for(src, options=whole)
         options = registry.importer_options(importer, **fields)
-        plan = registry.plan_import(src, options, format=importer.name)
+        plan = registry.plan_import(src, options, format=importer)
         provenance = {tuple(item.key): _json(item.provenance or {}) for item in plan.items}
     except (SourceError, RequestError) as e:
         raise SourceError(

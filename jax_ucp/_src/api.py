@@ -185,16 +185,14 @@ def verify(
     from jax_ucp._src.restoring import verify_source
     from jax_ucp._src.restoring.sources import import_open
 
-    checkpoint_format = import_open.import_format(os.fspath(path))
-    if checkpoint_format is not None:  # a torch source itself, no jax_ucp checkpoint
+    found = import_open.import_for(os.fspath(path), warn=True)  # its importer, detected once
+    if found is not None:  # a torch source itself, no jax_ucp checkpoint
         if against is not None:
             raise RequestError(
                 f"verify(against=) compares a converted checkpoint with its source; "
-                f"{os.fspath(path)} is itself a {checkpoint_format} source: verify it alone"
+                f"{os.fspath(path)} is itself a {found[1].format} source: verify it alone"
             )
-        problems, check = verify_source.verify_source(
-            os.fspath(path), checkpoint_format, progress, budget
-        )
+        problems, check = verify_source.verify_source(os.fspath(path), *found, progress, budget)
         return VerifyResult(problems, source=check)
     # A concurrent forced save is read again, not reported as damage (locate.read_consistently).
     from jax_ucp._src.restoring import locate

@@ -513,7 +513,7 @@ def _opened_run(ckpt, options: Any):
     from jax_ucp._src.restoring.sources import import_open
 
     importing, given = getattr(options, "importing", None), getattr(options, "format", None)
-    found = import_open.import_format(ckpt, importing, given)
+    found = import_open.import_for(ckpt, importing, given, warn=True)  # detected once
     if found is None:
         from jax_ucp._src.api import inspect, restore
 
@@ -522,7 +522,7 @@ def _opened_run(ckpt, options: Any):
         yield _Run(manifest.source or {}, saved, lambda keywords: restore(ckpt, **keywords))
         return
     budget = options.read_budget if isinstance(options, RestoreOptions) else None
-    with import_open.opened_import(ckpt, found, importing, memory_budget=budget) as imported:
+    with import_open.opened_import(*found, importing, memory_budget=budget) as imported:
 
         def restore_imported(keywords: dict):
             wanted = RestoreOptions(**keywords)

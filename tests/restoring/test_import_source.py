@@ -134,10 +134,11 @@ def test_a_direct_restore_equals_convert_then_restore(tmp_path, src):
     assert list(tmp_path.iterdir()) == [tmp_path / "ucp"]  # no scratch copy anywhere else
     # the records as convert writes them in the manifest
     manifest = jax_ucp.inspect(ckpt)
-    found = import_open.import_format(src, ImportOptions())
+    found = import_open.import_for(src, ImportOptions())
+    assert found is not None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with import_open.opened_import(src, found) as opened:
+        with import_open.opened_import(*found) as opened:
             assert opened.source == _uncertified(manifest.source)
             assert opened.saved == {
                 e.key: (e.shape, to_numpy_dtype(e.dtype)) for e in manifest.tensors
@@ -282,9 +283,10 @@ def test_weights_only_reads_as_convert_weights_only(tmp_path, rel):
     converted, direct, ckpt = got
     _equal(converted, direct)
     assert "opt_state" not in direct
-    with import_open.opened_import(
-        src, import_open.import_format(src, ImportOptions()), ImportOptions(weights_only=True)
-    ) as opened:
+    weights = ImportOptions(weights_only=True)
+    found = import_open.import_for(src, weights)
+    assert found is not None
+    with import_open.opened_import(*found, weights) as opened:
         assert opened.source == _uncertified(jax_ucp.inspect(ckpt).source)  # skipped listed
 
 
@@ -399,3 +401,48 @@ def test_a_trainer_checkpoint_is_detected_once_per_restore(monkeypatch):
     assert asked == [src] * 2 and "opt_state" not in weights
     assert registry.plan_import(src, TorchOptions(parameter_order=order)).source["optimizer"]
     assert asked == [src] * 3
+
+
+def _detections(monkeypatch) -> list[tuple[str, str]]:
+    """``(importer, path)`` of each entry into a detector of ``registry.IMPORTERS``, from now."""
+    from jax_ucp._src.importers import registry
+
+    asked: list[tuple[str, str]] = []
+    for name, importer in list(registry.IMPORTERS.items()):
+
+        def detect(storage, name=name, detector=importer.detect):
+            asked.append((name, storage.root))
+            return detector(storage)
+
+        monkeypatch.setitem(registry.IMPORTERS, name, dataclasses.replace(importer, detect=detect))
+    return asked
+
+
+def test_optax_from_torch_and_verify_enter_each_detector_once(tmp_path, monkeypatch):
+    """``optax_from_torch`` and ``verify`` of a source (and ``verify(against=)``'s planning of
+    it again) detect its importer once and hand it down, as a restore does: every detector is
+    entered once per call (hf_trainer's, which takes safetensors' claim over, included)."""
+    from safetensors.numpy import save_file
+
+    from jax_ucp._src.importers import registry
+    from jax_ucp._src.importers.torch import TorchOptions
+
+    src = os.path.join(FIXTURES, "hf_trainer", "trainer_fp32", "checkpoint-3")
+    with np.load(os.path.join(FIXTURES, "hf_trainer", "trainer_fp32.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+    order = [n for n in names if not n.endswith("norm.weight")]
+    order += [n for n in names if n.endswith("norm.weight")]  # as the Trainer grouped them
+    asked = _detections(monkeypatch)
+    once = sorted((name, src) for name in registry.IMPORTERS)
+    importing = TorchOptions(parameter_order=order)
+    run = jax_ucp.optax_from_torch(src, options=jax_ucp.RestoreOptions(importing=importing))
+    assert sorted(asked) == once and run.step == 3
+    asked.clear()
+    verified = jax_ucp.verify(src)
+    assert sorted(asked) == once and list(verified) == [] and verified.source.tensors > 0
+    weights = tmp_path / "model.safetensors"
+    save_file({"a": np.arange(12, dtype=np.float32).reshape(3, 4)}, str(weights))
+    ckpt = jax_ucp.convert(weights, tmp_path / "ucp")
+    asked.clear()
+    assert jax_ucp.verify(ckpt, against=weights) == []
+    assert sorted(asked) == sorted((name, str(weights)) for name in registry.IMPORTERS)

@@ -7,15 +7,21 @@ files record no check of is said (``importers.source_checks``). JAX-free."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src.restoring import engine, model
 from jax_ucp._src.restoring.sources import import_open
 
+if TYPE_CHECKING:
+    from jax_ucp._src.importers.plan import Importer
+    from jax_ucp._src.store.storage import Storage
+
 
 def verify_source(
     path: str,
-    checkpoint_format: str,
+    storage: Storage,
+    importer: Importer,
     progress: Callable[[str, int, int], None] | None = None,
     memory_budget: int | None = None,
 ):
@@ -25,8 +31,9 @@ def verify_source(
     named by the path.
 
     Args:
-      path: the source.
-      checkpoint_format: its format (``import_open.import_format``).
+      path: the source, as given (the name of a problem of its import).
+      storage: the storage read (``import_open.import_for``'s: a run root's newest step).
+      importer: its importer, detected there once (no detector is asked again).
       progress: called as ``progress(name, done, total)`` after each tensor.
       memory_budget: bytes the import and each read may hold at once.
     """
@@ -34,9 +41,7 @@ def verify_source(
 
     problems: list[tuple[str, str]] = []
     try:
-        with import_open.opened_import(
-            path, checkpoint_format, memory_budget=memory_budget
-        ) as imported:
+        with import_open.opened_import(storage, importer, memory_budget=memory_budget) as imported:
             opened = imported.opened
             keys = list(opened.available)
             for done, key in enumerate(keys, 1):
@@ -55,9 +60,9 @@ def verify_source(
                     progress(name, done, len(keys))
             record = imported.source
     except (fmt.UCPError, OSError) as e:
-        refused = SourceCheck(checkpoint_format, [], ["the rest: the import was refused"])
+        refused = SourceCheck(importer.format, [], ["the rest: the import was refused"])
         return [(path, str(e))], refused
-    check = source_check(record, checkpoint_format)
+    check = source_check(record, importer.format)
     check.checked.append(f"every tensor read whole: {len(keys)} tensors")
     check.tensors = len(keys)
     return problems, check

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 def import_for(
-    path, importing=None, format: str | None = None, *, warn: bool = False, whole: bool = True
+    path, importing=None, format: str | None = None, *, warn: bool = False
 ) -> tuple[store.storage.Storage, Importer] | None:
     """``(the storage read, the importer convert would import it with)`` when a restore reads
     ``path`` through an import (a run root: its newest complete step, ``run_root_step``); None
@@ -45,14 +45,12 @@ def import_for(
       importing: the import options given (``RestoreOptions.importing``), or None.
       format: the format given (``RestoreOptions.format``), or None.
       warn: a run root's newer steps passed over are said (``ResumeWarning``).
-      whole: the importer that reads it whole with ``importing`` (one taking the claim over:
-        ``registry.taken_over``), else the one claiming it.
     """
     from jax_ucp._src.importers import registry  # the edge restoring -> importers
 
     storage = store.storage_for(path)
     path, explicit = storage.root, importing is not None or format is not None
-    options = None if not whole else importing or registry.ImportOptions()
+    options = importing or registry.ImportOptions()
     if not storage.local:
         if storage.exists(fmt.MANIFEST_FILE):
             return None
@@ -77,14 +75,7 @@ def import_for(
         if explicit:
             raise
         step = run_root_step(path, warn=warn)  # a Trainer's output_dir: its newest checkpoint
-        return None if step is None else import_for(step, importing, format, whole=whole)
-
-
-def import_format(path, importing=None, format: str | None = None) -> str | None:
-    """The format ``convert`` would import ``path`` as (``import_for``: the one claiming it),
-    None for a UCP checkpoint or what no importer reads."""
-    found = import_for(path, importing, format, whole=False)
-    return None if found is None else found[1].format
+        return None if step is None else import_for(step, importing, format)
 
 
 def one_revision(storage: store.storage.Storage) -> store.storage.Storage:
@@ -134,15 +125,14 @@ class Import:
 
 @contextlib.contextmanager
 def opened_import(
-    path, importer: Importer | str, importing=None, spec=None, memory_budget: int | None = None
+    path, importer: Importer, importing=None, spec=None, memory_budget: int | None = None
 ) -> Iterator[Import]:
     """``path`` opened through ``registry.plan_import`` for one restore, its tensors read in
     place; what the plan holds open is dropped after.
 
     Args:
       path: the source (a folder, or a file).
-      importer: its importer (``import_for``: ``path`` is the one it gave), or its format
-        (``import_format``: a run root read as its newest step).
+      importer: its importer (``import_for``: ``path`` is the one it gave).
       importing: the import options (an ``ImportOptions`` or a format's subclass; None: the
         format's defaults).
       spec: a restore-time spec whose views of the imported tensors are restored.
@@ -151,10 +141,7 @@ def opened_import(
     from jax_ucp._src.importers import registry  # the edge restoring -> importers
 
     storage = store.storage_for(path)  # the restore's, when given
-    if isinstance(importer, str):
-        storage = store.storage_for(run_root_step(storage.root, warn=True) or storage)
-    path = storage.root
-    checkpoint_format = importer if isinstance(importer, str) else importer.format
+    path, checkpoint_format = storage.root, importer.format
     with writer.memory_budget_scope(memory_budget):
         plan = registry.plan_import(storage, importing, format=importer)  # no detector again
         where = f"the {checkpoint_format} checkpoint {path}"
@@ -196,7 +183,7 @@ def run_root_step(path: str, *, warn: bool = False) -> str | None:
     return found.step.path
 
 
-def manifest_of(path, importer: Importer | str, importing=None) -> fmt.Manifest:
+def manifest_of(path, importer: Importer, importing=None) -> fmt.Manifest:
     """The manifest ``convert`` would write for ``path`` (``jax_ucp.inspect`` of a source read
     in place): every entry as the writer records it, the import's record as its source; no
     shard digests (nothing is written), no tensor read (except what ``ImportSource`` builds to
@@ -204,7 +191,7 @@ def manifest_of(path, importer: Importer | str, importing=None) -> fmt.Manifest:
 
     Args:
       path: the source.
-      importer: its importer or format (``opened_import``).
+      importer: its importer (``import_for``).
       importing: the import options (None: the format's defaults).
     """
     from jax_ucp._src.writer import layout as layout_lib
