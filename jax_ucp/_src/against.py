@@ -77,6 +77,9 @@ class Comparison:
     #: what the certificate check found, said (``"no certificate recorded"`` for a checkpoint
     #: converted before certificates were)
     certificate: str = ""
+    #: the import of the source as planned again (``source_weights`` reads by it: no detector
+    #: is asked twice per verify)
+    planned: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -675,7 +678,7 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
         return Comparison(files=files_found, certificate=f"{said}; no tensor compared: {e}")
     finally:
         _clear_loaded()
-    result.files, result.certificate = files_found, said
+    result.files, result.certificate, result.planned = files_found, said, expected
     return result
 
 
@@ -716,18 +719,19 @@ def _clear_loaded() -> None:
     _DEEPSPEED.clear()
 
 
-def source_weights(ckpt: str, src: str, tree: str) -> dict[str, np.ndarray]:
+def source_weights(ckpt: str, src: str, tree: str, planned=None) -> dict[str, np.ndarray]:
     """The source's tensors of the checkpoint's model weights (``tree``: ``params`` or
     ``model_params``), by their name below it (the Hugging Face names an import keeps), each
     read by the source framework's own loader, as ``compare_with_source`` reads them: what
     ``verify(logits=True)`` loads into transformers' model when the source holds no weights
     ``from_pretrained`` reads (a DCP folder, DeepSpeed, torch.save files). A weight no loader
-    reads here is a ``SourceError`` naming it and why."""
+    reads here is a ``SourceError`` naming it and why; ``planned``: ``Comparison.planned`` of
+    the same source (None: its import planned again here)."""
     from jax_ucp._src import store
     from jax_ucp._src.restoring import locate
 
     manifest = locate.read_consistently(ckpt, store.read_manifest)
-    expected = _plan_again(src, manifest)
+    expected = planned or _plan_again(src, manifest)
     out: dict[str, np.ndarray] = {}
     try:
         for entry in manifest.tensors:

@@ -225,7 +225,7 @@ def verify(
                 against,
                 tolerance=logits_tolerance,
                 source_weights=lambda tree: source_weights(
-                    os.fspath(path), os.fspath(against), tree
+                    os.fspath(path), os.fspath(against), tree, found.planned
                 ),
             )
         except SourceError:

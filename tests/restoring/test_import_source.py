@@ -9,6 +9,7 @@ import dataclasses
 import glob
 import json
 import os
+import shutil
 import warnings
 
 import jax
@@ -446,3 +447,19 @@ def test_optax_from_torch_and_verify_enter_each_detector_once(tmp_path, monkeypa
     asked.clear()
     assert jax_ucp.verify(ckpt, against=weights) == []
     assert sorted(asked) == sorted((name, str(weights)) for name in registry.IMPORTERS)
+
+
+@pytest.mark.torch
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_verify_logits_against_a_source_enters_each_detector_once(tmp_path, monkeypatch):
+    """``verify(against=, logits=True)`` of a torch DCP folder: the weights transformers' model
+    is given are read by the import the tensors were compared by (planned once)."""
+    from jax_ucp._src.importers import registry
+
+    src = shutil.copytree(os.path.join(FIXTURES, "torch", "hf_llama_fsdp2"), tmp_path / "src")
+    shutil.copy(os.path.join(FIXTURES, "torch", "hf_llama_fsdp2.config.json"), src / "config.json")
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp")
+    asked = _detections(monkeypatch)
+    found = jax_ucp.verify(ckpt, against=src, logits=True)
+    assert list(found) == [] and found.logits is not None and found.logits.ok
+    assert sorted(asked) == sorted((name, str(src)) for name in registry.IMPORTERS)
