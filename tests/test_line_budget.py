@@ -23,17 +23,17 @@ CEILINGS = {
     "models": 1610,
     "multihost": 759,
     "orbax": 426,
-    "restoring": 5039,
+    "restoring": 5031,
     "saving": 968,
     "sharding": 741,
     "store": 3365,
     "torchfiles": 3022,
     "writer": 1702,
-    "modules": 3726,
+    "modules": 3730,
     "public": 366,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 47430
+TOTAL = 47426
 
 
 def _lines(paths) -> int:
