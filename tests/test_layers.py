@@ -39,7 +39,7 @@ ALLOWED = {
     "orbax": {"format", "store", "writer", "multihost", "sharding", "tree", "restoring", "saving"},
     "api": {"format", "store", "tree", "restoring", "saving", "against", "logits"},
     # torch's file formats, read and written without torch; store: a DCP folder in an object
-    # store read by ranged GETs (object_store.read_range)
+    # store or a Hub repo read by ranged GETs (store.storage.local_view)
     "torchfiles": {"format", "writer", "store"},
     # store: the local medium's names (Orbax's temporary step mark, store.storage.local)
     "importers": {"format", "store", "writer", "language", "torchfiles"},

@@ -158,16 +158,6 @@ class ObjectPath(str):
     def name(self) -> str:
         return self.rpartition("/")[2]
 
-    def read_range(self, start: int, stop: int) -> bytes | None:
-        """Bytes ``[start, stop)`` (one ranged GET): None when there is no such object, fewer
-        (maybe none) when it ends before ``stop``."""
-        kv, key = local_view.ranged(self.storage, self.key)
-        try:
-            got = kv.read(key, byte_range=slice(start, stop)).result()
-        except ValueError:  # the range starts past the end (OUT_OF_RANGE)
-            return b"" if self.storage.exists(self.key) else None
-        return bytes(got.value) if got.state == "value" else None
-
 
 def folder(path: os.PathLike | str) -> Path | ObjectPath:
     """``path`` as the reader holds it: an :class:`ObjectPath` for a remote URL (an object
@@ -564,9 +554,10 @@ def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[Dc
 
 def _object_size(root: ObjectPath, name: str, end: int) -> int:
     """``end`` when object ``name`` holds that many bytes, else its size (-1: missing)."""
-    if end and (root / name).read_range(end - 1, end) not in (None, b""):
+    obj = root / name
+    if end and local_view.read_range(obj.storage, obj.key, end - 1, end) not in (None, b""):
         return end
-    got = (root / name).read_range(0, end)
+    got = local_view.read_range(obj.storage, obj.key, 0, end)
     return -1 if got is None else len(got)
 
 
@@ -778,8 +769,8 @@ def _load_metadata(root: Path | ObjectPath, extra_classes: dict[str, Any] | None
     """``.metadata`` restrictedly unpickled: (path, pickle, its two checked dicts)."""
     mfile = root / METADATA_FILE
     try:
-        if isinstance(root, ObjectPath):
-            raw = root.storage.read((root / METADATA_FILE).key, MAX_METADATA_BYTES)
+        if isinstance(mfile, ObjectPath):
+            raw = mfile.storage.read(mfile.key, MAX_METADATA_BYTES)
             if raw is None:
                 raise SourceError(f"{root}: no .metadata object (not a torch DCP checkpoint)")
         elif not os.path.lexists(mfile):

@@ -62,7 +62,7 @@ def _gets(monkeypatch) -> list[tuple[str, int | None, int | None]]:
     (one call of ``local_view.fetch_ranges``, its pieces fetched at once, or a ranged GET),
     (name, None, None) of a whole GET."""
     gets: list[tuple[str, int | None, int | None]] = []
-    fetch, ranged, whole = local_view.fetch_ranges, object_store.read_range, object_store.read
+    fetch, ranged, whole = local_view.fetch_ranges, local_view.read_range, object_store.read
 
     def pieces(kv, key, ranges, put):
         gets.extend((key.rpartition("/")[2], a, b) for a, b in ranges)
@@ -70,9 +70,11 @@ def _gets(monkeypatch) -> list[tuple[str, int | None, int | None]]:
 
     monkeypatch.setattr(local_view, "fetch_ranges", pieces)
     monkeypatch.setattr(
-        object_store,
+        local_view,
         "read_range",
-        lambda root, name, a, b: gets.append((name, a, b)) or ranged(root, name, a, b),
+        lambda where, name, a, b: (
+            gets.append((name.rpartition("/")[2], a, b)) or ranged(where, name, a, b)
+        ),
     )
     monkeypatch.setattr(
         object_store,

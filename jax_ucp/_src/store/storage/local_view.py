@@ -338,6 +338,17 @@ def ranged(storage: Storage, name: str) -> tuple[ts.KvStore, str]:
     return ts.KvStore.open(spec).result(), key
 
 
+def read_range(storage: Storage, name: str, start: int, stop: int) -> bytes | None:
+    """Bytes ``[start, stop)`` of object ``name`` of ``storage`` (one ranged GET): None when
+    there is no such object, fewer (maybe none) when it ends before ``stop``."""
+    kv, key = ranged(storage, name)
+    try:
+        got = kv.read(key, byte_range=slice(start, stop)).result()
+    except ValueError:  # the range starts past the end (OUT_OF_RANGE)
+        return b"" if storage.exists(name) else None
+    return bytes(got.value) if got.state == "value" else None
+
+
 def pieces(storage: Storage, name: str) -> Iterator[bytes]:
     """Object ``name`` of ``storage``, :data:`PIECE` bytes per ranged GET (the last one to its
     end); FileNotFoundError when there is none."""

@@ -152,24 +152,6 @@ def read_stamped(root: str, name: str, limit: int) -> tuple[bytes, bytes] | None
     return (bytes(result.value), result.stamp.generation) if result.state == "value" else None
 
 
-def read_range(root: str, name: str, start: int, stop: int) -> bytes | None:
-    """Bytes ``[start, stop)`` of object ``name`` under ``root`` (one ranged GET); None when
-    the object does not exist, fewer bytes (maybe none) when it ends before ``stop``.
-
-    Args:
-        root: the object-store prefix (``s3://bucket/ckpt``, ``gs://...``)
-        name: the object's name under it
-        start: the first byte
-        stop: one past the last byte
-    """
-    kv = _kvstore(root)
-    try:
-        got = kv.read(name, byte_range=slice(start, stop)).result()
-    except ValueError:  # the range starts past the end (OUT_OF_RANGE)
-        return None if not exists(root, name) else b""
-    return bytes(got.value) if got.state == "value" else None
-
-
 def exists(root: str, name: str) -> bool:
     """Whether object ``name`` exists under ``root`` (a zero-byte ranged read)."""
     return _kvstore(root).read(name, byte_range=slice(0, 0)).result().state == "value"
