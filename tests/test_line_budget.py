@@ -27,13 +27,13 @@ CEILINGS = {
     "saving": 968,
     "sharding": 741,
     "store": 3358,
-    "torchfiles": 3013,
+    "torchfiles": 3016,
     "writer": 1702,
     "modules": 3730,
     "public": 366,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 47410
+TOTAL = 47413
 
 
 def _lines(paths) -> int:

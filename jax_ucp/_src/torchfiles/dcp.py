@@ -150,6 +150,9 @@ class ObjectPath(str):
         self.storage, self.key = where, key.strip("/")
         return self
 
+    def __reduce__(self):  # copied (and pickled, where its storage is) with its storage
+        return ObjectPath, (str(self), self.storage, self.key)
+
     def __truediv__(self, name: str) -> ObjectPath:
         key = f"{self.key}/{name}" if self.key else name
         return ObjectPath(f"{self}/{name}", self.storage, key)
