@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -440,8 +441,12 @@ def test_optax_from_torch_and_verify_enter_each_detector_once(tmp_path, monkeypa
     assert sorted(asked) == once and run.step == 3
     asked.clear()
     verified = jax_ucp.verify(src)
-    assert sorted(asked) == once and list(verified) == []
-    assert verified.source is not None and verified.source.tensors > 0
+    assert sorted(asked) == once
+    if importlib.util.find_spec("transformers") is not None:  # the Trainer's order rebuilt
+        assert list(verified) == []
+        assert verified.source is not None and verified.source.tensors > 0
+    else:  # without transformers the order is not known: said, naming the option
+        assert len(verified) == 1 and "--parameter-order" in str(next(iter(verified)))
     weights = tmp_path / "model.safetensors"
     save_file({"a": np.arange(12, dtype=np.float32).reshape(3, 4)}, str(weights))
     ckpt = jax_ucp.convert(weights, tmp_path / "ucp")
