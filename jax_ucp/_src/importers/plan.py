@@ -44,6 +44,13 @@ class ImportPlan:
     source_tensors: Collection[str] | None = None
 
 
+#: torch's Adam moments and their place in the output tree (the contract's ``opt_state/mu|nu``),
+#: whichever framework saved them.
+ADAM_TREES: dict[str, tuple[str, ...]] = {
+    "exp_avg": ("opt_state", "mu"),
+    "exp_avg_sq": ("opt_state", "nu"),
+}
+
 # The importer contract (docs/FORMAT.md, section 2.6): the output tree of every importer, and the manifest role of each part.
 _ROLES: dict[tuple[str, ...], tuple[str, str | None]] = {
     ("params",): ("param", None),
@@ -226,6 +233,16 @@ def host_item(key: tuple[str, ...], value: Any, provenance: dict) -> writer.Host
     """
     role, sub_role = _ROLES.get(tuple(key[:2])) or _ROLES.get(tuple(key[:1]), ("other", None))
     return writer.HostItem(key, value, role=role, sub_role=sub_role, provenance=provenance)
+
+
+def count_item(step: int, provenance: dict) -> writer.HostItem:
+    """``opt_state/count``: the optimizer's step as the int32 scalar optax counts in.
+
+    Args:
+        step: the step (every rank and parameter agreeing: :func:`agreed_step`).
+        provenance: where it was read (files, pattern, tensors or values).
+    """
+    return host_item(("opt_state", "count"), np.asarray(step, np.int32), provenance)
 
 
 def jsonable(value: Any) -> Any:

@@ -56,7 +56,7 @@ from jax_ucp._src.importers.plan import (
     ImportOptions,
     ImportPlan,
     agreed_step,
-    host_item,
+    count_item,
     refuse_spec,
     skip,
     tensor_names,
@@ -453,7 +453,7 @@ def iter_universal_items(checkpoint: UniversalCheckpoint, options: ImportOptions
     provenance = {"files": [ZERO_DIR], "pattern": "step", "tensors": tensors}
     if values:
         provenance[VALUES] = values
-    yield host_item(("opt_state", "count"), np.asarray(step, np.int32), provenance)
+    yield count_item(step, provenance)
 
 
 def universal_tensors(

@@ -51,11 +51,13 @@ from jax_ucp._src.importers.deepspeed.files import (
     unsafe_files_refused,
 )
 from jax_ucp._src.importers.plan import (
+    ADAM_TREES,
     TENSORS,
     VALUES,
     ImportOptions,
     ImportPlan,
     agreed_step,
+    count_item,
     host_item,
     jsonable,
     skip,
@@ -64,11 +66,7 @@ from jax_ucp._src.importers.plan import (
 from jax_ucp._src.torchfiles.allow_list import StandIn
 
 #: The optimizer states of a parameter, in output order, with where each goes in the output tree.
-STATE_TREES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("fp32", ("params",)),
-    ("exp_avg", ("opt_state", "mu")),
-    ("exp_avg_sq", ("opt_state", "nu")),
-)
+STATE_TREES: tuple[tuple[str, tuple[str, ...]], ...] = (("fp32", ("params",)), *ADAM_TREES.items())
 
 
 #: Stage 3's model states file of one (DP rank, model-parallel rank).
@@ -703,7 +701,7 @@ def step_item(step: int, *checkpoints: DeepSpeedCheckpoint) -> writer.HostItem:
     """``opt_state.count``: the ``step`` the ranks' optimizer files agree on, named by them."""
     files = [os.path.basename(f) for c in checkpoints for f in c.optim_files]
     provenance = {"files": files, "pattern": "step", **step_sources(*checkpoints)}
-    return host_item(("opt_state", "count"), np.asarray(step, np.int32), provenance)
+    return count_item(step, provenance)
 
 
 def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.errors import SourceError
-from jax_ucp._src.importers.plan import agreed_step
+from jax_ucp._src.importers.plan import ADAM_TREES, agreed_step
 from jax_ucp._src.torchfiles.allow_list import TorchFileError
 
 
@@ -42,11 +42,7 @@ SUPPORTED_LAYOUTS = (
 )
 #: Adam's state in megatron-core's flat buffers (``distrib_optim.pt``, the per-rank layouts),
 #: and where each goes in the output tree.
-STATE_TREES = {
-    "param": ("params",),
-    "exp_avg": ("opt_state", "mu"),
-    "exp_avg_sq": ("opt_state", "nu"),
-}
+STATE_TREES = {"param": ("params",), **ADAM_TREES}
 WEIGHTS_ONLY_HINT = (
     "To import the model weights without the optimizer state: "
     "convert(..., importing=ImportOptions(weights_only=True)) / jax-ucp convert --weights-only"

@@ -37,7 +37,7 @@ from jax_ucp._src.importers.megatron.common import (
 from jax_ucp._src.importers.megatron.rules import add_arg_settings, import_rules_spec
 from jax_ucp._src.importers.megatron.run_record import MEGATRON_OPTIMIZER, optimizer_record
 from jax_ucp._src.importers.megatron.torch_dist import TorchDistReader, torch_dist_items
-from jax_ucp._src.importers.plan import VALUES, ImportOptions, ImportPlan, agreed_step, host_item
+from jax_ucp._src.importers.plan import VALUES, ImportOptions, ImportPlan, agreed_step, count_item
 
 _STATE = "optimizer.state."
 _GROUP_META = "optimizer.param_to_group_meta."
@@ -234,8 +234,7 @@ def _items(
         key = (*item.key[:-1], model[item.key[-1]])
         yield dataclasses.replace(item, key=key, provenance=provenance)
     if count is not None:
-        yield host_item(
-            ("opt_state", "count"),
-            np.asarray(count, np.int32),
+        yield count_item(
+            count,
             {"pattern": "optimizer.state.<param>.step", VALUES: [".metadata: optimizer.state"]},
         )

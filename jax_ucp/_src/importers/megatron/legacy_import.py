@@ -38,6 +38,7 @@ from jax_ucp._src.importers.plan import (
     ImportPlan,
     Share,
     agreed_step,
+    count_item,
     host_item,
     tensor_names,
 )
@@ -593,9 +594,8 @@ def _legacy_items(plan: LegacyMerger, share: Share = WHOLE) -> Iterator[writer.H
             yield host_item(("model_params", name), value, {**weights, "pattern": pattern})
     if plan.optimizer is not None and share.primary:
         rank_files = (r.path for r in checkpoint.ranks.values())
-        yield host_item(
-            ("opt_state", "count"),
-            np.asarray(plan.count, np.int32),
+        yield count_item(
+            plan.count,
             {
                 "files": sorted(os.path.relpath(f, checkpoint.iter_dir) for f in rank_files),
                 "pattern": "optimizer.param_groups.step",

@@ -19,17 +19,13 @@ from jax_ucp._src.importers.megatron.common import (
     is_optimizer_name,
     sharding_type,
 )
+from jax_ucp._src.importers.plan import ADAM_TREES
 
 _OPTIMIZER_PREFIX = "optimizer.state."
 
 
 # megatron-core's optimizer state names, and where each goes in the output tree
-OPTIMIZER_STATE_TREES = {
-    "param": ("params",),
-    "fp32_param": ("params",),
-    "exp_avg": ("opt_state", "mu"),
-    "exp_avg_sq": ("opt_state", "nu"),
-}
+OPTIMIZER_STATE_TREES = {"param": ("params",), "fp32_param": ("params",), **ADAM_TREES}
 
 
 def model_space_tensors(checkpoint: dcp.DcpCheckpoint, common: Any) -> dict[str, dict[str, str]]:

@@ -51,6 +51,7 @@ from jax_ucp._src.importers.plan import (
     ImportOptions,
     ImportPlan,
     agreed_step,
+    count_item,
     host_item,
 )
 from jax_ucp._src.language import Spec, Vocab
@@ -423,10 +424,8 @@ def bucket_items(
                 },
             )
     if count is not None:  # None: another process of a shared import writes the step
-        yield host_item(
-            ("opt_state", "count"),
-            np.asarray(count, np.int32),
-            {"files": files, "pattern": "param_groups.step", VALUES: buckets.step_objects()},
+        yield count_item(
+            count, {"files": files, "pattern": "param_groups.step", VALUES: buckets.step_objects()}
         )
 
 
@@ -581,9 +580,8 @@ def torch_dist_items(
             root = "model_params" if optimizer_tensors else "params"
             yield host_item((root, name), value, provenance)
     if optimizer_tensors and count is not None:
-        yield host_item(
-            ("opt_state", "count"),
-            np.asarray(count, np.int32),
+        yield count_item(
+            count,
             {
                 "files": ["common.pt"],
                 "pattern": "param_groups.step",

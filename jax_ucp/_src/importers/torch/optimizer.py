@@ -29,7 +29,15 @@ from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import mapped_file
 from jax_ucp._src.format.dtypes import is_floating
-from jax_ucp._src.importers.plan import ImportOptions, ImportPlan, agreed_step, host_item, jsonable
+from jax_ucp._src.importers.plan import (
+    ADAM_TREES,
+    ImportOptions,
+    ImportPlan,
+    agreed_step,
+    count_item,
+    host_item,
+    jsonable,
+)
 
 __all__ = [
     "STATE_TREES",
@@ -44,11 +52,7 @@ __all__ = [
 
 
 #: torch optimizer state name -> where it goes in the output tree (the rest keep their names)
-STATE_TREES: dict[str, tuple[str, ...]] = {
-    "exp_avg": ("opt_state", "mu"),
-    "exp_avg_sq": ("opt_state", "nu"),
-    "momentum_buffer": ("opt_state", "trace"),
-}
+STATE_TREES: dict[str, tuple[str, ...]] = {**ADAM_TREES, "momentum_buffer": ("opt_state", "trace")}
 
 #: components torch's wrappers insert into parameter names (anywhere), and DDP's (leading)
 _WRAPPERS_ANYWHERE = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
@@ -311,11 +315,7 @@ def _items(
                 )
     if step is not None:
         count, sources = step
-        yield host_item(
-            ("opt_state", "count"),
-            np.asarray(count, np.int32),
-            {"pattern": "state.*.step", "tensors": sources},
-        )
+        yield count_item(count, {"pattern": "state.*.step", "tensors": sources})
 
 
 def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
