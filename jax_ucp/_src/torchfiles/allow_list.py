@@ -415,7 +415,8 @@ def _process_group_state(owner: Any, name: Any) -> Allowed:
     return Allowed(qualname, standin_class(qualname))
 
 
-def _get_layout(name: Any) -> str:
+def get_layout(name: Any) -> str:
+    """``torch.serialization._get_layout``: the one layout a tensor's bytes are read in."""
     if name != "torch.strided":
         raise ValueError(f"layout {short_repr(name, 80)} is not read (only torch.strided)")
     return name
@@ -424,7 +425,7 @@ def _get_layout(name: Any) -> str:
 def _sharded_tensor_classes() -> dict[str, Any]:
     d: dict[str, Any] = {
         "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
-        "torch.serialization._get_layout": _get_layout,
+        "torch.serialization._get_layout": get_layout,
         "torch.distributed.tensor.DTensor": _WrapperClass("torch.distributed.tensor.DTensor"),
         "torch.distributed.tensor._api.DTensor": _WrapperClass("torch.distributed.tensor.DTensor"),
         _SHARDED_TENSOR: _WrapperClass(_SHARDED_TENSOR),

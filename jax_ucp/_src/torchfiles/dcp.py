@@ -69,12 +69,6 @@ class _MetadataIndex(allow_list.StandIn):
         return isinstance(other, _MetadataIndex) and other._key() == self._key()
 
 
-def _get_layout(name: Any) -> str:
-    if not isinstance(name, str) or not name.startswith("torch."):
-        raise ValueError(f"bad layout name {name!r}")
-    return name
-
-
 def path_standin(*parts: Any) -> str:
     """A pickled ``pathlib`` path as the string it names (strings only; the disk is not touched)."""
     if not all(isinstance(p, str) for p in parts) or sum(len(p) for p in parts) > 1 << 16:
@@ -113,8 +107,8 @@ def _standins() -> dict[str, Any]:
         d[p + n] = allow_list.standin_class(p + n)
     d[p + "WriteItemType"] = allow_list.int_enum_standin(p + "WriteItemType")
     d[p + "LoadItemType"] = allow_list.int_enum_standin(p + "LoadItemType")
-    d["torch.serialization._get_layout"] = _get_layout
-    d["torch.layout"] = _get_layout
+    d["torch.serialization._get_layout"] = allow_list.get_layout
+    d["torch.layout"] = allow_list.get_layout
     # StorageMeta.checkpoint_id: the path torch.distributed.checkpoint.save was given
     for n in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
         d["pathlib." + n] = path_standin
@@ -352,24 +346,31 @@ class DcpCheckpoint:
         path = self.file_path(name)
         return path if isinstance(path, ObjectPath) else Path(path)
 
+    def _entry_bytes(
+        self, e: DcpChunk | DcpObject, budget: int, where: str
+    ) -> tuple[Path | ObjectPath, np.ndarray]:
+        """(its file, the bytes of chunk or object ``e``), torch's stream transforms (its
+        ZStandard extension) undone within ``budget`` bytes."""
+        dcp_transforms.check_descriptors(e.transforms, where)
+        fpath = self._file(e.file)
+        raw = _file_range(fpath, e.byte_offset, e.byte_length, where)
+        if e.transforms:
+            data = mapped_file.read_bytes(raw, 0, raw.size, where)
+            raw = np.frombuffer(dcp_transforms.undo(data, e.transforms, budget, where), np.uint8)
+        return fpath, raw
+
     def _chunk_bytes(
         self, t: DcpTensor, c: DcpChunk
     ) -> tuple[str, Path | ObjectPath, np.ndarray, bool]:
-        """(``c`` for errors, its file, its mapped bytes, whether they are a torch.save archive)."""
-        where, fpath = self._where(t, c), self._file(c.file)
-        raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
+        """(``c`` for errors, its file, its bytes, whether they are a torch.save archive)."""
+        where = self._where(t, c)
+        n = math.prod(c.sizes) * t.dtype.itemsize
+        fpath, raw = self._entry_bytes(c, n + ARCHIVE_OVERHEAD, where)
         return where, fpath, raw, mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04"
 
     def read_chunk(self, t: DcpTensor, c: DcpChunk) -> np.ndarray:
-        dcp_transforms.check_descriptors(c.transforms, self._where(t, c))
         where, fpath, raw, archive = self._chunk_bytes(t, c)
         n = math.prod(c.sizes) * t.dtype.itemsize
-        if c.transforms:  # compressed (torch's ZStandard extension): decoded within a budget
-            data = mapped_file.read_bytes(raw, 0, raw.size, where)
-            raw = np.frombuffer(
-                dcp_transforms.undo(data, c.transforms, n + ARCHIVE_OVERHEAD, where), np.uint8
-            )
-            archive = raw[:4].tobytes() == b"PK\x03\x04"
         if archive:
             arr, _ = _load_embedded(raw, f"{fpath}@{c.byte_offset}", where)
         else:  # torch's raw (non-torch.save) serialization: the bytes of a contiguous tensor
@@ -383,30 +384,11 @@ class DcpCheckpoint:
         _check_chunk(arr, t, c, where)
         return arr
 
-    def read_range(self, name: str, start: int, end: int) -> np.ndarray:
-        """Elements ``[start, end)`` of the 1-D tensor ``name``, from the chunks overlapping them.
-
-        Args:
-            name: the 1-D tensor.
-            start: the first element.
-            end: one past the last element."""
-        t = self.tensors[name]
-        if len(t.shape) != 1 or not 0 <= start <= end <= t.shape[0]:
-            raise SourceError(f"tensor {name!r}: range [{start}, {end}) of shape {list(t.shape)}")
-        return self._assemble(t, start, end)
-
     def read_object(self, name: str, extra_classes=None) -> Any:
         """Unpickle a ShardedObject payload (restricted; unknown classes are refused)."""
         o = self.objects[name]
         where = f"object {name!r} in {self.path / o.file}"
-        dcp_transforms.check_descriptors(o.transforms, where)
-        fpath = self._file(o.file)
-        raw = _file_range(fpath, o.byte_offset, o.byte_length, where)
-        if o.transforms:  # compressed like the chunks, within MAX_OBJECT_BYTES
-            data = mapped_file.read_bytes(raw, 0, raw.size, where)
-            raw = np.frombuffer(
-                dcp_transforms.undo(data, o.transforms, MAX_OBJECT_BYTES, where), np.uint8
-            )
+        fpath, raw = self._entry_bytes(o, MAX_OBJECT_BYTES, where)
         obj, _ = _load_embedded(raw, f"{fpath}@{o.byte_offset}", where, extra_classes=extra_classes)
         return obj
 
@@ -497,15 +479,7 @@ def check_coverage(t: DcpTensor, where: Path | str) -> None:
             f"{a.file} and {list(b.offsets)}+{list(b.sizes)} in {b.file} both hold element "
             f"{element} ({where})"
         )
-    ranges = sorted(
-        (c.file, c.byte_offset, c.byte_offset + c.byte_length) for c in t.chunks if c.byte_length
-    )
-    for (file_a, _, end_a), (file_b, start_b, _) in itertools.pairwise(ranges):
-        if file_a == file_b and start_b < end_a:
-            raise SourceError(
-                f"tensor {t.name!r} in {where}: two chunks share bytes [{start_b}, "
-                f"{min(end_a, start_b + 1)}...) of {file_a}; each chunk has its own bytes"
-            )
+    check_disjoint({t.name: t}, {}, where)  # no two chunks share a byte
 
 
 def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[DcpChunk]] | None:
@@ -928,7 +902,7 @@ def check_disjoint(
     (_, _, end_a, file, name_a, chunk_a), (_, first, end_b, _, name_b, chunk_b) = hit
     last = min(end_a, end_b)
     if name_a == name_b and chunk_a is not None and chunk_b is not None:
-        raise SourceError(  # the wording of check_coverage, which finds it too
+        raise SourceError(
             f"tensor {name_b!r} in {where}: two chunks share bytes [{first}, "
             f"{min(last, first + 1)}...) of {file}; each chunk has its own bytes"
         )

@@ -106,15 +106,9 @@ class BucketStates(RankStates):
                     f"{where}: model-parallel rank {rank}: bucket tensors of {numels} elements, "
                     f"but megatron-core recorded {recorded} unpadded"
                 )
-            try:
-                self.layout[rank] = legacy.bucket_layout(
-                    params, shared, numels, f"{where} (model-parallel rank {rank})"
-                )
-            except SourceError as e:
-                raise MegatronImportError(
-                    f"{e} (megatron-core 0.16 grad-buffer layout; another version or DDP "
-                    f"config?). {WEIGHTS_ONLY_HINT}"
-                ) from None
+            self.layout[rank] = legacy.bucket_layout(
+                params, shared, numels, f"{where} (model-parallel rank {rank})"
+            )
 
     def _recorded_numels(self, rank: int) -> list[int] | None:
         """``per_bucket_numel_unpadded``: [[{(param dtype, grad dtype): [numel per bucket]}]]."""
@@ -136,7 +130,7 @@ class BucketStates(RankStates):
         return sorted({f for n in names for f in self.checkpoint.tensors[n].files})
 
     def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
-        return self.checkpoint.read_range(self.buckets[rank][bucket][state], start, end)
+        return self.checkpoint.read_rows(self.buckets[rank][bucket][state], start, end)
 
     def source(self, rank: int, bucket: int, state: str) -> str:
         return self.buckets[rank][bucket][state]
@@ -181,16 +175,8 @@ class GatheredStates(RankStates):
             except SourceError as e:
                 raise MegatronImportError(f"{e}. {WEIGHTS_ONLY_HINT}") from None
             params, shared = self.rank_params(rank)
-            layout, total = legacy.distrib_optim_layout(
-                params, shared, bucket_size if rank < self.tp else None
-            )
-            if total != state.numel_unpadded:
-                raise MegatronImportError(
-                    f"{label}: the buffer holds {state.numel_unpadded} elements, but the "
-                    f"{len(params)} local parameters of model-parallel rank {rank} lay out to "
-                    f"{total} (megatron-core grad-buffer layout, bucket_size={bucket_size}); "
-                    f"another version or DDP bucket setting? {WEIGHTS_ONLY_HINT}"
-                )
+            size, whose = bucket_size if rank < self.tp else None, f"model-parallel rank {rank}"
+            layout = legacy.distrib_optim_layout(params, shared, size, state, whose)
             self.buffers[rank] = state
             self.layout[rank] = {k: (0, a, b) for k, (a, b) in layout.items()}
 

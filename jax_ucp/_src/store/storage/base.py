@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from jax_ucp._src import format as fmt
+from jax_ucp._src.errors import CheckpointError, RequestError
 
 # URL scheme -> TensorStore kvstore driver: the object stores (``object_store``); here, so that
 # choosing a path's medium (``storage_for``) does not import the object-store code
@@ -71,6 +72,8 @@ class Storage(abc.ABC):
     it ("/"-separated)."""
 
     local = False  # files opened, linked and swapped by ``os`` at ``root`` (else: requests only)
+    #: why ``root`` may hold no ``ucp.json`` yet, for ``read_manifest``'s error
+    no_manifest_hint = ""
 
     def __init__(self, root: str):
         self.root = root
@@ -115,13 +118,24 @@ class Storage(abc.ABC):
     def delete(self, names: list[str]) -> None:
         """Removes each of ``names`` (a missing one is no error)."""
 
-    @abc.abstractmethod
     def make_durable(self) -> None:
-        """Everything written under ``root`` so far durable (before it is reported written)."""
+        """Everything written under ``root`` so far durable (before it is reported written);
+        nothing where a write is durable when it returns (an object store's PUT)."""
+        return
 
-    @abc.abstractmethod
     def read_manifest(self) -> fmt.Manifest:
         """The checkpoint's ``ucp.json``, strictly validated."""
+        where = self.join(fmt.MANIFEST_FILE)
+        try:
+            data = self.read(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES)
+        except RequestError as e:
+            raise CheckpointError(str(e)) from None
+        if data is None:
+            raise CheckpointError(
+                f"{where}: no manifest; {self.root} is not a jax_ucp checkpoint"
+                f"{self.no_manifest_hint}."
+            )
+        return fmt.Manifest.loads(data, where=where)
 
     @abc.abstractmethod
     def write_manifest(self, manifest: fmt.Manifest, name: str = fmt.MANIFEST_FILE) -> None:
@@ -159,9 +173,10 @@ class Storage(abc.ABC):
             inner: staged only: the checkpoint is that directory under ``tx.path``.
         """
 
-    @abc.abstractmethod
     def remove_abandoned(self) -> list[str]:
-        """What killed writers of ``root`` left, removed unless a save holds the lock."""
+        """What killed writers of ``root`` left, removed unless a save holds the lock (nothing
+        where the next save deletes it, or nothing is written)."""
+        return []
 
 
 def kvstore_join(spec: Mapping[str, Any], *subpath: str) -> dict:

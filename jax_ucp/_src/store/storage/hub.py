@@ -24,7 +24,7 @@ import urllib.request
 from typing import NoReturn
 
 from jax_ucp._src import format as fmt
-from jax_ucp._src.errors import CheckpointError, RequestError, SourceError
+from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.store.storage.base import Storage
 
 SCHEME = "hf://"
@@ -110,6 +110,8 @@ def parse(url: str) -> tuple[str, str, str]:
 class HubRepo(Storage):
     """A Hub model repo (or a folder of it) at one commit: listed by the Hub's API, its files
     read by ranged GETs. Nothing is written."""
+
+    no_manifest_hint = " (a Hub repo of safetensors is restored or converted as such)"
 
     def __init__(self, root: str):
         super().__init__(root)
@@ -205,23 +207,8 @@ class HubRepo(Storage):
         full = under + prefix
         return sorted(n[len(under) :] for n in self._listing()[1] if n.startswith(full))
 
-    def read_manifest(self) -> fmt.Manifest:
-        data = self.read(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES)
-        if data is None:
-            raise CheckpointError(
-                f"{self.join(fmt.MANIFEST_FILE)}: no manifest; {self.root} is not a jax_ucp "
-                f"checkpoint (a Hub repo of safetensors is restored or converted as such)."
-            )
-        return fmt.Manifest.loads(data, where=self.join(fmt.MANIFEST_FILE))
-
     def identity(self) -> str:
         return self.sha
-
-    def remove_abandoned(self) -> list[str]:
-        return []
-
-    def make_durable(self) -> None:
-        """Nothing: nothing is written."""
 
     def write(self, *args, **kwargs) -> NoReturn:
         raise RequestError(f"{self.root}: {READ_ONLY}")

@@ -29,7 +29,7 @@ from typing import Any
 import tensorstore as ts
 
 from jax_ucp._src import format as fmt
-from jax_ucp._src.errors import CheckpointError, RequestError, SaveConflictError
+from jax_ucp._src.errors import RequestError, SaveConflictError
 from jax_ucp._src.multihost import liveness
 from jax_ucp._src.store.storage.base import SCHEMES, Claim, Storage, Transaction, kvstore_join
 
@@ -323,6 +323,11 @@ class ObjectStorePrefix(Storage):
     """A checkpoint under an ``s3://`` / ``gs://`` prefix: no rename, so committed by its
     ``ucp.json``, written last and only if absent; locked by an object in the prefix."""
 
+    no_manifest_hint = (
+        " (or its save did not complete: an object-store checkpoint exists once its "
+        f"{fmt.MANIFEST_FILE} is written)"
+    )
+
     def absolute(self) -> str:
         return self.root
 
@@ -347,23 +352,6 @@ class ObjectStorePrefix(Storage):
 
     def delete(self, names: list[str]) -> None:
         delete_names(self.root, names)
-
-    def make_durable(self) -> None:
-        """Nothing: an object store's PUT is durable when it returns."""
-
-    def read_manifest(self) -> fmt.Manifest:
-        where = join(self.root, fmt.MANIFEST_FILE)
-        try:
-            data = read(self.root, fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES)
-        except RequestError as e:
-            raise CheckpointError(str(e)) from None
-        if data is None:
-            raise CheckpointError(
-                f"{where}: no manifest; {self.root} is not a jax_ucp checkpoint (or its save did "
-                f"not complete: an object-store checkpoint exists once its {fmt.MANIFEST_FILE} is "
-                f"written)."
-            )
-        return fmt.Manifest.loads(data, where=where)
 
     def write_manifest(self, manifest: fmt.Manifest, name: str = fmt.MANIFEST_FILE) -> None:
         """One PUT, the commit: created only if absent, never over another save's commit."""
@@ -400,7 +388,3 @@ class ObjectStorePrefix(Storage):
             except BaseException:
                 claim.failed(self.root)
                 raise
-
-    def remove_abandoned(self) -> list[str]:
-        """Nothing: a killed save's objects are deleted by the next save of the prefix."""
-        return []
