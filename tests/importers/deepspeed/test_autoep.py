@@ -307,12 +307,14 @@ def test_autoep_zero0_weights_only_and_its_optimizer_files_checked(tmp_path, mon
 @pytest.mark.parametrize(
     "run",
     ["autoep_ep2_z1_fp32", "autoep_ep2_edp2_z3_bf16", "autoep_ep2_z0_fp32", "z1_fp32_dp2"]
-    + ["moe_ep2_z0_fp32"],
+    + ["moe_ep2_z0_fp32", "pipe_pp2_z1_fp32", "pipe_pp2_dp2_z1_bf16"],
 )
 def test_each_file_is_parsed_once_per_import(tmp_path, monkeypatch, run):
     """Before: AutoEP's detection parsed the model states file, then the importer parsed it
-    again (every DeepSpeed training import). Now each file of the tag folder is parsed once:
-    counted by wrapping the one reader of DeepSpeed's torch files."""
+    again (every DeepSpeed training import); a pipeline import parsed ``mp_rank_00/01`` (no
+    tensors: their module is None) again when the folder was checked after planning. Now each
+    file of the tag folder is parsed once: counted by wrapping the one reader of DeepSpeed's
+    torch files."""
     parsed: list[str] = []
     read = deepspeed_files.load_deepspeed_file
 

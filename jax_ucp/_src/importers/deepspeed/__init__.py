@@ -172,10 +172,10 @@ def plan(storage: Storage, options: DeepSpeedOptions) -> ImportPlan:
     if universal_dir is not None:
         return universal.plan_universal(universal_dir, options)
     tag_dir = resolve_tag_dir(os.fspath(src), tag)
-    with parse_once():  # AutoEP's detection and the importer read one parse of a file
+    with parse_once():  # AutoEP's detection, the importer and the check read one parse
         plan = _plan_training_checkpoint(tag_dir, options)
-    # every file of the tag folder is read: a file nobody reads is a silent loss (refused)
-    check_every_file_read(tag_dir, plan.source_tensors)
+        # every file of the tag folder is read: a file nobody reads is a silent loss (refused)
+        check_every_file_read(tag_dir, plan.source_tensors)
     trainer = trainer_folder_above(tag_dir)  # a Trainer's checkpoint-N/ holding global_stepN/
     if trainer is not None:  # its schedule, clipping, step: what continues the run
         record = trainer_record(trainer)

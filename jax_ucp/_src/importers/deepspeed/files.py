@@ -231,7 +231,7 @@ def check_every_file_read(tag_dir: str, source_tensors) -> None:
             known
             and os.path.isfile(path)
             and not os.path.islink(path)
-            and not any(True for _ in tensor_names(load_deepspeed_file(path)))
+            and not any(True for _ in tensor_names(parsed_file(path)))
         ):
             continue
         unread.append(name)
@@ -395,17 +395,17 @@ def read_optimizer_states(
 # --------------------------------------------------------------------------- model states files
 
 
-#: The model states files parsed while :func:`parse_once` is open, by path.
-_PARSED: contextvars.ContextVar[dict[str, Mapping] | None] = contextvars.ContextVar(
+#: The files parsed while :func:`parse_once` is open, by path.
+_PARSED: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "parsed_model_states", default=None
 )
 
 
 @contextlib.contextmanager
 def parse_once() -> Iterator[None]:
-    """While open (the planning of one import), :func:`load_model_states` parses each file once
-    and hands every later reader the same states: the layout's detection (AutoEP's records),
-    then its importer."""
+    """While open (one import: its planning and :func:`check_every_file_read`),
+    :func:`parsed_file` parses each file once and hands every later reader the same content:
+    the layout's detection (AutoEP's records), its importer, then the check of the folder."""
     token = _PARSED.set({})
     try:
         yield
@@ -413,18 +413,23 @@ def parse_once() -> Iterator[None]:
         _PARSED.reset(token)
 
 
+def parsed_file(path: str) -> Any:
+    """:func:`load_deepspeed_file` of ``path``, parsed once while :func:`parse_once` is open."""
+    parsed = _PARSED.get()
+    if parsed is None:
+        return load_deepspeed_file(path)
+    if path not in parsed:
+        parsed[path] = load_deepspeed_file(path)
+    return parsed[path]
+
+
 def load_model_states(path: str, *, of_rank: str = "") -> Mapping:
     """A ``*model_states.pt`` file (param_shapes, module, ds_config, ...), which must exist."""
-    parsed = _PARSED.get()
-    if parsed is not None and path in parsed:
-        return parsed[path]
     if not os.path.lexists(path):  # present but not a regular file: the reader says what it is
         raise SourceError(f"{path}: missing model states file{of_rank}")
-    model_states = load_deepspeed_file(path)
+    model_states = parsed_file(path)
     if not isinstance(model_states, Mapping):
         raise SourceError(f"{path}: expected a dict, found {type(model_states).__name__}")
-    if parsed is not None:
-        parsed[path] = model_states
     return model_states
 
 

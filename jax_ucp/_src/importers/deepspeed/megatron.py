@@ -412,7 +412,7 @@ def _add_layer_weights(
     known = set(checkpoint.names)
     for layer, tp_rank, file_name in layer_files:
         path = os.path.join(checkpoint.tag_dir, file_name)
-        state_dict = files.load_deepspeed_file(path)
+        state_dict = files.parsed_file(path)  # once: check_every_file_read reads it too
         if not isinstance(state_dict, Mapping):
             raise SourceError(f"{path}: expected a state dict, found {type(state_dict).__name__}")
         checkpoint.layer_tensors[file_name] = [f"{file_name}:{n}" for n in tensor_names(state_dict)]
