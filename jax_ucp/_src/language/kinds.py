@@ -150,6 +150,15 @@ class Kind:
         """The kind's plain (TOML) form: ``{"kind": name}`` plus every field not at its default."""
         return {"kind": self.kind, **plain_fields(self)}
 
+    def _need_ints(self, name: str, *fields: str) -> None:
+        """Fields that must hold integers by now (resolved from the settings)."""
+        for f in fields:
+            if not isinstance(getattr(self, f), int):
+                raise LanguageError(
+                    f"{name}: {self.kind} needs {f} resolved to an integer (settings), got "
+                    f"{getattr(self, f)!r}"
+                )
+
     # implemented by subclasses on an array backend (_NumpyBackend or _LazyBackend)
     def _merge(self, backend, frags, name):  # pragma: no cover
         raise NotImplementedError
@@ -344,12 +353,7 @@ class QKV(Kind):
     interleaved: bool = True
 
     def _check(self, name):
-        for f in ("num_heads", "num_kv_heads", "head_dim"):
-            if not isinstance(getattr(self, f), int):
-                raise LanguageError(
-                    f"{name}: qkv needs {f} resolved to an integer (settings), got "
-                    f"{getattr(self, f)!r}"
-                )
+        self._need_ints(name, "num_heads", "num_kv_heads", "head_dim")
         if self.num_heads % self.num_kv_heads:
             raise LanguageError(
                 f"{name}: num_heads={self.num_heads} is not a multiple of "
@@ -440,8 +444,7 @@ class Vocab(Kind):
         return self.inner if self.inner is not None else Partitioned(dim=self.dim)
 
     def _merge(self, backend, frags, name):
-        if not isinstance(self.vocab_size, int):
-            raise LanguageError(f"{name}: vocab needs the original vocab_size (a setting)")
+        self._need_ints(name, "vocab_size")
         full = self._tp_kind()._merge(backend, frags, name)
         d = _checked_axis(backend.shape(full), self.dim, name, self.kind)
         n = backend.shape(full)[d]
@@ -514,8 +517,7 @@ class Expert(Kind):
             )
 
     def _num_local(self, ep, name):
-        if not isinstance(self.num_experts, int):
-            raise LanguageError(f"{name}: expert needs num_experts resolved to an integer")
+        self._need_ints(name, "num_experts")
         if self.num_experts % ep:
             raise LanguageError(
                 f"{name}: {self.num_experts} experts do not divide over {ep} EP ranks"

@@ -173,10 +173,10 @@ class GroupStages(Op):
 
 @dataclass(frozen=True)
 class UngroupStages(Op):
-    """[stages, L/stages, ...] -> [L, ...]."""
+    """[stages, L/stages, ...] -> [L, ...]: ``merge_dims`` of the stage axis and the next."""
 
     op: ClassVar[str] = "ungroup_stages"
-    view: ClassVar[tuple] = (views.ungroup_stages, "axis")
+    view: ClassVar[tuple] = (views.merge_dims, "axis")
     axis: Any = 0
 
 

@@ -19,9 +19,13 @@ def plain_fields(obj: Any) -> dict:
             return [plain(x) for x in v]
         return v.to_dict() if hasattr(v, "to_dict") else v
 
+    def default(f: dataclasses.Field) -> Any:
+        factory = f.default_factory
+        return f.default if factory is dataclasses.MISSING else factory()
+
     fields = dataclasses.fields(obj)
     return {
-        f.name: plain(getattr(obj, f.name)) for f in fields if getattr(obj, f.name) != f.default
+        f.name: plain(getattr(obj, f.name)) for f in fields if getattr(obj, f.name) != default(f)
     }
 
 

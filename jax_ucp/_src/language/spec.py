@@ -29,17 +29,6 @@ def _active(rules: tuple, settings: Mapping[str, Any]) -> list:
     return [(i, r) for i, r in enumerate(rules) if all(met(*w) for w in r.when.items())]
 
 
-def _with_rule_options(d: dict, rule) -> dict:
-    """The options import and restore rules share, written only when not the default."""
-    if not rule.required:
-        d["required"] = False
-    if rule.when:
-        d["when"] = dict(rule.when)
-    if rule.label:
-        d["label"] = rule.label
-    return d
-
-
 @dataclass(frozen=True)
 class ImportRule:
     """``pattern`` (regex over source names) -> ``kind`` (how its per-rank fragments merge)."""
@@ -74,11 +63,10 @@ class ImportRule:
         return m
 
     def to_dict(self) -> dict:
-        """The rule's plain (TOML) form."""
-        d = {"pattern": self.pattern, **self.kind.to_dict()}
-        if self.also:
-            d["also"] = list(self.also)
-        return _with_rule_options(d, self)
+        """The rule's plain (TOML) form: every field not at its default, the kind's inline."""
+        d = plain_fields(self)
+        d.update(d.pop("kind"))
+        return d
 
 
 @dataclass(frozen=True)
@@ -121,15 +109,8 @@ class RestoreRule:
         return self._regex.fullmatch(name)
 
     def to_dict(self) -> dict:
-        """The rule's plain (TOML) form."""
-        d: dict = {"pattern": self.pattern}
-        if self.target is not None:
-            d["target"] = self.target
-        if self.ops:
-            d["ops"] = [o.to_dict() for o in self.ops]
-        if self.axes is not None:
-            d["axes"] = list(self.axes)
-        return _with_rule_options(d, self)
+        """The rule's plain (TOML) form: every field not at its default."""
+        return plain_fields(self)
 
 
 @dataclass(frozen=True)

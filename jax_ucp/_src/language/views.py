@@ -241,11 +241,6 @@ def group_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.Tenso
     return split_dim(tensor, a, (stages, n // stages))
 
 
-def ungroup_stages(tensor: ts.TensorStore, axis: int = 0) -> ts.TensorStore:
-    """[stages, L/stages, ...] -> [L, ...]."""
-    return merge_dims(tensor, axis)
-
-
 def regroup_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.TensorStore:
     """[S, L/S, ...] -> [stages, L/stages, ...]; an error if L does not divide by ``stages``.
 
@@ -268,7 +263,7 @@ def regroup_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.Ten
         )
     if stages == tensor.shape[a]:
         return tensor
-    return group_stages(ungroup_stages(tensor, a), stages, a)
+    return group_stages(merge_dims(tensor, a), stages, a)
 
 
 def pad_axis(tensor: ts.TensorStore, axis: int, size: int) -> ts.TensorStore:
