@@ -36,6 +36,7 @@ INTERNAL = {
     "ShardLayoutError": ("jax_ucp._src.torchfiles.sharded", "SourceError"),
     "MissingExtraError": ("jax_ucp._src.against", "SourceError"),
     "ViewError": ("jax_ucp._src.store.storage.local_view", "SourceError"),
+    "Unclaimed": ("jax_ucp._src.importers.registry", "SourceError"),
 }
 
 

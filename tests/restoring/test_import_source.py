@@ -469,3 +469,61 @@ def test_verify_logits_against_a_source_enters_each_detector_once(tmp_path, monk
     found = jax_ucp.verify(ckpt, against=src, logits=True)
     assert list(found) == [] and found.logits is not None and found.logits.ok
     assert sorted(asked) == sorted((name, str(src)) for name in registry.IMPORTERS)
+
+
+@pytest.fixture
+def trainer_run_root(tmp_path):
+    """A Trainer ``output_dir``: ``checkpoint-2`` complete, ``checkpoint-4`` a save that died
+    before the Trainer wrote its ``trainer_state.json``."""
+    step = os.path.join(FIXTURES, "hf_trainer", "llama_z2_dp2", "checkpoint-2")
+    root = tmp_path / "out"
+    shutil.copytree(step, root / "checkpoint-2")
+    shutil.copytree(step, root / "checkpoint-4")
+    os.remove(root / "checkpoint-4" / "trainer_state.json")
+    return str(root)
+
+
+def test_a_run_root_enters_each_detector_once(trainer_run_root, monkeypatch):
+    """A restore of a Trainer ``output_dir`` asks every detector once of the root (none claims
+    it: a run root of checkpoints, what detection says) and once of the newest complete step it
+    reads; the root is not asked again to tell a run root from a damaged format file."""
+    from jax_ucp._src.importers import registry
+
+    asked = _detections(monkeypatch)
+    with pytest.warns(jax_ucp.ResumeWarning, match="checkpoint-4"):
+        tree = jax_ucp.restore(trainer_run_root)
+    step = os.path.join(trainer_run_root, "checkpoint-2")
+    assert sorted(asked) == sorted(
+        (name, p) for name in registry.IMPORTERS for p in (trainer_run_root, step)
+    )
+    assert "opt_state" in tree
+
+
+def test_a_run_root_whose_format_file_is_damaged_is_not_passed_over(trainer_run_root, monkeypatch):
+    """A run root whose own format file a detector cannot read (simulated: the detector raises
+    the error its format gives), or that holds two formats' files: the error is raised as it
+    is, its newest step is not read instead."""
+    from jax_ucp._src.errors import SourceError
+    from jax_ucp._src.importers import registry
+
+    dcp = registry.IMPORTERS["torch_dcp"]
+
+    def damaged(storage):
+        if storage.root == trainer_run_root:
+            raise SourceError(f"{storage.root}/.metadata: corrupt pickle (simulated)")
+        return dcp.detect(storage)
+
+    monkeypatch.setitem(registry.IMPORTERS, "torch_dcp", dataclasses.replace(dcp, detect=damaged))
+    with pytest.raises(SourceError, match=r"\.metadata: corrupt pickle"):
+        jax_ucp.restore(trainer_run_root)
+    monkeypatch.undo()
+    shutil.copytree(
+        os.path.join(FIXTURES, "torch", "fsdp2_fp32"), trainer_run_root, dirs_exist_ok=True
+    )
+    shutil.copytree(
+        os.path.join(FIXTURES, "deepspeed", "z0_fp32_dp2", "ckpt"),
+        trainer_run_root,
+        dirs_exist_ok=True,
+    )
+    with pytest.raises(SourceError, match=r"2 formats: torch .*; deepspeed "):
+        jax_ucp.restore(trainer_run_root)

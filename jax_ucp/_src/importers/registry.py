@@ -121,6 +121,17 @@ def _readable(source) -> Iterator[tuple[Storage, local_view.View | None]]:
         yield store.storage_for(path), view
 
 
+class Unclaimed(SourceError):
+    """No importer claims the source (each one's reason is said): what detection found, so
+    that no caller asks the detectors again; ``run``: the run root of checkpoints it is
+    (:func:`trainer_run`), else None. (A format's own file gone wrong, or two formats in one
+    folder, is another ``SourceError``.)"""
+
+    def __init__(self, message: str, run: TrainerRun | None = None):
+        super().__init__(message)
+        self.run = run
+
+
 def detected(src) -> Importer:
     """The importer of the checkpoint at ``src`` (a path or its ``Storage``), from the files it
     holds (none is unpickled): of a format's layouts that find it, the first; a format claiming
@@ -161,21 +172,22 @@ def _detected(storage: Storage) -> tuple[Importer, dict[str, Detection]]:
     if strong or weak:
         return next(iter((strong or weak).values())), answers
     if not os.path.isdir(src):
-        raise SourceError(
+        raise Unclaimed(
             f"{src}: not a directory (expected a checkpoint folder, or a .safetensors, .bin, "
             f".pt, .pth or .ckpt file)."
         )
     run = trainer_run(src)  # a run root of checkpoints (``Importer.run``): which to convert
     if run is not None:
         names = ", ".join(os.path.basename(step.path) for step in reversed(run.steps))
-        raise SourceError(
+        raise Unclaimed(
             f"{src}: {run.what} with {len(run.steps)} checkpoints: {names}. Convert one of them "
-            f"(e.g. {run.steps[0].path})."
+            f"(e.g. {run.steps[0].path}).",
+            run,
         )
     found = sorted(os.listdir(src))
     listing = ", ".join(found[:12]) + (f", ... ({len(found)} entries)" if len(found) > 12 else "")
     tried = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
-    raise SourceError(
+    raise Unclaimed(
         f"{src}: cannot tell the checkpoint format; it holds: {listing or 'nothing'}. Tried "
         f"{tried}. Use `--from {'|'.join(FORMATS)}` (`format=` in Python) to force one."
     )

@@ -35,7 +35,7 @@ def import_for(
     path, importing=None, format: str | None = None, *, warn: bool = False
 ) -> tuple[store.storage.Storage, Importer] | None:
     """``(the storage read, the importer convert would import it with)`` when a restore reads
-    ``path`` through an import (a run root: its newest complete step, ``run_root_step``); None
+    ``path`` through an import (a trainer's run root: its newest complete step); None
     when it is a UCP checkpoint (or what ``locate`` explains: a missing path, a CheckpointManager
     root, a folder no importer claims). The importer is detected here once and passed down
     (``opened_import``): no detector is asked again.
@@ -69,13 +69,22 @@ def import_for(
         return None
     if os.path.isdir(path) and steps.with_ucp_items(path):
         return None  # a CheckpointManager root: locate says which step to pass
-    try:
+    try:  # a format's own file gone wrong, two formats in one folder: raised as they are
         return storage, registry.importer_for(storage, format, options)
-    except SourceError:
+    except registry.Unclaimed as e:  # what the detectors found, asked once
         if explicit:
             raise
-        step = run_root_step(path, warn=warn)  # a Trainer's output_dir: its newest checkpoint
-        return None if step is None else import_for(step, importing, format)
+        if e.run is None:
+            return None  # no importer claims it: the UCP reader's "not a jax_ucp checkpoint"
+    # A torch trainer's run root that no importer reads itself (a Trainer's output_dir,
+    # torchtitan's checkpoint/, OLMo-core's save folder): its newest complete step, as
+    # restore(root, step="latest") takes it, each newer step passed over said (warn=).
+    from jax_ucp._src.restoring import resume
+
+    found = resume.latest_readable(path, fallback=False)
+    if warn:
+        found.warn(stacklevel=user_stacklevel())  # the user's call
+    return import_for(found.step.path, importing, format)
 
 
 def one_revision(storage: store.storage.Storage) -> store.storage.Storage:
@@ -154,33 +163,6 @@ def opened_import(
             yield imported
         finally:
             source.close()
-
-
-def run_root_step(path: str, *, warn: bool = False) -> str | None:
-    """The checkpoint folder to read for a torch trainer's run root that no importer reads
-    itself (a Trainer's ``output_dir``, torchtitan's ``checkpoint/``, OLMo-core's save folder):
-    its newest complete step, as ``restore(root, step="latest")`` takes it (``resume``), so
-    ``restore(root)`` and ``optax_from_torch(root)`` continue the run from it; ``warn``: each
-    newer step passed over, and why, as a ``ResumeWarning``. None for any other path (a root
-    whose importer follows the run's own tracker, DeepSpeed's ``latest``, is read as it is)."""
-    from jax_ucp._src.importers import registry  # the edge restoring -> importers
-
-    if not os.path.isdir(path) or steps.with_ucp_items(path):
-        return None
-    try:
-        local = store.storage_for(path)
-        if any(importer.detect(local).found for importer in registry.IMPORTERS.values()):
-            return None  # an importer reads it as it is
-    except (fmt.UCPError, OSError):
-        return None  # a format's own file gone wrong: its importer says so
-    if steps.trainer_steps(path) is None:
-        return None
-    from jax_ucp._src.restoring import resume
-
-    found = resume.latest_readable(path, fallback=False)
-    if warn:
-        found.warn(stacklevel=user_stacklevel())  # the user's call
-    return found.step.path
 
 
 def manifest_of(path, importer: Importer, importing=None) -> fmt.Manifest:
