@@ -262,7 +262,9 @@ def test_legacy_distrib_optim_wrong_bucket_layout(tmp_path, monkeypatch):
 
     real = lg.distrib_optim_layout
     # one bucket per parameter: no 64-element start padding inside buckets -> totals disagree
-    monkeypatch.setattr(lg, "distrib_optim_layout", lambda p, shared, bs: real(p, shared, 1))
+    monkeypatch.setattr(
+        lg, "distrib_optim_layout", lambda p, shared, bs, *rest: real(p, shared, 1, *rest)
+    )
     with pytest.raises(
         MegatronImportError,
         match=r"distrib_optim\.pt:.*\d+ elements.*lay out to",

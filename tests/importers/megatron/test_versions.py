@@ -167,7 +167,7 @@ def test_dp_zero_gather_scatter_with_a_wrong_layout_is_refused(tmp_path, monkeyp
     monkeypatch.setattr(
         megatron_legacy,
         "distrib_optim_layout",
-        lambda params, shared, size: real(params[1:], shared, size),
+        lambda params, shared, size, *rest: real(params[1:], shared, size, *rest),
     )
     src = os.path.join(ROOT, "0.13.1", "gpt_distopt_dp_zero_gather_scatter")
     with pytest.raises(jax_ucp.UCPError, match=r"param_state.*holds \d+ elements.*lay out to"):

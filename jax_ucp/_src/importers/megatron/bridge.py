@@ -62,7 +62,6 @@ __all__ = [
 TRAIN_STATE_FILE = "train_state.pt"
 LATEST_TRAIN_STATE_FILE = "latest_train_state.pt"
 RUN_CONFIG_FILE = "run_config.yaml"
-TRACKER_FILE = legacy.TRACKER_FILE
 #: Bridge's run_config.yaml is ~25 KB for a full ConfigContainer; 16 MiB leaves room for
 #: very large recipes and keeps a hostile file from being read whole into memory.
 MAX_RUN_CONFIG_BYTES = 16 << 20
@@ -97,7 +96,7 @@ def is_megatron_bridge(src: os.PathLike | str) -> bool:
     if any(os.path.lexists(path / name) for name in names):
         return True
     try:
-        step = _tracker_step(path / TRACKER_FILE)
+        step = _tracker_step(path)
     except MegatronImportError:
         return False  # Megatron-LM's importer names what is wrong with it
     return step is not None and any(
@@ -105,18 +104,9 @@ def is_megatron_bridge(src: os.PathLike | str) -> bool:
     )
 
 
-def _iteration_inside(root: Path, iter_dir: Path) -> None:
-    """The iteration directory a tracker names is a folder of ``root``, never a link to
-    another run's."""
-    try:
-        files.inside(root, iter_dir.name, str(root))
-    except files.UnsafeFileError as e:
-        raise MegatronImportError(str(e)) from None
-
-
-def _tracker_step(tracker: Path) -> int | None:
-    """The iteration in Megatron-LM's tracker file (None: no file, or 'release')."""
-    step = runs.read_tracker(tracker, MegatronImportError)
+def _tracker_step(folder: Path) -> int | None:
+    """The iteration in Megatron-LM's tracker file in ``folder`` (None: no file, or 'release')."""
+    step = runs.read_tracker(folder / runs.TRACKER_FILE, MegatronImportError)
     return step if isinstance(step, int) else None
 
 
@@ -131,14 +121,14 @@ def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
         step = read_train_state(latest)["step"]
         iter_dir = path / f"iter_{step:07d}"
         # Megatron-LM's tracker (Bridge writes it with the same step) must not name another save
-        tracked = _tracker_step(path / TRACKER_FILE)
+        tracked = _tracker_step(path)
         if tracked is not None and tracked != step:
             raise MegatronImportError(
-                f"{path / TRACKER_FILE}: iteration {tracked}, but {latest} says step {step}; the "
-                f"two trackers of one Bridge save agree (a later save by another tool?)"
+                f"{path / runs.TRACKER_FILE}: iteration {tracked}, but {latest} says step "
+                f"{step}; the two trackers of one Bridge save agree (a later save by another tool?)"
             )
         if os.path.lexists(iter_dir):  # never read through a link to another run's
-            _iteration_inside(path, iter_dir)
+            legacy.inside(path, iter_dir.name, str(path))
         if not iter_dir.is_dir():
             found = sorted(p.name for p in path.iterdir() if _ITER_DIR.fullmatch(p.name))
             shown = ", ".join(found[:8]) + (f", ... ({len(found)})" if len(found) > 8 else "")
@@ -152,9 +142,9 @@ def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
                 f"{iter_dir / TRAIN_STATE_FILE}: step {state['step']}, but {latest} says {step}"
             )
         return BridgeCheckpoint(path, iter_dir, state)
-    step = None if os.path.lexists(path / TRAIN_STATE_FILE) else _tracker_step(path / TRACKER_FILE)
+    step = None if os.path.lexists(path / TRAIN_STATE_FILE) else _tracker_step(path)
     if step is not None:  # a save directory whose latest_train_state.pt is gone
-        _iteration_inside(path, path / f"iter_{step:07d}")
+        legacy.inside(path, f"iter_{step:07d}", str(path))
         path = path / f"iter_{step:07d}"
     state = read_train_state(path / TRAIN_STATE_FILE)
     match = _ITER_DIR.fullmatch(path.name)

@@ -33,6 +33,7 @@ import numpy as np
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
+from jax_ucp._src.importers.megatron.common import WEIGHTS_ONLY_HINT, MegatronImportError
 from jax_ucp._src.importers.plan import tensor_names
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
@@ -45,6 +46,7 @@ __all__ = [
     "distrib_optim_layout",
     "distrib_optim_state",
     "flatten_state_dict",
+    "inside",
     "load_rank_file",
     "open_legacy",
     "resolve_iteration_dir",
@@ -126,12 +128,7 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, int | None]:
         d = src / f"iter_{it:07d}"
         if not d.is_dir():
             raise SourceError(f"{tracker} names iteration {it} but {d} does not exist")
-        try:
-            files.inside(src, d.name, str(tracker))
-        except files.UnsafeFileError:
-            raise SourceError(
-                f"{d} leads outside {src} (a symlink); refusing to follow it"
-            ) from None
+        inside(src, d.name, str(tracker))
         return d, it
     m = re.fullmatch(r"iter_([0-9]+)", src.name)
     if m:
@@ -141,6 +138,15 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, int | None]:
     raise SourceError(
         f"{src}: no latest_checkpointed_iteration.txt and not an iter_NNNNNNN directory"
     )
+
+
+def inside(root: Path, name: str, what: str) -> None:
+    """``root/name`` resolves inside ``root``: an iteration or rank directory is never a link
+    to another run's (``what``: where the name was read, for the error)."""
+    try:
+        files.inside(root, name, what)
+    except files.UnsafeFileError as e:
+        raise MegatronImportError(str(e)) from None
 
 
 def flatten_state_dict(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -217,10 +223,7 @@ def _rank_directories(
     for directory in sorted(iteration_dir.iterdir()):
         match = _RANK_DIR.match(directory.name)
         if directory.is_dir() and match:
-            try:  # a rank directory linked to another run's is never read
-                files.inside(iteration_dir, directory.name, str(iteration_dir))
-            except files.UnsafeFileError as e:
-                raise SourceError(str(e)) from None
+            inside(iteration_dir, directory.name, str(iteration_dir))
             named.append((directory, int(match.group(1)), match.group(2), match.group(3)))
     if not named:
         raise SourceError(f"{iteration_dir}: no mp_rank_* directories")
@@ -351,23 +354,37 @@ def _buckets(
 
 
 def distrib_optim_layout(
-    params: list[tuple[str, int]], shared: set[str], bucket_size: int | None
-) -> tuple[dict[str, tuple[int, int]], int]:
+    params: list[tuple[str, int]],
+    shared: set[str],
+    bucket_size: int | None,
+    state: DistribOptimState,
+    whose: str,
+) -> dict[str, tuple[int, int]]:
     """Where each parameter sits in a ``distrib_optim.pt`` flat buffer (megatron-core 0.16):
     the buckets of ``_buckets`` concatenated without their end padding, as
-    ``get_parameter_state_dp_zero`` does. Returns ({name: (start, end)}, total numel).
+    ``get_parameter_state_dp_zero`` does; refused unless they fill the buffer exactly.
+    Returns {name: (start, end)}.
 
     Args:
         params: (name, numel) of the rank's local parameters, in module order.
         shared: the pipeline-tied embedding parameters.
         bucket_size: DDP's bucket size in elements (None: one bucket).
+        state: the buffer (its ``numel_unpadded``, its path for the error).
+        whose: the rank the parameters are of, for the error.
     """
     out: dict[str, tuple[int, int]] = {}
     base = 0
     for places, size in _buckets(params, shared, lambda _: bucket_size):
         out.update({name: (base + a, base + b) for name, (a, b) in places.items()})
         base += size
-    return out, base
+    if base != state.numel_unpadded:
+        raise MegatronImportError(
+            f"{state.path}: the buffer holds {state.numel_unpadded} elements, but the "
+            f"{len(params)} local parameters of {whose} lay out to {base} (megatron-core's "
+            f"grad-buffer layout, bucket_size={bucket_size}); another megatron-core version or "
+            f"DDP bucket setting? {WEIGHTS_ONLY_HINT}"
+        )
+    return out
 
 
 def bucket_layout(
@@ -378,7 +395,8 @@ def bucket_layout(
 
     A bucket closes where its recorded size says, so the DDP ``bucket_size`` (not saved, and
     ``None`` past the first pipeline stage) is not needed; every recorded size is checked, so
-    a wrong parameter list cannot fit silently.
+    a wrong parameter list cannot fit silently (a misfit: ``MegatronImportError``, which
+    :func:`module_order.in_module_order` answers by trying the next order).
 
     Args:
         params: (name, numel) of the rank's local parameters, in module order.
@@ -389,19 +407,20 @@ def bucket_layout(
     buckets = _buckets(
         params, shared, lambda b: bucket_numels[b] if b < len(bucket_numels) else None
     )
+    why = "(megatron-core 0.16 grad-buffer layout; another version or DDP config?)"
     for bucket, (places, size) in enumerate(buckets):
         if bucket >= len(bucket_numels) or size != bucket_numels[bucket]:
             recorded = bucket_numels[bucket] if bucket < len(bucket_numels) else None
-            raise SourceError(
+            raise MegatronImportError(
                 f"{where}: bucket {bucket} would end after {list(places)[-1]!r} at element "
                 f"{size}, but megatron-core recorded {recorded} elements (buckets "
                 f"{bucket_numels}); the parameter list does not match this checkpoint's grad "
-                f"buffer"
+                f"buffer {why}. {WEIGHTS_ONLY_HINT}"
             )
     if len(buckets) != len(bucket_numels):
-        raise SourceError(
+        raise MegatronImportError(
             f"{where}: the parameters fill {len(buckets)} buckets, megatron-core recorded "
-            f"{len(bucket_numels)} ({bucket_numels})"
+            f"{len(bucket_numels)} ({bucket_numels}) {why}. {WEIGHTS_ONLY_HINT}"
         )
     return {
         name: (bucket, a, b)

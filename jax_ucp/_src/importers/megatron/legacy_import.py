@@ -526,14 +526,8 @@ def _legacy_distrib_optim(
                 or (stage == checkpoint.pp - 1 and tied and n.endswith("output_layer.weight"))
             )
         }
-        layout, total = legacy.distrib_optim_layout(params, shared, bucket_size)
-        if total != buffers.numel_unpadded:
-            raise MegatronImportError(
-                f"{buffers.path}: the flat buffers hold {buffers.numel_unpadded} elements but the "
-                f"{len(params)} parameters of {rank_file.path.name} lay out to {total} "
-                f"(megatron-core 0.16 buffer layout, bucket_size={bucket_size}); a different "
-                f"megatron version or DDP bucket setting?"
-            )
+        whose = _rank_dir_file(checkpoint, rank_file.path)
+        layout = legacy.distrib_optim_layout(params, shared, bucket_size, buffers, whose)
         for local_name, global_name, value in rank_tensors:
             start, end = layout[local_name]
             for state_name, per_name in out.items():

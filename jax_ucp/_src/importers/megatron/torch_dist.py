@@ -41,7 +41,7 @@ from jax_ucp._src.importers.megatron.model_space import (
     unflatten,
 )
 from jax_ucp._src.importers.megatron.module_order import in_module_order
-from jax_ucp._src.importers.megatron.rank_states import RankStates
+from jax_ucp._src.importers.megatron.rank_states import RankStates, rounds_to
 from jax_ucp._src.importers.megatron.rules import add_arg_settings, import_rules_spec
 from jax_ucp._src.importers.megatron.run_record import MEGATRON_OPTIMIZER, optimizer_record
 from jax_ucp._src.importers.megatron.source import MegatronSource
@@ -324,10 +324,6 @@ class TorchDistReader:
             )
         return (vocab, *found[1:]), f"vocab(strip {found[0]} -> {vocab})", False
 
-    def pattern(self, name: str) -> str:
-        """The pattern ``read(name, name)`` records, known without reading the tensor."""
-        return self.layout(name, name)[1]
-
     def read_rows(self, tensor: str, lo: int, hi: int, rule_name: str | None = None) -> np.ndarray:
         """Rows ``lo:hi`` of ``read(tensor, rule_name)`` alone, from the chunks holding them
         (``rule_name`` None: ``tensor``'s own rule)."""
@@ -407,11 +403,12 @@ def bucket_items(
             value = _bucket_state(buckets, state, name, weight, state_bytes + weight_bytes)
             yield host_item((*tree, name), value, {**provenance, **sources})
         if want_model:
-            shape = _state_shape(reader, name)
             model = (  # built whole once its states are (kept), else in row slabs like them
                 writer.Deferred(None, None, weight.take, bound=weight_bytes)
-                if shape is None
-                else writer.Deferred(shape, np.dtype(full.dtype), weight.take, rows=weight.rows)
+                if not weight.shape
+                else writer.Deferred(
+                    weight.shape, np.dtype(full.dtype), weight.take, rows=weight.rows
+                )
             )
             yield host_item(
                 ("model_params", name),
@@ -438,7 +435,8 @@ class ModelWeight:
     def __init__(self, reader: TorchDistReader, name: str):
         self.reader, self.name = reader, name
         self.value: np.ndarray | None = None
-        self.pattern = reader.pattern(name)
+        # its shape (vocab padding stripped from dim 0, as optimizer states are) and pattern
+        self.shape, self.pattern, _ = reader.layout(name, name)
 
     def get(self) -> np.ndarray:
         if self.value is None:
@@ -470,7 +468,7 @@ def _bucket_state(
     against it."""
 
     def checked(value: np.ndarray, weight: np.ndarray, what: str, does: str) -> np.ndarray:
-        if state == "param" and not _rounds_to(value, weight):
+        if state == "param" and not rounds_to(value, weight):
             raise MegatronImportError(
                 f"tensor {name!r}: {what} found in the {buckets.LAYOUT} state of "
                 f"{buckets.where} {does} "
@@ -489,8 +487,7 @@ def _bucket_state(
             value = value[: weight.shape[0]]
         return checked(value, weight, "the fp32 master", "does not")
 
-    shape = _state_shape(model.reader, name)
-    if shape is None:
+    if not model.shape:  # 0-d: built whole
         return writer.Deferred(None, None, make, bound=bound)
 
     def rows(lo: int, hi: int) -> np.ndarray:
@@ -502,31 +499,7 @@ def _bucket_state(
             return value
         return checked(value, model.rows(lo, hi), f"rows {lo}:{hi} of the fp32 master", "do not")
 
-    return writer.Deferred(shape, np.dtype(np.float32), make, bound=bound, rows=rows)
-
-
-def _state_shape(reader: TorchDistReader, name: str) -> tuple[int, ...] | None:
-    """The shape an optimizer state of ``name`` is imported with (vocab padding stripped from
-    dim 0 as ``TorchDistReader.read`` strips the weight's), when it can be built row by row:
-    None for megatron-core < 0.15's flattened model-space tensors and 0-d tensors."""
-    full = tuple(int(d) for d in reader.checkpoint.tensors[name].shape)
-    if not full:
-        return None
-    vocab = reader.vocab_rows(name)
-    return full if vocab is None or full[0] <= vocab else (vocab, *full[1:])
-
-
-def _rounds_to(master: np.ndarray, weight: np.ndarray, block: int = 1 << 20) -> bool:
-    """``master`` cast to ``weight``'s dtype equals ``weight`` bit for bit; compared ``block``
-    elements at a time, so the temporaries are a few MiB instead of the tensor's size (the
-    cast copy and a byte-wise comparison of it were 1.5x the master under the memory budget)."""
-    if master.shape != weight.shape:
-        return False
-    m, w = master.reshape(-1), np.ascontiguousarray(weight).reshape(-1)
-    return all(
-        m[i : i + block].astype(w.dtype).tobytes() == w[i : i + block].tobytes()
-        for i in range(0, m.size, block)
-    )
+    return writer.Deferred(model.shape, np.dtype(np.float32), make, bound=bound, rows=rows)
 
 
 def torch_dist_items(
