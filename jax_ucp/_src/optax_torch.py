@@ -192,6 +192,7 @@ def hf_schedule(
         **kwargs: the schedule's ``lr_scheduler_kwargs`` (``SCHEDULE_KWARGS[kind]``; missing ones
             take transformers' defaults)."""
     import jax.numpy as jnp
+    import optax
 
     if kind not in SCHEDULES:
         raise RequestError(
@@ -201,11 +202,11 @@ def hf_schedule(
     missing = [k for k, v in kw.items() if v is REQUIRED]
     if missing:
         raise RequestError(f"learning-rate schedule {kind!r} needs lr_scheduler_kwargs {missing}")
+    if kind == "constant":  # the one optax schedule equal to transformers' to the bit in float32
+        return optax.constant_schedule(base_lr)
 
     def schedule(count):
         s = jnp.asarray(count, jnp.float32)
-        if kind == "constant":
-            return base_lr * jnp.ones_like(s)
         if kind == "warmup_stable_decay":
             return base_lr * _wsd(s, warmup, total, kw)
         after = _after_warmup(kind, s, base_lr, warmup, total, kw)
@@ -596,21 +597,19 @@ def _framework_recipe(source: dict, saved: dict, where: str, choice: str | None)
         _check_adam(groups, where)
         return deepspeed_recipe(source, where, client)
     recipe = deepspeed_recipe(source, where)
-    if recipe is not None:
-        if choice is not None and choice != recipe.optimizer:
-            raise RequestError(
-                f"{where}: optimizer={choice!r}, but {recipe.how} is {recipe.optimizer!r}"
-            )
-        return recipe
-    from jax_ucp._src.continuation.megatron import megatron_recipe
-
-    recipe = megatron_recipe(source, saved, where)  # Megatron's arguments and scheduler
     if recipe is None:
-        return None
+        from jax_ucp._src.continuation.megatron import megatron_recipe
+
+        recipe = megatron_recipe(source, saved, where)  # Megatron's arguments and scheduler
+        if recipe is None:
+            return None
+        unrecorded = [u for u in recipe.unrecovered if u.startswith("clip_grad")]
+        recipe = dataclasses.replace(recipe, clip_recorded=not unrecorded)
     if choice is not None and choice != recipe.optimizer:
-        raise RequestError(f"{where}: optimizer={choice!r}, but {recipe.how}")
-    unrecorded = [u for u in recipe.unrecovered if u.startswith("clip_grad")]
-    return dataclasses.replace(recipe, clip_recorded=not unrecorded)
+        raise RequestError(
+            f"{where}: optimizer={choice!r}, but {recipe.how} is {recipe.optimizer!r}"
+        )
+    return recipe
 
 
 def _client_schedule(recipe: Recipe, source: dict, groups: list[dict], step: int) -> Recipe:
