@@ -38,7 +38,6 @@ from jax_ucp._src.importers.torch.optimizer import (
     scalar_ref,
     strip_wrappers,
 )
-from jax_ucp._src.importers.torch.options import TorchOptions
 from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
@@ -48,7 +47,6 @@ __all__ = [
     "SUFFIXES",
     "detect",
     "detect_optimizer",
-    "has_torch_optimizer",
     "is_torch_files",
     "plan_torch_files",
 ]
@@ -78,14 +76,6 @@ def is_torch_files(src: os.PathLike | str) -> bool:
         return False
     names = set(os.listdir(src))
     return bool(names & {INDEX_FILE, *MODEL_FILES}) or _single_ckpt(src, names) is not None
-
-
-def has_torch_optimizer(src: os.PathLike | str) -> bool:
-    """A folder with a torch optimizer file (``optimizer.pt`` / ``optimizer.bin``)."""
-    src = os.fspath(src)
-    return os.path.isdir(src) and any(
-        os.path.lexists(os.path.join(src, n)) for n in OPTIMIZER_FILES
-    )
 
 
 def _single_ckpt(src: str, names: set[str]) -> str | None:
@@ -181,7 +171,8 @@ def detect_optimizer(storage: Storage) -> Detection:
     """Whether ``src`` holds a torch optimizer file beside its weights (a Hugging Face Trainer
     ``checkpoint-N/``, Accelerate's ``save_state``): read here with the safetensors weights
     that format's importer claims."""
-    if has_torch_optimizer(storage.root):
+    src = os.fspath(storage.root)
+    if os.path.isdir(src) and any(os.path.lexists(os.path.join(src, n)) for n in OPTIMIZER_FILES):
         return Detection(True, "a torch optimizer beside the weights (optimizer.pt / .bin)")
     return Detection(False, "no torch optimizer (`optimizer.pt`, `optimizer.bin`)")
 
@@ -555,21 +546,22 @@ def _check_unique_names(groups: list, path: str) -> None:
             first[clean] = (group, name)
 
 
-def _check_named(order: _Order, to_name: dict, state: dict) -> None:
-    """Each named index is a model tensor of the state's shape."""
+def _check_named(order: _Order, to_name: dict, state: dict, named_by: str = "") -> None:
+    """Each named index is a model tensor of the state's shape (``named_by``: how the indices
+    were named and the way out, for the errors)."""
     path, clean, model = order.path, order.clean, order.model
     for key, per in state.items():
         name = to_name.get(key)
         if name is None or name not in clean:
             raise SourceError(
                 f"{path}: optimizer state for index {key!r} ({name!r}), which is not a tensor "
-                f"of the model state dict"
+                f"of the model state dict{' (in no param group)' if name is None else ''}"
             )
         shape = tuple(model[clean[name]][0].shape)
         for k, v in _misfits(per, shape):
             raise SourceError(
                 f"{path}: optimizer state {k!r} of {name!r} (index {key}) has shape "
-                f"{list(v.shape)}, the parameter {list(shape)}"
+                f"{list(v.shape)}, the parameter {list(shape)}{named_by}"
             )
 
 
@@ -671,17 +663,7 @@ def _by_index(order: _Order, ids: list, groups: list, state: dict) -> dict:
             f"(buffers or frozen parameters in the state dict?){hint}"
         )
     to_name = dict(zip(ids, distinct.values()))
-    for key, per in state.items():
-        name = to_name.get(key)
-        if name is None:
-            raise SourceError(f"{path}: optimizer state for index {key!r}, not in any group")
-        shape = tuple(model[clean[name]][0].shape)
-        for k, v in _misfits(per, shape):
-            raise SourceError(
-                f"{path}: optimizer state {k!r} of parameter index {key} has shape "
-                f"{list(v.shape)}, but parameter {name!r} (number {key} in state-dict "
-                f"order) has {list(shape)}{hint}"
-            )
+    _check_named(order, to_name, state, f" (index i named as the i-th in state-dict order){hint}")
     return to_name
 
 

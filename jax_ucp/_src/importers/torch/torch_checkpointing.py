@@ -185,7 +185,8 @@ def _assembled(
     name: str, groups: list, shards: dict[int, Any], dtype: np.dtype, where: str
 ) -> np.ndarray:
     """The global tensor of ``name`` from every rank's shard (a replicated one: the first),
-    each shard's shape checked against its placement, the boxes tiling the whole."""
+    each shard's shape checked against its placement, the boxes tiling the whole (their dtypes
+    were checked by ``_refs``)."""
     shape: tuple[int, ...] = ()
     pieces: dict[tuple, sharded.Piece] = {}
     for meta, ranks in groups:
@@ -203,7 +204,6 @@ def _assembled(
                     f"{where}: {name!r} on rank {rank} is a shard of {list(global_shape)}, "
                     f"the metadata says {list(shape)}"
                 )
-            _same_dtype(name, rank, value, array, dtype, where)
             pieces.setdefault((offset, local), sharded.Piece(offset, array))  # replicas: once
     problem = sharded.covers(shape, list(pieces.values())) if pieces else "no shard"
     if problem:

@@ -62,7 +62,6 @@ __all__ = [
     "TUNE_TO_HF",
     "detect",
     "epoch_folders",
-    "is_torchtune",
     "plan_torchtune",
 ]
 
@@ -241,17 +240,12 @@ def recipe_optimizer(recipe: Any) -> str:
     return f"a dict with keys {_names(list(optimizer), 8)}, not a torch optimizer state dict"
 
 
-def is_torchtune(src: os.PathLike | str) -> bool:
-    """torchtune's layout: ``epoch_N/`` safetensors folders, with or without recipe state, or
-    its asynchronous save's ``dist_epoch_N/`` torch DCP folders."""
-    src = os.fspath(src)
-    return os.path.isdir(src) and bool(epoch_folders(src) or epoch_folders(src, dist=True))
-
-
 def detect(storage: Storage) -> Detection:
-    """Whether ``src`` is a torchtune output folder, from names: a weak claim (its
-    ``epoch_N/`` folders hold safetensors, as other formats' folders may)."""
-    if is_torchtune(storage.root):  # epoch_N/ (+ recipe_state/)
+    """Whether ``src`` is a torchtune output folder, from names: ``epoch_N/`` safetensors
+    folders (with or without recipe state) or the asynchronous save's ``dist_epoch_N/`` torch
+    DCP folders; a weak claim (``epoch_N/`` holds safetensors, as other formats' folders may)."""
+    src = os.fspath(storage.root)
+    if os.path.isdir(src) and (epoch_folders(src) or epoch_folders(src, dist=True)):
         return Detection(True, "a torchtune checkpoint", weak=True)
     return Detection(False, "no torchtune `epoch_N/` or `dist_epoch_N/`")
 
