@@ -15,6 +15,7 @@ mesh's device count: devices holding equal slices are one run of numbers, not a 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -375,12 +376,12 @@ def _read_on_host(tensors: list[TensorPlan], layouts, mesh, process_bytes) -> No
     on_host = [i for i, t in enumerate(tensors) if t.on_host]
     if not on_host:
         return
-    readers = layouts.every_process(mesh, 0) if mesh is not None else process_bytes.zeros_like()
+    readers = layouts.every_process(mesh, 0) if mesh is not None else process_bytes
     if not len(readers):
-        readers = IndexedBytes.points({p: 0 for p in range(jax.process_count())})
+        readers = IndexedBytes.run(jax.process_count(), 0)
     for i in on_host:
         t = tensors[i]
-        reads = readers.plus(math.prod(t.shape) * np.dtype(t.dtype).itemsize)
+        reads = readers.filled(math.prod(t.shape) * np.dtype(t.dtype).itemsize)
         tensors[i] = dataclasses.replace(t, read_bytes=reads)
         process_bytes.merge(reads)
 
@@ -458,134 +459,91 @@ class IndexedBytes(Mapping[int, int]):
     """Device or process index → bytes, kept as a few numbers however many indices there are.
 
     A mesh of 10**8 devices holds every tensor of a ``NamedSharding`` evenly, so its devices
-    are one run ``0..n-1`` with the same bytes: runs are stored as (length, bytes), and only
-    indices that differ (devices of concrete shardings, processes of an uneven split) one by
-    one. ``lowest``/``highest`` are computed from the runs; iterating lists every index.
+    are one span ``0..n-1`` with the same bytes: bytes are added to spans ``[start, stop)``
+    (a concrete mesh's device ids are a few spans, an index alone is one). Lookups, ``len``,
+    ``lowest`` and ``highest`` come from the few segments where the sum changes (a sweep
+    over the spans' ends, kept until the next ``add``); iterating lists every index.
     """
 
-    def __init__(self):
-        self._runs: dict[int, int] = {}  # n → bytes added to each index 0..n-1
-        self._points: dict[int, int] = {}
-        self._groups: dict[Any, list] = {}  # key → [indices, bytes added to each]
+    def __init__(self, spans: Mapping[tuple[int, int], int] | None = None):
+        self._spans: dict[tuple[int, int], int] = {}  # [start, stop) → bytes added to each
+        self._cut: list[list[int]] | None = None  # ``_segments``, until the next ``add``
+        for (start, stop), value in (spans or {}).items():
+            self.add(start, value, stop)
 
     @classmethod
     def run(cls, n: int, value: int) -> IndexedBytes:
-        out = cls()
-        out._runs[int(n)] = int(value)
-        return out
+        """Indices ``0..n-1``, each ``value``."""
+        return cls({(0, n): value})
 
     @classmethod
     def points(cls, values: Mapping[int, int]) -> IndexedBytes:
-        out = cls()
-        out._points = {int(k): int(v) for k, v in values.items()}
-        return out
+        return cls({(k, k + 1): v for k, v in values.items()})
 
-    def add_run(self, n: int, value: int) -> None:
-        self._runs[n] = self._runs.get(n, 0) + value
-
-    def add(self, index: int, value: int) -> None:
-        self._points[index] = self._points.get(index, 0) + value
-
-    def add_group(self, key, indices: tuple[int, ...], value: int) -> None:
-        """``value`` more on each of ``indices`` (e.g. a concrete mesh's devices), added up per
-        ``key`` and spread over the indices once read.
-
-        Args:
-            key: what the bytes belong to (counted once per key).
-            indices: the devices or processes holding them.
-            value: the bytes each holds.
-        """
-        self._groups.setdefault(key, [indices, 0])[1] += value
-
-    def _fold(self) -> None:
-        groups, self._groups = self._groups, {}
-        for indices, value in groups.values():
-            for index in indices:
-                self.add(index, value)
+    def add(self, index: int, value: int, stop: int | None = None) -> None:
+        """``value`` more on ``index`` (with ``stop``: on each index of ``[index, stop)``)."""
+        span = (int(index), int(index) + 1 if stop is None else int(stop))
+        self._spans[span] = self._spans.get(span, 0) + int(value)
+        self._cut = None
 
     def merge(self, other: IndexedBytes, times: int = 1) -> None:
         """``other``'s bytes added ``times`` over (tensors sharing one placement: once)."""
-        other._fold()
-        for n, value in other._runs.items():
-            self.add_run(n, value * times)
-        for index, value in other._points.items():
-            self.add(index, value * times)
+        for (start, stop), value in other._spans.items():
+            self.add(start, value * times, stop)
 
-    def zeros_like(self) -> IndexedBytes:
-        """The same indices, each 0."""
-        self._fold()
-        out = IndexedBytes()
-        out._runs = dict.fromkeys(self._runs, 0)
-        out._points = dict.fromkeys(self._points, 0)
-        return out
+    def spans(self) -> list[tuple[int, int]]:
+        """The indices as ``[start, stop)`` runs, in order."""
+        return [(start, stop) for start, stop, _ in self._segments()]
 
-    def plus(self, value: int) -> IndexedBytes:
-        """The same indices, each ``value`` more."""
-        self._fold()
-        out = IndexedBytes()
-        out._runs = dict(self._runs)
-        out._points = dict(self._points)
-        span = self._span()
-        if span:
-            out.add_run(span, value)
-        for index in self._points:
-            if not 0 <= index < span:
-                out.add(index, value)
-        return out
+    def filled(self, value: int) -> IndexedBytes:
+        """The same indices, each ``value``."""
+        return IndexedBytes(dict.fromkeys(self.spans(), value))
 
-    def _span(self) -> int:
-        self._fold()
-        return max(self._runs, default=0)
+    def _segments(self) -> list[list[int]]:
+        """[start, stop, sum] of each run of indices holding one sum, in order."""
+        if self._cut is None:
+            change: dict[int, list[int]] = {}  # index → [sum's change, spans' count's change]
+            for (start, stop), value in self._spans.items():
+                for at, sign in ((start, 1), (stop, -1)) if start < stop else ():
+                    step = change.setdefault(at, [0, 0])
+                    step[0] += sign * value
+                    step[1] += sign
+            cut: list[list[int]] = []
+            total = depth = 0
+            for lo, hi in itertools.pairwise(sorted(change)):
+                total, depth = total + change[lo][0], depth + change[lo][1]
+                if depth and cut and cut[-1][1:] == [lo, total]:
+                    cut[-1][1] = hi  # the run before goes on
+                elif depth:  # indices some span covers
+                    cut.append([lo, hi, total])
+            self._cut = cut
+        return self._cut
 
     def __getitem__(self, index) -> int:
-        self._fold()
-        if index not in self:
-            raise KeyError(index)
-        value = sum(v for n, v in self._runs.items() if index < n)
-        return value + self._points.get(index, 0)
-
-    def __contains__(self, index) -> bool:
-        if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
-            return False
-        return bool(0 <= index < self._span() or index in self._points)
+        cut = self._segments()
+        if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+            i = bisect.bisect_right(cut, index, key=lambda segment: segment[0]) - 1
+            if i >= 0 and index < cut[i][1]:
+                return cut[i][2]
+        raise KeyError(index)
 
     def __len__(self) -> int:
-        span = self._span()
-        return span + sum(1 for i in self._points if not 0 <= i < span)
+        return sum(stop - start for start, stop, _ in self._segments())
 
     def __iter__(self):
-        span = self._span()
-        yield from range(span)
-        yield from sorted(i for i in self._points if not 0 <= i < span)
-
-    def _segments(self):
-        """(first index, value) of each group of indices holding one value, plus every
-        explicit index: what ``lowest``/``highest`` need, without walking every index."""
-        self._fold()
-        bounds = sorted({0, *self._runs})
-        for lo, hi in itertools.pairwise(bounds):
-            base = sum(v for n, v in self._runs.items() if lo < n)
-            inside = [i for i in self._points if lo <= i < hi]
-            if len(inside) < hi - lo:  # an index with no explicit value
-                free = next(i for i in range(lo, hi) if i not in self._points)
-                yield free, base
-            for i in inside:
-                yield i, base + self._points[i]
-        span = self._span()
-        for i, value in self._points.items():
-            if not 0 <= i < span:
-                yield i, value
+        for start, stop in self.spans():
+            yield from range(start, stop)
 
     def lowest(self) -> int:
-        return min((v for _, v in self._segments()), default=0)
+        return min((value for *_, value in self._segments()), default=0)
 
     def highest(self) -> int:
-        return max((v for _, v in self._segments()), default=0)
+        return max((value for *_, value in self._segments()), default=0)
 
     def highest_index(self) -> int | None:
         """An index holding the most (the first such), None when empty."""
-        best = max(self._segments(), key=lambda iv: (iv[1], -iv[0]), default=None)
-        return None if best is None else best[0]
+        cut = self._segments()
+        return max(cut, key=lambda segment: segment[2])[0] if cut else None
 
     def __repr__(self) -> str:
         if len(self) <= 16:
@@ -617,10 +575,14 @@ class Layouts:
 
     def add_devices(self, mesh, value: int, device_bytes: IndexedBytes) -> None:
         """``value`` more bytes on every device of ``mesh``."""
-        if isinstance(mesh, jax.sharding.Mesh):
-            device_bytes.add_group(mesh, tuple(d.id for d in mesh.devices.flat), value)
-        else:
-            device_bytes.add_run(self._split(mesh)[0], value)
+        if mesh not in self._cache:  # its devices as a few spans of ids (of positions)
+            if isinstance(mesh, jax.sharding.Mesh):
+                ids = IndexedBytes.points(dict.fromkeys((d.id for d in mesh.devices.flat), 0))
+                self._cache[mesh] = ids.spans()
+            else:
+                self._cache[mesh] = [(0, self._split(mesh)[0])]
+        for start, stop in self._cache[mesh]:
+            device_bytes.add(start, value, stop)
 
     def every_process(self, mesh, value: int) -> IndexedBytes:
         """``value`` for every process holding devices of ``mesh``."""
@@ -649,10 +611,11 @@ class Layouts:
             )
             slice_bytes = elements * itemsize
             self.add_devices(mesh, slice_bytes, device_bytes)
-            counts = self._distinct_slices(mesh, used)
-            if isinstance(counts, tuple):  # (processes, slices each)
-                return slice_bytes, IndexedBytes.run(counts[0], counts[1] * slice_bytes)
-            return slice_bytes, IndexedBytes.points({p: c * slice_bytes for p, c in counts.items()})
+            if (mesh, used) not in self._cache:  # tensors share a few: counted once each
+                self._cache[mesh, used] = self._count_slices(mesh, used)
+            reads = IndexedBytes()
+            reads.merge(self._cache[mesh, used], times=slice_bytes)
+            return slice_bytes, reads
         # any other sharding is concrete (its devices exist): ask it
         largest, distinct = 0, {}
         for d, index in sharding.devices_indices_map(tuple(shape)).items():
@@ -663,16 +626,9 @@ class Layouts:
             distinct.setdefault(d.process_index, {})[box] = n_bytes
         return largest, IndexedBytes.points({p: sum(b.values()) for p, b in distinct.items()})
 
-    def _distinct_slices(self, mesh, used: frozenset):
-        """Per process, how many distinct slices its devices hold of a tensor whose spec uses
-        the mesh axes ``used``: ``(processes, count)`` when every process holds as many, else
-        {process: count}. Cached per mesh and axes (tensors share a few)."""
-        key = (mesh, used)
-        if key not in self._cache:
-            self._cache[key] = self._count_slices(mesh, used)
-        return self._cache[key]
-
-    def _count_slices(self, mesh, used: frozenset):
+    def _count_slices(self, mesh, used: frozenset) -> IndexedBytes:
+        """Process → how many distinct slices its devices hold of a tensor whose spec uses the
+        mesh axes ``used``."""
         sizes = tuple(mesh.shape[a] for a in mesh.axis_names)
         if isinstance(mesh, jax.sharding.Mesh):  # real devices: look at each
             seen: dict[int, set] = {}
@@ -680,7 +636,7 @@ class Layouts:
                 device: Any = mesh.devices[coords]
                 process = device.process_index
                 seen.setdefault(process, set()).add(tuple(coords[a] for a in sorted(used)))
-            return {p: len(s) for p, s in seen.items()}
+            return IndexedBytes.points({p: len(s) for p, s in seen.items()})
         n, p = self._split(mesh)
         block = n // p  # process q holds positions q*block .. (q+1)*block-1 (row-major)
         in_spec = tuple(a in used for a in range(len(sizes)))
@@ -689,7 +645,7 @@ class Layouts:
             if block % inner == 0 and sizes[axis] % (block // inner) == 0:
                 count = block // inner if in_spec[axis] else 1
                 count *= math.prod(s for s, u in zip(sizes[axis + 1 :], in_spec[axis + 1 :]) if u)
-                return (p, count)
+                return IndexedBytes.run(p, count)
         row = n // sizes[0] if sizes else 1
         memo: dict[int, int] = {}
         counts = {}
@@ -698,7 +654,7 @@ class Layouts:
             if start not in memo:
                 memo[start] = _distinct_projections([(start, start + block)], sizes, in_spec)
             counts[q] = memo[start]
-        return counts
+        return IndexedBytes.points(counts)
 
 
 def _distinct_projections(intervals, sizes: tuple[int, ...], in_spec: tuple[bool, ...]) -> int:
