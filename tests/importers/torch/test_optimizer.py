@@ -1,4 +1,4 @@
-"""importers.torch.optimizer: which optimizer state belongs to which parameter, said out loud
+"""importers.torch_state: which optimizer state belongs to which parameter, said out loud
 when it rests on an assumption, refused naming the cause when it cannot be known."""
 
 from __future__ import annotations

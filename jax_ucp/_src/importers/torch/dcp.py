@@ -35,7 +35,8 @@ from jax_ucp._src.format import files
 from jax_ucp._src.importers import trainer_files
 from jax_ucp._src.importers.plan import Detection, ImportPlan, jsonable, refuse_spec
 from jax_ucp._src.importers.torch import olmo_core
-from jax_ucp._src.importers.torch.optimizer import (
+from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
+from jax_ucp._src.importers.torch_state import (
     TensorRef,
     TorchState,
     clean_name,
@@ -44,7 +45,6 @@ from jax_ucp._src.importers.torch.optimizer import (
     scalar_ref,
     strip_wrappers,
 )
-from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
 from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import dcp as torch_dcp
 from jax_ucp._src.torchfiles import dcp_safetensors

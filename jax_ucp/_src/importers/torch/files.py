@@ -30,7 +30,8 @@ from jax_ucp._src.format.safetensors import first_tensors, read_weight_map
 from jax_ucp._src.importers import trainer_files
 from jax_ucp._src.importers.plan import Detection, ImportPlan, refuse_spec, tensor_names
 from jax_ucp._src.importers.torch import hf_trainer
-from jax_ucp._src.importers.torch.optimizer import (
+from jax_ucp._src.importers.torch.options import TorchOptions
+from jax_ucp._src.importers.torch_state import (
     TensorRef,
     TorchState,
     clean_name,

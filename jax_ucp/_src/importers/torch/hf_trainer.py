@@ -21,7 +21,7 @@ from typing import Any
 
 from jax_ucp._src.errors import SourceError, UCPError
 from jax_ucp._src.format import files
-from jax_ucp._src.importers.torch.optimizer import clean_name
+from jax_ucp._src.importers.torch_state import clean_name
 from jax_ucp._src.importers.trainer_files import (
     ADAPTER_CONFIG_FILE,
     CONFIG_FILE,

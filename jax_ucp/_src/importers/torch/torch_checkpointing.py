@@ -33,8 +33,8 @@ from jax_ucp._src.importers.plan import (
     refuse_spec,
     tensor_names,
 )
-from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, plan_state, scalar_ref
 from jax_ucp._src.importers.torch.options import TorchOptions
+from jax_ucp._src.importers.torch_state import TensorRef, TorchState, plan_state, scalar_ref
 from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, dtypes, pickle_format, sharded, torch_zip
 

@@ -45,8 +45,8 @@ from jax_ucp._src.importers.plan import (
 from jax_ucp._src.importers.runs import numbered_steps
 from jax_ucp._src.importers.safetensors_weights import plan_safetensors
 from jax_ucp._src.importers.torch import dcp, torchtune_order
-from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
 from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
+from jax_ucp._src.importers.torch_state import TensorRef, TorchState, numbered_names, plan_state
 from jax_ucp._src.importers.trainer_files import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS,

@@ -1,7 +1,9 @@
-"""verl's optimizer state across its rank files: FSDP2's AdamW ``exp_avg`` / ``exp_avg_sq``
-(DTensors keyed by parameter index, in the order of the model's parameters, checked by shape;
-a tied key counted once), the step every rank and parameter agrees on; FSDP1's flat-parameter
-state refused (it names no parameter) unless only the weights are wanted."""
+"""verl's optimizer state across its rank files, as a torch optimizer's
+(:class:`~jax_ucp._src.importers.torch_state.TorchState`): FSDP2's AdamW ``exp_avg`` /
+``exp_avg_sq`` (DTensors keyed by parameter index, in the order of the model's parameters,
+checked by shape; a tied key counted once) and each parameter's step, every rank agreeing;
+FSDP1's flat-parameter state refused (it names no parameter) unless only the weights are
+wanted."""
 
 from __future__ import annotations
 
@@ -11,18 +13,18 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.errors import SourceError
-from jax_ucp._src.importers.plan import agreed_step, jsonable, skip
+from jax_ucp._src.importers.plan import ADAM_TREES, agreed_step, jsonable
+from jax_ucp._src.importers.torch_state import TensorRef
 from jax_ucp._src.importers.verl import rank_tensors
 from jax_ucp._src.torchfiles import allow_list
 
-__all__ = ["ADAM_STATE", "optimizer_state"]
-
-ADAM_STATE = {"exp_avg": ("opt_state", "mu"), "exp_avg_sq": ("opt_state", "nu")}
+__all__ = ["optimizer_state"]
 
 
 def optimizer_state(model_dir, ranks, options, params: rank_tensors.Params, tied, source, found):
-    """The moments by parameter and the (step, its tensors), the optimizer recorded in
-    ``source`` and its tensors in ``found``; its state skipped with ``weights_only``.
+    """The optimizer's state by parameter (``TorchState.states``: exp_avg, exp_avg_sq, step),
+    its param_groups naming the parameters, and its source tensors (added to ``found``; the
+    state is not read with ``weights_only``).
 
     Args:
         model_dir: the folder of the rank files.
@@ -37,23 +39,15 @@ def optimizer_state(model_dir, ranks, options, params: rank_tensors.Params, tied
     if not optim_files:
         if not options.weights_only:
             source.setdefault("notes", []).append("no optimizer state saved (no optim_* files)")
-        return {}, None
+        return {}, [], []
     optims = [rank_tensors.load(model_dir, name) for name in optim_files]
     names = _optimizer_tensor_names(optim_files, optims)
     found += names
     if options.weights_only:
-        skip(source, names, "optimizer state: weights_only=True")
-        return {}, None
+        return {}, [], names
     trained = {n: v for n, v in params.items() if n not in tied}
-    moments, count, groups = _optimizer(model_dir, optim_files, optims, trained, ranks.world_size)
-    source["optimizer"] = {
-        "param_groups": groups,
-        "state": ["exp_avg", "exp_avg_sq", "step"],
-        "no_state": sorted(n for n in trained if n not in moments),
-    }
-    if tied:
-        source["optimizer"]["tied"] = dict(sorted(tied.items()))
-    return moments, count
+    states, groups = _optimizer(model_dir, optim_files, optims, trained, ranks.world_size)
+    return states, groups, names
 
 
 def _optimizer_tensor_names(files_: list[str], optims: list[Any]) -> list[str]:
@@ -117,42 +111,33 @@ def _optimizer(folder, files_, optims, params: rank_tensors.Params, world: int):
         by_index = dict(zip(indices, recorded))
     else:  # torch numbers the parameters as model.parameters() yields them: checked by shape
         by_index = dict(zip(indices, sharded_names))
-    moments: dict[str, dict[str, rank_tensors.Pieces]] = {}
-    steps: dict[float, str] = {}
-    step_names: list[str] = []
+    states: dict[str, dict[str, TensorRef]] = {}
     for index, name in by_index.items():
-        found = _moments(folder, files_, optims, index, name, params, world, steps, step_names)
+        found = _moments(folder, files_, optims, index, name, params, world)
         if found is not None:
-            moments[name] = found
-    count = None
-    if steps:
-        step = agreed_step(steps, folder, recorded_by="ranks and parameters", error=SourceError)
-        count = (step, step_names)
+            states[name] = found
     kept = [{k: v for k, v in g.items() if k != "param_names"} for g in groups[0]]
-    named = [jsonable({**g, "params": [by_index[i] for i in g.get("params", [])]}) for g in kept]
-    return moments, count, named
+    return states, [{**g, "params": [by_index[i] for i in g.get("params", [])]} for g in kept]
 
 
-def _moments(
-    folder, files_, optims, index, name, params: rank_tensors.Params, world, steps, step_names
-):
-    """Parameter ``index``'s (``name``'s) exp_avg / exp_avg_sq pieces from every rank, its
-    steps added to ``steps`` / ``step_names``; None when no rank holds state for it."""
+def _moments(folder, files_, optims, index, name, params: rank_tensors.Params, world):
+    """Parameter ``index``'s (``name``'s) exp_avg / exp_avg_sq from every rank's pieces, and
+    its step (every rank's, agreeing); None when no rank holds state for it."""
     entries = [o["state"].get(index) for o in optims]
     if any(e is None for e in entries):
         if all(e is None for e in entries):
             return None  # a parameter the optimizer never stepped
         raise SourceError(f"{folder}: some ranks hold optimizer state {index} ({name}), not all")
     keys = set(entries[0])
-    if keys - set(ADAM_STATE) - {"step"} or not set(ADAM_STATE) <= keys:
+    if keys - set(ADAM_TREES) - {"step"} or not set(ADAM_TREES) <= keys:
         raise SourceError(
             f"{os.path.join(folder, files_[0])}: state[{index}] ({name}) holds "
             f"{', '.join(sorted(map(str, keys)))}: only torch Adam / AdamW state (exp_avg, "
             f"exp_avg_sq, step) is imported"
         )
     shape = params[name][0]
-    out: dict[str, rank_tensors.Pieces] = {}
-    for state in ADAM_STATE:
+    out: dict[str, TensorRef] = {}
+    for state in ADAM_TREES:
         what = f"state.{index}.{state}"
         got = rank_tensors.gather(what, [e[state] for e in entries], files_, world, folder)
         if got[0] != shape:
@@ -160,9 +145,16 @@ def _moments(
                 f"{os.path.join(folder, files_[0])}: {what} is {got[0]}, parameter {index} "
                 f"({name}) is {shape}: the optimizer's order is not the model's"
             )
-        out[state] = [(f"{f}/{what}", p) for f, p in got[2]]
+        out[state] = rank_tensors.tensor_ref(what, *got)
+    steps: dict[float, str] = {}
+    names = []
     for file, e in zip(files_, entries):
         if (value := e.get("step")) is not None:
             steps.setdefault(float(np.asarray(value).reshape(())), f"in {file} state[{index}]")
-            step_names.append(f"{file}/state.{index}.step")
+            names.append(f"{file}/state.{index}.step")
+    if steps:
+        step = np.asarray(agreed_step(steps, folder, recorded_by="ranks", error=SourceError))
+        out["step"] = TensorRef(
+            names[0], (), step.dtype, lambda: step, {}, other_names=tuple(names[1:])
+        )
     return out

@@ -1,27 +1,19 @@
 """The verl importer's entry: its options, ``detect`` and ``plan`` (the model's tensors from
 :mod:`.rank_tensors`, the optimizer's from :mod:`.optimizer`, the files beside from
-:mod:`.side_files`)."""
+:mod:`.side_files`, planned as a torch optimizer's state by
+:func:`~jax_ucp._src.importers.torch_state.plan_state`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
-
-from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
-from jax_ucp._src.importers.plan import (
-    TENSORS,
-    Detection,
-    ImportOptions,
-    ImportPlan,
-    host_item,
-    refuse_spec,
-)
+from jax_ucp._src.importers.plan import SKIPPED, Detection, ImportOptions, ImportPlan, refuse_spec
+from jax_ucp._src.importers.torch_state import TorchState, plan_state, tied_parameters
 from jax_ucp._src.importers.verl import layout, optimizer, rank_tensors, side_files
 from jax_ucp._src.store.storage import Storage
 
@@ -98,37 +90,20 @@ def plan(storage: Storage, options: ImportOptions) -> ImportPlan:
 
     models = [rank_tensors.load(model_dir, name) for name in ranks.by_kind["model"]]
     params = rank_tensors.parameters(model_dir, ranks.by_kind["model"], models, world, found)
-    tied = rank_tensors.tied_keys(params)
+    refs = {name: rank_tensors.tensor_ref(name, *value) for name, value in params.items()}
+    tied = tied_parameters(refs, {})
     config = side_files.hf_config(model_dir)
     if config is not None:
         source["trainer"] = {"model_config": config}
 
-    moments, count = optimizer.optimizer_state(
+    states, groups, optimizer_sources = optimizer.optimizer_state(
         model_dir, ranks, options, params, tied, source, found
     )
     side_files.extra_state(model_dir, ranks.by_kind.get("extra_state", []), source, found)
-    side_files.scheduler_against_optimizer(model_dir, source, None if count is None else count[0])
     side_files.units_beside(where, source, found)
-    names = options.share.pick(params)
-
-    def items() -> Iterator[writer.HostItem]:
-        for name in names:
-            shape, dtype, pieces = params[name]
-            item = rank_tensors.item(("params", name), shape, dtype, pieces)
-            if name in tied:
-                item = dataclasses.replace(item, tied_to=f"params/{tied[name]}")
-            elif moments and name not in moments:
-                item = dataclasses.replace(item, frozen=True)
-            yield item
-            for state, tree in optimizer.ADAM_STATE.items():
-                if name in moments:
-                    yield rank_tensors.item((*tree, name), shape, dtype, moments[name][state])
-        if count is not None and options.share.primary:
-            step, step_names = count
-            yield host_item(
-                ("opt_state", "count"),
-                np.asarray(step, np.int32),
-                {TENSORS: step_names, "pattern": "optimizer state 'step'"},
-            )
-
-    return ImportPlan(items(), source, len(names), found)
+    skipped = source.pop(SKIPPED, {})
+    state = TorchState(refs, states, groups, skipped, model_dir, found, optimizer_sources)
+    planned = plan_state(state, source, options)
+    step = next((int(per["step"].read()) for per in states.values() if "step" in per), None)
+    side_files.scheduler_against_optimizer(model_dir, planned.source, step)
+    return planned

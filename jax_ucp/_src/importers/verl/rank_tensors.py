@@ -1,7 +1,7 @@
 """The model's tensors across verl's rank files: each rank's piece of a DTensor (FSDP2,
 ``Shard(0)``) or ShardedTensor (FSDP1), checked to agree and to tile the tensor, read into
-place one tensor at a time (:mod:`jax_ucp._src.torchfiles.sharded`); tied keys found by shared
-storage."""
+place one tensor at a time (:mod:`jax_ucp._src.torchfiles.sharded`), each a torch state's
+``TensorRef`` (tied keys known by their shared storage)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
-from jax_ucp._src.importers.plan import TENSORS, host_item
+from jax_ucp._src.importers.torch_state import TensorRef
 from jax_ucp._src.torchfiles import allow_list, sharded, torch_zip
 
-__all__ = ["Params", "Pieces", "gather", "item", "load", "parameters", "tied_keys"]
+__all__ = ["Params", "Pieces", "gather", "load", "parameters", "tensor_ref"]
 
 
 Params = dict[str, tuple[tuple[int, ...], np.dtype, "Pieces"]]
@@ -121,43 +120,32 @@ def parameters(
     return params
 
 
-def tied_keys(params: Params) -> dict[str, str]:
-    """Key -> the earlier key whose bytes it shares on every rank (a tied ``lm_head.weight``
-    saved beside ``model.embed_tokens.weight``: one storage in each rank's file, one parameter
-    and one optimizer state, as ``named_parameters()`` yields it once)."""
-    first: dict[tuple, str] = {}
-    tied: dict[str, str] = {}
-    for name, (shape, dtype, pieces) in params.items():
-        where = tuple(
-            (f, p.offsets, p.array.__array_interface__["data"][0], p.array.strides)
-            for f, p in pieces
-            if p is not None and p.array.size
-        )
-        if not where:
-            continue
-        owner = first.setdefault((shape, str(dtype), where), name)
-        if owner != name:
-            tied[name] = owner
-    return tied
-
-
-def item(key: tuple[str, ...], shape, dtype, pieces: Pieces) -> writer.HostItem:
-    """One tensor, assembled from its pieces when the writer has room for it (in row slabs
-    when it is larger than the budget).
+def tensor_ref(what: str, shape, dtype, pieces: Pieces) -> TensorRef:
+    """One tensor of the rank files, named ``<file>/<what>`` after each rank's file, assembled
+    from its pieces when the writer has room for it (in row slabs when it is larger than the
+    budget). Its identity is where its bytes lie on every rank: a tied ``lm_head.weight`` saved
+    beside ``model.embed_tokens.weight`` shares one storage in each rank's file.
 
     Args:
-        key: its key path in the output tree.
+        what: its key in the rank files.
         shape: its global shape.
         dtype: its dtype.
         pieces: (file, its block) of every rank (``gather``).
     """
     blocks = [p for _, p in pieces if p is not None]
-    value = writer.Deferred(
+    names = [f"{f}/{what}" for f, _ in pieces]
+    where = tuple(
+        (f, p.offsets, p.array.__array_interface__["data"][0], p.array.strides)
+        for f, p in pieces
+        if p is not None and p.array.size
+    )
+    return TensorRef(
+        names[0],
         shape,
         dtype,
         lambda: sharded.assemble(shape, dtype, blocks),
-        rows=(lambda a, b: sharded.assemble(shape, dtype, blocks, a, b)) if shape else None,
-    )
-    return host_item(
-        key, value, {TENSORS: [f"{f}/{key[-1]}" if key[0] == "params" else f for f, _ in pieces]}
+        {},
+        identity=(shape, str(dtype), where) if where else None,
+        rows=lambda a, b: sharded.assemble(shape, dtype, blocks, a, b),
+        other_names=tuple(names[1:]),
     )

@@ -1,8 +1,9 @@
 """Torch state-dict conventions mapped onto the importer contract (docs/FORMAT.md 2.6).
 
-The torch importers (DCP, torch.save files, torchtune, torch_checkpointing) reduce a checkpoint
-to model tensors and per-parameter optimizer state keyed by parameter name (:class:`TorchState`);
-this module turns that into the output tree, with nothing dropped silently:
+The importers of torch optimizers (torch's DCP, torch.save files, torchtune,
+torch_checkpointing; verl's FSDP rank files) reduce a checkpoint to model tensors and
+per-parameter optimizer state keyed by parameter name (:class:`TorchState`); this module turns
+that into the output tree, with nothing dropped silently:
 
 * ``params/<name>``: the model tensors as stored (a bf16 model without fp32 masters stays bf16
   and the manifest says so);
@@ -62,7 +63,8 @@ _WRAPPERS_LEADING = ("module",)
 @dataclasses.dataclass(frozen=True)
 class TensorRef:
     """A tensor not read yet: its shape and dtype (from metadata or a lazy view) and how to
-    read it; ``where`` names its file(s) in errors and provenance."""
+    read it; ``where`` names its file(s) in errors and provenance, ``names`` the source tensors
+    it is built from."""
 
     name: str  # the source tensor's name, as the import accounting knows it
     shape: tuple[int, ...]
@@ -75,6 +77,12 @@ class TensorRef:
     #: rows ``start:stop`` of dim 0 alone (a DCP tensor's chunks overlapping them), so that a
     #: tensor larger than the memory budget is written in row slabs; None: read whole
     rows: Callable[[int, int], np.ndarray] | None = None
+    #: the source tensors it is assembled from besides ``name`` (the other ranks' pieces)
+    other_names: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name, *self.other_names]
 
 
 def numbered_names(ids: list, keys: list, order: Sequence[str], where: str) -> dict:
@@ -235,7 +243,7 @@ def plan_state(state: TorchState, source: dict, options: ImportOptions) -> Impor
     for name, per in states.items():
         if "step" in per:
             steps.setdefault(_step_of(per["step"], name, state.where), f"({name})")
-            step_names.append(per["step"].name)
+            step_names += per["step"].names
     count = (
         agreed_step(steps, state.where, recorded_by="parameters", error=SourceError)
         if steps
@@ -273,15 +281,16 @@ def plan_state(state: TorchState, source: dict, options: ImportOptions) -> Impor
 def tied_parameters(params: dict[str, TensorRef], states: dict) -> dict[str, str]:
     """Parameter without optimizer state -> the parameter with state it is the same tensor as
     (a tied ``lm_head.weight`` saved beside ``embed_tokens.weight``: one storage, so torch's
-    optimizer holds one state, under the other name)."""
+    optimizer holds one state, under the other name); without ``states``, -> the first of the
+    parameters it is the same tensor as."""
     trained = {}
     for name, ref in params.items():
-        if name in states and ref.identity is not None:
+        if (name in states or not states) and ref.identity is not None:
             trained.setdefault(ref.identity, name)
     return {
         name: trained[ref.identity]
         for name, ref in params.items()
-        if states and name not in states and ref.identity in trained
+        if name not in states and trained.get(ref.identity, name) != name
     }
 
 
@@ -296,7 +305,7 @@ def _items(
         param = state.params[name]
         per = states.get(name, {})
         value = _deferred(param, name, state.where)
-        item = host_item(("params", name), value, {**param.where, "tensors": [param.name]})
+        item = host_item(("params", name), value, {**param.where, "tensors": param.names})
         if name in tied:
             item = dataclasses.replace(item, tied_to=f"params/{tied[name]}")
         elif states and not per:
@@ -306,7 +315,7 @@ def _items(
             ref = per[key]
             tree = STATE_TREES.get(key, ("opt_state", key))
             value = _deferred(ref, f"{name} ({key})", state.where)
-            provenance = {**ref.where, "state": key, "tensors": [ref.name]}
+            provenance = {**ref.where, "state": key, "tensors": ref.names}
             if tree[1] in ("mu", "nu"):
                 yield host_item((*tree, name), value, provenance)
             else:
