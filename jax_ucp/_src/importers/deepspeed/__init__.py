@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from jax_ucp._src.errors import SourceError
-from jax_ucp._src.importers.deepspeed import autoep, megatron, moe, universal, zero
+from jax_ucp._src.importers.deepspeed import autoep, megatron, moe, universal, zero, zero0
 from jax_ucp._src.importers.deepspeed.files import (
     DS_CLASSES,
     check_every_file_read,
@@ -99,9 +99,9 @@ def _plan_training_checkpoint(tag_dir: str, options: ImportOptions) -> ImportPla
             "global names), so an import spec has nothing to do",
         )
         return moe.plan_moe(tag_dir, options)
-    zero0 = zero.zero0_model_file(tag_dir)
-    if zero0 is not None:
-        return zero.plan_zero0(tag_dir, zero0, options)
+    zero0_file = zero0.zero0_model_file(tag_dir)
+    if zero0_file is not None:
+        return zero0.plan_zero0(tag_dir, zero0_file, options)
     if is_model_parallel(tag_dir):
         # TP/PP fragments merged by the universal_checkpoint_info patterns (translated into the
         # UCP language), or by the import rules of ``spec``

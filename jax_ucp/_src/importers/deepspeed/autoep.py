@@ -21,7 +21,6 @@ import numpy as np
 
 from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
-from jax_ucp._src.format import mapped_file
 from jax_ucp._src.importers.deepspeed import files, moe, zero, zero0
 from jax_ucp._src.importers.deepspeed.files import require
 from jax_ucp._src.importers.plan import (
@@ -29,8 +28,6 @@ from jax_ucp._src.importers.plan import (
     ImportPlan,
     Share,
     host_item,
-    skip,
-    tensor_names,
 )
 
 #: The model states keys of DeepSpeed's AutoEP layer records (and the older name).
@@ -366,7 +363,7 @@ def _plan_zero0(
     """ZeRO-0 (no ZeRO optimizer files; an fp32 run): the dense weights from ``module``, the
     experts' from their files (the trained values themselves, no master), stacked; Adam's
     moments and step from each EP rank's torch ``optimizer.state_dict()`` (``expp_rank_<r>_*``,
-    the dense group a replica on each) by :func:`moe.zero0_moments`, rank r's expert group
+    the dense group a replica on each) by :func:`moe.zero0_optimizer`, rank r's expert group
     holding its fused local tensors layer by layer, w1, w2, w3 (the layers' parameter order)."""
     fused = _recorded_local_shapes(key, records, model_file)
     layers = autoep_layers(key, records, model_file, fused)
@@ -386,51 +383,16 @@ def _plan_zero0(
         weights.update({f"{name}{EP_PART}{r}": (carrier, "") for r in range(ep)})
     source = files.source_record(tag_dir, states, 0, layout="autoep", ep_size=ep)
     source["num_experts"] = [x.experts for x in layers]
-    found = [f"{file}:{n}" for n in tensor_names(states)]
-    found += [t for held in experts.values() for _, t in held]
-    loaded = {path: files.load_deepspeed_file(path) for path in optimizer_files}
-    for path, state in loaded.items():
-        found += [f"{os.path.basename(path)}:{n}" for n in tensor_names(state)]
-    moments, step = {}, None
-    if options.weights_only:
-        optimizer = [n for n in found if ":optimizer." in n]
-        skip(source, optimizer, "weights_only: ZeRO-0 optimizer state (torch state_dict())")
-    else:
-        local = lambda r: [f"{x.prefix}.{w}{EP_PART}{r}" for x in layers for w in WEIGHTS]
-        moments, step = moe.zero0_moments(
-            states, model_file, loaded, list(dense), local, weights, source
-        )
-    imported = {t for held in experts.values() for _, t in held}
-    imported |= {t for n, (_, t) in weights.items() if n in dense}
-    imported |= {t for *_, tensors in moments.values() for t in tensors}
-    imported |= set(step[1]) if step is not None else set()
-    skip(source, sorted(set(found) - imported), "not a module weight")  # the first reason stays
+    local = lambda r: [f"{x.prefix}.{w}{EP_PART}{r}" for x in layers for w in WEIGHTS]
+    tensors = [t for held in experts.values() for _, t in held]
+    found, moments, step = moe.zero0_optimizer(
+        model_file, states, optimizer_files, weights, tensors, local, source, options
+    )
     names = options.share.pick([*dense, *experts])
-    step = step if options.share.primary else None
-    items = _zero0_items(names, weights, experts, moments, step, ep)
+    stacked = {name: _expert_files_item(("params", name), held) for name, held in experts.items()}
+    parts = lambda name: [f"{name}{EP_PART}{r}" for r in range(ep)] if name in experts else [name]
+    items = moe.zero0_items(names, weights, moments, step, stacked, parts)
     return ImportPlan(_stacked(items, experts, ep), source, len(names), source_tensors=found)
-
-
-def _zero0_items(names, weights, experts, moments, step, ep) -> Iterator[writer.HostItem]:
-    """Each parameter (an expert tensor: from its files) with its Adam moments (an expert
-    tensor's: one per EP rank, ``_stacked`` after), then the step (None: not given)."""
-    for name in names:
-        if name in experts:
-            yield _expert_files_item(("params", name), experts[name])
-        else:
-            value, tensor = weights[name]
-            yield files.sourced_item(("params", name), value, "module", [tensor])
-        for part in [f"{name}{EP_PART}{r}" for r in range(ep)] if name in experts else [name]:
-            if part not in moments:  # weights_only
-                continue
-            mu, nu, tensors = moments[part]
-            for tree, value, state in (("mu", mu, "exp_avg"), ("nu", nu, "exp_avg_sq")):
-                held = [t for t in tensors if t.endswith("." + state)]
-                key = ("opt_state", tree, part)
-                yield files.sourced_item(key, value, "zero0-optimizer-index", held)
-    if step is not None:
-        count = np.asarray(step[0], np.int32)
-        yield files.sourced_item(("opt_state", "count"), count, "step", step[1])
 
 
 def _expert_files_item(key: tuple[str, ...], stored: list[tuple[Any, str]]) -> writer.HostItem:
@@ -496,13 +458,8 @@ def _check_experts(name: str, master: np.ndarray, stored: list[tuple[Any, str]])
     """Each expert's stacked fp32 master rounds to its expert file's weight, every element: a
     part of another EP rank's partition (``use_data_before_expert_parallel``) cannot pass."""
     for g, (weight, tensor) in enumerate(stored):
-        want = mapped_file.read_out(np.asarray(weight))
-        if master[g].astype(want.dtype).tobytes() != np.ascontiguousarray(want).tobytes():
-            raise SourceError(
-                f"{name!r}: expert {g} of the fp32 master read from the ZeRO partitions "
-                f"disagrees with {tensor}: EP ranks assigned otherwise than DeepSpeed's "
-                "default expert-then-data topology, or files from different saves"
-            )
+        what = f"{name!r}: expert {g} of the fp32 master read from the ZeRO partitions"
+        moe.check_master(what, weight, tensor, master[g])
 
 
 __all__ = ["Layer", "autoep_layers", "autoep_records", "autoep_states", "plan_autoep"]

@@ -43,6 +43,7 @@ from jax_ucp._src.importers.deepspeed import files, zero, zero0
 from jax_ucp._src.importers.deepspeed.files import require
 from jax_ucp._src.importers.deepspeed.zero import DeepSpeedCheckpoint
 from jax_ucp._src.importers.plan import (
+    ADAM_TREES,
     ImportOptions,
     ImportPlan,
     agreed_step,
@@ -52,6 +53,10 @@ from jax_ucp._src.importers.plan import (
 
 #: An expert parameter's name: ``<MoE module>.deepspeed_experts.<expert index>.<key>``.
 EXPERT_NAME = re.compile(r"^(.+)\.deepspeed_experts\.([0-9]+)\.(.+)$")
+#: What a moment of another shape than its parameter means in a ZeRO-0 MoE run.
+ORDER_ADVICE = (
+    ": the parameter order is not the module's; import the weights with weights_only=True"
+)
 #: The name DeepSpeed gives an expert param group: ``ep_size_<expert parallel size>``.
 EP_GROUP_NAME = re.compile(r"^ep_size_([0-9]+)\Z")
 
@@ -357,7 +362,9 @@ def _checked_experts(
     rank's partition (a topology we mis-assume) cannot pass."""
     for item in items:
         if item.key[0] == "params" and item.key[1] in experts.weights:
-            check = functools.partial(_check_expert, item, *experts.weights[item.key[1]])
+            files_ = (item.provenance or {}).get("files")
+            what = f"expert parameter {item.key[1]!r}: the fp32 master from {files_}"
+            check = functools.partial(check_master, what, *experts.weights[item.key[1]])
             if isinstance(item.value, writer.Deferred):  # checked once the writer builds it
                 make = item.value.make
                 item.value = dataclasses.replace(item.value, make=lambda c=check, m=make: c(m()))
@@ -366,20 +373,21 @@ def _checked_experts(
         yield item
 
 
-def _check_expert(item: writer.HostItem, stored, tensor: str, value) -> Any:
-    """``value`` (the fp32 master of ``item``) rounds to ``stored`` (``tensor``) everywhere."""
-    cast = mapped_file.read_out(np.asarray(value)).astype(stored.dtype)
+def check_master(what: str, stored, tensor: str, master) -> Any:
+    """``master``, an expert's fp32 master (``what``), once checked to round to the weight its
+    expert file holds (``stored``, source tensor ``tensor``), every element: an expert read
+    from another rank's partition (a topology we mis-assume) cannot pass."""
+    cast = mapped_file.read_out(np.asarray(master)).astype(stored.dtype)
     stored = mapped_file.read_out(np.asarray(stored))
     if cast.tobytes() != np.ascontiguousarray(stored).tobytes():
         flat = int(np.argmax(cast.reshape(-1) != stored.reshape(-1)))
         raise SourceError(
-            f"expert parameter {item.key[1]!r}: the fp32 master from "
-            f"{(item.provenance or {}).get('files')} disagrees with {tensor} (first at flat "
-            f"index {flat}: {cast.reshape(-1)[flat]!r} vs {stored.reshape(-1)[flat]!r}): "
-            "expert-parallel ranks assigned otherwise than DeepSpeed's default "
-            "expert-then-data topology, or files from different saves"
+            f"{what} disagrees with {tensor} (first at flat index {flat}: "
+            f"{cast.reshape(-1)[flat]!r} vs {stored.reshape(-1)[flat]!r}): expert-parallel "
+            "ranks assigned otherwise than DeepSpeed's default expert-then-data topology, or "
+            "files from different saves"
         )
-    return value
+    return master
 
 
 def expert_weights(checkpoint, source: dict, tensors: list[str]) -> list[str]:
@@ -427,7 +435,6 @@ def plan_moe_zero0(tag_dir: str, options: ImportOptions) -> ImportPlan:
     ``module`` and the expert files; Adam's moments and step from the torch
     ``optimizer.state_dict()`` of every expert-parallel rank (``expp_rank_P_*``), mapped from
     index to name as :func:`zero0_index_names` says."""
-    weights_only, share = options.weights_only, options.share
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     model_states = files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)
@@ -443,53 +450,84 @@ def plan_moe_zero0(tag_dir: str, options: ImportOptions) -> ImportPlan:
         raise SourceError(
             f"{model_file}: expert parameters {clash[:5]} are also in module (expected apart)"
         )
-    dense = list(weights)
     weights.update(experts.weights)
-    names = share.pick(weights)
+    names = options.share.pick(weights)
     source = files.source_record(
         tag_dir, model_states, 0, **_moe_source(experts, [len(optimizer_files)])
     )
-    found = [f"{file}:{n}" for n in tensor_names(model_states)]
-    found += [tensor for _, tensor in experts.weights.values()]
+    local = functools.partial(experts.local_names, len(optimizer_files))
+    tensors = [tensor for _, tensor in experts.weights.values()]
+    found, moments, step = zero0_optimizer(
+        model_file, model_states, optimizer_files, weights, tensors, local, source, options
+    )
+    items = zero0_items(names, weights, moments, step)
+    return ImportPlan(items, source, len(names), source_tensors=found)
+
+
+def zero0_optimizer(
+    model_file, model_states, optimizer_files, weights, tensors, local, source, options
+):
+    """Every tensor of a ZeRO-0 expert-parallel run's files (DeepSpeed MoE's, AutoEP's); the
+    Adam moments and ``(step, tensors)`` of :func:`zero0_moments` (none under
+    ``options.weights_only``; the step given to the primary process only); the tensors not
+    imported listed in ``source.skipped``.
+
+    Args:
+        model_file: rank 0's model states file.
+        model_states: that file, loaded.
+        optimizer_files: each expert-parallel rank's torch optimizer file.
+        weights: every parameter's ``(weight, source tensor)`` by name; those of the model
+            states file are the dense ones.
+        tensors: the expert files' tensors.
+        local: ``local(ep_rank)``: the rank's expert parameters, in group order.
+        source: the manifest's source record, whose ``skipped`` is filled.
+        options: ``weights_only`` and ``share``.
+    """
+    file = os.path.basename(model_file)
+    found = [f"{file}:{n}" for n in tensor_names(model_states)] + tensors
     states = {path: files.load_deepspeed_file(path) for path in optimizer_files}
     for path, state in states.items():
         found += [f"{os.path.basename(path)}:{n}" for n in tensor_names(state)]
     moments: dict[str, tuple[np.ndarray, np.ndarray, list[str]]] = {}
     step = None
-    if weights_only:
+    if options.weights_only:
         skip(
             source,
             [n for n in found if ":optimizer." in n],
             "weights_only: ZeRO-0 optimizer state (torch optimizer.state_dict(), keyed by index)",
         )
     else:
-        local_names = functools.partial(experts.local_names, len(optimizer_files))
+        dense = [n for n, (_, t) in weights.items() if t.startswith(f"{file}:")]
         moments, step = zero0_moments(
-            model_states, model_file, states, dense, local_names, weights, source
+            model_states, model_file, states, dense, local, weights, source
         )
-    imported = {tensor for _, tensor in weights.values()}
-    imported |= {t for *_, tensors in moments.values() for t in tensors}
+    imported = {t for _, t in weights.values() if t.startswith(f"{file}:")} | set(tensors)
+    imported |= {t for *_, held in moments.values() for t in held}
     imported |= set(step[1]) if step is not None else set()
     skip(source, sorted(set(found) - imported), "not a module weight")  # the first reason stays
-
-    items = _zero0_items(names, weights, moments, step if share.primary else None)
-    return ImportPlan(items, source, len(names), source_tensors=found)
+    return found, moments, step if options.share.primary else None
 
 
-def _zero0_items(names, weights, moments, step) -> Iterator[writer.HostItem]:
-    """Each parameter of ``names`` with its Adam moments (when imported), then the step (given
-    to the primary process only): written in this order, so a parameter's state follows it."""
+def zero0_items(
+    names, weights, moments, step, stacked: Mapping = {}, parts=lambda name: [name]
+) -> Iterator[writer.HostItem]:
+    """Each parameter of ``names`` (``stacked[name]``: its own item, else its module weight of
+    ``weights``) with the Adam moments of its ``parts(name)`` when imported (AutoEP: one per EP
+    rank, stacked after), then the step (None: not given): written in this order, so a
+    parameter's state follows it."""
     for name in names:
-        value, tensor = weights[name]
-        yield files.sourced_item(("params", name), value, "module", [tensor])
-        if name not in moments:
-            continue
-        mu, nu, tensors = moments[name]
-        for tree, value, state in (("mu", mu, "exp_avg"), ("nu", nu, "exp_avg_sq")):
-            held = [t for t in tensors if t.endswith("." + state)]
-            yield files.sourced_item(
-                ("opt_state", tree, name), value, "zero0-optimizer-index", held
-            )
+        if name in stacked:
+            yield stacked[name]
+        else:
+            value, tensor = weights[name]
+            yield files.sourced_item(("params", name), value, "module", [tensor])
+        for part in parts(name):
+            if part not in moments:  # weights_only
+                continue
+            mu, nu, tensors = moments[part]
+            for (state, tree), value in zip(ADAM_TREES.items(), (mu, nu)):
+                held = [t for t in tensors if t.endswith("." + state)]
+                yield files.sourced_item((*tree, part), value, "zero0-optimizer-index", held)
     if step is not None:
         value, tensors = step
         count = np.asarray(value, np.int32)
@@ -583,16 +621,11 @@ def zero0_moments(model_states, model_file, states, dense, local_names, weights,
                 f"groups list {sorted(by_index)[:8]}...; every parameter needs its Adam state"
             )
         for index, name in by_index.items():
-            entry = inner[index]
+            shape = np.asarray(weights[name][0]).shape
             where = f"{file}:optimizer.state.{index}"
-            pair = _adam_moments(entry, where, name, np.asarray(weights[name][0]).shape)
-            if "step" in entry:
-                steps.setdefault(
-                    float(mapped_file.read_out(np.asarray(entry["step"]))), f"in {where}"
-                )
-                if isinstance(entry["step"], np.ndarray):
-                    step_tensors.append(f"{where}.step")
-            tensors = [f"{where}.exp_avg", f"{where}.exp_avg_sq"]
+            pair, tensors = zero0.adam_entry(
+                inner[index], where, name, shape, steps, step_tensors, ORDER_ADVICE
+            )
             held = moments.get(name)
             _check_replica(held[:2] if held else (), pair, tensors, name)
             if held is None or not held[2]:  # rank 0's own copy is listed below, not here
@@ -617,22 +650,6 @@ def zero0_moments(model_states, model_file, states, dense, local_names, weights,
         error=SourceError,
     )
     return moments, (count, step_tensors)
-
-
-def _adam_moments(entry, where: str, name: str, shape: tuple) -> list[np.ndarray]:
-    """``exp_avg`` and ``exp_avg_sq`` of one optimizer state entry, of the parameter's shape: a
-    shape that differs means the index-to-name order is not the module's."""
-    pair = []
-    for key in ("exp_avg", "exp_avg_sq"):
-        value = require(entry, key, where)
-        if not isinstance(value, np.ndarray) or value.shape != shape:
-            raise SourceError(
-                f"{where}.{key}: shape {getattr(value, 'shape', None)} but parameter "
-                f"{name!r} (at this index) has shape {shape}: the parameter order is not "
-                "the module's; import the weights with weights_only=True"
-            )
-        pair.append(value)
-    return pair
 
 
 def _check_replica(stored, pair, tensors: list[str], name: str) -> None:

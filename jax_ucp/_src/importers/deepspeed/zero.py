@@ -23,7 +23,6 @@ import functools
 import itertools
 import math
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,9 +32,7 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files, mapped_file
-from jax_ucp._src.importers.deepspeed import zero0
 from jax_ucp._src.importers.deepspeed.files import (
-    OPTIMIZER_FILE,
     ZERO3_MODEL_FILE,
     OptimizerStates,
     dtype_of_run,
@@ -55,7 +52,6 @@ from jax_ucp._src.importers.plan import (
     TENSORS,
     VALUES,
     ImportOptions,
-    ImportPlan,
     agreed_step,
     count_item,
     host_item,
@@ -884,70 +880,6 @@ def frozen_items(
         yield item
 
 
-def zero0_model_file(tag_dir: str) -> str | None:
-    """The model states file of a ZeRO-0 (optimizer not partitioned) checkpoint: no ZeRO
-    optimizer files, and the optimizer state inside ``mp_rank_00_model_states.pt``."""
-    if any(OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
-        return None
-    path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    return path if os.path.lexists(path) else None
-
-
-def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportPlan:
-    """ZeRO-0: the optimizer state is inside the model states file. A bf16 / fp16 run's
-    (``FP16_UnfusedOptimizer``: fp32 masters, Adam state) is imported by :mod:`deepspeed.zero0`;
-    an fp32 run's plain torch ``optimizer.state_dict()`` is not, and its weights are the
-    module's (a low-precision run without fp32 masters gets the module's too, said in
-    ``source.notes`` and warned).
-
-    Args:
-        tag_dir: the tag folder.
-        model_file: its model states file.
-        options: ``weights_only`` must be set (the optimizer state is then listed in
-            ``source.skipped``); ``share``: this process's part.
-    """
-    weights_only, share = options.weights_only, options.share
-    model_states = load_model_states(model_file)
-    # bf16 / fp16: FP16_UnfusedOptimizer's fp32 masters and Adam state (deepspeed.zero0)
-    run_dtype = dtype_of_run(
-        model_states.get("ds_config") or {}, zero0.module_parameters(model_states)
-    )
-    unfused = zero0.plan_unfused(tag_dir, model_file, model_states, options)
-    if isinstance(unfused, ImportPlan):
-        return unfused
-    if not weights_only:
-        has_optimizer = model_states.get("optimizer") is not None
-        raise SourceError(
-            f"{model_file}: a ZeRO stage 0 checkpoint (no '*zero_pp_rank_*_optim_states.pt' "
-            f"files{'; its optimizer state is inside this file' if has_optimizer else ''}). "
-            "Importing ZeRO-0 optimizer state is not supported (supported: ZeRO stages 1, 2 "
-            "and 3 of DeepSpeed 0.19). To import the model weights: convert(..., "
-            "importing=ImportOptions(weights_only=True)) / jax-ucp convert --weights-only"
-        )
-    module = model_states.get("module")
-    if not isinstance(module, Mapping) or not module:
-        raise SourceError(f"{model_file}: no 'module' weights to import")
-    names = share.pick(n for n, v in module.items() if isinstance(v, np.ndarray))
-    file = os.path.basename(model_file)
-    items = (
-        sourced_item(("params", n), module[n], "module", [f"{file}:module.{n}"]) for n in names
-    )
-
-    source = source_record(tag_dir, model_states, 0)
-    if run_dtype != np.dtype(np.float32):  # the module's weights in bf16 / fp16: said
-        note = (
-            f"params are the module weights in the run's {run_dtype}, not fp32 masters: {unfused}"
-        )
-        source["notes"] = [note]
-        warnings.warn(f"{model_file}: {note}", UserWarning, stacklevel=2)
-    found = [f"{file}:{n}" for n in tensor_names(model_states)]
-    imported = {f"{file}:module.{n}" for n, v in module.items() if isinstance(v, np.ndarray)}
-    optimizer = [n for n in found if n.startswith(f"{file}:optimizer.")]
-    skip(source, optimizer, "weights_only: ZeRO-0 optimizer state (torch optimizer.state_dict())")
-    skip(source, sorted(set(found) - imported - set(optimizer)), "not a module weight")
-    return ImportPlan(items, source, len(names), source_tensors=found)
-
-
 #: The DeepSpeed optimizer class of each ZeRO stage (recorded as ``source.ds_optimizer``).
 _ZERO_OPTIMIZER = {
     1: "DeepSpeedZeroOptimizer",
@@ -981,7 +913,7 @@ def torch_optimizer_record(checkpoint: DeepSpeedCheckpoint) -> dict | None:
     """The torch optimizer DeepSpeed stepped, as the manifest records a torch one
     (``source.optimizer``): DP rank 0's ``param_groups`` with each group's ``params`` named by
     ``param_shapes`` (DeepSpeed flattens a group into one vector, so its indices name nothing),
-    and the ``deepspeed`` config entries that made and clipped it (``optimizer``,
+    and the DeepSpeed config entries that made and clipped it (``config``: ``optimizer``,
     ``gradient_clipping``: under DeepSpeed the Trainer does not clip). None when the files hold
     no param groups, or not one per ``param_shapes`` group (nothing is guessed)."""
     state = checkpoint.optim_states[0]
@@ -1001,7 +933,7 @@ def torch_optimizer_record(checkpoint: DeepSpeedCheckpoint) -> dict | None:
         "param_groups": named,
         "state": ["exp_avg", "exp_avg_sq", "step"],
         "no_state": sorted(checkpoint.frozen),
-        "deepspeed": {k: jsonable(ds_config[k]) for k in DS_OPTIMIZER_FIELDS if k in ds_config},
+        "config": {k: jsonable(ds_config[k]) for k in DS_OPTIMIZER_FIELDS if k in ds_config},
     }
     scheduler = checkpoint.model_states.get("lr_scheduler")
     if isinstance(scheduler, Mapping):  # a client's torch scheduler (the Trainer's), or the one

@@ -25,7 +25,9 @@ from jax_ucp._src import writer
 from jax_ucp._src.errors import OptimizerOrderWarning, SourceError
 from jax_ucp._src.format import mapped_file
 from jax_ucp._src.importers.deepspeed.files import (
+    OPTIMIZER_FILE,
     dtype_of_run,
+    load_model_states,
     require,
     source_record,
     sourced_item,
@@ -47,14 +49,6 @@ class Masters:
     # module names of a trained weight's own tensor (tied weights: one parameter, one master)
     tied: dict[str, str] = field(default_factory=dict)
     ambiguous: list[list[str]] = field(default_factory=list)  # same shape and weights
-
-
-def unfused_optimizer(model_states: Mapping) -> Mapping | None:
-    """The ``FP16_UnfusedOptimizer`` state inside a ZeRO-0 model states file, or None."""
-    optimizer = model_states.get("optimizer")
-    if isinstance(optimizer, Mapping) and "fp32_groups" in optimizer:
-        return optimizer
-    return None
 
 
 def module_parameters(model_states: Mapping) -> dict[str, np.ndarray]:
@@ -173,39 +167,81 @@ def _sort_unmatched(out: Masters, names: list[str], weights: Mapping[str, np.nda
     out.ambiguous = [group for group in same.values() if len(group) > 1]
 
 
+def adam_entry(
+    entry, where: str, name: str, shape: tuple, steps: dict, step_tensors: list, advice: str = ""
+) -> tuple[list[np.ndarray], list[str]]:
+    """``[exp_avg, exp_avg_sq]`` of one torch optimizer state entry of parameter ``name``, each
+    of its ``shape``, and their source tensors; the entry's ``step`` noted in ``steps`` (value ->
+    where) and, when a tensor, in ``step_tensors``.
+
+    Args:
+        entry: the state entry (``optimizer.state_dict()["state"][index]``).
+        where: its source tensor prefix (``<file>:<dotted path>``).
+        name: the parameter at its index.
+        shape: that parameter's shape.
+        steps: the steps seen, filled.
+        step_tensors: the step tensors seen, filled.
+        advice: what a moment of another shape means, after the message.
+    """
+    pair = []
+    for key in ("exp_avg", "exp_avg_sq"):
+        value = require(entry, key, where)
+        if not isinstance(value, np.ndarray) or value.shape != shape:
+            raise SourceError(
+                f"{where}.{key}: shape {getattr(value, 'shape', None)} but parameter "
+                f"{name!r} (at this index) has shape {shape}{advice}"
+            )
+        pair.append(value)
+    if "step" in entry:
+        steps.setdefault(float(mapped_file.read_out(np.asarray(entry["step"]))), f"in {where}")
+        if isinstance(entry["step"], np.ndarray):
+            step_tensors.append(f"{where}.step")
+    return pair, [f"{where}.exp_avg", f"{where}.exp_avg_sq"]
+
+
 @dataclass
 class _Read:
     """One trained parameter's sources."""
 
     master: np.ndarray
     master_tensor: str
-    moments: tuple[np.ndarray, np.ndarray] | None
+    moments: list[np.ndarray] | None
     moment_tensors: list[str]
 
 
-def plan_unfused(
-    tag_dir: str, model_file: str, model_states: Mapping, options: ImportOptions
-) -> ImportPlan | str:
-    """The import of a low-precision ZeRO-0 checkpoint from its fp32 masters (``params``),
-    module weights (``model_params``), Adam moments and step; or, when the file holds no
-    ``FP16_UnfusedOptimizer`` state, why not (the caller imports the module weights and says
-    so).
+def zero0_model_file(tag_dir: str) -> str | None:
+    """The model states file of a ZeRO-0 (optimizer not partitioned) checkpoint: no ZeRO
+    optimizer files, and the optimizer state inside ``mp_rank_00_model_states.pt``."""
+    if any(OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
+        return None
+    path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    return path if os.path.lexists(path) else None
+
+
+def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportPlan:
+    """ZeRO-0: the optimizer state is inside the model states file. A bf16 / fp16 run's
+    (``FP16_UnfusedOptimizer``) is imported from its fp32 masters (``params``), module weights
+    (``model_params``), Adam moments and step; an fp32 run's plain torch
+    ``optimizer.state_dict()`` is not, and its weights are the module's
+    (:func:`_plan_module_weights`).
 
     Args:
         tag_dir: the tag folder.
         model_file: its model states file.
-        model_states: that file, loaded.
-        options: ``weights_only``: masters and model weights alone; ``share``: this process's
-            part.
+        options: ``weights_only``: masters and model weights alone (the module's weights of a
+            run without fp32 masters, which need it set); ``share``: this process's part.
     """
+    model_states = load_model_states(model_file)
     file = os.path.basename(model_file)
     weights = module_parameters(model_states)
     model_dtype = dtype_of_run(model_states.get("ds_config") or {}, weights)
-    optimizer = unfused_optimizer(model_states)
-    if optimizer is None:
-        held = model_states.get("optimizer")
-        what = "no optimizer state" if held is None else "no fp32_groups in its optimizer state"
-        return f"{file} holds {what}"
+    optimizer = model_states.get("optimizer")
+    if not (isinstance(optimizer, Mapping) and "fp32_groups" in optimizer):
+        what = (
+            "no optimizer state" if optimizer is None else "no fp32_groups in its optimizer state"
+        )
+        why = f"{file} holds {what}"
+        return _plan_module_weights(tag_dir, model_file, model_states, model_dtype, why, options)
     if not weights:
         raise SourceError(f"{model_file}: no 'module' weights to import")
     masters = match_masters(optimizer, weights, model_file)
@@ -220,22 +256,8 @@ def plan_unfused(
         moments, tensors = None, []
         if not options.weights_only:
             entry = require(state, index, f"{model_file} optimizer state")
-            pair = []
-            for key in ("exp_avg", "exp_avg_sq"):
-                value = require(entry, key, f"{model_file} optimizer state {index}")
-                if not isinstance(value, np.ndarray) or value.shape != master.shape:
-                    raise SourceError(
-                        f"{prefix}.{index}.{key}: shape {getattr(value, 'shape', None)}, its "
-                        f"parameter {name!r} has {master.shape}"
-                    )
-                pair.append(value)
-                tensors.append(f"{prefix}.{index}.{key}")
-            moments = (pair[0], pair[1])
-            if "step" in entry:
-                step = float(mapped_file.read_out(np.asarray(entry["step"])))
-                steps.setdefault(step, f"(parameter {name!r})")
-                if isinstance(entry["step"], np.ndarray):
-                    step_tensors.append(f"{prefix}.{index}.step")
+            where = f"{prefix}.{index}"
+            moments, tensors = adam_entry(entry, where, name, master.shape, steps, step_tensors)
         read[name] = _Read(master, f"{file}:optimizer.fp32_groups.{g}.{j}", moments, tensors)
     count = None
     if not options.weights_only:
@@ -291,6 +313,44 @@ def plan_unfused(
     items = _items(
         names, weights, read, model_dtype, file, (count, step_tensors), options.share.primary
     )
+    return ImportPlan(items, source, len(names), source_tensors=found)
+
+
+def _plan_module_weights(
+    tag_dir: str, model_file: str, model_states: Mapping, run_dtype, why: str, options
+) -> ImportPlan:
+    """ZeRO-0 without ``FP16_UnfusedOptimizer`` state (``why``): the module's weights, the
+    optimizer state listed in ``source.skipped``; ``options.weights_only`` must be set (a
+    low-precision run without fp32 masters gets the module's too, said in ``source.notes``
+    and warned)."""
+    if not options.weights_only:
+        has_optimizer = model_states.get("optimizer") is not None
+        raise SourceError(
+            f"{model_file}: a ZeRO stage 0 checkpoint (no '*zero_pp_rank_*_optim_states.pt' "
+            f"files{'; its optimizer state is inside this file' if has_optimizer else ''}). "
+            "Importing ZeRO-0 optimizer state is not supported (supported: ZeRO stages 1, 2 "
+            "and 3 of DeepSpeed 0.19). To import the model weights: convert(..., "
+            "importing=ImportOptions(weights_only=True)) / jax-ucp convert --weights-only"
+        )
+    module = model_states.get("module")
+    if not isinstance(module, Mapping) or not module:
+        raise SourceError(f"{model_file}: no 'module' weights to import")
+    names = options.share.pick(n for n, v in module.items() if isinstance(v, np.ndarray))
+    file = os.path.basename(model_file)
+    items = (
+        sourced_item(("params", n), module[n], "module", [f"{file}:module.{n}"]) for n in names
+    )
+
+    source = source_record(tag_dir, model_states, 0)
+    if run_dtype != np.dtype(np.float32):  # the module's weights in bf16 / fp16: said
+        note = f"params are the module weights in the run's {run_dtype}, not fp32 masters: {why}"
+        source["notes"] = [note]
+        warnings.warn(f"{model_file}: {note}", UserWarning, stacklevel=3)
+    found = [f"{file}:{n}" for n in tensor_names(model_states)]
+    imported = {f"{file}:module.{n}" for n, v in module.items() if isinstance(v, np.ndarray)}
+    optimizer = [n for n in found if n.startswith(f"{file}:optimizer.")]
+    skip(source, optimizer, "weights_only: ZeRO-0 optimizer state (torch optimizer.state_dict())")
+    skip(source, sorted(set(found) - imported - set(optimizer)), "not a module weight")
     return ImportPlan(items, source, len(names), source_tensors=found)
 
 
