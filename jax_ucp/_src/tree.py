@@ -386,45 +386,34 @@ def class_name(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def _classes_in(module_name: str, keep: Callable[[type], bool]) -> dict[str, type]:
+    """The classes of ``module_name`` (its own package's, not imported ones) that ``keep``."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:  # pragma: no cover - an optax or flax without that module
+        return {}
+    package = module_name.split(".")[0]
+    found = (getattr(module, attr, None) for attr in dir(module))
+    return {
+        class_name(obj): obj
+        for obj in found
+        if isinstance(obj, type) and obj.__module__.split(".")[0] == package and keep(obj)
+    }
+
+
+def _is_named_tuple(cls: type) -> bool:
+    return issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple)
+
+
 @functools.cache
 def _allowed_in(package: str) -> dict[str, type]:
     """The allow-list's classes of one package, from our own list of modules, never a manifest's."""
-    table: dict[str, type] = {}
     if package == "optax":
-        for module_name in _OPTAX_MODULES:
-            try:
-                module = importlib.import_module(module_name)
-            except ImportError:  # pragma: no cover - an optax without that module
-                continue
-            for attr in dir(module):
-                obj = getattr(module, attr, None)
-                if (
-                    isinstance(obj, type)
-                    and issubclass(obj, tuple)
-                    and isinstance(getattr(obj, "_fields", None), tuple)
-                    and obj.__module__.split(".")[0] == "optax"
-                ):
-                    table[class_name(obj)] = obj
-        return table
+        return {k: v for m in _OPTAX_MODULES for k, v in _classes_in(m, _is_named_tuple).items()}
+    table: dict[str, type] = {}
     for module_name, attr in _DICT_CLASSES:
-        try:
-            obj = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError):  # pragma: no cover - an older flax
-            continue
-        table[class_name(obj)] = obj
-    try:
-        nnx = importlib.import_module(_VARIABLE_MODULE)
-    except ImportError:  # pragma: no cover - a flax without NNX
-        return table
-    for attr in dir(nnx):
-        obj = getattr(nnx, attr, None)
-        if (
-            isinstance(obj, type)
-            and issubclass(obj, nnx.Variable)
-            and obj.__module__.split(".")[0] == "flax"
-        ):
-            table[class_name(obj)] = obj
-    return table
+        table.update(_classes_in(module_name, lambda cls, attr=attr: cls.__name__ == attr))
+    return {**table, **_classes_in(_VARIABLE_MODULE, _is_variable_class)}
 
 
 def allowed_classes() -> dict[str, type]:

@@ -262,18 +262,17 @@ def inspect(
     m = jax_ucp.inspect(path)
     if as_json:
         rows = m.to_rows()
-        _print_json(
-            {
-                "path": path,
-                "format_version": m.version,
-                "created_by": m.created_by,
-                "bytes": m.nbytes,
-                "saved_meshes": m.saved_meshes,
-                "source": m.source,
-                "tensors": rows[: len(m.tensors)],
-                "values": rows[len(m.tensors) :],
-            }
-        )
+        manifest = {
+            "path": path,
+            "format_version": m.version,
+            "created_by": m.created_by,
+            "bytes": m.nbytes,
+            "saved_meshes": m.saved_meshes,
+            "source": m.source,
+            "tensors": rows[: len(m.tensors)],
+            "values": rows[len(m.tensors) :],
+        }
+        typer.echo(display.json_text(manifest))  # strict JSON, unwrapped: NaN as text
         return
     output.say(
         f"{path}: {layout.plural(len(m.tensors), 'tensor')}, {layout.plural(len(m.values), 'value')}, "
@@ -819,18 +818,17 @@ def plan(
 
 def _print_plan_json(path: str, axes, processes: int, result) -> None:
     """``plan --json``: the totals and every tensor's row, for scripts."""
-    _print_json(
-        {
-            "path": path,
-            "mesh": dict(axes),
-            "processes": processes,
-            "device_bytes": {"min": result.min_device_bytes, "max": result.max_device_bytes},
-            "process_read_bytes": {"max": result.process_read_bytes.highest()},
-            "replicated": result.replicated,
-            "unmatched_rules": list(result.unmatched_rules),
-            "tensors": result.to_rows(),
-        }
-    )
+    planned = {
+        "path": path,
+        "mesh": dict(axes),
+        "processes": processes,
+        "device_bytes": {"min": result.min_device_bytes, "max": result.max_device_bytes},
+        "process_read_bytes": {"max": result.process_read_bytes.highest()},
+        "replicated": result.replicated,
+        "unmatched_rules": list(result.unmatched_rules),
+        "tensors": result.to_rows(),
+    }
+    typer.echo(display.json_text(planned))  # strict JSON, unwrapped: NaN as text
 
 
 def _print_plan_table(shown, grouped: bool) -> None:
@@ -857,12 +855,6 @@ def _print_plan_table(shown, grouped: bool) -> None:
         sums = {4: [t.bytes_per_device or 0 for t in shown], 5: reads}
         rows = _grouped([t.name for t in shown], rows, sums)
     output.table(layout.table(header, rows, right=right, optional=("dtype",)))
-
-
-def _print_json(data: dict) -> None:
-    """``data`` as strict JSON on stdout, unwrapped (``display.json_text``: NaN and the
-    infinities as strings, tuples as lists; anything else as its text)."""
-    typer.echo(display.json_text(data))
 
 
 def _print_plan_totals(result, limit: int) -> None:
