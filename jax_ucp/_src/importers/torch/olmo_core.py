@@ -102,7 +102,11 @@ def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:
             _steps(state, first, record)
     if (version := _version(src)) is not None:
         record["olmo_core_version"] = version
-    return record, skipped
+    why = (
+        "OLMo-core's trainer state (data loader position, RNG states, callbacks), not imported; "
+        "its global_step is recorded in source.trainer"
+    )
+    return record, dict.fromkeys(names or [], why)
 
 
 def _steps(state: Any, name: str, record: dict[str, Any]) -> None:
