@@ -354,18 +354,21 @@ def _loads(text: str) -> fmt.Manifest:
 
 def test_streamed_entries_give_what_the_whole_document_gives():
     """However the JSON is laid out (one entry a line, indented, compact, entries first),
-    ``loads`` gives ``from_json`` of ``json.loads``; the entries key twice is refused (msgspec
-    and Python's json keep the last, another reader the first: issue 56)."""
-    d = json.loads(_manifest_text())
+    ``loads`` gives what its slow path (``json`` then msgspec's conversion) gives, taken for a
+    text with an escaped digit; the entries key twice is refused (msgspec and Python's json keep
+    the last, another reader the first: issue 56)."""
+    text = _manifest_text()
+    d = json.loads(text)
+    slow = _loads(json.dumps(d).replace('"c/0', '"c/\\u0030'))
     entries_first = {"entries": d["entries"], **{k: v for k, v in d.items() if k != "entries"}}
     texts = [
-        _manifest_text(),
+        text,
         json.dumps(d, indent=1),
         json.dumps(d, separators=(",", ":")),
         json.dumps(entries_first),
     ]
     for text in texts:
-        assert _loads(text) == fmt.Manifest.from_json(json.loads(text)), text[:200]
+        assert _loads(text) == slow, text[:200]
     twice = [
         json.dumps(d)[:-1] + ', "entries": ' + json.dumps(d["entries"][::-1]) + "}",
         '{"entries": [{"entry": "blob"}], ' + json.dumps(d)[1:],

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import json
 import math
 import os
@@ -116,37 +115,31 @@ class SavedSharding(_Strict, frozen=True):
         """A mesh's axis names and sizes and a PartitionSpec (None, a name or names each)."""
         return cls(Mesh(tuple(axis_names), tuple(shape)), tuple(spec))
 
-    @property
-    def mesh_axis_names(self) -> tuple[str, ...]:
-        return self.mesh.axis_names
-
-    @property
-    def mesh_shape(self) -> tuple[int, ...]:
-        return self.mesh.shape
-
 
 class _Entry(_Strict, frozen=True, omit_defaults=True):
     """What both kinds of entry have: a key path (``name``: ``a/b/c``) and key types (absent in
     the text: all "key")."""
 
+    key: Key
+
     @property
     def name(self) -> str:
         """The key path as ``a/b/c`` (how messages and the CLI name a leaf)."""
-        return keypath_lib.key_to_str(self.key)  # pyright: ignore[reportAttributeAccessIssue]
+        return keypath_lib.key_to_str(self.key)
 
     def to_json(self) -> dict:
         """The JSON form recorded in ``ucp.json`` (a tensor's ``frozen``, ``tied_to`` and
         ``key_impl`` left out at their defaults, a value's float as ``float.hex``, exact)."""
-        d = msgspec.json.decode(ENCODER.encode(self))
+        d = msgspec.to_builtins(self)
         if d.get("type") == "float":
             d["value"] = float.hex(self.value)  # pyright: ignore[reportAttributeAccessIssue]
         return d
 
-    def _absent(self, defaults: tuple[tuple[str, Any], ...]) -> None:
+    def _absent(self, defaults: dict[str, Any]) -> None:
         """Fills each member the text left out (UNSET) with what it means, counting them for
         the duplicate-key check (``no_duplicate_keys``); key types shared between entries."""
         n = 0
-        for field, default in defaults:
+        for field, default in defaults.items():
             if getattr(self, field) is UNSET:
                 force_setattr(self, field, default)
                 n += 1
@@ -156,14 +149,13 @@ class _Entry(_Strict, frozen=True, omit_defaults=True):
         elif len(types) != len(key):
             expected = f"a list of {len(key)} of {list(KEY_TYPES)}"
             raise ValueError(_fault("key_types", expected, list(types)))
-        force_setattr(self, "key_types", _KEY_TYPES.get(types) or _remember(_KEY_TYPES, types))
+        force_setattr(self, "key_types", _SHARED.get(types) or _remember(types))
         COUNTS.absent = getattr(COUNTS, "absent", 0) + n
 
 
 class TensorEntry(_Entry, display.Tabular, tag="tensor", tag_field="entry", frozen=True):
     """One array leaf stored as one zarr v3 array under ``arrays/<dir>``."""
 
-    key: Key
     dir: Annotated[
         str,
         Meta(
@@ -208,20 +200,19 @@ class TensorEntry(_Entry, display.Tabular, tag="tensor", tag_field="entry", froz
         self._absent(_TENSOR_DEFAULTS)
         force_setattr(self, "key", tuple(map(sys.intern, self.key)))
         shapes = self.shape, self.chunk_shape, self.inner_chunk_shape
-        known = _SHAPES.get(shapes)
+        known = _SHARED.get(shapes)
         if known is None:
             _check_shapes(*shapes)
-            known = _remember(_SHAPES, shapes)
+            known = _remember(shapes)
         force_setattr(self, "shape", known[0])
         force_setattr(self, "chunk_shape", known[1])
         force_setattr(self, "inner_chunk_shape", known[2])
-        force_setattr(self, "dtype", _CANONICAL.get(self.dtype, self.dtype))
         if self.logical_axes is not None and len(self.logical_axes) != len(self.shape):
             expected = f"{len(self.shape)} names"
             raise ValueError(_fault("logical_axes", expected, list(self.logical_axes)))
         saved = self.saved_sharding
         if saved is not None:
-            shared = _SHARDINGS.get(saved) or _remember(_SHARDINGS, saved)
+            shared = _SHARED.get(saved) or _remember(saved)
             force_setattr(self, "saved_sharding", shared)
         if self.key_impl is not None:
             key_shape = KEY_IMPLS[self.key_impl]
@@ -234,7 +225,7 @@ class TensorEntry(_Entry, display.Tabular, tag="tensor", tag_field="entry", froz
     @property
     def nbytes(self) -> int:
         """Bytes of the array (shape × itemsize)."""
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return math.prod(self.shape) * dtypes_lib.to_numpy_dtype(self.dtype).itemsize
 
     def to_row(self) -> dict[str, Any]:
         """One row of ``Manifest.to_rows``: name, shape, dtype, bytes, role, logical axes,
@@ -250,7 +241,7 @@ class TensorEntry(_Entry, display.Tabular, tag="tensor", tag_field="entry", froz
             "saved_spec": None if saved is None else saved.partition_spec,
             "saved_mesh": None
             if saved is None
-            else display.mesh_text(saved.mesh_axis_names, saved.mesh_shape),
+            else display.mesh_text(saved.mesh.axis_names, saved.mesh.shape),
             "source": ", ".join((self.provenance or {}).get("tensors", [])[:3]) or None,
         }
 
@@ -267,7 +258,6 @@ KEY_IMPLS = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
 class ValueEntry(_Entry, tag="value", tag_field="entry", frozen=True):
     """A non-array leaf (Python None, bool, int, float or str) kept as a typed JSON value."""
 
-    key: Key
     type: ValueType
     value: Annotated[
         Any,
@@ -332,19 +322,18 @@ _VALUE_TYPES = {
     "float": ("a float.hex string", lambda v: isinstance(v, str) and _FLOAT_HEX_RE.fullmatch(v)),
     "str": ("a JSON string", lambda v: isinstance(v, str)),
 }
-_TENSOR_DEFAULTS = tuple(
-    (f, None)
-    for f in ("compression", "checksum", "sub_role", "logical_axes", "saved_sharding")
+_TENSOR_DEFAULTS: dict[str, Any] = dict.fromkeys(
+    ("compression", "checksum", "sub_role", "logical_axes", "saved_sharding")
     + ("provenance", "shard_digests")
 )
-_VALUE_DEFAULTS = (("role", "other"), ("sub_role", None))
-_HEAD_DEFAULTS = (("created_by", ""), ("created_at", 0.0), ("source", {}), ("tree", None))
+_VALUE_DEFAULTS = {"role": "other", "sub_role": None}
+_HEAD_DEFAULTS = {"created_by": "", "created_at": 0.0, "source": {}, "tree": None}
 #: what a member the text leaves out means (documented in the schema), filled in by
 #: ``__post_init__`` (an entry's ``frozen``, ``tied_to`` and ``key_impl``: msgspec's defaults)
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "Manifest": dict(_HEAD_DEFAULTS),
-    "TensorEntry": dict(_TENSOR_DEFAULTS),
-    "ValueEntry": dict(_VALUE_DEFAULTS),
+DEFAULTS = {
+    "Manifest": _HEAD_DEFAULTS,
+    "TensorEntry": _TENSOR_DEFAULTS,
+    "ValueEntry": _VALUE_DEFAULTS,
 }
 #: members the text left out, filled in by ``__post_init__``: a key named twice is found by
 #: counting the members (``no_duplicate_keys``)
@@ -381,27 +370,18 @@ def _check_shapes(shape: tuple, chunk_shape: tuple, inner: tuple) -> None:
         raise ValueError(_fault("inner_chunk_shape", expected, list(inner)))
 
 
-def _remember(memo: dict, value: Any) -> Any:
-    """``memo[value] = value``, the memo emptied first when full (a hostile manifest of all
+def _remember(value: Any) -> Any:
+    """``_SHARED[value] = value``, the memo emptied first when full (a hostile manifest of all
     different shapes keeps it bounded); returns ``value``."""
-    if len(memo) >= 4096:
-        memo.clear()
-    memo[value] = value
+    if len(_SHARED) >= 4096:
+        _SHARED.clear()
+    _SHARED[value] = value
     return value
 
 
 # Values many entries share, built once: (shape, chunk_shape, inner) triples, key types and
-# saved shardings (decoded by type: equal means the same, no True == 1).
-_SHAPES: dict[tuple, tuple] = {}
-_KEY_TYPES: dict[tuple, tuple] = {}
-_SHARDINGS: dict[SavedSharding, SavedSharding] = {}
-# one str object per dtype name for every entry (the parsed JSON has one per occurrence)
-_CANONICAL: dict[Any, str] = {name: name for name in dtypes_lib.SUPPORTED}
-
-
-@functools.cache
-def _itemsize(dtype: str) -> int:
-    return dtypes_lib.to_numpy_dtype(dtype).itemsize
+# saved shardings (decoded by type: equal means the same, no True == 1; none equals another's).
+_SHARED: dict = {}
 
 
 #: writes entries, and re-encodes a decoded manifest (``no_duplicate_keys``)
@@ -480,11 +460,10 @@ class Manifest(msgspec.Struct, display.Tabular, forbid_unknown_fields=True, dict
         """Fills what the text left out (counted, as for entries); refuses two entries with one
         key path or one array directory, and JSON nested too deep (a decoded tree is checked as
         its dicts are built, ``_with_tree``)."""
-        absent = [f for f, _ in _HEAD_DEFAULTS if getattr(self, f) is UNSET]
-        for field, default in _HEAD_DEFAULTS:
-            if field in absent:
+        for field, default in _HEAD_DEFAULTS.items():
+            if getattr(self, field) is UNSET:  # a fresh {} for the source
                 setattr(self, field, {} if field == "source" else default)
-        COUNTS.absent = getattr(COUNTS, "absent", 0) + len(absent)
+                COUNTS.absent = getattr(COUNTS, "absent", 0) + 1
         seen: set[tuple] = set()
         dirs: dict[str, Entry] = {}
         for e in self.entries:
@@ -525,13 +504,8 @@ class Manifest(msgspec.Struct, display.Tabular, forbid_unknown_fields=True, dict
     @property
     def saved_meshes(self) -> list[str]:
         """The meshes the tensors were saved from (``fsdp=2 × tp=4``), most used first."""
-        meshes = collections.Counter(
-            (s.mesh_axis_names, s.mesh_shape) for e in self.tensors if (s := e.saved_sharding)
-        )
-        counts: collections.Counter[str] = collections.Counter()
-        for (names, shape), n in meshes.items():  # each mesh's text built once
-            counts[display.mesh_text(names, shape)] += n
-        return [text for text, _ in counts.most_common()]
+        meshes = collections.Counter(s.mesh for e in self.tensors if (s := e.saved_sharding))
+        return [display.mesh_text(m.axis_names, m.shape) for m, _ in meshes.most_common()]
 
     def to_rows(self) -> list[dict[str, Any]]:
         """One dict per tensor (:meth:`TensorEntry.to_row`), then one per saved value (name,
@@ -593,56 +567,10 @@ class Manifest(msgspec.Struct, display.Tabular, forbid_unknown_fields=True, dict
         return "{\n" + ",\n".join([*fields, f' "entries": [\n  {entries}\n ]']) + "\n}\n"
 
     @classmethod
-    def from_json(cls, d: Any, *, where: str = MANIFEST_FILE) -> Manifest:
-        """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
-        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
-            found = d.get("format") if isinstance(d, dict) else type(d).__name__
-            raise CheckpointError(
-                f'{where}: not a jax_ucp manifest (expected "format": "{FORMAT_NAME}", '
-                f"found {short(found)})."
-            )
-        version = d.get("version")
-        if type(version) is int and version > FORMAT_VERSION:  # may have fields we do not know
-            raise CheckpointError(
-                f"{where}: format version {version} is newer than this jax_ucp "
-                f"understands (≤ {FORMAT_VERSION}); upgrade jax_ucp to read it."
-            )
-        missing = next((f for f in _REQUIRED if f not in d), None)
-        if missing is not None:  # before an unknown field: what is missing, then what is extra
-            raise CheckpointError(f"{where}: missing field {missing!r}.")
-        try:
-            with bulk.cyclic_gc_paused():
-                decoded = msgspec.convert(d, cls)
-        except msgspec.ValidationError as e:
-            raise _refused(str(e), d, where) from None
-        return _with_tree(decoded, where)
-
-    @classmethod
     def loads(cls, text: str | bytes, *, where: str = MANIFEST_FILE) -> Manifest:
-        """Parsed from ``ucp.json``'s text (size, depth, integers bounded); errors name ``where``.
-
-        msgspec decodes the text straight into the typed model (in C, each entry a compact
-        Struct); a text it refuses is decoded again by ``json`` (with its duplicate-key rule and
-        error messages) and checked field by field for the error naming the field."""
-        decoded = _decoded(text)
-        if decoded is not None:
-            return _with_tree(decoded, where)
-        try:
-            text = text.decode("utf-8") if isinstance(text, bytes) else text
-            d = json.JSONDecoder(
-                parse_int=_bounded_int,
-                parse_constant=files.no_json_constant,
-                object_pairs_hook=files.unique_keys,
-            ).decode(text)
-        except RecursionError:  # the C scanner's own guard, far below the stack's end
-            raise CheckpointError(f"{where}: {TOO_DEEP}") from None
-        except UnicodeDecodeError as e:
-            raise CheckpointError(f"{where}: not UTF-8 text ({e}).") from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
-        except ValueError as e:
-            raise CheckpointError(f"{where}: {e}") from None
-        return cls.from_json(d, where=where)
+        """Parsed from ``ucp.json``'s text, strictly (size, depth, integers bounded); errors
+        name ``where`` and the field."""
+        return _with_tree(_decoded(text) or _decoded_slowly(text, where), where)
 
 
 _REQUIRED = [f.encode_name for f in msgspec.structs.fields(Manifest) if f.required]
@@ -687,6 +615,47 @@ def no_duplicate_keys(text: str | bytes, decoded: Manifest, absent: int) -> bool
 _ENCODED_AT_ONCE = 4096  # entries re-encoded together (about 2 MB of JSON at once)
 
 
+def _decoded_slowly(text: str | bytes, where: str) -> Manifest:
+    """``text`` that msgspec refused or could not vouch for, decoded by ``json`` (with its
+    duplicate-key rule and error messages) and converted by msgspec again: the manifest, or
+    the error naming the field and what the text holds there."""
+    try:
+        text = text.decode("utf-8") if isinstance(text, bytes) else text
+        d = json.JSONDecoder(
+            parse_int=_bounded_int,
+            parse_constant=files.no_json_constant,
+            object_pairs_hook=files.unique_keys,
+        ).decode(text)
+    except RecursionError:  # the C scanner's own guard, far below the stack's end
+        raise CheckpointError(f"{where}: {TOO_DEEP}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{where}: not UTF-8 text ({e}).") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+        found = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise CheckpointError(
+            f'{where}: not a jax_ucp manifest (expected "format": "{FORMAT_NAME}", '
+            f"found {short(found)})."
+        )
+    version = d.get("version")
+    if type(version) is int and version > FORMAT_VERSION:  # may have fields we do not know
+        raise CheckpointError(
+            f"{where}: format version {version} is newer than this jax_ucp "
+            f"understands (≤ {FORMAT_VERSION}); upgrade jax_ucp to read it."
+        )
+    missing = next((f for f in _REQUIRED if f not in d), None)
+    if missing is not None:  # before an unknown field: what is missing, then what is extra
+        raise CheckpointError(f"{where}: missing field {missing!r}.")
+    try:
+        with bulk.cyclic_gc_paused():
+            return msgspec.convert(d, Manifest)
+    except msgspec.ValidationError as e:
+        raise _refused(str(e), d, where) from None
+
+
 _REFUSALS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError)
 
 
@@ -708,9 +677,7 @@ def read_manifest_file(directory: str | os.PathLike) -> Manifest:
         ) from e
     except files.UnsafeFileError as e:
         raise CheckpointError(str(e)) from None
-    decoded = _decoded(data)
-    if decoded is None:
-        return Manifest.loads(data, where=path)  # the error, naming the field
+    decoded = _decoded(data) or _decoded_slowly(data, path)
     del data  # the bytes freed before the tree's dicts are built (50 MB for 100 000 tensors)
     return _with_tree(decoded, path)
 

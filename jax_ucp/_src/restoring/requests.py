@@ -305,7 +305,7 @@ def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
         names.update(n for n in av.logical_axes or () if n is not None)
         saved = av.saved_sharding
         if saved is not None:
-            axes.update(saved.mesh_axis_names)
+            axes.update(saved.mesh.axis_names)
             axes.update(a for entry in saved.partition_spec for a in axes_of(entry))
     sharding_lib.check_names(
         mesh, rules, logical_names=names, saved_axes=axes, where=root, strict=strict

@@ -282,7 +282,7 @@ def replicated_unasked(
         return False
     if saved is None:
         return False
-    sizes = dict(zip(saved.mesh_axis_names, saved.mesh_shape))
+    sizes = dict(zip(saved.mesh.axis_names, saved.mesh.shape))
     if not any(sizes.get(a, 1) > 1 for entry in saved.partition_spec for a in axes_of(entry)):
         return False  # saved replicated
     if rules is not None and logical_axes is not None:

@@ -132,8 +132,8 @@ def test_convert_orbax_checkpoint_bit_exact_onto_another_mesh(tmp_path, kind):
     # Orbax's record of each array's sharding is kept: mesh= alone reuses the PartitionSpec
     saved = {e.name: e.saved_sharding for e in manifest.tensors}
     assert saved["params/w"].partition_spec == ("data", "model")
-    assert saved["params/w"].mesh_axis_names == ("data", "model")
-    assert saved["params/w"].mesh_shape == (2, 4)
+    assert saved["params/w"].mesh.axis_names == ("data", "model")
+    assert saved["params/w"].mesh.shape == (2, 4)
     assert saved["params/emb"] is None  # a single-device array: no NamedSharding
     on_mesh = jax_ucp.restore(dst, mesh=mesh((4, 2), ("data", "model")))
     assert on_mesh["params"]["w"].sharding.spec == P("data", "model")
