@@ -280,10 +280,7 @@ def plan_autoep(
     key, records = autoep_records(states, model_file)
     if not any(files.OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
         return _plan_zero0(tag_dir, model_file, states, key, records, options)
-    by_rank, _ = files.optimizer_files_by_rank(tag_dir)
-    if set(by_rank) != {0}:
-        raise SourceError(f"{tag_dir}: optimizer files of model-parallel ranks {sorted(by_rank)}")
-    optimizer = files.read_optimizer_states(tag_dir, by_rank[0])
+    optimizer = files.rank0_optimizer_states(tag_dir, "AutoEP", (1, 2, 3))
     if (expected := zero.model_states_file(tag_dir, optimizer)) != model_file:
         raise SourceError(
             f"{optimizer.files[0]}: zero_stage {optimizer.stage}, whose model states are "

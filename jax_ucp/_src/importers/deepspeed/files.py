@@ -281,6 +281,30 @@ def optimizer_files_by_rank(tag_dir: str) -> tuple[dict[int, dict[int, str]], st
     return by_rank, prefixes.pop() if prefixes else ""
 
 
+def rank0_optimizer_states(tag_dir: str, layout: str, stages: Collection[int]) -> OptimizerStates:
+    """The checked optimizer files of model-parallel rank 0 of a layout (``layout``, for
+    errors) without tensor or pipeline parallelism: rank 0's must be present, no other
+    rank's, and of one of the ZeRO ``stages`` it is read for."""
+    by_rank, _ = optimizer_files_by_rank(tag_dir)
+    if not by_rank.get(0):
+        raise SourceError(
+            f"{tag_dir}: no '*zero_pp_rank_*_mp_rank_00_optim_states.pt' files (a {layout} "
+            "checkpoint at ZeRO stage 0 keeps its optimizer state elsewhere: read it with convert)"
+        )
+    if set(by_rank) != {0}:  # a plain ZeRO folder's: unreachable (dispatched first)
+        raise SourceError(
+            f"{tag_dir}: {layout} optimizer files of model-parallel ranks {sorted(by_rank)}; "
+            f"tensor or pipeline parallelism is not supported with {layout}"
+        )
+    optimizer = read_optimizer_states(tag_dir, by_rank[0])
+    if optimizer.stage not in stages:
+        raise SourceError(
+            f"{optimizer.files[0]}: zero_stage {optimizer.stage}; the ZeRO optimizer files of "
+            f"{layout} checkpoints are read for ZeRO stages {', '.join(map(str, sorted(stages)))}"
+        )
+    return optimizer
+
+
 # --------------------------------------------------------------------------- optimizer files
 
 #: What DeepSpeed's ``BF16_Optimizer`` saves (bf16 at ZeRO-1 with ``data_types.grad_accum_dtype``

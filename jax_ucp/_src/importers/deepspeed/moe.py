@@ -264,7 +264,7 @@ def expert_groups(optimizer: files.OptimizerStates) -> dict[int, int]:
 def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts, dict[int, int]]:
     """The ZeRO 1/2 files of a MoE tag folder as one :class:`DeepSpeedCheckpoint` whose expert
     parameters carry their global names; every expert file's tensor is one of them."""
-    optimizer = moe_optimizer_states(tag_dir)
+    optimizer = files.rank0_optimizer_states(tag_dir, "DeepSpeed MoE", (1, 2))
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     model_states = files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)
@@ -328,30 +328,6 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
             "checkpoint; not supported"
         )
     return checkpoint, experts, ep_of_group
-
-
-def moe_optimizer_states(tag_dir: str):
-    """The ZeRO 1/2 optimizer files of a MoE tag folder (those of model-parallel rank 0, the
-    only one: MoE with tensor or pipeline parallelism is refused, as stage 0's own reader is
-    elsewhere and stage 3 is not read)."""
-    by_rank, _ = files.optimizer_files_by_rank(tag_dir)
-    if not by_rank:
-        raise SourceError(
-            f"{tag_dir}: a DeepSpeed MoE checkpoint at ZeRO stage 0 (no "
-            "'*zero_pp_rank_*_optim_states.pt' files): read it with convert"
-        )
-    if set(by_rank) != {0}:
-        raise SourceError(
-            f"{tag_dir}: DeepSpeed MoE optimizer files of model-parallel ranks {sorted(by_rank)}; "
-            "MoE with tensor or pipeline parallelism is not supported"
-        )
-    optimizer = files.read_optimizer_states(tag_dir, by_rank[0])
-    if optimizer.stage not in (1, 2):
-        raise SourceError(
-            f"{optimizer.files[0]}: zero_stage {optimizer.stage}; DeepSpeed MoE checkpoints are "
-            "read for ZeRO stages 0, 1 and 2"
-        )
-    return optimizer
 
 
 def _checked_experts(

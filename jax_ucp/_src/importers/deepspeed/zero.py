@@ -39,9 +39,8 @@ from jax_ucp._src.importers.deepspeed.files import (
     frozen_shapes_of,
     is_bf16_optimizer,
     load_model_states,
-    optimizer_files_by_rank,
     param_shapes_of,
-    read_optimizer_states,
+    rank0_optimizer_states,
     require,
     source_record,
     sourced_item,
@@ -146,12 +145,7 @@ class DeepSpeedCheckpoint:
 
 def open_zero_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
     """The ZeRO files of a tag folder without tensor/pipeline parallelism (MP rank 0 only)."""
-    by_rank, _ = optimizer_files_by_rank(tag_dir)
-    if not by_rank.get(0):
-        raise SourceError(f"{tag_dir}: no '*zero_pp_rank_*_mp_rank_00_optim_states.pt' files")
-    if set(by_rank) != {0}:  # unreachable through open_deepspeed_checkpoint (dispatched first)
-        raise SourceError(f"{tag_dir}: model-parallel ranks {sorted(by_rank)} found")
-    optimizer = read_optimizer_states(tag_dir, by_rank[0])
+    optimizer = rank0_optimizer_states(tag_dir, "ZeRO", (1, 2, 3))
     model_file = model_states_file(tag_dir, optimizer)
     model_states = load_model_states(model_file)
     if model_states.get("mp_world_size", 1) not in (None, 1):
@@ -534,35 +528,17 @@ def _state_arrays(
     ]
 
 
-def state_vectors(
-    checkpoint: DeepSpeedCheckpoint, dp_rank: int, state_name: str
-) -> FlatVector | list[np.ndarray]:
-    """DP rank ``dp_rank``'s flat vectors of one optimizer state ("fp32", "exp_avg",
-    "exp_avg_sq"): one per param group (stage 1/2), or one virtual vector (stage 3).
-
-    Args:
-        checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
-        dp_rank: the data-parallel rank.
-        state_name: "fp32", "exp_avg" or "exp_avg_sq".
-    """
-    arrays = [array for _, array in _state_arrays(checkpoint, dp_rank, state_name)]
-    if checkpoint.stage in (1, 2):
-        return arrays
-    what = "fp32_flat_groups" if state_name == "fp32" else state_name
-    return FlatVector(arrays, f"{checkpoint.optim_files[dp_rank]} {what}")
-
-
 def gather_parameter(
     checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict
 ) -> np.ndarray:
     """One optimizer state of parameter ``name``, in its shape (a view of the memory map when it
-    sits on one rank). ``vectors`` caches :func:`state_vectors` by (DP rank, state name).
+    sits on one rank). ``vectors`` caches each DP rank's flat vectors by (DP rank, state name).
 
     Args:
         checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
         name: the parameter.
         state_name: "fp32", "exp_avg" or "exp_avg_sq".
-        vectors: the cache of :func:`state_vectors`.
+        vectors: the cache of the flat vectors.
     """
     parts, shape = _parts(checkpoint, name, state_name, vectors), checkpoint.shapes[name]
     return (
@@ -576,8 +552,11 @@ def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors:
     parts: list[np.ndarray] = []
     for piece in fragments.pieces:
         key = (piece.dp_rank, state_name)
-        if key not in vectors:
-            vectors[key] = state_vectors(checkpoint, piece.dp_rank, state_name)
+        if key not in vectors:  # stage 1/2: one array per param group; 3: one virtual vector
+            arrays = [array for _, array in _state_arrays(checkpoint, piece.dp_rank, state_name)]
+            what = "fp32_flat_groups" if state_name == "fp32" else state_name
+            what = f"{checkpoint.optim_files[piece.dp_rank]} {what}"
+            vectors[key] = arrays if checkpoint.stage in (1, 2) else FlatVector(arrays, what)
         vector = vectors[key]
         if isinstance(vector, FlatVector):
             parts.extend(vector.take(piece.start, piece.numel))
