@@ -51,6 +51,42 @@ class Available:
         return cls(key, ("key",) * len(key), shape, dtype, sources, plan.build, **fields)
 
 
+def spec_views(spec, stored: Mapping[tuple[str, ...], Available]):
+    """The views ``spec``'s restore plan (``language.compile_restore_plan``) builds over the
+    ``stored`` tensors, as ``(Available, plan)`` pairs. A view that is one stored tensor
+    unchanged (no transform, its shape and dtype) is read as that tensor, region by region;
+    one under its own name and shape keeps its key types, saved sharding and logical axes,
+    as in the checkpoint a conversion writes.
+
+    Args:
+        spec: a ``language.Spec`` (or a shipped spec's name, a spec file).
+        stored: the tensors as stored, by key (``stored=True``, one source each).
+    """
+    from jax_ucp._src import language  # restore-time transforms
+
+    saved = {k: language.TensorInfo(shape=a.shape, dtype=a.dtype) for k, a in stored.items()}
+    for key, plan in language.compile_restore_plan(spec, saved).items():
+        sources = [stored[tuple(s)] for s in plan.sources]
+        view = Available.view(key, plan, tuple(a.sources[0] for a in sources))
+        one = sources[0] if len(sources) == 1 else None
+        if one is not None and not plan.ops and (view.shape, view.dtype) == (one.shape, one.dtype):
+            view = dataclasses.replace(  # renamed at most
+                one,
+                key=view.key,
+                key_types=view.key_types,
+                saved_sharding=None,
+                logical_axes=view.logical_axes,
+            )
+        if one is not None and one.key == view.key and one.shape == view.shape:
+            view = dataclasses.replace(
+                view,
+                key_types=one.key_types,
+                saved_sharding=one.saved_sharding,
+                logical_axes=one.logical_axes if view.logical_axes is None else view.logical_axes,
+            )
+        yield view, plan
+
+
 @dataclasses.dataclass
 class Request:
     """What the caller wants for one leaf: a tensor (sharding None → host numpy) or a value."""

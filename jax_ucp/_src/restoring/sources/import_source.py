@@ -38,7 +38,7 @@ from jax_ucp._src.errors import CheckpointError, SourceError
 from jax_ucp._src.format import mapped_file
 from jax_ucp._src.format.sizes import format_size
 from jax_ucp._src.restoring.engine import TensorSource
-from jax_ucp._src.restoring.model import Available
+from jax_ucp._src.restoring.model import Available, spec_views
 from jax_ucp._src.restoring.sources.gathered import Gathered, gather_map
 from jax_ucp._src.store import shard_reader
 
@@ -121,47 +121,32 @@ class ImportSource(TensorSource):
 
     def available(self, spec=None) -> dict[tuple[str, ...], Available]:
         """What a restore may ask for: the imported tensors, or the views ``spec`` makes."""
+        stored = {k: self._stored(k, t) for k, t in self.tensors.items()}
         if spec is None:
-            return {k: self._stored(k, (k,), t.shape, t.dtype) for k, t in self.tensors.items()}
-        from jax_ucp._src import language  # restore-time transforms
-
-        saved = {
-            k: language.TensorInfo(shape=t.shape, dtype=t.dtype) for k, t in self.tensors.items()
-        }
+            return stored
         out = {}
-        for key, plan in language.compile_restore_plan(spec, saved).items():
-            sources = tuple(tuple(s) for s in plan.sources)
-            view = Available.view(key, plan, sources)
-            one = self.tensors[sources[0]] if len(sources) == 1 else None
-            if (
-                not plan.ops
-                and one is not None
-                and (view.shape, view.dtype) == (one.shape, one.dtype)
-            ):
-                item = one.item
-                axes = item.logical_axes if view.logical_axes is None else view.logical_axes
-                view = self._stored(view.key, sources, view.shape, view.dtype, axes)
-            elif all(map(self.ranged, sources)):  # rows of rank-2 tensors: gathered?
-                ts_ = [self.tensors[k] for k in sources]
+        for view, plan in spec_views(spec, stored):
+            if not view.stored and all(map(self.ranged, view.sources)):  # rank-2 rows: gathered?
+                ts_ = [self.tensors[k] for k in view.sources]
                 found = gather_map(plan, [t.shape for t in ts_], [t.dtype for t in ts_])
                 if found is not None:
                     self.gathers[view.key] = found
             out[view.key] = view
         return out
 
-    def _stored(self, key, sources, shape, dtype, logical_axes=None) -> Available:
-        """A tensor read as it is (or only renamed): region by region."""
-        item = self.tensors[sources[0]].item
-        own = key == sources[0]
+    @staticmethod
+    def _stored(key, t: _Tensor) -> Available:
+        """A tensor read as it is: region by region."""
+        item = t.item
         return Available(
             key=key,
-            key_types=tuple(item.key_types or ("key",) * len(key)) if own else ("key",) * len(key),
-            shape=tuple(shape),
-            dtype=np.dtype(dtype),
-            sources=sources,
-            build=lambda opened: opened[sources[0]],
-            saved_sharding=item.saved_sharding if own else None,
-            logical_axes=item.logical_axes if own and logical_axes is None else logical_axes,
+            key_types=tuple(item.key_types or ("key",) * len(key)),
+            shape=t.shape,
+            dtype=t.dtype,
+            sources=(key,),
+            build=lambda opened: opened[key],
+            saved_sharding=item.saved_sharding,
+            logical_axes=item.logical_axes,
             stored=True,
         )
 

@@ -7,7 +7,6 @@ the reads exporters, verify and diff make of it (``read``, ``read_rows``). JAX-f
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import os
@@ -22,7 +21,7 @@ from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import CheckpointError, tensorstore_message
 from jax_ucp._src.format.sizes import format_size
 from jax_ucp._src.restoring.engine import OpenedSource, TensorSource, read_from, tensor_error
-from jax_ucp._src.restoring.model import Available, Request
+from jax_ucp._src.restoring.model import Available, Request, spec_views
 from jax_ucp._src.store import shard_file, shard_reader
 
 #: an array's ``zarr.json`` as jax_ucp writes it is well under 1 KiB plus ~40 bytes a dimension;
@@ -47,47 +46,26 @@ def open_checkpoint(root: store.storage.Storage, spec=None) -> OpenedSource:
 
 def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...], Available]:
     """What a restore may ask for: the saved tensors, or the views ``spec`` makes of them."""
+    stored = {
+        e.key: Available(
+            key=e.key,
+            key_types=e.key_types,
+            shape=e.shape,
+            dtype=fmt.to_numpy_dtype(e.dtype),
+            sources=(e,),
+            build=lambda opened, k=e.key: opened[k],
+            saved_sharding=e.saved_sharding,
+            logical_axes=e.logical_axes,
+            stored=True,
+        )
+        for e in manifest.tensors
+    }
     if spec is None:
-        return {
-            e.key: Available(
-                key=e.key,
-                key_types=e.key_types,
-                shape=e.shape,
-                dtype=fmt.to_numpy_dtype(e.dtype),
-                sources=(e,),
-                build=lambda opened, k=e.key: opened[k],
-                saved_sharding=e.saved_sharding,
-                logical_axes=e.logical_axes,
-                stored=True,
-            )
-            for e in manifest.tensors
-        }
-    from jax_ucp._src import (
-        language,  # restore-time transforms (stack/unstack/split/merge/transpose)
-    )
+        return stored
     from jax_ucp._src.language.recorded import spec_with_recorded_settings
 
     spec = spec_with_recorded_settings(spec, manifest.source)  # by name: the source's heads
-
-    by_key = {e.key: e for e in manifest.tensors}
-    saved = {
-        k: language.TensorInfo(shape=e.shape, dtype=fmt.to_numpy_dtype(e.dtype))
-        for k, e in by_key.items()
-    }
-    out = {}
-    for key, plan in language.compile_restore_plan(spec, saved).items():
-        srcs = tuple(by_key[s] for s in plan.sources)
-        view = Available.view(key, plan, srcs)
-        if len(srcs) == 1 and srcs[0].key == view.key and view.shape == srcs[0].shape:
-            axes = srcs[0].logical_axes if view.logical_axes is None else view.logical_axes
-            view = dataclasses.replace(  # the stored tensor under its own name
-                view,
-                key_types=srcs[0].key_types,
-                saved_sharding=srcs[0].saved_sharding,
-                logical_axes=axes,
-            )
-        out[view.key] = view
-    return out
+    return {view.key: view for view, _ in spec_views(spec, stored)}
 
 
 def read(
