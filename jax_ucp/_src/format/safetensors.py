@@ -162,8 +162,16 @@ def read_weight_map(
     Returns:
         The weight map as written.
     """
+    return weight_map_of(files.read_regular(index, MAX_INDEX_BYTES), index, suffix, error)
+
+
+def weight_map_of(
+    raw: bytes, index: str, suffix: str = "", error: type[UCPError] = SourceError
+) -> dict[str, str]:
+    """:func:`read_weight_map` of an index's bytes ``raw`` (read by the caller, bounded; an
+    object store's): ``index`` names it in errors."""
     try:
-        data = strict_json(files.read_regular(index, MAX_INDEX_BYTES), index)
+        data = strict_json(raw, index)
     except SourceError as e:  # a repeated key
         raise (e if error is SourceError else error(str(e))) from None
     except (ValueError, RecursionError) as e:

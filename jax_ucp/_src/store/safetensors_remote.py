@@ -52,23 +52,7 @@ def objects(url: str) -> tuple[Storage, list[str]]:
             )
         return prefix, names
     where = prefix.join(safetensors.INDEX_FILE)
-    try:
-        data = safetensors.strict_json(raw.decode("utf-8"), where)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise SourceError(f"{where}: not a valid JSON index ({str(e)[:200]})") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise SourceError(f"{where}: expected a 'weight_map' of tensor name -> file name.")
-    names = sorted(set(weight_map.values()))
-    for name in names:
-        if "/" in name or name in (".", "..") or not name.endswith(".safetensors"):
-            raise SourceError(
-                f"{where}: weight_map names {name[:100]!r}; expected a .safetensors object "
-                f"beside the index."
-            )
-    return prefix, names
+    return prefix, sorted(set(safetensors.weight_map_of(raw, where, ".safetensors").values()))
 
 
 @dataclasses.dataclass
