@@ -69,14 +69,12 @@ _RANK_DIR = re.compile(r"mp_rank_([0-9]{2})(?:_([0-9]{3}))?(?:_([0-9]{3}))?\Z")
 
 @dataclass
 class RankFile:
-    """One ``mp_rank_*`` file of a legacy checkpoint: its ranks and its model state."""
+    """One ``mp_rank_*`` file of a legacy checkpoint (its ranks: its key in
+    ``LegacyCheckpoint.ep_ranks``): its model state."""
 
-    tp: int
-    pp: int
     path: Path
     state: dict  # the unpickled top-level dict (tensors memory-mapped)
     model: dict[str, Any]  # flattened model state_dict (dotted names)
-    ep: int = 0
     model_key: str = "model"  # where ``model`` sits in ``state`` (``model<v>``: a VPP chunk)
 
     def source(self, name: str) -> str:
@@ -285,9 +283,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
         parts = [(v * pp_size + pp_rank, k) for v, k in enumerate(chunks)] or [(pp_rank, "model")]
         for stage, key in parts:
             model = flatten_state_dict(state[key])
-            ep_ranks[(stage, tp_rank, ep_rank)] = RankFile(
-                tp_rank, stage, path, state, model, ep_rank, key
-            )
+            ep_ranks[(stage, tp_rank, ep_rank)] = RankFile(path, state, model, key)
         if ep_rank == 0 and (directory / "distrib_optim.pt").is_file():
             for stage, _ in parts:
                 distrib_optim[(stage, tp_rank)] = directory / "distrib_optim.pt"
@@ -438,8 +434,6 @@ class DistribOptimState:
     numel_unpadded: int
     #: state name -> the flat tensor's dotted path in the loaded dict (``tensor_names`` form)
     names: dict[str, str] = field(default_factory=dict)
-    #: the dotted path of every tensor in the loaded dict (import accounting)
-    found: list[str] = field(default_factory=list)
 
 
 def distrib_optim_state(
@@ -489,4 +483,4 @@ def distrib_optim_state(
             f"{[a.size for a in arrays.values()]} elements"
         )
     names = {state_name: f"{index}.{dtypes}.{state_name}" for state_name in arrays}
-    return DistribOptimState(path, arrays, numel, names, list(tensor_names(saved)))
+    return DistribOptimState(path, arrays, numel, names)
