@@ -34,7 +34,6 @@ from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.megatron.common import WEIGHTS_ONLY_HINT, MegatronImportError
-from jax_ucp._src.importers.plan import tensor_names
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [

@@ -71,24 +71,15 @@ def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:
     ``world_size`` when recorded) from ``train/rank0.pt``, or ``global_step_unread`` saying why
     there is no step; ``olmo_core_version`` from ``.metadata.json`` when it names one.
     """
-    if not os.path.isdir(os.path.join(src, TRAIN_DIR)):  # model_and_optim/ kept alone
+    names = rank_files(src) if os.path.isdir(os.path.join(src, TRAIN_DIR)) else None
+    record: dict[str, Any] = {"framework": "olmo_core", "train_files": names or []}
+    first = f"{TRAIN_DIR}/rank0.pt"
+    if names is None:  # model_and_optim/ kept alone
         found = "is not a folder" if os.path.lexists(os.path.join(src, TRAIN_DIR)) else "is missing"
-        record: dict[str, Any] = {"framework": "olmo_core", "train_files": []}
         record["global_step_unread"] = (
             f"{TRAIN_DIR}/ {found} (OLMo-core's trainer state was not kept beside {MODEL_DIR}/)"
         )
-        if (version := _version(src)) is not None:
-            record["olmo_core_version"] = version
-        return record, {}
-    names = rank_files(src)
-    record = {"framework": "olmo_core", "train_files": names}
-    skipped = {
-        name: "OLMo-core's trainer state (data loader position, RNG states, callbacks), not "
-        "imported; its global_step is recorded in source.trainer"
-        for name in names
-    }
-    first = f"{TRAIN_DIR}/rank0.pt"
-    if first not in names:
+    elif first not in names:
         record["global_step_unread"] = (
             f"no {first} (found {', '.join(names) or 'no rank file'} in {TRAIN_DIR}/)"
         )
