@@ -46,53 +46,25 @@ _MIN_SHARE = 4096  # the smallest share an all-gather moves (smaller batches are
 
 
 @dataclasses.dataclass
-class Gathered:
-    """One tensor read once across the processes, as the reader finishes a ``PendingArray``:
-    ``result()``, the bytes this process read of it, values a narrowing cast overflowed."""
-
-    shape: tuple[int, ...]
-    stored: np.dtype  # dtype read
-    dtype: np.dtype  # dtype of the result
-    sharding: jax.sharding.Sharding | None
-    read_bytes: int = 0
-    overflowed: int = 0
-    value: Any = None
-
-    @property
-    def result_bytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    @property
-    def host_bytes(self) -> int:
-        """The whole tensor in this process (every process gets it whole), plus its converted
-        copy when the dtype changes."""
-        whole = math.prod(self.shape) * self.stored.itemsize
-        return whole + (self.result_bytes if self.dtype != self.stored else 0)
-
-    @property
-    def on_host(self) -> bool:
-        return assemble.on_host(self.sharding)
-
-    def result(self):
-        return self.value
-
-
-@dataclasses.dataclass
 class SharedTensor:
-    """A tensor of a read-once restore: what was asked, how it is stored, and (while read) the
-    host buffer its share lands in."""
+    """A tensor of a read-once restore: what was asked, how it is stored, (while read) the
+    host buffer its share lands in; then, as the reader finishes a ``PendingArray``,
+    ``result()``, the bytes this process read of it and the values a narrowing cast
+    overflowed."""
 
     position: int
     item: Any  # what the caller passed (handed back with the result)
     name: str
     shape: tuple[int, ...]
-    stored: np.dtype
+    stored: np.dtype  # dtype read
     sharding: jax.sharding.Sharding | None
-    want: np.dtype
+    want: np.dtype  # dtype of the result
     unit_rows: int  # rows read together (an inner chunk's extent along dimension 0)
     source: Any = None
     host: np.ndarray | None = None
-    gathered: Gathered | None = None
+    read_bytes: int = 0
+    overflowed: int = 0
+    value: Any = None
 
     @property
     def row_bytes(self) -> int:
@@ -104,6 +76,28 @@ class SharedTensor:
 
     def unit_span(self, u0: int, u1: int) -> tuple[int, int]:
         return u0 * self.unit_rows, min(u1 * self.unit_rows, self.shape[0])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.want
+
+    @property
+    def result_bytes(self) -> int:
+        return math.prod(self.shape) * self.want.itemsize
+
+    @property
+    def host_bytes(self) -> int:
+        """The whole tensor in this process (every process gets it whole), plus its converted
+        copy when the dtype changes."""
+        whole = math.prod(self.shape) * self.stored.itemsize
+        return whole + (self.result_bytes if self.want != self.stored else 0)
+
+    @property
+    def on_host(self) -> bool:
+        return assemble.on_host(self.sharding)
+
+    def result(self):
+        return self.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,16 +167,16 @@ def read_once(
     source_of: Callable[[Any], Any],
     *,
     budget: int,
-    check: Callable[[Any, Gathered], None] | None = None,
+    check: Callable[[Any, SharedTensor], None] | None = None,
     unit_rows: Callable[[Any], int] = lambda found: 1,
     timeout: float = PEER_TIMEOUT_S,
-) -> Iterator[tuple[int, Any, Any, Gathered]]:
+) -> Iterator[tuple[int, Any, Any, SharedTensor]]:
     """Reads the ``select``ed items, each process a share of every batch, and yields
-    ``(position, request, available, Gathered)`` as each tensor is complete.
+    ``(position, request, available, SharedTensor)`` as each tensor is complete.
 
     Every process of the job must call this with the same items and ``budget`` (as a restore
     does): they meet at each batch. ``source_of(available)``: the reader of a tensor
-    (a ``sharding.RegionReader``, or a TensorStore view). ``check(available, gathered)``: called
+    (a ``sharding.RegionReader``, or a TensorStore view). ``check(available, tensor)``: called
     before a tensor's host buffer is allocated (raises to refuse it).
 
     Args:
@@ -232,8 +226,7 @@ def read_once(
             del gathered
             for index in batch.last_of:
                 t = tensors[index]
-                gathered_t = _finish(t)
-                yield (*t.item, gathered_t)
+                yield (*t.item, _finish(t))
                 t.host = t.source = None
     except BaseException as e:
         peers.abort(e)
@@ -243,19 +236,19 @@ def read_once(
 def _place(tensors: list[SharedTensor], batch: _Batch, gathered: np.ndarray, me: int) -> None:
     """Every process's pieces of the all-gathered ``batch`` copied into their tensors' host
     buffers (process p's share at ``p * batch.length``); the bytes this process read counted
-    in its tensors' ``Gathered``."""
+    in their ``read_bytes``."""
     for process, pieces in enumerate(batch.pieces):
         base = process * batch.length
         for piece in pieces:
             t = tensors[piece.tensor]
-            assert t.host is not None and t.gathered is not None  # freed only when done
+            assert t.host is not None  # freed only when done
             start = piece.rows[0] * t.row_bytes
             flat = t.host.reshape(-1).view(np.uint8)
             flat[start : start + piece.nbytes] = gathered[
                 base + piece.offset : base + piece.offset + piece.nbytes
             ]
             if process == me:
-                t.gathered.read_bytes += piece.nbytes
+                t.read_bytes += piece.nbytes
 
 
 def share_batches(tensors: list[SharedTensor], n: int, batch_bytes: int) -> Iterator[_Batch]:
@@ -338,9 +331,8 @@ def _start(tensors, batch: _Batch, check) -> None:
         t = tensors[index]
         if t.host is not None:
             continue
-        t.gathered = Gathered(t.shape, t.stored, t.want, t.sharding)
         if check is not None:
-            check(t.item[2], t.gathered)
+            check(t.item[2], t)
         t.host = assemble.aligned_empty(t.shape, t.stored)
 
 
@@ -368,24 +360,24 @@ def _names(tensors, batch: _Batch) -> list[str]:
     return list(dict.fromkeys(tensors[p.tensor].name for ps in batch.pieces for p in ps))
 
 
-def _finish(t: SharedTensor) -> Gathered:
+def _finish(t: SharedTensor) -> SharedTensor:
     """The tensor's result from its whole host copy: numpy, or a jax.Array whose local devices
     hold their slices (replicated devices share the one buffer, as ``PendingArray`` does)."""
-    host, gathered = t.host, t.gathered
-    assert host is not None and gathered is not None  # set for every tensor of a batch
+    host = t.host
+    assert host is not None  # set for every tensor of a batch
     if t.want != t.stored:
-        host, gathered.overflowed = assemble.convert(host, t.want)
+        host, t.overflowed = assemble.convert(host, t.want)
     if t.sharding is None:
-        gathered.value = host
-        return gathered
+        t.value = host
+        return t
     import jax
 
     singles = [
         jax.device_put(host[index], device, may_alias=True)
         for device, index in t.sharding.addressable_devices_indices_map(t.shape).items()
     ]
-    gathered.value = jax.make_array_from_single_device_arrays(t.shape, t.sharding, singles)
-    return gathered
+    t.value = jax.make_array_from_single_device_arrays(t.shape, t.sharding, singles)
+    return t
 
 
 def _fingerprint(tensors, batches) -> str:
