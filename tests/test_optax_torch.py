@@ -225,6 +225,14 @@ def test_adam_and_adamw_are_told_apart_only_by_what_was_written():
         identify([dec], {"optim": "adafactor"}, "c")
 
 
+@pytest.mark.parametrize("flag", ["amsgrad", "maximize"])
+def test_an_adam_variant_optax_does_not_step_is_refused_naming_its_flag(flag):
+    """AMSGrad and maximize are torch's Adam keys: identified as Adam, then refused by name."""
+    groups = [dict(ADAM_KEYS), {**ADAM_KEYS, flag: True, "decoupled_weight_decay": True}]
+    with pytest.raises(jax_ucp.UCPError, match=rf"param_groups\[1\]: torch {flag}=True is not"):
+        identify(groups, {}, "ckpt")
+
+
 @pytest.mark.parametrize(
     "field, value, says",
     [

@@ -145,8 +145,8 @@ def _loader(
         return lambda: _safetensors_tensor(path, inner), name
     rows = provenance.get("rows_permuted")
     if isinstance(rows, dict):  # torchtune's q/k moments, moved as its weights are
-        return lambda: _hf_rows(_torch_file_tensor(path, inner), **rows), name
-    return lambda: _torch_file_tensor(path, inner), name
+        return lambda: _hf_rows(_torch_to_numpy(_torch_file_value(path, inner)), **rows), name
+    return lambda: _torch_to_numpy(_torch_file_value(path, inner)), name
 
 
 def _read(src: str, name: str, planned: dict, source: dict) -> tuple[np.ndarray, str]:
@@ -289,7 +289,7 @@ def _deepspeed_loader(
     if provenance.get("pattern") == "module" and len(tensors) == 1:
         file, _, inner = tensors[0].partition(":")
         path = _locate(src, recorded, file, entry_name)
-        return lambda: _torch_file_tensor(path, inner), tensors[0]
+        return lambda: _torch_to_numpy(_torch_file_value(path, inner)), tensors[0]
     kind, _, rest = entry_name.partition("/")
     stage = provenance.get("zero_stage")
     if stage not in (1, 2, 3):
@@ -431,10 +431,6 @@ def _torch_file_value(path: str, name: str) -> Any:
     if name not in flat:
         raise SourceError(f"{path}: torch.load finds no tensor {name!r}")
     return flat[name]
-
-
-def _torch_file_tensor(path: str, name: str) -> np.ndarray:
-    return _torch_to_numpy(_torch_file_value(path, name))
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:

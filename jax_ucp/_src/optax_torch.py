@@ -215,15 +215,6 @@ def hf_schedule(
     return schedule
 
 
-def _check_adam(groups: list[dict], where: str) -> None:
-    for i, g in enumerate(groups):
-        for flag in ("amsgrad", "maximize", "nesterov"):
-            if g.get(flag):
-                raise RequestError(
-                    f"{where}: param_groups[{i}]: torch {flag}=True is not translated to optax"
-                )
-
-
 def _number(value: Any, field: str, where: str, *, below: float | None = None) -> float:
     """``value`` as a finite float >= 0 (and < ``below``), else refused naming the field."""
     ok = isinstance(value, int | float) and not isinstance(value, bool)
@@ -257,11 +248,42 @@ def check_groups(groups: list, where: str) -> None:
             _number(b, f"{at}.betas[{j}]", where, below=1.0)
 
 
+def _recorded_mode(groups: list[dict], where: str) -> bool | None:
+    """The groups' ``decoupled_weight_decay`` (None: not recorded), each group refused unless it
+    is torch's (or DeepSpeed's) Adam/AdamW without amsgrad, maximize, nesterov."""
+    modes = set()
+    for i, g in enumerate(groups):
+        keys = set(g) - _NEUTRAL_KEYS
+        # DeepSpeed's FusedAdam / DeepSpeedCPUAdam, made by the client (decoupled decay unsaid)
+        client = "bias_correction" in keys and keys <= DS_ADAM_KEYS
+        if not client and (not {"amsgrad", "betas"} <= keys or "momentum_decay" in keys):
+            like = next((name for key, name in _LOOKALIKES if key in keys), None)
+            raise RequestError(
+                f"{where}: param_groups[{i}] holds the keys of "
+                f"{like or 'an unknown optimizer'} ({', '.join(sorted(keys))}): optax_from_torch "
+                f"translates torch's Adam and AdamW only; restore the weights "
+                f"(select=r'params/.*') and start a new optimizer"
+            )
+        flag = next((f for f in ("amsgrad", "maximize", "nesterov") if g.get(f)), None)
+        if flag is not None:
+            raise RequestError(
+                f"{where}: param_groups[{i}]: torch {flag}=True is not translated to optax"
+            )
+        if not client:
+            modes.add(g.get("decoupled_weight_decay"))
+    if len(modes) > 1:
+        raise RequestError(
+            f"{where}: the parameter groups disagree on decoupled_weight_decay: {modes}"
+        )
+    return modes.pop() if modes else None
+
+
 def identify(
     groups: list[dict], trainer_args: dict, where: str, choice: str | None = None
 ) -> tuple[str, str]:
     """Which optimizer wrote ``groups``: ``("adam" | "adamw", how it was told)``, or refused naming
-    what it looks like; a non-zero decay of older torch needs a record or ``choice``.
+    what it looks like (or the amsgrad, maximize, nesterov it sets); a non-zero decay of older
+    torch needs a record or ``choice``.
 
     Args:
         groups: the recorded ``param_groups``.
@@ -270,25 +292,7 @@ def identify(
         choice: the caller's ``optimizer=`` ("adam" or "adamw"), for what the files cannot tell."""
     if choice is not None and choice not in OPTIMIZERS:
         raise RequestError(f"optimizer={choice!r}: expected one of {OPTIMIZERS}")
-    modes = set()
-    for i, g in enumerate(groups):
-        keys = set(g) - _NEUTRAL_KEYS
-        if "bias_correction" in keys and keys <= DS_ADAM_KEYS:
-            continue  # DeepSpeed's FusedAdam / DeepSpeedCPUAdam, made by the client
-        if not {"amsgrad", "betas"} <= keys or "momentum_decay" in keys:
-            like = next((name for key, name in _LOOKALIKES if key in keys), None)
-            raise RequestError(
-                f"{where}: param_groups[{i}] holds the keys of "
-                f"{like or 'an unknown optimizer'} ({', '.join(sorted(keys))}): optax_from_torch "
-                f"translates torch's Adam and AdamW only; restore the weights "
-                f"(select=r'params/.*') and start a new optimizer"
-            )
-        modes.add(g.get("decoupled_weight_decay"))
-    if len(modes) > 1:
-        raise RequestError(
-            f"{where}: the parameter groups disagree on decoupled_weight_decay: {modes}"
-        )
-    recorded = modes.pop() if modes else None
+    recorded = _recorded_mode(groups, where)
     optim = trainer_args.get("optim")  # when recorded, one of torch's AdamW
     if optim is not None and optim not in TRAINER_ADAMW:
         raise RequestError(
@@ -330,7 +334,8 @@ def identify(
 
 
 def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
-    """The Trainer's schedule when recorded (checked against the held rate), else the held rate."""
+    """(The Trainer's schedule when recorded (checked against the held rate), else the held rate;
+    whether it was recorded)."""
     where = source.get("path", "checkpoint")
     lr = float(agreed(groups, "lr", where))
     trainer = source.get("trainer") or {}
@@ -345,7 +350,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
         warnings.warn(f"{where}: {note}", UserWarning, stacklevel=4)  # _from_run, optax_from_torch
     if kind is None:
         notes.append(f"learning rate {lr}: the optimizer's for the next step; no schedule recorded")
-        return lambda count: lr
+        return (lambda count: lr), False
     total = trainer.get("max_steps") or args.get("max_steps")
     if not isinstance(total, int) or total <= 0:
         raise RequestError(f"{where}: the Trainer's schedule needs max_steps, found {total!r}")
@@ -367,7 +372,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
             f"steps) gives {want} at step {step}, the optimizer holds {lr}"
         )
     notes.append(f"{kind} schedule: lr {base}, warm-up {warmup} steps, {total} steps")
-    return schedule
+    return schedule, True
 
 
 def schedule_kwargs(args: dict, kind: str, where: str) -> dict[str, Any]:
@@ -594,7 +599,6 @@ def _framework_recipe(source: dict, saved: dict, where: str, choice: str | None)
         groups = torch_optimizer_record(source).get("param_groups") or []
         check_groups(groups, where)
         client = identify(groups, run_arguments(source, where), where, choice)
-        _check_adam(groups, where)
         return deepspeed_recipe(source, where, client)
     recipe = deepspeed_recipe(source, where)
     if recipe is None:
@@ -615,12 +619,11 @@ def _framework_recipe(source: dict, saved: dict, where: str, choice: str | None)
 def _client_schedule(recipe: Recipe, source: dict, groups: list[dict], step: int) -> Recipe:
     """A DeepSpeed recipe's schedule without its scheduler: the Trainer's, else the held rate."""
     notes: list[str] = []
-    schedule = _schedule(source, groups, step, notes)
-    args = (source.get("trainer") or {}).get("training_args") or {}
+    schedule, recorded = _schedule(source, groups, step, notes)
     return dataclasses.replace(
         recipe,
         learning_rate=schedule,
-        schedule_recorded=args.get("lr_scheduler_type") is not None,
+        schedule_recorded=recorded,
         notes=(*recipe.notes, *notes),
         unrecovered=tuple(u for u in _unrecovered(source) if "schedule" in u),
     )
@@ -632,14 +635,11 @@ def torch_recipe(
     """Torch's recorded Adam/AdamW (and the Trainer's arguments, schedule and clipping)."""
     trainer_args = run_arguments(source, where)
     kind, how = identify(groups, trainer_args, where, choice)
-    _check_adam(groups, where)
     notes: list[str] = []
     b1, b2 = (float(b) for b in agreed(groups, "betas", where))
     eps = float(agreed(groups, "eps", where))
     rate, decayed = group_decay(groups, where)
-    schedule = _schedule(source, groups, step, notes)
-    trainer = source.get("trainer") or {}
-    has_schedule = (trainer.get("training_args") or {}).get("lr_scheduler_type") is not None
+    schedule, has_schedule = _schedule(source, groups, step, notes)
     max_norm = trainer_args.get("max_grad_norm")
     clip = None
     if max_norm:
