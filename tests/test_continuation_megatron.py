@@ -167,9 +167,21 @@ def test_optimizer_record_keeps_only_what_the_files_hold():
     assert record is not None and [g["lr"] for g in record["param_groups"]] == list(range(12))
 
 
-def test_not_megatron_or_nothing_recorded_is_none(scheduled):
+def test_the_record_not_the_framework_chooses_the_reader(scheduled):
+    """The recipe is read because the import recorded Megatron's scheduler, whatever
+    ``source.framework`` says (verl's Megatron backend, Bridge, a later importer); a source that
+    also records a torch optimizer (``source.optimizer``: torch's, DeepSpeed's), which no Megatron
+    import writes, is refused rather than read by either; no record: None."""
     source, saved = scheduled
-    assert megatron_recipe({**source, "framework": "torch"}, saved, "ckpt") is None
+    recipe = megatron_recipe(source, saved, "ckpt")
+    other = megatron_recipe({**source, "framework": "torch_dcp"}, saved, "ckpt")
+    assert recipe is not None and other is not None
+    counts = np.arange(0, 40)
+    assert (other.how, other.decayed, other.notes) == (recipe.how, recipe.decayed, recipe.notes)
+    np.testing.assert_array_equal(other.learning_rate(counts), recipe.learning_rate(counts))
+    torch_record = {"param_groups": [{"lr": 0.1, "betas": [0.9, 0.999]}]}
+    with pytest.raises(SourceError, match=r"both megatron_optimizer .* and optimizer"):
+        megatron_recipe({**source, "optimizer": torch_record}, saved, "ckpt")
     bare = {k: v for k, v in source.items() if k != "megatron_optimizer"}
     assert megatron_recipe(bare, saved, "ckpt") is None
 

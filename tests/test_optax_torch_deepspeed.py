@@ -88,6 +88,28 @@ def test_the_import_equals_the_runs_live_state(converted):
     assert run.step == int(truth["step"]) == 3
 
 
+def test_a_manifest_of_an_earlier_release_continues_as_before(converted, tmp_path):
+    """An earlier jax_ucp recorded DeepSpeed's config under ``source.optimizer.deepspeed`` (the
+    record key before ``config``, docs/FORMAT.md 2.2.3): its manifest continues the run as the
+    one written now does, the same schedule, clipping, notes and state."""
+    import jax
+
+    kind, _, ckpt = converted
+    old = shutil.copytree(ckpt, tmp_path / "old")
+    manifest = json.loads((old / "ucp.json").read_text())
+    record = manifest["source"]["optimizer"]
+    assert ("config" in record) == (kind != "trainer_fsdp_synthetic_layout")  # DeepSpeed's only
+    if "config" in record:
+        record["deepspeed"] = record.pop("config")
+    (old / "ucp.json").write_text(json.dumps(manifest))
+    now, before = jax_ucp.optax_from_torch(ckpt), jax_ucp.optax_from_torch(old)
+    assert (before.step, before.notes, before.unrecovered) == (now.step, now.notes, now.unrecovered)
+    assert [float(before.schedule(c)) for c in range(6)] == [
+        float(now.schedule(c)) for c in range(6)
+    ]
+    assert jax.tree.structure(before.opt_state) == jax.tree.structure(now.opt_state)
+
+
 def test_the_trainer_files_are_recorded_from_the_tag_folder_too(tmp_path):
     """``checkpoint-3/global_step3/`` given: the Trainer's files are read one level up, as from
     ``checkpoint-3/``; DeepSpeed's config decides the optimizer and the clipping."""
@@ -99,7 +121,7 @@ def test_the_trainer_files_are_recorded_from_the_tag_folder_too(tmp_path):
     assert trainer["global_step"] == 3 and trainer["max_steps"] == 5
     assert trainer["training_args"]["lr_scheduler_type"] == "cosine"
     assert trainer["scheduler"]["last_epoch"] == 3  # DeepSpeed keeps it: no scheduler.pt
-    ds = source["optimizer"]["deepspeed"]
+    ds = source["optimizer"]["config"]
     assert ds["gradient_clipping"] == 1.0 and ds["optimizer"]["type"] == "AdamW"
     # the Trainer's optim (adamw_torch_fused) did not run: DeepSpeed made the optimizer
     assert trainer["training_args"]["optim"] != "adamw_torch"
@@ -159,7 +181,7 @@ def test_what_deepspeed_made_and_optax_does_not_reproduce_is_refused(deepspeed, 
 def test_deepspeed_clipping_wins_over_the_trainers_unused_max_grad_norm():
     """Under DeepSpeed the Trainer never clips: without ``gradient_clipping`` nothing is."""
     args = {"max_grad_norm": 1.0, "optim": "adamw_torch"}
-    source = {"optimizer": {"deepspeed": {}}, "trainer": {"training_args": args}}
+    source = {"optimizer": {"config": {}}, "trainer": {"training_args": args}}
     assert run_arguments(source, "ckpt")["max_grad_norm"] == 0.0
     assert run_arguments(source, "ckpt")["optim"] == "adamw_torch"  # the Trainer made it
     assert run_arguments({"trainer": {"training_args": args}}, "ckpt") == args

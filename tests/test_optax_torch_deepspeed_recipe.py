@@ -107,7 +107,7 @@ def _source(optimizer=None, scheduler=None, groups=None, saved=None, clip=1.0) -
         ds["optimizer"] = optimizer
     if scheduler is not None:
         ds["scheduler"] = scheduler
-    record = {"param_groups": groups or [group], "deepspeed": ds}
+    record = {"param_groups": groups or [group], "config": ds}
     if saved is not None:
         record["scheduler"] = saved
     return {"optimizer": record}

@@ -122,9 +122,7 @@ def _value(kind: str, value: Any, low: float, strict: bool, field: str) -> Any:
                 f"for anything else, with a warning; not taken as said)"
             )
         return value
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if kind == _INT and not isinstance(value, int):
-        ok = False
+    ok = isinstance(value, int if kind == _INT else int | float) and not isinstance(value, bool)
     number = float(value) if ok else math.nan
     if not ok or not math.isfinite(number) or number < low or (strict and number == low):
         what = "a whole number" if kind == _INT else "a finite number"
@@ -369,8 +367,10 @@ def _adam_from_config(made: Any, groups: list[dict], where: str) -> tuple[str, s
 
 
 def recorded_config(source: dict) -> dict | None:
-    """The DeepSpeed config its import recorded (``source.optimizer.deepspeed``; None: none)."""
-    config = torch_optimizer_record(source).get("deepspeed")
+    """The DeepSpeed config its import recorded (``source.optimizer.config``, or ``.deepspeed``
+    in a manifest written before that key: docs/FORMAT.md 2.2.3; None: none)."""
+    record = torch_optimizer_record(source)
+    config = record.get("config", record.get("deepspeed"))
     return config if isinstance(config, dict) else None
 
 

@@ -15,12 +15,12 @@ import numpy as np
 
 from jax_ucp._src.continuation.recipe import Recipe
 from jax_ucp._src.errors import RequestError, SourceError
+from jax_ucp._src.format.manifest import torch_optimizer_record
 
 __all__ = ["MegatronSchedule", "megatron_recipe"]
 
-#: the manifest ``source`` key the Megatron importers record the run's optimizer under
+#: the ``source`` key Megatron's importers record the run's optimizer under: this reader's cue
 RECORD = "megatron_optimizer"
-_FRAMEWORKS = ("megatron", "megatron-bridge")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
@@ -205,7 +205,7 @@ def _agreed(groups: list[_Fields], key: str, read: Callable[[_Fields], Any]) -> 
 def megatron_recipe(
     source: Mapping[str, Any], saved: Mapping[Any, tuple[tuple[int, ...], Any]], where: str
 ) -> Recipe | None:
-    """The Recipe of a Megatron import, or None when ``source`` records no ``megatron_optimizer``.
+    """The Recipe of a run whose import recorded ``source.megatron_optimizer``, else None.
 
     Args:
         source: the manifest's ``source`` record.
@@ -216,8 +216,13 @@ def megatron_recipe(
     Raises:
         SourceError: a field missing, wrong or contradicting another.
         RequestError: what the Recipe cannot hold (another optimizer, a batch-size ramp-up)."""
-    if source.get("framework") not in _FRAMEWORKS or source.get(RECORD) is None:
+    if source.get(RECORD) is None:
         return None
+    if torch_optimizer_record(dict(source)):  # no Megatron import records a torch optimizer
+        raise SourceError(
+            f"{where}: source records both {RECORD} (Megatron's optimizer and scheduler) and "
+            f"optimizer (a torch optimizer's): which one stepped the run is not known"
+        )
     file, args, scheduler, groups = _read_record(source, saved, where)
     schedule = _schedule(scheduler, args, groups)
     gbs = _global_batch(args)
@@ -313,9 +318,8 @@ def _read_record(
     record = source[RECORD]
     if not isinstance(record, dict):
         raise SourceError(f"{where}: source.{RECORD} is {type(record).__name__}, not a mapping")
-    file = f"{where} ({record.get('file') or 'its common state'})"
-    if record.get("args_file"):  # Megatron Bridge: the args from its run config
-        file = f"{where} ({record.get('file') or 'its common state'}, {record['args_file']})"
+    read = (record.get("file") or "its common state", record.get("args_file"))
+    file = f"{where} ({', '.join(str(f) for f in read if f)})"  # Bridge: and its run config
     args = _Fields(_section(record, "args", file), "args", file)
     state = _section(record, "opt_param_scheduler", file)
     groups = _groups(record, file)
