@@ -142,14 +142,8 @@ class LegacyMerger:
         weight2 [E_local*ffn, h] as view(E_local, ffn, h); the EP-invariant global tensor (what one
         rank holding all E experts would have) is the EP ranks' buffers concatenated flat."""
         per_stage = []
-        for per_ep in self.tensors.grouped[name].values():
-            shapes = {a.shape for a in per_ep}
-            if len(shapes) != 1:
-                raise MegatronImportError(
-                    f"tensor {name!r}: EP ranks hold different shapes {sorted(shapes)} "
-                    f"(files: {self.files_of(name)})"
-                )
-            (shape,) = shapes
+        for per_ep in self.tensors.grouped[name].values():  # equal shares (_add_grouped_experts)
+            shape = per_ep[0].shape
             joined = np.concatenate([mapped_file.read_out(np.asarray(a)) for a in per_ep], axis=0)
             per_stage.append(joined.reshape(shape[0], -1) if name.endswith("weight1") else joined)
         if len(per_stage) > 1:
