@@ -51,16 +51,6 @@ class _LazyBackend:
     slice = staticmethod(views.slice_axis)
 
 
-def _checked_axis(shape, dim, name, kind):
-    r = len(shape)
-    d = dim + r if dim < 0 else dim
-    if not 0 <= d < r:
-        raise LanguageError(
-            f"{name}: {kind} dim {dim} out of range for a fragment of shape {shape}"
-        )
-    return d
-
-
 def _split_sizes(backend, x, axis, sizes):
     ends = list(itertools.accumulate(sizes))
     return [backend.slice(x, axis, end - s, end) for s, end in zip(sizes, ends)]
@@ -150,6 +140,10 @@ class Kind:
         """The kind's plain (TOML) form: ``{"kind": name}`` plus every field not at its default."""
         return {"kind": self.kind, **plain_fields(self)}
 
+    def _axis(self, shape, dim: int, name: str) -> int:
+        """Dimension ``dim`` of a fragment of ``shape``, checked, made non-negative."""
+        return views.checked_axis(shape, dim, f"{name}: {self.kind} dim")
+
     def _need_ints(self, name: str, *fields: str) -> None:
         """Fields that must hold integers by now (resolved from the settings)."""
         for f in fields:
@@ -220,7 +214,7 @@ class Partitioned(Kind):
 
     def _merge(self, backend, frags, name):
         shapes = [backend.shape(f) for f in frags]
-        d = _checked_axis(shapes[0], self.dim, name, self.kind)
+        d = self._axis(shapes[0], self.dim, name)
         for r, s in enumerate(shapes):
             if len(s) != len(shapes[0]) or s[:d] + s[d + 1 :] != shapes[0][:d] + shapes[0][d + 1 :]:
                 raise LanguageError(
@@ -235,7 +229,7 @@ class Partitioned(Kind):
         return backend.concat([backend.wrap(f) for f in frags], d)
 
     def _split(self, full, n, name):
-        d = _checked_axis(full.shape, self.dim, name, self.kind)
+        d = self._axis(full.shape, self.dim, name)
         if self.sizes is None and full.shape[d] % n:
             raise LanguageError(
                 f"{name}: dim {d} of size {full.shape[d]} does not split over {n} ranks"
@@ -277,7 +271,7 @@ class SubParams(Kind):
         tp = len(frags)
         rs = self.per_rank(tp, name)
         shapes = [backend.shape(f) for f in frags]
-        d = _checked_axis(shapes[0], self.dim, name, self.kind)
+        d = self._axis(shapes[0], self.dim, name)
         pieces = []
         for r, f in enumerate(frags):
             if shapes[r][d] != sum(rs[r]):
@@ -289,7 +283,7 @@ class SubParams(Kind):
         return backend.concat([backend.concat(part, d) for part in zip(*pieces)], d)
 
     def _split(self, full, n, name):
-        d = _checked_axis(full.shape, self.dim, name, self.kind)
+        d = self._axis(full.shape, self.dim, name)
         if full.shape[d] != sum(self.sizes):
             raise LanguageError(
                 f"{name}: dim {d} has size {full.shape[d]}, sub-param sizes add up to "
@@ -305,7 +299,7 @@ class SubParams(Kind):
 
     def parts(self, full, names=None) -> dict:
         names = names or [f"part{j}" for j in range(len(self.sizes))]
-        d = _checked_axis(full.shape, self.dim, "?", self.kind)
+        d = self._axis(full.shape, self.dim, "?")
         return dict(zip(names, _split_sizes(_NumpyBackend, full, d, list(self.sizes))))
 
 
@@ -323,7 +317,7 @@ class SwiGLU(Kind):
 
     def _merge(self, backend, frags, name):
         shapes = [backend.shape(f) for f in frags]
-        d = _checked_axis(shapes[0], self.dim, name, self.kind)
+        d = self._axis(shapes[0], self.dim, name)
         for r, s in enumerate(shapes):
             if s[d] % 2:
                 raise LanguageError(
@@ -332,11 +326,11 @@ class SwiGLU(Kind):
         return self._as_sub_params(sum(s[d] for s in shapes), name)._merge(backend, frags, name)
 
     def _split(self, full, n, name):
-        d = _checked_axis(full.shape, self.dim, name, self.kind)
+        d = self._axis(full.shape, self.dim, name)
         return self._as_sub_params(full.shape[d], name)._split(full, n, name)
 
     def parts(self, full, names=("gate", "up")) -> dict:
-        d = _checked_axis(full.shape, self.dim, "?", self.kind)
+        d = self._axis(full.shape, self.dim, "?")
         return dict(zip(names, _split_sizes(_NumpyBackend, full, d, [full.shape[d] // 2] * 2)))
 
 
@@ -381,7 +375,7 @@ class QKV(Kind):
     def _merge(self, backend, frags, name):
         self._check(name)
         shapes = [backend.shape(f) for f in frags]
-        d = _checked_axis(shapes[0], self.dim, name, self.kind)
+        d = self._axis(shapes[0], self.dim, name)
         if not self.interleaved:
             return self._as_sub_params(len(frags), name)._merge(backend, frags, name)
         gr = self.group_rows
@@ -404,7 +398,7 @@ class QKV(Kind):
         self._check(name)
         if not self.interleaved:
             return self._as_sub_params(n, name)._split(full, n, name)
-        d = _checked_axis(full.shape, self.dim, name, self.kind)
+        d = self._axis(full.shape, self.dim, name)
         gr = self.group_rows
         if full.shape[d] != self.num_kv_heads * gr:
             raise LanguageError(
@@ -417,13 +411,13 @@ class QKV(Kind):
     def parts(self, full) -> dict:
         """{'q', 'k', 'v'}: q has the heads in order (group by group)."""
         self._check("?")
-        d = _checked_axis(full.shape, self.dim, "?", self.kind)
+        d = self._axis(full.shape, self.dim, "?")
         qkv = views.split_qkv(views.as_view(full), d, *self._heads, interleaved=self.interleaved)
         return {k: x.read().result() for k, x in zip("qkv", qkv)}
 
     def join(self, q, k, v) -> np.ndarray:
         self._check("?")
-        d = _checked_axis(np.shape(q), self.dim, "?", self.kind)
+        d = self._axis(np.shape(q), self.dim, "?")
         return (
             views.merge_qkv(q, k, v, d, *self._heads, interleaved=self.interleaved).read().result()
         )
@@ -446,7 +440,7 @@ class Vocab(Kind):
     def _merge(self, backend, frags, name):
         self._need_ints(name, "vocab_size")
         full = self._tp_kind()._merge(backend, frags, name)
-        d = _checked_axis(backend.shape(full), self.dim, name, self.kind)
+        d = self._axis(backend.shape(full), self.dim, name)
         n = backend.shape(full)[d]
         if n < self.vocab_size:
             raise LanguageError(
@@ -461,7 +455,7 @@ class Vocab(Kind):
         return padded_vocab_size(self.vocab_size, self.divisible_by, tp)
 
     def _split(self, full, n, name):
-        d = _checked_axis(full.shape, self.dim, name, self.kind)
+        d = self._axis(full.shape, self.dim, name)
         size = self.target_size(n)
         if size < full.shape[d] or (self.inner is None and size % n):
             raise LanguageError(
@@ -540,7 +534,7 @@ class Expert(Kind):
                 ]
                 continue
             tps = [backend.wrap(x) for x in (f if self.inner is not None else [f])]
-            d = _checked_axis(backend.shape(tps[0]), self.dim, name, self.kind)
+            d = self._axis(backend.shape(tps[0]), self.dim, name)
             for t, x in enumerate(tps):
                 if self.layout == "stacked" and backend.shape(x)[d] != nl:
                     raise LanguageError(
@@ -566,17 +560,13 @@ class Expert(Kind):
                     else blocks[0]
                 )
         if self.layout == "grouped":
-            return backend.concat(
-                experts, _checked_axis(backend.shape(experts[0]), self.dim, name, self.kind)
-            )
+            return backend.concat(experts, self._axis(backend.shape(experts[0]), self.dim, name))
         return backend.stack(experts, 0 if self.layout == "per_expert" else self.dim)
 
     def _split(self, full, n, name):
         """n = EP degree. Returns per EP rank the local tensor (no TP split; split each with inner)."""
         nl = self._num_local(n, name)
-        d = _checked_axis(
-            full.shape, 0 if self.layout == "per_expert" else self.dim, name, self.kind
-        )
+        d = self._axis(full.shape, 0 if self.layout == "per_expert" else self.dim, name)
         if self.layout == "per_expert":
             return [[full[e] for e in range(r * nl, (r + 1) * nl)] for r in range(n)]
         if self.layout == "stacked":
@@ -603,7 +593,7 @@ class Expert(Kind):
         if self.layout == "per_expert":
             per = [self.inner._split(np.asarray(x), tp, name) for x in local]
             return [[p[t] for p in per] for t in range(tp)]
-        d = _checked_axis(local.shape, self.dim, name, self.kind)
+        d = self._axis(local.shape, self.dim, name)
         if self.layout == "stacked":
             per = [
                 self.inner._split(np.take(local, e, axis=d), tp, name)

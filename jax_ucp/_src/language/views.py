@@ -48,12 +48,14 @@ def zero_origin(tensor: ts.TensorStore) -> ts.TensorStore:
     return tensor[ts.d[:].translate_to[0]]
 
 
-def _checked_axis(tensor: ts.TensorStore, axis: int, what: str = "axis") -> int:
-    r = tensor.rank
+def checked_axis(shape: Sequence[int], axis: int, what: str = "axis") -> int:
+    """``axis`` of a tensor of ``shape``, made non-negative; out of range: a LanguageError
+    (``what`` names the axis)."""
+    r = len(shape)
     a = axis + r if axis < 0 else axis
     if not 0 <= a < r:
         raise LanguageError(
-            f"{what} {axis} out of range for a rank-{r} tensor of shape {tuple(tensor.shape)}"
+            f"{what} {axis} out of range for a rank-{r} tensor of shape {tuple(shape)}"
         )
     return a
 
@@ -61,7 +63,7 @@ def _checked_axis(tensor: ts.TensorStore, axis: int, what: str = "axis") -> int:
 def _view_axis(tensor, axis: int) -> tuple[ts.TensorStore, int, int]:
     """``tensor`` as a view, ``axis`` checked and made non-negative, and its size."""
     tensor = as_view(tensor)
-    a = _checked_axis(tensor, axis)
+    a = checked_axis(tensor.shape, axis)
     return tensor, a, tensor.shape[a]
 
 
@@ -72,7 +74,7 @@ def transpose(tensor: ts.TensorStore, perm: Sequence[int] | None = None) -> ts.T
         return tensor
     if perm is None:
         perm = list(range(tensor.rank))[::-1]
-    perm = [_checked_axis(tensor, p) for p in perm]
+    perm = [checked_axis(tensor.shape, p) for p in perm]
     if sorted(perm) != list(range(tensor.rank)):
         raise LanguageError(
             f"transpose: {list(perm)} is not a permutation of the {tensor.rank} axes"
@@ -131,7 +133,7 @@ def concat(parts: Sequence, axis: int = 0) -> ts.TensorStore:
         raise LanguageError("concat of no tensors")
     if len(parts) == 1:
         return parts[0]
-    a = _checked_axis(parts[0], axis)
+    a = checked_axis(parts[0].shape, axis)
     ref = list(parts[0].shape)
     for i, p in enumerate(parts):
         s = list(p.shape)
@@ -350,7 +352,7 @@ def merge_qkv(
         head_dim: rows per head
         interleaved: Megatron's per-group order (True) or a plain ``[Q; K; V]`` (False)"""
     q, k, v = as_view(q), as_view(k), as_view(v)
-    a = _checked_axis(q, axis)
+    a = checked_axis(q.shape, axis)
     qg, kg, vg = qkv_sizes(num_heads, num_kv_heads, head_dim)
     g = num_kv_heads
     for name, x, want in (("q", q, g * qg), ("k", k, g * kg), ("v", v, g * vg)):

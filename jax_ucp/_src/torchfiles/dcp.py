@@ -15,7 +15,7 @@ import itertools
 import math
 import os
 import posixpath
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -396,16 +396,11 @@ class DcpCheckpoint:
         """Every file the chunks (of ``tensors``) reference exists and is long enough."""
         sizes: dict[str, int] = {}
         objects = self.objects.values() if tensors is None else ()
-        entries = list(
-            itertools.chain(
-                (
-                    (t.name, c.file, c.byte_offset + c.byte_length)
-                    for t in (self.tensors.values() if tensors is None else tensors)
-                    for c in t.chunks
-                ),
-                ((o.name, o.file, o.byte_offset + o.byte_length) for o in objects),
-            )
-        )
+        tensors = self.tensors.values() if tensors is None else tensors
+        entries = [
+            (name, file, offset + length)
+            for name, file, offset, length, _ in _storage_entries(tensors, objects)
+        ]
         ends: dict[str, int] = {}  # an object's size is asked once: is it at least this long
         for _, file, end in entries:
             ends[file] = max(end, ends.get(file, 0))
@@ -871,6 +866,18 @@ def _refuse_safetensors_format(
     )
 
 
+def _storage_entries(
+    tensors: Iterable[DcpTensor], objects: Iterable[DcpObject]
+) -> Iterator[tuple[str, str, int, int, DcpChunk | None]]:
+    """(name, file, byte offset, byte length, chunk or None) of every chunk of ``tensors``, then
+    of every entry of ``objects``."""
+    for t in tensors:
+        for c in t.chunks:
+            yield t.name, c.file, c.byte_offset, c.byte_length, c
+    for o in objects:
+        yield o.name, o.file, o.byte_offset, o.byte_length, None
+
+
 def check_disjoint(
     tensors: dict[str, DcpTensor], objects: dict[str, DcpObject], where: Path | str
 ) -> None:
@@ -882,13 +889,8 @@ def check_disjoint(
     entries = sorted(  # (file id, start, end, file, tensor or object name, chunk or None)
         (
             (file_ids.setdefault(file, len(file_ids)), offset, offset + length, file, name, chunk)
-            for name, file, offset, length, chunk in itertools.chain(
-                (
-                    (t.name, c.file, c.byte_offset, c.byte_length, c)
-                    for t in tensors.values()
-                    for c in t.chunks
-                ),
-                ((o.name, o.file, o.byte_offset, o.byte_length, None) for o in objects.values()),
+            for name, file, offset, length, chunk in _storage_entries(
+                tensors.values(), objects.values()
             )
             if length
         ),
