@@ -140,49 +140,18 @@ def check_digest(path: str, found: str, expected: str | None, tensor: str) -> No
         )
 
 
-def layout_from_metadata(metadata: dict, dtype: np.dtype) -> ArrayLayout | None:
-    """The ``ArrayLayout`` of a zarr v3 array's metadata if ``shard_reader.ShardReader`` can read
-    it, else None."""
-    try:
-        shape = tuple(int(d) for d in metadata["shape"])
-        grid = metadata["chunk_grid"]
-        chunk_shape = tuple(int(c) for c in grid["configuration"]["chunk_shape"])
-        key_enc = metadata.get("chunk_key_encoding", {"name": "default"})
-        (codec,) = metadata["codecs"]
-        cfg = codec["configuration"]
-        inner_shape = tuple(int(c) for c in cfg["chunk_shape"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    bytes_le = {"name": "bytes", "configuration": {"endian": "little"}}
-    codecs, index_codecs = cfg.get("codecs"), cfg.get("index_codecs")
-    if codecs and codecs[0] == {"name": "bytes"} and np.dtype(dtype).itemsize == 1:
-        codecs = [bytes_le, *codecs[1:]]  # single-byte types carry no endianness
-    if codecs == index_codecs == [bytes_le]:
-        checksum = None
-    elif codecs == index_codecs == [bytes_le, {"name": "crc32c"}]:
-        checksum = "crc32c"
-    else:
-        return None
-    if (
-        grid.get("name") != "regular"
-        or codec.get("name") != "sharding_indexed"
-        or cfg.get("index_location", "end") != "end"
-        or key_enc.get("name") != "default"
-        or key_enc.get("configuration", {}).get("separator", "/") != "/"
-        or not shape
-        or len(chunk_shape) != len(shape)
-        or len(inner_shape) != len(shape)
-        or 0 in shape
-        or any(s % c for s, c in zip(shape, chunk_shape))
-        or not encodable_dtype(np.dtype(dtype))
-        or sys.byteorder != "little"
-        or any(c % i for c, i in zip(chunk_shape, inner_shape))
-    ):
-        return None
-    return ArrayLayout(
-        shape=shape,
-        dtype=str(metadata["data_type"]),
-        chunk_shape=chunk_shape,
-        inner_chunk_shape=inner_shape,
-        checksum=checksum,
+def readable(layout: ArrayLayout) -> bool:
+    """Whether ``shard_reader.ShardReader`` reads an array of ``layout`` (else TensorStore
+    does): uncompressed, of a whole-byte dtype on a little-endian host, of rank 1 or more and no
+    zero extent, every shard whole (no edge shards) and cut into whole inner chunks."""
+    shape, chunks, inner = layout.shape, layout.chunk_shape, layout.inner_chunk_shape
+    return (
+        layout.compression is None
+        and bool(shape)
+        and 0 not in shape
+        and len(chunks) == len(inner) == len(shape)
+        and not any(s % c for s, c in zip(shape, chunks))
+        and not any(c % i for c, i in zip(chunks, inner))
+        and encodable_dtype(np.dtype(dtypes.to_numpy_dtype(layout.dtype)))
+        and sys.byteorder == "little"
     )

@@ -7,7 +7,6 @@ the reads exporters, verify and diff make of it (``read``, ``read_rows``). JAX-f
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -296,12 +295,9 @@ class CheckpointSource(TensorSource):
         return max(1, int(found.sources[0].inner_chunk_shape[0])) if found.stored else 1
 
 
-@functools.lru_cache(maxsize=4096)
 def _shard_layout(layout: store.ArrayLayout) -> store.ArrayLayout | None:
-    """``layout`` when ``store.shard_reader`` reads it (``shard_file.layout_from_metadata`` of
-    the metadata it implies), else None; one answer per layout."""
-    metadata = store.array_config({}, layout)["metadata"]
-    return shard_file.layout_from_metadata(metadata, fmt.to_numpy_dtype(layout.dtype))
+    """``layout`` when ``store.shard_reader`` reads it (``shard_file.readable``), else None."""
+    return layout if shard_file.readable(layout) else None
 
 
 class _Fetch:
