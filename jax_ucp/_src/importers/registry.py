@@ -122,10 +122,8 @@ def _readable(source) -> Iterator[tuple[Storage, local_view.View | None]]:
 
 
 class Unclaimed(SourceError):
-    """No importer claims the source (each one's reason is said): what detection found, so
-    that no caller asks the detectors again; ``run``: the run root of checkpoints it is
-    (:func:`trainer_run`), else None. (A format's own file gone wrong, or two formats in one
-    folder, is another ``SourceError``.)"""
+    """No importer claims the source (not a format's file gone wrong, nor two formats), with
+    what detection found, so that no caller asks again: ``run``, the run root it is, or None."""
 
     def __init__(self, message: str, run: TrainerRun | None = None):
         super().__init__(message)
