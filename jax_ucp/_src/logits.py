@@ -89,56 +89,16 @@ def checked_tolerance(value: Any) -> float:
     return tolerance
 
 
-#: config.json's numbers TransformerLM is built from: (field, required). Each a positive int
-#: below 2**31 (a config declaring 0 heads or 10**30 tokens describes no model to compute).
-_CONFIG_INTS = (
-    ("vocab_size", True),
-    ("hidden_size", True),
-    ("num_hidden_layers", True),
-    ("num_attention_heads", True),
-    ("intermediate_size", True),
-    ("num_key_value_heads", False),
-    ("head_dim", False),
-    ("max_position_embeddings", False),
-)
-
-
-def _checked_numbers(config: dict, path: str) -> None:
-    """Refuses a config.json whose sizes no model has (0 or negative heads, text, floats, a
-    head count that does not divide the width), naming the field and the file, before any of
-    them divides or allocates."""
-    for field, required in _CONFIG_INTS:
-        value = config.get(field)
-        if value is None and not required:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
-            raise SourceError(
-                f"{path}: {field} {str(value)[:100]!r}: expected a positive integer below 2**31 "
-                f"(--logits builds the model from it)"
-            )
-    rope = config.get("rope_parameters")
-    for field, value in (
-        ("rms_norm_eps", config.get("rms_norm_eps")),
-        ("rope_theta", config.get("rope_theta")),
-        ("rope_parameters.rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None),
-    ):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            good = False
-        else:
-            good = math.isfinite(float(value)) and float(value) > 0
-        if not good:
-            raise SourceError(f"{path}: {field} {str(value)[:100]!r}: expected a finite number > 0")
-    heads, groups = config["num_attention_heads"], config.get("num_key_value_heads") or 0
-    if config["hidden_size"] % heads and config.get("head_dim") is None:
+def _checked_numbers(config: dict, cfg: Any, path: str) -> None:
+    """Refuses what ``hf_model`` (which refuses any size or rate it reads that no model has)
+    would take as a value of its own: an ``rms_norm_eps`` of 0 (as 1e-6), a width the heads do
+    not divide without a ``head_dim`` (floored); naming the field and the file."""
+    if config.get("rms_norm_eps") == 0:
+        raise SourceError(f"{path}: rms_norm_eps 0: expected a finite number > 0")
+    heads = cfg.num_attention_heads
+    if cfg.hidden_size % heads and config.get("head_dim") is None:
         raise SourceError(
-            f"{path}: hidden_size {config['hidden_size']} is not a multiple of "
-            f"num_attention_heads {heads}"
-        )
-    if groups and heads % groups:
-        raise SourceError(
-            f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}"
+            f"{path}: hidden_size {cfg.hidden_size} is not a multiple of num_attention_heads {heads}"
         )
 
 
@@ -176,9 +136,7 @@ def read_config(folder: str) -> dict:
             f"--logits supports model_type {', '.join(SUPPORTED)} (the models "
             f"jax_ucp.models.TransformerLM computes); found {found}{lacks} in {path}"
         )
-    config = canonical_config(config)
-    _checked_numbers(config, path)
-    return config
+    return canonical_config(config)
 
 
 def compare_logits(
@@ -212,6 +170,7 @@ def compare_logits(
             f"--logits supports the {config['model_type']} models TransformerLM computes; "
             f"{folder}/config.json: {e}"
         ) from None
+    _checked_numbers(config, cfg, f"{folder}/config.json")
     seq = max(1, min(_BATCH[1], cfg.max_position_embeddings))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (_BATCH[0], seq))
     torch, transformers = _torch_and_transformers()
