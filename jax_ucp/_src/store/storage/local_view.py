@@ -298,8 +298,7 @@ def _place(storage: Storage, name: str, view: View) -> None:
 
 def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> bool:
     """A zip archive as a sparse file, its directory fetched (False: not one; fetched whole)."""
-    spec, key = storage.ranged(name)
-    kv = ts.KvStore.open(spec).result()
+    kv, key = ranged(storage, name)
     try:
         tail = kv.read(key, byte_range=slice(-TAIL, None)).result()
     except ValueError:  # shorter than TAIL: whole
