@@ -580,7 +580,7 @@ def _legacy_items(plan: LegacyMerger, share: Share = WHOLE) -> Iterator[writer.H
         if plan.want_model:
             value, pattern = plan.deferred(name, tensors.fragments[name], "model weights")
             yield host_item(("model_params", name), value, {**weights, "pattern": pattern})
-    if plan.optimizer is not None and share.primary:
+    if plan.count is not None and share.primary:  # set with the optimizer
         rank_files = (r.path for r in checkpoint.ranks.values())
         yield count_item(
             plan.count,
