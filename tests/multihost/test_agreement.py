@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from jax_ucp._src.multihost import agreement, heartbeat, liveness
+from jax_ucp._src.multihost import agreement, liveness
 from tests.ucp_testing import REPO, free_port
 
 
@@ -40,7 +40,7 @@ def test_fewer_connections_are_a_loss_only_once_they_last_and_name_who_is_not_th
     connection is not known)."""
     exchange = agreement.Exchange.__new__(agreement.Exchange)  # no jax.distributed job
     exchange.served, exchange._short_since = 1234, None
-    exchange.beats = heartbeat.Beats(None)  # none beat yet
+    exchange.beats = liveness.Beats(None)  # none beat yet
     exchange.count, exchange.index, exchange.lost = 3, 0, agreement.ProcessLostError
     counts = iter([3, 2, 3, 2, 2])
     monkeypatch.setattr(liveness, "connected", lambda port: next(counts))

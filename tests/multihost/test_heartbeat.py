@@ -1,4 +1,4 @@
-"""multihost.heartbeat: the processes of a jax.distributed job prove they live through its
+"""multihost.liveness (beats): the processes of a jax.distributed job prove they live through its
 key-value store, so a process killed on another host is named while another waits for it,
 whatever else connects to the coordinator's port, and a live one that is only slow is not."""
 
@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from jax_ucp._src.multihost import heartbeat
+from jax_ucp._src.multihost import liveness
 from tests.ucp_testing import run_workers
 
 # Each process passes for one of a machine of its own (its host name), so /proc cannot tell
@@ -52,7 +52,7 @@ def test_a_peer_killed_on_another_host_is_named_though_another_program_connects(
     assert "FAILED ProcessLostError probe: process 1 (pid " in out, out + err[-2000:]
     assert (
         "on host1) stopped beating while process 0 waited for it at 'step': no sign of life "
-        f"for {heartbeat.CUT_OFF_S:g} s"
+        f"for {liveness.CUT_OFF_S:g} s"
     ) in out
 
 
@@ -61,7 +61,7 @@ def test_a_peer_killed_on_another_host_is_named_though_another_program_connects(
 def test_a_live_peer_busy_longer_than_the_cut_off_is_waited_for(tmp_path):
     """Process 1 ("host1") computes for twice the cut-off before it answers: process 0 waits
     for it (its beat moves) and both get every value."""
-    busy = str(2 * heartbeat.CUT_OFF_S)
+    busy = str(2 * liveness.CUT_OFF_S)
     results = run_workers(tmp_path, WORKER, "busy", busy, timeout=90)
     for rc, out, err in results:
         assert rc == 0 and "GOT ['0', '1']" in out, out + err[-2000:]
@@ -82,27 +82,27 @@ def test_a_beat_standing_still_is_stopped_only_over_the_cut_off_of_steady_pollin
     moved is not; one never heard is not judged; a waiting process held up between two polls
     (longer than a second) counts afresh."""
     clock = [1000.0]
-    monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(liveness.time, "monotonic", lambda: clock[0])
     store = _Store()
-    beats = heartbeat.Beats(store)
+    beats = liveness.Beats(store)
 
     def poll_for(seconds):  # every 0.25 s (exact in binary)
         for _ in range(round(seconds / 0.25)):
             clock[0] += 0.25
             beats.hear()
 
-    poll_for(heartbeat.CUT_OFF_S - 0.25)
+    poll_for(liveness.CUT_OFF_S - 0.25)
     assert not beats.stopped(1) and not beats.stopped(2)
     store.beats["jax_ucp/beat/1"] = json.dumps({"pid": 7, "start": "9", "n": 1})  # it moved
-    poll_for(heartbeat.CUT_OFF_S)  # heard moving at the first of these polls
+    poll_for(liveness.CUT_OFF_S)  # heard moving at the first of these polls
     assert not beats.stopped(1)
     poll_for(0.25)
     assert beats.stopped(1) and not beats.stopped(2)
     assert beats.identity(1) == {"pid": 7, "start": "9", "n": 1} and beats.identity(2) is None
-    clock[0] += heartbeat.CUT_OFF_S  # this process held up: nothing heard meanwhile
+    clock[0] += liveness.CUT_OFF_S  # this process held up: nothing heard meanwhile
     beats.hear()
     assert not beats.stopped(1)
-    poll_for(heartbeat.CUT_OFF_S - 0.25)
+    poll_for(liveness.CUT_OFF_S - 0.25)
     assert not beats.stopped(1)
     poll_for(0.25)
     assert beats.stopped(1)
@@ -116,12 +116,12 @@ def test_beats_another_program_writes_are_not_heard(monkeypatch):
     raw ``ValueError`` from ``int()`` / ``json.loads`` inside every waiting process's poll,
     and the forged counter kept a dead process 1 "alive"."""
     clock = [1000.0]
-    monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(liveness.time, "monotonic", lambda: clock[0])
     store = _Store()
-    beats = heartbeat.Beats(store)
+    beats = liveness.Beats(store)
     beats.expect = [{"pid": 5, "start": "8"}, {"pid": 7, "start": "9"}]
     beats.hear()
-    for n in range(round(heartbeat.CUT_OFF_S / 0.25)):
+    for n in range(round(liveness.CUT_OFF_S / 0.25)):
         store.beats.update(
             {
                 "jax_ucp/beat/x": "{}",

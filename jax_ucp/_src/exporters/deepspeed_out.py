@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -46,8 +46,7 @@ def check_name(name: str) -> None:
 
 def write_universal(
     root: str,
-    params: list[tuple[str, tuple[int, ...]]],
-    states: Iterable[tuple[str, str, np.ndarray | RowSlabs]],
+    params: Sequence[tuple[str, Mapping[str, np.ndarray | RowSlabs]]],
     *,
     step: int,
     model_weights: Iterable[tuple[str, np.ndarray | RowSlabs]] | None = None,
@@ -57,8 +56,7 @@ def write_universal(
 
     Args:
         root: the tag folder to write (``<tag>_universal``).
-        params: every parameter's DeepSpeed name and shape (each state is fp32 of it).
-        states: (param, state, fp32 array) for every param and every state of :data:`STATES`.
+        params: every parameter's DeepSpeed name and its fp32 arrays by :data:`STATES`.
         step: the optimizer step recorded in each ``step.pt``.
         model_weights: (name, array) of the model-precision weights, or None.
         param_groups: param groups of the loading engine's optimizer."""
@@ -66,16 +64,21 @@ def write_universal(
     tag_dir = os.path.join(root, tag)
     zero = os.path.join(tag_dir, "zero")
     os.makedirs(zero)
-    for name, _ in params:
+    written = []
+    step_tensor = np.asarray(float(step), np.float32)
+    for name, states in params:
         check_name(name)
         files.inside(zero, name, f"{zero}: parameter folder")
         os.makedirs(os.path.join(zero, name))
-    written = _write_states(zero, dict(params), states, step)
-    if len(written) != 4 * len(params):
-        raise RequestError(
-            f"DeepSpeed universal needs fp32, exp_avg and exp_avg_sq of every parameter; "
-            f"got {len(written)} files for {len(params)} parameters"
-        )
+        for state in STATES:
+            path = os.path.join(zero, name, f"{state}.pt")
+            slot = torch_zip.TensorSlot(0, tuple(states[state].shape), np.dtype(np.float32))
+            obj = {"param": slot, "cat_dim": 0}
+            torch_zip.save_file(path, obj, [states[state]], source.pieces)
+            written.append(path)
+        written.append(os.path.join(zero, name, "step.pt"))
+        slot = torch_zip.TensorSlot(0, (), step_tensor.dtype)
+        torch_zip.save_file(written[-1], slot, [step_tensor])
     optimizer_state = {
         "ds_version": DS_VERSION,
         "param_groups": [{"params": []} for _ in range(param_groups)],
@@ -88,40 +91,12 @@ def write_universal(
         module[name] = torch_zip.TensorSlot(len(arrays), tuple(weight.shape), weight.dtype)
         arrays.append(weight)
     path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    torch_zip.save_file(path, _model_states(params, module, step), arrays, source.pieces)
+    shapes = [(name, tuple(states["fp32"].shape)) for name, states in params]
+    torch_zip.save_file(path, _model_states(shapes, module, step), arrays, source.pieces)
     written.append(path)
     durable.write_file(os.path.join(root, "latest_universal"), tag)
     written.append(os.path.join(root, "latest_universal"))
     return [os.path.relpath(p, root) for p in written]
-
-
-def _write_states(
-    zero: str,
-    shapes: dict[str, tuple[int, ...]],
-    states: Iterable[tuple[str, str, np.ndarray | RowSlabs]],
-    step: int,
-) -> list[str]:
-    """``zero/<param>/<state>.pt`` for every state (checked fp32), and ``step.pt``; the paths."""
-    written = []
-    step_tensor = np.asarray(float(step), np.float32)
-    for name, state, array in states:
-        if state not in STATES or name not in shapes:
-            raise RequestError(f"unexpected state {state!r} of {name!r} for DeepSpeed universal")
-        if tuple(array.shape) != shapes[name] or array.dtype != np.float32:
-            raise RequestError(
-                f"parameter {name!r} {state}: {array.shape} {array.dtype}, DeepSpeed universal "
-                f"wants fp32 {shapes[name]}"
-            )
-        path = os.path.join(zero, name, f"{state}.pt")
-        slot = torch_zip.TensorSlot(0, tuple(array.shape), array.dtype)
-        torch_zip.save_file(path, {"param": slot, "cat_dim": 0}, [array], source.pieces)
-        written.append(path)
-        if state == STATES[-1]:
-            step_path = os.path.join(zero, name, "step.pt")
-            slot = torch_zip.TensorSlot(0, (), step_tensor.dtype)
-            torch_zip.save_file(step_path, slot, [step_tensor])
-            written.append(step_path)
-    return written
 
 
 def _model_states(params: list[tuple[str, tuple[int, ...]]], module: dict, step: int) -> dict:
@@ -170,24 +145,36 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
     ds_names = {p: ".".join(rel) for p, rel in params.items()}
     for p in params:
         check_cast(ds_names[p], available[p].dtype, np.dtype(np.float32), "same_kind")
+        for m, state in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
+            shape = tuple(available[moments[(p, m)]].shape)
+            if shape != tuple(available[p].shape):
+                raise RequestError(
+                    f"parameter {ds_names[p]!r} {state}: shape {shape}, DeepSpeed universal "
+                    f"wants the parameter's {tuple(available[p].shape)}"
+                )
     (step,) = ucp_source.read(root, manifest, [Request(count)], available=available)
     model = {k[1:]: k for k, e in by_key.items() if e.role == "param" and e.sub_role == "model"}
     reads = source.Source(root, manifest, available, progress=options.progress, total=len(ds_names))
 
-    def states():
-        for p, name in ds_names.items():
-            yield name, "fp32", reads.tensor(p, np.float32)
-            yield name, "exp_avg", reads.tensor(moments[(p, "mu")], np.float32)
-            yield name, "exp_avg_sq", reads.tensor(moments[(p, "nu")], np.float32, name)
-
+    # each parameter's states, read as they are written (progress counted at the last)
+    params_out = [
+        (
+            name,
+            {
+                "fp32": reads.tensor(p, np.float32),
+                "exp_avg": reads.tensor(moments[(p, "mu")], np.float32),
+                "exp_avg_sq": reads.tensor(moments[(p, "nu")], np.float32, name),
+            },
+        )
+        for p, name in ds_names.items()
+    ]
     weights = [(name, reads.tensor(model.get(params[p]) or p)) for p, name in ds_names.items()]
-    shapes = [(ds_names[p], tuple(available[p].shape)) for p in params]
+    shapes = [tuple(available[p].shape) for p in params]
     written = source.write_atomically(
         dst,
         lambda tmp: write_universal(
             tmp,
-            shapes,
-            states(),
+            params_out,
             step=int(step),
             model_weights=weights,
             param_groups=options.param_groups,
@@ -198,7 +185,7 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
         path=dst,
         files=written,
         tensors=3 * len(shapes),
-        bytes=3 * sum(4 * math.prod(shape) for _, shape in shapes),
+        bytes=3 * sum(4 * math.prod(shape) for shape in shapes),
         skipped=[
             fmt.key_to_str(k)
             for k in by_key

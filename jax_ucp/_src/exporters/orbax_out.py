@@ -220,8 +220,10 @@ def export(root: str, dst: str, options: OrbaxExport) -> Exported:
         root: the UCP checkpoint directory (a manager step already resolved).
         dst: the directory to create.
         options: this format's options (``engine.export`` checked them)."""
-    with writer.one_malloc_arena(), source.transaction(dst, force=False, staged=False) as tx:
-        path = export_orbax(root, tx.path, progress=options.progress)
+    with writer.one_malloc_arena():
+        path = source.write_atomically(
+            dst, lambda tmp: export_orbax(root, tmp, progress=options.progress), False, staged=False
+        )
     manifest = store.read_manifest(root)
     return Exported(
         path=path,

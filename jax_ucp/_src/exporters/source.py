@@ -169,14 +169,19 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
     return Selection(tensors, arrays, paths, values, skipped, str(manifest.save_id))
 
 
-@contextlib.contextmanager
-def transaction(dst: str, *, force: bool, staged: bool = True):
-    """``commit.transaction`` of an export; a destination it refuses is a ``RequestError``.
+def write_atomically(
+    dst: str, write: Callable[[str], Any], force: bool, *, staged: bool = True
+) -> Any:
+    """``write(tmp)`` in the export's ``commit.transaction``; returns what it returned. A
+    destination the transaction refuses is a ``RequestError``.
 
     Args:
         dst: the export's destination directory.
+        write: writes the files into the directory it is given.
         force: replace an earlier export at ``dst`` (never anything jax_ucp did not write).
-        staged: write into a temporary sibling renamed into place (Orbax renames its own)."""
+        staged: into a temporary sibling renamed into place, its files recorded as the export's
+            (what a later force may replace: these files only); False: into ``dst`` itself,
+            which Orbax stages and renames on its own."""
     with contextlib.ExitStack() as stack:
         try:
             tx = stack.enter_context(
@@ -184,19 +189,8 @@ def transaction(dst: str, *, force: bool, staged: bool = True):
             )
         except (commit.SaveConflictError, FileExistsError) as e:
             raise RequestError(str(e)) from None
-        yield tx
-
-
-def write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -> list[str]:
-    """``write(tmp)`` into a recorded temporary sibling renamed into place; returns what it
-    returned.
-
-    Args:
-        dst: the export's destination directory.
-        write: writes the files into the temporary directory it is given.
-        force: replace an earlier export at ``dst`` (never anything jax_ucp did not write)."""
-    # the export record: what a later force may replace (these files only)
-    with transaction(dst, force=force) as tx, commit.export_record(tx.path):
+        if staged:
+            stack.enter_context(commit.export_record(tx.path))
         return write(tx.path)
 
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from jax_ucp._src.errors import MultiProcessError
-from jax_ucp._src.multihost import heartbeat, liveness
+from jax_ucp._src.multihost import liveness
 
 
 class ProcessLostError(MultiProcessError):
@@ -107,8 +107,8 @@ class Exchange:
         self.peers: list[dict] = []
         self.served = _served_port()
         self._short_since: float | None = None  # since when fewer processes are connected
-        heartbeat.start()
-        self.beats = heartbeat.Beats(self.client)
+        liveness.start_beat()
+        self.beats = liveness.Beats(self.client)
         self.me = liveness.identity(os.getpid()) or {}
         me = dict(self.me, index=self.index, **(hello or {}))
         self.peers = [json.loads(v) for v in self.gather("hello", json.dumps(me))]
@@ -132,8 +132,7 @@ class Exchange:
         try:
             self.client.key_value_set(prefix + str(self.index), value)
         except JaxRuntimeError as e:  # the coordinator (process 0) gone
-            self.raise_if_lost(range(self.count), step, head)
-            raise MultiProcessError(f"{head} jax.distributed failed at '{step}': {e}") from e
+            raise self._failed(e, step, head) from e
         if not wait:
             return []
 
@@ -174,10 +173,13 @@ class Exchange:
                 self.client.blocking_key_value_get(prefix + str(missing[0]), _POLL_MS)
             except JaxRuntimeError as e:  # a timed-out poll, or the coordinator (process 0) gone
                 if "DEADLINE_EXCEEDED" not in str(e):
-                    self.raise_if_lost(range(self.count), step, head)
-                    raise MultiProcessError(
-                        f"{head} jax.distributed failed at '{step}': {e}"
-                    ) from e
+                    raise self._failed(e, step, head) from e
+
+    def _failed(self, error: Exception, step: str, head: str) -> MultiProcessError:
+        """The error of a failed ``jax.distributed`` call: ``lost`` naming a process gone
+        (raised), else the call's own."""
+        self.raise_if_lost(range(self.count), step, head)
+        return MultiProcessError(f"{head} jax.distributed failed at '{step}': {error}")
 
     def abort(self, error: BaseException) -> None:
         """Tells the others this process left (they raise instead of waiting for it)."""
@@ -199,7 +201,7 @@ class Exchange:
             if here is None and self.beats.stopped(i):
                 raise self.lost(
                     f"{who} stopped beating while process {self.index} waited for it{at}: no "
-                    f"sign of life for {heartbeat.CUT_OFF_S:g} s (killed, or cut off from "
+                    f"sign of life for {liveness.CUT_OFF_S:g} s (killed, or cut off from "
                     "jax.distributed's coordinator)"
                 )
 

@@ -32,10 +32,10 @@ def initialize(coordinator: str | None, num_processes=None, process_id=None, **k
         **kwargs: passed on to ``jax.distributed.initialize``."""
     import jax
 
-    from jax_ucp._src.multihost import heartbeat
+    from jax_ucp._src.multihost import liveness
 
     jax.distributed.initialize(coordinator, num_processes, process_id, **kwargs)
-    heartbeat.start()  # from now on, not from its first exchange: a death before it is seen
+    liveness.start_beat()  # from now on, not from its first exchange: a death before it is seen
 
 
 def local_process_limit() -> tuple[int, str]:

@@ -125,7 +125,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         # a manager restores its step's item: never another step's swapped or copied in
         storage = store.storage_for(str(directory))
         locate.check_step_item(storage)
-        return restore_entry.restore_tree(storage, args.options)
+        return restore_entry.restore_tree(storage, args)
 
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
         return store.read_manifest(str(directory))
@@ -200,11 +200,6 @@ class UCPRestore(RestoreOptions, ocp.args.CheckpointArgs):
                 "jax_ucp.restore(root, step='latest') takes."
             )
         super().__post_init__()
-
-    @property
-    def options(self) -> RestoreOptions:
-        """These args as the read path's options (they are ``RestoreOptions``)."""
-        return self
 
 
 @ocp_checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)

@@ -138,12 +138,9 @@ class PendingArray:
             self.start()
         if self._reader is not None:
             self._reads[()].result()  # every slice read (errors raised here)
-            if self.sharding is None:
-                return self._host(())
-            host = {key: self._host(key) for key in self._outs}
-        elif self.sharding is None:
+        if self.sharding is None:
             return self._host(())
-        elif self._box is not None:
+        if self._box is not None:  # never with a reader
             whole = self._host(())
             host = {
                 key: whole[
@@ -152,7 +149,7 @@ class PendingArray:
                 for _, key in self._device_index
             }
         else:
-            host = {key: self._host(key) for key in self._reads}
+            host = {key: self._host(key) for key in self._slices}
         import jax  # a result on a sharding: JAX is loaded (host-only reads never import it)
 
         singles = [

@@ -69,6 +69,18 @@ def check_divisible(name: str, shape: Sequence[int], sharding: jax.sharding.Shar
             raise RequestError(f"Tensor {name!r} (shape {tuple(shape)}): {e}") from e
 
 
+def _claim(entry, size: int, mesh: Mesh, used: set[str]) -> Any:
+    """``entry`` (lists as tuples) if its mesh axes exist, are not ``used`` by an earlier
+    dimension and divide ``size`` (then they are marked used), else None (replicated)."""
+    axes = axes_of(entry)
+    if not axes or any(a not in mesh.shape for a in axes) or used.intersection(axes):
+        return None
+    if size % _axis_size(mesh, axes):
+        return None
+    used.update(axes)
+    return tuple(entry) if isinstance(entry, list) else entry
+
+
 def partition_spec_from_saved(
     shape: Sequence[int], saved: SavedSharding | None, mesh: Mesh
 ) -> PartitionSpec:
@@ -84,17 +96,7 @@ def partition_spec_from_saved(
     used: set[str] = set()
     for dim, size in enumerate(shape):
         entry = saved.partition_spec[dim] if dim < len(saved.partition_spec) else None
-        axes = axes_of(entry)
-        if (
-            axes
-            and all(a in mesh.shape for a in axes)
-            and not used.intersection(axes)
-            and size % _axis_size(mesh, axes) == 0
-        ):
-            out.append(entry if not isinstance(entry, list) else tuple(entry))
-            used.update(axes)
-        else:
-            out.append(None)
+        out.append(_claim(entry, size, mesh, used))
     return PartitionSpec(*out)
 
 
@@ -116,17 +118,9 @@ def partition_spec_from_logical(
             for rule_name, mesh_axes in rules:
                 if rule_name != name:
                     continue
-                axes = axes_of(mesh_axes)
-                if not axes:
-                    break  # explicitly replicated
-                if (
-                    all(a in mesh.shape for a in axes)
-                    and not used.intersection(axes)
-                    and shape[dim] % _axis_size(mesh, axes) == 0
-                ):
-                    chosen = mesh_axes if not isinstance(mesh_axes, list) else tuple(mesh_axes)
-                    used.update(axes)
-                    break
+                chosen = _claim(mesh_axes, shape[dim], mesh, used)
+                if chosen is not None or not axes_of(mesh_axes):
+                    break  # claimed, or explicitly replicated
         out.append(chosen)
     return PartitionSpec(*out)
 
