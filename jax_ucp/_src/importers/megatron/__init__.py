@@ -23,11 +23,10 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src import writer
-from jax_ucp._src.importers.megatron import fsdp_dtensor
 from jax_ucp._src.importers.megatron.common import MegatronImportError, named_errors
 from jax_ucp._src.importers.megatron.legacy_import import plan_legacy
 from jax_ucp._src.importers.megatron.source import MegatronSource, detect_megatron
-from jax_ucp._src.importers.megatron.torch_dist import open_torch_dist, plan_torch_dist
+from jax_ucp._src.importers.megatron.torch_dist import plan_torch_dist
 from jax_ucp._src.importers.plan import (
     Detection,
     ImportOptions,
@@ -75,7 +74,7 @@ def plan_megatron(src: os.PathLike | str, options: MegatronOptions) -> ImportPla
     settings: dict[str, Any] = dict(user_spec.env) if user_spec is not None else {}
     if vocab_size is not None:
         settings["vocab_size"] = int(vocab_size)
-    planner = _plan_dcp if source_dir.format == "torch_dist" else plan_legacy
+    planner = plan_torch_dist if source_dir.format == "torch_dist" else plan_legacy
     with named_errors():
         plan = planner(source_dir, settings, dataclasses.replace(options, spec=user_spec))
     info = dict(plan.source)
@@ -95,14 +94,6 @@ def plan_megatron(src: os.PathLike | str, options: MegatronOptions) -> ImportPla
     return ImportPlan(
         _reader_errors_named(plan.items), source, plan.total_params, plan.source_tensors
     )
-
-
-def _plan_dcp(source_dir: MegatronSource, settings: dict, options: ImportOptions) -> ImportPlan:
-    """megatron-core's torch_dist, or its fsdp_dtensor layout (no common state, its names)."""
-    opened = open_torch_dist(source_dir.ckpt_dir)
-    if not opened[1] and fsdp_dtensor.is_fsdp_dtensor(opened[0]):
-        return fsdp_dtensor.plan_fsdp_dtensor(opened[0], settings, options)
-    return plan_torch_dist(source_dir, opened, settings, options)
 
 
 def _reader_errors_named(items: Iterator[writer.HostItem]) -> Iterator[writer.HostItem]:

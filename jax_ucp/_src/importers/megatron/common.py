@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,24 @@ def named_errors() -> Iterator[None]:
         raise
     except SourceError as e:
         raise MegatronImportError(str(e)) from None
+
+
+@dataclass
+class OptimizerFound:
+    """The optimizer state of a megatron-core DCP checkpoint, as its layout reads it:
+    model-space tensors (``tensors``: {model tensor: {state: tensor}}, ``"param"`` the model
+    tensor itself where that is the master) or per-rank flat state (``buckets``), or neither
+    (no state, or weights only); ``skipped``: the optimizer tensors not imported, and why;
+    ``step``: the step and where it was read (None: none)."""
+
+    tensors: dict[str, dict[str, str]] = field(default_factory=dict)
+    buckets: Any = None  # a RankStates, ChainedStates or None
+    skipped: dict[str, str] = field(default_factory=dict)
+    step: tuple[int, dict] | None = None
+
+    @property
+    def present(self) -> bool:
+        return bool(self.tensors) or self.buckets is not None
 
 
 SUPPORTED_LAYOUTS = (

@@ -20,24 +20,18 @@ Output names drop the wrappers (``module.``, ``model.``): ``decoder.layers.0.mlp
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from jax_ucp._src import writer
 from jax_ucp._src.importers.megatron import dcp, legacy
 from jax_ucp._src.importers.megatron.common import (
     WEIGHTS_ONLY_HINT,
     MegatronImportError,
-    tied_embeddings,
+    OptimizerFound,
 )
-from jax_ucp._src.importers.megatron.rules import add_arg_settings, import_rules_spec
-from jax_ucp._src.importers.megatron.run_record import MEGATRON_OPTIMIZER, optimizer_record
-from jax_ucp._src.importers.megatron.torch_dist import TorchDistReader, torch_dist_items
-from jax_ucp._src.importers.plan import VALUES, ImportOptions, ImportPlan, agreed_step, count_item
+from jax_ucp._src.importers.plan import VALUES, agreed_step
 
 _STATE = "optimizer.state."
 _GROUP_META = "optimizer.param_to_group_meta."
@@ -54,21 +48,14 @@ def is_fsdp_dtensor(checkpoint: dcp.DcpCheckpoint) -> bool:
     return "args" in checkpoint.objects and any(n.startswith("model.") for n in checkpoint.tensors)
 
 
-def plan_fsdp_dtensor(
-    checkpoint: dcp.DcpCheckpoint, settings: dict, options: ImportOptions
-) -> ImportPlan:
-    """The import of an fsdp_dtensor checkpoint (opened, its chunks and files checked).
-
-    Args:
-        checkpoint: the checkpoint.
-        settings: the run's model settings (completed from its saved ``args``).
-        options: ``spec``, ``weights_only`` (the optimizer state skipped, listed in
-            ``source.skipped``), ``share``.
-    """
+def read_fsdp_dtensor(
+    checkpoint: dcp.DcpCheckpoint, weights_only: bool
+) -> tuple[dict[str, Any], dict[str, str], OptimizerFound]:
+    """What torch_dist's planning reads of an fsdp_dtensor checkpoint its own way: the run
+    state as ``common.pt`` holds it (:func:`_run_state`), each model tensor's output name
+    (wrappers dropped), and the optimizer state by parameter (none with ``weights_only``: its
+    tensors in ``skipped``)."""
     where = checkpoint.path / ".metadata"
-    args = _object(checkpoint, "args") if "args" in checkpoint.objects else None  # read once
-    if not settings.get("num_layers") and args is not None:
-        add_arg_settings(legacy.args_dict(args), settings)
     chunks = [n for n in checkpoint.tensors if re.match(r"model[0-9]+\.", n)]
     if chunks:  # Megatron-LM's virtual pipeline chunks: model0, model1, ...
         raise MegatronImportError(
@@ -89,7 +76,7 @@ def plan_fsdp_dtensor(
     alien = [
         n for n in checkpoint.tensors if n.startswith("optimizer.") and not n.startswith(_STATE)
     ]
-    if alien and not options.weights_only:
+    if alien and not weights_only:
         raise MegatronImportError(
             f"tensor {alien[0]!r} in {where}: not fsdp_dtensor's optimizer layout "
             f"({_STATE}<param>.<state>). {WEIGHTS_ONLY_HINT}"
@@ -97,57 +84,40 @@ def plan_fsdp_dtensor(
     by_param = {v: k for k, v in model.items()}
     if len(by_param) != len(model):
         raise MegatronImportError(f"{where}: two model tensors name one parameter {sorted(model)}")
-    states, steps = ({}, {}) if options.weights_only else _states(checkpoint, by_param)
+    states, steps = ({}, {}) if weights_only else _states(checkpoint, by_param)
     for n in checkpoint.tensors:
-        if n.startswith("optimizer.") and (options.weights_only or n in steps):
+        if n.startswith("optimizer.") and (weights_only or n in steps):
             skipped[n] = (
                 "weights_only: optimizer state (layout 'fsdp_dtensor')"
-                if options.weights_only
+                if weights_only
                 else "the Adam step of one parameter: all equal, imported once as opt_state/count"
             )
-    count = _count(checkpoint, steps, by_param) if states else None
-    reader = TorchDistReader(checkpoint, import_rules_spec(options.spec, settings))
-    mine = options.share.pick(sorted(model))
-    iteration = _object(checkpoint, "iteration") if "iteration" in checkpoint.objects else None
-    info = {
-        "format": "fsdp_dtensor",
-        "tensors": len(model),
-        "optimizer_layout": "fsdp_dtensor" if states else None,
-        "iteration": iteration if type(iteration) is int else None,
-        "skipped_objects": sorted(checkpoint.objects),
-        "vocab_stripped": {model[k]: v for k, v in reader.stripped(list(model)).items()},
-        "dcp_version": checkpoint.version,
-        "model_dtype": ", ".join(sorted({str(checkpoint.tensors[n].dtype) for n in model})),
-        **({"skipped": skipped} if skipped else {}),
-        "tied_embeddings": tied_embeddings(list(by_param), settings),
-    }
-    record = optimizer_record(_run_state(checkpoint, iteration, args), ".metadata")
-    if record is not None:  # how the run stepped: args, scheduler state, param groups
-        info[MEGATRON_OPTIMIZER] = record
-    items = _items(reader, mine, model, states, count if options.share.primary else None)
-    return ImportPlan(items, info, len(mine), source_tensors=list(checkpoint.tensors))
+    read = {"pattern": "optimizer.state.<param>.step", VALUES: [".metadata: optimizer.state"]}
+    step = (_count(checkpoint, steps, by_param), read) if states else None
+    return _run_state(checkpoint), model, OptimizerFound(states, skipped=skipped, step=step)
 
 
 def _object(checkpoint: dcp.DcpCheckpoint, name: str) -> Any:
     return checkpoint.read_object(name, legacy.LEGACY_CLASSES)
 
 
-def _run_state(checkpoint: dcp.DcpCheckpoint, iteration: Any, args: Any) -> dict[str, Any]:
-    """The saved state :func:`optimizer_record` reads, as ``common.pt`` holds it: ``args``, the
-    scheduler's (``opt_param_scheduler.<field>`` objects) and each distinct param group, from
-    the per-parameter ``optimizer.param_to_group_meta.<param>.<field>`` objects."""
+def _run_state(checkpoint: dcp.DcpCheckpoint) -> dict[str, Any]:
+    """The run state as ``common.pt`` holds it (what torch_dist's planning and
+    ``optimizer_record`` read): ``iteration``, ``args``, the scheduler's
+    (``opt_param_scheduler.<field>`` objects) and each distinct param group, from the
+    per-parameter ``optimizer.param_to_group_meta.<param>.<field>`` objects."""
     metas: dict[str, dict[str, Any]] = {}
     scheduler: dict[str, Any] = {}
+    state: dict[str, Any] = {"iteration": None}
     for n in checkpoint.objects:
-        if n.startswith(_GROUP_META):
+        if n in ("iteration", "args"):
+            state[n] = _object(checkpoint, n)
+        elif n.startswith(_GROUP_META):
             param, _, field = n[len(_GROUP_META) :].rpartition(".")
             metas.setdefault(param, {})[field] = _object(checkpoint, n)
         elif n.startswith("opt_param_scheduler."):
             scheduler[n[len("opt_param_scheduler.") :]] = _object(checkpoint, n)
     groups = {repr(sorted(m.items(), key=str)): m for m in metas.values()}
-    state: dict[str, Any] = {"iteration": iteration}
-    if args is not None:
-        state["args"] = args
     if scheduler:
         state["opt_param_scheduler"] = scheduler
     if groups:
@@ -219,22 +189,3 @@ def _count(checkpoint: dcp.DcpCheckpoint, steps: dict[str, str], by_param: dict)
             f"{where}: an Adam step for {len(sources)} of {len(by_param)} parameters"
         )
     return agreed_step(found, where, recorded_by="parameters", error=MegatronImportError)
-
-
-def _items(
-    reader: TorchDistReader,
-    mine: list[str],
-    model: dict[str, str],
-    states: dict[str, dict[str, str]],
-    count: int | None,
-) -> Iterator[writer.HostItem]:
-    """torch_dist's per-parameter items under the parameters' own names; then the step."""
-    for item in torch_dist_items(reader, mine, states, None, want_model=False):
-        provenance = {**(item.provenance or {}), "format": "fsdp_dtensor"}
-        key = (*item.key[:-1], model[item.key[-1]])
-        yield dataclasses.replace(item, key=key, provenance=provenance)
-    if count is not None:
-        yield count_item(
-            count,
-            {"pattern": "optimizer.state.<param>.step", VALUES: [".metadata: optimizer.state"]},
-        )

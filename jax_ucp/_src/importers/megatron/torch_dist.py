@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +14,13 @@ import numpy as np
 
 from jax_ucp._src import writer
 from jax_ucp._src.format import files
-from jax_ucp._src.importers.megatron import dcp, legacy
+from jax_ucp._src.importers.megatron import dcp, fsdp_dtensor, legacy
 from jax_ucp._src.importers.megatron.common import (
     STATE_TREES,
     SUPPORTED_LAYOUTS,
     WEIGHTS_ONLY_HINT,
     MegatronImportError,
+    OptimizerFound,
     is_optimizer_name,
     named_errors,
     param_groups,
@@ -58,51 +59,51 @@ from jax_ucp._src.language import Spec, Vocab
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 
-@dataclass
-class _OptimizerFound:
-    """The optimizer state of a torch_dist checkpoint, as this importer reads it: model-space
-    tensors (``tensors``) or per-rank flat state (``buckets``), or neither (no state, or
-    weights only); ``skipped``: the optimizer tensors not imported, and why."""
-
-    tensors: dict[str, dict[str, str]] = field(default_factory=dict)
-    buckets: Any = None  # a RankStates, ChainedStates or None
-    skipped: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def present(self) -> bool:
-        return bool(self.tensors) or self.buckets is not None
-
-
 def plan_torch_dist(
-    source_dir: MegatronSource, opened: Opened, settings: dict, options: ImportOptions
+    source_dir: MegatronSource, settings: dict, options: ImportOptions
 ) -> ImportPlan:
-    """torch_dist: tensors read whole (vocab rows stripped); its ``source`` is the format's info.
+    """torch_dist, or its fsdp_dtensor layout (no common state; its names, run state and
+    optimizer state read by :mod:`fsdp_dtensor`): tensors read whole (vocab rows stripped);
+    its ``source`` is the format's info.
 
     Args:
         source_dir: the detected torch_dist checkpoint.
-        opened: it opened (``open_torch_dist``).
         settings: the run's model settings.
         options: ``spec``: the loaded spec with import rules / settings (None: the defaults);
             ``weights_only``: the model weights alone, the optimizer state skipped and listed
             in ``source.skipped``.
     """
-    spec, weights_only, share = options.spec, options.weights_only, options.share
-    checkpoint, common, common_path, vouched = opened
+    checkpoint, common, common_path, vouched = open_torch_dist(source_dir.ckpt_dir)
+    fmt, names = "torch_dist", {}  # each model tensor's output name, where not its own
+    if not common and fsdp_dtensor.is_fsdp_dtensor(checkpoint):
+        fmt, common_path = "fsdp_dtensor", Path(source_dir.ckpt_dir) / ".metadata"
+        common, names, optimizer = fsdp_dtensor.read_fsdp_dtensor(checkpoint, options.weights_only)
+        model_names, layout = sorted(names), "fsdp_dtensor" if optimizer.tensors else None
     if not settings.get("num_layers") and isinstance(common, dict):
         add_arg_settings(legacy.args_dict(common.get("args")), settings)
-    model_names = [n for n in checkpoint.tensors if not is_optimizer_name(n)]
-    chained = chained_layouts(checkpoint, common)
-    optimizer = _find_optimizer_state(
-        checkpoint, common, chained, model_names, settings, weights_only
-    )
-    count = _optimizer_step(checkpoint, common, common_path, chained, optimizer, model_names)
-    reader = TorchDistReader(checkpoint, import_rules_spec(spec, settings))
+    if fmt == "torch_dist":
+        model_names = [n for n in checkpoint.tensors if not is_optimizer_name(n)]
+        chained = chained_layouts(checkpoint, common)
+        optimizer = _find_optimizer_state(
+            checkpoint, common, chained, model_names, settings, options.weights_only
+        )
+        optimizer.step = _optimizer_step(
+            checkpoint, common, common_path, chained, optimizer, model_names
+        )
+        layout = (  # never "optimizer", which names a torch optimizer's record in other formats
+            optimizer.buckets.LAYOUT
+            if optimizer.buckets
+            else ("per_parameter" if optimizer.tensors else None)
+        )
+    reader = TorchDistReader(checkpoint, import_rules_spec(options.spec, settings))
     model_dtypes = {checkpoint.tensors[n].dtype for n in model_names}
     want_model = optimizer.present and any(d != np.dtype(np.float32) for d in model_dtypes)
     skipped = dict(optimizer.skipped)  # source.skipped: every .metadata tensor not imported
     if optimizer.present and not want_model:
         for name in model_names:  # where its fp32 master is read from
             states = optimizer.tensors.get(name, {})
+            if states.get("param") == name:  # its own master (fsdp_dtensor): params/
+                continue
             master = (
                 repr(states.get("param") or states.get("fp32_param"))
                 if optimizer.buckets is None
@@ -115,35 +116,31 @@ def plan_torch_dist(
         skipped.update(optimizer.buckets.unread())
     iteration = common.get("iteration") if isinstance(common, dict) else None
     info = {  # what the manifest's source records
-        "format": "torch_dist",
+        "format": fmt,
         "tensors": len(model_names),
-        # the layout its optimizer state was saved in (None: none); never "optimizer", which
-        # names a torch optimizer's record (param_groups) in every other format's source
-        "optimizer_layout": (
-            optimizer.buckets.LAYOUT
-            if optimizer.buckets
-            else ("per_parameter" if optimizer.tensors else None)
-        ),
+        "optimizer_layout": layout,
         "iteration": iteration if type(iteration) is int else None,
         "skipped_objects": sorted(checkpoint.objects),
-        "vocab_stripped": reader.stripped(model_names),  # known before any byte is read
+        # known before any byte is read
+        "vocab_stripped": {names.get(k, k): v for k, v in reader.stripped(model_names).items()},
         "mcore_metadata": checkpoint.mcore_metadata,
         "dcp_version": checkpoint.version,
         "model_dtype": ", ".join(sorted(str(d) for d in model_dtypes)),
         **({"skipped": skipped} if skipped else {}),
-        "tied_embeddings": tied_embeddings(model_names, settings),
+        "tied_embeddings": tied_embeddings([names.get(n, n) for n in model_names], settings),
         **({"integrity": f"{vouched} files equal to integrity.json's SHA-256"} if vouched else {}),
     }
     where = os.path.relpath(common_path, source_dir.ckpt_dir)
     record = optimizer_record(common, where) if isinstance(common, dict) else None
     if record is not None:  # how the run stepped: args, scheduler state, param groups
         info[MEGATRON_OPTIMIZER] = record
-    mine = share.pick(model_names)
-    step = count if share.primary else None
+    mine = options.share.pick(model_names)
     if optimizer.buckets is not None:
-        items = bucket_items(reader, optimizer.buckets, mine, step, want_model)
+        items = bucket_items(reader, optimizer.buckets, mine, want_model)
     else:
-        items = torch_dist_items(reader, mine, optimizer.tensors, step, want_model)
+        items = torch_dist_items(reader, mine, optimizer.tensors, want_model, fmt, names)
+    if optimizer.step is not None and options.share.primary:  # else: another process's
+        items = itertools.chain(items, [count_item(*optimizer.step)])
     return ImportPlan(items, info, len(mine), source_tensors=list(checkpoint.tensors))
 
 
@@ -154,7 +151,7 @@ def _find_optimizer_state(
     model_names: list[str],
     settings: dict,
     weights_only: bool,
-) -> _OptimizerFound:
+) -> OptimizerFound:
     """The optimizer state in the layout ``common`` names (a ChainedOptimizer's per member);
     a layout saved as objects this importer does not read is refused. ``weights_only``: none
     read, every optimizer tensor named as skipped (none dropped without a word) with its layout."""
@@ -168,14 +165,14 @@ def _find_optimizer_state(
             else repr(sharding or ("fully_reshardable" if optimizer_names else None))
         )
         why = f"weights_only: optimizer state (layout {layout})"
-        return _OptimizerFound(skipped=dict.fromkeys(optimizer_names, why))
+        return OptimizerFound(skipped=dict.fromkeys(optimizer_names, why))
     if chained is not None:
         buckets = chained_states(checkpoint, model_names, settings, chained)
         if buckets is not None:
-            return _OptimizerFound(buckets=buckets)
-        return _OptimizerFound(tensors=model_space_tensors(checkpoint, common))
+            return OptimizerFound(buckets=buckets)
+        return OptimizerFound(tensors=model_space_tensors(checkpoint, common))
     if sharding == "dp_reshardable":
-        return _OptimizerFound(
+        return OptimizerFound(
             buckets=in_module_order(BucketStates, checkpoint, model_names, settings)
         )
     if sharding == "dp_zero_gather_scatter":
@@ -185,7 +182,7 @@ def _find_optimizer_state(
                 f"dp_zero_gather_scatter checkpoint (whose optimizer state is objects); "
                 f"{SUPPORTED_LAYOUTS}. {WEIGHTS_ONLY_HINT}"
             )
-        return _OptimizerFound(
+        return OptimizerFound(
             buckets=in_module_order(GatheredStates, checkpoint, model_names, settings)
         )
     tensors = model_space_tensors(checkpoint, common)
@@ -198,7 +195,7 @@ def _find_optimizer_state(
             f"({objects[0]!r}, ...) in layout {sharding!r}, which is not supported "
             f"({SUPPORTED_LAYOUTS}). {WEIGHTS_ONLY_HINT}"
         )
-    return _OptimizerFound(tensors=tensors)
+    return OptimizerFound(tensors=tensors)
 
 
 def _optimizer_step(
@@ -206,19 +203,27 @@ def _optimizer_step(
     common: Any,
     common_path: Path,
     chained: list[str | None] | None,
-    optimizer: _OptimizerFound,
+    optimizer: OptimizerFound,
     model_names: list[str],
-) -> int | None:
-    """The Adam step (None without optimizer state): from the per-rank state objects, or from
-    ``common.pt``'s param_groups (one per ChainedOptimizer member, which must agree)."""
-    if optimizer.buckets is not None:
-        return optimizer.buckets.step()
+) -> tuple[int, dict] | None:
+    """The Adam step and where it was read (None without optimizer state): from the per-rank
+    state objects, or from ``common.pt``'s param_groups (one per ChainedOptimizer member, which
+    must agree)."""
+    buckets = optimizer.buckets
+    if buckets is not None:
+        objects = {"files": buckets.files(), VALUES: buckets.step_objects()}
+        return buckets.step(), {"pattern": "param_groups.step", **objects}
     if not optimizer.tensors:
         return None
     check_model_space_tensors(checkpoint, common, common_path, optimizer.tensors, model_names)
     optimizer_state = common.get("optimizer") if isinstance(common, dict) else None
+    read = {
+        "files": ["common.pt"],
+        "pattern": "param_groups.step",
+        VALUES: ["common.pt:optimizer.optimizer.param_groups"],
+    }
     if chained is None:
-        return step_from_param_groups(param_groups(optimizer_state), str(common_path))
+        return step_from_param_groups(param_groups(optimizer_state), str(common_path)), read
     members = (  # a ChainedOptimizer's states by index, or listed
         optimizer_state.items()
         if isinstance(optimizer_state, dict)
@@ -228,9 +233,10 @@ def _optimizer_step(
     for i, part in sorted(members):
         step = step_from_param_groups(param_groups(part), f"{common_path} (optimizer {i})")
         steps.setdefault(step, f"in optimizer {i}")
-    return agreed_step(
+    agreed = agreed_step(
         steps, str(common_path), recorded_by="ChainedOptimizer members", error=MegatronImportError
     )
+    return agreed, read
 
 
 #: (the checkpoint, its common state, where that was read, the files integrity.json vouched for)
@@ -372,18 +378,16 @@ def bucket_items(
     reader: TorchDistReader,
     buckets: RankStates,
     model_names: list[str],
-    count: int | None,
     want_model: bool,
 ) -> Iterator[writer.HostItem]:
     """dp_reshardable / dp_zero_gather_scatter: per parameter its master weight (checked against
     the model weight) and moments from the flat vectors, vocab padding stripped like the
-    weights; then the step.
+    weights.
 
     Args:
         reader: reads the model tensors (vocab rows stripped).
         buckets: the per-rank flat optimizer state.
         model_names: this process's model tensors.
-        count: the step (None: another process writes it).
         want_model: also import the model-precision copy.
     """
     checkpoint = reader.checkpoint
@@ -420,10 +424,6 @@ def bucket_items(
                     TENSORS: [name],
                 },
             )
-    if count is not None:  # None: another process of a shared import writes the step
-        yield count_item(
-            count, {"files": files, "pattern": "param_groups.step", VALUES: buckets.step_objects()}
-        )
 
 
 class ModelWeight:
@@ -506,20 +506,22 @@ def torch_dist_items(
     reader: TorchDistReader,
     model_names: list[str],
     optimizer_tensors: dict[str, dict[str, str]],
-    count: int | None,
     want_model: bool,
+    fmt: str = "torch_dist",
+    names: dict[str, str] | None = None,
 ) -> Iterator[writer.HostItem]:
     """Per parameter: its master weight and moments (or the model weight when there is no
-    optimizer state), its model-precision copy; then the step.
+    optimizer state), its model-precision copy.
 
     Args:
         reader: reads the tensors (vocab rows stripped).
         model_names: this process's model tensors.
         optimizer_tensors: {parameter: {state: tensor name}}.
-        count: the step (None: another process writes it).
         want_model: also import the model-precision copy.
+        fmt: the format each provenance names.
+        names: each model tensor's output name (None: its own).
     """
-    checkpoint = reader.checkpoint
+    checkpoint, out = reader.checkpoint, names or {}
     for name in model_names:
         for state_name, tree in OPTIMIZER_STATE_TREES.items():
             source_name = optimizer_tensors[name].get(state_name) if optimizer_tensors else None
@@ -533,31 +535,22 @@ def torch_dist_items(
                 )
             value, pattern = reader.deferred(source_name, name)
             provenance = {
-                "format": "torch_dist",
+                "format": fmt,
                 "files": source.files,
                 "source_name": source_name,
                 "pattern": pattern,
                 TENSORS: [source_name],
             }
-            yield host_item((*tree, name), value, provenance)
+            yield host_item((*tree, out.get(name, name)), value, provenance)
         if want_model or not optimizer_tensors:  # the model weight, or its model-precision copy
             tensor = checkpoint.tensors[name]
             value, pattern = reader.deferred(name, name)
             provenance = {
-                "format": "torch_dist",
+                "format": fmt,
                 "files": tensor.files,
                 "chunks": len(tensor.chunks),
                 TENSORS: [name],
                 "pattern": pattern,
             }
             root = "model_params" if optimizer_tensors else "params"
-            yield host_item((root, name), value, provenance)
-    if optimizer_tensors and count is not None:
-        yield count_item(
-            count,
-            {
-                "files": ["common.pt"],
-                "pattern": "param_groups.step",
-                VALUES: ["common.pt:optimizer.optimizer.param_groups"],
-            },
-        )
+            yield host_item((root, out.get(name, name)), value, provenance)
