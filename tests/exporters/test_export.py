@@ -351,6 +351,15 @@ def test_deepspeed_universal_needs_moments(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
+def test_deepspeed_universal_refuses_a_moment_shaped_unlike_its_parameter(tmp_path):
+    state = _optax_like_state()  # synthetic: the first moment of "w" transposed
+    state["opt_state"]["mu"]["w"] = state["opt_state"]["mu"]["w"].T.copy()
+    jax_ucp.save(str(tmp_path / "ck_synthetic"), state)
+    with pytest.raises(RequestError, match=r"'w' exp_avg: shape \(6, 4\).* \(4, 6\)"):
+        jax_ucp.export(tmp_path / "ck_synthetic", tmp_path / "uni", DeepSpeedUniversalExport())
+    assert sorted(os.listdir(tmp_path)) == ["ck_synthetic"]
+
+
 def test_optax_state_exports_as_deepspeed_universal(tmp_path):
     import optax
 

@@ -36,18 +36,4 @@ if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers
         unmatched_rules_message,
     )
 
-__all__ = [
-    "PendingArray",
-    "ReplicationWarning",
-    "check_divisible",
-    "check_names",
-    "check_rules",
-    "describe",
-    "replicated_unasked",
-    "replication_warning",
-    "sharding_for",
-    "unmatched_rules",
-    "unmatched_rules_message",
-]
-
 __getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
