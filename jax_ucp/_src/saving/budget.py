@@ -22,9 +22,10 @@ stall, as without a budget (they are mutable).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import functools
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,10 +33,9 @@ import jax
 import numpy as np
 
 from jax_ucp._src import format as fmt
-from jax_ucp._src import store
 from jax_ucp._src.errors import CheckpointError, RequestError
 from jax_ucp._src.format.sizes import format_size
-from jax_ucp._src.writer import PreparedTensor, write_tensor
+from jax_ucp._src.writer import PipelinedWriter, PreparedTensor
 
 
 def on_cpu(data: jax.Array) -> bool:
@@ -160,16 +160,16 @@ def _write_nbytes(p: PreparedTensor, index: tuple) -> int:
     return int(n) * fmt.to_numpy_dtype(p.layout.dtype).itemsize
 
 
-def _groups(p: PreparedTensor, budget: int):
+def _groups(p: PreparedTensor, budget: int | None):
     """``p``'s writes in consecutive groups of at most ``budget`` bytes (a write larger than it
-    alone) -> [(writes, bytes)]; one empty group when this process writes none (the primary
-    still creates the array)."""
+    alone; None: one group) -> [(writes, bytes)]; one empty group when this process writes none
+    (the primary still creates the array)."""
     groups: list[tuple[list, int]] = []
     current: list = []
     size = 0
     for index, data in p.writes:
         n = _write_nbytes(p, index)
-        if current and size + n > budget:
+        if current and budget is not None and size + n > budget:
             groups.append((current, size))
             current, size = [], 0
         current.append((index, data))
@@ -187,60 +187,37 @@ def _release(writes: list) -> None:
     writes.clear()
 
 
-async def write_within_budget(
+async def write_all(
     root,
     prepared: Sequence[PreparedTensor],
     *,
     primary: bool,
-    budget: int,
+    budget: int | None = None,
     sync: bool = True,
     max_in_flight: int = 64,
 ) -> dict[str, dict[str, str]]:
-    """``plan.write_all`` with at most ``budget`` bytes of shards in flight, in save order (the
-    module's docstring says how); returns {tensor dir: {shard key: digest}} as ``write_all``.
+    """All of this process's shards of a jax save, in save order through one
+    ``writer.PipelinedWriter`` window, with at most ``budget`` bytes of shards in flight (the
+    module's docstring says how). Returns {tensor dir: {shard key: digest}} for the shards this
+    process wrote. Waits for every write even after one fails, so cleanup never races a write
+    in flight.
 
     Args:
         root: the checkpoint directory.
-        prepared: the tensors, laid out (writes from ``BudgetedShards``).
+        prepared: the tensors, laid out (with a budget: writes from ``BudgetedShards``).
         primary: this process creates the arrays.
-        budget: bytes of shard data in flight.
+        budget: bytes of shard data in flight (None: unbounded, ``max_in_flight`` tensors).
         sync: fsync each file (False: the caller makes the directory durable).
         max_in_flight: write batches at once.
     """
-    window: store.InFlightBytes[tuple[asyncio.Future, str, list]] = store.InFlightBytes(
-        budget, max_items=max_in_flight
-    )
-    digests: dict[str, dict[str, str]] = {}
-    partial: set[str] = set()  # a tensor with a batch that had no digests has none
-
-    async def finish(item) -> None:
-        task, array_dir, writes = item
-        try:
-            result = await task
-        finally:
-            _release(writes)
-        if result is None:
-            partial.add(array_dir)
-        else:
-            digests.setdefault(array_dir, {}).update(result)
-
-    try:
+    window = budget or sys.maxsize
+    async with PipelinedWriter(
+        root, max_bytes=window, max_tensors=max_in_flight, sync=sync
+    ) as writer:
         for p in prepared:
             for i, (writes, nbytes) in enumerate(_groups(p, budget)):
-                for old in window.make_room(nbytes):
-                    await finish(old)
                 part = dataclasses.replace(p, writes=writes)
-                task = asyncio.ensure_future(
-                    write_tensor(root, part, primary=primary and i == 0, sync=sync)
-                )
-                window.add((task, p.entry.dir, writes), nbytes)
+                done = functools.partial(_release, writes)
+                await writer.add(part, nbytes, primary=primary and i == 0, done=done)
                 del part
-        for old in window.drain():
-            await finish(old)
-    except BaseException:  # every write settles before the caller cleans up
-        rest = list(window.drain())
-        await asyncio.gather(*(t for t, _, _ in rest), return_exceptions=True)
-        for _, _, writes in rest:
-            _release(writes)
-        raise
-    return {d: v for d, v in digests.items() if d not in partial}
+    return writer.digests
