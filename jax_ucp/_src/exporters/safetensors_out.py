@@ -83,16 +83,12 @@ def write_file(
     Args:
         path: the file to write.
         tensors: name, dtype and shape of each tensor, in file order.
-        values: their arrays (or ``RowSlabs`` ones, read as they are written), in that order.
+        values: their arrays (or ``RowSlabs`` ones, read as they are written), in that order,
+            of the tensors' shapes and dtypes (``source.select`` plans both alike).
         metadata: the header's ``__metadata__`` strings."""
     with durable.durable_file(path) as f:
         f.write(header_bytes(tensors, metadata))
         for tensor, value in zip(tensors, values, strict=True):
-            if tuple(value.shape) != tensor.shape or value.dtype != tensor.dtype:
-                raise RequestError(
-                    f"tensor {tensor.name!r}: read {value.dtype}{list(value.shape)}, planned "
-                    f"{tensor.dtype}{list(tensor.shape)}"
-                )
             for piece in pieces(value, f"tensor {tensor.name!r}"):
                 f.write(piece.reshape(-1).view(np.uint8).data)
                 del piece
