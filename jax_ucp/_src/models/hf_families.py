@@ -2,7 +2,7 @@
 names (the only copy of that mapping: ``jax_ucp/_src/language/specs/hf_*.toml``) and how its
 ``config.json`` becomes an ``LMConfig``.
 
-Each family reads the config fields listed in :data:`FAMILIES`; a value of one of them the
+Each family in :data:`FAMILIES` has a reader of its config fields; a value of one of them the
 model does not compute (a RoPE type other than default, linear or llama3, biases where the family has
 none, bidirectional attention, an activation other than the family's) is a ``RequestError``
 naming the field, never computed differently. Missing fields take transformers' defaults for
@@ -12,7 +12,7 @@ the family (5.24), so a ``config.json`` written by an older transformers reads t
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,333 +21,25 @@ from jax_ucp._src.models.transformer import LMConfig
 
 __all__ = ["FAMILIES", "LACKS", "Family", "canonical_config", "hf_model"]
 
-_COMMON = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "max_position_embeddings",
-    "rms_norm_eps",
-    "tie_word_embeddings",
-    "rope_parameters (rope_type default, linear or llama3, rope_theta, factor, ...)",
-    "rope_theta, rope_scaling (older config.json)",
-)
-
 
 @dataclass(frozen=True)
 class Family:
-    """One ``model_type``: its transformers class, the shipped spec and the fields it reads."""
+    """One ``model_type``: the shipped spec mapping its tensor names, the reader of its
+    ``config.json`` and transformers' defaults of the fields it reads."""
 
     model_type: str
-    architecture: str
     spec: str
-    reads: tuple[str, ...]
+    read: Callable[[Mapping], LMConfig]
     defaults: Mapping[str, Any]
+    #: fields refused when true (biases, layouts the family's spec does not map)
+    refuses: tuple[str, ...] = ()
+    #: whether ``hidden_act`` is read (only silu computed)
+    silu: bool = True
 
 
-def _family(model_type, architecture, spec, reads, **defaults) -> Family:
-    return Family(model_type, architecture, spec, tuple(reads), defaults)
+def _family(model_type, spec, read, refuses=(), silu=True, **defaults) -> Family:
+    return Family(model_type, spec, read, defaults, refuses, silu)
 
-
-_QWEN_WINDOW = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
-_QWEN_MOE = "num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob"
-_GEMMA = (
-    "hidden_activation",
-    "query_pre_attn_scalar",
-    "attn_logit_softcapping",
-    "final_logit_softcapping",
-    "sliding_window",
-    "layer_types",
-    "attention_bias",
-)
-
-#: model_type -> family: the models ``verify --against SRC --logits`` computes
-FAMILIES: dict[str, Family] = {
-    f.model_type: f
-    for f in (
-        _family(
-            "llama",
-            "LlamaForCausalLM",
-            "hf_llama",
-            (*_COMMON, "hidden_act", "attention_bias", "mlp_bias"),
-            rms_norm_eps=1e-6,
-        ),
-        _family(
-            "mistral",
-            "MistralForCausalLM",
-            "hf_llama",
-            (*_COMMON, "hidden_act", "sliding_window (every layer)"),
-            rms_norm_eps=1e-6,
-            sliding_window=4096,
-        ),
-        _family(
-            "qwen2",
-            "Qwen2ForCausalLM",
-            "hf_qwen2",
-            (*_COMMON, "hidden_act", *_QWEN_WINDOW),
-            rms_norm_eps=1e-6,
-            sliding_window=4096,
-            max_window_layers=28,
-        ),
-        _family(
-            "qwen3",
-            "Qwen3ForCausalLM",
-            "hf_qwen3",
-            (*_COMMON, "hidden_act", "attention_bias", *_QWEN_WINDOW),
-            rms_norm_eps=1e-6,
-            head_dim=128,
-            sliding_window=4096,
-            max_window_layers=28,
-        ),
-        _family(
-            "gpt2",
-            "GPT2LMHeadModel",
-            "hf_gpt2",
-            (
-                "vocab_size",
-                "n_embd",
-                "n_layer",
-                "n_head",
-                "n_inner",
-                "n_positions",
-                "layer_norm_epsilon",
-                "activation_function",
-                "tie_word_embeddings",
-                "scale_attn_weights",
-                "scale_attn_by_inverse_layer_idx",
-                "reorder_and_upcast_attn",
-            ),
-            tie_word_embeddings=True,
-        ),
-        _family(
-            "phi3",
-            "Phi3ForCausalLM",
-            "hf_phi3",
-            (*_COMMON, "hidden_act", "partial_rotary_factor", "sliding_window (every layer)"),
-            rms_norm_eps=1e-5,
-        ),
-        _family(
-            "gemma2",
-            "Gemma2ForCausalLM",
-            "hf_gemma2",
-            (*_COMMON, *_GEMMA),
-            rms_norm_eps=1e-6,
-            head_dim=256,
-            query_pre_attn_scalar=256,
-            attn_logit_softcapping=50.0,
-            final_logit_softcapping=30.0,
-            sliding_window=4096,
-            tie_word_embeddings=True,
-            hidden_activation="gelu_pytorch_tanh",
-        ),
-        _family(
-            "gemma3_text",
-            "Gemma3ForCausalLM",
-            "hf_gemma3",
-            (
-                *_COMMON,
-                *_GEMMA,
-                "rope_parameters.{full_attention,sliding_attention}",
-                "rope_local_base_freq",
-                "sliding_window_pattern",
-                "use_bidirectional_attention",
-            ),
-            rms_norm_eps=1e-6,
-            head_dim=256,
-            query_pre_attn_scalar=256,
-            sliding_window=4096,
-            tie_word_embeddings=True,
-            hidden_activation="gelu_pytorch_tanh",
-        ),
-        _family(
-            "mixtral",
-            "MixtralForCausalLM",
-            "hf_mixtral",
-            (
-                *_COMMON,
-                "hidden_act",
-                "sliding_window (every layer)",
-                "num_local_experts",
-                "num_experts_per_tok",
-            ),
-            rms_norm_eps=1e-5,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            rope_theta=1e6,
-        ),
-        _family(
-            "qwen2_moe",
-            "Qwen2MoeForCausalLM",
-            "hf_qwen2_moe",
-            (
-                *_COMMON,
-                "hidden_act",
-                *_QWEN_WINDOW,
-                "qkv_bias",
-                "shared_expert_intermediate_size",
-                _QWEN_MOE,
-                "decoder_sparse_step, mlp_only_layers",
-            ),
-            rms_norm_eps=1e-6,
-            sliding_window=4096,
-            max_window_layers=28,
-            qkv_bias=True,
-            num_experts=60,
-            num_experts_per_tok=4,
-            moe_intermediate_size=1408,
-            shared_expert_intermediate_size=5632,
-            norm_topk_prob=False,
-            decoder_sparse_step=1,
-        ),
-        _family(
-            "qwen3_moe",
-            "Qwen3MoeForCausalLM",
-            "hf_qwen3_moe",
-            (
-                *_COMMON,
-                "hidden_act, attention_bias",
-                *_QWEN_WINDOW[:2],
-                _QWEN_MOE,
-                "num_local_experts",
-            ),
-            rms_norm_eps=1e-6,
-            sliding_window=4096,
-            num_experts=128,
-            num_experts_per_tok=8,
-            moe_intermediate_size=768,
-            norm_topk_prob=False,
-            decoder_sparse_step=1,
-        ),
-        _family(
-            "llama4_text",
-            "Llama4ForCausalLM",
-            "hf_llama4_text",
-            (
-                *_COMMON,
-                "hidden_act, attention_bias, intermediate_size_mlp, use_qk_norm",
-                "num_local_experts, num_experts_per_tok, moe_layers, interleave_moe_layer_step",
-                "no_rope_layers, no_rope_layer_interval, layer_types, attention_chunk_size",
-                "attn_temperature_tuning, floor_scale, attn_scale",
-            ),
-            rms_norm_eps=1e-5,
-            head_dim=128,
-            rope_theta=5e5,
-            intermediate_size_mlp=16384,
-            num_local_experts=16,
-            num_experts_per_tok=1,
-            interleave_moe_layer_step=1,
-            no_rope_layer_interval=4,
-            attention_chunk_size=8192,
-            use_qk_norm=True,
-            attn_temperature_tuning=True,
-            floor_scale=8192,
-            attn_scale=0.1,
-        ),
-        _family(
-            "gpt_oss",
-            "GptOssForCausalLM",
-            "hf_gpt_oss",
-            (
-                *_COMMON,
-                "attention_bias, sliding_window, layer_types, num_local_experts",
-                "num_experts_per_tok, swiglu_alpha, swiglu_limit",
-            ),
-            rms_norm_eps=1e-5,
-            head_dim=64,
-            rope_theta=150000.0,
-            rope_parameters=dict(
-                rope_type="yarn",
-                factor=32.0,
-                beta_fast=32.0,
-                beta_slow=1.0,
-                truncate=False,
-                original_max_position_embeddings=4096,
-            ),
-            sliding_window=128,
-            num_local_experts=128,
-            num_experts_per_tok=4,
-            swiglu_alpha=1.702,
-            swiglu_limit=7.0,
-            attention_bias=True,
-        ),
-        _family(
-            "deepseek_v3",
-            "DeepseekV3ForCausalLM",
-            "hf_deepseek_v3",
-            (
-                *_COMMON,
-                "hidden_act, attention_bias, q_lora_rank, kv_lora_rank, qk_nope_head_dim",
-                "qk_rope_head_dim, v_head_dim, rope_interleave, rope_parameters.mscale_all_dim",
-                "n_routed_experts, num_experts_per_tok, moe_intermediate_size, n_shared_experts",
-                "first_k_dense_replace, n_group, topk_group, norm_topk_prob",
-                "routed_scaling_factor",
-            ),
-            rms_norm_eps=1e-6,
-            num_key_value_heads=128,
-            q_lora_rank=1536,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-            rope_interleave=True,
-            n_routed_experts=256,
-            num_experts_per_tok=8,
-            moe_intermediate_size=2048,
-            n_shared_experts=1,
-            first_k_dense_replace=3,
-            n_group=8,
-            topk_group=4,
-            norm_topk_prob=True,
-            routed_scaling_factor=2.5,
-        ),
-        _family(
-            "granite",
-            "GraniteForCausalLM",
-            "hf_llama",
-            (
-                *_COMMON,
-                "hidden_act",
-                "attention_bias",
-                "mlp_bias",
-                "embedding_multiplier",
-                "residual_multiplier",
-                "attention_multiplier",
-                "logits_scaling",
-            ),
-            rms_norm_eps=1e-6,
-            embedding_multiplier=1.0,
-            residual_multiplier=1.0,
-            attention_multiplier=1.0,
-            logits_scaling=1.0,
-        ),
-        _family(
-            "olmo2",
-            "Olmo2ForCausalLM",
-            "hf_olmo2",
-            (*_COMMON, "hidden_act", "attention_bias"),
-            rms_norm_eps=1e-5,
-        ),
-        _family(
-            "stablelm",
-            "StableLmForCausalLM",
-            "hf_stablelm",
-            (
-                *_COMMON,
-                "hidden_act",
-                "layer_norm_eps",
-                "partial_rotary_factor",
-                "use_qkv_bias",
-                "qk_layernorm",
-                "use_parallel_residual",
-            ),
-            layer_norm_eps=1e-5,
-            partial_rotary_factor=0.25,
-        ),
-    )
-}
 
 #: families transformers has that TransformerLM does not compute: what it lacks for each
 LACKS = {
@@ -391,7 +83,11 @@ def hf_model(config: Mapping[str, Any]) -> tuple[LMConfig, str]:
         raise RequestError(
             f"model_type {found}: {lacks}TransformerLM computes {', '.join(FAMILIES)}"
         )
-    return _reader(family.model_type)(canonical_config(config)), family.spec
+    c = canonical_config(config)
+    if family.silu:
+        _act(c, "hidden_act", _SILU)
+    _false(c, *family.refuses)
+    return family.read(c), family.spec
 
 
 # ----------------------------------------------------------------------------- value checks
@@ -424,12 +120,13 @@ def _false(c: Mapping, *fields: str) -> None:
             raise _refuse(field, c[field], "not computed by TransformerLM for this family")
 
 
-def _experts(c: Mapping, field: str) -> tuple[int, int]:
-    """(experts, top-k): the count in ``field`` and ``num_experts_per_tok``, at most as many."""
+def _experts(c: Mapping, field: str) -> dict:
+    """The LMConfig fields of the experts: the count in ``field`` and the top-k
+    ``num_experts_per_tok``, at most as many."""
     experts, top = _int(c, field), _int(c, "num_experts_per_tok")
     if top > experts:
         raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
-    return experts, top
+    return {"num_experts": experts, "moe_router_topk": top}
 
 
 def _act(c: Mapping, field: str, allowed: Mapping[str, str]) -> str:
@@ -633,38 +330,30 @@ _GELU = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "ge
 
 
 def _llama(c: Mapping) -> LMConfig:
-    _act(c, "hidden_act", _SILU)
-    _false(c, "attention_bias", "mlp_bias")
     return LMConfig(**_base(c))
 
 
 def _mistral(c: Mapping) -> LMConfig:
-    _act(c, "hidden_act", _SILU)
     return LMConfig(**_base(c), **_every_layer_window(c))
 
 
 def _qwen2(c: Mapping) -> LMConfig:
-    _act(c, "hidden_act", _SILU)
     kw = _base(c)
     return LMConfig(**kw, qkv_bias=True, **_qwen_window(c, kw["num_layers"]))
 
 
 def _qwen3(c: Mapping) -> LMConfig:
-    _act(c, "hidden_act", _SILU)
-    _false(c, "attention_bias")
     kw = _base(c)
     return LMConfig(**kw, qk_norm=True, **_qwen_window(c, kw["num_layers"]))
 
 
 def _phi3(c: Mapping) -> LMConfig:
-    _act(c, "hidden_act", _SILU)
     return LMConfig(**_base(c, partial_ok=True), **_every_layer_window(c))
 
 
 def _gemma(c: Mapping, types: list[str]) -> dict:
     """What Gemma 2 and 3 share: (1 + w) norms around attention and MLP, GeGLU, embeddings
     times sqrt(hidden), the query_pre_attn_scalar scale, soft-capping, local/global layers."""
-    _false(c, "attention_bias", "use_bidirectional_attention")
     return dict(
         norm_offset=1.0,
         sandwich_norm=True,
@@ -724,20 +413,16 @@ def _gemma3(c: Mapping) -> LMConfig:
 
 
 def _mixtral(c: Mapping) -> LMConfig:
-    _act(c, "hidden_act", _SILU)
-    experts, top = _experts(c, "num_local_experts")
-    return LMConfig(**_base(c), **_every_layer_window(c), num_experts=experts, moe_router_topk=top)
+    return LMConfig(**_base(c), **_every_layer_window(c), **_experts(c, "num_local_experts"))
 
 
 def _qwen_moe(c: Mapping, layers: int) -> dict:
     """The experts Qwen2-MoE and Qwen3-MoE share: softmax router over all experts, top-k
     (renormalised only with ``norm_topk_prob``), dense layers (``mlp_only_layers``, and those
     ``decoder_sparse_step`` skips)."""
-    experts, top = _experts(c, "num_experts")
     step, only = _int(c, "decoder_sparse_step"), set(_ints(c, "mlp_only_layers", []))
     return dict(
-        num_experts=experts,
-        moe_router_topk=top,
+        **_experts(c, "num_experts"),
         moe_ffn_hidden_size=_int(c, "moe_intermediate_size"),
         moe_norm_topk=bool(c.get("norm_topk_prob", False)),
         dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step),
@@ -745,7 +430,6 @@ def _qwen_moe(c: Mapping, layers: int) -> dict:
 
 
 def _qwen2_moe(c: Mapping) -> LMConfig:
-    _act(c, "hidden_act", _SILU)
     kw = _base(c)
     layers = kw["num_layers"]
     shared = c.get("shared_expert_intermediate_size")
@@ -766,8 +450,6 @@ def _qwen3_moe(c: Mapping) -> LMConfig:
     ``use_sliding_window``) and Qwen2-MoE's experts without the shared expert."""
     if "num_local_experts" in c:  # transformers 5 writes it (Mixtral's name), and reads it first
         c = {**c, "num_experts": c["num_local_experts"]}
-    _act(c, "hidden_act", _SILU)
-    _false(c, "attention_bias")
     kw = _base(c)
     window = _every_layer_window(c) if c.get("use_sliding_window") else {}
     return LMConfig(**kw, **window, **_qwen_moe(c, kw["num_layers"]), qk_norm=True)
@@ -779,11 +461,8 @@ def _llama4_text(c: Mapping) -> LMConfig:
     (``use_qk_norm``), NoPE layers with attention temperature tuning (``floor_scale``,
     ``attn_scale``); ``moe_layers`` weigh each token's top-k experts' input by sigmoid(router
     logit) and add a shared expert, the other layers' MLP is ``intermediate_size_mlp`` wide."""
-    _act(c, "hidden_act", _SILU)
-    _false(c, "attention_bias")
     kw = _base(c)
     layers, moe_width = kw["num_layers"], kw["ffn_hidden_size"]
-    experts, top = _experts(c, "num_local_experts")
     interval = _int(c, "no_rope_layer_interval")
     rope = _ints(c, "no_rope_layers", []) or [int((i + 1) % interval != 0) for i in range(layers)]
     if len(rope) != layers or not set(rope) <= {0, 1}:
@@ -806,8 +485,7 @@ def _llama4_text(c: Mapping) -> LMConfig:
         nope_layers=tuple(i for i, r in enumerate(rope) if not r),
         attn_temperature=tuning or None,
         qk_l2_norm=bool(c.get("use_qk_norm")),
-        num_experts=experts,
-        moe_router_topk=top,
+        **_experts(c, "num_local_experts"),
         moe_sigmoid_input=True,
         moe_ffn_hidden_size=moe_width,
         moe_shared_expert_intermediate_size=moe_width,
@@ -821,7 +499,6 @@ def _gpt2(c: Mapping) -> LMConfig:
     are refused unless at their defaults."""
     if c.get("scale_attn_weights", True) is not True:
         raise _refuse("scale_attn_weights", c["scale_attn_weights"], "only true is computed")
-    _false(c, "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn")
     act = c.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
         raise RequestError(f"config.json: activation_function {act!r} is not a GELU")
@@ -844,8 +521,6 @@ def _granite(c: Mapping) -> LMConfig:
     """Llama with Granite's four scalars: embeddings times ``embedding_multiplier``, attention
     and MLP outputs times ``residual_multiplier``, softmax scale ``attention_multiplier``,
     logits divided by ``logits_scaling``."""
-    _act(c, "hidden_act", _SILU)
-    _false(c, "attention_bias", "mlp_bias")
     return LMConfig(
         **_base(c),
         embedding_multiplier=_number("embedding_multiplier", c.get("embedding_multiplier")),
@@ -857,8 +532,6 @@ def _granite(c: Mapping) -> LMConfig:
 
 def _olmo2(c: Mapping) -> LMConfig:
     """OLMo 2: norms on the attention's and the MLP's outputs only, q/k norms over all heads."""
-    _act(c, "hidden_act", _SILU)
-    _false(c, "attention_bias")
     return LMConfig(
         **_base(c), pre_norm=False, sandwich_norm=True, qk_norm=True, qk_norm_scope="all"
     )
@@ -867,8 +540,6 @@ def _olmo2(c: Mapping) -> LMConfig:
 def _stablelm(c: Mapping) -> LMConfig:
     """StableLM: LayerNorms (with biases), partial rotary (0.25 by default), q/k/v biases when
     ``use_qkv_bias``; per-head q/k LayerNorms and the parallel residual are refused."""
-    _act(c, "hidden_act", _SILU)
-    _false(c, "qk_layernorm", "use_parallel_residual")
     kw = _base(c, partial_ok=True)
     kw.update(normalization="LayerNorm", eps=_number("layer_norm_eps", c.get("layer_norm_eps")))
     return LMConfig(**kw, qkv_bias=bool(c.get("use_qkv_bias")))
@@ -881,14 +552,12 @@ def _gpt_oss(c: Mapping) -> LMConfig:
     ``swiglu_limit``) over interleaved gate / up; yarn RoPE."""
     kw = _base(c)
     layers = kw["num_layers"]
-    experts, top = _experts(c, "num_local_experts")
     default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     return LMConfig(
         **{**kw, "bias": bool(c.get("attention_bias"))},
         **_window(c, _layer_types(c, layers, default), None),
         attention_sinks=True,
-        num_experts=experts,
-        moe_router_topk=top,
+        **_experts(c, "num_local_experts"),
         moe_bias=True,
         moe_clamped_swiglu=(
             _number("swiglu_alpha", c.get("swiglu_alpha")),
@@ -904,8 +573,6 @@ def _deepseek_v3(c: Mapping) -> LMConfig:
     ``mscale_all_dim``) squared), dense MLPs in the first ``first_k_dense_replace`` layers, then
     ``n_routed_experts`` with group-limited sigmoid routing (``n_group``, ``topk_group``, the
     score-correction bias, ``norm_topk_prob``, ``routed_scaling_factor``) and shared experts."""
-    _act(c, "hidden_act", _SILU)
-    _false(c, "attention_bias")
     heads, rope = _int(c, "num_attention_heads"), _int(c, "qk_rope_head_dim")
     if c.get("num_key_value_heads") != heads:  # transformers' MLA repeats no kv heads
         raise _refuse("num_key_value_heads", c.get("num_key_value_heads"), f"expected {heads}")
@@ -947,23 +614,192 @@ def _deepseek_v3(c: Mapping) -> LMConfig:
     )
 
 
-def _reader(model_type: str):
-    return {
-        "llama": _llama,
-        "mistral": _mistral,
-        "qwen2": _qwen2,
-        "qwen3": _qwen3,
-        "gpt2": _gpt2,
-        "phi3": _phi3,
-        "gemma2": _gemma2,
-        "gemma3_text": _gemma3,
-        "mixtral": _mixtral,
-        "qwen2_moe": _qwen2_moe,
-        "qwen3_moe": _qwen3_moe,
-        "llama4_text": _llama4_text,
-        "gpt_oss": _gpt_oss,
-        "deepseek_v3": _deepseek_v3,
-        "granite": _granite,
-        "olmo2": _olmo2,
-        "stablelm": _stablelm,
-    }[model_type]
+_BIASES = ("attention_bias", "mlp_bias")
+_GEMMA_REFUSES = ("attention_bias", "use_bidirectional_attention")
+
+# ------------------------------------------------------------------------------- the table
+#: model_type -> family: the models ``verify --against SRC --logits`` computes
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        _family("llama", "hf_llama", _llama, _BIASES, rms_norm_eps=1e-6),
+        _family("mistral", "hf_llama", _mistral, rms_norm_eps=1e-6, sliding_window=4096),
+        _family(
+            "qwen2",
+            "hf_qwen2",
+            _qwen2,
+            rms_norm_eps=1e-6,
+            sliding_window=4096,
+            max_window_layers=28,
+        ),
+        _family(
+            "qwen3",
+            "hf_qwen3",
+            _qwen3,
+            ("attention_bias",),
+            rms_norm_eps=1e-6,
+            head_dim=128,
+            sliding_window=4096,
+            max_window_layers=28,
+        ),
+        _family(
+            "gpt2",
+            "hf_gpt2",
+            _gpt2,
+            ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"),
+            silu=False,
+            tie_word_embeddings=True,
+        ),
+        _family("phi3", "hf_phi3", _phi3, rms_norm_eps=1e-5),
+        _family(
+            "gemma2",
+            "hf_gemma2",
+            _gemma2,
+            _GEMMA_REFUSES,
+            silu=False,
+            rms_norm_eps=1e-6,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            sliding_window=4096,
+            tie_word_embeddings=True,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+        _family(
+            "gemma3_text",
+            "hf_gemma3",
+            _gemma3,
+            _GEMMA_REFUSES,
+            silu=False,
+            rms_norm_eps=1e-6,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            tie_word_embeddings=True,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+        _family(
+            "mixtral",
+            "hf_mixtral",
+            _mixtral,
+            rms_norm_eps=1e-5,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_theta=1e6,
+        ),
+        _family(
+            "qwen2_moe",
+            "hf_qwen2_moe",
+            _qwen2_moe,
+            rms_norm_eps=1e-6,
+            sliding_window=4096,
+            max_window_layers=28,
+            qkv_bias=True,
+            num_experts=60,
+            num_experts_per_tok=4,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+        ),
+        _family(
+            "qwen3_moe",
+            "hf_qwen3_moe",
+            _qwen3_moe,
+            ("attention_bias",),
+            rms_norm_eps=1e-6,
+            sliding_window=4096,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+        ),
+        _family(
+            "llama4_text",
+            "hf_llama4_text",
+            _llama4_text,
+            ("attention_bias",),
+            rms_norm_eps=1e-5,
+            head_dim=128,
+            rope_theta=5e5,
+            intermediate_size_mlp=16384,
+            num_local_experts=16,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=1,
+            no_rope_layer_interval=4,
+            attention_chunk_size=8192,
+            use_qk_norm=True,
+            attn_temperature_tuning=True,
+            floor_scale=8192,
+            attn_scale=0.1,
+        ),
+        _family(
+            "gpt_oss",
+            "hf_gpt_oss",
+            _gpt_oss,
+            silu=False,
+            rms_norm_eps=1e-5,
+            head_dim=64,
+            rope_theta=150000.0,
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=32.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=4096,
+            ),
+            sliding_window=128,
+            num_local_experts=128,
+            num_experts_per_tok=4,
+            swiglu_alpha=1.702,
+            swiglu_limit=7.0,
+            attention_bias=True,
+        ),
+        _family(
+            "deepseek_v3",
+            "hf_deepseek_v3",
+            _deepseek_v3,
+            ("attention_bias",),
+            rms_norm_eps=1e-6,
+            num_key_value_heads=128,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            rope_interleave=True,
+            n_routed_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=2048,
+            n_shared_experts=1,
+            first_k_dense_replace=3,
+            n_group=8,
+            topk_group=4,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        ),
+        _family(
+            "granite",
+            "hf_llama",
+            _granite,
+            _BIASES,
+            rms_norm_eps=1e-6,
+            embedding_multiplier=1.0,
+            residual_multiplier=1.0,
+            attention_multiplier=1.0,
+            logits_scaling=1.0,
+        ),
+        _family("olmo2", "hf_olmo2", _olmo2, ("attention_bias",), rms_norm_eps=1e-5),
+        _family(
+            "stablelm",
+            "hf_stablelm",
+            _stablelm,
+            ("qk_layernorm", "use_parallel_residual"),
+            layer_norm_eps=1e-5,
+            partial_rotary_factor=0.25,
+        ),
+    )
+}

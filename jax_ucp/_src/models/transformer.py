@@ -127,53 +127,19 @@ class LMConfig:
 
     def parameter_count(self) -> int:
         """How many elements ``TransformerLM(self)`` holds (what a checkpoint of the model
-        holds at least), computed without building it."""
-        h, hd, heads, groups = (
-            self.hidden_size,
-            self.head_dim,
-            self.num_attention_heads,
-            self.groups,
+        holds at least): the module's own shapes (``jax.eval_shape``, nothing allocated) of a
+        model with one dense layer and, with experts, one MoE layer, each counted as often as
+        this config has layers of its kind."""
+        small = dataclasses.replace(
+            self, num_layers=2 if self.num_experts else 1, dense_layers=(0,)
         )
-        norm = h * (2 if self.normalization == "LayerNorm" else 1)
-        glu = 2 if self.gated else 1
-
-        def mlp(width: int, bias: bool) -> int:
-            return h * width * glu + width * h + ((width * glu + h) if bias else 0)
-
-        qkv = (heads + 2 * groups) * hd
-        attn = h * qkv + heads * hd * h
-        attn += qkv if (self.bias or self.qkv_bias) else 0
-        attn += h if self.bias else 0
-        attn += heads if self.attention_sinks else 0
-        if self.mla:
-            q_rank, kv_rank, nope, rope, v = self.mla
-            q = (
-                q_rank * (h + 1) + q_rank * heads * (nope + rope)
-                if q_rank
-                else h * heads * (nope + rope)
-            )
-            attn = q + h * (kv_rank + rope) + kv_rank * (1 + heads * (nope + v)) + heads * v * h
-        if self.qk_norm:
-            attn += 2 * hd if self.qk_norm_scope == "head" else (heads + groups) * hd
-        norms = (2 if self.pre_norm else 0) + (2 if self.sandwich_norm else 0)
-        total = self.vocab_size * h * (1 if self.tied else 2) + norm
-        if self.position == "learned_absolute":
-            total += self.max_position_embeddings * h
-        dense = set(self.dense_layers)  # a set: a config may list 2**20 layers
-        for layer in range(self.num_layers):
-            total += attn + norm * norms
-            if not self.num_experts or layer in dense:
-                total += mlp(self.ffn_hidden_size, self.bias)
-                continue
-            experts = self.num_experts or 0
-            width = self.moe_ffn_hidden_size or self.ffn_hidden_size
-            total += h * experts + experts * (h * width * glu + width * h)
-            total += (experts + experts * (width * glu + h)) if self.moe_bias else 0
-            total += experts if self.moe_groups else 0
-            if self.moe_shared_expert_intermediate_size:
-                total += mlp(self.moe_shared_expert_intermediate_size, False)
-                total += h if self.moe_shared_expert_gate else 0
-        return total
+        tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+        tree = jax.eval_shape(TransformerLM(small).init, jax.random.key(0), tokens)["params"]
+        sizes = {k: sum(math.prod(x.shape) for x in jax.tree.leaves(v)) for k, v in tree.items()}
+        dense = len({i for i in self.dense_layers if 0 <= i < self.num_layers})
+        dense = dense if self.num_experts else self.num_layers
+        dense_size, moe_size = sizes.pop("layers_0"), sizes.pop("layers_1", 0)
+        return sum(sizes.values()) + dense_size * dense + moe_size * (self.num_layers - dense)
 
     @classmethod
     def from_hf_llama(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
