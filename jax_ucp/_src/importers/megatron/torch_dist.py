@@ -1,5 +1,6 @@
-"""Planning the import of a megatron-core ``torch_dist`` checkpoint: the model tensors read whole
-(vocab padding stripped) and the optimizer state in whichever layout it was saved."""
+"""Planning the import of a megatron-core ``torch_dist`` (or ``fsdp_dtensor``) checkpoint: the
+model tensors read whole (vocab padding stripped), the optimizer state in whichever layout it was
+saved."""
 
 from __future__ import annotations
 
