@@ -290,15 +290,16 @@ def _layers(c: Mapping) -> int:
     return layers
 
 
-def _base(c: Mapping, partial_ok: bool = False) -> dict:
-    """The fields every RoPE / RMSNorm / GLU family shares."""
+def _base(c: Mapping, partial_ok: bool = False, rope: tuple | None = None) -> dict:
+    """The fields every RoPE / RMSNorm / GLU family shares (``rope``: the RoPE set read
+    already, else the config's one)."""
     hidden, heads = _int(c, "hidden_size"), _int(c, "num_attention_heads")
     groups = c.get("num_key_value_heads") or heads
     head_dim = c.get("head_dim")
     head_dim = _int(c, "head_dim") if head_dim is not None else hidden // heads
     if _int(c, "num_key_value_heads", groups) and heads % groups:
         raise _refuse("num_key_value_heads", groups, f"does not divide {heads} heads")
-    base, factor, partial, scaling = _rope(c, partial_ok)
+    base, factor, partial, scaling = rope or _rope(c, partial_ok)
     if int(head_dim * partial) % 2:
         raise _refuse("partial_rotary_factor", partial, f"gives an odd rotary dim of {head_dim}")
     return dict(
@@ -385,13 +386,11 @@ def _gemma3(c: Mapping) -> LMConfig:
                 dict(params),
                 "Gemma 3 keys it by layer type (full_attention, sliding_attention)",
             )
-        plain = {k: v for k, v in c.items() if k != "rope_parameters"}
         glob = _rope_one(params.get("full_attention"), "rope_parameters.full_attention", 1e6, False)
         local = _rope_one(
             params.get("sliding_attention"), "rope_parameters.sliding_attention", 1e4, False
         )
-        kw = _base({**plain, "rope_parameters": {"rope_type": "default", "rope_theta": glob[0]}})
-        kw.update(rotary_scaling_factor=glob[1], **glob[3])
+        kw = _base(c, rope=glob)
         if local[3]:
             kind = params["sliding_attention"].get("rope_type")
             raise _refuse("rope_parameters.sliding_attention.rope_type", kind, "not computed")
