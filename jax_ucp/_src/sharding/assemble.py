@@ -42,10 +42,6 @@ def _reads_regions(source) -> TypeGuard[RegionReader]:
     return all(hasattr(source, m) for m in ("read_into", "shape", "dtype"))
 
 
-def _index_key(index: tuple, shape: Sequence[int]) -> tuple:
-    return tuple(s.indices(n) for s, n in zip(index, shape))
-
-
 class PendingArray:
     """Reads issued for one tensor; ``result()`` waits for them and builds the array."""
 
@@ -76,7 +72,7 @@ class PendingArray:
             return
         for device, index in sharding.addressable_devices_indices_map(self.shape).items():
             assert index is not None  # an addressable device always holds an index
-            key = _index_key(index, self.shape)
+            key = tuple(s.indices(n) for s, n in zip(index, self.shape))  # (start, stop, step)s
             self._slices.setdefault(key, index)  # devices holding the same slice share one read
             self._device_index.append((device, key))
         if self._reader is None:
