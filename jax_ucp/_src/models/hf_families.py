@@ -3,8 +3,8 @@ names (the only copy of that mapping: ``jax_ucp/_src/language/specs/hf_*.toml``)
 ``config.json`` becomes an ``LMConfig``.
 
 Each family in :data:`FAMILIES` has a reader of its config fields; a value of one of them the
-model does not compute (a RoPE type other than default, linear or llama3, biases where the family has
-none, bidirectional attention, an activation other than the family's) is a ``RequestError``
+model does not compute (a RoPE type other than default, linear, llama3 or yarn, biases where the
+family has none, bidirectional attention, an activation other than the family's) is a ``RequestError``
 naming the field, never computed differently. Missing fields take transformers' defaults for
 the family (5.24), so a ``config.json`` written by an older transformers reads the same.
 """
