@@ -260,8 +260,8 @@ class CheckpointSource(TensorSource):
         entry = found.sources[0]
         kv = self.storage.kvstore(entry.dir)
         if found.stored and kv.get("driver") == "file":
-            layout = _shard_layout(self._checked(entry.key))
-            if layout is not None:
+            layout = self._checked(entry.key)
+            if shard_file.readable(layout):  # else TensorStore reads it
                 return shard_reader.ShardReader(
                     kv["path"],
                     layout,
@@ -293,11 +293,6 @@ class CheckpointSource(TensorSource):
     def unit_rows(self, found: Available) -> int:
         """The stored array is split on its inner chunks."""
         return max(1, int(found.sources[0].inner_chunk_shape[0])) if found.stored else 1
-
-
-def _shard_layout(layout: store.ArrayLayout) -> store.ArrayLayout | None:
-    """``layout`` when ``store.shard_reader`` reads it (``shard_file.readable``), else None."""
-    return layout if shard_file.readable(layout) else None
 
 
 class _Fetch:
