@@ -22,10 +22,10 @@ stall, as without a budget (they are mutable).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import math
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +35,7 @@ import numpy as np
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import CheckpointError, RequestError
 from jax_ucp._src.format.sizes import format_size
-from jax_ucp._src.writer import PipelinedWriter, PreparedTensor
+from jax_ucp._src.writer import PipelinedWriter, PreparedTensor, shards
 
 
 def on_cpu(data: jax.Array) -> bool:
@@ -160,16 +160,16 @@ def _write_nbytes(p: PreparedTensor, index: tuple) -> int:
     return int(n) * fmt.to_numpy_dtype(p.layout.dtype).itemsize
 
 
-def _groups(p: PreparedTensor, budget: int | None):
+def _groups(p: PreparedTensor, budget: int):
     """``p``'s writes in consecutive groups of at most ``budget`` bytes (a write larger than it
-    alone; None: one group) -> [(writes, bytes)]; one empty group when this process writes none
-    (the primary still creates the array)."""
+    alone) -> [(writes, bytes)]; one empty group when this process writes none (the primary
+    still creates the array)."""
     groups: list[tuple[list, int]] = []
     current: list = []
     size = 0
     for index, data in p.writes:
         n = _write_nbytes(p, index)
-        if current and budget is not None and size + n > budget:
+        if current and size + n > budget:
             groups.append((current, size))
             current, size = [], 0
         current.append((index, data))
@@ -196,23 +196,37 @@ async def write_all(
     sync: bool = True,
     max_in_flight: int = 64,
 ) -> dict[str, dict[str, str]]:
-    """All of this process's shards of a jax save, in save order through one
-    ``writer.PipelinedWriter`` window, with at most ``budget`` bytes of shards in flight (the
-    module's docstring says how). Returns {tensor dir: {shard key: digest}} for the shards this
-    process wrote. Waits for every write even after one fails, so cleanup never races a write
-    in flight.
+    """All of this process's shards of a jax save; with a ``budget``, in save order through one
+    ``writer.PipelinedWriter`` window of at most that many bytes of shards (the module's
+    docstring says how). Returns {tensor dir: {shard key: digest}} for the shards this process
+    wrote. Waits for every write even after one fails, so cleanup never races a write in flight.
 
     Args:
         root: the checkpoint directory.
         prepared: the tensors, laid out (with a budget: writes from ``BudgetedShards``).
         primary: this process creates the arrays.
-        budget: bytes of shard data in flight (None: unbounded, ``max_in_flight`` tensors).
+        budget: bytes of shard data in flight (None: unbounded; any ``max_in_flight`` tensors at
+          once, a slow one holding up none of the others).
         sync: fsync each file (False: the caller makes the directory durable).
         max_in_flight: write batches at once.
     """
-    window = budget or sys.maxsize
+    if budget is None:
+        sem = asyncio.Semaphore(max_in_flight)
+
+        async def one(p):
+            async with sem:
+                return await shards.write_tensor(root, p, primary=primary, sync=sync)
+
+        results = await asyncio.gather(*(one(p) for p in prepared), return_exceptions=True)
+        digests = {}
+        for p, r in zip(prepared, results):
+            if isinstance(r, BaseException):
+                raise r
+            if r is not None:
+                digests[p.entry.dir] = r
+        return digests
     async with PipelinedWriter(
-        root, max_bytes=window, max_tensors=max_in_flight, sync=sync
+        root, max_bytes=budget, max_tensors=max_in_flight, sync=sync
     ) as writer:
         for p in prepared:
             for i, (writes, nbytes) in enumerate(_groups(p, budget)):
