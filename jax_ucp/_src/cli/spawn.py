@@ -88,9 +88,9 @@ def spawn_local(n: int, dst: str) -> None:
 
 def _remove_abandoned(dst: str) -> None:
     """What killed processes left beside ``dst``."""
-    from jax_ucp._src import writer
+    from jax_ucp._src import store
 
-    writer.remove_abandoned(dst)
+    store.storage_for(dst).remove_abandoned()
 
 
 def child_argv(argv: list[str]) -> list[str]:

@@ -259,8 +259,9 @@ def prepare_tree(
         names = axis_names.of(key, boxed_names, getattr(leaf, "shape", ()), leaf)
         tagged = dict(role=role, sub_role=sub_role, logical_axes=names, key_impl=key_impls.get(key))
         if isinstance(leaf, jax.Array):
-            if bounded is not None:
-                writes = _bounded_writes(fmt.key_to_str(key), leaf, primary, bounded)
+            if bounded is not None:  # copied or referenced by ``bounded``
+                name = fmt.key_to_str(key)
+                writes = [(i, bounded.add(name, i, d)) for i, d in shards_to_write(leaf, primary)]
             else:
                 writes = _device_writes(leaf, primary=primary, copy=copy, snapshots=snapshots)
             p = _prepare_device_array(key, key_types, leaf, options, writes, copy, tagged)
@@ -365,11 +366,6 @@ def _device_writes(leaf: jax.Array, *, primary: bool, copy: bool, snapshots: _Sn
         (index, snapshots.add(data) if (copy and budget_lib.on_cpu(data)) else np.asarray(data))
         for index, data in shards_to_write(leaf, primary)
     ]
-
-
-def _bounded_writes(name: str, leaf: jax.Array, primary: bool, bounded):
-    """``_device_writes`` within a memory budget: copied or referenced by ``bounded``."""
-    return [(i, bounded.add(name, i, data)) for i, data in shards_to_write(leaf, primary)]
 
 
 def _prepare_device_array(key, key_types, leaf: jax.Array, options, writes, copy, tagged):

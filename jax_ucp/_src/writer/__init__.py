@@ -7,7 +7,6 @@ write through it; it knows nothing of Orbax, JAX or torch.
 
 from jax_ucp._src.store.host_memory import one_malloc_arena
 from jax_ucp._src.writer.checkpoint import (
-    remove_abandoned,
     write_host_checkpoint,
     write_shared_checkpoint,
 )

@@ -16,7 +16,6 @@ import pathlib
 from collections.abc import Iterable, Mapping
 
 from jax_ucp._src import format as fmt
-from jax_ucp._src import store
 from jax_ucp._src.multihost import commit as multihost_commit
 from jax_ucp._src.multihost.agreement import Gather, MultiProcessError
 from jax_ucp._src.store.storage import local
@@ -150,13 +149,6 @@ def _merge_parts(tmp: str, digests: list[str], source: Mapping | None) -> None:
     entries = [entry for round_ in rounds for group in round_ for entry in group]
     manifest = fmt.new_manifest(entries, source=source)
     pathlib.Path(tmp, fmt.MANIFEST_FILE).write_text(manifest.dumps())
-
-
-def remove_abandoned(dest) -> list[str]:
-    """What writers of ``dest`` that were killed left beside it: an interrupted swap finished,
-    temporary directories whose writer (on this host) is gone removed. Nothing while another
-    save of ``dest`` holds its lock, nothing in an object store. Returns the names removed."""
-    return store.storage_for(os.fspath(dest)).remove_abandoned()
 
 
 def run_coroutine(coro) -> None:

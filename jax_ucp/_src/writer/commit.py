@@ -42,16 +42,60 @@ class Replace:
     what: str = "it"
 
     def directory(self, path: str) -> bool:
-        return claim(path, force=self.force, export=self.export, what=self.what)
+        """``check_replaceable``, then an empty directory at ``path`` removed so the new one can
+        take its place (``rmdir``: it removes nothing that appeared meanwhile). True when a
+        committed directory is to be replaced (swapped out at the commit)."""
+        replacing = check_replaceable(path, force=self.force, export=self.export, what=self.what)
+        if not replacing and os.path.isdir(path):
+            try:
+                os.rmdir(path)
+                log.info("removed the empty directory %s to save there", path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise SaveConflictError(
+                    f"{path}: was an empty directory and is not anymore ({e.strerror}); nothing "
+                    f"was changed."
+                ) from None
+        return replacing
 
     def prefix(self, url: str) -> None:
-        claim_object_store_prefix(url, force=self.force)
+        """Before a save to the prefix ``url`` (lock held): refuses a committed checkpoint
+        there (an object store cannot replace one) and anything a killed jax_ucp save of this
+        prefix cannot have left, naming it; deletes such a save's leftovers (its arrays'
+        objects and digest reports, nothing else)."""
+        # a local save never loads it
+        from jax_ucp._src.store.storage.object_store import LOCK_OBJECT
+
+        prefix = store.storage_for(url)
+        names = [n for n in prefix.names() if n != LOCK_OBJECT]
+        if fmt.MANIFEST_FILE in names:
+            if self.force:
+                raise RequestError(
+                    f"{url}: replacing a committed checkpoint in an object store is not supported "
+                    f"(no atomic rename: the old one would be deleted before the new one is "
+                    f"whole). Save to a new prefix, e.g. the next step, and delete the old one "
+                    f"after."
+                )
+            raise FileExistsError(
+                f"{url} already exists (a committed checkpoint): an object store cannot replace "
+                f"one in place. Save to a new prefix (e.g. the next step)."
+            )
+        foreign = [n for n in names if not _LEFTOVER.fullmatch(n)]
+        if foreign:
+            raise SaveConflictError(
+                f"{url}: holds objects that no jax_ucp save of this prefix wrote "
+                f"({_listed(foreign)}); refusing to save here even with force=True (nothing was "
+                f"deleted). Choose a new prefix."
+            )
+        if names:
+            log.info("deleting %d objects a killed save of %s left there", len(names), url)
+        prefix.delete(names)
 
     def failed(self, url: str) -> None:
         remove_object_store_leftovers(url)
 
 
-@contextlib.contextmanager
 def transaction(
     dest,
     *,
@@ -77,15 +121,13 @@ def transaction(
             itself (Orbax), which writes ``dest`` or ``dest + REPLACING``.
         inner: staged only: the writer puts the checkpoint in ``tx.path/inner``.
 
-    Yields:
-        The ``Transaction``. On any error in the block (or in the commit) what the writer wrote
+    Returns:
+        The ``Transaction``'s context. On any error in the block (or in the commit) what the writer wrote
         is removed (logged on the ``jax_ucp`` logger) and ``dest`` is as it was. Errors on
         entry (``SaveConflictError``, ``FileExistsError``) change nothing.
     """
     storage = store.storage_for(os.fspath(dest).rstrip("/"))
-    policy = Replace(force, export, what)
-    with storage.transaction(policy, kind=kind, staged=staged, inner=inner) as tx:
-        yield tx
+    return storage.transaction(Replace(force, export, what), kind=kind, staged=staged, inner=inner)
 
 
 # Orbax's own files in what it commits (``orbax.checkpoint``: the v1 API's empty marker)
@@ -99,7 +141,7 @@ def check_replaceable(
     path: str, *, force: bool = True, export: bool = False, what: str = "it", content: bool = True
 ) -> bool:
     """Whether writing ``path`` replaces something (True) or creates it (False: ``path`` is
-    absent, or an empty directory, which holds nothing to lose; ``claim`` removes it).
+    absent, or an empty directory, which holds nothing to lose; ``Replace.directory`` removes it).
 
     ``force`` replaces only what jax_ucp wrote: a checkpoint directory (``ucp.json`` and only
     what the format and Orbax put beside it) or an Orbax step directory of such items; with
@@ -150,34 +192,6 @@ def check_replaceable(
             f"until the new one is committed)."
         )
     return True
-
-
-def claim(path: str, *, force: bool, export: bool = False, what: str = "it") -> bool:
-    """``check_replaceable``, then an empty directory at ``path`` removed so the new one can
-    take its place (``rmdir``: it removes nothing that appeared meanwhile).
-
-    Args:
-        path: the destination.
-        force: whether replacing is allowed.
-        export: ``path`` is an export's destination.
-        what: how the ``FileExistsError`` names ``path``.
-
-    Returns:
-        True when a committed directory is to be replaced (swapped out at the commit).
-    """
-    replacing = check_replaceable(path, force=force, export=export, what=what)
-    if not replacing and os.path.isdir(path):
-        try:
-            os.rmdir(path)
-            log.info("removed the empty directory %s to save there", path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise SaveConflictError(
-                f"{path}: was an empty directory and is not anymore ({e.strerror}); nothing was "
-                f"changed."
-            ) from None
-    return replacing
 
 
 def checkpoint_problems(path: str) -> list[str]:
@@ -418,37 +432,6 @@ def _shown(parent: str, name: str) -> str:
 _LEFTOVER = re.compile(
     r"arrays/(?!\.\.?/)[A-Za-z0-9_%~.\-]+/(zarr\.json|c(/[0-9]+)*)|ucp\.digests\.[0-9]+\.json"
 )
-
-
-def claim_object_store_prefix(url: str, *, force: bool) -> None:
-    """Before a save to the prefix ``url`` (lock held): refuses a committed checkpoint there
-    (an object store cannot replace one) and anything a killed jax_ucp save of this prefix
-    cannot have left, naming it; deletes such a save's leftovers (its arrays' objects and
-    digest reports, nothing else)."""
-    from jax_ucp._src.store.storage.object_store import LOCK_OBJECT  # a local save never loads it
-
-    prefix = store.storage_for(url)
-    names = [n for n in prefix.names() if n != LOCK_OBJECT]
-    if fmt.MANIFEST_FILE in names:
-        if force:
-            raise RequestError(
-                f"{url}: replacing a committed checkpoint in an object store is not supported (no "
-                f"atomic rename: the old one would be deleted before the new one is whole). Save "
-                f"to a new prefix, e.g. the next step, and delete the old one after."
-            )
-        raise FileExistsError(
-            f"{url} already exists (a committed checkpoint): an object store cannot replace one "
-            f"in place. Save to a new prefix (e.g. the next step)."
-        )
-    foreign = [n for n in names if not _LEFTOVER.fullmatch(n)]
-    if foreign:
-        raise SaveConflictError(
-            f"{url}: holds objects that no jax_ucp save of this prefix wrote ({_listed(foreign)}); refusing "
-            f"to save here even with force=True (nothing was deleted). Choose a new prefix."
-        )
-    if names:
-        log.info("deleting %d objects a killed save of %s left there", len(names), url)
-    prefix.delete(names)
 
 
 def remove_object_store_leftovers(url: str) -> None:

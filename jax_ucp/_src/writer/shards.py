@@ -108,13 +108,9 @@ def _shard_keys(index, layout) -> list[str]:
 async def _landed(writes: list[tuple[tuple, Any]]) -> list[tuple[tuple, Any]]:
     """``writes`` with every zero-argument producer replaced by its data, produced in threads."""
     produced = await asyncio.gather(
-        *(asyncio.to_thread(data) if callable(data) else _given(data) for _, data in writes)
+        *(asyncio.to_thread(d) if callable(d) else asyncio.sleep(0, d) for _, d in writes)
     )
     return [(index, data) for (index, _), data in zip(writes, produced)]
-
-
-async def _given(data):
-    return data
 
 
 def _issue_writes(
