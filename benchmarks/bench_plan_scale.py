@@ -71,7 +71,7 @@ from jax_ucp._src.sharding import mesh_layout  # noqa: E402
 from jax_ucp._src.sharding.mesh_layout import axes_of  # noqa: E402
 from jax_ucp._src.store.shard_reader import ShardReader  # noqa: E402
 from jax_ucp._src.writer import checkpoint as writer_checkpoint  # noqa: E402
-from jax_ucp._src.writer.layout import ArrayOptions, array_layout, tensor_entry  # noqa: E402
+from jax_ucp._src.writer.layout import ArrayOptions, array_layout, tensor_entry, value_entry  # noqa: E402
 
 NAME = "llama3_70b_adamw_manifest_only_synthetic"
 
@@ -190,7 +190,7 @@ def build(
         )
     )
     layouts[count] = count_layout
-    entries.append(fmt.ValueEntry.of(("step",), ("key",), 0))
+    entries.append(value_entry(("step",), ("key",), 0))
     manifest = fmt.new_manifest(
         entries,
         source={"framework": "jax", "synthetic": "manifest only, no array data (issue 41)"},

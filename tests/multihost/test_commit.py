@@ -123,15 +123,15 @@ pid, n, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n,
                            process_id=pid, initialization_timeout=120)
 import jax_ucp
-from jax_ucp._src.writer import shards
+from jax_ucp._src.saving import plan as save_plan
 mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
 W = np.arange(128 * 96, dtype=np.float32).reshape(128, 96)
 w = jax.make_array_from_callback(W.shape, NamedSharding(mesh, P("data", "model")), lambda i: W[i])
-write_tensor = shards.write_tensor
+write_tensor = save_plan.write_tensor
 async def failing(*args, **kwargs):
     raise OSError("disk full on process 1")
 if pid == 1:
-    shards.write_tensor = failing
+    save_plan.write_tensor = failing
 try:
     jax_ucp.save(path, {"w": w, "step": 5}, force=True)
 except Exception as e:
@@ -140,7 +140,7 @@ if pid == 0:  # its transaction is over: the old checkpoint, nothing beside it
     import os
     names = [e.name for e in jax_ucp.inspect(path).tensors]
     print("AFTER", names, sorted(os.listdir(os.path.dirname(path))), flush=True)
-shards.write_tensor = write_tensor
+save_plan.write_tensor = write_tensor
 jax_ucp.save(path, {"w": w, "step": 6}, force=True)
 print("SAVED", pid, flush=True)
 """

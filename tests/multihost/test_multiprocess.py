@@ -32,12 +32,12 @@ if mode == "save":
                      "c": make(W.T.copy(), P(None, "data"))}, "step": 11,
           # process-local (each host has its own copy on its first device): written once
           "count": jax.device_put(np.int32(11), jax.local_devices()[0])}
-  from jax_ucp._src.writer import shards
-  written, write_tensor = [], shards.write_tensor
+  from jax_ucp._src.saving import plan as save_plan
+  written, write_tensor = [], save_plan.write_tensor
   async def recording_write_tensor(root, p, **kw):  # observe what this process writes
     written.extend((p.entry.name, [[s.start, s.stop] for s in idx]) for idx, _ in p.writes)
     return await write_tensor(root, p, **kw)
-  shards.write_tensor = recording_write_tensor
+  save_plan.write_tensor = recording_write_tensor
   with ocp.Checkpointer(jax_ucp.UCPCheckpointHandler()) as ck:
     ck.save(path, args=jax_ucp.UCPSave(tree))
   print("WRITTEN " + json.dumps(written))

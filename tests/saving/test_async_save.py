@@ -20,7 +20,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ucp
-from jax_ucp._src.saving import budget as save_budget
 from jax_ucp._src.saving import plan as save_plan
 from tests.ucp_testing import assert_bit_exact, mesh
 
@@ -130,13 +129,13 @@ def test_a_save_still_writing_keeps_its_copies_from_the_next_save(tmp_path, rele
     assert handler.copy_pool.ready(timeout=120)
 
     gate = threading.Event()
-    write_all = save_budget.write_all
+    write_all = save_plan.write_all
 
     async def gated(*args, **kwargs):  # save 1 holds its copies until the gate opens
         await asyncio.to_thread(gate.wait, 120)
         return await write_all(*args, **kwargs)
 
-    monkeypatch.setattr(save_budget, "write_all", gated)
+    monkeypatch.setattr(save_plan, "write_all", gated)
     path1, futures1, stats1 = save(1, hosts[1])
     path2, futures2, stats2 = save(2, hosts[2])  # save 1 is still writing
     gate.set()

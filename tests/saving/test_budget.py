@@ -17,9 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ucp
-from jax_ucp._src import store
 from jax_ucp._src.saving import budget as budget_lib
-from jax_ucp._src.writer import shards
 from jax_ucp.errors import RequestError
 from tests.ucp_testing import RSS_SAMPLER, assert_bit_exact, mesh, run_python, run_workers
 
@@ -51,13 +49,13 @@ def gate(monkeypatch):
     the test's donation or delete surely comes before the commit reads a shard."""
     event = threading.Event()
     event.set()
-    write_tensor = shards.write_tensor
+    write_tensor = budget_lib.write_tensor
 
     async def gated(*a, **kw):
         await asyncio.to_thread(event.wait, 60)
         return await write_tensor(*a, **kw)
 
-    monkeypatch.setattr(shards, "write_tensor", gated)
+    monkeypatch.setattr(budget_lib, "write_tensor", gated)
     return event
 
 
@@ -76,13 +74,13 @@ def test_async_manager_save_within_a_tiny_budget_restores_bit_exact(tmp_path, mo
 
     monkeypatch.setattr(budget_lib.BudgetedShards, "__init__", spy)
     in_flight: list[int] = []
-    make_room = store.InFlightBytes.make_room
+    make_room = budget_lib.store.InFlightBytes.make_room
 
     def watch(self, nbytes):
         in_flight.append(self.bytes)
         yield from make_room(self, nbytes)
 
-    monkeypatch.setattr(store.InFlightBytes, "make_room", watch)
+    monkeypatch.setattr(budget_lib.store.InFlightBytes, "make_room", watch)
     overwrite = jax.jit(lambda t: jax.tree.map(lambda a: a * 0 + 7, t), donate_argnums=0)
     hosts = [_host(seed) for seed in range(2)]
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)

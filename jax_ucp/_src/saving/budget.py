@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -33,9 +32,10 @@ import jax
 import numpy as np
 
 from jax_ucp._src import format as fmt
+from jax_ucp._src import store
 from jax_ucp._src.errors import CheckpointError, RequestError
 from jax_ucp._src.format.sizes import format_size
-from jax_ucp._src.writer import PipelinedWriter, PreparedTensor, shards
+from jax_ucp._src.writer import PreparedTensor, write_tensor
 
 
 def on_cpu(data: jax.Array) -> bool:
@@ -187,51 +187,60 @@ def _release(writes: list) -> None:
     writes.clear()
 
 
-async def write_all(
+async def write_within_budget(
     root,
     prepared: Sequence[PreparedTensor],
     *,
     primary: bool,
-    budget: int | None = None,
+    budget: int,
     sync: bool = True,
     max_in_flight: int = 64,
 ) -> dict[str, dict[str, str]]:
-    """All of this process's shards of a jax save; with a ``budget``, in save order through one
-    ``writer.PipelinedWriter`` window of at most that many bytes of shards (the module's
-    docstring says how). Returns {tensor dir: {shard key: digest}} for the shards this process
-    wrote. Waits for every write even after one fails, so cleanup never races a write in flight.
+    """``plan.write_all`` with at most ``budget`` bytes of shards in flight, in save order (the
+    module's docstring says how); returns {tensor dir: {shard key: digest}} as ``write_all``.
 
     Args:
         root: the checkpoint directory.
-        prepared: the tensors, laid out (with a budget: writes from ``BudgetedShards``).
+        prepared: the tensors, laid out (writes from ``BudgetedShards``).
         primary: this process creates the arrays.
-        budget: bytes of shard data in flight (None: unbounded; any ``max_in_flight`` tensors at
-          once, a slow one holding up none of the others).
+        budget: bytes of shard data in flight.
         sync: fsync each file (False: the caller makes the directory durable).
         max_in_flight: write batches at once.
     """
-    if budget is None:
-        sem = asyncio.Semaphore(max_in_flight)
+    window: store.InFlightBytes[tuple[asyncio.Future, str, list]] = store.InFlightBytes(
+        budget, max_items=max_in_flight
+    )
+    digests: dict[str, dict[str, str]] = {}
+    partial: set[str] = set()  # a tensor with a batch that had no digests has none
 
-        async def one(p):
-            async with sem:
-                return await shards.write_tensor(root, p, primary=primary, sync=sync)
+    async def finish(item) -> None:
+        task, array_dir, writes = item
+        try:
+            result = await task
+        finally:
+            _release(writes)
+        if result is None:
+            partial.add(array_dir)
+        else:
+            digests.setdefault(array_dir, {}).update(result)
 
-        results = await asyncio.gather(*(one(p) for p in prepared), return_exceptions=True)
-        digests = {}
-        for p, r in zip(prepared, results):
-            if isinstance(r, BaseException):
-                raise r
-            if r is not None:
-                digests[p.entry.dir] = r
-        return digests
-    async with PipelinedWriter(
-        root, max_bytes=budget, max_tensors=max_in_flight, sync=sync
-    ) as writer:
+    try:
         for p in prepared:
             for i, (writes, nbytes) in enumerate(_groups(p, budget)):
+                for old in window.make_room(nbytes):
+                    await finish(old)
                 part = dataclasses.replace(p, writes=writes)
-                done = functools.partial(_release, writes)
-                await writer.add(part, nbytes, primary=primary and i == 0, done=done)
+                task = asyncio.ensure_future(
+                    write_tensor(root, part, primary=primary and i == 0, sync=sync)
+                )
+                window.add((task, p.entry.dir, writes), nbytes)
                 del part
-    return writer.digests
+        for old in window.drain():
+            await finish(old)
+    except BaseException:  # every write settles before the caller cleans up
+        rest = list(window.drain())
+        await asyncio.gather(*(t for t, _, _ in rest), return_exceptions=True)
+        for _, _, writes in rest:
+            _release(writes)
+        raise
+    return {d: v for d, v in digests.items() if d not in partial}

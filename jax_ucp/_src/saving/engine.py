@@ -19,7 +19,6 @@ from jax_ucp._src import store, writer
 from jax_ucp._src import tree as tree_lib
 from jax_ucp._src.multihost import agreement
 from jax_ucp._src.multihost import commit as multihost_commit
-from jax_ucp._src.saving import budget as save_budget
 from jax_ucp._src.saving import plan as save_plan
 from jax_ucp._src.saving.options import SaveArgs
 from jax_ucp._src.store import shard_file
@@ -107,7 +106,7 @@ async def write(save: PreparedSave, written: Callable[[], None] | None = None) -
     # No fsync per file (each costs a disk round trip: thousands of small tensors spent most
     # of a save there); one syncfs makes this process's files durable before the commit.
     try:
-        digests = await save_budget.write_all(
+        digests = await save_plan.write_all(
             directory, save.tensors, primary=save.primary, sync=False, budget=save.budget
         )
     finally:  # every write has settled: the next save may write over these copies

@@ -6,7 +6,9 @@ copying this process's replica-0 shards to host memory.
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from collections.abc import Sequence
 from typing import Any, cast
 
 import jax
@@ -25,6 +27,8 @@ from jax_ucp._src.writer import (
     array_layout,
     prepare_host_tensor,
     tensor_entry,
+    value_entry,
+    write_tensor,
 )
 
 _VALUE_TYPES = (type(None), bool, int, float, str)
@@ -225,7 +229,7 @@ def prepare_tree(
       pool: where an async save's private copies come from (None: new memory).
       copies_out: receives those copies, for ``pool.release`` once they are written.
       budget: host bytes of shard copies at once (``budget.BudgetedShards``; None: unbounded,
-        every copy made here). Write with ``budget.write_all(budget=)``; ``pool`` is then unused.
+        every copy made here). Write with ``write_all(budget=)``; ``pool`` is then unused.
     """
     fmt.check_tree_depth(tree)  # what save writes, restore reads
     leaves, _ = tree_lib.flatten(tree)
@@ -254,7 +258,7 @@ def prepare_tree(
                 fmt.role_of(("opt_state", *key))[1] if kind == "opt_state" else None,
             )
         if isinstance(leaf, _VALUE_TYPES) and not isinstance(leaf, np.generic):
-            entries.append(fmt.ValueEntry.of(key, key_types, leaf, role=role, sub_role=sub_role))
+            entries.append(value_entry(key, key_types, leaf, role=role, sub_role=sub_role))
             continue
         names = axis_names.of(key, boxed_names, getattr(leaf, "shape", ()), leaf)
         tagged = dict(role=role, sub_role=sub_role, logical_axes=names, key_impl=key_impls.get(key))
@@ -382,3 +386,46 @@ def _prepare_device_array(key, key_types, leaf: jax.Array, options, writes, copy
         key, key_types, layout, saved_sharding=sharding_lib.describe(leaf.sharding), **tagged
     )
     return PreparedTensor(entry, layout, writes, stable_source=copy)  # async: private copies
+
+
+async def write_all(
+    root,
+    prepared: Sequence[PreparedTensor],
+    *,
+    primary: bool,
+    max_in_flight: int = 64,
+    sync: bool = True,
+    budget: int | None = None,
+) -> dict[str, dict[str, str]]:
+    """All of this process's shards of a jax save, many tensors at once.
+
+    Returns {tensor dir: {shard key: digest}} for the shards this process wrote. Waits for
+    every write even after one fails, so cleanup never races a write in flight.
+
+    Args:
+        root: the checkpoint directory.
+        prepared: the tensors, laid out.
+        primary: this process creates the arrays.
+        max_in_flight: tensors written at once.
+        sync: fsync each file (False: the caller makes the directory durable).
+        budget: prepared with ``prepare_tree(budget=)``: at most these bytes of shards in
+          flight, written in order (``budget.write_within_budget``).
+    """
+    if budget is not None:
+        return await budget_lib.write_within_budget(
+            root, prepared, primary=primary, budget=budget, sync=sync, max_in_flight=max_in_flight
+        )
+    sem = asyncio.Semaphore(max_in_flight)
+
+    async def one(p):
+        async with sem:
+            return await write_tensor(root, p, primary=primary, sync=sync)
+
+    results = await asyncio.gather(*(one(p) for p in prepared), return_exceptions=True)
+    digests = {}
+    for p, r in zip(prepared, results):
+        if isinstance(r, BaseException):
+            raise r
+        if r is not None:
+            digests[p.entry.dir] = r
+    return digests

@@ -16,6 +16,7 @@ from jax_ucp._src.writer.layout import (
     array_layout,
     prepare_host_tensor,
     tensor_entry,
+    value_entry,
 )
 from jax_ucp._src.writer.shards import PipelinedWriter, write_tensor
 from jax_ucp._src.writer.stream import (

@@ -126,6 +126,21 @@ def tensor_entry(
     )
 
 
+def value_entry(
+    key, key_types, value, *, role: str = "other", sub_role: str | None = None
+) -> fmt.ValueEntry:
+    """The manifest entry of a JSON scalar leaf, type-checked now (naming the leaf).
+
+    Args:
+        key: the key path.
+        key_types: each key component's container type.
+        value: the JSON scalar.
+        role: param, opt_state, ... (see the format).
+        sub_role: a finer role, if any.
+    """
+    return fmt.ValueEntry.of(key, key_types, value, role=role, sub_role=sub_role)
+
+
 def prepare_host_tensor(
     key,
     key_types,

@@ -219,12 +219,12 @@ def _write_slabs(
 
 
 class PipelinedWriter:
-    """Keeps a bounded number of tensor writes in flight, in the order added.
+    """Keeps a bounded number of host tensors in flight (single process, primary).
 
     An importer produces the next tensor while TensorStore is still creating and writing the
     previous ones (each create fsyncs its zarr.json, so awaiting them one by one dominated
-    imports); a JAX save adds its shards batch by batch (``saving.budget``). The byte and count
-    caps (one ``store.InFlightBytes``) bound the memory that pipelining adds.
+    imports); the byte and count caps (one ``store.InFlightBytes``) bound the memory that
+    pipelining adds.
 
     Args:
       root: the checkpoint directory written into.
@@ -239,16 +239,10 @@ class PipelinedWriter:
         self.root = str(root)
         self.sync = sync
         self.max_bytes, self.max_tensors = max_bytes, max_tensors
-        self._window: store.InFlightBytes[tuple[asyncio.Task, str, Callable | None]] = (
-            store.InFlightBytes(max_bytes, max_items=max_tensors)
+        self._window: store.InFlightBytes[tuple[asyncio.Task, tuple]] = store.InFlightBytes(
+            max_bytes, max_items=max_tensors
         )
-        self._digests: dict[str, dict[str, str]] = {}
-        self._partial: set[str] = set()  # a tensor with a write that had no digests has none
-
-    @property
-    def digests(self) -> dict[str, dict[str, str]]:
-        """{tensor dir: {shard key: digest}} of the tensors retired with every shard digested."""
-        return {d: v for d, v in self._digests.items() if d not in self._partial}
+        self.digests: dict[tuple, dict[str, str]] = {}  # tensor key -> shard digests, once written
 
     @property
     def bytes_in_flight(self) -> int:
@@ -259,30 +253,13 @@ class PipelinedWriter:
     def tensors_in_flight(self) -> int:
         return len(self._window)
 
-    async def add(
-        self,
-        p: PreparedTensor,
-        nbytes: int | None = None,
-        *,
-        primary: bool = True,
-        done: Callable[[], None] | None = None,
-    ) -> None:
-        """Starts writing ``p`` once its bytes fit (earlier tensors retired first).
-
-        Args:
-            p: the tensor, laid out (or a part of its writes: several parts of one tensor
-              merge their digests).
-            nbytes: the bytes it holds (None: the whole tensor's).
-            primary: this write creates the array.
-            done: called once the write settled (its host data may be freed).
-        """
-        nbytes = p.entry.nbytes if nbytes is None else nbytes
-        await self.reserve(nbytes)
-        task = asyncio.ensure_future(write_tensor(self.root, p, primary=primary, sync=self.sync))
-        self._window.add((task, p.entry.dir, done), nbytes)
+    async def add(self, p: PreparedTensor) -> None:
+        await self.reserve(p.entry.nbytes)
+        task = asyncio.ensure_future(write_tensor(self.root, p, primary=True, sync=self.sync))
+        self._window.add((task, p.entry.key), p.entry.nbytes)
         await asyncio.sleep(0)  # let the new task issue its create before the next tensor is made
         # Surface a failure early instead of after the whole stream was produced.
-        for task, _, _ in self._window:
+        for task, _ in self._window:
             if task.done() and (error := task.exception()) is not None:
                 raise error
 
@@ -323,38 +300,16 @@ class PipelinedWriter:
         except OSError as e:
             raise _write_error(p, kv, e) from e
         if digest is not None:
-            self._digests[p.entry.dir] = {shard_file.shard_key((0,) * len(p.layout.shape)): digest}
+            self.digests[p.entry.key] = {shard_file.shard_key((0,) * len(p.layout.shape)): digest}
 
-    async def _retire(self, item: tuple[asyncio.Task, str, Callable | None]) -> None:
-        task, array_dir, done = item
-        try:
-            result = await task
-        finally:
-            if done is not None:
-                done()
-        if result is None:
-            self._partial.add(array_dir)
-        else:
-            self._digests.setdefault(array_dir, {}).update(result)
+    async def _retire(self, done: tuple[asyncio.Task, tuple]) -> None:
+        task, key = done
+        self.digests[key] = await task
 
     async def flush(self) -> None:
         for done in self._window.drain():
             await self._retire(done)
 
-    async def __aenter__(self) -> PipelinedWriter:
-        return self
-
-    async def __aexit__(self, kind, error, trace) -> None:
-        """Every write retired (``flush``); after a failure ``abandon``, the failure raised."""
-        if error is None:
-            await self.flush()
-        else:
-            await self.abandon()
-
     async def abandon(self) -> None:
         """After a failure: let in-flight writes settle so cleanup does not race them."""
-        rest = list(self._window.drain())
-        await asyncio.gather(*(task for task, _, _ in rest), return_exceptions=True)
-        for _, _, done in rest:
-            if done is not None:
-                done()
+        await asyncio.gather(*(task for task, _ in self._window.drain()), return_exceptions=True)

@@ -254,7 +254,8 @@ async def write_stream(
             key, key_types, v, options, primary=True, stable_source=True, **entry_kw
         )
 
-    async with PipelinedWriter(directory, sync=sync, max_bytes=budget or memory_budget()) as writer:
+    writer = PipelinedWriter(directory, sync=sync, max_bytes=budget or memory_budget())
+    try:
         for item in items:
             key = tuple(str(k) for k in item.key)
             key_types = tuple(item.key_types or ("key",) * len(key))
@@ -268,7 +269,9 @@ async def write_stream(
             v = await _materialised(writer, v, fmt.key_to_str(key))
             if isinstance(v, _SCALARS):
                 entries.append(
-                    fmt.ValueEntry.of(key, key_types, v, role=item.role, sub_role=item.sub_role)
+                    layout_lib.value_entry(
+                        key, key_types, v, role=item.role, sub_role=item.sub_role
+                    )
                 )
                 continue
             if not isinstance(v, (np.ndarray, np.generic, ts.TensorStore)):
@@ -279,8 +282,11 @@ async def write_stream(
             await writer.add(p)  # returns once in-flight tensors are under the byte cap
             entries.append(p.entry)
             del p, v
-    digests = writer.digests
-    entries = [with_digests(e, digests.get(fmt.array_dir(e.key))) for e in entries]
+        await writer.flush()
+    except BaseException:
+        await writer.abandon()
+        raise
+    entries = [with_digests(e, writer.digests.get(e.key)) for e in entries]
     manifest = fmt.new_manifest(
         entries, source=source, kvstore_driver=store.kvstore_driver(directory)
     )
