@@ -14,26 +14,26 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: package of jax_ucp/_src (or "modules": its top-level modules; "public": jax_ucp/ outside
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
-    "cli": 1711,
-    "continuation": 1212,
-    "exporters": 1136,
-    "format": 2667,
-    "importers": 16004,
-    "language": 2976,
-    "models": 1610,
-    "multihost": 759,
-    "orbax": 426,
-    "restoring": 5031,
-    "saving": 968,
-    "sharding": 741,
-    "store": 3358,
-    "torchfiles": 3016,
-    "writer": 1702,
-    "modules": 3730,
+    "cli": 1703,
+    "continuation": 1216,
+    "exporters": 1115,
+    "format": 2642,
+    "importers": 15816,
+    "language": 2950,
+    "models": 1411,
+    "multihost": 755,
+    "orbax": 421,
+    "restoring": 4951,
+    "saving": 964,
+    "sharding": 705,
+    "store": 3296,
+    "torchfiles": 2993,
+    "writer": 1672,
+    "modules": 3668,
     "public": 366,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 47413
+TOTAL = 46644
 
 
 def _lines(paths) -> int:
