@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -27,12 +27,6 @@ def axes_of(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def spans_devices(spec: Iterable, sizes: Mapping[str, int]) -> bool:
-    """Whether PartitionSpec ``spec`` splits over a mesh axis of more than one device
-    (``sizes``: the mesh's axis sizes)."""
-    return any(sizes.get(a, 1) > 1 for entry in spec for a in axes_of(entry))
 
 
 def _axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: Sequence[str]) -> int:
@@ -276,7 +270,8 @@ def replicated_unasked(
         return False
     if saved is None:
         return False
-    if not spans_devices(saved.partition_spec, dict(zip(saved.mesh.axis_names, saved.mesh.shape))):
+    sizes = dict(zip(saved.mesh.axis_names, saved.mesh.shape))
+    if not any(sizes.get(a, 1) > 1 for entry in saved.partition_spec for a in axes_of(entry)):
         return False  # saved replicated
     if rules is not None and logical_axes is not None:
         asked = True

@@ -9,10 +9,6 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jax
-
-from jax_ucp._src.sharding.mesh_layout import spans_devices
-
 #: how many places are remembered at most (the oldest forgotten first)
 MAX_PLACES = 1 << 16
 
@@ -25,6 +21,8 @@ _places = 0
 
 def remember(restored: Iterable[tuple[Sequence[str], Any, Sequence[str | None] | None]]) -> None:
     """Notes each ``(path, array, logical names)`` a restore placed on a mesh."""
+    import jax
+
     global _places
     with _lock:  # the arrays gone since (a weakref callback would run inside any later code)
         for key in [k for k, (ref, _) in _by_id.items() if ref() is None]:
@@ -33,9 +31,7 @@ def remember(restored: Iterable[tuple[Sequence[str], Any, Sequence[str | None] |
         if not names or all(n is None for n in names) or not isinstance(leaf, jax.Array):
             continue
         sharding = leaf.sharding
-        if not isinstance(sharding, jax.sharding.NamedSharding):
-            continue
-        if not spans_devices(sharding.spec, dict(sharding.mesh.shape)):
+        if not isinstance(sharding, jax.sharding.NamedSharding) or not _sharded(sharding):
             continue
         names = tuple(names)
         with _lock:
@@ -52,6 +48,8 @@ def remember(restored: Iterable[tuple[Sequence[str], Any, Sequence[str | None] |
 
 def names_of(key: Sequence[str], leaf: Any) -> tuple | None:
     """The logical names remembered for the leaf at path ``key`` of a tree being saved, or None."""
+    import jax
+
     if not isinstance(leaf, jax.Array):
         return None
     with _lock:
@@ -70,3 +68,13 @@ def names_of(key: Sequence[str], leaf: Any) -> tuple | None:
             if len(path) > 1 and key[max(0, len(key) - len(path) + 1) :] == path[1:]
         }
     return matches.pop() if len(matches) == 1 else None
+
+
+def _sharded(sharding) -> bool:
+    """The sharding splits the array over a mesh axis of more than one device."""
+    sizes = dict(sharding.mesh.shape)
+    for entry in sharding.spec:
+        for axis in entry if isinstance(entry, tuple) else (entry,):
+            if axis is not None and sizes.get(axis, 1) > 1:
+                return True
+    return False
