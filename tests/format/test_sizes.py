@@ -121,7 +121,7 @@ def test_python_api_byte_sizes_take_the_same_strings(tmp_path):
     assert jax_ucp.UCPSave(tree, inner_chunk_bytes="4KiB").inner_chunk_bytes == 4096
     assert RestoreOptions(memory_budget="1MiB").read_budget == 1 << 20
     assert RestoreOptions(memory_budget=7).read_budget == 7  # ints as before
-    assert jax_ucp.UCPRestore(memory_budget="2MiB").options.memory_budget == 2 << 20
+    assert jax_ucp.UCPRestore(memory_budget="2MiB").memory_budget == 2 << 20
     path = jax_ucp.save(tmp_path / "c", tree, inner_chunk_bytes="4KiB")
     back = jax_ucp.restore(path, memory_budget="1KiB")
     np.testing.assert_array_equal(back["params"]["w"], tree["params"]["w"])
