@@ -25,7 +25,7 @@ CEILINGS = {
     "orbax": 421,
     "restoring": 4951,
     "saving": 964,
-    "sharding": 705,
+    "sharding": 708,
     "store": 3296,
     "torchfiles": 2993,
     "writer": 1672,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 366,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 46644
+TOTAL = 46647
 
 
 def _lines(paths) -> int:
