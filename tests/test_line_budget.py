@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 1216,
     "exporters": 1115,
     "format": 2642,
-    "importers": 15816,
+    "importers": 15822,
     "language": 2950,
     "models": 1411,
     "multihost": 755,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 366,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 46647
+TOTAL = 46653
 
 
 def _lines(paths) -> int:

@@ -81,7 +81,13 @@ def step_from_param_groups(groups: Any, where: str) -> int:
             raise MegatronImportError(
                 f"{where}: optimizer param_groups[{index}] has no 'step'. {WEIGHTS_ONLY_HINT}"
             )
-        seen.setdefault(float(np.asarray(group["step"])), f"(group {index})")
+        step = np.asarray(group["step"])
+        if step.size != 1 or step.dtype.kind not in "iuf":
+            raise MegatronImportError(
+                f"{where}: optimizer param_groups[{index}]['step'] is {str(group['step'])[:80]!r}, "
+                f"expected one number. {WEIGHTS_ONLY_HINT}"
+            )
+        seen.setdefault(float(step.reshape(())), f"(group {index})")
     return agreed_step(seen, where, recorded_by="parameter groups", error=MegatronImportError)
 
 
