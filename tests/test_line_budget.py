@@ -29,11 +29,11 @@ CEILINGS = {
     "store": 3296,
     "torchfiles": 2993,
     "writer": 1672,
-    "modules": 3668,
+    "modules": 3666,
     "public": 366,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 46653
+TOTAL = 46651
 
 
 def _lines(paths) -> int:

@@ -91,10 +91,8 @@ def checked_tolerance(value: Any) -> float:
 
 def _checked_numbers(config: dict, cfg: Any, path: str) -> None:
     """Refuses what ``hf_model`` (which refuses any size or rate it reads that no model has)
-    would take as a value of its own: an ``rms_norm_eps`` of 0 (as 1e-6), a width the heads do
-    not divide without a ``head_dim`` (floored); naming the field and the file."""
-    if config.get("rms_norm_eps") == 0:
-        raise SourceError(f"{path}: rms_norm_eps 0: expected a finite number > 0")
+    would take as a value of its own: a width the heads do not divide without a ``head_dim``
+    (floored); naming the field and the file."""
     heads = cfg.num_attention_heads
     if cfg.hidden_size % heads and config.get("head_dim") is None:
         raise SourceError(

@@ -383,6 +383,8 @@ def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_pa
         ("phi3", {"partial_rotary_factor": 1.5}, r"partial_rotary_factor 1.5"),
         ("qwen3", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor"),
         ("mistral", {"sliding_window": -3}, r"sliding_window -3"),
+        ("llama", {"rms_norm_eps": 0}, r"rms_norm_eps 0: expected a finite number > 0"),
+        ("gpt2", {"layer_norm_epsilon": 0}, r"layer_norm_epsilon 0: expected a finite number"),
         ("bert", {}, r"model_type 'bert'"),
         ("llama", {"num_hidden_layers": 2**30}, r"num_hidden_layers 1073741824"),
         ("gpt2", {"n_layer": 2**30}, r"num_hidden_layers 1073741824"),

@@ -321,7 +321,7 @@ def _base(c: Mapping, partial_ok: bool = False, rope: tuple | None = None) -> di
         rotary_scaling_factor=factor,
         **scaling,
         rotary_percent=partial,
-        eps=_number("rms_norm_eps", c.get("rms_norm_eps") or 1e-6),
+        eps=_optional_number(c, "rms_norm_eps") or 1e-6,  # absent: the default; 0 refused
         tied=bool(c.get("tie_word_embeddings", False)),
     )
 
@@ -510,7 +510,7 @@ def _gpt2(c: Mapping) -> LMConfig:
         max_position_embeddings=_int(
             c, "max_position_embeddings", c.get("max_position_embeddings") or 1024
         ),
-        eps=_number("layer_norm_epsilon", c.get("layer_norm_epsilon") or 1e-5),
+        eps=_optional_number(c, "layer_norm_epsilon") or 1e-5,  # absent: the default; 0 refused
         tied=bool(c.get("tie_word_embeddings", True)),
         gelu_tanh=act != "gelu",
     )
