@@ -211,8 +211,9 @@ def test_absurd_config_numbers_are_refused_naming_the_field_and_file(tmp_path, f
 def test_what_the_model_reader_would_default_is_refused_naming_field_and_file(
     tmp_path, changes, says
 ):
-    """A width the heads do not divide (no head_dim) and an eps of 0, which the family reader
-    would take as values of its own (head_dim floored, eps 1e-6): refused, naming the field."""
+    """A width the heads do not divide (no head_dim), which the family reader would take as a
+    value of its own (head_dim floored), and an eps of 0, which the reader refuses: refused,
+    naming the field."""
     folder = _config_folder(tmp_path, **changes)
     with pytest.raises(jax_ucp.SourceError, match=rf"config\.json: {says}"):
         compare_logits(str(tmp_path / "never-read"), folder)
