@@ -86,3 +86,48 @@ def test_cli_plan_says_the_rule_matched_nothing(imported):
     text = " ".join(r.output.split())
     assert "rules matching no tensor's logical axis names (1): embed" in text
     assert "replicated on every device" in text
+
+
+MEGATRON = os.path.join(REPO, "tests", "fixtures", "megatron", "gpt_tp2")
+RULES = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("vocab", "model")]
+
+
+def test_rules_that_shard_nothing_name_the_tensors_and_the_spec_for_their_names():
+    """A Megatron import restored with the docs' rules and no spec: the warning names the
+    tensors left whole (2+ dims, no names) and the shipped spec whose rules cover Megatron's
+    names (not hf_llama); restored with that spec, nothing is said and they are sharded."""
+    from tests.ucp_testing import mesh
+
+    m = mesh((2, 4), ("data", "model"))
+    with pytest.warns(jax_ucp.ReplicationWarning) as said:
+        jax_ucp.restore(MEGATRON, mesh=m, rules=RULES)
+    text = " ".join(str(w.message) for w in said)
+    assert "15 tensor(s) of 2 or more dimensions carry no logical axis names" in text
+    assert "'params/decoder.layers.mlp.linear_fc1.weight'" in text
+    assert "spec='megatron_gpt'" in text and "hf_llama" not in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jax_ucp.ReplicationWarning)
+        got = jax_ucp.restore(MEGATRON, mesh=m, rules=RULES, spec="megatron_gpt")
+    kernel = got["params"]["layers_0"]["mlp"]["fc1"]["kernel"]
+    assert kernel.sharding.spec == P("data", "model")
+
+
+def test_a_spec_that_names_no_axes_is_told_to_name_them():
+    """A spec of the user's without ``axes`` (megatron_gpt's rules, names dropped): the warning
+    names the spec and the tensors, and says to add ``axes`` to its restore rules."""
+    import dataclasses
+
+    from tests.ucp_testing import mesh
+
+    shipped = load_spec("megatron_gpt")
+    bare = dataclasses.replace(
+        shipped,
+        name="my_gpt",
+        restore=tuple(dataclasses.replace(r, axes=None) for r in shipped.restore),
+    )
+    with pytest.warns(jax_ucp.ReplicationWarning) as said:
+        jax_ucp.plan(MEGATRON, mesh=mesh((2, 4), ("data", "model")), rules=RULES, spec=bare)
+    text = " ".join(str(w.message) for w in said)
+    assert "'params/layers_0/mlp/fc1/kernel'" in text or "(11 in all)" in text
+    assert "the spec 'my_gpt' gives them no axes: add axes = [...]" in text
+    assert "spec='megatron_gpt'" not in text

@@ -3,7 +3,8 @@ compile time over placeholder stores that refuse to be read."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ from jax_ucp._src.errors import LanguageError
 from jax_ucp._src.language import views
 from jax_ucp._src.language.settings import render
 from jax_ucp._src.language.spec import Spec, check_strict, describe_rule
-from jax_ucp._src.language.toml_io import load_spec
+from jax_ucp._src.language.toml_io import list_specs, load_spec
 
 Key = tuple
 _Targets = dict[Key, tuple["ViewPlan", str]]  # the plans by target key, with what made each
@@ -132,6 +133,31 @@ def compile_restore_plan(
         if per_rule[i]:
             _emit_rule(r, i, per_rule[i], spec.env, targets)
     return {k: plan for k, (plan, _) in targets.items()}
+
+
+def specs_naming(keys: Iterable[tuple[str, ...]]) -> list[str]:
+    """The shipped specs that name logical axes whose restore rules cover ``keys``, best first
+    (the most keys covered, then the fewest required rules matching none; none covering any
+    left out): what to restore these tensors with so that ``rules=`` shards them."""
+    # one key per name up to its numbers (layer, expert): bounded work for any model
+    shapes = {re.sub(r"\d+", "0", "/".join(map(str, k))): tuple(map(str, k)) for k in keys}
+    keys = list(shapes.values())[:1000]
+    ranked: dict[str, tuple[int, int]] = {}
+    for name in list_specs():
+        spec = load_spec(name)
+        rules = spec.active_restore()
+        if not any(r.axes for _, r in rules):
+            continue  # names no axes (an export spec): no advice
+        matched = []
+        for key in keys:
+            found = _find_root(spec, key)
+            if found and found[0].params:
+                matched.append(_match_rule(rules, "/".join(key[found[1] :])))
+        hit = {m[0] for m in matched if m}
+        if hit:
+            unmet = sum(r.required and i not in hit for i, r in rules)
+            ranked[name] = (-len([m for m in matched if m]), unmet)
+    return sorted(ranked, key=lambda name: ranked[name])
 
 
 def _put(targets: _Targets, tkey, plan: ViewPlan, what: str) -> None:

@@ -272,7 +272,9 @@ def _planned(opened: engine.OpenedSource, options: PlanOptions) -> RestorePlan:
         assert mesh is not None  # PlanOptions refuses rules without a mesh
         sharding_lib.check_rules(rules, mesh)
     elif not explicit:
-        requests.check_mesh_names(root, available.values(), mesh, rules, options.strict)
+        requests.check_mesh_names(
+            root, available.values(), mesh, rules, options.strict, options.spec
+        )
     if explicit:
         placed, n_values = _placed_by_target(
             root, values, available, options.target, options.shardings, options.casting

@@ -51,7 +51,9 @@ def requests_for(opened: OpenedSource, options: RestoreOptions) -> Wanted:
         return Wanted(reqs, every, rebuild)
     where = opened.source.path
     if options.mesh is not None:
-        check_mesh_names(where, every.values(), options.mesh, options.rules, options.strict)
+        check_mesh_names(
+            where, every.values(), options.mesh, options.rules, options.strict, options.spec
+        )
     available, chosen_values = selected(where, every, values, options.select)
     reqs, key_types = placed_requests(where, available.values(), options)
     for v in chosen_values:
@@ -275,23 +277,42 @@ def placed_requests(where: str, available, options: RestoreOptions):
     return reqs, key_types
 
 
-def _any_replicated(available, mesh) -> bool:
-    """Some tensor of more than one element is whole on every device of ``mesh`` (its saved
-    sharding placing it on none of the mesh's axes): rules carrying no name then shard nothing
-    that is not already placed, and say so; placed as saved (a run restored onto the mesh
-    names it was saved on), nothing is replicated and nothing is said."""
-    for av in available:
-        spec = sharding_lib.sharding_for(
-            av.shape, mesh=mesh, saved=av.saved_sharding, logical_axes=None, rules=None
-        ).spec
-        if math.prod(av.shape) > 1 and not any(spec):
-            return True
-    return False
+def _whole(av, mesh) -> bool:
+    """``av`` (more than one element) is whole on every device of ``mesh`` as saved."""
+    spec = sharding_lib.sharding_for(
+        av.shape, mesh=mesh, saved=av.saved_sharding, logical_axes=None, rules=None
+    ).spec
+    return math.prod(av.shape) > 1 and not any(spec)
 
 
-def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
+def _naming_advice(keys: Sequence[tuple[str, ...]], spec) -> str:
+    """How to name the axes of tensors left unnamed, for the source at hand (``keys``: all
+    its tensors): the spec given lacks ``axes`` for them, or a shipped spec covers its names."""
+    if spec is not None:
+        what = spec if isinstance(spec, str) else getattr(spec, "name", None) or "given"
+        return (
+            f"the spec {what!r} gives them no axes: add axes = [...] (a logical name per "
+            f"dimension, docs/LANGUAGE.md) to the restore rules that make them"
+        )
+    from jax_ucp._src.language.plan import specs_naming  # only when warning
+
+    found = specs_naming(keys)
+    if found:
+        return (
+            f"restore with spec={found[0]!r}: its restore rules cover these names and name "
+            f"their axes (docs/LANGUAGE.md, Shipped specs); or give a target carrying shardings"
+        )
+    return (
+        "restore with a spec whose restore rules give them axes = [...] (docs/LANGUAGE.md), or "
+        "give a target carrying shardings"
+    )
+
+
+def check_mesh_names(root: str, available, mesh, rules, strict: bool, spec=None) -> None:
     """``sharding.check_names`` for the tensors a restore (or plan) with ``mesh=`` would
-    place: the logical names they carry and the mesh axes they were saved with.
+    place: the logical names they carry and the mesh axes they were saved with. Rules that
+    match no name, or tensors of two or more dimensions that carry none and stay whole on
+    every device, are said in one ``ReplicationWarning`` with advice for ``spec``.
 
     Args:
         root: the checkpoint, for errors.
@@ -299,21 +320,30 @@ def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
         mesh: the mesh restored onto.
         rules: the logical-axis rules (or None).
         strict: also refuse unused rules and mesh axes.
+        spec: the restore-time spec given (None: none), for the advice.
     """
-    names, axes = set(), set()
+    names, axes, unnamed, whole = set(), set(), [], False
+    available = list(available)
     for av in available:
         names.update(n for n in av.logical_axes or () if n is not None)
         saved = av.saved_sharding
         if saved is not None:
             axes.update(saved.mesh.axis_names)
             axes.update(a for entry in saved.partition_spec for a in axes_of(entry))
+        if rules is not None and _whole(av, mesh):
+            whole = True
+            if len(av.shape) > 1 and not any(av.logical_axes or ()):
+                unnamed.append(av)
     sharding_lib.check_names(
         mesh, rules, logical_names=names, saved_axes=axes, where=root, strict=strict
     )
     unmatched = sharding_lib.unmatched_rules(rules, names)
-    if unmatched and (names or _any_replicated(available, mesh)):
+    if (unmatched and (names or whole)) or unnamed:
+        advice = _naming_advice([av.key for av in available], spec) if unnamed else ""
         warnings.warn(
-            sharding_lib.unmatched_rules_message(root, unmatched, names),
+            sharding_lib.unmatched_rules_message(
+                root, unmatched, names, [av.name for av in unnamed], advice
+            ),
             sharding_lib.ReplicationWarning,
             stacklevel=user_stacklevel(),
         )

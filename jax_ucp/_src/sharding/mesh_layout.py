@@ -156,25 +156,34 @@ def unmatched_rules(rules: LogicalRules | None, logical_names: Iterable[str]) ->
     return [name for name, _ in rules or () if name not in known]
 
 
-def unmatched_rules_message(where: str, unmatched: Sequence[str], logical_names) -> str:
-    """Why ``rules`` entries shard nothing, and what to do about it.
+def unmatched_rules_message(
+    where: str,
+    unmatched: Sequence[str],
+    logical_names,
+    unnamed: Sequence[str] = (),
+    advice: str = "",
+) -> str:
+    """Why ``rules`` shard nothing, or not these tensors, and what to do about it.
 
     Args:
         where: the checkpoint, for the message.
         unmatched: the logical names of rules that matched no tensor.
-        logical_names: the logical axis names the tensors carry."""
-    carried = _listed(logical_names)
-    hint = (
-        "the checkpoint records no logical axis names: restore an imported model with the spec "
-        "that names them (spec='hf_llama', ...) or give a target carrying them"
-        if carried == "none"
-        else "fix the names or leave those rules out"
-    )
-    return (
-        f"{where}: rules for {_listed(unmatched)} match no logical axis name of the tensors "
-        f"(they carry: {carried}); what those rules should shard is replicated on every "
-        f"device: {hint}."
-    )
+        logical_names: the logical axis names the tensors carry.
+        unnamed: the tensors of two or more dimensions that carry none, left whole.
+        advice: how to name their axes, for the source at hand."""
+    said = []
+    if unmatched:
+        said.append(
+            f"rules for {_listed(unmatched)} match no logical axis name of the tensors (they "
+            f"carry: {_listed(logical_names)}); what those rules should shard is replicated on "
+            f"every device"
+        )
+    if unnamed:
+        said.append(
+            f"{len(unnamed)} tensor(s) of 2 or more dimensions carry no logical axis names, so "
+            f"no rule shards them and they are replicated on every device: {_listed(unnamed, 5)}"
+        )
+    return f"{where}: {'; '.join(said)}: {advice or 'fix the names or leave those rules out'}."
 
 
 def check_names(
