@@ -1,7 +1,8 @@
 """A run continued from a torch checkpoint keeps its logical axes: what ``optax_from_torch(...,
 spec=)`` / ``restore(..., spec=)`` returns on a mesh, stepped and saved (``save`` or ``UCPSave``),
 records the names the spec gave (``sharding.restored_axes``), so a restore onto a mesh with
-other axis names and rules shards it; no "replicated" warning where nothing is replicated."""
+other axis names and rules shards it; no "replicated" warning where nothing is replicated. The
+same for megatron-core and Megatron-DeepSpeed runs through their shipped specs."""
 
 from __future__ import annotations
 
@@ -119,3 +120,47 @@ def test_unnamed_checkpoint_on_its_own_mesh_names_warns_nothing(tmp_path):
     assert got["params"]["w"].sharding.spec == x.sharding.spec
     with pytest.warns(jax_ucp.ReplicationWarning, match="replicated"):
         jax_ucp.restore(path, mesh=mesh((4, 2), ("fsdp", "tp")), rules=OTHER)
+
+
+def _whole(tree) -> list[str]:
+    """The arrays of 2 or more dimensions that sit whole on every device."""
+    return [
+        jax.tree_util.keystr(p)
+        for p, x in jax.tree.leaves_with_path(tree)
+        if getattr(x, "ndim", 0) > 1 and x.sharding.is_fully_replicated
+    ]
+
+
+@pytest.mark.parametrize(
+    "rel, spec",
+    [
+        ("megatron/llama_distopt_bf16_tp2dp2", "llama"),  # megatron-core, distributed optimizer
+        ("megatron/gpt_distopt_dp2", "megatron_gpt"),
+        ("deepspeed/megatron_ds_tp2_dp2_z1_bf16_synthetic/ckpt", "megatron_lm_gpt"),
+    ],
+)
+def test_a_megatron_or_deepspeed_run_lands_sharded_and_its_save_stays_so(tmp_path, rel, spec):
+    """Restored with the shipped spec and the docs' rules on a 2 x 4 mesh: no weight, fp32
+    master or Adam moment of 2+ dimensions whole on every device, nothing said; saved, the
+    manifest records every such tensor's names, and a restore onto other mesh names and
+    rules shards them all again, values as saved."""
+    m = mesh((2, 4), ("data", "model"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jax_ucp.ReplicationWarning)
+        tree = jax_ucp.restore(os.path.join(FIXTURES, rel), spec=spec, mesh=m, rules=RULES)
+    assert not _whole(tree)
+    moments = [tree["opt_state"]["0"][k] for k in ("mu", "nu")]  # fp32 masters: "params"
+    assert sum(x.ndim > 1 for x in jax.tree.leaves(moments)) >= 2 * 7  # every matrix, twice
+    path = jax_ucp.save(tmp_path / "c", tree)
+    unnamed = [
+        e.key for e in jax_ucp.inspect(path).tensors if len(e.shape) > 1 and not e.logical_axes
+    ]
+    assert not unnamed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jax_ucp.ReplicationWarning)
+        got = jax_ucp.restore(path, mesh=mesh((4, 2), ("fsdp", "tp")), rules=OTHER)
+    assert not _whole(got)
+    for (p, a), (_, b) in zip(
+        jax.tree.leaves_with_path(got), jax.tree.leaves_with_path(tree), strict=True
+    ):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(p)
