@@ -297,15 +297,9 @@ def _naming_advice(keys: Sequence[tuple[str, ...]], spec) -> str:
     from jax_ucp._src.language.plan import specs_naming  # only when warning
 
     found = specs_naming(keys)
-    if found:
-        return (
-            f"restore with spec={found[0]!r}: its restore rules cover these names and name "
-            f"their axes (docs/LANGUAGE.md, Shipped specs); or give a target carrying shardings"
-        )
-    return (
-        "restore with a spec whose restore rules give them axes = [...] (docs/LANGUAGE.md), or "
-        "give a target carrying shardings"
-    )
+    use = f"spec={found[0]!r}, whose restore rules cover these names and name their axes"
+    use = use if found else "a spec whose restore rules give them axes = [...] (docs/LANGUAGE.md)"
+    return f"restore with {use}; or give a target carrying shardings"
 
 
 def check_mesh_names(root: str, available, mesh, rules, strict: bool, spec=None) -> None:

@@ -157,11 +157,7 @@ def unmatched_rules(rules: LogicalRules | None, logical_names: Iterable[str]) ->
 
 
 def unmatched_rules_message(
-    where: str,
-    unmatched: Sequence[str],
-    logical_names,
-    unnamed: Sequence[str] = (),
-    advice: str = "",
+    where: str, unmatched: Sequence[str], logical_names, unnamed=(), advice: str = ""
 ) -> str:
     """Why ``rules`` shard nothing, or not these tensors, and what to do about it.
 
