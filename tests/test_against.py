@@ -460,3 +460,24 @@ def test_a_dcp_another_torch_wrote_is_compared_or_named_never_a_bare_unpack_erro
         assert f"torch {torch.__version__}'s own DCP reader cannot read its .metadata" in str(e)
     else:
         assert not found and not found.notices, (list(found), found.notices)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", ["gpt_tp2", "llama_distopt_bf16_tp2dp2"])
+def test_megatron_converted_with_vocab_size_verifies_clean(tmp_path, name):
+    """``--vocab-size`` (as MEGATRON.md asks): the import planned again with the recorded vocab
+    size, each stripped tensor compared with the source's first rows (before: "made from
+    embedding.word_embeddings.weight, the import makes it from embedding.word_embeddings.weight",
+    the same name twice, exit 1)."""
+    from jax_ucp.conversion import MegatronOptions
+
+    src = os.path.join(FIX, "megatron", name)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=MegatronOptions(vocab_size=61))
+    found = jax_ucp.verify(out, against=src)
+    assert list(found) == [], found
+    stripped = [e.name for e in jax_ucp.inspect(out).tensors if e.shape[:1] == (61,)]
+    assert stripped and set(stripped) <= set(found.against.equal)
+    r = runner.invoke(app, ["verify", str(out), "--against", src, "--vocab-size", "61"])
+    assert r.exit_code != 0  # verify takes no import options: they are the manifest's
+    r = runner.invoke(app, ["verify", str(out), "--against", src])
+    assert r.exit_code == 0, r.output

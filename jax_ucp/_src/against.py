@@ -112,6 +112,11 @@ def _loader(
     ``recorded``: the source path the import planned again records, whose tail locates rank
     files under ``src``; every file name becomes a path through ``files.inside_checkpoint``."""
     how, tensors, pattern = _how(fmt), provenance.get("tensors") or [], provenance.get("pattern")
+    strip = re.fullmatch(r"vocab\(strip ([0-9]+) -> ([0-9]+)\)", str(pattern))
+    if strip and how.loader == "recorded_dcp":  # --vocab-size: the source's first rows
+        provenance = {**provenance, "pattern": how.read}
+        read, name = _loader(fmt, src, provenance, entry_name, recorded)
+        return lambda: _rows(read(), *map(int, strip.groups())), f"{name}[:{strip.group(2)}]"
     if how.read not in (None, pattern or ""):
         raise SourceError(f"built by the import ({pattern})")
     if how.loader == "ranks":
@@ -147,6 +152,14 @@ def _loader(
     if isinstance(rows, dict):  # torchtune's q/k moments, moved as its weights are
         return lambda: _hf_rows(_torch_to_numpy(_torch_file_value(path, inner)), **rows), name
     return lambda: _torch_to_numpy(_torch_file_value(path, inner)), name
+
+
+def _rows(value: np.ndarray, padded: int, kept: int) -> np.ndarray:
+    """The first ``kept`` rows of a source tensor of ``padded`` rows (the vocab padding the
+    import stripped, ``vocab_size=``)."""
+    if value.shape[:1] != (padded,):
+        raise SourceError(f"{list(value.shape)} in the source, {padded} rows planned")
+    return value[:kept]
 
 
 def _read(src: str, name: str, planned: dict, source: dict) -> tuple[np.ndarray, str]:
@@ -598,6 +611,8 @@ def _plan_again(src: str, manifest: Any) -> _Expected:
     order = _recorded_order(recorded)
     if order is not None:
         fields["parameter_order"] = order
+    if isinstance(recorded.get("vocab_size"), int):  # --vocab-size: the padding it stripped
+        fields["vocab_size"] = recorded["vocab_size"]
     how = ", ".join(
         f"{k}={v!r}" if k != "parameter_order" else f"{k}=source.optimizer's {len(v)} names"
         for k, v in fields.items()
@@ -606,7 +621,10 @@ def _plan_again(src: str, manifest: Any) -> _Expected:
         # the importer reading it whole (a taker's too), detected once and handed to the plan
         whole = registry.ImportOptions(weights_only=fields["weights_only"])
         importer = registry.importer_for(src, options=whole)
-        options = registry.importer_options(importer, **fields)
+        known = {f.name for f in dataclasses.fields(importer.options)}
+        options = registry.importer_options(
+            importer, **{k: v for k, v in fields.items() if k in known}
+        )
         plan = registry.plan_import(src, options, format=importer)
         provenance = {tuple(item.key): _json(item.provenance or {}) for item in plan.items}
     except (SourceError, RequestError) as e:
@@ -802,9 +820,15 @@ def _compare_one(ckpt: str, src: str, entry: Any, planned: dict, source: dict, r
     said = []
     recorded = _json(entry.provenance or {})
     if recorded != planned:
-        said.append(
+        fields = sorted(k for k in {*recorded, *planned} if recorded.get(k) != planned.get(k))
+        said.append(  # the fields that differ, each with both values: never one name twice
             f"the checkpoint records it as made from {_shown(recorded)}, the import of {src} "
-            f"makes it from {_shown(planned)}"
+            f"makes it from {_shown(planned)} ("
+            + "; ".join(
+                f"{k}: {str(recorded.get(k))[:80]} recorded, {str(planned.get(k))[:80]} planned"
+                for k in fields[:3]
+            )
+            + ")"
         )
     try:
         want, source_name = _read(src, entry.name, planned, source)
