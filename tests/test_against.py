@@ -394,10 +394,14 @@ def test_a_source_tensor_the_checkpoint_lacks_is_reported_missing(tmp_path):
     out = jax_ucp.convert(src, tmp_path / "ucp")
     _hf_source(src)  # the source as it is: the import dropped one of its tensors
     _edit_manifest(out, lambda m: m["source"].pop("certificate"))  # one vouching for no file
-    bad = dict(jax_ucp.verify(out, against=src))
+    bad = dict(jax_ucp.verify(out, against=src, accept_uncertified=True))
     assert list(bad) == [f"params/{dropped}"], bad
     assert "missing from the checkpoint" in bad[f"params/{dropped}"]
-    r = runner.invoke(app, ["verify", str(out), "--against", str(src)], env={"COLUMNS": "300"})
+    r = runner.invoke(
+        app,
+        ["verify", str(out), "--against", str(src), "--accept-uncertified"],
+        env={"COLUMNS": "300"},
+    )
     assert r.exit_code == 1 and dropped in r.output, r.output
     assert "1 source tensor missing" in r.output and "failed" not in r.output, r.output
 
@@ -421,11 +425,15 @@ def test_a_checkpoint_tensor_the_source_does_not_hold_is_reported(tmp_path):
     out = jax_ucp.convert(src, tmp_path / "ucp")
     _hf_source(src)  # the source without it
     _edit_manifest(out, lambda m: m["source"].pop("certificate"))  # one vouching for no file
-    bad = dict(jax_ucp.verify(out, against=src))
+    bad = dict(jax_ucp.verify(out, against=src, accept_uncertified=True))
     assert list(bad) == [f"params/{extra}"], bad
     assert "not in the source" in bad[f"params/{extra}"]
     assert "built from 0 source tensors" not in bad[f"params/{extra}"]
-    r = runner.invoke(app, ["verify", str(out), "--against", str(src)], env={"COLUMNS": "300"})
+    r = runner.invoke(
+        app,
+        ["verify", str(out), "--against", str(src), "--accept-uncertified"],
+        env={"COLUMNS": "300"},
+    )
     assert r.exit_code == 1 and extra in r.output, r.output
 
 
@@ -481,3 +489,42 @@ def test_megatron_converted_with_vocab_size_verifies_clean(tmp_path, name):
     assert r.exit_code != 0  # verify takes no import options: they are the manifest's
     r = runner.invoke(app, ["verify", str(out), "--against", src])
     assert r.exit_code == 0, r.output
+
+
+# (where in ucp.json's source record, the value written there): each a setting optax_from_torch
+# continues with (DeepSpeed's clipping, rank 0's betas, the scheduler's position)
+EDITS = {
+    "gradient_clipping": (("optimizer", "config", "gradient_clipping"), 0.0),
+    "betas": (("optimizer", "param_groups", 0, "betas"), [0.8, 0.95]),
+    "scheduler_position": (("optimizer", "scheduler", "last_batch_iteration"), 5),
+}
+
+
+@pytest.mark.torch
+def test_run_settings_edited_in_ucp_json_fail_against_the_intact_source(tmp_path):
+    """A converted DeepSpeed run whose ucp.json records clipping 0, other betas or another
+    scheduler position: each named with both values against the intact source, exit 1 (before:
+    exit 0, while optax_from_torch continued differently); the certificate deleted: a failure
+    saying so (before: "no certificate recorded", exit 0), passed only when accepted."""
+    src = os.path.join(FIX, "deepspeed", "recipe_z2_bf16_adamw_decay", "ckpt")
+    pristine = jax_ucp.convert(src, tmp_path / "ucp")
+    for what, (where, value) in EDITS.items():
+        out = shutil.copytree(pristine, tmp_path / what)
+
+        def edit(manifest, where=where, value=value):
+            node = manifest["source"]
+            for part in where[:-1]:
+                node = node[part]
+            node[where[-1]] = value
+
+        _edit_manifest(out, edit)
+        field = "source." + ".".join(map(str, where))
+        bad = dict(jax_ucp.verify(out, against=src))
+        assert list(bad) == [field], (what, bad)
+        assert f"records {value}" in bad[field], bad[field]
+        r = runner.invoke(app, ["verify", str(out), "--against", src], env={"COLUMNS": "400"})
+        assert r.exit_code == 1 and field in r.output, r.output
+    out = shutil.copytree(pristine, tmp_path / "uncertified")
+    _edit_manifest(out, lambda m: m["source"].pop("certificate"))
+    assert [n for n, _ in jax_ucp.verify(out, against=src)] == ["source.certificate"]
+    assert jax_ucp.verify(out, against=src, accept_uncertified=True) == []

@@ -77,15 +77,26 @@ class Comparison:
     #: what the certificate check found, said (``"no certificate recorded"`` for a checkpoint
     #: converted before certificates were)
     certificate: str = ""
+    #: what the checkpoint's ``source`` record says otherwise than the import of the source
+    #: planned again records (``source.<field>`` -> both values: a run setting a continuation
+    #: reads, such as clipping, betas or the scheduler's position), and a certificate missing
+    #: without ``accept_uncertified``
+    records: dict[str, str] = dataclasses.field(default_factory=dict)
     #: the import of the source as planned again (``source_weights`` reads by it: no detector
     #: is asked twice per verify)
     planned: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
-        """Every certified file equal, every compared tensor equal (and at least one compared),
-        none missing."""
-        return not self.files and not self.different and not self.missing and bool(self.equal)
+        """Every certified file equal, every recorded setting as planned again, every compared
+        tensor equal (and at least one compared), none missing."""
+        return (
+            not self.files
+            and not self.records
+            and not self.different
+            and not self.missing
+            and bool(self.equal)
+        )
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -571,6 +582,9 @@ class _Expected:
     source: dict[str, Any]  # the plan's source record (framework, path, skipped)
     provenance: dict[tuple[str, ...], dict]  # output key -> provenance, as JSON
     how: str  # the options it was planned with, for the messages
+    #: source fields that say how the order was given (``parameter_order=`` now, the
+    #: ``model_config=`` it was rebuilt from then): not compared as settings
+    unsaid: tuple[str, ...] = ()
 
 
 def _json(value: Any) -> Any:
@@ -582,9 +596,10 @@ def _recorded_order(source: dict) -> list[str] | None:
     """The parameter order the import was given (``parameter_order=`` / ``model_config=``), as
     the manifest records it (``source.optimizer.param_groups[*].params``); None when the import
     found the order in the source itself (names, the Trainer's groups) or there is none."""
-    given = source.get("optimizer_keyed_by") == "index" or any(
-        word in str(source.get("optimizer_keys") or "")
-        for word in ("parameter_order", "model_config")
+    keys = str(source.get("optimizer_keys") or "")
+    given = source.get("optimizer_keyed_by") == "index" or (
+        any(word in keys for word in ("parameter_order", "model_config"))
+        and "Trainer's groups" not in keys  # rebuilt from the source's own config.json again
     )
     groups = torch_optimizer_record(source).get("param_groups") if given else None
     if not isinstance(groups, list):
@@ -632,7 +647,8 @@ def _plan_again(src: str, manifest: Any) -> _Expected:
             f"{src}: its import cannot be planned again ({how}) to find the source tensor of "
             f"each checkpoint tensor (never taken from the checkpoint's own records): {e}"
         ) from None
-    return _Expected(_json(plan.source), provenance, how)
+    unsaid = ("optimizer_keys", "parameter_order", "notes") if order is not None else ()
+    return _Expected(_json(plan.source), provenance, how, unsaid)
 
 
 def _shown(provenance: dict) -> str:
@@ -655,7 +671,48 @@ def _recorded_files(fmt: str, provenance: dict) -> list[Any]:
     return names
 
 
-def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
+#: fields of the ``source`` record that may differ from the import planned again: where the
+#: source was (it may have moved since) and the certificate ``convert`` adds
+_NOT_SETTINGS = ("path", "trainer_path", certificate.KEY)
+
+
+def _settings(
+    recorded: Any, planned: Any, path: str = "source", unsaid: tuple[str, ...] = ()
+) -> dict[str, str]:
+    """``{source.field: both values}`` of each field the checkpoint's ``source`` record
+    (``recorded``) says otherwise than the import of the source planned again (``planned``),
+    walked into objects: each run setting a continuation reads (``optax_from_torch``: clipping,
+    betas, eps, weight decay, the schedule and its position, the optimizer, the step)."""
+    out: dict[str, str] = {}
+    if isinstance(recorded, dict) and isinstance(planned, dict):
+        for key in sorted({*recorded, *planned}):
+            if path == "source" and key in (*_NOT_SETTINGS, *unsaid):
+                continue
+            absent = "(absent)"
+            out.update(
+                _settings(recorded.get(key, absent), planned.get(key, absent), f"{path}.{key}")
+            )
+        return out
+    if (  # a list of objects (param_groups) by index; of numbers (betas) whole
+        isinstance(recorded, list)
+        and isinstance(planned, list)
+        and len(recorded) == len(planned)
+        and all(isinstance(v, dict) for v in (*recorded, *planned))
+    ):
+        for i, (a, b) in enumerate(zip(recorded, planned, strict=True)):
+            out.update(_settings(a, b, f"{path}.{i}"))
+        return out
+    if recorded == planned:
+        return {}
+    return {
+        path: f"{path}: ucp.json records {str(recorded)[:200]}, the import of the source planned "
+        f"again records {str(planned)[:200]}"
+    }
+
+
+def compare_with_source(
+    ckpt: str, src: str, progress=None, accept_uncertified: bool = False
+) -> Comparison:
     """Each tensor of the checkpoint at ``ckpt`` against the source ``src`` it was imported
     from, read by the source framework's own loader (see the module): the source tensor of
     each is found by planning the import of ``src`` again; every tensor of that plan is
@@ -665,6 +722,9 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
         ckpt: the UCP checkpoint.
         src: the source checkpoint (the path the import read).
         progress: called as ``progress(name, done, total)`` after each tensor.
+        accept_uncertified: a checkpoint whose ``ucp.json`` records no certificate of the
+            source's files (converted before jax_ucp recorded one, from an object store, or
+            with it deleted) is compared without it; otherwise that is a problem.
     """
     from jax_ucp._src import store
     from jax_ucp._src.restoring import locate
@@ -676,23 +736,39 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
         for name in _recorded_files(str(prov.get("format") or recorded_framework), prov):
             _inside(src, name, f"{ckpt}: {entry.name} (its provenance)")
     files_found, said, held = _check_certificate(src, manifest.source or {})
+    records: dict[str, str] = {}
+    if (manifest.source or {}).get(certificate.KEY) is None and not accept_uncertified:
+        records["source.certificate"] = (
+            f"{ckpt}: ucp.json records no certificate of the source's files (converted before "
+            f"jax_ucp recorded one, from an object store, or with it removed): nothing says "
+            f"{src} is the source that was converted; compare without it only on purpose "
+            f"(accept_uncertified=True, --accept-uncertified)"
+        )
     try:
         expected = _plan_again(src, manifest)
     except SourceError as e:
         if not files_found or not held:
             # no certified file at ``src`` at all: another folder; the import's reason says more
             raise SourceError(f"{e} (certificate: {said})" if files_found else str(e)) from None
-        return Comparison(files=files_found, certificate=f"{said}; no tensor compared: {e}")
+        return Comparison(
+            files=files_found, certificate=f"{said}; no tensor compared: {e}", records=records
+        )
+    records.update(
+        _settings(_json(manifest.source or {}), expected.source, unsaid=expected.unsaid)
+    )
     try:
         result = _compare(ckpt, src, manifest, expected, progress)
     except MissingExtraError as e:
         if not files_found:
             raise
         # the certificate already fails it: named, with why no tensor could be compared here
-        return Comparison(files=files_found, certificate=f"{said}; no tensor compared: {e}")
+        return Comparison(
+            files=files_found, certificate=f"{said}; no tensor compared: {e}", records=records
+        )
     finally:
         _clear_loaded()
     result.files, result.certificate, result.planned = files_found, said, expected
+    result.records = records
     return result
 
 
