@@ -528,3 +528,21 @@ def test_run_settings_edited_in_ucp_json_fail_against_the_intact_source(tmp_path
     _edit_manifest(out, lambda m: m["source"].pop("certificate"))
     assert [n for n, _ in jax_ucp.verify(out, against=src)] == ["source.certificate"]
     assert jax_ucp.verify(out, against=src, accept_uncertified=True) == []
+
+
+def test_a_source_in_an_object_store_or_on_the_hub_is_refused_naming_its_url(tmp_path, bucket_url):
+    """``--against s3://…`` / ``gs://…`` / ``hf://…``: a request error naming the URL, before
+    the checkpoint is read (before: the URL joined as a path, ``'s3:/bucket/...'``)."""
+    from tests.importers.deepspeed.test_object_store import upload
+
+    src = tmp_path / "src"
+    _hf_source(src)
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    url = upload(str(src), bucket_url)
+    assert jax_ucp.convert(url, tmp_path / "remote")  # a source there indeed
+    for where in (url, "hf://someone/model"):
+        with pytest.raises(jax_ucp.RequestError, match="local files only") as e:
+            jax_ucp.verify(out, against=where)
+        assert where in str(e.value)
+        r = runner.invoke(app, ["verify", str(out), "--against", where], env={"COLUMNS": "400"})
+        assert r.exit_code != 0 and where in " ".join(r.output.split()), r.output

@@ -47,7 +47,7 @@ from jax_ucp._src.format.manifest import torch_optimizer_record
 from jax_ucp._src.torchfiles import dcp as safe_dcp
 from jax_ucp._src.torchfiles import dcp_safetensors
 
-__all__ = ["Comparison", "compare_with_source", "dcp_reader", "source_weights"]
+__all__ = ["Comparison", "compare_with_source", "dcp_reader", "local_source", "source_weights"]
 
 # Every folder this module removes (ds_to_universal's temporary output) is logged here, as
 # every deletion jax_ucp makes: ``logging.getLogger("jax_ucp")`` shows it.
@@ -753,9 +753,7 @@ def compare_with_source(
         return Comparison(
             files=files_found, certificate=f"{said}; no tensor compared: {e}", records=records
         )
-    records.update(
-        _settings(_json(manifest.source or {}), expected.source, unsaid=expected.unsaid)
-    )
+    records.update(_settings(_json(manifest.source or {}), expected.source, unsaid=expected.unsaid))
     try:
         result = _compare(ckpt, src, manifest, expected, progress)
     except MissingExtraError as e:
@@ -770,6 +768,22 @@ def compare_with_source(
     result.files, result.certificate, result.planned = files_found, said, expected
     result.records = records
     return result
+
+
+def local_source(src: str) -> None:
+    """Refuses a source in an object store or on the Hub (``s3://``, ``gs://``, ``hf://``),
+    naming its URL: the frameworks' own loaders read local files (a path joined from the URL
+    became ``s3:/bucket/...``)."""
+    from jax_ucp._src import store
+
+    if not store.storage_for(src).local:
+        raise RequestError(
+            f"verify(against={src!r}): --against reads the source with its framework's own "
+            f"loaders (safetensors' safe_open, torch.load, torch DCP's dcp.load, DeepSpeed's "
+            f"zero_to_fp32), which read local files only, and its certificate is of local "
+            f"files: copy {src} to a local folder (aws s3 sync, gcloud storage cp -r, hf "
+            f"download) and give that folder"
+        )
 
 
 def _check_certificate(src: str, source: dict) -> tuple[dict[str, str], str, int]:

@@ -189,6 +189,10 @@ def verify(
     budget = parse_size(
         DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget, "verify(memory_budget=)"
     )
+    if against is not None:  # refused before the checkpoint is read: the URL named
+        from jax_ucp._src.against import local_source
+
+        local_source(os.fspath(against))
     from jax_ucp._src.restoring import verify_source
     from jax_ucp._src.restoring.sources import import_open
 
