@@ -281,3 +281,43 @@ def test_a_link_leading_out_of_the_source_is_never_read(tmp_path):
     os.symlink(tmp_path / "secret", src / "in.bin")  # swapped for a link out
     problems, equal = certificate.check(src, cert)
     assert equal == 1 and "outside the checkpoint" in problems["in.bin"], problems
+
+
+def _cache_snapshot(tmp_path) -> str:
+    """A Hugging Face cache snapshot (``models--org--m/snapshots/<rev>/``) whose files are links
+    into the repo's ``blobs/``, each named by its SHA-256, as huggingface_hub lays them out."""
+    repo = tmp_path / "models--org--m"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    shutil.move(_safetensors_source(tmp_path), plain / "model.safetensors")
+    (plain / "config.json").write_text('{"model_type": "llama"}')
+    for name in sorted(os.listdir(plain)):
+        data = (plain / name).read_bytes()
+        blob = hashlib.sha256(data).hexdigest()
+        (repo / "blobs" / blob).write_bytes(data)
+        os.symlink(f"../../blobs/{blob}", snapshot / name)
+    return str(snapshot)
+
+
+def test_a_hub_cache_snapshot_is_certified_and_compared_through_its_links(tmp_path):
+    """Files that are links into the cache repo's ``blobs/``: certified through the link (before:
+    0 files, each "not read") and read by their format (before: a blob without the
+    ``.safetensors`` name went to torch.load, "mmap can only be used with ..."); a blob changed
+    since is named by its snapshot name."""
+    src = _cache_snapshot(tmp_path)
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp")
+    assert sorted(_recorded(ckpt)["files"]) == ["config.json", "model.safetensors"]
+    found = jax_ucp.verify(ckpt, against=src)
+    assert found == [] and found.against is not None and found.against.equal == ["params/a"]
+    blob = os.path.realpath(os.path.join(src, "model.safetensors"))
+    os.chmod(blob, 0o644)
+    with open(blob, "r+b") as f:  # one element's high byte
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0x40]))
+    bad = jax_ucp.verify(ckpt, against=src)
+    assert [n for n, _ in bad] == ["model.safetensors", "params/a"], bad

@@ -157,7 +157,7 @@ def _loader(
     if not isinstance(file, str):
         raise SourceError("the import names no source file")
     path = src if os.path.isfile(src) else _inside(src, file, entry_name)
-    if path.endswith(".safetensors"):
+    if _is_safetensors(path):  # by its bytes: a cache snapshot's blob has no extension
         return lambda: _safetensors_tensor(path, inner), name
     rows = provenance.get("rows_permuted")
     if isinstance(rows, dict):  # torchtune's q/k moments, moved as its weights are
@@ -282,6 +282,17 @@ def _hf_rows(value: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     moments: the source tensor as torch reads it, moved the same way before comparing."""
     dim = value.shape[1]
     return value.reshape(heads, head_dim // 2, 2, dim).transpose(0, 2, 1, 3).reshape(-1, dim)
+
+
+def _is_safetensors(path: str) -> bool:
+    """Whether the file at ``path`` is in safetensors' format (an 8-byte little-endian header
+    size, then the JSON header's ``{``), whatever its name."""
+    fd = files.open_regular(path)
+    try:
+        head = os.pread(fd, 9, 0)
+    finally:
+        os.close(fd)
+    return len(head) == 9 and head[8:9] == b"{"
 
 
 def _safetensors_tensor(path: str, name: str) -> np.ndarray:
