@@ -82,6 +82,10 @@ class Comparison:
     #: reads, such as clipping, betas or the scheduler's position), and a certificate missing
     #: without ``accept_uncertified``
     records: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: of the compared tensors, those no framework loader gives whole (megatron-core's flat
+    #: optimizer buckets, tensor-parallel merges, the step), compared with what the import of
+    #: the source planned again builds (``_rebuilt``)
+    rebuilt: list[str] = dataclasses.field(default_factory=list)
     #: the import of the source as planned again (``source_weights`` reads by it: no detector
     #: is asked twice per verify)
     planned: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -350,7 +354,13 @@ def _deepspeed_loader(
         path = os.path.join(folder, "zero", name, f"{moment}.pt")
         if not os.path.isfile(path):
             raise SourceError(f"{src}: ds_to_universal writes no {name}/{moment}.pt")
-        value = torch.load(path, weights_only=True, map_location="cpu")
+        try:
+            value = torch.load(path, weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError as e:  # DeepSpeed's classes in its own output
+            raise SourceError(
+                f"no framework loader reads it here: torch.load(weights_only=True) refuses "
+                f"ds_to_universal's {name}/{moment}.pt ({str(e).splitlines()[-1][:200]})"
+            ) from None
         value = value["param"] if isinstance(value, dict) else value
         if stage == 3 and value.dim() == 1:  # ZeRO-3's stay flat; shaped as zero_to_fp32's
             weight = _cached(src, "zero_to_fp32", _zero_to_fp32).get(name)
@@ -362,10 +372,20 @@ def _deepspeed_loader(
 
 
 def _cached(src: str, what: str, make: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-    """One DeepSpeed consolidation of ``src`` kept for the whole comparison."""
+    """One DeepSpeed consolidation of ``src`` kept for the whole comparison; DeepSpeed's own
+    tool failing on it (zero_to_fp32 on a pipeline-parallel save, ds_to_universal on a class
+    torch.load refuses) is said once, as no framework loader reading it here."""
     key = f"{what}:{src}"
     if key not in _DEEPSPEED:
-        _DEEPSPEED[key] = make(src)
+        try:
+            _DEEPSPEED[key] = make(src)
+        except (ImportError, SourceError):
+            raise
+        except Exception as e:  # DeepSpeed's own tool on its own files: its error, named
+            why = f"{type(e).__name__}: {str(e)[:200]}"
+            _DEEPSPEED[key] = {"failed": f"no framework loader reads it here: {what} fails ({why})"}
+    if "failed" in _DEEPSPEED[key]:
+        raise SourceError(_DEEPSPEED[key]["failed"])
     return _DEEPSPEED[key]
 
 
@@ -593,6 +613,9 @@ class _Expected:
     source: dict[str, Any]  # the plan's source record (framework, path, skipped)
     provenance: dict[tuple[str, ...], dict]  # output key -> provenance, as JSON
     how: str  # the options it was planned with, for the messages
+    #: output key -> the re-planned item, kept where it is lazy (``writer.Deferred``) or small:
+    #: what a tensor no framework loader gives whole is compared with (``_rebuilt``)
+    items: dict[tuple[str, ...], Any] = dataclasses.field(default_factory=dict)
     #: source fields that say how the order was given (``parameter_order=`` now, the
     #: ``model_config=`` it was rebuilt from then): not compared as settings
     unsaid: tuple[str, ...] = ()
@@ -652,14 +675,18 @@ def _plan_again(src: str, manifest: Any) -> _Expected:
             importer, **{k: v for k, v in fields.items() if k in known}
         )
         plan = registry.plan_import(src, options, format=importer)
-        provenance = {tuple(item.key): _json(item.provenance or {}) for item in plan.items}
+        provenance, items = {}, {}
+        for item in plan.items:
+            provenance[tuple(item.key)] = _json(item.provenance or {})
+            if _lazy(item.value):
+                items[tuple(item.key)] = item
     except (SourceError, RequestError) as e:
         raise SourceError(
             f"{src}: its import cannot be planned again ({how}) to find the source tensor of "
             f"each checkpoint tensor (never taken from the checkpoint's own records): {e}"
         ) from None
     unsaid = ("optimizer_keys", "parameter_order", "notes") if order is not None else ()
-    return _Expected(_json(plan.source), provenance, how, unsaid)
+    return _Expected(_json(plan.source), provenance, how, items, unsaid)
 
 
 def _shown(provenance: dict) -> str:
@@ -828,7 +855,7 @@ def _clear_loaded() -> None:
     _TORCH_FILES.clear()
     _dcp_keys.cache_clear()
     for key, value in _DEEPSPEED.items():
-        if key.startswith("ds_to_universal:"):
+        if key.startswith("ds_to_universal:") and "folder" in value:
             # its parent: our mkdtemp, which holds DeepSpeed's latest_universal too
             _discard(os.path.dirname(value["folder"]), "ds_to_universal's output, compared")
     _DEEPSPEED.clear()
@@ -882,7 +909,8 @@ def _compare(ckpt: str, src: str, manifest: Any, expected: _Expected, progress) 
                 f"{entry.name!r}"
             )
         else:
-            _compare_one(ckpt, src, entry, planned, expected.source, result)
+            item = expected.items.get(tuple(entry.key))
+            _compare_one(ckpt, src, entry, planned, expected.source, result, item)
         if progress is not None:
             progress(entry.name, done, total)
     held = {tuple(e.key) for e in (*manifest.tensors, *manifest.values)}
@@ -912,9 +940,70 @@ def _compare(ckpt: str, src: str, manifest: Any, expected: _Expected, progress) 
     return result
 
 
-def _compare_one(ckpt: str, src: str, entry: Any, planned: dict, source: dict, result) -> None:
+#: how a reason that no framework loader gives a tensor whole starts: then compared with the
+#: import planned again
+_NO_LOADER = ("built ", "no framework loader", "no DeepSpeed loader")
+
+
+def _lazy(value: Any) -> bool:
+    """Whether a planned item's value holds no tensor's memory yet (built when asked: a
+    ``writer.Deferred``) or little (a step, a scalar)."""
+    from jax_ucp._src import writer
+
+    return isinstance(value, writer.Deferred) or getattr(value, "nbytes", 1 << 20) < 1 << 16
+
+
+@contextlib.contextmanager
+def _dcp_read_by_torch():
+    """Within it, each DCP tensor an importer reads (``DcpCheckpoint._assemble``: megatron-core's
+    flat optimizer buckets) is read whole by torch's own ``dcp.load`` instead, a few kept."""
+    from jax_ucp._src.torchfiles.dcp import DcpCheckpoint
+
+    kept: dict[tuple[str, str], np.ndarray] = {}
+
+    def assemble(self: Any, t: Any, start: int, stop: int | None) -> np.ndarray:
+        key = (str(self.path), t.name)
+        if key not in kept:
+            if len(kept) >= 6:
+                kept.pop(next(iter(kept)))
+            kept[key] = _dcp_tensor(str(self.path), t.name)
+        return kept[key] if stop is None else kept[key][start:stop]
+
+    original = DcpCheckpoint._assemble
+    DcpCheckpoint._assemble = assemble  # pyright: ignore[reportAttributeAccessIssue]
+    try:
+        yield
+    finally:
+        DcpCheckpoint._assemble = original
+
+
+def _rebuilt(item: Any, fmt: str, why: str) -> tuple[np.ndarray, str]:
+    """(the value the import of the source planned again builds for ``item``, what read it):
+    a tensor no framework loader gives whole (megatron-core's flat distributed-optimizer
+    buckets, a tensor-parallel merge, the step). Of a torch_dist source every byte is read by
+    torch's own ``dcp.load`` (each parameter's place in the buckets the import derives, every
+    fp32 master checked against the model weight torch reads); of others by the import's
+    readers, from the certified files."""
+    from jax_ucp._src import writer
+
+    by_torch = fmt in ("torch_dist", "fsdp_dtensor")
+    try:
+        with _dcp_read_by_torch() if by_torch else contextlib.nullcontext():
+            value = item.value
+            value = value.build("/".join(item.key)) if isinstance(value, writer.Deferred) else value
+            value = np.asarray(value)
+    except ImportError as e:
+        raise (_missing_extra(e) or e) from None
+    reader = "torch's dcp.load" if by_torch else "jax_ucp's readers"
+    return value, f"the import planned again ({why}; bytes read by {reader})"
+
+
+def _compare_one(
+    ckpt: str, src: str, entry: Any, planned: dict, source: dict, result, item: Any = None
+) -> None:
     """One checkpoint tensor against the source tensor the import of ``src`` takes it from
-    (``planned``); a recorded provenance that says otherwise is reported."""
+    (``planned``), else (one no framework loader gives whole) against the value the re-planned
+    ``item`` builds; a recorded provenance that says otherwise is reported."""
     from jax_ucp._src.restoring import restore_entry
     from jax_ucp._src.restoring.options import RestoreOptions
 
@@ -932,7 +1021,14 @@ def _compare_one(ckpt: str, src: str, entry: Any, planned: dict, source: dict, r
             + ")"
         )
     try:
-        want, source_name = _read(src, entry.name, planned, source)
+        try:
+            want, source_name = _read(src, entry.name, planned, source)
+        except SourceError as e:
+            if item is None or not str(e).startswith(_NO_LOADER):
+                raise
+            fmt = str(planned.get("format") or source.get("framework") or "")
+            want, source_name = _rebuilt(item, fmt, str(e))
+            result.rebuilt.append(entry.name)
     except (UnsafeFileError, MissingExtraError):
         raise
     except (SourceError, OSError, ValueError, RuntimeError) as e:

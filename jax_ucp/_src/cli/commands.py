@@ -429,6 +429,13 @@ def _say_compared(found, against: str) -> None:
         f"{len(found.not_compared)} not compared (built by the import), "
         f"{len(found.missing)} missing from the checkpoint; compared: "
         f"{len(compared) - moments} weights, {moments} optimizer state"
+        + (
+            f" ({len(found.rebuilt)} that no framework loader gives whole with the import "
+            f"planned again: the flat buckets of megatron-core's distributed optimizer, "
+            f"tensor-parallel merges, the step)"
+            if found.rebuilt
+            else ""
+        )
     )
 
 
