@@ -116,8 +116,8 @@ def test_deepspeed_weights_against_zero_to_fp32_and_moments_against_ds_to_univer
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     with caplog.at_level(logging.INFO, logger="jax_ucp"):
         found = jax_ucp.verify(out, against=src)
-    assert list(found) == []
-    assert [n for n, _ in found.notices] == ["opt_state/count"]
+    assert list(found) == [] and found.notices == []  # the step too (the import planned again)
+    assert found.against is not None and "opt_state/count" in found.against.equal
     assert os.listdir(scratch) == []
     removed = [r.getMessage() for r in caplog.records if "removing" in r.getMessage()]
     assert any(str(scratch / "ucp-against-") in m for m in removed), removed
@@ -135,24 +135,24 @@ def test_fsdp1_sharded_tensors_no_torch_loader_reads_is_said_and_exits_1(tmp_pat
     assert r.exit_code == 1 and "ShardedTensor" in r.output, r.output
 
 
-# Every importer whose fixture torch's own loaders read: (fixture, convert keywords, the
-# tensors listed as not compared). Only the optimizer step, which every import builds from the
-# per-parameter steps, is not compared; DeepSpeed's weights are read through its zero_to_fp32,
-# its moments through its ds_to_universal.
+# Every importer whose fixture torch's own loaders read: (fixture, convert keywords).
+# Every tensor is compared: DeepSpeed's weights through its zero_to_fp32, its moments through
+# its ds_to_universal; the optimizer step, which every import builds from the per-parameter
+# steps, with the import planned again.
 AGAINST = {
-    "verl_fsdp2": ("verl/fsdp2", {}, "opt_state/count"),
-    "verl_fsdp2_tied": ("verl/fsdp2_tied", {}, "opt_state/count"),
-    "torch_checkpointing": ("torch_checkpointing/tc_fsdp2_synthetic_layout/step-3", {}, "opt_state/count"),
-    "torchtune_dist_async": ("torchtune/tt_dist_async", {"parameter_order": True}, "opt_state/count"),
-    "trainer_ds_z2": ("hf_trainer/trainer_ds_z2/checkpoint-3", {}, "opt_state/count"),
-    "trainer_ds_z3": ("hf_trainer/trainer_ds_z3/checkpoint-3", {}, "opt_state/count"),
-    "trainer_fsdp": ("hf_trainer/trainer_fsdp_synthetic_layout/checkpoint-3", {}, "opt_state/count"),
-    "olmo_core": ("olmo_core/olmo_fp32", {}, "opt_state/count"),
+    "verl_fsdp2": ("verl/fsdp2", {}),
+    "verl_fsdp2_tied": ("verl/fsdp2_tied", {}),
+    "torch_checkpointing": ("torch_checkpointing/tc_fsdp2_synthetic_layout/step-3", {}),
+    "torchtune_dist_async": ("torchtune/tt_dist_async", {"parameter_order": True}),
+    "trainer_ds_z2": ("hf_trainer/trainer_ds_z2/checkpoint-3", {}),
+    "trainer_ds_z3": ("hf_trainer/trainer_ds_z3/checkpoint-3", {}),
+    "trainer_fsdp": ("hf_trainer/trainer_fsdp_synthetic_layout/checkpoint-3", {}),
+    "olmo_core": ("olmo_core/olmo_fp32", {}),
 }  # fmt: skip
 
 
 def _convert(tmp_path, kind):
-    rel, kw, _ = AGAINST[kind]
+    rel, kw = AGAINST[kind]
     src = os.path.join(FIX, rel)
     if kw.get("parameter_order"):
         from tests.importers.torch.test_torchtune import ORDER
@@ -238,8 +238,7 @@ def test_every_importer_against_its_framework_own_loader(tmp_path, kind):
     src, out = _convert(tmp_path, kind)
     found = jax_ucp.verify(out, against=src)
     assert list(found) == [], found
-    expected_not_compared = AGAINST[kind][2]
-    assert all(n.startswith(expected_not_compared) for n, _ in found.notices), found.notices
+    assert found.against is not None and found.against.not_compared == {}  # the step too
     weights = [e.name for e in jax_ucp.inspect(out).tensors if e.name.startswith("params/")]
     assert weights and not any(n.startswith("params/") for n, _ in found.notices)
     r = runner.invoke(app, ["verify", str(out), "--against", src])
@@ -287,7 +286,7 @@ def test_olmo_core_step_folder_against_dcp_load(tmp_path):
     torch.save({"global_step": 3, "world_size": 1}, os.path.join(src, "train", "rank0.pt"))
     out = jax_ucp.convert(src, tmp_path / "ucp")
     found = jax_ucp.verify(out, against=src)
-    assert list(found) == [] and [n for n, _ in found.notices] == ["opt_state/count"]
+    assert list(found) == [] and found.notices == []
     with pytest.raises(jax_ucp.UCPError, match=r"OLMo-core save folder.*Convert one of them"):
         jax_ucp.verify(out, against=os.path.dirname(src))
 
@@ -394,10 +393,14 @@ def test_a_source_tensor_the_checkpoint_lacks_is_reported_missing(tmp_path):
     out = jax_ucp.convert(src, tmp_path / "ucp")
     _hf_source(src)  # the source as it is: the import dropped one of its tensors
     _edit_manifest(out, lambda m: m["source"].pop("certificate"))  # one vouching for no file
-    bad = dict(jax_ucp.verify(out, against=src))
+    bad = dict(jax_ucp.verify(out, against=src, accept_uncertified=True))
     assert list(bad) == [f"params/{dropped}"], bad
     assert "missing from the checkpoint" in bad[f"params/{dropped}"]
-    r = runner.invoke(app, ["verify", str(out), "--against", str(src)], env={"COLUMNS": "300"})
+    r = runner.invoke(
+        app,
+        ["verify", str(out), "--against", str(src), "--accept-uncertified"],
+        env={"COLUMNS": "300"},
+    )
     assert r.exit_code == 1 and dropped in r.output, r.output
     assert "1 source tensor missing" in r.output and "failed" not in r.output, r.output
 
@@ -421,11 +424,15 @@ def test_a_checkpoint_tensor_the_source_does_not_hold_is_reported(tmp_path):
     out = jax_ucp.convert(src, tmp_path / "ucp")
     _hf_source(src)  # the source without it
     _edit_manifest(out, lambda m: m["source"].pop("certificate"))  # one vouching for no file
-    bad = dict(jax_ucp.verify(out, against=src))
+    bad = dict(jax_ucp.verify(out, against=src, accept_uncertified=True))
     assert list(bad) == [f"params/{extra}"], bad
     assert "not in the source" in bad[f"params/{extra}"]
     assert "built from 0 source tensors" not in bad[f"params/{extra}"]
-    r = runner.invoke(app, ["verify", str(out), "--against", str(src)], env={"COLUMNS": "300"})
+    r = runner.invoke(
+        app,
+        ["verify", str(out), "--against", str(src), "--accept-uncertified"],
+        env={"COLUMNS": "300"},
+    )
     assert r.exit_code == 1 and extra in r.output, r.output
 
 
@@ -460,3 +467,126 @@ def test_a_dcp_another_torch_wrote_is_compared_or_named_never_a_bare_unpack_erro
         assert f"torch {torch.__version__}'s own DCP reader cannot read its .metadata" in str(e)
     else:
         assert not found and not found.notices, (list(found), found.notices)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", ["gpt_tp2", "llama_distopt_bf16_tp2dp2"])
+def test_megatron_converted_with_vocab_size_verifies_clean(tmp_path, name):
+    """``--vocab-size`` (as MEGATRON.md asks): the import planned again with the recorded vocab
+    size, each stripped tensor compared with the source's first rows (before: "made from
+    embedding.word_embeddings.weight, the import makes it from embedding.word_embeddings.weight",
+    the same name twice, exit 1)."""
+    from jax_ucp.conversion import MegatronOptions
+
+    src = os.path.join(FIX, "megatron", name)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=MegatronOptions(vocab_size=61))
+    found = jax_ucp.verify(out, against=src)
+    assert list(found) == [], found
+    stripped = [e.name for e in jax_ucp.inspect(out).tensors if e.shape[:1] == (61,)]
+    assert stripped and set(stripped) <= set(found.against.equal)
+    r = runner.invoke(app, ["verify", str(out), "--against", src, "--vocab-size", "61"])
+    assert r.exit_code != 0  # verify takes no import options: they are the manifest's
+    r = runner.invoke(app, ["verify", str(out), "--against", src])
+    assert r.exit_code == 0, r.output
+
+
+# (where in ucp.json's source record, the value written there): each a setting optax_from_torch
+# continues with (DeepSpeed's clipping, rank 0's betas, the scheduler's position)
+EDITS = {
+    "gradient_clipping": (("optimizer", "config", "gradient_clipping"), 0.0),
+    "betas": (("optimizer", "param_groups", 0, "betas"), [0.8, 0.95]),
+    "scheduler_position": (("optimizer", "scheduler", "last_batch_iteration"), 5),
+}
+
+
+@pytest.mark.torch
+def test_run_settings_edited_in_ucp_json_fail_against_the_intact_source(tmp_path):
+    """A converted DeepSpeed run whose ucp.json records clipping 0, other betas or another
+    scheduler position: each named with both values against the intact source, exit 1 (before:
+    exit 0, while optax_from_torch continued differently); the certificate deleted: a failure
+    saying so (before: "no certificate recorded", exit 0), passed only when accepted."""
+    src = os.path.join(FIX, "deepspeed", "recipe_z2_bf16_adamw_decay", "ckpt")
+    pristine = jax_ucp.convert(src, tmp_path / "ucp")
+    for what, (where, value) in EDITS.items():
+        out = shutil.copytree(pristine, tmp_path / what)
+
+        def edit(manifest, where=where, value=value):
+            node = manifest["source"]
+            for part in where[:-1]:
+                node = node[part]
+            node[where[-1]] = value
+
+        _edit_manifest(out, edit)
+        field = "source." + ".".join(map(str, where))
+        bad = dict(jax_ucp.verify(out, against=src))
+        assert list(bad) == [field], (what, bad)
+        assert f"records {value}" in bad[field], bad[field]
+        r = runner.invoke(app, ["verify", str(out), "--against", src], env={"COLUMNS": "400"})
+        assert r.exit_code == 1 and field in r.output, r.output
+    out = shutil.copytree(pristine, tmp_path / "uncertified")
+    _edit_manifest(out, lambda m: m["source"].pop("certificate"))
+    assert [n for n, _ in jax_ucp.verify(out, against=src)] == ["source.certificate"]
+    assert jax_ucp.verify(out, against=src, accept_uncertified=True) == []
+
+
+def test_a_source_in_an_object_store_or_on_the_hub_is_refused_naming_its_url(tmp_path, bucket_url):
+    """``--against s3://…`` / ``gs://…`` / ``hf://…``: a request error naming the URL, before
+    the checkpoint is read (before: the URL joined as a path, ``'s3:/bucket/...'``)."""
+    from tests.importers.deepspeed.test_object_store import upload
+
+    src = tmp_path / "src"
+    _hf_source(src)
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    url = upload(str(src), bucket_url)
+    assert jax_ucp.convert(url, tmp_path / "remote")  # a source there indeed
+    for where in (url, "hf://someone/model"):
+        with pytest.raises(jax_ucp.RequestError, match="local files only") as e:
+            jax_ucp.verify(out, against=where)
+        assert where in str(e.value)
+        r = runner.invoke(app, ["verify", str(out), "--against", where], env={"COLUMNS": "400"})
+        assert r.exit_code != 0 and where in " ".join(r.output.split()), r.output
+
+
+@pytest.mark.torch
+def test_megatron_distributed_optimizer_buckets_are_compared_masters_moments_and_step(tmp_path):
+    """megatron-core's default distributed-optimizer layout (dp_reshardable: flat per-rank
+    buckets, TP2 DP2 bf16): every fp32 master, Adam moment and the step compared, each bucket
+    read by torch's own dcp.load (before: 19 of 37 "not compared (built by the import)"); one
+    byte of an exp_avg_sq bucket changed in the source names the moments it lands in."""
+    import io
+
+    import torch
+
+    from jax_ucp._src.against import dcp_reader
+
+    fixture = os.path.join(FIX, "megatron", "mcore_versions", "0.16.1")
+    src = str(
+        shutil.copytree(
+            os.path.join(fixture, "llama_distopt_bf16_tp2dp2_buckets"), tmp_path / "src"
+        )
+    )
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    found = jax_ucp.verify(out, against=src)
+    assert list(found) == [] and found.notices == [], (found, found.notices)
+    names = [e.name for e in jax_ucp.inspect(out).tensors]
+    assert found.against is not None and sorted(found.against.equal) == sorted(names)
+    assert {"opt_state/count", *(n for n in names if n.startswith("params/"))} <= set(
+        found.against.rebuilt
+    )
+    meta = dcp_reader(src).read_metadata()
+    index, where = next(
+        (i, s) for i, s in meta.storage_data.items() if i.fqn.endswith("exp_avg_sq")
+    )
+    path = os.path.join(src, where.relative_path)
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    chunk = bytes(data[where.offset : where.offset + where.length])
+    raw = torch.load(io.BytesIO(chunk), weights_only=True).numpy().tobytes()
+    data[where.offset + chunk.index(raw) + 3] ^= 0x40  # the first element's high byte
+    with open(path, "wb") as f:
+        f.write(data)
+    bad = jax_ucp.verify(out, against=src)
+    assert bad.against is not None and list(bad.against.files) == [where.relative_path]
+    assert bad.against.different and all(
+        n.startswith("opt_state/nu/") for n in bad.against.different
+    )

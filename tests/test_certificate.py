@@ -2,7 +2,7 @@
 name, size and SHA-256); ``verify --against SRC`` checks it first: a changed byte, a removed or
 an added file of the source fails naming the file, before any tensor is compared (so these run
 without torch); an intact source then has its weights and optimizer moments compared (torch's
-loaders: marked ``torch``); a checkpoint converted before certificates still verifies."""
+loaders: marked ``torch``); a checkpoint without one fails unless accepted."""
 
 from __future__ import annotations
 
@@ -175,19 +175,43 @@ def test_a_single_file_source_is_certified_and_verified(tmp_path):
     assert "certificate: 1 certified files equal" in " ".join(r.output.split())
 
 
-def test_a_checkpoint_without_a_certificate_still_verifies(tmp_path):
-    """A checkpoint converted before certificates were recorded: its tensors are compared, and
-    ``verify --against`` says that no certificate was recorded."""
+def test_a_checkpoint_without_a_certificate_fails_unless_accepted(tmp_path):
+    """A checkpoint converted before certificates were recorded (or whose certificate was
+    deleted): ``verify --against`` fails saying so (before: "no certificate recorded", exit 0,
+    so deleting it passed any source); ``accept_uncertified`` / ``--accept-uncertified``
+    compares the tensors without it."""
     src = _safetensors_source(tmp_path)
     plan = registry.plan_import(src)  # as convert wrote before it recorded a certificate
     ckpt = writer.write_host_checkpoint(str(tmp_path / "ucp"), plan.items, source=plan.source)
     with open(os.path.join(ckpt, "ucp.json")) as f:
         assert "certificate" not in json.load(f)["source"]
     found = jax_ucp.verify(ckpt, against=src)
-    assert found == [] and found.against is not None and found.against.equal == ["params/a"]
-    assert found.against.certificate.startswith("no certificate recorded")
-    r = runner.invoke(app, ["verify", ckpt, "--against", src])
+    assert [n for n, _ in found] == ["source.certificate"], found
+    assert "records no certificate" in found[0][1] and "--accept-uncertified" in found[0][1]
+    assert found.against is not None and found.against.equal == ["params/a"]
+    r = runner.invoke(app, ["verify", ckpt, "--against", src], env={"COLUMNS": "300"})
+    assert r.exit_code == 1 and "records no certificate" in r.output, r.output
+    found = jax_ucp.verify(ckpt, against=src, accept_uncertified=True)
+    assert found == [] and found.against.certificate.startswith("no certificate recorded")
+    r = runner.invoke(app, ["verify", ckpt, "--against", src, "--accept-uncertified"])
     assert r.exit_code == 0 and "no certificate recorded" in r.output, r.output
+
+
+def test_a_run_setting_edited_in_ucp_json_fails_against_the_source(tmp_path):
+    """The source record ``ucp.json`` keeps (what a continuation reads) against the import of
+    the source planned again: one field edited is named with both values, exit 1 (before:
+    tensors alone were compared, exit 0)."""
+    src = _safetensors_source(tmp_path)
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp")
+    path = os.path.join(ckpt, "ucp.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["source"]["framework"] = "deepspeed"
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    found = jax_ucp.verify(ckpt, against=src)
+    assert [n for n, _ in found] == ["source.framework"], found
+    assert "records deepspeed" in found[0][1] and "records safetensors" in found[0][1]
 
 
 @pytest.mark.torch
@@ -257,3 +281,43 @@ def test_a_link_leading_out_of_the_source_is_never_read(tmp_path):
     os.symlink(tmp_path / "secret", src / "in.bin")  # swapped for a link out
     problems, equal = certificate.check(src, cert)
     assert equal == 1 and "outside the checkpoint" in problems["in.bin"], problems
+
+
+def _cache_snapshot(tmp_path) -> str:
+    """A Hugging Face cache snapshot (``models--org--m/snapshots/<rev>/``) whose files are links
+    into the repo's ``blobs/``, each named by its SHA-256, as huggingface_hub lays them out."""
+    repo = tmp_path / "models--org--m"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    shutil.move(_safetensors_source(tmp_path), plain / "model.safetensors")
+    (plain / "config.json").write_text('{"model_type": "llama"}')
+    for name in sorted(os.listdir(plain)):
+        data = (plain / name).read_bytes()
+        blob = hashlib.sha256(data).hexdigest()
+        (repo / "blobs" / blob).write_bytes(data)
+        os.symlink(f"../../blobs/{blob}", snapshot / name)
+    return str(snapshot)
+
+
+def test_a_hub_cache_snapshot_is_certified_and_compared_through_its_links(tmp_path):
+    """Files that are links into the cache repo's ``blobs/``: certified through the link (before:
+    0 files, each "not read") and read by their format (before: a blob without the
+    ``.safetensors`` name went to torch.load, "mmap can only be used with ..."); a blob changed
+    since is named by its snapshot name."""
+    src = _cache_snapshot(tmp_path)
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp")
+    assert sorted(_recorded(ckpt)["files"]) == ["config.json", "model.safetensors"]
+    found = jax_ucp.verify(ckpt, against=src)
+    assert found == [] and found.against is not None and found.against.equal == ["params/a"]
+    blob = os.path.realpath(os.path.join(src, "model.safetensors"))
+    os.chmod(blob, 0o644)
+    with open(blob, "r+b") as f:  # one element's high byte
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0x40]))
+    bad = jax_ucp.verify(ckpt, against=src)
+    assert [n for n, _ in bad] == ["model.safetensors", "params/a"], bad

@@ -83,3 +83,29 @@ def test_deepspeed_checkpoint_without_its_safetensors(tmp_path):
     found = jax_ucp.verify(ckpt, against=src, logits=True)
     assert found.logits is not None and found.logits.ok, (list(found), found.logits)
     assert "built from" in found.logits.source
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_precision_run_through_its_framework_loader(tmp_path, dtype):
+    """A bf16 / fp16 run's weights (a torch.save state dict beside its config.json, read by
+    torch.load): computed in fp32 on both sides, the logits agree within the default tolerance
+    (before: bf16 was a raw ``TypeError: can't convert np.ndarray of type
+    ml_dtypes.bfloat16``)."""
+    import torch  # pyright: ignore[reportMissingImports]
+    from torch.distributed.checkpoint.format_utils import (  # pyright: ignore[reportMissingImports]
+        dcp_to_torch_save,
+    )
+
+    whole = tmp_path / "whole.pt"
+    dcp_to_torch_save(DCP, str(whole))
+    state = torch.load(whole, weights_only=True)
+    model = {k: v for k, v in state["model"].items()} if "model" in state else state
+    src = tmp_path / "src"
+    src.mkdir()
+    half = {k: v.to(getattr(torch, dtype)) for k, v in model.items() if torch.is_tensor(v)}
+    torch.save(half, src / "weights.pt")
+    shutil.copy(DCP + ".config.json", src / "config.json")
+    ckpt = jax_ucp.convert(src / "weights.pt", tmp_path / "ucp")
+    found = jax_ucp.verify(ckpt, against=src / "weights.pt", logits=True)
+    assert list(found) == [] and found.logits is not None and found.logits.ok, found.logits
+    assert "built from" in found.logits.source

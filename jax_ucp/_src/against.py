@@ -47,7 +47,7 @@ from jax_ucp._src.format.manifest import torch_optimizer_record
 from jax_ucp._src.torchfiles import dcp as safe_dcp
 from jax_ucp._src.torchfiles import dcp_safetensors
 
-__all__ = ["Comparison", "compare_with_source", "dcp_reader", "source_weights"]
+__all__ = ["Comparison", "compare_with_source", "dcp_reader", "local_source", "source_weights"]
 
 # Every folder this module removes (ds_to_universal's temporary output) is logged here, as
 # every deletion jax_ucp makes: ``logging.getLogger("jax_ucp")`` shows it.
@@ -77,15 +77,30 @@ class Comparison:
     #: what the certificate check found, said (``"no certificate recorded"`` for a checkpoint
     #: converted before certificates were)
     certificate: str = ""
+    #: what the checkpoint's ``source`` record says otherwise than the import of the source
+    #: planned again records (``source.<field>`` -> both values: a run setting a continuation
+    #: reads, such as clipping, betas or the scheduler's position), and a certificate missing
+    #: without ``accept_uncertified``
+    records: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: of the compared tensors, those no framework loader gives whole (megatron-core's flat
+    #: optimizer buckets, tensor-parallel merges, the step), compared with what the import of
+    #: the source planned again builds (``_rebuilt``)
+    rebuilt: list[str] = dataclasses.field(default_factory=list)
     #: the import of the source as planned again (``source_weights`` reads by it: no detector
     #: is asked twice per verify)
     planned: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
-        """Every certified file equal, every compared tensor equal (and at least one compared),
-        none missing."""
-        return not self.files and not self.different and not self.missing and bool(self.equal)
+        """Every certified file equal, every recorded setting as planned again, every compared
+        tensor equal (and at least one compared), none missing."""
+        return (
+            not self.files
+            and not self.records
+            and not self.different
+            and not self.missing
+            and bool(self.equal)
+        )
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -112,6 +127,11 @@ def _loader(
     ``recorded``: the source path the import planned again records, whose tail locates rank
     files under ``src``; every file name becomes a path through ``files.inside_checkpoint``."""
     how, tensors, pattern = _how(fmt), provenance.get("tensors") or [], provenance.get("pattern")
+    strip = re.fullmatch(r"vocab\(strip ([0-9]+) -> ([0-9]+)\)", str(pattern))
+    if strip and how.loader == "recorded_dcp":  # --vocab-size: the source's first rows
+        provenance = {**provenance, "pattern": how.read}
+        read, name = _loader(fmt, src, provenance, entry_name, recorded)
+        return lambda: _rows(read(), *map(int, strip.groups())), f"{name}[:{strip.group(2)}]"
     if how.read not in (None, pattern or ""):
         raise SourceError(f"built by the import ({pattern})")
     if how.loader == "ranks":
@@ -141,12 +161,20 @@ def _loader(
     if not isinstance(file, str):
         raise SourceError("the import names no source file")
     path = src if os.path.isfile(src) else _inside(src, file, entry_name)
-    if path.endswith(".safetensors"):
+    if _is_safetensors(path):  # by its bytes: a cache snapshot's blob has no extension
         return lambda: _safetensors_tensor(path, inner), name
     rows = provenance.get("rows_permuted")
     if isinstance(rows, dict):  # torchtune's q/k moments, moved as its weights are
         return lambda: _hf_rows(_torch_to_numpy(_torch_file_value(path, inner)), **rows), name
     return lambda: _torch_to_numpy(_torch_file_value(path, inner)), name
+
+
+def _rows(value: np.ndarray, padded: int, kept: int) -> np.ndarray:
+    """The first ``kept`` rows of a source tensor of ``padded`` rows (the vocab padding the
+    import stripped, ``vocab_size=``)."""
+    if value.shape[:1] != (padded,):
+        raise SourceError(f"{list(value.shape)} in the source, {padded} rows planned")
+    return value[:kept]
 
 
 def _read(src: str, name: str, planned: dict, source: dict) -> tuple[np.ndarray, str]:
@@ -260,6 +288,17 @@ def _hf_rows(value: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     return value.reshape(heads, head_dim // 2, 2, dim).transpose(0, 2, 1, 3).reshape(-1, dim)
 
 
+def _is_safetensors(path: str) -> bool:
+    """Whether the file at ``path`` is in safetensors' format (an 8-byte little-endian header
+    size, then the JSON header's ``{``), whatever its name."""
+    fd = files.open_regular(path)
+    try:
+        head = os.pread(fd, 9, 0)
+    finally:
+        os.close(fd)
+    return len(head) == 9 and head[8:9] == b"{"
+
+
 def _safetensors_tensor(path: str, name: str) -> np.ndarray:
     from safetensors import safe_open
 
@@ -315,7 +354,13 @@ def _deepspeed_loader(
         path = os.path.join(folder, "zero", name, f"{moment}.pt")
         if not os.path.isfile(path):
             raise SourceError(f"{src}: ds_to_universal writes no {name}/{moment}.pt")
-        value = torch.load(path, weights_only=True, map_location="cpu")
+        try:
+            value = torch.load(path, weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError as e:  # DeepSpeed's classes in its own output
+            raise SourceError(
+                f"no framework loader reads it here: torch.load(weights_only=True) refuses "
+                f"ds_to_universal's {name}/{moment}.pt ({str(e).splitlines()[-1][:200]})"
+            ) from None
         value = value["param"] if isinstance(value, dict) else value
         if stage == 3 and value.dim() == 1:  # ZeRO-3's stay flat; shaped as zero_to_fp32's
             weight = _cached(src, "zero_to_fp32", _zero_to_fp32).get(name)
@@ -327,10 +372,20 @@ def _deepspeed_loader(
 
 
 def _cached(src: str, what: str, make: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-    """One DeepSpeed consolidation of ``src`` kept for the whole comparison."""
+    """One DeepSpeed consolidation of ``src`` kept for the whole comparison; DeepSpeed's own
+    tool failing on it (zero_to_fp32 on a pipeline-parallel save, ds_to_universal on a class
+    torch.load refuses) is said once, as no framework loader reading it here."""
     key = f"{what}:{src}"
     if key not in _DEEPSPEED:
-        _DEEPSPEED[key] = make(src)
+        try:
+            _DEEPSPEED[key] = make(src)
+        except (ImportError, SourceError):
+            raise
+        except Exception as e:  # DeepSpeed's own tool on its own files: its error, named
+            why = f"{type(e).__name__}: {str(e)[:200]}"
+            _DEEPSPEED[key] = {"failed": f"no framework loader reads it here: {what} fails ({why})"}
+    if "failed" in _DEEPSPEED[key]:
+        raise SourceError(_DEEPSPEED[key]["failed"])
     return _DEEPSPEED[key]
 
 
@@ -558,6 +613,12 @@ class _Expected:
     source: dict[str, Any]  # the plan's source record (framework, path, skipped)
     provenance: dict[tuple[str, ...], dict]  # output key -> provenance, as JSON
     how: str  # the options it was planned with, for the messages
+    #: output key -> the re-planned item, kept where it is lazy (``writer.Deferred``) or small:
+    #: what a tensor no framework loader gives whole is compared with (``_rebuilt``)
+    items: dict[tuple[str, ...], Any] = dataclasses.field(default_factory=dict)
+    #: source fields that say how the order was given (``parameter_order=`` now, the
+    #: ``model_config=`` it was rebuilt from then): not compared as settings
+    unsaid: tuple[str, ...] = ()
 
 
 def _json(value: Any) -> Any:
@@ -569,9 +630,10 @@ def _recorded_order(source: dict) -> list[str] | None:
     """The parameter order the import was given (``parameter_order=`` / ``model_config=``), as
     the manifest records it (``source.optimizer.param_groups[*].params``); None when the import
     found the order in the source itself (names, the Trainer's groups) or there is none."""
-    given = source.get("optimizer_keyed_by") == "index" or any(
-        word in str(source.get("optimizer_keys") or "")
-        for word in ("parameter_order", "model_config")
+    keys = str(source.get("optimizer_keys") or "")
+    given = source.get("optimizer_keyed_by") == "index" or (
+        any(word in keys for word in ("parameter_order", "model_config"))
+        and "Trainer's groups" not in keys  # rebuilt from the source's own config.json again
     )
     groups = torch_optimizer_record(source).get("param_groups") if given else None
     if not isinstance(groups, list):
@@ -598,6 +660,8 @@ def _plan_again(src: str, manifest: Any) -> _Expected:
     order = _recorded_order(recorded)
     if order is not None:
         fields["parameter_order"] = order
+    if isinstance(recorded.get("vocab_size"), int):  # --vocab-size: the padding it stripped
+        fields["vocab_size"] = recorded["vocab_size"]
     how = ", ".join(
         f"{k}={v!r}" if k != "parameter_order" else f"{k}=source.optimizer's {len(v)} names"
         for k, v in fields.items()
@@ -606,15 +670,23 @@ def _plan_again(src: str, manifest: Any) -> _Expected:
         # the importer reading it whole (a taker's too), detected once and handed to the plan
         whole = registry.ImportOptions(weights_only=fields["weights_only"])
         importer = registry.importer_for(src, options=whole)
-        options = registry.importer_options(importer, **fields)
+        known = {f.name for f in dataclasses.fields(importer.options)}
+        options = registry.importer_options(
+            importer, **{k: v for k, v in fields.items() if k in known}
+        )
         plan = registry.plan_import(src, options, format=importer)
-        provenance = {tuple(item.key): _json(item.provenance or {}) for item in plan.items}
+        provenance, items = {}, {}
+        for item in plan.items:
+            provenance[tuple(item.key)] = _json(item.provenance or {})
+            if _lazy(item.value):
+                items[tuple(item.key)] = item
     except (SourceError, RequestError) as e:
         raise SourceError(
             f"{src}: its import cannot be planned again ({how}) to find the source tensor of "
             f"each checkpoint tensor (never taken from the checkpoint's own records): {e}"
         ) from None
-    return _Expected(_json(plan.source), provenance, how)
+    unsaid = ("optimizer_keys", "parameter_order", "notes") if order is not None else ()
+    return _Expected(_json(plan.source), provenance, how, items, unsaid)
 
 
 def _shown(provenance: dict) -> str:
@@ -637,7 +709,48 @@ def _recorded_files(fmt: str, provenance: dict) -> list[Any]:
     return names
 
 
-def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
+#: fields of the ``source`` record that may differ from the import planned again: where the
+#: source was (it may have moved since) and the certificate ``convert`` adds
+_NOT_SETTINGS = ("path", "trainer_path", certificate.KEY)
+
+
+def _settings(
+    recorded: Any, planned: Any, path: str = "source", unsaid: tuple[str, ...] = ()
+) -> dict[str, str]:
+    """``{source.field: both values}`` of each field the checkpoint's ``source`` record
+    (``recorded``) says otherwise than the import of the source planned again (``planned``),
+    walked into objects: each run setting a continuation reads (``optax_from_torch``: clipping,
+    betas, eps, weight decay, the schedule and its position, the optimizer, the step)."""
+    out: dict[str, str] = {}
+    if isinstance(recorded, dict) and isinstance(planned, dict):
+        for key in sorted({*recorded, *planned}):
+            if path == "source" and key in (*_NOT_SETTINGS, *unsaid):
+                continue
+            absent = "(absent)"
+            out.update(
+                _settings(recorded.get(key, absent), planned.get(key, absent), f"{path}.{key}")
+            )
+        return out
+    if (  # a list of objects (param_groups) by index; of numbers (betas) whole
+        isinstance(recorded, list)
+        and isinstance(planned, list)
+        and len(recorded) == len(planned)
+        and all(isinstance(v, dict) for v in (*recorded, *planned))
+    ):
+        for i, (a, b) in enumerate(zip(recorded, planned, strict=True)):
+            out.update(_settings(a, b, f"{path}.{i}"))
+        return out
+    if recorded == planned:
+        return {}
+    return {
+        path: f"{path}: ucp.json records {str(recorded)[:200]}, the import of the source planned "
+        f"again records {str(planned)[:200]}"
+    }
+
+
+def compare_with_source(
+    ckpt: str, src: str, progress=None, accept_uncertified: bool = False
+) -> Comparison:
     """Each tensor of the checkpoint at ``ckpt`` against the source ``src`` it was imported
     from, read by the source framework's own loader (see the module): the source tensor of
     each is found by planning the import of ``src`` again; every tensor of that plan is
@@ -647,6 +760,9 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
         ckpt: the UCP checkpoint.
         src: the source checkpoint (the path the import read).
         progress: called as ``progress(name, done, total)`` after each tensor.
+        accept_uncertified: a checkpoint whose ``ucp.json`` records no certificate of the
+            source's files (converted before jax_ucp recorded one, from an object store, or
+            with it deleted) is compared without it; otherwise that is a problem.
     """
     from jax_ucp._src import store
     from jax_ucp._src.restoring import locate
@@ -658,24 +774,54 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
         for name in _recorded_files(str(prov.get("format") or recorded_framework), prov):
             _inside(src, name, f"{ckpt}: {entry.name} (its provenance)")
     files_found, said, held = _check_certificate(src, manifest.source or {})
+    records: dict[str, str] = {}
+    if (manifest.source or {}).get(certificate.KEY) is None and not accept_uncertified:
+        records["source.certificate"] = (
+            f"{ckpt}: ucp.json records no certificate of the source's files (converted before "
+            f"jax_ucp recorded one, from an object store, or with it removed): nothing says "
+            f"{src} is the source that was converted; compare without it only on purpose "
+            f"(accept_uncertified=True, --accept-uncertified)"
+        )
     try:
         expected = _plan_again(src, manifest)
     except SourceError as e:
         if not files_found or not held:
             # no certified file at ``src`` at all: another folder; the import's reason says more
             raise SourceError(f"{e} (certificate: {said})" if files_found else str(e)) from None
-        return Comparison(files=files_found, certificate=f"{said}; no tensor compared: {e}")
+        return Comparison(
+            files=files_found, certificate=f"{said}; no tensor compared: {e}", records=records
+        )
+    records.update(_settings(_json(manifest.source or {}), expected.source, unsaid=expected.unsaid))
     try:
         result = _compare(ckpt, src, manifest, expected, progress)
     except MissingExtraError as e:
         if not files_found:
             raise
         # the certificate already fails it: named, with why no tensor could be compared here
-        return Comparison(files=files_found, certificate=f"{said}; no tensor compared: {e}")
+        return Comparison(
+            files=files_found, certificate=f"{said}; no tensor compared: {e}", records=records
+        )
     finally:
         _clear_loaded()
     result.files, result.certificate, result.planned = files_found, said, expected
+    result.records = records
     return result
+
+
+def local_source(src: str) -> None:
+    """Refuses a source in an object store or on the Hub (``s3://``, ``gs://``, ``hf://``),
+    naming its URL: the frameworks' own loaders read local files (a path joined from the URL
+    became ``s3:/bucket/...``)."""
+    from jax_ucp._src import store
+
+    if not store.storage_for(src).local:
+        raise RequestError(
+            f"verify(against={src!r}): --against reads the source with its framework's own "
+            f"loaders (safetensors' safe_open, torch.load, torch DCP's dcp.load, DeepSpeed's "
+            f"zero_to_fp32), which read local files only, and its certificate is of local "
+            f"files: copy {src} to a local folder (aws s3 sync, gcloud storage cp -r, hf "
+            f"download) and give that folder"
+        )
 
 
 def _check_certificate(src: str, source: dict) -> tuple[dict[str, str], str, int]:
@@ -709,7 +855,7 @@ def _clear_loaded() -> None:
     _TORCH_FILES.clear()
     _dcp_keys.cache_clear()
     for key, value in _DEEPSPEED.items():
-        if key.startswith("ds_to_universal:"):
+        if key.startswith("ds_to_universal:") and "folder" in value:
             # its parent: our mkdtemp, which holds DeepSpeed's latest_universal too
             _discard(os.path.dirname(value["folder"]), "ds_to_universal's output, compared")
     _DEEPSPEED.clear()
@@ -763,7 +909,8 @@ def _compare(ckpt: str, src: str, manifest: Any, expected: _Expected, progress) 
                 f"{entry.name!r}"
             )
         else:
-            _compare_one(ckpt, src, entry, planned, expected.source, result)
+            item = expected.items.get(tuple(entry.key))
+            _compare_one(ckpt, src, entry, planned, expected.source, result, item)
         if progress is not None:
             progress(entry.name, done, total)
     held = {tuple(e.key) for e in (*manifest.tensors, *manifest.values)}
@@ -793,21 +940,95 @@ def _compare(ckpt: str, src: str, manifest: Any, expected: _Expected, progress) 
     return result
 
 
-def _compare_one(ckpt: str, src: str, entry: Any, planned: dict, source: dict, result) -> None:
+#: how a reason that no framework loader gives a tensor whole starts: then compared with the
+#: import planned again
+_NO_LOADER = ("built ", "no framework loader", "no DeepSpeed loader")
+
+
+def _lazy(value: Any) -> bool:
+    """Whether a planned item's value holds no tensor's memory yet (built when asked: a
+    ``writer.Deferred``) or little (a step, a scalar)."""
+    from jax_ucp._src import writer
+
+    return isinstance(value, writer.Deferred) or getattr(value, "nbytes", 1 << 20) < 1 << 16
+
+
+@contextlib.contextmanager
+def _dcp_read_by_torch():
+    """Within it, each DCP tensor an importer reads (``DcpCheckpoint._assemble``: megatron-core's
+    flat optimizer buckets) is read whole by torch's own ``dcp.load`` instead, a few kept."""
+    from jax_ucp._src.torchfiles.dcp import DcpCheckpoint
+
+    kept: dict[tuple[str, str], np.ndarray] = {}
+
+    def assemble(self: Any, t: Any, start: int, stop: int | None) -> np.ndarray:
+        key = (str(self.path), t.name)
+        if key not in kept:
+            if len(kept) >= 6:
+                kept.pop(next(iter(kept)))
+            kept[key] = _dcp_tensor(str(self.path), t.name)
+        return kept[key] if stop is None else kept[key][start:stop]
+
+    original = DcpCheckpoint._assemble
+    DcpCheckpoint._assemble = assemble  # pyright: ignore[reportAttributeAccessIssue]
+    try:
+        yield
+    finally:
+        DcpCheckpoint._assemble = original
+
+
+def _rebuilt(item: Any, fmt: str, why: str) -> tuple[np.ndarray, str]:
+    """(the value the import of the source planned again builds for ``item``, what read it):
+    a tensor no framework loader gives whole (megatron-core's flat distributed-optimizer
+    buckets, a tensor-parallel merge, the step). Of a torch_dist source every byte is read by
+    torch's own ``dcp.load`` (each parameter's place in the buckets the import derives, every
+    fp32 master checked against the model weight torch reads); of others by the import's
+    readers, from the certified files."""
+    from jax_ucp._src import writer
+
+    by_torch = fmt in ("torch_dist", "fsdp_dtensor")
+    try:
+        with _dcp_read_by_torch() if by_torch else contextlib.nullcontext():
+            value = item.value
+            value = value.build("/".join(item.key)) if isinstance(value, writer.Deferred) else value
+            value = np.asarray(value)
+    except ImportError as e:
+        raise (_missing_extra(e) or e) from None
+    reader = "torch's dcp.load" if by_torch else "jax_ucp's readers"
+    return value, f"the import planned again ({why}; bytes read by {reader})"
+
+
+def _compare_one(
+    ckpt: str, src: str, entry: Any, planned: dict, source: dict, result, item: Any = None
+) -> None:
     """One checkpoint tensor against the source tensor the import of ``src`` takes it from
-    (``planned``); a recorded provenance that says otherwise is reported."""
+    (``planned``), else (one no framework loader gives whole) against the value the re-planned
+    ``item`` builds; a recorded provenance that says otherwise is reported."""
     from jax_ucp._src.restoring import restore_entry
     from jax_ucp._src.restoring.options import RestoreOptions
 
     said = []
     recorded = _json(entry.provenance or {})
     if recorded != planned:
-        said.append(
+        fields = sorted(k for k in {*recorded, *planned} if recorded.get(k) != planned.get(k))
+        said.append(  # the fields that differ, each with both values: never one name twice
             f"the checkpoint records it as made from {_shown(recorded)}, the import of {src} "
-            f"makes it from {_shown(planned)}"
+            f"makes it from {_shown(planned)} ("
+            + "; ".join(
+                f"{k}: {str(recorded.get(k))[:80]} recorded, {str(planned.get(k))[:80]} planned"
+                for k in fields[:3]
+            )
+            + ")"
         )
     try:
-        want, source_name = _read(src, entry.name, planned, source)
+        try:
+            want, source_name = _read(src, entry.name, planned, source)
+        except SourceError as e:
+            if item is None or not str(e).startswith(_NO_LOADER):
+                raise
+            fmt = str(planned.get("format") or source.get("framework") or "")
+            want, source_name = _rebuilt(item, fmt, str(e))
+            result.rebuilt.append(entry.name)
     except (UnsafeFileError, MissingExtraError):
         raise
     except (SourceError, OSError, ValueError, RuntimeError) as e:

@@ -132,6 +132,7 @@ def verify(
     against: str | os.PathLike | None = None,
     logits: bool = False,
     logits_tolerance: float | None = None,
+    accept_uncertified: bool = False,
 ) -> VerifyResult:
     """Reads every byte of the checkpoint at ``path`` through the paths a restore takes; of a
     source ``convert`` reads (torch DCP, a Trainer checkpoint, DeepSpeed, Megatron, torch.save
@@ -172,6 +173,12 @@ def verify(
       logits_tolerance: the largest absolute difference of the logits accepted (None:
         ``jax_ucp._src.logits.DEFAULT_TOLERANCE``, 1e-4): a finite number >= 0; text, a bool,
         NaN or infinity is refused before anything is read.
+      accept_uncertified: with ``against``, compare a checkpoint whose ``ucp.json`` records no
+        certificate of the source's files (converted before jax_ucp recorded one, from an object
+        store, or with it removed); without it that is a problem, never a silent pass. The run
+        settings ``ucp.json`` records (clipping, betas, eps, weight decay, the schedule and its
+        position, the optimizer, the step: its whole ``source`` record but the path) are compared
+        with what planning the import of ``against`` again records either way.
     """
     if logits and against is None:
         raise RequestError("verify(logits=True) compares with the source: give against=SRC")
@@ -182,6 +189,10 @@ def verify(
     budget = parse_size(
         DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget, "verify(memory_budget=)"
     )
+    if against is not None:  # refused before the checkpoint is read: the URL named
+        from jax_ucp._src.against import local_source
+
+        local_source(os.fspath(against))
     from jax_ucp._src.restoring import verify_source
     from jax_ucp._src.restoring.sources import import_open
 
@@ -202,13 +213,16 @@ def verify(
         return result
     from jax_ucp._src.against import compare_with_source
 
-    found = compare_with_source(os.fspath(path), os.fspath(against), progress)
+    found = compare_with_source(
+        os.fspath(path), os.fspath(against), progress, accept_uncertified=accept_uncertified
+    )
     if not found.files and not found.equal and not found.different and not found.missing:
         raise SourceError(
             f"{os.fspath(against)}: no tensor of {os.fspath(path)} could be compared with it: "
             + "; ".join(f"{k}: {v}" for k, v in list(found.not_compared.items())[:3])
         )
     problems = list(found.files.items())  # the source's certificate, checked first
+    problems += list(found.records.items())  # the run's settings as the source records them
     problems += [(n, f"{n}: differs from the source: {why}") for n, why in found.different.items()]
     problems += [
         (n, f"{n}: in the source, missing from the checkpoint: {why}")

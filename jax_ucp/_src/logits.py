@@ -285,7 +285,9 @@ def _model_from_config(
         folder, local_files_only=True, trust_remote_code=False
     )
     model: Any = transformers.AutoModelForCausalLM.from_config(config, **fp32)
-    state = {name: torch.from_numpy(np.ascontiguousarray(v)).float() for name, v in weights.items()}
+    # bf16 / fp16 weights (ml_dtypes' bfloat16 torch cannot take) computed in fp32, as the
+    # checkpoint's are: both sides then hold the same values, and the default tolerance holds
+    state = {name: torch.from_numpy(np.asarray(v, np.float32)) for name, v in weights.items()}
     result = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = sorted(set(result.missing_keys) - tied)

@@ -338,6 +338,13 @@ def verify(
     logits_tolerance: float | None = typer.Option(
         None, help="largest absolute difference of the logits accepted (default 1e-4)"
     ),
+    accept_uncertified: bool = typer.Option(
+        False,
+        "--accept-uncertified",
+        help="with --against: compare a checkpoint whose ucp.json records no certificate of the "
+        "source's files (converted before one was recorded, from an object store, or with it "
+        "removed); without it that fails",
+    ),
     step: StepOption = None,
     newest: int = typer.Option(
         0, min=0, help="on a CheckpointManager root: verify only its newest N steps (0: all)"
@@ -365,6 +372,7 @@ def verify(
             against=against,
             logits=logits,
             logits_tolerance=logits_tolerance,
+            accept_uncertified=accept_uncertified,
         )
     for _, notice in bad.notices:  # not errors: the data is intact
         output.marked("[yellow]![/yellow]", notice)
@@ -382,9 +390,12 @@ def verify(
         far = bad.logits is not None and not bad.logits.ok
         held = {e.name for e in m.tensors}
         changed = len(bad.against.files) if bad.against is not None else 0
+        records = len(bad.against.records) if bad.against is not None else 0
         failed = sum(name in held for name, _ in bad)  # the logits' problem is no tensor
-        missing = len(bad) - failed - far - changed  # the source's tensors the checkpoint lacks
+        # the source's tensors the checkpoint lacks
+        missing = len(bad) - failed - far - changed - records
         said = [f"{layout.plural(changed, 'source file')} not as certified"] if changed else []
+        said += [f"{layout.plural(records, 'source record')} not as planned"] if records else []
         said += [f"{layout.plural(failed, 'tensor')} of {len(m.tensors)} failed"] if failed else []
         said += [f"{layout.plural(missing, 'source tensor')} missing"] if missing else []
         said += ["the logits differ beyond the tolerance"] if far else []
@@ -418,6 +429,13 @@ def _say_compared(found, against: str) -> None:
         f"{len(found.not_compared)} not compared (built by the import), "
         f"{len(found.missing)} missing from the checkpoint; compared: "
         f"{len(compared) - moments} weights, {moments} optimizer state"
+        + (
+            f" ({len(found.rebuilt)} that no framework loader gives whole with the import "
+            f"planned again: the flat buckets of megatron-core's distributed optimizer, "
+            f"tensor-parallel merges, the step)"
+            if found.rebuilt
+            else ""
+        )
     )
 
 

@@ -92,10 +92,12 @@ def _listing(source: str) -> Iterator[tuple[str, str]]:
 
 
 def _inside(source: str, name: str) -> tuple[str, str]:
-    """(name, its path) through the one rule for names (``files.inside``): a link leading out of
-    the source is never read; its path is then why, starting with ``OUT``."""
+    """(name, its path) through the one rule for names (``files.inside_checkpoint``): a link
+    leading out of the source is never read (its path is then why, starting with ``OUT``), but
+    a Hugging Face cache snapshot's links into its repo's ``blobs/`` are followed, as the
+    import reads them."""
     try:
-        return name, files.inside(source, name, f"{source}: certificate")
+        return name, files.inside_checkpoint(source, name, f"{source}: certificate")
     except UnsafeFileError as e:
         return name, f"{OUT}{e}"[:300]
 
