@@ -1,0 +1,140 @@
+"""jax_ucp.export to megatron-core torch_dist: a Megatron import exported at another TP reads back
+bit-exact (weights, fp32 masters, moments, step), megatron-core itself loads it and continues
+it (torch-marked), clear refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp._src.importers.megatron import MegatronOptions, legacy
+from jax_ucp._src.torchfiles import torch_zip
+from jax_ucp.exporters import MegatronExport
+from jax_ucp.errors import RequestError
+from tests.megatron_testing import FIX, VOCAB
+from tests.ucp_testing import REPO, free_port, save_small_tree
+
+pytestmark = pytest.mark.timeout(120)
+
+RUN = "llama_distopt_bf16_tp2dp2"  # megatron-core's bf16 TP2 x DP2 run, 2 Adam steps
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> Path:
+    """The fixture run imported with its optimizer state (vocab padding stripped)."""
+    out = tmp_path_factory.mktemp("megatron_out") / "ucp"
+    jax_ucp.convert(FIX / RUN, out, importing=MegatronOptions(vocab_size=VOCAB))
+    return out
+
+
+def _reimported(export: Path) -> Path:
+    back = export.with_name(export.name + ".ucp")
+    jax_ucp.convert(export, back, importing=MegatronOptions(vocab_size=VOCAB))
+    return back
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_export_reads_back_bit_exact(imported, tp):
+    """Fixture (TP2) -> import -> export at TP ``tp`` -> import: every leaf bit-identical (the
+    bf16 weights, fp32 masters, both moments, the step), the vocab padded for ``tp``, the common
+    state what megatron-core and Megatron-LM read."""
+    dst = imported.parent / f"tp{tp}"
+    done = jax_ucp.export(imported, dst, MegatronExport(tp=tp))
+    assert sorted(done.files) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    assert done.tensors == 4 * 9 and done.skipped == []
+    back = _reimported(dst)
+    diff = jax_ucp.diff(imported, back)
+    assert diff.identical, (diff.tensors, diff.only_in_a, diff.only_in_b)
+    assert diff.same == len(jax_ucp.inspect(imported).tensors) == 37
+    source = jax_ucp.inspect(back).source or {}
+    padded = 128 * tp  # Megatron-LM's default make_vocab_size_divisible_by, times TP
+    assert source["vocab_stripped"]["embedding.word_embeddings.weight"] == [padded, VOCAB]
+    assert source["optimizer_layout"] == "per_parameter"
+    common = torch_zip.load_torch_file(dst / "common.pt", legacy.LEGACY_CLASSES)
+    assert common["iteration"] == 2 and common["checkpoint_version"] == 3.0
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    groups = common["optimizer"]["optimizer"]["param_groups"]
+    assert [(g["wd_mult"], g["step"], g["betas"]) for g in groups] == [
+        (1.0, 2.0, (0.9, 0.95)),
+        (0.0, 2.0, (0.9, 0.95)),
+    ]
+    args = legacy.args_dict(common["args"])
+    assert (args["tensor_model_parallel_size"], args["padded_vocab_size"]) == (tp, padded)
+    assert (args["num_layers"], args["hidden_size"]) == (2, 32)
+
+
+def test_weights_only_import_exports_weights(tmp_path):
+    """A run imported without optimizer state exports its weights alone, and reads back."""
+    src = tmp_path / "ucp"
+    jax_ucp.convert(FIX / "gpt_tp2", src, importing=MegatronOptions(vocab_size=VOCAB))
+    done = jax_ucp.export(src, tmp_path / "out", MegatronExport(make_vocab_size_divisible_by=8))
+    assert done.tensors == 17
+    common = torch_zip.load_torch_file(tmp_path / "out" / "common.pt", legacy.LEGACY_CLASSES)
+    assert "optimizer" not in common and common["iteration"] == 0
+    assert jax_ucp.diff(src, _reimported(tmp_path / "out")).identical
+
+
+def test_refusals(imported, tmp_path):
+    """Names megatron-core does not use, a record of no Megatron run, a bad option: refused
+    before anything is written."""
+    save_small_tree(tmp_path / "flax")
+    with pytest.raises(RequestError, match="has no megatron-core name"):
+        jax_ucp.export(tmp_path / "flax", tmp_path / "out", MegatronExport())
+    with pytest.raises(RequestError, match="records no Megatron run"):
+        jax_ucp.export(imported, tmp_path / "out", MegatronExport(run_record=tmp_path / "flax"))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(RequestError, match="tp=0"):
+        MegatronExport(tp=0)
+
+
+def _adam(before: dict, grads: dict, name: str, step: int, lr=0.01, b1=0.9, b2=0.95, eps=1e-8):
+    """torch's Adam (no weight decay) from ``before``'s state at ``step``, in float64."""
+    g = np.asarray(grads[name], np.float64)
+    m = b1 * np.asarray(before["opt_state"]["mu"][name], np.float64) + (1 - b1) * g
+    v = b2 * np.asarray(before["opt_state"]["nu"][name], np.float64) + (1 - b2) * g * g
+    master = np.asarray(before["params"][name], np.float64)
+    return master - lr / (1 - b1**step) * m / (np.sqrt(v) / np.sqrt(1 - b2**step) + eps), m, v
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("tp", [2, 1])
+def test_megatron_core_loads_and_continues(imported, tmp_path, tp):
+    """megatron-core's ``dist_checkpointing.load`` reads the export into a GPTModel and its
+    DistributedOptimizer (TP ``tp``, DP 2 // tp): saved again by megatron-core, it imports
+    bit-identical to the JAX checkpoint; one training step on CPU (forward, backward, Adam)
+    continues from it: step 3, each master and moment what Adam makes of the loaded state and
+    the gradient megatron-core computed."""
+    pytest.importorskip("megatron.core")
+    dst = tmp_path / "export"
+    jax_ucp.export(imported, dst, MegatronExport(tp=tp, make_vocab_size_divisible_by=8))
+    script = Path(__file__).with_name("mcore_continue.py")
+    generator = Path(REPO) / "tools" / "fixtures" / "make_megatron_fixtures.py"
+    args = [str(generator), str(dst), str(tmp_path), str(tp), "2", str(free_port())]
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=800
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["ok"] and result["iteration"] == 2
+    assert result["args"]["tensor_model_parallel_size"] == tp
+    loaded = _reimported(tmp_path / "loaded")
+    assert jax_ucp.diff(imported, loaded).identical
+    before, after = jax_ucp.restore(imported), jax_ucp.restore(_reimported(tmp_path / "stepped"))
+    grads = jax_ucp.restore(_reimported(tmp_path / "grads"))["params"]
+    assert int(after["opt_state"]["count"]) == 3
+    assert set(grads) == set(before["params"])
+    for name in grads:
+        master, m, v = _adam(before, grads, name, step=3)
+        moved = np.abs(master - np.asarray(before["params"][name], np.float64)).max()
+        assert moved > 1e-3, name  # the step moved it: the check below can fail
+        np.testing.assert_allclose(after["params"][name], master, rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(after["opt_state"]["mu"][name], m, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(after["opt_state"]["nu"][name], v, atol=1e-8, err_msg=name)
