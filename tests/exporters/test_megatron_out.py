@@ -15,8 +15,8 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers.megatron import MegatronOptions, legacy
 from jax_ucp._src.torchfiles import torch_zip
-from jax_ucp.exporters import MegatronExport
 from jax_ucp.errors import RequestError
+from jax_ucp.exporters import MegatronExport
 from tests.megatron_testing import FIX, VOCAB
 from tests.ucp_testing import REPO, free_port, save_small_tree
 
