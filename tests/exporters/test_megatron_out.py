@@ -5,6 +5,7 @@ it (torch-marked), clear refusals."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,39 @@ def test_weights_only_import_exports_weights(tmp_path):
     common = torch_zip.load_torch_file(tmp_path / "out" / "common.pt", legacy.LEGACY_CLASSES)
     assert "optimizer" not in common and common["iteration"] == 0
     assert jax_ucp.diff(src, _reimported(tmp_path / "out")).identical
+
+
+def test_continued_run_exports_with_the_imported_record(tmp_path):
+    """A run continued in JAX and saved by jax_ucp (no Megatron record of its own) exports with
+    ``run_record=`` the import it continued: its values, its step as the iteration and the
+    groups' step, the scheduler and consumed samples advanced by the steps taken (a global batch
+    each, as Megatron-LM counts them)."""
+    src = tmp_path / "run"
+    shutil.copytree(FIX / "gpt_distopt_dp2", src)  # megatron-core's save + Megatron-LM's common
+    shutil.copyfile(FIX / "gpt_distopt_dp2_scheduler_synthetic.common.pt", src / "common.pt")
+    jax_ucp.convert(src, tmp_path / "imported", importing=MegatronOptions(vocab_size=VOCAB))
+    tree = jax_ucp.restore(tmp_path / "imported")
+    tree["opt_state"]["count"] = tree["opt_state"]["count"] + 3  # three steps later
+    tree["params"]["output_layer.weight"] = tree["params"]["output_layer.weight"] * 0.5
+    jax_ucp.save(tmp_path / "continued", tree)
+    with pytest.raises(RequestError, match="give run_record="):
+        jax_ucp.export(tmp_path / "continued", tmp_path / "out", MegatronExport())
+    record = MegatronExport(run_record=tmp_path / "imported", args={"seed": 7})
+    jax_ucp.export(tmp_path / "continued", tmp_path / "out", record)
+    assert jax_ucp.diff(tmp_path / "continued", _reimported(tmp_path / "out")).identical
+    common = torch_zip.load_torch_file(tmp_path / "out" / "common.pt", legacy.LEGACY_CLASSES)
+    saved = torch_zip.load_torch_file(src / "common.pt", legacy.LEGACY_CLASSES)
+    assert common["iteration"] == 5 and saved["iteration"] == 2
+    assert {g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]} == {5.0}
+    batch = legacy.args_dict(saved["args"])["global_batch_size"]
+    scheduler = common["opt_param_scheduler"]
+    assert scheduler["num_steps"] == saved["opt_param_scheduler"]["num_steps"] + 3 * batch
+    assert {k: v for k, v in scheduler.items() if k != "num_steps"} == {
+        k: v for k, v in saved["opt_param_scheduler"].items() if k != "num_steps"
+    }
+    args, before = legacy.args_dict(common["args"]), legacy.args_dict(saved["args"])
+    assert args["consumed_train_samples"] == before["consumed_train_samples"] + 3 * batch
+    assert (args["lr"], args["clip_grad"], args["seed"]) == (before["lr"], before["clip_grad"], 7)
 
 
 def test_refusals(imported, tmp_path):
