@@ -173,8 +173,12 @@ def _padded(array: RowSlabs, rows: int) -> RowSlabs:
     extra = rows - (array.shape[0] if array.shape else 0)
     if extra <= 0:
         return array
-    zeros = np.zeros((extra, *array.shape[1:]), array.dtype)
-    return RowSlabs((rows, *array.shape[1:]), array.dtype, lambda: [*array.slabs(), zeros])
+
+    def slabs():  # the source's slabs as read, then the padding (one slab at a time held)
+        yield from array.slabs()
+        yield np.zeros((extra, *array.shape[1:]), array.dtype)
+
+    return RowSlabs((rows, *array.shape[1:]), array.dtype, slabs)
 
 
 def _extra_state_names(shapes: dict[str, tuple], recorded: Any) -> list[str]:
