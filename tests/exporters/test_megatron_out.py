@@ -18,7 +18,7 @@ from jax_ucp._src.importers.megatron import MegatronOptions, legacy
 from jax_ucp._src.torchfiles import torch_zip
 from jax_ucp.errors import RequestError
 from jax_ucp.exporters import MegatronExport
-from tests.megatron_testing import FIX, VOCAB
+from tests.megatron_testing import FIX, VOCAB, assert_bit_equal, reference_name
 from tests.ucp_testing import REPO, free_port, save_small_tree
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,6 +92,39 @@ def test_weights_only_import_exports_weights(tmp_path):
     common = torch_zip.load_torch_file(tmp_path / "out" / "common.pt", legacy.LEGACY_CLASSES)
     assert "optimizer" not in common and common["iteration"] == 0
     assert jax_ucp.diff(src, _reimported(tmp_path / "out")).identical
+
+
+@pytest.mark.parametrize(
+    "legacy_run", ["legacy_llama_tp2_synthetic", "legacy_gpt_distopt_pp2dp2_synthetic"]
+)
+def test_legacy_import_exports_stacked(tmp_path, legacy_run):
+    """A legacy Megatron-LM import (per-layer names, ``input_layernorm``) exports as megatron-core
+    writes torch_dist: layers stacked ``[L, ...]``, norms under ``linear_qkv.layer_norm_*`` /
+    ``linear_fc1.layer_norm_*`` (the tests' own name map, ``reference_name``); every leaf, masters
+    and moments included, is its layer of the re-import bit for bit."""
+    src = tmp_path / "legacy"
+    jax_ucp.convert(FIX / legacy_run, src, importing=MegatronOptions(vocab_size=VOCAB))
+    jax_ucp.export(src, tmp_path / "out", MegatronExport(tp=2, make_vocab_size_divisible_by=8))
+    before, after = jax_ucp.restore(src), jax_ucp.restore(_reimported(tmp_path / "out"))
+    leaves = 0
+    for tree in ("params", "model_params"):
+        for name, value in before.get(tree, {}).items():
+            stacked, layer = reference_name(name)
+            got = after[tree][stacked] if layer is None else after[tree][stacked][layer]
+            assert_bit_equal(np.asarray(got), np.asarray(value), f"{tree}/{name}")
+            leaves += 1
+    state = before.get("opt_state", {})
+    for moment in ("mu", "nu") if "mu" in state else ():
+        for name, value in state[moment].items():
+            stacked, layer = reference_name(name)
+            got = after["opt_state"][moment][stacked]
+            assert_bit_equal(
+                np.asarray(got if layer is None else got[layer]), np.asarray(value), name
+            )
+            leaves += 1
+    assert leaves == len(jax_ucp.inspect(src).tensors) - ("count" in state)
+    if "count" in state:
+        assert int(after["opt_state"]["count"]) == int(state["count"])
 
 
 def test_continued_run_exports_with_the_imported_record(tmp_path):

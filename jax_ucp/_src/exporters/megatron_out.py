@@ -52,6 +52,12 @@ BACKENDS = {
     "common_backend_version": 1,
 }
 _NAME = re.compile(r"(embedding|decoder|output_layer|mtp)\.")
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+#: megatron-core's torch_dist names of a layer's norms (its ``sharded_state_dict_keys_map``)
+_NORMS = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
 _LINEAR = re.compile(r"(decoder\.layers\.(?:[\w.]+\.)?linear_\w+)\.weight")
 #: the param groups megatron-core's optimizer builds (decayed, not), by the keys it pairs them on
 _DEFAULT_GROUPS = ({"wd_mult": 1.0}, {"wd_mult": 0.0})
@@ -77,25 +83,29 @@ def export(root: str, dst: str, options: MegatronExport) -> Exported:
     items: list[DcpItem] = []
     arrays: list[RowSlabs] = []
 
-    def add(fqn: str, key: tuple, dtype: np.dtype, rows: int) -> None:
-        check_cast(fqn, available[key].dtype, dtype, "same_kind")
-        array = _padded(reads.tensor(key, dtype, fqn), rows)
+    def add(fqn: str, name: str, keys: list[tuple], dtype: np.dtype) -> tuple[int, ...]:
+        """``fqn``: the tensor of parameter ``name`` made of ``keys`` (its layers, or one)."""
+        for key in keys:
+            check_cast(fqn, available[key].dtype, dtype, "same_kind")
+        parts = [reads.tensor(key, dtype, fqn) for key in keys]
+        array = _stack(fqn, parts) if name in layered else parts[0]
+        if name.endswith(VOCAB_PARALLEL):
+            array = _padded(array, -(-array.shape[0] // multiple) * multiple)
         items.append(DcpItem(fqn, (fqn,), array.shape, array.dtype))
         arrays.append(array)
+        return array.shape
 
     multiple = options.make_vocab_size_divisible_by * options.tp
-    padded_vocab = None
-    for name, key in params.items():
-        rows = available[key].shape[0] if available[key].shape else 0
-        if name.endswith(VOCAB_PARALLEL):
-            rows = padded_vocab = -(-rows // multiple) * multiple
-        weight = model.get(name, key)
-        add(name, weight, np.dtype(available[weight].dtype), rows)
+    shapes: dict[str, tuple[int, ...]] = {}
+    grouped, layered = _stacked(list(params))
+    for name, parts in grouped.items():
+        weights = [model.get(n, params[n]) for n in parts]
+        shapes[name] = add(name, name, weights, np.dtype(available[weights[0]].dtype))
         for state, moment in STATES.items() if moments else ():
-            state_key = moments.get((name, moment), key)
-            add(f"optimizer.state.{state}.{name}", state_key, np.dtype(np.float32), rows)
-    reads.total = len(items)
-    shapes = {name: tuple(available[key].shape) for name, key in params.items()}
+            keys = [moments.get((n, moment), params[n]) for n in parts]
+            add(f"optimizer.state.{state}.{name}", name, keys, np.dtype(np.float32))
+    reads.total = sum(len(parts) for parts in grouped.values()) * (4 if moments else 1)
+    padded_vocab = next((s[0] for n, s in shapes.items() if n.endswith(VOCAB_PARALLEL)), None)
     objects = _extra_state_names(shapes, recorded.get("skipped_objects"))
     items += [DcpItem(name, (name,), value=[None]) for name in objects]
     iteration = options.iteration
@@ -181,12 +191,51 @@ def _padded(array: RowSlabs, rows: int) -> RowSlabs:
     return RowSlabs((rows, *array.shape[1:]), array.dtype, slabs)
 
 
+def _stacked(names: list[str]) -> tuple[dict[str, list[str]], set[str]]:
+    """{torch_dist name: the names it is made of}: a legacy import's per-layer
+    ``decoder.layers.<i>.*`` stacked over its layers (its norms under megatron-core's torch_dist
+    names), any other name as it is; and the stacked names."""
+    grouped: dict[str, list[str]] = {}
+    layers: dict[str, dict[int, str]] = {}
+    for name in names:
+        m = _LAYER.fullmatch(name)
+        if m is None:
+            grouped[name] = [name]
+            continue
+        rest = m[2]
+        if "experts." in rest:
+            raise RequestError(
+                f"tensor {name!r}: a per-layer expert (a legacy MoE import) is not stacked into "
+                f"megatron-core's [L, E, ...] experts by this export"
+            )
+        for old, new in _NORMS:
+            rest = new + rest[len(old) :] if rest.startswith(old) else rest
+        layers.setdefault(f"decoder.layers.{rest}", {})[int(m[1])] = name
+    for name, by_layer in layers.items():
+        if sorted(by_layer) != list(range(len(by_layer))):
+            raise RequestError(f"tensor {name!r}: layers {sorted(by_layer)}, not 0..L-1")
+        grouped[name] = [by_layer[i] for i in range(len(by_layer))]
+    return grouped, set(layers)
+
+
+def _stack(name: str, parts: list[RowSlabs]) -> RowSlabs:
+    """``parts`` (one per layer, each read whole when its row is written) as ``[L, ...]``."""
+    if len({(p.shape, p.dtype) for p in parts}) != 1:
+        raise RequestError(f"tensor {name!r}: its layers differ in shape or dtype, cannot stack")
+
+    def slabs():
+        for part in parts:
+            yield np.concatenate(list(part.slabs())).reshape(1, *part.shape)
+
+    return RowSlabs((len(parts), *parts[0].shape), parts[0].dtype, slabs)
+
+
 def _extra_state_names(shapes: dict[str, tuple], recorded: Any) -> list[str]:
-    """The layers' ``_extra_state`` objects megatron-core asks for: those the import recorded,
-    else one per layer of each stacked ``linear_*`` (megatron-core's local layer spec)."""
-    if isinstance(recorded, list) and all(isinstance(n, str) for n in recorded):
-        return [n for n in recorded if "._extra_state/shard_" in n]
-    found = []
+    """The layers' ``_extra_state`` objects megatron-core asks for: those a torch_dist import
+    recorded, else one per layer of each stacked ``linear_*`` (megatron-core's local spec)."""
+    found = [n for n in recorded or () if isinstance(n, str) and "._extra_state/shard_" in n]
+    if found:
+        return found
     for name, shape in shapes.items():
         m = _LINEAR.fullmatch(name)
         if m and "experts" not in name and shape:
