@@ -18,7 +18,7 @@ from jax_ucp._src.importers.megatron import MegatronOptions, legacy
 from jax_ucp._src.torchfiles import torch_zip
 from jax_ucp.errors import RequestError
 from jax_ucp.exporters import MegatronExport
-from tests.megatron_testing import FIX, VOCAB, assert_bit_equal, reference_name
+from tests.megatron_testing import FIX, VOCAB, assert_bit_equal, reference_name, reference_of
 from tests.ucp_testing import REPO, free_port, save_small_tree
 
 pytestmark = pytest.mark.timeout(120)
@@ -101,7 +101,8 @@ def test_legacy_import_exports_stacked(tmp_path, legacy_run):
     """A legacy Megatron-LM import (per-layer names, ``input_layernorm``) exports as megatron-core
     writes torch_dist: layers stacked ``[L, ...]``, norms under ``linear_qkv.layer_norm_*`` /
     ``linear_fc1.layer_norm_*`` (the tests' own name map, ``reference_name``); every leaf, masters
-    and moments included, is its layer of the re-import bit for bit."""
+    and moments included, is its layer of the re-import bit for bit, and the re-import is the
+    import of megatron-core's own torch_dist save of the same model (the fixture's twin)."""
     src = tmp_path / "legacy"
     jax_ucp.convert(FIX / legacy_run, src, importing=MegatronOptions(vocab_size=VOCAB))
     jax_ucp.export(src, tmp_path / "out", MegatronExport(tp=2, make_vocab_size_divisible_by=8))
@@ -125,6 +126,10 @@ def test_legacy_import_exports_stacked(tmp_path, legacy_run):
     assert leaves == len(jax_ucp.inspect(src).tensors) - ("count" in state)
     if "count" in state:
         assert int(after["opt_state"]["count"]) == int(state["count"])
+    twin = reference_of(legacy_run)  # megatron-core's own torch_dist save of the same model
+    if twin != legacy_run:
+        jax_ucp.convert(FIX / twin, tmp_path / "twin", importing=MegatronOptions(vocab_size=VOCAB))
+        assert jax_ucp.diff(tmp_path / "twin", tmp_path / "out.ucp").identical
 
 
 def test_continued_run_exports_with_the_imported_record(tmp_path):
