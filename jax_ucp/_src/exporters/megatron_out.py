@@ -8,10 +8,10 @@
     DST/common.pt       iteration, checkpoint_version, the optimizer's param groups and layout,
                         the scheduler state, ``args``, ``content_metadata``
 
-Tensors keep megatron-core's global shapes (stacked ``decoder.layers.*`` [L, ...], fused QKV as
-the import kept it), so a run at any TP / PP reads its own shards; vocab-parallel tensors get
-zero rows up to Megatron-LM's padded vocab for ``tp``. The optimizer state is the
-``fully_reshardable`` layout, which any TP / PP / DP loads: megatron-core 0.16's default
+Tensors keep megatron-core's global shapes (stacked ``decoder.layers.*`` [L, ...], a legacy
+import's per-layer tensors stacked; fused QKV as the import kept it), so any TP / PP reads its own
+shards; vocab-parallel tensors get zero rows up to Megatron-LM's padded vocab for ``tp``. The
+optimizer state is the ``fully_reshardable`` layout, which any TP / PP / DP loads: megatron-core 0.16's default
 ``fully_sharded_model_space`` is refused by its own ShardedTensor check ("flattened_range is not
 supported"), and ``dp_reshardable`` / ``dp_zero_gather_scatter`` hold per-rank buffers of one
 TP x PP x DP layout."""
