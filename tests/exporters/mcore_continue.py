@@ -109,6 +109,8 @@ def worker(rank: int) -> None:
                     "loss": float(loss),
                     "grad_norm": float(grad_norm or 0),
                     "iteration": common.get("iteration"),
+                    "tokens": tokens.tolist(),
+                    "vocab_rows": int(model.output_layer.weight.shape[0]) * int(TP),
                     "args": vars(common["args"]) if "args" in common else None,
                 },
                 f,

@@ -18,7 +18,15 @@ from jax_ucp._src.importers.megatron import MegatronOptions, legacy
 from jax_ucp._src.torchfiles import torch_zip
 from jax_ucp.errors import RequestError
 from jax_ucp.exporters import MegatronExport
-from tests.megatron_testing import FIX, VOCAB, assert_bit_equal, reference_name, reference_of
+from jax_ucp.models import TransformerLM, from_megatron
+from tests.megatron_testing import (
+    FIX,
+    VOCAB,
+    assert_bit_equal,
+    lm_config,
+    reference_name,
+    reference_of,
+)
 from tests.ucp_testing import REPO, free_port, save_small_tree
 
 pytestmark = pytest.mark.timeout(120)
@@ -214,6 +222,19 @@ def test_megatron_core_loads_and_continues(imported, tmp_path, tp):
     before, after = jax_ucp.restore(imported), jax_ucp.restore(_reimported(tmp_path / "stepped"))
     grads = jax_ucp.restore(_reimported(tmp_path / "grads"))["params"]
     assert int(after["opt_state"]["count"]) == 3
+    # the loss megatron-core computed is the JAX model's on the same weights (bf16 compute
+    # there), its softmax over Megatron's padded vocab (the padded rows' logits are 0)
+    tokens = np.asarray(result["tokens"], np.int32)
+    cfg = lm_config(RUN, max_position_embeddings=32)
+    weights = {k: np.asarray(v, np.float32) for k, v in before["model_params"].items()}
+    logits = np.asarray(TransformerLM(cfg).apply(from_megatron(weights, cfg), tokens), np.float64)
+    padding = np.zeros((*logits.shape[:2], result["vocab_rows"] - VOCAB))
+    logits = np.concatenate([logits, padding], axis=-1)
+    top = logits.max(-1, keepdims=True)
+    log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    labels = np.roll(tokens, -1, axis=1)
+    picked = np.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    assert abs(result["loss"] - float((log_z - picked).mean())) < 5e-3  # unpadded: 4.7e-2 off
     assert set(grads) == set(before["params"])
     for name in grads:
         master, m, v = _adam(before, grads, name, step=3)
