@@ -155,6 +155,14 @@ def test_continued_run_exports_with_the_imported_record(tmp_path):
     jax_ucp.save(tmp_path / "continued", tree)
     with pytest.raises(RequestError, match="give run_record="):
         jax_ucp.export(tmp_path / "continued", tmp_path / "out", MegatronExport())
+    hyper = MegatronExport(args={"lr": 1e-3, "weight_decay": 0.1})  # megatron-core's two groups
+    jax_ucp.export(tmp_path / "continued", tmp_path / "default", hyper)
+    common = torch_zip.load_torch_file(tmp_path / "default" / "common.pt", legacy.LEGACY_CLASSES)
+    groups = common["optimizer"]["optimizer"]["param_groups"]
+    assert [(g["wd_mult"], g["weight_decay"], g["lr"], g["step"]) for g in groups] == [
+        (1.0, 0.1, 1e-3, 5.0),
+        (0.0, 0.0, 1e-3, 5.0),
+    ]
     record = MegatronExport(run_record=tmp_path / "imported", args={"seed": 7})
     jax_ucp.export(tmp_path / "continued", tmp_path / "out", record)
     assert jax_ucp.diff(tmp_path / "continued", _reimported(tmp_path / "out")).identical
