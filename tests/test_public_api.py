@@ -129,7 +129,7 @@ PUBLIC_MODULES = {
 # The union of the public modules' ``__all__``: 99 names in issue 49, 90 in issue 58 (an alias
 # and helpers the docs reach no more), the cap at that count, no margin: a new public name fails
 # here until the cap is raised in the same change, on purpose.
-MAX_PUBLIC_NAMES = 90
+MAX_PUBLIC_NAMES = 91  # + MegatronExport (issue 67)
 
 
 def _public_modules() -> dict[str, pathlib.Path]:

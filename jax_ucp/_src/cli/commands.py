@@ -972,6 +972,10 @@ EXPORT_FIELDS = (
         prefix="deepspeed-universal: ",
     ),
     FromField(_SAFETENSORS, "config", prefix="safetensors: "),
+    *(
+        FromField("exporters.options.MegatronExport", name, prefix="megatron: ")
+        for name in ("tp", "pp", "make_vocab_size_divisible_by", "iteration", "run_record")
+    ),
     FromField(_TENSORS, "force"),
     FromField("exporters.options._Export", "memory_budget", callback=_size_option),
 )
@@ -987,8 +991,8 @@ def export(
     step: StepOption = None,
     **options,
 ):
-    """Export a checkpoint for PyTorch tools (safetensors, torch DCP, DeepSpeed universal) or
-    Orbax (a StandardCheckpointer checkpoint)."""
+    """Export a checkpoint for PyTorch tools (safetensors, torch DCP, DeepSpeed universal,
+    megatron-core torch_dist) or Orbax (a StandardCheckpointer checkpoint)."""
     from jax_ucp._src import exporters
 
     ckpt = _at_step(ckpt, step)

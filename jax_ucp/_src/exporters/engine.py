@@ -20,6 +20,7 @@ WRITERS = {
     "torch-dcp": "torch_out",
     "deepspeed-universal": "deepspeed_out",
     "orbax": "orbax_out",
+    "megatron": "megatron_out",
 }
 
 

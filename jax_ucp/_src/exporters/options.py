@@ -73,6 +73,50 @@ class DeepSpeedUniversalExport(_Export):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MegatronExport(_Export):
+    """megatron-core's ``torch_dist`` of a checkpoint under megatron-core names (one imported
+    from Megatron, or continued from one): the weights, the distributed optimizer's fp32 masters
+    and Adam moments (its ``fully_reshardable`` layout, which any TP / PP / DP loads), the
+    iteration and the ``common.pt`` that ``dist_checkpointing.load`` and Megatron-LM read.
+
+    Attributes:
+        force: replace an earlier export at the destination.
+        tp: the tensor-parallel size the loading run uses (its vocab padding and ``args``).
+        pp: its pipeline-parallel size (recorded in ``args``).
+        make_vocab_size_divisible_by: Megatron-LM's option: vocab rows are padded to a multiple
+            of it times ``tp``.
+        iteration: the iteration recorded (None: the optimizer step, else the imported one).
+        run_record: a checkpoint imported from Megatron whose record of the run (param groups,
+            scheduler state, args) is written back (None: this checkpoint's own, if any).
+        args: Megatron-LM arguments to record beside those the export knows."""
+
+    format: ClassVar[str] = "megatron"
+    force: bool = False
+    tp: int = 1
+    pp: int = 1
+    make_vocab_size_divisible_by: int = 128
+    iteration: int | None = None
+    run_record: str | os.PathLike | None = None
+    args: Mapping[str, Any] | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, low in (
+            ("tp", 1),
+            ("pp", 1),
+            ("make_vocab_size_divisible_by", 1),
+            ("iteration", 0),
+        ):
+            value = getattr(self, name)
+            if value is None and name == "iteration":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise RequestError(f"{name}={value!r}: an int >= {low}")
+        if self.args is not None and not isinstance(self.args, Mapping):
+            raise RequestError(f"args={self.args!r}: a mapping of Megatron-LM argument names")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _TensorsExport(_Export):
     """Named tensors under ``select`` (torch DCP and safetensors).
 
@@ -134,8 +178,16 @@ class SafetensorsExport(_TensorsExport):
         object.__setattr__(self, "max_file_bytes", size)
 
 
-Options = OrbaxExport | DeepSpeedUniversalExport | TorchDcpExport | SafetensorsExport
-OPTIONS_TYPES = (SafetensorsExport, TorchDcpExport, DeepSpeedUniversalExport, OrbaxExport)
+Options = (
+    OrbaxExport | DeepSpeedUniversalExport | TorchDcpExport | SafetensorsExport | MegatronExport
+)
+OPTIONS_TYPES = (
+    SafetensorsExport,
+    TorchDcpExport,
+    DeepSpeedUniversalExport,
+    OrbaxExport,
+    MegatronExport,
+)
 BY_FORMAT: dict[str, type[_Export]] = {c.format: c for c in OPTIONS_TYPES}
 FORMATS = tuple(BY_FORMAT)
 

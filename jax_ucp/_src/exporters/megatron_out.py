@@ -1,0 +1,346 @@
+"""megatron-core's ``torch_dist`` (what ``dist_checkpointing.save`` writes, and
+``dist_checkpointing.load`` / Megatron-LM's ``load_checkpoint`` read), written without torch::
+
+    DST/metadata.json   the sharded backend (torch_dist) and the common one (torch)
+    DST/.metadata       torch DCP metadata: each tensor global, in one chunk
+    DST/__0_0.distcp    <name> (the model dtype), optimizer.state.{param,exp_avg,exp_avg_sq}.<name>
+                        (float32), the layers' ``_extra_state`` objects
+    DST/common.pt       iteration, checkpoint_version, the optimizer's param groups and layout,
+                        the scheduler state, ``args``, ``content_metadata``
+
+Tensors keep megatron-core's global shapes (stacked ``decoder.layers.*`` [L, ...], a legacy
+import's per-layer tensors stacked; fused QKV as the import kept it), so any TP / PP reads its own
+shards; vocab-parallel tensors get zero rows up to Megatron-LM's padded vocab for ``tp``. The
+optimizer state is the ``fully_reshardable`` layout, which any TP / PP / DP loads: megatron-core 0.16's default
+``fully_sharded_model_space`` is refused by its own ShardedTensor check ("flattened_range is not
+supported"), and ``dp_reshardable`` / ``dp_zero_gather_scatter`` hold per-rank buffers of one
+TP x PP x DP layout."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src import format as fmt
+from jax_ucp._src import store
+from jax_ucp._src.errors import RequestError
+from jax_ucp._src.exporters import source
+from jax_ucp._src.exporters.options import Exported, MegatronExport
+from jax_ucp._src.exporters.source import RowSlabs
+from jax_ucp._src.restoring import locate
+from jax_ucp._src.restoring.model import Request, check_cast
+from jax_ucp._src.restoring.sources import ucp_source
+from jax_ucp._src.torchfiles import torch_zip
+from jax_ucp._src.torchfiles.dcp import DATA_FILE, METADATA_FILE, DcpItem, write_dcp
+from jax_ucp._src.torchfiles.pickle_format import Global, New, dumps
+from jax_ucp._src.writer import durable
+
+SHARDING = "fully_reshardable"
+#: megatron-core's optimizer state names and the UCP moment each is read from (None: params/)
+STATES = {"param": None, "exp_avg": "mu", "exp_avg_sq": "nu"}
+VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
+BACKENDS = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+_NAME = re.compile(r"(embedding|decoder|output_layer|mtp)\.")
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+#: megatron-core's torch_dist names of a layer's norms (its ``sharded_state_dict_keys_map``)
+_NORMS = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
+_LINEAR = re.compile(r"(decoder\.layers\.(?:[\w.]+\.)?linear_\w+)\.weight")
+#: the param groups megatron-core's optimizer builds (decayed, not), by the keys it pairs them on
+_DEFAULT_GROUPS = ({"wd_mult": 1.0}, {"wd_mult": 0.0})
+
+
+def export(root: str, dst: str, options: MegatronExport) -> Exported:
+    """The weights, optimizer state and run record of a checkpoint under megatron-core names.
+
+    Args:
+        root: the UCP checkpoint directory (a manager step already resolved).
+        dst: the directory to create.
+        options: this format's options (``engine.export`` checked them)."""
+    manifest = store.read_manifest(root)
+    available = ucp_source.available_tensors(manifest)
+    params, moments, model, count = _keys(root, manifest)
+    step = None
+    if count is not None:
+        (value,) = ucp_source.read(root, manifest, [Request(count)], available=available)
+        step = int(value)
+    recorded = _source_of(options.run_record) if options.run_record else (manifest.source or {})
+    record = recorded.get("megatron_optimizer") or {}
+    reads = source.Source(root, manifest, available, progress=options.progress)
+    items: list[DcpItem] = []
+    arrays: list[RowSlabs] = []
+
+    def add(fqn: str, name: str, keys: list[tuple], dtype: np.dtype) -> tuple[int, ...]:
+        """``fqn``: the tensor of parameter ``name`` made of ``keys`` (its layers, or one)."""
+        for key in keys:
+            check_cast(fqn, available[key].dtype, dtype, "same_kind")
+        parts = [reads.tensor(key, dtype, fqn) for key in keys]
+        array = _stack(fqn, parts) if name in layered else parts[0]
+        if name.endswith(VOCAB_PARALLEL):
+            array = _padded(array, -(-array.shape[0] // multiple) * multiple)
+        items.append(DcpItem(fqn, (fqn,), array.shape, array.dtype))
+        arrays.append(array)
+        return array.shape
+
+    multiple = options.make_vocab_size_divisible_by * options.tp
+    shapes: dict[str, tuple[int, ...]] = {}
+    grouped, layered = _stacked(list(params))
+    for name, parts in grouped.items():
+        weights = [model.get(n, params[n]) for n in parts]
+        shapes[name] = add(name, name, weights, np.dtype(available[weights[0]].dtype))
+        for state, moment in STATES.items() if moments else ():
+            keys = [moments.get((n, moment), params[n]) for n in parts]
+            add(f"optimizer.state.{state}.{name}", name, keys, np.dtype(np.float32))
+    reads.total = sum(len(parts) for parts in grouped.values()) * (4 if moments else 1)
+    padded_vocab = next((s[0] for n, s in shapes.items() if n.endswith(VOCAB_PARALLEL)), None)
+    objects = _extra_state_names(shapes, recorded.get("skipped_objects"))
+    items += [DcpItem(name, (name,), value=[None]) for name in objects]
+    iteration = options.iteration
+    if iteration is None:
+        iteration = step if step is not None else _int(recorded.get("iteration")) or 0
+    settings = recorded.get("settings")
+    args = _args(record, settings, shapes, options, iteration, padded_vocab, bool(moments))
+    common = _common(record, args, iteration, step, moments)
+
+    def write(tmp: str) -> list[str]:
+        write_dcp(tmp, items, arrays, str(manifest.save_id), source.pieces)
+        torch_zip.save_file(os.path.join(tmp, "common.pt"), common)
+        durable.write_file(os.path.join(tmp, "metadata.json"), json.dumps(BACKENDS))
+        return [METADATA_FILE, DATA_FILE, "common.pt", "metadata.json"]
+
+    files = source.write_atomically(dst, write, options.force)
+    written = {k for k in (*params.values(), *moments.values(), *model.values(), count)}
+    tensors = [it for it in items if it.shape is not None]
+    return Exported(
+        path=dst,
+        files=files,
+        tensors=len(tensors),
+        bytes=sum(math.prod(t.shape or ()) * np.dtype(t.dtype).itemsize for t in tensors),
+        skipped=[fmt.key_to_str(e.key) for e in manifest.tensors if e.key not in written]
+        + [fmt.key_to_str(v.key) for v in manifest.values],
+    )
+
+
+def _keys(root: str, manifest: fmt.Manifest):
+    """By manifest role: {name: params key}, {(name, "mu"/"nu"): key}, {name: model-precision
+    key}, the step count's key; a name megatron-core does not use is a ``RequestError``."""
+    params, model, moments, count = {}, {}, {}, None
+    rels = {}
+    for e in manifest.tensors:
+        if e.role == "param" and e.sub_role is None and e.tied_to is None:
+            name = ".".join(e.key[1:])
+            if not _NAME.match(name):
+                raise RequestError(
+                    f"{root}: tensor {fmt.key_to_str(e.key)!r} has no megatron-core name "
+                    f"({name!r}); the megatron export writes a checkpoint under megatron-core's "
+                    f"own names (one imported from Megatron, or continued from one); a tree under "
+                    f"other names needs its spec run backwards, which this export does not do"
+                )
+            params[name], rels[e.key[1:]] = e.key, name
+    for e in manifest.tensors:
+        if e.role == "param" and e.sub_role == "model" and e.key[1:] in rels:
+            model[rels[e.key[1:]]] = e.key
+        elif e.role == "opt_state" and e.sub_role in ("mu", "nu"):
+            for rel, name in rels.items():  # the moment at .../mu/<the parameter's path>
+                if e.key[-len(rel) - 1 :] == (e.sub_role, *rel):
+                    moments[(name, e.sub_role)] = e.key
+        elif e.role == "opt_state" and e.sub_role == "count":
+            count = e.key
+    missing = [f"{n} ({m})" for n in params for m in ("mu", "nu") if (n, m) not in moments]
+    if not params or (moments and (missing or count is None)):
+        raise RequestError(
+            f"{root}: a megatron export needs the parameters under megatron-core names and, "
+            f"with optimizer state, every parameter's Adam moments and the step count; missing: "
+            f"{missing[:5] or ([] if params else ['params'])}"
+            f"{' and opt_state count' if moments and count is None else ''}"
+        )
+    return params, moments, model, count
+
+
+def _source_of(path: str | os.PathLike) -> dict:
+    """The ``source`` record of the checkpoint at ``path`` (an import from Megatron)."""
+    manifest = store.read_manifest(locate.find_checkpoint(store.storage_for(path)).root)
+    if not manifest.source or not manifest.source.get("megatron_optimizer"):
+        raise RequestError(f"run_record={os.fspath(path)!r}: records no Megatron run (imported?)")
+    return manifest.source
+
+
+def _padded(array: RowSlabs, rows: int) -> RowSlabs:
+    """``array`` with zero rows appended up to ``rows`` (Megatron-LM's padded vocab)."""
+    extra = rows - (array.shape[0] if array.shape else 0)
+    if extra <= 0:
+        return array
+
+    def slabs():  # the source's slabs as read, then the padding (one slab at a time held)
+        yield from array.slabs()
+        yield np.zeros((extra, *array.shape[1:]), array.dtype)
+
+    return RowSlabs((rows, *array.shape[1:]), array.dtype, slabs)
+
+
+def _stacked(names: list[str]) -> tuple[dict[str, list[str]], set[str]]:
+    """{torch_dist name: the names it is made of}: a legacy import's per-layer
+    ``decoder.layers.<i>.*`` stacked over its layers (its norms under megatron-core's torch_dist
+    names), any other name as it is; and the stacked names."""
+    grouped: dict[str, list[str]] = {}
+    layers: dict[str, dict[int, str]] = {}
+    for name in names:
+        m = _LAYER.fullmatch(name)
+        if m is None:
+            grouped[name] = [name]
+            continue
+        rest = m[2]
+        if "experts." in rest:
+            raise RequestError(
+                f"tensor {name!r}: a per-layer expert (a legacy MoE import) is not stacked into "
+                f"megatron-core's [L, E, ...] experts by this export"
+            )
+        for old, new in _NORMS:
+            rest = new + rest[len(old) :] if rest.startswith(old) else rest
+        layers.setdefault(f"decoder.layers.{rest}", {})[int(m[1])] = name
+    for name, by_layer in layers.items():
+        if sorted(by_layer) != list(range(len(by_layer))):
+            raise RequestError(f"tensor {name!r}: layers {sorted(by_layer)}, not 0..L-1")
+        grouped[name] = [by_layer[i] for i in range(len(by_layer))]
+    return grouped, set(layers)
+
+
+def _stack(name: str, parts: list[RowSlabs]) -> RowSlabs:
+    """``parts`` (one per layer, each read whole when its row is written) as ``[L, ...]``."""
+    if len({(p.shape, p.dtype) for p in parts}) != 1:
+        raise RequestError(f"tensor {name!r}: its layers differ in shape or dtype, cannot stack")
+
+    def slabs():
+        for part in parts:
+            yield np.concatenate(list(part.slabs())).reshape(1, *part.shape)
+
+    return RowSlabs((len(parts), *parts[0].shape), parts[0].dtype, slabs)
+
+
+def _extra_state_names(shapes: dict[str, tuple], recorded: Any) -> list[str]:
+    """The layers' ``_extra_state`` objects megatron-core asks for: those a torch_dist import
+    recorded, else one per layer of each stacked ``linear_*`` (megatron-core's local spec)."""
+    found = [n for n in recorded or () if isinstance(n, str) and "._extra_state/shard_" in n]
+    if found:
+        return found
+    for name, shape in shapes.items():
+        m = _LINEAR.fullmatch(name)
+        if m and "experts" not in name and shape:
+            found += [f"{m[1]}._extra_state/shard_{i}_{shape[0]}" for i in range(shape[0])]
+    return found
+
+
+def _int(value: Any) -> int | None:
+    return value if type(value) is int else None
+
+
+def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The values a pickle of plain data holds (a record's ``<type>`` stand-ins dropped)."""
+    ok = (type(None), bool, int, float, str, list, tuple)
+    return {
+        str(k): tuple(v) if isinstance(v, list) and k == "betas" else v
+        for k, v in values.items()
+        if isinstance(v, ok) and not (isinstance(v, str) and v.startswith("<"))
+    }
+
+
+def _args(
+    record, settings, shapes, options: MegatronExport, iteration: int, padded, optimizer: bool
+) -> dict:
+    """Megatron-LM's ``args``: the recorded run's, what the export knows, ``options.args``."""
+    args = _plain(record.get("args") or {})
+    then, batch = _int(record.get("iteration")), _int(args.get("global_batch_size"))
+    if then is not None and batch and isinstance(args.get("consumed_train_samples"), int):
+        args["consumed_train_samples"] += (iteration - then) * batch
+    for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels"):
+        if isinstance(settings, dict) and _int(settings.get(key)):
+            args.setdefault(key, settings[key])
+    layers = [s[0] for n, s in shapes.items() if n.startswith("decoder.layers.") and s]
+    embedding = shapes.get("embedding.word_embeddings.weight")
+    args.update(
+        tensor_model_parallel_size=options.tp,
+        pipeline_model_parallel_size=options.pp,
+        make_vocab_size_divisible_by=options.make_vocab_size_divisible_by,
+        iteration=iteration,
+        ckpt_format="torch_dist",
+        **({"num_layers": layers[0]} if layers else {}),
+        **({"hidden_size": embedding[1]} if embedding and len(embedding) == 2 else {}),
+        **({"padded_vocab_size": padded} if padded else {}),
+    )
+    if optimizer:
+        args.update(use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=True)
+    args.update(options.args or {})
+    return args
+
+
+def _common(record, args: dict, iteration: int, step: int | None, moments) -> dict:
+    """``common.pt``: what Megatron-LM's ``save_checkpoint`` keeps beside the sharded tensors."""
+    common: dict[str, Any] = {
+        "iteration": iteration,
+        "checkpoint_version": 3.0,
+        "content_metadata": {
+            "distrib_optim_sharding_type": SHARDING,
+            "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True,
+        },
+    }
+    if moments:
+        common["optimizer"] = {
+            "optimizer": {"param_groups": _param_groups(record, args, step or 0)},
+            "param_state_sharding_type": SHARDING,
+        }
+    scheduler = record.get("opt_param_scheduler")
+    if isinstance(scheduler, dict):
+        scheduler = _plain(scheduler)
+        then, batch = _int(record.get("iteration")), _int(args.get("global_batch_size"))
+        if then is not None and batch and isinstance(scheduler.get("num_steps"), int):
+            scheduler["num_steps"] += (iteration - then) * batch  # samples, as Megatron-LM counts
+        common["opt_param_scheduler"] = scheduler
+    common["args"] = New(Global("argparse", "Namespace"), args)  # as Megatron-LM saves it
+    try:
+        dumps(common)
+    except TypeError as e:
+        raise RequestError(f"args=: {e} (Megatron-LM arguments are plain values)") from None
+    return common
+
+
+def _param_groups(record, args: dict, step: int) -> list[dict]:
+    """The recorded param groups (their hyper-parameters), or megatron-core's two default
+    groups made from ``args``; each at the exported ``step`` (how torch's Adam counts)."""
+    saved = record.get("param_groups")
+    if not (isinstance(saved, list) and saved and all(isinstance(g, dict) for g in saved)):
+        if not isinstance(args.get("lr"), (int, float)):
+            raise RequestError(
+                "a megatron export of optimizer state needs its param groups: the checkpoint "
+                "records none (a continued run: give run_record= the checkpoint imported from "
+                "Megatron), or give args={'lr': ...} (and weight_decay, adam_beta1, adam_beta2, "
+                "adam_eps) to write megatron-core's default two"
+            )
+        wd = float(args.get("weight_decay", 0.01))
+        saved = [
+            {
+                **g,
+                "lr_mult": 1.0,
+                "is_expert_parallel": False,
+                "is_decoupled_lr": False,
+                "lr": float(args["lr"]),
+                "betas": (float(args.get("adam_beta1", 0.9)), float(args.get("adam_beta2", 0.999))),
+                "eps": float(args.get("adam_eps", 1e-8)),
+                "weight_decay": wd * g["wd_mult"],
+            }
+            for g in _DEFAULT_GROUPS
+        ]
+    return [{**_plain(g), "step": float(step)} for g in saved]

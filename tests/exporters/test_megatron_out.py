@@ -1,0 +1,253 @@
+"""jax_ucp.export to megatron-core torch_dist: a Megatron import exported at another TP reads back
+bit-exact (weights, fp32 masters, moments, step), megatron-core itself loads it and continues
+it (torch-marked), clear refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp._src.importers.megatron import MegatronOptions, legacy
+from jax_ucp._src.torchfiles import torch_zip
+from jax_ucp.errors import RequestError
+from jax_ucp.exporters import MegatronExport
+from jax_ucp.models import TransformerLM, from_megatron
+from tests.megatron_testing import (
+    FIX,
+    VOCAB,
+    assert_bit_equal,
+    lm_config,
+    reference_name,
+    reference_of,
+)
+from tests.ucp_testing import REPO, free_port, save_small_tree
+
+pytestmark = pytest.mark.timeout(120)
+
+RUN = "llama_distopt_bf16_tp2dp2"  # megatron-core's bf16 TP2 x DP2 run, 2 Adam steps
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> Path:
+    """The fixture run imported with its optimizer state (vocab padding stripped)."""
+    out = tmp_path_factory.mktemp("megatron_out") / "ucp"
+    jax_ucp.convert(FIX / RUN, out, importing=MegatronOptions(vocab_size=VOCAB))
+    return out
+
+
+def _reimported(export: Path) -> Path:
+    back = export.with_name(export.name + ".ucp")
+    jax_ucp.convert(export, back, importing=MegatronOptions(vocab_size=VOCAB))
+    return back
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_export_reads_back_bit_exact(imported, tp):
+    """Fixture (TP2) -> import -> export at TP ``tp`` -> import: every leaf bit-identical (the
+    bf16 weights, fp32 masters, both moments, the step), the vocab padded for ``tp``, the common
+    state what megatron-core and Megatron-LM read."""
+    dst = imported.parent / f"tp{tp}"
+    done = jax_ucp.export(imported, dst, MegatronExport(tp=tp))
+    assert sorted(done.files) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    assert done.tensors == 4 * 9 and done.skipped == []
+    back = _reimported(dst)
+    diff = jax_ucp.diff(imported, back)
+    assert diff.identical, (diff.tensors, diff.only_in_a, diff.only_in_b)
+    assert diff.same == len(jax_ucp.inspect(imported).tensors) == 37
+    source = jax_ucp.inspect(back).source or {}
+    padded = 128 * tp  # Megatron-LM's default make_vocab_size_divisible_by, times TP
+    assert source["vocab_stripped"]["embedding.word_embeddings.weight"] == [padded, VOCAB]
+    assert source["optimizer_layout"] == "per_parameter"
+    common = torch_zip.load_torch_file(dst / "common.pt", legacy.LEGACY_CLASSES)
+    assert common["iteration"] == 2 and common["checkpoint_version"] == 3.0
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    groups = common["optimizer"]["optimizer"]["param_groups"]
+    assert [(g["wd_mult"], g["step"], g["betas"]) for g in groups] == [
+        (1.0, 2.0, (0.9, 0.95)),
+        (0.0, 2.0, (0.9, 0.95)),
+    ]
+    args = legacy.args_dict(common["args"])
+    assert (args["tensor_model_parallel_size"], args["padded_vocab_size"]) == (tp, padded)
+    assert (args["num_layers"], args["hidden_size"]) == (2, 32)
+
+
+def test_export_under_a_budget_is_the_same_export(imported, tmp_path):
+    """Read in row slabs of a 4 KiB budget (the padded vocab tensors' rows in several slabs,
+    then their zero rows), the export is byte for byte the default one."""
+    small = jax_ucp.export(imported, tmp_path / "small", MegatronExport(memory_budget="4KiB"))
+    default = jax_ucp.export(imported, tmp_path / "default", MegatronExport())
+    for name in default.files:
+        assert (tmp_path / "small" / name).read_bytes() == (
+            tmp_path / "default" / name
+        ).read_bytes()
+    assert small.files == default.files
+
+
+def test_weights_only_import_exports_weights(tmp_path):
+    """A run imported without optimizer state exports its weights alone, and reads back."""
+    src = tmp_path / "ucp"
+    jax_ucp.convert(FIX / "gpt_tp2", src, importing=MegatronOptions(vocab_size=VOCAB))
+    done = jax_ucp.export(src, tmp_path / "out", MegatronExport(make_vocab_size_divisible_by=8))
+    assert done.tensors == 17
+    common = torch_zip.load_torch_file(tmp_path / "out" / "common.pt", legacy.LEGACY_CLASSES)
+    assert "optimizer" not in common and common["iteration"] == 0
+    assert jax_ucp.diff(src, _reimported(tmp_path / "out")).identical
+
+
+@pytest.mark.parametrize(
+    "legacy_run", ["legacy_llama_tp2_synthetic", "legacy_gpt_distopt_pp2dp2_synthetic"]
+)
+def test_legacy_import_exports_stacked(tmp_path, legacy_run):
+    """A legacy Megatron-LM import (per-layer names, ``input_layernorm``) exports as megatron-core
+    writes torch_dist: layers stacked ``[L, ...]``, norms under ``linear_qkv.layer_norm_*`` /
+    ``linear_fc1.layer_norm_*`` (the tests' own name map, ``reference_name``); every leaf, masters
+    and moments included, is its layer of the re-import bit for bit, and the re-import is the
+    import of megatron-core's own torch_dist save of the same model (the fixture's twin)."""
+    src = tmp_path / "legacy"
+    jax_ucp.convert(FIX / legacy_run, src, importing=MegatronOptions(vocab_size=VOCAB))
+    jax_ucp.export(src, tmp_path / "out", MegatronExport(tp=2, make_vocab_size_divisible_by=8))
+    before, after = jax_ucp.restore(src), jax_ucp.restore(_reimported(tmp_path / "out"))
+    leaves = 0
+    for tree in ("params", "model_params"):
+        for name, value in before.get(tree, {}).items():
+            stacked, layer = reference_name(name)
+            got = after[tree][stacked] if layer is None else after[tree][stacked][layer]
+            assert_bit_equal(np.asarray(got), np.asarray(value), f"{tree}/{name}")
+            leaves += 1
+    state = before.get("opt_state", {})
+    for moment in ("mu", "nu") if "mu" in state else ():
+        for name, value in state[moment].items():
+            stacked, layer = reference_name(name)
+            got = after["opt_state"][moment][stacked]
+            assert_bit_equal(
+                np.asarray(got if layer is None else got[layer]), np.asarray(value), name
+            )
+            leaves += 1
+    assert leaves == len(jax_ucp.inspect(src).tensors) - ("count" in state)
+    if "count" in state:
+        assert int(after["opt_state"]["count"]) == int(state["count"])
+    twin = reference_of(legacy_run)  # megatron-core's own torch_dist save of the same model
+    if twin != legacy_run:
+        jax_ucp.convert(FIX / twin, tmp_path / "twin", importing=MegatronOptions(vocab_size=VOCAB))
+        assert jax_ucp.diff(tmp_path / "twin", tmp_path / "out.ucp").identical
+
+
+def test_continued_run_exports_with_the_imported_record(tmp_path):
+    """A run continued in JAX and saved by jax_ucp (no Megatron record of its own) exports with
+    ``run_record=`` the import it continued: its values, its step as the iteration and the
+    groups' step, the scheduler and consumed samples advanced by the steps taken (a global batch
+    each, as Megatron-LM counts them)."""
+    src = tmp_path / "run"
+    shutil.copytree(FIX / "gpt_distopt_dp2", src)  # megatron-core's save + Megatron-LM's common
+    shutil.copyfile(FIX / "gpt_distopt_dp2_scheduler_synthetic.common.pt", src / "common.pt")
+    jax_ucp.convert(src, tmp_path / "imported", importing=MegatronOptions(vocab_size=VOCAB))
+    tree = jax_ucp.restore(tmp_path / "imported")
+    tree["opt_state"]["count"] = tree["opt_state"]["count"] + 3  # three steps later
+    tree["params"]["output_layer.weight"] = tree["params"]["output_layer.weight"] * 0.5
+    jax_ucp.save(tmp_path / "continued", tree)
+    with pytest.raises(RequestError, match="give run_record="):
+        jax_ucp.export(tmp_path / "continued", tmp_path / "out", MegatronExport())
+    hyper = MegatronExport(args={"lr": 1e-3, "weight_decay": 0.1})  # megatron-core's two groups
+    jax_ucp.export(tmp_path / "continued", tmp_path / "default", hyper)
+    common = torch_zip.load_torch_file(tmp_path / "default" / "common.pt", legacy.LEGACY_CLASSES)
+    groups = common["optimizer"]["optimizer"]["param_groups"]
+    assert [(g["wd_mult"], g["weight_decay"], g["lr"], g["step"]) for g in groups] == [
+        (1.0, 0.1, 1e-3, 5.0),
+        (0.0, 0.0, 1e-3, 5.0),
+    ]
+    record = MegatronExport(run_record=tmp_path / "imported", args={"seed": 7})
+    jax_ucp.export(tmp_path / "continued", tmp_path / "out", record)
+    assert jax_ucp.diff(tmp_path / "continued", _reimported(tmp_path / "out")).identical
+    common = torch_zip.load_torch_file(tmp_path / "out" / "common.pt", legacy.LEGACY_CLASSES)
+    saved = torch_zip.load_torch_file(src / "common.pt", legacy.LEGACY_CLASSES)
+    assert common["iteration"] == 5 and saved["iteration"] == 2
+    assert {g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]} == {5.0}
+    batch = legacy.args_dict(saved["args"])["global_batch_size"]
+    scheduler = common["opt_param_scheduler"]
+    assert scheduler["num_steps"] == saved["opt_param_scheduler"]["num_steps"] + 3 * batch
+    assert {k: v for k, v in scheduler.items() if k != "num_steps"} == {
+        k: v for k, v in saved["opt_param_scheduler"].items() if k != "num_steps"
+    }
+    args, before = legacy.args_dict(common["args"]), legacy.args_dict(saved["args"])
+    assert args["consumed_train_samples"] == before["consumed_train_samples"] + 3 * batch
+    assert (args["lr"], args["clip_grad"], args["seed"]) == (before["lr"], before["clip_grad"], 7)
+
+
+def test_refusals(imported, tmp_path):
+    """Names megatron-core does not use, a record of no Megatron run, a bad option: refused
+    before anything is written."""
+    save_small_tree(tmp_path / "flax")
+    with pytest.raises(RequestError, match="has no megatron-core name"):
+        jax_ucp.export(tmp_path / "flax", tmp_path / "out", MegatronExport())
+    with pytest.raises(RequestError, match="records no Megatron run"):
+        jax_ucp.export(imported, tmp_path / "out", MegatronExport(run_record=tmp_path / "flax"))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(RequestError, match="tp=0"):
+        MegatronExport(tp=0)
+
+
+def _adam(before: dict, grads: dict, name: str, step: int, lr=0.01, b1=0.9, b2=0.95, eps=1e-8):
+    """torch's Adam (no weight decay) from ``before``'s state at ``step``, in float64."""
+    g = np.asarray(grads[name], np.float64)
+    m = b1 * np.asarray(before["opt_state"]["mu"][name], np.float64) + (1 - b1) * g
+    v = b2 * np.asarray(before["opt_state"]["nu"][name], np.float64) + (1 - b2) * g * g
+    master = np.asarray(before["params"][name], np.float64)
+    return master - lr / (1 - b1**step) * m / (np.sqrt(v) / np.sqrt(1 - b2**step) + eps), m, v
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("tp", [2, 1])
+def test_megatron_core_loads_and_continues(imported, tmp_path, tp):
+    """megatron-core's ``dist_checkpointing.load`` reads the export into a GPTModel and its
+    DistributedOptimizer (TP ``tp``, DP 2 // tp): saved again by megatron-core, it imports
+    bit-identical to the JAX checkpoint; one training step on CPU (forward, backward, Adam)
+    continues from it: step 3, each master and moment what Adam makes of the loaded state and
+    the gradient megatron-core computed."""
+    pytest.importorskip("megatron.core")
+    dst = tmp_path / "export"
+    jax_ucp.export(imported, dst, MegatronExport(tp=tp, make_vocab_size_divisible_by=8))
+    script = Path(__file__).with_name("mcore_continue.py")
+    generator = Path(REPO) / "tools" / "fixtures" / "make_megatron_fixtures.py"
+    args = [str(generator), str(dst), str(tmp_path), str(tp), "2", str(free_port())]
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=800
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["ok"] and result["iteration"] == 2
+    assert result["args"]["tensor_model_parallel_size"] == tp
+    loaded = _reimported(tmp_path / "loaded")
+    assert jax_ucp.diff(imported, loaded).identical
+    before, after = jax_ucp.restore(imported), jax_ucp.restore(_reimported(tmp_path / "stepped"))
+    grads = jax_ucp.restore(_reimported(tmp_path / "grads"))["params"]
+    assert int(after["opt_state"]["count"]) == 3
+    # the loss megatron-core computed is the JAX model's on the same weights (bf16 compute
+    # there), its softmax over Megatron's padded vocab (the padded rows' logits are 0)
+    tokens = np.asarray(result["tokens"], np.int32)
+    cfg = lm_config(RUN, max_position_embeddings=32)
+    weights = {k: np.asarray(v, np.float32) for k, v in before["model_params"].items()}
+    logits = np.asarray(TransformerLM(cfg).apply(from_megatron(weights, cfg), tokens), np.float64)
+    padding = np.zeros((*logits.shape[:2], result["vocab_rows"] - VOCAB))
+    logits = np.concatenate([logits, padding], axis=-1)
+    top = logits.max(-1, keepdims=True)
+    log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    labels = np.roll(tokens, -1, axis=1)
+    picked = np.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    assert abs(result["loss"] - float((log_z - picked).mean())) < 5e-3  # unpadded: 4.7e-2 off
+    assert set(grads) == set(before["params"])
+    for name in grads:
+        master, m, v = _adam(before, grads, name, step=3)
+        moved = np.abs(master - np.asarray(before["params"][name], np.float64)).max()
+        assert moved > 1e-3, name  # the step moved it: the check below can fail
+        np.testing.assert_allclose(after["params"][name], master, rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(after["opt_state"]["mu"][name], m, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(after["opt_state"]["nu"][name], v, atol=1e-8, err_msg=name)
