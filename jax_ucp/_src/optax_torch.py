@@ -15,6 +15,7 @@ import numpy as np
 
 from jax_ucp._src.continuation.deepspeed import deepspeed_recipe, recorded_config
 from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
+from jax_ucp._src.continuation.trainer import check_logged_rates, trainer_rates
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format.files import strict_loads
 from jax_ucp._src.format.manifest import torch_optimizer_record
@@ -356,6 +357,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
         raise RequestError(f"{where}: the Trainer's schedule needs max_steps, found {total!r}")
     warmup = args.get("warmup_steps") or 0
     warmup = int(warmup) if warmup >= 1 else math.ceil(total * float(args.get("warmup_ratio") or 0))
+    notes.extend(trainer_rates(source, groups, where))  # every record of them agreed
     base = agreed(groups, "initial_lr", where)
     base = float(base if base is not None else args["learning_rate"])
     last = (trainer.get("scheduler") or {}).get("last_epoch")
@@ -371,6 +373,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
             f"{where}: the Trainer's {kind} schedule (lr {base}, warm-up {warmup}, {total} "
             f"steps) gives {want} at step {step}, the optimizer holds {lr}"
         )
+    check_logged_rates(trainer, schedule, kind, where)
     notes.append(f"{kind} schedule: lr {base}, warm-up {warmup} steps, {total} steps")
     return schedule, True
 
