@@ -188,3 +188,19 @@ def test_a_schedule_kind_the_logged_rates_do_not_follow_is_refused(tmp_path):
     with pytest.raises(jax_ucp.SourceError, match=r"log_history") as e:
         _continue(os.path.join(root, "checkpoint-3"))
     assert "step 2: 0.01, step 3: 0.0075; training_args.bin's cosine schedule" in str(e.value)
+
+
+def test_a_verl_scheduler_whose_base_lrs_are_not_the_groups_initial_lr_is_refused(tmp_path):
+    """verl's extra state (every rank's, alike) with base_lrs doubled: its LambdaLR copied them
+    from the groups' initial_lr, which optim_world_size_2_rank_*.pt still hold."""
+    src = _copy(tmp_path, "verl/fsdp2")
+    actor = os.path.join(src, "global_step_3", "actor")
+
+    def doubled(t):
+        t["lr_scheduler"]["base_lrs"] = [2 * v for v in t["lr_scheduler"]["base_lrs"]]
+
+    for rank in (0, 1):
+        edit_torch_file(os.path.join(actor, f"extra_state_world_size_2_rank_{rank}.pt"), doubled)
+    with pytest.raises(jax_ucp.SourceError, match=r"disagree on the base learning rate") as e:
+        _continue(src)
+    assert "extra_state_world_size_*_rank_0.pt lr_scheduler base_lrs[0]" in str(e.value)

@@ -342,6 +342,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
     trainer = source.get("trainer") or {}
     args = trainer.get("training_args") or {}
     kind = args.get("lr_scheduler_type")
+    notes.extend(trainer_rates(source, groups, where))  # every record of them agreed
     if "training_args_unread" in trainer:
         note = (
             f"the Trainer's training_args.bin was not read ({trainer['training_args_unread']}): "
@@ -357,7 +358,6 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
         raise RequestError(f"{where}: the Trainer's schedule needs max_steps, found {total!r}")
     warmup = args.get("warmup_steps") or 0
     warmup = int(warmup) if warmup >= 1 else math.ceil(total * float(args.get("warmup_ratio") or 0))
-    notes.extend(trainer_rates(source, groups, where))  # every record of them agreed
     base = agreed(groups, "initial_lr", where)
     base = float(base if base is not None else args["learning_rate"])
     last = (trainer.get("scheduler") or {}).get("last_epoch")

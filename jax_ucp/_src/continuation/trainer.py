@@ -1,4 +1,4 @@
-"""A Trainer save's records of its learning rate, gathered (:mod:`jax_ucp._src.facts`): each
+"""A Trainer (or verl) save's records of its learning rate, gathered (:mod:`jax_ucp._src.facts`): each
 group's base rate is its ``initial_lr`` in the optimizer's file and its ``base_lrs`` entry in the
 scheduler's (a torch scheduler copies the one into the other when it is made), its rate for the
 next step its ``lr`` and the scheduler's ``_last_lr``; ``trainer_state.json``'s ``log_history``
@@ -25,6 +25,10 @@ def trainer_rates(source: dict, groups: list[dict], where: str) -> list[str]:
     saved = trainer.get("scheduler") or {}
     opt = source.get("optimizer_file") or "rank 0's optimizer state"
     sched = "scheduler.pt" if source.get("optimizer_file") else "the saved lr_scheduler"
+    verl = source.get("lr_scheduler")  # verl's extra state: the same torch scheduler's
+    if not saved and isinstance(verl, dict):
+        saved = {"base_lrs": verl.get("base_lrs"), "last_lr": verl.get("_last_lr")}
+        sched = "extra_state_world_size_*_rank_0.pt lr_scheduler"
     facts = Facts(where)
     for key, field, what in (("base_lrs", "initial_lr", "base"), ("last_lr", "lr", "held")):
         rates = saved.get(key)
