@@ -184,15 +184,19 @@ KINDS = {
         ),
         # one record of a run's settings made to disagree with the others stating it (issue
         # 68): DeepSpeed's config copies, clip_grad, a rank's betas; a Trainer's initial_lr,
-        # base_lrs, schedule kind, logged rates. The continuation refuses it or is unchanged
+        # base_lrs, schedule kind, logged rates. The continuation refuses it or is unchanged.
+        # One source a kind: the intact copy's continuation is the child's first, slow run
         Kind(
             "run_records",
-            (
-                "deepspeed/recipe_z1_fp32_adamw_cosine/ckpt",
-                "hf_trainer/trainer_fp32/checkpoint-3",
-                "deepspeed/recipe_z2_bf16_adamw_decay/ckpt",
-                "hf_trainer/trainer_ds_z2/checkpoint-3",
-            ),
+            ("deepspeed/recipe_z1_fp32_adamw_cosine/ckpt",),
+            ("optax-direct",),
+            ("convert",),
+            jax=True,
+            ops=("record-disagree",),
+        ),
+        Kind(
+            "run_records_trainer",
+            ("hf_trainer/trainer_fp32/checkpoint-3",),
             ("optax-direct",),
             ("convert",),
             jax=True,
@@ -278,8 +282,6 @@ def _options(source: str) -> dict:
     import numpy as np
 
     kind = source.split("/")[1]
-    if kind.startswith("trainer_ds_"):  # DeepSpeed's files name every parameter
-        return {}
     with np.load(os.path.join(FIXTURES, "hf_trainer", f"{kind}.truth.npz")) as z:
         names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
     norms = [n for n in names if n.endswith("norm.weight")]
