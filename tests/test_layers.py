@@ -82,7 +82,14 @@ JAX_FREE = {
 }
 JAX_PACKAGES = {"jax", "jaxlib", "orbax", "flax", "optax"}
 TOP = {"cli", "__init__"}  # may import any layer (the demo is in cli)
-BASE = {"lazy_names", "version", "errors", "options", "bulk"}  # leaf modules any layer may use
+BASE = {
+    "lazy_names",
+    "version",
+    "errors",
+    "options",
+    "bulk",
+    "facts",
+}  # leaf modules any layer may use
 
 
 def _layer_of(path: str) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 
 from jax_ucp._src.continuation.deepspeed import deepspeed_recipe, recorded_config
 from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
+from jax_ucp._src.continuation.trainer import check_logged_rates, trainer_rates
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format.files import strict_loads
 from jax_ucp._src.format.manifest import torch_optimizer_record
@@ -341,6 +342,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
     trainer = source.get("trainer") or {}
     args = trainer.get("training_args") or {}
     kind = args.get("lr_scheduler_type")
+    notes.extend(trainer_rates(source, groups, where))  # every record of them agreed
     if "training_args_unread" in trainer:
         note = (
             f"the Trainer's training_args.bin was not read ({trainer['training_args_unread']}): "
@@ -371,6 +373,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
             f"{where}: the Trainer's {kind} schedule (lr {base}, warm-up {warmup}, {total} "
             f"steps) gives {want} at step {step}, the optimizer holds {lr}"
         )
+    check_logged_rates(trainer, schedule, kind, where)
     notes.append(f"{kind} schedule: lr {base}, warm-up {warmup} steps, {total} steps")
     return schedule, True
 

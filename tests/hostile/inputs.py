@@ -182,6 +182,26 @@ KINDS = {
             jax=True,
             ops=("array-out",),
         ),
+        # one record of a run's settings made to disagree with the others stating it (issue
+        # 68): DeepSpeed's config copies, clip_grad, a rank's betas; a Trainer's initial_lr,
+        # base_lrs, schedule kind, logged rates. The continuation refuses it or is unchanged.
+        # One source a kind: the intact copy's continuation is the child's first, slow run
+        Kind(
+            "run_records",
+            ("deepspeed/recipe_z1_fp32_adamw_cosine/ckpt",),
+            ("optax-direct",),
+            ("convert",),
+            jax=True,
+            ops=("record-disagree",),
+        ),
+        Kind(
+            "run_records_trainer",
+            ("hf_trainer/trainer_fp32/checkpoint-3",),
+            ("optax-direct",),
+            ("convert",),
+            jax=True,
+            ops=("record-disagree",),
+        ),
         Kind(
             "orbax_v1_checkpoint",
             ("orbax_v1_checkpoint",),
@@ -660,13 +680,21 @@ def _format(inp: Input) -> str | None:
 
 
 def _run_digest(run) -> dict:
-    """What ``optax_from_torch`` gives: both trees, the step and the optimizer it found."""
+    """What ``optax_from_torch`` gives: both trees, the step and the optimizer it found, and how
+    it continues: the schedule's next rates and one update of the params as their own gradient
+    (the betas, eps, clipping, weight decay and learning rate all shape it)."""
+    import jax
+
+    grads = jax.tree.map(lambda p: p * 10.0, run.params)  # a norm the clipping acts on
+    updates, _ = run.tx.update(grads, run.opt_state, run.params)
     return {
         "params": tree_digest(run.params),
         "opt_state": tree_digest(run.opt_state),
         "step": run.step,
         "optimizer": run.optimizer,
         "unrecovered": sorted(run.unrecovered),  # what it says it went on without
+        "schedule": [repr(float(run.schedule(run.step + k))) for k in (0, 1, 2, 5)],
+        "update": tree_digest(updates),
     }
 
 

@@ -649,6 +649,135 @@ def array_out(c: Context) -> Mutation | None:
     return Mutation("array-out", rel, f"{way} ({_link_out(c, rel)} link)")
 
 
+def _record_edits(c: Context) -> list[tuple[str, str, object]]:
+    """(file, what, change) of every one-record edit of a run's settings this copy allows: one
+    copy of DeepSpeed's config (the clipping, a scheduler parameter, the optimizer), one rank's
+    ``clip_grad`` or betas; a Trainer's ``initial_lr``, ``base_lrs``, schedule kind or a logged
+    learning rate. Each copy states a fact other records of the save state too."""
+    from tests import torch_edit
+
+    edits: list[tuple[str, str, object]] = []
+    for rel in c.files:
+        name = os.path.basename(rel)
+        if name == "trainer_state.json":
+            logged = [
+                h for h in json.loads(c.read(rel)).get("log_history", []) if "learning_rate" in h
+            ]
+            if logged:
+                edits.append((rel, "a logged learning_rate doubled", None))
+            continue
+        if not name.endswith((".pt", ".bin")):
+            continue
+        try:
+            with zipfile.ZipFile(c.path(rel)) as z:
+                pkl = [n for n in z.namelist() if n.endswith("data.pkl")]
+                tree = torch_edit.loads(z.read(pkl[0])) if pkl else None
+        except Exception:  # not a torch zip, or a pickle the tree reader does not take
+            continue
+        state = getattr(tree, "state", None)
+        if isinstance(state, dict) and "lr_scheduler_type" in state:
+            edits.append((rel, "lr_scheduler_type -> cosine", _schedule_kind))
+        if not isinstance(tree, dict):
+            continue
+        config = tree.get("ds_config")
+        if isinstance(config, dict):
+            edits.append((rel, "ds_config.gradient_clipping changed", _clipping))
+            if isinstance((config.get("scheduler") or {}).get("params"), dict):
+                edits.append((rel, "a ds_config scheduler parameter tripled", _scheduler))
+            if isinstance(config.get("optimizer"), dict):
+                edits.append((rel, "ds_config optimizer -> Adam, adam_w_mode false", _adam))
+        inner = tree.get("optimizer_state_dict")
+        if isinstance(inner, dict) and "clip_grad" in inner:
+            edits.append((rel, "clip_grad changed", _clip_grad))
+        if isinstance(inner, dict) and _groups(inner):
+            edits.append((rel, "param_groups[0].betas[0] lowered by 0.1", _betas))
+        if isinstance(tree.get("param_groups"), list):
+            edits.append((rel, "param_groups' initial_lr and lr doubled", _doubled))
+        if isinstance(tree.get("base_lrs"), list):
+            edits.append((rel, "base_lrs doubled", _base_lrs))
+    return edits
+
+
+def _groups(inner: dict) -> list:
+    for key in ("base_optimizer_state", "optimizer_state_dict"):
+        groups = (
+            (inner.get(key) or {}).get("param_groups") if isinstance(inner.get(key), dict) else None
+        )
+        if isinstance(groups, list) and groups and isinstance(groups[0], dict):
+            return groups
+    return []
+
+
+def _other(value) -> float:
+    return 0.0 if value else 1.0
+
+
+def _clipping(t) -> None:
+    t["ds_config"]["gradient_clipping"] = _other(t["ds_config"].get("gradient_clipping", 0.0))
+
+
+def _clip_grad(t) -> None:
+    t["optimizer_state_dict"]["clip_grad"] = _other(t["optimizer_state_dict"]["clip_grad"])
+
+
+def _scheduler(t) -> None:
+    params = t["ds_config"]["scheduler"]["params"]
+    key = sorted(k for k, v in params.items() if type(v) in (int, float))[0]
+    params[key] = params[key] * 3 if params[key] else 1
+
+
+def _adam(t) -> None:
+    made = t["ds_config"]["optimizer"]
+    made["type"] = "Adam"
+    made.setdefault("params", {})["adam_w_mode"] = False
+
+
+def _betas(t) -> None:
+    group = _groups(t["optimizer_state_dict"])[0]
+    b1, b2 = group["betas"]
+    group["betas"] = (round(b1 - 0.1, 6), b2)
+
+
+def _doubled(t) -> None:
+    for g in t["param_groups"]:
+        for key in ("initial_lr", "lr"):
+            if isinstance(g.get(key), float):
+                g[key] *= 2
+
+
+def _base_lrs(t) -> None:
+    t["base_lrs"] = [2 * v for v in t["base_lrs"]]
+
+
+def _schedule_kind(t) -> None:
+    from jax_ucp._src.torchfiles.pickle_format import Call
+
+    kind = t.state["lr_scheduler_type"]
+    t.state["lr_scheduler_type"] = (
+        Call(kind.fn, ("cosine",)) if isinstance(kind, Call) else "cosine"
+    )
+
+
+def record_disagree(c: Context) -> Mutation | None:
+    """One record of a run's settings made to disagree with the others that state the same fact
+    (:func:`_record_edits`), the files otherwise intact: the continuation must refuse it by name,
+    or give what the intact copy gives."""
+    from tests import torch_edit
+
+    edits = _record_edits(c)
+    if not edits:
+        return None
+    rel, what, change = c.rng.choice(edits)
+    if change is None:  # trainer_state.json
+        doc = json.loads(c.read(rel))
+        entry = next(h for h in doc["log_history"] if "learning_rate" in h)
+        entry["learning_rate"] = 2 * entry["learning_rate"] or 1e-3
+        c.write(rel, json.dumps(doc, indent=2).encode())
+    else:
+        torch_edit.edit_torch_file(c.path(rel), change)
+    return Mutation("record-disagree", rel, what)
+
+
 #: how ``path-form`` hands the entry points their path (the child builds it, from a working
 #: directory reached through a link, ``child.path_in_form``)
 PATH_FORMS = ("../x", "./../x/", "../x//", "../link/../x", "/abs/./x/")
@@ -668,6 +797,7 @@ SEMANTIC_OPS = {
     "path-form": path_form,
     "record-swap": record_swap,
     "array-out": array_out,
+    "record-disagree": record_disagree,
 }
 
 

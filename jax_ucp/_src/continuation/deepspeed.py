@@ -10,6 +10,7 @@ from typing import Any
 
 from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
 from jax_ucp._src.errors import RequestError
+from jax_ucp._src.facts import canonical
 from jax_ucp._src.format.manifest import torch_optimizer_record
 
 __all__ = ["SCHEDULERS", "deepspeed_recipe", "deepspeed_schedule"]
@@ -366,6 +367,22 @@ def _adam_from_config(made: Any, groups: list[dict], where: str) -> tuple[str, s
     return ("adamw" if decoupled else "adam"), how, bool(bias_correction), float(lr)
 
 
+def _overridden(params: Mapping[str, Any], held: dict[str, Any], rate: float) -> list[str]:
+    """The one difference the files may hold on purpose, said: the client's param groups
+    (``deepspeed.initialize(model_parameters=[{..., "betas": ...}])``, or a resume keeping the
+    saved groups under an edited config) set what the config's optimizer params also set; the
+    groups' values are what the optimizer stepped with, and are continued."""
+    if rate:
+        held = {**held, "weight_decay": rate}
+    return [
+        f"the param groups hold {key} {held[key]}, the DeepSpeed config's optimizer params "
+        f"{params[key]}: the groups' (set by the client, or kept from a resumed save) are what "
+        f"the optimizer stepped with, and are continued"
+        for key in held
+        if key in params and repr(canonical(params[key])) != repr(canonical(held[key]))
+    ]
+
+
 def recorded_config(source: dict) -> dict | None:
     """The DeepSpeed config its import recorded (``source.optimizer.config``, or ``.deepspeed``
     in a manifest written before that key: docs/FORMAT.md 2.2.3; None: none)."""
@@ -405,6 +422,8 @@ def deepspeed_recipe(
     eps = float(agreed(groups, "eps", where))
     held = float(agreed(groups, "lr", where))  # the next step's, as the scheduler left it
     rate, decayed = group_decay(groups, where)
+    if made is not None:
+        notes.extend(_overridden(made.get("params") or {}, {"betas": [b1, b2], "eps": eps}, rate))
     scheduler = ds.get("scheduler")
     beta1 = None
     saved = record.get("scheduler") or {}

@@ -12,6 +12,7 @@ unpickler with inert stand-ins, for the schedule and clipping the run used; ``sc
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import warnings
@@ -232,7 +233,8 @@ class _TrainingArguments(allow_list.StandIn):
 def trainer_record(folder: str) -> dict:
     """What the Trainer recorded of its optimizer's schedule: ``training_args`` (the fields of
     :data:`ARG_FIELDS`), ``scheduler`` (``last_epoch``, ``base_lrs``, ``last_lr``) and
-    ``global_step`` / ``max_steps``; absent files are absent keys."""
+    ``global_step`` / ``max_steps``, ``logged_lr`` (:func:`logged_rates`); absent files are
+    absent keys."""
     out: dict[str, Any] = {}
     config_path = side_file(folder, CONFIG_FILE)
     if os.path.isfile(config_path):
@@ -244,6 +246,9 @@ def trainer_record(folder: str) -> dict:
         state = read_json(state_path)
         if isinstance(state, dict):
             out.update({k: jsonable(state[k]) for k in ("global_step", "max_steps") if k in state})
+            logged = logged_rates(state.get("log_history"))
+            if logged:
+                out["logged_lr"] = logged
     args_path = side_file(folder, ARGS_FILE)
     if os.path.isfile(args_path):
         try:
@@ -266,6 +271,26 @@ def trainer_record(folder: str) -> dict:
                 keys = {"last_epoch": "last_epoch", "base_lrs": "base_lrs", "_last_lr": "last_lr"}
                 out["scheduler"] = {v: jsonable(sched[k]) for k, v in keys.items() if k in sched}
     return out
+
+
+#: the last learning rates of ``log_history`` recorded (each a record of the schedule)
+MAX_LOGGED = 32
+
+
+def logged_rates(history: Any) -> list[list]:
+    """``[step, learning_rate]`` of the last :data:`MAX_LOGGED` entries of ``log_history`` that
+    log one: what the schedule gave, checked against the recorded schedule by the continuation."""
+    if not isinstance(history, list):
+        return []
+    rates = [
+        [entry["step"], entry["learning_rate"]]
+        for entry in history
+        if isinstance(entry, dict)
+        and type(entry.get("step")) is int
+        and type(entry.get("learning_rate")) in (int, float)
+        and math.isfinite(entry["learning_rate"])
+    ]
+    return rates[-MAX_LOGGED:]
 
 
 def trainer_folder_above(tag_dir: str) -> str | None:

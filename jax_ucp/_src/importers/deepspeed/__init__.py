@@ -183,4 +183,5 @@ def plan(storage: Storage, options: DeepSpeedOptions) -> ImportPlan:
         if "scheduler" not in record and scheduler is not None:  # no scheduler.pt under DeepSpeed
             record["scheduler"] = scheduler  # its state is in the model states file
         plan.source.update(trainer=record, trainer_path=trainer)
+        zero.trainer_facts(plan.source, trainer)  # the config it filled from its arguments
     return plan

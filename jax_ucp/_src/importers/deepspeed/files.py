@@ -13,7 +13,7 @@ import contextvars
 import os
 import re
 from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -357,6 +357,8 @@ class OptimizerStates:
     partition_count: Any  # as recorded (an int, or one per param group)
     files: list[str]  # per DP rank
     states: list[dict]  # per DP rank: its 'optimizer_state_dict'
+    #: per DP rank: the file's own copy of the run's config (``ds_config``; None: not written)
+    configs: list[Any] = field(default_factory=list)
 
 
 def read_optimizer_states(
@@ -374,7 +376,9 @@ def read_optimizer_states(
     first = files_by_dp_rank[first_rank]
     # each partition's CRC-32 checked when it is first read: a weights-only import reads the
     # fp32 masters, never the moments (two thirds of the files)
-    first_state = require(load_deepspeed_file(first, lazy_crc=True), "optimizer_state_dict", first)
+    first_file = load_deepspeed_file(first, lazy_crc=True)
+    first_state = require(first_file, "optimizer_state_dict", first)
+    configs = [first_file.get("ds_config")]
     stage = zero_stage_of(first_state, first)
     partition_count = require(first_state, "partition_count", first)
     world = (
@@ -398,7 +402,9 @@ def read_optimizer_states(
     files = [files_by_dp_rank[dp_rank] for dp_rank in range(world)]
     states = [first_state]
     for path in files[1:]:  # every further DP rank must agree with the first
-        state = require(load_deepspeed_file(path, lazy_crc=True), "optimizer_state_dict", path)
+        loaded = load_deepspeed_file(path, lazy_crc=True)
+        state = require(loaded, "optimizer_state_dict", path)
+        configs.append(loaded.get("ds_config"))
         if is_bf16_optimizer(state) != is_bf16_optimizer(first_state):
             raise SourceError(
                 f"{path}: {'a' if is_bf16_optimizer(state) else 'not a'} BF16_Optimizer's state, "
@@ -413,7 +419,7 @@ def read_optimizer_states(
         if count != partition_count:
             raise SourceError(f"{path}: partition_count {count}, {first} has {partition_count}")
         states.append(state)
-    return OptimizerStates(stage, world, partition_count, files, states)
+    return OptimizerStates(stage, world, partition_count, files, states, configs)
 
 
 # --------------------------------------------------------------------------- model states files

@@ -31,6 +31,7 @@ import numpy as np
 
 from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
+from jax_ucp._src.facts import ABSENT, Facts
 from jax_ucp._src.format import files, mapped_file
 from jax_ucp._src.importers.deepspeed.files import (
     ZERO3_MODEL_FILE,
@@ -107,6 +108,7 @@ class DeepSpeedCheckpoint:
     frozen: dict[str, tuple[int, ...]] = field(default_factory=dict)
     frozen_files: list[str] = field(default_factory=list)
     mp_rank: int = 0  # the model-parallel rank these files are of (stage-3 file names)
+    optim_configs: list = field(default_factory=list)  # per DP rank: its file's ds_config
     # DeepSpeed MoE (stage 1/2): the output name of a name in DP rank r's param_slice_mappings
     # of group g (local expert index -> global), and per group the DP-rank distance between
     # consecutive ranks of its partition (expert groups are partitioned over the
@@ -237,6 +239,7 @@ def open_zero_rank(
         optim_files=optimizer.files,
         model_states=model_states,
         optim_states=optimizer.states,
+        optim_configs=optimizer.configs,
         module=module,
         shared_params=dict(shared),
         mp_rank=mp_rank,
@@ -890,29 +893,25 @@ DS_OPTIMIZER_FIELDS = ("optimizer", "scheduler", "gradient_clipping", "zero_forc
 
 def torch_optimizer_record(checkpoint: DeepSpeedCheckpoint) -> dict | None:
     """The torch optimizer DeepSpeed stepped, as the manifest records a torch one
-    (``source.optimizer``): DP rank 0's ``param_groups`` with each group's ``params`` named by
+    (``source.optimizer``): the ``param_groups`` with each group's ``params`` named by
     ``param_shapes`` (DeepSpeed flattens a group into one vector, so its indices name nothing),
     and the DeepSpeed config entries that made and clipped it (``config``: ``optimizer``,
-    ``gradient_clipping``: under DeepSpeed the Trainer does not clip). None when the files hold
-    no param groups, or not one per ``param_shapes`` group (nothing is guessed)."""
-    state = checkpoint.optim_states[0]
-    inner = state.get(_layout(checkpoint)[1])
-    groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
-    if not isinstance(groups, list | tuple) or len(groups) != len(checkpoint.param_shapes):
+    ``gradient_clipping``: under DeepSpeed the Trainer does not clip). Every copy is compared
+    (:func:`run_facts`): one that disagrees is refused. None when the files hold no param
+    groups, or not one per ``param_shapes`` group (nothing is guessed)."""
+    fields = run_facts(checkpoint)
+    if fields is None:
         return None
-    if not all(isinstance(g, Mapping) for g in groups):
-        return None
+    groups, config = fields
     named = [
         {**{str(k): jsonable(v) for k, v in g.items() if k != "params"}, "params": list(shapes)}
         for g, shapes in zip(groups, checkpoint.param_shapes)
     ]
-    ds_config = checkpoint.model_states.get("ds_config")
-    ds_config = ds_config if isinstance(ds_config, Mapping) else {}
     record = {
         "param_groups": named,
         "state": ["exp_avg", "exp_avg_sq", "step"],
         "no_state": sorted(checkpoint.frozen),
-        "config": {k: jsonable(ds_config[k]) for k in DS_OPTIMIZER_FIELDS if k in ds_config},
+        "config": config,
     }
     scheduler = checkpoint.model_states.get("lr_scheduler")
     if isinstance(scheduler, Mapping):  # a client's torch scheduler (the Trainer's), or the one
@@ -921,3 +920,81 @@ def torch_optimizer_record(checkpoint: DeepSpeedCheckpoint) -> dict | None:
         keys["last_batch_iteration"] = "last_batch_iteration"
         record["scheduler"] = {v: jsonable(scheduler[k]) for k, v in keys.items() if k in scheduler}
     return record
+
+
+def run_facts(checkpoint: DeepSpeedCheckpoint) -> tuple[list[Mapping], dict] | None:
+    """(DP rank 0's param groups, the config entries of :data:`DS_OPTIMIZER_FIELDS`), each
+    compared with every other record of it: the config in the model states file and in each
+    rank's optimizer file, each rank's ``clip_grad`` (the clipping its optimizer applied) and
+    each rank's param groups. None when the groups are not one per ``param_shapes`` group."""
+    inner_key = _layout(checkpoint)[1]
+    per_rank = []
+    for state in checkpoint.optim_states:
+        inner = state.get(inner_key)
+        groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+        if not isinstance(groups, list | tuple) or len(groups) != len(checkpoint.param_shapes):
+            return None
+        if not all(isinstance(g, Mapping) for g in groups):
+            return None
+        per_rank.append(groups)
+    facts = Facts(checkpoint.tag_dir)
+    model_config = checkpoint.model_states.get("ds_config")
+    model_config = model_config if isinstance(model_config, Mapping) else {}
+    copies = [(f"{os.path.basename(checkpoint.model_file)} ds_config", model_config)]
+    copies += [
+        (f"{os.path.basename(path)} ds_config", config)
+        for path, config in zip(checkpoint.optim_files, checkpoint.optim_configs)
+        if config is not None  # a DeepSpeed that wrote none there
+    ]
+    for name, config in copies:
+        config = config if isinstance(config, Mapping) else {}
+        for key in DS_OPTIMIZER_FIELDS:
+            # clipping absent: set beside the saved config (accelerate's), clip_grad holds it
+            if key != "gradient_clipping" or key in config:
+                facts.state(key, f"{name}.{key}", jsonable(config.get(key, ABSENT)))
+    for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
+        if "clip_grad" in state:  # ZeRO-1/2's and BF16_Optimizer's (ZeRO-3 keeps none)
+            name = f"{os.path.basename(path)} optimizer_state_dict.clip_grad"
+            facts.state("gradient_clipping", name, jsonable(state["clip_grad"]))
+    for path, groups in zip(checkpoint.optim_files, per_rank):
+        for g, group in enumerate(groups):
+            for key in sorted({str(k) for gs in per_rank for k in gs[g]} - {"params"}):
+                at = f"param_groups[{g}].{key}"
+                name = f"{os.path.basename(path)} optimizer_state_dict.{inner_key}.{at}"
+                facts.state(at, name, jsonable(group.get(key, ABSENT)))
+    agreed = facts.agree_all()
+    return per_rank[0], {
+        k: v for k, v in agreed.items() if k in DS_OPTIMIZER_FIELDS and v != ABSENT
+    }
+
+
+#: DeepSpeed config entries the Trainer fills from its arguments, refusing to start when one set
+#: by hand differs (transformers' ``HfTrainerDeepSpeedConfig.trainer_config_process``)
+TRAINER_FILLS = {
+    ("gradient_clipping",): ("max_grad_norm",),
+    ("optimizer", "params", "lr"): ("learning_rate",),
+    ("optimizer", "params", "betas"): ("adam_beta1", "adam_beta2"),
+    ("optimizer", "params", "eps"): ("adam_epsilon",),
+    ("optimizer", "params", "weight_decay"): ("weight_decay",),
+}
+
+
+def trainer_facts(source: dict, folder: str) -> None:
+    """A Trainer's ``training_args.bin`` (``source.trainer``) against the DeepSpeed config it
+    filled (``source.optimizer.config``): a value in both that differs is refused, both named."""
+    args = (source.get("trainer") or {}).get("training_args")
+    config = (source.get("optimizer") or {}).get("config")
+    if not isinstance(args, Mapping) or not isinstance(config, Mapping):
+        return
+    facts = Facts(folder)
+    for path, names in TRAINER_FILLS.items():
+        node: Any = config
+        for key in path:
+            node = node.get(key, ABSENT) if isinstance(node, Mapping) else ABSENT
+        if node in (ABSENT, "auto") or not all(n in args for n in names):
+            continue
+        fact = ".".join(path)
+        facts.state(fact, f"the DeepSpeed config (ds_config.{fact})", node)
+        said = [args[n] for n in names] if len(names) > 1 else args[names[0]]
+        facts.state(fact, f"training_args.bin {' and '.join(names)}", said)
+    facts.agree_all()

@@ -1,0 +1,77 @@
+"""A Trainer (or verl) save's records of its learning rate, gathered (:mod:`jax_ucp._src.facts`): each
+group's base rate is its ``initial_lr`` in the optimizer's file and its ``base_lrs`` entry in the
+scheduler's (a torch scheduler copies the one into the other when it is made), its rate for the
+next step its ``lr`` and the scheduler's ``_last_lr``; ``trainer_state.json``'s ``log_history``
+holds the rates the schedule gave. A record that disagrees is refused; arguments that differ
+from the groups (a client optimizer, made by the user) are said."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.facts import Facts
+
+__all__ = ["check_logged_rates", "trainer_rates"]
+
+
+def trainer_rates(source: dict, groups: list[dict], where: str) -> list[str]:
+    """Each group's base and held learning rate as every record states it, agreed or refused;
+    the notes to say (training arguments the groups override)."""
+    trainer = source.get("trainer") or {}
+    saved = trainer.get("scheduler") or {}
+    opt = source.get("optimizer_file") or "rank 0's optimizer state"
+    sched = "scheduler.pt" if source.get("optimizer_file") else "the saved lr_scheduler"
+    verl = source.get("lr_scheduler")  # verl's extra state: the same torch scheduler's
+    if not saved and isinstance(verl, dict):
+        saved = {"base_lrs": verl.get("base_lrs"), "last_lr": verl.get("_last_lr")}
+        sched = "extra_state_world_size_*_rank_0.pt lr_scheduler"
+    facts = Facts(where)
+    for key, field, what in (("base_lrs", "initial_lr", "base"), ("last_lr", "lr", "held")):
+        rates = saved.get(key)
+        if not isinstance(rates, list) or not any(field in g for g in groups):
+            continue
+        facts.state("the number of param groups", f"{opt} param_groups", len(groups))
+        facts.state("the number of param groups", f"{sched} {key}", len(rates))
+        for i, (group, rate) in enumerate(zip(groups, rates)):
+            fact = f"the {what} learning rate of param_groups[{i}]"
+            facts.state(fact, f"{opt} param_groups[{i}].{field}", group.get(field))
+            facts.state(fact, f"{sched} {key}[{i}]", rate)
+    facts.agree_all()
+    given = (trainer.get("training_args") or {}).get("learning_rate")
+    bases = {float(g["initial_lr"]) for g in groups if isinstance(g.get("initial_lr"), int | float)}
+    if isinstance(given, int | float) and bases and bases != {float(given)}:
+        return [
+            f"training_args.bin learning_rate {given}, the param groups' initial_lr "
+            f"{sorted(bases)}: the optimizer was the client's (Trainer(optimizers=...)); the "
+            f"groups' rates are continued"
+        ]
+    return []
+
+
+def check_logged_rates(
+    trainer: dict, schedule: Callable[[Any], Any], kind: str, where: str
+) -> None:
+    """``trainer_state.json``'s logged learning rates are the recorded ``kind`` schedule's, else
+    refused naming both. transformers 5 logs the rate a step used (the schedule at ``step - 1``),
+    4.x the next step's (at ``step``): one of the two, for every entry."""
+    logged = trainer.get("logged_lr") or []
+    if not logged:
+        return
+    steps = np.asarray([s for s, _ in logged], np.float32)
+    rates = np.asarray([r for _, r in logged], np.float64)
+    gave = {}
+    for shift in (1, 0):
+        gave[shift] = np.broadcast_to(np.asarray(schedule(steps - shift), np.float64), rates.shape)
+        if np.allclose(gave[shift], rates, rtol=1e-5, atol=1e-12):
+            return
+    shown = ", ".join(f"step {s}: {r}" for s, r in logged[:4])
+    want = ", ".join(f"{v:.6g}" for v in gave[1][:4])
+    raise SourceError(
+        f"{where}: trainer_state.json's log_history holds the learning rates {shown}"
+        f"{', ...' if len(logged) > 4 else ''}; training_args.bin's {kind} schedule gives "
+        f"{want} there: the run followed another schedule than its arguments record"
+    )

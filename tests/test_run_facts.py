@@ -1,0 +1,206 @@
+"""Every record of a save that states a fact of the run must agree (``jax_ucp/_src/facts.py``):
+one copy edited among several is refused, each record named with its value, never continued from
+the one copy a reader happened to read (issue 68). The saves are the real DeepSpeed and Trainer
+fixtures with one field changed in one file, torch-free (``tests/torch_edit.py``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+
+import pytest
+
+import jax_ucp
+from jax_ucp._src.facts import Facts
+from jax_ucp._src.torchfiles.pickle_format import Call
+from tests.torch_edit import edit_torch_file
+from tests.ucp_testing import REPO
+
+FIX = os.path.join(REPO, "tests", "fixtures")
+STEP = "global_step3"
+MODEL = "mp_rank_00_model_states.pt"
+
+
+def _copy(tmp_path, rel: str) -> str:
+    dst = str(tmp_path / "src")
+    shutil.copytree(os.path.join(FIX, rel), dst)
+    return dst
+
+
+def _continue(path: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return jax_ucp.optax_from_torch(path)
+
+
+def _ranks(folder: str) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if "zero_pp_rank_" in n)
+
+
+def test_facts_agree_or_name_every_record():
+    facts = Facts("ck")
+    facts.state("betas", "a.pt betas", (0.9, 0.95))
+    facts.state("betas", "b.pt betas", [0.9, 0.95])  # a tuple in one file, a list in another
+    facts.state("clip", "a.pt clip", 1)
+    facts.state("clip", "b.pt clip", 1.0)
+    assert facts.agree_all() == {"betas": (0.9, 0.95), "clip": 1}
+    facts.state("clip", "c.pt clip", 0.0)
+    with pytest.raises(
+        jax_ucp.SourceError, match=r"ck: .* on clip: a.pt clip = 1; .*c.pt clip = 0.0"
+    ):
+        facts.agree("clip")
+    assert facts.agree("absent") is None
+
+
+def test_clipping_edited_in_the_model_states_alone_is_refused(tmp_path):
+    """gradient_clipping 1.0 -> 0 in the model states' ds_config: the ranks' ds_config and their
+    clip_grad (what DeepSpeed's optimizer clips with, kept on resume) still say 1.0."""
+    src = _copy(tmp_path, "deepspeed/recipe_z1_fp32_adamw_cosine/ckpt")
+    edit_torch_file(
+        os.path.join(src, STEP, MODEL), lambda t: t["ds_config"].update(gradient_clipping=0.0)
+    )
+    with pytest.raises(jax_ucp.SourceError, match=r"disagree on gradient_clipping") as e:
+        _continue(src)
+    said = str(e.value)
+    assert f"{MODEL} ds_config.gradient_clipping = 0.0" in said
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt optimizer_state_dict.clip_grad = 1.0" in said
+
+
+def test_a_trainer_deepspeed_save_whose_arguments_clip_otherwise_is_refused(tmp_path):
+    """Every DeepSpeed copy says gradient_clipping 0, training_args.bin max_grad_norm 1.0: the
+    Trainer fills the one from the other and refuses to start when they differ."""
+    root = _copy(tmp_path, "hf_trainer/trainer_ds_z2")
+    folder = os.path.join(root, "checkpoint-3", STEP)
+    edit_torch_file(
+        os.path.join(folder, MODEL), lambda t: t["ds_config"].update(gradient_clipping=0.0)
+    )
+
+    def rank(t):
+        t["ds_config"]["gradient_clipping"] = 0.0
+        t["optimizer_state_dict"]["clip_grad"] = 0.0
+
+    for name in _ranks(folder):
+        edit_torch_file(os.path.join(folder, name), rank)
+    with pytest.raises(jax_ucp.SourceError, match=r"disagree on gradient_clipping") as e:
+        _continue(os.path.join(root, "checkpoint-3"))
+    assert "training_args.bin max_grad_norm = 1.0" in str(e.value)
+    assert "ds_config.gradient_clipping) = 0.0" in str(e.value)
+
+
+def test_a_schedule_length_edited_in_one_copy_is_refused(tmp_path):
+    """WarmupDecayLR total_num_steps 10 -> 30 in one rank's copy, saved mid warm-up (where the
+    held learning rate cannot tell them apart)."""
+    src = _copy(tmp_path, "deepspeed/recipe_z2_bf16_adamw_decay/ckpt")
+    folder = os.path.join(src, STEP)
+    rank0 = _ranks(folder)[0]
+
+    def longer(t):
+        t["ds_config"]["scheduler"]["params"]["total_num_steps"] = 30
+
+    edit_torch_file(os.path.join(folder, rank0), longer)
+    with pytest.raises(jax_ucp.SourceError, match=r"disagree on scheduler") as e:
+        _continue(src)
+    assert f"{rank0} ds_config.scheduler = " in str(e.value) and "'total_num_steps': 30" in str(
+        e.value
+    )
+
+
+def test_one_ranks_betas_are_refused(tmp_path):
+    """Rank 0's param groups say betas (0.8, 0.95) where the config and rank 1 say 0.9."""
+    src = _copy(tmp_path, "deepspeed/recipe_z1_fp32_adamw_cosine/ckpt")
+    folder = os.path.join(src, STEP)
+    rank0, rank1 = _ranks(folder)
+
+    def betas(t):
+        t["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0]["betas"] = (0.8, 0.95)
+
+    edit_torch_file(os.path.join(folder, rank0), betas)
+    with pytest.raises(jax_ucp.SourceError, match=r"disagree on param_groups\[0\].betas") as e:
+        _continue(src)
+    assert "base_optimizer_state.param_groups[0].betas = [0.8, 0.95]" in str(e.value)
+    assert f"{rank1} optimizer_state_dict" in str(e.value)
+
+
+def test_the_optimizer_edited_in_the_model_states_is_refused(tmp_path):
+    """The model states' optimizer AdamW -> Adam with adam_w_mode false (L2 decay); both ranks'
+    ds_config still say AdamW."""
+    src = _copy(tmp_path, "deepspeed/recipe_z1_fp32_adamw_cosine/ckpt")
+
+    def adam(t):
+        made = t["ds_config"]["optimizer"]
+        made["type"] = "Adam"
+        made["params"]["adam_w_mode"] = False
+
+    edit_torch_file(os.path.join(src, STEP, MODEL), adam)
+    with pytest.raises(jax_ucp.SourceError, match=r"disagree on optimizer") as e:
+        _continue(src)
+    assert "'adam_w_mode': False" in str(e.value) and "'type': 'AdamW'" in str(e.value)
+
+
+def test_groups_overriding_the_config_on_purpose_are_continued_and_said(tmp_path):
+    """Every rank's groups say betas (0.8, 0.95), the config 0.9: the client's param groups (or a
+    resumed save's) override the config on purpose; the groups' are continued, in a note."""
+    src = _copy(tmp_path, "deepspeed/recipe_z1_fp32_adamw_cosine/ckpt")
+    folder = os.path.join(src, STEP)
+
+    def betas(t):
+        t["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0]["betas"] = (0.8, 0.95)
+
+    for name in _ranks(folder):
+        edit_torch_file(os.path.join(folder, name), betas)
+    run = _continue(src)
+    said = [n for n in run.notes if "the DeepSpeed config's optimizer params" in n]
+    assert said and "betas [0.8, 0.95]" in said[0] and "[0.9, 0.95]" in said[0]
+
+
+def test_a_doubled_initial_lr_is_refused(tmp_path):
+    """optimizer.pt's initial_lr doubled (and its held lr with it, consistent with the schedule
+    at the saved step), scheduler.pt's base_lrs and training_args.learning_rate as they were: a
+    LambdaLR's base_lrs are its groups' initial_lr, so the run cannot have written this."""
+    root = _copy(tmp_path, "hf_trainer/trainer_fp32")
+    opt = os.path.join(root, "checkpoint-3", "optimizer.pt")
+
+    def doubled(t):
+        for g in t["param_groups"]:
+            g["initial_lr"] *= 2
+            g["lr"] *= 2
+
+    edit_torch_file(opt, doubled)
+    with pytest.raises(jax_ucp.SourceError, match=r"disagree on the base learning rate") as e:
+        _continue(os.path.join(root, "checkpoint-3"))
+    assert "optimizer.pt param_groups[0].initial_lr = 0.02" in str(e.value)
+    assert "scheduler.pt base_lrs[0] = 0.01" in str(e.value)
+
+
+def test_a_schedule_kind_the_logged_rates_do_not_follow_is_refused(tmp_path):
+    """training_args.bin's lr_scheduler_type linear -> cosine; trainer_state.json's log_history
+    holds the linear schedule's rates."""
+    root = _copy(tmp_path, "hf_trainer/trainer_fp32")
+    args = os.path.join(root, "checkpoint-3", "training_args.bin")
+
+    def cosine(t):
+        kind = t.state["lr_scheduler_type"]  # SchedulerType("linear"), as pickled
+        assert kind.args == ("linear",)
+        t.state["lr_scheduler_type"] = Call(kind.fn, ("cosine",))
+
+    edit_torch_file(args, cosine)
+    with pytest.raises(jax_ucp.SourceError, match=r"log_history") as e:
+        _continue(os.path.join(root, "checkpoint-3"))
+    assert "step 2: 0.01, step 3: 0.0075; training_args.bin's cosine schedule" in str(e.value)
+
+
+def test_a_verl_scheduler_whose_base_lrs_are_not_the_groups_initial_lr_is_refused(tmp_path):
+    """verl's extra state (every rank's, alike) with base_lrs doubled: its LambdaLR copied them
+    from the groups' initial_lr, which optim_world_size_2_rank_*.pt still hold."""
+    src = _copy(tmp_path, "verl/fsdp2")
+    actor = os.path.join(src, "global_step_3", "actor")
+
+    def doubled(t):
+        t["lr_scheduler"]["base_lrs"] = [2 * v for v in t["lr_scheduler"]["base_lrs"]]
+
+    for rank in (0, 1):
+        edit_torch_file(os.path.join(actor, f"extra_state_world_size_2_rank_{rank}.pt"), doubled)
+    with pytest.raises(jax_ucp.SourceError, match=r"disagree on the base learning rate") as e:
+        _continue(src)
+    assert "extra_state_world_size_*_rank_0.pt lr_scheduler base_lrs[0]" in str(e.value)
