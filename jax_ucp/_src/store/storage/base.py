@@ -98,6 +98,11 @@ class Storage(abc.ABC):
         (a medium whose files redirect elsewhere, the Hub's, says where)."""
         return self.kvstore(), name
 
+    def inside(self, name: str, what: str) -> str:
+        """The local path of ``name``, refused unless it resolves inside ``root`` (a local
+        medium only: ``local.LocalDirectory.inside``)."""
+        raise NotImplementedError(f"{self!r} has no local files ({what}: {name})")
+
     @abc.abstractmethod
     def read(self, name: str, limit: int) -> bytes | None:
         """The whole of ``name`` (None when absent); more than ``limit`` bytes is an error."""
