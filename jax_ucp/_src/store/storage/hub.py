@@ -193,6 +193,11 @@ class HubRepo(Storage):
         if response is None:
             raise SourceError(f"{url}: listed at {self.sha} but not found (HTTP 404)")
         with response:
+            size = response.headers.get("Content-Length", "")
+            if size.isdigit() and int(size) > limit:  # refused unread
+                raise RequestError(
+                    f"{self.join(name)}: {int(size)} bytes, more than the {limit} it may have"
+                )
             data = response.read(limit + 1)
         if len(data) > limit:
             raise RequestError(f"{self.join(name)}: more than the {limit} bytes it may have")

@@ -47,6 +47,11 @@ MAX_DIRECTORY = 256 << 20  # the largest zip directory fetched
 PIECE = 8 << 20  # bytes per ranged GET
 IN_FLIGHT = 64 << 20  # bytes of ranged GETs in flight at once
 PLACING = 16  # objects of a view placed at once
+#: small records whose reader takes a few bytes (a tracker's step number: ``runs.read_tracker``
+#: reads 4 KiB): never fetched past this, so a ``latest`` served as 1.2 GB costs 4 KiB
+RECORDS: dict[str, int] = dict.fromkeys(
+    ("latest", "latest_universal", "latest_checkpointed_iteration.txt"), 4096
+)
 
 _counts = {"gets": 0, "bytes": 0}
 _lock, _large = threading.Lock(), threading.Lock()
@@ -283,9 +288,12 @@ def _place(storage: Storage, name: str, view: View) -> None:
             return  # read in place by ranges (stored_at)
         if name.lower().endswith(ARCHIVES) and _archive(storage, name, path, fd, view):
             return
+        record = RECORDS.get(parts[-1])
         try:
-            data = storage.read(name, MAX_SMALL)
-        except RequestError:  # a larger one: one at a time (memory: one, not PLACING)
+            data = storage.read(name, record or MAX_SMALL)
+        except RequestError as e:  # a larger one: one at a time (memory: one, not PLACING)
+            if record is not None:
+                raise ViewError(f"{e}: a record holding a step number, refused unread") from None
             with _large:
                 data = storage.read(name, MAX_WHOLE)
         if data is None:
