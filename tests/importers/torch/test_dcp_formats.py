@@ -126,6 +126,35 @@ def test_zstd_dcp_in_an_object_store_restores_as_the_local_folder(bucket_url):
     assert torch_dcp.open_dcp(prefix).read_object("step") == 3
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["s3", "hub"])
+def test_a_dcp_object_cut_short_remotely_is_reported_at_its_real_size(
+    s3_server, hub_server, monkeypatch, where
+):
+    """``__1_0.distcp`` cut to half its bytes on S3 or the Hub: refused naming the object's
+    real size; before: "has 0 bytes" (the size of its empty stand-in in the local view)."""
+    from jax_ucp._src.store.storage import object_store
+
+    folder = os.path.join(FIX, ZSTD)
+    files = {}
+    for entry in os.listdir(folder):
+        with open(os.path.join(folder, entry), "rb") as f:
+            files[entry] = f.read()
+    files["__1_0.distcp"] = files["__1_0.distcp"][: len(files["__1_0.distcp"]) // 2]
+    if where == "s3":
+        for k, v in s3_server[0].items():
+            monkeypatch.setenv(k, v)
+        url = f"{s3_server[1]}/dcp-short-{os.getpid()}"
+        for entry, data in files.items():
+            object_store.write(url, entry, data)
+    else:
+        hub_server.add("org/short", files)
+        url = "hf://org/short"
+    size = len(files["__1_0.distcp"])
+    with pytest.raises(SourceError, match=rf"__1_0\.distcp has {size} bytes, metadata needs"):
+        jax_ucp.restore(url)
+
+
 def _copy(name: str, tmp_path) -> str:
     dst = str(tmp_path / name)
     shutil.copytree(os.path.join(FIX, name), dst)
