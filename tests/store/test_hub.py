@@ -397,6 +397,28 @@ def test_a_cdn_answering_another_byte_range_is_named(repo, hub_server, monkeypat
         jax_ucp.restore("hf://org/model")
 
 
+def test_a_listing_trickled_a_byte_at_a_time_meets_the_requests_deadline(
+    repo, hub_server, monkeypatch
+):
+    """The Hub sends its listing a byte every 50 ms (never a per-read timeout): with a 1 s
+    deadline per request (``JAX_UCP_HUB_DEADLINE_S``) the restore stops within about it, with
+    ``HubDeadlineError`` naming the API URL; before: held as long as the server trickles (a
+    byte every 3 s: forever). An unusable setting is named too."""
+    import time
+
+    hub_server.trickle_s = 0.05
+    monkeypatch.setenv(hub.DEADLINE_ENV, "1")
+    t0 = time.monotonic()
+    with pytest.raises(
+        hub.HubDeadlineError, match=r"/api/models/org/model/revision/main: \d+ bytes in .*1 s"
+    ):
+        jax_ucp.restore("hf://org/model")
+    assert time.monotonic() - t0 < 10
+    monkeypatch.setenv(hub.DEADLINE_ENV, "soon")
+    with pytest.raises(jax_ucp.UCPError, match="JAX_UCP_HUB_DEADLINE_S='soon'"):
+        jax_ucp.restore("hf://org/model")
+
+
 def test_a_jax_ucp_checkpoint_in_a_hub_repo_restores_and_verifies(hub_server, tmp_path):
     """A jax_ucp checkpoint pushed to a Hub repo as its files (synthetic): restored exactly and
     verified clean. Before: "shard object …/arrays/b/c/0 is missing (the checkpoint is
