@@ -116,6 +116,7 @@ class HubServer:
         self.repos: dict[str, dict] = {}
         self.log: list[dict] = []
         self.redirect_to: str | None = None  # the CDN hop's target instead of the CDN
+        self.trickle_s: float | None = None  # the listing sent a byte per this many seconds
         self._after_listing: dict[str, dict] = {}
         outer = self
 
@@ -183,7 +184,8 @@ class HubServer:
             if push is not None:
                 entry["refs"]["main"] = push["shas"][push["next"] % len(push["shas"])]
                 push["next"] += 1
-            return self._send(h, 200, body, {"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json"}
+            return self._send(h, 200, body, headers, trickle_s=self.trickle_s)
         org, name, resolve, rest = (path.split("/", 3) + ["", "", "", ""])[:4]
         rev, _, file = rest.partition("/")
         entry, sha = self._commit(f"{org}/{name}", rev)
@@ -222,13 +224,27 @@ class HubServer:
         return self._send(h, 206, data[start:stop], {"Content-Range": content_range})
 
     @staticmethod
-    def _send(h, status: int, body: bytes, headers: dict) -> None:
+    def _send(h, status: int, body: bytes, headers: dict, trickle_s: float | None = None) -> None:
+        """The answer; ``trickle_s``: its body a byte at a time, that many seconds apart (a
+        server holding a reader without ever meeting a per-read timeout)."""
+        import time
+
         h.send_response(status)
         for k, v in {**headers, "Content-Length": str(len(body))}.items():
             h.send_header(k, v)
         h.end_headers()
-        if h.command != "HEAD":
+        if h.command == "HEAD":
+            return
+        if trickle_s is None:
             h.wfile.write(body)
+            return
+        try:
+            for i in range(len(body)):
+                h.wfile.write(body[i : i + 1])
+                h.wfile.flush()
+                time.sleep(trickle_s)
+        except OSError:  # the reader gave up
+            pass
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
+from jax_ucp.errors import CheckpointError
 
 runner = CliRunner()
 
@@ -123,3 +124,34 @@ def test_many_classes_outside_the_allow_list_make_one_notice_for_the_tree(tmp_pa
     assert "'mylib.state:Root'" in notices[0] and "'mylib.state:Box'" in notices[0]
     r = runner.invoke(app, ["inspect", str(path)], env={"COLUMNS": "300"})
     assert r.exit_code == 0 and r.output.count("2 tree nodes") == 1, r.output
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("metadata", [True, False], ids=["with_metadata", "value_in_state"])
+def test_an_nnx_variable_recorded_as_a_standard_library_class_is_refused(tmp_path, metadata):
+    """An NNX checkpoint whose Param is recorded as ``os:system`` (with its Variable metadata,
+    or as the lone ``value`` of a node in an ``nnx.State``) came back as a plain dict in the
+    Param's place; refused naming the node and the class. A user's own Variable subclass
+    (``mylib.layers:MyParam``) still comes back as a dict with a notice, as documented."""
+    from flax import nnx
+
+    jax_ucp.save(tmp_path / "c", nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0))))
+    manifest = tmp_path / "c" / "ucp.json"
+    d = json.loads(manifest.read_text())
+    kernel = next(child for name, _, child in d["tree"]["children"] if name == "kernel")
+    kernel["class"] = "mylib.layers:MyParam"
+    manifest.write_text(json.dumps(d))
+    own = jax_ucp.restore(tmp_path / "c")["kernel"]  # its fields, nnx.State making it one
+    assert not isinstance(own, nnx.Variable) and list(own) == ["value"]
+    assert (
+        "'mylib.layers:MyParam' is not in the allow-list"
+        in jax_ucp.inspect(tmp_path / "c").notices[0]
+    )
+    kernel["class"] = "os:system"
+    if not metadata:
+        del kernel["metadata"]
+    manifest.write_text(json.dumps(d))
+    refused = r"tree node 'kernel' is recorded as an nnx.Variable .*of class 'os:system'"
+    for read in (jax_ucp.restore, jax_ucp.verify, jax_ucp.inspect):
+        with pytest.raises(CheckpointError, match=refused):
+            read(tmp_path / "c")

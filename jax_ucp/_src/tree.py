@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from jax_ucp._src.errors import RequestError
+from jax_ucp._src.errors import CheckpointError, RequestError
 from jax_ucp._src.format import keypath as keypath_lib
 
 
@@ -660,17 +660,20 @@ def _node_kind(description: dict, live: bool = True) -> str | None:
 def class_notices(description: dict | None) -> list[tuple[str, str]]:
     """[(tree node, notice)]: one notice naming the nodes a restore without a target gives as dicts."""
     found: list[tuple[str, str, str]] = []  # (node path, class, why)
-    stack: list[tuple[tuple[str, ...], dict]] = (
-        [((), description)] if description is not None else []
+    stack: list[tuple[tuple[str, ...], dict, bool]] = (
+        [((), description, False)] if description is not None else []
     )
     while stack:
-        prefix, node = stack.pop()
+        prefix, node, in_state = stack.pop()
         if node["type"] == "leaf":
             continue
+        kind = None
         if node["type"] in ("namedtuple", "object"):
             name = node.get("class")
             live = _package_of(name) in sys.modules
-            if _node_kind(node, live) is None:
+            kind = _node_kind(node, live)
+            _refuse_foreign_variable(prefix, node, kind, in_state)
+            if kind is None:
                 why = (
                     "is not in the allow-list of container classes"
                     if class_kind(name, live) is None
@@ -678,8 +681,9 @@ def class_notices(description: dict | None) -> list[tuple[str, str]]:
                     + _short_text(tuple(name for name, _, _ in node["children"]))
                 )
                 found.append(("/".join(prefix) or "the root", _short_text(name), why))
+        state = kind == "dict" and str(node.get("class")).startswith(_VARIABLE_MODULE)
         for name, _, child in reversed(node["children"]):
-            stack.append((prefix + (name,), child))
+            stack.append((prefix + (name,), child, state))
     if not found:
         return []
     where = found[0][0]
@@ -708,6 +712,27 @@ def class_notices(description: dict | None) -> list[tuple[str, str]]:
             f"a target: {'; '.join(parts)}{more}.",
         )
     ]
+
+
+def _refuse_foreign_variable(prefix: tuple, node: dict, kind: str | None, in_state: bool) -> None:
+    """A node recorded as an ``nnx.Variable`` (its metadata, or the lone ``value`` attribute
+    of a node in an ``nnx.State``) whose class no Variable can have (not "module:qualname", or
+    of Python's standard library: ``os:system``) is refused, never handed back as a plain
+    container in the Variable's place; a user's own Variable subclass stays a notice."""
+    shaped = in_state and [c[:2] for c in node["children"]] == [["value", "attr"]]
+    if kind == "variable" or not ("metadata" in node or shaped):
+        return
+    name = node.get("class")
+    module = name.partition(":")[0].split(".")[0] if isinstance(name, str) else ""
+    if ":" in str(name) and module not in sys.stdlib_module_names and module != "builtins":
+        return
+    where = "/".join(prefix) or "the root"
+    raise CheckpointError(
+        f"ucp.json: tree node {where!r} is recorded as an nnx.Variable "
+        f"({'its metadata' if 'metadata' in node else 'a value in an nnx.State'}) of class "
+        f"{_short_text(name)}, which no Variable can be (Python's standard library, or not "
+        f"'module:qualname'); refusing the checkpoint rather than restoring it as a dict."
+    )
 
 
 def _short_text(text, limit: int = 120) -> str:

@@ -222,18 +222,24 @@ class Child:
 def path_in_form(inp: inputs.Input, form: str, work: str):
     """``inp`` with its path typed as ``form`` (``mutations.PATH_FORMS``), the working directory
     ``<work>/in/link`` (a link to ``<work>/in/cwd``) meanwhile; ``x`` is the path relative to
-    ``<work>/in``."""
+    ``<work>/in``, ``mnt`` a link to its parent folder, ``x-link`` a link to it."""
     base = os.path.join(work, "in")
     os.makedirs(os.path.join(base, "cwd"), exist_ok=True)
     if not os.path.lexists(os.path.join(base, "link")):
         os.symlink("cwd", os.path.join(base, "link"))
     rel = os.path.relpath(inp.path, base)
+    for name, target in (("mnt", os.path.dirname(inp.path)), ("x-link", inp.path)):
+        if os.path.lexists(os.path.join(base, name)):
+            os.remove(os.path.join(base, name))
+        os.symlink(target, os.path.join(base, name))
     typed = {
         "../x": f"../{rel}",
         "./../x/": f"./../{rel}/",
         "../x//": f"../{rel}//",
         "../link/../x": f"../link/../{rel}",
         "/abs/./x/": f"{base}/./{rel}/",
+        "mnt/x": f"{base}/mnt/{os.path.basename(inp.path)}",
+        "x-link": f"{base}/x-link",
     }[form]
     before = os.getcwd()
     os.chdir(os.path.join(base, "link"))

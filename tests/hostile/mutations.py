@@ -779,14 +779,15 @@ def record_disagree(c: Context) -> Mutation | None:
 
 
 #: how ``path-form`` hands the entry points their path (the child builds it, from a working
-#: directory reached through a link, ``child.path_in_form``)
-PATH_FORMS = ("../x", "./../x/", "../x//", "../link/../x", "/abs/./x/")
+#: directory reached through a link, ``child.path_in_form``); the last two: paths through
+#: symlinks, a linked parent folder (a mounted data disk) and a link to the input itself
+PATH_FORMS = ("../x", "./../x/", "../x//", "../link/../x", "/abs/./x/", "mnt/x", "x-link")
 
 
 def path_form(c: Context) -> Mutation | None:
     """Nothing changed but how the path is typed: relative through ``..``, with ``./``,
-    trailing or doubled slashes, a link's ``..``, ``/./`` in an absolute path. The entry points
-    must give what they give the plain path."""
+    trailing or doubled slashes, a link's ``..``, ``/./`` in an absolute path, through a linked
+    parent folder or a link to it. The entry points must give what they give the plain path."""
     return Mutation("path-form", c.given, c.rng.choice(PATH_FORMS))
 
 

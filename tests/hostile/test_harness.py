@@ -46,8 +46,9 @@ CI_SLICE: dict[str, list[int]] = {
     "ucp_imported": [0, 1, 3, 7, 9],
     # the semantic operators (issue 56): a path typed through a link's "..", a value given twice
     # in ucp.json, "."-separated chunk keys, a transpose codec added / a path with "/./", a key
-    # twice in Orbax's _METADATA, Fortran order, a big-endian dtype
-    "ucp_semantic": [0, 3, 6, 10],
+    # twice in Orbax's _METADATA, Fortran order, a big-endian dtype; paths through symlinks
+    # (issue 68): a link to the checkpoint (22), a linked parent folder (28)
+    "ucp_semantic": [0, 3, 6, 10, 22, 28],
     "orbax_semantic": [0, 2, 3, 9],
     # issue 56's readers and operators: integrity.json (a flip it vouches against; 18, 49: a
     # consistent swap of two files and their digests), BF16_Optimizer / ZeRO-0 bf16 files, torch

@@ -372,6 +372,53 @@ def test_a_server_ignoring_range_requests_is_named(repo, hub_server, monkeypatch
         jax_ucp.restore("hf://org/model")
 
 
+def test_a_cdn_answering_another_byte_range_is_named(repo, hub_server, monkeypatch):
+    """The CDN answers each ranged GET past the first 8 bytes with the range one byte further
+    (HTTP 206, its Content-Range saying so): a ``SourceError`` naming the file, the range asked
+    and the range answered; before: TensorStore's raw ``ValueError: OUT_OF_RANGE``."""
+    import re
+
+    answer = hub_server._file
+
+    def shifted(h, files, name, server, auth):
+        m = re.fullmatch(r"bytes=(\d+)-(\d+)", h.headers.get("Range") or "")
+        if server == "cdn" and m and int(m[1]) > 0 and name in files:
+            data, a, b = files[name], int(m[1]) + 1, int(m[2]) + 1
+            content_range = f"bytes {a}-{b}/{len(data)}"
+            return hub_server._send(h, 206, data[a : b + 1], {"Content-Range": content_range})
+        return answer(h, files, name, server, auth)
+
+    monkeypatch.setattr(hub_server, "_file", shifted)
+    with pytest.raises(
+        jax_ucp.SourceError,
+        match=r"hf://org/model@\w+/model-0000\d-of-00002\.safetensors: bytes \[8, \d+\) asked, "
+        r"the server answered bytes \[9, \d+\) of \d+",
+    ):
+        jax_ucp.restore("hf://org/model")
+
+
+def test_a_listing_trickled_a_byte_at_a_time_meets_the_requests_deadline(
+    repo, hub_server, monkeypatch
+):
+    """The Hub sends its listing a byte every 50 ms (never a per-read timeout): with a 1 s
+    deadline per request (``JAX_UCP_HUB_DEADLINE_S``) the restore stops within about it, with
+    ``HubDeadlineError`` naming the API URL; before: held as long as the server trickles (a
+    byte every 3 s: forever). An unusable setting is named too."""
+    import time
+
+    hub_server.trickle_s = 0.05
+    monkeypatch.setenv(hub.DEADLINE_ENV, "1")
+    t0 = time.monotonic()
+    with pytest.raises(
+        hub.HubDeadlineError, match=r"/api/models/org/model/revision/main: \d+ bytes in .*1 s"
+    ):
+        jax_ucp.restore("hf://org/model")
+    assert time.monotonic() - t0 < 10
+    monkeypatch.setenv(hub.DEADLINE_ENV, "soon")
+    with pytest.raises(jax_ucp.UCPError, match="JAX_UCP_HUB_DEADLINE_S='soon'"):
+        jax_ucp.restore("hf://org/model")
+
+
 def test_a_jax_ucp_checkpoint_in_a_hub_repo_restores_and_verifies(hub_server, tmp_path):
     """A jax_ucp checkpoint pushed to a Hub repo as its files (synthetic): restored exactly and
     verified clean. Before: "shard object …/arrays/b/c/0 is missing (the checkpoint is

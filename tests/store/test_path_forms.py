@@ -9,6 +9,7 @@ components): the storage seam now gives TensorStore one resolved spelling (``Loc
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import numpy as np
@@ -20,6 +21,7 @@ from typer.testing import CliRunner
 import jax_ucp
 from jax_ucp._src.store import storage
 from jax_ucp.cli import app
+from tests.ucp_testing import move_out
 
 pytestmark = pytest.mark.timeout(300)
 runner = CliRunner()
@@ -108,3 +110,38 @@ def test_every_cli_command_reads_every_path_form(in_link, form, tmp_path):
         r = runner.invoke(app, args, env=env)
         assert r.exit_code == 0, (args, r.output)
         assert "Invalid file path" not in r.output, (args, r.output)
+
+
+@pytest.mark.parametrize("how", ["linked_parent", "link_to_checkpoint"])
+def test_a_checkpoint_read_through_symlinks_reads_as_its_real_path(tmp_path, how):
+    """A data disk mounted as a symlinked folder, or a link to the checkpoint itself: restore,
+    ``verify`` and the CLI read exactly what the real path reads (they raised "shard file name
+    '../../real/ck/arrays/w/c/0' has a '..' part", the reader's root spelled as given and its
+    files spelled resolved), while a shard linked out of the checkpoint is still refused."""
+    (tmp_path / "disk").mkdir()
+    os.symlink(tmp_path / "disk", tmp_path / "mnt")
+    tree = {"w": W, "b": np.ones(5, np.float32)}
+    real = tmp_path / "disk" / "ck"
+    if how == "linked_parent":
+        through = str(tmp_path / "mnt" / "ck")
+        jax_ucp.save(through, tree)  # saved through the link as well
+    else:
+        jax_ucp.save(real, tree)
+        through = str(tmp_path / "ck-link")
+        os.symlink(real, through)
+    want = jax_ucp.restore(real)
+    got = jax_ucp.restore(through)
+    assert set(got) == set(want) == set(tree)
+    for k in tree:
+        np.testing.assert_array_equal(got[k], want[k])
+        np.testing.assert_array_equal(got[k], tree[k])
+    assert jax_ucp.verify(through) == []
+    r = runner.invoke(app, ["verify", through], env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    shard = next(p for p in (real / "arrays").rglob("*") if p.is_file() and "/w/c" in str(p))
+    move_out(shard, tmp_path / "elsewhere")  # a link below the checkpoint that leaves it
+    outside = r"resolves to \S+/elsewhere/\S+, outside the checkpoint"
+    with pytest.raises(jax_ucp.UCPError, match=outside):
+        jax_ucp.restore(through)
+    ((name, problem),) = jax_ucp.verify(through)
+    assert name == "w" and re.search(outside, problem), problem

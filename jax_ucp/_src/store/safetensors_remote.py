@@ -19,6 +19,7 @@ from jax_ucp._src.errors import CheckpointError, SourceError, tensorstore_messag
 from jax_ucp._src.format import safetensors
 from jax_ucp._src.store import shard_reader
 from jax_ucp._src.store.storage import Storage, storage_for
+from jax_ucp._src.store.storage.base import size_when_short
 
 
 def holds(prefix: Storage) -> bool:
@@ -83,6 +84,7 @@ class RemoteTensor:
         try:
             got = future.result()
         except ValueError as e:  # a range past the end: the object shrank since it was opened
+            size_when_short(e, self.shown)  # (another range answered: named as such)
             raise CheckpointError(
                 f"{self.shown}: tensor {self.name!r}: rows {a}:{b} cannot be read "
                 f"({tensorstore_message(e)})."
@@ -110,26 +112,34 @@ def header(kv: ts.KvStore, name: str, shown: str) -> safetensors.SafetensorsFile
     n = int.from_bytes(bytes(got.value), "little")
     if n > safetensors.MAX_HEADER_BYTES:
         raise SourceError(f"{shown}: header of {n} bytes (at most {safetensors.MAX_HEADER_BYTES}).")
-    raw = bytes(kv.read(name, byte_range=slice(8, 8 + n)).result().value)
+    try:
+        raw = bytes(kv.read(name, byte_range=slice(8, 8 + n)).result().value)
+    except ValueError as e:  # shorter than its header says, or another range answered
+        size = size_when_short(e, shown)
+        raise SourceError(
+            f"{shown}: header of {n} bytes, the object "
+            f"{f'has {size} bytes' if size is not None else 'ends before it'}."
+        ) from None
     if len(raw) != n:
         raise SourceError(f"{shown}: header of {n} bytes, the object ends after {len(raw)}.")
     # the data ends where the last tensor ends: the object must end there too
     parsed = safetensors.SafetensorsFile.from_header(shown, raw, 8 + n, None)
     end = 8 + n + max((e for *_, e in parsed.header.values()), default=0)
-    if not _holds(kv, name, end) or _holds(kv, name, end + 1):
+    if not _holds(kv, name, end, shown) or _holds(kv, name, end + 1, shown):
         raise SourceError(
             f"{shown}: the header's tensors end at byte {end}; the object is "
-            f"{'longer' if _holds(kv, name, end) else 'shorter (truncated)'}."
+            f"{'longer' if _holds(kv, name, end, shown) else 'shorter (truncated)'}."
         )
     return parsed
 
 
-def _holds(kv: ts.KvStore, name: str, size: int) -> bool:
+def _holds(kv: ts.KvStore, name: str, size: int, shown: str) -> bool:
     """Whether object ``name`` has at least ``size`` bytes (a one-byte ranged read before it;
     a range past the end is TensorStore's OUT_OF_RANGE)."""
     try:
         got = kv.read(name, byte_range=slice(size - 1, size)).result()
-    except ValueError:
+    except ValueError as e:
+        size_when_short(e, shown)
         return False
     return got.state == "value" and len(got.value) == 1
 

@@ -527,10 +527,7 @@ def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[Dc
 def _object_size(root: ObjectPath, name: str, end: int) -> int:
     """``end`` when object ``name`` holds that many bytes, else its size (-1: missing)."""
     obj = root / name
-    if end and local_view.read_range(obj.storage, obj.key, end - 1, end) not in (None, b""):
-        return end
-    got = local_view.read_range(obj.storage, obj.key, 0, end)
-    return -1 if got is None else len(got)
+    return local_view.object_size(obj.storage, obj.key, end)
 
 
 def _file_range(path: Path | ObjectPath, offset: int, length: int, where: str) -> np.ndarray:
@@ -549,7 +546,7 @@ def _file_range(path: Path | ObjectPath, offset: int, length: int, where: str) -
             out[at - offset : at - offset + n] = np.frombuffer(got, np.uint8)
 
         kv, key = local_view.ranged(path.storage, path.key)
-        local_view.fetch_ranges(kv, key, [(offset, offset + length)], put)
+        local_view.fetch_ranges(kv, key, [(offset, offset + length)], put, str(path))
         out.flags.writeable = False
         return out
     try:

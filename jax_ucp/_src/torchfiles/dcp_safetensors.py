@@ -5,6 +5,8 @@ full shape, when unrecorded, their largest extent, as torch takes it), read as r
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,10 @@ from jax_ucp._src.torchfiles import dcp
 DCP_VERSION = "DCP_VERSION"
 #: The fields a tensor's DCP_SHARDING_INFO entry may have.
 _FIELDS = ("saved_offsets", "global_shape")
+#: torch's rank-local file name (``_hf_utils.SHARDED_FILE_NAME``): the rank, from 1, first
+_RANK_FILE = re.compile(r"shard-([0-9]{5,})-model-[0-9]{5,}-of-[0-9]{5,}\.safetensors")
+#: the largest config.json read beside the files (transformers' is a few KB)
+_MAX_CONFIG_BYTES = 1 << 20
 
 
 def is_rank_local(path: os.PathLike | str) -> bool:
@@ -99,6 +105,60 @@ def _check_index(root: Path, pieces: dict[str, list]) -> None:
         raise SourceError(f"{index}: tensor {unlisted[0][:100]!r} is in the files, not the index")
 
 
+def _sharded(pieces: dict[str, list]) -> list[str]:
+    """The tensors split over several files (each rank held a piece of them)."""
+    return sorted(t for t, found in pieces.items() if len({p[0] for p in found}) > 1)
+
+
+def _ranks(names: list[str]) -> set[int]:
+    return {int(m[1]) for n in names if (m := _RANK_FILE.fullmatch(n))}
+
+
+def _check_ranks(root: Path, names: list[str], pieces: dict[str, list]) -> None:
+    """Every rank from 1 to the highest holds a file (torch's writer numbers them so): a gap is
+    a rank file gone, whose pieces and whole tensors would otherwise vanish without a word."""
+    ranks = _ranks(names)
+    gone = sorted(set(range(1, max(ranks, default=0) + 1)) - ranks)
+    if gone:
+        raise SourceError(
+            f"{root}: no shard-{gone[0]:05d}-model-*.safetensors (rank {gone[0]}) while ranks "
+            f"{sorted(ranks)[:8]} wrote theirs: a rank's file is missing; the tensors it held a "
+            f"piece of ({', '.join(_sharded(pieces)[:8]) or 'unknown'}) and any it alone held "
+            f"would be short or gone"
+        )
+
+
+def _check_config(root: Path, tensors: dict[str, dcp.DcpTensor], inferred: list[str]) -> bool:
+    """transformers' ``config.json`` beside the files: its ``vocab_size`` and ``hidden_size`` are
+    dimensions of the model's tensors (the embedding's), so shapes inferred from the pieces
+    that hold neither mean the files stop short (the last rank's file missing). False: no such
+    config to compare with."""
+    if not os.path.lexists(root / "config.json"):
+        return False
+    try:
+        path = files.inside(root, "config.json", f"{root}: config")
+        config = files.strict_json(files.read_regular(path, _MAX_CONFIG_BYTES), path)
+    except (files.UnsafeFileError, SourceError, OSError):
+        return False
+    dims = {d for t in tensors.values() for d in t.shape}
+    wants = (
+        [(f, config.get(f)) for f in ("vocab_size", "hidden_size")]
+        if isinstance(config, dict)
+        else []
+    )
+    wants = [(f, w) for f, w in wants if type(w) is int and w > 0]
+    for field, want in wants:
+        if want not in dims:
+            last = max(_ranks([c.file for t in tensors.values() for c in t.chunks]), default=0)
+            raise SourceError(
+                f"{root}: config.json says {field} {want}, but no tensor has that dimension: "
+                f"the pieces end short, rank {last + 1}'s file (shard-{last + 1:05d}-model-*"
+                f".safetensors) is missing; tensors whose shape is only their pieces' extent: "
+                f"{', '.join(inferred[:8])}"
+            )
+    return bool(wants)
+
+
 def _shown(shape: tuple[int, ...] | None) -> str:
     return "not recorded" if shape is None else str(list(shape))
 
@@ -134,6 +194,7 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
     if not pieces:
         raise SourceError(f"{root}: no tensor in its torch DCP Hugging Face shards {names[:5]}")
     _check_index(root, pieces)
+    _check_ranks(root, names, pieces)
     tensors: dict[str, dcp.DcpTensor] = {}
     inferred = []
     for tensor, found in pieces.items():
@@ -163,6 +224,8 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
             f"HuggingFaceStorageReader takes them so): a folder missing its last rank's file "
             f"would read as smaller tensors, so compare the shapes with the model's config",
         )
+        if not _check_config(root, tensors, inferred):  # nothing tells a last rank gone
+            warnings.warn(f"{root}: {notes[0]}", UserWarning, stacklevel=2)
     return dcp.DcpCheckpoint(
         root,
         tensors,

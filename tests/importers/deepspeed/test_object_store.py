@@ -162,3 +162,29 @@ def test_a_zero_folder_in_a_hub_repo_restores_by_ranges(hub_server, monkeypatch)
     remote, gets, nbytes = fetched(lambda: jax_ucp.restore("hf://org/zero", importing=weights))
     assert_same(remote, jax_ucp.restore(ZERO, importing=weights))
     assert nbytes <= size_of(ZERO) - moments + 2 * len(files), (gets, nbytes, moments)
+
+
+@pytest.mark.parametrize("where", ["s3", "hub"])
+def test_a_tracker_served_large_is_refused_unread(s3_server, hub_server, monkeypatch, where):
+    """DeepSpeed's 12-byte ``latest`` served as a large object: refused naming it and the bound
+    (on the Hub its size too) after at most the bound's bytes; before, the view fetched it whole
+    (a 1.2 GB one cost 1.3 GB of memory) before its reader refused it."""
+    big = b"global_step2" + b" " * 200_000
+    if where == "s3":
+        url = upload(ZERO, served(monkeypatch, s3_server))
+        object_store.write(url, "latest", big)
+        said = rf"{url}/latest: more than the 4096 bytes it may have: a record"
+    else:
+        served(monkeypatch)
+        files = {}
+        for folder, _, names in os.walk(ZERO):
+            for name in names:
+                with open(os.path.join(folder, name), "rb") as f:
+                    files[os.path.relpath(f.name, ZERO)] = f.read()
+        hub_server.add("org/zero", {**files, "latest": big})
+        url = "hf://org/zero"
+        said = r"hf://org/zero@\w+/latest: 200012 bytes, more than the 4096 it may have: a record"
+    nbytes = local_view.fetched()[1]
+    with pytest.raises(jax_ucp.UCPError, match=said):
+        jax_ucp.restore(url)
+    assert local_view.fetched()[1] - nbytes < 100_000

@@ -63,12 +63,20 @@ def _gets(monkeypatch) -> list[tuple[str, int | None, int | None]]:
     (name, None, None) of a whole GET."""
     gets: list[tuple[str, int | None, int | None]] = []
     fetch, ranged, whole = local_view.fetch_ranges, local_view.read_range, object_store.read
+    size = local_view.object_size
 
-    def pieces(kv, key, ranges, put):
+    def pieces(kv, key, ranges, put, url=""):
         gets.extend((key.rpartition("/")[2], a, b) for a, b in ranges)
-        return fetch(kv, key, ranges, put)
+        return fetch(kv, key, ranges, put, url)
 
     monkeypatch.setattr(local_view, "fetch_ranges", pieces)
+    monkeypatch.setattr(
+        local_view,
+        "object_size",
+        lambda where, name, end: (
+            gets.append((name.rpartition("/")[2], end - 1, end)) or size(where, name, end)
+        ),
+    )
     monkeypatch.setattr(
         local_view,
         "read_range",

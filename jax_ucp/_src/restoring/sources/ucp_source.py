@@ -194,7 +194,7 @@ class CheckpointSource(TensorSource):
             return
         zarr_json = os.path.join(kv["path"], ZARR_JSON)
         try:  # never hand TensorStore a FIFO or a device, nor an array linked out of the root
-            fmt.files.inside(self.root, f"{entry.dir}/{ZARR_JSON}", fmt.MANIFEST_FILE)
+            self.storage.inside(f"{entry.dir}/{ZARR_JSON}", fmt.MANIFEST_FILE)
             data: bytes | None = fmt.files.read_regular(zarr_json, MAX_ZARR_JSON_BYTES)
         except FileNotFoundError:
             data = None
@@ -268,7 +268,7 @@ class CheckpointSource(TensorSource):
                     fmt.to_numpy_dtype(entry.dtype),
                     digests=entry.shard_digests,
                     tensor=entry.name,
-                    root=self.root,
+                    root=self.storage.kvstore()["path"],  # spelled as kv["path"] is
                 )
         return found.build({s.key: self._get(s.key) for s in found.sources})
 
@@ -337,7 +337,7 @@ def verify_shard_files(storage: store.storage.Storage, entry: fmt.TensorEntry) -
     for key in shard_file.grid_keys(entry.shape, entry.chunk_shape):
         path = os.path.join(kv["path"], *key.split("/"))
         with _shard_checked(entry, "file", path):
-            fmt.files.inside(storage.root, f"{entry.dir}/{key}", "shard file")
+            storage.inside(f"{entry.dir}/{key}", "shard file")
             if entry.checksum == "crc32c" and entry.shard_digests is not None:
                 found = shard_reader.file_digest(path, n_chunks)
                 shard_file.check_digest(path, found, entry.shard_digests.get(key), entry.name)

@@ -9,7 +9,9 @@ followed here once per file (``ranged``): relative hops on the Hub itself, up to
 to another host or scheme (http or https only), which is fetched without the token, as
 ``huggingface_hub`` does (never over http from an https endpoint). Endpoint from
 ``HF_ENDPOINT`` (default https://huggingface.co), token from ``HF_TOKEN``.
-Everything the Hub sends is bounded (the listing, any file read whole), and so are the
+Everything the Hub sends is bounded (the listing, any file read whole), in bytes and in time
+(``DEADLINE_S`` per request in all, ``JAX_UCP_HUB_DEADLINE_S`` to change it: a server that
+trickles a byte every few seconds never meets the per-read ``TIMEOUT_S``), and so are the
 retries of a server that keeps failing (``RETRIES``: ~50 s, where TensorStore's own wait ~15 min).
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -30,7 +33,9 @@ from jax_ucp._src.store.storage.base import Storage
 SCHEME = "hf://"
 MAX_LISTING_BYTES = 16 << 20  # the repo's file list (the Hub's JSON for a large repo: ~1 MB)
 MAX_REDIRECTS = 5
-TIMEOUT_S = 60
+TIMEOUT_S = 60  # per read of the socket
+DEADLINE_S = 300.0  # per request, in all (``deadline_s``)
+DEADLINE_ENV = "JAX_UCP_HUB_DEADLINE_S"
 RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "8s"}  # TensorStore's reads
 READ_ONLY = "a Hub repo is read-only: convert it to a local or s3:// destination"
 _SHA = re.compile(r"[0-9a-f]{40}\Z")
@@ -43,6 +48,40 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 _OPENER = urllib.request.build_opener(_NoRedirect)
+
+
+class HubDeadlineError(SourceError):
+    """A request to the Hub took longer in all than its deadline (``deadline_s``)."""
+
+
+def deadline_s() -> float:
+    """The most seconds one request to the Hub may take (``JAX_UCP_HUB_DEADLINE_S``, else
+    ``DEADLINE_S``)."""
+    text = os.environ.get(DEADLINE_ENV, "")
+    try:
+        value = float(text) if text else DEADLINE_S
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise RequestError(f"{DEADLINE_ENV}={text!r}: expected a positive number of seconds")
+    return value
+
+
+def _read(response, limit: int, url: str, started: float) -> bytes:
+    """At most ``limit + 1`` bytes of ``response``, refused past the request's deadline."""
+    end, out = started + deadline_s(), bytearray()
+    while len(out) <= limit:
+        chunk = response.read1(min(1 << 20, limit + 1 - len(out)))
+        if not chunk:
+            break
+        out += chunk
+        if time.monotonic() > end:
+            raise HubDeadlineError(
+                f"{url}: {len(out)} bytes in {time.monotonic() - started:.0f} s, past the "
+                f"{deadline_s():g} s a request may take in all ({DEADLINE_ENV}); the server "
+                f"is too slow or trickling its answer"
+            )
+    return bytes(out)
 
 
 def _endpoint() -> str:
@@ -71,7 +110,7 @@ def _open(url: str, method: str = "GET", *, follow_off_host: bool = True):
             return url, None
         request = urllib.request.Request(url, method=method, headers=auth_headers(url))
         try:
-            return url, _OPENER.open(request, timeout=TIMEOUT_S)
+            return url, _OPENER.open(request, timeout=min(TIMEOUT_S, deadline_s()))
         except urllib.error.HTTPError as e:
             e.close()
             if e.code == 404:
@@ -129,6 +168,7 @@ class HubRepo(Storage):
         """The model info's ``sha`` and ``siblings`` (bounded, checked)."""
         quoted = urllib.parse.quote(self.revision, safe="")
         api = f"{_endpoint()}/api/models/{self.repo}/revision/{quoted}"
+        started = time.monotonic()
         _, response = _open(api)
         if response is None:
             raise SourceError(
@@ -137,7 +177,7 @@ class HubRepo(Storage):
                 f"needs HF_TOKEN)"
             )
         with response:
-            raw = response.read(MAX_LISTING_BYTES + 1)
+            raw = _read(response, MAX_LISTING_BYTES, api, started)
         if len(raw) > MAX_LISTING_BYTES:
             raise SourceError(f"{api}: more than {MAX_LISTING_BYTES} bytes of listing")
         try:
@@ -189,11 +229,17 @@ class HubRepo(Storage):
     def read(self, name: str, limit: int) -> bytes | None:
         if not self.exists(name):
             return None
+        started = time.monotonic()
         url, response = _open(self._url(name))
         if response is None:
             raise SourceError(f"{url}: listed at {self.sha} but not found (HTTP 404)")
         with response:
-            data = response.read(limit + 1)
+            size = response.headers.get("Content-Length", "")
+            if size.isdigit() and int(size) > limit:  # refused unread
+                raise RequestError(
+                    f"{self.join(name)}: {int(size)} bytes, more than the {limit} it may have"
+                )
+            data = _read(response, limit, url, started)
         if len(data) > limit:
             raise RequestError(f"{self.join(name)}: more than the {limit} bytes it may have")
         return data

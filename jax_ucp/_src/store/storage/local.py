@@ -265,9 +265,17 @@ class LocalDirectory(Storage):
 
     @functools.cached_property
     def resolved(self) -> str:
-        """``root`` absolute, every link and ``..`` resolved (once: the one spelling of it
-        TensorStore is given)."""
+        """``root`` absolute, every link and ``..`` resolved (once: the one spelling of it that
+        TensorStore, the shard reader and every containment check are given)."""
         return os.path.realpath(self.root)
+
+    def inside(self, name: str, what: str) -> str:
+        """The path of ``name`` (read from the checkpoint's own files) under ``resolved``,
+        refused unless it resolves inside the checkpoint (``format.files.inside``). Why here:
+        a checkpoint read through a link (a mounted disk's symlinked parent, a link to the
+        checkpoint itself) is checked exactly as its real path is, and only a link below it
+        that leaves it is refused."""
+        return fmt.files.inside(self.resolved, name, what)
 
     def read(self, name: str, limit: int) -> bytes | None:
         try:

@@ -35,7 +35,7 @@ import tensorstore as ts
 
 from jax_ucp._src.errors import RequestError, SourceError, UCPError
 from jax_ucp._src.store.in_flight import InFlightBytes
-from jax_ucp._src.store.storage.base import Storage
+from jax_ucp._src.store.storage.base import Storage, size_when_short
 
 ARCHIVES = (".pt", ".pth", ".bin", ".ckpt")  # fetched by ranges when they are zip archives
 DCP = ".metadata"  # a torch DCP folder's: it and its .distcp files read at their URL
@@ -47,6 +47,11 @@ MAX_DIRECTORY = 256 << 20  # the largest zip directory fetched
 PIECE = 8 << 20  # bytes per ranged GET
 IN_FLIGHT = 64 << 20  # bytes of ranged GETs in flight at once
 PLACING = 16  # objects of a view placed at once
+#: small records whose reader takes a few bytes (a tracker's step number: ``runs.read_tracker``
+#: reads 4 KiB): never fetched past this, so a ``latest`` served as 1.2 GB costs 4 KiB
+RECORDS: dict[str, int] = dict.fromkeys(
+    ("latest", "latest_universal", "latest_checkpointed_iteration.txt"), 4096
+)
 
 _counts = {"gets": 0, "bytes": 0}
 _lock, _large = threading.Lock(), threading.Lock()
@@ -110,7 +115,7 @@ class Remote:
             self._fetch([m for a, b in ranges for m in self.missing(a, min(b, self.size))])
 
     def _fetch(self, todo: list[tuple[int, int]]) -> None:
-        fetch_ranges(self.kv, self.key, todo, self._put)
+        fetch_ranges(self.kv, self.key, todo, self._put, self.url)
         merged: list[tuple[int, int]] = []
         for lo, hi in sorted([*self.here, *todo]):
             if merged and lo <= merged[-1][1]:
@@ -134,19 +139,25 @@ class Remote:
 
 
 def fetch_ranges(
-    kv: ts.KvStore, key: str, ranges: list[tuple[int, int]], put: Callable[..., None]
+    kv: ts.KvStore,
+    key: str,
+    ranges: list[tuple[int, int]],
+    put: Callable[..., None],
+    url: str = "",
 ) -> None:
-    """Bytes ``[start, end)`` of each of ``ranges`` of object ``key``: ranged GETs of
-    :data:`PIECE` bytes, at most :data:`IN_FLIGHT` bytes in flight, each handed on oldest first
-    as ``put(at, n, data)``: the ``n`` bytes from ``at``, fewer (none) where the object ends
-    before, None when it is gone."""
+    """Bytes ``[start, end)`` of each of ``ranges`` of object ``key`` (at ``url``, for
+    messages): ranged GETs of :data:`PIECE` bytes, at most :data:`IN_FLIGHT` bytes in flight,
+    each handed on oldest first as ``put(at, n, data)``: the ``n`` bytes from ``at``, fewer
+    (none) where the object ends before, None when it is gone; another range answered is an
+    error naming both."""
     window: InFlightBytes[tuple[int, int, ts.Future]] = InFlightBytes(IN_FLIGHT)
 
     def finish(at: int, n: int, future) -> None:
         try:
             got = future.result()
             data = bytes(got.value) if got.state == "value" else None
-        except ValueError:  # the range ends past the object's end (OUT_OF_RANGE)
+        except ValueError as e:  # the range ends past the object's end (OUT_OF_RANGE)
+            size_when_short(e, url or key)
             data = b""
         put(at, n, data)
 
@@ -283,9 +294,12 @@ def _place(storage: Storage, name: str, view: View) -> None:
             return  # read in place by ranges (stored_at)
         if name.lower().endswith(ARCHIVES) and _archive(storage, name, path, fd, view):
             return
+        record = RECORDS.get(parts[-1])
         try:
-            data = storage.read(name, MAX_SMALL)
-        except RequestError:  # a larger one: one at a time (memory: one, not PLACING)
+            data = storage.read(name, record or MAX_SMALL)
+        except RequestError as e:  # a larger one: one at a time (memory: one, not PLACING)
+            if record is not None:
+                raise ViewError(f"{e}: a record holding a step number, refused unread") from None
             with _large:
                 data = storage.read(name, MAX_WHOLE)
         if data is None:
@@ -313,7 +327,9 @@ def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> boo
     held: list[int] = []  # the size, held to the object's: a byte at size - 1, none at size
     if len(tail.value) <= size <= directory + MAX_DIRECTORY:
         probes = [(size - 1, size), (size, size + 1)]
-        fetch_ranges(kv, key, probes, lambda at, n, got: held.append(len(got or b"")))
+        fetch_ranges(
+            kv, key, probes, lambda at, n, got: held.append(len(got or b"")), storage.join(name)
+        )
     if held != [1, 0]:
         raise ViewError(
             f"{storage.join(name)}: its zip directory implies a {size}-byte archive "
@@ -337,13 +353,33 @@ def ranged(storage: Storage, name: str) -> tuple[ts.KvStore, str]:
     return ts.KvStore.open(spec).result(), key
 
 
+def object_size(storage: Storage, name: str, end: int) -> int:
+    """``end`` when object ``name`` of ``storage`` holds at least ``end`` bytes, else its
+    real size (-1: no such object): a GET of its last byte, the size from the server's answer
+    when it ends before (a local view's stand-in is empty: its size says nothing)."""
+    kv, key = ranged(storage, name)
+    for start in (max(end - 1, 0), 0):  # a range from 0 tells the size where one past it cannot
+        try:
+            got = kv.read(key, byte_range=slice(start, end)).result()
+        except ValueError as e:
+            size = size_when_short(e, storage.join(name))
+            if size is not None:
+                return size
+            continue
+        return -1 if got.state != "value" else start + len(got.value)
+    return 0 if storage.exists(name) else -1
+
+
 def read_range(storage: Storage, name: str, start: int, stop: int) -> bytes | None:
     """Bytes ``[start, stop)`` of object ``name`` of ``storage`` (one ranged GET): None when
     there is no such object, fewer (maybe none) when it ends before ``stop``."""
     kv, key = ranged(storage, name)
     try:
         got = kv.read(key, byte_range=slice(start, stop)).result()
-    except ValueError:  # the range starts past the end (OUT_OF_RANGE)
+    except ValueError as e:  # the range starts past the end (OUT_OF_RANGE)
+        size = size_when_short(e, storage.join(name))
+        if size is not None and size > start:  # it ends inside the range: those bytes
+            return read_range(storage, name, start, size)
         return b"" if storage.exists(name) else None
     return bytes(got.value) if got.state == "value" else None
 
@@ -355,10 +391,12 @@ def pieces(storage: Storage, name: str) -> Iterator[bytes]:
     while True:
         try:
             got = kv.read(key, byte_range=slice(at, at + PIECE)).result()
-        except ValueError:  # fewer bytes left: the rest (none: OUT_OF_RANGE again)
+        except ValueError as e:  # fewer bytes left: the rest (none: OUT_OF_RANGE again)
+            size_when_short(e, storage.join(name))
             try:
                 got = kv.read(key, byte_range=slice(at, None)).result()
-            except ValueError:
+            except ValueError as again:
+                size_when_short(again, storage.join(name))
                 return
         if got.state != "value":
             raise FileNotFoundError(storage.join(name))
