@@ -38,8 +38,8 @@ _STATE_OF = {
     "nu": "nu",
     "row": "exp_avg_sq_row",
     "col": "exp_avg_sq_col",
-    "sq": "exp_avg_sq",
-    "avg": "exp_avg",
+    "sq": "nu",  # exp_avg_sq, imported as Adam's
+    "avg": "mu",  # exp_avg
 }
 
 

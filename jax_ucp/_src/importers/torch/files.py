@@ -37,6 +37,7 @@ from jax_ucp._src.importers.torch_state import (
     clean_name,
     plan_state,
     scalar_ref,
+    state_shape,
     strip_wrappers,
 )
 from jax_ucp._src.store.storage import Storage
@@ -736,5 +737,7 @@ def _misfits(per: Any, shape: tuple | None) -> list[tuple[Any, np.ndarray]]:
     return [
         (k, v)
         for k, v in (per.items() if isinstance(per, dict) else ())
-        if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != shape
+        if isinstance(v, np.ndarray)
+        and v.ndim
+        and (shape is None or tuple(v.shape) != state_shape(str(k), shape))
     ]
