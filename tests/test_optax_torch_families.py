@@ -127,3 +127,45 @@ def test_groups_are_told_by_the_keys_their_optimizer_writes():
         "muon",
         "adam",
     ]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda torch, p: torch.optim.RMSprop(p, lr=1e-2), r"keys of torch's RMSprop"),
+        (lambda torch, p: torch.optim.Adagrad(p, lr=1e-2), r"keys of torch's Adagrad"),
+        (lambda torch, p: torch.optim.Adafactor(p, lr=1e-2), r"keys of torch's Adafactor"),
+        (lambda torch, p: torch.optim.NAdam(p, lr=1e-2), r"keys of torch's NAdam"),
+        (
+            lambda torch, p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1),
+            r"torch SGD with dampening=0\.1 is not translated",
+        ),
+        (
+            lambda torch, p: torch.optim.SGD(p, lr=0.1, momentum=0.9, maximize=True),
+            r"torch SGD with maximize=True is not translated",
+        ),
+    ],
+)
+def test_any_other_optimizer_is_refused_naming_it(tmp_path, make, says):
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    path, _, _ = _torch_steps(tmp_path, model, [make(torch, model.parameters())], torch.randn(5, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with pytest.raises(jax_ucp.UCPError, match=says):
+            jax_ucp.optax_from_torch(path)
+
+
+def test_a_lion_group_is_refused_naming_it():
+    """No framework here records Lion (bitsandbytes and lion-pytorch are not installed; the
+    Trainer's ``lion_*`` needs bitsandbytes): lion-pytorch's group keys are refused naming it."""
+    from jax_ucp._src.optax_torch import identify
+
+    group = {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0, "params": ["w"]}
+    with pytest.raises(jax_ucp.UCPError, match=r"keys of .*a Lion \(betas\)"):
+        identify([group], {}, "ckpt")
+    with pytest.raises(jax_ucp.UCPError, match=r"the Trainer ran optim='lion_32bit'"):
+        identify([{**group, "amsgrad": False}], {"optim": "lion_32bit"}, "ckpt")

@@ -84,7 +84,8 @@ _LOOKALIKES = (
     ("beta2_decay", "torch's Adafactor"),
     ("history_size", "torch's LBFGS"),
     ("decoupled_weight_decay", "torch's RAdam"),  # betas + decoupled_weight_decay, no amsgrad
-    ("betas", "torch's RAdam, Adamax or SparseAdam"),  # betas without amsgrad: not Adam/AdamW
+    # betas without amsgrad: not Adam/AdamW (lion-pytorch's Lion: lr, betas, weight_decay)
+    ("betas", "torch's RAdam, Adamax or SparseAdam, or a Lion"),
 )
 #: transformers' scheduler arguments (``lr_scheduler_kwargs``) reproduced, per schedule, with
 #: transformers' default (``REQUIRED``: the schedule cannot be built without it)
@@ -235,6 +236,8 @@ def check_groups(groups: list, where: str) -> None:
         raise RequestError(f"{where}: param_groups is not a list of groups")
     for i, g in enumerate(groups):
         at = f"param_groups[{i}]"
+        if "betas" not in g and "bias_correction" not in g:  # not Adam's: named by its keys
+            _refuse_lookalike(set(g) - _NEUTRAL_KEYS, i, where)
         for key in ("lr", "betas", "eps"):
             if key not in g:
                 raise RequestError(f"{where}: {at} has no {key!r}")
@@ -249,6 +252,17 @@ def check_groups(groups: list, where: str) -> None:
             _number(b, f"{at}.betas[{j}]", where, below=1.0)
 
 
+def _refuse_lookalike(keys: set, i: int, where: str) -> None:
+    """Group ``i`` is not Adam/AdamW's: refused naming the optimizer its keys are of."""
+    like = next((name for key, name in _LOOKALIKES if key in keys), None)
+    raise RequestError(
+        f"{where}: param_groups[{i}] holds the keys of {like or 'an unknown optimizer'} "
+        f"({', '.join(sorted(keys))}): optax_from_torch translates torch's Adam, AdamW, SGD and "
+        f"Muon and transformers' Adafactor; restore the weights (select=r'params/.*') and start "
+        f"a new optimizer"
+    )
+
+
 def _recorded_mode(groups: list[dict], where: str) -> bool | None:
     """The groups' ``decoupled_weight_decay`` (None: not recorded), each group refused unless it
     is torch's (or DeepSpeed's) Adam/AdamW without amsgrad, maximize, nesterov."""
@@ -258,13 +272,7 @@ def _recorded_mode(groups: list[dict], where: str) -> bool | None:
         # DeepSpeed's FusedAdam / DeepSpeedCPUAdam, made by the client (decoupled decay unsaid)
         client = "bias_correction" in keys and keys <= DS_ADAM_KEYS
         if not client and (not {"amsgrad", "betas"} <= keys or "momentum_decay" in keys):
-            like = next((name for key, name in _LOOKALIKES if key in keys), None)
-            raise RequestError(
-                f"{where}: param_groups[{i}] holds the keys of "
-                f"{like or 'an unknown optimizer'} ({', '.join(sorted(keys))}): optax_from_torch "
-                f"translates torch's Adam and AdamW only; restore the weights "
-                f"(select=r'params/.*') and start a new optimizer"
-            )
+            _refuse_lookalike(keys, i, where)
         flag = next((f for f in ("amsgrad", "maximize", "nesterov") if g.get(f)), None)
         if flag is not None:
             raise RequestError(

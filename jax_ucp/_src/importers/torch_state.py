@@ -198,13 +198,19 @@ def _step_of(ref: TensorRef, name: str, where: str) -> float:
 def state_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape torch optimizers keep state ``key`` in for a parameter of ``shape``:
     transformers' Adafactor factors its second moment of a matrix into ``exp_avg_sq_row`` and
-    ``exp_avg_sq_col`` and keeps the parameter's ``RMS`` (a scalar); every other state is the
-    parameter's shape."""
-    if len(shape) >= 2 and key == "exp_avg_sq_row":
-        return shape[:-1]
-    if len(shape) >= 2 and key == "exp_avg_sq_col":
-        return (*shape[:-2], shape[-1])
-    return () if key == "RMS" else shape
+    ``exp_avg_sq_col`` and keeps the parameter's ``RMS`` (a scalar), torch's Adafactor into
+    ``row_var`` / ``col_var`` (kept dims), NAdam keeps a scalar ``mu_product``; every other state
+    is the parameter's shape."""
+    if len(shape) >= 2:
+        factored = {
+            "exp_avg_sq_row": shape[:-1],
+            "exp_avg_sq_col": (*shape[:-2], shape[-1]),
+            "row_var": (*shape[:-1], 1),
+            "col_var": (*shape[:-2], 1, shape[-1]),
+        }
+        if key in factored:
+            return factored[key]
+    return () if key in ("RMS", "mu_product") else shape
 
 
 def _check_states(state: TorchState) -> None:
