@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp._src.continuation import families
 from jax_ucp._src.continuation.deepspeed import deepspeed_recipe, recorded_config
 from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
 from jax_ucp._src.continuation.trainer import check_logged_rates, trainer_rates
@@ -84,7 +85,8 @@ _LOOKALIKES = (
     ("beta2_decay", "torch's Adafactor"),
     ("history_size", "torch's LBFGS"),
     ("decoupled_weight_decay", "torch's RAdam"),  # betas + decoupled_weight_decay, no amsgrad
-    ("betas", "torch's RAdam, Adamax or SparseAdam"),  # betas without amsgrad: not Adam/AdamW
+    # betas without amsgrad: not Adam/AdamW (lion-pytorch's Lion: lr, betas, weight_decay)
+    ("betas", "torch's RAdam, Adamax or SparseAdam, or a Lion"),
 )
 #: transformers' scheduler arguments (``lr_scheduler_kwargs``) reproduced, per schedule, with
 #: transformers' default (``REQUIRED``: the schedule cannot be built without it)
@@ -235,6 +237,8 @@ def check_groups(groups: list, where: str) -> None:
         raise RequestError(f"{where}: param_groups is not a list of groups")
     for i, g in enumerate(groups):
         at = f"param_groups[{i}]"
+        if "betas" not in g and "bias_correction" not in g:  # not Adam's: named by its keys
+            _refuse_lookalike(set(g) - _NEUTRAL_KEYS, i, where)
         for key in ("lr", "betas", "eps"):
             if key not in g:
                 raise RequestError(f"{where}: {at} has no {key!r}")
@@ -249,6 +253,17 @@ def check_groups(groups: list, where: str) -> None:
             _number(b, f"{at}.betas[{j}]", where, below=1.0)
 
 
+def _refuse_lookalike(keys: set, i: int, where: str) -> None:
+    """Group ``i`` is not Adam/AdamW's: refused naming the optimizer its keys are of."""
+    like = next((name for key, name in _LOOKALIKES if key in keys), None)
+    raise RequestError(
+        f"{where}: param_groups[{i}] holds the keys of {like or 'an unknown optimizer'} "
+        f"({', '.join(sorted(keys))}): optax_from_torch translates torch's Adam, AdamW, SGD and "
+        f"Muon and transformers' Adafactor; restore the weights (select=r'params/.*') and start "
+        f"a new optimizer"
+    )
+
+
 def _recorded_mode(groups: list[dict], where: str) -> bool | None:
     """The groups' ``decoupled_weight_decay`` (None: not recorded), each group refused unless it
     is torch's (or DeepSpeed's) Adam/AdamW without amsgrad, maximize, nesterov."""
@@ -258,13 +273,7 @@ def _recorded_mode(groups: list[dict], where: str) -> bool | None:
         # DeepSpeed's FusedAdam / DeepSpeedCPUAdam, made by the client (decoupled decay unsaid)
         client = "bias_correction" in keys and keys <= DS_ADAM_KEYS
         if not client and (not {"amsgrad", "betas"} <= keys or "momentum_decay" in keys):
-            like = next((name for key, name in _LOOKALIKES if key in keys), None)
-            raise RequestError(
-                f"{where}: param_groups[{i}] holds the keys of "
-                f"{like or 'an unknown optimizer'} ({', '.join(sorted(keys))}): optax_from_torch "
-                f"translates torch's Adam and AdamW only; restore the weights "
-                f"(select=r'params/.*') and start a new optimizer"
-            )
+            _refuse_lookalike(keys, i, where)
         flag = next((f for f in ("amsgrad", "maximize", "nesterov") if g.get(f)), None)
         if flag is not None:
             raise RequestError(
@@ -550,6 +559,10 @@ def _from_run(
     where = str(source.get("path") or ckpt)
     recorded = torch_optimizer_record(source)
     groups = recorded.get("param_groups") or []
+    if groups and isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
+        kinds = [families.kind_of(g) for g in groups]
+        if set(kinds) != {"adam"}:
+            return _other_run(run, spec, optimizer, options, given, groups, kinds, where)
     if groups:
         check_groups(groups, where)
     recipe = _framework_recipe(source, run.saved, where, optimizer)
@@ -593,6 +606,189 @@ def _from_run(
     state = _state_of(tx, params, mu, nu, step)
     schedule = recipe.learning_rate
     return TorchOptimizer(tx, state, params, schedule, step, notes, unrecovered, recipe.optimizer)
+
+
+def _other_run(
+    run: _Run,
+    spec: Any,
+    choice: str | None,
+    options: Any,
+    given: dict[str, Any],
+    groups: list[dict],
+    kinds: list[str],
+    where: str,
+) -> TorchOptimizer:
+    """A run of torch's SGD or Muon (with its AdamW groups) or transformers' Adafactor: one
+    chain per optimizer over the parameters its groups hold, behind the run's clipping."""
+    import optax
+
+    source = run.source
+    spec = spec_with_recorded_settings(spec, source, notes := [])
+    tree = run.restore(_restore_keywords(options, spec, where))
+    params, opt = tree["params"], tree.get("opt_state") or {}
+    step = _step_of(opt, source, notes, where)
+    by_kind = {k: [g for g, kk in zip(groups, kinds) if kk == k] for k in dict.fromkeys(kinds)}
+    if len(by_kind) > 1 and set(by_kind) != {"muon", "adam"}:
+        raise RequestError(
+            f"{where}: the parameter groups are of {', '.join(families.NAMES[k] for k in by_kind)}:"
+            f" continued together are torch Muon and its AdamW groups only"
+        )
+    owner = {n: k for g, k in zip(groups, kinds) for n in g["params"]}
+    if choice is not None and "adam" not in by_kind:
+        raise RequestError(
+            f"{where}: optimizer={choice!r}, but the groups are {families.NAMES[kinds[0]]}'s"
+        )
+    chains, recipes = {}, []
+    for kind, mine in by_kind.items():
+        if kind == "adam":
+            check_groups(mine, where)
+            recipe = torch_recipe(source, mine, step, choice, where)
+        else:
+            recipe = _held_recipe(source, mine, step, kind, where)
+        recipe = _with_given(
+            recipe,
+            given if kind in ("adam", "sgd") else _no_schedule(given, kind, where),
+            step,
+            where,
+        )
+        recipes.append(recipe)
+        notes.append(recipe.how)
+        notes.extend(recipe.notes)
+        inside = {n: k == kind for n, k in owner.items()}
+        part = _mask_tree(run.saved, spec, params, inside, where) if len(by_kind) > 1 else None
+        chains[kind] = _kind_chain(kind, recipe, mine, run, spec, params, part, owner, notes)
+    clip = recipes[0].clip
+    if any(r.clip != clip for r in recipes):
+        raise RequestError(f"{where}: the optimizers' recipes disagree on clipping")
+    if len(chains) == 1:
+        inner = next(iter(chains.values()))
+    else:
+        labels = _labels(run, spec, params, owner, where)
+        inner = optax.partition(chains, labels)
+    tx = optax.chain(clip_like_torch(clip), inner)
+    state, said = families.filled_state(tx, params, opt, step, where)
+    notes.extend(said)
+    unrecovered = list(dict.fromkeys(u for r in recipes for u in r.unrecovered))
+    if unrecovered:
+        notes.extend(f"not recovered: {u}" for u in unrecovered)
+        warnings.warn(
+            f"{where}: the translation goes on without what the files do not record: "
+            + "; ".join(unrecovered),
+            UserWarning,
+            stacklevel=3,
+        )
+    kind = "+".join(r.optimizer for r in recipes)
+    return TorchOptimizer(
+        tx, state, params, recipes[0].learning_rate, step, notes, unrecovered, kind
+    )
+
+
+def _labels(run: _Run, spec: Any, params: Any, owner: dict[str, str], where: str) -> Any:
+    """Per leaf of ``params``: the optimizer its torch parameters belong to."""
+    import jax
+
+    kinds = sorted(set(owner.values()))
+    masks = [
+        _mask_tree(run.saved, spec, params, {n: o == k for n, o in owner.items()}, where)
+        for k in kinds
+    ]
+    return jax.tree.map(lambda *flags: kinds[list(flags).index(True)], *masks)
+
+
+def _no_schedule(given: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
+    if "schedule" in given:
+        raise RequestError(
+            f"{where}: optax_from_torch(schedule=) over {families.NAMES[kind]}: its learning "
+            f"rate is continued as held (Adafactor: as it steps it)"
+        )
+    return given
+
+
+def _step_of(opt: dict, source: dict, notes: list[str], where: str) -> int:
+    """The imported step count, else the Trainer's global step, else 0 (torch's SGD and Muon
+    keep none), said."""
+    import jax
+
+    counts = [
+        v
+        for p, v in jax.tree_util.tree_leaves_with_path(opt)
+        if getattr(p[-1], "key", None) == "count"
+    ]
+    if len(counts) > 1:
+        raise RequestError(f"{where}: expected one step count in opt_state, found {counts}")
+    if counts:
+        return int(counts[0])
+    global_step = (source.get("trainer") or {}).get("global_step")
+    if type(global_step) is int:
+        notes.append(f"step {global_step}: the Trainer's global_step (the optimizer keeps none)")
+        return global_step
+    notes.append("step 0: the optimizer keeps no step count (a schedule= is read from 0)")
+    return 0
+
+
+def _held_recipe(source: dict, groups: list[dict], step: int, kind: str, where: str) -> Recipe:
+    """The run's learning rate (the Trainer's schedule, else held), clipping and decay for
+    torch's SGD, Muon or transformers' Adafactor."""
+    trainer_args = run_arguments(source, where)
+    notes: list[str] = []
+    unrecovered = _unrecovered(source)
+    if kind == "adafactor":
+        schedule, recorded = (lambda count: 0.0), True
+        unrecovered = [u for u in unrecovered if "schedule" not in u]
+    else:
+        schedule, recorded = _schedule(source, groups, step, notes)
+        if recorded and kind == "muon":
+            raise RequestError(f"{where}: a Trainer schedule over torch Muon is not translated")
+    max_norm = trainer_args.get("max_grad_norm")
+    clip = _number(max_norm, "max_grad_norm", where) if max_norm else None
+    rate, decayed = group_decay(groups, where)
+    return Recipe(
+        optimizer=kind,
+        how=families.NAMES[kind],
+        learning_rate=schedule,
+        weight_decay=rate,
+        decayed=decayed,
+        clip=clip,
+        notes=tuple(notes),
+        unrecovered=tuple(unrecovered),
+        schedule_recorded=recorded,
+        clip_recorded="max_grad_norm" in trainer_args,
+    )
+
+
+def _kind_chain(
+    kind: str,
+    recipe: Recipe,
+    groups: list[dict],
+    run: _Run,
+    spec: Any,
+    params: Any,
+    part: Any,
+    owner: dict[str, str],
+    notes: list[str],
+) -> Any:
+    """One optimizer's chain (no clipping) over its part of the parameters (``part``: its
+    leaves, or None for all), weight decay on the leaves its groups decay."""
+    import jax
+    import optax
+
+    where = str(run.source.get("path"))
+    mask = None
+    if _decays(recipe):
+        decayed = {**dict.fromkeys(owner, False), **recipe.decayed}  # the others': no decay
+        mask = _mask_tree(run.saved, spec, params, decayed, where)
+    if part is not None and mask is not None:  # a partition passes only this part's leaves
+        mask = jax.tree.map(lambda m, mine: m if mine else optax.MaskedNode(), mask, part)
+    if kind == "adam":
+        return chain_of(dataclasses.replace(recipe, clip=None), mask)
+    lr = float(recipe.learning_rate(0)) if kind != "sgd" else 0.0
+    tx, said = families.core(kind, groups, lr, where)
+    notes.extend(said)
+    if kind != "sgd":  # Muon decays each of its parameters; Adafactor every one decayed
+        return tx
+    return optax.chain(
+        decay_at(recipe.weight_decay, mask), tx, optax.scale_by_learning_rate(recipe.learning_rate)
+    )
 
 
 def _framework_recipe(source: dict, saved: dict, where: str, choice: str | None) -> Recipe | None:

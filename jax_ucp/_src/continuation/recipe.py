@@ -20,12 +20,11 @@ Schedule = Callable[[Any], Any]
 class Recipe:
     """What a run's files say of how its optimizer stepped (schedules of optax's step count)."""
 
-    #: "adam" (L2 decay added to the gradient) or "adamw" (decoupled decay)
+    #: "adam" (L2 decay added to the gradient), "adamw" (decoupled decay), or torch's "sgd",
+    #: "muon", transformers' "adafactor" (their other settings: ``continuation.families``)
     optimizer: str
     #: how the optimizer was identified, in words (the first of the notes)
     how: str
-    betas: tuple[float, float]
-    eps: float
     learning_rate: Schedule
     #: the decay rate, or its schedule of the step count (Megatron's weight-decay increments)
     weight_decay: float | Schedule
@@ -33,6 +32,9 @@ class Recipe:
     decayed: Mapping[str, bool]
     #: the global gradient norm clipped to; None: no clipping (or unknown: see ``unrecovered``)
     clip: float | None
+    #: Adam's (unused by the other optimizers)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
     bias_correction: bool = True
     notes: tuple[str, ...] = ()
     #: what the run may have had that its files do not record (said, and warned)

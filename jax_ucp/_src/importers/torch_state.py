@@ -48,6 +48,7 @@ __all__ = [
     "numbered_names",
     "plan_state",
     "scalar_ref",
+    "state_shape",
     "strip_wrappers",
 ]
 
@@ -194,6 +195,24 @@ def _step_of(ref: TensorRef, name: str, where: str) -> float:
     return float(value)
 
 
+def state_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape torch optimizers keep state ``key`` in for a parameter of ``shape``:
+    transformers' Adafactor factors its second moment of a matrix into ``exp_avg_sq_row`` and
+    ``exp_avg_sq_col`` and keeps the parameter's ``RMS`` (a scalar), torch's Adafactor into
+    ``row_var`` / ``col_var`` (kept dims), NAdam keeps a scalar ``mu_product``; every other state
+    is the parameter's shape."""
+    if len(shape) >= 2:
+        factored = {
+            "exp_avg_sq_row": shape[:-1],
+            "exp_avg_sq_col": (*shape[:-2], shape[-1]),
+            "row_var": (*shape[:-1], 1),
+            "col_var": (*shape[:-2], 1, shape[-1]),
+        }
+        if key in factored:
+            return factored[key]
+    return () if key in ("RMS", "mu_product") else shape
+
+
 def _check_states(state: TorchState) -> None:
     """Every optimizer state names a model tensor and holds its shape (or is a scalar), in a
     floating dtype: every torch optimizer keeps its per-parameter state so (``zeros_like`` of
@@ -213,7 +232,7 @@ def _check_states(state: TorchState) -> None:
                     f"{np.dtype(value.dtype).name}; a torch optimizer's state is floating point "
                     f"({value.where.get('files') or value.where})"
                 )
-            if key != "step" and value.shape != param.shape:
+            if key != "step" and value.shape != state_shape(key, param.shape):
                 raise SourceError(
                     f"{state.where}: optimizer state {key!r} of {name!r} has shape "
                     f"{list(value.shape)}, the parameter {list(param.shape)} "
@@ -324,7 +343,17 @@ def _items(
                 )
     if step is not None:
         count, sources = step
-        yield count_item(count, {"pattern": "state.*.step", "tensors": sources})
+        found = set(state.found)  # a step pickled as a Python number is a value, no tensor
+        tensors = [n for n in sources if n in found]
+        values = [n for n in sources if n not in found]
+        yield count_item(
+            count,
+            {
+                "pattern": "state.*.step",
+                "tensors": tensors,
+                **({"values": values} if values else {}),
+            },
+        )
 
 
 def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:

@@ -37,6 +37,7 @@ from jax_ucp._src.importers.torch_state import (
     clean_name,
     plan_state,
     scalar_ref,
+    state_shape,
     strip_wrappers,
 )
 from jax_ucp._src.store.storage import Storage
@@ -139,16 +140,36 @@ def _split(obj: Any, path: str) -> tuple[str | None, dict, str | None, Any]:
     optimizer_key = next((k for k in _OPTIMIZER_KEYS if k in obj), None)
     optimizer = obj.get(optimizer_key) if optimizer_key else None
     prefix = f"{optimizer_key}."
-    if optimizer_key == "optimizer_states":  # Lightning: a list, one per optimizer
-        if not isinstance(optimizer, list):
-            raise SourceError(f"{path}: optimizer_states is not a list")
-        if len(optimizer) > 1:
-            raise SourceError(
-                f"{path}: {len(optimizer)} optimizers in optimizer_states; importing several "
-                f"optimizers into one opt_state is not supported"
-            )
-        optimizer, prefix = (optimizer[0] if optimizer else None), "optimizer_states.0."
+    if optimizer_key == "optimizer_states" and not isinstance(optimizer, list):
+        raise SourceError(f"{path}: optimizer_states is not a list")  # Lightning: one per optimizer
+    if isinstance(optimizer, list) and len(optimizer) == 1:
+        optimizer, prefix = optimizer[0], f"{prefix}0."
+    elif isinstance(optimizer, list):
+        optimizer = _merged(optimizer, path, prefix) if optimizer else None
     return model_key, obj[model_key], prefix if optimizer is not None else None, optimizer
+
+
+def _merged(optimizers: list, path: str, prefix: str) -> dict:
+    """Several optimizers of one run (torch's Muon beside AdamW for the other parameters) as
+    one state_dict: their groups in order, the indices of each after those of the ones before;
+    ``_sources`` keeps each state's name in the file."""
+    state: dict = {}
+    groups: list = []
+    sources: dict = {}
+    for j, one in enumerate(optimizers):
+        if not (isinstance(one, dict) and isinstance(one.get("state"), dict)):
+            raise SourceError(f"{path}: {prefix}{j} is not a torch optimizer state_dict")
+        ids = [p for g in one.get("param_groups") or [] for p in g.get("params", [])]
+        by_name = all(isinstance(k, str) for k in [*one["state"], *ids])
+        offset = 0 if by_name else sum(len(g.get("params", [])) for g in groups)
+        moved = {k: k if by_name else k + offset for k in [*one["state"], *ids]}
+        state.update({moved[k]: v for k, v in one["state"].items()})
+        sources.update({moved[k]: f"{j}.state.{k}." for k in one["state"]})
+        groups += [
+            {**g, "params": [moved[p] for p in g.get("params", [])]}
+            for g in one.get("param_groups") or []
+        ]
+    return {"state": state, "param_groups": groups, "_sources": sources}
 
 
 def detect(storage: Storage) -> Detection:
@@ -372,7 +393,9 @@ def _optimizer(
             f"'param_groups'); convert with weights_only=True to import the weights alone"
         )
     keys, to_name = _name_keys(order, state, groups)
-    states = _state_refs(state, to_name, path, prefix, skipped)
+    merged = optimizer.get("_sources")
+    at = {k: f"{prefix}{v}" for k, v in merged.items()} if merged else prefix
+    states = _state_refs(state, to_name, path, at, skipped)
     out_groups = [
         {
             **{k: v for k, v in g.items() if k not in ("params", "param_names")},
@@ -435,17 +458,19 @@ def _name_keys(order: _Order, state: dict, groups: list) -> tuple[str, dict]:
 
 
 def _state_refs(
-    state: dict, to_name: dict, path: str, prefix: str, skipped: dict
+    state: dict, to_name: dict, path: str, prefix: str | dict, skipped: dict
 ) -> dict[str, dict[str, TensorRef]]:
     """{parameter: {state name: reference}}; a non-tensor entry holding tensors is skipped
-    with the reason, so every tensor stays accounted for."""
+    with the reason, so every tensor stays accounted for. ``prefix``: of the state's names in
+    the file, or each key's (several optimizers merged)."""
     states: dict[str, dict[str, TensorRef]] = {}
     for key, per in state.items():
         if not isinstance(per, dict):
             raise SourceError(f"{path}: state of parameter {key!r} is not a dict")
         mine = states.setdefault(to_name[key], {})
+        at = prefix[key] if isinstance(prefix, dict) else f"{prefix}state.{key}."
         for k, v in per.items():
-            name = f"{prefix}state.{key}.{k}"
+            name = f"{at}{k}"
             if isinstance(v, np.ndarray):
                 mine[str(k)] = _ref(v, path, name)
             elif k == "step":
@@ -712,5 +737,7 @@ def _misfits(per: Any, shape: tuple | None) -> list[tuple[Any, np.ndarray]]:
     return [
         (k, v)
         for k, v in (per.items() if isinstance(per, dict) else ())
-        if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != shape
+        if isinstance(v, np.ndarray)
+        and v.ndim
+        and (shape is None or tuple(v.shape) != state_shape(str(k), shape))
     ]
