@@ -14,22 +14,23 @@ from jax_ucp._src.language import ops as O
 from jax_ucp._src.language.spec import RestoreRule, Root, Spec, describe_rule
 
 _FIELD = re.compile(r"\{([^{}]*)\}")
+_QKV_FIELDS = ("axis", "parts", "interleaved", "num_heads", "num_kv_heads", "head_dim")
 
 
 def invert_op(op: O.Op) -> O.Op | None:
     """The op undoing ``op`` exactly, or None when it has none (a slice, a pad, a reshape)."""
-    qkv = {f: getattr(op, f, None) for f in ("axis", "parts", "interleaved")}
-    heads = {f: getattr(op, f, None) for f in ("num_heads", "num_kv_heads", "head_dim")}
     if isinstance(op, O.Transpose):
-        if op.perm is None:
+        perm = op.perm
+        if perm is None:
             return op
-        if not all(isinstance(p, int) for p in op.perm):
+        if not all(isinstance(p, int) for p in perm):
             return None
-        return O.Transpose(tuple(sorted(range(len(op.perm)), key=lambda i: op.perm[i])))
-    if isinstance(op, O.MergeQKV):
-        return O.SplitQKV(var=op.over, **qkv, **heads)
-    if isinstance(op, O.SplitQKV):
-        return O.MergeQKV(over=op.var, **qkv, **heads)
+        return O.Transpose(tuple(sorted(range(len(perm)), key=lambda i: perm[i])))
+    if isinstance(op, (O.MergeQKV, O.SplitQKV)):
+        same = {f: getattr(op, f) for f in _QKV_FIELDS}
+        if isinstance(op, O.MergeQKV):
+            return O.SplitQKV(var=op.over, **same)
+        return O.MergeQKV(over=op.var, **same)
     if isinstance(op, O.Concat):  # parts of equal size (gate / up)
         return O.Split(axis=op.axis, parts=op.parts, var=op.over)
     if isinstance(op, O.Split) and op.sizes is None:
