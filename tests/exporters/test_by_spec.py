@@ -119,3 +119,56 @@ def test_a_rule_without_an_inverse_refuses_naming_it():
         invert_spec(sliced)
     with pytest.raises(LanguageError, match=r"restore rule #\d+.*not literal text"):
         invert_spec(load_spec("megatron_gpt"))
+
+
+def test_deepspeed_universal_by_spec_writes_the_torch_names_deepspeed_loads(tmp_path):
+    """A DeepSpeed run imported, restored as a flax tree with its spec, saved from JAX and
+    exported with the same spec: every zero/<param>/*.pt file is the one the import's own
+    export writes, byte for byte (DeepSpeed's load_universal reads zero/<its parameter's
+    name>/; tests/exporters/test_export.py has DeepSpeed itself load such an export)."""
+    import filecmp
+
+    from jax_ucp._src.exporters import DeepSpeedUniversalExport
+    from tests.exporters.test_export import DS
+    from tests.importers.deepspeed.test_nextstep import GPT_SPEC
+
+    ucp = jax_ucp.convert(os.path.join(DS, "z2_fp32_dp2", "ckpt"), tmp_path / "ucp")
+    jax_ucp.export(ucp, tmp_path / "a", DeepSpeedUniversalExport())
+    flax = jax_ucp.save(str(tmp_path / "flax"), jax_ucp.restore(ucp, spec=GPT_SPEC))
+    assert "h_0" in jax_ucp.restore(flax)["params"]  # flax key paths saved
+    jax_ucp.export(flax, tmp_path / "b", DeepSpeedUniversalExport(spec=GPT_SPEC))
+    zero = os.path.join("global_step2_universal", "zero")
+    names = sorted(os.listdir(tmp_path / "a" / zero))
+    assert "wte.weight" in names and sorted(os.listdir(tmp_path / "b" / zero)) == names
+    for name in names:
+        a, b = tmp_path / "a" / zero / name, tmp_path / "b" / zero / name
+        files = sorted(os.listdir(a)) if os.path.isdir(a) else [""]
+        assert files == (sorted(os.listdir(b)) if os.path.isdir(b) else [""])
+        for f in files:
+            assert filecmp.cmp(a / f, b / f, shallow=False), (name, f)
+
+
+def test_deepspeed_universal_of_a_family_tree_takes_the_hf_names(tmp_path):
+    """A Llama flax tree with optax Adam moments, exported with the hf_llama spec: the folders
+    DeepSpeed's loader opens for a LlamaForCausalLM (zero/model.embed_tokens.weight/...), each
+    moment mapped as its weight (q/k/v split out of the fused kernel), the step recorded."""
+    from jax_ucp._src.exporters import DeepSpeedUniversalExport
+    from jax_ucp._src.torchfiles import torch_zip
+
+    cfg, name, tree = random_tree("llama")
+    import jax
+
+    mu = jax.tree.map(lambda x: 2 * x, tree)
+    state = {"mu": mu, "nu": tree, "count": np.asarray(7, np.int32)}
+    ck = jax_ucp.save(str(tmp_path / "ck"), {"params": tree, "opt_state": {"0": state}})
+    spec = load_spec(name, **cfg.head_settings)
+    out = jax_ucp.export(ck, tmp_path / "ds", DeepSpeedUniversalExport(spec=spec))
+    zero = tmp_path / "ds" / "global_step7_universal" / "zero"
+    hf = apply_spec_to_tree(invert_spec(spec), {"params": tree})["params"]
+    assert sorted(os.listdir(zero)) == sorted([*hf, "optimizer_state.pt"])
+    q = "model.layers.1.self_attn.q_proj.weight"
+    for state, factor in (("fp32", 1), ("exp_avg", 2), ("exp_avg_sq", 1)):
+        saved = torch_zip.load_torch_file(str(zero / q / f"{state}.pt"))
+        np.testing.assert_array_equal(np.asarray(saved["param"]), factor * hf[q])
+    step = torch_zip.load_torch_file(str(zero / q / "step.pt"))
+    assert float(np.asarray(step)) == 7.0 and out.tensors == 3 * len(hf)

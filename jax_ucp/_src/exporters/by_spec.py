@@ -31,13 +31,7 @@ def load(spec: Any, manifest: fmt.Manifest, config: Any) -> Any:
         heads = dict(config.head_settings)
     elif config is not None:
         config = read_config(config)
-        if "n_head" in config:  # GPT-2's own names
-            config = {
-                "num_attention_heads": config["n_head"],
-                "hidden_size": config.get("n_embd"),
-                **config,
-            }
-        if "num_attention_heads" in config:
+        if "num_attention_heads" in config or "n_head" in config:  # n_head: GPT-2's
             heads = hf_head_settings(config, "config")
     if heads and isinstance(spec, (str, os.PathLike)):
         spec = language.load_spec(spec, **heads)

@@ -23,7 +23,7 @@ def recorded_settings(source: Mapping[str, Any] | None) -> tuple[dict[str, int],
     trainer = source.get("trainer")
     model = trainer.get("model_config") if isinstance(trainer, Mapping) else None
     for config, field in ((model, "trainer.model_config"), (source.get("config"), "config")):
-        if isinstance(config, Mapping) and "num_attention_heads" in config:
+        if isinstance(config, Mapping) and ("num_attention_heads" in config or "n_head" in config):
             where = f"the config.json the source recorded (source.{field})"
             return hf_head_settings(config, where), "the recorded config.json"
     args = source.get("settings")

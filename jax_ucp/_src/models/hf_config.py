@@ -69,6 +69,11 @@ def _fields(cfg: LMConfig, model_type: str) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tied,
         "torch_dtype": "float32",
+        # the token ids are no model setting: unknown here (a family's defaults may lie
+        # outside this vocabulary); give config= the model's own for generation
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
     }
     if model_type == "gpt2":
         return {
@@ -125,11 +130,16 @@ def _experts(cfg: LMConfig) -> dict[str, Any]:
     }
 
 
+def _whole(x: float) -> float | int:
+    """``x`` as the integer it is within rounding (transformers types some fields int)."""
+    return round(x) if abs(x - round(x)) < 1e-9 * max(1.0, abs(x)) else x
+
+
 def _gemma(cfg: LMConfig) -> dict[str, Any]:
     act = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}.get(cfg.glu_activation)
     out = {
         "hidden_activation": act,
-        "query_pre_attn_scalar": (cfg.attention_scale or 1.0) ** -2,
+        "query_pre_attn_scalar": _whole((cfg.attention_scale or 1.0) ** -2),
         "attn_logit_softcapping": cfg.attn_logit_softcapping,
         "final_logit_softcapping": cfg.final_logit_softcapping,
     }
@@ -156,7 +166,7 @@ def _llama4(cfg: LMConfig) -> dict[str, Any]:
         "sliding_window": None,
         "use_qk_norm": cfg.qk_l2_norm,
         "attn_temperature_tuning": cfg.attn_temperature is not None,
-        "floor_scale": floor,
+        "floor_scale": None if floor is None else _whole(floor),
         "attn_scale": scale,
     }
 
