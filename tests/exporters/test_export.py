@@ -479,6 +479,7 @@ def _torch_layout(flax_params, names):
 
 @pytest.mark.torch
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # JAX compiles the un-jitted grad op by op: minutes on a busy machine
 def test_a_jax_step_continues_in_deepspeed_with_the_same_loss(tmp_path):
     """DeepSpeed ZeRO-2 run -> convert -> one optax Adam step in JAX (flax twin) -> save (flax
     key paths) -> export deepspeed-universal by the import's spec -> DeepSpeed (DP=1) loads it: its loss on a batch equals the
