@@ -157,7 +157,7 @@ def test_a_megatron_integrity_record_listing_a_file_twice_is_refused(tmp_path):
 def test_every_other_json_a_user_hands_us_refuses_a_key_named_twice(good, tmp_path):
     """An export's record, an Orbax step's metadata, a model config, a Trainer's scheduler
     arguments: hostile copies of each, one key named twice."""
-    from jax_ucp._src.exporters.source import read_config
+    from jax_ucp._src.exporters.by_spec import read_config
     from jax_ucp._src.importers.verl.side_files import hf_config
     from jax_ucp._src.optax_torch import schedule_kwargs
     from jax_ucp._src.store.storage.local import ORBAX_STEP_METADATA

@@ -1021,7 +1021,7 @@ def _spec_with_config(spec: str | None, config: str | None):
     if config is None:
         return spec
     from jax_ucp._src import language
-    from jax_ucp._src.exporters.source import read_config
+    from jax_ucp._src.exporters.by_spec import read_config
     from jax_ucp._src.language.settings import hf_head_settings
 
     return language.load_spec(spec, **hf_head_settings(read_config(config), config))

@@ -23,7 +23,7 @@ import numpy as np
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import RequestError
-from jax_ucp._src.exporters import source
+from jax_ucp._src.exporters import by_spec, source
 from jax_ucp._src.exporters.options import DeepSpeedUniversalExport, Exported
 from jax_ucp._src.exporters.source import RowSlabs
 from jax_ucp._src.format import files
@@ -139,8 +139,10 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
         dst: the directory to create.
         options: this format's options (``engine.export`` checked them)."""
     manifest = store.read_manifest(root)
-    available = ucp_source.available_tensors(manifest)
-    by_key = {e.key: e for e in manifest.tensors}
+    spec = by_spec.load(options.spec, manifest, None)  # the names DeepSpeed's model has
+    available = ucp_source.available_tensors(manifest, spec)
+    # each tensor's manifest entry (a view's: its first source's), for its role
+    by_key = {k: a.sources[0] for k, a in available.items()}
     params, moments, count = _universal_keys(root, by_key)
     ds_names = {p: ".".join(rel) for p, rel in params.items()}
     for p in params:
@@ -196,7 +198,8 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
 
 
 def _universal_keys(root, by_key):
-    """The keys DeepSpeed universal needs, by manifest role, or a ``RequestError``."""
+    """The keys DeepSpeed universal needs, by the manifest role of each tensor (``by_key``: its
+    entry, a view's first source's), or a ``RequestError``."""
     # frozen parameters have no optimizer state nor place under zero/: skipped
     params = {
         k: k[1:]

@@ -59,11 +59,14 @@ class DeepSpeedUniversalExport(_Export):
     Attributes:
         force: replace an earlier export at the destination.
         param_groups: the loading engine's optimizer param groups (DeepSpeed pairs them by
-            position)."""
+            position).
+        spec: the spec the run was imported with (name, path or ``Spec``), run backwards so
+            that the parameters get the torch model's names (None: the saved key paths)."""
 
     format: ClassVar[str] = "deepspeed-universal"
     force: bool = False
     param_groups: int = 1
+    spec: Any = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -123,7 +126,8 @@ class _TensorsExport(_Export):
     Attributes:
         force: replace an earlier export at the destination.
         select: the key-path prefix to export (None: the format's default, see ``prefix``).
-        spec: a UCP-language spec (name, path or ``Spec``) whose views are exported.
+        spec: a UCP-language spec (name, path or ``Spec``): an import's is run backwards (the
+            names the run was imported with), an export spec (``inverts``) as it is.
         dtype: write every tensor in this dtype (None: as saved).
         casting: numpy casting rule for ``dtype``."""
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_ucp._src.errors import RequestError
-from jax_ucp._src.exporters import source
+from jax_ucp._src.exporters import by_spec, source
 from jax_ucp._src.exporters.options import Exported, SafetensorsExport
 from jax_ucp._src.exporters.source import RowSlabs, Tensor, pieces
 from jax_ucp._src.format import safetensors
@@ -116,6 +116,8 @@ def export(root: str, dst: str, options: SafetensorsExport) -> Exported:
         dst: the directory to create.
         options: this format's options (``engine.export`` checked them)."""
     chosen = source.select(root, options, dtype_name, with_values=False)
+    # the one given, else the import's; of a family the spec maps (checked before any write)
+    config = by_spec.config_for(chosen.spec, options.config, chosen.recorded)
 
     def write(tmp: str) -> list[str]:
         groups = plan_files(chosen.tensors, int(options.max_file_bytes))  # parsed
@@ -127,9 +129,9 @@ def export(root: str, dst: str, options: SafetensorsExport) -> Exported:
         if len(groups) > 1:
             write_index(os.path.join(tmp, INDEX_FILE), groups, names)
             names.append(INDEX_FILE)
-        if options.config is not None:  # a dict, or a JSON file's content (checked, bounded)
-            config = json.dumps(source.read_config(options.config), indent=2, sort_keys=True)
-            durable.write_file(os.path.join(tmp, "config.json"), config + "\n")
+        if config is not None:
+            text = json.dumps(config, indent=2, sort_keys=True)
+            durable.write_file(os.path.join(tmp, "config.json"), text + "\n")
             names.append("config.json")
         return names
 

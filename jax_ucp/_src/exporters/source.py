@@ -7,8 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -16,6 +15,7 @@ import numpy as np
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store, writer
 from jax_ucp._src.errors import RequestError
+from jax_ucp._src.exporters import by_spec
 from jax_ucp._src.exporters.options import Exported
 from jax_ucp._src.restoring import model
 from jax_ucp._src.restoring.sources import ucp_source
@@ -106,6 +106,8 @@ class Selection:
     values: list[tuple[str, tuple[str, ...], Any]]
     skipped: list[str]
     save_id: str
+    spec: Any = None  # the spec exported by (run backwards if an import's), or None
+    recorded: Any = None  # the checkpoint's ``source`` record (its import's config.json)
 
     def exported(self, path: str, files: list[str]) -> Exported:
         nbytes = sum(t.nbytes for t in self.tensors)
@@ -121,15 +123,8 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
         check_dtype: refuses an output dtype the format cannot store.
         with_values: also the saved Python values (formats that can hold them)."""
     manifest = store.read_manifest(root)
-    spec = options.spec
-    if isinstance(spec, (str, os.PathLike)):
-        from jax_ucp._src import language
-        from jax_ucp._src.language.settings import hf_head_settings
-
-        config = getattr(options, "config", None)  # safetensors: the config.json written beside
-        config = {} if config is None else read_config(config)  # its head settings, if it has
-        heads = "num_attention_heads" in config
-        spec = language.load_spec(spec, **(hf_head_settings(config, "config") if heads else {}))
+    # safetensors: the config.json written beside gives the spec its head settings
+    spec = by_spec.load(options.spec, manifest, getattr(options, "config", None))
     available = ucp_source.available_tensors(manifest, spec)
     prefix = tuple(p for p in (options.prefix or "").split("/") if p)
     chosen, values, skipped, seen = [], [], [], {}
@@ -166,7 +161,9 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
     source = Source(root, manifest, available, options.casting, options.progress, len(tensors))
     arrays = [source.tensor(k, t.dtype, t.name) for (_, k), t in zip(chosen, tensors)]
     paths = [tuple(k[len(prefix) :]) for _, k in chosen]
-    return Selection(tensors, arrays, paths, values, skipped, str(manifest.save_id))
+    return Selection(
+        tensors, arrays, paths, values, skipped, str(manifest.save_id), spec, manifest.source
+    )
 
 
 def write_atomically(
@@ -192,17 +189,3 @@ def write_atomically(
         if staged:
             stack.enter_context(commit.export_record(tx.path))
         return write(tx.path)
-
-
-def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
-    """A ``config.json`` (dict or path), read within a size bound, checked to be an object."""
-    if isinstance(config, Mapping):
-        return dict(config)
-    try:
-        raw = fmt.files.read_regular(os.fspath(config), 16 << 20)
-        loaded = fmt.files.strict_loads(raw)
-    except (OSError, ValueError, RecursionError) as e:
-        raise RequestError(f"config {config}: not a readable JSON file ({e})") from None
-    if not isinstance(loaded, dict):
-        raise RequestError(f"config {config}: a config.json holds a JSON object")
-    return loaded

@@ -15,8 +15,20 @@ import os
 from jax_ucp._src import store, writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import safetensors
-from jax_ucp._src.importers.plan import ImportOptions, ImportPlan, host_item, refuse_spec, skip
-from jax_ucp._src.importers.trainer_files import adapter_beside_model
+from jax_ucp._src.importers.plan import (
+    ImportOptions,
+    ImportPlan,
+    host_item,
+    jsonable,
+    refuse_spec,
+    skip,
+)
+from jax_ucp._src.importers.trainer_files import (
+    CONFIG_FILE,
+    adapter_beside_model,
+    read_json,
+    side_file,
+)
 from jax_ucp._src.store import safetensors_remote
 
 __all__ = ["plan_safetensors"]
@@ -47,6 +59,10 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
         "metadata": {k: v for f in opened for k, v in f.metadata.items() if isinstance(v, str)},
     }
     found = list(names)
+    if os.path.isdir(src) and os.path.isfile(config := side_file(src, CONFIG_FILE)):
+        config = read_json(config)  # the model's settings: an export writes them back
+        if isinstance(config, dict):
+            source["config"] = {k: jsonable(v) for k, v in config.items()}
     # a Trainer's optimizer.pt (Accelerate's optimizer.bin) in the folder would be lost without a
     # word if the weights were imported alone; a file given by its own path is that file only
     beside = ("optimizer.pt", "optimizer.bin") if os.path.isdir(src) else ()

@@ -122,18 +122,21 @@ class Transpose(Op):
 
 @dataclass(frozen=True)
 class RopeHalf(Op):
-    """q/k rows from RoPE's interleaved pairs to rotate-half order (for ``over`` in ``parts``)."""
+    """q/k rows from RoPE's interleaved pairs to rotate-half order (for ``over`` in ``parts``);
+    ``inverse``: back to interleaved pairs (an export's)."""
 
     op: ClassVar[str] = "rope_half"
     axis: Any = 0
     head_dim: Any = "head_dim"
     over: str = "part"
     parts: tuple = ("q", "k")
+    inverse: bool = False
 
     def apply(self, tensor, env):
         if self.over in env and str(env[self.over]) not in self.parts:
             return tensor
-        return views.rope_interleaved_to_half(tensor, *self._ints(env, "axis", "head_dim"))
+        args = self._ints(env, "axis", "head_dim")
+        return views.rope_interleaved_to_half(tensor, *args, inverse=self.inverse)
 
 
 @dataclass(frozen=True)

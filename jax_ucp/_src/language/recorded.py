@@ -17,14 +17,15 @@ _MEGATRON_HEADS = ("num_attention_heads", "num_query_groups", "head_dim")
 
 
 def recorded_settings(source: Mapping[str, Any] | None) -> tuple[dict[str, int], str]:
-    """The head settings ``source`` records (a Trainer's or verl's ``config.json``, else Megatron's
-    args) and what recorded them; ``({}, "")`` without; a bad value is a ``LanguageError``."""
+    """The head settings ``source`` records (a Trainer's, verl's or a safetensors folder's
+    ``config.json``, else Megatron's args) and what recorded them; ``({}, "")`` without; a bad value is a ``LanguageError``."""
     source = source if isinstance(source, Mapping) else {}
     trainer = source.get("trainer")
-    config = trainer.get("model_config") if isinstance(trainer, Mapping) else None
-    if isinstance(config, Mapping) and "num_attention_heads" in config:
-        where = "the config.json the source recorded (source.trainer.model_config)"
-        return hf_head_settings(config, where), "the recorded config.json"
+    model = trainer.get("model_config") if isinstance(trainer, Mapping) else None
+    for config, field in ((model, "trainer.model_config"), (source.get("config"), "config")):
+        if isinstance(config, Mapping) and ("num_attention_heads" in config or "n_head" in config):
+            where = f"the config.json the source recorded (source.{field})"
+            return hf_head_settings(config, where), "the recorded config.json"
     args = source.get("settings")
     if not isinstance(args, Mapping):
         return {}, ""

@@ -65,9 +65,11 @@ def derived(settings: Mapping[str, Any]) -> dict[str, Any]:
 def hf_head_settings(config: Mapping[str, Any], where: str = "config.json") -> dict[str, int]:
     """The head settings a shipped spec's q/k/v ops need, from a Hugging Face ``config.json``."""
     try:
-        heads = int(config["num_attention_heads"])
+        gpt2 = "num_attention_heads" not in config  # GPT-2's own names: n_head, n_embd
+        heads = int(config["n_head" if gpt2 else "num_attention_heads"])
         groups = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        hidden = config["n_embd" if gpt2 else "hidden_size"]
+        head_dim = int(config.get("head_dim") or int(hidden) // heads)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise LanguageError(
             f"{where}: no head settings (num_attention_heads, hidden_size, optional "

@@ -213,6 +213,12 @@ class Spec:
     restore: tuple = ()
     roots: tuple = DEFAULT_ROOTS
     strict: bool = True
+    #: an export's spec: the import spec whose names it writes (run as is by an export; a spec
+    #: without it is run backwards, ``language.inverse``)
+    inverts: str = ""
+    #: the Hugging Face ``model_type`` values whose names the spec maps (an export's config.json
+    #: is checked against them)
+    model_types: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "settings", normalize(self.settings))
@@ -382,7 +388,17 @@ def root_from_dict(obj: Mapping, where: str) -> Root:
     return Root(**{**obj, "params": bool(obj.get("params", True))})
 
 
-_TOP_LEVEL_KEYS = {"name", "description", "strict", "settings", "roots", "import", "restore"}
+_TOP_LEVEL_KEYS = {
+    "name",
+    "description",
+    "strict",
+    "settings",
+    "roots",
+    "import",
+    "restore",
+    "inverts",
+    "model_types",
+}
 _TABLES = {"import": "import rule", "restore": "restore rule", "roots": "root"}
 
 
@@ -436,6 +452,8 @@ def spec_from_dict(
         restore=restore,
         roots=roots or DEFAULT_ROOTS,
         strict=strict,
+        inverts=str(d.get("inverts", "")),
+        model_types=tuple(str(t) for t in d.get("model_types", ())),
     )
 
 
@@ -445,6 +463,10 @@ def spec_to_dict(spec: Spec) -> dict:
     if spec.description:
         d["description"] = spec.description
     d["strict"] = spec.strict
+    if spec.inverts:
+        d["inverts"] = spec.inverts
+    if spec.model_types:
+        d["model_types"] = list(spec.model_types)
     if spec.settings:
         d["settings"] = dict(spec.settings)
     if tuple(spec.roots) != DEFAULT_ROOTS:

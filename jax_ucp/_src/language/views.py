@@ -82,19 +82,23 @@ def transpose(tensor: ts.TensorStore, perm: Sequence[int] | None = None) -> ts.T
     return zero_origin(tensor.transpose(perm))
 
 
-def rope_interleaved_to_half(tensor: ts.TensorStore, axis: int, head_dim: int) -> ts.TensorStore:
+def rope_interleaved_to_half(
+    tensor: ts.TensorStore, axis: int, head_dim: int, *, inverse: bool = False
+) -> ts.TensorStore:
     """q/k head rows from RoPE's interleaved pairs to rotate-half order, lazily.
 
     Args:
         tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
         axis: the axis of the heads' rows (whole heads of ``head_dim``)
-        head_dim: rows per head (even)"""
+        head_dim: rows per head (even)
+        inverse: rotate-half order back to interleaved pairs"""
     tensor, a, n = _view_axis(tensor, axis)
     if head_dim <= 0 or head_dim % 2 or n % head_dim:
         raise LanguageError(
             f"rope_half: axis {a} of size {n} is not whole heads of an even head_dim {head_dim}"
         )
     within = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    within = np.argsort(within) if inverse else within
     order = (np.arange(0, n, head_dim)[:, None] + within[None, :]).reshape(-1)
     return zero_origin(tensor[ts.d[a].oindex[order]])
 
