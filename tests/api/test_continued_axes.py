@@ -135,7 +135,6 @@ def _whole(tree) -> list[str]:
     "rel, spec",
     [
         ("megatron/llama_distopt_bf16_tp2dp2", "llama"),  # megatron-core, distributed optimizer
-        ("megatron/gpt_distopt_dp2", "megatron_gpt"),
         ("deepspeed/megatron_ds_tp2_dp2_z1_bf16_synthetic/ckpt", "megatron_lm_gpt"),
     ],
 )

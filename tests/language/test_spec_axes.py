@@ -103,11 +103,17 @@ _HF_SPECS = {hf_model(e["config"])[1] for e in HF_FAMILIES.values()}
 
 @pytest.mark.parametrize("family", sorted(HF_FAMILIES))
 def test_a_hugging_face_family_spec_names_every_tensor(family):
-    """The family's spec over the names and shapes transformers saved, and their moments."""
+    """The family's spec over the names and shapes transformers saved, and their moments; a
+    tied model also with an untied output layer (synthetic: the embedding's shape)."""
     entry = HF_FAMILIES[family]
     cfg, name = hf_model(entry["config"])
+    tensors = dict(entry["tensors"])
+    embedding = next(
+        s for k, s in tensors.items() if k.endswith(("embed_tokens.weight", "wte.weight"))
+    )
+    tensors.setdefault("lm_head.weight", embedding)
     saved = {}
-    for key, shape in entry["tensors"].items():
+    for key, shape in tensors.items():
         for root in (("params",), ("opt_state", "mu")):
             saved[(*root, key)] = TensorInfo(shape, "float32")
     plans = compile_restore_plan(load_spec(name, **cfg.head_settings), saved)
@@ -116,3 +122,23 @@ def test_a_hugging_face_family_spec_names_every_tensor(family):
     )
     assert not unnamed, unnamed
     assert any(k[0] == "opt_state" and p.logical_axes for k, p in plans.items())  # moments
+
+
+def test_mixtral_dense_layers_beside_moe_ones_are_named_synthetic():
+    """No MoE fixture has a dense layer: one is added (synthetic, layer 2: the SwiGLU MLP of
+    the fixture's sizes) to the real legacy MoE checkpoint's tensors."""
+    storage, importer = import_open.import_for(
+        os.path.join(FIXTURES, "megatron/legacy_moe_ep2_synthetic")
+    )
+    with import_open.opened_import(storage, importer) as imported:
+        saved = {k: TensorInfo(*v) for k, v in imported.saved.items()}
+    hidden, ffn = 32, 16  # fixtures.json
+    dense = {"linear_fc1": (2 * ffn, hidden), "linear_fc2": (hidden, ffn)}
+    for part, shape in dense.items():
+        saved[("params", f"decoder.layers.2.mlp.{part}.weight")] = TensorInfo(shape, "float32")
+    spec = load_spec("mixtral", **MOE)
+    for layout in _layouts(spec):
+        plans = compile_restore_plan(spec.with_settings(**layout), saved)
+        made = [k for k in plans if k[:2] == ("params", "layers_2")]
+        assert len(made) == 2 + (layout["mlp_layout"] == "split")
+        assert all(plans[k].logical_axes for k in made), made

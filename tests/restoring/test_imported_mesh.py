@@ -131,3 +131,16 @@ def test_a_spec_that_names_no_axes_is_told_to_name_them():
     assert "'params/layers_0/mlp/fc1/kernel'" in text or "(11 in all)" in text
     assert "the spec 'my_gpt' gives them no axes: add axes = [...]" in text
     assert "spec='megatron_gpt'" not in text
+
+
+def test_names_no_shipped_spec_covers_are_told_how_to_name_them(tmp_path):
+    """A checkpoint of the user's own (no names, saved from host arrays) restored with rules:
+    the warning names the whole tensor and says how to name its axes, no shipped spec."""
+    from tests.ucp_testing import mesh
+
+    path = jax_ucp.save(tmp_path / "c", {"params": {"w": np.ones((8, 8), np.float32)}})
+    with pytest.warns(jax_ucp.ReplicationWarning) as said:
+        jax_ucp.restore(path, mesh=mesh((2, 4), ("data", "model")), rules=RULES)
+    text = " ".join(str(w.message) for w in said)
+    assert "1 tensor(s) of 2 or more dimensions carry no logical axis names" in text
+    assert "'params/w'" in text and "a spec whose restore rules give them axes" in text

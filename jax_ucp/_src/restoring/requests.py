@@ -297,8 +297,9 @@ def _naming_advice(keys: Sequence[tuple[str, ...]], spec) -> str:
     from jax_ucp._src.language.plan import specs_naming  # only when warning
 
     found = specs_naming(keys)
-    use = f"spec={found[0]!r}, whose restore rules cover these names and name their axes"
-    use = use if found else "a spec whose restore rules give them axes = [...] (docs/LANGUAGE.md)"
+    use = "a spec whose restore rules give them axes = [...] (docs/LANGUAGE.md)"
+    if found:
+        use = f"spec={found[0]!r}, whose restore rules cover these names and name their axes"
     return f"restore with {use}; or give a target carrying shardings"
 
 
