@@ -5,6 +5,7 @@ continued in JAX takes the next steps torch would have."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -66,6 +67,14 @@ def newton_schulz_like_torch(g, coefficients: tuple[float, float, float], steps:
     return x.T if wide else x
 
 
+@functools.cache
+def _jitted_newton_schulz() -> Any:
+    """Compiled once per shape and settings (an eager step would trace its loops every call)."""
+    import jax
+
+    return jax.jit(newton_schulz_like_torch, static_argnums=(1, 2, 3))
+
+
 def adjusted_lr_ratio(adjust_lr_fn: str | None, shape: tuple[int, ...]) -> float:
     """torch Muon's ``_adjust_lr`` factor for a parameter of ``shape``."""
     rows, cols = shape[:2]
@@ -103,7 +112,7 @@ def torch_muon(
 
         def one(g, b, p):
             u = g + momentum * (b - g) if nesterov else b
-            o = newton_schulz_like_torch(u, ns_coefficients, ns_steps, eps).astype(jnp.float32)
+            o = _jitted_newton_schulz()(u, ns_coefficients, ns_steps, eps).astype(jnp.float32)
             scaled = lr * adjusted_lr_ratio(adjust_lr_fn, p.shape)
             return (-(lr * weight_decay) * p - scaled * o).astype(p.dtype)
 
