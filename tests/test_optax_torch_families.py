@@ -169,3 +169,81 @@ def test_a_lion_group_is_refused_naming_it():
         identify([group], {}, "ckpt")
     with pytest.raises(jax_ucp.UCPError, match=r"the Trainer ran optim='lion_32bit'"):
         identify([{**group, "amsgrad": False}], {"optim": "lion_32bit"}, "ckpt")
+
+
+def _back_in_torch(run, params, state, model, optimizers, x):
+    """The JAX-continued params and state loaded into torch (``load_state_dict`` of
+    ``run.torch_state_dicts``): two more torch steps against two more JAX steps on torch's
+    gradients, within 1e-6."""
+    import optax
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(np.array(params[name])))
+    for opt, sd in zip(optimizers, run.torch_state_dicts(state), strict=True):
+        for per in sd["state"].values():
+            for k, v in per.items():
+                per[k] = torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v
+        opt.load_state_dict(sd)
+    for _ in range(2):
+        for opt in optimizers:
+            opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        for opt in optimizers:
+            opt.step()
+        updates, state = run.tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        for name, p in model.named_parameters():
+            got = p.detach().numpy()
+            np.testing.assert_allclose(
+                np.asarray(params[name]), got, rtol=0, atol=1e-6, err_msg=name
+            )
+
+
+@pytest.mark.torch
+def test_a_jax_continued_sgd_and_muon_run_goes_back_to_torch(tmp_path):
+    """Both ways: SGD (Nesterov) and Muon + AdamW continued three steps in JAX, then loaded into
+    fresh torch optimizers, step on as JAX does."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    sgd = torch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01
+    )
+    x = torch.randn(5, 8)
+    path, grads, want = _torch_steps(tmp_path, model, [sgd], x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        run = jax_ucp.optax_from_torch(path)
+    params, state = _continue(run, grads, want)
+    fresh = torch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01
+    )
+    _back_in_torch(run, params, state, model, [fresh], x)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(10, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 10)
+    )
+    named = list(model.named_parameters())
+
+    def pair():
+        muon = torch.optim.Muon([(n, p) for n, p in named if n == "1.weight"], lr=0.02)
+        return [muon, torch.optim.AdamW([(n, p) for n, p in named if n != "1.weight"], lr=3e-3)]
+
+    x = torch.randint(0, 10, (6,))
+    path, grads, want = _torch_steps(
+        tmp_path / "m" if (tmp_path / "m").mkdir() is None else tmp_path,
+        model,
+        pair(),
+        x,
+        saved=list,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        run = jax_ucp.optax_from_torch(path)
+    params, state = _continue(run, grads, want)
+    _back_in_torch(run, params, state, model, pair(), x)

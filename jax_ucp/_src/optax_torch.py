@@ -40,6 +40,21 @@ class TorchOptimizer:
     unrecovered: list[str] = dataclasses.field(default_factory=list)
     #: "adam" (L2 decay added to the gradient) or "adamw" (decoupled decay), and why
     optimizer: str = "adamw"
+    #: the recorded ``param_groups`` and each one's optimizer (``torch_state_dicts``)
+    groups: list = dataclasses.field(default_factory=list)
+    kinds: list = dataclasses.field(default_factory=list)
+
+    def torch_state_dicts(self, opt_state: Any) -> list[dict]:
+        """``opt_state`` (this chain's, continued) as the torch optimizers' ``state_dict()`` dicts,
+        one per optimizer of the run in its order (torch's Muon, then its AdamW), numpy arrays
+        keyed by index, for ``load_state_dict`` after ``torch.from_numpy``; params restored
+        without a spec (torch's names).
+
+        Args:
+            opt_state: the state ``tx.update`` returned."""
+        if not self.groups:
+            raise RequestError("torch_state_dicts: the run records no torch param_groups")
+        return families.torch_state_dicts(opt_state, self.groups, self.kinds)
 
 
 #: ``optax_from_torch(clip=)`` not given (None says the run did not clip)
@@ -605,7 +620,10 @@ def _from_run(
     tx = chain_of(recipe, mask)
     state = _state_of(tx, params, mu, nu, step)
     schedule = recipe.learning_rate
-    return TorchOptimizer(tx, state, params, schedule, step, notes, unrecovered, recipe.optimizer)
+    kinds = ["adam"] * len(groups)
+    return TorchOptimizer(
+        tx, state, params, schedule, step, notes, unrecovered, recipe.optimizer, groups, kinds
+    )
 
 
 def _other_run(
@@ -679,7 +697,7 @@ def _other_run(
         )
     kind = "+".join(r.optimizer for r in recipes)
     return TorchOptimizer(
-        tx, state, params, recipes[0].learning_rate, step, notes, unrecovered, kind
+        tx, state, params, recipes[0].learning_rate, step, notes, unrecovered, kind, groups, kinds
     )
 
 

@@ -191,3 +191,63 @@ def filled_state(
     state = jax.tree_util.tree_map_with_path(fill, jax.eval_shape(tx.init, params))
     notes = [f"no saved state, starts at zeros: {', '.join(sorted(fresh))}"] if fresh else []
     return state, notes
+
+
+#: optax state field -> the torch state name it is written back as
+_TORCH_NAME = {
+    "trace": "momentum_buffer",
+    "momentum": "momentum_buffer",
+    "mu": "exp_avg",
+    "nu": "exp_avg_sq",
+    "row": "exp_avg_sq_row",
+    "col": "exp_avg_sq_col",
+    "sq": "exp_avg_sq",
+    "avg": "exp_avg",
+}
+
+
+def torch_state_dicts(opt_state: Any, groups: list[dict], kinds: list[str]) -> list[dict]:
+    """The continued state as the torch optimizers' ``state_dict()`` dicts (one per optimizer: a
+    run of groups of one kind), numpy arrays keyed by index in group order, for
+    ``load_state_dict`` after ``torch.from_numpy``: Adam's and Adafactor's step is the count.
+
+    Args:
+        opt_state: the chain's state (params keyed by torch name: no spec).
+        groups: the recorded ``param_groups`` (``params``: torch names).
+        kinds: each group's optimizer (:func:`kind_of`)."""
+    import jax
+
+    per: dict[str, dict[str, Any]] = {}
+    count = None
+    for path, leaf in jax.tree_util.tree_leaves_with_path(opt_state):
+        names = [getattr(k, "name", None) for k in path]
+        field = next((n for n in reversed(names) if n is not None), None)
+        if field == "count":
+            count = int(leaf)
+            continue
+        torch_name = _TORCH_NAME.get(field or "")
+        key = getattr(path[-1], "key", None)
+        if torch_name is None or not np.size(leaf):
+            continue
+        if not isinstance(key, str) or not isinstance(path[-2], jax.tree_util.GetAttrKey):
+            raise RequestError(
+                f"opt_state leaf {jax.tree_util.keystr(path)}: not keyed by torch name"
+            )
+        per.setdefault(key, {})[torch_name] = np.asarray(leaf)
+    out: list[dict] = []
+    for i, (group, kind) in enumerate(zip(groups, kinds)):
+        if i == 0 or kind != kinds[i - 1]:
+            out.append({"state": {}, "param_groups": []})
+        one = out[-1]
+        start = sum(len(g["params"]) for g in one["param_groups"])
+        ids = list(range(start, start + len(group["params"])))
+        for index, name in zip(ids, group["params"]):
+            state = dict(per.get(name, {}))
+            if state and kind == "adam":
+                state["step"] = np.asarray(count, np.float32)
+            elif state and kind == "adafactor":
+                state["step"] = count
+            if state:
+                one["state"][index] = state
+        one["param_groups"].append({**group, "params": ids})
+    return out

@@ -5,6 +5,7 @@ continued in JAX takes the next steps torch would have."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -46,6 +47,23 @@ def _matmul_sequential(a, b):
     return jax.lax.fori_loop(0, a.shape[1], add, zeros)
 
 
+def _fma(scalar: float, x, t):
+    """``scalar * x + t`` rounded once, as torch's fused multiply-add gives it: ``x`` holds
+    bfloat16 values, so each half of the float32 ``scalar`` times it is exact, and the sum is
+    carried with its rounding error (Knuth's two-sum)."""
+    import numpy as np
+
+    whole = np.float32(scalar)
+    hi = float(np.array([whole], np.float32).view(np.uint32)[0] & np.uint32(0xFFFFF000))
+    hi = float(np.array([hi], np.uint32).view(np.float32)[0])
+    lo = float(whole - np.float32(hi))
+    p1, p2 = hi * x, lo * x
+    s = p1 + t
+    back = s - p1
+    err = (p1 - (s - back)) + (t - back)
+    return s + (err + p2)
+
+
 def newton_schulz_like_torch(g, coefficients: tuple[float, float, float], steps: int, eps: float):
     """torch's ``_zeropower_via_newtonschulz``: in bfloat16, normalized by the Frobenius norm
     (clamped to ``eps``), ``steps`` quintic iterations on the wide orientation."""
@@ -59,11 +77,19 @@ def newton_schulz_like_torch(g, coefficients: tuple[float, float, float], steps:
         x = x.T
     norm = jnp.linalg.norm(x.astype(f32)).astype(bf16).astype(f32)
     x = (x.astype(f32) / jnp.maximum(norm, eps)).astype(bf16)
-    for _ in range(steps):  # torch.addmm: beta * C + alpha * (A @ B), rounded once
+    for _ in range(steps):  # torch.addmm: fma(beta, C, alpha * (A @ B)), in float32
         gram = _matmul_sequential(x, x.T).astype(bf16)
-        poly = (b * gram.astype(f32) + c * _matmul_sequential(gram, gram)).astype(bf16)
-        x = (a * x.astype(f32) + _matmul_sequential(poly, x)).astype(bf16)
+        poly = _fma(b, gram.astype(f32), c * _matmul_sequential(gram, gram)).astype(bf16)
+        x = _fma(a, x.astype(f32), _matmul_sequential(poly, x)).astype(bf16)
     return x.T if wide else x
+
+
+@functools.cache
+def _jitted_newton_schulz() -> Any:
+    """Compiled once per shape and settings (an eager step would trace its loops every call)."""
+    import jax
+
+    return jax.jit(newton_schulz_like_torch, static_argnums=(1, 2, 3))
 
 
 def adjusted_lr_ratio(adjust_lr_fn: str | None, shape: tuple[int, ...]) -> float:
@@ -103,7 +129,7 @@ def torch_muon(
 
         def one(g, b, p):
             u = g + momentum * (b - g) if nesterov else b
-            o = newton_schulz_like_torch(u, ns_coefficients, ns_steps, eps).astype(jnp.float32)
+            o = _jitted_newton_schulz()(u, ns_coefficients, ns_steps, eps).astype(jnp.float32)
             scaled = lr * adjusted_lr_ratio(adjust_lr_fn, p.shape)
             return (-(lr * weight_decay) * p - scaled * o).astype(p.dtype)
 
