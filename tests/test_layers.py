@@ -82,14 +82,8 @@ JAX_FREE = {
 }
 JAX_PACKAGES = {"jax", "jaxlib", "orbax", "flax", "optax"}
 TOP = {"cli", "__init__"}  # may import any layer (the demo is in cli)
-BASE = {
-    "lazy_names",
-    "version",
-    "errors",
-    "options",
-    "bulk",
-    "facts",
-}  # leaf modules any layer may use
+# leaf modules any layer may use (facts: a run's facts gathered from every record stating them)
+BASE = {"lazy_names", "version", "errors", "options", "bulk", "facts"}
 
 
 def _layer_of(path: str) -> str:

@@ -14,6 +14,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.facts import Facts
 from jax_ucp._src.torchfiles.pickle_format import Call
+from jax_ucp.conversion import TorchOptions
 from tests.torch_edit import edit_torch_file
 from tests.ucp_testing import REPO
 
@@ -28,10 +29,22 @@ def _copy(tmp_path, rel: str) -> str:
     return dst
 
 
-def _continue(path: str):
+def _continue(path: str, options=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return jax_ucp.optax_from_torch(path)
+        return jax_ucp.optax_from_torch(path, options=options)
+
+
+def _trainer_order(kind: str):
+    """The Trainer's optimizer order (decayed, then the norms), so no transformers is imported
+    to rebuild it (as tests/hostile gives it)."""
+    import numpy as np
+
+    with np.load(os.path.join(FIX, "hf_trainer", f"{kind}.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+    norms = [n for n in names if n.endswith("norm.weight")]
+    order = [n for n in names if n not in norms] + norms
+    return jax_ucp.RestoreOptions(importing=TorchOptions(parameter_order=order))
 
 
 def _ranks(folder: str) -> list[str]:
@@ -168,7 +181,7 @@ def test_a_doubled_initial_lr_is_refused(tmp_path):
 
     edit_torch_file(opt, doubled)
     with pytest.raises(jax_ucp.SourceError, match=r"disagree on the base learning rate") as e:
-        _continue(os.path.join(root, "checkpoint-3"))
+        _continue(os.path.join(root, "checkpoint-3"), _trainer_order("trainer_fp32"))
     assert "optimizer.pt param_groups[0].initial_lr = 0.02" in str(e.value)
     assert "scheduler.pt base_lrs[0] = 0.01" in str(e.value)
 
@@ -186,7 +199,7 @@ def test_a_schedule_kind_the_logged_rates_do_not_follow_is_refused(tmp_path):
 
     edit_torch_file(args, cosine)
     with pytest.raises(jax_ucp.SourceError, match=r"log_history") as e:
-        _continue(os.path.join(root, "checkpoint-3"))
+        _continue(os.path.join(root, "checkpoint-3"), _trainer_order("trainer_fp32"))
     assert "step 2: 0.01, step 3: 0.0075; training_args.bin's cosine schedule" in str(e.value)
 
 
