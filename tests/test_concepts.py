@@ -17,14 +17,17 @@ PACKAGE = os.path.join(REPO, "jax_ucp", "_src")
 #: jax_ucp._src imports inside functions (issue 71 wants <= 60). The lazy ones that keep
 #: ``import jax_ucp.exporters`` free of JAX and a local restore free of the importers
 #: (tests/test_imports_cost.py, tests/test_layers.py ``JAX_FREE``) stay lazy.
-MAX_IMPORTS_IN_FUNCTIONS = 81
-#: ``.local`` asked of a ``Storage`` outside ``store/`` (issue 71 wants 0)
-MAX_LOCAL_QUESTIONS = 16
+MAX_IMPORTS_IN_FUNCTIONS = 78
+#: ``.local`` asked of a ``Storage`` outside ``store/`` (issue 71 wants 0; 16, and 1 more counted
+#: when the remote safetensors reader left ``store/`` for the importer using it)
+MAX_LOCAL_QUESTIONS = 17
 #: ``storage_for(`` called outside ``store/``: a ``Storage`` made again from a path instead of
-#: handed down (issue 71 wants 0)
-MAX_STORAGE_FOR_CALLS = 37
-#: modules decoding a safetensors header (its length bounded by ``MAX_HEADER_BYTES``)
-MAX_SAFETENSORS_DECODERS = 2
+#: handed down (issue 71 wants 0; 37, and 1 more counted as the remote safetensors reader left
+#: ``store/``: a ``.safetensors`` object's folder)
+MAX_STORAGE_FOR_CALLS = 38
+#: modules decoding a safetensors header (its length bounded by ``MAX_HEADER_BYTES``): one,
+#: local and remote (``format.safetensors`` over a medium's ``Storage.reader``)
+MAX_SAFETENSORS_DECODERS = 1
 
 
 @functools.cache

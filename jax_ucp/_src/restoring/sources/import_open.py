@@ -33,6 +33,7 @@ from jax_ucp._src.restoring import locate, steps
 from jax_ucp._src.restoring.engine import OpenedSource
 from jax_ucp._src.restoring.sources.import_source import ImportSource
 from jax_ucp._src.store.storage.local_view import ViewError
+from jax_ucp._src.writer import layout as layout_lib
 
 if TYPE_CHECKING:
     from jax_ucp._src.importers.plan import Importer
@@ -190,8 +191,6 @@ def manifest_of(path, importer: Importer, importing=None) -> fmt.Manifest:
       importer: its importer (``import_for``).
       importing: the import options (None: the format's defaults).
     """
-    from jax_ucp._src.writer import layout as layout_lib
-
     options = layout_lib.ArrayOptions()
     entries: list[fmt.Entry] = []
     with opened_import(path, importer, importing) as imported:

@@ -1,5 +1,6 @@
 """What every storage medium offers: read / write / list / delete of a checkpoint's small files,
-a lock, and a transaction that commits a checkpoint whole or not at all.
+a file read at any offset (``reader``), a lock, and a transaction that commits a checkpoint
+whole or not at all.
 
 A medium decides *how* (a rename, or a manifest written last); the writer decides *what* may be
 replaced (``Claim``, ``writer.commit``). As Orbax's ``path/atomicity_types.py`` and torch DCP's
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import CheckpointError, RequestError
+from jax_ucp._src.store.storage.ranged import RandomAccess, RangedObject
 
 # URL scheme -> TensorStore kvstore driver: the object stores (``object_store``); here, so that
 # choosing a path's medium (``storage_for``) does not import the object-store code
@@ -97,6 +99,10 @@ class Storage(abc.ABC):
         """A kvstore spec and the key in it that file ``name`` is read from by byte ranges
         (a medium whose files redirect elsewhere, the Hub's, says where)."""
         return self.kvstore(), name
+
+    def reader(self, name: str) -> RandomAccess:
+        """File ``name`` read at any offset (``ranged``: one GET a range; locally ``pread``)."""
+        return RangedObject(self, name)
 
     @abc.abstractmethod
     def read(self, name: str, limit: int) -> bytes | None:
