@@ -490,7 +490,6 @@ OBJECT_CLIENTS = {"object_store"}  # the object-store client
 OBJECT_WRITES = {"write", "create", "delete", "delete_names"}
 KVSTORE_READERS = {
     "restoring/sources/ucp_source.py",  # opens a prefix to read its shards' digests
-    "store/safetensors_remote.py",  # byte ranges of safetensors objects, read only
 }
 
 

@@ -26,7 +26,8 @@ import numpy as np
 
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files
-from jax_ucp._src.models.hf_families import FAMILIES, LACKS, canonical_config, hf_model
+from jax_ucp._src.models.hf_families import FAMILIES, LACKS, canonical_config
+from jax_ucp._src.models.transformer import hf_model
 
 __all__ = [
     "DEFAULT_TOLERANCE",

@@ -14,7 +14,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.logits import compare_logits
-from jax_ucp._src.models.hf_families import hf_model
+from jax_ucp._src.models.transformer import hf_model
 
 _TINY = dict(
     vocab_size=96,

@@ -39,6 +39,17 @@ def test_a_local_directory_reads_writes_lists_and_deletes_whole_files(tmp_path):
     assert local.kvstore("arrays", "w") == {"driver": "file", "path": f"{tmp_path}/arrays/w"}
 
 
+def test_a_local_file_is_read_by_ranges_as_an_object_is(tmp_path):
+    """``Storage.reader``: the read half every medium offers (pread here, ranged GETs there)."""
+    data = bytes(range(200))
+    (tmp_path / "f.bin").write_bytes(data)
+    f = storage_for(tmp_path).reader("f.bin")
+    assert f.shown == str(tmp_path / "f.bin")
+    assert f.read(10, 5) == data[10:15] and f.read(195, 10) == data[195:]  # fewer at the end
+    assert f.holds(200) and not f.holds(201)
+    assert storage_for(tmp_path).reader("missing").read(0, 8) is None
+
+
 def test_a_malformed_prefix_is_refused_before_anything_is_read():
     class Never:
         def directory(self, path):

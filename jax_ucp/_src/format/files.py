@@ -124,36 +124,6 @@ def read_regular(path: str, max_bytes: int) -> bytes:
         os.close(fd)
 
 
-def preadv_full(fd: int, buffers: list, offset: int) -> int:
-    """Reads the file's bytes from ``offset`` on straight into ``buffers`` (writable, contiguous
-    bytes), repeating ``preadv`` for whatever the kernel left unfilled. Returns the bytes read:
-    fewer than ``buffers`` hold only at the end of the file (the caller's error names it).
-
-    Args:
-        fd: the open file.
-        buffers: where the bytes go, in order.
-        offset: the file offset of the first byte.
-    """
-    rest = [memoryview(b).cast("B") for b in buffers]
-    done = 0
-    while rest:
-        got = os.preadv(fd, rest, offset + done)
-        if not got:
-            break
-        done += got
-        advance(rest, got)
-    return done
-
-
-def advance(buffers: list, n: int) -> None:
-    """Drops the first ``n`` bytes of ``buffers`` (byte memoryviews, in place): what is left
-    after a ``preadv`` or ``writev`` that moved ``n`` bytes."""
-    while buffers and n >= buffers[0].nbytes:
-        n -= buffers.pop(0).nbytes
-    if buffers:
-        buffers[0] = buffers[0][n:]
-
-
 def overlap(path: str, other: str) -> str | None:
     """How ``path`` sits against the directory ``other``, symlinks resolved: ``"same"``,
     ``"inside"`` (lies inside it), ``"contains"`` (contains it), or None (apart). Why: a

@@ -1,4 +1,6 @@
-"""Memory-mapped files that may shrink while they are read.
+"""Reading a file's bytes, the one reader of ``format``: ``preadv_full`` (straight into the
+caller's buffers, whatever the kernel leaves unfilled read again), and memory-mapped files that
+may shrink while they are read, whose bytes are read through it.
 
 Readers map a user's checkpoint file so a tensor costs page cache, not anonymous memory, and only
 touched bytes are read. But a file truncated while it is mapped turns every later touch of a
@@ -24,10 +26,40 @@ import numpy as np
 from numpy.lib.array_utils import byte_bounds
 
 from jax_ucp._src.errors import CheckpointError
-from jax_ucp._src.format.files import open_regular, preadv_full
+from jax_ucp._src.format.files import open_regular
 
 #: Bytes read per ``pread`` (and CRC-summed while still in the CPU cache).
 PIECE = 4 << 20
+
+
+def preadv_full(fd: int, buffers: list, offset: int) -> int:
+    """Reads the file's bytes from ``offset`` on straight into ``buffers`` (writable, contiguous
+    bytes), repeating ``preadv`` for whatever the kernel left unfilled. Returns the bytes read:
+    fewer than ``buffers`` hold only at the end of the file (the caller's error names it).
+
+    Args:
+        fd: the open file.
+        buffers: where the bytes go, in order.
+        offset: the file offset of the first byte.
+    """
+    rest = [memoryview(b).cast("B") for b in buffers]
+    done = 0
+    while rest:
+        got = os.preadv(fd, rest, offset + done)
+        if not got:
+            break
+        done += got
+        advance(rest, got)
+    return done
+
+
+def advance(buffers: list, n: int) -> None:
+    """Drops the first ``n`` bytes of ``buffers`` (byte memoryviews, in place): what is left
+    after a ``preadv`` or ``writev`` that moved ``n`` bytes."""
+    while buffers and n >= buffers[0].nbytes:
+        n -= buffers.pop(0).nbytes
+    if buffers:
+        buffers[0] = buffers[0][n:]
 
 
 class FileMap(mmap.mmap):

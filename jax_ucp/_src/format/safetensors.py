@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -201,6 +201,33 @@ def first_tensors(weight_map: dict[str, str]) -> dict[str, str]:
     return dict(sorted(first.items()))
 
 
+class RandomAccess(Protocol):
+    """A file read by byte ranges, whatever its medium (``store.storage.ranged``, or a local
+    file's mapping): what the one header decoder reads."""
+
+    def read(self, offset: int, n: int) -> bytes | None:
+        """Up to ``n`` bytes from ``offset``; None: no such file; a range the medium refuses:
+        a ``ValueError``."""
+        ...
+
+    def holds(self, size: int) -> bool:
+        """Whether the file has at least ``size`` bytes."""
+        ...
+
+
+class _Mapped:
+    """A local file's mapping as a ``RandomAccess``: read with pread (``mapped_file``)."""
+
+    def __init__(self, mm: mapped_file.FileMap):
+        self.mm = mm
+
+    def read(self, offset: int, n: int) -> bytes:
+        return mapped_file.read_bytes(self.mm, offset, n, "the header")
+
+    def holds(self, size: int) -> bool:
+        return len(self.mm) >= size
+
+
 class SafetensorsFile:
     """One safetensors file: its validated header and read-only views of its tensors."""
 
@@ -208,9 +235,6 @@ class SafetensorsFile:
         """``path`` as the checkpoint names it; ``real``, when given, what it resolved to (the
         file opened). ``dcp_shard``: a torch DCP Hugging Face shard is opened (its
         :data:`DCP_SHARDING_INFO` JSON kept in ``sharding``) rather than refused."""
-        self.path = path
-        self.dcp_shard = dcp_shard
-        self.sharding: str | None = None
         fd = files.open_regular(real or path)
         try:
             size = os.fstat(fd).st_size
@@ -224,36 +248,56 @@ class SafetensorsFile:
         if mapped is None or len(mapped) != size:
             raise SourceError(f"{path}: changed size while being opened.")
         self._map: mapped_file.FileMap = mapped
-        header_len = int.from_bytes(mapped_file.read_bytes(self._map, 0, 8, "the header"), "little")
-        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            raise SourceError(
-                f"{path}: header of {header_len} bytes (file {size} bytes, at most "
-                f"{MAX_HEADER_BYTES} allowed)."
-            )
-        self.data_start = 8 + header_len
-        self.data_size = size - self.data_start
-        raw = mapped_file.read_bytes(self._map, 8, header_len, "the header")
-        self.header, self.metadata = self._parse(raw)
+        self._decode(path, _Mapped(mapped), size, dcp_shard)
 
     @classmethod
-    def from_header(
-        cls, path: str, raw: bytes, data_start: int, data_size: int | None
-    ) -> SafetensorsFile:
-        """The checked header ``raw`` of a file read elsewhere (an object store's object):
-        ``header`` and ``metadata`` as for a local file, no tensor views.
+    def read_from(cls, path: str, file: RandomAccess) -> SafetensorsFile:
+        """The checked header of a file read by ranges elsewhere (an object store's object, a
+        Hub file): ``header`` and ``metadata`` as for a local file, no tensor views; its size
+        unknown, the data must end where its last tensor ends.
 
         Args:
             path: names the file in errors.
-            raw: the header's bytes (after its 8-byte length).
-            data_start: the offset of the data (8 + the header's length).
-            data_size: the data's bytes, when known (None: the caller checks the end).
+            file: the file, read by ranges.
         """
         self = cls.__new__(cls)
-        self.path, self.data_start = path, data_start
-        self.dcp_shard, self.sharding = False, None
-        self.data_size = 2**62 if data_size is None else data_size
-        self.header, self.metadata = self._parse(raw)
+        self._decode(path, file, None, False)
         return self
+
+    def _decode(self, path: str, file: RandomAccess, size: int | None, dcp_shard: bool) -> None:
+        """The one decoder: the header's length (bounded), the header, every tensor's range
+        checked against the file (``size``; None: unknown, the file's end asked instead)."""
+        self.path, self.dcp_shard, self.sharding = path, dcp_shard, None
+        head = self._range(file, 0, 8)
+        if head is None:
+            raise SourceError(f"{path}: no such object.")
+        if len(head) < 8:
+            raise SourceError(f"{path}: {len(head)} bytes, too short for a header.")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER_BYTES or (size is not None and 8 + n > size):
+            known = "" if size is None else f"file {size} bytes, "
+            raise SourceError(
+                f"{path}: header of {n} bytes ({known}at most {MAX_HEADER_BYTES} allowed)."
+            )
+        raw = self._range(file, 8, n) or b""
+        if len(raw) != n:
+            raise SourceError(f"{path}: header of {n} bytes, the file ends after {len(raw)}.")
+        self.data_start = 8 + n
+        self.data_size = 2**62 if size is None else size - self.data_start
+        self.header, self.metadata = self._parse(raw)
+        if size is None:  # the data ends where the last tensor ends: the file must end there
+            end = self.data_start + max((e for *_, e in self.header.values()), default=0)
+            if not file.holds(end) or file.holds(end + 1):
+                raise SourceError(
+                    f"{path}: the header's tensors end at byte {end}; the file is "
+                    f"{'longer' if file.holds(end) else 'shorter (truncated)'}."
+                )
+
+    def _range(self, file: RandomAccess, offset: int, n: int) -> bytes | None:
+        try:
+            return file.read(offset, n)
+        except ValueError as e:  # the medium's refusal (a Range ignored, an error status)
+            raise SourceError(f"{self.path}: {e}") from None
 
     def _parse(self, raw: bytes) -> tuple[dict, dict]:
         try:

@@ -10,10 +10,15 @@ lives here.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 
+import numpy as np
+
+from jax_ucp._src import format as fmt
 from jax_ucp._src import store, writer
-from jax_ucp._src.errors import SourceError
+from jax_ucp._src.errors import CheckpointError, SourceError
 from jax_ucp._src.format import safetensors
 from jax_ucp._src.importers.plan import (
     ImportOptions,
@@ -29,9 +34,11 @@ from jax_ucp._src.importers.trainer_files import (
     read_json,
     side_file,
 )
-from jax_ucp._src.store import safetensors_remote
+from jax_ucp._src.store.shard_reader import count_bytes_read
+from jax_ucp._src.store.storage import Storage
+from jax_ucp._src.store.storage.ranged import RandomAccess, RangeError
 
-__all__ = ["plan_safetensors"]
+__all__ = ["RemoteTensor", "holds_remote", "open_remote", "plan_safetensors"]
 
 
 def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
@@ -47,7 +54,7 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
     storage = store.storage_for(src)  # the importer's (torchtune's: a path)
     src = storage.root
     if not storage.local:  # an object store's or the Hub's: read by ranges
-        return _plan_remote(src, options)
+        return _plan_remote(storage, options)
     opened, owner = safetensors.open_checkpoint(src)
     names = sorted(owner)
     dtypes = sorted({str(owner[n].header[n][0]) for n in names})
@@ -98,11 +105,11 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
     return ImportPlan(items, source, len(mine), source_tensors=found)
 
 
-def _plan_remote(url: str, options: ImportOptions) -> ImportPlan:
+def _plan_remote(storage: Storage, options: ImportOptions) -> ImportPlan:
     """The import of safetensors in an object store or a Hub repo (``hf://``): each tensor's
     rows ranged reads (in slabs when larger than the memory budget); ``path`` the source as
     read, a Hub repo's pinned to the commit it was read at (``hf://ORG/NAME@SHA``)."""
-    prefix, tensors = safetensors_remote.open_remote(url.rstrip("/"))
+    prefix, tensors = open_remote(storage)
     names = sorted(tensors)
     source = {
         "framework": "safetensors",
@@ -111,7 +118,7 @@ def _plan_remote(url: str, options: ImportOptions) -> ImportPlan:
         "dtypes": sorted({str(tensors[n].dtype) for n in names}),
     }
 
-    def deferred(t: safetensors_remote.RemoteTensor) -> writer.Deferred:
+    def deferred(t: RemoteTensor) -> writer.Deferred:
         rows = t.shape[0] if t.shape else 1
         return writer.Deferred(
             t.shape,
@@ -127,3 +134,94 @@ def _plan_remote(url: str, options: ImportOptions) -> ImportPlan:
         for n in mine
     )
     return ImportPlan(items, source, len(mine), source_tensors=names)
+
+
+def holds_remote(prefix: Storage) -> bool:
+    """A ``.safetensors`` object, or a prefix / repo holding safetensors (or their index) and
+    no ``ucp.json``, in a medium that is no local directory (read by ranges)."""
+    if prefix.local:  # a local directory: ``format.safetensors`` maps its files
+        return False
+    if prefix.root.rstrip("/").endswith(".safetensors"):
+        return True
+    if prefix.exists(fmt.MANIFEST_FILE):
+        return False
+    return prefix.exists(safetensors.INDEX_FILE) or any(
+        "/" not in n and n.endswith(".safetensors") for n in prefix.names()
+    )
+
+
+def _objects(prefix: Storage) -> tuple[Storage, list[str]]:
+    """(the medium, the safetensors objects in it) of the checkpoint at ``prefix``: one
+    storage, so a Hub repo's files are all read at the commit it resolved once."""
+    url = prefix.root.rstrip("/")
+    if url.endswith(".safetensors"):  # one object: read from its folder's storage
+        folder, _, name = url.rpartition("/")
+        return store.storage_for(folder), [name]
+    raw = prefix.read(safetensors.INDEX_FILE, safetensors.MAX_INDEX_BYTES)
+    if raw is None:
+        names = sorted(n for n in prefix.names() if "/" not in n and n.endswith(".safetensors"))
+        if len(names) != 1:
+            raise SourceError(
+                f"{url}: {len(names)} .safetensors objects and no {safetensors.INDEX_FILE} "
+                f"saying which belong to the model; add the index, or pass the one you mean."
+            )
+        return prefix, names
+    where = prefix.join(safetensors.INDEX_FILE)
+    return prefix, sorted(set(safetensors.weight_map_of(raw, where, ".safetensors").values()))
+
+
+@dataclasses.dataclass
+class RemoteTensor:
+    """One tensor of a safetensors object: its rows read as byte ranges of ``file``."""
+
+    file: RandomAccess
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the object
+
+    @property
+    def shown(self) -> str:
+        return self.file.shown
+
+    @property
+    def row_bytes(self) -> int:
+        return (
+            math.prod(self.shape[1:]) * self.dtype.itemsize if self.shape else self.dtype.itemsize
+        )
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        """Rows ``a:b`` of the tensor (``[0:1]`` of a scalar), one ranged read."""
+        start, want = self.offset + a * self.row_bytes, (b - a) * self.row_bytes
+        try:
+            got = self.file.read(start, want)
+        except RangeError as e:  # a range past the end: the object shrank since it was opened
+            raise CheckpointError(
+                f"{self.shown}: tensor {self.name!r}: rows {a}:{b} cannot be read ({e})."
+            ) from None
+        if got is None or len(got) != want:
+            raise CheckpointError(
+                f"{self.shown}: tensor {self.name!r} truncated or gone (rows {a}:{b} need "
+                f"{want} bytes from byte {start}, got "
+                f"{'no object' if got is None else len(got)})."
+            )
+        count_bytes_read(want)
+        return np.frombuffer(got, self.dtype).reshape((b - a, *self.shape[1:]))
+
+
+def open_remote(storage: Storage) -> tuple[Storage, dict[str, RemoteTensor]]:
+    """(the medium, each tensor by name) of the safetensors checkpoint at ``storage`` (a
+    ``.safetensors`` object, or a prefix / repo holding them, with the index when several),
+    every header checked by the one decoder (``format.safetensors``); no tensor bytes read."""
+    prefix, names = _objects(storage)
+    tensors: dict[str, RemoteTensor] = {}
+    for name in names:
+        file = prefix.reader(name)
+        parsed = safetensors.SafetensorsFile.read_from(file.shown, file)
+        for tensor, (dtype, shape, begin, _) in parsed.header.items():
+            if tensor in tensors:
+                raise SourceError(f"{storage.root}: tensor {tensor[:100]!r} is in two objects.")
+            tensors[tensor] = RemoteTensor(
+                file, tensor, np.dtype(dtype), tuple(shape), parsed.data_start + begin
+            )
+    return prefix, tensors

@@ -1,6 +1,7 @@
 """Hugging Face model families -> ``TransformerLM``: which shipped spec maps a family's tensor
 names (the only copy of that mapping: ``jax_ucp/_src/language/specs/hf_*.toml``) and how its
-``config.json`` becomes an ``LMConfig``.
+``config.json`` becomes the fields of an ``LMConfig`` (built by ``transformer.hf_model``, which
+imports this table: the table returns fields, so it never imports the model).
 
 Each family in :data:`FAMILIES` has a reader of its config fields; a value of one of them the
 model does not compute (a RoPE type other than default, linear, llama3 or yarn, biases where the
@@ -17,9 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jax_ucp._src.errors import RequestError
-from jax_ucp._src.models.transformer import LMConfig
 
-__all__ = ["FAMILIES", "LACKS", "Family", "canonical_config", "hf_model"]
+__all__ = ["FAMILIES", "LACKS", "Family", "canonical_config", "hf_fields"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Family:
 
     model_type: str
     spec: str
-    read: Callable[[Mapping], LMConfig]
+    read: Callable[[Mapping], dict]  # the LMConfig fields
     defaults: Mapping[str, Any]
     #: fields refused when true (biases, layouts the family's spec does not map)
     refuses: tuple[str, ...] = ()
@@ -70,8 +70,8 @@ def canonical_config(config: Mapping[str, Any]) -> dict:
     return out
 
 
-def hf_model(config: Mapping[str, Any]) -> tuple[LMConfig, str]:
-    """The ``LMConfig`` of a Hugging Face ``config.json`` and the shipped spec mapping its
+def hf_fields(config: Mapping[str, Any]) -> tuple[dict, str]:
+    """The ``LMConfig`` fields of a Hugging Face ``config.json`` and the shipped spec mapping its
     tensors; a family not in :data:`FAMILIES` or a field it does not compute is refused
     (``RequestError`` naming the field and value)."""
     model_type = config.get("model_type")
@@ -330,26 +330,26 @@ _SILU = {"silu": "silu"}
 _GELU = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
-def _llama(c: Mapping) -> LMConfig:
-    return LMConfig(**_base(c))
+def _llama(c: Mapping) -> dict:
+    return dict(**_base(c))
 
 
-def _mistral(c: Mapping) -> LMConfig:
-    return LMConfig(**_base(c), **_every_layer_window(c))
+def _mistral(c: Mapping) -> dict:
+    return dict(**_base(c), **_every_layer_window(c))
 
 
-def _qwen2(c: Mapping) -> LMConfig:
+def _qwen2(c: Mapping) -> dict:
     kw = _base(c)
-    return LMConfig(**kw, qkv_bias=True, **_qwen_window(c, kw["num_layers"]))
+    return dict(**kw, qkv_bias=True, **_qwen_window(c, kw["num_layers"]))
 
 
-def _qwen3(c: Mapping) -> LMConfig:
+def _qwen3(c: Mapping) -> dict:
     kw = _base(c)
-    return LMConfig(**kw, qk_norm=True, **_qwen_window(c, kw["num_layers"]))
+    return dict(**kw, qk_norm=True, **_qwen_window(c, kw["num_layers"]))
 
 
-def _phi3(c: Mapping) -> LMConfig:
-    return LMConfig(**_base(c, partial_ok=True), **_every_layer_window(c))
+def _phi3(c: Mapping) -> dict:
+    return dict(**_base(c, partial_ok=True), **_every_layer_window(c))
 
 
 def _gemma(c: Mapping, types: list[str]) -> dict:
@@ -367,14 +367,14 @@ def _gemma(c: Mapping, types: list[str]) -> dict:
     )
 
 
-def _gemma2(c: Mapping) -> LMConfig:
+def _gemma2(c: Mapping) -> dict:
     kw = _base(c)
     layers = kw["num_layers"]
     default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    return LMConfig(**kw, **_gemma(c, _layer_types(c, layers, default)))
+    return dict(**kw, **_gemma(c, _layer_types(c, layers, default)))
 
 
-def _gemma3(c: Mapping) -> LMConfig:
+def _gemma3(c: Mapping) -> dict:
     """Gemma 3 adds q/k norms and a RoPE per layer type: ``rope_parameters`` keyed by
     ``full_attention`` / ``sliding_attention`` (transformers 5), else ``rope_theta`` (+
     ``rope_scaling``) for the global layers and ``rope_local_base_freq`` for the local ones."""
@@ -402,7 +402,7 @@ def _gemma3(c: Mapping) -> LMConfig:
     default = [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
     ]
-    return LMConfig(
+    return dict(
         **kw,
         **_gemma(c, _layer_types(c, layers, default)),
         qk_norm=True,
@@ -411,8 +411,8 @@ def _gemma3(c: Mapping) -> LMConfig:
     )
 
 
-def _mixtral(c: Mapping) -> LMConfig:
-    return LMConfig(**_base(c), **_every_layer_window(c), **_experts(c, "num_local_experts"))
+def _mixtral(c: Mapping) -> dict:
+    return dict(**_base(c), **_every_layer_window(c), **_experts(c, "num_local_experts"))
 
 
 def _qwen_moe(c: Mapping, layers: int) -> dict:
@@ -428,11 +428,11 @@ def _qwen_moe(c: Mapping, layers: int) -> dict:
     )
 
 
-def _qwen2_moe(c: Mapping) -> LMConfig:
+def _qwen2_moe(c: Mapping) -> dict:
     kw = _base(c)
     layers = kw["num_layers"]
     shared = c.get("shared_expert_intermediate_size")
-    return LMConfig(
+    return dict(
         **kw,
         **_qwen_window(c, layers, moe=True),
         **_qwen_moe(c, layers),
@@ -444,17 +444,17 @@ def _qwen2_moe(c: Mapping) -> LMConfig:
     )
 
 
-def _qwen3_moe(c: Mapping) -> LMConfig:
+def _qwen3_moe(c: Mapping) -> dict:
     """Qwen3's attention (q/k norms, no biases; ``sliding_window`` on every layer, only with
     ``use_sliding_window``) and Qwen2-MoE's experts without the shared expert."""
     if "num_local_experts" in c:  # transformers 5 writes it (Mixtral's name), and reads it first
         c = {**c, "num_experts": c["num_local_experts"]}
     kw = _base(c)
     window = _every_layer_window(c) if c.get("use_sliding_window") else {}
-    return LMConfig(**kw, **window, **_qwen_moe(c, kw["num_layers"]), qk_norm=True)
+    return dict(**kw, **window, **_qwen_moe(c, kw["num_layers"]), qk_norm=True)
 
 
-def _llama4_text(c: Mapping) -> LMConfig:
+def _llama4_text(c: Mapping) -> dict:
     """Llama 4's text model: RoPE layers (``no_rope_layers`` 1) with chunked attention
     (``layer_types``, ``attention_chunk_size``) and weightless q/k L2 norms after RoPE
     (``use_qk_norm``), NoPE layers with attention temperature tuning (``floor_scale``,
@@ -476,7 +476,7 @@ def _llama4_text(c: Mapping) -> LMConfig:
         _number("floor_scale", c.get("floor_scale")),
         _number("attn_scale", c.get("attn_scale")),
     )
-    return LMConfig(
+    return dict(
         **{**kw, "ffn_hidden_size": _int(c, "intermediate_size_mlp")},
         sliding_window=window,
         sliding_layers=chunked,
@@ -492,7 +492,7 @@ def _llama4_text(c: Mapping) -> LMConfig:
     )
 
 
-def _gpt2(c: Mapping) -> LMConfig:
+def _gpt2(c: Mapping) -> dict:
     """GPT-2 (GPT2LMHeadModel): learned positions, LayerNorm, GELU (its tanh approximation but
     for ``gelu``), fused c_attn, biases, tied output; the attention variants it has flags for
     are refused unless at their defaults."""
@@ -501,7 +501,7 @@ def _gpt2(c: Mapping) -> LMConfig:
     act = c.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
         raise RequestError(f"config.json: activation_function {act!r} is not a GELU")
-    return LMConfig(
+    return dict(
         vocab_size=_int(c, "vocab_size"),
         hidden_size=_int(c, "hidden_size"),
         num_layers=_layers(c),
@@ -516,11 +516,11 @@ def _gpt2(c: Mapping) -> LMConfig:
     )
 
 
-def _granite(c: Mapping) -> LMConfig:
+def _granite(c: Mapping) -> dict:
     """Llama with Granite's four scalars: embeddings times ``embedding_multiplier``, attention
     and MLP outputs times ``residual_multiplier``, softmax scale ``attention_multiplier``,
     logits divided by ``logits_scaling``."""
-    return LMConfig(
+    return dict(
         **_base(c),
         embedding_multiplier=_number("embedding_multiplier", c.get("embedding_multiplier")),
         residual_multiplier=_number("residual_multiplier", c.get("residual_multiplier")),
@@ -529,22 +529,20 @@ def _granite(c: Mapping) -> LMConfig:
     )
 
 
-def _olmo2(c: Mapping) -> LMConfig:
+def _olmo2(c: Mapping) -> dict:
     """OLMo 2: norms on the attention's and the MLP's outputs only, q/k norms over all heads."""
-    return LMConfig(
-        **_base(c), pre_norm=False, sandwich_norm=True, qk_norm=True, qk_norm_scope="all"
-    )
+    return dict(**_base(c), pre_norm=False, sandwich_norm=True, qk_norm=True, qk_norm_scope="all")
 
 
-def _stablelm(c: Mapping) -> LMConfig:
+def _stablelm(c: Mapping) -> dict:
     """StableLM: LayerNorms (with biases), partial rotary (0.25 by default), q/k/v biases when
     ``use_qkv_bias``; per-head q/k LayerNorms and the parallel residual are refused."""
     kw = _base(c, partial_ok=True)
     kw.update(normalization="LayerNorm", eps=_number("layer_norm_eps", c.get("layer_norm_eps")))
-    return LMConfig(**kw, qkv_bias=bool(c.get("use_qkv_bias")))
+    return dict(**kw, qkv_bias=bool(c.get("use_qkv_bias")))
 
 
-def _gpt_oss(c: Mapping) -> LMConfig:
+def _gpt_oss(c: Mapping) -> dict:
     """GPT-OSS: attention sinks, q/k/v/o biases (``attention_bias``), windowed layers
     (``layer_types``, by default every other), every layer's MLP experts: a router with a bias
     (softmax over the top-k logits), experts with biases and the clamped SwiGLU (``swiglu_alpha``,
@@ -552,7 +550,7 @@ def _gpt_oss(c: Mapping) -> LMConfig:
     kw = _base(c)
     layers = kw["num_layers"]
     default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    return LMConfig(
+    return dict(
         **{**kw, "bias": bool(c.get("attention_bias"))},
         **_window(c, _layer_types(c, layers, default), None),
         attention_sinks=True,
@@ -565,7 +563,7 @@ def _gpt_oss(c: Mapping) -> LMConfig:
     )
 
 
-def _deepseek_v3(c: Mapping) -> LMConfig:
+def _deepseek_v3(c: Mapping) -> dict:
     """DeepSeek V3: multi-head latent attention (``q_lora_rank`` (null: one q projection),
     ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, RoPE dims
     interleaved with ``rope_interleave``; the softmax scale times yarn's mscale(factor,
@@ -594,7 +592,7 @@ def _deepseek_v3(c: Mapping) -> LMConfig:
     if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
         raise _refuse("first_k_dense_replace", repr(dense), "expected an integer >= 0")
     width = _int(c, "moe_intermediate_size")
-    return LMConfig(
+    return dict(
         **kw,
         attention_scale=scale,
         mla=(*mla, _int(c, "v_head_dim")),

@@ -27,6 +27,7 @@ import numpy as np
 
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.language import Spec, apply_spec_to_tree, load_spec
+from jax_ucp._src.models.hf_families import hf_fields
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,6 @@ class LMConfig:
         OLMo 2, StableLM, GPT-OSS, DeepSeek V3: ``hf_families.FAMILIES``); a field the model does
         not compute is a ``RequestError`` naming it. :meth:`hf_spec` gives the spec its weights
         restore through."""
-        from jax_ucp._src.models.hf_families import hf_model
-
         cfg, _ = hf_model(config)
         return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
@@ -171,8 +170,6 @@ class LMConfig:
     def hf_spec(config: Mapping[str, Any]) -> Spec:
         """The shipped spec mapping the family's Hugging Face names into ``TransformerLM``'s
         tree (``hf_llama``, ``hf_qwen2``, ...), with the head settings of ``config``."""
-        from jax_ucp._src.models.hf_families import hf_model
-
         cfg, name = hf_model(config)
         return load_spec(name, **cfg.head_settings)
 
@@ -562,6 +559,14 @@ class TransformerLM(nn.Module):
         if cfg.logits_scaling != 1.0:
             logits = logits / cfg.logits_scaling
         return _softcap(logits, cfg.final_logit_softcapping)
+
+
+def hf_model(config: Mapping[str, Any]) -> tuple[LMConfig, str]:
+    """The ``LMConfig`` of a Hugging Face ``config.json`` and the shipped spec mapping its
+    tensors (``hf_families.hf_fields``: a family not in its table or a field it does not
+    compute is refused, a ``RequestError`` naming the field and value)."""
+    fields, spec = hf_fields(config)
+    return LMConfig(**fields), spec
 
 
 def shipped_spec_for(cfg: LMConfig, names: Iterable[str]) -> Spec:

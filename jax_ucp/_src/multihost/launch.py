@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from jax_ucp._src.multihost import liveness
+
 #: host memory one convert process takes before it reads anything (~350 MiB measured), and more
 PROCESS_MEMORY = 512 << 20
 #: local processes per CPU: converting is I/O-bound, but each process is a whole JAX runtime
@@ -31,8 +33,6 @@ def initialize(coordinator: str | None, num_processes=None, process_id=None, **k
         process_id: this process's index (None: the cluster's).
         **kwargs: passed on to ``jax.distributed.initialize``."""
     import jax
-
-    from jax_ucp._src.multihost import liveness
 
     jax.distributed.initialize(coordinator, num_processes, process_id, **kwargs)
     liveness.start_beat()  # from now on, not from its first exchange: a death before it is seen

@@ -17,7 +17,7 @@ import crc32c as crc32c_lib
 import numpy as np
 
 from jax_ucp._src.errors import CheckpointError, tensorstore_message
-from jax_ucp._src.format import files
+from jax_ucp._src.format import files, mapped_file
 from jax_ucp._src.store.shard_file import check_digest, digest_of_trailers, parse_index, shard_key
 from jax_ucp._src.store.zarr3 import ArrayLayout
 
@@ -173,7 +173,7 @@ def check_destination(region, out: np.ndarray, shape, dtype) -> tuple[int, ...]:
 def _preadv_exact(fd: int, buffers: list, offset: int, path: str) -> None:
     """Fills ``buffers`` with the file's bytes from ``offset`` on, no intermediate copy."""
     total = sum(memoryview(b).nbytes for b in buffers)
-    got = files.preadv_full(fd, buffers, offset)
+    got = mapped_file.preadv_full(fd, buffers, offset)
     count_bytes_read(got)
     if got < total:
         raise CheckpointError(

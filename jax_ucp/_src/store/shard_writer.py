@@ -28,7 +28,7 @@ from typing import Any
 import crc32c as crc32c_lib
 import numpy as np
 
-from jax_ucp._src.format import files
+from jax_ucp._src.format import mapped_file
 from jax_ucp._src.store import host_memory
 from jax_ucp._src.store.shard_file import (
     chunks_are_contiguous,
@@ -204,4 +204,4 @@ def write_parts(fd: int, parts: list) -> None:
             n = os.writev(fd, rest)
             if n <= 0:
                 raise OSError(f"write returned {n} with {sum(v.nbytes for v in rest)} bytes left")
-            files.advance(rest, n)
+            mapped_file.advance(rest, n)

@@ -27,7 +27,7 @@ import threading
 
 import crc32c as crc32c_lib
 
-from jax_ucp._src.format import files
+from jax_ucp._src.format import mapped_file
 
 BLOCK = 1 << 20  # bytes per CRC-32C block
 KIND = "crc32c of the crc32c of each 1 MiB block"  # what the record's digests are
@@ -188,4 +188,4 @@ def digest_file(path: str) -> FileDigest:
 def _read_block(fd: int, offset: int, want: int = BLOCK) -> memoryview:
     """``want`` bytes at ``offset``, fewer only at the end of the file."""
     block = bytearray(want)
-    return memoryview(block)[: files.preadv_full(fd, [block], offset)]
+    return memoryview(block)[: mapped_file.preadv_full(fd, [block], offset)]

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp._src.importers import registry
-from jax_ucp._src.importers.megatron import MegatronOptions
+from jax_ucp._src.importers.megatron import MegatronOptions, plan_megatron
 from jax_ucp._src.importers.megatron import bridge as megatron_bridge
 from jax_ucp._src.importers.megatron.common import MegatronImportError
 from jax_ucp.cli import app
@@ -187,7 +187,7 @@ def test_a_spec_setting_overrides_the_run_config(tmp_path):
     from jax_ucp.language import Spec
 
     spec = Spec(name="mine", settings={"vocab_size": 62})
-    plan = megatron_bridge.plan_megatron_bridge(FULL, MegatronOptions(spec=spec))
+    plan = megatron_bridge.plan_megatron_bridge(FULL, MegatronOptions(spec=spec), plan_megatron)
     assert plan.source["settings"]["vocab_size"] == 62
     assert plan.source["settings"]["num_query_groups"] == 2  # the rest from run_config.yaml
     assert plan.source["vocab_stripped"]["output_layer.weight"] == [64, 62]

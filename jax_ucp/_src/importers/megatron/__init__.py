@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src import writer
+from jax_ucp._src.importers.megatron import bridge
 from jax_ucp._src.importers.megatron.common import MegatronImportError, named_errors
 from jax_ucp._src.importers.megatron.legacy_import import plan_legacy
 from jax_ucp._src.importers.megatron.source import MegatronSource, detect_megatron
@@ -118,8 +119,6 @@ def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a Megatron-LM / megatron-core / Megatron Bridge checkpoint folder, from
     its file names."""
     src = storage.root
-    from jax_ucp._src.importers.megatron import bridge  # it imports this package
-
     markers = (
         "latest_checkpointed_iteration.txt",
         bridge.LATEST_TRAIN_STATE_FILE,  # Megatron Bridge (also run_config.yaml)
@@ -143,8 +142,7 @@ def detect(storage: Storage) -> Detection:
 def plan(storage: Storage, options: MegatronOptions) -> ImportPlan:
     """Megatron Bridge (``latest_train_state.pt``, ``train_state.pt`` + ``run_config.yaml``)
     or Megatron-LM / megatron-core, with its options as one ``MegatronOptions``."""
-    from jax_ucp._src.importers.megatron import bridge  # it imports this package
-
     src = storage.root
-    planner = bridge.plan_megatron_bridge if bridge.is_megatron_bridge(src) else plan_megatron
-    return planner(src, options)
+    if bridge.is_megatron_bridge(src):
+        return bridge.plan_megatron_bridge(src, options, plan_megatron)
+    return plan_megatron(src, options)

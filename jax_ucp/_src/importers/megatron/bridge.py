@@ -28,21 +28,24 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import yaml
 
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
-from jax_ucp._src.importers.megatron import MegatronOptions, legacy, plan_megatron
+from jax_ucp._src.importers.megatron import legacy
 from jax_ucp._src.importers.megatron.common import MegatronImportError
 from jax_ucp._src.importers.megatron.run_record import MEGATRON_OPTIMIZER, run_config_args
 from jax_ucp._src.importers.plan import ImportPlan
 from jax_ucp._src.language import Spec, load_spec
 from jax_ucp._src.torchfiles import allow_list, torch_zip
+
+if TYPE_CHECKING:  # the package imports this module: its names are handed in, never imported
+    from jax_ucp._src.importers.megatron import MegatronOptions
 
 __all__ = [
     "LATEST_TRAIN_STATE_FILE",
@@ -402,7 +405,11 @@ def _section(run_config: Mapping[str, Any], name: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def plan_megatron_bridge(src: os.PathLike | str, options: MegatronOptions) -> ImportPlan:
+def plan_megatron_bridge(
+    src: os.PathLike | str,
+    options: MegatronOptions,
+    plan_megatron: Callable[[Path, MegatronOptions], ImportPlan],
+) -> ImportPlan:
     """The import of a Megatron Bridge checkpoint: the model settings from ``run_config.yaml``,
     the rest the Megatron importer's torch_dist import.
 
@@ -413,6 +420,8 @@ def plan_megatron_bridge(src: os.PathLike | str, options: MegatronOptions) -> Im
             ``vocab_size``: the tokenizer's vocabulary size, before Megatron's padding
             (overrides the run config's); ``weights_only``: the model weights alone, the
             optimizer state skipped and listed in ``source.skipped``.
+        plan_megatron: the Megatron importer's planner (``megatron.plan_megatron``), run on
+            the iteration folder with the merged settings.
     """
     spec = options.spec
     checkpoint = find_bridge_checkpoint(src)

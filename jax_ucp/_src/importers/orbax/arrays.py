@@ -23,7 +23,7 @@ from jax_ucp._src.errors import (
     tensorstore_message,
     tensorstore_status,
 )
-from jax_ucp._src.format import SavedSharding, role_of
+from jax_ucp._src.format import SavedSharding, keypath, role_of
 from jax_ucp._src.importers.orbax import zstd_rows
 from jax_ucp._src.importers.orbax.layout import PYTREE_METADATA, STRINGS_FILE, read_json
 
@@ -145,8 +145,6 @@ def flatten(tree) -> list[tuple[tuple[str, ...], tuple[str, ...], Any]]:
     """(key, key types, leaf metadata): sequence positions stay "index" components, so a
     restore without a target rebuilds Orbax's lists and tuples as lists (FORMAT.md 5.2)."""
     import jax
-
-    from jax_ucp._src.format import keypath
 
     out = []
     # None leaves kept: Orbax's record of an empty node (optax's EmptyState), so a tree exported

@@ -19,8 +19,7 @@ from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format import safetensors
 from jax_ucp._src.importers import trainer_files
 from jax_ucp._src.importers.plan import Detection, ImportOptions, ImportPlan
-from jax_ucp._src.importers.safetensors_weights import plan_safetensors
-from jax_ucp._src.store import safetensors_remote
+from jax_ucp._src.importers.safetensors_weights import holds_remote, plan_safetensors
 from jax_ucp._src.store.storage import Storage
 
 __all__ = ["detect", "plan"]
@@ -34,7 +33,7 @@ def detect(storage: Storage) -> Detection:
     index), from names and headers' lengths only. A folder is a weak claim: DeepSpeed,
     Megatron, Orbax and torch DCP folders may hold safetensors too."""
     src = storage.root
-    if safetensors_remote.holds(storage) and not any(  # weights alone: read in place by ranges
+    if holds_remote(storage) and not any(  # weights alone: read in place by ranges
         n.rpartition("/")[2].startswith(_RUN_STATE) for n in storage.names()
     ):
         return Detection(True, "Hugging Face safetensors (read by ranges)", weak=True)

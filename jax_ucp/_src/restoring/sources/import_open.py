@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -20,12 +21,19 @@ import numpy as np
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store, writer
-from jax_ucp._src.errors import MultiProcessError, RequestError, SourceError
+from jax_ucp._src.errors import (
+    CheckpointError,
+    MultiProcessError,
+    RequestError,
+    ResumeWarning,
+    SourceError,
+)
 from jax_ucp._src.options import user_stacklevel
 from jax_ucp._src.restoring import locate, steps
 from jax_ucp._src.restoring.engine import OpenedSource
 from jax_ucp._src.restoring.sources.import_source import ImportSource
 from jax_ucp._src.store.storage.local_view import ViewError
+from jax_ucp._src.writer import layout as layout_lib
 
 if TYPE_CHECKING:
     from jax_ucp._src.importers.plan import Importer
@@ -76,15 +84,22 @@ def import_for(
             raise
         if e.run is None:
             return None  # no importer claims it: the UCP reader's "not a jax_ucp checkpoint"
+        run = e.run
     # A torch trainer's run root that no importer reads itself (a Trainer's output_dir,
     # torchtitan's checkpoint/, OLMo-core's save folder): its newest complete step, as
-    # restore(root, step="latest") takes it, each newer step passed over said (warn=).
-    from jax_ucp._src.restoring import resume
-
-    found = resume.latest_readable(path, fallback=False)
-    if warn:
-        found.warn(stacklevel=user_stacklevel())  # the user's call
-    return import_for(found.step.path, importing, format)
+    # restore(root, step="latest") takes it (``resume.latest_readable`` without fallback), each
+    # newer step passed over said (warn=); the run the detectors listed, not listed again.
+    complete = [s for s in run.steps if s.problem is None]
+    if not complete:
+        whys = "; ".join(f"step {s.step}: {s.problem}" for s in run.steps)
+        raise CheckpointError(f"{path}: no committed step can be read: {whys[:2000]}")
+    for passed in run.steps[: run.steps.index(complete[0])] if warn else ():
+        warnings.warn(
+            f"{path}: step {passed.step} skipped: {passed.problem}",
+            ResumeWarning,
+            stacklevel=user_stacklevel(),  # the user's call
+        )
+    return import_for(complete[0].path, importing, format)
 
 
 def one_revision(storage: store.storage.Storage) -> store.storage.Storage:
@@ -176,8 +191,6 @@ def manifest_of(path, importer: Importer, importing=None) -> fmt.Manifest:
       importer: its importer (``import_for``).
       importing: the import options (None: the format's defaults).
     """
-    from jax_ucp._src.writer import layout as layout_lib
-
     options = layout_lib.ArrayOptions()
     entries: list[fmt.Entry] = []
     with opened_import(path, importer, importing) as imported:

@@ -1,5 +1,6 @@
 """What every storage medium offers: read / write / list / delete of a checkpoint's small files,
-a lock, and a transaction that commits a checkpoint whole or not at all.
+a file read at any offset (``reader``), a lock, and a transaction that commits a checkpoint
+whole or not at all.
 
 A medium decides *how* (a rename, or a manifest written last); the writer decides *what* may be
 replaced (``Claim``, ``writer.commit``). As Orbax's ``path/atomicity_types.py`` and torch DCP's
@@ -11,12 +12,12 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import re
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from jax_ucp._src import format as fmt
-from jax_ucp._src.errors import CheckpointError, RequestError, SourceError
+from jax_ucp._src.errors import CheckpointError, RequestError
+from jax_ucp._src.store.storage.ranged import RandomAccess, RangedObject
 
 # URL scheme -> TensorStore kvstore driver: the object stores (``object_store``); here, so that
 # choosing a path's medium (``storage_for``) does not import the object-store code
@@ -103,6 +104,10 @@ class Storage(abc.ABC):
         """The local path of ``name``, refused unless it resolves inside ``root`` (a local
         medium only: ``local.LocalDirectory.inside``)."""
         raise NotImplementedError(f"{self!r} has no local files ({what}: {name})")
+
+    def reader(self, name: str) -> RandomAccess:
+        """File ``name`` read at any offset (``ranged``: one GET a range; locally ``pread``)."""
+        return RangedObject(self, name)
 
     @abc.abstractmethod
     def read(self, name: str, limit: int) -> bytes | None:
@@ -194,29 +199,3 @@ def kvstore_join(spec: Mapping[str, Any], *subpath: str) -> dict:
         base += "/"
     joined["path"] = base + rel + ("/" if rel else "")
     return joined
-
-
-#: TensorStore's OUT_OF_RANGE for a ranged read answered with other bytes than asked
-_ANSWERED = re.compile(
-    r"Requested byte range \[(-?\d+), (\d+|\?)\) was not satisfied by response with byte "
-    r"range \[(\d+), (\d+)\) and total size (\d+)"
-)
-
-
-def size_when_short(e: ValueError, url: str) -> int | None:
-    """The object's size when TensorStore's ``e`` (OUT_OF_RANGE of a ranged read of ``url``)
-    says the range asked runs past its end; None when it says nothing of its size (a range
-    starting past the end: HTTP 416). A server answering another range than the one asked
-    (a CDN or proxy misbehaving) is a ``SourceError`` naming the URL and both ranges."""
-    m = _ANSWERED.search(str(e))
-    if m is None:
-        return None
-    start, stop, got_start, got_stop, total = m.groups()
-    short = int(got_stop) == int(total) and (stop == "?" or int(stop) > int(total))
-    if short and (got_start == start or (int(start) < 0 and got_start == "0")):
-        return int(total)
-    raise SourceError(
-        f"{url}: bytes [{start}, {stop}) asked, the server answered bytes [{got_start}, "
-        f"{got_stop}) of {total} (a CDN or proxy answering another range); nothing is read "
-        f"from an answer to another question"
-    )

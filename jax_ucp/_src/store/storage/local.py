@@ -20,6 +20,7 @@ from jax_ucp._src.errors import RequestError, SaveConflictError
 from jax_ucp._src.multihost import liveness
 from jax_ucp._src.store import host_memory
 from jax_ucp._src.store.storage.base import Claim, Storage, Transaction
+from jax_ucp._src.store.storage.ranged import LocalFile
 
 # Every destructive file operation and every commit is logged here (as Orbax's atomicity module
 # logs its renames): ``logging.getLogger("jax_ucp")`` shows what a save, import or export removed.
@@ -286,6 +287,9 @@ class LocalDirectory(Storage):
         if len(data) > limit:
             raise RequestError(f"{self.join(name)}: more than the {limit} bytes it may have")
         return data
+
+    def reader(self, name: str) -> LocalFile:
+        return LocalFile(self.join(name))
 
     def exists(self, name: str) -> bool:
         return os.path.exists(self.join(name))

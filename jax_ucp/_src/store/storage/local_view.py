@@ -35,7 +35,8 @@ import tensorstore as ts
 
 from jax_ucp._src.errors import RequestError, SourceError, UCPError
 from jax_ucp._src.store.in_flight import InFlightBytes
-from jax_ucp._src.store.storage.base import Storage, size_when_short
+from jax_ucp._src.store.storage.base import Storage
+from jax_ucp._src.store.storage.ranged import size_when_short
 
 ARCHIVES = (".pt", ".pth", ".bin", ".ckpt")  # fetched by ranges when they are zip archives
 DCP = ".metadata"  # a torch DCP folder's: it and its .distcp files read at their URL
