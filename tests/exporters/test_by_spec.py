@@ -18,7 +18,8 @@ from jax_ucp._src.exporters import SafetensorsExport
 from jax_ucp._src.language import apply_spec_to_tree, flatten_nested, load_spec, spec_from_dict
 from jax_ucp._src.language.inverse import invert_spec
 from jax_ucp._src.models.hf_config import hf_config
-from jax_ucp._src.models.hf_families import FAMILIES, hf_model
+from jax_ucp._src.models.hf_families import FAMILIES
+from jax_ucp._src.models.transformer import hf_model
 from tests.models.test_hf_families import FAMILIES as TINY
 from tests.models.test_hf_families import _config
 

@@ -11,7 +11,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.exporters import SafetensorsExport
-from jax_ucp._src.models.hf_families import hf_model
+from jax_ucp._src.models.transformer import hf_model
 from tests.models.test_hf_families import FAMILIES, _save_tiny
 
 pytestmark = pytest.mark.torch

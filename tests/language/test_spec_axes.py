@@ -16,7 +16,7 @@ import pytest
 
 from jax_ucp._src.language.plan import TensorInfo, compile_restore_plan
 from jax_ucp._src.language.recorded import spec_with_recorded_settings
-from jax_ucp._src.models.hf_families import hf_model
+from jax_ucp._src.models.transformer import hf_model
 from jax_ucp._src.restoring.sources import import_open
 from jax_ucp.language import list_specs, load_spec
 from tests.ucp_testing import FIXTURES

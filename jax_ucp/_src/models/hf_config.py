@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from jax_ucp._src.errors import RequestError
-from jax_ucp._src.models.hf_families import FAMILIES, hf_model
-from jax_ucp._src.models.transformer import LMConfig
+from jax_ucp._src.models.hf_families import FAMILIES
+from jax_ucp._src.models.transformer import LMConfig, hf_model
 
 #: model_type -> the class ``architectures`` names (transformers' own spelling)
 ARCHITECTURES = {
