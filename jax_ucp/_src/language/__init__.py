@@ -1,5 +1,6 @@
 """The UCP language: rules over parameter names -> kinds (import) and lazy views (restore). Bottom
-up: ``settings``, ``plain_form``, ``views``, ``kinds``, ``ops``, ``spec``, ``toml_io``, ``plan``.
+up: ``settings``, ``plain_form``, ``views``, ``kinds``, ``ops``, ``spec``, ``inverse``, ``toml_io``,
+``plan``.
 See docs/LANGUAGE.md."""
 
 from jax_ucp._src.language import views
@@ -22,6 +23,7 @@ from jax_ucp._src.language.kinds import (
     split,
     split_parts,
 )
+from jax_ucp._src.language.inverse import export_spec, invert_op, invert_rule, invert_spec
 from jax_ucp._src.language.ops import OPS, Op, op_from_obj
 from jax_ucp._src.language.plan import (
     TensorInfo,
@@ -82,8 +84,12 @@ __all__ = [
     "describe_plan",
     "dump_spec",
     "expert_global_index",
+    "export_spec",
     "flatten_nested",
     "head_split",
+    "invert_op",
+    "invert_rule",
+    "invert_spec",
     "kind_from_obj",
     "list_specs",
     "load_spec",
