@@ -4,6 +4,7 @@ up: ``settings``, ``plain_form``, ``views``, ``kinds``, ``ops``, ``spec``, ``inv
 See docs/LANGUAGE.md."""
 
 from jax_ucp._src.language import views
+from jax_ucp._src.language.inverse import export_spec, invert_op, invert_rule, invert_spec
 from jax_ucp._src.language.kinds import (
     KINDS,
     QKV,
@@ -23,7 +24,6 @@ from jax_ucp._src.language.kinds import (
     split,
     split_parts,
 )
-from jax_ucp._src.language.inverse import export_spec, invert_op, invert_rule, invert_spec
 from jax_ucp._src.language.ops import OPS, Op, op_from_obj
 from jax_ucp._src.language.plan import (
     TensorInfo,
