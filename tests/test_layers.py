@@ -44,7 +44,17 @@ ALLOWED = {
     # store: the local medium's names (Orbax's temporary step mark, store.storage.local)
     "importers": {"format", "store", "writer", "language", "torchfiles"},
     "models": {"language"},
-    "exporters": {"format", "store", "writer", "language", "tree", "restoring", "torchfiles"},
+    # models: only when config= is an LMConfig (its config.json written; JAX is loaded already)
+    "exporters": {
+        "format",
+        "store",
+        "writer",
+        "language",
+        "tree",
+        "restoring",
+        "torchfiles",
+        "models",
+    },
     "conversion": {"importers", "writer", "multihost", "orbax", "format", "store"},
     # verify(against=, logits=True): the source's logits (transformers) vs TransformerLM's
     "logits": {"format", "restoring", "language", "models"},

@@ -1,8 +1,10 @@
 """The UCP language: rules over parameter names -> kinds (import) and lazy views (restore). Bottom
-up: ``settings``, ``plain_form``, ``views``, ``kinds``, ``ops``, ``spec``, ``toml_io``, ``plan``.
+up: ``settings``, ``plain_form``, ``views``, ``kinds``, ``ops``, ``spec``, ``inverse``, ``toml_io``,
+``plan``.
 See docs/LANGUAGE.md."""
 
 from jax_ucp._src.language import views
+from jax_ucp._src.language.inverse import export_spec, invert_op, invert_rule, invert_spec
 from jax_ucp._src.language.kinds import (
     KINDS,
     QKV,
@@ -82,8 +84,12 @@ __all__ = [
     "describe_plan",
     "dump_spec",
     "expert_global_index",
+    "export_spec",
     "flatten_nested",
     "head_split",
+    "invert_op",
+    "invert_rule",
+    "invert_spec",
     "kind_from_obj",
     "list_specs",
     "load_spec",
