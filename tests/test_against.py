@@ -574,9 +574,7 @@ def test_megatron_distributed_optimizer_buckets_are_compared_masters_moments_and
         found.against.rebuilt
     )
     meta = dcp_reader(src).read_metadata()
-    index, where = next(
-        (i, s) for i, s in meta.storage_data.items() if i.fqn.endswith("exp_avg_sq")
-    )
+    where = next(s for i, s in meta.storage_data.items() if i.fqn.endswith("exp_avg_sq"))
     path = os.path.join(src, where.relative_path)
     with open(path, "rb") as f:
         data = bytearray(f.read())
