@@ -574,9 +574,7 @@ def test_megatron_distributed_optimizer_buckets_are_compared_masters_moments_and
         found.against.rebuilt
     )
     meta = dcp_reader(src).read_metadata()
-    index, where = next(
-        (i, s) for i, s in meta.storage_data.items() if i.fqn.endswith("exp_avg_sq")
-    )
+    where = next(s for i, s in meta.storage_data.items() if i.fqn.endswith("exp_avg_sq"))
     path = os.path.join(src, where.relative_path)
     with open(path, "rb") as f:
         data = bytearray(f.read())
@@ -590,3 +588,25 @@ def test_megatron_distributed_optimizer_buckets_are_compared_masters_moments_and
     assert bad.against.different and all(
         n.startswith("opt_state/nu/") for n in bad.against.different
     )
+
+
+def test_settings_name_each_field_and_pass_over_where_and_who_read_it():
+    """The source record compared field by field (param_groups by index, betas whole); the
+    source's path, the certificate and the release of the library that read a record
+    (``transformers 5.24.0``) are no run setting."""
+    from jax_ucp._src.against import _settings
+
+    record = {
+        "path": "/a",
+        "certificate": {"files": {}},
+        "optimizer": {"param_groups": [{"betas": [0.9, 0.95], "lr": 0.01}]},
+        "parameter_order": "transformers 5.24.0 LlamaForCausalLM, Trainer's rule",
+    }
+    moved = {**record, "path": "/b", "certificate": None}
+    moved["parameter_order"] = "transformers 5.30.1 LlamaForCausalLM, Trainer's rule"
+    assert _settings(record, moved) == {}
+    other = {**moved, "optimizer": {"param_groups": [{"betas": [0.8, 0.95], "lr": 0.01}]}}
+    found = _settings(record, other)
+    assert list(found) == ["source.optimizer.param_groups.0.betas"]
+    assert "records [0.9, 0.95]" in found["source.optimizer.param_groups.0.betas"]
+    assert "[0.8, 0.95]" in found["source.optimizer.param_groups.0.betas"]

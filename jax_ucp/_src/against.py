@@ -711,7 +711,10 @@ def _recorded_files(fmt: str, provenance: dict) -> list[Any]:
 
 #: fields of the ``source`` record that may differ from the import planned again: where the
 #: source was (it may have moved since) and the certificate ``convert`` adds
-_NOT_SETTINGS = ("path", "trainer_path", certificate.KEY)
+_NOT_SETTINGS = ("path", "trainer_path", "orbax_version", certificate.KEY)
+#: the library that read a record, named in it (``transformers 5.24.0 LlamaForCausalLM``): the
+#: one installed here may be another release, which is no other run
+_READ_BY = re.compile(r"\b(transformers|torchtune|torch|deepspeed|orbax) [0-9][^ ,;)]*")
 
 
 def _settings(
@@ -740,7 +743,11 @@ def _settings(
         for i, (a, b) in enumerate(zip(recorded, planned, strict=True)):
             out.update(_settings(a, b, f"{path}.{i}"))
         return out
-    if recorded == planned:
+    if recorded == planned or (
+        isinstance(recorded, str)
+        and isinstance(planned, str)
+        and _READ_BY.sub(r"\1", recorded) == _READ_BY.sub(r"\1", planned)
+    ):
         return {}
     return {
         path: f"{path}: ucp.json records {str(recorded)[:200]}, the import of the source planned "
@@ -967,7 +974,7 @@ def _dcp_read_by_torch():
             if len(kept) >= 6:
                 kept.pop(next(iter(kept)))
             kept[key] = _dcp_tensor(str(self.path), t.name)
-        return kept[key] if stop is None else kept[key][start:stop]
+        return np.array(kept[key] if stop is None else kept[key][start:stop])  # the caller's
 
     original = DcpCheckpoint._assemble
     DcpCheckpoint._assemble = assemble  # pyright: ignore[reportAttributeAccessIssue]
