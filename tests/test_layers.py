@@ -67,6 +67,7 @@ ALLOWED = {
         "restoring",
         "torchfiles",
         "importers",  # the import of the source planned again: which tensor is whose
+        "writer",  # a planned item's value built when asked (writer.Deferred), as convert does
     },  # verify(against=): the source's own loaders
 }
 # Modules that load no JAX when imported (JAX only inside a function, where a sharding the caller
@@ -588,15 +589,16 @@ def test_the_storage_rule_sees_a_rename_and_an_object_write():
 #: format is, reads and records, and how ``verify --against`` reads it, is in ``importers/``).
 FORMAT_NAMES_ALLOWED = {
     # Python packages: the extra a missing loader's package names; OLMo-core's pickled module
-    "against.py": {"deepspeed", "torch", "olmo_core"},
+    "against.py": {"deepspeed", "torch", "olmo_core", "torch_dist", "fsdp_dtensor"},
     "options.py": {"orbax"},  # a module name: Orbax's frames skipped to find the user's line
     # torch's module name in the pickles of torch's file formats
     "torchfiles/pickle_format.py": {"torch"},
     "torchfiles/torch_zip.py": {"torch"},
     "torchfiles/dcp.py": {"torch"},
     # the exporters' own output formats (an exporter is its format's module, as an importer is)
-    "exporters/engine.py": {"safetensors", "orbax"},
-    "exporters/options.py": {"safetensors", "orbax"},
+    "exporters/engine.py": {"safetensors", "orbax", "megatron"},
+    "exporters/options.py": {"safetensors", "orbax", "megatron"},
+    "exporters/megatron_out.py": {"torch_dist", "torch"},  # megatron-core's own format names
     "cli/commands.py": {"safetensors"},  # export --to's default: an exporter's name
     # the records a run is continued from (continuation imports format alone): the DeepSpeed
     # config in source.optimizer, the framework of a Megatron import

@@ -47,10 +47,11 @@ def size_when_short(e: ValueError, url: str) -> int | None:
     )
 
 
-class RangeError(ValueError):
+class RangeError(SourceError):
     """The medium refused a range (past the end of an object that shrank, a server's error
     status or a ``Range`` it ignored): its message, for the caller's error naming the file (a
-    ``ValueError``, as TensorStore's own, so that ``format`` catches it without importing this)."""
+    ``ValueError`` too, as TensorStore's own, so that ``format`` catches it without importing
+    this)."""
 
 
 class RandomAccess(abc.ABC):
