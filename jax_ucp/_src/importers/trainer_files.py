@@ -244,6 +244,7 @@ def trainer_record(folder: str) -> dict:
         state = read_json(state_path)
         if isinstance(state, dict):
             out.update({k: jsonable(state[k]) for k in ("global_step", "max_steps") if k in state})
+            _say_renamed(folder, out.get("global_step"))
     args_path = side_file(folder, ARGS_FILE)
     if os.path.isfile(args_path):
         try:
@@ -266,6 +267,22 @@ def trainer_record(folder: str) -> dict:
                 keys = {"last_epoch": "last_epoch", "base_lrs": "base_lrs", "_last_lr": "last_lr"}
                 out["scheduler"] = {v: jsonable(sched[k]) for k, v in keys.items() if k in sched}
     return out
+
+
+def _say_renamed(folder: str, step: Any) -> None:
+    """A ``checkpoint-N/`` whose ``trainer_state.json`` says another ``global_step`` (a folder
+    renamed or copied): the run continues at the recorded step, as the Trainer's resume does,
+    and a warning names both."""
+    m = re.fullmatch(rf"checkpoint-({files.DIGITS})", os.path.basename(os.path.normpath(folder)))
+    named = files.name_number(m[1]) if m else None
+    if named is not None and type(step) is int and named != step:
+        warnings.warn(
+            f"{folder}: the folder's name says step {named}, {STATE_FILE}'s global_step says "
+            f"{step} (renamed or copied?); the run continues at step {step}, as the Trainer's "
+            f"resume would",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def trainer_folder_above(tag_dir: str) -> str | None:
