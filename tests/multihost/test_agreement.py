@@ -17,7 +17,11 @@ from tests.ucp_testing import REPO, free_port
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs /proc/net")
-def test_the_connections_to_a_served_port_are_counted_as_they_come_and_go():
+def test_the_processes_connected_to_a_served_port_are_counted_as_they_come_and_go():
+    """Each process running JAX counts once however many connections it holds; a program that
+    does not run JAX (a raw socket of another program) is no peer and is not counted."""
+    import jax  # noqa: F401  (this process runs JAX, as a job's does)
+
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -26,12 +30,29 @@ def test_the_connections_to_a_served_port_are_counted_as_they_come_and_go():
         assert liveness.connected(port) == 0
         clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
         accepted = [server.accept()[0] for _ in clients]
-        assert liveness.connected(port) == 2
-        clients[0].close()
-        accepted[0].close()
-        assert liveness.connected(port) == 1
-        for s in clients[1:] + accepted[1:]:
+        assert liveness.connected(port) == 1  # one process
+        foreign = subprocess.Popen(
+            [sys.executable, "-c", FOREIGN, str(port)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert foreign.stdout is not None and foreign.stdout.readline().strip() == "CONNECTED"
+            accepted.append(server.accept()[0])
+            assert liveness.connected(port) == 1  # another program's connection: no peer
+        finally:
+            foreign.kill()
+            foreign.wait()
+        for s in clients + accepted:
             s.close()
+        assert liveness.connected(port) == 0
+
+
+#: a program that is no process of the job: a raw connection held to the coordinator's port
+FOREIGN = """
+import socket, sys, time
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+print("CONNECTED", flush=True)
+time.sleep(120)
+"""
 
 
 def test_fewer_connections_are_a_loss_only_once_they_last_and_name_who_is_not_there(monkeypatch):
@@ -67,6 +88,11 @@ import jax_ucp
 mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
 W = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
 w = jax.make_array_from_callback(W.shape, NamedSharding(mesh, P("data")), lambda i: W[i])
+if pid == 0 and sys.argv[4] == "foreign":  # no process of the job, holding a connection
+    import socket, subprocess
+    held = socket.create_connection(("127.0.0.1", int(port)))
+    other = subprocess.Popen([sys.executable, "-c", sys.argv[5], port], stdout=subprocess.PIPE)
+    other.stdout.readline()
 if pid == 1:  # killed before its save said anything
     time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -75,15 +101,20 @@ try:
     print("SAVED", flush=True)
 except Exception as e:
     print("FAILED", type(e).__name__, " ".join(str(e).split()), flush=True)
+if pid == 0 and sys.argv[4] == "foreign":
+    other.kill()
 os._exit(0)
 """
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_killed_before_the_first_exchange_is_named_not_waited_for(tmp_path):
+@pytest.mark.parametrize("foreign", ["alone", "foreign"])
+def test_a_peer_killed_before_the_first_exchange_is_named_not_waited_for(tmp_path, foreign):
     """Process 1 is SIGKILLed after joining the job, before its save's first message: process 0
     raises ProcessLostError naming it and leaves the old checkpoint whole. Before: process 0
-    waited in "hello" until jax's heartbeat (100 s) aborted it, with no jax_ucp error."""
+    waited in "hello" until jax's heartbeat (100 s) aborted it, with no jax_ucp error; and
+    (``foreign``) with connections held to the coordinator's port by process 0 itself and by
+    another program, the death stayed hidden (they made the count whole)."""
     import numpy as np
 
     import jax_ucp
@@ -99,7 +130,7 @@ def test_a_peer_killed_before_the_first_exchange_is_named_not_waited_for(tmp_pat
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", DIES_BEFORE_HELLO, str(i), port, str(path)],
+            [sys.executable, "-c", DIES_BEFORE_HELLO, str(i), port, str(path), foreign, FOREIGN],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -59,8 +59,19 @@ _TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 _ESTABLISHED, _LISTEN = "01", "0A"
 
 
-def _sockets(port: int) -> list[tuple[str, str]] | None:
-    """(state, inode) of each TCP socket on local ``port``; None without ``/proc/net``."""
+def _endpoint(text: str) -> tuple[bytes, int]:
+    """(IPv4 or IPv6 address bytes, port) of a ``/proc/net/tcp*`` address (an IPv4-mapped IPv6
+    address as its IPv4: a dual-stack server's and its IPv4 client's entries then match)."""
+    addr, port = text.split(":")
+    raw = b"".join(bytes.fromhex(addr[i : i + 8])[::-1] for i in range(0, len(addr), 8))
+    if len(raw) == 16 and raw[:12] == b"\0" * 10 + b"\xff\xff":
+        raw = raw[12:]
+    return raw, int(port, 16)
+
+
+def _table() -> list[tuple[tuple, tuple, str, str]] | None:
+    """(local, remote, state, inode) of each TCP socket of this network namespace; None
+    without ``/proc/net``."""
     found, read = [], False
     for table in _TCP_TABLES:
         try:
@@ -71,9 +82,15 @@ def _sockets(port: int) -> list[tuple[str, str]] | None:
         read = True
         for line in lines:
             fields = line.split()
-            if len(fields) > 9 and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                found.append((fields[3], fields[9]))
+            if len(fields) > 9:
+                found.append((_endpoint(fields[1]), _endpoint(fields[2]), fields[3], fields[9]))
     return found if read else None
+
+
+def _sockets(port: int) -> list[tuple[str, str]] | None:
+    """(state, inode) of each TCP socket on local ``port``; None without ``/proc/net``."""
+    table = _table()
+    return None if table is None else [(st, ino) for lo, _, st, ino in table if lo[1] == port]
 
 
 def serves(port: int) -> bool:
@@ -91,9 +108,43 @@ def serves(port: int) -> bool:
 
 
 def connected(port: int) -> int | None:
-    """How many TCP connections to ``port`` of this host are established (None: unknown)."""
-    sockets = _sockets(port)
-    return None if sockets is None else sum(state == _ESTABLISHED for state, _ in sockets)
+    """How many of the job's processes hold a TCP connection to ``port`` of this host (None:
+    unknown). A connection from this host counts once for the process owning its other end,
+    and only if that process runs JAX (maps ``jaxlib``): another program's connection, or a
+    second one of a process counted, is no peer's (a foreign connection hid a dead peer until
+    the step's timeout). One whose other end cannot be seen (another host, user or network
+    namespace) counts as one peer."""
+    table = _table()
+    if table is None:
+        return None
+    inodes = {local: inode for local, _, _, inode in table}
+    ends = [inodes.get(rem) for lo, rem, st, _ in table if lo[1] == port and st == _ESTABLISHED]
+    owners = _owners({i for i in ends if i and i != "0"})
+    pids = {owners[i] for i in ends if i in owners}
+    return sum(1 for i in ends if i not in owners) + sum(_runs_jax(p) for p in pids)
+
+
+def _owners(inodes: set[str]) -> dict[str, int]:
+    """socket inode -> the pid holding it, for those of ``inodes`` this user can see."""
+    wanted, found = {f"socket:[{i}]": i for i in inodes}, {}
+    with contextlib.suppress(OSError):
+        for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+            if len(found) == len(wanted):
+                break
+            with contextlib.suppress(OSError):
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    with contextlib.suppress(OSError):
+                        inode = wanted.get(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                        if inode is not None:
+                            found[inode] = int(pid)
+    return found
+
+
+def _runs_jax(pid: int) -> bool:
+    """Whether process ``pid`` has jaxlib loaded (a process of a jax.distributed job does)."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+        return any("jaxlib" in line for line in f)
+    return True  # not readable: taken for a peer, as before
 
 
 def _read(path: str) -> str:

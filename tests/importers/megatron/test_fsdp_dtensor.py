@@ -223,3 +223,28 @@ def test_verify_against_reads_the_source_with_torchs_own_dcp(tmp_path):
     assert seen is not None
     assert len(seen.equal) == 17 * 3 + 1 and not (seen.different or seen.missing)
     assert not seen.not_compared and seen.rebuilt == ["opt_state/count"]
+
+
+@pytest.mark.parametrize(
+    "fixture, folder",
+    [
+        ("megatron_fsdp_dtensor/gpt_dp2", "iter_0000002"),  # the files say 2
+        ("megatron/legacy_llama_tp2_synthetic", "iter_0000007"),  # legacy rank files say 7
+    ],
+)
+def test_an_iteration_folder_copied_under_another_number_is_refused(tmp_path, fixture, folder):
+    """``iter_0000002`` copied as ``iter_0000005`` (the tracker saying 5): the folder's name
+    and the files' ``iteration`` disagree; refused naming both. Before: iteration 5 recorded
+    from the name while the files say 2 (the run's step, continued from, off by 3)."""
+    src = tmp_path / "run"
+    shutil.copytree(os.path.join(REPO, "tests", "fixtures", fixture), src)
+    said = int(folder[len("iter_") :])
+    assert jax_ucp.inspect(str(src)).source["iteration"] == said
+    os.rename(src / folder, src / "iter_0000005")
+    (src / "latest_checkpointed_iteration.txt").write_text("5")
+    with pytest.raises(
+        jax_ucp.SourceError,
+        match=rf"iter_0000005\S*: the folder's name says iteration 5, its files' 'iteration' "
+        rf"says {said}",
+    ):
+        jax_ucp.inspect(str(src))

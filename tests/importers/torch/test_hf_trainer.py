@@ -605,3 +605,25 @@ def test_a_cache_snapshot_folder_linked_out_of_the_cache_is_not_followed(tmp_pat
         r"without the base model's config\.json .*the base model's "
         r"snapshot: file name 'models--tiny-org--tiny-llama/snapshots/c{40}' resolves to",
     )
+
+
+def test_a_checkpoint_folder_renamed_to_another_step_says_so(tmp_path):
+    """``checkpoint-3/`` renamed ``checkpoint-7/``: the Trainer's record keeps
+    trainer_state.json's global_step 3 (what the Trainer's resume continues from, which every
+    Trainer import reads through ``trainer_record``) and a warning names both; before: nothing
+    said. The folder under its own name warns nothing."""
+    from jax_ucp._src.importers import trainer_files
+
+    src = os.path.join(TRAINER, "trainer_fp32", "checkpoint-3")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert trainer_files.trainer_record(src)["global_step"] == 3
+    assert not [w for w in seen if "folder's name" in str(w.message)]
+    renamed = tmp_path / "checkpoint-7"
+    shutil.copytree(src, renamed)
+    with pytest.warns(
+        UserWarning,
+        match=r"checkpoint-7: the folder's name says step 7, trainer_state.json's global_step "
+        r"says 3 \(renamed or copied\?\); the run continues at step 3",
+    ):
+        assert trainer_files.trainer_record(str(renamed))["global_step"] == 3

@@ -24,7 +24,11 @@ import numpy as np
 
 from jax_ucp._src import writer
 from jax_ucp._src.importers.megatron import bridge
-from jax_ucp._src.importers.megatron.common import MegatronImportError, named_errors
+from jax_ucp._src.importers.megatron.common import (
+    MegatronImportError,
+    agreed_iteration,
+    named_errors,
+)
 from jax_ucp._src.importers.megatron.legacy_import import plan_legacy
 from jax_ucp._src.importers.megatron.source import MegatronSource, detect_megatron
 from jax_ucp._src.importers.megatron.torch_dist import plan_torch_dist
@@ -83,7 +87,7 @@ def plan_megatron(src: os.PathLike | str, options: MegatronOptions) -> ImportPla
     source = {
         "framework": "megatron",
         "path": os.path.abspath(source_dir.ckpt_dir),
-        "iteration": source_dir.iteration if source_dir.iteration is not None else iteration,
+        "iteration": agreed_iteration(source_dir.iteration, iteration, str(source_dir.ckpt_dir)),
         "vocab_size": settings.get("vocab_size"),
         "settings": jsonable(settings),
         **jsonable(info),

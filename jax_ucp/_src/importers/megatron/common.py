@@ -96,6 +96,19 @@ def step_from_param_groups(groups: Any, where: str) -> int:
 _OPTIMIZER_NAME = re.compile(r"(?:chained_[0-9]+\.)?optimizer\.")
 
 
+def agreed_iteration(folder: int | None, recorded: Any, where: str) -> int | None:
+    """The iteration, from the folder's name (``iter_NNNNNNN``) and the files' ``iteration``,
+    which must agree (an ``iter_0000002`` copied as ``iter_0000005`` keeps its files' 2); either
+    alone is taken."""
+    recorded = recorded if type(recorded) is int else None
+    if folder is not None and recorded is not None and folder != recorded:
+        raise MegatronImportError(
+            f"{where}: the folder's name says iteration {folder}, its files' 'iteration' "
+            f"says {recorded} (copied or renamed under another iteration?); neither is recorded"
+        )
+    return folder if folder is not None else recorded
+
+
 def is_optimizer_name(name: str) -> bool:
     """A torch_dist key of optimizer state, never a model weight (imported as optimizer state,
     skipped by name, or refused; never written under ``params/``)."""

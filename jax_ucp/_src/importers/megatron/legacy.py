@@ -33,7 +33,11 @@ import numpy as np
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
-from jax_ucp._src.importers.megatron.common import WEIGHTS_ONLY_HINT, MegatronImportError
+from jax_ucp._src.importers.megatron.common import (
+    WEIGHTS_ONLY_HINT,
+    MegatronImportError,
+    agreed_iteration,
+)
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
@@ -307,7 +311,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
     version = first.state.get("checkpoint_version")
     return LegacyCheckpoint(
         iteration_dir,
-        iteration if iteration is not None else first.state.get("iteration"),
+        agreed_iteration(iteration, first.state.get("iteration"), str(first.path)),
         tp_size,
         pp_size * virtual,
         ep_size,
