@@ -19,17 +19,18 @@ bf16 model weights, and the distributed optimizer's state in the ``fully_reshard
 the weights), TP 8 x PP 4 x DP 2: each chunk written by one DP replica (weights by dp 0,
 optimizer state by dp 1). 14 bytes per parameter, ~988 GB. ``--layers`` builds fewer layers.
 
-Measured, in a fresh child process per share: ``jax_ucp.restore(SRC, importing=...)`` with the
-megatron importer reading in place (nothing converted or written) onto a target of 8 CPU
-devices holding one process's slices: the process is one of ``--processes`` splitting every
-tensor's first dimension (the layer stack, or the vocab rows) in contiguous blocks, the 8
-devices cutting its block by columns, i.e. what a ``fsdp=64 x tensor=8`` mesh of 512 devices
-gives process ``--process``. JAX cannot hold a 512-device mesh with 8 addressable devices in
-one process, so each tensor's block is asked for by ``select``ing it through a target of the
-block's shape: the bytes read and the memory are those of one process's share; the plan's
-other 63 shares are not read. Reported: peak RSS (``VmHWM``), ``/proc/self/io`` ``rchar`` and
-``read_bytes`` during the restore, wall time, and the share's bytes (its slices' bytes in the
-source dtypes) plus the metadata read.
+Measured, in a fresh child process per share: the source opened as ``jax_ucp.restore(SRC,
+importing=...)`` opens it (``import_open``: the Megatron importer's plan, read in place, nothing
+converted or written), then the restore's read engine (``restoring.engine.read_from``, default
+``memory_budget``) asked for one process's slices: every tensor's rows ``[p*ceil(n/P),
+(p+1)*ceil(n/P))`` of its first dimension (the layer stack, or vocab rows) as a ``rows=``
+request, columns cut over 8 CPU devices where they divide. This stands in for a process of a
+``P``-process job splitting the first dimension: JAX cannot hold a 512-device mesh with 8
+addressable devices in one process, so the public ``restore`` with such a target cannot run
+here. Each tensor's result is dropped once read (a real job keeps it on its accelerators).
+Reported: peak RSS (``VmHWM``, reset after the open), ``/proc/self/io`` ``rchar`` and
+``read_bytes`` (0 for holes) during the reads, the open's ``rchar`` (metadata), wall times,
+and the share's bytes (its slices in the source dtypes).
 
     python benchmarks/bench_70b_memory.py --shares 64,32,16 --json docs/benchmark_70b_memory.json
 """
