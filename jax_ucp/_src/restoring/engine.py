@@ -32,7 +32,6 @@ from jax_ucp._src.restoring.model import (
     not_found,
     value_as_array,
 )
-from jax_ucp._src.store import shard_reader
 
 
 class TensorSource(Protocol):
@@ -204,12 +203,10 @@ class _Reads:
         if req.rows is not None:  # a slab: its rows' bytes alone are read and held
             lo, hi = req.rows
             shape = (hi - lo, *shape[1:])
-            if isinstance(reader, shard_reader.ShardReader):
-                reader = _Rows(reader, lo, hi)
-            elif isinstance(reader, ts.TensorStore):
+            if isinstance(reader, ts.TensorStore):
                 reader = reader[lo:hi].translate_to[0]
-            else:  # e.g. a safetensors tensor: exports read UCP checkpoints only
-                raise TypeError(f"rows= cannot slice a {type(reader).__name__}")
+            else:  # a region reader: a UCP shard reader, an imported tensor's
+                reader = _Rows(reader, lo, hi)
         pending = sharding_lib.PendingArray(reader, shape, dtype, req.sharding)
         self.check(found, pending)
         for done in self.window.make_room(pending.read_bytes):
@@ -259,13 +256,13 @@ class _Reads:
 
 
 class _Rows:
-    """A shard reader seen from row ``lo`` on: regions of a slab read as the tensor's."""
+    """A region reader seen from row ``lo`` on: regions of a slab read as the tensor's."""
 
-    def __init__(self, source: shard_reader.ShardReader, lo: int, hi: int):
+    def __init__(self, source: sharding_lib.RegionReader, lo: int, hi: int):
         self._source, self._lo, self.dtype = source, lo, source.dtype
         self.shape = (hi - lo, *source.shape[1:])  # a ``sharding.RegionReader``
 
-    def read_into(self, dests) -> shard_reader.RegionRead:
+    def read_into(self, dests):
         lo = self._lo
         return self._source.read_into(
             [(((a + lo, b + lo), *rest), out) for ((a, b), *rest), out in dests]

@@ -1,0 +1,40 @@
+"""benchmarks/bench_70b_memory.py at a toy scale (no timing): its synthetic torch_dist is
+detected and planned by the Megatron importer, and one process's share reads its bytes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+_PATH = os.path.join(
+    os.path.dirname(os.path.dirname(__file__)), "benchmarks", "bench_70b_memory.py"
+)
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_70b_memory_under_test", _PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # ~2-5 s: the importer opened twice
+def test_one_share_reads_its_bytes_synthetic(tmp_path):
+    bench = _bench()
+    path = str(tmp_path / bench.NAME)
+    built = bench.build(path, 4, hidden=64, mlp=128, vocab=256)
+    on_disk = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    assert on_disk > built["tensor_bytes"] and built["files"] == 64
+    whole = bench.measure(path, 1, 0)
+    # bf16 weights, fp32 masters and 2 moments, each byte once; the step count (int32) beside
+    assert whole["share_bytes"] == built["tensor_bytes"] + 4
+    half = bench.measure(path, 2, 1)
+    assert half["tensors"] == whole["tensors"]  # every tensor's second half, the step count
+    for row in (whole, half):
+        assert row["share_bytes"] <= row["read_rchar"] <= row["share_bytes"] + 2**20, row
+    assert abs(half["share_bytes"] * 2 - whole["share_bytes"]) < whole["share_bytes"] // 10
