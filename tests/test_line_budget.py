@@ -14,26 +14,26 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: package of jax_ucp/_src (or "modules": its top-level modules; "public": jax_ucp/ outside
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
-    "cli": 1703,
-    "continuation": 1216,
-    "exporters": 1115,
-    "format": 2642,
-    "importers": 15822,
-    "language": 2950,
-    "models": 1411,
-    "multihost": 755,
+    "cli": 1725,
+    "continuation": 1800,
+    "exporters": 1631,
+    "format": 2690,
+    "importers": 16143,
+    "language": 3182,
+    "models": 1654,
+    "multihost": 806,
     "orbax": 421,
-    "restoring": 4951,
+    "restoring": 4988,
     "saving": 964,
-    "sharding": 708,
-    "store": 3296,
-    "torchfiles": 2993,
+    "sharding": 713,
+    "store": 3360,
+    "torchfiles": 3053,
     "writer": 1672,
-    "modules": 3666,
-    "public": 366,
+    "modules": 4223,
+    "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 46651
+TOTAL = 49393
 
 
 def _lines(paths) -> int:
