@@ -256,6 +256,23 @@ FAMILIES = {
         {"rope_parameters": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4}},
         r"rope_parameters\.rope_type 'longrope'",
     ),
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(
+            _TINY,
+            num_hidden_layers=4,  # layers 0-2 windowed, 3 global
+            sliding_window=5,
+            pad_token_id=0,
+            eos_token_id=0,
+            rope_parameters={
+                "full_attention": _YARN,
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},  # yarn: global only
+            },
+        ),
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+        r"rope_parameters .*keys it by layer type",
+    ),
     "stablelm": (
         "StableLmConfig",
         "StableLmForCausalLM",

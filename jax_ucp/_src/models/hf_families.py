@@ -374,29 +374,38 @@ def _gemma2(c: Mapping) -> LMConfig:
     return LMConfig(**kw, **_gemma(c, _layer_types(c, layers, default)))
 
 
-def _gemma3(c: Mapping) -> LMConfig:
-    """Gemma 3 adds q/k norms and a RoPE per layer type: ``rope_parameters`` keyed by
-    ``full_attention`` / ``sliding_attention`` (transformers 5), else ``rope_theta`` (+
-    ``rope_scaling``) for the global layers and ``rope_local_base_freq`` for the local ones."""
+def _typed_rope(
+    c: Mapping, family: str, glob: float, local: float, local_field: str = "rope_theta"
+) -> tuple[dict, tuple]:
+    """The ``_base`` fields with the global layers' RoPE, and the local layers' RoPE set, of a
+    family with a RoPE per layer type: ``rope_parameters`` keyed by ``full_attention`` /
+    ``sliding_attention`` (transformers 5), else ``rope_theta`` (+ ``rope_scaling``) for the
+    global layers and ``local`` (the theta, read from ``local_field``) for the local ones."""
     params = c.get("rope_parameters")
     if isinstance(params, Mapping):
         if not any(t in params for t in _LAYER_TYPES):
             raise _refuse(
                 "rope_parameters",
                 dict(params),
-                "Gemma 3 keys it by layer type (full_attention, sliding_attention)",
+                f"{family} keys it by layer type (full_attention, sliding_attention)",
             )
-        glob = _rope_one(params.get("full_attention"), "rope_parameters.full_attention", 1e6, False)
-        local = _rope_one(
-            params.get("sliding_attention"), "rope_parameters.sliding_attention", 1e4, False
+        full = _rope_one(params.get("full_attention"), "rope_parameters.full_attention", glob, False)
+        found = _rope_one(
+            params.get("sliding_attention"), "rope_parameters.sliding_attention", local, False
         )
-        kw = _base(c, rope=glob)
-        if local[3]:
+        if found[3]:
             kind = params["sliding_attention"].get("rope_type")
             raise _refuse("rope_parameters.sliding_attention.rope_type", kind, "not computed")
-    else:
-        kw = _base({**c, "rope_theta": c.get("rope_theta", 1e6)})
-        local = _rope_one({}, "rope_local_base_freq", c.get("rope_local_base_freq", 1e4), False)
+        return _base(c, rope=full), found
+    kw = _base({**c, "rope_theta": c.get("rope_theta", glob)})
+    return kw, _rope_one({}, local_field, local, False)
+
+
+def _gemma3(c: Mapping) -> LMConfig:
+    """Gemma 3 adds q/k norms and a RoPE per layer type (``_typed_rope``; its older config
+    names the local layers' theta ``rope_local_base_freq``)."""
+    local = c.get("rope_local_base_freq", 1e4)
+    kw, local = _typed_rope(c, "Gemma 3", 1e6, local, "rope_local_base_freq")
     layers = kw["num_layers"]
     pattern = _int(c, "sliding_window_pattern", c.get("sliding_window_pattern", 6))
     default = [
@@ -533,6 +542,26 @@ def _olmo2(c: Mapping) -> LMConfig:
     """OLMo 2: norms on the attention's and the MLP's outputs only, q/k norms over all heads."""
     return LMConfig(
         **_base(c), pre_norm=False, sandwich_norm=True, qk_norm=True, qk_norm_scope="all"
+    )
+
+
+def _olmo3(c: Mapping) -> LMConfig:
+    """OLMo 3: OLMo 2 with windowed layers (``layer_types``, by default three of every four)
+    and a RoPE per layer type (``_typed_rope``: yarn on the global layers only). An older
+    config's ``rope_theta`` is the global layers' only: transformers 5.24 gives the local ones
+    its default 5e5 (``Olmo3Config.convert_rope_params_to_dict`` pops it for the first)."""
+    kw, local = _typed_rope(c, "OLMo 3", 5e5, 5e5)
+    layers = kw["num_layers"]
+    default = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+    return LMConfig(
+        **kw,
+        **_window(c, _layer_types(c, layers, default), c.get("sliding_window")),
+        local_rotary_base=local[0],
+        local_rotary_scaling_factor=local[1],
+        pre_norm=False,
+        sandwich_norm=True,
+        qk_norm=True,
+        qk_norm_scope="all",
     )
 
 
@@ -792,6 +821,14 @@ FAMILIES: dict[str, Family] = {
             logits_scaling=1.0,
         ),
         _family("olmo2", "hf_olmo2", _olmo2, ("attention_bias",), rms_norm_eps=1e-5),
+        _family(
+            "olmo3",
+            "hf_olmo3",
+            _olmo3,
+            ("attention_bias",),
+            rms_norm_eps=1e-5,
+            sliding_window=4096,
+        ),
         _family(
             "stablelm",
             "hf_stablelm",
