@@ -261,13 +261,13 @@ FAMILIES = {
         "Olmo3ForCausalLM",
         dict(
             _TINY,
-            num_hidden_layers=4,  # layers 0-2 windowed, 3 global
+            num_hidden_layers=4,  # layers 0-2 windowed, 3 global (yarn on it only)
             sliding_window=5,
             pad_token_id=0,
             eos_token_id=0,
             rope_parameters={
                 "full_attention": _YARN,
-                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},  # yarn: global only
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             },
         ),
         {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},

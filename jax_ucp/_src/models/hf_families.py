@@ -389,7 +389,9 @@ def _typed_rope(
                 dict(params),
                 f"{family} keys it by layer type (full_attention, sliding_attention)",
             )
-        full = _rope_one(params.get("full_attention"), "rope_parameters.full_attention", glob, False)
+        full = _rope_one(
+            params.get("full_attention"), "rope_parameters.full_attention", glob, False
+        )
         found = _rope_one(
             params.get("sliding_attention"), "rope_parameters.sliding_attention", local, False
         )
