@@ -273,6 +273,22 @@ FAMILIES = {
         {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
         r"rope_parameters .*keys it by layer type",
     ),
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(
+            _TINY,
+            num_hidden_layers=4,  # layer 1 NoPE and windowed, the others RoPE and global
+            no_rope_layers=[1, 0, 1, 1],
+            use_sliding_window=True,
+            sliding_window=5,
+            pad_token_id=0,  # the defaults (128000...) lie outside the tiny vocabulary
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        {"no_rope_layers": [1, 2, 1, 1]},
+        r"no_rope_layers \[1, 2, 1, 1\]",
+    ),
     "stablelm": (
         "StableLmConfig",
         "StableLmForCausalLM",

@@ -465,6 +465,29 @@ def _qwen3_moe(c: Mapping) -> LMConfig:
     return LMConfig(**kw, **window, **_qwen_moe(c, kw["num_layers"]), qk_norm=True)
 
 
+def _rope_flags(c: Mapping, layers: int) -> list[int]:
+    """``no_rope_layers`` (Llama 4, SmolLM3): 1 for a RoPE layer, 0 for a NoPE one; absent or
+    empty, every ``no_rope_layer_interval``-th layer is NoPE."""
+    interval = _int(c, "no_rope_layer_interval")
+    rope = _ints(c, "no_rope_layers", []) or [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(rope) != layers or not set(rope) <= {0, 1}:
+        raise _refuse("no_rope_layers", repr(rope)[:200], f"expected {layers} of 0, 1")
+    return rope
+
+
+def _smollm3(c: Mapping) -> LMConfig:
+    """SmolLM3: Llama with NoPE layers (``no_rope_layers`` 0, by default every fourth) and,
+    with ``use_sliding_window``, windowed layers (``layer_types``, by default the NoPE ones)."""
+    kw = _base(c)
+    layers = kw["num_layers"]
+    rope = _rope_flags(c, layers)
+    use = bool(c.get("use_sliding_window")) and c.get("sliding_window") is not None
+    default = ["sliding_attention" if use and not r else "full_attention" for r in rope]
+    types = _layer_types(c, layers, default)
+    window = _window(c, types, c.get("sliding_window")) if c.get("use_sliding_window") else {}
+    return LMConfig(**kw, **window, nope_layers=tuple(i for i, r in enumerate(rope) if not r))
+
+
 def _llama4_text(c: Mapping) -> LMConfig:
     """Llama 4's text model: RoPE layers (``no_rope_layers`` 1) with chunked attention
     (``layer_types``, ``attention_chunk_size``) and weightless q/k L2 norms after RoPE
@@ -473,10 +496,7 @@ def _llama4_text(c: Mapping) -> LMConfig:
     logit) and add a shared expert, the other layers' MLP is ``intermediate_size_mlp`` wide."""
     kw = _base(c)
     layers, moe_width = kw["num_layers"], kw["ffn_hidden_size"]
-    interval = _int(c, "no_rope_layer_interval")
-    rope = _ints(c, "no_rope_layers", []) or [int((i + 1) % interval != 0) for i in range(layers)]
-    if len(rope) != layers or not set(rope) <= {0, 1}:
-        raise _refuse("no_rope_layers", repr(rope)[:200], f"expected {layers} of 0, 1")
+    rope = _rope_flags(c, layers)
     step = _int(c, "interleave_moe_layer_step")
     moe = set(_ints(c, "moe_layers", list(range(step - 1, layers, step))))
     default = ["chunked_attention" if r else "full_attention" for r in rope]
@@ -830,6 +850,16 @@ FAMILIES: dict[str, Family] = {
             ("attention_bias",),
             rms_norm_eps=1e-5,
             sliding_window=4096,
+        ),
+        _family(
+            "smollm3",
+            "hf_llama",
+            _smollm3,
+            _BIASES,
+            rms_norm_eps=1e-6,
+            rope_theta=2e6,
+            no_rope_layer_interval=4,
+            tie_word_embeddings=True,
         ),
         _family(
             "stablelm",
