@@ -289,6 +289,32 @@ FAMILIES = {
         {"no_rope_layers": [1, 2, 1, 1]},
         r"no_rope_layers \[1, 2, 1, 1\]",
     ),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            _TINY,
+            num_hidden_layers=3,
+            head_dim=16,
+            attention_bias=True,
+            use_qk_norm=True,
+            first_k_dense_replace=1,  # layer 0 dense, 1 and 2 MoE
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            moe_intermediate_size=16,
+            n_shared_experts=2,
+            routed_scaling_factor=2.5,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+        {"n_group": 3},
+        r"n_group 3",
+    ),
     "stablelm": (
         "StableLmConfig",
         "StableLmForCausalLM",

@@ -635,7 +635,21 @@ def _deepseek_v3(c: Mapping) -> LMConfig:
     all_dim = (c.get("rope_scaling") or c.get("rope_parameters") or {}).get("mscale_all_dim")
     if all_dim and factor > 1:
         scale *= (0.1 * _number("mscale_all_dim", all_dim) * math.log(factor) + 1) ** 2
-    layers, experts = kw["num_layers"], _int(c, "n_routed_experts")
+    return LMConfig(
+        **kw,
+        attention_scale=scale,
+        mla=(*mla, _int(c, "v_head_dim")),
+        rope_interleaved=bool(c.get("rope_interleave")),
+        **_grouped_moe(c, kw["num_layers"]),
+    )
+
+
+def _grouped_moe(c: Mapping, layers: int) -> dict:
+    """DeepSeek V3's and GLM-4.5's MLPs: dense in the first ``first_k_dense_replace`` layers,
+    then ``n_routed_experts`` with group-limited sigmoid routing (``n_group``, ``topk_group``,
+    the score-correction bias, ``norm_topk_prob``, ``routed_scaling_factor``) and
+    ``n_shared_experts`` shared ones."""
+    experts = _int(c, "n_routed_experts")
     groups, top_groups = _int(c, "n_group"), _int(c, "topk_group")
     top, dense = _int(c, "num_experts_per_tok"), c.get("first_k_dense_replace")
     if experts % groups or experts // groups < 2:
@@ -645,11 +659,7 @@ def _deepseek_v3(c: Mapping) -> LMConfig:
     if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
         raise _refuse("first_k_dense_replace", repr(dense), "expected an integer >= 0")
     width = _int(c, "moe_intermediate_size")
-    return LMConfig(
-        **kw,
-        attention_scale=scale,
-        mla=(*mla, _int(c, "v_head_dim")),
-        rope_interleaved=bool(c.get("rope_interleave")),
+    return dict(
         num_experts=experts,
         moe_router_topk=top,
         moe_ffn_hidden_size=width,
@@ -661,6 +671,21 @@ def _deepseek_v3(c: Mapping) -> LMConfig:
         ),
         moe_shared_expert_intermediate_size=width * _int(c, "n_shared_experts"),
         dense_layers=tuple(range(min(dense, layers))),
+    )
+
+
+def _glm4_moe(c: Mapping) -> LMConfig:
+    """GLM-4.5 MoE: Llama attention with partial rotary (rotate-half on the first
+    ``partial_rotary_factor`` of each head), q/k/v biases with ``attention_bias``, each head's q/k
+    RMSNorm before RoPE with ``use_qk_norm``; DeepSeek V3's MLPs (``_grouped_moe``)."""
+    if "num_local_experts" in c:  # the attribute's name, n_routed_experts the one written
+        c = {**c, "n_routed_experts": c["num_local_experts"]}
+    kw = _base(c, partial_ok=True)
+    return LMConfig(
+        **kw,
+        qkv_bias=bool(c.get("attention_bias")),
+        qk_norm=bool(c.get("use_qk_norm")),
+        **_grouped_moe(c, kw["num_layers"]),
     )
 
 
@@ -860,6 +885,22 @@ FAMILIES: dict[str, Family] = {
             rope_theta=2e6,
             no_rope_layer_interval=4,
             tie_word_embeddings=True,
+        ),
+        _family(
+            "glm4_moe",
+            "hf_glm4_moe",
+            _glm4_moe,
+            rms_norm_eps=1e-5,
+            partial_rotary_factor=0.5,
+            n_routed_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=1408,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.0,
         ),
         _family(
             "stablelm",
