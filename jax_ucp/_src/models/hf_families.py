@@ -45,6 +45,17 @@ def _family(model_type, spec, read, refuses=(), silu=True, **defaults) -> Family
 LACKS = {
     "llama4": "the multimodal Llama4ForConditionalGeneration (vision tower, language_model.* "
     "names); its text model is model_type llama4_text",
+    **dict.fromkeys(
+        ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
+        "the linear_attention layers (Gated DeltaNet, layer_types) between its full attention",
+    ),
+    **dict.fromkeys(
+        ("qwen3_5", "qwen3_5_moe"),
+        "the multimodal model (vision tower) and its text model's linear_attention layers "
+        "(Gated DeltaNet)",
+    ),
+    "deepseek_v32": "DeepSeek V3.2's lightning indexer (DeepseekV32Indexer: each query attends "
+    "to its top index_topk keys only, sparse attention)",
 }
 
 _GPT2_NAMES = {
