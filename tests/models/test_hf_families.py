@@ -735,3 +735,13 @@ def test_moe_with_sigmoid_input_adds_the_experts_biases():
             gate, up = h[:12], h[12:]
             want += (gate / (1 + np.exp(-gate)) * up) @ fc2[e] + params["fc2_bias"][e]
         np.testing.assert_allclose(got[0, t], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["hf_olmo3", "hf_glm4_moe"])
+def test_the_new_family_specs_name_the_logical_axes_of_every_tensor(spec):
+    """Torch-free: every restore rule of the specs added for OLMo 3 and GLM-4.5 MoE names its
+    tensor's logical axes (what a restore onto a mesh shards by)."""
+    from jax_ucp.language import load_spec
+
+    rules = load_spec(spec, num_attention_heads=4, num_query_groups=2, head_dim=8).restore
+    assert rules and [r.pattern for r in rules if not r.axes] == []
