@@ -256,6 +256,65 @@ FAMILIES = {
         {"rope_parameters": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4}},
         r"rope_parameters\.rope_type 'longrope'",
     ),
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(
+            _TINY,
+            num_hidden_layers=4,  # layers 0-2 windowed, 3 global (yarn on it only)
+            sliding_window=5,
+            pad_token_id=0,
+            eos_token_id=0,
+            rope_parameters={
+                "full_attention": _YARN,
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+        r"rope_parameters .*keys it by layer type",
+    ),
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(
+            _TINY,
+            num_hidden_layers=4,  # layer 1 NoPE and windowed, the others RoPE and global
+            no_rope_layers=[1, 0, 1, 1],
+            use_sliding_window=True,
+            sliding_window=5,
+            pad_token_id=0,  # the defaults (128000...) lie outside the tiny vocabulary
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        {"no_rope_layers": [1, 2, 1, 1]},
+        r"no_rope_layers \[1, 2, 1, 1\]",
+    ),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            _TINY,
+            num_hidden_layers=3,
+            head_dim=16,
+            attention_bias=True,
+            use_qk_norm=True,
+            first_k_dense_replace=1,  # layer 0 dense, 1 and 2 MoE
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            moe_intermediate_size=16,
+            n_shared_experts=2,
+            routed_scaling_factor=2.5,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+        {"n_group": 3},
+        r"n_group 3",
+    ),
     "stablelm": (
         "StableLmConfig",
         "StableLmForCausalLM",
@@ -266,6 +325,12 @@ FAMILIES = {
 }
 
 
+def _needs(transformers, config_class: str) -> None:
+    """Skip where the installed transformers lacks the family (CI's oldest torch stage)."""
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
+
+
 def _save_tiny(family: str, folder, **changes) -> str:
     """transformers' model of ``family`` from its tiny config, every weight moved off its
     initial value at random (a norm left at 1 or 0 would not show a misplaced one), saved."""
@@ -273,6 +338,7 @@ def _save_tiny(family: str, folder, **changes) -> str:
     import transformers
 
     config_class, model_class, kwargs, _, _ = FAMILIES[family]
+    _needs(transformers, config_class)
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**kwargs, **changes})
     model = getattr(transformers, model_class)(config)
@@ -406,12 +472,17 @@ def test_values_no_model_has_are_refused_naming_the_field(family, changes, names
     "model_type, lacks",
     [
         ("llama4", r"the multimodal Llama4ForConditionalGeneration.*llama4_text"),
+        ("qwen3_next", r"the linear_attention layers \(Gated DeltaNet"),
+        ("qwen3_5_text", r"the linear_attention layers \(Gated DeltaNet"),
+        ("qwen3_5_moe", r"the multimodal model .*linear_attention layers \(Gated DeltaNet"),
+        ("deepseek_v32", r"DeepSeek V3.2's lightning indexer .*index_topk"),
     ],
 )
 def test_a_family_transformers_has_and_transformerlm_does_not_is_refused_naming_what_it_lacks(
     model_type, lacks, tmp_path
 ):
-    """Torch-free: the multimodal Llama 4 is refused by hf_model and
+    """Torch-free: the multimodal Llama 4, the hybrid linear-attention Qwen3-Next / Qwen3.5 and
+    DeepSeek V3.2's sparse attention are refused by hf_model and
     by --logits (before the checkpoint is touched), naming the math TransformerLM lacks."""
     with pytest.raises(jax_ucp.RequestError, match=rf"'{model_type}': TransformerLM lacks {lacks}"):
         hf_model({"model_type": model_type})
@@ -472,6 +543,7 @@ def test_an_older_config_reads_as_transformers_reads_it(family, tmp_path):
     import transformers
 
     config_class, _, kwargs, _, _ = FAMILIES[family]
+    _needs(transformers, config_class)
     written = getattr(transformers, config_class)(**kwargs).to_dict()
     older = _older_config(written)
     again = getattr(transformers, config_class)(
@@ -663,3 +735,13 @@ def test_moe_with_sigmoid_input_adds_the_experts_biases():
             gate, up = h[:12], h[12:]
             want += (gate / (1 + np.exp(-gate)) * up) @ fc2[e] + params["fc2_bias"][e]
         np.testing.assert_allclose(got[0, t], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["hf_olmo3", "hf_glm4_moe"])
+def test_the_new_family_specs_name_the_logical_axes_of_every_tensor(spec):
+    """Torch-free: every restore rule of the specs added for OLMo 3 and GLM-4.5 MoE names its
+    tensor's logical axes (what a restore onto a mesh shards by)."""
+    from jax_ucp.language import load_spec
+
+    rules = load_spec(spec, num_attention_heads=4, num_query_groups=2, head_dim=8).restore
+    assert rules and [r.pattern for r in rules if not r.axes] == []

@@ -45,6 +45,17 @@ def _family(model_type, spec, read, refuses=(), silu=True, **defaults) -> Family
 LACKS = {
     "llama4": "the multimodal Llama4ForConditionalGeneration (vision tower, language_model.* "
     "names); its text model is model_type llama4_text",
+    **dict.fromkeys(
+        ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
+        "the linear_attention layers (Gated DeltaNet, layer_types) between its full attention",
+    ),
+    **dict.fromkeys(
+        ("qwen3_5", "qwen3_5_moe"),
+        "the multimodal model (vision tower) and its text model's linear_attention layers "
+        "(Gated DeltaNet)",
+    ),
+    "deepseek_v32": "DeepSeek V3.2's lightning indexer (DeepseekV32Indexer: each query attends "
+    "to its top index_topk keys only, sparse attention)",
 }
 
 _GPT2_NAMES = {
@@ -374,29 +385,40 @@ def _gemma2(c: Mapping) -> dict:
     return dict(**kw, **_gemma(c, _layer_types(c, layers, default)))
 
 
-def _gemma3(c: Mapping) -> dict:
-    """Gemma 3 adds q/k norms and a RoPE per layer type: ``rope_parameters`` keyed by
-    ``full_attention`` / ``sliding_attention`` (transformers 5), else ``rope_theta`` (+
-    ``rope_scaling``) for the global layers and ``rope_local_base_freq`` for the local ones."""
+def _typed_rope(
+    c: Mapping, family: str, glob: float, local: float, local_field: str = "rope_theta"
+) -> tuple[dict, tuple]:
+    """The ``_base`` fields with the global layers' RoPE, and the local layers' RoPE set, of a
+    family with a RoPE per layer type: ``rope_parameters`` keyed by ``full_attention`` /
+    ``sliding_attention`` (transformers 5), else ``rope_theta`` (+ ``rope_scaling``) for the
+    global layers and ``local`` (the theta, read from ``local_field``) for the local ones."""
     params = c.get("rope_parameters")
     if isinstance(params, Mapping):
         if not any(t in params for t in _LAYER_TYPES):
             raise _refuse(
                 "rope_parameters",
                 dict(params),
-                "Gemma 3 keys it by layer type (full_attention, sliding_attention)",
+                f"{family} keys it by layer type (full_attention, sliding_attention)",
             )
-        glob = _rope_one(params.get("full_attention"), "rope_parameters.full_attention", 1e6, False)
-        local = _rope_one(
-            params.get("sliding_attention"), "rope_parameters.sliding_attention", 1e4, False
+        full = _rope_one(
+            params.get("full_attention"), "rope_parameters.full_attention", glob, False
         )
-        kw = _base(c, rope=glob)
-        if local[3]:
+        found = _rope_one(
+            params.get("sliding_attention"), "rope_parameters.sliding_attention", local, False
+        )
+        if found[3]:
             kind = params["sliding_attention"].get("rope_type")
             raise _refuse("rope_parameters.sliding_attention.rope_type", kind, "not computed")
-    else:
-        kw = _base({**c, "rope_theta": c.get("rope_theta", 1e6)})
-        local = _rope_one({}, "rope_local_base_freq", c.get("rope_local_base_freq", 1e4), False)
+        return _base(c, rope=full), found
+    kw = _base({**c, "rope_theta": c.get("rope_theta", glob)})
+    return kw, _rope_one({}, local_field, local, False)
+
+
+def _gemma3(c: Mapping) -> dict:
+    """Gemma 3 adds q/k norms and a RoPE per layer type (``_typed_rope``; its older config
+    names the local layers' theta ``rope_local_base_freq``)."""
+    local = c.get("rope_local_base_freq", 1e4)
+    kw, local = _typed_rope(c, "Gemma 3", 1e6, local, "rope_local_base_freq")
     layers = kw["num_layers"]
     pattern = _int(c, "sliding_window_pattern", c.get("sliding_window_pattern", 6))
     default = [
@@ -454,6 +476,29 @@ def _qwen3_moe(c: Mapping) -> dict:
     return dict(**kw, **window, **_qwen_moe(c, kw["num_layers"]), qk_norm=True)
 
 
+def _rope_flags(c: Mapping, layers: int) -> list[int]:
+    """``no_rope_layers`` (Llama 4, SmolLM3): 1 for a RoPE layer, 0 for a NoPE one; absent or
+    empty, every ``no_rope_layer_interval``-th layer is NoPE."""
+    interval = _int(c, "no_rope_layer_interval")
+    rope = _ints(c, "no_rope_layers", []) or [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(rope) != layers or not set(rope) <= {0, 1}:
+        raise _refuse("no_rope_layers", repr(rope)[:200], f"expected {layers} of 0, 1")
+    return rope
+
+
+def _smollm3(c: Mapping) -> dict:
+    """SmolLM3: Llama with NoPE layers (``no_rope_layers`` 0, by default every fourth) and,
+    with ``use_sliding_window``, windowed layers (``layer_types``, by default the NoPE ones)."""
+    kw = _base(c)
+    layers = kw["num_layers"]
+    rope = _rope_flags(c, layers)
+    use = bool(c.get("use_sliding_window")) and c.get("sliding_window") is not None
+    default = ["sliding_attention" if use and not r else "full_attention" for r in rope]
+    types = _layer_types(c, layers, default)
+    window = _window(c, types, c.get("sliding_window")) if c.get("use_sliding_window") else {}
+    return dict(**kw, **window, nope_layers=tuple(i for i, r in enumerate(rope) if not r))
+
+
 def _llama4_text(c: Mapping) -> dict:
     """Llama 4's text model: RoPE layers (``no_rope_layers`` 1) with chunked attention
     (``layer_types``, ``attention_chunk_size``) and weightless q/k L2 norms after RoPE
@@ -462,10 +507,7 @@ def _llama4_text(c: Mapping) -> dict:
     logit) and add a shared expert, the other layers' MLP is ``intermediate_size_mlp`` wide."""
     kw = _base(c)
     layers, moe_width = kw["num_layers"], kw["ffn_hidden_size"]
-    interval = _int(c, "no_rope_layer_interval")
-    rope = _ints(c, "no_rope_layers", []) or [int((i + 1) % interval != 0) for i in range(layers)]
-    if len(rope) != layers or not set(rope) <= {0, 1}:
-        raise _refuse("no_rope_layers", repr(rope)[:200], f"expected {layers} of 0, 1")
+    rope = _rope_flags(c, layers)
     step = _int(c, "interleave_moe_layer_step")
     moe = set(_ints(c, "moe_layers", list(range(step - 1, layers, step))))
     default = ["chunked_attention" if r else "full_attention" for r in rope]
@@ -534,6 +576,26 @@ def _olmo2(c: Mapping) -> dict:
     return dict(**_base(c), pre_norm=False, sandwich_norm=True, qk_norm=True, qk_norm_scope="all")
 
 
+def _olmo3(c: Mapping) -> dict:
+    """OLMo 3: OLMo 2 with windowed layers (``layer_types``, by default three of every four)
+    and a RoPE per layer type (``_typed_rope``: yarn on the global layers only). An older
+    config's ``rope_theta`` is the global layers' only: transformers 5.24 gives the local ones
+    its default 5e5 (``Olmo3Config.convert_rope_params_to_dict`` pops it for the first)."""
+    kw, local = _typed_rope(c, "OLMo 3", 5e5, 5e5)
+    layers = kw["num_layers"]
+    default = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+    return dict(
+        **kw,
+        **_window(c, _layer_types(c, layers, default), c.get("sliding_window")),
+        local_rotary_base=local[0],
+        local_rotary_scaling_factor=local[1],
+        pre_norm=False,
+        sandwich_norm=True,
+        qk_norm=True,
+        qk_norm_scope="all",
+    )
+
+
 def _stablelm(c: Mapping) -> dict:
     """StableLM: LayerNorms (with biases), partial rotary (0.25 by default), q/k/v biases when
     ``use_qkv_bias``; per-head q/k LayerNorms and the parallel residual are refused."""
@@ -582,7 +644,21 @@ def _deepseek_v3(c: Mapping) -> dict:
     all_dim = (c.get("rope_scaling") or c.get("rope_parameters") or {}).get("mscale_all_dim")
     if all_dim and factor > 1:
         scale *= (0.1 * _number("mscale_all_dim", all_dim) * math.log(factor) + 1) ** 2
-    layers, experts = kw["num_layers"], _int(c, "n_routed_experts")
+    return dict(
+        **kw,
+        attention_scale=scale,
+        mla=(*mla, _int(c, "v_head_dim")),
+        rope_interleaved=bool(c.get("rope_interleave")),
+        **_grouped_moe(c, kw["num_layers"]),
+    )
+
+
+def _grouped_moe(c: Mapping, layers: int) -> dict:
+    """DeepSeek V3's and GLM-4.5's MLPs: dense in the first ``first_k_dense_replace`` layers,
+    then ``n_routed_experts`` with group-limited sigmoid routing (``n_group``, ``topk_group``,
+    the score-correction bias, ``norm_topk_prob``, ``routed_scaling_factor``) and
+    ``n_shared_experts`` shared ones."""
+    experts = _int(c, "n_routed_experts")
     groups, top_groups = _int(c, "n_group"), _int(c, "topk_group")
     top, dense = _int(c, "num_experts_per_tok"), c.get("first_k_dense_replace")
     if experts % groups or experts // groups < 2:
@@ -593,10 +669,6 @@ def _deepseek_v3(c: Mapping) -> dict:
         raise _refuse("first_k_dense_replace", repr(dense), "expected an integer >= 0")
     width = _int(c, "moe_intermediate_size")
     return dict(
-        **kw,
-        attention_scale=scale,
-        mla=(*mla, _int(c, "v_head_dim")),
-        rope_interleaved=bool(c.get("rope_interleave")),
         num_experts=experts,
         moe_router_topk=top,
         moe_ffn_hidden_size=width,
@@ -608,6 +680,21 @@ def _deepseek_v3(c: Mapping) -> dict:
         ),
         moe_shared_expert_intermediate_size=width * _int(c, "n_shared_experts"),
         dense_layers=tuple(range(min(dense, layers))),
+    )
+
+
+def _glm4_moe(c: Mapping) -> dict:
+    """GLM-4.5 MoE: Llama attention with partial rotary (rotate-half on the first
+    ``partial_rotary_factor`` of each head), q/k/v biases with ``attention_bias``, each head's q/k
+    RMSNorm before RoPE with ``use_qk_norm``; DeepSeek V3's MLPs (``_grouped_moe``)."""
+    if "num_local_experts" in c:  # the attribute's name, n_routed_experts the one written
+        c = {**c, "n_routed_experts": c["num_local_experts"]}
+    kw = _base(c, partial_ok=True)
+    return dict(
+        **kw,
+        qkv_bias=bool(c.get("attention_bias")),
+        qk_norm=bool(c.get("use_qk_norm")),
+        **_grouped_moe(c, kw["num_layers"]),
     )
 
 
@@ -790,6 +877,40 @@ FAMILIES: dict[str, Family] = {
             logits_scaling=1.0,
         ),
         _family("olmo2", "hf_olmo2", _olmo2, ("attention_bias",), rms_norm_eps=1e-5),
+        _family(
+            "olmo3",
+            "hf_olmo3",
+            _olmo3,
+            ("attention_bias",),
+            rms_norm_eps=1e-5,
+            sliding_window=4096,
+        ),
+        _family(
+            "smollm3",
+            "hf_llama",
+            _smollm3,
+            _BIASES,
+            rms_norm_eps=1e-6,
+            rope_theta=2e6,
+            no_rope_layer_interval=4,
+            tie_word_embeddings=True,
+        ),
+        _family(
+            "glm4_moe",
+            "hf_glm4_moe",
+            _glm4_moe,
+            rms_norm_eps=1e-5,
+            partial_rotary_factor=0.5,
+            n_routed_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=1408,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.0,
+        ),
         _family(
             "stablelm",
             "hf_stablelm",
