@@ -20,7 +20,7 @@ CEILINGS = {
     "format": 2690,
     "importers": 16143,
     "language": 3182,
-    "models": 1654,
+    "models": 1775,
     "multihost": 806,
     "orbax": 421,
     "restoring": 4988,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 49393
+TOTAL = 49514
 
 
 def _lines(paths) -> int:
