@@ -594,7 +594,7 @@ def test_settings_name_each_field_and_pass_over_where_and_who_read_it():
     """The source record compared field by field (param_groups by index, betas whole); the
     source's path, the certificate and the release of the library that read a record
     (``transformers 5.24.0``) are no run setting."""
-    from jax_ucp._src.against import _settings
+    from jax_ucp._src.against import settings_differ
 
     record = {
         "path": "/a",
@@ -604,9 +604,9 @@ def test_settings_name_each_field_and_pass_over_where_and_who_read_it():
     }
     moved = {**record, "path": "/b", "certificate": None}
     moved["parameter_order"] = "transformers 5.30.1 LlamaForCausalLM, Trainer's rule"
-    assert _settings(record, moved) == {}
+    assert settings_differ(record, moved) == {}
     other = {**moved, "optimizer": {"param_groups": [{"betas": [0.8, 0.95], "lr": 0.01}]}}
-    found = _settings(record, other)
+    found = settings_differ(record, other)
     assert list(found) == ["source.optimizer.param_groups.0.betas"]
     assert "records [0.9, 0.95]" in found["source.optimizer.param_groups.0.betas"]
     assert "[0.8, 0.95]" in found["source.optimizer.param_groups.0.betas"]

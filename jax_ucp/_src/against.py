@@ -47,7 +47,14 @@ from jax_ucp._src.format.manifest import torch_optimizer_record
 from jax_ucp._src.torchfiles import dcp as safe_dcp
 from jax_ucp._src.torchfiles import dcp_safetensors
 
-__all__ = ["Comparison", "compare_with_source", "dcp_reader", "local_source", "source_weights"]
+__all__ = [
+    "Comparison",
+    "compare_with_source",
+    "dcp_reader",
+    "local_source",
+    "settings_differ",
+    "source_weights",
+]
 
 # Every folder this module removes (ds_to_universal's temporary output) is logged here, as
 # every deletion jax_ucp makes: ``logging.getLogger("jax_ucp")`` shows it.
@@ -717,7 +724,7 @@ _NOT_SETTINGS = ("path", "trainer_path", "orbax_version", certificate.KEY)
 _READ_BY = re.compile(r"\b(transformers|torchtune|torch|deepspeed|orbax) [0-9][^ ,;)]*")
 
 
-def _settings(
+def settings_differ(
     recorded: Any, planned: Any, path: str = "source", unsaid: tuple[str, ...] = ()
 ) -> dict[str, str]:
     """``{source.field: both values}`` of each field the checkpoint's ``source`` record
@@ -731,7 +738,9 @@ def _settings(
                 continue
             absent = "(absent)"
             out.update(
-                _settings(recorded.get(key, absent), planned.get(key, absent), f"{path}.{key}")
+                settings_differ(
+                    recorded.get(key, absent), planned.get(key, absent), f"{path}.{key}"
+                )
             )
         return out
     if (  # a list of objects (param_groups) by index; of numbers (betas) whole
@@ -741,7 +750,7 @@ def _settings(
         and all(isinstance(v, dict) for v in (*recorded, *planned))
     ):
         for i, (a, b) in enumerate(zip(recorded, planned, strict=True)):
-            out.update(_settings(a, b, f"{path}.{i}"))
+            out.update(settings_differ(a, b, f"{path}.{i}"))
         return out
     if recorded == planned or (
         isinstance(recorded, str)
@@ -798,7 +807,9 @@ def compare_with_source(
         return Comparison(
             files=files_found, certificate=f"{said}; no tensor compared: {e}", records=records
         )
-    records.update(_settings(_json(manifest.source or {}), expected.source, unsaid=expected.unsaid))
+    records.update(
+        settings_differ(_json(manifest.source or {}), expected.source, unsaid=expected.unsaid)
+    )
     try:
         result = _compare(ckpt, src, manifest, expected, progress)
     except MissingExtraError as e:
