@@ -29,11 +29,11 @@ CEILINGS = {
     "store": 3360,
     "torchfiles": 3053,
     "writer": 1672,
-    "modules": 4223,
+    "modules": 4234,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 49514
+TOTAL = 49525
 
 
 def _lines(paths) -> int:
