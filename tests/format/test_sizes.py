@@ -65,7 +65,12 @@ def test_every_byte_size_option_of_the_cli_goes_through_the_parser():
         for p in command.params:
             words = " ".join(p.opts) + " " + (getattr(p, "help", "") or "")
             if any(w in words for w in ("size", "budget", "bytes", "MiB", "GB")):
-                if p.name in ("vocab_size",):  # a count of tokens, not bytes
+                if p.name in (
+                    "vocab_size",
+                    "tp",
+                    "pp",
+                    "make_vocab_size_divisible_by",
+                ):  # counts, not bytes
                     continue
                 found.append((name, p.opts[0]))
                 assert p.callback is not None and p.callback.__name__ == "_size_option", (

@@ -52,7 +52,7 @@ BACKENDS = {
     "common_backend_version": 1,
 }
 _NAME = re.compile(r"(embedding|decoder|output_layer|mtp)\.")
-_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.+)")
 #: megatron-core's torch_dist names of a layer's norms (its ``sharded_state_dict_keys_map``)
 _NORMS = (
     ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),

@@ -19,7 +19,7 @@ import numpy as np
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store, writer
 from jax_ucp._src.errors import CheckpointError, SourceError
-from jax_ucp._src.format import safetensors
+from jax_ucp._src.format import files, safetensors
 from jax_ucp._src.importers.plan import (
     ImportOptions,
     ImportPlan,
@@ -32,7 +32,6 @@ from jax_ucp._src.importers.trainer_files import (
     CONFIG_FILE,
     adapter_beside_model,
     read_json,
-    side_file,
 )
 from jax_ucp._src.store.shard_reader import count_bytes_read
 from jax_ucp._src.store.storage import Storage
@@ -66,7 +65,11 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
         "metadata": {k: v for f in opened for k, v in f.metadata.items() if isinstance(v, str)},
     }
     found = list(names)
-    if os.path.isdir(src) and os.path.isfile(config := side_file(src, CONFIG_FILE)):
+    # the model's config.json, as its weights are read (a Hub cache snapshot's link into blobs/)
+    where = f"{src}: the model's {CONFIG_FILE}"
+    if os.path.isdir(src) and os.path.isfile(
+        config := files.inside_checkpoint(src, CONFIG_FILE, where)
+    ):
         config = read_json(config)  # the model's settings: an export writes them back
         if isinstance(config, dict):
             source["config"] = {k: jsonable(v) for k, v in config.items()}

@@ -107,7 +107,7 @@ def invert_rule(rule: RestoreRule, index: int) -> RestoreRule:
     made = {}
     for op in rule.ops:
         if isinstance(op, O.Unstack):
-            made[op.var] = r"\d+"
+            made[op.var] = "[0-9]+"
         elif isinstance(op, O.FanOut):
             made[op.var] = "|".join(re.escape(p) for p in op.parts)
     bodies = {p[1]: p[2] for p in parts if p[0] == "var"}

@@ -140,7 +140,7 @@ def specs_naming(keys: Iterable[tuple[str, ...]]) -> list[str]:
     (the most keys covered, then the fewest required rules matching none; none covering any
     left out): what to restore these tensors with so that ``rules=`` shards them."""
     # one key per name up to its numbers (layer, expert): bounded work for any model
-    shapes = {re.sub(r"\d+", "0", "/".join(map(str, k))): tuple(map(str, k)) for k in keys}
+    shapes = {re.sub("[0-9]+", "0", "/".join(map(str, k))): tuple(map(str, k)) for k in keys}
     keys = list(shapes.values())[:1000]
     ranked: dict[str, tuple[int, int]] = {}
     for name in list_specs():

@@ -128,7 +128,7 @@ def _owners(inodes: set[str]) -> dict[str, int]:
     """socket inode -> the pid holding it, for those of ``inodes`` this user can see."""
     wanted, found = {f"socket:[{i}]": i for i in inodes}, {}
     with contextlib.suppress(OSError):
-        for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        for pid in (p for p in os.listdir("/proc") if p.isascii() and p.isdigit()):
             if len(found) == len(wanted):
                 break
             with contextlib.suppress(OSError):

@@ -235,7 +235,7 @@ class HubRepo(Storage):
             raise SourceError(f"{url}: listed at {self.sha} but not found (HTTP 404)")
         with response:
             size = response.headers.get("Content-Length", "")
-            if size.isdigit() and int(size) > limit:  # refused unread
+            if size.isascii() and size.isdigit() and int(size) > limit:  # refused unread
                 raise RequestError(
                     f"{self.join(name)}: {int(size)} bytes, more than the {limit} it may have"
                 )

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 #: TensorStore's OUT_OF_RANGE for a ranged read answered with other bytes than asked
 _ANSWERED = re.compile(
-    r"Requested byte range \[(-?\d+), (\d+|\?)\) was not satisfied by response with byte "
-    r"range \[(\d+), (\d+)\) and total size (\d+)"
+    r"Requested byte range \[(-?[0-9]+), ([0-9]+|\?)\) was not satisfied by response with "
+    r"byte range \[([0-9]+), ([0-9]+)\) and total size ([0-9]+)"
 )
 
 
