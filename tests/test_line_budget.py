@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 1800,
     "exporters": 1631,
     "format": 2690,
-    "importers": 16146,
+    "importers": 16168,
     "language": 3182,
     "models": 1775,
     "multihost": 806,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 49528
+TOTAL = 49550
 
 
 def _lines(paths) -> int:

@@ -365,3 +365,40 @@ def test_a_fifo_in_an_item_is_refused_before_tensorstore_blocks_on_it(tmp_path):
     with pytest.raises(jax_ucp.SourceError, match=r"w/\.zarray: not a regular file \(a FIFO\)"):
         jax_ucp.convert(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+_LATE_CALLBACK = """
+import asyncio, sys
+import jax_ucp
+from jax_ucp._src.importers.orbax import arrays
+try:
+    arrays.tree_metadata(sys.argv[1])  # a damaged item: the hooks go in on the failure
+except jax_ucp.UCPError:
+    pass
+loop = asyncio.new_event_loop()
+loop.close()
+try:
+    loop.call_soon_threadsafe(print)
+except RuntimeError as e:  # reported as from native code: asyncio's frames only
+    sys.excepthook(type(e), e, e.__traceback__.tb_next)
+print("native done", flush=True)
+loop.call_soon_threadsafe(print)  # the user's own code: shown
+"""
+
+
+def test_a_late_closed_loop_from_native_code_is_left_out_but_a_users_is_shown(tmp_path):
+    """The closed-loop report TensorStore prints (through ``sys.excepthook``, as from
+    ``PyErr_Print``: asyncio's frames only) is left out after a failed Orbax read; the same
+    error raised in the user's own code still prints its traceback."""
+    (tmp_path / "_METADATA").write_text(json.dumps({"tree_metadata": [1, 2]}))
+    done = subprocess.run(
+        [sys.executable, "-c", _LATE_CALLBACK, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
+    assert "native done" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 1
+    assert done.stderr.count("RuntimeError: Event loop is closed") == 1, done.stderr[-3000:]
+    assert 'File "<string>", line 16' in done.stderr, done.stderr[-3000:]  # the user's own

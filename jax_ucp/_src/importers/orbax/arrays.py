@@ -42,6 +42,7 @@ def tree_metadata(path: str):
     try:
         return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
     except (KeyError, TypeError, AttributeError, IndexError) as e:  # Orbax parsing _METADATA
+        _quiet_closed_loop()
         raise SourceError(
             f"{os.path.join(path, '_METADATA')}: not Orbax's tree metadata (Orbax's reader "
             f"failed: {type(e).__name__}: {str(e)[:200]})"
@@ -62,25 +63,46 @@ def tree_metadata(path: str):
             f"{path}: cannot read {what} (missing, truncated or corrupt file): "
             f"{tensorstore_message(e)}"
         ) from None
+    except BaseException:
+        _quiet_closed_loop()  # whatever else failed, the same late callbacks may follow
+        raise
 
 
 def _quiet_closed_loop() -> None:
-    """Leaves one harmless report out of the unraisable-exception hook: when Orbax's metadata
-    read fails on a damaged file, Orbax closes its event loop while TensorStore still completes
-    the other arrays' futures, whose callbacks then find the loop closed and print a traceback
-    after the one clear error. Installed (wrapping the hook before it) only once such a read
-    failed; every other report goes to the hook before."""
-    before = sys.unraisablehook
-    if getattr(before, "__name__", None) == "_closed_loop_left_out":
+    """Leaves one harmless report out of Python's error hooks: when Orbax's metadata read fails
+    on a damaged file, Orbax closes its event loop while TensorStore still completes the other
+    arrays' futures, whose callbacks then find the loop closed and print a traceback after the
+    one clear error (TensorStore reports it through the unraisable hook or, in some builds and
+    timings, ``PyErr_Print`` and so ``sys.excepthook``: CI saw the latter). Installed (wrapping
+    the hooks before it) only once such a read failed; only a closed-loop error raised inside
+    asyncio itself is left out, every other report goes to the hook before."""
+    if getattr(sys.unraisablehook, "__name__", None) == "_closed_loop_left_out":
         return
+    before, before_print = sys.unraisablehook, sys.excepthook
 
     def _closed_loop_left_out(report) -> None:
-        e = report.exc_value
-        closed = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
-        if report.object is not None or not closed:
+        if not _late_closed_loop(report.exc_value, report.exc_traceback):
             before(report)
 
-    sys.unraisablehook = _closed_loop_left_out
+    def _closed_loop_not_printed(kind, e, tb) -> None:
+        if not _late_closed_loop(e, tb):
+            before_print(kind, e, tb)
+
+    sys.unraisablehook, sys.excepthook = _closed_loop_left_out, _closed_loop_not_printed
+
+
+def _late_closed_loop(e: BaseException | None, tb) -> bool:
+    """Whether an error is asyncio's own "Event loop is closed" called from native code: every
+    frame of its traceback is asyncio's (a user's code hitting a closed loop is still shown)."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    asyncio_only = bool(frames) and all(
+        os.path.basename(os.path.dirname(c.co_filename)) == "asyncio" for c in frames
+    )
+    closed = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+    return closed and asyncio_only and frames[-1].co_name == "_check_closed"
 
 
 def metadata_file(path: str, name: str, ocdbt: bool, zarr3: bool) -> str:
