@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp._src import store
 from jax_ucp._src.continuation import families
 from jax_ucp._src.continuation.deepspeed import deepspeed_recipe, recorded_config
 from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
@@ -541,12 +542,12 @@ class _Run:
 def _opened_run(ckpt, options: Any):
     """``ckpt`` opened once: a converted checkpoint, or a torch source read in place."""
     from jax_ucp._src.format import to_numpy_dtype
-    from jax_ucp._src.restoring import restore_entry
+    from jax_ucp._src.restoring import restore_entry, sources
     from jax_ucp._src.restoring.options import RestoreOptions
     from jax_ucp._src.restoring.sources import import_open
 
     importing, given = getattr(options, "importing", None), getattr(options, "format", None)
-    found = import_open.import_for(ckpt, importing, given, warn=True)  # detected once
+    found = sources.imported(store.storage_for(ckpt), importing, given)  # detected once
     if found is None:
         from jax_ucp._src.api import inspect, restore
 

@@ -184,10 +184,11 @@ def _read(step: steps.Step, read: Callable[[str], Any]) -> tuple[str | None, Any
 def _unplannable(path: str) -> str | None:
     """Why the import of the torch checkpoint folder ``path`` cannot be planned (its files
     missing, damaged or unknown), None when it can."""
+    from jax_ucp._src.restoring import sources
     from jax_ucp._src.restoring.sources import import_open
 
-    try:
-        found = import_open.import_for(path)  # its importer, detected once and handed on
+    try:  # its importer, detected once and handed on
+        found = sources.imported(store.storage_for(path), warn=False)
         if found is None:
             return f"{path}: no importer reads it"
         import_open.manifest_of(*found)

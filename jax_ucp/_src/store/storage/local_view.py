@@ -36,6 +36,7 @@ import tensorstore as ts
 from jax_ucp._src.errors import RequestError, SourceError, UCPError
 from jax_ucp._src.store.in_flight import InFlightBytes
 from jax_ucp._src.store.storage.base import Storage
+from jax_ucp._src.store.storage.local import LocalDirectory
 from jax_ucp._src.store.storage.ranged import size_when_short
 
 ARCHIVES = (".pt", ".pth", ".bin", ".ckpt")  # fetched by ranges when they are zip archives
@@ -247,9 +248,10 @@ class View:
                 del _views[key]
 
 
-def local_view(storage: Storage) -> tuple[View, str]:
-    """(the view, the local path standing for ``storage.root``): a folder, or a file when
-    ``storage.root`` names one object (a ``torch.save`` file)."""
+def local_view(storage: Storage) -> tuple[View, LocalDirectory] | None:
+    """(the view, the local storage standing for ``storage.root``): a folder, or a file when
+    ``storage.root`` names one object (a ``torch.save`` file); None when it holds no torch
+    archive nor torch DCP folder."""
     asked, now = storage.root, time.monotonic()
     names = [n for n in storage.names() if not n.endswith("/")]  # no folder markers
     parent, _, base = asked.rstrip("/").rpartition("/")
@@ -257,15 +259,11 @@ def local_view(storage: Storage) -> tuple[View, str]:
     if single:
         storage, names = type(storage)(parent), [base]
     if not any(n.lower().endswith(ARCHIVES) or n.rpartition("/")[2] == DCP for n in names):
-        raise SourceError(  # never a zarr array fetched whole
-            f"{asked}: no torch archive ({', '.join(ARCHIVES)}) nor torch DCP {DCP} among its "
-            f"{len(names)} objects; only torch DCP, safetensors and folders of torch archives "
-            f"are read in place"
-        )
+        return None  # never a zarr array fetched whole
     for key in [k for k, (built, *_) in _views.items() if now - built > REUSE]:
         del _views[key]
     if asked in _views and _views[asked][1] == names:
-        return _views[asked][2:]
+        return _views[asked][2], LocalDirectory(_views[asked][3])
     url = storage.root.rstrip("/")
     tmp = tempfile.TemporaryDirectory(prefix="ucp-view-")
     view = View(url, os.path.join(tmp.name, url.rpartition("/")[2] or "root"), tmp, storage)
@@ -274,7 +272,7 @@ def local_view(storage: Storage) -> tuple[View, str]:
     path = os.path.join(view.path, base) if single else view.path
     _views[asked] = now, names, view, path
     _viewed[os.path.realpath(view.path)] = view
-    return view, path
+    return view, LocalDirectory(path)
 
 
 def _place(storage: Storage, name: str, view: View) -> None:
