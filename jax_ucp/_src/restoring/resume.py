@@ -22,7 +22,7 @@ from typing import Any
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import CheckpointError, ResumeWarning, SaveConflictError, SourceError
-from jax_ucp._src.restoring import locate, model, steps
+from jax_ucp._src.restoring import locate, model, sources, steps
 from jax_ucp._src.restoring.sources import ucp_source
 
 
@@ -184,7 +184,6 @@ def _read(step: steps.Step, read: Callable[[str], Any]) -> tuple[str | None, Any
 def _unplannable(path: str) -> str | None:
     """Why the import of the torch checkpoint folder ``path`` cannot be planned (its files
     missing, damaged or unknown), None when it can."""
-    from jax_ucp._src.restoring import sources
     from jax_ucp._src.restoring.sources import import_open
 
     try:  # its importer, detected once and handed on

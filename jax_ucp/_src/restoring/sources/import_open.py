@@ -25,6 +25,8 @@ from jax_ucp._src.errors import (
     MultiProcessError,
     ResumeWarning,
 )
+from jax_ucp._src.importers import registry
+from jax_ucp._src.language.recorded import spec_with_recorded_settings
 from jax_ucp._src.options import user_stacklevel
 from jax_ucp._src.restoring.engine import OpenedSource
 from jax_ucp._src.restoring.sources.import_source import ImportSource
@@ -49,8 +51,6 @@ def import_for(
       format: the format given (``RestoreOptions.format``), or None.
       warn: a run root's newer steps passed over are said (``ResumeWarning``).
     """
-    from jax_ucp._src.importers import registry  # the edge restoring -> importers
-
     explicit = importing is not None or format is not None
     found = registry.claim(storage, format, importing or registry.ImportOptions())
     if not isinstance(found, registry.Unclaimed):
@@ -116,8 +116,6 @@ class Import:
         found = self.opened.source
         assert isinstance(found, ImportSource)
         if spec is not None:  # a spec by name: the heads of its config.json
-            from jax_ucp._src.language.recorded import spec_with_recorded_settings
-
             spec = spec_with_recorded_settings(spec, self.source)
         return OpenedSource(found, found.available(spec), found.values)
 
@@ -141,8 +139,6 @@ def opened_import(
       spec: a restore-time spec whose views of the imported tensors are restored.
       memory_budget: bytes the importer may hold at once (``writer.memory_budget``).
     """
-    from jax_ucp._src.importers import registry  # the edge restoring -> importers
-
     path, checkpoint_format = storage.root, importer.format
     with writer.memory_budget_scope(memory_budget):
         plan = registry.plan_import(storage, importing, format=importer)  # no detector again
