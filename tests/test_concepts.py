@@ -22,8 +22,8 @@ PACKAGE = os.path.join(REPO, "jax_ucp", "_src")
 #: demo, import_open) importing at their top.
 MAX_IMPORTS_IN_FUNCTIONS = 57
 #: ``.local`` asked of a ``Storage`` outside ``store/`` (issue 71 wants 0; 16 once the open stage
-#: asks "a manifest here?" once, ``locate.is_ucp``)
-MAX_LOCAL_QUESTIONS = 16
+#: asks "a manifest here?" once, ``locate.is_ucp``; 15 without ucp_source's dead remote branch)
+MAX_LOCAL_QUESTIONS = 15
 #: ``storage_for(`` called outside ``store/``: a ``Storage`` made again from a path instead of
 #: handed down (issue 71 wants 0; 37, and 1 more counted as the remote safetensors reader left
 #: ``store/``: a ``.safetensors`` object's folder; 40 with round 13's verify of a source's

@@ -146,7 +146,9 @@ def _nothing_viewed(storage: Storage) -> Unclaimed:
     )
 
 
-def claim(storage: Storage, format: str | None = None, options: ImportOptions | None = None):
+def claim(
+    storage: Storage, format: str | None = None, options: ImportOptions | None = None
+) -> Importer | Unclaimed:
     """The importer reading ``storage`` (as :func:`importer_for`), or the :class:`Unclaimed`
     report when detection finds none: the one question a restore's open stage asks."""
     if format in IMPORTERS and options is None:
@@ -156,7 +158,7 @@ def claim(storage: Storage, format: str | None = None, options: ImportOptions | 
             return _nothing_viewed(storage)
         src, view = readable
         claimed, answers = _claimed(src, format)
-        if isinstance(claimed, Unclaimed):  # a view's run steps end with it: no run
+        if isinstance(claimed, Unclaimed):  # a view's run: its steps' files go with it
             return claimed if view is None else Unclaimed(view.as_url(claimed.message))
         return claimed if options is None else taken_over(src, claimed, options, answers)
 
