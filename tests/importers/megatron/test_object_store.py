@@ -165,10 +165,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_ucp
 from jax_ucp._src.store.storage import ranged
 read, lock, fetch = [0], threading.Lock(), ranged.fetch_ranges
-def counting(kv, key, ranges, put):
+def counting(kv, key, ranges, put, url=""):
     with lock:
         read[0] += sum(b - a for a, b in ranges) if key.endswith(".distcp") else 0
-    return fetch(kv, key, ranges, put)
+    return fetch(kv, key, ranges, put, url)
 ranged.fetch_ranges = counting
 mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 assert {d.process_index for d in mesh.devices[pid]} == {pid}
