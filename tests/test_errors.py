@@ -36,7 +36,6 @@ INTERNAL = {
     "ShardLayoutError": ("jax_ucp._src.torchfiles.sharded", "SourceError"),
     "MissingExtraError": ("jax_ucp._src.against", "SourceError"),
     "ViewError": ("jax_ucp._src.store.storage.local_view", "SourceError"),
-    "Unclaimed": ("jax_ucp._src.importers.registry", "SourceError"),
     "HubDeadlineError": ("jax_ucp._src.store.storage.hub", "SourceError"),
     "RangeError": ("jax_ucp._src.store.storage.ranged", "SourceError"),
 }

@@ -41,11 +41,15 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp._src import store, writer
 from jax_ucp._src.errors import RequestError, SourceError, UnsafeFileError
 from jax_ucp._src.format import certificate, files, keypath
 from jax_ucp._src.format.manifest import torch_optimizer_record
+from jax_ucp._src.importers import registry
+from jax_ucp._src.restoring import locate
 from jax_ucp._src.torchfiles import dcp as safe_dcp
 from jax_ucp._src.torchfiles import dcp_safetensors
+from jax_ucp._src.torchfiles.dcp import DcpCheckpoint
 
 __all__ = [
     "Comparison",
@@ -198,8 +202,6 @@ def _read(src: str, name: str, planned: dict, source: dict) -> tuple[np.ndarray,
 
 def _how(fmt: str) -> Any:
     """How the importers say a tensor of the provenance format ``fmt`` is read (or by none)."""
-    from jax_ucp._src.importers import registry  # loaded when a source is compared
-
     return registry.AGAINST.get(fmt) or registry.Against("", read=None)
 
 
@@ -655,8 +657,6 @@ def _plan_again(src: str, manifest: Any) -> _Expected:
     ``source.skipped`` says so, the parameter order the import was given. Its items are walked
     for their keys and provenance (each importer's accounting runs: every source tensor
     imported or skipped with a reason)."""
-    from jax_ucp._src.importers import registry
-
     recorded = manifest.source or {}
     skipped = recorded.get("skipped")
     said = skipped.values() if isinstance(skipped, dict) else ()
@@ -780,9 +780,6 @@ def compare_with_source(
             source's files (converted before jax_ucp recorded one, from an object store, or
             with it deleted) is compared without it; otherwise that is a problem.
     """
-    from jax_ucp._src import store
-    from jax_ucp._src.restoring import locate
-
     manifest = locate.read_consistently(ckpt, store.read_manifest)
     recorded_framework = str((manifest.source or {}).get("framework") or "")
     for entry in manifest.tensors:  # a record that leads out of the source is refused first
@@ -830,8 +827,6 @@ def local_source(src: str) -> None:
     """Refuses a source in an object store or on the Hub (``s3://``, ``gs://``, ``hf://``),
     naming its URL: the frameworks' own loaders read local files (a path joined from the URL
     became ``s3:/bucket/...``)."""
-    from jax_ucp._src import store
-
     if not store.storage_for(src).local:
         raise RequestError(
             f"verify(against={src!r}): --against reads the source with its framework's own "
@@ -887,9 +882,6 @@ def source_weights(ckpt: str, src: str, tree: str, planned=None) -> dict[str, np
     ``from_pretrained`` reads (a DCP folder, DeepSpeed, torch.save files). A weight no loader
     reads here is a ``SourceError`` naming it and why; ``planned``: ``Comparison.planned`` of
     the same source (None: its import planned again here)."""
-    from jax_ucp._src import store
-    from jax_ucp._src.restoring import locate
-
     manifest = locate.read_consistently(ckpt, store.read_manifest)
     expected = planned or _plan_again(src, manifest)
     out: dict[str, np.ndarray] = {}
@@ -966,8 +958,6 @@ _NO_LOADER = ("built ", "no framework loader", "no DeepSpeed loader")
 def _lazy(value: Any) -> bool:
     """Whether a planned item's value holds no tensor's memory yet (built when asked: a
     ``writer.Deferred``) or little (a step, a scalar)."""
-    from jax_ucp._src import writer
-
     return isinstance(value, writer.Deferred) or getattr(value, "nbytes", 1 << 20) < 1 << 16
 
 
@@ -975,8 +965,6 @@ def _lazy(value: Any) -> bool:
 def _dcp_read_by_torch():
     """Within it, each DCP tensor an importer reads (``DcpCheckpoint._assemble``: megatron-core's
     flat optimizer buckets) is read whole by torch's own ``dcp.load`` instead, a few kept."""
-    from jax_ucp._src.torchfiles.dcp import DcpCheckpoint
-
     kept: dict[tuple[str, str], np.ndarray] = {}
 
     def assemble(self: Any, t: Any, start: int, stop: int | None) -> np.ndarray:
@@ -1002,8 +990,6 @@ def _rebuilt(item: Any, fmt: str, why: str) -> tuple[np.ndarray, str]:
     torch's own ``dcp.load`` (each parameter's place in the buckets the import derives, every
     fp32 master checked against the model weight torch reads); of others by the import's
     readers, from the certified files."""
-    from jax_ucp._src import writer
-
     by_torch = fmt in ("torch_dist", "fsdp_dtensor")
     try:
         with _dcp_read_by_torch() if by_torch else contextlib.nullcontext():

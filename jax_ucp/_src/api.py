@@ -193,11 +193,12 @@ def verify(
         from jax_ucp._src.against import local_source
 
         local_source(os.fspath(against))
-    from jax_ucp._src.restoring import verify_source
-    from jax_ucp._src.restoring.sources import import_open
+    from jax_ucp._src.restoring import sources
 
-    found = import_open.import_for(os.fspath(path), warn=True)  # its importer, detected once
+    found = sources.imported(store.storage_for(path))  # its importer, detected once
     if found is not None:  # a torch source itself, no jax_ucp checkpoint
+        from jax_ucp._src.restoring import verify_source  # the importers: for a source only
+
         if against is not None:
             raise RequestError(
                 f"verify(against=) compares a converted checkpoint with its source; "

@@ -26,8 +26,12 @@ import numpy as np
 
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files
+from jax_ucp._src.language import load_spec
+from jax_ucp._src.models import TransformerLM
 from jax_ucp._src.models.hf_families import FAMILIES, LACKS, canonical_config
 from jax_ucp._src.models.transformer import hf_model
+from jax_ucp._src.restoring.inspecting import inspect
+from jax_ucp._src.restoring.restore_entry import restore
 
 __all__ = [
     "DEFAULT_TOLERANCE",
@@ -211,8 +215,6 @@ def _torch_and_transformers() -> tuple[Any, Any]:
 def _model_tree(ckpt: str) -> tuple[str, int]:
     """The checkpoint's tree of model weights (``model_params`` when the import kept a model
     precision apart from fp32 masters, else ``params``) and how many elements it holds."""
-    from jax_ucp._src.restoring.inspecting import inspect
-
     tensors = inspect(ckpt).tensors
     names = {e.name.split("/", 1)[0] for e in tensors}
     tree = "model_params" if "model_params" in names else "params"
@@ -315,10 +317,6 @@ def _checkpoint_logits(
     optimizer state is read."""
     import jax
     import jax.numpy as jnp
-
-    from jax_ucp._src.language import load_spec
-    from jax_ucp._src.models import TransformerLM
-    from jax_ucp._src.restoring.restore_entry import restore
 
     spec = load_spec(spec_name, **cfg.head_settings)
     params = restore(ckpt, spec=spec, select=rf"{tree}/.*")[tree]  # as fp32, like the torch side

@@ -13,14 +13,20 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp._src import language, store
 from jax_ucp._src.continuation import families
 from jax_ucp._src.continuation.deepspeed import deepspeed_recipe, recorded_config
+from jax_ucp._src.continuation.megatron import megatron_recipe
 from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
 from jax_ucp._src.continuation.trainer import check_logged_rates, trainer_rates
 from jax_ucp._src.errors import RequestError
+from jax_ucp._src.format import to_numpy_dtype
 from jax_ucp._src.format.files import strict_loads
 from jax_ucp._src.format.manifest import torch_optimizer_record
 from jax_ucp._src.language.recorded import spec_with_recorded_settings
+from jax_ucp._src.restoring import restore_entry, sources
+from jax_ucp._src.restoring.options import RestoreOptions
+from jax_ucp._src.restoring.sources import import_open
 
 __all__ = ["TorchOptimizer", "hf_schedule", "optax_from_torch", "run_arguments"]
 
@@ -465,8 +471,6 @@ def _mask_tree(saved_tensors: dict, spec, params, decayed: dict[str, bool], wher
     """Per leaf of ``params``: decayed or not, from the torch parameters it is made of."""
     import jax
 
-    from jax_ucp._src import language
-
     def of(names: list[str], leaf: str) -> bool:
         flags = {decayed.get(n) for n in names}
         if None in flags or len(flags) != 1:
@@ -540,13 +544,8 @@ class _Run:
 @contextlib.contextmanager
 def _opened_run(ckpt, options: Any):
     """``ckpt`` opened once: a converted checkpoint, or a torch source read in place."""
-    from jax_ucp._src.format import to_numpy_dtype
-    from jax_ucp._src.restoring import restore_entry
-    from jax_ucp._src.restoring.options import RestoreOptions
-    from jax_ucp._src.restoring.sources import import_open
-
     importing, given = getattr(options, "importing", None), getattr(options, "format", None)
-    found = import_open.import_for(ckpt, importing, given, warn=True)  # detected once
+    found = sources.imported(store.storage_for(ckpt), importing, given)  # detected once
     if found is None:
         from jax_ucp._src.api import inspect, restore
 
@@ -819,8 +818,6 @@ def _framework_recipe(source: dict, saved: dict, where: str, choice: str | None)
         return deepspeed_recipe(source, where, client)
     recipe = deepspeed_recipe(source, where)
     if recipe is None:
-        from jax_ucp._src.continuation.megatron import megatron_recipe
-
         recipe = megatron_recipe(source, saved, where)  # Megatron's arguments and scheduler
         if recipe is None:
             return None
@@ -1124,8 +1121,6 @@ def _restore_keywords(options: Any, spec: Any, where: str) -> dict[str, Any]:
     """``restore``'s keywords: those ``options`` (a RestoreOptions) sets, with ``spec``."""
     if options is None:
         return {"spec": spec}
-    from jax_ucp._src.restoring.options import RestoreOptions
-
     if not isinstance(options, RestoreOptions):
         raise TypeError(
             f"optax_from_torch(options=): a jax_ucp.RestoreOptions, not {type(options).__name__}"

@@ -193,13 +193,15 @@ def test_safetensors_beside_a_torch_optimizer_is_handed_to_the_torch_importer():
     assert registry.detect_format(src) == "safetensors"
     options = TorchOptions(parameter_order=order)
     claimed, files = registry.IMPORTERS["safetensors"], registry.IMPORTERS["torch_files"]
-    taker = registry.taken_over(src, claimed, options)
+    taker = registry.taken_over(storage_for(src), claimed, options)
     assert taker is registry.IMPORTERS["hf_trainer"] and taker.takes_over == ("safetensors",)
     handed = taker.plan(storage_for(src), options)
     assert handed is not None and handed.source["framework"] == "torch_files"
     assert handed.source["optimizer"]["param_groups"]
-    assert registry.taken_over(src, files, options) is files
-    assert registry.taken_over(src, claimed, TorchOptions(weights_only=True)) is claimed
+    assert registry.taken_over(storage_for(src), files, options) is files
+    assert (
+        registry.taken_over(storage_for(src), claimed, TorchOptions(weights_only=True)) is claimed
+    )
     with pytest.raises(UCPError, match=r"optimizer\.pt.*weights_only=True"):
         safetensors.plan(storage_for(src), TorchOptions())
     plan = registry.plan_import(src, options)
@@ -232,8 +234,10 @@ def test_takes_over_is_declared_by_the_importer_not_written_in_the_registry(monk
     options = TorchOptions()
     assert registry.plan_import(src, options, format="orbax").source == {"framework": "probe"}
     assert seen == [options]
-    assert registry.taken_over(src, registry.IMPORTERS["orbax"], TorchOptions(weights_only=True))
-    assert registry.taken_over(src, registry.IMPORTERS["orbax"], options) is probe
+    assert registry.taken_over(
+        storage_for(src), registry.IMPORTERS["orbax"], TorchOptions(weights_only=True)
+    )
+    assert registry.taken_over(storage_for(src), registry.IMPORTERS["orbax"], options) is probe
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,9 @@ import pytest
 from jax_ucp._src.language.plan import TensorInfo, compile_restore_plan
 from jax_ucp._src.language.recorded import spec_with_recorded_settings
 from jax_ucp._src.models.transformer import hf_model
+from jax_ucp._src.restoring import sources
 from jax_ucp._src.restoring.sources import import_open
+from jax_ucp._src.store import storage_for
 from jax_ucp.language import list_specs, load_spec
 from tests.ucp_testing import FIXTURES
 
@@ -86,7 +88,7 @@ def test_a_framework_spec_names_every_tensor_over_its_fixtures(name):
     fp32 masters, moments) with names."""
     walked = 0
     for rel, settings in SOURCES[name]:
-        storage, importer = import_open.import_for(os.path.join(FIXTURES, rel))
+        storage, importer = sources.imported(storage_for(os.path.join(FIXTURES, rel)))
         with import_open.opened_import(storage, importer) as imported:
             base = spec_with_recorded_settings(name, imported.source).with_settings(**settings)
             for layout in _layouts(base):
@@ -127,8 +129,8 @@ def test_a_hugging_face_family_spec_names_every_tensor(family):
 def test_mixtral_dense_layers_beside_moe_ones_are_named_synthetic():
     """No MoE fixture has a dense layer: one is added (synthetic, layer 2: the SwiGLU MLP of
     the fixture's sizes) to the real legacy MoE checkpoint's tensors."""
-    storage, importer = import_open.import_for(
-        os.path.join(FIXTURES, "megatron/legacy_moe_ep2_synthetic")
+    storage, importer = sources.imported(
+        storage_for(os.path.join(FIXTURES, "megatron/legacy_moe_ep2_synthetic"))
     )
     with import_open.opened_import(storage, importer) as imported:
         saved = {k: TensorInfo(*v) for k, v in imported.saved.items()}

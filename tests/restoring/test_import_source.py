@@ -24,7 +24,9 @@ import jax_ucp
 from jax_ucp._src.format import certificate, to_numpy_dtype
 from jax_ucp._src.importers.megatron import legacy as megatron_legacy
 from jax_ucp._src.importers.plan import ImportOptions
+from jax_ucp._src.restoring import sources
 from jax_ucp._src.restoring.sources import import_open
+from jax_ucp._src.store import storage_for
 from jax_ucp.language import load_spec
 from jax_ucp.models import LMConfig
 from tests.ucp_testing import REPO
@@ -136,7 +138,7 @@ def test_a_direct_restore_equals_convert_then_restore(tmp_path, src):
     assert list(tmp_path.iterdir()) == [tmp_path / "ucp"]  # no scratch copy anywhere else
     # the records as convert writes them in the manifest
     manifest = jax_ucp.inspect(ckpt)
-    found = import_open.import_for(src, ImportOptions())
+    found = sources.imported(storage_for(src), ImportOptions())
     assert found is not None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -286,7 +288,7 @@ def test_weights_only_reads_as_convert_weights_only(tmp_path, rel):
     _equal(converted, direct)
     assert "opt_state" not in direct
     weights = ImportOptions(weights_only=True)
-    found = import_open.import_for(src, weights)
+    found = sources.imported(storage_for(src), weights)
     assert found is not None
     with import_open.opened_import(*found, weights) as opened:
         assert opened.source == _uncertified(jax_ucp.inspect(ckpt).source)  # skipped listed

@@ -26,6 +26,8 @@ from jax_ucp._src.cli.fields import FromField, taking
 from jax_ucp._src.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
 from jax_ucp._src.format import ValueEntry, display, files
 from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
+from jax_ucp._src.restoring import steps as run_root
+from jax_ucp._src.version import __version__
 
 
 class _PlainPlaceholders:
@@ -92,8 +94,6 @@ app = typer.Typer(
 def _version(value: bool):
     output.fresh_console()
     if value:
-        from jax_ucp._src.version import __version__
-
         output.console.print(f"jax_ucp {__version__}", highlight=False)
         raise typer.Exit(0)
 
@@ -152,8 +152,6 @@ def _user_errors(fn):
 
 def _checkpoint_or_steps(path: str) -> None:
     """A CheckpointManager root is not a checkpoint: list its steps and how to pick one."""
-    from jax_ucp._src.restoring import steps as run_root
-
     if not os.path.isdir(path) or os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
         return
     try:
@@ -466,12 +464,10 @@ def _say_source_checked(bad) -> None:
 def _is_run_root(path: str) -> bool:
     """A CheckpointManager root: a folder without ucp.json whose committed steps hold UCP items
     (or a link or a damaged one)."""
-    from jax_ucp._src.restoring import steps
-
     if not os.path.isdir(path) or os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
         return False
     try:
-        return bool(steps.run_steps(path).steps)
+        return bool(run_root.run_steps(path).steps)
     except UCPError:
         return True  # its step names are the error: run_steps says why
 
@@ -481,7 +477,6 @@ def _verify_run(root: str, newest: int, memory_budget) -> None:
     then the step a resume takes: without fallback the newest step (an error if it is
     damaged), with fallback the newest intact one (``restoring.resume``'s rule)."""
     import jax_ucp
-    from jax_ucp._src.restoring import steps as run_root
 
     listed = run_root.run_steps(root)
     for notice in listed.notices:

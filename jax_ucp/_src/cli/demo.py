@@ -9,6 +9,10 @@ from __future__ import annotations
 import os
 import tempfile
 
+from jax_ucp._src.cli import layout
+from jax_ucp._src.errors import RequestError
+from jax_ucp._src.tree import flatten
+
 
 def _ensure_devices(n: int) -> None:
     # Must happen before JAX initialises its backend (importing jax does not).
@@ -101,7 +105,6 @@ def run(directory: str | None = None, console=None) -> bool:
     from rich.markup import escape
 
     import jax_ucp
-    from jax_ucp._src.errors import RequestError
 
     console = console or Console()
     if jax.device_count() < 8:
@@ -144,8 +147,6 @@ def _compare(state, a, b, plain):
     of any mismatch, the scalar values, {key: the three specs} of the arrays, all equal)."""
     import numpy as np
 
-    from jax_ucp._src.tree import flatten
-
     def flat(tree):
         return {key: leaf for key, _, leaf in flatten(tree)[0]}
 
@@ -180,8 +181,6 @@ def _report(console, rows, values, specs) -> None:
     """The three layouts' table, and one line for what it leaves out (optimizer moments, whether
     they follow their parameter's specs, and the scalars); the table is the CLI's (names
     wrapped at ``/`` to fit the terminal)."""
-    from jax_ucp._src.cli import layout
-
     console.print(
         "Restored onto two other meshes and as host numpy, each byte checked:\n"
         "  saved: 8 devices, mesh (data 2, model 4)\n"

@@ -106,28 +106,61 @@ _IN_PLACE = ("safetensors",)  # importers that fetch a remote source's ranges th
 
 
 @contextlib.contextmanager
-def _readable(source) -> Iterator[tuple[Storage, local_view.View | None]]:
-    """(the ``Storage`` the importers read ``source`` by, its view): ``source``'s own (chosen
-    here unless given), or for a remote folder or file that no importer reads in place
-    (safetensors fetches its own ranges) a local view of it (``store.storage.local_view``: its
-    archives' bytes fetched as they are read, its torch DCP folders read at their URL), its
-    errors naming ``source``."""
-    storage = store.storage_for(source)
+def _readable(storage: Storage) -> Iterator[tuple[Storage, local_view.View | None] | None]:
+    """(the ``Storage`` the importers read ``storage`` by, its view): ``storage`` itself, or for
+    a remote folder or file that no importer reads in place (safetensors fetches its own ranges)
+    a local view of it (``store.storage.local_view``: its archives' bytes fetched as they are
+    read, its torch DCP folders read at their URL), its errors naming ``storage.root``; None
+    when that remote prefix holds nothing a view shows (no torch archive nor DCP folder)."""
     if storage.local or any(IMPORTERS[n].detect(storage).found for n in _IN_PLACE):
         yield storage, None
         return
-    view, path = local_view.local_view(storage)
+    viewed = local_view.local_view(storage)
+    if viewed is None:
+        yield None
+        return
+    view, src = viewed
     with view.named():
-        yield store.storage_for(path), view
+        yield src, view
 
 
-class Unclaimed(SourceError):
-    """No importer claims the source (not a format's file gone wrong, nor two formats), with
-    what detection found, so that no caller asks again: ``run``, the run root it is, or None."""
+@dataclasses.dataclass(frozen=True)
+class Unclaimed:
+    """No importer claims the source (not a format's file gone wrong, nor two formats): the
+    detectors' report, so that no caller asks again: ``message`` says what each found, ``run``
+    the run root the source is (its steps: which to convert), or None."""
 
-    def __init__(self, message: str, run: TrainerRun | None = None):
-        super().__init__(message)
-        self.run = run
+    message: str
+    run: TrainerRun | None = None
+
+    def error(self) -> SourceError:
+        """The report as the error of a caller that needs an importer."""
+        return SourceError(self.message)
+
+
+def _nothing_viewed(storage: Storage) -> Unclaimed:
+    return Unclaimed(
+        f"{storage.root}: no torch archive ({', '.join(local_view.ARCHIVES)}) nor torch DCP "
+        f"{local_view.DCP} among its objects; only torch DCP, safetensors and folders of torch "
+        f"archives are read in place"
+    )
+
+
+def claim(
+    storage: Storage, format: str | None = None, options: ImportOptions | None = None
+) -> Importer | Unclaimed:
+    """The importer reading ``storage`` (as :func:`importer_for`), or the :class:`Unclaimed`
+    report when detection finds none: the one question a restore's open stage asks."""
+    if format in IMPORTERS and options is None:
+        return IMPORTERS[format]
+    with _readable(storage) as readable:
+        if readable is None:
+            return _nothing_viewed(storage)
+        src, view = readable
+        claimed, answers = _claimed(src, format)
+        if isinstance(claimed, Unclaimed):  # a view's run: its steps' files go with it
+            return claimed if view is None else Unclaimed(view.as_url(claimed.message))
+        return claimed if options is None else taken_over(src, claimed, options, answers)
 
 
 def detected(src) -> Importer:
@@ -135,12 +168,12 @@ def detected(src) -> Importer:
     holds (none is unpickled): of a format's layouts that find it, the first; a format claiming
     by its own markers before one claiming weakly. A source no importer claims is an error
     giving each one's reason."""
-    with _readable(src) as (storage, _):
-        return _detected(storage)[0]
+    return importer_for(src)
 
 
-def _detected(storage: Storage) -> tuple[Importer, dict[str, Detection]]:
-    """(the importer claiming ``storage``, every importer's answer: takers' too)."""
+def _detected(storage: Storage) -> tuple[Importer | Unclaimed, dict[str, Detection]]:
+    """(the importer claiming ``storage`` or why none does, every importer's answer: takers'
+    too)."""
     src = storage.root
     refused: dict[str, str] = {}
     weak: dict[str, Importer] = {}  # format -> its first layout that finds src
@@ -170,25 +203,25 @@ def _detected(storage: Storage) -> tuple[Importer, dict[str, Detection]]:
     if strong or weak:
         return next(iter((strong or weak).values())), answers
     if not os.path.isdir(src):
-        raise Unclaimed(
+        return Unclaimed(
             f"{src}: not a directory (expected a checkpoint folder, or a .safetensors, .bin, "
             f".pt, .pth or .ckpt file)."
-        )
+        ), answers
     run = trainer_run(src)  # a run root of checkpoints (``Importer.run``): which to convert
     if run is not None:
         names = ", ".join(os.path.basename(step.path) for step in reversed(run.steps))
-        raise Unclaimed(
+        return Unclaimed(
             f"{src}: {run.what} with {len(run.steps)} checkpoints: {names}. Convert one of them "
             f"(e.g. {run.steps[0].path}).",
             run,
-        )
+        ), answers
     found = sorted(os.listdir(src))
     listing = ", ".join(found[:12]) + (f", ... ({len(found)} entries)" if len(found) > 12 else "")
     tried = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
-    raise Unclaimed(
+    return Unclaimed(
         f"{src}: cannot tell the checkpoint format; it holds: {listing or 'nothing'}. Tried "
         f"{tried}. Use `--from {'|'.join(FORMATS)}` (`format=` in Python) to force one."
-    )
+    ), answers
 
 
 def _held(item, view: local_view.View):
@@ -231,14 +264,13 @@ def importer_for(
             :func:`taken_over`, told by the same detection: no detector is asked twice), to
             hand to :func:`plan_import` as its ``format``; None: the one claiming it.
     """
-    if format in IMPORTERS and options is None:
-        return IMPORTERS[format]
-    with _readable(source) as (storage, _):
-        claimed, answers = _claimed(storage, format)
-        return claimed if options is None else taken_over(storage, claimed, options, answers)
+    found = claim(store.storage_for(source), format, options)
+    if isinstance(found, Unclaimed):
+        raise found.error()
+    return found
 
 
-def _claimed(storage: Storage, format: str | None) -> tuple[Importer, dict | None]:
+def _claimed(storage: Storage, format: str | None) -> tuple[Importer | Unclaimed, dict | None]:
     """(the importer ``importer_for`` gives, the detection's answers when it detected)."""
     if format is None:
         return _detected(storage)
@@ -261,7 +293,7 @@ def _layout_reading(src: Storage, layouts: list[Importer]) -> Importer:
 
 
 def taken_over(
-    source, importer: Importer, options: ImportOptions, answers: dict | None = None
+    src: Storage, importer: Importer, options: ImportOptions, answers: dict | None = None
 ) -> Importer:
     """The importer that reads ``source`` whole: one whose ``takes_over`` names ``importer``'s
     format and whose ``detect`` finds the source too (safetensors weights beside a torch
@@ -270,14 +302,14 @@ def taken_over(
     importers say what they take over, this module hands it over.
 
     Args:
-        source: the checkpoint directory.
+        src: the checkpoint directory's storage.
         importer: the importer detected or named for it.
         options: the import options (their ``weights_only``).
         answers: the takers' ``detect`` answers when the source was detected (None: asked).
     """
     if options.weights_only:
         return importer
-    src, takers = store.storage_for(source), [t for t in IMPORTERS.values() if t.takes_over]
+    takers = [t for t in IMPORTERS.values() if t.takes_over]
     finds = (lambda t: answers[t.name]) if answers is not None else (lambda t: t.detect(src))
     found = (t for t in takers if importer.format in t.takes_over and finds(t).found)
     return next(found, importer)
@@ -342,9 +374,14 @@ def plan_import(
         The checked plan, its items accounted for.
     """
     storage = store.storage_for(source)  # chosen here unless given
-    with _readable(storage) as (src, view), parsed_once():  # verl hands over a parsed folder
+    with _readable(storage) as readable, parsed_once():  # verl hands over a parsed folder
+        if readable is None:
+            raise _nothing_viewed(storage).error()
+        src, view = readable
         given = isinstance(format, Importer)  # takers already asked
         importer, answers = (format, None) if given else _claimed(src, format)
+        if isinstance(importer, Unclaimed):
+            raise importer.error()
         handed = importer.hands_over(src) if importer.hands_over else None
         if handed is not None:  # another format's checkpoint inside this layout
             importer, src = IMPORTERS[handed[0]], store.storage_for(handed[1])

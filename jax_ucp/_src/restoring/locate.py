@@ -11,23 +11,31 @@ from typing import TypeVar, cast
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
-from jax_ucp._src.errors import CheckpointError, SaveConflictError
+from jax_ucp._src.errors import CheckpointError, RequestError, SaveConflictError
 from jax_ucp._src.restoring import steps
 from jax_ucp._src.store.storage import Storage, local
 
 T = TypeVar("T")
 
 
-def is_ucp(storage: Storage) -> bool:
-    """Whether ``storage`` is read as a UCP checkpoint rather than another source (safetensors):
-    an object-store prefix, a directory holding ucp.json or one with an item directory holding
-    it, or nothing there yet (a forced save's swap, or the error ``find_checkpoint`` gives)."""
-    path = storage.root
-    if not storage.local or storage.exists(fmt.MANIFEST_FILE):
-        return True
-    if os.path.isdir(path):  # an Orbax step directory holding a UCP item
-        return bool(steps.ucp_items(path))
-    return not os.path.lexists(path)
+def is_ucp(storage: Storage, explicit: bool = False) -> bool:
+    """Whether ``storage`` is read as a UCP checkpoint rather than a source ``convert`` reads,
+    asked once per restore: a manifest there, a local Orbax step directory holding a UCP item,
+    a CheckpointManager root (``find_checkpoint`` says which step to pass), or nothing there (a
+    forced save's swap, or the error ``find_checkpoint`` gives). ``explicit``: importing= or
+    format= was given, an error for a local checkpoint there."""
+    path, manifest = storage.root, storage.exists(fmt.MANIFEST_FILE)
+    if not storage.local:
+        return manifest
+    found = manifest or (
+        bool(steps.ucp_items(path)) if os.path.isdir(path) else not os.path.lexists(path)
+    )
+    if found and explicit and os.path.exists(path):
+        raise RequestError(
+            f"{path}: a jax_ucp checkpoint; importing= and format= apply to the sources "
+            f"convert reads (torch, DeepSpeed, Megatron, ...), not to a UCP checkpoint."
+        )
+    return found or (os.path.isdir(path) and bool(steps.with_ucp_items(path)))
 
 
 def find_checkpoint(storage: Storage) -> Storage:

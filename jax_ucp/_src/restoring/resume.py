@@ -22,7 +22,7 @@ from typing import Any
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import CheckpointError, ResumeWarning, SaveConflictError, SourceError
-from jax_ucp._src.restoring import locate, model, steps
+from jax_ucp._src.restoring import locate, model, sources, steps
 from jax_ucp._src.restoring.sources import ucp_source
 
 
@@ -186,8 +186,8 @@ def _unplannable(path: str) -> str | None:
     missing, damaged or unknown), None when it can."""
     from jax_ucp._src.restoring.sources import import_open
 
-    try:
-        found = import_open.import_for(path)  # its importer, detected once and handed on
+    try:  # its importer, detected once and handed on
+        found = sources.imported(store.storage_for(path), warn=False)
         if found is None:
             return f"{path}: no importer reads it"
         import_open.manifest_of(*found)

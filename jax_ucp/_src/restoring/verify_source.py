@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from jax_ucp._src import format as fmt
+from jax_ucp._src.importers.source_checks import SourceCheck, source_check
 from jax_ucp._src.restoring import engine, model
 from jax_ucp._src.restoring.sources import import_open
 
@@ -37,8 +38,6 @@ def verify_source(
       progress: called as ``progress(name, done, total)`` after each tensor.
       memory_budget: bytes the import and each read may hold at once.
     """
-    from jax_ucp._src.importers.source_checks import SourceCheck, source_check
-
     problems: list[tuple[str, str]] = []
     try:
         with import_open.opened_import(storage, importer, memory_budget=memory_budget) as imported:

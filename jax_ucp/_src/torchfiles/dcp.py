@@ -26,7 +26,7 @@ from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
 from jax_ucp._src.store import storage
-from jax_ucp._src.store.storage import Storage, local_view
+from jax_ucp._src.store.storage import Storage, local_view, ranged
 from jax_ucp._src.torchfiles import allow_list, dcp_transforms, torch_zip
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
 from jax_ucp._src.torchfiles.pickle_format import (
@@ -407,7 +407,8 @@ class DcpCheckpoint:
         for name, file, end in entries:
             if file not in sizes and isinstance(self.path, ObjectPath):
                 if self._long.get(file, -1) < ends[file]:
-                    self._long[file] = _object_size(self.path, file, ends[file])
+                    obj = self.path / file  # at least ends[file] bytes, else its size
+                    self._long[file] = ranged.object_size(obj.storage, obj.key, ends[file])
                 sizes[file] = self._long[file]
             if file not in sizes:
                 p = Path(self.file_path(file))
@@ -524,12 +525,6 @@ def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[Dc
     return element.tolist(), [chunks[i] for i in np.flatnonzero(inside)]
 
 
-def _object_size(root: ObjectPath, name: str, end: int) -> int:
-    """``end`` when object ``name`` holds that many bytes, else its size (-1: missing)."""
-    obj = root / name
-    return local_view.object_size(obj.storage, obj.key, end)
-
-
 def _file_range(path: Path | ObjectPath, offset: int, length: int, where: str) -> np.ndarray:
     """A read-only uint8 view of ``path[offset:offset+length]``, read by pread only (no SIGBUS)."""
     if isinstance(path, ObjectPath):  # pieces fetched at once, within the bytes in flight
@@ -545,8 +540,8 @@ def _file_range(path: Path | ObjectPath, offset: int, length: int, where: str) -
                 )
             out[at - offset : at - offset + n] = np.frombuffer(got, np.uint8)
 
-        kv, key = local_view.ranged(path.storage, path.key)
-        local_view.fetch_ranges(kv, key, [(offset, offset + length)], put, str(path))
+        kv, key = ranged.opened(path.storage, path.key)
+        ranged.fetch_ranges(kv, key, [(offset, offset + length)], put, str(path))
         out.flags.writeable = False
         return out
     try:

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 import jax_ucp
 from jax_ucp._src.importers.megatron import dcp
-from jax_ucp._src.store.storage import local_view, object_store
+from jax_ucp._src.store.storage import local_view, object_store, ranged
 from tests.importers.deepspeed.test_object_store import (
     assert_same,
     restores_as_local,
@@ -59,29 +59,21 @@ def test_megatron_fsdp_dtensor_in_an_object_store_restores_as_the_local_folder(
 
 def _gets(monkeypatch) -> list[tuple[str, int | None, int | None]]:
     """Every read of the object store from now on: (object name, start, stop) of a ranged one
-    (one call of ``local_view.fetch_ranges``, its pieces fetched at once, or a ranged GET),
+    (one call of ``ranged.fetch_ranges``, its pieces fetched at once, or a size probe),
     (name, None, None) of a whole GET."""
     gets: list[tuple[str, int | None, int | None]] = []
-    fetch, ranged, whole = local_view.fetch_ranges, local_view.read_range, object_store.read
-    size = local_view.object_size
+    fetch, size, whole = ranged.fetch_ranges, ranged.object_size, object_store.read
 
     def pieces(kv, key, ranges, put, url=""):
         gets.extend((key.rpartition("/")[2], a, b) for a, b in ranges)
         return fetch(kv, key, ranges, put, url)
 
-    monkeypatch.setattr(local_view, "fetch_ranges", pieces)
+    monkeypatch.setattr(ranged, "fetch_ranges", pieces)
     monkeypatch.setattr(
-        local_view,
+        ranged,
         "object_size",
         lambda where, name, end: (
             gets.append((name.rpartition("/")[2], end - 1, end)) or size(where, name, end)
-        ),
-    )
-    monkeypatch.setattr(
-        local_view,
-        "read_range",
-        lambda where, name, a, b: (
-            gets.append((name.rpartition("/")[2], a, b)) or ranged(where, name, a, b)
         ),
     )
     monkeypatch.setattr(
@@ -108,7 +100,7 @@ def test_megatron_dcp_objects_are_read_by_the_byte_ranges_of_the_chunks_read(
     The pieces of a chunk are fetched at once (4 KiB here, as 8 MiB ones of a larger chunk)."""
     root = os.path.join(REPO, "tests", "fixtures", src)
     url = upload(root, served(monkeypatch, s3_server))
-    monkeypatch.setattr(local_view, "PIECE", 4096)
+    monkeypatch.setattr(ranged, "PIECE", 4096)
     folder = os.path.join(root, inside)
     ck = dcp.open_dcp(folder)
     sizes = {f: os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)}
@@ -171,13 +163,13 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processe
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_ucp
-from jax_ucp._src.store.storage import local_view
-read, lock, fetch = [0], threading.Lock(), local_view.fetch_ranges
-def counting(kv, key, ranges, put):
+from jax_ucp._src.store.storage import ranged
+read, lock, fetch = [0], threading.Lock(), ranged.fetch_ranges
+def counting(kv, key, ranges, put, url=""):
     with lock:
         read[0] += sum(b - a for a, b in ranges) if key.endswith(".distcp") else 0
-    return fetch(kv, key, ranges, put)
-local_view.fetch_ranges = counting
+    return fetch(kv, key, ranges, put, url)
+ranged.fetch_ranges = counting
 mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 assert {d.process_index for d in mesh.devices[pid]} == {pid}
 whole = jax_ucp.restore(src)  # the local folder, to host: the single-process answer
@@ -196,7 +188,7 @@ def test_each_process_of_a_two_process_restore_fetches_only_its_chunks(
 ):
     """A 2-process job (4 CPU devices each, rows split over the processes) restores the TP=2
     torch_dist fixture from s3://: every shard equals the local folder's, and each process
-    fetches the chunks of its rows, not both ranks' (counted at ``local_view.fetch_ranges``)."""
+    fetches the chunks of its rows, not both ranks' (counted at ``ranged.fetch_ranges``)."""
     src = os.path.join(REPO, "tests", "fixtures", "megatron", "gpt_tp2")
     url = upload(src, served(monkeypatch, s3_server))
     results = run_workers(tmp_path, WORKER, url, src, devices=4, timeout=240)

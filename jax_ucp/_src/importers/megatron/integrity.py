@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
-from jax_ucp._src.store.storage import local_view
+from jax_ucp._src.store.storage import local_view, ranged
 
 __all__ = ["INTEGRITY_FILE", "verify_integrity"]
 
@@ -58,7 +58,7 @@ def _sha256(path: str) -> str:
     viewed = local_view.stored_at(path)
     if viewed is not None:  # a file of a remote source's local view: its object, by pieces
         h = hashlib.sha256()
-        for piece in local_view.pieces(*viewed):
+        for piece in ranged.pieces(*viewed):
             h.update(piece)
         return h.hexdigest()
     fd = files.open_regular(path)

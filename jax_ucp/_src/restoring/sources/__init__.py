@@ -15,20 +15,22 @@ if TYPE_CHECKING:
     from jax_ucp._src.store.storage import Storage
 
 
-def imported(storage: Storage, importing=None, format=None) -> tuple[Storage, Importer] | None:
-    """The open stage's branch for ``storage``: None for a UCP checkpoint (a manifest there, or
-    what ``locate`` explains), else ``(the storage read, the importer detected for it)``
-    (``import_open.import_for``). A local UCP checkpoint is told first, without loading any
-    importer's code.
+def imported(
+    storage: Storage, importing=None, format=None, *, warn: bool = True
+) -> tuple[Storage, Importer] | None:
+    """The open stage's one decision for ``storage``: None for a UCP checkpoint (a manifest
+    there, or what ``locate`` explains: ``locate.is_ucp``, asked once), else ``(the storage
+    read, the importer detected for it)`` (``import_open.import_for``: which importer, asked
+    once). A UCP checkpoint is told first, without loading any importer's code.
 
     Args:
       storage: the path restored, inspected or planned (its ``Storage``, chosen once).
       importing: the import options given (``RestoreOptions.importing``), or None.
       format: the format given (``RestoreOptions.format``), or None.
+      warn: a run root's newer steps passed over are said (``ResumeWarning``).
     """
-    explicit = importing is not None or format is not None
-    if storage.local and not explicit and locate.is_ucp(storage):
-        return None  # (a URL without ucp.json may be a source: import_for asks)
+    if locate.is_ucp(storage, explicit=importing is not None or format is not None):
+        return None
     from jax_ucp._src.restoring.sources import import_open
 
-    return import_open.import_for(storage, importing, format, warn=True)
+    return import_open.import_for(storage, importing, format, warn=warn)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -24,15 +23,13 @@ from jax_ucp._src import store, writer
 from jax_ucp._src.errors import (
     CheckpointError,
     MultiProcessError,
-    RequestError,
     ResumeWarning,
-    SourceError,
 )
+from jax_ucp._src.importers import registry
+from jax_ucp._src.language.recorded import spec_with_recorded_settings
 from jax_ucp._src.options import user_stacklevel
-from jax_ucp._src.restoring import locate, steps
 from jax_ucp._src.restoring.engine import OpenedSource
 from jax_ucp._src.restoring.sources.import_source import ImportSource
-from jax_ucp._src.store.storage.local_view import ViewError
 from jax_ucp._src.writer import layout as layout_lib
 
 if TYPE_CHECKING:
@@ -40,55 +37,33 @@ if TYPE_CHECKING:
 
 
 def import_for(
-    path, importing=None, format: str | None = None, *, warn: bool = False
+    storage: store.storage.Storage, importing=None, format: str | None = None, *, warn: bool = False
 ) -> tuple[store.storage.Storage, Importer] | None:
-    """``(the storage read, the importer convert would import it with)`` when a restore reads
-    ``path`` through an import (a trainer's run root: its newest complete step); None
-    when it is a UCP checkpoint (or what ``locate`` explains: a missing path, a CheckpointManager
-    root, a folder no importer claims). The importer is detected here once and passed down
-    (``opened_import``): no detector is asked again.
+    """``(the storage read, the importer convert would import it with)`` for a source that is
+    no UCP checkpoint (``sources.imported`` asked that once), a trainer's run root read as its
+    newest complete step; None when no importer claims it (the UCP reader's "not a jax_ucp
+    checkpoint"). The importer is asked of the registry once (``registry.claim``) and passed
+    down (``opened_import``): no detector is asked again.
 
     Args:
-      path: what was passed to restore / plan (its storage, once chosen).
+      storage: what was passed to restore / plan.
       importing: the import options given (``RestoreOptions.importing``), or None.
       format: the format given (``RestoreOptions.format``), or None.
       warn: a run root's newer steps passed over are said (``ResumeWarning``).
     """
-    from jax_ucp._src.importers import registry  # the edge restoring -> importers
-
-    storage = store.storage_for(path)
-    path, explicit = storage.root, importing is not None or format is not None
-    options = importing or registry.ImportOptions()
-    if not storage.local:
-        if storage.exists(fmt.MANIFEST_FILE):
-            return None
-        try:  # torch DCP, safetensors: ranged GETs; any other: through a local view
-            return storage, registry.importer_for(storage, format, options)
-        except ViewError:
-            raise  # a source there, damaged: never "no manifest"
-        except SourceError:
-            return None  # what no importer claims: the UCP reader's "no manifest"
-    if locate.is_ucp(storage):
-        if explicit and os.path.exists(path):
-            raise RequestError(
-                f"{path}: a jax_ucp checkpoint; importing= and format= apply to the sources "
-                f"convert reads (torch, DeepSpeed, Megatron, ...), not to a UCP checkpoint."
-            )
+    explicit = importing is not None or format is not None
+    found = registry.claim(storage, format, importing or registry.ImportOptions())
+    if not isinstance(found, registry.Unclaimed):
+        return storage, found
+    if explicit:
+        raise found.error()
+    if found.run is None:
         return None
-    if os.path.isdir(path) and steps.with_ucp_items(path):
-        return None  # a CheckpointManager root: locate says which step to pass
-    try:  # a format's own file gone wrong, two formats in one folder: raised as they are
-        return storage, registry.importer_for(storage, format, options)
-    except registry.Unclaimed as e:  # what the detectors found, asked once
-        if explicit:
-            raise
-        if e.run is None:
-            return None  # no importer claims it: the UCP reader's "not a jax_ucp checkpoint"
-        run = e.run
     # A torch trainer's run root that no importer reads itself (a Trainer's output_dir,
     # torchtitan's checkpoint/, OLMo-core's save folder): its newest complete step, as
     # restore(root, step="latest") takes it (``resume.latest_readable`` without fallback), each
     # newer step passed over said (warn=); the run the detectors listed, not listed again.
+    run, path = found.run, storage.root
     complete = [s for s in run.steps if s.problem is None]
     if not complete:
         whys = "; ".join(f"step {s.step}: {s.problem}" for s in run.steps)
@@ -99,7 +74,7 @@ def import_for(
             ResumeWarning,
             stacklevel=user_stacklevel(),  # the user's call
         )
-    return import_for(complete[0].path, importing, format)
+    return import_for(store.storage_for(complete[0].path), importing, format)
 
 
 def one_revision(storage: store.storage.Storage) -> store.storage.Storage:
@@ -141,30 +116,29 @@ class Import:
         found = self.opened.source
         assert isinstance(found, ImportSource)
         if spec is not None:  # a spec by name: the heads of its config.json
-            from jax_ucp._src.language.recorded import spec_with_recorded_settings
-
             spec = spec_with_recorded_settings(spec, self.source)
         return OpenedSource(found, found.available(spec), found.values)
 
 
 @contextlib.contextmanager
 def opened_import(
-    path, importer: Importer, importing=None, spec=None, memory_budget: int | None = None
+    storage: store.storage.Storage,
+    importer: Importer,
+    importing=None,
+    spec=None,
+    memory_budget: int | None = None,
 ) -> Iterator[Import]:
-    """``path`` opened through ``registry.plan_import`` for one restore, its tensors read in
+    """``storage`` opened through ``registry.plan_import`` for one restore, its tensors read in
     place; what the plan holds open is dropped after.
 
     Args:
-      path: the source (a folder, or a file).
-      importer: its importer (``import_for``: ``path`` is the one it gave).
+      storage: the source (a folder, or a file).
+      importer: its importer (``import_for``: ``storage`` is the one it gave).
       importing: the import options (an ``ImportOptions`` or a format's subclass; None: the
         format's defaults).
       spec: a restore-time spec whose views of the imported tensors are restored.
       memory_budget: bytes the importer may hold at once (``writer.memory_budget``).
     """
-    from jax_ucp._src.importers import registry  # the edge restoring -> importers
-
-    storage = store.storage_for(path)  # the restore's, when given
     path, checkpoint_format = storage.root, importer.format
     with writer.memory_budget_scope(memory_budget):
         plan = registry.plan_import(storage, importing, format=importer)  # no detector again
@@ -180,20 +154,20 @@ def opened_import(
             source.close()
 
 
-def manifest_of(path, importer: Importer, importing=None) -> fmt.Manifest:
-    """The manifest ``convert`` would write for ``path`` (``jax_ucp.inspect`` of a source read
+def manifest_of(storage: store.storage.Storage, importer: Importer, importing=None) -> fmt.Manifest:
+    """The manifest ``convert`` would write for ``storage`` (``jax_ucp.inspect`` of a source read
     in place): every entry as the writer records it, the import's record as its source; no
     shard digests (nothing is written), no tensor read (except what ``ImportSource`` builds to
     learn a shape).
 
     Args:
-      path: the source.
+      storage: the source.
       importer: its importer (``import_for``).
       importing: the import options (None: the format's defaults).
     """
     options = layout_lib.ArrayOptions()
     entries: list[fmt.Entry] = []
-    with opened_import(path, importer, importing) as imported:
+    with opened_import(storage, importer, importing) as imported:
         found = imported.opened.source
         assert isinstance(found, ImportSource)
         for key, t in found.tensors.items():

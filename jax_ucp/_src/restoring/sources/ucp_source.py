@@ -326,12 +326,10 @@ class _Fetch:
 
 
 def verify_shard_files(storage: store.storage.Storage, entry: fmt.TensorEntry) -> None:
-    """Before TensorStore reads ``entry``: each shard file exists, is a regular file, and (with
-    checksums) is the one the manifest lists (its digest), so a swapped, stale or missing shard
-    is an error naming the file, and a FIFO never blocks the read."""
-    if not storage.local:
-        verify_shard_objects(storage, [entry])
-        return
+    """Before TensorStore reads ``entry`` from a local directory: each shard file exists, is a
+    regular file, and (with checksums) is the one the manifest lists (its digest), so a swapped,
+    stale or missing shard is an error naming the file, and a FIFO never blocks the read (an
+    object store's shards: ``verify_shard_objects``, at once)."""
     kv = storage.kvstore(entry.dir)
     n_chunks = _chunks_per_shard(entry)
     for key in shard_file.grid_keys(entry.shape, entry.chunk_shape):

@@ -7,7 +7,7 @@ each); a zip archive (``.pt``, ``.pth``, ``.bin``, ``.ckpt``) is a sparse file o
 first :data:`HEAD` bytes and its zip directory are fetched (a suffix GET, two one-byte GETs
 holding the size the directory implies to the object's, a GET of the head).
 ``torchfiles.torch_zip.TorchArchive`` fetches the rest as it needs it (:meth:`Remote.fetch`:
-ranged GETs, concurrent within :data:`IN_FLIGHT` bytes): a member when the pickle references it
+ranged GETs, concurrent within ``ranged.IN_FLIGHT`` bytes): a member when the pickle references it
 or, for a lazily checked archive, when its bytes are first read (its mapping then cannot be
 touched, only read through ``format.mapped_file``), so a process fetches the members it reads.
 A torch DCP folder's ``.metadata`` and ``.distcp`` objects (plain, megatron-core's
@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterator
 import tensorstore as ts
 
 from jax_ucp._src.errors import RequestError, SourceError, UCPError
-from jax_ucp._src.store.in_flight import InFlightBytes
+from jax_ucp._src.store.storage import ranged
 from jax_ucp._src.store.storage.base import Storage
-from jax_ucp._src.store.storage.ranged import size_when_short
+from jax_ucp._src.store.storage.local import LocalDirectory
 
 ARCHIVES = (".pt", ".pth", ".bin", ".ckpt")  # fetched by ranges when they are zip archives
 DCP = ".metadata"  # a torch DCP folder's: it and its .distcp files read at their URL
@@ -45,8 +45,6 @@ HEAD = 4 << 10  # an archive's first bytes, fetched with its directory
 MAX_SMALL = 64 << 20  # other objects up to this size are fetched PLACING at once
 MAX_WHOLE = 1 << 30  # the largest other object fetched whole
 MAX_DIRECTORY = 256 << 20  # the largest zip directory fetched
-PIECE = 8 << 20  # bytes per ranged GET
-IN_FLIGHT = 64 << 20  # bytes of ranged GETs in flight at once
 PLACING = 16  # objects of a view placed at once
 #: small records whose reader takes a few bytes (a tracker's step number: ``runs.read_tracker``
 #: reads 4 KiB): never fetched past this, so a ``latest`` served as 1.2 GB costs 4 KiB
@@ -110,13 +108,13 @@ class Remote:
 
     def fetch(self, ranges: list[tuple[int, int]]) -> None:
         """Bytes ``[start, end)`` of each of ``ranges`` into the local file, those not here
-        yet: ranged GETs of :data:`PIECE` bytes, at most :data:`IN_FLIGHT` bytes in flight. An
+        yet: ranged GETs (``ranged.fetch_ranges``). An
         object shorter than ``size`` is an error naming it."""
         with self.lock:
             self._fetch([m for a, b in ranges for m in self.missing(a, min(b, self.size))])
 
     def _fetch(self, todo: list[tuple[int, int]]) -> None:
-        fetch_ranges(self.kv, self.key, todo, self._put, self.url)
+        ranged.fetch_ranges(self.kv, self.key, todo, self._put, self.url)
         merged: list[tuple[int, int]] = []
         for lo, hi in sorted([*self.here, *todo]):
             if merged and lo <= merged[-1][1]:
@@ -137,39 +135,6 @@ class Remote:
         view = memoryview(data)
         while view:
             view = view[os.pwrite(self.fd, view, at + len(data) - len(view)) :]
-
-
-def fetch_ranges(
-    kv: ts.KvStore,
-    key: str,
-    ranges: list[tuple[int, int]],
-    put: Callable[..., None],
-    url: str = "",
-) -> None:
-    """Bytes ``[start, end)`` of each of ``ranges`` of object ``key`` (at ``url``, for
-    messages): ranged GETs of :data:`PIECE` bytes, at most :data:`IN_FLIGHT` bytes in flight,
-    each handed on oldest first as ``put(at, n, data)``: the ``n`` bytes from ``at``, fewer
-    (none) where the object ends before, None when it is gone; another range answered is an
-    error naming both."""
-    window: InFlightBytes[tuple[int, int, ts.Future]] = InFlightBytes(IN_FLIGHT)
-
-    def finish(at: int, n: int, future) -> None:
-        try:
-            got = future.result()
-            data = bytes(got.value) if got.state == "value" else None
-        except ValueError as e:  # the range ends past the object's end (OUT_OF_RANGE)
-            size_when_short(e, url or key)
-            data = b""
-        put(at, n, data)
-
-    for start, end in ranges:
-        for at in range(start, end, PIECE):
-            n = min(PIECE, end - at)
-            for job in window.make_room(n):
-                finish(*job)
-            window.add((at, n, kv.read(key, byte_range=slice(at, at + n))), n)
-    for job in window.drain():
-        finish(*job)
 
 
 #: local file -> the archive it stands for, while its view or a reader holds it
@@ -247,9 +212,10 @@ class View:
                 del _views[key]
 
 
-def local_view(storage: Storage) -> tuple[View, str]:
-    """(the view, the local path standing for ``storage.root``): a folder, or a file when
-    ``storage.root`` names one object (a ``torch.save`` file)."""
+def local_view(storage: Storage) -> tuple[View, LocalDirectory] | None:
+    """(the view, the local storage standing for ``storage.root``): a folder, or a file when
+    ``storage.root`` names one object (a ``torch.save`` file); None when it holds no torch
+    archive nor torch DCP folder."""
     asked, now = storage.root, time.monotonic()
     names = [n for n in storage.names() if not n.endswith("/")]  # no folder markers
     parent, _, base = asked.rstrip("/").rpartition("/")
@@ -257,15 +223,11 @@ def local_view(storage: Storage) -> tuple[View, str]:
     if single:
         storage, names = type(storage)(parent), [base]
     if not any(n.lower().endswith(ARCHIVES) or n.rpartition("/")[2] == DCP for n in names):
-        raise SourceError(  # never a zarr array fetched whole
-            f"{asked}: no torch archive ({', '.join(ARCHIVES)}) nor torch DCP {DCP} among its "
-            f"{len(names)} objects; only torch DCP, safetensors and folders of torch archives "
-            f"are read in place"
-        )
+        return None  # never a zarr array fetched whole
     for key in [k for k, (built, *_) in _views.items() if now - built > REUSE]:
         del _views[key]
     if asked in _views and _views[asked][1] == names:
-        return _views[asked][2:]
+        return _views[asked][2], LocalDirectory(_views[asked][3])
     url = storage.root.rstrip("/")
     tmp = tempfile.TemporaryDirectory(prefix="ucp-view-")
     view = View(url, os.path.join(tmp.name, url.rpartition("/")[2] or "root"), tmp, storage)
@@ -274,7 +236,7 @@ def local_view(storage: Storage) -> tuple[View, str]:
     path = os.path.join(view.path, base) if single else view.path
     _views[asked] = now, names, view, path
     _viewed[os.path.realpath(view.path)] = view
-    return view, path
+    return view, LocalDirectory(path)
 
 
 def _place(storage: Storage, name: str, view: View) -> None:
@@ -313,7 +275,7 @@ def _place(storage: Storage, name: str, view: View) -> None:
 
 def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> bool:
     """A zip archive as a sparse file, its directory fetched (False: not one; fetched whole)."""
-    kv, key = ranged(storage, name)
+    kv, key = ranged.opened(storage, name)
     try:
         tail = kv.read(key, byte_range=slice(-TAIL, None)).result()
     except ValueError:  # shorter than TAIL: whole
@@ -328,7 +290,7 @@ def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> boo
     held: list[int] = []  # the size, held to the object's: a byte at size - 1, none at size
     if len(tail.value) <= size <= directory + MAX_DIRECTORY:
         probes = [(size - 1, size), (size, size + 1)]
-        fetch_ranges(
+        ranged.fetch_ranges(
             kv, key, probes, lambda at, n, got: held.append(len(got or b"")), storage.join(name)
         )
     if held != [1, 0]:
@@ -345,66 +307,6 @@ def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> boo
     _remotes[os.path.realpath(path)] = remote
     view.remotes.append(remote)
     return True
-
-
-def ranged(storage: Storage, name: str) -> tuple[ts.KvStore, str]:
-    """The opened kvstore object ``name`` of ``storage`` is read from by byte ranges, and its
-    key there."""
-    spec, key = storage.ranged(name)
-    return ts.KvStore.open(spec).result(), key
-
-
-def object_size(storage: Storage, name: str, end: int) -> int:
-    """``end`` when object ``name`` of ``storage`` holds at least ``end`` bytes, else its
-    real size (-1: no such object): a GET of its last byte, the size from the server's answer
-    when it ends before (a local view's stand-in is empty: its size says nothing)."""
-    kv, key = ranged(storage, name)
-    for start in (max(end - 1, 0), 0):  # a range from 0 tells the size where one past it cannot
-        try:
-            got = kv.read(key, byte_range=slice(start, end)).result()
-        except ValueError as e:
-            size = size_when_short(e, storage.join(name))
-            if size is not None:
-                return size
-            continue
-        return -1 if got.state != "value" else start + len(got.value)
-    return 0 if storage.exists(name) else -1
-
-
-def read_range(storage: Storage, name: str, start: int, stop: int) -> bytes | None:
-    """Bytes ``[start, stop)`` of object ``name`` of ``storage`` (one ranged GET): None when
-    there is no such object, fewer (maybe none) when it ends before ``stop``."""
-    kv, key = ranged(storage, name)
-    try:
-        got = kv.read(key, byte_range=slice(start, stop)).result()
-    except ValueError as e:  # the range starts past the end (OUT_OF_RANGE)
-        size = size_when_short(e, storage.join(name))
-        if size is not None and size > start:  # it ends inside the range: those bytes
-            return read_range(storage, name, start, size)
-        return b"" if storage.exists(name) else None
-    return bytes(got.value) if got.state == "value" else None
-
-
-def pieces(storage: Storage, name: str) -> Iterator[bytes]:
-    """Object ``name`` of ``storage``, :data:`PIECE` bytes per ranged GET (the last one to its
-    end); FileNotFoundError when there is none."""
-    (kv, key), at = ranged(storage, name), 0
-    while True:
-        try:
-            got = kv.read(key, byte_range=slice(at, at + PIECE)).result()
-        except ValueError as e:  # fewer bytes left: the rest (none: OUT_OF_RANGE again)
-            size_when_short(e, storage.join(name))
-            try:
-                got = kv.read(key, byte_range=slice(at, None)).result()
-            except ValueError as again:
-                size_when_short(again, storage.join(name))
-                return
-        if got.state != "value":
-            raise FileNotFoundError(storage.join(name))
-        yield bytes(got.value)
-        if len(got.value) < PIECE:
-            return
-        at += PIECE
 
 
 _EOCD = struct.Struct("<4sHHHHIIH")

@@ -1,8 +1,9 @@
 """The read half of a medium: one file read at any offset (``Storage.reader``), ``pread`` on a
 local file, ranged GETs of an object-store object or a Hub file (where ``Storage.ranged`` says it
 is read from: the Hub's CDN redirect followed there), so that a reader of a format that reads
-parts of a file (safetensors' header, then each tensor's rows) is one reader whatever the medium.
-JAX-free.
+parts of a file (safetensors' header, then each tensor's rows) is one reader whatever the medium;
+and the ranged reads of a remote file every reader shares (``fetch_ranges``: pieces in flight at
+once, ``object_size``, ``pieces``). JAX-free.
 """
 
 from __future__ import annotations
@@ -10,16 +11,21 @@ from __future__ import annotations
 import abc
 import os
 import re
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import tensorstore as ts
 
 from jax_ucp._src.errors import SourceError, tensorstore_message
 from jax_ucp._src.format import files, mapped_file
+from jax_ucp._src.store.in_flight import InFlightBytes
 
 if TYPE_CHECKING:
     from jax_ucp._src.store.storage.base import Storage
 
+
+PIECE = 8 << 20  # bytes per ranged GET
+IN_FLIGHT = 64 << 20  # bytes of ranged GETs in flight at once
 
 #: TensorStore's OUT_OF_RANGE for a ranged read answered with other bytes than asked
 _ANSWERED = re.compile(
@@ -96,8 +102,7 @@ class RangedObject(RandomAccess):
     TensorStore's kvstore drivers (opened once per file)."""
 
     def __init__(self, storage: Storage, name: str):
-        spec, self.key = storage.ranged(name)
-        self.kv = ts.KvStore.open(spec).result()
+        self.kv, self.key = opened(storage, name)
         self.shown = storage.join(name)
 
     def read(self, offset: int, n: int) -> bytes | None:
@@ -107,3 +112,82 @@ class RangedObject(RandomAccess):
             size_when_short(e, self.shown)  # (another range answered: named here)
             raise RangeError(tensorstore_message(e)) from None
         return bytes(got.value) if got.state == "value" else None
+
+
+def opened(storage: Storage, name: str) -> tuple[ts.KvStore, str]:
+    """The opened kvstore object ``name`` of ``storage`` is read from by byte ranges, and its
+    key there."""
+    spec, key = storage.ranged(name)
+    return ts.KvStore.open(spec).result(), key
+
+
+def object_size(storage: Storage, name: str, end: int) -> int:
+    """``end`` when object ``name`` of ``storage`` holds at least ``end`` bytes, else its
+    real size (-1: no such object): a GET of its last byte, the size from the server's answer
+    when it ends before (a local view's stand-in is empty: its size says nothing)."""
+    kv, key = opened(storage, name)
+    for start in (max(end - 1, 0), 0):  # a range from 0 tells the size where one past it cannot
+        try:
+            got = kv.read(key, byte_range=slice(start, end)).result()
+        except ValueError as e:
+            size = size_when_short(e, storage.join(name))
+            if size is not None:
+                return size
+            continue
+        return -1 if got.state != "value" else start + len(got.value)
+    return 0 if storage.exists(name) else -1
+
+
+def pieces(storage: Storage, name: str) -> Iterator[bytes]:
+    """Object ``name`` of ``storage``, :data:`PIECE` bytes per ranged GET (the last one to its
+    end); FileNotFoundError when there is none."""
+    (kv, key), at = opened(storage, name), 0
+    while True:
+        try:
+            got = kv.read(key, byte_range=slice(at, at + PIECE)).result()
+        except ValueError as e:  # fewer bytes left: the rest (none: OUT_OF_RANGE again)
+            size_when_short(e, storage.join(name))
+            try:
+                got = kv.read(key, byte_range=slice(at, None)).result()
+            except ValueError as again:
+                size_when_short(again, storage.join(name))
+                return
+        if got.state != "value":
+            raise FileNotFoundError(storage.join(name))
+        yield bytes(got.value)
+        if len(got.value) < PIECE:
+            return
+        at += PIECE
+
+
+def fetch_ranges(
+    kv: ts.KvStore,
+    key: str,
+    ranges: list[tuple[int, int]],
+    put: Callable[..., None],
+    url: str = "",
+) -> None:
+    """Bytes ``[start, end)`` of each of ``ranges`` of object ``key`` (at ``url``, for
+    messages): ranged GETs of :data:`PIECE` bytes, at most :data:`IN_FLIGHT` bytes in flight,
+    each handed on oldest first as ``put(at, n, data)``: the ``n`` bytes from ``at``, fewer
+    (none) where the object ends before, None when it is gone; another range answered is an
+    error naming both."""
+    window: InFlightBytes[tuple[int, int, ts.Future]] = InFlightBytes(IN_FLIGHT)
+
+    def finish(at: int, n: int, future) -> None:
+        try:
+            got = future.result()
+            data = bytes(got.value) if got.state == "value" else None
+        except ValueError as e:  # the range ends past the object's end (OUT_OF_RANGE)
+            size_when_short(e, url or key)
+            data = b""
+        put(at, n, data)
+
+    for start, end in ranges:
+        for at in range(start, end, PIECE):
+            n = min(PIECE, end - at)
+            for job in window.make_room(n):
+                finish(*job)
+            window.add((at, n, kv.read(key, byte_range=slice(at, at + n))), n)
+    for job in window.drain():
+        finish(*job)
