@@ -217,3 +217,40 @@ def test_a_verl_scheduler_whose_base_lrs_are_not_the_groups_initial_lr_is_refuse
     with pytest.raises(jax_ucp.SourceError, match=r"disagree on the base learning rate") as e:
         _continue(src)
     assert "extra_state_world_size_*_rank_0.pt lr_scheduler base_lrs[0]" in str(e.value)
+
+
+LEGACY = "megatron/legacy_gpt_distopt_pp2dp2_synthetic"
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda t: t["args"].state.update(lr=0.02), r"args\.lr: .*000/model_optim_rng\.pt"),
+        (lambda t: t.update(iteration=5), r"iteration: .*001/model_optim_rng\.pt iteration = 5"),
+        (lambda t: t["opt_param_scheduler"].update(num_steps=3), r"num_steps: .* = 3"),
+        (
+            lambda t: t["optimizer"]["optimizer"]["param_groups"][1].update(betas=(0.8, 0.95)),
+            r"param_groups\.betas: .*000/model_optim_rng\.pt optimizer param_groups\[\*\]\.betas",
+        ),
+    ],
+)
+def test_a_megatron_rank_file_that_differs_from_the_others_is_refused(tmp_path, edit, said):
+    """Every legacy rank file saves the run's args, scheduler state, iteration and group
+    hyper-parameters: pipeline stage 1's edited alone is refused at import (rank 0's was the
+    only one read), each file named; weights_only reads no optimizer and imports."""
+    src = _copy(tmp_path, LEGACY)
+    stage = os.path.join(src, "iter_0000002", "mp_rank_00_001", "model_optim_rng.pt")
+
+    def change(t):
+        groups = t["optimizer"]["optimizer"]["param_groups"]
+        if "betas" in said:  # both groups of this rank, so it holds one value, another rank's
+            groups[0]["betas"] = (0.8, 0.95)
+        edit(t)
+
+    edit_torch_file(stage, change)
+    with pytest.raises(jax_ucp.SourceError, match=r"records of this save disagree on") as e:
+        jax_ucp.convert(src, str(tmp_path / "out"))
+    assert e.match(said), str(e.value)
+    jax_ucp.convert(
+        src, str(tmp_path / "w"), importing=jax_ucp.conversion.ImportOptions(weights_only=True)
+    )
