@@ -254,3 +254,23 @@ def test_a_megatron_rank_file_that_differs_from_the_others_is_refused(tmp_path, 
     jax_ucp.convert(
         src, str(tmp_path / "w"), importing=jax_ucp.conversion.ImportOptions(weights_only=True)
     )
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ({"max_steps_per_epoch": 2}, r"step = 3, epochs_run = 1, max_steps_per_epoch = 2"),
+        ({"epochs_run": 2}, r"step = 3, epochs_run = 2: not a whole number of steps per epoch"),
+        ({"total_epochs": 0}, r"epochs_run = 1, total_epochs = 0: more epochs run"),
+    ],
+)
+def test_a_torchtune_step_its_progress_records_do_not_allow_is_refused(tmp_path, edit, said):
+    """torchtune resumes its schedule at epochs_run x one epoch's steps, not at the Adam step:
+    a recipe_state.pt whose progress cannot have made its step is refused, both named."""
+    src = _copy(tmp_path, "torchtune/tt_fp32")
+    if "epochs_run" in edit:  # its weights are then epoch_1's, as the recipe names them
+        os.rename(os.path.join(src, "epoch_0"), os.path.join(src, "epoch_1"))
+    recipe = os.path.join(src, "recipe_state", "recipe_state.pt")
+    edit_torch_file(recipe, lambda t: t.update(edit))
+    with pytest.raises(jax_ucp.SourceError, match=said):
+        jax_ucp.convert(src, str(tmp_path / "out"))
