@@ -274,3 +274,29 @@ def test_a_torchtune_step_its_progress_records_do_not_allow_is_refused(tmp_path,
     edit_torch_file(recipe, lambda t: t.update(edit))
     with pytest.raises(jax_ucp.SourceError, match=said):
         jax_ucp.convert(src, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda g: g[0].update(betas=(0.8, 0.999)), r"on param_groups\[0\]\.betas: .*rank_1\.pt "),
+        (
+            lambda g: g[0].update(weight_decay=0.5),
+            r"rank_1\.pt param_groups\[0\]\.weight_decay = 0\.5",
+        ),
+        (
+            lambda g: g.append(dict(g[0])),
+            r"on the number of param groups: .*rank_1\.pt param_groups = 2",
+        ),
+    ],
+)
+def test_a_verl_rank_whose_param_groups_differ_is_refused(tmp_path, edit, said):
+    """Rank 1's optimizer file edited alone: each rank steps its shard with one optimizer's
+    groups, so the import is refused naming both ranks' files and values (it said only that
+    rank 1's differed)."""
+    src = _copy(tmp_path, "verl/fsdp2")
+    optim = os.path.join(src, "global_step_3", "actor", "optim_world_size_2_rank_1.pt")
+    edit_torch_file(optim, lambda t: edit(t["param_groups"]))
+    with pytest.raises(jax_ucp.SourceError, match=r"records of this save disagree") as e:
+        jax_ucp.convert(src, str(tmp_path / "out"))
+    assert e.match(said) and "optim_world_size_2_rank_0.pt param_groups" in str(e.value)
