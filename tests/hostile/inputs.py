@@ -236,6 +236,23 @@ KINDS = {
             jax=True,
             ops=("record-disagree", "path-form"),
         ),
+        # the readers continued besides Adam (SGD, torch Muon beside AdamW, transformers'
+        # Adafactor): their groups and state fuzzed (group-fuzz), and every other operator
+        Kind(
+            "optimizer_families",
+            ("torch/muon_adamw_synthetic.pt", "torch/adafactor_synthetic.pt", "torch/sgd_single"),
+            ("optax-direct",),
+            ("convert",),
+            jax=True,
+        ),
+        Kind(
+            "optimizer_groups",
+            ("torch/muon_adamw_synthetic.pt", "torch/adafactor_synthetic.pt"),
+            ("optax-direct",),
+            ("convert",),
+            jax=True,
+            ops=("group-fuzz",),
+        ),
         # a run setting ucp.json records rewritten: verify --against its source reports it
         Kind(
             "ucp_settings",

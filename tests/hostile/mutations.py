@@ -867,6 +867,84 @@ def settings_rewrite(c: Context) -> Mutation | None:
     return Mutation("settings-rewrite", "ucp.json", ".".join(map(str, at)) + " changed")
 
 
+#: what ``group-fuzz`` puts in a param group's field: gone, a string, absurd, negative, a list
+_FUZZ = ("<gone>", "x", 1e308, -1, [1, 2, 3], None)
+
+
+def _fuzz_targets(node, out: list) -> None:
+    """Every param group (a dict in a ``param_groups`` list) and every tensor rebuild call of a
+    torch pickle's tree, depth first."""
+    from jax_ucp._src.torchfiles.pickle_format import Call
+
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "param_groups" and isinstance(v, list):
+                out += [("group", g) for g in v if isinstance(g, dict)]
+            _fuzz_targets(v, out)
+    elif isinstance(node, list | tuple):
+        for v in node:
+            _fuzz_targets(v, out)
+    elif isinstance(node, Call):
+        if getattr(node.fn, "name", "") == "_rebuild_tensor_v2" and len(node.args) > 3:
+            out.append(("tensor", node))
+        else:
+            _fuzz_targets(node.args, out)
+
+
+def group_fuzz(c: Context) -> Mutation | None:
+    """An optimizer's inputs fuzzed in its torch file: one param group field gone or made a
+    string, absurd, negative, a list or None; or one state tensor given another shape (a row
+    more, or 2**40 elements) than its storage holds. The readers (Adam, SGD, Muon, Adafactor)
+    must refuse it by name, never continue on a wrong value."""
+    from tests import torch_edit
+
+    torch_files = [f for f in c.files if f.endswith((".pt", ".bin"))]
+    if not torch_files:
+        return None
+    rel = c.rng.choice(torch_files)
+    try:
+        with zipfile.ZipFile(c.path(rel)) as z:
+            pkl = [n for n in z.namelist() if n.endswith("data.pkl")]
+            tree = torch_edit.loads(z.read(pkl[0])) if pkl else None
+    except Exception:
+        return None
+    targets: list = []
+    _fuzz_targets(tree, targets)
+    if not targets:
+        return None
+    groups = [i for i, (what, _) in enumerate(targets) if what == "group"]
+    tensors = [i for i, (what, _) in enumerate(targets) if what == "tensor"]
+    i = c.rng.choice(c.rng.choice([p for p in (groups, tensors) if p]))  # either, alike
+    what, node = targets[i]
+    if what == "group":
+        key = c.rng.choice(sorted(k for k in node if k != "params") or ["lr"])
+        value = c.rng.choice(_FUZZ)
+        said = f"param group field {key!r} -> {value!r}"
+    else:
+        size = tuple(node.args[2])
+        absurd = c.rng.random() < 0.5
+        shape = (2**40,) if absurd or not size else (size[0] + 1, *size[1:])
+        said = f"a state tensor's shape {list(size)} -> {list(shape)}"
+
+    def change(t) -> None:
+        found: list = []
+        _fuzz_targets(t, found)
+        _, target = found[i]
+        if what == "tensor":
+            args = list(target.args)
+            args[2] = shape
+            if len(shape) != len(size):  # a contiguous stride for the new shape
+                args[3] = (1,)
+            object.__setattr__(target, "args", tuple(args))  # a frozen node, edited in place
+        elif value == "<gone>":
+            target.pop(key, None)
+        else:
+            target[key] = value
+
+    torch_edit.edit_torch_file(c.path(rel), change)
+    return Mutation("group-fuzz", rel, said)
+
+
 #: how ``path-form`` hands the entry points their path (the child builds it, from a working
 #: directory reached through a link, ``child.path_in_form``); the last two: paths through
 #: symlinks, a linked parent folder (a mounted data disk) and a link to the input itself
@@ -889,6 +967,7 @@ SEMANTIC_OPS = {
     "array-out": array_out,
     "record-disagree": record_disagree,
     "settings-rewrite": settings_rewrite,
+    "group-fuzz": group_fuzz,
 }
 
 
