@@ -250,7 +250,18 @@ REFUSED = [
     ("opt_param_scheduler", {"wd_incr_style": "step"}, SourceError, r"wd_incr_style = 'step'"),
     ("opt_param_scheduler", {"wd_incr_style": "constant"}, SourceError, r"constant wd_incr"),
     ("opt_param_scheduler", {"wd_incr_steps": 0}, SourceError, r"wd_incr_steps = 0"),
-    ("opt_param_scheduler", {"max_lr": 0.02}, SourceError, r"groups' max_lr 0\.01 is not"),
+    ("opt_param_scheduler", {"max_lr": 0.02}, SourceError, r"max_lr = 0\.02; args\.lr = 0\.01"),
+    # the args that made the scheduler (issue 68: every record of a fact agrees)
+    ("args", {"lr": 0.02}, SourceError, r"on max_lr: .*= 0\.01; args\.lr = 0\.02"),
+    ("args", {"min_lr": 0.0}, SourceError, r"on min_lr: .*args\.min_lr = 0"),
+    ("args", {"lr_decay_style": "linear"}, SourceError, r"args\.lr_decay_style = 'linear'"),
+    ("args", {"train_iters": 300}, SourceError, r"lr_decay_steps = 400; args\.train_iters x "),
+    ("args", {"lr_decay_iters": 50}, SourceError, r"args\.lr_decay_iters x .* = 200"),
+    ("args", {"lr_warmup_iters": 3}, SourceError, r"lr_warmup_steps = 4; args\.lr_warmup_iter"),
+    ("args", {"lr_warmup_fraction": 0.5}, SourceError, r"lr_warmup_fraction x .* = 200\.0"),
+    ("args", {"end_weight_decay": 0.2}, SourceError, r"end_wd = 0\.1; args\.end_weight_decay"),
+    ("args", {"weight_decay_incr_style": "cosine"}, SourceError, r"on wd_incr_style"),
+    ("args", {"consumed_train_samples": 12}, SourceError, r"num_steps = 8; .*samples = 12"),
     ("opt_param_scheduler", {"end_iter": 5}, SourceError, r"\['end_iter'\]: an AnnealingLR"),
     ("opt_param_scheduler", {"lr_decay_style": "WSD"}, SourceError, r"lr_wsd_decay_iters"),
     ("opt_param_scheduler", {"tier_lr_multiplier": 2}, RequestError, r"\['tier_lr_multiplier'\]"),
@@ -289,6 +300,7 @@ def test_wsd_from_the_scheduler_state_itself(scheduled):
         init_lr=0.0,
     )
     edited = _edit(edited, "param_groups", lr=None)  # set by the cosine run: not this schedule
+    edited = _edit(edited, "args", lr_decay_style="WSD", lr_wsd_decay_iters=25)  # as its args
     recipe = megatron_recipe(edited, saved, "ckpt")
     assert recipe is not None
     # 400 decay samples, the last 100 annealed linearly from max_lr 0.01 to min_lr 0.001
@@ -322,8 +334,24 @@ def test_warmup_start_unknown_while_warming_up(scheduled):
     recipe = megatron_recipe(edited, saved, "ckpt")  # warm-up over at 8 samples: unused
     assert recipe is not None and any("lr_warmup_init not recorded" in n for n in recipe.notes)
     warming = _edit(edited, "opt_param_scheduler", lr_warmup_steps=40)
+    warming = _edit(warming, "args", lr_warmup_iters=10)  # 40 samples, as the scheduler says
     with pytest.raises(SourceError, match=r"lr_warmup_init is not recorded.*8 of 40"):
         megatron_recipe(warming, saved, "ckpt")
+
+
+def test_a_scheduler_kept_from_the_checkpoint_is_not_compared_with_the_args(scheduled):
+    """use_checkpoint_opt_param_scheduler: Megatron keeps the saved scheduler whatever its args
+    say (no assert on load), so args that differ are said, not refused."""
+    source, saved = scheduled
+    edited = _edit(source, "args", lr=0.02, train_iters=300)
+    with pytest.raises(SourceError, match=r"disagree on max_lr"):
+        megatron_recipe(edited, saved, "ckpt")
+    kept = _edit(edited, "args", use_checkpoint_opt_param_scheduler=True)
+    recipe = megatron_recipe(kept, saved, "ckpt")
+    assert recipe is not None and any(
+        "use_checkpoint_opt_param_scheduler" in n for n in recipe.notes
+    )
+    np.testing.assert_allclose(float(recipe.learning_rate(2)), SAVED_LR, rtol=1e-6)
 
 
 def test_clip_zero_is_no_clipping_and_unrecorded_clip_is_said(scheduled):

@@ -247,3 +247,36 @@ def test_a_jax_continued_sgd_and_muon_run_goes_back_to_torch(tmp_path):
         run = jax_ucp.optax_from_torch(path)
     params, state = _continue(run, grads, want)
     _back_in_torch(run, params, state, model, pair(), x)
+
+
+@pytest.mark.parametrize(
+    ("file", "edit", "error", "said"),
+    [
+        # a raw ValueError before (harness optimizer_groups seed 0 #11)
+        ("adafactor", lambda o: o["param_groups"][0].update(weight_decay="x"),
+         jax_ucp.SourceError, r"param_groups\[0\]\.weight_decay = 'x': expected a number >= 0"),
+        # continued undecayed before (#32)
+        ("muon_adamw", lambda o: o[1]["param_groups"][0].pop("weight_decay"),
+         jax_ucp.SourceError, r"weight_decay = '<missing>'"),
+        # continued with it before (#78)
+        ("muon_adamw", lambda o: o[0]["param_groups"][0].update(eps=1e308),
+         jax_ucp.RequestError, r"eps = 1e\+308: expected a number in \[0, 1\.0\)"),
+        ("muon_adamw", lambda o: o[1]["param_groups"][0].update(eps=2.0),
+         jax_ucp.RequestError, r"eps = 2\.0: 1 or more swamps every update"),
+    ],
+)  # fmt: skip
+def test_a_fuzzed_group_of_a_saved_run_is_refused_by_name(tmp_path, file, edit, error, said):
+    """The saved Muon + AdamW and Adafactor runs (tools/fixtures/make_optimizer_family_fixtures.py)
+    with one group field fuzzed, as the harness's group-fuzz does: refused naming the field."""
+    import os
+    import shutil
+
+    from tests.torch_edit import edit_torch_file
+    from tests.ucp_testing import REPO
+
+    path = str(tmp_path / f"{file}_synthetic.pt")
+    shutil.copyfile(os.path.join(REPO, "tests", "fixtures", "torch", f"{file}_synthetic.pt"), path)
+    edit_torch_file(path, lambda t: edit(t["optimizer"]))
+    with warnings.catch_warnings(), pytest.raises(error, match=said):
+        warnings.simplefilter("ignore", UserWarning)
+        jax_ucp.optax_from_torch(path)

@@ -217,3 +217,86 @@ def test_a_verl_scheduler_whose_base_lrs_are_not_the_groups_initial_lr_is_refuse
     with pytest.raises(jax_ucp.SourceError, match=r"disagree on the base learning rate") as e:
         _continue(src)
     assert "extra_state_world_size_*_rank_0.pt lr_scheduler base_lrs[0]" in str(e.value)
+
+
+LEGACY = "megatron/legacy_gpt_distopt_pp2dp2_synthetic"
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda t: t["args"].state.update(lr=0.02), r"args\.lr: .*000/model_optim_rng\.pt"),
+        (lambda t: t.update(iteration=5), r"iteration: .*001/model_optim_rng\.pt iteration = 5"),
+        (lambda t: t["opt_param_scheduler"].update(num_steps=3), r"num_steps: .* = 3"),
+        (
+            lambda t: t["optimizer"]["optimizer"]["param_groups"][1].update(betas=(0.8, 0.95)),
+            r"param_groups\.betas: .*000/model_optim_rng\.pt optimizer param_groups\[\*\]\.betas",
+        ),
+    ],
+)
+def test_a_megatron_rank_file_that_differs_from_the_others_is_refused(tmp_path, edit, said):
+    """Every legacy rank file saves the run's args, scheduler state, iteration and group
+    hyper-parameters: pipeline stage 1's edited alone is refused at import (rank 0's was the
+    only one read), each file named; weights_only reads no optimizer and imports."""
+    src = _copy(tmp_path, LEGACY)
+    stage = os.path.join(src, "iter_0000002", "mp_rank_00_001", "model_optim_rng.pt")
+
+    def change(t):
+        groups = t["optimizer"]["optimizer"]["param_groups"]
+        if "betas" in said:  # both groups of this rank, so it holds one value, another rank's
+            groups[0]["betas"] = (0.8, 0.95)
+        edit(t)
+
+    edit_torch_file(stage, change)
+    with pytest.raises(jax_ucp.SourceError, match=r"records of this save disagree on") as e:
+        jax_ucp.convert(src, str(tmp_path / "out"))
+    assert e.match(said), str(e.value)
+    jax_ucp.convert(
+        src, str(tmp_path / "w"), importing=jax_ucp.conversion.ImportOptions(weights_only=True)
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ({"max_steps_per_epoch": 2}, r"step = 3, epochs_run = 1, max_steps_per_epoch = 2"),
+        ({"epochs_run": 2}, r"step = 3, epochs_run = 2: not a whole number of steps per epoch"),
+        ({"total_epochs": 0}, r"epochs_run = 1, total_epochs = 0: more epochs run"),
+    ],
+)
+def test_a_torchtune_step_its_progress_records_do_not_allow_is_refused(tmp_path, edit, said):
+    """torchtune resumes its schedule at epochs_run x one epoch's steps, not at the Adam step:
+    a recipe_state.pt whose progress cannot have made its step is refused, both named."""
+    src = _copy(tmp_path, "torchtune/tt_fp32")
+    if "epochs_run" in edit:  # its weights are then epoch_1's, as the recipe names them
+        os.rename(os.path.join(src, "epoch_0"), os.path.join(src, "epoch_1"))
+    recipe = os.path.join(src, "recipe_state", "recipe_state.pt")
+    edit_torch_file(recipe, lambda t: t.update(edit))
+    with pytest.raises(jax_ucp.SourceError, match=said):
+        jax_ucp.convert(src, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda g: g[0].update(betas=(0.8, 0.999)), r"on param_groups\[0\]\.betas: .*rank_1\.pt "),
+        (
+            lambda g: g[0].update(weight_decay=0.5),
+            r"rank_1\.pt param_groups\[0\]\.weight_decay = 0\.5",
+        ),
+        (
+            lambda g: g.append(dict(g[0])),
+            r"on the number of param groups: .*rank_1\.pt param_groups = 2",
+        ),
+    ],
+)
+def test_a_verl_rank_whose_param_groups_differ_is_refused(tmp_path, edit, said):
+    """Rank 1's optimizer file edited alone: each rank steps its shard with one optimizer's
+    groups, so the import is refused naming both ranks' files and values (it said only that
+    rank 1's differed)."""
+    src = _copy(tmp_path, "verl/fsdp2")
+    optim = os.path.join(src, "global_step_3", "actor", "optim_world_size_2_rank_1.pt")
+    edit_torch_file(optim, lambda t: edit(t["param_groups"]))
+    with pytest.raises(jax_ucp.SourceError, match=r"records of this save disagree") as e:
+        jax_ucp.convert(src, str(tmp_path / "out"))
+    assert e.match(said) and "optim_world_size_2_rank_0.pt param_groups" in str(e.value)

@@ -265,6 +265,11 @@ def check_groups(groups: list, where: str) -> None:
                 raise RequestError(f"{where}: {at} has no {key!r}")
         for key in ("lr", "eps", "weight_decay"):
             _number(g.get(key, 0.0), f"{at}.{key}", where)
+        if g["eps"] >= 1.0:  # torch takes it, no run does: continued, it would be a damaged one
+            raise RequestError(
+                f"{where}: {at}.eps = {g['eps']!r}: 1 or more swamps every update (Adam's "
+                f"default is 1e-8): not continued"
+            )
         betas = g["betas"]
         if not isinstance(betas, list | tuple) or len(betas) != 2:
             raise RequestError(

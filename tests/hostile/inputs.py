@@ -202,6 +202,67 @@ KINDS = {
             jax=True,
             ops=("record-disagree",),
         ),
+        # the same for Megatron (legacy rank files; torch_dist's common state with its
+        # scheduler), torchtune's recipe state and verl's rank files; paths through links
+        Kind(
+            "run_records_megatron",
+            ("megatron/legacy_gpt_distopt_pp2dp2_synthetic",),
+            ("convert-settings",),
+            (),
+            jax=True,
+            ops=("record-disagree", "path-form"),
+        ),
+        Kind(
+            "run_records_megatron_dist",
+            ("@megatron_scheduled",),
+            ("optax-direct",),
+            ("convert-settings",),
+            jax=True,
+            ops=("record-disagree", "path-form"),
+        ),
+        Kind(
+            "run_records_torchtune",
+            ("torchtune/tt_dist_fp32",),
+            ("convert-settings",),
+            (),
+            jax=True,
+            ops=("record-disagree", "path-form"),
+        ),
+        Kind(
+            "run_records_verl",
+            ("verl/fsdp2",),
+            ("optax-direct",),
+            ("convert-settings",),
+            jax=True,
+            ops=("record-disagree", "path-form"),
+        ),
+        # the readers continued besides Adam (SGD, torch Muon beside AdamW, transformers'
+        # Adafactor): their groups and state fuzzed (group-fuzz), and every other operator
+        Kind(
+            "optimizer_families",
+            ("torch/muon_adamw_synthetic.pt", "torch/adafactor_synthetic.pt", "torch/sgd_single"),
+            ("optax-direct",),
+            ("convert",),
+            jax=True,
+        ),
+        Kind(
+            "optimizer_groups",
+            ("torch/muon_adamw_synthetic.pt", "torch/adafactor_synthetic.pt"),
+            ("optax-direct",),
+            ("convert",),
+            jax=True,
+            ops=("group-fuzz",),
+        ),
+        # a run setting ucp.json records rewritten: verify --against its source reports it
+        Kind(
+            "ucp_settings",
+            ("@ucp_imported",),
+            ("verify-against",),
+            (),
+            checksummed=True,
+            jax=True,
+            ops=("settings-rewrite",),
+        ),
         Kind(
             "orbax_v1_checkpoint",
             ("orbax_v1_checkpoint",),
@@ -404,6 +465,15 @@ def _build_verl_megatron(pristine, root, out, work) -> Input:
     return Input(root, root, out)
 
 
+def _build_megatron_scheduled(pristine, root, out, work) -> Input:
+    """gpt_distopt_dp2 with the common state of megatron-core's scheduler run (as
+    tests/test_continuation_megatron.py lays it out): every record of its schedule."""
+    shutil.copytree(os.path.join(FIXTURES, "megatron", "gpt_distopt_dp2"), pristine)
+    common = os.path.join(FIXTURES, "megatron", "gpt_distopt_dp2_scheduler_synthetic.common.pt")
+    shutil.copyfile(common, os.path.join(pristine, "common.pt"))
+    return Input(root, root, out)
+
+
 def _build_canary(pristine, root, out, work) -> Input:
     os.makedirs(pristine)
     with open(os.path.join(pristine, "record.json"), "w") as f:
@@ -463,6 +533,7 @@ BUILDERS: dict[str, Callable[..., Input]] = {
     "@orbax_zarr": _build_orbax(ocdbt=False),
     "@hf_cache": _build_hf_cache,
     "@verl_megatron": _build_verl_megatron,
+    "@megatron_scheduled": _build_megatron_scheduled,
 }
 
 
@@ -604,6 +675,13 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
         jax_ucp.convert(p, inp.out, importing=_importing(inp), format=_format(inp))
         state["converted"] = True
         return ucp_digest(inp.out)
+    if name == "convert-settings":  # and the run settings the manifest records
+        digest = run_entry("convert", inp, state)
+        with open(os.path.join(inp.out, "ucp.json")) as f:
+            source = json.load(f).get("source") or {}
+        for key in ("optimizer", "megatron_optimizer", "lr_scheduler", "recipe", "iteration"):
+            digest[f"source.{key}"] = json.dumps(source.get(key), sort_keys=True)
+        return digest
     if name == "verify-against":
         if inp.against is None:  # an import: the output proven against its (mutated) source
             if not state.get("converted"):

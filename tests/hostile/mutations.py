@@ -653,7 +653,9 @@ def _record_edits(c: Context) -> list[tuple[str, str, object]]:
     """(file, what, change) of every one-record edit of a run's settings this copy allows: one
     copy of DeepSpeed's config (the clipping, a scheduler parameter, the optimizer), one rank's
     ``clip_grad`` or betas; a Trainer's ``initial_lr``, ``base_lrs``, schedule kind or a logged
-    learning rate. Each copy states a fact other records of the save state too."""
+    learning rate; a Megatron rank file's (or common state's) args.lr, scheduler position,
+    iteration or betas; torchtune's progress; a verl rank's betas. Each copy states a fact
+    other records of the save state too."""
     from tests import torch_edit
 
     edits: list[tuple[str, str, object]] = []
@@ -695,7 +697,62 @@ def _record_edits(c: Context) -> list[tuple[str, str, object]]:
             edits.append((rel, "param_groups' initial_lr and lr doubled", _doubled))
         if isinstance(tree.get("base_lrs"), list):
             edits.append((rel, "base_lrs doubled", _base_lrs))
+        if isinstance(tree.get("param_groups"), list) and tree["param_groups"]:
+            edits.append((rel, "param_groups' betas[0] lowered by 0.1", _top_betas))
+        edits += [(rel, what, change) for what, change in _megatron_edits(tree)]
+        if isinstance(tree.get("epochs_run"), int):  # torchtune's recipe_state.pt
+            edits.append((rel, "max_steps_per_epoch lowered, total_epochs 0", _tune_progress))
     return edits
+
+
+def _megatron_edits(tree: dict) -> list[tuple[str, object]]:
+    """One Megatron rank file's (or common state's) records of the run: its args' lr, its
+    scheduler's position, its iteration, its param groups' betas."""
+    out: list[tuple[str, object]] = []
+    if isinstance(getattr(tree.get("args"), "state", None), dict) and "lr" in tree["args"].state:
+        out.append(("args.lr doubled", _args_lr))
+    if isinstance(tree.get("opt_param_scheduler"), dict):
+        out.append(("opt_param_scheduler.num_steps + 1", _num_steps))
+    if isinstance(tree.get("iteration"), int):
+        out.append(("iteration + 1", _iteration))
+    inner = (tree.get("optimizer") or {}) if isinstance(tree.get("optimizer"), dict) else {}
+    if isinstance(inner.get("optimizer"), dict) and inner["optimizer"].get("param_groups"):
+        out.append(("the optimizer's param_groups' betas[0] lowered by 0.1", _megatron_betas))
+    return out
+
+
+def _args_lr(t) -> None:
+    t["args"].state["lr"] = 2 * t["args"].state["lr"] or 1e-3
+
+
+def _num_steps(t) -> None:
+    t["opt_param_scheduler"]["num_steps"] = t["opt_param_scheduler"].get("num_steps", 0) + 1
+
+
+def _iteration(t) -> None:
+    t["iteration"] += 1
+
+
+def _lowered(groups: list) -> None:
+    for group in groups:
+        if isinstance(group, dict) and isinstance(group.get("betas"), tuple | list):
+            b1, b2 = group["betas"]
+            group["betas"] = (round(b1 - 0.1, 6), b2)
+
+
+def _top_betas(t) -> None:
+    _lowered(t["param_groups"])
+
+
+def _megatron_betas(t) -> None:
+    _lowered(t["optimizer"]["optimizer"]["param_groups"])
+
+
+def _tune_progress(t) -> None:
+    if isinstance(t.get("max_steps_per_epoch"), int) and t["max_steps_per_epoch"] > 1:
+        t["max_steps_per_epoch"] -= 1
+    else:
+        t["total_epochs"] = 0
 
 
 def _groups(inner: dict) -> list:
@@ -778,6 +835,116 @@ def record_disagree(c: Context) -> Mutation | None:
     return Mutation("record-disagree", rel, what)
 
 
+def settings_rewrite(c: Context) -> Mutation | None:
+    """One run setting ``ucp.json`` records of its source (``source.optimizer``'s param groups,
+    config or scheduler, ``source.megatron_optimizer``...) changed, the tensors intact: what a
+    continuation reads, so ``verify --against`` the source must report it."""
+    if "ucp.json" not in c.files:
+        return None
+    doc = json.loads(c.read("ucp.json"))
+    leaves: list[tuple[list, object]] = []
+
+    def walk(node, at: list) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, [*at, k])
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, [*at, i])
+        elif type(node) in (int, float) and at[-1] != "params":
+            leaves.append((at, node))
+
+    for key in ("optimizer", "megatron_optimizer", "lr_scheduler", "recipe"):
+        walk((doc.get("source") or {}).get(key), ["source", key])
+    if not leaves:
+        return None
+    at, value = c.rng.choice(leaves)
+    node = doc
+    for k in at[:-1]:
+        node = node[k]
+    node[at[-1]] = value * 2 if value else 1
+    c.write("ucp.json", json.dumps(doc, indent=1).encode())
+    return Mutation("settings-rewrite", "ucp.json", ".".join(map(str, at)) + " changed")
+
+
+#: what ``group-fuzz`` puts in a param group's field: gone, a string, absurd, negative, a list
+_FUZZ = ("<gone>", "x", 1e308, -1, [1, 2, 3], None)
+
+
+def _fuzz_targets(node, out: list) -> None:
+    """Every param group (a dict in a ``param_groups`` list) and every tensor rebuild call of a
+    torch pickle's tree, depth first."""
+    from jax_ucp._src.torchfiles.pickle_format import Call
+
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "param_groups" and isinstance(v, list):
+                out += [("group", g) for g in v if isinstance(g, dict)]
+            _fuzz_targets(v, out)
+    elif isinstance(node, list | tuple):
+        for v in node:
+            _fuzz_targets(v, out)
+    elif isinstance(node, Call):
+        if getattr(node.fn, "name", "") == "_rebuild_tensor_v2" and len(node.args) > 3:
+            out.append(("tensor", node))
+        else:
+            _fuzz_targets(node.args, out)
+
+
+def group_fuzz(c: Context) -> Mutation | None:
+    """An optimizer's inputs fuzzed in its torch file: one param group field gone or made a
+    string, absurd, negative, a list or None; or one state tensor given another shape (a row
+    more, or 2**40 elements) than its storage holds. The readers (Adam, SGD, Muon, Adafactor)
+    must refuse it by name, never continue on a wrong value."""
+    from tests import torch_edit
+
+    torch_files = [f for f in c.files if f.endswith((".pt", ".bin"))]
+    if not torch_files:
+        return None
+    rel = c.rng.choice(torch_files)
+    try:
+        with zipfile.ZipFile(c.path(rel)) as z:
+            pkl = [n for n in z.namelist() if n.endswith("data.pkl")]
+            tree = torch_edit.loads(z.read(pkl[0])) if pkl else None
+    except Exception:
+        return None
+    targets: list = []
+    _fuzz_targets(tree, targets)
+    if not targets:
+        return None
+    groups = [i for i, (what, _) in enumerate(targets) if what == "group"]
+    tensors = [i for i, (what, _) in enumerate(targets) if what == "tensor"]
+    i = c.rng.choice(c.rng.choice([p for p in (groups, tensors) if p]))  # either, alike
+    what, node = targets[i]
+    if what == "group":
+        key = c.rng.choice(sorted(k for k in node if k != "params") or ["lr"])
+        value = c.rng.choice(_FUZZ)
+        said = f"param group field {key!r} -> {value!r}"
+    else:
+        size = tuple(node.args[2])
+        absurd = c.rng.random() < 0.5
+        shape = (2**40,) if absurd or not size else (size[0] + 1, *size[1:])
+        said = f"a state tensor's shape {list(size)} -> {list(shape)}"
+
+    def change(t) -> None:
+        found: list = []
+        _fuzz_targets(t, found)
+        _, target = found[i]
+        if what == "tensor":
+            args = list(target.args)
+            args[2] = shape
+            if len(shape) != len(size):  # a contiguous stride for the new shape
+                args[3] = (1,)
+            object.__setattr__(target, "args", tuple(args))  # a frozen node, edited in place
+        elif value == "<gone>":
+            target.pop(key, None)
+        else:
+            target[key] = value
+
+    torch_edit.edit_torch_file(c.path(rel), change)
+    return Mutation("group-fuzz", rel, said)
+
+
 #: how ``path-form`` hands the entry points their path (the child builds it, from a working
 #: directory reached through a link, ``child.path_in_form``); the last two: paths through
 #: symlinks, a linked parent folder (a mounted data disk) and a link to the input itself
@@ -799,6 +966,8 @@ SEMANTIC_OPS = {
     "record-swap": record_swap,
     "array-out": array_out,
     "record-disagree": record_disagree,
+    "settings-rewrite": settings_rewrite,
+    "group-fuzz": group_fuzz,
 }
 
 

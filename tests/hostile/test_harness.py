@@ -77,6 +77,21 @@ CI_SLICE: dict[str, list[int]] = {
     # learning rate, optimizer.pt's initial_lr (1, 14; 1, 7 continued silently before)
     "run_records": [1, 4, 14, 16, 19],
     "run_records_trainer": [0, 1, 2, 7],
+    # the same for Megatron, torchtune and verl (issue 68, round 2): a legacy rank's scheduler
+    # position and iteration, a path through a link to the input; torch_dist's iteration, betas,
+    # args.lr, num_steps and a linked parent folder; torchtune's progress; verl's rank 1's
+    # initial_lr and betas; a setting ucp.json records, verified against its source
+    "run_records_megatron": [0, 10, 12],
+    "run_records_megatron_dist": [1, 2, 5, 6, 9],
+    "run_records_torchtune": [1, 2],
+    "run_records_verl": [0, 1, 3],
+    "ucp_settings": [0, 1],
+    # the readers besides Adam (issue 68): a hostile pickle, a deleted file, a FIFO in place of
+    # the file; a group's weight_decay made a string (a raw ValueError before) or removed
+    # (continued undecayed before), eps 1e308 (continued before), a state tensor's shape
+    # absurd / a row longer than its storage
+    "optimizer_families": [0, 4, 10, 15],
+    "optimizer_groups": [0, 3, 11, 32, 78],
 }
 
 

@@ -117,7 +117,7 @@ def core(kind: str, groups: list[dict], lr: Any, where: str) -> tuple[Any, list[
             weight_decay=_number(groups, "weight_decay", where),
             ns_coefficients=tuple(float(c) for c in coefficients),
             ns_steps=steps,
-            eps=_number(groups, "eps", where),
+            eps=_number(groups, "eps", where, top=1.0),  # 1 or more: no run's
             adjust_lr_fn=fn,
         )
         said = ", ".join(f"{k} {v}" for k, v in settings.items())

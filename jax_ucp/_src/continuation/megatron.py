@@ -15,6 +15,7 @@ import numpy as np
 
 from jax_ucp._src.continuation.recipe import Recipe
 from jax_ucp._src.errors import RequestError, SourceError
+from jax_ucp._src.facts import Facts
 from jax_ucp._src.format.manifest import torch_optimizer_record
 
 __all__ = ["MegatronSchedule", "megatron_recipe"]
@@ -228,6 +229,7 @@ def megatron_recipe(
     gbs = _global_batch(args)
     step = _step(source[RECORD], source, scheduler, args, groups, gbs, file)
     notes, unrecovered = [], []
+    _scheduler_facts(scheduler, args, groups, gbs, file, notes)
     if (
         not args.has("lr_warmup_init")
         and schedule.lr_warmup_steps > 0
@@ -294,6 +296,92 @@ def megatron_recipe(
         unrecovered=tuple(unrecovered),
         at_step=_step_check(step, gbs, file),
     )
+
+
+def _scheduler_facts(
+    scheduler: _Fields,
+    args: _Fields,
+    groups: list[_Fields],
+    gbs: int,
+    file: str,
+    notes: list[str],
+) -> None:
+    """The scheduler's state against the args that made it (megatron's
+    ``get_optimizer_param_scheduler``) and the param groups it sets (``max_lr``, ``min_lr``):
+    every record of a value must agree (``facts.py``), else each is named. A run resumed with
+    ``use_checkpoint_opt_param_scheduler`` kept the saved scheduler whatever its args said: its
+    args are not compared (a note says so); without it Megatron asserts they agree on load."""
+    facts = Facts(file)
+    said = scheduler.values
+    if args.flag("use_checkpoint_opt_param_scheduler"):
+        notes.append(
+            "use_checkpoint_opt_param_scheduler: the saved opt_param_scheduler is followed, "
+            "not compared with the args (Megatron keeps the checkpoint's on resume)"
+        )
+        derived: dict[str, tuple[str, Any]] = {}
+    else:
+        derived = _args_schedule(args, gbs)
+    for key in ("max_lr", "min_lr", *derived):
+        if said.get(key) is None or key in facts.stated:
+            continue
+        facts.state(key, f"opt_param_scheduler.{key}", said[key])
+        if key in derived:
+            facts.state(key, *derived[key])
+        for group in groups:
+            if key in ("max_lr", "min_lr") and group.values.get(key) is not None:
+                facts.state(key, f"{group.section}.{key}", group.values[key])
+    facts.agree_all()
+
+
+def _args_schedule(args: _Fields, gbs: int) -> dict[str, tuple[str, Any]]:
+    """{scheduler field: (the args it was made from, its value)} as megatron-core 0.16's
+    ``get_optimizer_param_scheduler`` computes them; a field whose args are not recorded (or
+    not numbers) is left out."""
+    a = args.values
+    out: dict[str, tuple[str, Any]] = {}
+    for key, arg in (
+        ("max_lr", "lr"),
+        ("min_lr", "min_lr"),
+        ("init_lr", "lr_warmup_init"),
+        ("lr_decay_style", "lr_decay_style"),
+        ("wd_incr_style", "weight_decay_incr_style"),
+        ("lr_wsd_decay_style", "lr_wsd_decay_style"),
+        ("start_wd", "start_weight_decay"),
+        ("end_wd", "end_weight_decay"),
+    ):
+        if a.get(arg) is not None:
+            out[key] = (f"args.{arg}", a[arg])
+    for key in ("start_wd", "end_wd"):  # validate_args sets both to weight_decay when constant
+        if key not in out and a.get("weight_decay") is not None:
+            out[key] = ("args.weight_decay", a["weight_decay"])
+
+    def count(key: str) -> int | None:
+        v = a.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+    if count("train_samples"):  # sample-based (its train_iters derived: not the test)
+        per, scale, unit = "", 1, "samples"
+    elif count("train_iters"):
+        per, scale, unit = f" x global_batch_size {gbs}", gbs, "iters"
+    else:
+        return out
+    decay_arg = f"lr_decay_{unit}" if count(f"lr_decay_{unit}") else f"train_{unit}"
+    decay = count(decay_arg) * scale  # type: ignore[operator]
+    out["lr_decay_steps"] = (f"args.{decay_arg}{per}", decay)
+    for key, arg in (
+        ("wd_incr_steps", f"train_{unit}"),
+        ("wsd_decay_steps", f"lr_wsd_decay_{unit}"),
+        ("lr_warmup_steps", f"lr_warmup_{unit}"),
+    ):
+        if count(arg) is not None:
+            out[key] = (f"args.{arg}{per}", count(arg) * scale)  # type: ignore[operator]
+    fraction = a.get("lr_warmup_fraction")
+    if isinstance(fraction, float | int) and not isinstance(fraction, bool):
+        out["lr_warmup_steps"] = ("args.lr_warmup_fraction x lr_decay_steps", fraction * decay)
+    fp16 = a.get("fp16") is True or a.get("skipped_train_samples")  # skipped: no scheduler step
+    if not fp16 and count("consumed_train_samples") is not None:
+        out["num_steps"] = ("args.consumed_train_samples", a["consumed_train_samples"])
+    return {k: v for k, v in out.items() if v[1] is not None}
 
 
 def _step_check(saved_step: int, gbs: int, file: str) -> Callable[[int], list[str]]:
@@ -372,17 +460,11 @@ def _schedule(scheduler: _Fields, args: _Fields, groups: list[_Fields]) -> Megat
     if wd_style == "constant" and start_wd != end_wd:
         raise scheduler.refuse("end_wd", f"start_wd ({start_wd}) under a constant wd_incr_style")
     wd_steps = scheduler.number("wd_incr_steps", above=wd_style != "constant")
-    for key, own in (("max_lr", max_lr), ("min_lr", min_lr)):
+    for key in ("max_lr", "min_lr"):  # each compared with the scheduler's (_scheduler_facts)
         group_value = _agreed(groups, key, lambda g, key=key: _group_number(g, key))
-        if key == "min_lr" and group_value is None:
-            if style != "constant" and any(g.values.get("min_lr", 0) is None for g in groups):
-                raise groups[0].refuse("min_lr", f"a number (the {style} decay reaches it)")
-            continue
-        if group_value is not None and float(group_value) != own:
-            raise SourceError(
-                f"{scheduler.where}: the param groups' {key} {group_value} is not "
-                f"opt_param_scheduler.{key} {own}: get_lr uses the group's"
-            )
+        unset = any(g.values.get("min_lr", 0) is None for g in groups)
+        if key == "min_lr" and group_value is None and style != "constant" and unset:
+            raise groups[0].refuse("min_lr", f"a number (the {style} decay reaches it)")
     for key in ("start_wd", "end_wd", "lr_mult"):
         value = _agreed(groups, key, lambda g, key=key: _group_number(g, key))
         if key == "lr_mult" and value not in (None, 1.0):

@@ -5,10 +5,11 @@ identify into a :class:`Recipe`."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jax_ucp._src.errors import RequestError
+from jax_ucp._src.errors import RequestError, SourceError
 
 __all__ = ["Recipe", "agreed", "group_decay"]
 
@@ -57,9 +58,21 @@ def agreed(groups: list[dict], key: str, where: str) -> Any:
 
 
 def group_decay(groups: list[dict], where: str) -> tuple[float, dict[str, bool]]:
-    """The one non-zero weight decay and, per torch parameter name, whether it is decayed."""
-    rates = {float(g.get("weight_decay") or 0.0) for g in groups} - {0.0}
+    """The one non-zero weight decay and, per torch parameter name, whether it is decayed. Every
+    torch optimizer writes ``weight_decay`` in every group: one without it, or not a finite
+    number >= 0, is refused (read as 0 it would continue undecayed)."""
+    each = []
+    for i, g in enumerate(groups):
+        value = g.get("weight_decay", "<missing>")
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and value >= 0):
+            raise SourceError(
+                f"{where}: param_groups[{i}].weight_decay = {value!r}: expected a number >= 0 "
+                f"(torch's optimizers write it in every group)"
+            )
+        each.append(float(value))
+    rates = set(each) - {0.0}
     if len(rates) > 1:
         raise RequestError(f"{where}: several weight decay rates {sorted(rates)}")
-    decayed = {n: float(g.get("weight_decay") or 0.0) != 0.0 for g in groups for n in g["params"]}
+    decayed = {n: rate != 0.0 for g, rate in zip(groups, each) for n in g["params"]}
     return (rates.pop() if rates else 0.0), decayed

@@ -28,7 +28,7 @@ from jax_ucp._src.importers.megatron.common import (
     step_from_param_groups,
 )
 from jax_ucp._src.importers.megatron.rules import add_arg_settings, import_rules_spec
-from jax_ucp._src.importers.megatron.run_record import MEGATRON_OPTIMIZER, optimizer_record
+from jax_ucp._src.importers.megatron.run_record import MEGATRON_OPTIMIZER, agreed_record
 from jax_ucp._src.importers.megatron.source import MegatronSource
 from jax_ucp._src.importers.plan import (
     TENSORS,
@@ -214,8 +214,12 @@ def plan_legacy(source_dir: MegatronSource, settings: dict, options: ImportOptio
     skipped = _legacy_skipped(plan, found, weights_only)
     if skipped:
         info["skipped"] = skipped
-    first = checkpoint.ranks[min(checkpoint.ranks)]  # the run's args and scheduler: rank 0's
-    record = optimizer_record(first.state, os.path.relpath(first.path, source_dir.ckpt_dir))
+    # the run's args and scheduler: rank 0's, every other rank file's compared with them
+    files = [checkpoint.ep_ranks[k] for k in sorted(checkpoint.ep_ranks)][
+        : 1 if weights_only else None
+    ]
+    named = [(os.path.relpath(f.path, source_dir.ckpt_dir), f.state) for f in files]
+    record = agreed_record(named, str(checkpoint.iter_dir))
     if record is not None:
         info[MEGATRON_OPTIMIZER] = record
     return ImportPlan(

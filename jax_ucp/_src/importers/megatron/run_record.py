@@ -5,12 +5,20 @@ continuation (``continuation.megatron``) can check and translate them without re
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MEGATRON_OPTIMIZER", "RUN_ARGS", "optimizer_record", "run_config_args"]
+from jax_ucp._src.facts import ABSENT, Facts, canonical
+
+__all__ = [
+    "MEGATRON_OPTIMIZER",
+    "RUN_ARGS",
+    "agreed_record",
+    "optimizer_record",
+    "run_config_args",
+]
 
 #: the key of ``source`` this record is kept under
 MEGATRON_OPTIMIZER = "megatron_optimizer"
@@ -140,6 +148,37 @@ def optimizer_record(state: Mapping[str, Any], where: str) -> dict | None:
     if "iteration" in state:
         record["iteration"] = _plain(state["iteration"])
     return record if len(record) > 1 else None
+
+
+#: param-group fields one run gives every group of every rank (weight_decay and lr are scaled
+#: by a group's wd_mult / lr_mult, so they are compared where a rank's groups hold one value)
+GROUP_SHARED = ("lr", "max_lr", "min_lr", "betas", "eps", "step", "decoupled_weight_decay")
+
+
+def agreed_record(files: Sequence[tuple[str, Mapping[str, Any]]], where: str) -> dict | None:
+    """:func:`optimizer_record` of the first of ``files`` ((name, state) of every rank file),
+    each of its facts compared with every other rank file's (``facts.py``): every rank saves
+    the same args, scheduler state, iteration and group hyper-parameters, so one that differs
+    (a file edited or copied from another run) is refused, every rank's value named."""
+    records = [r for name, state in files if (r := optimizer_record(state, name)) is not None]
+    facts = Facts(where)
+    for section in ("args", "opt_param_scheduler"):
+        keys = {k for r in records if isinstance(r.get(section), dict) for k in r[section]}
+        for key in sorted(keys):
+            for r in records:
+                said = r.get(section)
+                value = said.get(key, ABSENT) if isinstance(said, dict) else said
+                facts.state(f"{section}.{key}", f"{r['file']} {section}.{key}", value)
+    for r in records:
+        facts.state("iteration", f"{r['file']} iteration", r.get("iteration", ABSENT))
+        groups = [g for g in r.get("param_groups") or () if isinstance(g, dict)]
+        for key in GROUP_SHARED:
+            values = {repr(canonical(g[key])): g[key] for g in groups if key in g}
+            if len(values) == 1:
+                record = f"{r['file']} optimizer param_groups[*].{key}"
+                facts.state(f"param_groups.{key}", record, next(iter(values.values())))
+    facts.agree_all()
+    return records[0] if records else None
 
 
 def run_config_args(run_config: Mapping[str, Any]) -> dict[str, Any]:

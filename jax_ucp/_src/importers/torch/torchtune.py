@@ -547,6 +547,35 @@ def _moments(
     return states, moved
 
 
+def _progress_agrees(progress: dict[str, int], state: dict, recipe: str) -> None:
+    """The Adam step against the recipe's progress, which also states it: torchtune saves
+    ``recipe_state.pt`` at an epoch's end and resumes its schedule at ``epochs_run`` x the steps
+    of one epoch (alike every epoch, ``max_steps_per_epoch`` at most), so a step no such run
+    takes (or more epochs run than ``total_epochs``) is refused, each record named."""
+    held = [per.get("step") for per in state.values() if isinstance(per, dict)]
+    numbers = [np.asarray(v, np.float64) for v in held if isinstance(v, int | float)]
+    numbers += [v for v in held if isinstance(v, np.ndarray) and v.dtype.kind == "f"]  # torch's
+    steps = {float(v.reshape(-1)[0]) for v in numbers if v.size == 1}
+    run, most = progress.get("epochs_run"), progress.get("max_steps_per_epoch")
+    total = progress.get("total_epochs")
+    if len(steps) != 1 or run is None:
+        return  # none, or refused by plan_state (every parameter's step must agree)
+    step = steps.pop()
+    said = f"{recipe}: optimizer state step = {step:g}, epochs_run = {run}"
+    if total is not None and run > total:
+        raise SourceError(f"{said}, total_epochs = {total}: more epochs run than the run has")
+    if step % run if run > 0 else step:
+        raise SourceError(
+            f"{said}: not a whole number of steps per epoch (torchtune steps "
+            f"alike every epoch and saves this at an epoch's end)"
+        )
+    if most is not None and step > run * most:
+        raise SourceError(
+            f"{said}, max_steps_per_epoch = {most}: more steps than "
+            f"{run} x {most}, which these records allow"
+        )
+
+
 def _plan_with_optimizer(
     src: str,
     epochs: list[str],
@@ -558,6 +587,12 @@ def _plan_with_optimizer(
     as torchtune's checkpointer converts the weights."""
     latest = os.path.join(src, epochs[-1])
     loaded, state, groups = _recipe_optimizer(recipe, epochs[-1])
+    progress = {
+        k: loaded[k]
+        for k in ("seed", "epochs_run", "total_epochs", "max_steps_per_epoch")
+        if isinstance(loaded.get(k), int)
+    }
+    _progress_agrees(progress, state, recipe)
     found = adapter_files(latest)
     if found or any(isinstance(k, str) and _LORA_NAME.search(k) for k in state):
         raise _lora_refusal(recipe, epochs[-1], found, state)
@@ -593,11 +628,6 @@ def _plan_with_optimizer(
         for g in groups
         if isinstance(g, dict)
     ]
-    progress = {
-        k: loaded[k]
-        for k in ("seed", "epochs_run", "total_epochs", "max_steps_per_epoch")
-        if isinstance(loaded.get(k), int)
-    }
     torch_state = TorchState(
         params,
         states,

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.errors import SourceError
+from jax_ucp._src.facts import ABSENT, Facts
 from jax_ucp._src.importers.plan import ADAM_TREES, agreed_step, jsonable
 from jax_ucp._src.importers.torch_state import TensorRef
 from jax_ucp._src.importers.verl import rank_tensors
@@ -63,17 +64,31 @@ def _optimizer_tensor_names(files_: list[str], optims: list[Any]) -> list[str]:
     return names
 
 
+def _groups_agree(folder: str, files_: list[str], groups: list[Any]) -> None:
+    """Every rank's param groups are one optimizer's (each rank steps its shard alike): a field
+    one rank holds otherwise (a file edited, or another save's) is refused, each rank's file
+    named with its value (``facts.py``)."""
+    facts = Facts(folder)
+    for file, held in zip(files_, groups):
+        ok = isinstance(held, list) and all(isinstance(g, dict) for g in held)
+        count = len(held) if ok else f"<{type(held).__name__}>"
+        facts.state("the number of param groups", f"{file} param_groups", count)
+    facts.agree("the number of param groups")
+    for g in range(len(groups[0])):
+        for key in sorted({str(k) for held in groups for k in held[g]}):
+            for file, held in zip(files_, groups):
+                value = jsonable(held[g].get(key, ABSENT))
+                facts.state(f"param_groups[{g}].{key}", f"{file} param_groups[{g}].{key}", value)
+    facts.agree_all()
+
+
 def _optimizer(folder, files_, optims, params: rank_tensors.Params, world: int):
     """FSDP2's AdamW state by parameter name: each index is the model's parameter of that
     position (the sharded tensors of the state dict, in order), checked by shape."""
     groups = [o.get("param_groups") for o in optims]
     if not isinstance(groups[0], list) or not all(isinstance(g, dict) for g in groups[0]):
         raise SourceError(f"{os.path.join(folder, files_[0])}: no param_groups list")
-    for file, g in zip(files_, groups):
-        if jsonable(g) != jsonable(groups[0]):
-            raise SourceError(
-                f"{os.path.join(folder, file)}: param_groups differ from {files_[0]}'s"
-            )
+    _groups_agree(folder, files_, groups)
     indices = [i for g in groups[0] for i in g.get("params", [])]
     sharded_names = [
         n for n, (_, _, pieces) in params.items() if all(p and not p.replicated for _, p in pieces)
