@@ -465,10 +465,34 @@ def measure(path: str, processes: int, process: int, memory_budget=None) -> dict
     }
 
 
-def child(path: str, processes: int, process: int, budget=None) -> dict:
-    """``measure`` in a fresh Python process (its own VmHWM and /proc/self/io)."""
+def measure_export(ucp: str, dst: str, memory_budget=None) -> dict:
+    """``jax_ucp.export`` of UCP checkpoint ``ucp`` to Hugging Face safetensors at ``dst`` by
+    this process: peak RSS, bytes written (``wchar``) against the files' sizes, time."""
+    import jax_ucp
+    from jax_ucp.exporters import SafetensorsExport
+
+    t0, io0, rss0 = time.perf_counter(), _io(), _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    jax_ucp.export(ucp, dst, SafetensorsExport(memory_budget=memory_budget))
+    t1, io1, hwm = time.perf_counter(), _io(), _status("VmHWM")
+    files = [os.path.join(d, f) for d, _, fs in os.walk(dst) for f in fs]
+    return {
+        "export_s": t1 - t0,
+        "wchar": io1["wchar"] - io0["wchar"],
+        "rchar": io1["rchar"] - io0["rchar"],
+        "files_bytes": sum(os.path.getsize(f) for f in files),
+        "safetensors_bytes": sum(os.path.getsize(f) for f in files if f.endswith(".safetensors")),
+        "files": len(files),
+        "rss_before": rss0,
+        "peak_rss": hwm,
+    }
+
+
+def child(path: str, processes: int, process: int, budget=None, call=None) -> dict:
+    """``measure`` (or ``call``) in a fresh Python process (its own VmHWM and /proc/self/io)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    call = f"b.measure({path!r}, {processes}, {process}, {budget!r})"
+    call = call or f"b.measure({path!r}, {processes}, {process}, {budget!r})"
     code = f"import json, sys; sys.path.insert(0, {here!r}); import bench_70b_memory as b; "
     code += f"print('RESULT', json.dumps({call}))"
     out = subprocess.run(
@@ -486,7 +510,10 @@ def main(argv=None) -> None:
     p.add_argument("--process", type=int, default=0)
     p.add_argument("--memory-budget", default=None, help="restore memory_budget (256MiB)")
     p.add_argument("--json", default=None)
+    p.add_argument("--export", action="store_true", help="convert (weights only), then export")
     a = p.parse_args(argv)
+    if a.export:
+        return export_main(a)
     base = tempfile.mkdtemp(prefix="bench70b_", dir=a.dir)
     zero3 = a.layout == "zero3"
     path = os.path.join(base, ZERO3_NAME if zero3 else NAME)
@@ -519,6 +546,36 @@ def main(argv=None) -> None:
             with open(a.json, "w") as f:
                 out = {"layout": a.layout, "checkpoint": built, "layers": a.layers, "rows": rows}
                 json.dump(out, f, indent=1)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def export_main(a) -> None:
+    """The Megatron state converted weights-only to UCP (bf16 params), then exported to
+    safetensors by one process in a fresh child."""
+    import jax_ucp
+    from jax_ucp.conversion import ImportOptions
+
+    base = tempfile.mkdtemp(prefix="bench70b_", dir=a.dir)
+    src, ucp = os.path.join(base, NAME), os.path.join(base, "ucp")
+    try:
+        build(src, a.layers)
+        t = time.perf_counter()
+        jax_ucp.convert(src, ucp, importing=ImportOptions(weights_only=True))
+        converted = {"convert_s": time.perf_counter() - t, "convert_peak_rss": _status("VmHWM")}
+        call = f"b.measure_export({ucp!r}, {os.path.join(base, 'hf')!r}, {a.memory_budget!r})"
+        row = {**converted, **child(ucp, 1, 0, call=call)}
+        gib = 2**30
+        print(
+            f"export: {row['safetensors_bytes'] / 1e9:.2f} GB of safetensors in {row['files']} "
+            f"files, wchar {row['wchar'] / 1e9:.2f} GB ({row['wchar'] / row['files_bytes']:.4f}x "
+            f"the files), {row['export_s']:.1f} s, peak RSS {row['peak_rss'] / gib:.2f} GiB "
+            f"(before {row['rss_before'] / gib:.2f})",
+            flush=True,
+        )
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"layout": "export", "layers": a.layers, "rows": [row]}, f, indent=1)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
