@@ -19,6 +19,12 @@ bf16 model weights, and the distributed optimizer's state in the ``fully_reshard
 the weights), TP 8 x PP 4 x DP 2: each chunk written by one DP replica (weights by dp 0,
 optimizer state by dp 1). 14 bytes per parameter, ~988 GB. ``--layers`` builds fewer layers.
 
+``--layout zero3`` builds instead a DeepSpeed ZeRO-3 bf16 checkpoint of the same shapes under
+Hugging Face names (folder ``llama70b_zero3_dp64_bf16_sparse_synthetic``, ``build_zero3``): 64
+DP ranks' ``zero_pp_rank_R_mp_rank_00_model_states.pt`` and
+``bf16_zero_pp_rank_R_mp_rank_00_optim_states.pt``, torch.save archives whose storages are holes
+(their CRC-32 that of zeros), 12 bytes per parameter (fp32 flat partitions and Adam's moments).
+
 Measured, in a fresh child process per share: the source opened as ``jax_ucp.restore(SRC,
 importing=...)`` opens it (``import_open``: the Megatron importer's plan, read in place, nothing
 converted or written), then the restore's read engine (``restoring.engine.read_from``, default
@@ -28,11 +34,14 @@ request, columns cut over 8 CPU devices where they divide. This stands in for a 
 ``P``-process job splitting the first dimension: JAX cannot hold a 512-device mesh with 8
 addressable devices in one process, so the public ``restore`` with such a target cannot run
 here. Each tensor's result is dropped once read (a real job keeps it on its accelerators).
-Reported: peak RSS (``VmHWM``, reset after the open), ``/proc/self/io`` ``rchar`` and
+Reported: peak RSS (``VmHWM``, reset before each tensor; jaxlib frees a dropped result's buffer
+at its next gc pass, so one is run after each), the most one tensor's reads held beyond its
+result (``peak_beyond_result``: the restore's own memory), ``/proc/self/io`` ``rchar`` and
 ``read_bytes`` (0 for holes) during the reads, the open's ``rchar`` (metadata), wall times,
 and the share's bytes (its slices in the source dtypes).
 
-    python benchmarks/bench_70b_memory.py --shares 64,32,16 --json docs/benchmark_70b_memory.json
+    python benchmarks/bench_70b_memory.py --layers 8 --shares 8,4 --json docs/benchmark_70b_memory.json
+    python benchmarks/bench_70b_memory.py --layout zero3 --layers 4 --shares 64,32
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
+import gc
 import json
 import shutil
 import subprocess
@@ -208,6 +218,155 @@ def build(out: str, layers: int = LAYERS, **sizes) -> dict:
     return {"tensor_bytes": total, "files": len(ends), "tensors": len(metadata)}
 
 
+# ----------------------------------------------------------------- DeepSpeed ZeRO-3
+
+ZERO3_NAME = "llama70b_zero3_dp64_bf16_sparse_synthetic"
+ZERO3_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "deepspeed", "z3_bf16_dp2", "ckpt")
+ZERO3_RANKS = 64
+
+
+def hf_llama(layers: int = LAYERS, hidden: int = HIDDEN, mlp: int = MLP, vocab: int = VOCAB):
+    """(Hugging Face name, shape) of Llama-3-70B's parameters in ``named_parameters()`` order
+    (what ZeRO-3's ``param_shapes`` lists and its flat partitions follow)."""
+    kv = KV_GROUPS * HEAD_DIM * hidden // HIDDEN
+    out = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "self_attn.q_proj.weight", (hidden, hidden)),
+            (p + "self_attn.k_proj.weight", (kv, hidden)),
+            (p + "self_attn.v_proj.weight", (kv, hidden)),
+            (p + "self_attn.o_proj.weight", (hidden, hidden)),
+            (p + "mlp.gate_proj.weight", (mlp, hidden)),
+            (p + "mlp.up_proj.weight", (mlp, hidden)),
+            (p + "mlp.down_proj.weight", (hidden, mlp)),
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+        ]
+    return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+
+_ZERO_CRCS: dict[int, int] = {}
+
+
+def _zeros_crc(n: int) -> int:
+    """The zip CRC-32 of ``n`` zero bytes (a hole's), computed once per length."""
+    import zlib
+
+    if n not in _ZERO_CRCS:
+        block, crc = bytes(64 << 20), 0
+        for at in range(0, n, len(block)):
+            crc = zlib.crc32(memoryview(block)[: min(len(block), n - at)], crc)
+        _ZERO_CRCS[n] = crc
+    return _ZERO_CRCS[n]
+
+
+def _sparse_torch_save(path: str, obj, arrays) -> None:
+    """``torch.save(obj)`` as the project's writer lays it out (``torchfiles.torch_zip``),
+    every storage a hole: its zip member skipped over with ``seek``, its CRC-32 that of zeros
+    (set on the member before zipfile writes its header)."""
+    import zipfile
+
+    from jax_ucp._src.torchfiles import pickle_format, torch_zip
+
+    stem = os.path.basename(path).removesuffix(".pt")
+
+    def member(name):
+        return zipfile.ZipInfo(f"{stem}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+
+    with open(path, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, True) as z:
+        pickled = torch_zip._with_tensors(obj, stem)
+        z.writestr(member("data.pkl"), pickle_format.dumps(pickled))
+        z.writestr(member("byteorder"), "little")
+        for i, (shape, dtype) in enumerate(arrays):
+            n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            with z.open(member(f"data/{i}"), "w", force_zip64=True) as m:
+                if n:
+                    f.seek(n, 1)  # a hole: reads as zeros, costs no disk
+                    m._file_size, m._crc = n, _zeros_crc(n)
+        z.writestr(member("version"), "3\n")
+
+
+def build_zero3(out: str, layers: int = LAYERS, ranks: int = ZERO3_RANKS, **sizes) -> dict:
+    """A DeepSpeed ZeRO-3 bf16 checkpoint of Llama-3-70B shapes saved by ``ranks`` DP ranks:
+    ``latest``, and in ``global_step2/`` per rank its ``zero_pp_rank_R_mp_rank_00_model_states.pt``
+    (empty bf16 module placeholders, ``param_shapes``) and
+    ``bf16_zero_pp_rank_R_mp_rank_00_optim_states.pt`` (``fp32_flat_groups`` and Adam's flat
+    ``exp_avg`` / ``exp_avg_sq``: ``ceil(numel / ranks)`` of every parameter, in order; the
+    step), the objects' other fields as DeepSpeed 0.19.8 wrote them for
+    ``tests/fixtures/deepspeed/z3_bf16_dp2``. Tensor bytes are holes. Returns its totals."""
+    from jax_ucp._src.importers.deepspeed.files import load_deepspeed_file
+    from jax_ucp._src.torchfiles.pickle_format import Global as G
+    from jax_ucp._src.torchfiles.torch_zip import TensorSlot
+
+    tag = os.path.join(out, "global_step2")
+    os.makedirs(tag)
+    with open(os.path.join(out, "latest"), "w") as f:
+        f.write("global_step2")
+    fixture = os.path.join(ZERO3_FIXTURE, "global_step2")
+    model0 = load_deepspeed_file(os.path.join(fixture, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    optim0 = load_deepspeed_file(
+        os.path.join(fixture, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    )
+    params = hf_llama(layers, **sizes)
+    flat = sum(-(-int(np.prod(shape)) // ranks) for _, shape in params)
+
+    def ordered(pairs):
+        return Call(G("collections", "OrderedDict"), (list(pairs),))
+
+    import ml_dtypes
+
+    slots = [TensorSlot(i, (0,), np.dtype(ml_dtypes.bfloat16)) for i in range(len(params))]
+    shapes = ordered((n, Call(G("torch", "Size"), (tuple(s),))) for n, s in params)
+    skip = ("module", "param_shapes", "dp_world_size")
+    plain = {k: v for k, v in model0.items() if k not in skip}  # as the fixture's
+    model = {
+        "module": ordered((n, slot) for (n, _), slot in zip(params, slots)),
+        "param_shapes": [shapes],
+        "dp_world_size": ranks,
+        **plain,
+    }
+    inner = optim0["optimizer_state_dict"]
+    f32 = np.dtype(np.float32)
+    optim = {
+        "optimizer_state_dict": {
+            "zero_stage": Call(G("deepspeed.runtime.zero.config", "ZeroStageEnum"), (3,)),
+            "loss_scaler": New(
+                G("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+                {"cur_scale": 1.0, "dynamic": False},
+            ),
+            "dynamic_loss_scale": False,
+            "overflow": False,
+            "partition_count": ranks,
+            "optimizer_state_dict": {
+                "state": {
+                    0: {
+                        "step": TensorSlot(0, (), f32),
+                        "exp_avg": TensorSlot(1, (flat,), f32),
+                        "exp_avg_sq": TensorSlot(2, (flat,), f32),
+                    }
+                },
+                "param_groups": inner["optimizer_state_dict"]["param_groups"],
+            },
+            "fp32_flat_groups": [TensorSlot(3, (flat,), f32)],
+        },
+        "ds_config": optim0["ds_config"],
+        "ds_version": optim0["ds_version"],
+    }
+    for rank in range(ranks):
+        _sparse_torch_save(
+            os.path.join(tag, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"),
+            model,
+            [(s.shape, s.dtype) for s in slots],
+        )
+        _sparse_torch_save(
+            os.path.join(tag, f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"),
+            optim,
+            [((), f32), ((flat,), f32), ((flat,), f32), ((flat,), f32)],
+        )
+    return {"tensor_bytes": 12 * flat * ranks, "files": 2 * ranks, "tensors": len(params)}
+
+
 # ----------------------------------------------------------------- one process's restore
 
 
@@ -270,17 +429,23 @@ def measure(path: str, processes: int, process: int, memory_budget=None) -> dict
         values = {v.key: v for v in opened.values} if opened.values else {}
         requests = share_requests(opened.available, processes, process, mesh)
         t_open, io_open, rss_open = time.perf_counter(), _io(), _status("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here on
-            f.write("5")
-        largest = 0
+        largest = hwm = overhead = 0
         for req, nbytes in requests:
+            before = _status("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here on
+                f.write("5")
             result = engine.read_from(
                 opened.source, [req], opened.available, values, memory_budget=memory_budget
             )
             jax.block_until_ready(result)
             largest = max(largest, nbytes)
+            peak = _status("VmHWM")
+            hwm, overhead = max(hwm, peak), max(overhead, peak - before - nbytes)
             del result
-        t_end, io_end, hwm = time.perf_counter(), _io(), _status("VmHWM")
+            # jaxlib drops a buffer adopted from numpy (``device_put(may_alias=True)``) only at
+            # its next garbage pass (a gc callback): without one the last result stays resident
+            gc.collect()
+        t_end, io_end = time.perf_counter(), _io()
     return {
         "processes": processes,
         "process": process,
@@ -295,13 +460,39 @@ def measure(path: str, processes: int, process: int, memory_budget=None) -> dict
         "rss_after_open": rss_open,
         "peak_rss": hwm,
         "peak_above_open": hwm - rss_open,
+        # the most one tensor's reads held beyond its result (its host-resident share)
+        "peak_beyond_result": overhead,
     }
 
 
-def child(path: str, processes: int, process: int, budget=None) -> dict:
-    """``measure`` in a fresh Python process (its own VmHWM and /proc/self/io)."""
+def measure_export(ucp: str, dst: str, memory_budget=None) -> dict:
+    """``jax_ucp.export`` of UCP checkpoint ``ucp`` to Hugging Face safetensors at ``dst`` by
+    this process: peak RSS, bytes written (``wchar``) against the files' sizes, time."""
+    import jax_ucp
+    from jax_ucp.exporters import SafetensorsExport
+
+    t0, io0, rss0 = time.perf_counter(), _io(), _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    jax_ucp.export(ucp, dst, SafetensorsExport(memory_budget=memory_budget))
+    t1, io1, hwm = time.perf_counter(), _io(), _status("VmHWM")
+    files = [os.path.join(d, f) for d, _, fs in os.walk(dst) for f in fs]
+    return {
+        "export_s": t1 - t0,
+        "wchar": io1["wchar"] - io0["wchar"],
+        "rchar": io1["rchar"] - io0["rchar"],
+        "files_bytes": sum(os.path.getsize(f) for f in files),
+        "safetensors_bytes": sum(os.path.getsize(f) for f in files if f.endswith(".safetensors")),
+        "files": len(files),
+        "rss_before": rss0,
+        "peak_rss": hwm,
+    }
+
+
+def child(path: str, processes: int, process: int, budget=None, call=None) -> dict:
+    """``measure`` (or ``call``) in a fresh Python process (its own VmHWM and /proc/self/io)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    call = f"b.measure({path!r}, {processes}, {process}, {budget!r})"
+    call = call or f"b.measure({path!r}, {processes}, {process}, {budget!r})"
     code = f"import json, sys; sys.path.insert(0, {here!r}); import bench_70b_memory as b; "
     code += f"print('RESULT', json.dumps({call}))"
     out = subprocess.run(
@@ -313,21 +504,27 @@ def child(path: str, processes: int, process: int, budget=None) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=None, help="where the sparse checkpoint goes (a temp dir)")
+    p.add_argument("--layout", choices=("megatron", "zero3"), default="megatron")
     p.add_argument("--layers", type=int, default=LAYERS)
     p.add_argument("--shares", default="80,40", help="job sizes P: process 0 of P reads 1/P")
     p.add_argument("--process", type=int, default=0)
     p.add_argument("--memory-budget", default=None, help="restore memory_budget (256MiB)")
     p.add_argument("--json", default=None)
+    p.add_argument("--export", action="store_true", help="convert (weights only), then export")
     a = p.parse_args(argv)
+    if a.export:
+        return export_main(a)
     base = tempfile.mkdtemp(prefix="bench70b_", dir=a.dir)
-    path = os.path.join(base, NAME)
+    zero3 = a.layout == "zero3"
+    path = os.path.join(base, ZERO3_NAME if zero3 else NAME)
     try:
         t = time.perf_counter()
-        built = build(path, a.layers)
+        built = (build_zero3 if zero3 else build)(path, a.layers)
         built["build_s"] = time.perf_counter() - t
-        built["metadata_bytes"] = sum(
-            os.path.getsize(os.path.join(path, f))
-            for f in (".metadata", "metadata.json", "common.pt")
+        built["metadata_bytes"] = sum(  # on disk: the sparse files' non-hole blocks included
+            os.stat(os.path.join(d, f)).st_blocks * 512
+            for d, _, files in os.walk(path)
+            for f in files
         )
         print(json.dumps(built))
         rows = []
@@ -341,12 +538,44 @@ def main(argv=None) -> None:
                 f", open {row['open_s']:.1f} s (rchar {row['open_rchar'] / 1e6:.1f} MB), read "
                 f"{row['read_s']:.1f} s, peak RSS {row['peak_rss'] / gib:.2f} GiB (after open "
                 f"{row['rss_after_open'] / gib:.2f}, largest tensor share "
-                f"{row['largest_tensor_share'] / gib:.2f})",
+                f"{row['largest_tensor_share'] / gib:.2f}, reads beyond their result "
+                f"{row['peak_beyond_result'] / 2**20:.0f} MiB)",
                 flush=True,
             )
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"checkpoint": built, "layers": a.layers, "rows": rows}, f, indent=1)
+                out = {"layout": a.layout, "checkpoint": built, "layers": a.layers, "rows": rows}
+                json.dump(out, f, indent=1)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def export_main(a) -> None:
+    """The Megatron state converted weights-only to UCP (bf16 params), then exported to
+    safetensors by one process in a fresh child."""
+    import jax_ucp
+    from jax_ucp.conversion import ImportOptions
+
+    base = tempfile.mkdtemp(prefix="bench70b_", dir=a.dir)
+    src, ucp = os.path.join(base, NAME), os.path.join(base, "ucp")
+    try:
+        build(src, a.layers)
+        t = time.perf_counter()
+        jax_ucp.convert(src, ucp, importing=ImportOptions(weights_only=True))
+        converted = {"convert_s": time.perf_counter() - t, "convert_peak_rss": _status("VmHWM")}
+        call = f"b.measure_export({ucp!r}, {os.path.join(base, 'hf')!r}, {a.memory_budget!r})"
+        row = {**converted, **child(ucp, 1, 0, call=call)}
+        gib = 2**30
+        print(
+            f"export: {row['safetensors_bytes'] / 1e9:.2f} GB of safetensors in {row['files']} "
+            f"files, wchar {row['wchar'] / 1e9:.2f} GB ({row['wchar'] / row['files_bytes']:.4f}x "
+            f"the files), {row['export_s']:.1f} s, peak RSS {row['peak_rss'] / gib:.2f} GiB "
+            f"(before {row['rss_before'] / gib:.2f})",
+            flush=True,
+        )
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"layout": "export", "layers": a.layers, "rows": [row]}, f, indent=1)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

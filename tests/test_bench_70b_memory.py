@@ -38,3 +38,32 @@ def test_one_share_reads_its_bytes_synthetic(tmp_path):
     for row in (whole, half):
         assert row["share_bytes"] <= row["read_rchar"] <= row["share_bytes"] + 2**20, row
     assert abs(half["share_bytes"] * 2 - whole["share_bytes"]) < whole["share_bytes"] // 10
+
+
+@pytest.mark.slow  # ~5-10 s: ~210 MB of holes read
+def test_a_share_holds_no_more_than_its_result_synthetic(tmp_path):
+    """A layer-stack row is read into its result's buffers in place: the reads' memory beyond
+    the tensor's result stays a few MiB, not a whole row (32 MiB here: one layer of fc1 in
+    fp32; before, a row was put together, then copied)."""
+    bench = _bench()
+    path = str(tmp_path / bench.NAME)
+    bench.build(path, 2, hidden=1024, mlp=4096, vocab=256)
+    row = bench.measure(path, 2, 0)
+    assert row["largest_tensor_share"] == 2 * 4096 * 1024 * 4  # fc1's layer in fp32
+    assert row["peak_beyond_result"] < row["largest_tensor_share"] // 2, row
+
+
+@pytest.mark.slow  # ~5-15 s: the importer opened twice
+def test_a_zero3_share_reads_its_rows_synthetic(tmp_path):
+    """The ZeRO-3 layout is detected and imported; one process of 4 reads its rows of each
+    parameter (its rank's partitions, CRC-checked), not every rank's partition joined."""
+    bench = _bench()
+    path = str(tmp_path / bench.ZERO3_NAME)
+    built = bench.build_zero3(path, 2, ranks=4, hidden=64, mlp=128, vocab=256)
+    assert built["files"] == 8
+    whole = bench.measure(path, 1, 0)
+    quarter = bench.measure(path, 4, 1)
+    assert quarter["tensors"] == whole["tensors"] == 4 * built["tensors"] + 1
+    assert abs(quarter["share_bytes"] * 4 - whole["share_bytes"]) < whole["share_bytes"] // 10
+    assert whole["read_rchar"] >= whole["share_bytes"]
+    assert quarter["read_rchar"] < whole["read_rchar"] // 2, (quarter, whole)

@@ -297,3 +297,39 @@ def test_dcp_disjoint_verdict_matches_a_brute_force_pairwise_check():
             assert not shared, spans
             verdicts.add("disjoint")
     assert verdicts == {"shared", "disjoint"}
+
+
+@pytest.mark.timeout(60)
+def test_region_reads_equal_slices_of_the_whole_tensor(tmp_path, monkeypatch):
+    """``DcpCheckpoint.region_jobs`` (a direct restore's reads of a torch_dist tensor, no row
+    built first) fills random boxes, several at once, as slices of the tensor do: chunks of a
+    random tiling, raw bytes and ``torch.save`` archives alternating, read in slabs of a few
+    bytes (``READ_PIECE`` lowered to 16) so slabs start inside rows and inside chunks."""
+    from jax_ucp._src.torchfiles import torch_zip
+
+    monkeypatch.setattr(dcp, "READ_PIECE", 16)
+    rng = np.random.default_rng(3)
+    for shape in [(5, 7, 6), (9, 11), (13,)]:
+        whole = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+        chunks = []
+        with open(tmp_path / "__0_0.distcp", "wb") as f:
+            for i, (offsets, sizes) in enumerate(_grid(shape, rng)):
+                part = whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+                at = f.tell()
+                if i % 2:
+                    length = torch_zip.write_torch_save(f, array=np.ascontiguousarray(part))
+                else:
+                    length = f.write(part.tobytes())
+                chunks.append(DcpChunk(tuple(offsets), tuple(sizes), "__0_0.distcp", at, length))
+        t = DcpTensor("w", shape, np.dtype(np.float32), tuple(chunks))
+        ck = dcp.DcpCheckpoint(tmp_path, {"w": t}, {})
+        for _ in range(20):
+            dests = []
+            for _ in range(int(rng.integers(1, 4))):
+                lows = [int(rng.integers(0, n)) for n in shape]
+                region = [(a, int(rng.integers(a + 1, n + 1))) for a, n in zip(lows, shape)]
+                dests.append((tuple(region), np.full([b - a for a, b in region], -1, np.float32)))
+            for job in ck.region_jobs("w", dests):
+                job()
+            for region, out in dests:
+                np.testing.assert_array_equal(out, whole[tuple(slice(a, b) for a, b in region)])

@@ -25,7 +25,7 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
-from jax_ucp._src.store import storage
+from jax_ucp._src.store import shard_reader, storage
 from jax_ucp._src.store.storage import Storage, local_view, ranged
 from jax_ucp._src.torchfiles import allow_list, dcp_transforms, torch_zip
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
@@ -339,6 +339,50 @@ class DcpCheckpoint:
         part = arr[(*first, *(slice(0, n) for n in region.shape[1:]))]
         mapped_file.copy_into(region, part, self._where(t, c))
 
+    def region_jobs(self, name: str, dests: Sequence[tuple[tuple, np.ndarray]]) -> list:
+        """One job (a callable, any thread) per chunk overlapping the regions of ``dests``
+        (``((start, stop) per dim, C-contiguous out)``), that reads the chunk's part of every
+        region straight into it: a row of a layer stack can be a GiB, so no row is put
+        together first. A raw chunk is read in slabs of at most ``READ_PIECE`` bytes (into a
+        region when it lies whole in one, else into a scratch buffer cut into each), only
+        those its regions cover; an archive or transformed chunk (its CRC, its codec) or a
+        remote one is read whole (one chunk) and cut."""
+        t = self.tensors[name]
+        self.check_tensor(name)
+        self.check_files([t])
+        jobs = []
+        for c in t.chunks:
+            box = _union_overlap(c, [region for region, _ in dests])
+            if box is not None:
+                jobs.append(functools.partial(self._chunk_into, t, c, box, dests))
+        return jobs
+
+    def _chunk_into(self, t: DcpTensor, c: DcpChunk, box, dests) -> None:
+        """Chunk ``c``'s part ``box`` (chunk-local) into every destination overlapping it."""
+        where = self._where(t, c)
+        whole = isinstance(self.path, ObjectPath) or bool(c.transforms) or not c.sizes
+        if not whole:
+            where, fpath, raw, archive = self._chunk_bytes(t, c)
+            whole = archive or raw.size != math.prod(c.sizes) * t.dtype.itemsize
+            if not archive and self.layout == "dcp":
+                _refuse_safetensors_format(raw, self.path, c.file, c.byte_offset)
+        if whole:
+            arr = self.read_chunk(t, c)
+            for part, view in _overlaps(c.offsets, [(0, n) for n in c.sizes], dests):
+                mapped_file.copy_into(view, arr[tuple(slice(a, b) for a, b in part)], where)
+            return
+        for at, slab in _slabs(c.sizes, box, t.dtype.itemsize):
+            parts = _overlaps(c.offsets, slab, dests)
+            if len(parts) == 1 and parts[0][0] == slab and parts[0][1].flags.c_contiguous:
+                pread_into(fpath, c.byte_offset + at, parts[0][1], None, where)  # no copy
+                continue
+            shape = tuple(b - a for a, b in slab)
+            buf = shard_reader.scratch(math.prod(shape) * t.dtype.itemsize)
+            buf = buf.view(t.dtype).reshape(shape)
+            pread_into(fpath, c.byte_offset + at, buf, None, where)
+            for part, view in parts:
+                view[...] = buf[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(part, slab))]
+
     def _where(self, t: DcpTensor, c: DcpChunk) -> str:
         return f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
 
@@ -523,6 +567,53 @@ def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[Dc
     element[split] = where_split
     inside = np.all((lo <= element) & (element < hi), axis=1)
     return element.tolist(), [chunks[i] for i in np.flatnonzero(inside)]
+
+
+def _overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]):
+    """The intersection of boxes ``a`` and ``b`` (``(start, stop)`` per dim), or None."""
+    box = [(max(x, y), min(u, v)) for (x, u), (y, v) in zip(a, b)]
+    return None if any(lo >= hi for lo, hi in box) else box
+
+
+def _union_overlap(c: DcpChunk, regions: Sequence[tuple]) -> list[tuple[int, int]] | None:
+    """The chunk-local bounding box of ``regions``' overlaps with chunk ``c`` (None: none)."""
+    own = [(o, o + s) for o, s in zip(c.offsets, c.sizes)]
+    found = [box for region in regions if (box := _overlap(own, region)) is not None]
+    if not found or not c.sizes:
+        return None if c.sizes or not regions else []
+    return [
+        (min(b[d][0] for b in found) - o, max(b[d][1] for b in found) - o)
+        for d, o in enumerate(c.offsets)
+    ]
+
+
+def _slabs(sizes: Sequence[int], box: Sequence[tuple[int, int]], itemsize: int):
+    """``(byte offset, chunk-local box)`` of contiguous slabs of a C-ordered chunk of ``sizes``
+    covering ``box``, each at most ``READ_PIECE`` bytes (or one element's row): whole along
+    the dimensions after the first one a ``READ_PIECE`` holds a step of."""
+    step = [itemsize * math.prod(sizes[d + 1 :]) for d in range(len(sizes))]
+    k = next(d for d in range(len(sizes)) if step[d] <= READ_PIECE)
+    rows = max(1, READ_PIECE // step[k])
+    tail = [(0, n) for n in sizes[k + 1 :]]
+    for prefix in itertools.product(*(range(a, b) for a, b in box[:k])):
+        base = sum(i * s for i, s in zip(prefix, step))
+        for lo in range(box[k][0], box[k][1], rows):
+            hi = min(lo + rows, box[k][1])
+            yield base + lo * step[k], [*((i, i + 1) for i in prefix), (lo, hi), *tail]
+
+
+def _overlaps(offsets: Sequence[int], part: Sequence[tuple[int, int]], dests) -> list:
+    """``(chunk-local box, the destination's view of it)`` for every destination overlapping
+    ``part`` (chunk-local) of a chunk at ``offsets``."""
+    own = [(o + a, o + b) for o, (a, b) in zip(offsets, part)]
+    out = []
+    for region, arr in dests:
+        box = _overlap(own, region) if own else []
+        if box is None:
+            continue
+        view = arr[tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(box, region))]
+        out.append(([(a - o, b - o) for (a, b), o in zip(box, offsets)], view))
+    return out
 
 
 def _file_range(path: Path | ObjectPath, offset: int, length: int, where: str) -> np.ndarray:

@@ -85,6 +85,9 @@ class Deferred:
     rows: Callable[[int, int], np.ndarray] | None = None
     #: ``rows`` are independent ranged reads (an object's bytes): several threads may read at once
     ranged: bool = False
+    #: ``regions(dests)``: jobs (callables, any thread) reading the ``((start, stop) per dim,
+    #: out)`` boxes straight into ``out``, no row built first (a DCP tensor's row can be a GiB)
+    regions: Callable[[list], list[Callable[[], None]]] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -586,6 +586,32 @@ def joined_parts(parts: list, shape, dtype) -> np.ndarray:
     return out.reshape(shape)
 
 
+def flat_rows(parts: list, shape, dtype) -> Callable[[int, int], np.ndarray]:
+    """``rows(lo, hi)``: rows ``lo:hi`` of ``parts`` joined end to end into ``shape`` (cast to
+    ``dtype``), copied from the pieces that hold them alone: a direct restore's process reads
+    its rows, not every rank's partition of the parameter.
+
+    Args:
+        parts: the flat pieces, in order.
+        shape: the joined tensor's shape.
+        dtype: its dtype.
+    """
+    inner = math.prod(shape[1:])
+
+    def rows(lo: int, hi: int) -> np.ndarray:
+        out = np.empty((hi - lo) * inner, dtype)
+        start, stop, at = lo * inner, hi * inner, 0
+        for part in parts:
+            a, b = max(start, at), min(stop, at + part.size)
+            if a < b:
+                piece = part.reshape(-1)[a - at : b - at]
+                mapped_file.copy_into(out[a - start : b - start], piece)
+            at += part.size
+        return out.reshape((hi - lo, *shape[1:]))
+
+    return rows
+
+
 def _state_item(
     checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict
 ) -> np.ndarray | writer.Deferred:
@@ -602,7 +628,12 @@ def _state_item(
             check_against_module(checkpoint, name, value)
         return value
 
-    return make() if len(parts) == 1 else writer.Deferred(shape, parts[0].dtype, make)
+    if len(parts) == 1:
+        return make()
+    if checkpoint.stage in (1, 2) or not shape:  # the master checked whole
+        return writer.Deferred(shape, parts[0].dtype, make)
+    rows = flat_rows(parts, shape, parts[0].dtype)
+    return writer.Deferred(shape, parts[0].dtype, make, rows=rows, ranged=True)
 
 
 def _steps(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, str, Any]]:
@@ -796,7 +827,9 @@ def _model_copy_item(
             ("model_params", name), stored, "module", [checkpoint.module_tensor(name)]
         )
     dtype = np.dtype(checkpoint.model_dtype)
-    cast = writer.Deferred(shape, dtype, functools.partial(joined_parts, fp32, shape, dtype))
+    make = functools.partial(joined_parts, fp32, shape, dtype)
+    rows = flat_rows(fp32, shape, dtype) if shape else None
+    cast = writer.Deferred(shape, dtype, make, rows=rows, ranged=rows is not None)
     return sourced_item(("model_params", name), cast, f"cast(fp32 -> {dtype})", fp32_tensors)
 
 

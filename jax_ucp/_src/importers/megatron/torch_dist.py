@@ -362,7 +362,11 @@ class TorchDistReader:
             with named_errors():
                 return self.read_rows(tensor, lo, hi, rule_name)
 
-        return writer.Deferred(kept, dtype, whole, rows=rows), pattern
+        def regions(dests: list) -> list:
+            with named_errors():
+                return self.checkpoint.region_jobs(tensor, dests)
+
+        return writer.Deferred(kept, dtype, whole, rows=rows, regions=regions), pattern
 
     def read(self, tensor: str, rule_name: str) -> tuple[np.ndarray, str]:
         """One tensor (ruled as ``rule_name``), and the pattern the provenance records."""

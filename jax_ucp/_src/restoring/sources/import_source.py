@@ -287,6 +287,10 @@ class _Reader:
         if not self.shape:
             pool = shard_reader.read_pool()
             return shard_reader.PendingReads([pool.submit(self._scalar, dests)])
+        value = self._source.tensors[self._key].value
+        if isinstance(value, writer.Deferred) and value.regions is not None:
+            pool = shard_reader.read_pool()  # the regions read in place, chunk by chunk
+            return shard_reader.PendingReads([pool.submit(j) for j in value.regions(dests)])
         read, per_block = self._source.rows(self._key)
         tasks = []
         if self._source.ranged(
