@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -247,21 +246,11 @@ def _int(value: Any) -> int | None:
     return value if type(value) is int else None
 
 
-def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
-    """The values a pickle of plain data holds (a record's ``<type>`` stand-ins dropped)."""
-    ok = (type(None), bool, int, float, str, list, tuple)
-    return {
-        str(k): tuple(v) if isinstance(v, list) and k == "betas" else v
-        for k, v in values.items()
-        if isinstance(v, ok) and not (isinstance(v, str) and v.startswith("<"))
-    }
-
-
 def _args(
     record, settings, shapes, options: MegatronExport, iteration: int, padded, optimizer: bool
 ) -> dict:
     """Megatron-LM's ``args``: the recorded run's, what the export knows, ``options.args``."""
-    args = _plain(record.get("args") or {})
+    args = source.plain(record.get("args") or {})
     then, batch = _int(record.get("iteration")), _int(args.get("global_batch_size"))
     if then is not None and batch and isinstance(args.get("consumed_train_samples"), int):
         args["consumed_train_samples"] += (iteration - then) * batch
@@ -304,7 +293,7 @@ def _common(record, args: dict, iteration: int, step: int | None, moments) -> di
         }
     scheduler = record.get("opt_param_scheduler")
     if isinstance(scheduler, dict):
-        scheduler = _plain(scheduler)
+        scheduler = source.plain(scheduler)
         then, batch = _int(record.get("iteration")), _int(args.get("global_batch_size"))
         if then is not None and batch and isinstance(scheduler.get("num_steps"), int):
             scheduler["num_steps"] += (iteration - then) * batch  # samples, as Megatron-LM counts
@@ -343,4 +332,4 @@ def _param_groups(record, args: dict, step: int) -> list[dict]:
             }
             for g in _DEFAULT_GROUPS
         ]
-    return [{**_plain(g), "step": float(step)} for g in saved]
+    return [{**source.plain(g), "step": float(step)} for g in saved]
