@@ -10,7 +10,6 @@ a torch model's weights and its Adam state under the names ``get_state_dict`` gi
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -113,10 +112,10 @@ def _groups(options: TorchDcpExport, recorded: Any, names: list[str], root: str)
     groups: Any = given if isinstance(given, list) else None
     if groups is None:
         if options.run_record is not None:
-            path = os.fspath(options.run_record)
-            recorded = store.read_manifest(
-                locate.find_checkpoint(store.storage_for(path)).root
-            ).source
+            read = locate.read_consistently(
+                options.run_record, lambda c: store.read_manifest(c.root)
+            )
+            recorded = read.source
         groups = torch_optimizer_record(recorded or {}).get("param_groups")
         if not groups and isinstance(given, Mapping):
             groups = [{**given, "params": names}]
