@@ -88,7 +88,9 @@ class MegatronExport(_Export):
         pp: its pipeline-parallel size (recorded in ``args``).
         make_vocab_size_divisible_by: Megatron-LM's option: vocab rows are padded to a multiple
             of it times ``tp``.
-        iteration: the iteration recorded (None: the optimizer step, else the imported one).
+        iteration: the iteration recorded (None: the optimizer step plus the iterations the
+            recorded run skipped; without optimizer state the imported one); with optimizer
+            state one that disagrees with the step is refused, as is ``args['iteration']``.
         run_record: a checkpoint imported from Megatron whose record of the run (param groups,
             scheduler state, args) is written back (None: this checkpoint's own, if any).
         args: Megatron-LM arguments to record beside those the export knows."""
