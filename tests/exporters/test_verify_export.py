@@ -122,3 +122,5 @@ def test_cli_verify_export_exits_1_on_a_flipped_byte(deepspeed, tmp_path):
     _flip(dst, np.asarray(jax_ucp.restore(ucp)["params"]["wte.weight"]))
     r = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert r.exit_code == 1 and "wte.weight" in r.output, r.output
+    with pytest.raises(UCPError, match="give against="):
+        jax_ucp.verify(flax, spec=GPT_SPEC)
