@@ -130,6 +130,50 @@ def test_a_run_continued_in_jax_goes_back_to_torch_with_its_optimizer(tmp_path):
         np.testing.assert_allclose(p.detach().numpy(), after[pname], rtol=0, atol=2e-6)
 
 
+@pytest.mark.timeout(300)
+def test_fsdp2_on_two_ranks_loads_the_model_and_optimizer(tmp_path):
+    """FSDP2 (``fully_shard``, two gloo ranks on CPU) loads an export of a torch-named run with
+    ``dcp.load`` + ``set_state_dict``: each rank its shards of the one-chunk tensors; gathered,
+    every weight and moment is the checkpoint's bit for bit, the step and the lr given."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.ucp_testing import free_port
+
+    rng = np.random.default_rng(0)
+    shapes = {"0.weight": (6, 8), "0.bias": (6,), "1.weight": (4, 6), "1.bias": (4,)}
+    tree = {
+        "params": {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()},
+        "opt_state": {
+            "mu": {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()},
+            "nu": {k: rng.random(s).astype(np.float32) for k, s in shapes.items()},
+            "count": np.int32(4),
+        },
+    }
+    ckpt = jax_ucp.save(str(tmp_path / "run"), tree)
+    group = {"lr": 5e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    group.update(amsgrad=False, maximize=False, foreach=None, capturable=False)
+    group.update(differentiable=False, fused=None, decoupled_weight_decay=True)
+    options = TorchDcpExport(optimizer="optim", param_groups=group)
+    jax_ucp.export(ckpt, tmp_path / "dcp", options)
+    script = Path(__file__).with_name("fsdp2_load.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "dcp"), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    with np.load(tmp_path / "loaded.npz") as loaded:
+        assert list(loaded["lr"]) == [5e-3]
+        for name in shapes:
+            assert np.array_equal(loaded[name], tree["params"][name]), name
+            assert np.array_equal(loaded[f"{name}.exp_avg"], tree["opt_state"]["mu"][name])
+            assert np.array_equal(loaded[f"{name}.exp_avg_sq"], tree["opt_state"]["nu"][name])
+            assert float(loaded[f"{name}.step"]) == 4.0
+
+
 def _hf_tree(spec, params, opt_state) -> dict:
     """The flax params and Adam moments under the torch model's names (the spec run
     backwards in memory)."""
