@@ -37,7 +37,9 @@ ALLOWED = {
     },
     "saving": {"format", "store", "writer", "multihost", "sharding", "tree"},
     "orbax": {"format", "store", "writer", "multihost", "sharding", "tree", "restoring", "saving"},
-    "api": {"format", "store", "tree", "restoring", "saving", "against", "logits"},
+    "api": {"format", "store", "tree", "restoring", "saving", "against", "logits", "export_check"},
+    # verify(EXPORTED, against=CKPT): the export read by its import, the checkpoint by the spec
+    "export_check": {"format", "store", "writer", "restoring", "importers", "exporters"},
     # torch's file formats, read and written without torch; store: a DCP folder in an object
     # store or a Hub repo read by ranged GETs (store.storage.local_view)
     "torchfiles": {"format", "writer", "store"},

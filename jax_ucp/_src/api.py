@@ -111,8 +111,12 @@ class VerifyResult(list):
     ``(tree node, message)`` for what a restore gives back differently without being an error
     (a container class outside the allow-list comes back as a dict)."""
 
-    def __init__(self, problems=(), notices=(), logits=None, against=None, source=None):
+    def __init__(
+        self, problems=(), notices=(), logits=None, against=None, source=None, exported=None
+    ):
         super().__init__(problems)
+        #: an export verified against its checkpoint: ``export_check.ExportComparison``
+        self.exported = exported
         self.notices: list[tuple[str, str]] = list(notices)
         #: with ``logits=True``: the ``jax_ucp._src.logits.LogitsComparison`` of one batch
         self.logits = logits
@@ -124,6 +128,18 @@ class VerifyResult(list):
         self.source = source
 
 
+def _verify_export(path: str, against: str, spec: Any, progress) -> VerifyResult:
+    """``verify(EXPORTED, against=CKPT)``: every exported tensor against the checkpoint's."""
+    from jax_ucp._src.export_check import compare_export
+
+    found = compare_export(path, against, spec, progress)
+    problems = [
+        (n, f"{n}: exported, not the checkpoint's: {w}") for n, w in found.different.items()
+    ]
+    notices = [(n, f"{n}: not in the export") for n in found.not_exported]
+    return VerifyResult(problems, notices, exported=found)
+
+
 def verify(
     path: str | os.PathLike,
     *,
@@ -133,6 +149,7 @@ def verify(
     logits: bool = False,
     logits_tolerance: float | None = None,
     accept_uncertified: bool = False,
+    spec: Any = None,
 ) -> VerifyResult:
     """Reads every byte of the checkpoint at ``path`` through the paths a restore takes; of a
     source ``convert`` reads (torch DCP, a Trainer checkpoint, DeepSpeed, Megatron, torch.save
@@ -179,9 +196,15 @@ def verify(
         settings ``ucp.json`` records (clipping, betas, eps, weight decay, the schedule and its
         position, the optimizer, the step: its whole ``source`` record but the path) are compared
         with what planning the import of ``against`` again records either way.
+      spec: with ``path`` an export (safetensors, DeepSpeed universal, Megatron, torch DCP) and
+        ``against`` the jax_ucp checkpoint it was written from: the spec it was exported by;
+        every exported tensor (weights, masters, moments, the step) is compared with the
+        checkpoint's (``jax_ucp._src.export_check``).
     """
     if logits and against is None:
         raise RequestError("verify(logits=True) compares with the source: give against=SRC")
+    if spec is not None and against is None:
+        raise RequestError("verify(spec=) compares an export with its checkpoint: give against=")
     if logits_tolerance is not None or logits:  # refused before the checkpoint is read
         from jax_ucp._src.logits import checked_tolerance
 
@@ -197,6 +220,8 @@ def verify(
 
     found = sources.imported(store.storage_for(path))  # its importer, detected once
     if found is not None:  # a torch source itself, no jax_ucp checkpoint
+        if against is not None and sources.imported(store.storage_for(against), warn=False) is None:
+            return _verify_export(os.fspath(path), os.fspath(against), spec, progress)
         from jax_ucp._src.restoring import verify_source  # the importers: for a source only
 
         if against is not None:
@@ -212,7 +237,7 @@ def verify(
     result = locate.read_consistently(path, lambda root: _verify(root, progress, budget))
     if against is None or result:
         return result
-    from jax_ucp._src.against import compare_with_source
+    from jax_ucp._src.against import compare_with_source, source_weights
 
     found = compare_with_source(
         os.fspath(path), os.fspath(against), progress, accept_uncertified=accept_uncertified
@@ -231,7 +256,6 @@ def verify(
     ]
     compared = None
     if logits:  # after the tensors, even when some differ: how much the model's output moves
-        from jax_ucp._src.against import source_weights
         from jax_ucp._src.logits import compare_logits
 
         try:

@@ -61,6 +61,15 @@ def test_the_family_spec_backwards_then_forwards_gives_the_tree_bit_for_bit(fami
         assert back[key].dtype == value.dtype and np.array_equal(back[key], value), key
 
 
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_the_config_written_from_the_models_settings_reads_back_as_the_model(family):
+    """Every family's tiny model: the config.json written from its ``LMConfig`` (no config
+    given) is one the family's reader turns back into the same model and spec."""
+    cfg, name = hf_model(_config(family))
+    written = hf_config(cfg, load_spec(name).model_types)
+    assert hf_model(written) == (cfg, name)
+
+
 @pytest.mark.parametrize("family", ["phi3", "qwen3_moe", "gpt2"])
 def test_export_then_import_is_bit_exact_and_writes_the_models_config(family, tmp_path):
     """On disk: saved flax tree -> export(spec=<the import's spec>, config=LMConfig) -> convert

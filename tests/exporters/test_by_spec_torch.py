@@ -17,26 +17,7 @@ from tests.models.test_hf_families import FAMILIES, _save_tiny
 pytestmark = pytest.mark.torch
 
 
-#: families added in round 13 that the export by spec was not yet extended to (found failing at
-#: the merge; the next round makes them pass and drops this mark)
-NO_CONFIG_YET = {"glm4_moe", "olmo3", "smollm3"}
-
-
-@pytest.mark.parametrize(
-    "family",
-    [
-        pytest.param(
-            f,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="export by spec does not yet cover this family (added this round)",
-            ),
-        )
-        if f in NO_CONFIG_YET
-        else f
-        for f in sorted(FAMILIES)
-    ],
-)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.timeout(300)
 def test_the_family_goes_back_to_transformers_with_its_own_names(family, tmp_path):
     import json

@@ -181,6 +181,24 @@ def test_continued_run_exports_with_the_imported_record(tmp_path):
     assert (args["lr"], args["clip_grad"], args["seed"]) == (before["lr"], before["clip_grad"], 7)
 
 
+def test_an_iteration_that_disagrees_with_the_optimizer_step_is_not_written(imported, tmp_path):
+    """common.pt's iteration is the optimizer step (2): another one given (as iteration= or
+    args={'iteration': ...}) is refused, as is a run record of a later step than the
+    checkpoint's (a record of another run); nothing is written."""
+    for options in (MegatronExport(iteration=3), MegatronExport(args={"iteration": 1})):
+        with pytest.raises(RequestError, match=r"the optimizer is at step 2 .* iteration is 2"):
+            jax_ucp.export(imported, tmp_path / "out", options)
+    done = jax_ucp.export(imported, tmp_path / "ok", MegatronExport(iteration=2))
+    common = torch_zip.load_torch_file(tmp_path / "ok" / "common.pt", legacy.LEGACY_CLASSES)
+    assert common["iteration"] == 2 and done.tensors == 36
+    tree = jax_ucp.restore(imported)
+    tree["opt_state"]["count"] = tree["opt_state"]["count"] - 1  # before the record's step
+    jax_ucp.save(tmp_path / "earlier", tree)
+    with pytest.raises(RequestError, match=r"at optimizer step 2, after this checkpoint's 1"):
+        jax_ucp.export(tmp_path / "earlier", tmp_path / "out", MegatronExport(run_record=imported))
+    assert not (tmp_path / "out").exists()
+
+
 def test_refusals(imported, tmp_path):
     """Names megatron-core does not use, a record of no Megatron run, a bad option: refused
     before anything is written."""

@@ -347,6 +347,11 @@ def verify(
     newest: int = typer.Option(
         0, min=0, help="on a CheckpointManager root: verify only its newest N steps (0: all)"
     ),
+    spec: str | None = typer.Option(
+        None,
+        help="PATH an export, --against the jax_ucp checkpoint it was written from: the spec it "
+        "was exported by (e.g. hf_llama); every exported tensor is compared with the checkpoint's",
+    ),
 ):
     """Read every tensor and check every shard file (crc32c, digests); report what is wrong.
     With --against SRC, also compare with the source read by its framework's own loader;
@@ -371,7 +376,11 @@ def verify(
             logits=logits,
             logits_tolerance=logits_tolerance,
             accept_uncertified=accept_uncertified,
+            spec=spec,
         )
+    if bad.exported is not None:
+        _say_export_checked(bad, str(against))
+        return
     for _, notice in bad.notices:  # not errors: the data is intact
         output.marked("[yellow]![/yellow]", notice)
     if bad.logits is not None and bad.logits.ok:
@@ -434,6 +443,25 @@ def _say_compared(found, against: str) -> None:
             if found.rebuilt
             else ""
         )
+    )
+
+
+def _say_export_checked(bad, against: str) -> None:
+    """``verify EXPORTED --against CKPT``: the tensors compared, left out, differing (exit 1)."""
+    found = bad.exported
+    for _, err in bad:
+        output.marked("[red]✗[/red]", str(err))
+    left = f"; {len(found.not_exported)} of the checkpoint's not exported" * bool(
+        found.not_exported
+    )
+    said = f"{len(found.equal)} of {len(found.equal) + len(found.different)} {found.format} "
+    if bad:
+        output.console.print(
+            f"[red]{said}tensors equal to {against}'s{left}[/red]", highlight=False
+        )
+        raise typer.Exit(1)
+    output.console.print(
+        f"[green]✓ {said}tensors equal to {against}'s{left}[/green]", highlight=False
     )
 
 

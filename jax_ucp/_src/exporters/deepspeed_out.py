@@ -143,7 +143,7 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
     available = ucp_source.available_tensors(manifest, spec)
     # each tensor's manifest entry (a view's: its first source's), for its role
     by_key = {k: a.sources[0] for k, a in available.items()}
-    params, moments, count = _universal_keys(root, by_key)
+    params, moments, count = source.adam_keys(root, by_key, "DeepSpeed universal")
     ds_names = {p: ".".join(rel) for p, rel in params.items()}
     for p in params:
         check_cast(ds_names[p], available[p].dtype, np.dtype(np.float32), "same_kind")
@@ -195,33 +195,3 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
         ]
         + [fmt.key_to_str(v.key) for v in manifest.values],
     )
-
-
-def _universal_keys(root, by_key):
-    """The keys DeepSpeed universal needs, by the manifest role of each tensor (``by_key``: its
-    entry, a view's first source's), or a ``RequestError``."""
-    # frozen parameters have no optimizer state nor place under zero/: skipped
-    params = {
-        k: k[1:]
-        for k, e in by_key.items()
-        if e.role == "param" and e.sub_role is None and not e.frozen and e.tied_to is None
-    }
-    moments: dict[tuple[str, str], tuple] = {}
-    count = None
-    for key, entry in by_key.items():
-        if entry.role == "opt_state" and entry.sub_role in ("mu", "nu"):
-            for pkey, rel in params.items():  # the moment at .../mu/<the parameter's path>
-                if key[-len(rel) - 1 :] == (entry.sub_role, *rel):
-                    moments[(pkey, entry.sub_role)] = key
-        elif entry.role == "opt_state" and entry.sub_role == "count":
-            count = key
-    missing = [
-        f"{fmt.key_to_str(p)} ({m})" for p in params for m in ("mu", "nu") if (p, m) not in moments
-    ]
-    if not params or missing or count is None:
-        raise RequestError(
-            f"{root}: DeepSpeed universal needs every parameter's Adam moments and the step "
-            f"count; missing: {missing[:5] or ([] if params else ['params'])}"
-            f"{'' if count is not None else ' and opt_state count'}"
-        )
-    return params, moments, count

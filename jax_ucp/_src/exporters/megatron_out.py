@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -108,9 +107,7 @@ def export(root: str, dst: str, options: MegatronExport) -> Exported:
     padded_vocab = next((s[0] for n, s in shapes.items() if n.endswith(VOCAB_PARALLEL)), None)
     objects = _extra_state_names(shapes, recorded.get("skipped_objects"))
     items += [DcpItem(name, (name,), value=[None]) for name in objects]
-    iteration = options.iteration
-    if iteration is None:
-        iteration = step if step is not None else _int(recorded.get("iteration")) or 0
+    iteration = _iteration(options, recorded, record, step)
     settings = recorded.get("settings")
     args = _args(record, settings, shapes, options, iteration, padded_vocab, bool(moments))
     common = _common(record, args, iteration, step, moments)
@@ -243,25 +240,48 @@ def _extra_state_names(shapes: dict[str, tuple], recorded: Any) -> list[str]:
     return found
 
 
+def _iteration(options: MegatronExport, recorded: dict, record: dict, step: int | None) -> int:
+    """The iteration ``common.pt`` records: the optimizer step plus the iterations the recorded
+    run skipped (fp16 loss scaling: its iteration minus its optimizer step); without optimizer
+    state the one given or recorded. An ``iteration`` or ``args['iteration']`` given that
+    disagrees with the optimizer step, or a run record of a later step, is refused: Megatron-LM
+    would resume its data and schedule where the optimizer has not been."""
+    then = _int(record.get("iteration")) or _int(recorded.get("iteration"))
+    if step is None:
+        return options.iteration if options.iteration is not None else then or 0
+    groups = [g for g in record.get("param_groups") or () if isinstance(g, dict)]
+    then_step = groups[0].get("step") if groups else None
+    then_step = int(then_step) if isinstance(then_step, (int, float)) else None
+    if then_step is not None and step < then_step:
+        raise RequestError(
+            f"the run record is at optimizer step {then_step}, after this checkpoint's {step}: "
+            f"a record of another run (run_record=: the checkpoint this run was imported from)"
+        )
+    skipped = then - then_step if then is not None and then_step is not None else 0
+    want = step + max(skipped, 0)
+    given = {
+        "iteration": options.iteration,
+        "args['iteration']": (options.args or {}).get("iteration"),
+    }
+    for name, value in given.items():
+        if value is not None and value != want:
+            raise RequestError(
+                f"{name}={value!r}: the optimizer is at step {step} ({max(skipped, 0)} skipped "
+                f"iterations recorded), so common.pt's iteration is {want}; written otherwise, "
+                f"Megatron-LM would resume its data and schedule where the optimizer has not been"
+            )
+    return want
+
+
 def _int(value: Any) -> int | None:
     return value if type(value) is int else None
-
-
-def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
-    """The values a pickle of plain data holds (a record's ``<type>`` stand-ins dropped)."""
-    ok = (type(None), bool, int, float, str, list, tuple)
-    return {
-        str(k): tuple(v) if isinstance(v, list) and k == "betas" else v
-        for k, v in values.items()
-        if isinstance(v, ok) and not (isinstance(v, str) and v.startswith("<"))
-    }
 
 
 def _args(
     record, settings, shapes, options: MegatronExport, iteration: int, padded, optimizer: bool
 ) -> dict:
     """Megatron-LM's ``args``: the recorded run's, what the export knows, ``options.args``."""
-    args = _plain(record.get("args") or {})
+    args = source.plain(record.get("args") or {})
     then, batch = _int(record.get("iteration")), _int(args.get("global_batch_size"))
     if then is not None and batch and isinstance(args.get("consumed_train_samples"), int):
         args["consumed_train_samples"] += (iteration - then) * batch
@@ -304,7 +324,7 @@ def _common(record, args: dict, iteration: int, step: int | None, moments) -> di
         }
     scheduler = record.get("opt_param_scheduler")
     if isinstance(scheduler, dict):
-        scheduler = _plain(scheduler)
+        scheduler = source.plain(scheduler)
         then, batch = _int(record.get("iteration")), _int(args.get("global_batch_size"))
         if then is not None and batch and isinstance(scheduler.get("num_steps"), int):
             scheduler["num_steps"] += (iteration - then) * batch  # samples, as Megatron-LM counts
@@ -343,4 +363,4 @@ def _param_groups(record, args: dict, step: int) -> list[dict]:
             }
             for g in _DEFAULT_GROUPS
         ]
-    return [{**_plain(g), "step": float(step)} for g in saved]
+    return [{**source.plain(g), "step": float(step)} for g in saved]

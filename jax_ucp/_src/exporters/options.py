@@ -88,7 +88,9 @@ class MegatronExport(_Export):
         pp: its pipeline-parallel size (recorded in ``args``).
         make_vocab_size_divisible_by: Megatron-LM's option: vocab rows are padded to a multiple
             of it times ``tp``.
-        iteration: the iteration recorded (None: the optimizer step, else the imported one).
+        iteration: the iteration recorded (None: the optimizer step plus the iterations the
+            recorded run skipped; without optimizer state the imported one); with optimizer
+            state one that disagrees with the step is refused, as is ``args['iteration']``.
         run_record: a checkpoint imported from Megatron whose record of the run (param groups,
             scheduler state, args) is written back (None: this checkpoint's own, if any).
         args: Megatron-LM arguments to record beside those the export knows."""
@@ -158,9 +160,41 @@ class _TensorsExport(_Export):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TorchDcpExport(_TensorsExport):
-    """A single-file torch DCP checkpoint: the tensors and the saved Python values."""
+    """A single-file torch DCP checkpoint: the tensors and the saved Python values; with
+    ``optimizer``, a torch model's weights and its Adam state as ``dcp.load`` into
+    ``get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))``
+    reads them (``set_state_dict`` then loads model and optimizer).
+
+    Attributes:
+        optimizer: the key of the optimizer's state dict (``"optim"``; torchtitan's
+            ``"optimizer"``): ``<optimizer>.state.<name>.{exp_avg,exp_avg_sq,step}`` and
+            ``<optimizer>.param_groups.<name>.<hyper-parameter>``; None: the tensors alone.
+        model: with ``optimizer``, the key of the model's weights (``""``: top-level, as
+            torchtitan saves them).
+        param_groups: the loading optimizer's hyper-parameters: a mapping set on every group, or
+            the groups (each with ``params``: the torch names); None: the imported run's.
+        run_record: the checkpoint imported from torch whose param groups a continued run
+            writes (None: this checkpoint's own record)."""
 
     format: ClassVar[str] = "torch-dcp"
+    optimizer: str | None = None
+    model: str = "model"
+    param_groups: Mapping[str, Any] | list[Mapping[str, Any]] | None = None
+    run_record: str | os.PathLike | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("optimizer", "model"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or "." in value):
+                raise RequestError(f"{name}={value!r}: a state-dict key without dots")
+        if self.optimizer is None and (self.param_groups or self.run_record):
+            raise RequestError("param_groups= and run_record= need optimizer= (e.g. 'optim')")
+        groups = self.param_groups
+        if not (groups is None or isinstance(groups, Mapping)) and (
+            not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups)
+        ):
+            raise RequestError(f"param_groups={groups!r}: a mapping or a list of groups")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -189,3 +189,45 @@ def write_atomically(
         if staged:
             stack.enter_context(commit.export_record(tx.path))
         return write(tx.path)
+
+
+def adam_keys(root: str, by_key: Mapping[tuple, Any], what: str):
+    """By the manifest role of each tensor (``by_key``: its entry, a view's first source's):
+    {params key: its path under params}, {(params key, "mu"/"nu"): moment key}, the step
+    count's key; a ``RequestError`` naming ``what`` (the format) when one is missing."""
+    # frozen parameters have no optimizer state: skipped
+    params = {
+        k: k[1:]
+        for k, e in by_key.items()
+        if e.role == "param" and e.sub_role is None and not e.frozen and e.tied_to is None
+    }
+    moments: dict[tuple[tuple, str], tuple] = {}
+    count = None
+    for key, entry in by_key.items():
+        if entry.role == "opt_state" and entry.sub_role in ("mu", "nu"):
+            for pkey, rel in params.items():  # the moment at .../mu/<the parameter's path>
+                if key[-len(rel) - 1 :] == (entry.sub_role, *rel):
+                    moments[(pkey, entry.sub_role)] = key
+        elif entry.role == "opt_state" and entry.sub_role == "count":
+            count = key
+    missing = [
+        f"{fmt.key_to_str(p)} ({m})" for p in params for m in ("mu", "nu") if (p, m) not in moments
+    ]
+    if not params or missing or count is None:
+        raise RequestError(
+            f"{root}: {what} needs every parameter's Adam moments and the step "
+            f"count; missing: {missing[:5] or ([] if params else ['params'])}"
+            f"{'' if count is not None else ' and opt_state count'}"
+        )
+    return params, moments, count
+
+
+def plain(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The values a pickle of plain data holds (a record's ``<type>`` stand-ins dropped, ``betas``
+    a tuple as torch keeps it): a recorded optimizer group written back."""
+    ok = (type(None), bool, int, float, str, list, tuple)
+    return {
+        str(k): tuple(v) if isinstance(v, list) and k == "betas" else v
+        for k, v in values.items()
+        if isinstance(v, ok) and not (isinstance(v, str) and v.startswith("<"))
+    }

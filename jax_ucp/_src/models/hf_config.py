@@ -144,15 +144,36 @@ def _gemma(cfg: LMConfig) -> dict[str, Any]:
         "final_logit_softcapping": cfg.final_logit_softcapping,
     }
     if cfg.local_rotary_base is not None:  # Gemma 3: a RoPE per layer type
-        local = dataclasses.replace(
-            cfg,
-            rotary_base=cfg.local_rotary_base,
-            rotary_scaling_factor=cfg.local_rotary_scaling_factor,
-            rotary_llama3=None,
-            rotary_yarn=None,
-        )
-        out["rope_parameters"] = {"full_attention": _rope(cfg), "sliding_attention": _rope(local)}
+        out["rope_parameters"] = _typed_rope(cfg)
     return out
+
+
+def _typed_rope(cfg: LMConfig) -> dict[str, Any]:
+    """Gemma 3's and OLMo 3's ``rope_parameters``: one set per layer type."""
+    local = dataclasses.replace(
+        cfg,
+        rotary_base=cfg.local_rotary_base,
+        rotary_scaling_factor=cfg.local_rotary_scaling_factor,
+        rotary_llama3=None,
+        rotary_yarn=None,
+    )
+    return {"full_attention": _rope(cfg), "sliding_attention": _rope(local)}
+
+
+def _olmo3(cfg: LMConfig) -> dict[str, Any]:
+    """Its layer types always (absent, three of four layers are windowed)."""
+    windowed = cfg.sliding_layers if cfg.sliding_window is not None else ()
+    types = [
+        "sliding_attention" if windowed is None or i in windowed else "full_attention"
+        for i in range(cfg.num_layers)
+    ]
+    return {"rope_parameters": _typed_rope(cfg), "layer_types": types}
+
+
+def _groups(cfg: LMConfig) -> dict[str, Any]:
+    """DeepSeek V3's and GLM-4.5's group-limited routing."""
+    groups, top_groups, scaling = cfg.moe_groups or (1, 1, 1.0)
+    return {"n_group": groups, "topk_group": top_groups, "routed_scaling_factor": scaling}
 
 
 def _llama4(cfg: LMConfig) -> dict[str, Any]:
@@ -173,7 +194,6 @@ def _llama4(cfg: LMConfig) -> dict[str, Any]:
 
 def _deepseek(cfg: LMConfig) -> dict[str, Any]:
     q_rank, kv_rank, nope, rope, v = cfg.mla or (0, 0, 0, 0, 0)
-    groups, top_groups, scaling = cfg.moe_groups or (1, 1, 1.0)
     rope_parameters = _rope(cfg)
     factor, scale = cfg.rotary_scaling_factor, (nope + rope) ** -0.5
     if factor > 1 and cfg.attention_scale != scale:  # yarn's mscale_all_dim, squared, on it
@@ -188,9 +208,7 @@ def _deepseek(cfg: LMConfig) -> dict[str, Any]:
         "v_head_dim": v,
         "head_dim": rope,
         "rope_interleave": cfg.rope_interleaved,
-        "n_group": groups,
-        "topk_group": top_groups,
-        "routed_scaling_factor": scaling,
+        **_groups(cfg),
     }
 
 
@@ -202,6 +220,16 @@ _EXTRA = {
         "residual_multiplier": cfg.residual_multiplier,
         "attention_multiplier": cfg.attention_scale,
         "logits_scaling": cfg.logits_scaling,
+    },
+    "olmo3": _olmo3,
+    "smollm3": lambda cfg: {
+        "no_rope_layers": [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)],
+    },
+    "glm4_moe": lambda cfg: {
+        "rope_parameters": {**_rope(cfg), "partial_rotary_factor": cfg.rotary_percent},
+        "attention_bias": cfg.qkv_bias,
+        "use_qk_norm": cfg.qk_norm,
+        **_groups(cfg),
     },
     "gemma2": _gemma,
     "gemma3_text": _gemma,
