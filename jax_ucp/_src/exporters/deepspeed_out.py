@@ -143,7 +143,7 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
     available = ucp_source.available_tensors(manifest, spec)
     # each tensor's manifest entry (a view's: its first source's), for its role
     by_key = {k: a.sources[0] for k, a in available.items()}
-    params, moments, count = _universal_keys(root, by_key)
+    params, moments, model, count = _universal_keys(root, by_key)
     ds_names = {p: ".".join(rel) for p, rel in params.items()}
     for p in params:
         check_cast(ds_names[p], available[p].dtype, np.dtype(np.float32), "same_kind")
@@ -155,7 +155,6 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
                     f"wants the parameter's {tuple(available[p].shape)}"
                 )
     (step,) = ucp_source.read(root, manifest, [Request(count)], available=available)
-    model = {k[1:]: k for k, e in by_key.items() if e.role == "param" and e.sub_role == "model"}
     reads = source.Source(root, manifest, available, progress=options.progress, total=len(ds_names))
 
     # each parameter's states, read as they are written (progress counted at the last)
@@ -170,7 +169,7 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
         )
         for p, name in ds_names.items()
     ]
-    weights = [(name, reads.tensor(model.get(params[p]) or p)) for p, name in ds_names.items()]
+    weights = [(name, reads.tensor(model.get(p, p))) for p, name in ds_names.items()]
     shapes = [tuple(available[p].shape) for p in params]
     written = source.write_atomically(
         dst,
@@ -198,30 +197,12 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
 
 
 def _universal_keys(root, by_key):
-    """The keys DeepSpeed universal needs, by the manifest role of each tensor (``by_key``: its
-    entry, a view's first source's), or a ``RequestError``."""
-    # frozen parameters have no optimizer state nor place under zero/: skipped
-    params = {
-        k: k[1:]
-        for k, e in by_key.items()
-        if e.role == "param" and e.sub_role is None and not e.frozen and e.tied_to is None
-    }
-    moments: dict[tuple[str, str], tuple] = {}
-    count = None
-    for key, entry in by_key.items():
-        if entry.role == "opt_state" and entry.sub_role in ("mu", "nu"):
-            for pkey, rel in params.items():  # the moment at .../mu/<the parameter's path>
-                if key[-len(rel) - 1 :] == (entry.sub_role, *rel):
-                    moments[(pkey, entry.sub_role)] = key
-        elif entry.role == "opt_state" and entry.sub_role == "count":
-            count = key
-    missing = [
-        f"{fmt.key_to_str(p)} ({m})" for p in params for m in ("mu", "nu") if (p, m) not in moments
-    ]
-    if not params or missing or count is None:
+    """The keys DeepSpeed universal needs (``source.adam_keys``), or a ``RequestError``."""
+    found = source.adam_keys(by_key, frozen=False)  # frozen: no state nor place under zero/
+    if not found.params or found.missing or found.count is None:
         raise RequestError(
             f"{root}: DeepSpeed universal needs every parameter's Adam moments and the step "
-            f"count; missing: {missing[:5] or ([] if params else ['params'])}"
-            f"{'' if count is not None else ' and opt_state count'}"
+            f"count; missing: {found.missing[:5] or ([] if found.params else ['params'])}"
+            f"{'' if found.count is not None else ' and opt_state count'}"
         )
-    return params, moments, count
+    return found.params, found.moments, found.model, found.count
