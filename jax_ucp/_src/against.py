@@ -971,28 +971,21 @@ def _lazy(value: Any) -> bool:
     return isinstance(value, writer.Deferred) or getattr(value, "nbytes", 1 << 20) < 1 << 16
 
 
-@contextlib.contextmanager
 def _dcp_read_by_torch():
-    """Within it, each DCP tensor an importer reads (``DcpCheckpoint._assemble``: megatron-core's
-    flat optimizer buckets) is read whole by torch's own ``dcp.load`` instead, a few kept."""
-    from jax_ucp._src.torchfiles.dcp import DcpCheckpoint
+    """Within it, each DCP tensor an importer reads (megatron-core's flat optimizer buckets) is
+    read whole by torch's own ``dcp.load`` instead (``dcp.tensors_read_by``), a few kept."""
+    from jax_ucp._src.torchfiles.dcp import tensors_read_by
 
     kept: dict[tuple[str, str], np.ndarray] = {}
 
-    def assemble(self: Any, t: Any, start: int, stop: int | None) -> np.ndarray:
-        key = (str(self.path), t.name)
-        if key not in kept:
+    def read(path: str, name: str, start: int, stop: int | None) -> np.ndarray:
+        if (path, name) not in kept:
             if len(kept) >= 6:
                 kept.pop(next(iter(kept)))
-            kept[key] = _dcp_tensor(str(self.path), t.name)
-        return np.array(kept[key] if stop is None else kept[key][start:stop])  # the caller's
+            kept[(path, name)] = _dcp_tensor(path, name)
+        return np.array(kept[(path, name)] if stop is None else kept[(path, name)][start:stop])
 
-    original = DcpCheckpoint._assemble
-    DcpCheckpoint._assemble = assemble  # pyright: ignore[reportAttributeAccessIssue]
-    try:
-        yield
-    finally:
-        DcpCheckpoint._assemble = original
+    return tensors_read_by(read)
 
 
 def _rebuilt(item: Any, fmt: str, why: str) -> tuple[np.ndarray, str]:
