@@ -47,6 +47,31 @@ def test_safetensors_import_against_safetensors_own_reader(tmp_path):
     assert r.exit_code == 1 and "differs from the source" in r.output
 
 
+def test_safetensors_folder_with_another_config_json_is_refused_naming_it(tmp_path):
+    """The config.json a safetensors import read (``source.config``: the heads a spec is
+    completed with, what an export writes back) is compared too: a copy of the source with
+    another config.json names the file (its certificate) and the setting (the record), also
+    where no certificate is recorded."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"model.a": np.arange(12, dtype=np.float32).reshape(3, 4)}, src / "model.safetensors")
+    config = {"model_type": "llama", "num_attention_heads": 2, "hidden_size": 4}
+    (src / "config.json").write_text(json.dumps(config))
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    assert jax_ucp.inspect(out).source["config"] == config
+    assert list(jax_ucp.verify(out, against=src)) == []
+    (src / "config.json").write_text(json.dumps({**config, "num_attention_heads": 4}))
+    bad = jax_ucp.verify(out, against=src)
+    assert [n for n, _ in bad] == ["config.json", "source.config.num_attention_heads"], bad
+    assert "ucp.json records 2, the import of the source planned again records 4" in bad[1][1]
+    r = runner.invoke(app, ["verify", str(out), "--against", str(src)], env={"COLUMNS": "300"})
+    assert r.exit_code == 1 and "config.json" in r.output, r.output
+
+
 @pytest.mark.torch
 @pytest.mark.parametrize("kind", ["fsdp2_fp32", "plain_state_dict.pt"])
 def test_torch_imports_against_torch_own_loaders(tmp_path, kind):

@@ -7,6 +7,8 @@ tests/test_docs_snippets.py runs each complete ```python block alone. The rest a
   names its prose assumes are defined (a prelude of this file, named in the comment), with the
   placeholders it names (``"out/checkpoint-3"``, ``SRC``) replaced by the real fixtures the
   comment maps them to;
+- a ```python block whose comment only marks it (``torch``, ``slow``) is whole: it runs as a
+  reader copies it (nothing defined, replaced or set for it), in the stage its mark names;
 - a ```bash block runs its ``jax-ucp`` commands (each line in order, in one temporary directory,
   placeholders mapped the same way; ``pip install`` steps are the environment's, not run; a
   ``# ✓ TEXT: figures`` comment is output one of them must print);
@@ -77,8 +79,6 @@ def _block_with(name: str, needle: str) -> str:
 # the excerpt's namespace). Every prelude has os (8 CPU devices set), json, jax, numpy as np and
 # jax_ucp imported.
 PRELUDES = {
-    # a mesh of 8 devices and the logical-axis rules, as docs/TORCH.md defines them
-    "mesh": lambda: _MESH,
     # SPEC: the shipped hf_llama spec with the head settings of the Trainer DeepSpeed fixture's
     # config.json (the model of the sources the excerpts' SPEC is used on)
     "mesh_ds_spec": lambda: (
@@ -92,10 +92,6 @@ PRELUDES = {
             SPEC = load_spec("hf_llama", **LMConfig.from_hf_llama(json.load(f)).head_settings)
         """
         )
-    ),
-    # docs/TORCH.md's imports for a spec with the model's head settings
-    "torch_imports": lambda: (
-        "from jax_ucp.language import load_spec\nfrom jax_ucp.models import LMConfig\n"
     ),
     # the abstract state of the fixture run root's tree (what the job's own init would give)
     "elastic": lambda: textwrap.dedent(
@@ -151,25 +147,29 @@ PRELUDES = {
     ),
 }
 
-# Runs in the child: the prelude, then the block (line numbers padded to the Markdown file's).
+# Runs in the child: the prelude, then the block (line numbers padded to the Markdown file's). A
+# whole block (no prelude, names or placeholders: only a mark) runs as a reader copies it, in a
+# bare namespace with no XLA_FLAGS set for it.
 RUNNER = textwrap.dedent(
     """
-    import os
     import sys
 
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    import json
-
-    import jax
-    import numpy as np
-
-    import jax_ucp
-
-    doc, line = sys.argv[1], int(sys.argv[2])
+    doc, line, whole = sys.argv[1], int(sys.argv[2]), sys.argv[5] == "whole"
     prelude, source = open(sys.argv[3]).read(), open(sys.argv[4]).read()
-    scope = {"__name__": "__main__", "os": os, "json": json, "jax": jax, "np": np}
-    scope["jax_ucp"] = jax_ucp
-    exec(compile(prelude, "<docs-test prelude>", "exec"), scope)
+    scope = {"__name__": "__main__"}
+    if not whole:
+        import os
+
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+        import json
+
+        import jax
+        import numpy as np
+
+        import jax_ucp
+
+        scope.update(os=os, json=json, jax=jax, np=np, jax_ucp=jax_ucp)
+        exec(compile(prelude, "<docs-test prelude>", "exec"), scope)
     exec(compile("\\n" * (line - 1) + source, doc, "exec"), scope)
     """
 )
@@ -191,6 +191,11 @@ class Block:
     excerpt: str | None = None  # module.Class the block excerpts
     literals: dict[str, str] = field(default_factory=dict)  # "text" or shell word -> path
     names: dict[str, str] = field(default_factory=dict)  # NAME -> path
+
+    @property
+    def whole(self) -> bool:
+        """Runs as written: nothing defined or replaced for it."""
+        return not (self.prelude or self.names or self.literals)
 
     @property
     def id(self) -> str:
@@ -352,6 +357,19 @@ def test_every_code_block_is_run_or_counted():
     assert skipped == SKIPPED, f"skipped blocks per file {skipped}, recorded {SKIPPED}"
 
 
+#: pages whose every Python block runs as a reader copies it: no prelude, name or placeholder
+WHOLE_PAGES = ("docs/DEEPSPEED.md", "docs/MEGATRON.md", "docs/TORCH.md")
+
+
+def test_the_framework_pages_have_no_excerpt():
+    """A Megatron, DeepSpeed or torch user copies a block from these pages into a file and runs
+    it: each is whole (its imports, mesh, rules and data its own), marked at most by the stage
+    it needs, or skipped with why."""
+    for b in ALL:
+        if b.name in WHOLE_PAGES and b.lang == "python" and b.marker is not None and not b.skip:
+            assert b.whole, f"{b.id}: an excerpt (prelude, names or placeholders); make it whole"
+
+
 @pytest.mark.parametrize("block", list(_params()))
 def test_docs_example_runs(tmp_path, block: Block):
     work = tmp_path / "cwd"
@@ -383,7 +401,8 @@ def test_docs_example_runs(tmp_path, block: Block):
     (tmp_path / "block.py").write_text(code)
     r = subprocess.run(
         [sys.executable, str(tmp_path / "runner.py"), os.path.join(REPO, block.name)]
-        + [str(block.line), str(tmp_path / "prelude.py"), str(tmp_path / "block.py")],
+        + [str(block.line), str(tmp_path / "prelude.py"), str(tmp_path / "block.py")]
+        + ["whole" if block.whole else "excerpt"],
         cwd=work,
         env=env,
         capture_output=True,

@@ -253,11 +253,12 @@ def test_a_damaged_hyper_parameter_is_refused_naming_group_and_field(field, valu
 
 def test_optax_from_torch_lists_what_it_could_not_recover(tmp_path):
     """A plain torch run (no Trainer record): no schedule and no clipping are known; the
-    translation goes on, listing both on the result and in a warning."""
+    translation goes on, listing both on the result and in a warning at the caller's line."""
     src = os.path.join(REPO, "tests", "fixtures", "torch", "accelerate_fsdp")
     ckpt = jax_ucp.convert(src, tmp_path / "ucp")
-    with pytest.warns(UserWarning, match=r"gradient clipping"):
+    with pytest.warns(UserWarning, match=r"gradient clipping") as said:
         run = jax_ucp.optax_from_torch(ckpt)
+    assert {w.filename for w in said} == {__file__}  # the warning points at the user's call
     assert any("schedule" in u for u in run.unrecovered)
     assert any("clipping" in u for u in run.unrecovered)
     assert any(n.startswith("not recovered: gradient clipping") for n in run.notes)

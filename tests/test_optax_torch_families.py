@@ -77,8 +77,9 @@ def test_torch_sgd_with_momentum_continues_exactly(tmp_path, nesterov):
     ]
     opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=nesterov)
     path, grads, want = _torch_steps(tmp_path, model, [opt], torch.randn(5, 8))
-    with pytest.warns(UserWarning, match="not record"):
+    with pytest.warns(UserWarning, match="not record") as said:
         run = jax_ucp.optax_from_torch(path)
+    assert {w.filename for w in said} == {__file__}  # the user's call, not the library's
     assert run.optimizer == "sgd"
     assert f"torch SGD: momentum 0.9{', Nesterov' if nesterov else ''}" in run.notes
     _continue(run, grads, want)

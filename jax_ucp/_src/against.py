@@ -49,7 +49,6 @@ from jax_ucp._src.importers import registry
 from jax_ucp._src.restoring import locate
 from jax_ucp._src.torchfiles import dcp as safe_dcp
 from jax_ucp._src.torchfiles import dcp_safetensors
-from jax_ucp._src.torchfiles.dcp import DcpCheckpoint
 
 __all__ = [
     "Comparison",
@@ -961,26 +960,19 @@ def _lazy(value: Any) -> bool:
     return isinstance(value, writer.Deferred) or getattr(value, "nbytes", 1 << 20) < 1 << 16
 
 
-@contextlib.contextmanager
 def _dcp_read_by_torch():
-    """Within it, each DCP tensor an importer reads (``DcpCheckpoint._assemble``: megatron-core's
-    flat optimizer buckets) is read whole by torch's own ``dcp.load`` instead, a few kept."""
+    """Within it, each DCP tensor an importer reads (megatron-core's flat optimizer buckets) is
+    read whole by torch's own ``dcp.load`` instead (``dcp.tensors_read_by``), a few kept."""
     kept: dict[tuple[str, str], np.ndarray] = {}
 
-    def assemble(self: Any, t: Any, start: int, stop: int | None) -> np.ndarray:
-        key = (str(self.path), t.name)
-        if key not in kept:
+    def read(path: str, name: str, start: int, stop: int | None) -> np.ndarray:
+        if (path, name) not in kept:
             if len(kept) >= 6:
                 kept.pop(next(iter(kept)))
-            kept[key] = _dcp_tensor(str(self.path), t.name)
-        return np.array(kept[key] if stop is None else kept[key][start:stop])  # the caller's
+            kept[(path, name)] = _dcp_tensor(path, name)
+        return np.array(kept[(path, name)] if stop is None else kept[(path, name)][start:stop])
 
-    original = DcpCheckpoint._assemble
-    DcpCheckpoint._assemble = assemble  # pyright: ignore[reportAttributeAccessIssue]
-    try:
-        yield
-    finally:
-        DcpCheckpoint._assemble = original
+    return safe_dcp.tensors_read_by(read)
 
 
 def _rebuilt(item: Any, fmt: str, why: str) -> tuple[np.ndarray, str]:

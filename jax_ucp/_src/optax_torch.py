@@ -24,6 +24,7 @@ from jax_ucp._src.format import to_numpy_dtype
 from jax_ucp._src.format.files import strict_loads
 from jax_ucp._src.format.manifest import torch_optimizer_record
 from jax_ucp._src.language.recorded import spec_with_recorded_settings
+from jax_ucp._src.options import user_stacklevel
 from jax_ucp._src.restoring import restore_entry, sources
 from jax_ucp._src.restoring.options import RestoreOptions
 from jax_ucp._src.restoring.sources import import_open
@@ -612,15 +613,7 @@ def _from_run(
         rate = recipe.weight_decay
         said = f"scheduled, {float(rate(step))} at step {step}" if callable(rate) else rate
         notes.append(f"weight decay {said} on {sum(leaves)} of {len(leaves)} leaves, {style}")
-    unrecovered = list(recipe.unrecovered)
-    if unrecovered:
-        notes.extend(f"not recovered: {u}" for u in unrecovered)
-        warnings.warn(
-            f"{where}: the translation goes on without what the files do not record: "
-            + "; ".join(unrecovered),
-            UserWarning,
-            stacklevel=3,
-        )
+    unrecovered = _say_unrecovered(recipe.unrecovered, notes, where)
     tx = chain_of(recipe, mask)
     state = _state_of(tx, params, mu, nu, step)
     schedule = recipe.learning_rate
@@ -690,19 +683,26 @@ def _other_run(
     tx = optax.chain(clip_like_torch(clip), inner)
     state, said = families.filled_state(tx, params, opt, step, where)
     notes.extend(said)
-    unrecovered = list(dict.fromkeys(u for r in recipes for u in r.unrecovered))
+    unrecovered = _say_unrecovered([u for r in recipes for u in r.unrecovered], notes, where)
+    kind = "+".join(r.optimizer for r in recipes)
+    return TorchOptimizer(
+        tx, state, params, recipes[0].learning_rate, step, notes, unrecovered, kind, groups, kinds
+    )
+
+
+def _say_unrecovered(unrecovered: Any, notes: list[str], where: str) -> list[str]:
+    """What the files do not record (once each), noted and warned at the user's call: the
+    translation goes on without it rather than guess."""
+    unrecovered = list(dict.fromkeys(unrecovered))
     if unrecovered:
         notes.extend(f"not recovered: {u}" for u in unrecovered)
         warnings.warn(
             f"{where}: the translation goes on without what the files do not record: "
             + "; ".join(unrecovered),
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
-    kind = "+".join(r.optimizer for r in recipes)
-    return TorchOptimizer(
-        tx, state, params, recipes[0].learning_rate, step, notes, unrecovered, kind, groups, kinds
-    )
+    return unrecovered
 
 
 def _labels(run: _Run, spec: Any, params: Any, owner: dict[str, str], where: str) -> Any:

@@ -333,3 +333,22 @@ def test_region_reads_equal_slices_of_the_whole_tensor(tmp_path, monkeypatch):
                 job()
             for region, out in dests:
                 np.testing.assert_array_equal(out, whole[tuple(slice(a, b) for a, b in region)])
+
+
+def test_tensors_read_by_a_reader_replace_the_files_within_its_block_only():
+    """``dcp.tensors_read_by`` (verify's hook for torch's own ``dcp.load``): within it every
+    tensor read, whole or by rows, is the reader's; after it, the files' bytes again."""
+    ckpt = dcp.open_dcp(os.path.join(FIXTURES, "torch", "fsdp2_fp32"))
+    name, t = next((n, t) for n, t in sorted(ckpt.tensors.items()) if len(t.shape) == 2)
+    files = ckpt.read(name)
+    asked = []
+
+    def reader(path, tensor, start, stop):
+        asked.append((path, tensor, start, stop))
+        return files[start:stop] + 1
+
+    with dcp.tensors_read_by(reader):
+        np.testing.assert_array_equal(ckpt.read(name), files + 1)
+        np.testing.assert_array_equal(ckpt.read_rows(name, 1, 2), files[1:2] + 1)
+    assert asked == [(str(ckpt.path), name, 0, t.shape[0]), (str(ckpt.path), name, 1, 2)]
+    np.testing.assert_array_equal(ckpt.read(name), files)

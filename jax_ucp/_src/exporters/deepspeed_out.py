@@ -143,7 +143,8 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
     available = ucp_source.available_tensors(manifest, spec)
     # each tensor's manifest entry (a view's: its first source's), for its role
     by_key = {k: a.sources[0] for k, a in available.items()}
-    params, moments, count = source.adam_keys(root, by_key, "DeepSpeed universal")
+    found, count = source.required_adam_keys(root, by_key, "DeepSpeed universal")
+    params, moments, model = found.params, found.moments, found.model
     ds_names = {p: ".".join(rel) for p, rel in params.items()}
     for p in params:
         check_cast(ds_names[p], available[p].dtype, np.dtype(np.float32), "same_kind")
@@ -155,7 +156,6 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
                     f"wants the parameter's {tuple(available[p].shape)}"
                 )
     (step,) = ucp_source.read(root, manifest, [Request(count)], available=available)
-    model = {k[1:]: k for k, e in by_key.items() if e.role == "param" and e.sub_role == "model"}
     reads = source.Source(root, manifest, available, progress=options.progress, total=len(ds_names))
 
     # each parameter's states, read as they are written (progress counted at the last)
@@ -170,7 +170,7 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
         )
         for p, name in ds_names.items()
     ]
-    weights = [(name, reads.tensor(model.get(params[p]) or p)) for p, name in ds_names.items()]
+    weights = [(name, reads.tensor(model.get(p, p))) for p, name in ds_names.items()]
     shapes = [tuple(available[p].shape) for p in params]
     written = source.write_atomically(
         dst,

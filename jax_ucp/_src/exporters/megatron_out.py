@@ -132,39 +132,30 @@ def export(root: str, dst: str, options: MegatronExport) -> Exported:
 
 
 def _keys(root: str, manifest: fmt.Manifest):
-    """By manifest role: {name: params key}, {(name, "mu"/"nu"): key}, {name: model-precision
-    key}, the step count's key; a name megatron-core does not use is a ``RequestError``."""
-    params, model, moments, count = {}, {}, {}, None
-    rels = {}
-    for e in manifest.tensors:
-        if e.role == "param" and e.sub_role is None and e.tied_to is None:
-            name = ".".join(e.key[1:])
-            if not _NAME.match(name):
-                raise RequestError(
-                    f"{root}: tensor {fmt.key_to_str(e.key)!r} has no megatron-core name "
-                    f"({name!r}); the megatron export writes a checkpoint under megatron-core's "
-                    f"own names (one imported from Megatron, or continued from one); a tree under "
-                    f"other names needs its spec run backwards, which this export does not do"
-                )
-            params[name], rels[e.key[1:]] = e.key, name
-    for e in manifest.tensors:
-        if e.role == "param" and e.sub_role == "model" and e.key[1:] in rels:
-            model[rels[e.key[1:]]] = e.key
-        elif e.role == "opt_state" and e.sub_role in ("mu", "nu"):
-            for rel, name in rels.items():  # the moment at .../mu/<the parameter's path>
-                if e.key[-len(rel) - 1 :] == (e.sub_role, *rel):
-                    moments[(name, e.sub_role)] = e.key
-        elif e.role == "opt_state" and e.sub_role == "count":
-            count = e.key
-    missing = [f"{n} ({m})" for n in params for m in ("mu", "nu") if (n, m) not in moments]
-    if not params or (moments and (missing or count is None)):
+    """By manifest role (``source.adam_keys``): {name: params key}, {(name, "mu"/"nu"): key},
+    {name: model-precision key}, the step count's key; a name megatron-core does not use is a
+    ``RequestError``."""
+    found = source.adam_keys({e.key: e for e in manifest.tensors}, frozen=True)
+    names = {key: ".".join(rel) for key, rel in found.params.items()}
+    for key, name in names.items():
+        if not _NAME.match(name):
+            raise RequestError(
+                f"{root}: tensor {fmt.key_to_str(key)!r} has no megatron-core name "
+                f"({name!r}); the megatron export writes a checkpoint under megatron-core's "
+                f"own names (one imported from Megatron, or continued from one); a tree under "
+                f"other names needs its spec run backwards, which this export does not do"
+            )
+    missing, count = found.missing, found.count
+    if not names or (found.moments and (missing or count is None)):
         raise RequestError(
             f"{root}: a megatron export needs the parameters under megatron-core names and, "
             f"with optimizer state, every parameter's Adam moments and the step count; missing: "
-            f"{missing[:5] or ([] if params else ['params'])}"
-            f"{' and opt_state count' if moments and count is None else ''}"
+            f"{missing[:5] or ([] if names else ['params'])}"
+            f"{' and opt_state count' if found.moments and count is None else ''}"
         )
-    return params, moments, model, count
+    moments = {(names[k], m): key for (k, m), key in found.moments.items()}
+    model = {names[k]: key for k, key in found.model.items()}
+    return {n: k for k, n in names.items()}, moments, model, count
 
 
 def _source_of(path: str | os.PathLike) -> dict:

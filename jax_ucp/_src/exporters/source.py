@@ -166,6 +166,56 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class AdamKeys:
+    """A checkpoint's parameters and their Adam state, found by manifest role: what an export to
+    a framework that continues Adam (DeepSpeed universal, megatron-core) writes."""
+
+    params: dict[tuple, tuple]  # each parameter's key: its path under the params root
+    moments: dict[tuple[tuple, str], tuple]  # (parameter key, "mu" / "nu"): the moment's key
+    model: dict[tuple, tuple]  # parameter key: its model-precision copy's (mixed precision)
+    count: tuple | None  # the optimizer's step count
+
+    @property
+    def missing(self) -> list[str]:
+        """Each parameter's moment the checkpoint lacks, for the export's refusal."""
+        return [
+            f"{fmt.key_to_str(p)} ({m})"
+            for p in self.params
+            for m in ("mu", "nu")
+            if (p, m) not in self.moments
+        ]
+
+
+def adam_keys(entries: dict[tuple, Any], *, frozen: bool) -> AdamKeys:
+    """The :class:`AdamKeys` among ``entries`` ({key: its manifest entry, a view's: its first
+    source's}); a moment is matched to its parameter at ``.../mu/<the parameter's path>``.
+
+    Args:
+        entries: the checkpoint's tensors by key, each with its manifest entry.
+        frozen: include frozen parameters (they have no optimizer state)."""
+    params = {
+        k: k[1:]
+        for k, e in entries.items()
+        if e.role == "param"
+        and e.sub_role is None
+        and e.tied_to is None
+        and (frozen or not e.frozen)
+    }
+    by_path = {rel: k for k, rel in params.items()}
+    moments, model, count = {}, {}, None
+    for key, e in entries.items():
+        if e.role == "param" and e.sub_role == "model" and key[1:] in by_path:
+            model[by_path[key[1:]]] = key
+        elif e.role == "opt_state" and e.sub_role in ("mu", "nu"):
+            for rel, pkey in by_path.items():
+                if key[-len(rel) - 1 :] == (e.sub_role, *rel):
+                    moments[(pkey, e.sub_role)] = key
+        elif e.role == "opt_state" and e.sub_role == "count":
+            count = key
+    return AdamKeys(params, moments, model, count)
+
+
 def write_atomically(
     dst: str, write: Callable[[str], Any], force: bool, *, staged: bool = True
 ) -> Any:
@@ -191,35 +241,18 @@ def write_atomically(
         return write(tx.path)
 
 
-def adam_keys(root: str, by_key: Mapping[tuple, Any], what: str):
-    """By the manifest role of each tensor (``by_key``: its entry, a view's first source's):
-    {params key: its path under params}, {(params key, "mu"/"nu"): moment key}, the step
-    count's key; a ``RequestError`` naming ``what`` (the format) when one is missing."""
-    # frozen parameters have no optimizer state: skipped
-    params = {
-        k: k[1:]
-        for k, e in by_key.items()
-        if e.role == "param" and e.sub_role is None and not e.frozen and e.tied_to is None
-    }
-    moments: dict[tuple[tuple, str], tuple] = {}
-    count = None
-    for key, entry in by_key.items():
-        if entry.role == "opt_state" and entry.sub_role in ("mu", "nu"):
-            for pkey, rel in params.items():  # the moment at .../mu/<the parameter's path>
-                if key[-len(rel) - 1 :] == (entry.sub_role, *rel):
-                    moments[(pkey, entry.sub_role)] = key
-        elif entry.role == "opt_state" and entry.sub_role == "count":
-            count = key
-    missing = [
-        f"{fmt.key_to_str(p)} ({m})" for p in params for m in ("mu", "nu") if (p, m) not in moments
-    ]
-    if not params or missing or count is None:
+def required_adam_keys(root: str, by_key: Mapping[tuple, Any], what: str) -> tuple[AdamKeys, tuple]:
+    """:func:`adam_keys` of the trained parameters (frozen ones have no optimizer state) and the
+    step count's key, or a ``RequestError`` naming ``what`` (the format) when a moment or the
+    step count is missing."""
+    found = adam_keys(dict(by_key), frozen=False)
+    if not found.params or found.missing or found.count is None:
         raise RequestError(
             f"{root}: {what} needs every parameter's Adam moments and the step "
-            f"count; missing: {missing[:5] or ([] if params else ['params'])}"
-            f"{'' if count is not None else ' and opt_state count'}"
+            f"count; missing: {found.missing[:5] or ([] if found.params else ['params'])}"
+            f"{'' if found.count is not None else ' and opt_state count'}"
         )
-    return params, moments, count
+    return found, found.count
 
 
 def plain(values: Mapping[str, Any]) -> dict[str, Any]:

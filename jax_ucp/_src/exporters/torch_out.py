@@ -55,7 +55,8 @@ def _with_optimizer(root: str, dst: str, options: TorchDcpExport) -> Exported:
     spec = by_spec.load(options.spec, manifest, None)  # the names the torch model has
     available = ucp_source.available_tensors(manifest, spec)
     by_key = {k: a.sources[0] for k, a in available.items()}
-    params, moments, count = source.adam_keys(root, by_key, "a torch DCP export of the optimizer")
+    found, count = source.required_adam_keys(root, by_key, "a torch DCP export of the optimizer")
+    params, moments = found.params, found.moments
     names = {p: ".".join(rel) for p, rel in params.items()}
     (step,) = ucp_source.read(root, manifest, [Request(count)], available=available)
     groups = _groups(options, manifest.source, list(names.values()), root)

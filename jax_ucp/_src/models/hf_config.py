@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jax_ucp._src.errors import RequestError
-from jax_ucp._src.models.hf_families import FAMILIES
+from jax_ucp._src.models.hf_families import FAMILIES, GPT2_NAMES
 from jax_ucp._src.models.transformer import LMConfig, hf_model
 
 #: model_type -> the class ``architectures`` names (transformers' own spelling)
@@ -81,10 +81,7 @@ def _fields(cfg: LMConfig, model_type: str) -> dict[str, Any]:
             "n_inner": cfg.ffn_hidden_size,
             "layer_norm_epsilon": cfg.eps,
             "activation_function": "gelu_new" if cfg.gelu_tanh else "gelu",
-            "n_embd": cfg.hidden_size,
-            "n_layer": cfg.num_layers,
-            "n_head": cfg.num_attention_heads,
-            "n_positions": cfg.max_position_embeddings,
+            **{own: common[name] for name, own in GPT2_NAMES.items()},
         }
     out = {
         **common,

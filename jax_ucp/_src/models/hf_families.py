@@ -19,7 +19,7 @@ from typing import Any
 
 from jax_ucp._src.errors import RequestError
 
-__all__ = ["FAMILIES", "LACKS", "Family", "canonical_config", "hf_fields"]
+__all__ = ["FAMILIES", "GPT2_NAMES", "LACKS", "Family", "canonical_config", "hf_fields"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,8 @@ LACKS = {
     "to its top index_topk keys only, sparse attention)",
 }
 
-_GPT2_NAMES = {
+#: GPT-2's own names of the common fields (its config.json spells only these)
+GPT2_NAMES = {
     "hidden_size": "n_embd",
     "num_hidden_layers": "n_layer",
     "num_attention_heads": "n_head",
@@ -72,7 +73,7 @@ def canonical_config(config: Mapping[str, Any]) -> dict:
     family = FAMILIES.get(str(config.get("model_type")))
     out = {**(family.defaults if family else {}), **config}
     if family is not None and family.model_type == "gpt2":
-        for common, own in _GPT2_NAMES.items():
+        for common, own in GPT2_NAMES.items():
             out.setdefault(common, config.get(own))
         n_inner, hidden = config.get("n_inner"), out.get("hidden_size")
         if n_inner is None and isinstance(hidden, int) and not isinstance(hidden, bool):
@@ -700,6 +701,17 @@ def _glm4_moe(c: Mapping) -> dict:
 
 _BIASES = ("attention_bias", "mlp_bias")
 _GEMMA_REFUSES = ("attention_bias", "use_bidirectional_attention")
+#: transformers' defaults Gemma 2 and 3 share
+_GEMMA: dict[str, Any] = dict(
+    rms_norm_eps=1e-6,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    tie_word_embeddings=True,
+    hidden_activation="gelu_pytorch_tanh",
+)
+#: transformers' window defaults of the Qwen families
+_QWEN: dict[str, Any] = dict(rms_norm_eps=1e-6, sliding_window=4096)
 
 # ------------------------------------------------------------------------------- the table
 #: model_type -> family: the models ``verify --against SRC --logits`` computes
@@ -708,23 +720,15 @@ FAMILIES: dict[str, Family] = {
     for f in (
         _family("llama", "hf_llama", _llama, _BIASES, rms_norm_eps=1e-6),
         _family("mistral", "hf_llama", _mistral, rms_norm_eps=1e-6, sliding_window=4096),
-        _family(
-            "qwen2",
-            "hf_qwen2",
-            _qwen2,
-            rms_norm_eps=1e-6,
-            sliding_window=4096,
-            max_window_layers=28,
-        ),
+        _family("qwen2", "hf_qwen2", _qwen2, max_window_layers=28, **_QWEN),
         _family(
             "qwen3",
             "hf_qwen3",
             _qwen3,
             ("attention_bias",),
-            rms_norm_eps=1e-6,
             head_dim=128,
-            sliding_window=4096,
             max_window_layers=28,
+            **_QWEN,
         ),
         _family(
             "gpt2",
@@ -741,28 +745,11 @@ FAMILIES: dict[str, Family] = {
             _gemma2,
             _GEMMA_REFUSES,
             silu=False,
-            rms_norm_eps=1e-6,
-            head_dim=256,
-            query_pre_attn_scalar=256,
             attn_logit_softcapping=50.0,
             final_logit_softcapping=30.0,
-            sliding_window=4096,
-            tie_word_embeddings=True,
-            hidden_activation="gelu_pytorch_tanh",
+            **_GEMMA,
         ),
-        _family(
-            "gemma3_text",
-            "hf_gemma3",
-            _gemma3,
-            _GEMMA_REFUSES,
-            silu=False,
-            rms_norm_eps=1e-6,
-            head_dim=256,
-            query_pre_attn_scalar=256,
-            sliding_window=4096,
-            tie_word_embeddings=True,
-            hidden_activation="gelu_pytorch_tanh",
-        ),
+        _family("gemma3_text", "hf_gemma3", _gemma3, _GEMMA_REFUSES, silu=False, **_GEMMA),
         _family(
             "mixtral",
             "hf_mixtral",
@@ -776,9 +763,8 @@ FAMILIES: dict[str, Family] = {
             "qwen2_moe",
             "hf_qwen2_moe",
             _qwen2_moe,
-            rms_norm_eps=1e-6,
-            sliding_window=4096,
             max_window_layers=28,
+            **_QWEN,
             qkv_bias=True,
             num_experts=60,
             num_experts_per_tok=4,
@@ -792,13 +778,12 @@ FAMILIES: dict[str, Family] = {
             "hf_qwen3_moe",
             _qwen3_moe,
             ("attention_bias",),
-            rms_norm_eps=1e-6,
-            sliding_window=4096,
             num_experts=128,
             num_experts_per_tok=8,
             moe_intermediate_size=768,
             norm_topk_prob=False,
             decoder_sparse_step=1,
+            **_QWEN,
         ),
         _family(
             "llama4_text",

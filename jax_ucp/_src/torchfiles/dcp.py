@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import itertools
 import math
 import os
 import posixpath
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -271,7 +272,10 @@ class DcpCheckpoint:
         return self._assemble(t, start, stop)
 
     def _assemble(self, t: DcpTensor, start: int, stop: int | None) -> np.ndarray:
-        """Rows ``start:stop`` of ``t`` (``stop`` None: a 0-d tensor) put together in place."""
+        """Rows ``start:stop`` of ``t`` (``stop`` None: a 0-d tensor) put together in place, or
+        read by the reader :func:`tensors_read_by` installed."""
+        if (reader := _READER.get()) is not None:
+            return reader(str(self.path), t.name, start, stop)
         self.check_tensor(t.name)
         self.check_files([t])  # so what is allocated below is at most the bytes on disk
         shape = t.shape if stop is None else (stop - start, *t.shape[1:])
@@ -473,6 +477,25 @@ class DcpCheckpoint:
                     f"tensor {name!r}: shard file {self.path / file} has {sizes[file]} bytes, "
                     f"metadata needs {end} (truncated)"
                 )
+
+
+#: (checkpoint folder, tensor name, start, stop) -> rows ``start:stop`` (stop None: a 0-d tensor)
+RowReader = Callable[[str, str, int, "int | None"], np.ndarray]
+_READER: contextvars.ContextVar[RowReader | None] = contextvars.ContextVar(
+    "dcp_reader", default=None
+)
+
+
+@contextlib.contextmanager
+def tensors_read_by(reader: RowReader) -> Iterator[None]:
+    """Within it (this thread or task), every tensor a :class:`DcpCheckpoint` reads comes from
+    ``reader`` instead of its files: ``verify --against`` has torch's own ``dcp.load`` read what
+    an import builds of a DCP source (megatron-core's flat optimizer buckets)."""
+    token = _READER.set(reader)
+    try:
+        yield
+    finally:
+        _READER.reset(token)
 
 
 #: Most corner coordinates :func:`check_coverage` sorts for one tensor: 256 MiB of int64.

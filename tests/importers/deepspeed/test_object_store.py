@@ -35,11 +35,19 @@ def upload(path: str, bucket_url: str) -> str:
         with open(path, "rb") as f:
             object_store.write(prefix, os.path.basename(path), f.read())
         return object_store.join(prefix, os.path.basename(path))
+    for name, data in folder_files(path).items():
+        object_store.write(prefix, name, data)
+    return prefix
+
+
+def folder_files(path: str) -> dict[str, bytes]:
+    """{name relative to the folder ``path``: its bytes} of every file under it."""
+    files = {}
     for folder, _, names in os.walk(path):
         for name in names:
             with open(os.path.join(folder, name), "rb") as f:
-                object_store.write(prefix, os.path.relpath(f.name, path), f.read())
-    return prefix
+                files[os.path.relpath(f.name, path)] = f.read()
+    return files
 
 
 def size_of(path: str) -> int:
@@ -148,11 +156,7 @@ def test_a_zero_folder_in_a_hub_repo_restores_by_ranges(hub_server, monkeypatch)
     """The same through ``hf://`` (tests/object_servers.py's server with the Hub's layout): no
     rank file downloaded whole, the moments of a weights-only restore never fetched."""
     served(monkeypatch)
-    files = {}
-    for folder, _, names in os.walk(ZERO):
-        for name in names:
-            with open(os.path.join(folder, name), "rb") as f:
-                files[os.path.relpath(f.name, ZERO)] = f.read()
+    files = folder_files(ZERO)
     hub_server.add("org/zero", files)
     assert_same(jax_ucp.restore("hf://org/zero"), jax_ucp.restore(ZERO))
     archives = [r for r in hub_server.log if r["path"].endswith(".pt") and r["method"] == "GET"]
@@ -176,12 +180,7 @@ def test_a_tracker_served_large_is_refused_unread(s3_server, hub_server, monkeyp
         said = rf"{url}/latest: more than the 4096 bytes it may have: a record"
     else:
         served(monkeypatch)
-        files = {}
-        for folder, _, names in os.walk(ZERO):
-            for name in names:
-                with open(os.path.join(folder, name), "rb") as f:
-                    files[os.path.relpath(f.name, ZERO)] = f.read()
-        hub_server.add("org/zero", {**files, "latest": big})
+        hub_server.add("org/zero", {**folder_files(ZERO), "latest": big})
         url = "hf://org/zero"
         said = r"hf://org/zero@\w+/latest: 200012 bytes, more than the 4096 it may have: a record"
     nbytes = local_view.fetched()[1]
