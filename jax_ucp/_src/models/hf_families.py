@@ -131,12 +131,12 @@ def _false(c: Mapping, *fields: str) -> None:
             raise _refuse(field, c[field], "not computed by TransformerLM for this family")
 
 
-def _experts(c: Mapping, field: str) -> dict:
+def _experts(c: Mapping, field: str, top_field: str = "num_experts_per_tok") -> dict:
     """The LMConfig fields of the experts: the count in ``field`` and the top-k
-    ``num_experts_per_tok``, at most as many."""
-    experts, top = _int(c, field), _int(c, "num_experts_per_tok")
+    ``top_field``, at most as many."""
+    experts, top = _int(c, field), _int(c, top_field)
     if top > experts:
-        raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
+        raise _refuse(top_field, top, f"more than the {experts} experts")
     return {"num_experts": experts, "moe_router_topk": top}
 
 
@@ -698,6 +698,41 @@ def _glm4_moe(c: Mapping) -> dict:
     )
 
 
+def _ernie4_5_moe(c: Mapping) -> dict:
+    """Ernie 4.5 MoE: Llama attention with RoPE on interleaved pairs (q/k rows permuted to
+    rotate-half by the spec, ``rope_half``); MoE in the layers from ``moe_layer_start_index`` to
+    ``moe_layer_end_index`` (-1: the last) every ``moe_layer_interval``-th: the top-k of the
+    softmax over all experts plus the score-correction bias, weighted by their softmax
+    renormalised, plus ``moe_num_shared_experts`` shared experts. ``moe_norm_min`` only clamps
+    a sum that is at least top-k / experts, so a larger one is refused."""
+    kw = _base(c)
+    layers = kw["num_layers"]
+    experts = _experts(c, "moe_num_experts", "moe_k")
+    first_last = []
+    for field in ("moe_layer_start_index", "moe_layer_end_index"):
+        value = c.get(field)
+        value = layers - 1 if value == -1 and field.endswith("end_index") else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _refuse(field, repr(value), "expected an integer >= 0 (end: or -1)")
+        first_last.append(value)
+    start, end = first_last
+    step = _int(c, "moe_layer_interval")
+    floor = _number("moe_norm_min", c.get("moe_norm_min"))
+    if floor > experts["moe_router_topk"] / experts["num_experts"]:
+        raise _refuse("moe_norm_min", floor, "would clamp the top-k weights' sum")
+    width, shared = _int(c, "moe_intermediate_size"), c.get("moe_num_shared_experts") or 0
+    shared = _int(c, "moe_num_shared_experts") * width if shared else None
+    moe = {i for i in range(layers) if (i + 1) % step == 0 and start <= i <= end}
+    return dict(
+        **kw,
+        **experts,
+        moe_ffn_hidden_size=width,
+        moe_score_bias=True,
+        moe_shared_expert_intermediate_size=shared,
+        dense_layers=tuple(i for i in range(layers) if i not in moe),
+    )
+
+
 _BIASES = ("attention_bias", "mlp_bias")
 _GEMMA_REFUSES = ("attention_bias", "use_bidirectional_attention")
 
@@ -910,6 +945,23 @@ FAMILIES: dict[str, Family] = {
             topk_group=1,
             norm_topk_prob=True,
             routed_scaling_factor=1.0,
+        ),
+        _family(
+            "ernie4_5_moe",
+            "hf_ernie4_5_moe",
+            _ernie4_5_moe,
+            ("use_bias",),
+            rms_norm_eps=1e-5,
+            rope_theta=5e5,
+            tie_word_embeddings=True,
+            moe_num_experts=64,
+            moe_k=6,
+            moe_intermediate_size=1536,
+            moe_num_shared_experts=2,
+            moe_layer_start_index=1,
+            moe_layer_end_index=-1,
+            moe_layer_interval=1,
+            moe_norm_min=1e-12,
         ),
         _family(
             "stablelm",
