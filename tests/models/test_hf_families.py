@@ -333,6 +333,22 @@ FAMILIES = {
         {"use_bias": True},
         r"use_bias True",
     ),
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        dict(
+            _TINY,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rotary_dim=8,  # the released checkpoints' form of partial rotary (0.5 here)
+            bos_token_id=1,  # the defaults (200034...) lie outside the tiny vocabulary
+            eos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        ),
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+        r"rope_parameters\.rope_type 'dynamic'",
+    ),
     "stablelm": (
         "StableLmConfig",
         "StableLmForCausalLM",
@@ -481,6 +497,8 @@ def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_pa
         ("ernie4_5_moe", {"moe_norm_min": 0.9}, r"moe_norm_min 0.9: would clamp"),
         ("ernie4_5_moe", {"moe_layer_start_index": -1}, r"moe_layer_start_index -1"),
         ("ernie4_5_moe", {"moe_k": 5}, r"moe_k 5: more than the 4 experts"),
+        ("minimax_m2", {"rotary_dim": 3}, r"partial_rotary_factor 0.1875: gives an odd"),
+        ("minimax_m2", {"num_local_experts": 0}, r"num_local_experts 0"),
     ],
 )
 def test_values_no_model_has_are_refused_naming_the_field(family, changes, names):
@@ -770,7 +788,7 @@ def test_the_new_family_specs_name_the_logical_axes_of_every_tensor(spec):
 
 #: the families added in round 14, each checked further: logits within 1e-5 of transformers'
 #: from a restore sharded onto a 2 x 4 mesh by the spec's logical axes
-NEW_FAMILIES = ["ernie4_5_moe"]
+NEW_FAMILIES = ["ernie4_5_moe", "minimax_m2"]
 _MESH_RULES = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("experts", "model")]
 
 

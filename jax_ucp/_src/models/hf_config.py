@@ -25,6 +25,7 @@ ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
 
 

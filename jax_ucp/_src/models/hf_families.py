@@ -733,6 +733,22 @@ def _ernie4_5_moe(c: Mapping) -> dict:
     )
 
 
+def _minimax_m2(c: Mapping) -> dict:
+    """MiniMax M2: Mixtral's layers (every one MoE) with q/k RMSNorms over all heads (OLMo 2's)
+    before a partial rotary (``partial_rotary_factor``, or the released checkpoints'
+    ``rotary_dim``); sigmoid scores plus the score-correction bias pick the top-k experts,
+    weighted by their scores renormalised (DeepSeek V3's routing in one group, unscaled)."""
+    if c.get("rotary_dim") is not None and "partial_rotary_factor" not in c:
+        c = {**c, "partial_rotary_factor": _int(c, "rotary_dim") / _int(c, "head_dim")}
+    return dict(
+        **_base(c, partial_ok=True),
+        qk_norm=True,
+        qk_norm_scope="all",
+        **_experts(c, "num_local_experts"),
+        moe_groups=(1, 1, 1.0),
+    )
+
+
 _BIASES = ("attention_bias", "mlp_bias")
 _GEMMA_REFUSES = ("attention_bias", "use_bidirectional_attention")
 
@@ -962,6 +978,16 @@ FAMILIES: dict[str, Family] = {
             moe_layer_end_index=-1,
             moe_layer_interval=1,
             moe_norm_min=1e-12,
+        ),
+        _family(
+            "minimax_m2",
+            "hf_minimax_m2",
+            _minimax_m2,
+            rms_norm_eps=1e-6,
+            head_dim=128,
+            rope_theta=5e6,
+            num_local_experts=256,
+            num_experts_per_tok=8,
         ),
         _family(
             "stablelm",
