@@ -51,6 +51,27 @@ _YARN_CASES = {
     "attention-factor-betas": {"attention_factor": 1.3, "beta_fast": 16, "beta_slow": 2},
 }
 
+#: DeepSeek V3's tiny config (Kimi K2.5's text model too)
+_DEEPSEEK_V3 = dict(
+    _TINY,
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    first_k_dense_replace=1,  # layer 0 dense, 1 and 2 MoE
+    q_lora_rank=16,
+    kv_lora_rank=12,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=3,
+    moe_intermediate_size=16,
+    n_shared_experts=2,
+    routed_scaling_factor=2.5,
+    rope_parameters={**_YARN, "mscale": 1.0, "mscale_all_dim": 0.8},
+)
+
 #: family -> (config class, model class, config kwargs, a field the model does not compute
 #: as {field: value} merged into config.json, what the refusal names)
 FAMILIES = {
@@ -214,25 +235,7 @@ FAMILIES = {
     "deepseek_v3": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
-        dict(
-            _TINY,
-            num_hidden_layers=3,
-            num_key_value_heads=4,
-            first_k_dense_replace=1,  # layer 0 dense, 1 and 2 MoE
-            q_lora_rank=16,
-            kv_lora_rank=12,
-            qk_nope_head_dim=8,
-            qk_rope_head_dim=8,
-            v_head_dim=12,
-            n_routed_experts=8,
-            n_group=4,
-            topk_group=2,
-            num_experts_per_tok=3,
-            moe_intermediate_size=16,
-            n_shared_experts=2,
-            routed_scaling_factor=2.5,
-            rope_parameters={**_YARN, "mscale": 1.0, "mscale_all_dim": 0.8},
-        ),
+        _DEEPSEEK_V3,
         {"attention_bias": True},
         r"attention_bias True",
     ),
@@ -348,6 +351,30 @@ FAMILIES = {
         ),
         {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
         r"rope_parameters\.rope_type 'dynamic'",
+    ),
+    "kimi_k25": (
+        "Kimi_K25Config",
+        "Kimi_K25ForConditionalGeneration",
+        dict(
+            text_config=dict(
+                _DEEPSEEK_V3,
+                model_type="kimi_k2",  # the released config's name of DeepSeek V3's
+                rope_parameters={**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+            ),
+            vision_config=dict(
+                num_hidden_layers=1,
+                hidden_size=16,
+                intermediate_size=16,
+                num_attention_heads=2,
+                pos_emb_height=4,
+                pos_emb_width=4,
+                pos_emb_time=2,
+            ),
+            projection_hidden_size=16,
+            tie_word_embeddings=False,
+        ),
+        {"text_config": {"model_type": "qwen3"}},
+        r"text_config 'qwen3'",
     ),
     "stablelm": (
         "StableLmConfig",
@@ -499,6 +526,8 @@ def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_pa
         ("ernie4_5_moe", {"moe_k": 5}, r"moe_k 5: more than the 4 experts"),
         ("minimax_m2", {"rotary_dim": 3}, r"partial_rotary_factor 0.1875: gives an odd"),
         ("minimax_m2", {"num_local_experts": 0}, r"num_local_experts 0"),
+        ("kimi_k25", {"text_config": None}, r"text_config None"),
+        ("kimi_k25", {"text_config": {**_DEEPSEEK_V3, "n_group": 3}}, r"n_group 3"),
     ],
 )
 def test_values_no_model_has_are_refused_naming_the_field(family, changes, names):
@@ -788,7 +817,7 @@ def test_the_new_family_specs_name_the_logical_axes_of_every_tensor(spec):
 
 #: the families added in round 14, each checked further: logits within 1e-5 of transformers'
 #: from a restore sharded onto a 2 x 4 mesh by the spec's logical axes
-NEW_FAMILIES = ["ernie4_5_moe", "minimax_m2"]
+NEW_FAMILIES = ["ernie4_5_moe", "minimax_m2", "kimi_k25"]
 _MESH_RULES = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("experts", "model")]
 
 

@@ -749,6 +749,22 @@ def _minimax_m2(c: Mapping) -> dict:
     )
 
 
+def _kimi_k25(c: Mapping) -> dict:
+    """Kimi K2.5's text model: its ``text_config`` read as DeepSeek V3 (``model_type``
+    deepseek_v3, or kimi_k2 as the released config names it), tied by the outer
+    ``tie_word_embeddings`` (as transformers ties it); the vision tower is not computed (text
+    logits only)."""
+    text = c.get("text_config")
+    if not isinstance(text, Mapping) or text.get("model_type", "deepseek_v3") not in (
+        "deepseek_v3",
+        "kimi_k2",
+    ):
+        kind = text.get("model_type") if isinstance(text, Mapping) else text
+        raise _refuse("text_config", repr(kind)[:200], "expected a DeepSeek V3 text model")
+    fields, _ = hf_fields({**text, "model_type": "deepseek_v3"})
+    return {**fields, "tied": bool(c.get("tie_word_embeddings"))}
+
+
 _BIASES = ("attention_bias", "mlp_bias")
 _GEMMA_REFUSES = ("attention_bias", "use_bidirectional_attention")
 
@@ -989,6 +1005,7 @@ FAMILIES: dict[str, Family] = {
             num_local_experts=256,
             num_experts_per_tok=8,
         ),
+        _family("kimi_k25", "hf_kimi_k25", _kimi_k25, silu=False, tie_word_embeddings=True),
         _family(
             "stablelm",
             "hf_stablelm",
