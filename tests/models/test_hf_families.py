@@ -544,6 +544,8 @@ def test_values_no_model_has_are_refused_naming_the_field(family, changes, names
         ("qwen3_5_text", r"the linear_attention layers \(Gated DeltaNet"),
         ("qwen3_5_moe", r"the multimodal model .*linear_attention layers \(Gated DeltaNet"),
         ("deepseek_v32", r"DeepSeek V3.2's lightning indexer .*index_topk"),
+        ("gemma4_text", r"Gemma 4's decoder layer: per-layer input embeddings"),
+        ("gemma4", r"Gemma 4's decoder layer: .*multimodal"),
     ],
 )
 def test_a_family_transformers_has_and_transformerlm_does_not_is_refused_naming_what_it_lacks(

@@ -54,6 +54,13 @@ LACKS = {
         "the multimodal model (vision tower) and its text model's linear_attention layers "
         "(Gated DeltaNet)",
     ),
+    **dict.fromkeys(
+        ("gemma4_text", "gemma4"),
+        "Gemma 4's decoder layer: per-layer input embeddings (embed_tokens_per_layer, "
+        "hidden_size_per_layer_input), the weightless v norm, a layer_scalar per layer, key/value "
+        "states shared across layers (num_kv_shared_layers), a head_dim per layer type "
+        "(global_head_dim, attention_k_eq_v) and its MoE block; gemma4 is multimodal too",
+    ),
     "deepseek_v32": "DeepSeek V3.2's lightning indexer (DeepseekV32Indexer: each query attends "
     "to its top index_topk keys only, sparse attention)",
 }
