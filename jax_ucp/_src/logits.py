@@ -184,7 +184,7 @@ def compare_logits(
     if source_weights is not None and not _holds_pretrained_weights(folder):
         model, source = _model_from_config(folder, source_weights(tree), torch, transformers, fp32)
     else:
-        model, source = _pretrained_model(folder, transformers, fp32)
+        model, source = _pretrained_model(folder, transformers, fp32, config["model_type"])
     model.eval()
     with torch.no_grad():
         want = model(torch.from_numpy(tokens)).logits.float().numpy()
@@ -236,12 +236,19 @@ def _check_declared_size(folder: str, cfg: Any, ckpt: str, tree: str, held: int)
         )
 
 
-def _pretrained_model(folder: str, transformers: Any, fp32: dict) -> tuple[Any, str]:
+#: the transformers Auto class of a family whose model is no causal LM (its text logits compared)
+_AUTO = {"kimi_k25": "AutoModelForImageTextToText"}
+
+
+def _pretrained_model(
+    folder: str, transformers: Any, fp32: dict, model_type: str
+) -> tuple[Any, str]:
     """(transformers' model loaded from ``folder`` (local files only, no code from the folder)
     in fp32, what it is); a weight the folder lacks is refused (it would be initialised at
     random, not compared)."""
     try:
-        loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
+        auto = _AUTO.get(model_type, "AutoModelForCausalLM")
+        loaded: Any = getattr(transformers, auto).from_pretrained(
             folder,
             local_files_only=True,
             trust_remote_code=False,

@@ -46,7 +46,12 @@ def test_every_family_has_its_spec_and_the_spec_names_it():
     assert sorted(TINY) == sorted(FAMILIES)
 
 
-@pytest.mark.parametrize("family", sorted(TINY))
+#: families whose spec has no way back: Kimi K2.5's layers are named layers (the released
+#: checkpoints) or blocks (transformers 5.24's save_pretrained), one alternation
+NO_INVERSE = {"kimi_k25"}
+
+
+@pytest.mark.parametrize("family", sorted(set(TINY) - NO_INVERSE))
 def test_the_family_spec_backwards_then_forwards_gives_the_tree_bit_for_bit(family):
     """In memory: the flax tree -> the spec run backwards (Hugging Face names, every one matched
     by the import spec, strictly) -> the import spec -> the same tree, every bit."""
@@ -111,6 +116,15 @@ def test_a_config_of_another_family_is_refused_naming_both(tmp_path):
     with pytest.raises(RequestError, match=r"architectures \['LlamaForCausalLM'\].*'phi3'"):
         jax_ucp.export(ckpt, tmp_path / "c", SafetensorsExport(spec="hf_phi3", config=mixed))
     assert not any(os.path.exists(tmp_path / d) for d in "abc")
+
+
+def test_a_family_without_an_inverse_is_refused_naming_its_rule(tmp_path):
+    """Kimi K2.5's flax tree is not exported: the export names the rule it cannot reverse."""
+    cfg, name, tree = random_tree("kimi_k25")
+    ckpt = jax_ucp.save(str(tmp_path / "ck"), {"params": tree})
+    with pytest.raises(LanguageError, match=r"rule #\d+ pattern 'language_model.*not literal"):
+        jax_ucp.export(ckpt, tmp_path / "hf", SafetensorsExport(spec=name, config=cfg))
+    assert not os.path.exists(tmp_path / "hf")
 
 
 def test_a_rule_without_an_inverse_refuses_naming_it():

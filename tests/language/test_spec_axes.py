@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 
 import pytest
 
@@ -110,10 +111,9 @@ def test_a_hugging_face_family_spec_names_every_tensor(family):
     entry = HF_FAMILIES[family]
     cfg, name = hf_model(entry["config"])
     tensors = dict(entry["tensors"])
-    embedding = next(
-        s for k, s in tensors.items() if k.endswith(("embed_tokens.weight", "wte.weight"))
-    )
-    tensors.setdefault("lm_head.weight", embedding)
+    key = next(k for k in tensors if k.endswith(("embed_tokens.weight", "wte.weight")))
+    head = re.sub(r"(model\.embed_tokens|transformer\.wte|wte)\.weight$", "lm_head.weight", key)
+    tensors.setdefault(head, tensors[key])  # Kimi K2.5's: language_model.lm_head.weight
     saved = {}
     for key, shape in tensors.items():
         for root in (("params",), ("opt_state", "mu")):

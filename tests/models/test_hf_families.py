@@ -51,6 +51,27 @@ _YARN_CASES = {
     "attention-factor-betas": {"attention_factor": 1.3, "beta_fast": 16, "beta_slow": 2},
 }
 
+#: DeepSeek V3's tiny config (Kimi K2.5's text model too)
+_DEEPSEEK_V3 = dict(
+    _TINY,
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    first_k_dense_replace=1,  # layer 0 dense, 1 and 2 MoE
+    q_lora_rank=16,
+    kv_lora_rank=12,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=3,
+    moe_intermediate_size=16,
+    n_shared_experts=2,
+    routed_scaling_factor=2.5,
+    rope_parameters={**_YARN, "mscale": 1.0, "mscale_all_dim": 0.8},
+)
+
 #: family -> (config class, model class, config kwargs, a field the model does not compute
 #: as {field: value} merged into config.json, what the refusal names)
 FAMILIES = {
@@ -214,25 +235,7 @@ FAMILIES = {
     "deepseek_v3": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
-        dict(
-            _TINY,
-            num_hidden_layers=3,
-            num_key_value_heads=4,
-            first_k_dense_replace=1,  # layer 0 dense, 1 and 2 MoE
-            q_lora_rank=16,
-            kv_lora_rank=12,
-            qk_nope_head_dim=8,
-            qk_rope_head_dim=8,
-            v_head_dim=12,
-            n_routed_experts=8,
-            n_group=4,
-            topk_group=2,
-            num_experts_per_tok=3,
-            moe_intermediate_size=16,
-            n_shared_experts=2,
-            routed_scaling_factor=2.5,
-            rope_parameters={**_YARN, "mscale": 1.0, "mscale_all_dim": 0.8},
-        ),
+        _DEEPSEEK_V3,
         {"attention_bias": True},
         r"attention_bias True",
     ),
@@ -314,6 +317,64 @@ FAMILIES = {
         ),
         {"n_group": 3},
         r"n_group 3",
+    ),
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        dict(
+            _TINY,
+            num_hidden_layers=4,  # layer 0 dense, 1 and 3 MoE, 2 dense (moe_layer_interval 2)
+            head_dim=16,
+            tie_word_embeddings=False,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_intermediate_size=16,
+            moe_num_shared_experts=2,
+            moe_layer_interval=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        ),
+        {"use_bias": True},
+        r"use_bias True",
+    ),
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        dict(
+            _TINY,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rotary_dim=8,  # the released checkpoints' form of partial rotary (0.5 here)
+            bos_token_id=1,  # the defaults (200034...) lie outside the tiny vocabulary
+            eos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        ),
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+        r"rope_parameters\.rope_type 'dynamic'",
+    ),
+    "kimi_k25": (
+        "Kimi_K25Config",
+        "Kimi_K25ForConditionalGeneration",
+        dict(
+            text_config=dict(
+                _DEEPSEEK_V3,
+                model_type="kimi_k2",  # the released config's name of DeepSeek V3's
+                rope_parameters={**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+            ),
+            vision_config=dict(
+                num_hidden_layers=1,
+                hidden_size=16,
+                intermediate_size=16,
+                num_attention_heads=2,
+                pos_emb_height=4,
+                pos_emb_width=4,
+                pos_emb_time=2,
+            ),
+            projection_hidden_size=16,
+            tie_word_embeddings=False,
+        ),
+        {"text_config": {"model_type": "qwen3"}},
+        r"text_config 'qwen3'",
     ),
     "stablelm": (
         "StableLmConfig",
@@ -460,6 +521,13 @@ def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_pa
         ("deepseek_v3", {"topk_group": 1, "num_experts_per_tok": 3}, r"topk_group 1"),
         ("deepseek_v3", {"first_k_dense_replace": -1}, r"first_k_dense_replace -1"),
         ("deepseek_v3", {"qk_rope_head_dim": 7}, r"qk_rope_head_dim 7: expected an even"),
+        ("ernie4_5_moe", {"moe_norm_min": 0.9}, r"moe_norm_min 0.9: would clamp"),
+        ("ernie4_5_moe", {"moe_layer_start_index": -1}, r"moe_layer_start_index -1"),
+        ("ernie4_5_moe", {"moe_k": 5}, r"moe_k 5: more than the 4 experts"),
+        ("minimax_m2", {"rotary_dim": 3}, r"partial_rotary_factor 0.1875: gives an odd"),
+        ("minimax_m2", {"num_local_experts": 0}, r"num_local_experts 0"),
+        ("kimi_k25", {"text_config": None}, r"text_config None"),
+        ("kimi_k25", {"text_config": {**_DEEPSEEK_V3, "n_group": 3}}, r"n_group 3"),
     ],
 )
 def test_values_no_model_has_are_refused_naming_the_field(family, changes, names):
@@ -476,6 +544,8 @@ def test_values_no_model_has_are_refused_naming_the_field(family, changes, names
         ("qwen3_5_text", r"the linear_attention layers \(Gated DeltaNet"),
         ("qwen3_5_moe", r"the multimodal model .*linear_attention layers \(Gated DeltaNet"),
         ("deepseek_v32", r"DeepSeek V3.2's lightning indexer .*index_topk"),
+        ("gemma4_text", r"Gemma 4's decoder layer: per-layer input embeddings"),
+        ("gemma4", r"Gemma 4's decoder layer: .*multimodal"),
     ],
 )
 def test_a_family_transformers_has_and_transformerlm_does_not_is_refused_naming_what_it_lacks(
@@ -745,3 +815,48 @@ def test_the_new_family_specs_name_the_logical_axes_of_every_tensor(spec):
 
     rules = load_spec(spec, num_attention_heads=4, num_query_groups=2, head_dim=8).restore
     assert rules and [r.pattern for r in rules if not r.axes] == []
+
+
+#: the families added in round 14, each checked further: logits within 1e-5 of transformers'
+#: from a restore sharded onto a 2 x 4 mesh by the spec's logical axes
+NEW_FAMILIES = ["ernie4_5_moe", "minimax_m2", "kimi_k25"]
+_MESH_RULES = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("experts", "model")]
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_a_new_family_restores_sharded_on_a_2x4_mesh_with_the_sources_logits(family, tmp_path):
+    """transformers' tiny model saved, converted and restored with the family's spec onto a
+    2 x 4 mesh (its logical axes sharded by the rules): the same values as the unsharded
+    restore, some tensors split over both mesh axes, and fp32 logits within 1e-5 of
+    transformers' forward."""
+    import jax
+    import numpy as np
+    import torch
+    import transformers
+    from jax.sharding import Mesh
+
+    from jax_ucp.language import load_spec
+    from jax_ucp.models import TransformerLM
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    src = _save_tiny(family, tmp_path / "src")
+    with open(os.path.join(src, "config.json")) as f:
+        cfg, spec = hf_model(json.load(f))
+    spec = load_spec(spec, **cfg.head_settings)
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    got = jax_ucp.restore(ckpt, spec=spec, mesh=mesh, rules=_MESH_RULES)["params"]
+    plain = jax_ucp.restore(ckpt, spec=spec)["params"]
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(plain)):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+    split = {tuple(s for s in x.sharding.spec if s) for x in jax.tree.leaves(got)}
+    assert ("data", "model") in split or ("model", "data") in split, split
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16))
+    model = getattr(transformers, FAMILIES[family][1]).from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        want = model.eval()(torch.from_numpy(tokens)).logits.numpy()
+    logits = np.asarray(jax.jit(TransformerLM(cfg).apply)({"params": got}, tokens))
+    assert np.abs(logits - want).max() <= 1e-5

@@ -1,8 +1,9 @@
 """A spec's restore rules run backwards, so an export writes the names a user imported with: each
 rule's target becomes the pattern, its pattern the target, its ops reversed and each replaced by
 its exact inverse (transpose, merge_qkv / split_qkv, concat / split, stack / unstack, rope_half
-both ways). A rule that cannot be run backwards (an op that loses data, a pattern that is not
-literal text around its groups) makes the inversion refuse, naming the rule."""
+both ways, merge_dims given its sizes). A rule that cannot be run backwards (an op that loses
+data, a pattern that is not literal text around its groups) makes the inversion refuse, naming
+the rule."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def invert_op(op: O.Op) -> O.Op | None:
         return dataclasses.replace(op, inverse=not op.inverse)
     if isinstance(op, O.SplitDim):
         return O.MergeDims(axis=op.axis)
+    if isinstance(op, O.MergeDims) and op.sizes:  # the sizes it merged, given
+        return O.SplitDim(axis=op.axis, sizes=op.sizes)
     if isinstance(op, O.GroupStages):
         return O.UngroupStages(axis=op.axis)
     return None

@@ -157,11 +157,19 @@ class SplitDim(Op):
 
 @dataclass(frozen=True)
 class MergeDims(Op):
-    """Reshape axes (axis, axis+1) into one (row-major), e.g. [d, H, hd] -> [d, H*hd]."""
+    """Reshape axes (axis, axis+1) into one (row-major), e.g. [d, H, hd] -> [d, H*hd];
+    ``sizes`` = [a, b] (one may be -1), when given, are checked: what an export splits back."""
 
     op: ClassVar[str] = "merge_dims"
-    view: ClassVar[tuple] = (views.merge_dims, "axis")
     axis: Any = 0
+    sizes: tuple = ()
+
+    def apply(self, tensor, env):
+        axis = self._int(self.axis, env)
+        want, have = [self._int(s, env) for s in self.sizes], list(tensor.shape[axis : axis + 2])
+        if want and (len(want) != 2 or any(w not in (-1, h) for w, h in zip(want, have))):
+            raise LanguageError(f"merge_dims: axes {axis}, {axis + 1} of sizes {have}, not {want}")
+        return views.merge_dims(tensor, axis)
 
 
 @dataclass(frozen=True)

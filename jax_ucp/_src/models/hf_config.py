@@ -24,6 +24,8 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "stablelm": "StableLmForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
 
 
@@ -209,6 +211,21 @@ def _deepseek(cfg: LMConfig) -> dict[str, Any]:
     }
 
 
+def _ernie(cfg: LMConfig) -> dict[str, Any]:
+    """Ernie 4.5's MoE layers as a first, last and interval (read back: another set refused)."""
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)] or [cfg.num_layers]
+    width = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+    return {
+        "moe_num_experts": cfg.num_experts,
+        "moe_k": cfg.moe_router_topk,
+        "moe_num_shared_experts": (cfg.moe_shared_expert_intermediate_size or 0) // width,
+        "moe_layer_start_index": moe[0],
+        "moe_layer_end_index": moe[-1],
+        "moe_layer_interval": moe[1] - moe[0] if len(moe) > 1 else moe[0] + 1,
+        "use_bias": False,
+    }
+
+
 #: the fields one family adds to the common ones
 _EXTRA = {
     "stablelm": lambda cfg: {"layer_norm_eps": cfg.eps, "use_qkv_bias": cfg.qkv_bias},
@@ -232,6 +249,7 @@ _EXTRA = {
     "gemma3_text": _gemma,
     "llama4_text": _llama4,
     "deepseek_v3": _deepseek,
+    "ernie4_5_moe": _ernie,
     "gpt_oss": lambda cfg: {
         "attention_bias": cfg.bias,
         "swiglu_alpha": (cfg.moe_clamped_swiglu or (None, None))[0],

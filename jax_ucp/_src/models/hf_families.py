@@ -54,6 +54,13 @@ LACKS = {
         "the multimodal model (vision tower) and its text model's linear_attention layers "
         "(Gated DeltaNet)",
     ),
+    **dict.fromkeys(
+        ("gemma4_text", "gemma4"),
+        "Gemma 4's decoder layer: per-layer input embeddings (embed_tokens_per_layer, "
+        "hidden_size_per_layer_input), the weightless v norm, a layer_scalar per layer, key/value "
+        "states shared across layers (num_kv_shared_layers), a head_dim per layer type "
+        "(global_head_dim, attention_k_eq_v) and its MoE block; gemma4 is multimodal too",
+    ),
     "deepseek_v32": "DeepSeek V3.2's lightning indexer (DeepseekV32Indexer: each query attends "
     "to its top index_topk keys only, sparse attention)",
 }
@@ -132,12 +139,12 @@ def _false(c: Mapping, *fields: str) -> None:
             raise _refuse(field, c[field], "not computed by TransformerLM for this family")
 
 
-def _experts(c: Mapping, field: str) -> dict:
+def _experts(c: Mapping, field: str, top_field: str = "num_experts_per_tok") -> dict:
     """The LMConfig fields of the experts: the count in ``field`` and the top-k
-    ``num_experts_per_tok``, at most as many."""
-    experts, top = _int(c, field), _int(c, "num_experts_per_tok")
+    ``top_field``, at most as many."""
+    experts, top = _int(c, field), _int(c, top_field)
     if top > experts:
-        raise _refuse("num_experts_per_tok", top, f"more than the {experts} experts")
+        raise _refuse(top_field, top, f"more than the {experts} experts")
     return {"num_experts": experts, "moe_router_topk": top}
 
 
@@ -699,6 +706,73 @@ def _glm4_moe(c: Mapping) -> dict:
     )
 
 
+def _ernie4_5_moe(c: Mapping) -> dict:
+    """Ernie 4.5 MoE: Llama attention with RoPE on interleaved pairs (q/k rows permuted to
+    rotate-half by the spec, ``rope_half``); MoE in the layers from ``moe_layer_start_index`` to
+    ``moe_layer_end_index`` (-1: the last) every ``moe_layer_interval``-th: the top-k of the
+    softmax over all experts plus the score-correction bias, weighted by their softmax
+    renormalised, plus ``moe_num_shared_experts`` shared experts. ``moe_norm_min`` only clamps
+    a sum that is at least top-k / experts, so a larger one is refused."""
+    kw = _base(c)
+    layers = kw["num_layers"]
+    experts = _experts(c, "moe_num_experts", "moe_k")
+    first_last = []
+    for field in ("moe_layer_start_index", "moe_layer_end_index"):
+        value = c.get(field)
+        value = layers - 1 if value == -1 and field.endswith("end_index") else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _refuse(field, repr(value), "expected an integer >= 0 (end: or -1)")
+        first_last.append(value)
+    start, end = first_last
+    step = _int(c, "moe_layer_interval")
+    floor = _number("moe_norm_min", c.get("moe_norm_min"))
+    if floor > experts["moe_router_topk"] / experts["num_experts"]:
+        raise _refuse("moe_norm_min", floor, "would clamp the top-k weights' sum")
+    width, shared = _int(c, "moe_intermediate_size"), c.get("moe_num_shared_experts") or 0
+    shared = _int(c, "moe_num_shared_experts") * width if shared else None
+    moe = {i for i in range(layers) if (i + 1) % step == 0 and start <= i <= end}
+    return dict(
+        **kw,
+        **experts,
+        moe_ffn_hidden_size=width,
+        moe_score_bias=True,
+        moe_shared_expert_intermediate_size=shared,
+        dense_layers=tuple(i for i in range(layers) if i not in moe),
+    )
+
+
+def _minimax_m2(c: Mapping) -> dict:
+    """MiniMax M2: Mixtral's layers (every one MoE) with q/k RMSNorms over all heads (OLMo 2's)
+    before a partial rotary (``partial_rotary_factor``, or the released checkpoints'
+    ``rotary_dim``); sigmoid scores plus the score-correction bias pick the top-k experts,
+    weighted by their scores renormalised (DeepSeek V3's routing in one group, unscaled)."""
+    if c.get("rotary_dim") is not None and "partial_rotary_factor" not in c:
+        c = {**c, "partial_rotary_factor": _int(c, "rotary_dim") / _int(c, "head_dim")}
+    return dict(
+        **_base(c, partial_ok=True),
+        qk_norm=True,
+        qk_norm_scope="all",
+        **_experts(c, "num_local_experts"),
+        moe_groups=(1, 1, 1.0),
+    )
+
+
+def _kimi_k25(c: Mapping) -> dict:
+    """Kimi K2.5's text model: its ``text_config`` read as DeepSeek V3 (``model_type``
+    deepseek_v3, or kimi_k2 as the released config names it), tied by the outer
+    ``tie_word_embeddings`` (as transformers ties it); the vision tower is not computed (text
+    logits only)."""
+    text = c.get("text_config")
+    if not isinstance(text, Mapping) or text.get("model_type", "deepseek_v3") not in (
+        "deepseek_v3",
+        "kimi_k2",
+    ):
+        kind = text.get("model_type") if isinstance(text, Mapping) else text
+        raise _refuse("text_config", repr(kind)[:200], "expected a DeepSeek V3 text model")
+    fields, _ = hf_fields({**text, "model_type": "deepseek_v3"})
+    return {**fields, "tied": bool(c.get("tie_word_embeddings"))}
+
+
 _BIASES = ("attention_bias", "mlp_bias")
 _GEMMA_REFUSES = ("attention_bias", "use_bidirectional_attention")
 #: transformers' defaults Gemma 2 and 3 share
@@ -896,6 +970,34 @@ FAMILIES: dict[str, Family] = {
             norm_topk_prob=True,
             routed_scaling_factor=1.0,
         ),
+        _family(
+            "ernie4_5_moe",
+            "hf_ernie4_5_moe",
+            _ernie4_5_moe,
+            ("use_bias",),
+            rms_norm_eps=1e-5,
+            rope_theta=5e5,
+            tie_word_embeddings=True,
+            moe_num_experts=64,
+            moe_k=6,
+            moe_intermediate_size=1536,
+            moe_num_shared_experts=2,
+            moe_layer_start_index=1,
+            moe_layer_end_index=-1,
+            moe_layer_interval=1,
+            moe_norm_min=1e-12,
+        ),
+        _family(
+            "minimax_m2",
+            "hf_minimax_m2",
+            _minimax_m2,
+            rms_norm_eps=1e-6,
+            head_dim=128,
+            rope_theta=5e6,
+            num_local_experts=256,
+            num_experts_per_tok=8,
+        ),
+        _family("kimi_k25", "hf_kimi_k25", _kimi_k25, silu=False, tie_word_embeddings=True),
         _family(
             "stablelm",
             "hf_stablelm",

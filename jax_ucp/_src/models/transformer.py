@@ -108,6 +108,9 @@ class LMConfig:
     mla: tuple[int, int, int, int, int] | None = None
     rope_interleaved: bool = False
     moe_groups: tuple[int, int, float] | None = None
+    # Ernie 4.5: the top-k of softmax(router logits) + router_score_bias, weighted by their
+    # softmax renormalised
+    moe_score_bias: bool = False
 
     @property
     def groups(self) -> int:
@@ -160,8 +163,8 @@ class LMConfig:
     def from_hf(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
         """From the ``config.json`` of any Hugging Face family ``verify --logits`` computes
         (Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral, Qwen2/3-MoE, Granite,
-        OLMo 2/3, SmolLM3, GLM-4.5 MoE, StableLM, GPT-OSS, DeepSeek V3:
-        ``hf_families.FAMILIES``); a field the model does not compute is a ``RequestError``
+        OLMo 2/3, SmolLM3, GLM-4.5 MoE, Ernie 4.5 MoE, MiniMax M2, StableLM, GPT-OSS, DeepSeek V3,
+        Kimi K2.5's text model: ``hf_families.FAMILIES``); a field the model does not compute is a ``RequestError``
         naming it. :meth:`hf_spec` gives the spec its weights restore through."""
         cfg, _ = hf_model(config)
         return dataclasses.replace(cfg, **overrides) if overrides else cfg
@@ -474,6 +477,12 @@ class MoE(nn.Module):
             if cfg.moe_norm_topk:
                 probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + 1e-20)
             probs = probs * scaling
+        elif cfg.moe_score_bias:  # Ernie 4.5
+            scores = jax.nn.softmax(logits, axis=-1)
+            bias = self.param("router_score_bias", nn.initializers.zeros, (experts,))
+            index = jax.lax.top_k(scores + bias, cfg.moe_router_topk)[1]
+            probs = jnp.take_along_axis(scores, index, axis=-1)
+            probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
         elif cfg.moe_sigmoid_input:
             probs = jax.nn.sigmoid(top)
         elif cfg.moe_norm_topk:
