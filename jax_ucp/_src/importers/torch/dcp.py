@@ -64,6 +64,8 @@ MODEL_CONTAINERS = ("model", "state_dict", "model_state_dict")
 NON_MODEL_ROOTS = ("train_state", "lr_scheduler", "lr_schedulers", "dataloader", "rng", "ft")
 #: Accelerate's / HF Trainer's sharded FSDP folders inside a save_state / checkpoint folder.
 _ACCELERATE_DIR = re.compile(r"^(pytorch_model_fsdp|optimizer)_[0-9]+\Z")
+#: transformers' ``save_optimizer_distributed`` folder beside ``save_pretrained``'s rank-local files
+HF_OPTIMIZER_DIR = "optimizer"
 #: megatron-core's files beside its torch_dist .metadata (that is the Megatron importer's)
 MEGATRON_FILES = ("common.pt", "metadata.json", "integrity.json")
 
@@ -71,12 +73,17 @@ MEGATRON_FILES = ("common.pt", "metadata.json", "integrity.json")
 def dcp_dirs(storage: Storage) -> list[Path]:
     """The DCP folders of ``src``: itself when it holds ``.metadata``, an OLMo-core step
     folder's ``model_and_optim/``, else Accelerate's ``pytorch_model_fsdp_N/`` and
-    ``optimizer_N/`` inside it; [] when none. An object-store prefix is read through its local
-    view (``importers.registry``), whose DCP folders ``torchfiles.dcp`` reads at their URL."""
+    ``optimizer_N/`` inside it; [] when none. Rank-local safetensors come with the DCP
+    ``optimizer/`` transformers' ``save_optimizer_distributed`` writes beside them, if any. An
+    object-store prefix is read through its local view (``importers.registry``), whose DCP
+    folders ``torchfiles.dcp`` reads at their URL."""
     path = Path(storage.root)
     if not path.is_dir():
         return []
-    if os.path.lexists(path / ".metadata") or dcp_safetensors.is_rank_local(path):
+    if dcp_safetensors.is_rank_local(path):
+        beside = path / HF_OPTIMIZER_DIR
+        return [path, beside] if os.path.lexists(beside / ".metadata") else [path]
+    if os.path.lexists(path / ".metadata"):
         return [path]
     if olmo_core.is_step_folder(path):
         return [path / olmo_core.MODEL_DIR]
@@ -126,6 +133,12 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
     parameter_order = options.parameter_order
     refuse_spec(spec, "torch DCP imports keep torch's parameter names", SourceError)
     dirs = dcp_dirs(storage)
+    parent = Path(src).parent
+    if Path(src).name == HF_OPTIMIZER_DIR and dcp_safetensors.is_rank_local(parent):
+        raise SourceError(
+            f"{src}: the optimizer folder of transformers' save_optimizer_distributed, beside "
+            f"its model's rank-local safetensors: import {parent} (the model and this folder)"
+        )
     if not dirs:
         raise SourceError(
             f"{src}: no .metadata (and no pytorch_model_fsdp_N/ or optimizer_N/ folder holding "
