@@ -50,6 +50,6 @@ def test_the_model_and_its_optimizer_folder_continue_as_torch_steps():
 
 def test_the_optimizer_folder_alone_says_where_its_model_is():
     with pytest.raises(
-        SourceError, match=r"save_optimizer_distributed.*import \S*hf_dist_optimizer_tp2 "
+        SourceError, match=r"save_optimizer_distributed\).*import \S*hf_dist_optimizer_tp2 "
     ):
         jax_ucp.restore(os.path.join(SRC, "optimizer"))

@@ -81,14 +81,23 @@ def dcp_dirs(storage: Storage) -> list[Path]:
     if not path.is_dir():
         return []
     if dcp_safetensors.is_rank_local(path):
-        beside = path / HF_OPTIMIZER_DIR
-        return [path, beside] if os.path.lexists(beside / ".metadata") else [path]
+        return [path, *_optimizer_dirs(path)]
     if os.path.lexists(path / ".metadata"):
         return [path]
     if olmo_core.is_step_folder(path):
         return [path / olmo_core.MODEL_DIR]
     return sorted(
         p for p in path.iterdir() if _ACCELERATE_DIR.match(p.name) and (p / ".metadata").exists()
+    )
+
+
+def _optimizer_dirs(path: Path) -> list[Path]:
+    """The DCP folders beside rank-local safetensors (``save_optimizer_distributed`` takes any
+    name; transformers' docs say ``optimizer/``, taken even broken so that it is refused)."""
+    return sorted(
+        p
+        for p in path.iterdir()
+        if p.name == HF_OPTIMIZER_DIR or (p.is_dir() and os.path.lexists(p / ".metadata"))
     )
 
 
@@ -134,10 +143,10 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
     refuse_spec(spec, "torch DCP imports keep torch's parameter names", SourceError)
     dirs = dcp_dirs(storage)
     parent = Path(src).parent
-    if Path(src).name == HF_OPTIMIZER_DIR and dcp_safetensors.is_rank_local(parent):
+    if dcp_safetensors.is_rank_local(parent) and Path(src) in _optimizer_dirs(parent):
         raise SourceError(
-            f"{src}: the optimizer folder of transformers' save_optimizer_distributed, beside "
-            f"its model's rank-local safetensors: import {parent} (the model and this folder)"
+            f"{src}: a DCP folder beside a model's rank-local safetensors (transformers' "
+            f"save_optimizer_distributed): import {parent} (the model and this folder)"
         )
     if not dirs:
         raise SourceError(
