@@ -183,8 +183,8 @@ def test_settings_give_the_padded_and_the_true_vocabulary():
     (no args) included, the padded one from the rows stripped."""
     import json
 
-    from jax_ucp.errors import RequestError
     from jax_ucp._src.importers.megatron import plan_megatron
+    from jax_ucp.errors import RequestError
     from jax_ucp.models import LMConfig
 
     want = json.loads((FIX / "fixtures.json").read_text())["legacy_llama_tp2_synthetic"]
