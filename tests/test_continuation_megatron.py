@@ -186,12 +186,23 @@ def test_the_record_not_the_framework_chooses_the_reader(scheduled):
     assert megatron_recipe(bare, saved, "ckpt") is None
 
 
-def test_param_groups_without_scheduler_refused():
-    """megatron-core's own save without Megatron-LM's common state: no schedule to translate."""
-    source = plan_megatron(FIX / "gpt_distopt_dp2", MegatronOptions()).source
-    assert "opt_param_scheduler" not in source["megatron_optimizer"]
-    with pytest.raises(SourceError, match=r"common\.pt\).*no opt_param_scheduler saved"):
-        megatron_recipe(source, {"opt_state/mu/w": ((2,), np.float32)}, "ckpt")
+def test_a_megatron_core_run_continues_with_the_schedule_given():
+    """megatron-core's own save without Megatron-LM's common state (no args, no scheduler): Adam
+    from its param groups, the rate they hold; schedule= / clip= fill what is not recorded (as
+    for FSDP2), a schedule contradicting the held rate refused."""
+    src = FIX / "gpt_distopt_dp2"
+    record = plan_megatron(src, MegatronOptions()).source["megatron_optimizer"]
+    assert "opt_param_scheduler" not in record and "args" not in record
+    group = record["param_groups"][0]
+    bare = jax_ucp.optax_from_torch(str(src))
+    assert any("schedule=" in u for u in bare.unrecovered)
+    assert any("clip=" in u for u in bare.unrecovered)
+    run = jax_ucp.optax_from_torch(str(src), schedule=group["lr"], clip=1.0)
+    assert run.unrecovered == [] and run.step == int(group["step"])
+    assert run.optimizer == ("adamw" if group["decoupled_weight_decay"] else "adam")
+    assert any("clip=), to global norm 1.0" in n for n in run.notes)
+    with pytest.raises(RequestError, match=r"schedule=\) gives lr .* the optimizer holds"):
+        jax_ucp.optax_from_torch(str(src), schedule=2 * group["lr"], clip=1.0)
 
 
 def test_incomplete_scheduler_record_refused():

@@ -133,7 +133,7 @@ def test_optax_from_torch_refuses_a_weights_only_import(tmp_path):
 @pytest.mark.torch
 def test_optax_step_equals_torch_adamw_step_without_a_spec(tmp_path):
     """A plain torch run (AdamW over named decay / no-decay groups, no scheduler recorded),
-    saved as torch.save({"model", "optimizer"}): with torch's names (no spec) the optax step from
+    saved as torch.save({"model", "optimizer"}) alone in a folder: with torch's names (no spec) the optax step from
     optax_from_torch, fed torch's own gradients, gives torch's next parameters within 1e-6, the
     no-decay parameters included; the learning rate is the optimizer's, constant, and said so."""
     import torch
@@ -157,13 +157,14 @@ def test_optax_step_equals_torch_adamw_step_without_a_spec(tmp_path):
     for _ in range(3):
         grads_of()
         opt.step()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "run.pt")
+    (tmp_path / "run").mkdir()  # a folder holding one torch.save file is that file
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "run/s.pt")
     grads_of()
     grads = {n: p.grad.numpy().copy() for n, p in named}
     opt.step()
     want = {n: p.detach().numpy().copy() for n, p in named}
 
-    ckpt = jax_ucp.convert(str(tmp_path / "run.pt"), tmp_path / "ucp")
+    ckpt = jax_ucp.convert(str(tmp_path / "run"), tmp_path / "ucp")
     run = jax_ucp.optax_from_torch(ckpt)
     assert run.step == 3
     assert any("learning rate 0.05" in n and "no schedule" in n for n in run.notes)

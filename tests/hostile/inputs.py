@@ -90,6 +90,8 @@ KINDS = {
         Kind("torch_dcp_zstd", ("torch/dcp_zstd",)),
         # torch 2.15's DCP: several chunks per rank, TensorProperties with strides
         Kind("torch_dcp_215", ("torch/dcp_torch215_multishard",)),
+        # transformers' rank-local safetensors with save_optimizer_distributed's optimizer/
+        Kind("torch_dcp_hf_optimizer", ("torch/hf_dist_optimizer_tp2",)),
         # a DCP folder in an object store (moto's S3 server on 127.0.0.1), restored from there
         Kind(
             "torch_dcp_s3",

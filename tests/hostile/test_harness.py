@@ -58,6 +58,9 @@ CI_SLICE: dict[str, list[int]] = {
     "megatron_integrity": [8, 18, 49],
     "deepspeed_bf16": [0, 1, 5],
     "torch_dcp_215": [0, 2, 11],
+    # save_optimizer_distributed's folder beside rank-local safetensors: its .metadata renamed
+    # (3), the folder renamed (24); deleted whole it is a model-only save, as the files say
+    "torch_dcp_hf_optimizer": [0, 3, 24],
     "ucp_record": [1, 9, 13],
     "orbax_array_out": [2],
     "verl": [0, 1, 2, 4, 5],

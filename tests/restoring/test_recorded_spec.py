@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -61,6 +62,25 @@ def test_restore_by_name_takes_the_recorded_config(src, config):
         qkv.shape[1]
         == (heads["num_attention_heads"] + 2 * heads["num_query_groups"]) * (heads["head_dim"])
     )
+
+
+def test_a_deepspeed_folder_gives_the_config_beside_latest(tmp_path):
+    """DeepSpeed's own save_checkpoint folder (``latest``, ``global_stepN/``) with the model's
+    config.json the run saved beside ``latest``, no Trainer files: the spec by name takes its
+    heads, from the folder and from its tag folder."""
+    src = tmp_path / "run"
+    shutil.copytree(TRAINER, src)
+    for trainer_file in ("trainer_state.json", "model.safetensors"):
+        (src / trainer_file).unlink()
+    assert "trainer" not in jax_ucp.inspect(str(src)).source
+    by_hand = jax_ucp.restore(
+        str(src), spec=load_spec("hf_llama", **_heads(str(src / "config.json")))
+    )
+    for where in (src, src / (src / "latest").read_text().strip()):
+        _same(jax_ucp.restore(str(where), spec="hf_llama"), by_hand)
+    (src / "config.json").unlink()
+    with pytest.raises(jax_ucp.UCPError, match="num_attention_heads"):
+        jax_ucp.restore(str(src), spec="hf_llama")
 
 
 def test_converted_checkpoint_keeps_the_recorded_config(tmp_path):

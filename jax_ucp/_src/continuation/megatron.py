@@ -225,6 +225,8 @@ def megatron_recipe(
             f"optimizer (a torch optimizer's): which one stepped the run is not known"
         )
     file, args, scheduler, groups = _read_record(source, saved, where)
+    if not scheduler.values:
+        return _held_recipe(source, saved, groups, file)
     schedule = _schedule(scheduler, args, groups)
     gbs = _global_batch(args)
     step = _step(source[RECORD], source, scheduler, args, groups, gbs, file)
@@ -384,6 +386,43 @@ def _args_schedule(args: _Fields, gbs: int) -> dict[str, tuple[str, Any]]:
     return {k: v for k, v in out.items() if v[1] is not None}
 
 
+def _held_recipe(
+    source: Mapping[str, Any], saved: Mapping[Any, Any], groups: list[_Fields], file: str
+) -> Recipe:
+    """A megatron-core run without Megatron-LM (no args, no opt_param_scheduler): Adam from
+    its param groups, the rate they hold for the next step, constant until the caller gives
+    ``schedule=`` and ``clip=`` (``optax_from_torch``), said as unrecovered."""
+    args = _Fields({}, "args", file)
+    betas, eps = _adam(args, groups, file)
+    decoupled = _decoupled(args, groups, file)
+    lr = _agreed(groups, "lr", lambda g: g.number("lr"))
+    step = _agreed(groups, "step", lambda g: g.number("step", integer=True))
+    if lr is None or step is None:
+        raise SourceError(f"{file}: the param groups record no {'lr' if lr is None else 'step'}")
+    decays = [g for g in groups if g.values.get("wd_mult", 1.0)]
+    rate = _agreed(decays, "weight_decay", lambda g: g.number("weight_decay")) or 0.0
+    decayed = _decayed(saved, args, groups, file, [])
+    unrecovered = (
+        "the learning-rate schedule (no opt_param_scheduler: a megatron-core run without "
+        "Megatron-LM's; pass optax_from_torch(schedule=) the run's)",
+        "clip_grad (not recorded: pass optax_from_torch(clip=) the run's, or clip=None)",
+    )
+    return Recipe(
+        optimizer="adamw" if decoupled is not False else "adam",
+        how=f"megatron-core Adam{'' if decoupled is False else 'W'} from {file}'s param groups",
+        betas=betas,
+        eps=eps,
+        learning_rate=lambda count: lr,
+        weight_decay=rate,
+        decayed=decayed,
+        clip=None,
+        notes=(f"learning rate {lr}: the param groups' for step {int(step) + 1}",),
+        unrecovered=unrecovered,
+        schedule_recorded=False,
+        clip_recorded=False,
+    )
+
+
 def _step_check(saved_step: int, gbs: int, file: str) -> Callable[[int], list[str]]:
     """Checks, once the step is restored, that the scheduler's ``num_steps`` maps to it."""
 
@@ -419,6 +458,8 @@ def _read_record(
         )
     if name is None and not any("betas" in g.values for g in groups):
         raise SourceError(f"{file}: neither args.optimizer nor Adam's betas are recorded")
+    if not state and not args.values and groups:
+        return file, args, _Fields({}, "opt_param_scheduler", file), groups  # megatron-core only
     if not state:
         raise SourceError(
             f"{file}: no opt_param_scheduler saved: the learning-rate schedule of the run is "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 from typing import Any, Protocol
 
 import ml_dtypes
@@ -85,7 +86,8 @@ def is_dcp_sharded(src) -> bool:
     """A local folder whose first ``.safetensors`` file (by name) is one of torch DCP's Hugging
     Face writer's: its ``__metadata__`` has :data:`DCP_SHARDING_INFO` (a folder of such files
     is one checkpoint, each tensor assembled from every file's piece of it). Only that file's
-    header is read; a file that cannot be read says no (its own reader names the fault)."""
+    header is read; a file that cannot be read says no (its own reader names the fault); the
+    single-process writer's whole tensors (:func:`_whole_tensors`) are plain safetensors."""
     src = os.fspath(src)
     if not os.path.isdir(src):
         return False
@@ -94,11 +96,11 @@ def is_dcp_sharded(src) -> bool:
         return False
     try:
         path = os.path.join(src, names[0])
-        return (
-            SafetensorsFile(path, _inside(src, names[0], src), dcp_shard=True).sharding is not None
-        )
+        f = SafetensorsFile(path, _inside(src, names[0], src), dcp_shard=True)
     except (SourceError, OSError):
         return False
+    shapes = {name: {"shape": list(entry[1])} for name, entry in f.header.items()}
+    return f.sharding is not None and not _whole_tensors(path, f.sharding, shapes)
 
 
 def shard_files(src) -> list[str]:
@@ -228,6 +230,34 @@ class _Mapped:
         return len(self.mm) >= size
 
 
+#: the single-process writer's file name (torch's ``_hf_utils.FILE_NAME``), not a rank's
+_WHOLE_FILE = re.compile(r"model-[0-9]{5,}-of-[0-9]{5,}\.safetensors")
+
+
+def _whole_tensors(path: str, sharding: Any, header: dict) -> bool:
+    """A file of torch DCP's Hugging Face writer run in one process (``model-0000K-of-0000N``,
+    not a rank's ``shard-0000R-model-...``): every tensor whole, at offsets zero and its own
+    global shape; read as plain safetensors (from an object store or the Hub too)."""
+    if not _WHOLE_FILE.fullmatch(os.path.basename(path)) or not isinstance(sharding, str):
+        return False
+    try:
+        info = json.loads(sharding)
+    except (ValueError, RecursionError):
+        return False
+    if not isinstance(info, dict) or set(info) != set(header) - {"__metadata__"}:
+        return False
+    for name, entry in info.items():
+        shape = (
+            (header.get(name) or {}).get("shape") if isinstance(header.get(name), dict) else None
+        )
+        if not isinstance(entry, dict) or not isinstance(shape, list):
+            return False
+        offsets, whole = entry.get("saved_offsets"), entry.get("global_shape", shape)
+        if not isinstance(offsets, list) or any(o != 0 for o in offsets) or whole != shape:
+            return False
+    return True
+
+
 class SafetensorsFile:
     """One safetensors file: its validated header and read-only views of its tensors."""
 
@@ -311,7 +341,7 @@ class SafetensorsFile:
         metadata = header.pop("__metadata__", None) or {}
         if isinstance(metadata, dict) and DCP_SHARDING_INFO in metadata:
             sharding = metadata[DCP_SHARDING_INFO]
-            if not self.dcp_shard:
+            if not self.dcp_shard and not _whole_tensors(self.path, sharding, header):
                 self._refuse_dcp_shard(sharding)
             if not isinstance(sharding, str):
                 raise SourceError(

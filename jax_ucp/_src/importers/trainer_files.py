@@ -33,6 +33,7 @@ __all__ = [
     "check_optimizer_beside_scheduler",
     "is_adapter_checkpoint",
     "is_trainer_checkpoint",
+    "model_config",
     "read_json",
     "rng_states",
     "side_file",
@@ -230,17 +231,27 @@ class _TrainingArguments(allow_list.StandIn):
         super().__setstate__(state)
 
 
+def model_config(folder: str) -> dict | None:
+    """The :data:`MODEL_FIELDS` of ``folder``'s ``config.json`` (what a spec by name needs to
+    restore the model: its head settings), None without one."""
+    config_path = side_file(folder, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        return None
+    config = read_json(config_path)
+    if not isinstance(config, dict):
+        return None
+    return {k: jsonable(config[k]) for k in MODEL_FIELDS if k in config}
+
+
 def trainer_record(folder: str) -> dict:
     """What the Trainer recorded of its optimizer's schedule: ``training_args`` (the fields of
     :data:`ARG_FIELDS`), ``scheduler`` (``last_epoch``, ``base_lrs``, ``last_lr``) and
     ``global_step`` / ``max_steps``, ``logged_lr`` (:func:`logged_rates`); absent files are
     absent keys."""
     out: dict[str, Any] = {}
-    config_path = side_file(folder, CONFIG_FILE)
-    if os.path.isfile(config_path):
-        config = read_json(config_path)
-        if isinstance(config, dict):  # what a spec needs to restore the model (head settings)
-            out["model_config"] = {k: jsonable(config[k]) for k in MODEL_FIELDS if k in config}
+    config = model_config(folder)
+    if config is not None:
+        out["model_config"] = config
     state_path = side_file(folder, STATE_FILE)
     if os.path.isfile(state_path):
         state = read_json(state_path)

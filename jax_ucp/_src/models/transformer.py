@@ -187,7 +187,26 @@ class LMConfig:
 
     @classmethod
     def from_settings(cls, s: Mapping[str, Any], **overrides) -> LMConfig:
-        """From Megatron-LM argument names (as recorded in an import's manifest ``settings``)."""
+        """From Megatron-LM argument names (as recorded in an import's manifest ``settings``);
+        ``overrides`` (LMConfig's fields) give what the settings lack. Megatron-LM records
+        ``padded_vocab_size`` (the embedding's rows), the tokenizer's ``vocab_size`` only when
+        given: ``convert(vocab_size=)`` strips the padding and records it."""
+        s = {**s, **{k: v for k, v in overrides.items() if k in _REQUIRED}}
+        missing = [k for k in _REQUIRED if s.get(k) is None]
+        if missing:
+            padded = s.get("padded_vocab_size")
+            raise RequestError(
+                f"LMConfig.from_settings: the settings have no {', '.join(missing)} (recorded: "
+                f"{', '.join(sorted(s)[:12]) or 'nothing: a megatron-core save without Megatron-LM args'})"
+                + (
+                    f"; padded_vocab_size={padded} is the embedding's rows, the tokenizer's "
+                    f"vocab_size is not recorded: import with vocab_size= to strip the padding, "
+                    f"or pass vocab_size={padded} for a model of the padded rows kept"
+                    if "vocab_size" in missing and padded is not None
+                    else ""
+                )
+                + "; pass them as keyword arguments (LMConfig's field names)"
+            )
         gated = bool(s.get("swiglu") or s.get("gated_linear_unit"))
         kw: dict[str, Any] = dict(
             vocab_size=int(s["vocab_size"]),
@@ -206,6 +225,10 @@ class LMConfig:
             moe_router_topk=int(s.get("moe_router_topk") or 2),
         )
         return cls(**kw | overrides)
+
+
+#: the settings ``LMConfig.from_settings`` cannot do without
+_REQUIRED = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads")
 
 
 class OffsetRMSNorm(nn.Module):

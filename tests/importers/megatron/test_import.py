@@ -177,6 +177,37 @@ def test_no_vocab_size_keeps_padding_and_says_so(tmp_path):
     assert any("vocab padding kept" in n for n in jax_ucp.inspect(d).source["notes"])
 
 
+def test_settings_give_the_padded_and_the_true_vocabulary():
+    """Megatron-LM's args record padded_vocab_size only: LMConfig.from_settings says what is
+    missing and how to give it; with vocab_size= both are recorded, megatron-core-only saves
+    (no args) included, the padded one from the rows stripped."""
+    import json
+
+    from jax_ucp._src.importers.megatron import plan_megatron
+    from jax_ucp.errors import RequestError
+    from jax_ucp.models import LMConfig
+
+    want = json.loads((FIX / "fixtures.json").read_text())["legacy_llama_tp2_synthetic"]
+    padded, vocab = want["padded_vocab_size"], want["vocab_size"]
+    src = FIX / "legacy_llama_tp2_synthetic"
+    settings = plan_megatron(src, MegatronOptions()).source["settings"]
+    assert settings["padded_vocab_size"] == padded and "vocab_size" not in settings
+    with pytest.raises(
+        RequestError, match=rf"no vocab_size .*padded_vocab_size={padded} .*vocab_size= to strip"
+    ):
+        LMConfig.from_settings(settings)
+    assert LMConfig.from_settings(settings, vocab_size=padded).vocab_size == padded
+    settings = plan_megatron(src, MegatronOptions(vocab_size=vocab)).source["settings"]
+    cfg = LMConfig.from_settings(settings)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers) == (
+        vocab, want["hidden_size"], want["num_layers"],
+    )  # fmt: skip
+    bare = plan_megatron(FIX / "gpt_tp2", MegatronOptions(vocab_size=vocab)).source["settings"]
+    assert bare == {"vocab_size": vocab, "padded_vocab_size": padded}
+    with pytest.raises(RequestError, match="no hidden_size, num_layers, num_attention_heads"):
+        LMConfig.from_settings(bare)
+
+
 def test_vocab_size_from_spec_settings_and_step_and_progress(tmp_path):
     from jax_ucp.language import Spec
 

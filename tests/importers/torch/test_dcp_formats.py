@@ -393,7 +393,7 @@ def test_one_rank_local_file_alone_is_refused_pointing_at_the_folder(tmp_path):
 
 def test_a_rank0_save_with_its_index_is_read_and_a_file_it_names_missing_is_refused(tmp_path):
     """``HuggingFaceStorageWriter(save_distributed=False)`` writes whole tensors (offsets all
-    zero) in ``model-0000M-of-0000N.safetensors`` files and an index: read as the same layout;
+    zero) in ``model-0000M-of-0000N.safetensors`` files and an index: read as safetensors;
     a file the index names, deleted, is refused (its tensors would be gone without a word)."""
     from safetensors.numpy import save_file
 
@@ -414,7 +414,7 @@ def test_a_rank0_save_with_its_index_is_read_and_a_file_it_names_missing_is_refu
     assert_bit_exact(restored["b"], b, "b")
     os.remove(src / "model-00002-of-00002.safetensors")
     with pytest.raises(
-        SourceError, match=r"weight_map puts tensor 'b' in 'model-00002-of-00002.safetensors'"
+        SourceError, match=r"weight_map entry 'b' names the file 'model-00002-of-00002.safetensors'"
     ):
         jax_ucp.restore(str(src))
 
@@ -542,3 +542,36 @@ def test_verify_against_reads_the_sources_with_torch(tmp_path):
         f.write(raw)
     problems = jax_ucp.verify(out, against=src)
     assert problems and any("w" in str(p) for p in problems), problems
+
+
+SINGLE = "dcp_hf_single_process"  # HuggingFaceStorageWriter in one process: whole tensors
+
+
+@pytest.mark.timeout(300)
+def test_a_single_process_hf_writer_folder_restores_locally_and_from_s3(bucket_url):
+    """``model-00001-of-00001.safetensors`` + index, offsets all zero: whole tensors, read as
+    Hugging Face safetensors from an object store too (before: refused as pieces of larger
+    ones); a rank's ``shard-...`` file so named stays refused."""
+    from jax_ucp._src.store.storage import object_store
+
+    folder = os.path.join(FIX, SINGLE)
+    want = truth(SINGLE)
+    prefix = f"{bucket_url}/hf-single-{os.getpid()}"
+    for entry in os.listdir(folder):
+        with open(os.path.join(folder, entry), "rb") as f:
+            object_store.write(prefix, entry, f.read())
+    assert registry.detect_format(folder) == "safetensors"
+    for where in (folder, prefix):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # whole tensors: no shape to doubt
+            got = jax_ucp.restore(where, target=_target(want))
+        assert sorted(got["params"]) == sorted(want)
+        for key, value in want.items():
+            assert_bit_exact(got["params"][key], value, key)
+    rank_file = os.path.join(FIX, RANK_LOCAL, "shard-00001-model-00001-of-00001.safetensors")
+    with open(rank_file, "rb") as f:
+        object_store.write(
+            prefix + "-rank", "shard-00001-model-00001-of-00001.safetensors", f.read()
+        )
+    with pytest.raises(SourceError, match="pieces of larger"):
+        jax_ucp.restore(prefix + "-rank")

@@ -60,6 +60,36 @@ def test_real_torch_save_files_import_bit_exact(tmp_path, name):
             assert (restored["params"][key[len("param/") :]] == value).all(), key
 
 
+@pytest.mark.parametrize(
+    "name, as_name",
+    [("plain_state_dict.pt", "model_final.pth"), ("lightning_trainer.ckpt", "s.pt")],
+)
+def test_a_folder_holding_one_torch_save_file_is_that_file(tmp_path, name, as_name):
+    """The folder is read as the file it holds (any of torch's suffixes), the optimizer too;
+    one rank's file of Megatron (``mp_rank_00/model_optim_rng.pt``) is not a model."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(os.path.join(FIX, name), run / as_name)
+    (run / "notes.txt").write_text("a side file")
+    assert registry.detect_format(str(run)) == "torch"
+    restored = jax_ucp.restore(str(run))
+    if name == "lightning_trainer.ckpt":
+        assert_matches_run(restored, name)
+    else:
+        want = {k: v for k, v in _truth(name).items() if k.startswith("param/")}
+        assert sorted(restored["params"]) == sorted(k[len("param/") :] for k in want)
+        for key, value in want.items():
+            assert_bit_exact(restored["params"][key[len("param/") :]], value, key)
+    shutil.copy(run / as_name, run / "second.pt")
+    with pytest.raises(registry.Unclaimed, match=r"s\.pt, second\.pt|model_final\.pth, notes"):
+        registry.detect_format(str(run))
+    rank = tmp_path / "mp_rank_00"
+    rank.mkdir()
+    shutil.copy(os.path.join(FIX, name), rank / "model_optim_rng.pt")
+    with pytest.raises(registry.Unclaimed, match="cannot tell the checkpoint format"):
+        registry.detect_format(str(rank))
+
+
 def _truth(name):
     from tests.importers.torch.test_dcp import truth
 

@@ -39,7 +39,11 @@ from jax_ucp._src.importers.plan import (
     glob_detection,
     refuse_spec,
 )
-from jax_ucp._src.importers.trainer_files import trainer_folder_above, trainer_record
+from jax_ucp._src.importers.trainer_files import (
+    model_config,
+    trainer_folder_above,
+    trainer_record,
+)
 from jax_ucp._src.store.storage import Storage
 
 __all__ = [
@@ -184,4 +188,8 @@ def plan(storage: Storage, options: DeepSpeedOptions) -> ImportPlan:
             record["scheduler"] = scheduler  # its state is in the model states file
         plan.source.update(trainer=record, trainer_path=trainer)
         zero.trainer_facts(plan.source, trainer)  # the config it filled from its arguments
+    elif os.path.lexists(os.path.join(root := os.path.dirname(os.path.abspath(tag_dir)), "latest")):
+        config = model_config(root)  # the model's config.json saved beside `latest`
+        if config:  # the head settings a spec by name takes (language.recorded)
+            plan.source["config"] = config
     return plan

@@ -84,6 +84,9 @@ def plan_megatron(src: os.PathLike | str, options: MegatronOptions) -> ImportPla
         plan = planner(source_dir, settings, dataclasses.replace(options, spec=user_spec))
     info = dict(plan.source)
     iteration = info.pop("iteration", None)
+    padded = {v[0] for v in (info.get("vocab_stripped") or {}).values()}
+    if len(padded) == 1:  # the rows stripped: the padded vocabulary, args recorded or not
+        settings.setdefault("padded_vocab_size", padded.pop())
     source = {
         "framework": "megatron",
         "path": os.path.abspath(source_dir.ckpt_dir),

@@ -64,6 +64,8 @@ MODEL_CONTAINERS = ("model", "state_dict", "model_state_dict")
 NON_MODEL_ROOTS = ("train_state", "lr_scheduler", "lr_schedulers", "dataloader", "rng", "ft")
 #: Accelerate's / HF Trainer's sharded FSDP folders inside a save_state / checkpoint folder.
 _ACCELERATE_DIR = re.compile(r"^(pytorch_model_fsdp|optimizer)_[0-9]+\Z")
+#: transformers' ``save_optimizer_distributed`` folder beside ``save_pretrained``'s rank-local files
+HF_OPTIMIZER_DIR = "optimizer"
 #: megatron-core's files beside its torch_dist .metadata (that is the Megatron importer's)
 MEGATRON_FILES = ("common.pt", "metadata.json", "integrity.json")
 
@@ -71,17 +73,31 @@ MEGATRON_FILES = ("common.pt", "metadata.json", "integrity.json")
 def dcp_dirs(storage: Storage) -> list[Path]:
     """The DCP folders of ``src``: itself when it holds ``.metadata``, an OLMo-core step
     folder's ``model_and_optim/``, else Accelerate's ``pytorch_model_fsdp_N/`` and
-    ``optimizer_N/`` inside it; [] when none. An object-store prefix is read through its local
-    view (``importers.registry``), whose DCP folders ``torchfiles.dcp`` reads at their URL."""
+    ``optimizer_N/`` inside it; [] when none. Rank-local safetensors come with the DCP
+    ``optimizer/`` transformers' ``save_optimizer_distributed`` writes beside them, if any. An
+    object-store prefix is read through its local view (``importers.registry``), whose DCP
+    folders ``torchfiles.dcp`` reads at their URL."""
     path = Path(storage.root)
     if not path.is_dir():
         return []
-    if os.path.lexists(path / ".metadata") or dcp_safetensors.is_rank_local(path):
+    if dcp_safetensors.is_rank_local(path):
+        return [path, *_optimizer_dirs(path)]
+    if os.path.lexists(path / ".metadata"):
         return [path]
     if olmo_core.is_step_folder(path):
         return [path / olmo_core.MODEL_DIR]
     return sorted(
         p for p in path.iterdir() if _ACCELERATE_DIR.match(p.name) and (p / ".metadata").exists()
+    )
+
+
+def _optimizer_dirs(path: Path) -> list[Path]:
+    """The DCP folders beside rank-local safetensors (``save_optimizer_distributed`` takes any
+    name; transformers' docs say ``optimizer/``, taken even broken so that it is refused)."""
+    return sorted(
+        p
+        for p in path.iterdir()
+        if p.name == HF_OPTIMIZER_DIR or (p.is_dir() and os.path.lexists(p / ".metadata"))
     )
 
 
@@ -126,6 +142,12 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
     parameter_order = options.parameter_order
     refuse_spec(spec, "torch DCP imports keep torch's parameter names", SourceError)
     dirs = dcp_dirs(storage)
+    parent = Path(src).parent
+    if dcp_safetensors.is_rank_local(parent) and Path(src) in _optimizer_dirs(parent):
+        raise SourceError(
+            f"{src}: a DCP folder beside a model's rank-local safetensors (transformers' "
+            f"save_optimizer_distributed): import {parent} (the model and this folder)"
+        )
     if not dirs:
         raise SourceError(
             f"{src}: no .metadata (and no pytorch_model_fsdp_N/ or optimizer_N/ folder holding "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -69,6 +70,10 @@ def _is_zip(path: str) -> bool:
         return False
 
 
+#: one rank's file of a framework whose importer assembles the ranks (never read as a model)
+_RANK_FILE = re.compile(r"^(model_optim_rng|distrib_optim)\.pt$|mp_rank_|zero_pp_rank_|_rank_[0-9]")
+
+
 def is_torch_files(src: os.PathLike | str) -> bool:
     """A torch.save file, or a folder with the model files this importer knows."""
     src = os.fspath(src)
@@ -77,12 +82,23 @@ def is_torch_files(src: os.PathLike | str) -> bool:
     if not os.path.isdir(src):
         return False
     names = set(os.listdir(src))
-    return bool(names & {INDEX_FILE, *MODEL_FILES}) or _single_ckpt(src, names) is not None
+    return bool(names & {INDEX_FILE, *MODEL_FILES}) or _single_file(src, names) is not None
 
 
-def _single_ckpt(src: str, names: set[str]) -> str | None:
-    ckpts = sorted(n for n in names if n.endswith(".ckpt") and os.path.isfile(os.path.join(src, n)))
-    return ckpts[0] if len(ckpts) == 1 else None
+def _single_file(src: str, names: set[str]) -> str | None:
+    """The one torch.save file of a folder holding no other (``run.pt``, Lightning's ``.ckpt``),
+    nor safetensors weights or a DCP's ``.metadata`` it would sit beside as a side file; one
+    rank's file of Megatron, DeepSpeed or verl is no whole model (their importers read them)."""
+    if ".metadata" in names or any(n.endswith(".safetensors") for n in names):
+        return None
+    found = sorted(
+        n
+        for n in names
+        if n.endswith(SUFFIXES)
+        and not _RANK_FILE.search(n)
+        and os.path.isfile(os.path.join(src, n))
+    )
+    return found[0] if len(found) == 1 and _is_zip(os.path.join(src, found[0])) else None
 
 
 def _files_of(src: str) -> tuple[list[str], str | None]:
@@ -101,10 +117,13 @@ def _files_of(src: str) -> tuple[list[str], str | None]:
     if optimizer is not None and safetensors.is_safetensors(src):
         # a Trainer checkpoint-N/ or Accelerate save_state folder: safetensors weights
         return safetensors.shard_files(src), optimizer
-    ckpt = _single_ckpt(src, names)
-    if ckpt is not None:
-        return [_inside(src, ckpt, src)], None
-    raise SourceError(f"{src}: no {INDEX_FILE}, {', '.join(MODEL_FILES)} or single .ckpt file")
+    single = _single_file(src, names)
+    if single is not None:
+        return [_inside(src, single, src)], None
+    raise SourceError(
+        f"{src}: no {INDEX_FILE}, {', '.join(MODEL_FILES)} or single torch.save file "
+        f"({'/'.join(SUFFIXES)})"
+    )
 
 
 def _index_files(src: str) -> list[str]:
