@@ -27,8 +27,9 @@ MAX_LOCAL_QUESTIONS = 15
 #: ``storage_for(`` called outside ``store/``: a ``Storage`` made again from a path instead of
 #: handed down (issue 71 wants 0; 37, and 1 more counted as the remote safetensors reader left
 #: ``store/``: a ``.safetensors`` object's folder; 40 with round 13's verify of a source's
-#: medium and the Megatron export's destination)
-MAX_STORAGE_FOR_CALLS = 40
+#: medium and the Megatron export's destination; 41 with round 14's verify of an export, whose
+#: ``against`` is told a UCP checkpoint by the open stage's one decision)
+MAX_STORAGE_FOR_CALLS = 41
 #: modules decoding a safetensors header (its length bounded by ``MAX_HEADER_BYTES``): one,
 #: local and remote (``format.safetensors`` over a medium's ``Storage.reader``)
 MAX_SAFETENSORS_DECODERS = 1

@@ -14,26 +14,26 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: package of jax_ucp/_src (or "modules": its top-level modules; "public": jax_ucp/ outside
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
-    "cli": 1725,
-    "continuation": 1800,
-    "exporters": 1631,
-    "format": 2690,
-    "importers": 16168,
-    "language": 3182,
-    "models": 1775,
+    "cli": 1747,
+    "continuation": 1936,
+    "exporters": 1838,
+    "format": 2720,
+    "importers": 16393,
+    "language": 3193,
+    "models": 1937,
     "multihost": 806,
     "orbax": 421,
-    "restoring": 4988,
+    "restoring": 4973,
     "saving": 964,
     "sharding": 713,
-    "store": 3360,
-    "torchfiles": 3053,
-    "writer": 1672,
-    "modules": 4234,
+    "store": 3346,
+    "torchfiles": 3162,
+    "writer": 1675,
+    "modules": 4369,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 49550
+TOTAL = 50561
 
 
 def _lines(paths) -> int:
