@@ -218,6 +218,8 @@ SHARED = {
     "checksum": "SaveArgs re-lists ArrayOptions'",
     "inner_chunk_bytes": "SaveArgs / UCPStreamSave re-list ArrayOptions'",
     "source": "SaveArgs' and UCPStreamSave's provenance (the two save args)",
+    "param_groups": "the DeepSpeed universal and torch DCP exports' own (the loading optimizer's)",
+    "run_record": "the Megatron and torch DCP exports' own (the continued run's record)",
 }
 
 OPTION_MODULES = [

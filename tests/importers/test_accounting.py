@@ -99,10 +99,12 @@ def _torch_tensors(src: str) -> set[str]:
     if os.path.isdir(src):
         dirs = [src] if os.path.exists(os.path.join(src, ".metadata")) else []
         dirs = dirs or sorted(os.path.dirname(p) for p in glob.glob(f"{src}/*/.metadata"))
-        if not dirs and dcp_safetensors.is_rank_local(src):  # torch's HF writer, rank-local
-            return set(dcp_safetensors.open_rank_local(src).tensors)
-        if dirs:
-            names: set[str] = set()
+        names: set[str] = set()
+        if dcp_safetensors.is_rank_local(src):  # torch's HF writer, rank-local (+ optimizer/)
+            names |= set(dcp_safetensors.open_rank_local(src).tensors)
+        elif glob.glob(f"{src}/*.safetensors"):  # torch's HF writer, one process: plain files
+            names |= _safetensors_tensors(src)
+        if dirs or names:
             for d in dirs:
                 ck = torch_dcp.open_dcp(d)
                 names |= set(ck.tensors) | set(ck.objects)

@@ -39,7 +39,8 @@ def test_zero3_states_are_joined_only_when_the_writer_has_room(tmp_path, monkeyp
     monkeypatch.setattr(shards.PipelinedWriter, "reserve", reserve_spy)
     monkeypatch.setattr(zero, "joined_parts", join_spy)
     small = jax_ucp.convert(SRC, tmp_path / "small", memory_budget="1KiB")
-    assert len(joined) > 10 and any(n > 1024 for _, n in joined), joined
+    # joined by rows (``zero.flat_rows``): a state over the budget comes in pieces within it
+    assert len(joined) > 10 and sum(n for _, n in joined) > 8 * 1024, joined
     assert all(held == 0 or held + n <= 1024 for held, n in joined), joined
     monkeypatch.undo()
     default = jax_ucp.convert(SRC, tmp_path / "default")
