@@ -266,7 +266,6 @@ REFUSED = [
     ("args", {"lr": 0.02}, SourceError, r"on max_lr: .*= 0\.01; args\.lr = 0\.02"),
     ("args", {"min_lr": 0.0}, SourceError, r"on min_lr: .*args\.min_lr = 0"),
     ("args", {"lr_decay_style": "linear"}, SourceError, r"args\.lr_decay_style = 'linear'"),
-    ("args", {"train_iters": 300}, SourceError, r"lr_decay_steps = 400; args\.train_iters x "),
     ("args", {"lr_decay_iters": 50}, SourceError, r"args\.lr_decay_iters x .* = 200"),
     ("args", {"lr_warmup_iters": 3}, SourceError, r"lr_warmup_steps = 4; args\.lr_warmup_iter"),
     ("args", {"lr_warmup_fraction": 0.5}, SourceError, r"lr_warmup_fraction x .* = 200\.0"),

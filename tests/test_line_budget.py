@@ -15,7 +15,7 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
     "cli": 1747,
-    "continuation": 1936,
+    "continuation": 1937,
     "exporters": 1838,
     "format": 2720,
     "importers": 16393,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 50561
+TOTAL = 50562
 
 
 def _lines(paths) -> int:

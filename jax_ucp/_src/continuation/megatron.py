@@ -369,7 +369,8 @@ def _args_schedule(args: _Fields, gbs: int) -> dict[str, tuple[str, Any]]:
         return out
     decay_arg = f"lr_decay_{unit}" if count(f"lr_decay_{unit}") else f"train_{unit}"
     decay = count(decay_arg) * scale  # type: ignore[operator]
-    out["lr_decay_steps"] = (f"args.{decay_arg}{per}", decay)
+    if decay_arg.startswith("lr_decay_"):  # from train_*: a run may pass its own to the scheduler
+        out["lr_decay_steps"] = (f"args.{decay_arg}{per}", decay)
     for key, arg in (
         ("wd_incr_steps", f"train_{unit}"),
         ("wsd_decay_steps", f"lr_wsd_decay_{unit}"),
