@@ -46,6 +46,34 @@ def test_the_processes_connected_to_a_served_port_are_counted_as_they_come_and_g
         assert liveness.connected(port) == 0
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs /proc/net")
+def test_a_closed_socket_that_once_had_a_clients_port_does_not_hide_its_owner(monkeypatch):
+    """Under load a client's ephemeral port is reused while an old connection from the same
+    port lingers in TIME_WAIT (inode 0, another remote end): the client is still matched to
+    its process (CI once counted 2 processes where one held both connections)."""
+    import jax  # noqa: F401
+
+    real = liveness._table
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        accepted = [server.accept()[0] for _ in clients]
+
+        def with_time_wait():
+            table = real() or []
+            lingering = [
+                (lo, (rem[0], rem[1] + 1), "06", "0") for lo, rem, _, _ in table if rem[1] == port
+            ]
+            return table + lingering
+
+        monkeypatch.setattr(liveness, "_table", with_time_wait)
+        assert liveness.connected(port) == 1
+        for s in clients + accepted:
+            s.close()
+
+
 #: a program that is no process of the job: a raw connection held to the coordinator's port
 FOREIGN = """
 import socket, sys, time

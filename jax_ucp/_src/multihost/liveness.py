@@ -117,9 +117,13 @@ def connected(port: int) -> int | None:
     table = _table()
     if table is None:
         return None
-    inodes = {local: inode for local, _, _, inode in table}
-    ends = [inodes.get(rem) for lo, rem, st, _ in table if lo[1] == port and st == _ESTABLISHED]
-    owners = _owners({i for i in ends if i and i != "0"})
+    # the other end of (lo, rem) is the socket (rem, lo): keyed by the local address alone, a
+    # closed socket that once had the same local port (TIME_WAIT, inode 0) hid a live one's owner
+    inodes = {(local, remote): inode for local, remote, _, inode in table if inode != "0"}
+    ends = [
+        inodes.get((rem, lo)) for lo, rem, st, _ in table if lo[1] == port and st == _ESTABLISHED
+    ]
+    owners = _owners({i for i in ends if i})
     pids = {owners[i] for i in ends if i in owners}
     return sum(1 for i in ends if i not in owners) + sum(_runs_jax(p) for p in pids)
 
