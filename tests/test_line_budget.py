@@ -21,7 +21,7 @@ CEILINGS = {
     "importers": 16393,
     "language": 3193,
     "models": 1937,
-    "multihost": 806,
+    "multihost": 808,
     "orbax": 421,
     "restoring": 4973,
     "saving": 964,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 50562
+TOTAL = 50564
 
 
 def _lines(paths) -> int:

@@ -53,7 +53,7 @@ def test_a_closed_socket_that_once_had_a_clients_port_does_not_hide_its_owner(mo
     its process (CI once counted 2 processes where one held both connections)."""
     import jax  # noqa: F401
 
-    real = liveness._table
+    real = liveness.tcp_table
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -68,7 +68,7 @@ def test_a_closed_socket_that_once_had_a_clients_port_does_not_hide_its_owner(mo
             ]
             return table + lingering
 
-        monkeypatch.setattr(liveness, "_table", with_time_wait)
+        monkeypatch.setattr(liveness, "tcp_table", with_time_wait)
         assert liveness.connected(port) == 1
         for s in clients + accepted:
             s.close()

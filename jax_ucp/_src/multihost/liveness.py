@@ -69,7 +69,7 @@ def _endpoint(text: str) -> tuple[bytes, int]:
     return raw, int(port, 16)
 
 
-def _table() -> list[tuple[tuple, tuple, str, str]] | None:
+def tcp_table() -> list[tuple[tuple, tuple, str, str]] | None:
     """(local, remote, state, inode) of each TCP socket of this network namespace; None
     without ``/proc/net``."""
     found, read = [], False
@@ -89,7 +89,7 @@ def _table() -> list[tuple[tuple, tuple, str, str]] | None:
 
 def _sockets(port: int) -> list[tuple[str, str]] | None:
     """(state, inode) of each TCP socket on local ``port``; None without ``/proc/net``."""
-    table = _table()
+    table = tcp_table()
     return None if table is None else [(st, ino) for lo, _, st, ino in table if lo[1] == port]
 
 
@@ -114,15 +114,13 @@ def connected(port: int) -> int | None:
     second one of a process counted, is no peer's (a foreign connection hid a dead peer until
     the step's timeout). One whose other end cannot be seen (another host, user or network
     namespace) counts as one peer."""
-    table = _table()
+    table = tcp_table()
     if table is None:
         return None
-    # the other end of (lo, rem) is the socket (rem, lo): keyed by the local address alone, a
-    # closed socket that once had the same local port (TIME_WAIT, inode 0) hid a live one's owner
-    inodes = {(local, remote): inode for local, remote, _, inode in table if inode != "0"}
-    ends = [
-        inodes.get((rem, lo)) for lo, rem, st, _ in table if lo[1] == port and st == _ESTABLISHED
-    ]
+    # a socket's other end is the one with its (remote, local) pair: keyed by the local address
+    # alone, a TIME_WAIT socket once on the same port (inode 0) hid a live one's owner
+    inodes = {(lo, rem): ino for lo, rem, _, ino in table if ino != "0"}
+    ends = [inodes.get((r, lo)) for lo, r, st, _ in table if lo[1] == port and st == _ESTABLISHED]
     owners = _owners({i for i in ends if i})
     pids = {owners[i] for i in ends if i in owners}
     return sum(1 for i in ends if i not in owners) + sum(_runs_jax(p) for p in pids)
