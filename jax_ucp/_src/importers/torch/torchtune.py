@@ -15,10 +15,13 @@ optimizer keyed by index, imported by the torch DCP importer as saved. The lates
 either kind is imported; the others' folders are listed in ``source.skipped``.
 
 A LoRA recipe writes its adapter beside the merged weights (``adapter_model.pt``, torchtune's
-names; ``adapter_model.safetensors`` / ``.bin`` and ``adapter_config.json``, peft's) and saves
-its optimizer over the adapter's ``lora_a`` / ``lora_b`` only: no moment belongs to a merged
-weight, so that optimizer state is refused saying so, and the adapter files are listed in
-``source.skipped`` when the weights alone are imported.
+names in its ``model.parameters()`` order; ``adapter_model.safetensors`` / ``.bin`` and
+``adapter_config.json``, peft's) and saves its optimizer over the adapter's ``lora_a`` /
+``lora_b`` only. That run imports as the adapter and its moments, in peft's names and rows (as
+``tune_to_peft_adapter_weights`` writes ``adapter_model.safetensors``), so the fine-tune continues;
+the merged weights are not the base the adapter trains over (base + alpha/r B A, rounded), so
+they are listed in ``source.skipped`` and the base is left to the user (``source.notes`` names
+it where ``adapter_config.json`` records it). With weights_only the merged weights import alone.
 """
 
 from __future__ import annotations
@@ -62,10 +65,12 @@ __all__ = [
     "TUNE_TO_HF",
     "detect",
     "epoch_folders",
+    "peft_name",
     "plan_torchtune",
 ]
 
 RECIPE_STATE = os.path.join("recipe_state", "recipe_state.pt")
+ADAPTER_PT = "adapter_model.pt"  # torchtune's own copy of the adapter: its names and order
 OPTIMIZER_KEY = "optimizer"  # torchtune's training.OPT_KEY
 #: what a LoRA recipe's checkpointer writes into ``epoch_N/`` beside the merged weights:
 #: torchtune's ``ADAPTER_MODEL_FNAME`` as ``.pt`` (its names), ``.safetensors`` or ``.bin``
@@ -515,21 +520,22 @@ def _moments(
     state: dict, to_name: dict[Any, str], recipe: str, heads: tuple[int, int, int], epoch: str
 ) -> tuple[dict[str, dict[str, TensorRef]], dict[str, str]]:
     """({Hugging Face name: {state: reference}}, {torchtune name: Hugging Face name}): the
-    moments renamed by torchtune's own table; a name it does not know is refused, q/k moments
-    without the rows config.json's heads say too (the permutation would scramble them)."""
+    moments renamed by torchtune's own table (a LoRA adapter's by :func:`peft_name`); a name it
+    does not know is refused, q/k moments without the rows config.json's heads say too (the
+    permutation would scramble them)."""
     q_heads, kv_heads, head_dim = heads
     states: dict[str, dict[str, TensorRef]] = {}
     moved: dict[str, str] = {}
     for key, per in state.items():
         tune = to_name[key]
-        hf = renamed(tune, TUNE_TO_HF)
+        hf = peft_name(tune) if _LORA_NAME.search(tune) else renamed(tune, TUNE_TO_HF)
         if hf is None:
             raise SourceError(
                 f"{recipe}: optimizer state of torchtune's {tune!r}, which torchtune's "
                 f"tune_to_hf table does not name (known: {_names(sorted(TUNE_TO_HF), 4)})"
             )
         moved[tune] = hf
-        rows = q_heads if "q_proj" in tune else kv_heads if "k_proj" in tune else None
+        rows = _permuted_heads(tune, q_heads, kv_heads)
         for st, value in per.items() if isinstance(per, dict) else ():
             if not isinstance(value, np.ndarray):
                 if not (st == "step" and isinstance(value, (int, float))):
@@ -595,7 +601,9 @@ def _plan_with_optimizer(
     _progress_agrees(progress, state, recipe)
     found = adapter_files(latest)
     if found or any(isinstance(k, str) and _LORA_NAME.search(k) for k in state):
-        raise _lora_refusal(recipe, epochs[-1], found, state)
+        if ADAPTER_PT not in found:
+            raise _lora_refusal(recipe, epochs[-1], found, state)
+        return _plan_lora(src, epochs, recipe, (loaded, state, groups), options, order)
     params, files = _epoch_weights(latest, epochs[-1])
     described, rule = recipe_optimizer(loaded), None
     if order is None and state and all(isinstance(k, int) for k in state):
@@ -649,4 +657,177 @@ def _plan_with_optimizer(
     }
     if rule is not None:
         source["parameter_order"] = rule
+    return plan_state(torch_state, source, options)
+
+
+def _permuted_heads(tune: str, q_heads: int, kv_heads: int) -> int | None:
+    """The heads whose rows ``tune_to_hf`` permutes in torchtune's ``tune`` (q / k projections;
+    of an adapter only ``lora_b``, as ``tune_to_peft_adapter_weights``), else None."""
+    if _LORA_NAME.search(tune) and ".lora_b." not in tune:
+        return None
+    return q_heads if "q_proj" in tune else kv_heads if "k_proj" in tune else None
+
+
+def peft_name(tune: str) -> str | None:
+    """torchtune's adapter parameter name as peft's (``tune_to_peft_adapter_weights``:
+    ``layers.0.attn.q_proj.lora_a.weight`` -> ``base_model.model.model.layers.0.self_attn.
+    q_proj.lora_A.weight``), or None for a name it does not map (DoRA's ``magnitude`` too)."""
+    m = re.fullmatch(r"(.+)\.lora_(a|b)\.weight", tune)
+    base = renamed(f"{m.group(1)}.weight", TUNE_TO_HF) if m else None
+    if m is None or base is None:
+        return None
+    return f"base_model.model.{base.removesuffix('.weight')}.lora_{m.group(2).upper()}.weight"
+
+
+def _adapter_order(
+    state: dict, groups: list, adapter: dict, order: Sequence[str] | None, recipe: str, pt: str
+) -> tuple[dict[Any, str], str]:
+    """({optimizer key: torchtune name}, how): by name as saved (the distributed recipe), by
+    ``order``, or for one group over ``model.parameters()`` (the single-device recipe: only the
+    adapter has state) its indices ascending as ``adapter_model.pt``'s tensors (saved from
+    ``model.state_dict()``, that same order)."""
+    keys = list(state)
+    if order is not None or (keys and all(isinstance(k, str) for k in keys)):
+        return _optimizer_names(state, groups, order, recipe, "of a LoRA recipe"), "as given"
+    if not (keys and all(isinstance(k, int) for k in keys)) or len(groups) != 1:
+        raise SourceError(
+            f"{recipe}: LoRA optimizer state {recipe_optimizer({OPTIMIZER_KEY: {'state': state, 'param_groups': groups}})}"
+            f": expected one group keyed by index; give parameter_order=[its trainable "
+            f"parameters' torchtune names in the optimizer's order]"
+        )
+    if len(keys) != len(adapter):
+        raise SourceError(
+            f"{recipe}: {len(keys)} parameters have optimizer state, {pt} holds "
+            f"{len(adapter)} adapter tensors: expected one per adapter tensor (only the "
+            f"adapter trains); give parameter_order="
+        )
+    how = (
+        f"the optimizer's indices with state, ascending, as {pt}'s tensors (torchtune's "
+        f"model.parameters() order: the frozen base has no state)"
+    )
+    return dict(zip(sorted(keys), adapter)), how
+
+
+def _plan_lora(
+    src: str,
+    epochs: list[str],
+    recipe: str,
+    opened: tuple[dict, dict, list],
+    options: TorchOptions,
+    order: Sequence[str] | None,
+) -> ImportPlan:
+    """A LoRA recipe's adapter (``adapter_model.pt``) and its moments, in peft's names and q/k
+    rows; the merged weights and peft's copies of the adapter listed in ``source.skipped``."""
+    loaded, state, groups = opened
+    epoch = epochs[-1]
+    latest = os.path.join(src, epoch)
+    pt = f"{epoch}/{ADAPTER_PT}"
+    adapter = torch_zip.load_torch_file(files.inside(src, pt, src))
+    tensors = isinstance(adapter, dict) and all(isinstance(v, np.ndarray) for v in adapter.values())
+    if not (tensors and adapter):
+        raise SourceError(f"{pt}: expected torchtune's adapter state dict (name -> tensor)")
+    unmapped = [n for n in adapter if not isinstance(n, str) or peft_name(n) is None]
+    if unmapped:
+        raise SourceError(
+            f"{pt}: adapter tensors {_names(unmapped)} have no peft name (lora_a / lora_b of "
+            f"the tune_to_hf table's modules are mapped; DoRA's magnitude is not): not imported. "
+            f"Convert with weights_only=True to import {epoch}/'s merged weights"
+        )
+    to_name, how = _adapter_order(state, groups, adapter, order, recipe, pt)
+    config, q_heads, kv_heads, head_dim = _heads(latest)
+    heads = (q_heads, kv_heads, head_dim)
+    states, moved = _moments(state, to_name, recipe, heads, epoch)
+    params: dict[str, TensorRef] = {}
+    for tune, value in adapter.items():
+        rows = _permuted_heads(tune, q_heads, kv_heads)
+        read = (
+            (lambda v=value: v)
+            if rows is None
+            else (lambda v=value, n=rows: permute_rows(v, n, head_dim))
+        )
+        params[str(peft_name(tune))] = TensorRef(
+            f"{pt}:{tune}",
+            tuple(value.shape),
+            value.dtype,
+            read,
+            {"format": "torch_files", "file": pt, "torchtune_name": tune}
+            | ({"rows_permuted": {"heads": rows, "head_dim": head_dim}} if rows else {}),
+        )
+    recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
+    optimizer_sources = [n for n in recipe_tensors if n.startswith(f"{RECIPE_STATE}:optimizer.")]
+    skipped = {
+        n: "torchtune recipe state, not a model weight or optimizer state"
+        for n in recipe_tensors
+        if n not in optimizer_sources
+    }
+    merged = sorted(
+        f"{epoch}/{n}"
+        for n in os.listdir(latest)
+        if n.endswith(".safetensors") and n not in ADAPTER_FILES
+    )
+    skipped.update(
+        dict.fromkeys(
+            merged,
+            (
+                "the merged weights (the base + alpha/r lora_b @ lora_a, rounded): not the base the "
+                "adapter trains over; weights_only=True imports them"
+            ),
+        )
+    )
+    peft_copies = [f"{epoch}/{n}" for n in adapter_files(latest) if n != ADAPTER_PT]
+    skipped.update(dict.fromkeys(peft_copies, f"peft's copy of {pt} (imported in peft's names)"))
+    units = [f"{e}/" for e in epochs[:-1] + epoch_folders(src, dist=True)]
+    skipped.update(dict.fromkeys(units, f"an earlier epoch's checkpoint ({epoch}/ imported)"))
+    named_groups = [
+        {**g, "params": [moved[to_name[i]] for i in g.get("params", ()) if i in to_name]}
+        for g in groups
+        if isinstance(g, dict)
+    ]
+    adapter_config = os.path.join(latest, ADAPTER_CONFIG_FILE)
+    lora = (
+        read_json(side_file(latest, ADAPTER_CONFIG_FILE)) if os.path.lexists(adapter_config) else {}
+    )
+    lora = lora if isinstance(lora, dict) else {}
+    base = lora.get("base_model_name_or_path")
+    note = (
+        f"torchtune LoRA recipe: the adapter ({len(params)} tensors of {pt}, in peft's names "
+        f"and rows as {epoch}/adapter_model.safetensors) and its moments imported; the base "
+        f"model it trains over is not in this folder ({epoch}/'s weights are merged), "
+        + (
+            f"{ADAPTER_CONFIG_FILE} names it {base!r}"
+            if isinstance(base, str) and base
+            else f"{ADAPTER_CONFIG_FILE} names none"
+        )
+        + ": import it beside, frozen"
+    )
+    torch_state = TorchState(
+        params,
+        states,
+        named_groups,
+        skipped,
+        recipe,
+        [*(f"{pt}:{t}" for t in adapter), *recipe_tensors, *merged, *peft_copies, *units],
+        optimizer_sources,
+    )
+    source = {
+        "framework": "torchtune",
+        "path": os.path.abspath(src),
+        "epoch": epoch,
+        "files": [ADAPTER_PT],
+        "optimizer_keyed_by": "index" if all(isinstance(k, int) for k in state) else "name",
+        "parameter_order": how,
+        "qk_permuted": {"heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim},
+        "recipe": {
+            k: loaded[k]
+            for k in ("seed", "epochs_run", "total_epochs", "max_steps_per_epoch")
+            if isinstance(loaded.get(k), int)
+        },
+        "model_type": config.get("model_type"),
+        "lora": {
+            k: lora[k]
+            for k in ("r", "lora_alpha", "target_modules", "base_model_name_or_path")
+            if k in lora
+        },
+        "notes": [note],
+    }
     return plan_state(torch_state, source, options)
