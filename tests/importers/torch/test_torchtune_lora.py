@@ -1,15 +1,13 @@
-"""A torchtune LoRA run (issue 60): its recipe's optimizer state is over the adapter's
-``lora_a`` / ``lora_b`` (which the merged ``epoch_N/`` weights do not hold), refused in one
-message saying LoRA optimizer state, never the generic "give its order"; with weights_only the
-adapter files beside the merged weights are listed in ``source.skipped``, not ignored.
+"""A torchtune LoRA run (issue 70): its recipe's optimizer state is over the adapter's
+``lora_a`` / ``lora_b``, which import (in peft's names and q/k rows, as torchtune's own
+``adapter_model.safetensors``) with their moments, and ``optax_from_torch`` takes torchtune's next
+step; the merged ``epoch_N/`` weights are not the base and are listed in ``source.skipped``.
 
-The LoRA runs here are SYNTHETIC (torchtune is not installed): tests/fixtures/torchtune/tt_fp32
-(written by torchtune) with what torchtune 0.6.1's LoRA recipes add, written torch-free in the
-layout of ``FullModelHFCheckpointer.save_checkpoint``: ``epoch_0/adapter_model.pt`` (torchtune's
-names), ``adapter_model.safetensors`` and ``adapter_config.json`` (peft's), and a
-``recipe_state.pt`` whose optimizer holds state for the LoRA parameters only (keyed by index over
-``model.parameters()``, frozen weights without state: the single-device recipe; or by
-torchtune's names: the distributed one)."""
+tests/fixtures/torchtune/tt_lora was written by torchtune 0.6.1 itself
+(tools/fixtures/make_torchtune_lora_fixture.py: ``lora_llama3`` r=4 on q/k/v, the single-device
+recipe's optimizer over ``model.parameters()``, keyed by index). The other runs here are
+SYNTHETIC (``_synthetic``): tests/fixtures/torchtune/tt_fp32 with a LoRA recipe's files written
+torch-free, for the layouts the real run does not show (keyed by name, no adapter file)."""
 
 from __future__ import annotations
 
@@ -22,10 +20,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jax_ucp
-from jax_ucp._src.importers.torch import torchtune_order
+from jax_ucp._src.importers.torch import torchtune, torchtune_order
 from jax_ucp._src.torchfiles import torch_zip
 from jax_ucp.conversion import ImportOptions
-from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
+from tests.ucp_testing import REPO, assert_bit_exact
 
 SRC = os.path.join(REPO, "tests", "fixtures", "torchtune", "tt_fp32")
 RANK = 4
@@ -85,17 +83,80 @@ def _synthetic_lora_run(tmp_path, keyed_by: str = "index", adapter: bool = True)
     return src
 
 
+TT_LORA = os.path.join(REPO, "tests", "fixtures", "torchtune", "tt_lora")
+
+
+def _tt_truth() -> dict[str, np.ndarray]:
+    with np.load(TT_LORA + ".truth.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+def _as_peft(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
+    """torchtune's adapter tensor as its adapter_model.safetensors holds it (4 q heads, 2 kv
+    heads of 8: lora_b rows permuted as tune_to_peft_adapter_weights does)."""
+    peft = torchtune.peft_name(name)
+    assert peft is not None
+    heads = 4 if "q_proj" in name else 2 if "k_proj" in name else None
+    if ".lora_b." in name and heads is not None and value.ndim == 2:
+        value = torchtune.permute_rows(value, heads, 8)
+    return peft, value
+
+
+def test_torchtunes_lora_run_imports_its_adapter_and_moments(tmp_path):
+    """The adapter equals torchtune's adapter_model.safetensors bit for bit, each moment the
+    run's (its rows as the adapter's), the step 3; the merged weights are skipped, said."""
+    out = jax_ucp.convert(TT_LORA, tmp_path / "ucp")
+    got = jax_ucp.restore(out)
+    written = load_file(os.path.join(TT_LORA, "epoch_0", "adapter_model.safetensors"))
+    assert sorted(got["params"]) == sorted(written)
+    for name, value in written.items():
+        assert_bit_exact(got["params"][name], value, name)
+    truth = _tt_truth()
+    for key, tree in (("exp_avg", "mu"), ("exp_avg_sq", "nu"), ("param", None)):
+        for k, v in truth.items():
+            if k.startswith(key + "/"):
+                name, value = _as_peft(k.split("/", 1)[1], v)
+                assert_bit_exact(
+                    got["opt_state"][tree][name] if tree else got["params"][name], value, k
+                )
+    assert int(got["opt_state"]["count"]) == int(truth["step"]) == 3
+    source = jax_ucp.inspect(out).source
+    merged = "epoch_0/model-00001-of-00001.safetensors"
+    assert "not the base the adapter trains over" in source["skipped"][merged]
+    assert any("base model it trains over is not in this folder" in n for n in source["notes"])
+    assert source["optimizer_keyed_by"] == "index"
+
+
+@pytest.mark.torch
+def test_optax_from_torch_takes_torchtunes_next_lora_step(tmp_path):
+    """optax_from_torch on the output folder (read in place), fed torch's gradients of the step
+    after the save, gives torchtune's adapter after that step."""
+    import optax
+
+    with pytest.warns(UserWarning, match="gradient clipping"):
+        run = jax_ucp.optax_from_torch(TT_LORA)
+    assert (run.optimizer, run.step) == ("adamw", 3)
+    truth = _tt_truth()
+    grads = dict(
+        _as_peft(k.split("/", 1)[1], v) for k, v in truth.items() if k.startswith("next_grad/")
+    )
+    want = dict(
+        _as_peft(k.split("/", 1)[1], v) for k, v in truth.items() if k.startswith("next_param/")
+    )
+    updates, _ = run.tx.update(grads, run.opt_state, run.params)
+    params = optax.apply_updates(run.params, updates)
+    assert sorted(params) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_allclose(np.asarray(params[name]), value, rtol=0, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("keyed_by", ["index", "name"])
-def test_a_lora_recipes_optimizer_state_is_refused_saying_lora(tmp_path, monkeypatch, keyed_by):
+def test_a_synthetic_lora_recipe_imports_keyed_by_index_or_name(tmp_path, monkeypatch, keyed_by):
     monkeypatch.setattr(torchtune_order, "torchtune_builder", lambda: None)  # not installed
     src = _synthetic_lora_run(tmp_path, keyed_by)
-    with pytest.raises(jax_ucp.UCPError) as e:
-        jax_ucp.convert(src, tmp_path / "refused")
-    said = str(e.value)
-    assert "recipe_state.pt: LoRA optimizer state (torchtune's LoRA recipe: epoch_0/adapter" in said
-    assert "lora_a / lora_b" in said and "weights_only=True" in said
-    assert "Give its order" not in said and "parameter_order" not in said
-    assert_destination_untouched(tmp_path / "refused")
+    got = jax_ucp.restore(jax_ucp.convert(src, tmp_path / "ucp"))
+    written = load_file(os.path.join(src, "epoch_0", "adapter_model.safetensors"))
+    assert sorted(got["params"]) == sorted(written) == sorted(got["opt_state"]["mu"])
 
 
 def test_lora_names_in_the_optimizer_alone_say_lora(tmp_path):
