@@ -331,42 +331,48 @@ def trainer_candidates(
 
 
 #: adapter_config.json fields that change which modules a LoRA adapter wraps or what it trains
-#: beyond the target modules' ``lora_A`` / ``lora_B``: a value other than these is refused
+#: beyond what :func:`_lora_candidates` rebuilds: a value other than these is refused
 _LORA_PLAIN = {
     "layers_to_transform": (None,),
     "layers_pattern": (None,),
     "exclude_modules": (None,),
-    "modules_to_save": (None,),
     "target_parameters": (None,),
     "rank_pattern": ({},),
     "bias": ("none",),
     "lora_bias": (False,),
-    "use_dora": (False,),
+    "use_dora": (False, True),
     "layer_replication": (None,),
     "trainable_token_indices": (None,),
 }
+#: the Trainer's no-decay name patterns (``get_decay_parameter_names``: biases, norms)
+_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm", re.IGNORECASE)
 
 
-def _lora_candidates(path: str, model, what: str) -> list[Candidate]:
-    """The trainable parameters of a peft LoRA adapter over ``model`` (the base model on the
-    meta device), in peft's ``named_parameters()`` order: each target module (peft's rule: the
-    module's name is a target or ends with ``"." + target``) in the base model's module order,
-    its ``lora_A`` then ``lora_B``, named as peft saves them (``base_model.model.<module>.
-    lora_A.weight``, the adapter name dropped). Only a plain adapter is rebuilt: target modules
-    given as a list of ``nn.Linear`` names, no field of :data:`_LORA_PLAIN` set."""
+def _names_list(adapter: dict, key: str, path: str) -> list[str]:
+    """``adapter[key]`` as a list of module names (None: empty), else refused."""
+    value = adapter.get(key) or []
+    if not (isinstance(value, list) and all(isinstance(t, str) and t for t in value)):
+        raise SourceError(
+            f"{path}: {key} {value!r}: only a list of module names is rebuilt; pass "
+            f"parameter_order="
+        )
+    return value
+
+
+def _lora_config(path: str) -> tuple[list[str], list[str], int, bool]:
+    """(target modules, modules to save, r, use_dora) of a LoRA ``adapter_config.json``; one
+    :func:`_lora_candidates` cannot rebuild is refused naming the field."""
     adapter = read_json(path)
     if not isinstance(adapter, dict) or adapter.get("peft_type") != "LORA":
         raise SourceError(
             f"{path}: not a LoRA adapter config (peft_type "
             f"{adapter.get('peft_type') if isinstance(adapter, dict) else adapter!r})"
         )
-    targets = adapter.get("target_modules")
+    targets = _names_list(adapter, "target_modules", path)
+    saved = _names_list(adapter, "modules_to_save", path)
     rank = adapter.get("r")
-    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
-        raise SourceError(
-            f"{path}: target_modules {targets!r}: only a list of module names is "
-            f"rebuilt; pass parameter_order="
-        )
+    if not targets:
+        raise SourceError(f"{path}: target_modules {adapter.get('target_modules')!r}: none")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise SourceError(f"{path}: r={rank!r}, expected a positive int")
     for key, plain in _LORA_PLAIN.items():
@@ -375,9 +381,40 @@ def _lora_candidates(path: str, model, what: str) -> list[Candidate]:
                 f"{path}: {key}={adapter[key]!r}: the adapter's parameters cannot "
                 f"be rebuilt from its target modules alone; pass parameter_order="
             )
-    names, shapes = [], {}
+    return targets, saved, rank, adapter.get("use_dora") is True
+
+
+def _lora_candidates(path: str, model, what: str) -> list[Candidate]:
+    """The trainable parameters of a peft LoRA adapter over ``model`` (the base model on the
+    meta device), in peft's ``named_parameters()`` order, named as peft saves them (the adapter
+    name dropped): each target module (peft's rule: the module's name is a target or ends with
+    ``"." + target``) its ``lora_A.weight``, ``lora_B.weight`` and with ``use_dora`` its
+    ``lora_magnitude_vector`` (one per output row); each ``modules_to_save`` module (peft's rule:
+    its name ends with the entry) its own parameters (a trained copy, saved under the module's
+    name), all in the base model's module order. Target modules must be ``nn.Linear``; a field
+    of :data:`_LORA_PLAIN` set otherwise is refused."""
+    targets, saved, rank, dora = _lora_config(path)
+    names, shapes, no_decay, inside = [], {}, set(), None
     for module_name, module in model.named_modules():
-        if not any(module_name == t or module_name.endswith("." + t) for t in targets):
+        if inside is not None and module_name.startswith(inside):
+            continue  # within a module to save: its parameters are listed with it
+        target = any(module_name == t or module_name.endswith("." + t) for t in targets)
+        if module_name and any(module_name.endswith(t) for t in saved):
+            if target:
+                raise SourceError(
+                    f"{path}: module {module_name} is both a target and in modules_to_save: "
+                    f"pass parameter_order="
+                )
+            inside = module_name + "."
+            norm = "Norm" in type(module).__name__
+            for pname, p in module.named_parameters():
+                name = clean_name(f"base_model.model.{module_name}.{pname}")[0]
+                names.append(name)
+                shapes[name] = tuple(p.shape)
+                if norm or _NO_DECAY.search(name):
+                    no_decay.add(name)
+            continue
+        if not target:
             continue
         weight = getattr(module, "weight", None)
         if type(module).__name__ != "Linear" or weight is None or weight.dim() != 2:
@@ -386,14 +423,21 @@ def _lora_candidates(path: str, model, what: str) -> list[Candidate]:
                 f"{type(module).__name__}, not a Linear: pass parameter_order="
             )
         out_features, in_features = weight.shape
-        for part, shape in (("lora_A", (rank, in_features)), ("lora_B", (out_features, rank))):
-            name = clean_name(f"base_model.model.{module_name}.{part}.weight")[0]
+        parts = [("lora_A.weight", (rank, in_features)), ("lora_B.weight", (out_features, rank))]
+        for part, shape in parts + ([("lora_magnitude_vector", (out_features,))] if dora else []):
+            name = clean_name(f"base_model.model.{module_name}.{part}")[0]
             names.append(name)
             shapes[name] = shape
     if not names:
         raise SourceError(f"{path}: target_modules {targets} match no module of {what}")
-    rule = f"{what} + peft LoRA r={rank} on {', '.join(targets)}"
-    return [  # AdamW(model.parameters()), and the Trainer's decay group (no norm or bias here)
+    rule = f"{what} + peft {'DoRA' if dora else 'LoRA'} r={rank} on {', '.join(targets)}"
+    rule += f", modules_to_save {', '.join(saved)}" if saved else ""
+    decay = tuple(n for n in names if n not in no_decay)
+    return [  # AdamW(model.parameters()), and the Trainer's decay / no-decay groups
         Candidate(f"{rule}, one group", (tuple(names),), shapes),
-        Candidate(f"{rule}, the Trainer's groups", (tuple(names), ()), shapes),
+        Candidate(
+            f"{rule}, the Trainer's groups",
+            (decay, tuple(n for n in names if n in no_decay)),
+            shapes,
+        ),
     ]
