@@ -401,15 +401,44 @@ def test_trainer_lora_checkpoint_imports_with_the_base_models_config(tmp_path):
     hostile = _copy(src, tmp_path / "saves_more")
     with open(os.path.join(hostile, "adapter_config.json")) as f:
         adapter = json.load(f)
-    adapter["modules_to_save"] = ["lm_head"]
+    adapter["layers_to_transform"] = [0]
     with open(os.path.join(hostile, "adapter_config.json"), "w") as f:
         json.dump(adapter, f)
     assert_convert_refused(
         hostile,
         tmp_path / "refused",
-        r"adapter_config\.json: modules_to_save=",
+        r"adapter_config\.json: layers_to_transform=\[0\]",
         importing=TorchOptions(model_config=base),
     )
+
+
+def _peft_saved_name(live: str) -> str:
+    """A peft model's live parameter name as its adapter_model.safetensors names it: the
+    adapter name dropped, DoRA's magnitude without ``.weight``, a saved module's copy under
+    the module's own name."""
+    live = live.replace(".lora_magnitude_vector.default.weight", ".lora_magnitude_vector")
+    return live.replace(".modules_to_save.default.", ".").replace(".default.", ".")
+
+
+@pytest.mark.torch
+def test_trainer_dora_with_modules_to_save_rebuilds_its_order(tmp_path):
+    """A Trainer + peft DoRA checkpoint with modules_to_save=["lm_head"] (peft 0.21.2 itself):
+    the trainable parameters rebuilt from adapter_config.json over the base model (each
+    target's lora_A, lora_B, lora_magnitude_vector, then the head's trained copy, in module
+    order; no parameter_order) give every weight, moment and the step of the run bit for bit."""
+    src = trainer_src("trainer_dora")
+    base = os.path.join(trainer_src("trainer_fp32"), "config.json")  # the same tiny Llama
+    want = {
+        f"{k.split('/', 1)[0]}/{_peft_saved_name(k.split('/', 1)[1])}": v
+        for k, v in load_truth(os.path.join(TRAINER, "trainer_dora.truth.npz")).items()
+        if not k.startswith("next_")
+    }
+    assert "param/base_model.model.lm_head.weight" in want
+    with pytest.warns(UserWarning, match="share a shape"):
+        out = jax_ucp.convert(src, tmp_path / "ucp", importing=TorchOptions(model_config=base))
+    assert_matches_run(jax_ucp.restore(out), want)
+    rule = jax_ucp.inspect(out).source["parameter_order"]
+    assert "peft DoRA r=4 on v_proj, q_proj, modules_to_save lm_head" in rule
 
 
 def _with_base(src: str, dst, base) -> str:
