@@ -127,6 +127,24 @@ def test_torchtunes_lora_run_imports_its_adapter_and_moments(tmp_path):
     assert source["optimizer_keyed_by"] == "index"
 
 
+def test_an_adapter_file_not_the_optimizers_is_refused(tmp_path):
+    """adapter_model.pt with one tensor fewer than the optimizer has states: refused naming
+    both counts (its order numbers the states)."""
+    src = str(shutil.copytree(TT_LORA, tmp_path / "tt_lora"))
+    path = os.path.join(src, "epoch_0", "adapter_model.pt")
+    adapter = dict(list(torch_zip.load_torch_file(path).items())[:-1])
+    slots = {
+        n: torch_zip.TensorSlot(i, v.shape, v.dtype) for i, (n, v) in enumerate(adapter.items())
+    }
+    torch_zip.save_file(path, slots, [np.array(v) for v in adapter.values()])
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"12 parameters have optimizer state, "
+        r"epoch_0/adapter_model\.pt holds 11 adapter tensors",
+    ):
+        jax_ucp.convert(src, tmp_path / "refused")
+
+
 @pytest.mark.torch
 def test_optax_from_torch_takes_torchtunes_next_lora_step(tmp_path):
     """optax_from_torch on the output folder (read in place), fed torch's gradients of the step

@@ -688,12 +688,13 @@ def _adapter_order(
     ``model.state_dict()``, that same order)."""
     keys = list(state)
     if order is not None or (keys and all(isinstance(k, str) for k in keys)):
-        return _optimizer_names(state, groups, order, recipe, "of a LoRA recipe"), "as given"
+        how = "parameter_order" if order is not None else "keyed by torchtune's names"
+        return _optimizer_names(state, groups, order, recipe, "of a LoRA recipe"), how
     if not (keys and all(isinstance(k, int) for k in keys)) or len(groups) != 1:
         raise SourceError(
-            f"{recipe}: LoRA optimizer state {recipe_optimizer({OPTIMIZER_KEY: {'state': state, 'param_groups': groups}})}"
-            f": expected one group keyed by index; give parameter_order=[its trainable "
-            f"parameters' torchtune names in the optimizer's order]"
+            f"{recipe}: LoRA optimizer state in {len(groups)} groups, keyed by "
+            f"{_names(keys)}: expected one group keyed by index; give parameter_order=[the "
+            f"model's parameters' torchtune names, as the optimizer numbers them]"
         )
     if len(keys) != len(adapter):
         raise SourceError(
