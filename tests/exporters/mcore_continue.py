@@ -15,6 +15,7 @@ import os
 import sys
 
 GENERATOR, SRC, OUT, CFG, WORLD, PORT = sys.argv[1:7]
+os.environ["TORCHDYNAMO_DISABLE"] = "1"  # the MoE router's torch.compile: no compiler on CPU here
 sys.path.insert(0, os.path.dirname(GENERATOR))
 import make_megatron_fixtures as m  # noqa: E402
 

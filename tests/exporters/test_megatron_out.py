@@ -32,6 +32,7 @@ from tests.ucp_testing import REPO, free_port, save_small_tree
 pytestmark = pytest.mark.timeout(120)
 
 RUN = "llama_distopt_bf16_tp2dp2"  # megatron-core's bf16 TP2 x DP2 run, 2 Adam steps
+MOE = FIX / "mcore_versions" / "0.16.1"  # megatron-core's MoE runs (EP2, Adam, 2 steps)
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +215,22 @@ def test_refusals(imported, tmp_path):
         MegatronExport(tp=0)
 
 
+def test_moe_optimizer_state_without_the_experts_param_groups_is_refused(tmp_path):
+    """A MoE run continued in JAX (no record of its optimizers) cannot make megatron-core's
+    expert-parallel param groups (EP > 1) from ``args``: refused naming the experts, nothing
+    written; the record of the run it was imported from gives them."""
+    src = MOE / "moe_distopt_ep2_fully_reshardable"
+    jax_ucp.convert(src, tmp_path / "ucp", importing=MegatronOptions(vocab_size=VOCAB))
+    jax_ucp.save(tmp_path / "continued", jax_ucp.restore(tmp_path / "ucp"))
+    hyper = MegatronExport(ep=2, args={"lr": 0.1})
+    with pytest.raises(RequestError, match=r"ep=2: .*experts' param groups .*experts\.linear_fc1"):
+        jax_ucp.export(tmp_path / "continued", tmp_path / "out", hyper)
+    assert not (tmp_path / "out").exists()
+    record = MegatronExport(ep=2, run_record=tmp_path / "ucp")
+    assert jax_ucp.export(tmp_path / "continued", tmp_path / "out", record).tensors == 4 * 10
+    assert jax_ucp.export(tmp_path / "ucp", tmp_path / "ep1", MegatronExport()).tensors == 40
+
+
 def _adam(before: dict, grads: dict, name: str, step: int, lr=0.01, b1=0.9, b2=0.95, eps=1e-8):
     """torch's Adam (no weight decay) from ``before``'s state at ``step``, in float64."""
     g = np.asarray(grads[name], np.float64)
@@ -287,9 +304,6 @@ def test_megatron_core_loads_and_continues(imported, tmp_path, tp, pp):
         np.testing.assert_allclose(after["opt_state"]["nu"][name], v, atol=1e-8, err_msg=name)
 
 
-MOE = FIX / "mcore_versions" / "0.16.1"  # megatron-core's MoE runs (EP2, Adam, 2 steps)
-
-
 @pytest.mark.torch
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("run", ["moe_distopt_ep2", "moe_grouped_distopt_ep2"])
@@ -297,22 +311,28 @@ def test_megatron_core_loads_and_continues_moe(tmp_path, run):
     """A MoE run (4 experts over EP 2; sequential or grouped-GEMM experts, one torch_dist layout
     ``experts.experts.linear_fc{1,2}.weight`` [L, E, ...]) exported with its two optimizers'
     param groups (megatron-core's ChainedOptimizer: dense, then expert-parallel) is loaded by
-    megatron-core into the same model at EP 2 and DistributedOptimizer: saved again, it imports
-    bit-identical; the sequential one (grouped GEMM's forward needs CUDA) takes one step: step
-    3, each master and moment what Adam makes of the loaded state and megatron-core's gradient,
-    the loss the JAX model's on the same weights."""
+    megatron-core into the model and its DistributedOptimizer (grouped at EP 2; sequential at
+    EP 1, DP 2: megatron-core's EP 2 token dispatch hangs over gloo on CPU): saved again, it
+    imports bit-identical; the sequential one (grouped GEMM's forward needs CUDA) takes one
+    step: step 3, each master and moment what Adam makes of the loaded state and megatron-core's
+    gradient, the loss the JAX model's on the same weights."""
     pytest.importorskip("megatron.core")
     src = tmp_path / "ucp"
     jax_ucp.convert(
         MOE / f"{run}_fully_reshardable", src, importing=MegatronOptions(vocab_size=VOCAB)
     )
-    dst = tmp_path / "export"
-    jax_ucp.export(src, dst, MegatronExport(make_vocab_size_divisible_by=8))
+    dst, grouped = tmp_path / "export", "grouped" in run
+    ep = 2 if grouped else 1
+    jax_ucp.export(src, dst, MegatronExport(ep=ep, make_vocab_size_divisible_by=8))
     common = torch_zip.load_torch_file(dst / "common.pt", legacy.LEGACY_CLASSES)
-    groups = [len(common["optimizer"][i]["optimizer"]["param_groups"]) for i in (0, 1)]
-    assert groups == [2, 1]
-    grouped = "grouped" in run
-    cfg = dict(kind="moe", tp=1, ep=2, tied=False, grouped=grouped)
+    chained = common["optimizer"] if ep > 1 else {0: common["optimizer"]}
+    groups = [
+        [g["is_expert_parallel"] for g in o["optimizer"]["param_groups"]] for o in chained.values()
+    ]
+    assert groups == ([[False, False], [True]] if ep > 1 else [[False, False]])
+    args = legacy.args_dict(common["args"])
+    assert (args["num_experts"], args["expert_model_parallel_size"]) == (4, ep)
+    cfg = dict(kind="moe", tp=1, ep=ep, tied=False, grouped=grouped)
     result = _mcore_continue(dst, tmp_path, cfg, world=2)
     assert jax_ucp.diff(src, _reimported(tmp_path / "loaded")).identical
     if grouped:

@@ -118,7 +118,7 @@ def export(root: str, dst: str, options: MegatronExport) -> Exported:
     settings = recorded.get("settings")
     args = _args(record, settings, shapes, options, iteration, padded_vocab, bool(moments))
     experts = [n for n in shapes if ".experts." in n]
-    common = _common(record, args, iteration, step, moments, experts)
+    common = _common(record, args, iteration, step, moments, experts, options)
 
     def write(tmp: str) -> list[str]:
         write_dcp(tmp, items, arrays, str(manifest.save_id), source.pieces)
@@ -326,9 +326,13 @@ def _args(
             args.setdefault(key, settings[key])
     layers = [s[0] for n, s in shapes.items() if n.startswith("decoder.layers.") and s]
     embedding = shapes.get("embedding.word_embeddings.weight")
+    router = shapes.get("decoder.layers.mlp.router.weight")  # [L, E, h]
+    if router and len(router) == 3:
+        args.setdefault("num_experts", router[1])
     args.update(
         tensor_model_parallel_size=options.tp,
         pipeline_model_parallel_size=options.pp,
+        **({"expert_model_parallel_size": options.ep} if router else {}),
         make_vocab_size_divisible_by=options.make_vocab_size_divisible_by,
         iteration=iteration,
         ckpt_format="torch_dist",
@@ -342,7 +346,9 @@ def _args(
     return args
 
 
-def _common(record, args: dict, iteration: int, step: int | None, moments, experts) -> dict:
+def _common(
+    record, args: dict, iteration: int, step: int | None, moments, experts, options
+) -> dict:
     """``common.pt``: what Megatron-LM's ``save_checkpoint`` keeps beside the sharded tensors."""
     common: dict[str, Any] = {
         "iteration": iteration,
@@ -354,7 +360,7 @@ def _common(record, args: dict, iteration: int, step: int | None, moments, exper
         },
     }
     if moments:
-        groups = _param_groups(record, args, step or 0, experts)
+        groups = _param_groups(record, args, step or 0, experts, options.ep)
         members = [
             [g for g in groups if bool(g.get("is_expert_parallel")) is expert]
             for expert in (False, True)
@@ -380,20 +386,31 @@ def _common(record, args: dict, iteration: int, step: int | None, moments, exper
     return common
 
 
-def _param_groups(record, args: dict, step: int, experts: list[str]) -> list[dict]:
+def _param_groups(record, args: dict, step: int, experts: list[str], ep: int) -> list[dict]:
     """The recorded param groups (their hyper-parameters), or megatron-core's two default
     groups made from ``args``; each at the exported ``step`` (how torch's Adam counts). A MoE
-    model's experts are a second optimizer whose groups depend on its parameters: recorded
-    (``is_expert_parallel``) or refused."""
+    model's experts at ``ep`` > 1 are a second optimizer whose groups depend on its parameters:
+    recorded (``is_expert_parallel``) or refused; at ``ep`` 1 they join the dense groups."""
     saved = record.get("param_groups")
     recorded = isinstance(saved, list) and saved and all(isinstance(g, dict) for g in saved)
-    if experts and not (recorded and any(g.get("is_expert_parallel") for g in saved)):
+    own = [g for g in saved if g.get("is_expert_parallel")] if recorded else []
+    if experts and ep > 1 and not own:
         raise RequestError(
-            f"a megatron export of a MoE model's optimizer state needs the experts' param "
-            f"groups (megatron-core's second, expert-parallel optimizer, for {experts[0]!r} "
-            f"and the other experts): the run record has none; give run_record= the "
-            f"checkpoint imported from megatron-core's MoE run"
+            f"ep={ep}: a megatron export of a MoE model's optimizer state needs the experts' "
+            f"param groups (megatron-core's second, expert-parallel optimizer, for "
+            f"{experts[0]!r} and the other experts): the run record has none; give "
+            f"run_record= the checkpoint imported from megatron-core's run at EP > 1, or ep=1"
         )
+    if ep == 1 and own:  # megatron-core at EP 1: the experts in the dense optimizer's groups
+        dense = [{**g, "is_expert_parallel": True} for g in saved if g not in own]
+        for group in own:
+            if group not in dense:
+                raise RequestError(
+                    f"ep=1: the experts' param group {source.plain(group)} has no dense group "
+                    f"of the same hyper-parameters to join (megatron-core at EP 1 keeps one "
+                    f"optimizer); export with the run's ep"
+                )
+        saved = [g for g in saved if g not in own]
     if not recorded:
         if not isinstance(args.get("lr"), (int, float)):
             raise RequestError(
