@@ -306,14 +306,15 @@ def test_megatron_core_loads_and_continues(imported, tmp_path, tp, pp):
 
 @pytest.mark.torch
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("run", ["moe_distopt_ep2", "moe_grouped_distopt_ep2"])
-def test_megatron_core_loads_and_continues_moe(tmp_path, run):
+@pytest.mark.parametrize(
+    "run, ep", [("moe_distopt_ep2", 2), ("moe_distopt_ep2", 1), ("moe_grouped_distopt_ep2", 2)]
+)
+def test_megatron_core_loads_and_continues_moe(tmp_path, run, ep):
     """A MoE run (4 experts over EP 2; sequential or grouped-GEMM experts, one torch_dist layout
     ``experts.experts.linear_fc{1,2}.weight`` [L, E, ...]) exported with its two optimizers'
     param groups (megatron-core's ChainedOptimizer: dense, then expert-parallel) is loaded by
-    megatron-core into the model and its DistributedOptimizer (grouped at EP 2; sequential at
-    EP 1, DP 2: megatron-core's EP 2 token dispatch hangs over gloo on CPU): saved again, it
-    imports bit-identical; the sequential one (grouped GEMM's forward needs CUDA) takes one
+    megatron-core into the model and its DistributedOptimizer at EP ``ep`` (DP 2 // ep; at
+    EP 1 one optimizer): saved again, it imports bit-identical; the sequential one (grouped GEMM's forward needs CUDA) takes one
     step: step 3, each master and moment what Adam makes of the loaded state and megatron-core's
     gradient, the loss the JAX model's on the same weights."""
     pytest.importorskip("megatron.core")
@@ -322,7 +323,6 @@ def test_megatron_core_loads_and_continues_moe(tmp_path, run):
         MOE / f"{run}_fully_reshardable", src, importing=MegatronOptions(vocab_size=VOCAB)
     )
     dst, grouped = tmp_path / "export", "grouped" in run
-    ep = 2 if grouped else 1
     jax_ucp.export(src, dst, MegatronExport(ep=ep, make_vocab_size_divisible_by=8))
     common = torch_zip.load_torch_file(dst / "common.pt", legacy.LEGACY_CLASSES)
     chained = common["optimizer"] if ep > 1 else {0: common["optimizer"]}
@@ -348,7 +348,11 @@ def test_megatron_core_loads_and_continues_moe(tmp_path, run):
     logits = np.asarray(TransformerLM(cfg).apply(from_megatron(weights, cfg), tokens), np.float64)
     assert abs(result["loss"] - _loss(logits, tokens, result["vocab_rows"])) < 1e-4
     for name in grads:
-        master, m, v = _adam(before, grads, name, step=3)
+        # megatron-core scales each gradient by 1 / DP (2) before reducing it over its DP group:
+        # a dense one (2 ranks, one batch) sums back; an expert's at EP 2 (a group of one rank,
+        # the tokens of both) stays halved
+        scale = 0.5 if ep > 1 and ".experts." in name else 1.0
+        master, m, v = _adam(before, {name: np.asarray(grads[name]) * scale}, name, step=3)
         np.testing.assert_allclose(after["params"][name], master, rtol=0, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(after["opt_state"]["mu"][name], m, atol=1e-7, err_msg=name)
         np.testing.assert_allclose(after["opt_state"]["nu"][name], v, atol=1e-8, err_msg=name)
