@@ -317,7 +317,9 @@ def test_megatron_core_loads_and_continues_moe(tmp_path, run, ep):
     EP 1 one optimizer): saved again, it imports bit-identical; the sequential one (grouped GEMM's forward needs CUDA) takes one
     step: step 3, each master and moment what Adam makes of the loaded state and megatron-core's
     gradient, the loss the JAX model's on the same weights."""
-    pytest.importorskip("megatron.core")
+    experts = pytest.importorskip("megatron.core.transformer.moe.experts")
+    if "grouped" in run and not hasattr(experts, "GroupedMLP"):
+        pytest.skip("megatron-core >= 0.19 has no GroupedMLP (its TEGroupedMLP needs TE)")
     src = tmp_path / "ucp"
     jax_ucp.convert(
         MOE / f"{run}_fully_reshardable", src, importing=MegatronOptions(vocab_size=VOCAB)
