@@ -1,9 +1,11 @@
-"""megatron-core 0.16 (CPU, gloo) loads a jax_ucp megatron export into a bf16 Llama-style GPTModel
-(the generator's ``llama`` kind) and its DistributedOptimizer, saves what it loaded, trains one
-step (forward, backward, Adam) and saves each parameter's gradient and the stepped state, all
-with its own ``dist_checkpointing.save``.
+"""megatron-core (CPU, gloo) loads a jax_ucp megatron export into a GPTModel built by the
+generator (CFG: its ``kind``, ``tp``, ``pp``, ``ep``, ``tied``, ``bf16``, ``grouped``) and its
+DistributedOptimizer, saves what it loaded, trains one step (forward, backward, Adam; with
+``pp`` 2 one micro-batch sent between the stages by hand) and saves each parameter's gradient
+and the stepped state, all with its own ``dist_checkpointing.save``. A grouped-GEMM model
+(whose forward needs CUDA's grouped_gemm) only loads and saves.
 
-Run:  python mcore_continue.py GENERATOR EXPORT OUT TP WORLD PORT
+Run:  python mcore_continue.py GENERATOR EXPORT OUT CFG_JSON WORLD PORT
 (GENERATOR: tools/fixtures/make_megatron_fixtures.py, whose model builder and CPU shims it uses)."""
 
 import contextlib
@@ -12,7 +14,8 @@ import json
 import os
 import sys
 
-GENERATOR, SRC, OUT, TP, WORLD, PORT = sys.argv[1:7]
+GENERATOR, SRC, OUT, CFG, WORLD, PORT = sys.argv[1:7]
+os.environ["TORCHDYNAMO_DISABLE"] = "1"  # the MoE router's torch.compile: no compiler on CPU here
 sys.path.insert(0, os.path.dirname(GENERATOR))
 import make_megatron_fixtures as m  # noqa: E402
 
@@ -24,21 +27,27 @@ def worker(rank: int) -> None:
     m._shim_cuda()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
     dist.init_process_group("gloo", rank=rank, world_size=int(WORLD))
+    import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.transformer.module import Float16Module
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=int(TP))
+    moe_utils.te_general_gemm = None  # the router's GEMM probes Transformer Engine
+    cfg = {"pp": 1, "ep": 1, **json.loads(CFG)}
+    parallel_state.initialize_model_parallel(
+        cfg["tp"], cfg["pp"], expert_model_parallel_size=cfg["ep"]
+    )
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    cfg = dict(kind="llama", tp=int(TP), pp=1, ep=1, tied=False, bf16=True)
-    model, tc = m.build_model(cfg, 0, 1)
+    stage, last = parallel_state.get_pipeline_model_parallel_rank(), cfg["pp"] - 1
+    model, tc = m.build_model(cfg, stage, cfg["pp"])
     m._shim_cuda_tensors()
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True
     )
-    ddp = DistributedDataParallel(tc, ddp_config, module=Float16Module(tc, model))
+    wrapped = Float16Module(tc, model) if cfg.get("bf16") else model
+    ddp = DistributedDataParallel(tc, ddp_config, module=wrapped)
     config = OptimizerConfig(
         optimizer="adam",
         lr=1e-2,
@@ -48,14 +57,15 @@ def worker(rank: int) -> None:
         adam_eps=1e-8,
         use_distributed_optimizer=True,
         clip_grad=0.0,
-        bf16=True,
+        bf16=bool(cfg.get("bf16")),
     )
     opt = get_megatron_optimizer(config, [ddp])
     for p in model.parameters():  # a tensor the load misses shows as zeros
         p.data.zero_()
     for inner in getattr(opt, "chained_optimizers", [opt]):  # its state_dict needs a state
         inner._init_optimizer_states_with_dummy_values()
-    meta = {"distrib_optim_sharding_type": "fully_reshardable"}
+    meta = dist_checkpointing.load_content_metadata(SRC)  # as Megatron-LM's load_checkpoint
+    assert meta["distrib_optim_sharding_type"] == "fully_reshardable", meta
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_states
 
     def state():
@@ -81,14 +91,16 @@ def worker(rank: int) -> None:
         dist_checkpointing.save(sd, os.path.join(OUT, name))
 
     save("loaded")
+    if cfg.get("grouped"):
+        dist.destroy_process_group()
+        return
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, m.VOCAB, (m.BATCH, m.SEQ), generator=g)
     labels = torch.roll(tokens, -1, 1)
     pos = torch.arange(m.SEQ)[None].expand(m.BATCH, m.SEQ)
     mask = torch.triu(torch.ones(1, 1, m.SEQ, m.SEQ, dtype=torch.bool), 1)
     ddp.zero_grad_buffer()
-    loss = ddp(tokens, pos, mask, labels=labels).float().mean()
-    loss.backward()
+    loss = _forward_backward(ddp, model, tokens, pos, mask, labels, stage, last)
     grads = {}  # each parameter's gradient, saved by megatron-core under the parameter's key
     main_grads = {id(p): p.main_grad.clone() for p in model.parameters()}
     for key, sh in model.sharded_state_dict().items():
@@ -101,7 +113,11 @@ def worker(rank: int) -> None:
     ddp.finish_grad_sync()
     ok, grad_norm, _ = opt.step()
     save("stepped")
-    if rank == 0:
+    if (
+        stage == last
+        and parallel_state.get_data_parallel_rank() == 0
+        and (parallel_state.get_tensor_model_parallel_rank() == 0)
+    ):
         with open(os.path.join(OUT, "result.json"), "w") as f:
             json.dump(
                 {
@@ -110,12 +126,42 @@ def worker(rank: int) -> None:
                     "grad_norm": float(grad_norm or 0),
                     "iteration": common.get("iteration"),
                     "tokens": tokens.tolist(),
-                    "vocab_rows": int(model.output_layer.weight.shape[0]) * int(TP),
+                    "vocab_rows": int(model.output_layer.weight.shape[0]) * cfg["tp"],
                     "args": vars(common["args"]) if "args" in common else None,
                 },
                 f,
             )
     dist.destroy_process_group()
+
+
+def _forward_backward(ddp, model, tokens, pos, mask, labels, stage: int, last: int):
+    """One micro-batch forward and backward; between pipeline stages the activations go
+    forward and their gradient back by point-to-point sends (as float32: gloo's types)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dtype = torch.bfloat16 if ddp.config.bf16 else torch.float32
+    shape = (tokens.shape[1], tokens.shape[0], model.config.hidden_size)  # [s, b, h]
+    x = None
+    if stage > 0:
+        x = torch.empty(shape)
+        dist.recv(x, ps.get_pipeline_model_parallel_prev_rank())
+        x = x.to(dtype).requires_grad_()
+        model.set_input_tensor(x)
+    if stage < last:
+        out = ddp(tokens, pos, mask)
+        dist.send(out.detach().float().contiguous(), ps.get_pipeline_model_parallel_next_rank())
+        grad = torch.empty(shape)
+        dist.recv(grad, ps.get_pipeline_model_parallel_next_rank())
+        out.backward(grad.to(out.dtype))
+        loss = None
+    else:
+        loss = ddp(tokens, pos, mask, labels=labels).float().mean()
+        loss.backward()
+    if x is not None:
+        dist.send(x.grad.float().contiguous(), ps.get_pipeline_model_parallel_prev_rank())
+    return loss
 
 
 def _set_states(self, model_param, tensors):

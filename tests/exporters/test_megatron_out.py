@@ -24,14 +24,15 @@ from tests.megatron_testing import (
     VOCAB,
     assert_bit_equal,
     lm_config,
-    reference_name,
     reference_of,
+    reference_value,
 )
 from tests.ucp_testing import REPO, free_port, save_small_tree
 
 pytestmark = pytest.mark.timeout(120)
 
 RUN = "llama_distopt_bf16_tp2dp2"  # megatron-core's bf16 TP2 x DP2 run, 2 Adam steps
+MOE = FIX / "mcore_versions" / "0.16.1"  # megatron-core's MoE runs (EP2, Adam, 2 steps)
 
 
 @pytest.fixture(scope="module")
@@ -103,33 +104,35 @@ def test_weights_only_import_exports_weights(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "legacy_run", ["legacy_llama_tp2_synthetic", "legacy_gpt_distopt_pp2dp2_synthetic"]
+    "legacy_run",
+    [
+        "legacy_llama_tp2_synthetic",
+        "legacy_gpt_distopt_pp2dp2_synthetic",
+        "legacy_moe_ep2_synthetic",
+        "legacy_moe_grouped_ep2_synthetic",
+    ],
 )
 def test_legacy_import_exports_stacked(tmp_path, legacy_run):
-    """A legacy Megatron-LM import (per-layer names, ``input_layernorm``) exports as megatron-core
-    writes torch_dist: layers stacked ``[L, ...]``, norms under ``linear_qkv.layer_norm_*`` /
-    ``linear_fc1.layer_norm_*`` (the tests' own name map, ``reference_name``); every leaf, masters
-    and moments included, is its layer of the re-import bit for bit, and the re-import is the
-    import of megatron-core's own torch_dist save of the same model (the fixture's twin)."""
+    """A legacy Megatron-LM import (per-layer names, ``input_layernorm``; MoE experts as
+    ``local_experts.<e>.*`` or grouped-GEMM ``weight1`` / ``weight2``) exports as megatron-core
+    writes torch_dist: layers (and experts) stacked ``[L, ...]`` / ``[L, E, ...]``, norms under
+    ``linear_qkv.layer_norm_*`` / ``linear_fc1.layer_norm_*`` (the tests' own name map,
+    ``reference_value``); every leaf, masters and moments included, is its layer of the
+    re-import bit for bit, and the re-import is the import of megatron-core's own torch_dist
+    save of the same model (the fixture's twin)."""
     src = tmp_path / "legacy"
     jax_ucp.convert(FIX / legacy_run, src, importing=MegatronOptions(vocab_size=VOCAB))
     jax_ucp.export(src, tmp_path / "out", MegatronExport(tp=2, make_vocab_size_divisible_by=8))
     before, after = jax_ucp.restore(src), jax_ucp.restore(_reimported(tmp_path / "out"))
-    leaves = 0
-    for tree in ("params", "model_params"):
-        for name, value in before.get(tree, {}).items():
-            stacked, layer = reference_name(name)
-            got = after[tree][stacked] if layer is None else after[tree][stacked][layer]
-            assert_bit_equal(np.asarray(got), np.asarray(value), f"{tree}/{name}")
-            leaves += 1
     state = before.get("opt_state", {})
-    for moment in ("mu", "nu") if "mu" in state else ():
-        for name, value in state[moment].items():
-            stacked, layer = reference_name(name)
-            got = after["opt_state"][moment][stacked]
-            assert_bit_equal(
-                np.asarray(got if layer is None else got[layer]), np.asarray(value), name
-            )
+    trees = [(before.get(t, {}), after.get(t, {})) for t in ("params", "model_params")]
+    trees += [(state[m], after["opt_state"][m]) for m in ("mu", "nu") if m in state]
+    leaves = 0
+    for was, now in trees:
+        stacked = {k: np.asarray(v) for k, v in now.items()}
+        for name, value in was.items():
+            got = reference_value(name, stacked)[1]
+            assert_bit_equal(got, np.asarray(value), name)
             leaves += 1
     assert leaves == len(jax_ucp.inspect(src).tensors) - ("count" in state)
     if "count" in state:
@@ -212,6 +215,22 @@ def test_refusals(imported, tmp_path):
         MegatronExport(tp=0)
 
 
+def test_moe_optimizer_state_without_the_experts_param_groups_is_refused(tmp_path):
+    """A MoE run continued in JAX (no record of its optimizers) cannot make megatron-core's
+    expert-parallel param groups (EP > 1) from ``args``: refused naming the experts, nothing
+    written; the record of the run it was imported from gives them."""
+    src = MOE / "moe_distopt_ep2_fully_reshardable"
+    jax_ucp.convert(src, tmp_path / "ucp", importing=MegatronOptions(vocab_size=VOCAB))
+    jax_ucp.save(tmp_path / "continued", jax_ucp.restore(tmp_path / "ucp"))
+    hyper = MegatronExport(ep=2, args={"lr": 0.1})
+    with pytest.raises(RequestError, match=r"ep=2: .*experts' param groups .*experts\.linear_fc1"):
+        jax_ucp.export(tmp_path / "continued", tmp_path / "out", hyper)
+    assert not (tmp_path / "out").exists()
+    record = MegatronExport(ep=2, run_record=tmp_path / "ucp")
+    assert jax_ucp.export(tmp_path / "continued", tmp_path / "out", record).tensors == 4 * 10
+    assert jax_ucp.export(tmp_path / "ucp", tmp_path / "ep1", MegatronExport()).tensors == 40
+
+
 def _adam(before: dict, grads: dict, name: str, step: int, lr=0.01, b1=0.9, b2=0.95, eps=1e-8):
     """torch's Adam (no weight decay) from ``before``'s state at ``step``, in float64."""
     g = np.asarray(grads[name], np.float64)
@@ -221,28 +240,48 @@ def _adam(before: dict, grads: dict, name: str, step: int, lr=0.01, b1=0.9, b2=0
     return master - lr / (1 - b1**step) * m / (np.sqrt(v) / np.sqrt(1 - b2**step) + eps), m, v
 
 
+def _loss(logits: np.ndarray, tokens: np.ndarray, rows: int) -> float:
+    """Megatron's next-token cross entropy of the JAX ``logits``, its softmax over the padded
+    vocab of ``rows`` (the padded rows' logits are 0; unpadded the bf16 loss is 4.7e-2 off)."""
+    logits = np.concatenate([logits, np.zeros((*logits.shape[:2], rows - VOCAB))], axis=-1)
+    top = logits.max(-1, keepdims=True)
+    log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    labels = np.roll(tokens, -1, axis=1)
+    picked = np.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    return float((log_z - picked).mean())
+
+
+def _mcore_continue(export: Path, out: Path, cfg: dict, world: int) -> dict:
+    """tests/exporters/mcore_continue.py run on ``export`` (its result.json; None: no step)."""
+    script = Path(__file__).with_name("mcore_continue.py")
+    generator = Path(REPO) / "tools" / "fixtures" / "make_megatron_fixtures.py"
+    args = [str(generator), str(export), str(out), json.dumps(cfg), str(world), str(free_port())]
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=800
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = out / "result.json"
+    return json.loads(result.read_text()) if result.exists() else None
+
+
 @pytest.mark.torch
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("tp", [2, 1])
-def test_megatron_core_loads_and_continues(imported, tmp_path, tp):
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 1), (1, 2)])
+def test_megatron_core_loads_and_continues(imported, tmp_path, tp, pp):
     """megatron-core's ``dist_checkpointing.load`` reads the export into a GPTModel and its
-    DistributedOptimizer (TP ``tp``, DP 2 // tp): saved again by megatron-core, it imports
+    DistributedOptimizer (TP ``tp``, PP ``pp``: each stage its layers of the stacked
+    ``decoder.layers.*``, DP 2 // (tp * pp)): saved again by megatron-core, it imports
     bit-identical to the JAX checkpoint; one training step on CPU (forward, backward, Adam)
     continues from it: step 3, each master and moment what Adam makes of the loaded state and
     the gradient megatron-core computed."""
     pytest.importorskip("megatron.core")
     dst = tmp_path / "export"
-    jax_ucp.export(imported, dst, MegatronExport(tp=tp, make_vocab_size_divisible_by=8))
-    script = Path(__file__).with_name("mcore_continue.py")
-    generator = Path(REPO) / "tools" / "fixtures" / "make_megatron_fixtures.py"
-    args = [str(generator), str(dst), str(tmp_path), str(tp), "2", str(free_port())]
-    done = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=800
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    jax_ucp.export(imported, dst, MegatronExport(tp=tp, pp=pp, make_vocab_size_divisible_by=8))
+    cfg = dict(kind="llama", tp=tp, pp=pp, tied=False, bf16=True)
+    result = _mcore_continue(dst, tmp_path, cfg, world=2)
     assert result["ok"] and result["iteration"] == 2
-    assert result["args"]["tensor_model_parallel_size"] == tp
+    args = result["args"]
+    assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]) == (tp, pp)
     loaded = _reimported(tmp_path / "loaded")
     assert jax_ucp.diff(imported, loaded).identical
     before, after = jax_ucp.restore(imported), jax_ucp.restore(_reimported(tmp_path / "stepped"))
@@ -254,18 +293,68 @@ def test_megatron_core_loads_and_continues(imported, tmp_path, tp):
     cfg = lm_config(RUN, max_position_embeddings=32)
     weights = {k: np.asarray(v, np.float32) for k, v in before["model_params"].items()}
     logits = np.asarray(TransformerLM(cfg).apply(from_megatron(weights, cfg), tokens), np.float64)
-    padding = np.zeros((*logits.shape[:2], result["vocab_rows"] - VOCAB))
-    logits = np.concatenate([logits, padding], axis=-1)
-    top = logits.max(-1, keepdims=True)
-    log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
-    labels = np.roll(tokens, -1, axis=1)
-    picked = np.take_along_axis(logits, labels[..., None], -1)[..., 0]
-    assert abs(result["loss"] - float((log_z - picked).mean())) < 5e-3  # unpadded: 4.7e-2 off
+    assert abs(result["loss"] - _loss(logits, tokens, result["vocab_rows"])) < 5e-3
     assert set(grads) == set(before["params"])
     for name in grads:
         master, m, v = _adam(before, grads, name, step=3)
         moved = np.abs(master - np.asarray(before["params"][name], np.float64)).max()
         assert moved > 1e-3, name  # the step moved it: the check below can fail
+        np.testing.assert_allclose(after["params"][name], master, rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(after["opt_state"]["mu"][name], m, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(after["opt_state"]["nu"][name], v, atol=1e-8, err_msg=name)
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "run, ep", [("moe_distopt_ep2", 2), ("moe_distopt_ep2", 1), ("moe_grouped_distopt_ep2", 2)]
+)
+def test_megatron_core_loads_and_continues_moe(tmp_path, run, ep):
+    """A MoE run (4 experts over EP 2; sequential or grouped-GEMM experts, one torch_dist layout
+    ``experts.experts.linear_fc{1,2}.weight`` [L, E, ...]) exported with its two optimizers'
+    param groups (megatron-core's ChainedOptimizer: dense, then expert-parallel) is loaded by
+    megatron-core into the model and its DistributedOptimizer at EP ``ep`` (DP 2 // ep; at
+    EP 1 one optimizer): saved again, it imports bit-identical; the sequential one (grouped GEMM's forward needs CUDA) takes one
+    step: step 3, each master and moment what Adam makes of the loaded state and megatron-core's
+    gradient, the loss the JAX model's on the same weights."""
+    experts = pytest.importorskip("megatron.core.transformer.moe.experts")
+    if "grouped" in run and not hasattr(experts, "GroupedMLP"):
+        pytest.skip("megatron-core >= 0.19 has no GroupedMLP (its TEGroupedMLP needs TE)")
+    src = tmp_path / "ucp"
+    jax_ucp.convert(
+        MOE / f"{run}_fully_reshardable", src, importing=MegatronOptions(vocab_size=VOCAB)
+    )
+    dst, grouped = tmp_path / "export", "grouped" in run
+    jax_ucp.export(src, dst, MegatronExport(ep=ep, make_vocab_size_divisible_by=8))
+    common = torch_zip.load_torch_file(dst / "common.pt", legacy.LEGACY_CLASSES)
+    chained = common["optimizer"] if ep > 1 else {0: common["optimizer"]}
+    groups = [
+        [g["is_expert_parallel"] for g in o["optimizer"]["param_groups"]] for o in chained.values()
+    ]
+    assert groups == ([[False, False], [True]] if ep > 1 else [[False, False]])
+    args = legacy.args_dict(common["args"])
+    assert (args["num_experts"], args["expert_model_parallel_size"]) == (4, ep)
+    cfg = dict(kind="moe", tp=1, ep=ep, tied=False, grouped=grouped)
+    result = _mcore_continue(dst, tmp_path, cfg, world=2)
+    assert jax_ucp.diff(src, _reimported(tmp_path / "loaded")).identical
+    if grouped:
+        assert result is None
+        return
+    assert result["ok"] and result["iteration"] == 2
+    before, after = jax_ucp.restore(src), jax_ucp.restore(_reimported(tmp_path / "stepped"))
+    grads = jax_ucp.restore(_reimported(tmp_path / "grads"))["params"]
+    assert int(after["opt_state"]["count"]) == 3 and set(grads) == set(before["params"])
+    tokens = np.asarray(result["tokens"], np.int32)
+    cfg = lm_config("moe_ep2", max_position_embeddings=32)
+    weights = {k: np.asarray(v, np.float32) for k, v in before["params"].items()}
+    logits = np.asarray(TransformerLM(cfg).apply(from_megatron(weights, cfg), tokens), np.float64)
+    assert abs(result["loss"] - _loss(logits, tokens, result["vocab_rows"])) < 1e-4
+    for name in grads:
+        # megatron-core scales each gradient by 1 / DP (2) before reducing it over its DP group:
+        # a dense one (2 ranks, one batch) sums back; an expert's at EP 2 (a group of one rank,
+        # the tokens of both) stays halved
+        scale = 0.5 if ep > 1 and ".experts." in name else 1.0
+        master, m, v = _adam(before, {name: np.asarray(grads[name]) * scale}, name, step=3)
         np.testing.assert_allclose(after["params"][name], master, rtol=0, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(after["opt_state"]["mu"][name], m, atol=1e-7, err_msg=name)
         np.testing.assert_allclose(after["opt_state"]["nu"][name], v, atol=1e-8, err_msg=name)

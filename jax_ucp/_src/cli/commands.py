@@ -997,7 +997,7 @@ EXPORT_FIELDS = (
     FromField(_SAFETENSORS, "config", prefix="safetensors: "),
     *(
         FromField("exporters.options.MegatronExport", name, prefix="megatron: ")
-        for name in ("tp", "pp", "make_vocab_size_divisible_by", "iteration", "run_record")
+        for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by", "iteration", "run_record")
     ),
     FromField(_TENSORS, "force"),
     FromField("exporters.options._Export", "memory_budget", callback=_size_option),

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,12 @@ _NORMS = (
     ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
     ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
 )
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.([0-9]+)\.(.+)")
+#: a legacy GroupedMLP's buffers and the torch_dist name megatron-core saves them under
+_GROUPED_GEMM = {
+    "mlp.experts.weight1": "mlp.experts.experts.linear_fc1.weight",
+    "mlp.experts.weight2": "mlp.experts.experts.linear_fc2.weight",
+}
 _LINEAR = re.compile(r"(decoder\.layers\.(?:[\w.]+\.)?linear_\w+)\.weight")
 #: the param groups megatron-core's optimizer builds (decayed, not), by the keys it pairs them on
 _DEFAULT_GROUPS = ({"wd_mult": 1.0}, {"wd_mult": 0.0})
@@ -87,7 +94,7 @@ def export(root: str, dst: str, options: MegatronExport) -> Exported:
         for key in keys:
             check_cast(fqn, available[key].dtype, dtype, "same_kind")
         parts = [reads.tensor(key, dtype, fqn) for key in keys]
-        array = _stack(fqn, parts) if name in layered else parts[0]
+        array = _stack(fqn, parts, layered[name]) if name in layered else parts[0]
         if name.endswith(VOCAB_PARALLEL):
             array = _padded(array, -(-array.shape[0] // multiple) * multiple)
         items.append(DcpItem(fqn, (fqn,), array.shape, array.dtype))
@@ -96,7 +103,7 @@ def export(root: str, dst: str, options: MegatronExport) -> Exported:
 
     multiple = options.make_vocab_size_divisible_by * options.tp
     shapes: dict[str, tuple[int, ...]] = {}
-    grouped, layered = _stacked(list(params))
+    grouped, layered = _stacked(list(params), lambda n: available[params[n]].shape)
     for name, parts in grouped.items():
         weights = [model.get(n, params[n]) for n in parts]
         shapes[name] = add(name, name, weights, np.dtype(available[weights[0]].dtype))
@@ -110,7 +117,8 @@ def export(root: str, dst: str, options: MegatronExport) -> Exported:
     iteration = _iteration(options, recorded, record, step)
     settings = recorded.get("settings")
     args = _args(record, settings, shapes, options, iteration, padded_vocab, bool(moments))
-    common = _common(record, args, iteration, step, moments)
+    experts = [n for n in shapes if ".experts." in n]
+    common = _common(record, args, iteration, step, moments, experts, options)
 
     def write(tmp: str) -> list[str]:
         write_dcp(tmp, items, arrays, str(manifest.save_id), source.pieces)
@@ -179,56 +187,93 @@ def _padded(array: RowSlabs, rows: int) -> RowSlabs:
     return RowSlabs((rows, *array.shape[1:]), array.dtype, slabs)
 
 
-def _stacked(names: list[str]) -> tuple[dict[str, list[str]], set[str]]:
+def _stacked(
+    names: list[str], shape_of: Callable[[str], tuple[int, ...]]
+) -> tuple[dict[str, list[str]], dict[str, tuple[int, int]]]:
     """{torch_dist name: the names it is made of}: a legacy import's per-layer
     ``decoder.layers.<i>.*`` stacked over its layers (its norms under megatron-core's torch_dist
-    names), any other name as it is; and the stacked names."""
+    names; a SequentialMLP's ``local_experts.<e>.*`` and a GroupedMLP's ``weight1`` /
+    ``weight2`` as ``experts.experts.linear_fc{1,2}.weight`` [L, E, ...]), any other name as it
+    is; and each stacked name's layout: (its parts per layer, the experts a grouped one holds)."""
     grouped: dict[str, list[str]] = {}
-    layers: dict[str, dict[int, str]] = {}
+    layers: dict[str, dict[tuple[int, int], str]] = {}
+    layout: dict[str, tuple[int, int]] = {}
     for name in names:
         m = _LAYER.fullmatch(name)
         if m is None:
             grouped[name] = [name]
             continue
-        rest = m[2]
-        if "experts." in rest:
-            raise RequestError(
-                f"tensor {name!r}: a per-layer expert (a legacy MoE import) is not stacked into "
-                f"megatron-core's [L, E, ...] experts by this export"
-            )
+        layer, rest, expert = int(m[1]), m[2], 0
         for old, new in _NORMS:
             rest = new + rest[len(old) :] if rest.startswith(old) else rest
-        layers.setdefault(f"decoder.layers.{rest}", {})[int(m[1])] = name
-    for name, by_layer in layers.items():
-        if sorted(by_layer) != list(range(len(by_layer))):
-            raise RequestError(f"tensor {name!r}: layers {sorted(by_layer)}, not 0..L-1")
-        grouped[name] = [by_layer[i] for i in range(len(by_layer))]
-    return grouped, set(layers)
+        e = _EXPERT.fullmatch(rest)
+        if e:  # SequentialMLP: expert e of layer i
+            expert, rest = int(e[1]), f"mlp.experts.experts.{e[2]}"
+        elif rest in _GROUPED_GEMM:  # GroupedMLP: the layer's experts in one buffer
+            router = f"decoder.layers.{layer}.mlp.router.weight"
+            if router not in names:
+                raise RequestError(f"tensor {name!r}: no {router!r} to count its experts by")
+            layout[f"decoder.layers.{_GROUPED_GEMM[rest]}"] = (1, shape_of(router)[0])
+            rest = _GROUPED_GEMM[rest]
+        layers.setdefault(f"decoder.layers.{rest}", {})[(layer, expert)] = name
+    for name, parts in layers.items():
+        count = len({i for i, _ in parts}), len({e for _, e in parts})
+        if sorted(parts) != [(i, e) for i in range(count[0]) for e in range(count[1])]:
+            raise RequestError(f"tensor {name!r}: (layer, expert) {sorted(parts)}, not a grid")
+        grouped[name] = [parts[k] for k in sorted(parts)]
+        layout.setdefault(name, (count[1], 0))
+    return grouped, layout
 
 
-def _stack(name: str, parts: list[RowSlabs]) -> RowSlabs:
-    """``parts`` (one per layer, each read whole when its row is written) as ``[L, ...]``."""
+def _stack(name: str, parts: list[RowSlabs], layout: tuple[int, int]) -> RowSlabs:
+    """``parts`` as ``[L, ...]``, or ``[L, E, ...]`` of ``layout[0]`` experts a layer; a grouped
+    GEMM's ``weight1`` [h, E*X] / ``weight2`` [E*ffn, h] of ``layout[1]`` experts as
+    megatron-core's [E, X, h] / [E, h, ffn] (``GroupedMLP.sharded_state_dict``: a view as
+    [E, h, X] / [E, ffn, h], each expert transposed). A layer's parts are read when written."""
+    each, split = layout
+    shape = parts[0].shape
     if len({(p.shape, p.dtype) for p in parts}) != 1:
         raise RequestError(f"tensor {name!r}: its layers differ in shape or dtype, cannot stack")
+    if split and (len(shape) != 2 or shape[name.endswith("linear_fc2.weight")] % split):
+        raise RequestError(f"tensor {name!r}: {list(shape)} does not hold {split} experts")
+    if split:
+        fc1 = name.endswith("linear_fc1.weight")
+        view = (split, shape[0], shape[1] // split) if fc1 else (split, shape[0] // split, shape[1])
+        shape = (split, view[2], view[1])
+    elif each > 1:
+        shape = (each, *shape)
+
+    def whole(part: RowSlabs) -> np.ndarray:
+        return np.concatenate(list(part.slabs())).reshape(part.shape)
 
     def slabs():
-        for part in parts:
-            yield np.concatenate(list(part.slabs())).reshape(1, *part.shape)
+        for i in range(0, len(parts), each):
+            layer = np.stack([whole(p) for p in parts[i : i + each]])
+            if split:
+                layer = layer.reshape(view).transpose(0, 2, 1)
+            yield layer.reshape(1, *shape)
 
-    return RowSlabs((len(parts), *parts[0].shape), parts[0].dtype, slabs)
+    return RowSlabs((len(parts) // each, *shape), parts[0].dtype, slabs)
 
 
 def _extra_state_names(shapes: dict[str, tuple], recorded: Any) -> list[str]:
     """The layers' ``_extra_state`` objects megatron-core asks for: those a torch_dist import
-    recorded, else one per layer of each stacked ``linear_*`` (megatron-core's local spec)."""
+    recorded, else one per layer (and expert) of each stacked ``linear_*`` (megatron-core's
+    local spec)."""
     found = [n for n in recorded or () if isinstance(n, str) and "._extra_state/shard_" in n]
     if found:
         return found
     for name, shape in shapes.items():
-        m = _LINEAR.fullmatch(name)
-        if m and "experts" not in name and shape:
-            found += [f"{m[1]}._extra_state/shard_{i}_{shape[0]}" for i in range(shape[0])]
+        m, grid = _LINEAR.fullmatch(name), shape[: 2 if ".experts." in name else 1]
+        if m is not None and shape:  # an expert's: shard_<layer>.<expert>_<L>.<E>
+            found += [
+                f"{m[1]}._extra_state/shard_{_dots(i)}_{_dots(grid)}" for i in np.ndindex(*grid)
+            ]
     return found
+
+
+def _dots(index: tuple[int, ...]) -> str:
+    return ".".join(map(str, index))
 
 
 def _iteration(options: MegatronExport, recorded: dict, record: dict, step: int | None) -> int:
@@ -281,9 +326,13 @@ def _args(
             args.setdefault(key, settings[key])
     layers = [s[0] for n, s in shapes.items() if n.startswith("decoder.layers.") and s]
     embedding = shapes.get("embedding.word_embeddings.weight")
+    router = shapes.get("decoder.layers.mlp.router.weight")  # [L, E, h]
+    if router and len(router) == 3:
+        args.setdefault("num_experts", router[1])
     args.update(
         tensor_model_parallel_size=options.tp,
         pipeline_model_parallel_size=options.pp,
+        **({"expert_model_parallel_size": options.ep} if router else {}),
         make_vocab_size_divisible_by=options.make_vocab_size_divisible_by,
         iteration=iteration,
         ckpt_format="torch_dist",
@@ -297,7 +346,9 @@ def _args(
     return args
 
 
-def _common(record, args: dict, iteration: int, step: int | None, moments) -> dict:
+def _common(
+    record, args: dict, iteration: int, step: int | None, moments, experts, options
+) -> dict:
     """``common.pt``: what Megatron-LM's ``save_checkpoint`` keeps beside the sharded tensors."""
     common: dict[str, Any] = {
         "iteration": iteration,
@@ -309,10 +360,17 @@ def _common(record, args: dict, iteration: int, step: int | None, moments) -> di
         },
     }
     if moments:
-        common["optimizer"] = {
-            "optimizer": {"param_groups": _param_groups(record, args, step or 0)},
-            "param_state_sharding_type": SHARDING,
-        }
+        groups = _param_groups(record, args, step or 0, experts, options.ep)
+        members = [
+            [g for g in groups if bool(g.get("is_expert_parallel")) is expert]
+            for expert in (False, True)
+        ]
+        states = [
+            {"optimizer": {"param_groups": m}, "param_state_sharding_type": SHARDING}
+            for m in members
+            if m
+        ]  # MoE: megatron-core's ChainedOptimizer, the dense optimizer then the experts'
+        common["optimizer"] = states[0] if len(states) == 1 else dict(enumerate(states))
     scheduler = record.get("opt_param_scheduler")
     if isinstance(scheduler, dict):
         scheduler = source.plain(scheduler)
@@ -328,11 +386,32 @@ def _common(record, args: dict, iteration: int, step: int | None, moments) -> di
     return common
 
 
-def _param_groups(record, args: dict, step: int) -> list[dict]:
+def _param_groups(record, args: dict, step: int, experts: list[str], ep: int) -> list[dict]:
     """The recorded param groups (their hyper-parameters), or megatron-core's two default
-    groups made from ``args``; each at the exported ``step`` (how torch's Adam counts)."""
+    groups made from ``args``; each at the exported ``step`` (how torch's Adam counts). A MoE
+    model's experts at ``ep`` > 1 are a second optimizer whose groups depend on its parameters:
+    recorded (``is_expert_parallel``) or refused; at ``ep`` 1 they join the dense groups."""
     saved = record.get("param_groups")
-    if not (isinstance(saved, list) and saved and all(isinstance(g, dict) for g in saved)):
+    recorded = isinstance(saved, list) and saved and all(isinstance(g, dict) for g in saved)
+    own = [g for g in saved if g.get("is_expert_parallel")] if recorded else []
+    if experts and ep > 1 and not own:
+        raise RequestError(
+            f"ep={ep}: a megatron export of a MoE model's optimizer state needs the experts' "
+            f"param groups (megatron-core's second, expert-parallel optimizer, for "
+            f"{experts[0]!r} and the other experts): the run record has none; give "
+            f"run_record= the checkpoint imported from megatron-core's run at EP > 1, or ep=1"
+        )
+    if ep == 1 and own:  # megatron-core at EP 1: the experts in the dense optimizer's groups
+        dense = [{**g, "is_expert_parallel": True} for g in saved if g not in own]
+        for group in own:
+            if group not in dense:
+                raise RequestError(
+                    f"ep=1: the experts' param group {source.plain(group)} has no dense group "
+                    f"of the same hyper-parameters to join (megatron-core at EP 1 keeps one "
+                    f"optimizer); export with the run's ep"
+                )
+        saved = [g for g in saved if g not in own]
+    if not recorded:
         if not isinstance(args.get("lr"), (int, float)):
             raise RequestError(
                 "a megatron export of optimizer state needs its param groups: the checkpoint "

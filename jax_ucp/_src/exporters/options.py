@@ -86,6 +86,8 @@ class MegatronExport(_Export):
         force: replace an earlier export at the destination.
         tp: the tensor-parallel size the loading run uses (its vocab padding and ``args``).
         pp: its pipeline-parallel size (recorded in ``args``).
+        ep: its expert-parallel size: above 1 megatron-core keeps a MoE model's experts in a
+            second optimizer, with the experts' own param groups (recorded by the import).
         make_vocab_size_divisible_by: Megatron-LM's option: vocab rows are padded to a multiple
             of it times ``tp``.
         iteration: the iteration recorded (None: the optimizer step plus the iterations the
@@ -99,6 +101,7 @@ class MegatronExport(_Export):
     force: bool = False
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     make_vocab_size_divisible_by: int = 128
     iteration: int | None = None
     run_record: str | os.PathLike | None = None
@@ -109,6 +112,7 @@ class MegatronExport(_Export):
         for name, low in (
             ("tp", 1),
             ("pp", 1),
+            ("ep", 1),
             ("make_vocab_size_divisible_by", 1),
             ("iteration", 0),
         ):
