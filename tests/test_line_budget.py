@@ -16,7 +16,7 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 CEILINGS = {
     "cli": 1747,
     "continuation": 1937,
-    "exporters": 1838,
+    "exporters": 1921,
     "format": 2720,
     "importers": 16619,
     "language": 3193,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 50790
+TOTAL = 50873
 
 
 def _lines(paths) -> int:

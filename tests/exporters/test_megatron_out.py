@@ -265,6 +265,7 @@ def _mcore_continue(export: Path, out: Path, cfg: dict, world: int) -> dict:
 
 
 @pytest.mark.torch
+@pytest.mark.slow  # 1-3 min each: megatron-core built and stepped; CI runs it once (high end)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 1), (1, 2)])
 def test_megatron_core_loads_and_continues(imported, tmp_path, tp, pp):
@@ -305,6 +306,7 @@ def test_megatron_core_loads_and_continues(imported, tmp_path, tp, pp):
 
 
 @pytest.mark.torch
+@pytest.mark.slow  # 1-3 min each: megatron-core built and stepped; CI runs it once (high end)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "run, ep", [("moe_distopt_ep2", 2), ("moe_distopt_ep2", 1), ("moe_grouped_distopt_ep2", 2)]
