@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 1937,
     "exporters": 1921,
     "format": 2720,
-    "importers": 16619,
+    "importers": 16609,
     "language": 3193,
     "models": 1937,
     "multihost": 808,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 50873
+TOTAL = 50863
 
 
 def _lines(paths) -> int:

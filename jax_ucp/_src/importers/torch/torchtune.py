@@ -636,14 +636,9 @@ def _plan_with_optimizer(
         for g in groups
         if isinstance(g, dict)
     ]
+    sources = [*params, *recipe_tensors, *units]
     torch_state = TorchState(
-        params,
-        states,
-        named_groups,
-        skipped,
-        recipe,
-        [*params, *recipe_tensors, *units],
-        optimizer_sources,
+        params, states, named_groups, skipped, recipe, sources, optimizer_sources
     )
     source = {
         "framework": "torchtune",
@@ -801,14 +796,9 @@ def _plan_lora(
         )
         + ": import it beside, frozen"
     )
+    sources = [*(f"{pt}:{t}" for t in adapter), *recipe_tensors, *merged, *peft_copies, *units]
     torch_state = TorchState(
-        params,
-        states,
-        named_groups,
-        skipped,
-        recipe,
-        [*(f"{pt}:{t}" for t in adapter), *recipe_tensors, *merged, *peft_copies, *units],
-        optimizer_sources,
+        params, states, named_groups, skipped, recipe, sources, optimizer_sources
     )
     source = {
         "framework": "torchtune",
