@@ -69,6 +69,7 @@ def test_every_byte_size_option_of_the_cli_goes_through_the_parser():
                     "vocab_size",
                     "tp",
                     "pp",
+                    "ep",
                     "make_vocab_size_divisible_by",
                 ):  # counts, not bytes
                     continue
