@@ -424,7 +424,7 @@ def measure(path: str, processes: int, process: int, memory_budget=None) -> dict
 
     storage, importer = import_open.import_for(store.storage_for(path), None, None, warn=False)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("tensor",))
-    with import_open.opened_import(storage.root, importer) as imported:
+    with import_open.opened_import(storage, importer) as imported:
         opened = imported.opened
         values = {v.key: v for v in opened.values} if opened.values else {}
         requests = share_requests(opened.available, processes, process, mesh)
