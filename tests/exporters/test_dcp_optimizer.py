@@ -27,16 +27,19 @@ def _run(path):
     return jax_ucp.save(str(path), tree)
 
 
-@pytest.mark.parametrize("model", ["model", ""])
-def test_the_export_reads_back_as_the_run_with_its_groups(tmp_path, model):
-    """Exported under ``model.`` (``get_state_dict``'s) or top-level (torchtitan's), then
-    imported: every weight and moment bit for bit, the step, the two groups' values."""
+@pytest.mark.parametrize("model, flat", [("model", True), ("", True), ("model", False)])
+def test_the_export_reads_back_as_the_run_with_its_groups(tmp_path, model, flat):
+    """Exported under ``model.`` (``get_state_dict``'s) or top-level (torchtitan's), groups per
+    parameter or torch's nested list, then imported: every weight and moment bit for bit, the
+    step, the two groups' values."""
     ckpt = _run(tmp_path / "run")
     groups = [
         {**GROUP, "params": ["embed.weight", "layer.0.weight"]},
         {**GROUP, "weight_decay": 0.0, "params": ["norm.weight"]},
     ]
-    options = TorchDcpExport(optimizer="optimizer", model=model, param_groups=groups)
+    options = TorchDcpExport(
+        optimizer="optimizer", model=model, param_groups=groups, flatten_optimizer_state_dict=flat
+    )
     done = jax_ucp.export(ckpt, tmp_path / "dcp", options)
     assert done.tensors == 12 and done.skipped == []
     back = jax_ucp.convert(tmp_path / "dcp", tmp_path / "back")
@@ -75,8 +78,11 @@ def test_groups_that_do_not_fit_the_parameters_are_refused(tmp_path):
             options = TorchDcpExport(optimizer="optim", param_groups=groups)
             jax_ucp.export(ckpt, tmp_path / "out", options)
     assert not (tmp_path / "out").exists()
-    with pytest.raises(RequestError, match="need optimizer="):
-        TorchDcpExport(param_groups=GROUP)
+    for wrong in ({"param_groups": GROUP}, {"flatten_optimizer_state_dict": False}):
+        with pytest.raises(RequestError, match="need optimizer="):
+            TorchDcpExport(**wrong)
+    with pytest.raises(RequestError, match="True or False"):
+        TorchDcpExport(optimizer="optim", flatten_optimizer_state_dict=0)  # pyright: ignore[reportArgumentType]
     with pytest.raises(RequestError, match="without dots"):
         TorchDcpExport(optimizer="a.b")
     # a run without Adam's state: the plain export is there for its tensors
