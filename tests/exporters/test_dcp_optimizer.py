@@ -89,3 +89,21 @@ def test_groups_that_do_not_fit_the_parameters_are_refused(tmp_path):
     jax_ucp.save(str(tmp_path / "w"), {"params": {"w": np.ones((2, 2), np.float32)}})
     with pytest.raises(RequestError, match=r"Adam moments"):
         jax_ucp.export(tmp_path / "w", tmp_path / "out", TorchDcpExport(optimizer="optim"))
+
+
+def test_an_moe_spec_writing_experts_one_by_one_is_refused(tmp_path):
+    """A Qwen3-MoE flax tree exported with its import's spec (the files' per-expert names,
+    which transformers 5's model does not have: it fuses them) is refused naming an expert's
+    name and the fused ones; nothing written."""
+    from jax_ucp._src.language import load_spec
+    from tests.exporters.test_by_spec import random_tree
+
+    cfg, name, tree = random_tree("qwen3_moe")
+    ckpt = jax_ucp.save(str(tmp_path / "run"), {"params": tree})
+    options = TorchDcpExport(
+        spec=load_spec(name, **cfg.head_settings), optimizer="optim", param_groups=GROUP
+    )
+    expert = r"'model\.layers\.\d+\.mlp\.experts\.\d+\.\w+\.weight'"
+    with pytest.raises(RequestError, match=rf"one by one \({expert}.*experts\.gate_up_proj"):
+        jax_ucp.export(ckpt, tmp_path / "out", options)
+    assert not (tmp_path / "out").exists()

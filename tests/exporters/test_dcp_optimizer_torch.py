@@ -226,6 +226,30 @@ def test_a_tied_model_loads_in_either_layout_and_continues(tmp_path, flat):
                 assert torch.equal(adamw.state[p][key], optim.state[q][key]), (export, name, key)
 
 
+def test_transformers_holds_moe_experts_fused():
+    """What the refusal of a per-expert MoE export says (tests/exporters/test_dcp_optimizer.py):
+    a transformers Qwen3-MoE's ``get_state_dict`` names its experts fused, none one by one."""
+    import re
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    names = list(Qwen3MoeForCausalLM(config).state_dict())
+    experts = {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    assert experts <= set(names) and not any(re.search(r"\.experts\.\d+\.", n) for n in names)
+
+
 def _hf_tree(spec, params, opt_state) -> dict:
     """The flax params and Adam moments under the torch model's names (the spec run
     backwards in memory)."""

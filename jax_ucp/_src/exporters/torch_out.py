@@ -10,6 +10,7 @@ a torch model's weights and its Adam state under the names ``get_state_dict`` gi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,9 @@ from jax_ucp._src.restoring.model import Request, check_cast
 from jax_ucp._src.restoring.sources import ucp_source
 from jax_ucp._src.torchfiles.dcp import DATA_FILE, METADATA_FILE, DcpItem, write_dcp
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
+
+#: a transformers model's per-expert weight (``...experts.3.w1.weight``), as its files name it
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def export(root: str, dst: str, options: TorchDcpExport) -> Exported:
@@ -55,13 +59,23 @@ def _with_optimizer(root: str, dst: str, options: TorchDcpExport) -> Exported:
     spec = by_spec.load(options.spec, manifest, None)  # the names the torch model has
     available = ucp_source.available_tensors(manifest, spec)
     by_key = {k: a.sources[0] for k, a in available.items()}
-    found, count = source.required_adam_keys(root, by_key, "a torch DCP export of the optimizer")
-    moments = found.moments
     # every parameter's weight (frozen and tied ones too: get_state_dict has them), state for
     # the trained ones
     weights = {
         k: ".".join(k[1:]) for k, e in by_key.items() if e.role == "param" and e.sub_role is None
     }
+    per_expert = [n for n in weights.values() if _PER_EXPERT.search(n)]
+    if per_expert and spec is not None and spec.model_types:
+        raise RequestError(
+            f"{root}: spec {spec.name!r} writes an MoE model's experts one by one "
+            f"({per_expert[0]!r}, as transformers' files hold them), but transformers 5 "
+            f"holds them fused in the model (mlp.experts.gate_up_proj [E, 2F, H], "
+            f"mlp.experts.down_proj [E, H, F]): get_state_dict has those names, which no "
+            f"shipped spec writes yet; export SafetensorsExport (from_pretrained fuses them) or "
+            f"give a spec that writes the fused names"
+        )
+    found, count = source.required_adam_keys(root, by_key, "a torch DCP export of the optimizer")
+    moments = found.moments
     names = {p: weights[p] for p in found.params}
     (step,) = ucp_source.read(root, manifest, [Request(count)], available=available)
     recorded = _record(options, manifest.source)
