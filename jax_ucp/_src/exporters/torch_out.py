@@ -1,7 +1,8 @@
 """Export a UCP checkpoint as a torch distributed checkpoint
 (:func:`~jax_ucp._src.torchfiles.dcp.write_dcp`): the tensors under ``select``, or (``optimizer``)
 a torch model's weights and its Adam state under the names ``get_state_dict`` gives them with
-``flatten_optimizer_state_dict=True`` (FSDP2's and torchtitan's layout)::
+``flatten_optimizer_state_dict=True`` (FSDP2's and torchtitan's layout; False: torch's nested
+``state.<name>.<state>`` and ``param_groups.<i>.<hyper-parameter>``, ``params`` the names)::
 
     <model>.<name>                                   the weights (fp32 masters where saved)
     <optimizer>.state.<name>.exp_avg / exp_avg_sq    float32, Adam's moments
@@ -98,12 +99,13 @@ def _with_optimizer(root: str, dst: str, options: TorchDcpExport) -> Exported:
     flat = options.flatten_optimizer_state_dict
     step_value = np.asarray(float(step), np.float32)  # torch's Adam keeps it so
     for p, name in names.items():
-        at = (opt, f"state.{name}") if flat else (opt, "state", name)
-        for state, moment in (("exp_avg", "mu"), ("exp_avg_sq", "nu")):
-            add(_joined(*at, state, flat=flat), moments[(p, moment)], np.dtype(np.float32))
-        path = _joined(*at, "step", flat=flat)
-        items.append(DcpItem(f"{opt}.state.{name}.step", path, (), step_value.dtype))
-        arrays.append(step_value)
+        for state, moment in (("exp_avg", "mu"), ("exp_avg_sq", "nu"), ("step", None)):
+            path = (opt, f"state.{name}.{state}") if flat else (opt, "state", name, state)
+            if moment:
+                add(path, moments[(p, moment)], np.dtype(np.float32))
+            else:
+                items.append(DcpItem(".".join(path), path, (), step_value.dtype))
+                arrays.append(step_value)
     for i, (hyper, members) in enumerate(groups):
         values = [*hyper.items()] if flat else [*hyper.items(), ("params", members)]
         for key, value in values:
@@ -127,12 +129,6 @@ def _with_optimizer(root: str, dst: str, options: TorchDcpExport) -> Exported:
         skipped=[fmt.key_to_str(k) for k in by_key if k not in written]
         + [fmt.key_to_str(v.key) for v in manifest.values],
     )
-
-
-def _joined(*path: Any, flat: bool) -> tuple:
-    """A state's nested path: ``flatten_optimizer_state_dict``'s keeps ``state.<name>.<state>``
-    as one key under the optimizer, torch's nested one keeps each level."""
-    return (path[0], ".".join(path[1:])) if flat else path
 
 
 def _record(options: TorchDcpExport, recorded: Any) -> dict:
