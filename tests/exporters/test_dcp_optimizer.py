@@ -27,16 +27,19 @@ def _run(path):
     return jax_ucp.save(str(path), tree)
 
 
-@pytest.mark.parametrize("model", ["model", ""])
-def test_the_export_reads_back_as_the_run_with_its_groups(tmp_path, model):
-    """Exported under ``model.`` (``get_state_dict``'s) or top-level (torchtitan's), then
-    imported: every weight and moment bit for bit, the step, the two groups' values."""
+@pytest.mark.parametrize("model, flat", [("model", True), ("", True), ("model", False)])
+def test_the_export_reads_back_as_the_run_with_its_groups(tmp_path, model, flat):
+    """Exported under ``model.`` (``get_state_dict``'s) or top-level (torchtitan's), groups per
+    parameter or torch's nested list, then imported: every weight and moment bit for bit, the
+    step, the two groups' values."""
     ckpt = _run(tmp_path / "run")
     groups = [
         {**GROUP, "params": ["embed.weight", "layer.0.weight"]},
         {**GROUP, "weight_decay": 0.0, "params": ["norm.weight"]},
     ]
-    options = TorchDcpExport(optimizer="optimizer", model=model, param_groups=groups)
+    options = TorchDcpExport(
+        optimizer="optimizer", model=model, param_groups=groups, flatten_optimizer_state_dict=flat
+    )
     done = jax_ucp.export(ckpt, tmp_path / "dcp", options)
     assert done.tensors == 12 and done.skipped == []
     back = jax_ucp.convert(tmp_path / "dcp", tmp_path / "back")
@@ -75,11 +78,32 @@ def test_groups_that_do_not_fit_the_parameters_are_refused(tmp_path):
             options = TorchDcpExport(optimizer="optim", param_groups=groups)
             jax_ucp.export(ckpt, tmp_path / "out", options)
     assert not (tmp_path / "out").exists()
-    with pytest.raises(RequestError, match="need optimizer="):
-        TorchDcpExport(param_groups=GROUP)
+    for wrong in ({"param_groups": GROUP}, {"flatten_optimizer_state_dict": False}):
+        with pytest.raises(RequestError, match="need optimizer="):
+            TorchDcpExport(**wrong)
+    with pytest.raises(RequestError, match="True or False"):
+        TorchDcpExport(optimizer="optim", flatten_optimizer_state_dict=0)  # pyright: ignore[reportArgumentType]
     with pytest.raises(RequestError, match="without dots"):
         TorchDcpExport(optimizer="a.b")
     # a run without Adam's state: the plain export is there for its tensors
     jax_ucp.save(str(tmp_path / "w"), {"params": {"w": np.ones((2, 2), np.float32)}})
     with pytest.raises(RequestError, match=r"Adam moments"):
         jax_ucp.export(tmp_path / "w", tmp_path / "out", TorchDcpExport(optimizer="optim"))
+
+
+def test_an_moe_spec_writing_experts_one_by_one_is_refused(tmp_path):
+    """A Qwen3-MoE flax tree exported with its import's spec (the files' per-expert names,
+    which transformers 5's model does not have: it fuses them) is refused naming an expert's
+    name and the fused ones; nothing written."""
+    from jax_ucp._src.language import load_spec
+    from tests.exporters.test_by_spec import random_tree
+
+    cfg, name, tree = random_tree("qwen3_moe")
+    ckpt = jax_ucp.save(str(tmp_path / "run"), {"params": tree})
+    options = TorchDcpExport(
+        spec=load_spec(name, **cfg.head_settings), optimizer="optim", param_groups=GROUP
+    )
+    expert = r"'model\.layers\.\d+\.mlp\.experts\.\d+\.\w+\.weight'"
+    with pytest.raises(RequestError, match=rf"one by one \({expert}.*experts\.gate_up_proj"):
+        jax_ucp.export(ckpt, tmp_path / "out", options)
+    assert not (tmp_path / "out").exists()

@@ -31,13 +31,13 @@ CONFIG = dict(
 )
 
 
-def _torch_run(seed: int = 0):
+def _torch_run(seed: int = 0, **config):
     """A fresh model and AdamW (decay on matrices, none on norms)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).float()
+    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG, **config})).float()
     decay = [p for n, p in model.named_parameters() if p.ndim > 1]
     rest = [p for n, p in model.named_parameters() if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
@@ -54,11 +54,10 @@ def _torch_step(model, optim, ids) -> float:
     return float(loss.detach())
 
 
-def _state_dicts(model, optim):
+def _state_dicts(model, optim, flat: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    flat = StateDictOptions(flatten_optimizer_state_dict=True)
-    return get_state_dict(model, optim, options=flat)
+    return get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flat))
 
 
 @pytest.mark.timeout(300)
@@ -172,6 +171,83 @@ def test_fsdp2_on_two_ranks_loads_the_model_and_optimizer(tmp_path):
             assert np.array_equal(loaded[f"{name}.exp_avg"], tree["opt_state"]["mu"][name])
             assert np.array_equal(loaded[f"{name}.exp_avg_sq"], tree["opt_state"]["nu"][name])
             assert float(loaded[f"{name}.step"]) == 4.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flat", [True, False])
+def test_a_tied_model_loads_in_either_layout_and_continues(tmp_path, flat):
+    """A Llama with ``tie_word_embeddings`` (``lm_head.weight`` is ``embed_tokens.weight``:
+    ``get_state_dict`` gives both names, one optimizer state) trained 2 AdamW steps, saved in
+    ``get_state_dict``'s flattened or nested layout, imported; exported in that layout from the
+    import (``lm_head.weight`` a weight without state) and from a tree without it (a JAX
+    continuation of a tied model holds the embedding alone: ``tied=``); each loaded by
+    ``dcp.load`` + ``set_state_dict`` into a fresh tied model is the run bit for bit, one state,
+    and its next step is the run's."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (3, 2, 8))
+    model, optim = _torch_run(tie_word_embeddings=True)
+    for ids in tokens[:2]:
+        _torch_step(model, optim, ids)
+    msd, osd = _state_dicts(model, optim, flat)
+    assert "lm_head.weight" in msd and "state.lm_head.weight.step" not in str(osd)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "torch"))
+    imported = jax_ucp.convert(tmp_path / "torch", tmp_path / "ucp")
+    run = jax_ucp.restore(imported)
+    del run["params"]["lm_head.weight"]
+    embedding_only = jax_ucp.save(str(tmp_path / "jax"), run)
+
+    layout = dict(optimizer="optim", flatten_optimizer_state_dict=flat, run_record=imported)
+    tied = {"lm_head.weight": "model.embed_tokens.weight"}
+    jax_ucp.export(imported, tmp_path / "a", TorchDcpExport(**layout))
+    jax_ucp.export(embedding_only, tmp_path / "b", TorchDcpExport(**layout, tied=tied))
+    jax_ucp.export(embedding_only, tmp_path / "c", TorchDcpExport(**layout))
+    state = dict(zip(("model", "optim"), _state_dicts(*_torch_run(tie_word_embeddings=True), flat)))
+    with pytest.raises(dcp.CheckpointException, match=r"model\.lm_head\.weight"):  # tied= is for
+        dcp.load(state, checkpoint_id=str(tmp_path / "c"))
+    with pytest.raises(RequestError, match=r"tied\['x'\] = 'y' is no parameter"):
+        jax_ucp.export(embedding_only, tmp_path / "d", TorchDcpExport(**layout, tied={"x": "y"}))
+    want = _torch_step(model, optim, tokens[2])
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    for export in ("a", "b"):
+        fresh, adamw = _torch_run(seed=1, tie_word_embeddings=True)
+        msd, osd = _state_dicts(fresh, adamw, flat)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / export))
+        set_state_dict(fresh, adamw, model_state_dict=msd, optim_state_dict=osd, options=options)
+        assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+        assert len(adamw.state) == len(list(fresh.parameters())) == len(msd) - 1
+        assert [g["weight_decay"] for g in adamw.param_groups] == [0.1, 0.0]
+        assert _torch_step(fresh, adamw, tokens[2]) == want, export
+        for (name, p), q in zip(fresh.named_parameters(), model.parameters()):
+            assert torch.equal(p, q), (export, name)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(adamw.state[p][key], optim.state[q][key]), (export, name, key)
+
+
+def test_transformers_holds_moe_experts_fused():
+    """What the refusal of a per-expert MoE export says (tests/exporters/test_dcp_optimizer.py):
+    a transformers Qwen3-MoE's ``get_state_dict`` names its experts fused, none one by one."""
+    import re
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    names = list(Qwen3MoeForCausalLM(config).state_dict())
+    experts = {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    assert experts <= set(names) and not any(re.search(r"\.experts\.\d+\.", n) for n in names)
 
 
 def _hf_tree(spec, params, opt_state) -> dict:

@@ -178,13 +178,22 @@ class TorchDcpExport(_TensorsExport):
         param_groups: the loading optimizer's hyper-parameters: a mapping set on every group, or
             the groups (each with ``params``: the torch names); None: the imported run's.
         run_record: the checkpoint imported from torch whose param groups a continued run
-            writes (None: this checkpoint's own record)."""
+            writes (None: this checkpoint's own record).
+        tied: {name: the parameter it is}: the names the torch model's state dict has beside
+            its parameters (``{"lm_head.weight": "model.embed_tokens.weight"}`` with
+            ``tie_word_embeddings``), written with that parameter's weight and no optimizer
+            state of their own; None: the import's record of them.
+        flatten_optimizer_state_dict: ``StateDictOptions``' option the loading run passes to
+            ``get_state_dict``: True, each parameter's groups under its name; False, torch's
+            nested ``{"state": {name: ...}, "param_groups": [{..., "params": [names]}]}``."""
 
     format: ClassVar[str] = "torch-dcp"
     optimizer: str | None = None
     model: str = "model"
     param_groups: Mapping[str, Any] | list[Mapping[str, Any]] | None = None
     run_record: str | os.PathLike | None = None
+    tied: Mapping[str, str] | None = None
+    flatten_optimizer_state_dict: bool = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -192,8 +201,21 @@ class TorchDcpExport(_TensorsExport):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or "." in value):
                 raise RequestError(f"{name}={value!r}: a state-dict key without dots")
-        if self.optimizer is None and (self.param_groups or self.run_record):
-            raise RequestError("param_groups= and run_record= need optimizer= (e.g. 'optim')")
+        flat = self.flatten_optimizer_state_dict
+        if not isinstance(flat, bool):
+            raise RequestError(f"flatten_optimizer_state_dict={flat!r}: True or False")
+        if self.optimizer is None and (
+            self.param_groups or self.run_record or self.tied or not flat
+        ):
+            raise RequestError(
+                "param_groups=, run_record=, tied= and flatten_optimizer_state_dict= need "
+                "optimizer= (e.g. 'optim')"
+            )
+        if self.tied is not None and not (
+            isinstance(self.tied, Mapping)
+            and all(isinstance(x, str) for kv in self.tied.items() for x in kv)
+        ):
+            raise RequestError(f"tied={self.tied!r}: a mapping of torch names to parameter names")
         groups = self.param_groups
         if not (groups is None or isinstance(groups, Mapping)) and (
             not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups)

@@ -1,7 +1,8 @@
 """Export a UCP checkpoint as a torch distributed checkpoint
 (:func:`~jax_ucp._src.torchfiles.dcp.write_dcp`): the tensors under ``select``, or (``optimizer``)
 a torch model's weights and its Adam state under the names ``get_state_dict`` gives them with
-``flatten_optimizer_state_dict=True`` (FSDP2's and torchtitan's layout)::
+``flatten_optimizer_state_dict=True`` (FSDP2's and torchtitan's layout; False: torch's nested
+``state.<name>.<state>`` and ``param_groups.<i>.<hyper-parameter>``, ``params`` the names)::
 
     <model>.<name>                                   the weights (fp32 masters where saved)
     <optimizer>.state.<name>.exp_avg / exp_avg_sq    float32, Adam's moments
@@ -10,6 +11,7 @@ a torch model's weights and its Adam state under the names ``get_state_dict`` gi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +28,9 @@ from jax_ucp._src.restoring.model import Request, check_cast
 from jax_ucp._src.restoring.sources import ucp_source
 from jax_ucp._src.torchfiles.dcp import DATA_FILE, METADATA_FILE, DcpItem, write_dcp
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
+
+#: a transformers model's per-expert weight (``...experts.3.w1.weight``), as its files name it
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def export(root: str, dst: str, options: TorchDcpExport) -> Exported:
@@ -55,37 +60,58 @@ def _with_optimizer(root: str, dst: str, options: TorchDcpExport) -> Exported:
     spec = by_spec.load(options.spec, manifest, None)  # the names the torch model has
     available = ucp_source.available_tensors(manifest, spec)
     by_key = {k: a.sources[0] for k, a in available.items()}
+    # every parameter's weight (frozen and tied ones too: get_state_dict has them), state for
+    # the trained ones
+    weights = {
+        k: ".".join(k[1:]) for k, e in by_key.items() if e.role == "param" and e.sub_role is None
+    }
+    per_expert = [n for n in weights.values() if _PER_EXPERT.search(n)]
+    if per_expert and spec is not None and spec.model_types:
+        raise RequestError(
+            f"{root}: spec {spec.name!r} writes an MoE model's experts one by one "
+            f"({per_expert[0]!r}, as transformers' files hold them), but transformers 5 "
+            f"holds them fused in the model (mlp.experts.gate_up_proj [E, 2F, H], "
+            f"mlp.experts.down_proj [E, H, F]): get_state_dict has those names, which no "
+            f"shipped spec writes yet; export SafetensorsExport (from_pretrained fuses them) or "
+            f"give a spec that writes the fused names"
+        )
     found, count = source.required_adam_keys(root, by_key, "a torch DCP export of the optimizer")
-    params, moments = found.params, found.moments
-    names = {p: ".".join(rel) for p, rel in params.items()}
+    moments = found.moments
+    names = {p: weights[p] for p in found.params}
     (step,) = ucp_source.read(root, manifest, [Request(count)], available=available)
-    groups = _groups(options, manifest.source, list(names.values()), root)
+    recorded = _record(options, manifest.source)
+    groups = _groups(options, recorded, names, weights, root)
+    tied = _tied(options.tied, recorded, weights, root)
     reads = source.Source(root, manifest, available, options.casting, options.progress)
     opt, model = options.optimizer or "", options.model
     items: list[DcpItem] = []
     arrays: list[Any] = []
 
-    def add(path: tuple[str, ...], key: tuple, dtype: Any) -> None:
-        fqn = ".".join(path)
+    def add(path: tuple, key: tuple, dtype: Any) -> None:
+        fqn = ".".join(map(str, path))
         check_cast(fqn, available[key].dtype, dtype, options.casting)
         torch_dtype(fqn, dtype)
         items.append(DcpItem(fqn, path, tuple(available[key].shape), np.dtype(dtype)))
         arrays.append(reads.tensor(key, dtype, fqn))
 
-    for p, name in names.items():
+    for p, name in [*weights.items(), *tied]:
         add((model, name) if model else (name,), p, options.dtype or available[p].dtype)
+    flat = options.flatten_optimizer_state_dict
     step_value = np.asarray(float(step), np.float32)  # torch's Adam keeps it so
     for p, name in names.items():
-        for state, moment in (("exp_avg", "mu"), ("exp_avg_sq", "nu")):
-            add((opt, f"state.{name}.{state}"), moments[(p, moment)], np.dtype(np.float32))
-        items.append(
-            DcpItem(f"{opt}.state.{name}.step", (opt, f"state.{name}.step"), (), step_value.dtype)
-        )
-        arrays.append(step_value)
-    for name in names.values():
-        for key, value in groups[name].items():
-            path = (opt, f"param_groups.{name}.{key}")
-            items.append(DcpItem(".".join(path), path, value=value))
+        for state, moment in (("exp_avg", "mu"), ("exp_avg_sq", "nu"), ("step", None)):
+            path = (opt, f"state.{name}.{state}") if flat else (opt, "state", name, state)
+            if moment:
+                add(path, moments[(p, moment)], np.dtype(np.float32))
+            else:
+                items.append(DcpItem(".".join(path), path, (), step_value.dtype))
+                arrays.append(step_value)
+    for i, (hyper, members) in enumerate(groups):
+        values = [*hyper.items()] if flat else [*hyper.items(), ("params", members)]
+        for key, value in values:
+            for at in members if flat else [i]:
+                path = (opt, f"param_groups.{at}.{key}") if flat else (opt, "param_groups", i, key)
+                items.append(DcpItem(".".join(map(str, path)), path, value=value))
     reads.total = len(arrays) - len(names)
 
     def write(tmp: str) -> list[str]:
@@ -94,7 +120,7 @@ def _with_optimizer(root: str, dst: str, options: TorchDcpExport) -> Exported:
 
     files = source.write_atomically(dst, write, options.force)
     tensors = [it for it in items if it.shape is not None]
-    written = {*params, *moments.values(), count}
+    written = {*weights, *moments.values(), count}
     return Exported(
         path=dst,
         files=files,
@@ -105,21 +131,44 @@ def _with_optimizer(root: str, dst: str, options: TorchDcpExport) -> Exported:
     )
 
 
-def _groups(options: TorchDcpExport, recorded: Any, names: list[str], root: str) -> dict:
-    """{parameter name: its group's hyper-parameters}: ``options.param_groups`` (a list: the
-    groups; a mapping: set on every recorded group), the ``run_record``'s or this checkpoint's
-    recorded ones; every parameter in exactly one group, no other name."""
+def _record(options: TorchDcpExport, recorded: Any) -> dict:
+    """The torch optimizer record written back: the ``run_record``'s or this checkpoint's."""
+    if options.run_record is not None:
+        read = locate.read_consistently(options.run_record, lambda c: store.read_manifest(c.root))
+        recorded = read.source
+    return torch_optimizer_record(recorded or {})
+
+
+def _tied(given: Any, recorded: dict, weights: dict, root: str) -> list[tuple[tuple, str]]:
+    """(the parameter's key, the tied name) of each name the torch model's state dict has
+    beside its parameters (``tied=``, else the import's record) that the checkpoint lacks."""
+    tied = (recorded.get("tied") or {}) if given is None else given
+    by_name = {name: k for k, name in weights.items()}
+    out = []
+    for alias, name in tied.items():
+        if name not in by_name:
+            raise RequestError(
+                f"{root}: tied[{alias!r}] = {name!r} is no parameter of the export "
+                f"(e.g. {list(by_name)[:3]})"
+            )
+        if alias not in by_name:
+            out.append((by_name[name], alias))
+    return out
+
+
+def _groups(
+    options: TorchDcpExport, recorded: dict, names: dict, weights: dict, root: str
+) -> list[tuple[dict, list[str]]]:
+    """Each group's (hyper-parameters, parameter names): ``options.param_groups`` (a list: the
+    groups; a mapping: set on every recorded group) or the recorded ones; every trained
+    parameter in exactly one group, a frozen one in at most one, no other name."""
     given = options.param_groups
+    trained = list(names.values())
     groups: Any = given if isinstance(given, list) else None
     if groups is None:
-        if options.run_record is not None:
-            read = locate.read_consistently(
-                options.run_record, lambda c: store.read_manifest(c.root)
-            )
-            recorded = read.source
-        groups = torch_optimizer_record(recorded or {}).get("param_groups")
+        groups = recorded.get("param_groups")
         if not groups and isinstance(given, Mapping):
-            groups = [{**given, "params": names}]
+            groups = [{**given, "params": trained}]
         if not isinstance(groups, list) or not groups:
             raise RequestError(
                 f"{root}: a torch DCP export of the optimizer needs its param groups: the "
@@ -127,18 +176,18 @@ def _groups(options: TorchDcpExport, recorded: Any, names: list[str], root: str)
                 f"imported from torch), or give param_groups= the optimizer's hyper-parameters"
             )
         groups = [{**g, **given} if isinstance(given, Mapping) else g for g in groups]
-    out: dict[str, dict] = {}
+    allowed, seen, out = set(weights.values()), set(), []
     for i, group in enumerate(groups):
         members = group.get("params") if isinstance(group, Mapping) else None
         if not isinstance(members, list):
             raise RequestError(f"param_groups[{i}]: no list of parameter names under 'params'")
-        hyper = source.plain({k: v for k, v in group.items() if k != "params"})
         for name in members:
-            if name in out or name not in names:
-                why = "is in two groups" if name in out else "is no parameter of the export"
-                raise RequestError(f"param_groups[{i}]: {name!r} {why} (e.g. {names[:3]})")
-            out[name] = hyper
-    missing = [n for n in names if n not in out]
+            if name in seen or name not in allowed:
+                why = "is in two groups" if name in seen else "is no parameter of the export"
+                raise RequestError(f"param_groups[{i}]: {name!r} {why} (e.g. {trained[:3]})")
+            seen.add(name)
+        out.append((source.plain({k: v for k, v in group.items() if k != "params"}), members))
+    missing = [n for n in trained if n not in seen]
     if missing:
         raise RequestError(f"param_groups: parameters {missing[:5]} are in no group")
     return out

@@ -1052,7 +1052,7 @@ class DcpItem:
     """One entry of a DCP state dict: a tensor (``shape``/``dtype``) or a Python value."""
 
     fqn: str
-    path: tuple[str, ...]  # the nested state-dict keys (DCP's planner_data)
+    path: tuple[str | int, ...]  # the nested state-dict keys (DCP's planner_data)
     shape: tuple[int, ...] | None = None
     dtype: np.dtype | None = None
     value: Any = None
