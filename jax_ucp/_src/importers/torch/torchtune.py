@@ -394,8 +394,8 @@ def _as_dist_epoch(plan: ImportPlan, src: str, epochs: list[str], dist: list[str
     )
 
 
-def _heads(folder: str) -> tuple[dict[str, Any], int, int, int]:
-    """(config, q heads, kv heads, head_dim) from the epoch's ``config.json``, as the
+def _heads(folder: str) -> tuple[dict[str, Any], tuple[int, int, int]]:
+    """(config, (q heads, kv heads, head_dim)) from the epoch's ``config.json``, as the
     checkpointer read them; a model ``tune_to_hf`` does not convert is refused."""
     path = os.path.join(folder, "config.json")
     try:  # a bounded read of a regular file inside the checkpoint (never a link out, a FIFO)
@@ -423,7 +423,7 @@ def _heads(folder: str) -> tuple[dict[str, Any], int, int, int]:
             f"{head_dim}: each must be a positive integer (the q/k moments' rows are permuted "
             f"by them)"
         )
-    return config, heads, kv_heads, head_dim
+    return config, (heads, kv_heads, head_dim)
 
 
 def _optimizer_names(
@@ -582,6 +582,17 @@ def _progress_agrees(progress: dict[str, int], state: dict, recipe: str) -> None
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Mapped:
+    """What recipe_state.pt's moments are mapped onto: the epoch's weights, or a LoRA recipe's
+    adapter (the merged weights then skipped)."""
+
+    params: dict[str, TensorRef]  # Hugging Face's (peft's) name -> tensor
+    to_name: dict[Any, str]  # optimizer key -> torchtune's parameter name
+    skipped: dict[str, str]  # the epoch's files not imported -> why
+    source: dict[str, Any]  # its part of the source record
+
+
 def _plan_with_optimizer(
     src: str,
     epochs: list[str],
@@ -589,10 +600,12 @@ def _plan_with_optimizer(
     options: TorchOptions,
     order: Sequence[str] | None,
 ) -> ImportPlan:
-    """The latest epoch's weights with recipe_state.pt's moments, renamed and row-permuted
-    as torchtune's checkpointer converts the weights."""
-    latest = os.path.join(src, epochs[-1])
-    loaded, state, groups = _recipe_optimizer(recipe, epochs[-1])
+    """The latest epoch's weights (or a LoRA recipe's adapter) with recipe_state.pt's moments,
+    renamed and row-permuted as torchtune's checkpointer converts the weights; every other
+    tensor of recipe_state.pt and every older epoch said skipped."""
+    epoch = epochs[-1]
+    latest = os.path.join(src, epoch)
+    loaded, state, groups = _recipe_optimizer(recipe, epoch)
     progress = {
         k: loaded[k]
         for k in ("seed", "epochs_run", "total_epochs", "max_steps_per_epoch")
@@ -600,11 +613,63 @@ def _plan_with_optimizer(
     }
     _progress_agrees(progress, state, recipe)
     found = adapter_files(latest)
+    config, heads = _heads(latest)
     if found or any(isinstance(k, str) and _LORA_NAME.search(k) for k in state):
         if ADAPTER_PT not in found:
-            raise _lora_refusal(recipe, epochs[-1], found, state)
-        return _plan_lora(src, epochs, recipe, (loaded, state, groups), options, order)
-    params, files = _epoch_weights(latest, epochs[-1])
+            raise _lora_refusal(recipe, epoch, found, state)
+        mapped = _lora_adapter(src, epoch, recipe, (state, groups, order), heads)
+    else:
+        mapped = _epoch_mapped(latest, epoch, recipe, (loaded, state, groups), order)
+    states, moved = _moments(state, mapped.to_name, recipe, heads, epoch)
+    recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
+    optimizer_sources = [n for n in recipe_tensors if n.startswith(f"{RECIPE_STATE}:optimizer.")]
+    skipped = dict(mapped.skipped)
+    for n in recipe_tensors:
+        if n not in optimizer_sources:
+            skipped[n] = "torchtune recipe state, not a model weight or optimizer state"
+        elif n.startswith(f"{RECIPE_STATE}:{OPTIMIZER_KEY}.param_groups."):
+            skipped[n] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
+    units = [f"{e}/" for e in epochs[:-1] + epoch_folders(src, dist=True)]
+    skipped.update(dict.fromkeys(units, f"an earlier epoch's checkpoint ({epoch}/ imported)"))
+    named_groups = [  # a parameter without state (frozen) is in source.optimizer.no_state
+        {
+            **g,
+            "params": [
+                moved[t] for i in g.get("params", ()) if (t := mapped.to_name.get(i)) in moved
+            ],
+        }
+        for g in groups
+        if isinstance(g, dict)
+    ]
+    refs = [n for ref in mapped.params.values() for n in ref.names]
+    sources = [*refs, *mapped.skipped, *recipe_tensors, *units]
+    torch_state = TorchState(
+        mapped.params, states, named_groups, skipped, recipe, sources, optimizer_sources
+    )
+    source = {
+        "framework": "torchtune",
+        "path": os.path.abspath(src),
+        "epoch": epoch,
+        "optimizer_keyed_by": "index" if all(isinstance(k, int) for k in state) else "name",
+        "qk_permuted": dict(zip(("heads", "kv_heads", "head_dim"), heads)),
+        "recipe": progress,
+        "model_type": config.get("model_type"),
+        **mapped.source,
+    }
+    return plan_state(torch_state, source, options)
+
+
+def _epoch_mapped(
+    latest: str,
+    epoch: str,
+    recipe: str,
+    opened: tuple[dict, dict, list],
+    order: Sequence[str] | None,
+) -> _Mapped:
+    """The epoch's weights and the optimizer's keys' torchtune names (keyed by index:
+    ``order``, or torchtune's builder's if installed)."""
+    loaded, state, groups = opened
+    params, files = _epoch_weights(latest, epoch)
     described, rule = recipe_optimizer(loaded), None
     if order is None and state and all(isinstance(k, int) for k in state):
         # keyed by index: torchtune's builder, if installed, rebuilds the order
@@ -617,42 +682,10 @@ def _plan_with_optimizer(
         elif isinstance(rebuilt, str):
             described += f"; torchtune's builder did not rebuild its order: {rebuilt}"
     to_name = _optimizer_names(state, groups, order, recipe, described)
-    config, q_heads, kv_heads, head_dim = _heads(latest)
-    heads = (q_heads, kv_heads, head_dim)
-    states, moved = _moments(state, to_name, recipe, heads, epochs[-1])
-    # every tensor of recipe_state.pt and every older epoch imported or said skipped
-    recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
-    optimizer_sources = [n for n in recipe_tensors if n.startswith(f"{RECIPE_STATE}:optimizer.")]
-    skipped: dict[str, str] = {}
-    for n in recipe_tensors:
-        if n not in optimizer_sources:
-            skipped[n] = "torchtune recipe state, not a model weight or optimizer state"
-        elif n.startswith(f"{RECIPE_STATE}:{OPTIMIZER_KEY}.param_groups."):
-            skipped[n] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
-    units = [f"{e}/" for e in epochs[:-1] + epoch_folders(src, dist=True)]
-    skipped.update(dict.fromkeys(units, f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)"))
-    named_groups = [
-        {**g, "params": [moved.get(to_name.get(i, ""), i) for i in g.get("params", ())]}
-        for g in groups
-        if isinstance(g, dict)
-    ]
-    sources = [*params, *recipe_tensors, *units]
-    torch_state = TorchState(
-        params, states, named_groups, skipped, recipe, sources, optimizer_sources
-    )
-    source = {
-        "framework": "torchtune",
-        "path": os.path.abspath(src),
-        "epoch": epochs[-1],
-        "files": files,
-        "optimizer_keyed_by": "index" if order is not None else "name",
-        "qk_permuted": {"heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim},
-        "recipe": progress,
-        "model_type": config.get("model_type"),
-    }
+    source: dict[str, Any] = {"files": files}
     if rule is not None:
         source["parameter_order"] = rule
-    return plan_state(torch_state, source, options)
+    return _Mapped(params, to_name, {}, source)
 
 
 def _permuted_heads(tune: str, q_heads: int, kv_heads: int) -> int | None:
@@ -704,18 +737,12 @@ def _adapter_order(
     return dict(zip(sorted(keys), adapter)), how
 
 
-def _plan_lora(
-    src: str,
-    epochs: list[str],
-    recipe: str,
-    opened: tuple[dict, dict, list],
-    options: TorchOptions,
-    order: Sequence[str] | None,
-) -> ImportPlan:
-    """A LoRA recipe's adapter (``adapter_model.pt``) and its moments, in peft's names and q/k
-    rows; the merged weights and peft's copies of the adapter listed in ``source.skipped``."""
-    loaded, state, groups = opened
-    epoch = epochs[-1]
+def _lora_adapter(
+    src: str, epoch: str, recipe: str, opened: tuple[dict, list, Any], heads: tuple[int, int, int]
+) -> _Mapped:
+    """A LoRA recipe's adapter (``adapter_model.pt``) in peft's names and q/k rows; the merged
+    weights and peft's copies of the adapter skipped."""
+    state, groups, order = opened
     latest = os.path.join(src, epoch)
     pt = f"{epoch}/{ADAPTER_PT}"
     adapter = torch_zip.load_torch_file(files.inside(src, pt, src))
@@ -730,9 +757,7 @@ def _plan_lora(
             f"Convert with weights_only=True to import {epoch}/'s merged weights"
         )
     to_name, how = _adapter_order(state, groups, adapter, order, recipe, pt)
-    config, q_heads, kv_heads, head_dim = _heads(latest)
-    heads = (q_heads, kv_heads, head_dim)
-    states, moved = _moments(state, to_name, recipe, heads, epoch)
+    q_heads, kv_heads, head_dim = heads
     params: dict[str, TensorRef] = {}
     for tune, value in adapter.items():
         rows = _permuted_heads(tune, q_heads, kv_heads)
@@ -749,36 +774,18 @@ def _plan_lora(
             {"format": "torch_files", "file": pt, "torchtune_name": tune}
             | ({"rows_permuted": {"heads": rows, "head_dim": head_dim}} if rows else {}),
         )
-    recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
-    optimizer_sources = [n for n in recipe_tensors if n.startswith(f"{RECIPE_STATE}:optimizer.")]
-    skipped = {
-        n: "torchtune recipe state, not a model weight or optimizer state"
-        for n in recipe_tensors
-        if n not in optimizer_sources
-    }
     merged = sorted(
         f"{epoch}/{n}"
         for n in os.listdir(latest)
         if n.endswith(".safetensors") and n not in ADAPTER_FILES
     )
-    skipped.update(
-        dict.fromkeys(
-            merged,
-            (
-                "the merged weights (the base + alpha/r lora_b @ lora_a, rounded): not the base the "
-                "adapter trains over; weights_only=True imports them"
-            ),
-        )
+    skipped = dict.fromkeys(
+        merged,
+        "the merged weights (the base + alpha/r lora_b @ lora_a, rounded): not the base the "
+        "adapter trains over; weights_only=True imports them",
     )
     peft_copies = [f"{epoch}/{n}" for n in adapter_files(latest) if n != ADAPTER_PT]
     skipped.update(dict.fromkeys(peft_copies, f"peft's copy of {pt} (imported in peft's names)"))
-    units = [f"{e}/" for e in epochs[:-1] + epoch_folders(src, dist=True)]
-    skipped.update(dict.fromkeys(units, f"an earlier epoch's checkpoint ({epoch}/ imported)"))
-    named_groups = [
-        {**g, "params": [moved[to_name[i]] for i in g.get("params", ()) if i in to_name]}
-        for g in groups
-        if isinstance(g, dict)
-    ]
     adapter_config = os.path.join(latest, ADAPTER_CONFIG_FILE)
     lora = (
         read_json(side_file(latest, ADAPTER_CONFIG_FILE)) if os.path.lexists(adapter_config) else {}
@@ -796,24 +803,9 @@ def _plan_lora(
         )
         + ": import it beside, frozen"
     )
-    sources = [*(f"{pt}:{t}" for t in adapter), *recipe_tensors, *merged, *peft_copies, *units]
-    torch_state = TorchState(
-        params, states, named_groups, skipped, recipe, sources, optimizer_sources
-    )
     source = {
-        "framework": "torchtune",
-        "path": os.path.abspath(src),
-        "epoch": epoch,
         "files": [ADAPTER_PT],
-        "optimizer_keyed_by": "index" if all(isinstance(k, int) for k in state) else "name",
         "parameter_order": how,
-        "qk_permuted": {"heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim},
-        "recipe": {
-            k: loaded[k]
-            for k in ("seed", "epochs_run", "total_epochs", "max_steps_per_epoch")
-            if isinstance(loaded.get(k), int)
-        },
-        "model_type": config.get("model_type"),
         "lora": {
             k: lora[k]
             for k in ("r", "lora_alpha", "target_modules", "base_model_name_or_path")
@@ -821,4 +813,4 @@ def _plan_lora(
         },
         "notes": [note],
     }
-    return plan_state(torch_state, source, options)
+    return _Mapped(params, to_name, skipped, source)
