@@ -17,8 +17,10 @@ either kind is imported; the others' folders are listed in ``source.skipped``.
 A LoRA recipe writes its adapter beside the merged weights (``adapter_model.pt``, torchtune's
 names in its ``model.parameters()`` order; ``adapter_model.safetensors`` / ``.bin`` and
 ``adapter_config.json``, peft's) and saves its optimizer over the adapter's ``lora_a`` /
-``lora_b`` only. That run imports as the adapter and its moments, in peft's names and rows (as
-``tune_to_peft_adapter_weights`` writes ``adapter_model.safetensors``), so the fine-tune continues;
+``lora_b`` only (and DoRA's ``magnitude``, ``use_dora``). That run imports as the adapter and its
+moments, in peft's names and rows (as ``tune_to_peft_adapter_weights`` writes ``adapter_model.
+safetensors``, but for DoRA's q/k magnitudes: one per output row, they are permuted as the rows they
+scale, which that function leaves undone), so the fine-tune continues;
 the merged weights are not the base the adapter trains over (base + alpha/r B A, rounded), so
 they are listed in ``source.skipped`` and the base is left to the user (``source.notes`` names
 it where ``adapter_config.json`` records it). With weights_only the merged weights import alone.
@@ -192,17 +194,16 @@ def _dist_order(folder: str) -> tuple[list[str], str] | None:
 
 def permute_rows(value: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     """torchtune's q/k rows in Hugging Face's order: ``tune_to_hf``'s ``_permute``, ``[heads,
-    head_dim/2, 2, dim]`` with the middle axes swapped (rows moved, never a value changed).
+    head_dim/2, 2, ...]`` with the middle axes swapped (rows moved, never a value changed).
 
     Args:
-        value: a q or k projection (or its moment), torchtune's row order.
+        value: a q or k projection, its ``lora_b`` or DoRA ``magnitude`` (one value per row), or
+            a moment of one, torchtune's row order.
         heads: its head count (``num_attention_heads`` or ``num_key_value_heads``).
         head_dim: rows per head.
     """
-    dim = value.shape[1]
-    return np.ascontiguousarray(
-        value.reshape(heads, head_dim // 2, 2, dim).transpose(0, 2, 1, 3).reshape(-1, dim)
-    )
+    moved = value.reshape(heads, head_dim // 2, 2, -1).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(moved.reshape(value.shape))
 
 
 def _names(keys: list, count: int = 3) -> str:
@@ -498,7 +499,7 @@ def _moment_ref(
 ) -> TensorRef:
     """One optimizer state entry, its q/k rows permuted as ``tune_to_hf`` permutes the weight
     (``rows`` heads; none for ``step`` or a non-matrix)."""
-    permuted = rows is not None and st != "step" and value.ndim == 2
+    permuted = rows is not None and st != "step" and value.ndim in (1, 2)
     read = lambda v=value: v
     if rows is not None and permuted:
         read = lambda v=value, n=rows: permute_rows(v, n, head_dim)
@@ -545,7 +546,7 @@ def _moments(
         exp_avg = states.get(hf, {}).get("exp_avg")
         if rows is not None and exp_avg is not None:
             shape = exp_avg.shape
-            if len(shape) != 2 or shape[0] != rows * head_dim or head_dim % 2:
+            if len(shape) not in (1, 2) or shape[0] != rows * head_dim or head_dim % 2:
                 raise SourceError(
                     f"{recipe}: {tune!r} has moments of shape {list(shape)}, expected "
                     f"[{rows} heads x head_dim {head_dim}, ...] from {epoch}/config.json"
@@ -690,8 +691,9 @@ def _epoch_mapped(
 
 def _permuted_heads(tune: str, q_heads: int, kv_heads: int) -> int | None:
     """The heads whose rows ``tune_to_hf`` permutes in torchtune's ``tune`` (q / k projections;
-    of an adapter only ``lora_b``, as ``tune_to_peft_adapter_weights``), else None."""
-    if _LORA_NAME.search(tune) and ".lora_b." not in tune:
+    of an adapter ``lora_b``, as ``tune_to_peft_adapter_weights``, and DoRA's ``magnitude``,
+    which scales those rows), else None."""
+    if ".lora_a." in tune:
         return None
     return q_heads if "q_proj" in tune else kv_heads if "k_proj" in tune else None
 
@@ -699,12 +701,22 @@ def _permuted_heads(tune: str, q_heads: int, kv_heads: int) -> int | None:
 def peft_name(tune: str) -> str | None:
     """torchtune's adapter parameter name as peft's (``tune_to_peft_adapter_weights``:
     ``layers.0.attn.q_proj.lora_a.weight`` -> ``base_model.model.model.layers.0.self_attn.
-    q_proj.lora_A.weight``), or None for a name it does not map (DoRA's ``magnitude`` too)."""
-    m = re.fullmatch(r"(.+)\.lora_(a|b)\.weight", tune)
+    q_proj.lora_A.weight``, DoRA's ``...q_proj.magnitude`` -> ``...q_proj.lora_magnitude_vector``),
+    or None for a name it does not map."""
+    m = re.fullmatch(r"(.+)\.(lora_a\.weight|lora_b\.weight|magnitude)", tune)
     base = renamed(f"{m.group(1)}.weight", TUNE_TO_HF) if m else None
     if m is None or base is None:
         return None
-    return f"base_model.model.{base.removesuffix('.weight')}.lora_{m.group(2).upper()}.weight"
+    part = _PEFT_PARTS[m.group(2)]
+    return f"base_model.model.{base.removesuffix('.weight')}.{part}"
+
+
+#: torchtune's adapter parameters -> peft's (``convert_weights._TO_PEFT_KEYS``)
+_PEFT_PARTS = {
+    "lora_a.weight": "lora_A.weight",
+    "lora_b.weight": "lora_B.weight",
+    "magnitude": "lora_magnitude_vector",
+}
 
 
 def _adapter_order(
@@ -737,6 +749,26 @@ def _adapter_order(
     return dict(zip(sorted(keys), adapter)), how
 
 
+def _adapter_modules(adapter: dict[str, np.ndarray], pt: str) -> None:
+    """Each adapted module's tensors are LoRA's ``lora_a`` [r, in] and ``lora_b`` [out, r], with
+    DoRA's ``magnitude`` [out] (one per output row: ``DoRALinear``) or without; anything else
+    under those names is refused, naming it (it would be permuted and continued as one)."""
+    modules: dict[str, dict[str, tuple[int, ...]]] = {}
+    for tune, value in adapter.items():  # each one peft_name maps: <module>.<part>[.weight]
+        module, _, part = tune.removesuffix(".weight").rpartition(".")
+        modules.setdefault(module, {})[part] = tuple(value.shape)
+    for module, got in modules.items():
+        a, b = got.get("lora_a", ()), got.get("lora_b", ())
+        lora = len(a) == len(b) == 2 and a[0] == b[1]
+        if not lora or got.get("magnitude", b[:1]) != b[:1]:
+            said = ", ".join(f"{k} {list(v)}" for k, v in got.items())
+            raise SourceError(
+                f"{pt}: {module}'s adapter tensors are {said}: expected lora_a [r, in] and "
+                f"lora_b [out, r] (LoRALinear), with DoRA's magnitude [out] (DoRALinear) or "
+                f"without: not imported"
+            )
+
+
 def _lora_adapter(
     src: str, epoch: str, recipe: str, opened: tuple[dict, list, Any], heads: tuple[int, int, int]
 ) -> _Mapped:
@@ -752,10 +784,11 @@ def _lora_adapter(
     unmapped = [n for n in adapter if not isinstance(n, str) or peft_name(n) is None]
     if unmapped:
         raise SourceError(
-            f"{pt}: adapter tensors {_names(unmapped)} have no peft name (lora_a / lora_b of "
-            f"the tune_to_hf table's modules are mapped; DoRA's magnitude is not): not imported. "
+            f"{pt}: adapter tensors {_names(unmapped)} have no peft name (lora_a / lora_b and "
+            f"DoRA's magnitude of the tune_to_hf table's modules are mapped): not imported. "
             f"Convert with weights_only=True to import {epoch}/'s merged weights"
         )
+    _adapter_modules(adapter, pt)
     to_name, how = _adapter_order(state, groups, adapter, order, recipe, pt)
     q_heads, kv_heads, head_dim = heads
     params: dict[str, TensorRef] = {}
@@ -779,10 +812,11 @@ def _lora_adapter(
         for n in os.listdir(latest)
         if n.endswith(".safetensors") and n not in ADAPTER_FILES
     )
+    dora = [n for n in adapter if n.endswith(".magnitude")]
     skipped = dict.fromkeys(
         merged,
-        "the merged weights (the base + alpha/r lora_b @ lora_a, rounded): not the base the "
-        "adapter trains over; weights_only=True imports them",
+        f"the merged weights (the base + alpha/r lora_b @ lora_a{', DoRA-scaled' if dora else ''}"
+        f", rounded): not the base the adapter trains over; weights_only=True imports them",
     )
     peft_copies = [f"{epoch}/{n}" for n in adapter_files(latest) if n != ADAPTER_PT]
     skipped.update(dict.fromkeys(peft_copies, f"peft's copy of {pt} (imported in peft's names)"))
@@ -803,6 +837,12 @@ def _lora_adapter(
         )
         + ": import it beside, frozen"
     )
+    dora_note = (
+        f"DoRA (use_dora; {ADAPTER_CONFIG_FILE} says peft_type LORA without it): the "
+        f"{len(dora)} magnitudes imported as peft's lora_magnitude_vector, the q/k ones "
+        f"permuted as the rows they scale (torchtune's adapter_model.safetensors leaves them "
+        f"unpermuted, which peft's DoRA forward does not match)"
+    )
     source = {
         "files": [ADAPTER_PT],
         "parameter_order": how,
@@ -810,7 +850,8 @@ def _lora_adapter(
             k: lora[k]
             for k in ("r", "lora_alpha", "target_modules", "base_model_name_or_path")
             if k in lora
-        },
-        "notes": [note],
+        }
+        | ({"use_dora": True} if dora else {}),
+        "notes": [note, dora_note] if dora else [note],
     }
     return _Mapped(params, to_name, skipped, source)
