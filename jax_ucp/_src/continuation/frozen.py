@@ -17,10 +17,13 @@ def _held(tree: Any, path: tuple) -> Any:
     """The leaf of ``tree`` at ``path`` (a params path), or None where ``tree`` has none."""
     node = tree
     for key in path:
-        key = getattr(key, "key", getattr(key, "idx", key))
-        try:
-            node = node[key]
-        except (KeyError, IndexError, TypeError):
+        try:  # a dict's key, a sequence's index, or a dataclass / namedtuple field
+            node = (
+                getattr(node, key.name)
+                if hasattr(key, "name")
+                else node[key.key if hasattr(key, "key") else key.idx]
+            )
+        except (AttributeError, KeyError, IndexError, TypeError):
             return None
     return node
 
