@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src import language, store
-from jax_ucp._src.continuation import families
+from jax_ucp._src.continuation import families, frozen
 from jax_ucp._src.continuation.deepspeed import deepspeed_recipe, recorded_config
 from jax_ucp._src.continuation.megatron import megatron_recipe
 from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
@@ -486,8 +486,8 @@ def _mask_tree(saved_tensors: dict, spec, params, decayed: dict[str, bool], wher
             )
         return bool(flags.pop())  # one flag, not None (checked above)
 
-    if spec is None:
-        return {name: of([name], name) for name in params}
+    if spec is None:  # a frozen leaf (optax.MaskedNode) has no flag
+        return {n: of([n], n) if jax.tree.leaves(v) else v for n, v in params.items()}
     saved = {k: language.TensorInfo(shape, dtype) for k, (shape, dtype) in saved_tensors.items()}
     sources = {
         key[1:]: [s[1] for s in plan.sources]
@@ -591,6 +591,7 @@ def _from_run(
         raise RequestError(_no_optimizer(source, where))
     spec = spec_with_recorded_settings(spec, source, notes := [])
     params, mu, nu, step = _restored_adam(run, options, spec, where)
+    labels, trained, mu, nu, held = frozen.split(params, mu, nu)
     if recipe is None:
         recipe = torch_recipe(source, groups, step, optimizer, where)
     elif recipe.at_step is not None:
@@ -603,7 +604,7 @@ def _from_run(
     _recorded_steps(source, step, notes, where)
     mask = None
     if _decays(recipe):
-        mask = _mask_tree(run.saved, spec, params, dict(recipe.decayed), where)
+        mask = _mask_tree(run.saved, spec, trained, dict(recipe.decayed), where)
         leaves = jax.tree.leaves(mask)
         style = (
             "decoupled (AdamW)"
@@ -615,7 +616,13 @@ def _from_run(
         notes.append(f"weight decay {said} on {sum(leaves)} of {len(leaves)} leaves, {style}")
     unrecovered = _say_unrecovered(recipe.unrecovered, notes, where)
     tx = chain_of(recipe, mask)
-    state = _state_of(tx, params, mu, nu, step)
+    state = _state_of(tx, trained, mu, nu, step)
+    if labels is not None:
+        tx, state = frozen.holding(tx, state, params, labels)
+        notes.append(
+            f"{len(held)} leaves without optimizer state held (zero updates: the run did not "
+            f"train them, e.g. a LoRA base): {', '.join(held[:4])}{', ...' if len(held) > 4 else ''}"
+        )
     schedule = recipe.learning_rate
     kinds = ["adam"] * len(groups)
     return TorchOptimizer(

@@ -5,7 +5,9 @@ step; the merged ``epoch_N/`` weights are not the base and are listed in ``sourc
 
 tests/fixtures/torchtune/tt_lora was written by torchtune 0.6.1 itself
 (tools/fixtures/make_torchtune_lora_fixture.py: ``lora_llama3`` r=4 on q/k/v, the single-device
-recipe's optimizer over ``model.parameters()``, keyed by index). The other runs here are
+recipe's optimizer over ``model.parameters()``, keyed by index), tt_dora the same with
+``use_dora=True`` (``--dora``: its magnitudes checked there against peft's DoRA forward). The other
+runs here are
 SYNTHETIC (``_synthetic``): tests/fixtures/torchtune/tt_fp32 with a LoRA recipe's files written
 torch-free, for the layouts the real run does not show (keyed by name, no adapter file)."""
 
@@ -84,20 +86,22 @@ def _synthetic_lora_run(tmp_path, keyed_by: str = "index", adapter: bool = True)
 
 
 TT_LORA = os.path.join(REPO, "tests", "fixtures", "torchtune", "tt_lora")
+TT_DORA = os.path.join(REPO, "tests", "fixtures", "torchtune", "tt_dora")
 
 
-def _tt_truth() -> dict[str, np.ndarray]:
-    with np.load(TT_LORA + ".truth.npz") as z:
+def _tt_truth(run: str = TT_LORA) -> dict[str, np.ndarray]:
+    with np.load(run + ".truth.npz") as z:
         return {k: z[k] for k in z.files}
 
 
 def _as_peft(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
     """torchtune's adapter tensor as its adapter_model.safetensors holds it (4 q heads, 2 kv
-    heads of 8: lora_b rows permuted as tune_to_peft_adapter_weights does)."""
+    heads of 8: lora_b rows permuted as tune_to_peft_adapter_weights does), DoRA's magnitude
+    permuted as those rows (which that function leaves undone)."""
     peft = torchtune.peft_name(name)
     assert peft is not None
     heads = 4 if "q_proj" in name else 2 if "k_proj" in name else None
-    if ".lora_b." in name and heads is not None and value.ndim == 2:
+    if (".lora_b." in name or name.endswith(".magnitude")) and heads is not None:
         value = torchtune.permute_rows(value, heads, 8)
     return peft, value
 
@@ -128,11 +132,11 @@ def test_torchtunes_lora_run_imports_its_adapter_and_moments(tmp_path):
 
 
 def test_an_adapter_file_not_the_optimizers_is_refused(tmp_path):
-    """adapter_model.pt with one tensor fewer than the optimizer has states: refused naming
-    both counts (its order numbers the states)."""
+    """adapter_model.pt with one module (two tensors) fewer than the optimizer has states:
+    refused naming both counts (its order numbers the states)."""
     src = str(shutil.copytree(TT_LORA, tmp_path / "tt_lora"))
     path = os.path.join(src, "epoch_0", "adapter_model.pt")
-    adapter = dict(list(torch_zip.load_torch_file(path).items())[:-1])
+    adapter = dict(list(torch_zip.load_torch_file(path).items())[:-2])
     slots = {
         n: torch_zip.TensorSlot(i, v.shape, v.dtype) for i, (n, v) in enumerate(adapter.items())
     }
@@ -140,21 +144,22 @@ def test_an_adapter_file_not_the_optimizers_is_refused(tmp_path):
     with pytest.raises(
         jax_ucp.UCPError,
         match=r"12 parameters have optimizer state, "
-        r"epoch_0/adapter_model\.pt holds 11 adapter tensors",
+        r"epoch_0/adapter_model\.pt holds 10 adapter tensors",
     ):
         jax_ucp.convert(src, tmp_path / "refused")
 
 
 @pytest.mark.torch
-def test_optax_from_torch_takes_torchtunes_next_lora_step(tmp_path):
+@pytest.mark.parametrize("run_dir", [TT_LORA, TT_DORA], ids=["lora", "dora"])
+def test_optax_from_torch_takes_torchtunes_next_lora_step(run_dir):
     """optax_from_torch on the output folder (read in place), fed torch's gradients of the step
-    after the save, gives torchtune's adapter after that step."""
+    after the save, gives torchtune's adapter (DoRA's magnitudes too) after that step."""
     import optax
 
     with pytest.warns(UserWarning, match="gradient clipping"):
-        run = jax_ucp.optax_from_torch(TT_LORA)
+        run = jax_ucp.optax_from_torch(run_dir)
     assert (run.optimizer, run.step) == ("adamw", 3)
-    truth = _tt_truth()
+    truth = _tt_truth(run_dir)
     grads = dict(
         _as_peft(k.split("/", 1)[1], v) for k, v in truth.items() if k.startswith("next_grad/")
     )
@@ -166,6 +171,64 @@ def test_optax_from_torch_takes_torchtunes_next_lora_step(tmp_path):
     assert sorted(params) == sorted(want)
     for name, value in want.items():
         np.testing.assert_allclose(np.asarray(params[name]), value, rtol=0, atol=1e-6, err_msg=name)
+
+
+def _dora_merged(params: dict, base: dict, module: str) -> np.ndarray:
+    """DoRA's merged weight of ``module`` (peft's names) from the imported adapter over the
+    transformers base, as torchtune's get_merged_lora_ckpt merges it (alpha/r = 2)."""
+    a, b, m = (
+        np.asarray(params[f"base_model.model.{module}.{p}"], np.float64)
+        for p in ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")
+    )
+    weight = base[f"base/{module}.weight"] + 2.0 * b @ a
+    return weight * (m / np.linalg.norm(weight, axis=1))[:, None]
+
+
+def test_torchtunes_dora_run_imports_magnitudes_in_the_rows_they_scale(tmp_path):
+    """Each imported magnitude, with lora_A / lora_B over the transformers base, remakes the
+    merged weight torchtune wrote into epoch_0/ (its rows as Hugging Face's); torchtune's own
+    adapter_model.safetensors, its q/k magnitudes unpermuted, does not; moments as the run's."""
+    out = jax_ucp.convert(TT_DORA, tmp_path / "ucp")
+    got = jax_ucp.restore(out)
+    truth = _tt_truth(TT_DORA)
+    merged = load_file(os.path.join(TT_DORA, "epoch_0", "model-00001-of-00001.safetensors"))
+    theirs = load_file(os.path.join(TT_DORA, "epoch_0", "adapter_model.safetensors"))
+    assert sorted(got["params"]) == sorted(theirs)
+    modules = [k[len("base/") : -len(".weight")] for k in truth if k.startswith("base/")]
+    assert len(modules) == 6
+    for module in modules:
+        want = merged[f"{module}.weight"]
+        np.testing.assert_allclose(_dora_merged(got["params"], truth, module), want, atol=1e-6)
+        off = np.abs(_dora_merged(theirs, truth, module) - want).max()
+        assert (off > 1e-3) == ("v_proj" not in module), (module, off)
+    for key, tree in (("exp_avg", "mu"), ("exp_avg_sq", "nu"), ("param", None)):
+        for k, v in truth.items():
+            if k.startswith(key + "/"):
+                name, value = _as_peft(k.split("/", 1)[1], v)
+                assert_bit_exact(
+                    got["opt_state"][tree][name] if tree else got["params"][name], value, k
+                )
+    source = jax_ucp.inspect(out).source
+    assert source["lora"]["use_dora"] is True
+    assert any("the q/k ones permuted as the rows they scale" in n for n in source["notes"])
+
+
+def test_a_magnitude_not_doras_is_refused(tmp_path):
+    """A magnitude of another shape than its lora_b's rows is refused naming the module."""
+    src = str(shutil.copytree(TT_DORA, tmp_path / "tt_dora"))
+    path = os.path.join(src, "epoch_0", "adapter_model.pt")
+    adapter = torch_zip.load_torch_file(path)
+    adapter["layers.1.attn.k_proj.magnitude"] = adapter["layers.1.attn.k_proj.magnitude"][:8]
+    slots = {
+        n: torch_zip.TensorSlot(i, v.shape, v.dtype) for i, (n, v) in enumerate(adapter.items())
+    }
+    torch_zip.save_file(path, slots, [np.array(v) for v in adapter.values()])
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"adapter_model\.pt: layers\.1\.attn\.k_proj's adapter tensors are magnitude \[8\], "
+        r"lora_a \[4, 32\], lora_b \[16, 4\]: expected",
+    ):
+        jax_ucp.convert(src, tmp_path / "refused")
 
 
 @pytest.mark.parametrize("keyed_by", ["index", "name"])

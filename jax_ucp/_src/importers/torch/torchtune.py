@@ -17,8 +17,10 @@ either kind is imported; the others' folders are listed in ``source.skipped``.
 A LoRA recipe writes its adapter beside the merged weights (``adapter_model.pt``, torchtune's
 names in its ``model.parameters()`` order; ``adapter_model.safetensors`` / ``.bin`` and
 ``adapter_config.json``, peft's) and saves its optimizer over the adapter's ``lora_a`` /
-``lora_b`` only. That run imports as the adapter and its moments, in peft's names and rows (as
-``tune_to_peft_adapter_weights`` writes ``adapter_model.safetensors``), so the fine-tune continues;
+``lora_b`` only (and DoRA's ``magnitude``, ``use_dora``). That run imports as the adapter and its
+moments, in peft's names and rows (as ``tune_to_peft_adapter_weights`` writes ``adapter_model.
+safetensors``, but for DoRA's q/k magnitudes: one per output row, they are permuted as the rows they
+scale, which that function leaves undone), so the fine-tune continues;
 the merged weights are not the base the adapter trains over (base + alpha/r B A, rounded), so
 they are listed in ``source.skipped`` and the base is left to the user (``source.notes`` names
 it where ``adapter_config.json`` records it). With weights_only the merged weights import alone.
@@ -192,17 +194,16 @@ def _dist_order(folder: str) -> tuple[list[str], str] | None:
 
 def permute_rows(value: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     """torchtune's q/k rows in Hugging Face's order: ``tune_to_hf``'s ``_permute``, ``[heads,
-    head_dim/2, 2, dim]`` with the middle axes swapped (rows moved, never a value changed).
+    head_dim/2, 2, ...]`` with the middle axes swapped (rows moved, never a value changed).
 
     Args:
-        value: a q or k projection (or its moment), torchtune's row order.
+        value: a q or k projection, its ``lora_b`` or DoRA ``magnitude`` (one value per row), or
+            a moment of one, torchtune's row order.
         heads: its head count (``num_attention_heads`` or ``num_key_value_heads``).
         head_dim: rows per head.
     """
-    dim = value.shape[1]
-    return np.ascontiguousarray(
-        value.reshape(heads, head_dim // 2, 2, dim).transpose(0, 2, 1, 3).reshape(-1, dim)
-    )
+    moved = value.reshape(heads, head_dim // 2, 2, -1).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(moved.reshape(value.shape))
 
 
 def _names(keys: list, count: int = 3) -> str:
@@ -394,8 +395,8 @@ def _as_dist_epoch(plan: ImportPlan, src: str, epochs: list[str], dist: list[str
     )
 
 
-def _heads(folder: str) -> tuple[dict[str, Any], int, int, int]:
-    """(config, q heads, kv heads, head_dim) from the epoch's ``config.json``, as the
+def _heads(folder: str) -> tuple[dict[str, Any], tuple[int, int, int]]:
+    """(config, (q heads, kv heads, head_dim)) from the epoch's ``config.json``, as the
     checkpointer read them; a model ``tune_to_hf`` does not convert is refused."""
     path = os.path.join(folder, "config.json")
     try:  # a bounded read of a regular file inside the checkpoint (never a link out, a FIFO)
@@ -423,7 +424,7 @@ def _heads(folder: str) -> tuple[dict[str, Any], int, int, int]:
             f"{head_dim}: each must be a positive integer (the q/k moments' rows are permuted "
             f"by them)"
         )
-    return config, heads, kv_heads, head_dim
+    return config, (heads, kv_heads, head_dim)
 
 
 def _optimizer_names(
@@ -498,7 +499,7 @@ def _moment_ref(
 ) -> TensorRef:
     """One optimizer state entry, its q/k rows permuted as ``tune_to_hf`` permutes the weight
     (``rows`` heads; none for ``step`` or a non-matrix)."""
-    permuted = rows is not None and st != "step" and value.ndim == 2
+    permuted = rows is not None and st != "step" and value.ndim in (1, 2)
     read = lambda v=value: v
     if rows is not None and permuted:
         read = lambda v=value, n=rows: permute_rows(v, n, head_dim)
@@ -545,7 +546,7 @@ def _moments(
         exp_avg = states.get(hf, {}).get("exp_avg")
         if rows is not None and exp_avg is not None:
             shape = exp_avg.shape
-            if len(shape) != 2 or shape[0] != rows * head_dim or head_dim % 2:
+            if len(shape) not in (1, 2) or shape[0] != rows * head_dim or head_dim % 2:
                 raise SourceError(
                     f"{recipe}: {tune!r} has moments of shape {list(shape)}, expected "
                     f"[{rows} heads x head_dim {head_dim}, ...] from {epoch}/config.json"
@@ -582,6 +583,17 @@ def _progress_agrees(progress: dict[str, int], state: dict, recipe: str) -> None
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Mapped:
+    """What recipe_state.pt's moments are mapped onto: the epoch's weights, or a LoRA recipe's
+    adapter (the merged weights then skipped)."""
+
+    params: dict[str, TensorRef]  # Hugging Face's (peft's) name -> tensor
+    to_name: dict[Any, str]  # optimizer key -> torchtune's parameter name
+    skipped: dict[str, str]  # the epoch's files not imported -> why
+    source: dict[str, Any]  # its part of the source record
+
+
 def _plan_with_optimizer(
     src: str,
     epochs: list[str],
@@ -589,10 +601,12 @@ def _plan_with_optimizer(
     options: TorchOptions,
     order: Sequence[str] | None,
 ) -> ImportPlan:
-    """The latest epoch's weights with recipe_state.pt's moments, renamed and row-permuted
-    as torchtune's checkpointer converts the weights."""
-    latest = os.path.join(src, epochs[-1])
-    loaded, state, groups = _recipe_optimizer(recipe, epochs[-1])
+    """The latest epoch's weights (or a LoRA recipe's adapter) with recipe_state.pt's moments,
+    renamed and row-permuted as torchtune's checkpointer converts the weights; every other
+    tensor of recipe_state.pt and every older epoch said skipped."""
+    epoch = epochs[-1]
+    latest = os.path.join(src, epoch)
+    loaded, state, groups = _recipe_optimizer(recipe, epoch)
     progress = {
         k: loaded[k]
         for k in ("seed", "epochs_run", "total_epochs", "max_steps_per_epoch")
@@ -600,11 +614,63 @@ def _plan_with_optimizer(
     }
     _progress_agrees(progress, state, recipe)
     found = adapter_files(latest)
+    config, heads = _heads(latest)
     if found or any(isinstance(k, str) and _LORA_NAME.search(k) for k in state):
         if ADAPTER_PT not in found:
-            raise _lora_refusal(recipe, epochs[-1], found, state)
-        return _plan_lora(src, epochs, recipe, (loaded, state, groups), options, order)
-    params, files = _epoch_weights(latest, epochs[-1])
+            raise _lora_refusal(recipe, epoch, found, state)
+        mapped = _lora_adapter(src, epoch, recipe, (state, groups, order), heads)
+    else:
+        mapped = _epoch_mapped(latest, epoch, recipe, (loaded, state, groups), order)
+    states, moved = _moments(state, mapped.to_name, recipe, heads, epoch)
+    recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
+    optimizer_sources = [n for n in recipe_tensors if n.startswith(f"{RECIPE_STATE}:optimizer.")]
+    skipped = dict(mapped.skipped)
+    for n in recipe_tensors:
+        if n not in optimizer_sources:
+            skipped[n] = "torchtune recipe state, not a model weight or optimizer state"
+        elif n.startswith(f"{RECIPE_STATE}:{OPTIMIZER_KEY}.param_groups."):
+            skipped[n] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
+    units = [f"{e}/" for e in epochs[:-1] + epoch_folders(src, dist=True)]
+    skipped.update(dict.fromkeys(units, f"an earlier epoch's checkpoint ({epoch}/ imported)"))
+    named_groups = [  # a parameter without state (frozen) is in source.optimizer.no_state
+        {
+            **g,
+            "params": [
+                moved[t] for i in g.get("params", ()) if (t := mapped.to_name.get(i)) in moved
+            ],
+        }
+        for g in groups
+        if isinstance(g, dict)
+    ]
+    refs = [n for ref in mapped.params.values() for n in ref.names]
+    sources = [*refs, *mapped.skipped, *recipe_tensors, *units]
+    torch_state = TorchState(
+        mapped.params, states, named_groups, skipped, recipe, sources, optimizer_sources
+    )
+    source = {
+        "framework": "torchtune",
+        "path": os.path.abspath(src),
+        "epoch": epoch,
+        "optimizer_keyed_by": "index" if all(isinstance(k, int) for k in state) else "name",
+        "qk_permuted": dict(zip(("heads", "kv_heads", "head_dim"), heads)),
+        "recipe": progress,
+        "model_type": config.get("model_type"),
+        **mapped.source,
+    }
+    return plan_state(torch_state, source, options)
+
+
+def _epoch_mapped(
+    latest: str,
+    epoch: str,
+    recipe: str,
+    opened: tuple[dict, dict, list],
+    order: Sequence[str] | None,
+) -> _Mapped:
+    """The epoch's weights and the optimizer's keys' torchtune names (keyed by index:
+    ``order``, or torchtune's builder's if installed)."""
+    loaded, state, groups = opened
+    params, files = _epoch_weights(latest, epoch)
     described, rule = recipe_optimizer(loaded), None
     if order is None and state and all(isinstance(k, int) for k in state):
         # keyed by index: torchtune's builder, if installed, rebuilds the order
@@ -617,48 +683,17 @@ def _plan_with_optimizer(
         elif isinstance(rebuilt, str):
             described += f"; torchtune's builder did not rebuild its order: {rebuilt}"
     to_name = _optimizer_names(state, groups, order, recipe, described)
-    config, q_heads, kv_heads, head_dim = _heads(latest)
-    heads = (q_heads, kv_heads, head_dim)
-    states, moved = _moments(state, to_name, recipe, heads, epochs[-1])
-    # every tensor of recipe_state.pt and every older epoch imported or said skipped
-    recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
-    optimizer_sources = [n for n in recipe_tensors if n.startswith(f"{RECIPE_STATE}:optimizer.")]
-    skipped: dict[str, str] = {}
-    for n in recipe_tensors:
-        if n not in optimizer_sources:
-            skipped[n] = "torchtune recipe state, not a model weight or optimizer state"
-        elif n.startswith(f"{RECIPE_STATE}:{OPTIMIZER_KEY}.param_groups."):
-            skipped[n] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
-    units = [f"{e}/" for e in epochs[:-1] + epoch_folders(src, dist=True)]
-    skipped.update(dict.fromkeys(units, f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)"))
-    named_groups = [
-        {**g, "params": [moved.get(to_name.get(i, ""), i) for i in g.get("params", ())]}
-        for g in groups
-        if isinstance(g, dict)
-    ]
-    sources = [*params, *recipe_tensors, *units]
-    torch_state = TorchState(
-        params, states, named_groups, skipped, recipe, sources, optimizer_sources
-    )
-    source = {
-        "framework": "torchtune",
-        "path": os.path.abspath(src),
-        "epoch": epochs[-1],
-        "files": files,
-        "optimizer_keyed_by": "index" if order is not None else "name",
-        "qk_permuted": {"heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim},
-        "recipe": progress,
-        "model_type": config.get("model_type"),
-    }
+    source: dict[str, Any] = {"files": files}
     if rule is not None:
         source["parameter_order"] = rule
-    return plan_state(torch_state, source, options)
+    return _Mapped(params, to_name, {}, source)
 
 
 def _permuted_heads(tune: str, q_heads: int, kv_heads: int) -> int | None:
     """The heads whose rows ``tune_to_hf`` permutes in torchtune's ``tune`` (q / k projections;
-    of an adapter only ``lora_b``, as ``tune_to_peft_adapter_weights``), else None."""
-    if _LORA_NAME.search(tune) and ".lora_b." not in tune:
+    of an adapter ``lora_b``, as ``tune_to_peft_adapter_weights``, and DoRA's ``magnitude``,
+    which scales those rows), else None."""
+    if ".lora_a." in tune:
         return None
     return q_heads if "q_proj" in tune else kv_heads if "k_proj" in tune else None
 
@@ -666,12 +701,22 @@ def _permuted_heads(tune: str, q_heads: int, kv_heads: int) -> int | None:
 def peft_name(tune: str) -> str | None:
     """torchtune's adapter parameter name as peft's (``tune_to_peft_adapter_weights``:
     ``layers.0.attn.q_proj.lora_a.weight`` -> ``base_model.model.model.layers.0.self_attn.
-    q_proj.lora_A.weight``), or None for a name it does not map (DoRA's ``magnitude`` too)."""
-    m = re.fullmatch(r"(.+)\.lora_(a|b)\.weight", tune)
+    q_proj.lora_A.weight``, DoRA's ``...q_proj.magnitude`` -> ``...q_proj.lora_magnitude_vector``),
+    or None for a name it does not map."""
+    m = re.fullmatch(r"(.+)\.(lora_a\.weight|lora_b\.weight|magnitude)", tune)
     base = renamed(f"{m.group(1)}.weight", TUNE_TO_HF) if m else None
     if m is None or base is None:
         return None
-    return f"base_model.model.{base.removesuffix('.weight')}.lora_{m.group(2).upper()}.weight"
+    part = _PEFT_PARTS[m.group(2)]
+    return f"base_model.model.{base.removesuffix('.weight')}.{part}"
+
+
+#: torchtune's adapter parameters -> peft's (``convert_weights._TO_PEFT_KEYS``)
+_PEFT_PARTS = {
+    "lora_a.weight": "lora_A.weight",
+    "lora_b.weight": "lora_B.weight",
+    "magnitude": "lora_magnitude_vector",
+}
 
 
 def _adapter_order(
@@ -704,18 +749,32 @@ def _adapter_order(
     return dict(zip(sorted(keys), adapter)), how
 
 
-def _plan_lora(
-    src: str,
-    epochs: list[str],
-    recipe: str,
-    opened: tuple[dict, dict, list],
-    options: TorchOptions,
-    order: Sequence[str] | None,
-) -> ImportPlan:
-    """A LoRA recipe's adapter (``adapter_model.pt``) and its moments, in peft's names and q/k
-    rows; the merged weights and peft's copies of the adapter listed in ``source.skipped``."""
-    loaded, state, groups = opened
-    epoch = epochs[-1]
+def _adapter_modules(adapter: dict[str, np.ndarray], pt: str) -> None:
+    """Each adapted module's tensors are LoRA's ``lora_a`` [r, in] and ``lora_b`` [out, r], with
+    DoRA's ``magnitude`` [out] (one per output row: ``DoRALinear``) or without; anything else
+    under those names is refused, naming it (it would be permuted and continued as one)."""
+    modules: dict[str, dict[str, tuple[int, ...]]] = {}
+    for tune, value in adapter.items():  # each one peft_name maps: <module>.<part>[.weight]
+        module, _, part = tune.removesuffix(".weight").rpartition(".")
+        modules.setdefault(module, {})[part] = tuple(value.shape)
+    for module, got in modules.items():
+        a, b = got.get("lora_a", ()), got.get("lora_b", ())
+        lora = len(a) == len(b) == 2 and a[0] == b[1]
+        if not lora or got.get("magnitude", b[:1]) != b[:1]:
+            said = ", ".join(f"{k} {list(v)}" for k, v in got.items())
+            raise SourceError(
+                f"{pt}: {module}'s adapter tensors are {said}: expected lora_a [r, in] and "
+                f"lora_b [out, r] (LoRALinear), with DoRA's magnitude [out] (DoRALinear) or "
+                f"without: not imported"
+            )
+
+
+def _lora_adapter(
+    src: str, epoch: str, recipe: str, opened: tuple[dict, list, Any], heads: tuple[int, int, int]
+) -> _Mapped:
+    """A LoRA recipe's adapter (``adapter_model.pt``) in peft's names and q/k rows; the merged
+    weights and peft's copies of the adapter skipped."""
+    state, groups, order = opened
     latest = os.path.join(src, epoch)
     pt = f"{epoch}/{ADAPTER_PT}"
     adapter = torch_zip.load_torch_file(files.inside(src, pt, src))
@@ -725,14 +784,13 @@ def _plan_lora(
     unmapped = [n for n in adapter if not isinstance(n, str) or peft_name(n) is None]
     if unmapped:
         raise SourceError(
-            f"{pt}: adapter tensors {_names(unmapped)} have no peft name (lora_a / lora_b of "
-            f"the tune_to_hf table's modules are mapped; DoRA's magnitude is not): not imported. "
+            f"{pt}: adapter tensors {_names(unmapped)} have no peft name (lora_a / lora_b and "
+            f"DoRA's magnitude of the tune_to_hf table's modules are mapped): not imported. "
             f"Convert with weights_only=True to import {epoch}/'s merged weights"
         )
+    _adapter_modules(adapter, pt)
     to_name, how = _adapter_order(state, groups, adapter, order, recipe, pt)
-    config, q_heads, kv_heads, head_dim = _heads(latest)
-    heads = (q_heads, kv_heads, head_dim)
-    states, moved = _moments(state, to_name, recipe, heads, epoch)
+    q_heads, kv_heads, head_dim = heads
     params: dict[str, TensorRef] = {}
     for tune, value in adapter.items():
         rows = _permuted_heads(tune, q_heads, kv_heads)
@@ -749,36 +807,19 @@ def _plan_lora(
             {"format": "torch_files", "file": pt, "torchtune_name": tune}
             | ({"rows_permuted": {"heads": rows, "head_dim": head_dim}} if rows else {}),
         )
-    recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
-    optimizer_sources = [n for n in recipe_tensors if n.startswith(f"{RECIPE_STATE}:optimizer.")]
-    skipped = {
-        n: "torchtune recipe state, not a model weight or optimizer state"
-        for n in recipe_tensors
-        if n not in optimizer_sources
-    }
     merged = sorted(
         f"{epoch}/{n}"
         for n in os.listdir(latest)
         if n.endswith(".safetensors") and n not in ADAPTER_FILES
     )
-    skipped.update(
-        dict.fromkeys(
-            merged,
-            (
-                "the merged weights (the base + alpha/r lora_b @ lora_a, rounded): not the base the "
-                "adapter trains over; weights_only=True imports them"
-            ),
-        )
+    dora = [n for n in adapter if n.endswith(".magnitude")]
+    skipped = dict.fromkeys(
+        merged,
+        f"the merged weights (the base + alpha/r lora_b @ lora_a{', DoRA-scaled' if dora else ''}"
+        f", rounded): not the base the adapter trains over; weights_only=True imports them",
     )
     peft_copies = [f"{epoch}/{n}" for n in adapter_files(latest) if n != ADAPTER_PT]
     skipped.update(dict.fromkeys(peft_copies, f"peft's copy of {pt} (imported in peft's names)"))
-    units = [f"{e}/" for e in epochs[:-1] + epoch_folders(src, dist=True)]
-    skipped.update(dict.fromkeys(units, f"an earlier epoch's checkpoint ({epoch}/ imported)"))
-    named_groups = [
-        {**g, "params": [moved[to_name[i]] for i in g.get("params", ()) if i in to_name]}
-        for g in groups
-        if isinstance(g, dict)
-    ]
     adapter_config = os.path.join(latest, ADAPTER_CONFIG_FILE)
     lora = (
         read_json(side_file(latest, ADAPTER_CONFIG_FILE)) if os.path.lexists(adapter_config) else {}
@@ -796,29 +837,21 @@ def _plan_lora(
         )
         + ": import it beside, frozen"
     )
-    sources = [*(f"{pt}:{t}" for t in adapter), *recipe_tensors, *merged, *peft_copies, *units]
-    torch_state = TorchState(
-        params, states, named_groups, skipped, recipe, sources, optimizer_sources
+    dora_note = (
+        f"DoRA (use_dora; {ADAPTER_CONFIG_FILE} says peft_type LORA without it): the "
+        f"{len(dora)} magnitudes imported as peft's lora_magnitude_vector, the q/k ones "
+        f"permuted as the rows they scale (torchtune's adapter_model.safetensors leaves them "
+        f"unpermuted, which peft's DoRA forward does not match)"
     )
     source = {
-        "framework": "torchtune",
-        "path": os.path.abspath(src),
-        "epoch": epoch,
         "files": [ADAPTER_PT],
-        "optimizer_keyed_by": "index" if all(isinstance(k, int) for k in state) else "name",
         "parameter_order": how,
-        "qk_permuted": {"heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim},
-        "recipe": {
-            k: loaded[k]
-            for k in ("seed", "epochs_run", "total_epochs", "max_steps_per_epoch")
-            if isinstance(loaded.get(k), int)
-        },
-        "model_type": config.get("model_type"),
         "lora": {
             k: lora[k]
             for k in ("r", "lora_alpha", "target_modules", "base_model_name_or_path")
             if k in lora
-        },
-        "notes": [note],
+        }
+        | ({"use_dora": True} if dora else {}),
+        "notes": [note, dora_note] if dora else [note],
     }
-    return plan_state(torch_state, source, options)
+    return _Mapped(params, to_name, skipped, source)

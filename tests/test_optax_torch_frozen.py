@@ -1,0 +1,78 @@
+"""Parameters a torch run did not train (no optimizer state: a LoRA base, ``requires_grad=False``)
+are held by ``optax_from_torch``'s continuation: zero updates whatever gradient is fed, the
+trained ones stepped as torch steps them (issue 70). Against torch itself: a model with a frozen
+base layer, AdamW over ``model.parameters()`` (as torchtune's LoRA recipe builds it), saved by
+torch DCP from ``get_state_dict`` and stepped once more; and DeepSpeed's own frozen-parameter
+run (tests/fixtures/deepspeed/z2_bf16_dp2_frozen)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import jax_ucp
+from tests.ucp_testing import REPO
+
+
+def _updates(run, grads):
+    updates, state = run.tx.update(grads, run.opt_state, run.params)
+    return {n: np.asarray(v) for n, v in updates.items()}, state
+
+
+@pytest.mark.torch  # torch-free, but seconds of JAX compiling: in the torch stage
+def test_deepspeeds_frozen_parameters_get_no_update():
+    src = os.path.join(REPO, "tests", "fixtures", "deepspeed", "z2_bf16_dp2_frozen", "ckpt")
+    run = jax_ucp.optax_from_torch(src)
+    frozen = {"wpe.weight", "h.0.ln_1.bias"}  # requires_grad=False in the run (test_reach.py)
+    assert any("2 leaves without optimizer state held" in n for n in run.notes)
+    grads = {n: np.ones(np.shape(v), np.float32) for n, v in run.params.items()}
+    for name, update in _updates(run, grads)[0].items():
+        assert (not update.any()) == (name in frozen), name
+
+
+@pytest.mark.torch
+def test_a_frozen_base_continues_as_torch_steps_it(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    net[0].requires_grad_(False)  # the base
+    optim = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randn(5, 8)
+
+    def backward():
+        optim.zero_grad()
+        net(x).square().sum().backward()
+
+    for _ in range(3):
+        backward()
+        optim.step()
+    model, optimizer = get_state_dict(net, optim)
+    dcp.save({"model": model, "optimizer": optimizer}, checkpoint_id=str(tmp_path / "dcp"))
+    backward()
+    grads = {n: p.grad.numpy().copy() for n, p in net.named_parameters() if p.grad is not None}
+    optim.step()
+    want = {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+
+    run = jax_ucp.optax_from_torch(str(tmp_path / "dcp"), schedule=1e-2, clip=None)
+    assert run.step == 3
+    names = {n: next(k for k in run.params if k.endswith(n)) for n in want}
+    rng = np.random.default_rng(0)  # a jax.grad over the whole model: the base's too
+    fed = {
+        names[n]: grads.get(n, rng.standard_normal(v.shape, np.float32)) for n, v in want.items()
+    }
+    updates, state = _updates(run, fed)
+    for n, value in want.items():
+        got = np.asarray(run.params[names[n]]) + updates[names[n]]
+        np.testing.assert_allclose(got, value, rtol=0, atol=1e-6, err_msg=n)
+    assert not updates[names["0.weight"]].any() and not updates[names["0.bias"]].any()
+    (exported,) = run.torch_state_dicts(state)  # back to torch: the base without state, as torch
+    torchs = optim.state_dict()["state"]
+    assert sorted(exported["state"]) == sorted(torchs) == [2, 3]
+    for i, per in torchs.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_allclose(exported["state"][i][key], per[key], rtol=1e-6, atol=1e-9)
