@@ -26,7 +26,7 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
-from jax_ucp._src.store import shard_reader, storage
+from jax_ucp._src.store import shard_reader
 from jax_ucp._src.store.storage import Storage, local_view, ranged
 from jax_ucp._src.torchfiles import allow_list, dcp_transforms, torch_zip
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
@@ -158,19 +158,16 @@ class ObjectPath(str):
 
 
 def folder(path: os.PathLike | str) -> Path | ObjectPath:
-    """``path`` as the reader holds it: an :class:`ObjectPath` for a remote URL (an object
-    store's, a Hub repo's), or for a folder of a remote source's local view
-    (``local_view.stored_at``: its DCP files are empty there)."""
+    """``path`` as the reader holds it: an :class:`ObjectPath` for a folder of a remote
+    source's local view (``local_view.stored_at``: its DCP files are empty there), the path
+    itself otherwise (the importers read a remote source through its view)."""
     if isinstance(path, ObjectPath):
         return path
     viewed = local_view.stored_at(path)
-    if viewed is not None:
-        where, key = viewed
-        return ObjectPath("/".join(p for p in (where.root.rstrip("/"), key) if p), where, key)
-    if isinstance(path, Path):
-        return path
-    where = storage.storage_for(path)
-    return Path(path) if where.local else ObjectPath(str(path), where)
+    if viewed is None:
+        return Path(path)
+    where, key = viewed
+    return ObjectPath("/".join(p for p in (where.root.rstrip("/"), key) if p), where, key)
 
 
 @dataclass(frozen=True)
