@@ -157,12 +157,14 @@ class ObjectPath(str):
         return self.rpartition("/")[2]
 
 
-def folder(path: os.PathLike | str) -> Path | ObjectPath:
-    """``path`` as the reader holds it: an :class:`ObjectPath` for a folder of a remote
-    source's local view (``local_view.stored_at``: its DCP files are empty there), the path
-    itself otherwise (the importers read a remote source through its view)."""
+def folder(path: os.PathLike | str | Storage) -> Path | ObjectPath:
+    """``path`` as the reader holds it: an :class:`ObjectPath` for a folder's ``Storage`` (read
+    by ranged GETs) or a folder of a remote source's local view (``local_view.stored_at``: its
+    DCP files are empty there), a local path itself."""
     if isinstance(path, ObjectPath):
         return path
+    if isinstance(path, Storage):
+        return ObjectPath(path.root, path)
     viewed = local_view.stored_at(path)
     if viewed is None:
         return Path(path)
@@ -898,7 +900,9 @@ def _tensor_entry(
 
 
 def open_dcp(
-    path: os.PathLike | str, extra_classes: dict[str, Any] | None = None, fsdp_dtensor: bool = False
+    path: os.PathLike | str | Storage,
+    extra_classes: dict[str, Any] | None = None,
+    fsdp_dtensor: bool = False,
 ) -> DcpCheckpoint:
     """Parse ``.metadata`` into checked entries (``extra_classes``: more stand-ins)."""
     root = folder(path)

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ucp
 from jax_ucp._src.importers import registry
+from jax_ucp._src.store.storage import storage_for
 from jax_ucp._src.torchfiles import dcp as torch_dcp
 from jax_ucp._src.torchfiles import dcp_safetensors
 from jax_ucp.errors import SourceError
@@ -123,7 +124,7 @@ def test_zstd_dcp_in_an_object_store_restores_as_the_local_folder(bucket_url):
     remote = jax_ucp.restore(prefix, target=_target(want))
     for key, value in want.items():
         assert_bit_exact(remote["params"][key], value, key)
-    assert torch_dcp.open_dcp(prefix).read_object("step") == 3
+    assert torch_dcp.open_dcp(storage_for(prefix)).read_object("step") == 3
 
 
 @pytest.mark.timeout(300)
