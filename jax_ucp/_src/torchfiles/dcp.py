@@ -158,9 +158,8 @@ class ObjectPath(str):
 
 
 def folder(path: os.PathLike | str | Storage) -> Path | ObjectPath:
-    """``path`` as the reader holds it: an :class:`ObjectPath` for a folder's ``Storage`` (read
-    by ranged GETs) or a folder of a remote source's local view (``local_view.stored_at``: its
-    DCP files are empty there), a local path itself."""
+    """``path`` as the reader holds it: a folder's ``Storage``, or a folder of a remote source's
+    local view (``local_view.stored_at``: empty DCP files), as an :class:`ObjectPath` (ranges)."""
     if isinstance(path, ObjectPath):
         return path
     if isinstance(path, Storage):
