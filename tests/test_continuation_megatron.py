@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,8 +20,9 @@ import pytest
 import jax_ucp
 from jax_ucp._src.continuation.megatron import MegatronSchedule, megatron_recipe
 from jax_ucp._src.errors import RequestError, SourceError
-from jax_ucp._src.importers.megatron import MegatronOptions, plan_megatron
+from jax_ucp._src.importers.megatron import MegatronOptions, dcp, legacy, plan_megatron
 from jax_ucp.conversion import ImportOptions
+from tests.torch_edit import edit_dcp_object, edit_torch_file
 
 FIX = Path(__file__).parent / "fixtures" / "megatron"
 SCHEDULED = "gpt_distopt_dp2_scheduler_synthetic"
@@ -412,6 +414,111 @@ def test_custom_no_weight_decay_rule_refused(scheduled):
     edited = _edit(source, "param_groups", wd_mult=1.0, weight_decay=SAVED_WD)
     with pytest.raises(SourceError, match=r"no_weight_decay_cond"):
         megatron_recipe(edited, saved, "ckpt")
+
+
+# ------------------------------------------------ dp_reshardable: the groups in every rank's object
+
+DISTOPT = FIX / "mcore_versions" / "0.16.1" / "gpt_distopt_dp_reshardable"  # one rank object
+DISTOPT_TP2 = FIX / "mcore_versions" / "0.19.2" / "llama_distopt_bf16_tp2_dp_reshardable"
+RANK = "optimizer.distributed.dp_group_idx_{}.optimizer/"
+
+
+def _rank_groups(change):
+    """``change(group)`` on every param group of a rank object's tree (edit_dcp_object's)."""
+
+    def edit(tree):
+        for group in tree[0]["param_groups"]:
+            change(group)
+
+    return edit
+
+
+def _scheduled_distopt(root: Path) -> Path:
+    """The dp_reshardable save with the scheduler run's common state (its args, scheduler,
+    iteration), its layout said as megatron-core's dp_reshardable save says it."""
+    shutil.copytree(DISTOPT, root)
+    shutil.copyfile(FIX / f"{SCHEDULED}.common.pt", root / "common.pt")
+
+    def layout(tree):
+        tree["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}
+
+    edit_torch_file(root / "common.pt", layout)
+    return root
+
+
+def test_dp_reshardable_groups_are_read_from_every_rank_object(tmp_path):
+    """megatron-core's dp_reshardable save keeps its param groups (lr, betas, eps, weight decay,
+    wd_mult / lr_mult...) in each model-parallel rank's optimizer object, not in common.pt:
+    they are recorded as megatron-core saved them (read through the DCP reader here) and
+    continue a megatron-core run as the per-parameter layout's do; a rank whose groups state
+    another betas, or another weight decay for the same wd_mult, is refused naming each rank's
+    object and value (only the step was read from them, and compared)."""
+    record = plan_megatron(DISTOPT, MegatronOptions()).source["megatron_optimizer"]
+    checkpoint = dcp.open_dcp(DISTOPT)
+    (name,) = [n for n in checkpoint.objects if n.startswith(RANK.format(0))]
+    saved = checkpoint.read_object(name, legacy.LEGACY_CLASSES)[0]["param_groups"]
+    assert record["groups_file"] == RANK.format(0)[:-1]
+    plain = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in saved]
+    assert record["param_groups"] == [{k: v for k, v in g.items() if k != "params"} for g in plain]
+    run = jax_ucp.optax_from_torch(str(DISTOPT), schedule=saved[0]["lr"], clip=1.0)
+    assert (run.step, run.optimizer) == (int(saved[0]["step"]), "adamw")
+    assert run.notes[0].startswith("megatron-core AdamW") and RANK.format(0)[:-1] in run.notes[0]
+    for field, change, match in [
+        (
+            "betas",
+            lambda g: g.update(betas=(0.8, 0.95)),
+            r"betas: .*_0\.optimizer .*\[0\.9, 0\.95\]",
+        ),
+        (
+            "weight_decay",
+            lambda g: g.update(weight_decay=g["wd_mult"] * 0.5),
+            r"\[wd_mult 1\.0\]\.weight_decay = 0\.5",
+        ),
+        ("eps", lambda g: g.update(eps=1e-6), r"on param_groups\.eps: .*_1\.optimizer .*1e-06"),
+    ]:
+        src = tmp_path / field
+        shutil.copytree(DISTOPT_TP2, src)
+        edit_dcp_object(src, RANK.format(1), _rank_groups(change))
+        with pytest.raises(SourceError, match=r"records of this save disagree") as raised:
+            plan_megatron(src, MegatronOptions())
+        assert raised.match(match) and raised.match(RANK.format(0)[:-1])
+
+
+def test_dp_reshardable_groups_are_compared_with_the_args_and_scheduler(tmp_path):
+    """The rank object's groups against common.pt's args and OptimizerParamScheduler: groups
+    holding another lr than the schedule's at the saved samples are refused naming the object
+    (continued at the scheduler's lr before, the optimizer's own never read); groups as the
+    scheduler set them continue as the per-parameter fixture's common state does."""
+    src = _scheduled_distopt(tmp_path / "run")
+    with pytest.raises(
+        SourceError, match=r"dp_group_idx_0\.optimizer\): param_groups\[0\]\.min_lr"
+    ):
+        jax_ucp.optax_from_torch(str(src))
+
+    def as_scheduled(group):
+        group.update(lr=SAVED_LR, min_lr=0.001, weight_decay=SAVED_WD * group["wd_mult"])
+
+    edit_dcp_object(src, RANK.format(0), _rank_groups(as_scheduled))
+    run = jax_ucp.optax_from_torch(str(src))
+    assert run.step == 2 and run.unrecovered == []
+    np.testing.assert_allclose(float(run.schedule(2)), SAVED_LR, rtol=1e-6)
+    for field, value, match in [
+        ("lr", 0.01, r"param_groups\[0\]\.lr 0\.01 is not the schedule's"),
+        ("betas", (0.8, 0.95), r"betas \(0\.8, 0\.95\) but args \(0\.9, 0\.95\)"),
+        ("max_lr", 0.02, r"disagree on max_lr: .*param_groups\[0\]\.max_lr = 0\.02"),
+        ("decoupled_weight_decay", False, r"decoupled_weight_decay False but args True"),
+    ]:
+        edited = tmp_path / field
+        shutil.copytree(src, edited)
+        edit_dcp_object(edited, RANK.format(0), _rank_groups(lambda g: g.update({field: value})))
+        with pytest.raises(
+            SourceError, match=r"common\.pt, optimizer\.distributed\.dp_group_idx_0"
+        ):
+            try:
+                jax_ucp.optax_from_torch(str(edited))
+            except SourceError as e:
+                assert re.search(match, str(e)), str(e)
+                raise
 
 
 # ----------------------------------------------------------------------------- megatron-core

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
 import struct
+import zipfile
 from typing import Any, ClassVar
 
 from jax_ucp._src.torchfiles.pickle_format import Call, Global, Persistent
@@ -23,7 +25,7 @@ class Built:
     state: Any
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # by identity: DCP's .metadata keys a dict by such nodes
 class New:
     """``cls.__new__(cls, *args)`` (NEWOBJ), its state (None: no BUILD)."""
 
@@ -149,3 +151,35 @@ def edit_torch_file(path, change) -> None:
 def state_of(obj: Any) -> Any:
     """The state (``__dict__``) of a pickled object: a ``New``'s or a ``Built``'s."""
     return obj.state
+
+
+def edit_dcp_object(folder, prefix: str, change) -> str:
+    """The torch DCP ``folder``'s object named ``prefix...`` (a ``torch.save`` archive inside a
+    ``.distcp`` file) with ``change(tree)`` applied to its pickle: the new archive appended to
+    its file and ``.metadata`` pointed at it, the old bytes left unread. Returns its name."""
+    meta = os.path.join(folder, ".metadata")
+    with open(meta, "rb") as f:
+        tree = loads(f.read())
+    found = [(k, v) for k, v in tree.state["storage_data"].items()]
+    key, info = next((k, v) for k, v in found if k.state["fqn"].startswith(prefix))
+    where = info.state
+    path = os.path.join(folder, where["relative_path"])
+    with open(path, "rb") as f:
+        f.seek(where["offset"])
+        archive = f.read(where["length"])
+    with zipfile.ZipFile(io.BytesIO(archive)) as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members:
+            if name.endswith("data.pkl"):
+                pickled = loads(data)
+                change(pickled)
+                data = dumps(pickled)
+            z.writestr(name, data)
+    where["offset"], where["length"] = os.path.getsize(path), len(out.getvalue())
+    with open(path, "ab") as f:
+        f.write(out.getvalue())
+    with open(meta, "wb") as f:
+        f.write(dumps(tree))
+    return key.state["fqn"]

@@ -447,6 +447,7 @@ def _read_record(
     if not isinstance(record, dict):
         raise SourceError(f"{where}: source.{RECORD} is {type(record).__name__}, not a mapping")
     read = (record.get("file") or "its common state", record.get("args_file"))
+    read += (record.get("groups_file"),)  # torch_dist's per-rank optimizer objects
     file = f"{where} ({', '.join(str(f) for f in read if f)})"  # Bridge: and its run config
     args = _Fields(_section(record, "args", file), "args", file)
     state = _section(record, "opt_param_scheduler", file)
