@@ -22,13 +22,17 @@ from jax_ucp._src.continuation.megatron import MegatronSchedule, megatron_recipe
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.importers.megatron import MegatronOptions, dcp, legacy, plan_megatron
 from jax_ucp.conversion import ImportOptions
-from tests.torch_edit import edit_dcp_object, edit_torch_file
+from tests.megatron_testing import (
+    DISTOPT,
+    RANK_OBJECT,
+    SAVED_LR,
+    SAVED_WD,
+    scheduled_distopt,
+)
+from tests.torch_edit import edit_dcp_object
 
 FIX = Path(__file__).parent / "fixtures" / "megatron"
 SCHEDULED = "gpt_distopt_dp2_scheduler_synthetic"
-# what megatron-core's scheduler set on the saved param groups at 8 samples (the fixture's
-# generator, tools/fixtures/make_megatron_scheduler_fixture.py, printed them)
-SAVED_LR, SAVED_WD = 0.009997734440724333, 0.0118
 
 
 @pytest.fixture(scope="module")
@@ -418,9 +422,8 @@ def test_custom_no_weight_decay_rule_refused(scheduled):
 
 # ------------------------------------------------ dp_reshardable: the groups in every rank's object
 
-DISTOPT = FIX / "mcore_versions" / "0.16.1" / "gpt_distopt_dp_reshardable"  # one rank object
 DISTOPT_TP2 = FIX / "mcore_versions" / "0.19.2" / "llama_distopt_bf16_tp2_dp_reshardable"
-RANK = "optimizer.distributed.dp_group_idx_{}.optimizer/"
+RANK = RANK_OBJECT
 
 
 def _rank_groups(change):
@@ -431,19 +434,6 @@ def _rank_groups(change):
             change(group)
 
     return edit
-
-
-def _scheduled_distopt(root: Path) -> Path:
-    """The dp_reshardable save with the scheduler run's common state (its args, scheduler,
-    iteration), its layout said as megatron-core's dp_reshardable save says it."""
-    shutil.copytree(DISTOPT, root)
-    shutil.copyfile(FIX / f"{SCHEDULED}.common.pt", root / "common.pt")
-
-    def layout(tree):
-        tree["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}
-
-    edit_torch_file(root / "common.pt", layout)
-    return root
 
 
 def test_dp_reshardable_groups_are_read_from_every_rank_object(tmp_path):
@@ -484,24 +474,26 @@ def test_dp_reshardable_groups_are_read_from_every_rank_object(tmp_path):
         assert raised.match(match) and raised.match(RANK.format(0)[:-1])
 
 
-def test_dp_reshardable_groups_are_compared_with_the_args_and_scheduler(tmp_path):
+def test_dp_reshardable_groups_are_compared_with_the_args_and_scheduler(tmp_path, scheduled):
     """The rank object's groups against common.pt's args and OptimizerParamScheduler: groups
     holding another lr than the schedule's at the saved samples are refused naming the object
     (continued at the scheduler's lr before, the optimizer's own never read); groups as the
     scheduler set them continue as the per-parameter fixture's common state does."""
-    src = _scheduled_distopt(tmp_path / "run")
+    saved = scheduled[1]  # the same GPT's tensors
+
+    def recipe(src: Path):
+        return megatron_recipe(plan_megatron(src, MegatronOptions()).source, saved, "ckpt")
+
+    src = scheduled_distopt(tmp_path / "run", consistent=False)
     with pytest.raises(
-        SourceError, match=r"dp_group_idx_0\.optimizer\): param_groups\[0\]\.min_lr"
+        SourceError, match=r"dp_group_idx_0\.optimizer\): param_groups\[0\]\.min_lr = None"
     ):
-        jax_ucp.optax_from_torch(str(src))
+        recipe(src)
 
-    def as_scheduled(group):
-        group.update(lr=SAVED_LR, min_lr=0.001, weight_decay=SAVED_WD * group["wd_mult"])
-
-    edit_dcp_object(src, RANK.format(0), _rank_groups(as_scheduled))
-    run = jax_ucp.optax_from_torch(str(src))
-    assert run.step == 2 and run.unrecovered == []
-    np.testing.assert_allclose(float(run.schedule(2)), SAVED_LR, rtol=1e-6)
+    src = scheduled_distopt(tmp_path / "consistent")
+    run = recipe(src)
+    assert run is not None and run.unrecovered == () and run.betas == (0.9, 0.95)
+    np.testing.assert_allclose(float(run.learning_rate(2)), SAVED_LR, rtol=1e-6)
     for field, value, match in [
         ("lr", 0.01, r"param_groups\[0\]\.lr 0\.01 is not the schedule's"),
         ("betas", (0.8, 0.95), r"betas \(0\.8, 0\.95\) but args \(0\.9, 0\.95\)"),
@@ -511,11 +503,9 @@ def test_dp_reshardable_groups_are_compared_with_the_args_and_scheduler(tmp_path
         edited = tmp_path / field
         shutil.copytree(src, edited)
         edit_dcp_object(edited, RANK.format(0), _rank_groups(lambda g: g.update({field: value})))
-        with pytest.raises(
-            SourceError, match=r"common\.pt, optimizer\.distributed\.dp_group_idx_0"
-        ):
+        with pytest.raises(SourceError, match=r"ckpt \(common\.pt, optimizer\.distributed\.dp_gr"):
             try:
-                jax_ucp.optax_from_torch(str(edited))
+                recipe(edited)
             except SourceError as e:
                 assert re.search(match, str(e)), str(e)
                 raise
