@@ -222,6 +222,16 @@ KINDS = {
             jax=True,
             ops=("record-disagree", "path-form"),
         ),
+        # dp_reshardable: the param groups in each rank's optimizer object, against
+        # common.pt's args and scheduler (a record edited, a group field fuzzed)
+        Kind(
+            "run_records_megatron_distopt",
+            ("@megatron_distopt",),
+            ("optax-direct",),
+            ("convert-settings",),
+            jax=True,
+            ops=("record-disagree", "group-fuzz"),
+        ),
         Kind(
             "run_records_torchtune",
             ("torchtune/tt_dist_fp32",),
@@ -476,6 +486,16 @@ def _build_megatron_scheduled(pristine, root, out, work) -> Input:
     return Input(root, root, out)
 
 
+def _build_megatron_distopt(pristine, root, out, work) -> Input:
+    """megatron-core's dp_reshardable save (its param groups in its rank's optimizer object)
+    with the scheduler run's common state, every record of one run
+    (``megatron_testing.scheduled_distopt``)."""
+    from tests.megatron_testing import scheduled_distopt
+
+    scheduled_distopt(pristine)
+    return Input(root, root, out)
+
+
 def _build_canary(pristine, root, out, work) -> Input:
     os.makedirs(pristine)
     with open(os.path.join(pristine, "record.json"), "w") as f:
@@ -536,6 +556,7 @@ BUILDERS: dict[str, Callable[..., Input]] = {
     "@hf_cache": _build_hf_cache,
     "@verl_megatron": _build_verl_megatron,
     "@megatron_scheduled": _build_megatron_scheduled,
+    "@megatron_distopt": _build_megatron_distopt,
 }
 
 
