@@ -914,6 +914,51 @@ def settings_rewrite(c: Context) -> Mutation | None:
     return Mutation("settings-rewrite", "ucp.json", ".".join(map(str, at)) + " changed")
 
 
+def run_record_edit(c: Context) -> Mutation | None:
+    """One field of the Megatron run ``ucp.json`` records (``source.megatron_optimizer``: its
+    args, scheduler state, param groups and iteration; ``source.iteration``) doubled, gone, or
+    made a string, absurd, negative, a list or None: a writer passing the record on (the
+    megatron export, into common.pt) must refuse it by name or write what the intact gives.
+    Left out: the fields only one record states (:data:`_ONE_RECORD`), whose change no reader
+    can tell from a run that had that value."""
+    if "ucp.json" not in c.files:
+        return None
+    doc = json.loads(c.read("ucp.json"))
+    source = doc.get("source") or {}
+    if not isinstance(source.get("megatron_optimizer"), dict):
+        return None
+    leaves: list[list] = [["iteration"]] if "iteration" in source else []
+
+    def walk(node, at: list) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, [*at, k])
+        elif isinstance(node, list) and at[-1] != "betas":
+            for i, v in enumerate(node):
+                walk(v, [*at, i])
+        elif ".".join(str(a) for a in at[1:] if isinstance(a, str)) not in _ONE_RECORD:
+            leaves.append(at)
+
+    walk(source["megatron_optimizer"], ["megatron_optimizer"])
+    at = c.rng.choice(leaves)
+    node = source
+    for k in at[:-1]:
+        node = node[k]
+    old = node[at[-1]]
+    number = type(old) in (int, float)
+    value = c.rng.choice(((2 * old if old else 1) if number else "<gone>", *_FUZZ))
+    if value == "<gone>":
+        del node[at[-1]]
+    else:
+        node[at[-1]] = value
+    c.write("ucp.json", json.dumps(doc, indent=1).encode())
+    return Mutation("run-record-edit", "ucp.json", f"source.{'.'.join(map(str, at))} -> {value!r}")
+
+
+#: fields of the record one record alone states, so a change is a run that had that value
+_ONE_RECORD = {"file", "args.clip_grad"}
+
+
 #: what ``group-fuzz`` puts in a param group's field: gone, a string, absurd, negative, a list
 _FUZZ = ("<gone>", "x", 1e308, -1, [1, 2, 3], None)
 
@@ -1022,6 +1067,7 @@ SEMANTIC_OPS = {
     "record-disagree": record_disagree,
     "settings-rewrite": settings_rewrite,
     "group-fuzz": group_fuzz,
+    "run-record-edit": run_record_edit,
 }
 
 

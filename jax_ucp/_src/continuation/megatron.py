@@ -18,7 +18,7 @@ from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.facts import Facts
 from jax_ucp._src.format.manifest import torch_optimizer_record
 
-__all__ = ["MegatronSchedule", "megatron_recipe"]
+__all__ = ["MegatronSchedule", "check_megatron_record", "megatron_recipe"]
 
 #: the ``source`` key Megatron's importers record the run's optimizer under: this reader's cue
 RECORD = "megatron_optimizer"
@@ -298,6 +298,85 @@ def megatron_recipe(
         unrecovered=tuple(unrecovered),
         at_step=_step_check(step, gbs, file),
     )
+
+
+#: the param-group fields megatron-core 0.13-0.19 saves and what each must hold where saved
+#: ("number": a finite number >= 0); the groups must hold the same fields
+GROUP_FIELDS = {
+    **dict.fromkeys(("lr", "max_lr", "weight_decay", "step", "wd_mult", "lr_mult"), "number"),
+    **dict.fromkeys(("min_lr",), "number or None"),
+    **dict.fromkeys(("foreach", "fused"), "true, false or None"),
+    **dict.fromkeys(
+        ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay"),
+        "true or false",
+    ),
+    **dict.fromkeys(("is_expert_parallel", "is_decoupled_lr", "default_config"), "true or false"),
+}
+#: the OptimizerParamScheduler fields a complete record holds (megatron-core 0.16's state_dict)
+SCHEDULER_REQUIRED = SCHEDULER_KEYS[:10]
+
+
+def check_megatron_record(
+    source: Mapping[str, Any], saved: Mapping[Any, tuple[tuple[int, ...], Any]], where: str
+) -> None:
+    """The recorded Megatron run (``source.megatron_optimizer``) checked for a writer that
+    passes it on (the megatron export writes it into common.pt, where Megatron-LM resumes
+    from it): every param group holds the fields the others hold, each of its kind, and the
+    record is read as :func:`megatron_recipe` reads it (every fact it states several times
+    agreeing, the groups' rates the schedule's). A scheduler record missing a field (which
+    Megatron-LM refuses on load) leaves the groups checked alone.
+
+    Raises:
+        SourceError: a field of the wrong kind, or records that disagree, each named.
+        RequestError: what :func:`megatron_recipe` cannot read (another optimizer, a scaled
+            learning rate...), so cannot check either."""
+    record = source.get(RECORD)
+    if record is None:
+        return
+    if not isinstance(record, dict):
+        raise SourceError(f"{where}: source.{RECORD} is {type(record).__name__}, not a mapping")
+    facts, args = Facts(where), _section(record, "args", where)
+    for said, value in (
+        (f"{RECORD}.iteration", record.get("iteration")),
+        (f"{RECORD}.args.iteration", args.get("iteration")),
+        ("source.iteration", source.get("iteration")),
+    ):
+        if value is not None:
+            facts.state("iteration", said, value)
+    facts.agree_all()
+    groups = _groups(record, where)
+    for group in groups:
+        _check_group(group)
+        if set(group.values) != set(groups[0].values):
+            odd = sorted(set(group.values) ^ set(groups[0].values))
+            raise SourceError(
+                f"{where}: {RECORD}.{group.section} and param_groups[0] hold other fields "
+                f"({odd}): one optimizer saves the same fields in every group"
+            )
+    scheduler = _section(record, "opt_param_scheduler", where)
+    if scheduler and any(k not in scheduler for k in SCHEDULER_REQUIRED):
+        record = {k: v for k, v in record.items() if k not in ("opt_param_scheduler", "args")}
+        source = {**source, RECORD: record}
+    if groups or scheduler:
+        megatron_recipe(source, saved, where)
+
+
+def _check_group(group: _Fields) -> None:
+    for key, kind in GROUP_FIELDS.items():
+        value = group.values.get(key)
+        if key not in group.values or (value is None and "None" in kind):
+            continue
+        if kind.startswith("number"):
+            group.number(key)
+        elif not isinstance(value, bool):
+            raise group.refuse(key, kind)
+    if "betas" in group.values or "eps" in group.values:
+        pair = group.values.get("betas")
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise group.refuse("betas", "two numbers")
+        betas = _Fields({"b1": pair[0], "b2": pair[1]}, f"{group.section}.betas", group.where)
+        betas.number("b1", high=1.0), betas.number("b2", high=1.0)
+        group.number("eps", above=True, high=1.0)
 
 
 def _scheduler_facts(
