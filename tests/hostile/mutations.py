@@ -920,7 +920,8 @@ def run_record_edit(c: Context) -> Mutation | None:
     made a string, absurd, negative, a list or None: a writer passing the record on (the
     megatron export, into common.pt) must refuse it by name or write what the intact gives.
     Left out: the fields only one record states (:data:`_ONE_RECORD`), whose change no reader
-    can tell from a run that had that value."""
+    can tell from a run that had that value, and an argument removed or set to None (or one
+    unset given a value): a setting not recorded, or recorded once."""
     if "ucp.json" not in c.files:
         return None
     doc = json.loads(c.read("ucp.json"))
@@ -946,7 +947,10 @@ def run_record_edit(c: Context) -> Mutation | None:
         node = node[k]
     old = node[at[-1]]
     number = type(old) in (int, float)
-    value = c.rng.choice(((2 * old if old else 1) if number else "<gone>", *_FUZZ))
+    values = ((2 * old if old else 1) if number else "<gone>", *_FUZZ)
+    if at[1:2] == ["args"]:  # an argument left out, or None, is not recorded: a run without it
+        values = tuple(v for v in values if v not in ("<gone>", None) and old is not None)
+    value = c.rng.choice(values or ("x",))
     if value == "<gone>":
         del node[at[-1]]
     else:

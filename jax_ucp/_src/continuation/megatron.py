@@ -344,6 +344,7 @@ def check_megatron_record(
         if value is not None:
             facts.state("iteration", said, value)
     facts.agree_all()
+    _check_args(_Fields(args, "args", where))
     groups = _groups(record, where)
     for group in groups:
         _check_group(group)
@@ -361,6 +362,34 @@ def check_megatron_record(
         megatron_recipe(source, saved, where)
 
 
+#: the kinds of Megatron-LM's run arguments the record keeps (the others: numbers >= 0)
+_ARG_FLAGS = ("fp16", "bf16", "use_checkpoint_opt_param_scheduler", "optimizer_cpu_offload",
+              "override_opt_param_scheduler", "use_distributed_optimizer",
+              "decoupled_weight_decay", "apply_wd_to_qk_layernorm")  # fmt: skip
+_ARG_TEXTS = ("optimizer", "lr_decay_style", "weight_decay_incr_style", "lr_wsd_decay_style",
+              "no_weight_decay_cond_type")  # fmt: skip
+_ARG_COUNTS = ("train_iters", "train_samples", "global_batch_size", "micro_batch_size",
+               "data_parallel_size", "iteration", "consumed_train_samples",
+               "skipped_train_samples")  # fmt: skip
+
+
+def _check_args(args: _Fields) -> None:
+    """Each recorded run argument of its kind (None: not set)."""
+    for key, value in args.values.items():
+        if value is None or key == "rampup_batch_size":
+            continue
+        if key in _ARG_FLAGS and not isinstance(value, bool):
+            raise args.refuse(key, "true or false")
+        if key in _ARG_TEXTS and not isinstance(value, str):
+            raise args.refuse(key, "a name")
+        if key in _ARG_COUNTS or key.endswith(("_iters", "_samples")):
+            if type(value) is not int or value < 0:  # argparse's int: never a float
+                raise args.refuse(key, "an integer >= 0")
+        elif key not in _ARG_FLAGS + _ARG_TEXTS:
+            high = 1.0 if key in ("lr_warmup_fraction", "adam_beta1", "adam_beta2") else math.inf
+            args.number(key, high=high)
+
+
 def _check_group(group: _Fields) -> None:
     for key, kind in GROUP_FIELDS.items():
         value = group.values.get(key)
@@ -375,7 +404,8 @@ def _check_group(group: _Fields) -> None:
         if not (isinstance(pair, list) and len(pair) == 2):
             raise group.refuse("betas", "two numbers")
         betas = _Fields({"b1": pair[0], "b2": pair[1]}, f"{group.section}.betas", group.where)
-        betas.number("b1", high=1.0), betas.number("b2", high=1.0)
+        for b in ("b1", "b2"):
+            betas.number(b, high=1.0)
         group.number("eps", above=True, high=1.0)
 
 
