@@ -6,6 +6,7 @@ every refusal."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import math
@@ -241,6 +242,7 @@ REFUSED = [
     ("args", {"optimizer": "sgd"}, RequestError, r"args\.optimizer = 'sgd'.*SGD with momentum"),
     ("args", {"optimizer": "muon"}, RequestError, r"args\.optimizer = 'muon'"),
     ("args", {"rampup_batch_size": [1, 1, 10]}, RequestError, r"rampup_batch_size"),
+    ("args", {"step_batch_size_schedule": "0:4 50:8"}, RequestError, r"step_batch_size_sch"),
     ("args", {"decoupled_lr": 0.1}, RequestError, r"args\.decoupled_lr = 0\.1"),
     ("args", {"global_batch_size": None}, SourceError, r"args\.global_batch_size = None"),
     ("args", {"global_batch_size": 0}, SourceError, r"args\.global_batch_size = 0: .*> 0"),
@@ -642,6 +644,57 @@ def _standard_overrides(config):
     except ImportError:
         return None
     return get_standard_config_overrides(config)
+
+
+#: Megatron-LM run arguments as given at start (the decay length unset: taken from the run's)
+LM_RUNS = {
+    "iters": dict(train_iters=100, lr_warmup_iters=1),
+    "iters-fraction": dict(train_iters=100, lr_warmup_fraction=0.05),
+    "samples": dict(train_samples=400, lr_warmup_samples=4),
+    "iters-wsd": dict(train_iters=100, lr_warmup_iters=1, lr_decay_style="WSD",
+                      lr_wsd_decay_iters=25),
+}  # fmt: skip
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("run", sorted(LM_RUNS))
+def test_decay_and_warmup_from_the_run_length_as_megatron_lm(scheduled, run):
+    """Megatron-LM's ``get_optimizer_param_scheduler`` (megatron.training, where installed: the
+    CI's high end) takes the decay from ``train_iters`` (x global_batch_size) or
+    ``train_samples`` when ``lr_decay_iters`` / ``_samples`` is unset, the warm-up from a
+    fraction of it, and writes the length back into the args it saves (a sample-based run's
+    ``train_iters`` derived too): the recipe from those args and its scheduler state agrees
+    with every field and continues at the rate that scheduler sets."""
+    training = pytest.importorskip("megatron.training.training")
+    global_vars = pytest.importorskip("megatron.training.global_vars")
+    source, saved = scheduled
+    given = dict(
+        lr_decay_iters=None, lr_decay_samples=None, lr_wsd_decay_iters=None,
+        lr_wsd_decay_samples=None, lr_warmup_fraction=None, lr_warmup_iters=0,
+        lr_warmup_samples=0, train_iters=None, train_samples=None, lr_warmup_init=0.0, lr=0.01,
+        min_lr=0.001, lr_decay_style="cosine", start_weight_decay=0.01, end_weight_decay=0.1,
+        weight_decay_incr_style="linear", use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=False, lr_wsd_decay_style="linear", global_batch_size=4,
+        rampup_batch_size=None, micro_batch_size=2, data_parallel_size=2,
+        step_batch_size_schedule=None,
+    )  # fmt: skip
+    args = argparse.Namespace(**{**given, **LM_RUNS[run]})
+    global_vars._GLOBAL_ARGS = args  # what get_args() returns
+    optimizer = _Optimizer(0.01, 0.001)
+    scheduler = training.get_optimizer_param_scheduler(optimizer)
+    scheduler.step(8)  # the saved 2 iterations of 4 samples
+    state = scheduler.state_dict()
+    edited = copy.deepcopy(source)
+    record = edited["megatron_optimizer"]
+    record["args"].update(vars(args), consumed_train_samples=8, iteration=2)
+    record["opt_param_scheduler"] = state
+    for group in record["param_groups"]:  # as the scheduler set them
+        group.update(lr=optimizer.param_groups[0]["lr"], weight_decay=None)
+    recipe = megatron_recipe(edited, saved, "ckpt")
+    assert recipe is not None
+    np.testing.assert_allclose(float(recipe.learning_rate(2)), optimizer.param_groups[0]["lr"])
+    scheduler.step(4)
+    np.testing.assert_allclose(float(recipe.learning_rate(3)), optimizer.param_groups[0]["lr"])
 
 
 @pytest.mark.torch

@@ -376,7 +376,7 @@ _ARG_COUNTS = ("train_iters", "train_samples", "global_batch_size", "micro_batch
 def _check_args(args: _Fields) -> None:
     """Each recorded run argument of its kind (None: not set)."""
     for key, value in args.values.items():
-        if value is None or key == "rampup_batch_size":
+        if value is None or key in ("rampup_batch_size", "step_batch_size_schedule"):
             continue
         if key in _ARG_FLAGS and not isinstance(value, bool):
             raise args.refuse(key, "true or false")
@@ -682,11 +682,12 @@ def _wsd(scheduler: _Fields, args: _Fields) -> tuple[float, str]:
 
 
 def _global_batch(args: _Fields) -> int:
-    if args.values.get("rampup_batch_size") is not None:
-        raise RequestError(
-            f"{args.where}: args.rampup_batch_size = {args.values['rampup_batch_size']!r}: the "
-            f"batch size ramped up, so the scheduler's samples are no fixed multiple of the step"
-        )
+    for key in ("rampup_batch_size", "step_batch_size_schedule"):  # the latter: 0.19's
+        if args.values.get(key) is not None:
+            raise RequestError(
+                f"{args.where}: args.{key} = {args.values[key]!r}: the batch size changed "
+                f"during the run, so the scheduler's samples are no fixed multiple of the step"
+            )
     if not args.has("global_batch_size"):
         raise args.refuse("global_batch_size", "the samples per iteration the scheduler steps by")
     gbs = int(args.number("global_batch_size", integer=True, above=True))

@@ -56,6 +56,7 @@ RUN_ARGS = (
     "micro_batch_size",
     "data_parallel_size",
     "rampup_batch_size",
+    "step_batch_size_schedule",
     "decoupled_lr",
     "decoupled_min_lr",
     "iteration",
