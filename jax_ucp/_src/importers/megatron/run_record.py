@@ -205,7 +205,7 @@ def with_rank_groups(
     if record is not None and record.get("param_groups"):  # the common state's too
         named.append((record["file"], {"optimizer": {"param_groups": record["param_groups"]}}))
     agreed_record(named, where)
-    out = dict(record or {"file": common})
+    out: dict[str, Any] = dict(record or {"file": common})
     if not out.get("param_groups"):
         firsts = [member[0][1] for member in members if member and isinstance(member[0][1], list)]
         out["param_groups"] = [g for f in firsts for g in _groups({"param_groups": f}) or ()]
