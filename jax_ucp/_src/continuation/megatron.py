@@ -302,15 +302,13 @@ def megatron_recipe(
 
 #: the param-group fields megatron-core 0.13-0.19 saves and what each must hold where saved
 #: ("number": a finite number >= 0); the groups must hold the same fields
+_GROUP_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay",
+                "is_expert_parallel", "is_decoupled_lr", "default_config")  # fmt: skip
 GROUP_FIELDS = {
     **dict.fromkeys(("lr", "max_lr", "weight_decay", "step", "wd_mult", "lr_mult"), "number"),
-    **dict.fromkeys(("min_lr",), "number or None"),
+    "min_lr": "number or None",
     **dict.fromkeys(("foreach", "fused"), "true, false or None"),
-    **dict.fromkeys(
-        ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay"),
-        "true or false",
-    ),
-    **dict.fromkeys(("is_expert_parallel", "is_decoupled_lr", "default_config"), "true or false"),
+    **dict.fromkeys(_GROUP_FLAGS, "true or false"),
 }
 #: the OptimizerParamScheduler fields a complete record holds (megatron-core 0.16's state_dict)
 SCHEDULER_REQUIRED = SCHEDULER_KEYS[:10]
@@ -323,8 +321,8 @@ def check_megatron_record(
     passes it on (the megatron export writes it into common.pt, where Megatron-LM resumes
     from it): every param group holds the fields the others hold, each of its kind, and the
     record is read as :func:`megatron_recipe` reads it (every fact it states several times
-    agreeing, the groups' rates the schedule's). A scheduler record missing a field (which
-    Megatron-LM refuses on load) leaves the groups checked alone.
+    agreeing, the groups' rates the schedule's; with the Adam moments ``saved``). A scheduler
+    record missing a field (which Megatron-LM refuses on load) leaves the groups checked alone.
 
     Raises:
         SourceError: a field of the wrong kind, or records that disagree, each named.
@@ -358,8 +356,8 @@ def check_megatron_record(
     if scheduler and any(k not in scheduler for k in SCHEDULER_REQUIRED):
         record = {k: v for k, v in record.items() if k not in ("opt_param_scheduler", "args")}
         source = {**source, RECORD: record}
-    if groups or scheduler:
-        megatron_recipe(source, saved, where)
+    if (groups or scheduler) and any(_path(k).startswith("opt_state/mu/") for k in saved):
+        megatron_recipe(source, saved, where)  # (weights alone: its kinds checked only)
 
 
 #: the kinds of Megatron-LM's run arguments the record keeps (the others: numbers >= 0)

@@ -86,10 +86,9 @@ def export(root: str, dst: str, options: MegatronExport) -> Exported:
         step = int(value)
     recorded = _source_of(options.run_record) if options.run_record else (manifest.source or {})
     record = recorded.get("megatron_optimizer") or {}
-    if moments:  # what common.pt passes on to Megatron-LM's resume: one run's, every record
-        saved = {e.key: (tuple(e.shape), e.dtype) for e in manifest.tensors}
-        given = options.run_record or os.path.join(root, fmt.MANIFEST_FILE)
-        check_megatron_record(recorded, saved, f"{os.fspath(given)} (the run record)")
+    saved = {e.key: (tuple(e.shape), e.dtype) for e in manifest.tensors}
+    given = options.run_record or os.path.join(root, fmt.MANIFEST_FILE)  # passed on to
+    check_megatron_record(recorded, saved, f"{os.fspath(given)} (the run record)")  # Megatron-LM
     reads = source.Source(root, manifest, available, progress=options.progress)
     items: list[DcpItem] = []
     arrays: list[RowSlabs] = []
