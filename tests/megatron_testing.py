@@ -33,6 +33,37 @@ def assert_megatron_refused(src, tmp_path, match: str, **options) -> None:
     assert_convert_refused(str(src), out, match, error=MegatronImportError, **options)
 
 
+#: megatron-core 0.16's dp_reshardable save of the GPT, its param groups in its rank's object
+DISTOPT = FIX / "mcore_versions" / "0.16.1" / "gpt_distopt_dp_reshardable"
+#: the scheduler run's rates at its saved 8 samples (tools/fixtures/make_megatron_scheduler_
+#: fixture.py printed them): what its scheduler set on the param groups
+SAVED_LR, SAVED_WD = 0.009997734440724333, 0.0118
+RANK_OBJECT = "optimizer.distributed.dp_group_idx_{}.optimizer/"
+
+
+def scheduled_distopt(root, consistent: bool = True) -> Path:
+    """DISTOPT at ``root`` with the scheduler run's common state (args, scheduler, iteration;
+    its layout said as dp_reshardable) and, when ``consistent``, the rank object's groups as
+    that scheduler set them: every record of one run (torch-free: ``tests/torch_edit.py``)."""
+    from tests.torch_edit import edit_dcp_object, edit_torch_file
+
+    shutil.copytree(DISTOPT, root)
+    common = Path(root) / "common.pt"
+    shutil.copyfile(FIX / "gpt_distopt_dp2_scheduler_synthetic.common.pt", common)
+
+    def layout(tree):
+        tree["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}
+
+    def as_scheduled(tree):
+        for group in tree[0]["param_groups"]:
+            group.update(lr=SAVED_LR, min_lr=0.001, weight_decay=SAVED_WD * group["wd_mult"])
+
+    edit_torch_file(common, layout)
+    if consistent:
+        edit_dcp_object(root, RANK_OBJECT.format(0), as_scheduled)
+    return Path(root)
+
+
 def assert_untouched(dest) -> None:
     """A failed import left neither ``dest`` nor a temporary folder beside it."""
     assert not dest.exists()

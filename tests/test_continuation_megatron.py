@@ -6,9 +6,11 @@ every refusal."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,14 +21,19 @@ import pytest
 import jax_ucp
 from jax_ucp._src.continuation.megatron import MegatronSchedule, megatron_recipe
 from jax_ucp._src.errors import RequestError, SourceError
-from jax_ucp._src.importers.megatron import MegatronOptions, plan_megatron
+from jax_ucp._src.importers.megatron import MegatronOptions, dcp, legacy, plan_megatron
 from jax_ucp.conversion import ImportOptions
+from tests.megatron_testing import (
+    DISTOPT,
+    RANK_OBJECT,
+    SAVED_LR,
+    SAVED_WD,
+    scheduled_distopt,
+)
+from tests.torch_edit import edit_dcp_object
 
 FIX = Path(__file__).parent / "fixtures" / "megatron"
 SCHEDULED = "gpt_distopt_dp2_scheduler_synthetic"
-# what megatron-core's scheduler set on the saved param groups at 8 samples (the fixture's
-# generator, tools/fixtures/make_megatron_scheduler_fixture.py, printed them)
-SAVED_LR, SAVED_WD = 0.009997734440724333, 0.0118
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +242,7 @@ REFUSED = [
     ("args", {"optimizer": "sgd"}, RequestError, r"args\.optimizer = 'sgd'.*SGD with momentum"),
     ("args", {"optimizer": "muon"}, RequestError, r"args\.optimizer = 'muon'"),
     ("args", {"rampup_batch_size": [1, 1, 10]}, RequestError, r"rampup_batch_size"),
+    ("args", {"step_batch_size_schedule": "0:4 50:8"}, RequestError, r"step_batch_size_sch"),
     ("args", {"decoupled_lr": 0.1}, RequestError, r"args\.decoupled_lr = 0\.1"),
     ("args", {"global_batch_size": None}, SourceError, r"args\.global_batch_size = None"),
     ("args", {"global_batch_size": 0}, SourceError, r"args\.global_batch_size = 0: .*> 0"),
@@ -414,6 +422,97 @@ def test_custom_no_weight_decay_rule_refused(scheduled):
         megatron_recipe(edited, saved, "ckpt")
 
 
+# ------------------------------------------------ dp_reshardable: the groups in every rank's object
+
+DISTOPT_TP2 = FIX / "mcore_versions" / "0.19.2" / "llama_distopt_bf16_tp2_dp_reshardable"
+RANK = RANK_OBJECT
+
+
+def _rank_groups(change):
+    """``change(group)`` on every param group of a rank object's tree (edit_dcp_object's)."""
+
+    def edit(tree):
+        for group in tree[0]["param_groups"]:
+            change(group)
+
+    return edit
+
+
+def test_dp_reshardable_groups_are_read_from_every_rank_object(tmp_path):
+    """megatron-core's dp_reshardable save keeps its param groups (lr, betas, eps, weight decay,
+    wd_mult / lr_mult...) in each model-parallel rank's optimizer object, not in common.pt:
+    they are recorded as megatron-core saved them (read through the DCP reader here) and
+    continue a megatron-core run as the per-parameter layout's do; a rank whose groups state
+    another betas, or another weight decay for the same wd_mult, is refused naming each rank's
+    object and value (only the step was read from them, and compared)."""
+    record = plan_megatron(DISTOPT, MegatronOptions()).source["megatron_optimizer"]
+    checkpoint = dcp.open_dcp(DISTOPT)
+    (name,) = [n for n in checkpoint.objects if n.startswith(RANK.format(0))]
+    saved = checkpoint.read_object(name, legacy.LEGACY_CLASSES)[0]["param_groups"]
+    assert record["groups_file"] == RANK.format(0)[:-1]
+    plain = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in saved]
+    assert record["param_groups"] == [{k: v for k, v in g.items() if k != "params"} for g in plain]
+    run = jax_ucp.optax_from_torch(str(DISTOPT), schedule=saved[0]["lr"], clip=1.0)
+    assert (run.step, run.optimizer) == (int(saved[0]["step"]), "adamw")
+    assert run.notes[0].startswith("megatron-core AdamW") and RANK.format(0)[:-1] in run.notes[0]
+    for field, change, match in [
+        (
+            "betas",
+            lambda g: g.update(betas=(0.8, 0.95)),
+            r"betas: .*_0\.optimizer .*\[0\.9, 0\.95\]",
+        ),
+        (
+            "weight_decay",
+            lambda g: g.update(weight_decay=g["wd_mult"] * 0.5),
+            r"\[wd_mult 1\.0\]\.weight_decay = 0\.5",
+        ),
+        ("eps", lambda g: g.update(eps=1e-6), r"on param_groups\.eps: .*_1\.optimizer .*1e-06"),
+    ]:
+        src = tmp_path / field
+        shutil.copytree(DISTOPT_TP2, src)
+        edit_dcp_object(src, RANK.format(1), _rank_groups(change))
+        with pytest.raises(SourceError, match=r"records of this save disagree") as raised:
+            plan_megatron(src, MegatronOptions())
+        assert raised.match(match) and raised.match(RANK.format(0)[:-1])
+
+
+def test_dp_reshardable_groups_are_compared_with_the_args_and_scheduler(tmp_path, scheduled):
+    """The rank object's groups against common.pt's args and OptimizerParamScheduler: groups
+    holding another lr than the schedule's at the saved samples are refused naming the object
+    (continued at the scheduler's lr before, the optimizer's own never read); groups as the
+    scheduler set them continue as the per-parameter fixture's common state does."""
+    saved = scheduled[1]  # the same GPT's tensors
+
+    def recipe(src: Path):
+        return megatron_recipe(plan_megatron(src, MegatronOptions()).source, saved, "ckpt")
+
+    src = scheduled_distopt(tmp_path / "run", consistent=False)
+    with pytest.raises(
+        SourceError, match=r"dp_group_idx_0\.optimizer\): param_groups\[0\]\.min_lr = None"
+    ):
+        recipe(src)
+
+    src = scheduled_distopt(tmp_path / "consistent")
+    run = recipe(src)
+    assert run is not None and run.unrecovered == () and run.betas == (0.9, 0.95)
+    np.testing.assert_allclose(float(run.learning_rate(2)), SAVED_LR, rtol=1e-6)
+    for field, value, match in [
+        ("lr", 0.01, r"param_groups\[0\]\.lr 0\.01 is not the schedule's"),
+        ("betas", (0.8, 0.95), r"betas \(0\.8, 0\.95\) but args \(0\.9, 0\.95\)"),
+        ("max_lr", 0.02, r"disagree on max_lr: .*param_groups\[0\]\.max_lr = 0\.02"),
+        ("decoupled_weight_decay", False, r"decoupled_weight_decay False but args True"),
+    ]:
+        edited = tmp_path / field
+        shutil.copytree(src, edited)
+        edit_dcp_object(edited, RANK.format(0), _rank_groups(lambda g: g.update({field: value})))
+        with pytest.raises(SourceError, match=r"ckpt \(common\.pt, optimizer\.distributed\.dp_gr"):
+            try:
+                recipe(edited)
+            except SourceError as e:
+                assert re.search(match, str(e)), str(e)
+                raise
+
+
 # ----------------------------------------------------------------------------- megatron-core
 
 
@@ -545,6 +644,57 @@ def _standard_overrides(config):
     except ImportError:
         return None
     return get_standard_config_overrides(config)
+
+
+#: Megatron-LM run arguments as given at start (the decay length unset: taken from the run's)
+LM_RUNS = {
+    "iters": dict(train_iters=100, lr_warmup_iters=1),
+    "iters-fraction": dict(train_iters=100, lr_warmup_fraction=0.05),
+    "samples": dict(train_samples=400, lr_warmup_samples=4),
+    "iters-wsd": dict(train_iters=100, lr_warmup_iters=1, lr_decay_style="WSD",
+                      lr_wsd_decay_iters=25),
+}  # fmt: skip
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("run", sorted(LM_RUNS))
+def test_decay_and_warmup_from_the_run_length_as_megatron_lm(scheduled, run):
+    """Megatron-LM's ``get_optimizer_param_scheduler`` (megatron.training, where installed: the
+    CI's high end) takes the decay from ``train_iters`` (x global_batch_size) or
+    ``train_samples`` when ``lr_decay_iters`` / ``_samples`` is unset, the warm-up from a
+    fraction of it, and writes the length back into the args it saves (a sample-based run's
+    ``train_iters`` derived too): the recipe from those args and its scheduler state agrees
+    with every field and continues at the rate that scheduler sets."""
+    training = pytest.importorskip("megatron.training.training")
+    global_vars = pytest.importorskip("megatron.training.global_vars")
+    source, saved = scheduled
+    given = dict(
+        lr_decay_iters=None, lr_decay_samples=None, lr_wsd_decay_iters=None,
+        lr_wsd_decay_samples=None, lr_warmup_fraction=None, lr_warmup_iters=0,
+        lr_warmup_samples=0, train_iters=None, train_samples=None, lr_warmup_init=0.0, lr=0.01,
+        min_lr=0.001, lr_decay_style="cosine", start_weight_decay=0.01, end_weight_decay=0.1,
+        weight_decay_incr_style="linear", use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=False, lr_wsd_decay_style="linear", global_batch_size=4,
+        rampup_batch_size=None, micro_batch_size=2, data_parallel_size=2,
+        step_batch_size_schedule=None,
+    )  # fmt: skip
+    args = argparse.Namespace(**{**given, **LM_RUNS[run]})
+    global_vars._GLOBAL_ARGS = args  # what get_args() returns
+    optimizer = _Optimizer(0.01, 0.001)
+    scheduler = training.get_optimizer_param_scheduler(optimizer)
+    scheduler.step(8)  # the saved 2 iterations of 4 samples
+    state = scheduler.state_dict()
+    edited = copy.deepcopy(source)
+    record = edited["megatron_optimizer"]
+    record["args"].update(vars(args), consumed_train_samples=8, iteration=2)
+    record["opt_param_scheduler"] = state
+    for group in record["param_groups"]:  # as the scheduler set them
+        group.update(lr=optimizer.param_groups[0]["lr"], weight_decay=None)
+    recipe = megatron_recipe(edited, saved, "ckpt")
+    assert recipe is not None
+    np.testing.assert_allclose(float(recipe.learning_rate(2)), optimizer.param_groups[0]["lr"])
+    scheduler.step(4)
+    np.testing.assert_allclose(float(recipe.learning_rate(3)), optimizer.param_groups[0]["lr"])
 
 
 @pytest.mark.torch

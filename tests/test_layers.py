@@ -56,6 +56,7 @@ ALLOWED = {
         "restoring",
         "torchfiles",
         "models",
+        "continuation",  # megatron_out: the run record checked as a continuation reads it
     },
     "conversion": {"importers", "writer", "multihost", "orbax", "format", "store"},
     # verify(against=, logits=True): the source's logits (transformers) vs TransformerLM's

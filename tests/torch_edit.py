@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
 import struct
+import zipfile
 from typing import Any, ClassVar
 
 from jax_ucp._src.torchfiles.pickle_format import Call, Global, Persistent
@@ -23,7 +25,7 @@ class Built:
     state: Any
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # by identity: DCP's .metadata keys a dict by such nodes
 class New:
     """``cls.__new__(cls, *args)`` (NEWOBJ), its state (None: no BUILD)."""
 
@@ -149,3 +151,54 @@ def edit_torch_file(path, change) -> None:
 def state_of(obj: Any) -> Any:
     """The state (``__dict__``) of a pickled object: a ``New``'s or a ``Built``'s."""
     return obj.state
+
+
+def dcp_objects(folder) -> list[str]:
+    """The names of the objects (not tensors) a torch DCP ``folder``'s ``.metadata`` lists."""
+    with open(os.path.join(folder, ".metadata"), "rb") as f:
+        tree = loads(f.read())
+    items = tree.state["state_dict_metadata"].items()
+    return sorted(k for k, v in items if v.cls.name == "BytesStorageMetadata")
+
+
+def _dcp_object(folder, prefix: str) -> tuple[Any, Any, str, list[tuple[str, bytes]]]:
+    """(``.metadata``'s tree, the object's storage info, its name, its archive's members)."""
+    with open(os.path.join(folder, ".metadata"), "rb") as f:
+        tree = loads(f.read())
+    key, info = next(
+        (k, v) for k, v in tree.state["storage_data"].items() if k.state["fqn"].startswith(prefix)
+    )
+    with open(os.path.join(folder, info.state["relative_path"]), "rb") as f:
+        f.seek(info.state["offset"])
+        archive = f.read(info.state["length"])
+    with zipfile.ZipFile(io.BytesIO(archive)) as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    return tree, info, key.state["fqn"], members
+
+
+def dcp_object_tree(folder, prefix: str) -> Any:
+    """The pickle of the DCP ``folder``'s object named ``prefix...`` as a tree."""
+    members = _dcp_object(folder, prefix)[3]
+    return loads(next(data for name, data in members if name.endswith("data.pkl")))
+
+
+def edit_dcp_object(folder, prefix: str, change) -> str:
+    """The torch DCP ``folder``'s object named ``prefix...`` (a ``torch.save`` archive inside a
+    ``.distcp`` file) with ``change(tree)`` applied to its pickle: the new archive appended to
+    its file and ``.metadata`` pointed at it, the old bytes left unread. Returns its name."""
+    tree, info, name, members = _dcp_object(folder, prefix)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for member, data in members:
+            if member.endswith("data.pkl"):
+                pickled = loads(data)
+                change(pickled)
+                data = dumps(pickled)
+            z.writestr(member, data)
+    path = os.path.join(folder, info.state["relative_path"])
+    info.state.update(offset=os.path.getsize(path), length=len(out.getvalue()))
+    with open(path, "ab") as f:
+        f.write(out.getvalue())
+    with open(os.path.join(folder, ".metadata"), "wb") as f:
+        f.write(dumps(tree))
+    return name

@@ -202,6 +202,54 @@ def test_an_iteration_that_disagrees_with_the_optimizer_step_is_not_written(impo
     assert not (tmp_path / "out").exists()
 
 
+@pytest.fixture(scope="module")
+def scheduled_import(tmp_path_factory) -> Path:
+    """The scheduler run (megatron-core's save with Megatron-LM's common state) imported."""
+    root = tmp_path_factory.mktemp("scheduled")
+    shutil.copytree(FIX / "gpt_distopt_dp2", root / "run")
+    shutil.copyfile(FIX / "gpt_distopt_dp2_scheduler_synthetic.common.pt", root / "run/common.pt")
+    jax_ucp.convert(root / "run", root / "ucp", importing=MegatronOptions(vocab_size=VOCAB))
+    jax_ucp.export(root / "ucp", root / "intact", MegatronExport())  # its record exports
+    return root / "ucp"
+
+
+def _edited(ucp: Path, dst: Path, change) -> Path:
+    """A copy of ``ucp`` whose ucp.json's recorded source ``change`` edited."""
+    shutil.copytree(ucp, dst)
+    doc = json.loads((dst / "ucp.json").read_text())
+    change(doc["source"], doc["source"]["megatron_optimizer"])
+    (dst / "ucp.json").write_text(json.dumps(doc))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda s, r: r["args"].update(lr=0.02), r"disagree on max_lr: .*args\.lr = 0\.02"),
+        (lambda s, r: r["param_groups"][1].update(betas=[0.8, 0.95]), r"per-parameter betas"),
+        (lambda s, r: r["param_groups"][0].update(lr=0.02), r"param_groups\[0\]\.lr 0\.02 is n"),
+        (lambda s, r: s.update(iteration=3), r"on iteration: .*\.iteration = 2; source\.itera"),
+        (lambda s, r: r["param_groups"][1].pop("amsgrad"), r"other fields \(\['amsgrad'\]\)"),
+        (lambda s, r: r["param_groups"][0].update(eps="x"), r"param_groups\[0\]\.eps = 'x'"),
+        (lambda s, r: r["args"].update(bf16="x"), r"args\.bf16 = 'x': expected true or false"),
+        (lambda s, r: r["args"].update(train_iters=1e308), r"train_iters = 1e\+308: .*integer"),
+        (lambda s, r: r["opt_param_scheduler"].update(num_steps=12), r"num_steps 12 is not"),
+    ],
+)
+def test_a_run_record_whose_records_disagree_is_not_exported(
+    scheduled_import, tmp_path, change, match
+):
+    """ucp.json's recorded run is what common.pt passes on to Megatron-LM's resume: its args,
+    scheduler and param groups must be one run's (read as a continuation reads them), each
+    field of its kind, or the export is refused naming them, nothing written (before: written
+    as recorded); the intact record exports."""
+    src = _edited(scheduled_import, tmp_path / "edited", change)
+    with pytest.raises(jax_ucp.UCPError, match=r"ucp\.json \(the run record\)") as raised:
+        jax_ucp.export(src, tmp_path / "out", MegatronExport())
+    assert raised.match(match)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]
+
+
 def test_refusals(imported, tmp_path):
     """Names megatron-core does not use, a record of no Megatron run, a bad option: refused
     before anything is written."""

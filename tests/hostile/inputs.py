@@ -222,6 +222,16 @@ KINDS = {
             jax=True,
             ops=("record-disagree", "path-form"),
         ),
+        # dp_reshardable: the param groups in each rank's optimizer object, against
+        # common.pt's args and scheduler (a record edited, a group field fuzzed)
+        Kind(
+            "run_records_megatron_distopt",
+            ("@megatron_distopt",),
+            ("optax-direct",),
+            ("convert-settings",),
+            jax=True,
+            ops=("record-disagree", "group-fuzz"),
+        ),
         Kind(
             "run_records_torchtune",
             ("torchtune/tt_dist_fp32",),
@@ -264,6 +274,26 @@ KINDS = {
             checksummed=True,
             jax=True,
             ops=("settings-rewrite",),
+        ),
+        # the megatron export of a Megatron import: the UCP checkpoint damaged, or the run its
+        # ucp.json records (args, scheduler, groups, iteration) edited: every file exactly the
+        # intact export's, or a refusal by name with nothing written (issue 68)
+        Kind(
+            "megatron_export",
+            ("@ucp_megatron",),
+            ("export-megatron",),
+            (),
+            checksummed=True,
+            jax=True,
+        ),
+        Kind(
+            "megatron_export_record",
+            ("@ucp_megatron",),
+            ("export-megatron",),
+            (),
+            checksummed=True,
+            jax=True,
+            ops=("run-record-edit",),
         ),
         Kind(
             "orbax_v1_checkpoint",
@@ -476,6 +506,28 @@ def _build_megatron_scheduled(pristine, root, out, work) -> Input:
     return Input(root, root, out)
 
 
+def _build_megatron_distopt(pristine, root, out, work) -> Input:
+    """megatron-core's dp_reshardable save (its param groups in its rank's optimizer object)
+    with the scheduler run's common state, every record of one run
+    (``megatron_testing.scheduled_distopt``)."""
+    from tests.megatron_testing import scheduled_distopt
+
+    scheduled_distopt(pristine)
+    return Input(root, root, out)
+
+
+def _build_ucp_megatron(pristine, root, out, work) -> Input:
+    """The scheduler run (``@megatron_scheduled``) imported: a UCP checkpoint whose ucp.json
+    records the Megatron run (args, scheduler, param groups, iteration) the megatron export
+    writes into common.pt."""
+    import jax_ucp
+
+    src = os.path.join(work, "megatron_run")
+    _build_megatron_scheduled(src, root, out, work)
+    jax_ucp.convert(src, pristine)
+    return Input(root, root, out)
+
+
 def _build_canary(pristine, root, out, work) -> Input:
     os.makedirs(pristine)
     with open(os.path.join(pristine, "record.json"), "w") as f:
@@ -536,6 +588,8 @@ BUILDERS: dict[str, Callable[..., Input]] = {
     "@hf_cache": _build_hf_cache,
     "@verl_megatron": _build_verl_megatron,
     "@megatron_scheduled": _build_megatron_scheduled,
+    "@megatron_distopt": _build_megatron_distopt,
+    "@ucp_megatron": _build_ucp_megatron,
 }
 
 
@@ -684,6 +738,20 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
         for key in ("optimizer", "megatron_optimizer", "lr_scheduler", "recipe", "iteration"):
             digest[f"source.{key}"] = json.dumps(source.get(key), sort_keys=True)
         return digest
+    if name == "export-megatron":  # every file written, or a refusal leaving none
+        from jax_ucp.exporters import MegatronExport
+
+        shutil.rmtree(inp.out, ignore_errors=True)
+        try:
+            jax_ucp.export(p, inp.out, MegatronExport(tp=2))
+        except Exception:
+            _nothing_written(inp.out)
+            raise
+        return {
+            os.path.relpath(os.path.join(d, f), inp.out): _sha(_read(os.path.join(d, f)))
+            for d, _, files in os.walk(inp.out)
+            for f in files
+        }
     if name == "verify-against":
         if inp.against is None:  # an import: the output proven against its (mutated) source
             if not state.get("converted"):
@@ -742,6 +810,22 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
             f.write("read")
         return "written"
     raise AssertionError(f"no entry point {name!r}")
+
+
+class HalfWritten(AssertionError):
+    """A refused export left files at (or beside) its target."""
+
+
+def _nothing_written(out: str) -> None:
+    parent, name = os.path.split(out)
+    left = [n for n in os.listdir(parent) if n == name or n.startswith(name + ".")]
+    if left:
+        raise HalfWritten(f"the refused export left {left} in {parent}")
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _importing(inp: Input):

@@ -702,7 +702,52 @@ def _record_edits(c: Context) -> list[tuple[str, str, object]]:
         edits += [(rel, what, change) for what, change in _megatron_edits(tree)]
         if isinstance(tree.get("epochs_run"), int):  # torchtune's recipe_state.pt
             edits.append((rel, "max_steps_per_epoch lowered, total_epochs 0", _tune_progress))
+    for rel, name in _rank_objects(c):  # torch_dist dp_reshardable: a rank's optimizer object
+        for what, change in _RANK_EDITS.items():
+            edits.append((rel, f"{name}: {what}", (name, change)))
     return edits
+
+
+_RANK_OBJECT = re.compile(
+    r"(chained_[0-9]+\.)?optimizer\.distributed\.dp_group_idx_[0-9]+\.optimizer/"
+)
+
+
+def _rank_objects(c: Context) -> list[tuple[str, str]]:
+    """(``.metadata``, object) of each rank's optimizer object in a torch DCP folder (megatron-
+    core's dp_reshardable and dp_zero_gather_scatter keep the param groups there)."""
+    from tests import torch_edit
+
+    found = []
+    for rel in c.files:
+        if os.path.basename(rel) == ".metadata":
+            names = torch_edit.dcp_objects(os.path.dirname(c.path(rel)))
+            rank = re.compile(
+                r"(chained_[0-9]+\.)?optimizer\.distributed\.dp_group_idx_[0-9]+\.optimizer/"
+            )
+            found += [(rel, n) for n in names if rank.match(n)]
+    return found
+
+
+def _each_group(change):
+    def edit(tree) -> None:
+        for group in tree[0]["param_groups"]:
+            change(group)
+
+    return edit
+
+
+#: one record of a rank object's param groups changed: each is stated by common.pt too
+_RANK_EDITS = {
+    "param_groups' betas[0] lowered by 0.1": lambda t: _lowered(t[0]["param_groups"]),
+    "param_groups' lr doubled": _each_group(lambda g: g.update(lr=2 * g["lr"])),
+    "param_groups' eps x 10": _each_group(lambda g: g.update(eps=10 * g["eps"])),
+    "param_groups' max_lr doubled": _each_group(lambda g: g.update(max_lr=2 * g["max_lr"])),
+    "param_groups' weight_decay + 0.01": _each_group(
+        lambda g: g.update(weight_decay=g["weight_decay"] + 0.01)
+    ),
+    "param_groups' step + 1": _each_group(lambda g: g.update(step=g["step"] + 1)),
+}
 
 
 def _megatron_edits(tree: dict) -> list[tuple[str, object]]:
@@ -825,7 +870,9 @@ def record_disagree(c: Context) -> Mutation | None:
     if not edits:
         return None
     rel, what, change = c.rng.choice(edits)
-    if change is None:  # trainer_state.json
+    if isinstance(change, tuple):  # a DCP object: (its name, the change)
+        torch_edit.edit_dcp_object(os.path.dirname(c.path(rel)), *change)
+    elif change is None:  # trainer_state.json
         doc = json.loads(c.read(rel))
         entry = next(h for h in doc["log_history"] if "learning_rate" in h)
         entry["learning_rate"] = 2 * entry["learning_rate"] or 1e-3
@@ -867,6 +914,55 @@ def settings_rewrite(c: Context) -> Mutation | None:
     return Mutation("settings-rewrite", "ucp.json", ".".join(map(str, at)) + " changed")
 
 
+def run_record_edit(c: Context) -> Mutation | None:
+    """One field of the Megatron run ``ucp.json`` records (``source.megatron_optimizer``: its
+    args, scheduler state, param groups and iteration; ``source.iteration``) doubled, gone, or
+    made a string, absurd, negative, a list or None: a writer passing the record on (the
+    megatron export, into common.pt) must refuse it by name or write what the intact gives.
+    Left out: the fields only one record states (:data:`_ONE_RECORD`), whose change no reader
+    can tell from a run that had that value, and an argument removed or set to None (or one
+    unset given a value): a setting not recorded, or recorded once."""
+    if "ucp.json" not in c.files:
+        return None
+    doc = json.loads(c.read("ucp.json"))
+    source = doc.get("source") or {}
+    if not isinstance(source.get("megatron_optimizer"), dict):
+        return None
+    leaves: list[list] = [["iteration"]] if "iteration" in source else []
+
+    def walk(node, at: list) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, [*at, k])
+        elif isinstance(node, list) and at[-1] != "betas":
+            for i, v in enumerate(node):
+                walk(v, [*at, i])
+        elif ".".join(str(a) for a in at[1:] if isinstance(a, str)) not in _ONE_RECORD:
+            leaves.append(at)
+
+    walk(source["megatron_optimizer"], ["megatron_optimizer"])
+    at = c.rng.choice(leaves)
+    node = source
+    for k in at[:-1]:
+        node = node[k]
+    old = node[at[-1]]
+    number = type(old) in (int, float)
+    values = ((2 * old if old else 1) if number else "<gone>", *_FUZZ)
+    if at[1:2] == ["args"]:  # an argument left out, or None, is not recorded: a run without it
+        values = tuple(v for v in values if v not in ("<gone>", None) and old is not None)
+    value = c.rng.choice(values or ("x",))
+    if value == "<gone>":
+        del node[at[-1]]
+    else:
+        node[at[-1]] = value
+    c.write("ucp.json", json.dumps(doc, indent=1).encode())
+    return Mutation("run-record-edit", "ucp.json", f"source.{'.'.join(map(str, at))} -> {value!r}")
+
+
+#: fields of the record one record alone states, so a change is a run that had that value
+_ONE_RECORD = {"file", "args.clip_grad"}
+
+
 #: what ``group-fuzz`` puts in a param group's field: gone, a string, absurd, negative, a list
 _FUZZ = ("<gone>", "x", 1e308, -1, [1, 2, 3], None)
 
@@ -898,14 +994,18 @@ def group_fuzz(c: Context) -> Mutation | None:
     must refuse it by name, never continue on a wrong value."""
     from tests import torch_edit
 
-    torch_files = [f for f in c.files if f.endswith((".pt", ".bin"))]
+    torch_files: list = [f for f in c.files if f.endswith((".pt", ".bin"))]
+    torch_files += _rank_objects(c)  # (.metadata, a rank's optimizer object in a .distcp)
     if not torch_files:
         return None
     rel = c.rng.choice(torch_files)
     try:
-        with zipfile.ZipFile(c.path(rel)) as z:
-            pkl = [n for n in z.namelist() if n.endswith("data.pkl")]
-            tree = torch_edit.loads(z.read(pkl[0])) if pkl else None
+        if isinstance(rel, tuple):
+            tree = torch_edit.dcp_object_tree(os.path.dirname(c.path(rel[0])), rel[1])
+        else:
+            with zipfile.ZipFile(c.path(rel)) as z:
+                pkl = [n for n in z.namelist() if n.endswith("data.pkl")]
+                tree = torch_edit.loads(z.read(pkl[0])) if pkl else None
     except Exception:
         return None
     targets: list = []
@@ -941,6 +1041,9 @@ def group_fuzz(c: Context) -> Mutation | None:
         else:
             target[key] = value
 
+    if isinstance(rel, tuple):
+        torch_edit.edit_dcp_object(os.path.dirname(c.path(rel[0])), rel[1], change)
+        return Mutation("group-fuzz", rel[0], f"object {rel[1]!r}: {said}")
     torch_edit.edit_torch_file(c.path(rel), change)
     return Mutation("group-fuzz", rel, said)
 
@@ -968,6 +1071,7 @@ SEMANTIC_OPS = {
     "record-disagree": record_disagree,
     "settings-rewrite": settings_rewrite,
     "group-fuzz": group_fuzz,
+    "run-record-edit": run_record_edit,
 }
 
 

@@ -18,7 +18,7 @@ from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.facts import Facts
 from jax_ucp._src.format.manifest import torch_optimizer_record
 
-__all__ = ["MegatronSchedule", "megatron_recipe"]
+__all__ = ["MegatronSchedule", "check_megatron_record", "megatron_recipe"]
 
 #: the ``source`` key Megatron's importers record the run's optimizer under: this reader's cue
 RECORD = "megatron_optimizer"
@@ -300,6 +300,113 @@ def megatron_recipe(
     )
 
 
+#: the param-group fields megatron-core 0.13-0.19 saves and what each must hold where saved
+#: ("number": a finite number >= 0); the groups must hold the same fields
+_GROUP_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay",
+                "is_expert_parallel", "is_decoupled_lr", "default_config")  # fmt: skip
+GROUP_FIELDS = {
+    **dict.fromkeys(("lr", "max_lr", "weight_decay", "step", "wd_mult", "lr_mult"), "number"),
+    "min_lr": "number or None",
+    **dict.fromkeys(("foreach", "fused"), "true, false or None"),
+    **dict.fromkeys(_GROUP_FLAGS, "true or false"),
+}
+#: the OptimizerParamScheduler fields a complete record holds (megatron-core 0.16's state_dict)
+SCHEDULER_REQUIRED = SCHEDULER_KEYS[:10]
+
+
+def check_megatron_record(
+    source: Mapping[str, Any], saved: Mapping[Any, tuple[tuple[int, ...], Any]], where: str
+) -> None:
+    """The recorded Megatron run (``source.megatron_optimizer``) checked for a writer that
+    passes it on (the megatron export writes it into common.pt, where Megatron-LM resumes
+    from it): every param group holds the fields the others hold, each of its kind, and the
+    record is read as :func:`megatron_recipe` reads it (every fact it states several times
+    agreeing, the groups' rates the schedule's; with the Adam moments ``saved``). A scheduler
+    record missing a field (which Megatron-LM refuses on load) leaves the groups checked alone.
+
+    Raises:
+        SourceError: a field of the wrong kind, or records that disagree, each named.
+        RequestError: what :func:`megatron_recipe` cannot read (another optimizer, a scaled
+            learning rate...), so cannot check either."""
+    record = source.get(RECORD)
+    if record is None:
+        return
+    if not isinstance(record, dict):
+        raise SourceError(f"{where}: source.{RECORD} is {type(record).__name__}, not a mapping")
+    facts, args = Facts(where), _section(record, "args", where)
+    for said, value in (
+        (f"{RECORD}.iteration", record.get("iteration")),
+        (f"{RECORD}.args.iteration", args.get("iteration")),
+        ("source.iteration", source.get("iteration")),
+    ):
+        if value is not None:
+            facts.state("iteration", said, value)
+    facts.agree_all()
+    _check_args(_Fields(args, "args", where))
+    groups = _groups(record, where)
+    for group in groups:
+        _check_group(group)
+        if set(group.values) != set(groups[0].values):
+            odd = sorted(set(group.values) ^ set(groups[0].values))
+            raise SourceError(
+                f"{where}: {RECORD}.{group.section} and param_groups[0] hold other fields "
+                f"({odd}): one optimizer saves the same fields in every group"
+            )
+    scheduler = _section(record, "opt_param_scheduler", where)
+    if scheduler and any(k not in scheduler for k in SCHEDULER_REQUIRED):
+        record = {k: v for k, v in record.items() if k not in ("opt_param_scheduler", "args")}
+        source = {**source, RECORD: record}
+    if (groups or scheduler) and any(_path(k).startswith("opt_state/mu/") for k in saved):
+        megatron_recipe(source, saved, where)  # (weights alone: its kinds checked only)
+
+
+#: the kinds of Megatron-LM's run arguments the record keeps (the others: numbers >= 0)
+_ARG_FLAGS = ("fp16", "bf16", "use_checkpoint_opt_param_scheduler", "optimizer_cpu_offload",
+              "override_opt_param_scheduler", "use_distributed_optimizer",
+              "decoupled_weight_decay", "apply_wd_to_qk_layernorm")  # fmt: skip
+_ARG_TEXTS = ("optimizer", "lr_decay_style", "weight_decay_incr_style", "lr_wsd_decay_style",
+              "no_weight_decay_cond_type")  # fmt: skip
+_ARG_COUNTS = ("train_iters", "train_samples", "global_batch_size", "micro_batch_size",
+               "data_parallel_size", "iteration", "consumed_train_samples",
+               "skipped_train_samples")  # fmt: skip
+
+
+def _check_args(args: _Fields) -> None:
+    """Each recorded run argument of its kind (None: not set)."""
+    for key, value in args.values.items():
+        if value is None or key in ("rampup_batch_size", "step_batch_size_schedule"):
+            continue
+        if key in _ARG_FLAGS and not isinstance(value, bool):
+            raise args.refuse(key, "true or false")
+        if key in _ARG_TEXTS and not isinstance(value, str):
+            raise args.refuse(key, "a name")
+        if key in _ARG_COUNTS or key.endswith(("_iters", "_samples")):
+            if type(value) is not int or value < 0:  # argparse's int: never a float
+                raise args.refuse(key, "an integer >= 0")
+        elif key not in _ARG_FLAGS + _ARG_TEXTS:
+            high = 1.0 if key in ("lr_warmup_fraction", "adam_beta1", "adam_beta2") else math.inf
+            args.number(key, high=high)
+
+
+def _check_group(group: _Fields) -> None:
+    for key, kind in GROUP_FIELDS.items():
+        value = group.values.get(key)
+        if key not in group.values or (value is None and "None" in kind):
+            continue
+        if kind.startswith("number"):
+            group.number(key)
+        elif not isinstance(value, bool):
+            raise group.refuse(key, kind)
+    if "betas" in group.values or "eps" in group.values:
+        pair = group.values.get("betas")
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise group.refuse("betas", "two numbers")
+        betas = _Fields({"b1": pair[0], "b2": pair[1]}, f"{group.section}.betas", group.where)
+        for b in ("b1", "b2"):
+            betas.number(b, high=1.0)
+        group.number("eps", above=True, high=1.0)
+
+
 def _scheduler_facts(
     scheduler: _Fields,
     args: _Fields,
@@ -447,6 +554,7 @@ def _read_record(
     if not isinstance(record, dict):
         raise SourceError(f"{where}: source.{RECORD} is {type(record).__name__}, not a mapping")
     read = (record.get("file") or "its common state", record.get("args_file"))
+    read += (record.get("groups_file"),)  # torch_dist's per-rank optimizer objects
     file = f"{where} ({', '.join(str(f) for f in read if f)})"  # Bridge: and its run config
     args = _Fields(_section(record, "args", file), "args", file)
     state = _section(record, "opt_param_scheduler", file)
@@ -572,11 +680,12 @@ def _wsd(scheduler: _Fields, args: _Fields) -> tuple[float, str]:
 
 
 def _global_batch(args: _Fields) -> int:
-    if args.values.get("rampup_batch_size") is not None:
-        raise RequestError(
-            f"{args.where}: args.rampup_batch_size = {args.values['rampup_batch_size']!r}: the "
-            f"batch size ramped up, so the scheduler's samples are no fixed multiple of the step"
-        )
+    for key in ("rampup_batch_size", "step_batch_size_schedule"):  # the latter: 0.19's
+        if args.values.get(key) is not None:
+            raise RequestError(
+                f"{args.where}: args.{key} = {args.values[key]!r}: the batch size changed "
+                f"during the run, so the scheduler's samples are no fixed multiple of the step"
+            )
     if not args.has("global_batch_size"):
         raise args.refuse("global_batch_size", "the samples per iteration the scheduler steps by")
     gbs = int(args.number("global_batch_size", integer=True, above=True))

@@ -29,6 +29,7 @@ import numpy as np
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
+from jax_ucp._src.continuation.megatron import check_megatron_record
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.exporters import source
 from jax_ucp._src.exporters.options import Exported, MegatronExport
@@ -85,6 +86,9 @@ def export(root: str, dst: str, options: MegatronExport) -> Exported:
         step = int(value)
     recorded = _source_of(options.run_record) if options.run_record else (manifest.source or {})
     record = recorded.get("megatron_optimizer") or {}
+    saved = {e.key: (tuple(e.shape), e.dtype) for e in manifest.tensors}
+    given = options.run_record or os.path.join(root, fmt.MANIFEST_FILE)  # passed on to
+    check_megatron_record(recorded, saved, f"{os.fspath(given)} (the run record)")  # Megatron-LM
     reads = source.Source(root, manifest, available, progress=options.progress)
     items: list[DcpItem] = []
     arrays: list[RowSlabs] = []

@@ -275,6 +275,10 @@ class ChainedStates:
     def step_objects(self) -> list[str]:
         return sorted(n for p in self.parts for n in p.step_objects())
 
+    def saved_groups(self) -> list[list[tuple[str, Any]]]:
+        """Each member's :meth:`RankStates.saved_groups`, dense then experts."""
+        return [g for p in self.parts for g in p.saved_groups()]
+
     def step(self) -> int:
         steps: dict[float, str] = {}
         for part in self.parts:

@@ -61,6 +61,7 @@ class RankStates:
         self.checkpoint = checkpoint
         self.where = checkpoint.path / ".metadata"
         self.ranks = ranks
+        self._groups: list[tuple[str, Any]] | None = None  # saved_groups, read once
         #: Whether the experts are a (legacy) GroupedMLP's: per layer one ``weight1``
         #: ``[h, E_local * X]`` and one ``weight2`` ``[E_local * ffn, h]`` in the grad buffer,
         #: each expert's block a contiguous ``[h, X]`` / ``[ffn, h]`` saved transposed.
@@ -299,12 +300,22 @@ class RankStates:
         prefixes = tuple(f"{self._key(rank)}.optimizer/" for rank in range(self.ranks))
         return sorted(n for n in self.checkpoint.objects if n.startswith(prefixes))
 
+    def saved_groups(self) -> list[list[tuple[str, Any]]]:
+        """[(each model-parallel rank's ``optimizer`` object, its param_groups)] (None where not
+        saved), in a list of one member: the step and the run's hyper-parameters are read there."""
+        if self._groups is None:
+            self._groups = []
+            for rank in range(self.ranks):
+                state = self.object(rank, "optimizer")
+                first = state[0] if isinstance(state, list) and state else None
+                groups = first.get("param_groups") if isinstance(first, dict) else None
+                self._groups.append((f"{self._key(rank)}.optimizer", groups))
+        return [self._groups]
+
     def step(self) -> int:
         steps: dict[float, str] = {}
-        for rank in range(self.ranks):
-            state = self.object(rank, "optimizer")
-            groups = state[0].get("param_groups") if isinstance(state, list) and state else None
-            where = f"{self.where} ({self._key(rank)}.optimizer)"
+        for rank, (name, groups) in enumerate(self.saved_groups()[0]):
+            where = f"{self.where} ({name})"
             steps.setdefault(step_from_param_groups(groups, where), f"in rank {rank}")
         return agreed_step(
             steps, str(self.where), recorded_by="model-parallel ranks", error=MegatronImportError

@@ -18,6 +18,7 @@ __all__ = [
     "agreed_record",
     "optimizer_record",
     "run_config_args",
+    "with_rank_groups",
 ]
 
 #: the key of ``source`` this record is kept under
@@ -55,6 +56,7 @@ RUN_ARGS = (
     "micro_batch_size",
     "data_parallel_size",
     "rampup_batch_size",
+    "step_batch_size_schedule",
     "decoupled_lr",
     "decoupled_min_lr",
     "iteration",
@@ -177,8 +179,38 @@ def agreed_record(files: Sequence[tuple[str, Mapping[str, Any]]], where: str) ->
             if len(values) == 1:
                 record = f"{r['file']} optimizer param_groups[*].{key}"
                 facts.state(f"param_groups.{key}", record, next(iter(values.values())))
+        for key, by in (("weight_decay", ("wd_mult",)), ("lr", ("lr_mult", "is_decoupled_lr"))):
+            for g in groups:  # scaled by the group's multiplier: equal where it is
+                if key in g and all(k in g for k in by):
+                    which = ", ".join(f"{k} {g[k]!r}" for k in by)
+                    record = f"{r['file']} optimizer param_groups[{which}].{key}"
+                    facts.state(f"param_groups[{which}].{key}", record, g[key])
     facts.agree_all()
     return records[0] if records else None
+
+
+def with_rank_groups(
+    record: dict | None, members: Sequence[Sequence[tuple[str, Any]]], common: str, where: str
+) -> dict | None:
+    """``record`` (the common state's; None: it holds none, its file ``common``) with the param
+    groups a distributed optimizer saved per model-parallel rank (torch_dist's ``dp_reshardable``
+    / ``dp_zero_gather_scatter`` objects; ``members``: a ChainedOptimizer's, each [(object,
+    groups)]): every rank's compared with every other's (:func:`agreed_record`), each member's
+    first rank's kept as a ChainedOptimizer's common state lists them, the objects named
+    (``groups_file``) for the continuation's refusals."""
+    ranks = [(name, g) for member in members for name, g in member if isinstance(g, list)]
+    if not ranks:
+        return record
+    named = [(name, {"optimizer": {"param_groups": groups}}) for name, groups in ranks]
+    if record is not None and record.get("param_groups"):  # the common state's too
+        named.append((record["file"], {"optimizer": {"param_groups": record["param_groups"]}}))
+    agreed_record(named, where)
+    out: dict[str, Any] = dict(record or {"file": common})
+    if not out.get("param_groups"):
+        firsts = [member[0][1] for member in members if member and isinstance(member[0][1], list)]
+        out["param_groups"] = [g for f in firsts for g in _groups({"param_groups": f}) or ()]
+    out["groups_file"] = ranks[0][0]
+    return out
 
 
 def run_config_args(run_config: Mapping[str, Any]) -> dict[str, Any]:

@@ -45,7 +45,11 @@ from jax_ucp._src.importers.megatron.model_space import (
 from jax_ucp._src.importers.megatron.module_order import in_module_order
 from jax_ucp._src.importers.megatron.rank_states import RankStates, rounds_to
 from jax_ucp._src.importers.megatron.rules import add_arg_settings, import_rules_spec
-from jax_ucp._src.importers.megatron.run_record import MEGATRON_OPTIMIZER, optimizer_record
+from jax_ucp._src.importers.megatron.run_record import (
+    MEGATRON_OPTIMIZER,
+    optimizer_record,
+    with_rank_groups,
+)
 from jax_ucp._src.importers.megatron.source import MegatronSource
 from jax_ucp._src.importers.plan import (
     TENSORS,
@@ -133,6 +137,9 @@ def plan_torch_dist(
     }
     where = os.path.relpath(common_path, source_dir.ckpt_dir)
     record = optimizer_record(common, where) if isinstance(common, dict) else None
+    if optimizer.buckets is not None:  # the per-rank groups: lr, betas, eps, weight decay...
+        groups = optimizer.buckets.saved_groups()
+        record = with_rank_groups(record, groups, where, str(checkpoint.path / ".metadata"))
     if record is not None:  # how the run stepped: args, scheduler state, param groups
         info[MEGATRON_OPTIMIZER] = record
     mine = options.share.pick(model_names)
