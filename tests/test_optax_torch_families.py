@@ -52,7 +52,12 @@ def _torch_steps(tmp_path, model, optimizers, x, saved=None):
     g, want = [], []
     for _ in range(3):
         grads()
-        g.append({n: p.grad.numpy().copy() for n, p in named})
+        g.append(  # a frozen parameter (no grad): ones, as a jax.grad over the model feeds it
+            {
+                n: np.ones(p.shape, np.float32) if p.grad is None else p.grad.numpy().copy()
+                for n, p in named
+            }
+        )
         for opt in optimizers:
             opt.step()
         want.append({n: p.detach().numpy().copy() for n, p in named})

@@ -591,7 +591,8 @@ def _from_run(
         raise RequestError(_no_optimizer(source, where))
     spec = spec_with_recorded_settings(spec, source, notes := [])
     params, mu, nu, step = _restored_adam(run, options, spec, where)
-    labels, trained, mu, nu, held = frozen.split(params, mu, nu)
+    held = frozen.find(params, mu)
+    trained, mu, nu = (params, mu, nu) if held is None else map(held.only, (params, mu, nu))
     if recipe is None:
         recipe = torch_recipe(source, groups, step, optimizer, where)
     elif recipe.at_step is not None:
@@ -617,12 +618,9 @@ def _from_run(
     unrecovered = _say_unrecovered(recipe.unrecovered, notes, where)
     tx = chain_of(recipe, mask)
     state = _state_of(tx, trained, mu, nu, step)
-    if labels is not None:
-        tx, state = frozen.holding(tx, state, params, labels)
-        notes.append(
-            f"{len(held)} leaves without optimizer state held (zero updates: the run did not "
-            f"train them, e.g. a LoRA base): {', '.join(held[:4])}{', ...' if len(held) > 4 else ''}"
-        )
+    if held is not None:
+        tx, state = held.holding(tx, state, params)
+        notes.append(held.note)
     schedule = recipe.learning_rate
     kinds = ["adam"] * len(groups)
     return TorchOptimizer(
@@ -641,7 +639,8 @@ def _other_run(
     where: str,
 ) -> TorchOptimizer:
     """A run of torch's SGD or Muon (with its AdamW groups) or transformers' Adafactor: one
-    chain per optimizer over the parameters its groups hold, behind the run's clipping."""
+    chain per optimizer over the parameters its groups hold, behind the run's clipping; the
+    parameters it kept no state for held (``frozen``)."""
     import optax
 
     source = run.source
@@ -649,6 +648,8 @@ def _other_run(
     tree = run.restore(_restore_keywords(options, spec, where))
     params, opt = tree["params"], tree.get("opt_state") or {}
     step = _step_of(opt, source, notes, where)
+    held = frozen.find(params, *(v for v in opt.values() if isinstance(v, dict)))
+    trained = params if held is None else held.only(params)
     by_kind = {k: [g for g, kk in zip(groups, kinds) if kk == k] for k in dict.fromkeys(kinds)}
     if len(by_kind) > 1 and set(by_kind) != {"muon", "adam"}:
         raise RequestError(
@@ -677,17 +678,20 @@ def _other_run(
         notes.append(recipe.how)
         notes.extend(recipe.notes)
         inside = {n: k == kind for n, k in owner.items()}
-        part = _mask_tree(run.saved, spec, params, inside, where) if len(by_kind) > 1 else None
-        chains[kind] = _kind_chain(kind, recipe, mine, run, spec, params, part, owner, notes)
+        part = _mask_tree(run.saved, spec, trained, inside, where) if len(by_kind) > 1 else None
+        chains[kind] = _kind_chain(kind, recipe, mine, run, spec, trained, part, owner, notes)
     clip = recipes[0].clip
     if any(r.clip != clip for r in recipes):
         raise RequestError(f"{where}: the optimizers' recipes disagree on clipping")
     if len(chains) == 1:
         inner = next(iter(chains.values()))
     else:
-        labels = _labels(run, spec, params, owner, where)
+        labels = _labels(run, spec, trained, owner, where)
         inner = optax.partition(chains, labels)
     tx = optax.chain(clip_like_torch(clip), inner)
+    if held is not None:
+        tx = held.partition(tx)
+        notes.append(held.note)
     state, said = families.filled_state(tx, params, opt, step, where)
     notes.extend(said)
     unrecovered = _say_unrecovered([u for r in recipes for u in r.unrecovered], notes, where)
