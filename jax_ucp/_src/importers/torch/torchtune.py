@@ -53,6 +53,7 @@ from jax_ucp._src.importers.torch_state import TensorRef, TorchState, numbered_n
 from jax_ucp._src.importers.trainer_files import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS,
+    adapter_record,
     read_json,
     side_file,
 )
@@ -779,11 +780,7 @@ def _plan_lora(
         for g in groups
         if isinstance(g, dict)
     ]
-    adapter_config = os.path.join(latest, ADAPTER_CONFIG_FILE)
-    lora = (
-        read_json(side_file(latest, ADAPTER_CONFIG_FILE)) if os.path.lexists(adapter_config) else {}
-    )
-    lora = lora if isinstance(lora, dict) else {}
+    lora = adapter_record(latest)
     base = lora.get("base_model_name_or_path")
     note = (
         f"torchtune LoRA recipe: the adapter ({len(params)} tensors of {pt}, in peft's names "
@@ -814,11 +811,7 @@ def _plan_lora(
             if isinstance(loaded.get(k), int)
         },
         "model_type": config.get("model_type"),
-        "lora": {
-            k: lora[k]
-            for k in ("r", "lora_alpha", "target_modules", "base_model_name_or_path")
-            if k in lora
-        },
+        "lora": lora,
         "notes": [note],
     }
     return plan_state(torch_state, source, options)
