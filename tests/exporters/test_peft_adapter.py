@@ -13,9 +13,11 @@ import warnings
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp._src.exporters import SafetensorsExport
+from jax_ucp.cli import app
 from jax_ucp.conversion import TorchOptions
 from jax_ucp.errors import RequestError
 from tests.ucp_testing import REPO, assert_bit_exact
@@ -58,12 +60,15 @@ def _assert_as_source(folder: str, written: str) -> None:
 
 
 def test_a_torchtune_lora_import_exports_back_as_its_peft_adapter(tmp_path):
-    """torchtune's LoRA run: the adapter folder equals the peft copy torchtune wrote beside it;
-    a config without what peft needs, or not saying DoRA when the tensors are, is refused."""
+    """torchtune's LoRA run: the adapter folder (API and ``--adapter``) equals the peft copy
+    torchtune wrote beside it; a config without what peft needs, or not saying DoRA when the tensors are, is refused."""
     ckpt = _import("tt_lora", tmp_path / "ucp")
     out = jax_ucp.export(ckpt, tmp_path / "adapter", SafetensorsExport(adapter=True))
     assert out.files == ["adapter_model.safetensors", "adapter_config.json"]
     _assert_as_source(SOURCES["tt_lora"][0], out.path)
+    cli = CliRunner().invoke(app, ["export", ckpt, str(tmp_path / "by_cli"), "--adapter"])
+    assert cli.exit_code == 0, cli.output
+    _assert_as_source(SOURCES["tt_lora"][0], str(tmp_path / "by_cli"))
     with pytest.raises(RequestError, match=r"config= has no r, lora_alpha, target_modules"):
         jax_ucp.export(
             ckpt, tmp_path / "no", SafetensorsExport(adapter=True, config={"peft_type": "LORA"})
