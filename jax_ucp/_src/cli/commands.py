@@ -995,6 +995,7 @@ EXPORT_FIELDS = (
         prefix="deepspeed-universal: ",
     ),
     FromField(_SAFETENSORS, "config", prefix="safetensors: "),
+    FromField(_SAFETENSORS, "adapter", prefix="safetensors: "),
     *(
         FromField("exporters.options.MegatronExport", name, prefix="megatron: ")
         for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by", "iteration", "run_record")

@@ -229,12 +229,17 @@ class SafetensorsExport(_TensorsExport):
 
     Attributes:
         max_file_bytes: data per file before the output is split: bytes or e.g. "5GB".
-        config: a ``config.json`` (dict or JSON file path) to write beside the weights."""
+        config: a ``config.json`` (dict or JSON file path) to write beside the weights; with
+            ``adapter``, the ``adapter_config.json``.
+        adapter: a peft adapter folder of a checkpoint imported from one (``source.lora``):
+            ``adapter_model.safetensors`` (one file) and ``adapter_config.json`` as recorded,
+            which ``PeftModel.from_pretrained`` loads."""
 
     format: ClassVar[str] = "safetensors"
     default_select: ClassVar[str] = "params"
     max_file_bytes: int | str = 5 * 10**9
     config: Mapping[str, Any] | str | os.PathLike | None = None
+    adapter: bool = False
 
     def __post_init__(self):
         super().__post_init__()

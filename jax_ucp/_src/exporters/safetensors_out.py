@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_ucp._src.errors import RequestError
-from jax_ucp._src.exporters import by_spec, source
+from jax_ucp._src.exporters import by_spec, peft_adapter, source
 from jax_ucp._src.exporters.options import Exported, SafetensorsExport
 from jax_ucp._src.exporters.source import RowSlabs, Tensor, pieces
 from jax_ucp._src.format import safetensors
@@ -109,19 +109,26 @@ def write_index(path: str, files: Sequence[Sequence[Tensor]], names: Sequence[st
 
 
 def export(root: str, dst: str, options: SafetensorsExport) -> Exported:
-    """The tensors under ``select`` as ``model.safetensors`` (or shards), and ``config.json``.
+    """The tensors under ``select`` as ``model.safetensors`` (or shards), and ``config.json``;
+    with ``adapter``, peft's ``adapter_model.safetensors`` and ``adapter_config.json``.
 
     Args:
         root: the UCP checkpoint directory (a manager step already resolved).
         dst: the directory to create.
         options: this format's options (``engine.export`` checked them)."""
     chosen = source.select(root, options, dtype_name, with_values=False)
-    # the one given, else the import's; of a family the spec maps (checked before any write)
-    config = by_spec.config_for(chosen.spec, options.config, chosen.recorded)
+    if options.adapter:  # peft reads one file and the adapter's config as recorded
+        config_file, groups = peft_adapter.CONFIG_FILE, [chosen.tensors]
+        config = peft_adapter.adapter_config(
+            [t.name for t in chosen.tensors], options.config, chosen.recorded
+        )
+    else:  # the one given, else the import's; of a family the spec maps (checked before writing)
+        config_file = "config.json"
+        groups = plan_files(chosen.tensors, int(options.max_file_bytes))  # parsed
+        config = by_spec.config_for(chosen.spec, options.config, chosen.recorded)
 
     def write(tmp: str) -> list[str]:
-        groups = plan_files(chosen.tensors, int(options.max_file_bytes))  # parsed
-        names = file_names(len(groups))
+        names = [peft_adapter.WEIGHTS_FILE] if options.adapter else file_names(len(groups))
         metadata = {"format": "pt", "jax_ucp.save_id": chosen.save_id}
         arrays = dict(zip((t.name for t in chosen.tensors), chosen.arrays))
         for group, name in zip(groups, names):
@@ -131,8 +138,8 @@ def export(root: str, dst: str, options: SafetensorsExport) -> Exported:
             names.append(INDEX_FILE)
         if config is not None:
             text = json.dumps(config, indent=2, sort_keys=True)
-            durable.write_file(os.path.join(tmp, "config.json"), text + "\n")
-            names.append("config.json")
+            durable.write_file(os.path.join(tmp, config_file), text + "\n")
+            names.append(config_file)
         return names
 
     return chosen.exported(dst, source.write_atomically(dst, write, options.force))

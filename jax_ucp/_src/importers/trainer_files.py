@@ -30,6 +30,7 @@ __all__ = [
     "MODEL_FIELDS",
     "MODEL_WEIGHTS",
     "adapter_beside_model",
+    "adapter_record",
     "check_optimizer_beside_scheduler",
     "is_adapter_checkpoint",
     "is_trainer_checkpoint",
@@ -168,6 +169,15 @@ def is_adapter_checkpoint(folder: str) -> bool:
     """A peft adapter checkpoint (the Trainer's save of a ``PeftModel``): ``adapter_config.json``
     and no full model's weights beside it, so its weights and optimizer are the adapter's."""
     return os.path.lexists(os.path.join(folder, ADAPTER_CONFIG_FILE)) and not _holds_model(folder)
+
+
+def adapter_record(folder: str) -> dict[str, Any]:
+    """``folder``'s ``adapter_config.json`` as written ({} without one), recorded as the
+    manifest's ``source.lora`` so that an export writes the adapter's config back unchanged."""
+    if not os.path.lexists(os.path.join(folder, ADAPTER_CONFIG_FILE)):
+        return {}
+    record = read_json(side_file(folder, ADAPTER_CONFIG_FILE))
+    return record if isinstance(record, dict) else {}
 
 
 def adapter_beside_model(folder: str) -> dict[str, str]:

@@ -272,6 +272,8 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
     _skip_unused(src, model_files[0], found, optimizer_sources, params, states, skipped)
     if os.path.isdir(src) and trainer_files.is_trainer_checkpoint(src):
         info["trainer"] = trainer_files.trainer_record(src)  # the schedule, clipping, step
+    if os.path.isdir(src) and trainer_files.is_adapter_checkpoint(src):
+        info["lora"] = trainer_files.adapter_record(src)  # exported back as peft reads it
     if removed:
         info["wrappers_removed"] = removed
     if other:

@@ -55,6 +55,7 @@ from jax_ucp._src.importers.torch_state import TensorRef, TorchState, numbered_n
 from jax_ucp._src.importers.trainer_files import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS,
+    adapter_record,
     read_json,
     side_file,
 )
@@ -820,11 +821,7 @@ def _lora_adapter(
     )
     peft_copies = [f"{epoch}/{n}" for n in adapter_files(latest) if n != ADAPTER_PT]
     skipped.update(dict.fromkeys(peft_copies, f"peft's copy of {pt} (imported in peft's names)"))
-    adapter_config = os.path.join(latest, ADAPTER_CONFIG_FILE)
-    lora = (
-        read_json(side_file(latest, ADAPTER_CONFIG_FILE)) if os.path.lexists(adapter_config) else {}
-    )
-    lora = lora if isinstance(lora, dict) else {}
+    lora = adapter_record(latest)
     base = lora.get("base_model_name_or_path")
     note = (
         f"torchtune LoRA recipe: the adapter ({len(params)} tensors of {pt}, in peft's names "
@@ -846,12 +843,7 @@ def _lora_adapter(
     source = {
         "files": [ADAPTER_PT],
         "parameter_order": how,
-        "lora": {
-            k: lora[k]
-            for k in ("r", "lora_alpha", "target_modules", "base_model_name_or_path")
-            if k in lora
-        }
-        | ({"use_dora": True} if dora else {}),
+        "lora": lora | ({"use_dora": True} if dora else {}),
         "notes": [note, dora_note] if dora else [note],
     }
     return _Mapped(params, to_name, skipped, source)
