@@ -107,3 +107,24 @@ def test_an_moe_spec_writing_experts_one_by_one_is_refused(tmp_path):
     with pytest.raises(RequestError, match=rf"one by one \({expert}.*experts\.gate_up_proj"):
         jax_ucp.export(ckpt, tmp_path / "out", options)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tied_name_shares_its_parameters_bytes_and_verifies_against_it(tmp_path):
+    """``tied=`` writes the name as the parameter's own storage entry (the tie is in the
+    files): the export verifies against the checkpoint without that name (the tied name
+    compared with its parameter), its import records the tie; against a checkpoint whose
+    parameter differs, both names are problems."""
+    ckpt = _run(tmp_path / "run")
+    tied = TorchDcpExport(
+        optimizer="optim", param_groups=GROUP, tied={"head.weight": "embed.weight"}
+    )
+    jax_ucp.export(ckpt, tmp_path / "dcp", tied)
+    assert jax_ucp.verify(tmp_path / "dcp", against=ckpt) == []
+    back = jax_ucp.convert(tmp_path / "dcp", tmp_path / "back")
+    assert jax_ucp.inspect(back).source["optimizer"]["tied"] == {"head.weight": "embed.weight"}
+    run = jax_ucp.restore(ckpt)
+    run["params"]["embed.weight"][0, 0] += 1
+    other = jax_ucp.save(str(tmp_path / "other"), run)
+    bad = dict(jax_ucp.verify(tmp_path / "dcp", against=other))
+    assert sorted(bad) == ["params/embed.weight", "params/head.weight"], bad
+    assert "1 of 24 elements differ" in bad["params/head.weight"]

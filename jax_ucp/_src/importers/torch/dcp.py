@@ -214,6 +214,7 @@ def _ref(ck: torch_dcp.DcpCheckpoint, name: str) -> TensorRef:
         lambda: ck.read(name),
         {"format": "torch_dcp", "source_name": name, "files": t.files, "chunks": len(t.chunks)},
         rows=lambda start, stop: ck.read_rows(name, start, stop),
+        identity=(t.chunks, t.shape, t.dtype.str),  # a tied weight's entry is its parameter's
     )
 
 
