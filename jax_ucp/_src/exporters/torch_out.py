@@ -96,13 +96,13 @@ def _with_optimizer(root: str, dst: str, options: TorchDcpExport) -> Exported:
         if same_as is None:
             arrays.append(reads.tensor(key, dtype, fqn))
 
-    def at(name: str) -> tuple:
+    def keyed(name: str) -> tuple:
         return (model, name) if model else (name,)
 
     for p, name in weights.items():
-        add(at(name), p, options.dtype or available[p].dtype)
+        add(keyed(name), p, options.dtype or available[p].dtype)
     for p, name in tied:  # the parameter's bytes: the tie is in the files
-        add(at(name), p, options.dtype or available[p].dtype, ".".join(at(weights[p])))
+        add(keyed(name), p, options.dtype or available[p].dtype, ".".join(keyed(weights[p])))
     flat = options.flatten_optimizer_state_dict
     step_value = np.asarray(float(step), np.float32)  # torch's Adam keeps it so
     for p, name in names.items():

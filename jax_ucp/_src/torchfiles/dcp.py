@@ -993,13 +993,13 @@ def check_disjoint(
     the next. Args: tensors: every tensor's chunks. objects: every pickled object's entry.
     where: the ``.metadata`` file, for errors."""
     file_ids: dict[str, int] = {}  # files in the order met: the order of the sort
-    first: dict[tuple, str] = {}
+    whole: dict[tuple, str] = {}  # a one-chunk tensor's entry, shape, dtype -> its first name
     kept = [
         t
         for t in tensors.values()
         if len(t.chunks) != 1
         or t.chunks[0].sizes != t.shape
-        or first.setdefault((t.chunks[0], t.shape, t.dtype.str), t.name) == t.name
+        or whole.setdefault((t.chunks[0], t.shape, t.dtype.str), t.name) == t.name
     ]
     entries = sorted(  # (file id, start, end, file, tensor or object name, chunk or None)
         (
