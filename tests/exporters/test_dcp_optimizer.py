@@ -128,3 +128,27 @@ def test_a_tied_name_shares_its_parameters_bytes_and_verifies_against_it(tmp_pat
     bad = dict(jax_ucp.verify(tmp_path / "dcp", against=other))
     assert sorted(bad) == ["params/embed.weight", "params/head.weight"], bad
     assert "1 of 24 elements differ" in bad["params/head.weight"]
+
+
+@pytest.mark.parametrize("borrower", ["optim.state.embed.weight.exp_avg", "model.head.weight"])
+def test_only_a_tied_weight_may_share_a_storage_entry(tmp_path, borrower):
+    """A moment, or a second trained weight, pointed at the embedding's entry (a tied alias's
+    way) is refused naming both: only a weight without state may be another's."""
+    from tests.importers.megatron.test_dcp import read_layout, write_layout
+
+    ckpt = _run(tmp_path / "run")
+    tied = TorchDcpExport(
+        optimizer="optim", param_groups=GROUP, tied={"head.weight": "embed.weight"}
+    )
+    jax_ucp.export(ckpt, tmp_path / "dcp", tied)
+    tensors, objects = read_layout(tmp_path / "dcp")
+    if borrower == "model.head.weight":  # the alias given a state of its own
+        for state in ("exp_avg", "exp_avg_sq"):
+            tensors[f"optim.state.head.weight.{state}"] = tensors[
+                f"optim.state.embed.weight.{state}"
+            ]
+    else:
+        tensors[borrower] = tensors["model.embed.weight"]
+    write_layout(tmp_path / "dcp", tensors, objects)
+    with pytest.raises(jax_ucp.UCPError, match=r"model\.embed\.weight.*are one storage entry"):
+        jax_ucp.convert(tmp_path / "dcp", tmp_path / "back")
