@@ -5,7 +5,8 @@ DCP chunk coverage), and every tensor it holds (weights, fp32 masters, Adam's mo
 is compared with the checkpoint's tensor of the same role and name, read through the spec the
 export ran backwards (``spec=``), bit for bit; the step by value. An exported tensor the
 checkpoint has no counterpart of is a problem; the checkpoint's parameters and moments the
-export left out are listed. Rows an export added (megatron's vocab padding) must be zeros."""
+export left out are listed. Rows an export added (megatron's vocab padding) must be zeros; a
+tied weight it wrote (its files say so: a DCP entry shared) is its parameter's."""
 
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ def _compare(exported: str, root: str, ckpt: str, spec: Any, progress) -> Export
         key = ours.get(tuple(item.key)) or (
             tuple(item.key) if tuple(item.key) in available else None
         )
+        if key is None and item.tied_to:  # a tied weight the export wrote: its parameter's
+            key = ours.get(("params", item.tied_to.removeprefix("params/")))
         if key is None:
             result.different[name] = f"exported, but {ckpt} holds no tensor of this name and role"
         else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -473,8 +474,15 @@ def _schedule_argument(key: str, value: Any, where: str) -> Any:
     return value
 
 
-def _mask_tree(saved_tensors: dict, spec, params, decayed: dict[str, bool], where: str):
-    """Per leaf of ``params``: decayed or not, from the torch parameters it is made of."""
+#: a tied model's output layer and the embeddings it may be, as their torch state dict names them
+_HEAD, _EMBEDDINGS = "lm_head.weight", ("model.embed_tokens.weight", "transformer.wte.weight")
+
+
+def _mask_tree(
+    saved_tensors: dict, spec, params, decayed: dict[str, bool], where: str, why: str = ""
+):
+    """Per leaf of ``params``: decayed or not, from the torch parameters it is made of
+    (``why``: said when one is in no group)."""
     import jax
 
     def of(names: list[str], leaf: str) -> bool:
@@ -482,24 +490,74 @@ def _mask_tree(saved_tensors: dict, spec, params, decayed: dict[str, bool], wher
         if None in flags or len(flags) != 1:
             raise RequestError(
                 f"{where}: {leaf} is made of torch parameters {names} whose weight decay "
-                f"differs or is unknown"
+                f"differs or is unknown{why}"
             )
         return bool(flags.pop())  # one flag, not None (checked above)
 
     if spec is None:  # a frozen leaf (optax.MaskedNode) has no flag
         return {n: of([n], n) if jax.tree.leaves(v) else v for n, v in params.items()}
-    saved = {k: language.TensorInfo(shape, dtype) for k, (shape, dtype) in saved_tensors.items()}
-    sources = {
-        key[1:]: [s[1] for s in plan.sources]
-        for key, plan in language.compile_restore_plan(spec, saved).items()
-        if key[0] == "params"
-    }
+    sources = _leaf_sources(saved_tensors, spec)
     return jax.tree_util.tree_map_with_path(
         lambda path, _: of(
             sources[tuple(str(getattr(k, "key", k)) for k in path)], jax.tree_util.keystr(path)
         ),
         params,
     )
+
+
+def _leaf_sources(saved_tensors: dict, spec) -> dict[tuple, list[str]]:
+    """{a params leaf's path: the torch parameters the spec makes it of}."""
+    saved = {k: language.TensorInfo(shape, dtype) for k, (shape, dtype) in saved_tensors.items()}
+    return {
+        key[1:]: [s[1] for s in plan.sources]
+        for key, plan in language.compile_restore_plan(spec, saved).items()
+        if key[0] == "params"
+    }
+
+
+def _ties(run: _Run, spec: Any, recorded: dict) -> tuple[dict[str, str], str]:
+    """({tied name: the parameter it is}, why a head without state is not taken as tied). In
+    torch a tied weight is its parameter (one optimizer state; a Trainer's files hold it alone):
+    the import's record where the files say so (one storage in a .pt, one entry in a jax_ucp DCP
+    export); where nothing records it (torch DCP), ``lm_head.weight`` without state is the
+    embedding only with the model's ``tie_word_embeddings`` and the embedding's bytes."""
+    tied = dict(recorded.get("tied") or {})
+    trained = {n for g in recorded.get("param_groups") or [] for n in g.get("params") or []}
+    embedding = next((n for n in _EMBEDDINGS if n in trained), None)
+    if _HEAD in tied or _HEAD not in (recorded.get("no_state") or []) or embedding is None:
+        return tied, ""
+    config = (run.source.get("trainer") or {}).get("model_config") or run.source.get("config")
+    settings = {**getattr(spec, "settings", {}), **(config if isinstance(config, dict) else {})}
+    if settings.get("tie_word_embeddings") is not True:
+        return tied, (
+            f": {_HEAD} has no optimizer state and no file records a tie to {embedding}; if "
+            f"the model ties them, give the spec its config's tie_word_embeddings=True"
+        )
+    pick = "params/(" + "|".join(re.escape(n) for n in (_HEAD, embedding)) + ")"
+    read = run.restore({"select": pick})["params"]
+    head, embed = (np.asarray(read[n]) for n in (_HEAD, embedding))
+    if head.dtype != embed.dtype or head.tobytes() != embed.tobytes():
+        return tied, (
+            f": {_HEAD} has no optimizer state and tie_word_embeddings is set, but its bytes "
+            f"differ from {embedding}'s: not the same parameter"
+        )
+    return {**tied, _HEAD: embedding}, ""
+
+
+def _untied(params: Any, saved: dict, spec: Any, tied: dict[str, str]) -> Any:
+    """``params`` without the leaves made of tied names alone, nor the modules they empty (the
+    tied model's tree)."""
+    leaves = {(k,): [k] for k in params} if spec is None else _leaf_sources(saved, spec)
+    for path, names in leaves.items():
+        if names and set(names) <= set(tied):
+            nodes = [params]
+            for k in path[:-1]:
+                nodes.append(nodes[-1][k])
+            nodes[-1].pop(path[-1])
+            for parent, k, node in reversed(list(zip(nodes, path, nodes[1:]))):
+                if not node:
+                    parent.pop(k)
+    return params
 
 
 def optax_from_torch(
@@ -591,6 +649,8 @@ def _from_run(
         raise RequestError(_no_optimizer(source, where))
     spec = spec_with_recorded_settings(spec, source, notes := [])
     params, mu, nu, step = _restored_adam(run, options, spec, where)
+    tied, why = _ties(run, spec, recorded)
+    params = _untied(params, run.saved, spec, tied)
     held = frozen.find(params, mu)
     trained, mu, nu = (params, mu, nu) if held is None else map(held.only, (params, mu, nu))
     if recipe is None:
@@ -605,7 +665,7 @@ def _from_run(
     _recorded_steps(source, step, notes, where)
     mask = None
     if _decays(recipe):
-        mask = _mask_tree(run.saved, spec, trained, dict(recipe.decayed), where)
+        mask = _mask_tree(run.saved, spec, trained, dict(recipe.decayed), where, why)
         leaves = jax.tree.leaves(mask)
         style = (
             "decoupled (AdamW)"

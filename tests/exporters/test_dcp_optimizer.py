@@ -107,3 +107,48 @@ def test_an_moe_spec_writing_experts_one_by_one_is_refused(tmp_path):
     with pytest.raises(RequestError, match=rf"one by one \({expert}.*experts\.gate_up_proj"):
         jax_ucp.export(ckpt, tmp_path / "out", options)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tied_name_shares_its_parameters_bytes_and_verifies_against_it(tmp_path):
+    """``tied=`` writes the name as the parameter's own storage entry (the tie is in the
+    files): the export verifies against the checkpoint without that name (the tied name
+    compared with its parameter), its import records the tie; against a checkpoint whose
+    parameter differs, both names are problems."""
+    ckpt = _run(tmp_path / "run")
+    tied = TorchDcpExport(
+        optimizer="optim", param_groups=GROUP, tied={"head.weight": "embed.weight"}
+    )
+    jax_ucp.export(ckpt, tmp_path / "dcp", tied)
+    assert jax_ucp.verify(tmp_path / "dcp", against=ckpt) == []
+    back = jax_ucp.convert(tmp_path / "dcp", tmp_path / "back")
+    assert jax_ucp.inspect(back).source["optimizer"]["tied"] == {"head.weight": "embed.weight"}
+    run = jax_ucp.restore(ckpt)
+    run["params"]["embed.weight"][0, 0] += 1
+    other = jax_ucp.save(str(tmp_path / "other"), run)
+    bad = dict(jax_ucp.verify(tmp_path / "dcp", against=other))
+    assert sorted(bad) == ["params/embed.weight", "params/head.weight"], bad
+    assert "1 of 24 elements differ" in bad["params/head.weight"]
+
+
+@pytest.mark.parametrize("borrower", ["optim.state.embed.weight.exp_avg", "model.head.weight"])
+def test_only_a_tied_weight_may_share_a_storage_entry(tmp_path, borrower):
+    """A moment, or a second trained weight, pointed at the embedding's entry (a tied alias's
+    way) is refused naming both: only a weight without state may be another's."""
+    from tests.importers.megatron.test_dcp import read_layout, write_layout
+
+    ckpt = _run(tmp_path / "run")
+    tied = TorchDcpExport(
+        optimizer="optim", param_groups=GROUP, tied={"head.weight": "embed.weight"}
+    )
+    jax_ucp.export(ckpt, tmp_path / "dcp", tied)
+    tensors, objects = read_layout(tmp_path / "dcp")
+    if borrower == "model.head.weight":  # the alias given a state of its own
+        for state in ("exp_avg", "exp_avg_sq"):
+            tensors[f"optim.state.head.weight.{state}"] = tensors[
+                f"optim.state.embed.weight.{state}"
+            ]
+    else:
+        tensors[borrower] = tensors["model.embed.weight"]
+    write_layout(tmp_path / "dcp", tensors, objects)
+    with pytest.raises(jax_ucp.UCPError, match=r"model\.embed\.weight.*are one storage entry"):
+        jax_ucp.convert(tmp_path / "dcp", tmp_path / "back")

@@ -226,6 +226,65 @@ def test_a_tied_model_loads_in_either_layout_and_continues(tmp_path, flat):
                 assert torch.equal(adamw.state[p][key], optim.state[q][key]), (export, name, key)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("saved", ["dcp", "pt"])
+def test_a_tied_torch_run_continues_in_jax(tmp_path, saved):
+    """A tied Llama trained 2 AdamW steps, saved by ``dcp.save`` of ``get_state_dict`` (nothing
+    records the tie: the spec says ``tie_word_embeddings``, the bytes agree) or by
+    ``torch.save`` (one storage: the files say it): ``optax_from_torch`` continues it as one
+    parameter (no lm_head leaf), its next step torch's (loss and weights). Without the setting,
+    or with an lm_head that is not the embedding, the DCP run is refused saying why."""
+    import optax
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from jax_ucp._src.models.transformer import hf_model
+    from jax_ucp.conversion import TorchOptions
+    from jax_ucp.models import TransformerLM
+
+    tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (3, 2, 8))
+    model, optim = _torch_run(tie_word_embeddings=True)
+    for ids in tokens[:2]:
+        _torch_step(model, optim, ids)
+    importing = None
+    if saved == "dcp":
+        msd, osd = _state_dicts(model, optim)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "torch"))
+        msd["lm_head.weight"] = msd["lm_head.weight"] + 1  # another head, saved alike
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "other"))
+    else:
+        (tmp_path / "torch").mkdir()
+        state = {"model": model.state_dict(), "optimizer": optim.state_dict()}
+        torch.save(state, tmp_path / "torch" / "checkpoint.pt")
+        named = list(model.named_parameters())  # numbered by group: decayed, then norms
+        order = [n for n, p in named if p.ndim > 1] + [n for n, p in named if p.ndim <= 1]
+        importing = jax_ucp.RestoreOptions(importing=TorchOptions(parameter_order=order))
+    cfg, name = hf_model({"model_type": "llama", **{**CONFIG, "tie_word_embeddings": True}})
+    spec = load_spec(name, **cfg.head_settings, tie_word_embeddings=True)
+    run = jax_ucp.optax_from_torch(tmp_path / "torch", spec=spec, clip=None, options=importing)
+    assert "lm_head" not in run.params
+    if saved == "dcp":
+        untied = load_spec(name, **cfg.head_settings)
+        with pytest.raises(RequestError, match=r"lm_head\.weight.*tie_word_embeddings"):
+            jax_ucp.optax_from_torch(tmp_path / "torch", spec=untied, clip=None)
+        with pytest.raises(RequestError, match=r"lm_head\.weight.*bytes differ"):
+            jax_ucp.optax_from_torch(tmp_path / "other", spec=spec, clip=None)
+    lm = TransformerLM(cfg)
+
+    def loss_fn(params, ids):
+        logits = lm.apply({"params": params}, ids)
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(run.params, tokens[2])
+    updates, _ = run.tx.update(grads, run.opt_state, run.params)
+    after = _hf_tree(spec, optax.apply_updates(run.params, updates), run.opt_state)["params"]
+    want = _torch_step(model, optim, tokens[2])
+    assert abs(float(loss) - want) < 1e-5
+    assert len(after) == len(list(model.parameters()))
+    for pname, p in model.named_parameters():
+        np.testing.assert_allclose(p.detach().numpy(), after[pname], rtol=0, atol=1e-5)
+
+
 def test_transformers_holds_moe_experts_fused():
     """What the refusal of a per-expert MoE export says (tests/exporters/test_dcp_optimizer.py):
     a transformers Qwen3-MoE's ``get_state_dict`` names its experts fused, none one by one."""

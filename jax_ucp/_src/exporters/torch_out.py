@@ -87,15 +87,22 @@ def _with_optimizer(root: str, dst: str, options: TorchDcpExport) -> Exported:
     items: list[DcpItem] = []
     arrays: list[Any] = []
 
-    def add(path: tuple, key: tuple, dtype: Any) -> None:
+    def add(path: tuple, key: tuple, dtype: Any, same_as: str | None = None) -> None:
         fqn = ".".join(map(str, path))
         check_cast(fqn, available[key].dtype, dtype, options.casting)
         torch_dtype(fqn, dtype)
-        items.append(DcpItem(fqn, path, tuple(available[key].shape), np.dtype(dtype)))
-        arrays.append(reads.tensor(key, dtype, fqn))
+        shape = tuple(available[key].shape)
+        items.append(DcpItem(fqn, path, shape, np.dtype(dtype), same_as=same_as))
+        if same_as is None:
+            arrays.append(reads.tensor(key, dtype, fqn))
 
-    for p, name in [*weights.items(), *tied]:
-        add((model, name) if model else (name,), p, options.dtype or available[p].dtype)
+    def keyed(name: str) -> tuple:
+        return (model, name) if model else (name,)
+
+    for p, name in weights.items():
+        add(keyed(name), p, options.dtype or available[p].dtype)
+    for p, name in tied:  # the parameter's bytes: the tie is in the files
+        add(keyed(name), p, options.dtype or available[p].dtype, ".".join(keyed(weights[p])))
     flat = options.flatten_optimizer_state_dict
     step_value = np.asarray(float(step), np.float32)  # torch's Adam keeps it so
     for p, name in names.items():

@@ -987,17 +987,24 @@ def _storage_entries(
 def check_disjoint(
     tensors: dict[str, DcpTensor], objects: dict[str, DcpObject], where: Path | str
 ) -> None:
-    """No two storage entries share a byte of a file (a tensor would import another's values).
-    Sorted per file by start: an overlap with any later entry is one with the next. Args:
-    tensors: every tensor's chunks. objects: every pickled object's entry. where: the
-    ``.metadata`` file, for errors."""
+    """No two storage entries share a byte of a file (a tensor would import another's values),
+    but for a tied weight (``DcpItem.same_as``): a whole one-chunk tensor whose entry, shape and
+    dtype are another's. Sorted per file by start: an overlap with any later entry is one with
+    the next. Args: tensors: every tensor's chunks. objects: every pickled object's entry.
+    where: the ``.metadata`` file, for errors."""
     file_ids: dict[str, int] = {}  # files in the order met: the order of the sort
+    whole: dict[tuple, str] = {}  # a one-chunk tensor's entry, shape, dtype -> its first name
+    kept = [
+        t
+        for t in tensors.values()
+        if len(t.chunks) != 1
+        or t.chunks[0].sizes != t.shape
+        or whole.setdefault((t.chunks[0], t.shape, t.dtype.str), t.name) == t.name
+    ]
     entries = sorted(  # (file id, start, end, file, tensor or object name, chunk or None)
         (
             (file_ids.setdefault(file, len(file_ids)), offset, offset + length, file, name, chunk)
-            for name, file, offset, length, chunk in _storage_entries(
-                tensors.values(), objects.values()
-            )
+            for name, file, offset, length, chunk in _storage_entries(kept, objects.values())
             if length
         ),
         key=lambda e: e[:2],
@@ -1049,13 +1056,16 @@ def _properties(torch_name: str) -> New:
 
 @dataclass(frozen=True)
 class DcpItem:
-    """One entry of a DCP state dict: a tensor (``shape``/``dtype``) or a Python value."""
+    """One entry of a DCP state dict: a tensor (``shape``/``dtype``) or a Python value;
+    ``same_as``: an earlier tensor's fqn whose bytes this one is (a tied weight: one storage
+    entry, no array of its own), which is how a reader knows the tie."""
 
     fqn: str
     path: tuple[str | int, ...]  # the nested state-dict keys (DCP's planner_data)
     shape: tuple[int, ...] | None = None
     dtype: np.dtype | None = None
     value: Any = None
+    same_as: str | None = None
 
 
 def write_dcp(
@@ -1073,6 +1083,7 @@ def write_dcp(
     storage_data: list = []
     metadata: dict = {}
     tensors = iter(arrays)
+    stored: dict[str, tuple[int, int]] = {}  # fqn -> its (offset, length)
     with durable.durable_file(os.path.join(directory, DATA_FILE)) as f:
         for item in items:
             offset = f.tell()
@@ -1081,14 +1092,18 @@ def write_dcp(
                 where: dict = {"index": None, "offset": None}
                 metadata[item.fqn] = _meta("BytesStorageMetadata")
             else:
-                array = next(tensors)
-                if tuple(array.shape) != item.shape or array.dtype != item.dtype:
-                    raise RequestError(
-                        f"tensor {item.fqn!r}: read {array.shape} {array.dtype}, planned "
-                        f"{item.shape} {item.dtype}"
-                    )
-                torch_name, _ = torch_dtype(item.fqn, array.dtype)  # == item.dtype, checked
-                length = torch_zip.write_torch_save(f, array=array, slabs=slabs)
+                if item.same_as is not None:
+                    offset, length = stored[item.same_as]
+                    torch_name, _ = torch_dtype(item.fqn, np.dtype(item.dtype))
+                else:
+                    array = next(tensors)
+                    if tuple(array.shape) != item.shape or array.dtype != item.dtype:
+                        raise RequestError(
+                            f"tensor {item.fqn!r}: read {array.shape} {array.dtype}, planned "
+                            f"{item.shape} {item.dtype}"
+                        )
+                    torch_name, _ = torch_dtype(item.fqn, array.dtype)  # == item.dtype, checked
+                    length = torch_zip.write_torch_save(f, array=array, slabs=slabs)
                 zeros, size = torch_size([0] * len(item.shape)), torch_size(item.shape)
                 where = {"index": 0, "offset": zeros}
                 chunk = _meta("ChunkStorageMetadata", offsets=zeros, sizes=size)
@@ -1096,6 +1111,7 @@ def write_dcp(
                 metadata[item.fqn] = _meta(
                     "TensorStorageMetadata", properties=properties, size=size, chunks=[chunk]
                 )
+                stored[item.fqn] = (offset, length)
             info = New(
                 Global(_FILESYSTEM, "_StorageInfo"),
                 {"relative_path": DATA_FILE, "offset": offset, "length": length},

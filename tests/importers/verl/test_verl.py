@@ -196,6 +196,9 @@ def test_tied_embeddings_import_once_trained_and_tied(tmp_path):
     assert manifest.source["optimizer"]["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
     entry = next(t for t in manifest.tensors if t.key == ("params", "lm_head.weight"))
     assert entry.tied_to == "params/model.embed_tokens.weight"
+    with pytest.warns(UserWarning, match="schedule"):
+        run = jax_ucp.optax_from_torch(out)  # one parameter, one state, as torch steps it
+    assert "lm_head.weight" not in run.params and len(run.params) == 20
 
 
 def _with_param_names(path: str, names: list[str]) -> None:

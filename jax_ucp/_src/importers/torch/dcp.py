@@ -163,6 +163,7 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
             for name in ck.tensors:
                 ck.check_tensor(name)
         state, info = _state(checkpoints, str(src), weights_only, parameter_order)
+        _check_shared(state, str(src))
         units: dict[str, str] = {}  # side files found and skipped whole
         if olmo_core.is_step_folder(src):  # the trainer's step, its files skipped as units
             info["trainer"], units = olmo_core.train_record(str(src))
@@ -214,7 +215,27 @@ def _ref(ck: torch_dcp.DcpCheckpoint, name: str) -> TensorRef:
         lambda: ck.read(name),
         {"format": "torch_dcp", "source_name": name, "files": t.files, "chunks": len(t.chunks)},
         rows=lambda start, stop: ck.read_rows(name, start, stop),
+        # one storage entry, one tensor: a tied weight's (DcpItem.same_as), see _check_shared
+        identity=(str(ck.path), t.chunks, t.shape, t.dtype.str),
     )
+
+
+def _check_shared(state: TorchState, where: str) -> None:
+    """Tensors of one storage entry (``check_disjoint`` lets whole ones through) are a tied
+    weight: parameters, at most one of them with optimizer state; any other pair is refused
+    (a tensor would import another's values)."""
+    groups: dict[Any, list[tuple[str, int]]] = {}  # 0: a weight without state, 1: with, 2: state
+    for name, ref in state.params.items():
+        groups.setdefault(ref.identity, []).append((ref.name, int(name in state.states)))
+    for per in state.states.values():
+        for ref in per.values():
+            groups.setdefault(ref.identity, []).append((ref.name, 2))
+    for key, group in groups.items():
+        if key is not None and sum(kind for _, kind in group) > 1 and len(group) > 1:
+            raise SourceError(
+                f"{where}: {[n for n, _ in group]} are one storage entry; only a tied weight "
+                f"(parameters, all but one without optimizer state) may share one"
+            )
 
 
 def _state(
