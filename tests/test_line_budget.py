@@ -14,11 +14,11 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: package of jax_ucp/_src (or "modules": its top-level modules; "public": jax_ucp/ outside
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
-    "cli": 1747,
-    "continuation": 1937,
-    "exporters": 1921,
+    "cli": 1748,
+    "continuation": 2142,
+    "exporters": 2062,
     "format": 2720,
-    "importers": 16609,
+    "importers": 16721,
     "language": 3193,
     "models": 1937,
     "multihost": 808,
@@ -27,13 +27,13 @@ CEILINGS = {
     "saving": 964,
     "sharding": 713,
     "store": 3346,
-    "torchfiles": 3162,
+    "torchfiles": 3178,
     "writer": 1675,
-    "modules": 4369,
+    "modules": 4443,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 50863
+TOTAL = 51412
 
 
 def _lines(paths) -> int:
