@@ -478,11 +478,8 @@ def _schedule_argument(key: str, value: Any, where: str) -> Any:
 _HEAD, _EMBEDDINGS = "lm_head.weight", ("model.embed_tokens.weight", "transformer.wte.weight")
 
 
-def _mask_tree(
-    saved_tensors: dict, spec, params, decayed: dict[str, bool], where: str, why: str = ""
-):
-    """Per leaf of ``params``: decayed or not, from the torch parameters it is made of
-    (``why``: said when one is in no group)."""
+def _mask_tree(saved_tensors: dict, spec, params, decayed: dict[str, bool], where: str):
+    """Per leaf of ``params``: decayed or not, from the torch parameters it is made of."""
     import jax
 
     def of(names: list[str], leaf: str) -> bool:
@@ -490,7 +487,7 @@ def _mask_tree(
         if None in flags or len(flags) != 1:
             raise RequestError(
                 f"{where}: {leaf} is made of torch parameters {names} whose weight decay "
-                f"differs or is unknown{why}"
+                f"differs or is unknown"
             )
         return bool(flags.pop())  # one flag, not None (checked above)
 
@@ -516,11 +513,14 @@ def _leaf_sources(saved_tensors: dict, spec) -> dict[tuple, list[str]]:
 
 
 def _ties(run: _Run, spec: Any, recorded: dict) -> tuple[dict[str, str], str]:
-    """({tied name: the parameter it is}, why a head without state is not taken as tied). In
-    torch a tied weight is its parameter (one optimizer state; a Trainer's files hold it alone):
-    the import's record where the files say so (one storage in a .pt, one entry in a jax_ucp DCP
-    export); where nothing records it (torch DCP), ``lm_head.weight`` without state is the
-    embedding only with the model's ``tie_word_embeddings`` and the embedding's bytes."""
+    """({tied name: the parameter it is}, why a head without state can be taken neither as tied
+    nor as frozen: refused). In torch a tied weight is its parameter (one optimizer state; a
+    Trainer's files hold it alone): the import's record where the files say so (one storage in a
+    .pt, one entry in a jax_ucp DCP export); where nothing records it (torch DCP),
+    ``lm_head.weight`` without state is the embedding only with the model's
+    ``tie_word_embeddings`` and the embedding's bytes. Without the setting, a head whose bytes
+    differ from the embedding's is not it (a frozen head, held as such); one whose bytes equal
+    them may be either."""
     tied = dict(recorded.get("tied") or {})
     trained = {n for g in recorded.get("param_groups") or [] for n in g.get("params") or []}
     embedding = next((n for n in _EMBEDDINGS if n in trained), None)
@@ -528,17 +528,19 @@ def _ties(run: _Run, spec: Any, recorded: dict) -> tuple[dict[str, str], str]:
         return tied, ""
     config = (run.source.get("trainer") or {}).get("model_config") or run.source.get("config")
     settings = {**getattr(spec, "settings", {}), **(config if isinstance(config, dict) else {})}
-    if settings.get("tie_word_embeddings") is not True:
-        return tied, (
-            f": {_HEAD} has no optimizer state and no file records a tie to {embedding}; if "
-            f"the model ties them, give the spec its config's tie_word_embeddings=True"
-        )
     pick = "params/(" + "|".join(re.escape(n) for n in (_HEAD, embedding)) + ")"
     read = run.restore({"select": pick})["params"]
     head, embed = (np.asarray(read[n]) for n in (_HEAD, embedding))
-    if head.dtype != embed.dtype or head.tobytes() != embed.tobytes():
+    same = head.dtype == embed.dtype and head.tobytes() == embed.tobytes()
+    if settings.get("tie_word_embeddings") is not True:
+        return tied, "" if not same else (
+            f"{_HEAD} has no optimizer state, its bytes are {embedding}'s and no file records "
+            f"a tie: tied or frozen? If the model ties them, give the spec its config's "
+            f"tie_word_embeddings=True"
+        )
+    if not same:
         return tied, (
-            f": {_HEAD} has no optimizer state and tie_word_embeddings is set, but its bytes "
+            f"{_HEAD} has no optimizer state and tie_word_embeddings is set, but its bytes "
             f"differ from {embedding}'s: not the same parameter"
         )
     return {**tied, _HEAD: embedding}, ""
@@ -650,6 +652,8 @@ def _from_run(
     spec = spec_with_recorded_settings(spec, source, notes := [])
     params, mu, nu, step = _restored_adam(run, options, spec, where)
     tied, why = _ties(run, spec, recorded)
+    if why:
+        raise RequestError(f"{where}: {why}")
     params = _untied(params, run.saved, spec, tied)
     held = frozen.find(params, mu)
     trained, mu, nu = (params, mu, nu) if held is None else map(held.only, (params, mu, nu))
@@ -665,7 +669,7 @@ def _from_run(
     _recorded_steps(source, step, notes, where)
     mask = None
     if _decays(recipe):
-        mask = _mask_tree(run.saved, spec, trained, dict(recipe.decayed), where, why)
+        mask = _mask_tree(run.saved, spec, trained, dict(recipe.decayed), where)
         leaves = jax.tree.leaves(mask)
         style = (
             "decoupled (AdamW)"

@@ -269,6 +269,9 @@ def test_a_tied_torch_run_continues_in_jax(tmp_path, saved):
             jax_ucp.optax_from_torch(tmp_path / "torch", spec=untied, clip=None)
         with pytest.raises(RequestError, match=r"lm_head\.weight.*bytes differ"):
             jax_ucp.optax_from_torch(tmp_path / "other", spec=spec, clip=None)
+        # not tied (its own bytes) and without state: a frozen head, held and said
+        held = jax_ucp.optax_from_torch(tmp_path / "other", spec=untied, clip=None)
+        assert [n for n in held.notes if "without optimizer state held" in n and "lm_head" in n]
     lm = TransformerLM(cfg)
 
     def loss_fn(params, ids):
