@@ -29,11 +29,11 @@ CEILINGS = {
     "store": 3346,
     "torchfiles": 3178,
     "writer": 1675,
-    "modules": 4443,
+    "modules": 4447,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 51412
+TOTAL = 51416
 
 
 def _lines(paths) -> int:

@@ -30,7 +30,7 @@ from jax_ucp._src.torchfiles.dcp import DATA_FILE, METADATA_FILE, DcpItem, write
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
 
 #: a transformers model's per-expert weight (``...experts.3.w1.weight``), as its files name it
-_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+_PER_EXPERT = re.compile(r"\.experts\.[0-9]+\.")
 
 
 def export(root: str, dst: str, options: TorchDcpExport) -> Exported:
