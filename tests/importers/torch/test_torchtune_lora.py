@@ -38,20 +38,22 @@ LORA = {
 }
 
 
+def _save_adapter(path: str, adapter: dict) -> None:
+    """``adapter`` ({name: array}) written at ``path`` as torch.save writes a state dict (copied
+    first: the arrays may map the file being replaced)."""
+    slots = {
+        n: torch_zip.TensorSlot(i, v.shape, v.dtype) for i, (n, v) in enumerate(adapter.items())
+    }
+    torch_zip.save_file(path, slots, [np.array(v) for v in adapter.values()])
+
+
 def _synthetic_lora_run(tmp_path, keyed_by: str = "index", adapter: bool = True) -> str:
     src = str(shutil.copytree(SRC, tmp_path / "tt_lora_synthetic"))
     epoch = os.path.join(src, "epoch_0")
     rng = np.random.default_rng(0)
     weights = {n: rng.standard_normal(s).astype(np.float32) for n, s in LORA.items()}
     if adapter:
-        torch_zip.save_file(
-            os.path.join(epoch, "adapter_model.pt"),
-            {
-                n: torch_zip.TensorSlot(i, v.shape, v.dtype)
-                for i, (n, v) in enumerate(weights.items())
-            },
-            list(weights.values()),
-        )
+        _save_adapter(os.path.join(epoch, "adapter_model.pt"), weights)
         peft = {
             "base_model.model."
             + n.replace("layers.", "model.layers.")
@@ -137,10 +139,7 @@ def test_an_adapter_file_not_the_optimizers_is_refused(tmp_path):
     src = str(shutil.copytree(TT_LORA, tmp_path / "tt_lora"))
     path = os.path.join(src, "epoch_0", "adapter_model.pt")
     adapter = dict(list(torch_zip.load_torch_file(path).items())[:-2])
-    slots = {
-        n: torch_zip.TensorSlot(i, v.shape, v.dtype) for i, (n, v) in enumerate(adapter.items())
-    }
-    torch_zip.save_file(path, slots, [np.array(v) for v in adapter.values()])
+    _save_adapter(path, adapter)
     with pytest.raises(
         jax_ucp.UCPError,
         match=r"12 parameters have optimizer state, "
@@ -219,10 +218,7 @@ def test_a_magnitude_not_doras_is_refused(tmp_path):
     path = os.path.join(src, "epoch_0", "adapter_model.pt")
     adapter = torch_zip.load_torch_file(path)
     adapter["layers.1.attn.k_proj.magnitude"] = adapter["layers.1.attn.k_proj.magnitude"][:8]
-    slots = {
-        n: torch_zip.TensorSlot(i, v.shape, v.dtype) for i, (n, v) in enumerate(adapter.items())
-    }
-    torch_zip.save_file(path, slots, [np.array(v) for v in adapter.values()])
+    _save_adapter(path, adapter)
     with pytest.raises(
         jax_ucp.UCPError,
         match=r"adapter_model\.pt: layers\.1\.attn\.k_proj's adapter tensors are magnitude \[8\], "
