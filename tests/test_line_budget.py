@@ -21,7 +21,7 @@ CEILINGS = {
     "importers": 16721,
     "language": 3193,
     "models": 1937,
-    "multihost": 808,
+    "multihost": 835,
     "orbax": 421,
     "restoring": 4973,
     "saving": 964,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 51416
+TOTAL = 51443
 
 
 def _lines(paths) -> int:

@@ -105,7 +105,7 @@ class Exchange:
         self.purpose, self.head, self.timeout = purpose, head, timeout
         self.hint, self.lost = hint, lost
         self.peers: list[dict] = []
-        self.served = _served_port()
+        self.served = liveness.served_port()
         self._short_since: float | None = None  # since when fewer processes are connected
         liveness.start_beat()
         self.beats = liveness.Beats(self.client)
@@ -231,21 +231,6 @@ class Exchange:
             f"{head} {gone} of the job's {self.count} processes lost their connection to "
             f"{coordinator}, killed or cut off, while process(es) {who} had not reached '{step}'"
         )
-
-
-def _served_port() -> int | None:
-    """The port of the coordinator this process serves, when its connections can be counted."""
-    from jax._src import distributed
-
-    state = distributed.global_state
-    address = getattr(state, "coordinator_address", None)
-    if getattr(state, "service", None) is None or not address:
-        return None
-    try:
-        port = int(address.rsplit(":", 1)[1])
-    except (IndexError, ValueError):
-        return None
-    return port if liveness.serves(port) else None
 
 
 def distributed_client():

@@ -107,13 +107,29 @@ def serves(port: int) -> bool:
     return False
 
 
-def connected(port: int) -> int | None:
+def served_port() -> int | None:
+    """The port of the ``jax.distributed`` coordinator this process serves, when its
+    connections can be counted (None: it serves none, or they cannot)."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    address = getattr(state, "coordinator_address", None)
+    if getattr(state, "service", None) is None or not address:
+        return None
+    try:
+        port = int(address.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
+    return port if serves(port) else None
+
+
+def connected(port: int, others: bool = False) -> int | None:
     """How many of the job's processes hold a TCP connection to ``port`` of this host (None:
-    unknown). A connection from this host counts once for the process owning its other end,
-    and only if that process runs JAX (maps ``jaxlib``): another program's connection, or a
-    second one of a process counted, is no peer's (a foreign connection hid a dead peer until
-    the step's timeout). One whose other end cannot be seen (another host, user or network
-    namespace) counts as one peer."""
+    unknown); with ``others``, this one not counted. A connection from this host counts once
+    for the process owning its other end, and only if that process runs JAX (maps ``jaxlib``):
+    another program's connection, or a second one of a process counted, is no peer's (a foreign
+    connection hid a dead peer until the step's timeout). One whose other end cannot be seen
+    (another host, user or network namespace) counts as one peer."""
     table = tcp_table()
     if table is None:
         return None
@@ -122,7 +138,7 @@ def connected(port: int) -> int | None:
     inodes = {(lo, rem): ino for lo, rem, _, ino in table if ino != "0"}
     ends = [inodes.get((r, lo)) for lo, r, st, _ in table if lo[1] == port and st == _ESTABLISHED]
     owners = _owners({i for i in ends if i})
-    pids = {owners[i] for i in ends if i in owners}
+    pids = {owners[i] for i in ends if i in owners} - ({os.getpid()} if others else set())
     return sum(1 for i in ends if i not in owners) + sum(_runs_jax(p) for p in pids)
 
 
