@@ -34,7 +34,7 @@ def test_a_local_directory_reads_writes_lists_and_deletes_whole_files(tmp_path):
     assert local.names("ucp.digests.") == ["ucp.digests.1.json", "ucp.digests.2.json"]
     assert local.read("ucp.digests.2.json", 64) == b'{"a": {}}'
     assert local.read("missing", 64) is None
-    with pytest.raises(RequestError, match=r"ucp\.digests\.2\.json: more than the 4 bytes"):
+    with pytest.raises(UnsafeFileError, match=r"ucp\.digests\.2\.json: 9 bytes, more than the 4"):
         local.read("ucp.digests.2.json", 4)
     local.delete(["ucp.digests.1.json", "missing"])  # a missing name is no error
     assert local.names() == ["other", "ucp.digests.2.json"]

@@ -16,7 +16,7 @@ import socket
 import time
 
 from jax_ucp._src import format as fmt
-from jax_ucp._src.errors import RequestError, SaveConflictError
+from jax_ucp._src.errors import SaveConflictError
 from jax_ucp._src.multihost import liveness
 from jax_ucp._src.store import host_memory
 from jax_ucp._src.store.storage.base import Claim, Storage, Transaction
@@ -287,16 +287,12 @@ class LocalDirectory(Storage):
         return {"driver": "file", "path": os.path.dirname(path) + "/"}, os.path.basename(path)
 
     def read(self, name: str, limit: int) -> bytes | None:
-        """A regular file only (a FIFO or a device refused without blocking: ``open_regular``)."""
+        """A regular file only (a FIFO, a device or a larger file refused before any read:
+        ``UnsafeFileError`` from ``format.files.read_regular``)."""
         try:
-            fd = fmt.files.open_regular(self.inside(name))
+            return fmt.files.read_regular(self.inside(name), limit)
         except FileNotFoundError:
             return None
-        with open(fd, "rb") as f:
-            data = f.read(limit + 1)
-        if len(data) > limit:
-            raise RequestError(f"{self.join(name)}: more than the {limit} bytes it may have")
-        return data
 
     def reader(self, name: str) -> LocalFile:
         return LocalFile(self.inside(name))
