@@ -271,12 +271,9 @@ class LocalDirectory(Storage):
         return os.path.realpath(self.root)
 
     def inside(self, name: str, what: str = "") -> str:
-        """The path of ``name`` under ``resolved``, refused (``UnsafeFileError``: the name, the
-        real root, where it resolves) unless it resolves inside the checkpoint
-        (``format.files.inside``); every read of this medium goes through it. Why here: a
-        checkpoint read through a link (a mounted disk's symlinked parent, a link to the
-        checkpoint itself) is checked exactly as its real path is, and only a name below it
-        (a link, a ``..``) that leaves it is refused."""
+        """The path of ``name`` under ``resolved`` that every read here takes, refused unless
+        inside the checkpoint (``format.files.inside``): a root reached through links is
+        checked as its real path, and only a name below it leaving it is refused."""
         return fmt.files.inside(self.resolved, name, what or self.join(name))
 
     def ranged(self, name: str) -> tuple[dict, str]:
