@@ -16,7 +16,7 @@ import socket
 import time
 
 from jax_ucp._src import format as fmt
-from jax_ucp._src.errors import RequestError, SaveConflictError
+from jax_ucp._src.errors import SaveConflictError
 from jax_ucp._src.multihost import liveness
 from jax_ucp._src.store import host_memory
 from jax_ucp._src.store.storage.base import Claim, Storage, Transaction
@@ -270,29 +270,32 @@ class LocalDirectory(Storage):
         TensorStore, the shard reader and every containment check are given)."""
         return os.path.realpath(self.root)
 
-    def inside(self, name: str, what: str) -> str:
-        """The path of ``name`` (read from the checkpoint's own files) under ``resolved``,
-        refused unless it resolves inside the checkpoint (``format.files.inside``). Why here:
-        a checkpoint read through a link (a mounted disk's symlinked parent, a link to the
-        checkpoint itself) is checked exactly as its real path is, and only a link below it
-        that leaves it is refused."""
-        return fmt.files.inside(self.resolved, name, what)
+    def inside(self, name: str, what: str = "") -> str:
+        """The path of ``name`` under ``resolved`` that every read here takes, refused unless
+        inside the checkpoint (``format.files.inside``): a root reached through links is
+        checked as its real path, and only a name below it leaving it is refused."""
+        return fmt.files.inside(self.resolved, name, what or self.join(name))
+
+    def ranged(self, name: str) -> tuple[dict, str]:
+        """TensorStore reads the file natively: only a regular file inside the checkpoint."""
+        path = self.inside(name)
+        if os.path.lexists(path):  # a FIFO would hold TensorStore's read forever
+            fmt.files.check_regular(path)
+        return {"driver": "file", "path": os.path.dirname(path) + "/"}, os.path.basename(path)
 
     def read(self, name: str, limit: int) -> bytes | None:
+        """A regular file only (a FIFO, a device or a larger file refused before any read:
+        ``UnsafeFileError`` from ``format.files.read_regular``)."""
         try:
-            with open(self.join(name), "rb") as f:
-                data = f.read(limit + 1)
+            return fmt.files.read_regular(self.inside(name), limit)
         except FileNotFoundError:
             return None
-        if len(data) > limit:
-            raise RequestError(f"{self.join(name)}: more than the {limit} bytes it may have")
-        return data
 
     def reader(self, name: str) -> LocalFile:
-        return LocalFile(self.join(name))
+        return LocalFile(self.inside(name))
 
     def exists(self, name: str) -> bool:
-        return os.path.exists(self.join(name))
+        return os.path.exists(self.inside(name))
 
     def write(self, name: str, data: bytes) -> None:
         with open(self.join(name), "wb") as f:
