@@ -54,7 +54,7 @@ def adapter_config(tensors: Sequence[Tensor], given: Any, recorded: Any) -> dict
     record, checked against the tensors as ``PeftModel.from_pretrained`` would load them (see
     :func:`check`); refused naming what peft needs and it lacks, or what disagrees."""
     lora = recorded.get("lora") if isinstance(recorded, Mapping) else None
-    where = "config=" if given is not None else "the checkpoint's source.lora"
+    where = "config=" if given is not None else "the checkpoint's ucp.json source.lora"
     if given is None and lora is not None and not isinstance(lora, Mapping):
         raise RequestError(f"adapter export: {where} is {type(lora).__name__}, not an object")
     config = read_config(given) if given is not None else dict(lora) if lora else {}
