@@ -212,6 +212,10 @@ _REFUSED = {
         r"target_modules pattern .* is not evaluated here \('\(\?' at 0",
     ),
     "target_modules backreference": ({"target_modules": r"(q)\1"}, r"the escape '\\\\1'"),
+    "target_modules a bad range": (
+        {"target_modules": "[z-a]"},
+        r"'\[z-a\]' is not evaluated here \(bad",
+    ),
     "target_modules too costly": (
         {"target_modules": ".*" * 12 + "x"},
         r"target_modules patterns .* may try .* paths over 2 module names",

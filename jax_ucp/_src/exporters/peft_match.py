@@ -96,7 +96,8 @@ def checked(patterns: Sequence[str], names: Sequence[str], field: str, where: st
     for pattern in patterns:
         try:
             total += (n + 2) * paths(pattern, n) * max(len(names), 1)
-        except ValueError as e:
+            re.compile(pattern)  # a range or a count out of order
+        except (ValueError, re.error) as e:
             raise RequestError(
                 f"adapter export: {where} {field} pattern {pattern!r} is not evaluated here "
                 f"({e}): a regex of literals, '.', classes, groups and '|', repeating single "
