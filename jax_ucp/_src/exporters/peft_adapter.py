@@ -132,7 +132,7 @@ def check(config: Mapping[str, Any], tensors: Sequence[Tensor], where: str) -> N
     target module's ``lora_A`` of ``r`` rows (``rank_pattern``'s rank for that module) and
     ``lora_B`` of ``r`` columns, with a DoRA magnitude (one per ``lora_B`` row) iff
     ``use_dora``, or of a ``modules_to_save`` module; each name it lists used. peft loads
-    state dicts non-strictly: a tensor its config does not target is dropped with a warning."""
+    state dicts non-strictly: a tensor its config does not target is dropped without an error."""
 
     def refuse(key: str, expected: str, found: Any = None, tensor: str | None = None) -> NoReturn:
         value = config.get(key) if found is None else found
