@@ -295,6 +295,26 @@ KINDS = {
             jax=True,
             ops=("run-record-edit",),
         ),
+        # the peft adapter export of a LoRA / DoRA import (torchtune's recipe): the checkpoint
+        # damaged, or the adapter_config.json it records (source.lora) and its LoRA tensors'
+        # records edited: the intact export's files, or a refusal by name with nothing written
+        Kind(
+            "adapter_export",
+            ("@ucp_tt_lora", "@ucp_tt_dora"),
+            ("export-adapter",),
+            (),
+            checksummed=True,
+            jax=True,
+        ),
+        Kind(
+            "adapter_export_record",
+            ("@ucp_tt_lora", "@ucp_tt_dora"),
+            ("export-adapter",),
+            (),
+            checksummed=True,
+            jax=True,
+            ops=("lora-record-edit",),
+        ),
         Kind(
             "orbax_v1_checkpoint",
             ("orbax_v1_checkpoint",),
@@ -528,6 +548,17 @@ def _build_ucp_megatron(pristine, root, out, work) -> Input:
     return Input(root, root, out)
 
 
+def _build_ucp_tt(kind: str):
+    def build(pristine, root, out, work) -> Input:
+        """torchtune's LoRA (or DoRA) recipe imported: the adapter and source.lora."""
+        import jax_ucp
+
+        jax_ucp.convert(os.path.join(FIXTURES, "torchtune", kind), pristine)
+        return Input(root, root, out)
+
+    return build
+
+
 def _build_canary(pristine, root, out, work) -> Input:
     os.makedirs(pristine)
     with open(os.path.join(pristine, "record.json"), "w") as f:
@@ -590,6 +621,8 @@ BUILDERS: dict[str, Callable[..., Input]] = {
     "@megatron_scheduled": _build_megatron_scheduled,
     "@megatron_distopt": _build_megatron_distopt,
     "@ucp_megatron": _build_ucp_megatron,
+    "@ucp_tt_lora": _build_ucp_tt("tt_lora"),
+    "@ucp_tt_dora": _build_ucp_tt("tt_dora"),
 }
 
 
@@ -738,12 +771,15 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
         for key in ("optimizer", "megatron_optimizer", "lr_scheduler", "recipe", "iteration"):
             digest[f"source.{key}"] = json.dumps(source.get(key), sort_keys=True)
         return digest
-    if name == "export-megatron":  # every file written, or a refusal leaving none
-        from jax_ucp.exporters import MegatronExport
+    if name in ("export-megatron", "export-adapter"):  # every file, or a refusal leaving none
+        from jax_ucp.exporters import MegatronExport, SafetensorsExport
 
         shutil.rmtree(inp.out, ignore_errors=True)
+        megatron = name == "export-megatron"
         try:
-            jax_ucp.export(p, inp.out, MegatronExport(tp=2))
+            jax_ucp.export(
+                p, inp.out, MegatronExport(tp=2) if megatron else SafetensorsExport(adapter=True)
+            )
         except Exception:
             _nothing_written(inp.out)
             raise

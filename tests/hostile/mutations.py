@@ -959,6 +959,79 @@ def run_record_edit(c: Context) -> Mutation | None:
     return Mutation("run-record-edit", "ucp.json", f"source.{'.'.join(map(str, at))} -> {value!r}")
 
 
+#: what ``lora-record-edit`` puts in a field of ``source.lora`` (the adapter_config.json the
+#: adapter export writes): each contradicts the tensors or is not a config peft loads as
+#: trained. Left out: fields a run could have had otherwise (lora_alpha, dropout, use_rslora,
+#: a regex target_modules selecting modules beside the adapted ones): no record tells them
+_LORA_EDITS = {
+    "peft_type": ("LOHA", "lora", None, 1, "<gone>"),
+    "r": (0, -1, "4", 4.0, True, "<r+1>", None, "<gone>"),
+    "lora_alpha": ("8", None, [1, 2], True, "<gone>", "NaN"),
+    "target_modules": ("<drop one>", "<add o_proj>", [], "x", "(a+)+$", 5, [1], None, "<gone>"),
+    "use_dora": ("<toggle>", "yes", 1),
+    "modules_to_save": ("lm_head", ["lm_head"], ["q_proj"]),
+    "rank_pattern": ({"q_proj": 1}, {"(a+)+": 2}, {"q_proj": "2"}, [1]),
+    "lora_bias": (True,),
+    "layers_to_transform": ([0],),
+    "exclude_modules": (["k_proj"], "(.*)+"),
+    "bias": ("all",),
+    "frob_config": ({"a": 1},),
+}
+
+
+def _lora_value(lora: dict, field: str, value):
+    """``value`` of :data:`_LORA_EDITS` made concrete for ``lora``."""
+    targets = lora.get("target_modules") or []
+    return (
+        {
+            "<r+1>": (lora.get("r") or 0) + 1 if type(lora.get("r")) is int else 1,
+            "<drop one>": list(targets)[1:],
+            "<add o_proj>": [*targets, "o_proj"],
+            "<toggle>": not lora.get("use_dora", False),
+            "NaN": float("nan"),
+        }.get(value, value)
+        if isinstance(value, str)
+        else value
+    )
+
+
+def lora_record_edit(c: Context) -> Mutation | None:
+    """The adapter ``ucp.json`` records edited: one field of ``source.lora`` (peft's
+    ``adapter_config.json``, :data:`_LORA_EDITS`), or one LoRA tensor's entry renamed to an
+    untargeted module or an unknown role, removed, or given another shape: the adapter export
+    must refuse it by name, or write exactly what the intact copy gives."""
+    if "ucp.json" not in c.files:
+        return None
+    doc = json.loads(c.read("ucp.json"))
+    lora = (doc.get("source") or {}).get("lora")
+    if not isinstance(lora, dict):
+        return None
+    params = [e for e in doc["entries"] if e.get("entry") == "tensor" and e["key"][0] == "params"]
+    if c.rng.random() < 0.6:
+        field = c.rng.choice(sorted(_LORA_EDITS))
+        value = _lora_value(lora, field, c.rng.choice(_LORA_EDITS[field]))
+        if value == "<gone>":
+            lora.pop(field, None)
+        else:
+            lora[field] = value
+        said = f"source.lora.{field} -> {value!r}"
+    else:
+        e = c.rng.choice(params)
+        how = c.rng.choice(("module", "role", "removed", "shape"))
+        name = e["key"][1]
+        if how == "module":
+            e["key"][1] = name.replace("_proj.", "_gate.", 1)
+        elif how == "role":
+            e["key"][1] = name.replace(".lora_", ".lora_C", 1)
+        elif how == "removed":
+            doc["entries"].remove(e)
+        else:
+            e["shape"][c.rng.randrange(len(e["shape"]))] += 1
+        said = f"params entry {name!r}: {how} -> {e['key'][1] if how != 'shape' else e['shape']}"
+    c.write("ucp.json", json.dumps(doc, indent=1).encode())
+    return Mutation("lora-record-edit", "ucp.json", said)
+
+
 #: fields of the record one record alone states, so a change is a run that had that value
 _ONE_RECORD = {"file", "args.clip_grad"}
 
@@ -1072,6 +1145,7 @@ SEMANTIC_OPS = {
     "settings-rewrite": settings_rewrite,
     "group-fuzz": group_fuzz,
     "run-record-edit": run_record_edit,
+    "lora-record-edit": lora_record_edit,
 }
 
 

@@ -98,6 +98,13 @@ CI_SLICE: dict[str, list[int]] = {
     # by name with nothing written
     "megatron_export": [0, 1, 3, 8, 13, 28],
     "megatron_export_record": [0, 4, 9, 16, 20, 33, 37],
+    # the peft adapter export of torchtune LoRA / DoRA imports (issues 68, 70): a data byte
+    # flipped, a key twice, a value odd, zarr.json linked out; source.lora's rank_pattern a
+    # string rank, target_modules a regex matching nothing or a nested repetition, a module
+    # excluded, r another rank, a magnitude's module renamed, a lora_A gone: all 7 written
+    # silently before, each refused by name with nothing written
+    "adapter_export": [1, 2, 4, 9],
+    "adapter_export_record": [9, 11, 19, 22, 35, 66, 74],
     "run_records_verl": [0, 1, 3],
     "ucp_settings": [0, 1],
     # the readers besides Adam (issue 68): a hostile pickle, a deleted file, a FIFO in place of

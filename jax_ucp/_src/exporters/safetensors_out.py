@@ -119,9 +119,7 @@ def export(root: str, dst: str, options: SafetensorsExport) -> Exported:
     chosen = source.select(root, options, dtype_name, with_values=False)
     if options.adapter:  # peft reads one file and the adapter's config as recorded
         config_file, groups = peft_adapter.CONFIG_FILE, [chosen.tensors]
-        config = peft_adapter.adapter_config(
-            [t.name for t in chosen.tensors], options.config, chosen.recorded
-        )
+        config = peft_adapter.adapter_config(chosen.tensors, options.config, chosen.recorded)
     else:  # the one given, else the import's; of a family the spec maps (checked before writing)
         config_file = "config.json"
         groups = plan_files(chosen.tensors, int(options.max_file_bytes))  # parsed
