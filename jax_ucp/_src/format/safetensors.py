@@ -96,11 +96,9 @@ def is_dcp_sharded(src) -> bool:
         return False
     try:
         path = os.path.join(src, names[0])
-        f = SafetensorsFile(path, _inside(src, names[0], src), dcp_shard=True)
+        return SafetensorsFile(path, _inside(src, names[0], src), dcp_shard=True).rank_piece
     except (SourceError, OSError):
         return False
-    shapes = {name: {"shape": list(entry[1])} for name, entry in f.header.items()}
-    return f.sharding is not None and not _whole_tensors(path, f.sharding, shapes)
 
 
 def shard_files(src) -> list[str]:
@@ -281,7 +279,9 @@ class SafetensorsFile:
         self._decode(path, _Mapped(mapped), size, dcp_shard)
 
     @classmethod
-    def read_from(cls, path: str, file: RandomAccess) -> SafetensorsFile:
+    def read_from(
+        cls, path: str, file: RandomAccess, *, dcp_shard: bool = False
+    ) -> SafetensorsFile:
         """The checked header of a file read by ranges elsewhere (an object store's object, a
         Hub file): ``header`` and ``metadata`` as for a local file, no tensor views; its size
         unknown, the data must end where its last tensor ends.
@@ -289,10 +289,18 @@ class SafetensorsFile:
         Args:
             path: names the file in errors.
             file: the file, read by ranges.
+            dcp_shard: as for a local file.
         """
         self = cls.__new__(cls)
-        self._decode(path, file, None, False)
+        self._decode(path, file, None, dcp_shard)
         return self
+
+    @property
+    def rank_piece(self) -> bool:
+        """One rank's file of torch DCP's Hugging Face writer (its tensors pieces of larger
+        ones), not the single-process writer's whole tensors."""
+        shapes = {name: {"shape": list(entry[1])} for name, entry in self.header.items()}
+        return self.sharding is not None and not _whole_tensors(self.path, self.sharding, shapes)
 
     def _decode(self, path: str, file: RandomAccess, size: int | None, dcp_shard: bool) -> None:
         """The one decoder: the header's length (bounded), the header, every tensor's range

@@ -227,7 +227,7 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
         if not _check_config(root, tensors, inferred):  # nothing tells a last rank gone
             warnings.warn(f"{root}: {notes[0]}", UserWarning, stacklevel=2)
     return dcp.DcpCheckpoint(
-        root,
+        dcp.folder(root),  # a remote folder's view: its pieces read at the URL by ranges
         tensors,
         {},
         version if isinstance(version, str) else None,

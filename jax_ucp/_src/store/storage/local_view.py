@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 import tensorstore as ts
 
 from jax_ucp._src.errors import RequestError, SourceError, UCPError
+from jax_ucp._src.format import safetensors
 from jax_ucp._src.store.storage import ranged
 from jax_ucp._src.store.storage.base import Storage
 from jax_ucp._src.store.storage.local import LocalDirectory
@@ -222,7 +223,9 @@ def local_view(storage: Storage) -> tuple[View, LocalDirectory] | None:
     single = not names and base.lower().endswith(ARCHIVES) and "/" in parent.partition("://")[2]
     if single:
         storage, names = type(storage)(parent), [base]
-    if not any(n.lower().endswith(ARCHIVES) or n.rpartition("/")[2] == DCP for n in names):
+    if not any(n.lower().endswith(ARCHIVES) or n.rpartition("/")[2] == DCP for n in names) and (
+        not holds_rank_pieces(storage, names)
+    ):
         return None  # never a zarr array fetched whole
     for key in [k for k, (built, *_) in _views.items() if now - built > REUSE]:
         del _views[key]
@@ -257,6 +260,8 @@ def _place(storage: Storage, name: str, view: View) -> None:
             return  # read in place by ranges (stored_at)
         if name.lower().endswith(ARCHIVES) and _archive(storage, name, path, fd, view):
             return
+        if name.endswith(".safetensors") and _rank_piece(storage, name, fd):
+            return
         record = RECORDS.get(parts[-1])
         try:
             data = storage.read(name, record or MAX_SMALL)
@@ -271,6 +276,43 @@ def _place(storage: Storage, name: str, view: View) -> None:
         os.write(fd, data)
     finally:
         os.close(fd)
+
+
+def _piece_header(storage: Storage, name: str) -> safetensors.SafetensorsFile | None:
+    """The checked header of object ``name`` when it is one rank's file of torch DCP's Hugging
+    Face writer, else None (another safetensors file, or none a reader would take)."""
+    try:
+        f = safetensors.SafetensorsFile.read_from(
+            storage.join(name), storage.reader(name), dcp_shard=True
+        )
+    except SourceError:
+        return None
+    return f if f.rank_piece else None
+
+
+def holds_rank_pieces(storage: Storage, names: list[str] | None = None) -> bool:
+    """Whether the prefix's first ``.safetensors`` object (by name; ``names``: its listing) is
+    a rank's file of torch DCP's Hugging Face writer: a checkpoint of every rank's file, read
+    through a view (``torchfiles.dcp_safetensors``), not as safetensors weights."""
+    names = storage.names() if names is None else names
+    first = min((n for n in names if "/" not in n and n.endswith(".safetensors")), default=None)
+    return first is not None and _piece_header(storage, first) is not None
+
+
+def _rank_piece(storage: Storage, name: str, fd: int) -> bool:
+    """A rank's DCP safetensors file as a sparse file of its size holding its header (False:
+    not one; fetched whole): its pieces are read at the URL by ranges (:func:`stored_at`),
+    never from the holes."""
+    f = _piece_header(storage, name)
+    if f is None:
+        return False
+    head = storage.reader(name).read(0, f.data_start) or b""
+    if len(head) != f.data_start:
+        raise ViewError(f"{storage.join(name)}: its header changed while being read")
+    _count(3, len(head))
+    os.ftruncate(fd, f.data_start + max((e for *_, e in f.header.values()), default=0))
+    os.pwrite(fd, head, 0)
+    return True
 
 
 def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> bool:
