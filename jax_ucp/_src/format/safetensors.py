@@ -384,8 +384,7 @@ class SafetensorsFile:
             f"{self.path}: an unconsolidated shard of torch.distributed.checkpoint's Hugging Face "
             f"writer (__metadata__ has {DCP_SHARDING_INFO}): its tensors are pieces of larger "
             f"ones{example}, assembled only from every rank's file. Pass the folder holding all "
-            "of them (a local folder, read as torch DCP; not from an object store), not one "
-            "file."
+            "of them (read as torch DCP), not one file."
         )
 
     def _entry(self, name: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:

@@ -12,8 +12,9 @@ or, for a lazily checked archive, when its bytes are first read (its mapping the
 touched, only read through ``format.mapped_file``), so a process fetches the members it reads.
 A torch DCP folder's ``.metadata`` and ``.distcp`` objects (plain, megatron-core's
 ``torch_dist`` and ``fsdp_dtensor``, verl's ``dist_ckpt``) stand as empty files: ``torchfiles.dcp`` opens the
-folder at its storage (:func:`stored_at`) and fetches the byte ranges of the chunks it reads. A prefix
-holding no torch archive nor torch DCP folder is never viewed (an Orbax step's arrays are not
+folder at its storage (:func:`stored_at`) and fetches the byte ranges of the chunks it reads; a rank's
+file of torch DCP's Hugging Face writer stands as a sparse file holding its header only, read the same
+way. A prefix holding no torch archive nor torch DCP folder is never viewed (an Orbax step's arrays are not
 fetched).
 """
 
