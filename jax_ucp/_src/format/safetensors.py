@@ -228,6 +228,8 @@ class _Mapped:
         return len(self.mm) >= size
 
 
+#: torch's rank-local file name (``_hf_utils.SHARDED_FILE_NAME``): the rank, from 1, first
+RANK_FILE = re.compile(r"shard-([0-9]{5,})-model-[0-9]{5,}-of-[0-9]{5,}\.safetensors")
 #: the single-process writer's file name (torch's ``_hf_utils.FILE_NAME``), not a rank's
 _WHOLE_FILE = re.compile(r"model-[0-9]{5,}-of-[0-9]{5,}\.safetensors")
 

@@ -152,7 +152,7 @@ def holds_remote(prefix: Storage) -> bool:
     return (
         prefix.exists(safetensors.INDEX_FILE)
         or any("/" not in n and n.endswith(".safetensors") for n in names)
-    ) and not local_view.holds_rank_pieces(prefix, names)  # torch DCP's: read through a view
+    ) and not local_view.holds_rank_pieces(names)  # torch DCP's: read through a view
 
 
 def _objects(prefix: Storage) -> tuple[Storage, list[str]]:

@@ -584,10 +584,11 @@ SINGLE = "dcp_hf_single_process"  # HuggingFaceStorageWriter in one process: who
 
 
 @pytest.mark.timeout(300)
-def test_a_single_process_hf_writer_folder_restores_locally_and_from_s3(bucket_url):
+def test_a_single_process_hf_writer_folder_restores_locally_and_from_s3(bucket_url, tmp_path):
     """``model-00001-of-00001.safetensors`` + index, offsets all zero: whole tensors, read as
     Hugging Face safetensors from an object store too (before: refused as pieces of larger
-    ones); a rank's ``shard-...`` file so named stays refused."""
+    ones); a rank's ``shard-...`` file so named stays refused alone; a prefix holding only it
+    reads as a local folder holding only it does (rank-local DCP, the shapes' doubt said)."""
     from jax_ucp._src.store.storage import object_store
 
     folder = os.path.join(FIX, SINGLE)
@@ -610,4 +611,12 @@ def test_a_single_process_hf_writer_folder_restores_locally_and_from_s3(bucket_u
             prefix + "-rank", "shard-00001-model-00001-of-00001.safetensors", f.read()
         )
     with pytest.raises(SourceError, match="pieces of larger"):
-        jax_ucp.restore(prefix + "-rank")
+        jax_ucp.restore(f"{prefix}-rank/shard-00001-model-00001-of-00001.safetensors")
+    shutil.copy(rank_file, tmp_path)
+    doubt = r"missing its last rank's file would read as smaller"
+    with pytest.warns(UserWarning, match=doubt):
+        local = jax_ucp.restore(str(tmp_path))["params"]
+    with pytest.warns(UserWarning, match=doubt):
+        remote = jax_ucp.restore(prefix + "-rank")["params"]
+    for key, value in local.items():
+        assert_bit_exact(remote[key], np.asarray(value), key)

@@ -225,7 +225,7 @@ def local_view(storage: Storage) -> tuple[View, LocalDirectory] | None:
     if single:
         storage, names = type(storage)(parent), [base]
     if not any(n.lower().endswith(ARCHIVES) or n.rpartition("/")[2] == DCP for n in names) and (
-        not holds_rank_pieces(storage, names)
+        not holds_rank_pieces(names)
     ):
         return None  # never a zarr array fetched whole
     for key in [k for k, (built, *_) in _views.items() if now - built > REUSE]:
@@ -261,7 +261,7 @@ def _place(storage: Storage, name: str, view: View) -> None:
             return  # read in place by ranges (stored_at)
         if name.lower().endswith(ARCHIVES) and _archive(storage, name, path, fd, view):
             return
-        if name.endswith(".safetensors") and _rank_piece(storage, name, fd):
+        if safetensors.RANK_FILE.fullmatch(parts[-1]) and _rank_piece(storage, name, fd):
             return
         record = RECORDS.get(parts[-1])
         try:
@@ -279,33 +279,23 @@ def _place(storage: Storage, name: str, view: View) -> None:
         os.close(fd)
 
 
-def _piece_header(storage: Storage, name: str) -> safetensors.SafetensorsFile | None:
-    """The checked header of object ``name`` when it is one rank's file of torch DCP's Hugging
-    Face writer, else None (another safetensors file, or none a reader would take)."""
-    try:
-        f = safetensors.SafetensorsFile.read_from(
-            storage.join(name), storage.reader(name), dcp_shard=True
-        )
-    except SourceError:
-        return None
-    return f if f.rank_piece else None
-
-
-def holds_rank_pieces(storage: Storage, names: list[str] | None = None) -> bool:
-    """Whether the prefix's first ``.safetensors`` object (by name; ``names``: its listing) is
-    a rank's file of torch DCP's Hugging Face writer: a checkpoint of every rank's file, read
-    through a view (``torchfiles.dcp_safetensors``), not as safetensors weights."""
-    names = storage.names() if names is None else names
-    first = min((n for n in names if "/" not in n and n.endswith(".safetensors")), default=None)
-    return first is not None and _piece_header(storage, first) is not None
+def holds_rank_pieces(names: list[str]) -> bool:
+    """Whether a prefix listing ``names`` holds rank files of torch DCP's Hugging Face writer
+    (its first ``.safetensors`` object by name so named, as torch names them): a checkpoint of
+    every rank's file, read through a view (``torchfiles.dcp_safetensors``, which checks their
+    headers), not as safetensors weights. By name: detection fetches nothing."""
+    first = min((n for n in names if "/" not in n and n.endswith(".safetensors")), default="")
+    return safetensors.RANK_FILE.fullmatch(first) is not None
 
 
 def _rank_piece(storage: Storage, name: str, fd: int) -> bool:
-    """A rank's DCP safetensors file as a sparse file of its size holding its header (False:
-    not one; fetched whole): its pieces are read at the URL by ranges (:func:`stored_at`),
-    never from the holes."""
-    f = _piece_header(storage, name)
-    if f is None:
+    """A rank's DCP safetensors file (so named) as a sparse file of its size holding its header
+    (False: whole tensors, fetched whole): its pieces are read at the URL by ranges
+    (:func:`stored_at`), never from the holes."""
+    f = safetensors.SafetensorsFile.read_from(
+        storage.join(name), storage.reader(name), dcp_shard=True
+    )  # a header no reader takes: its error (the object's real size, when cut short)
+    if not f.rank_piece:
         return False
     head = storage.reader(name).read(0, f.data_start) or b""
     if len(head) != f.data_start:
