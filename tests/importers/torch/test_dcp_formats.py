@@ -163,7 +163,7 @@ def test_rank_local_dcp_in_an_object_store_or_the_hub_restores_as_the_local_fold
 ):
     """transformers' distributed checkpoint (rank-local safetensors, config.json) on S3 or the
     Hub: each rank file a sparse stand-in of its header, the pieces read by ranges; restored as
-    the local folder, and a rank file gone still refused; before: "2 .safetensors objects and
+    the local folder; a rank file cut short or gone refused; before: "2 .safetensors objects and
     no model.safetensors.index.json ...; add the index" (the index would not have helped)."""
     from jax_ucp._src.store.storage import object_store
 
@@ -186,6 +186,9 @@ def test_rank_local_dcp_in_an_object_store_or_the_hub_restores_as_the_local_fold
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert_bit_exact(got[key], np.asarray(value), key)
+    cut = {**files, RANK[0]: files[RANK[0]][:-4]}
+    with pytest.raises(SourceError, match=rf"{RANK[0]}: .*the file is shorter \(truncated\)"):
+        jax_ucp.restore(put("tp2-cut", cut))
     del files[RANK[1]]
     with pytest.raises(SourceError, match=r"rank 2's file \(shard-00002-model-\*\.safetensors\)"):
         jax_ucp.restore(put("tp2-short", files))
