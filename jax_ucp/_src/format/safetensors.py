@@ -96,11 +96,9 @@ def is_dcp_sharded(src) -> bool:
         return False
     try:
         path = os.path.join(src, names[0])
-        f = SafetensorsFile(path, _inside(src, names[0], src), dcp_shard=True)
+        return SafetensorsFile(path, _inside(src, names[0], src), dcp_shard=True).rank_piece
     except (SourceError, OSError):
         return False
-    shapes = {name: {"shape": list(entry[1])} for name, entry in f.header.items()}
-    return f.sharding is not None and not _whole_tensors(path, f.sharding, shapes)
 
 
 def shard_files(src) -> list[str]:
@@ -230,6 +228,8 @@ class _Mapped:
         return len(self.mm) >= size
 
 
+#: torch's rank-local file name (``_hf_utils.SHARDED_FILE_NAME``): the rank, from 1, first
+RANK_FILE = re.compile(r"shard-([0-9]{5,})-model-[0-9]{5,}-of-[0-9]{5,}\.safetensors")
 #: the single-process writer's file name (torch's ``_hf_utils.FILE_NAME``), not a rank's
 _WHOLE_FILE = re.compile(r"model-[0-9]{5,}-of-[0-9]{5,}\.safetensors")
 
@@ -281,7 +281,9 @@ class SafetensorsFile:
         self._decode(path, _Mapped(mapped), size, dcp_shard)
 
     @classmethod
-    def read_from(cls, path: str, file: RandomAccess) -> SafetensorsFile:
+    def read_from(
+        cls, path: str, file: RandomAccess, *, dcp_shard: bool = False
+    ) -> SafetensorsFile:
         """The checked header of a file read by ranges elsewhere (an object store's object, a
         Hub file): ``header`` and ``metadata`` as for a local file, no tensor views; its size
         unknown, the data must end where its last tensor ends.
@@ -289,10 +291,18 @@ class SafetensorsFile:
         Args:
             path: names the file in errors.
             file: the file, read by ranges.
+            dcp_shard: as for a local file.
         """
         self = cls.__new__(cls)
-        self._decode(path, file, None, False)
+        self._decode(path, file, None, dcp_shard)
         return self
+
+    @property
+    def rank_piece(self) -> bool:
+        """One rank's file of torch DCP's Hugging Face writer (its tensors pieces of larger
+        ones), not the single-process writer's whole tensors."""
+        shapes = {name: {"shape": list(entry[1])} for name, entry in self.header.items()}
+        return self.sharding is not None and not _whole_tensors(self.path, self.sharding, shapes)
 
     def _decode(self, path: str, file: RandomAccess, size: int | None, dcp_shard: bool) -> None:
         """The one decoder: the header's length (bounded), the header, every tensor's range
@@ -376,8 +386,7 @@ class SafetensorsFile:
             f"{self.path}: an unconsolidated shard of torch.distributed.checkpoint's Hugging Face "
             f"writer (__metadata__ has {DCP_SHARDING_INFO}): its tensors are pieces of larger "
             f"ones{example}, assembled only from every rank's file. Pass the folder holding all "
-            "of them (a local folder, read as torch DCP; not from an object store), not one "
-            "file."
+            "of them (read as torch DCP), not one file."
         )
 
     def _entry(self, name: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:

@@ -34,7 +34,7 @@ from jax_ucp._src.importers.trainer_files import (
     read_json,
 )
 from jax_ucp._src.store.shard_reader import count_bytes_read
-from jax_ucp._src.store.storage import Storage
+from jax_ucp._src.store.storage import Storage, local_view
 from jax_ucp._src.store.storage.ranged import RandomAccess, RangeError
 
 __all__ = ["RemoteTensor", "holds_remote", "open_remote", "plan_safetensors"]
@@ -148,9 +148,11 @@ def holds_remote(prefix: Storage) -> bool:
         return True
     if prefix.exists(fmt.MANIFEST_FILE):
         return False
-    return prefix.exists(safetensors.INDEX_FILE) or any(
-        "/" not in n and n.endswith(".safetensors") for n in prefix.names()
-    )
+    names = prefix.names()
+    return (
+        prefix.exists(safetensors.INDEX_FILE)
+        or any("/" not in n and n.endswith(".safetensors") for n in names)
+    ) and not local_view.holds_rank_pieces(names)  # torch DCP's: read through a view
 
 
 def _objects(prefix: Storage) -> tuple[Storage, list[str]]:

@@ -5,7 +5,6 @@ full shape, when unrecorded, their largest extent, as torch takes it), read as r
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,6 @@ from jax_ucp._src.torchfiles import dcp
 DCP_VERSION = "DCP_VERSION"
 #: The fields a tensor's DCP_SHARDING_INFO entry may have.
 _FIELDS = ("saved_offsets", "global_shape")
-#: torch's rank-local file name (``_hf_utils.SHARDED_FILE_NAME``): the rank, from 1, first
-_RANK_FILE = re.compile(r"shard-([0-9]{5,})-model-[0-9]{5,}-of-[0-9]{5,}\.safetensors")
 #: the largest config.json read beside the files (transformers' is a few KB)
 _MAX_CONFIG_BYTES = 1 << 20
 
@@ -111,7 +108,7 @@ def _sharded(pieces: dict[str, list]) -> list[str]:
 
 
 def _ranks(names: list[str]) -> set[int]:
-    return {int(m[1]) for n in names if (m := _RANK_FILE.fullmatch(n))}
+    return {int(m[1]) for n in names if (m := safetensors.RANK_FILE.fullmatch(n))}
 
 
 def _check_ranks(root: Path, names: list[str], pieces: dict[str, list]) -> None:
@@ -227,7 +224,7 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
         if not _check_config(root, tensors, inferred):  # nothing tells a last rank gone
             warnings.warn(f"{root}: {notes[0]}", UserWarning, stacklevel=2)
     return dcp.DcpCheckpoint(
-        root,
+        dcp.folder(root),  # a remote folder's view: its pieces read at the URL by ranges
         tensors,
         {},
         version if isinstance(version, str) else None,

@@ -156,6 +156,44 @@ def test_a_dcp_object_cut_short_remotely_is_reported_at_its_real_size(
         jax_ucp.restore(url)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["s3", "hub"])
+def test_rank_local_dcp_in_an_object_store_or_the_hub_restores_as_the_local_folder(
+    s3_server, hub_server, monkeypatch, where
+):
+    """transformers' distributed checkpoint (rank-local safetensors, config.json) on S3 or the
+    Hub: each rank file a sparse stand-in of its header, the pieces read by ranges; restored as
+    the local folder; a rank file cut short or gone refused; before: "2 .safetensors objects and
+    no model.safetensors.index.json ...; add the index" (the index would not have helped)."""
+    from jax_ucp._src.store.storage import object_store
+
+    folder = os.path.join(FIX, TRANSFORMERS)
+    files = {e: open(os.path.join(folder, e), "rb").read() for e in os.listdir(folder)}
+
+    def put(name: str, files: dict[str, bytes]) -> str:
+        if where == "hub":
+            hub_server.add(f"org/{name}", files)
+            return f"hf://org/{name}"
+        for k, v in s3_server[0].items():
+            monkeypatch.setenv(k, v)
+        url = f"{s3_server[1]}/{name}-{os.getpid()}"
+        for entry, data in files.items():
+            object_store.write(url, entry, data)
+        return url
+
+    want = jax_ucp.restore(folder)["params"]
+    got = jax_ucp.restore(put("tp2", files))["params"]
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert_bit_exact(got[key], np.asarray(value), key)
+    cut = {**files, RANK[0]: files[RANK[0]][:-4]}
+    with pytest.raises(SourceError, match=rf"{RANK[0]}: .*the file is shorter \(truncated\)"):
+        jax_ucp.restore(put("tp2-cut", cut))
+    del files[RANK[1]]
+    with pytest.raises(SourceError, match=r"rank 2's file \(shard-00002-model-\*\.safetensors\)"):
+        jax_ucp.restore(put("tp2-short", files))
+
+
 def _copy(name: str, tmp_path) -> str:
     dst = str(tmp_path / name)
     shutil.copytree(os.path.join(FIX, name), dst)
@@ -549,10 +587,11 @@ SINGLE = "dcp_hf_single_process"  # HuggingFaceStorageWriter in one process: who
 
 
 @pytest.mark.timeout(300)
-def test_a_single_process_hf_writer_folder_restores_locally_and_from_s3(bucket_url):
+def test_a_single_process_hf_writer_folder_restores_locally_and_from_s3(bucket_url, tmp_path):
     """``model-00001-of-00001.safetensors`` + index, offsets all zero: whole tensors, read as
     Hugging Face safetensors from an object store too (before: refused as pieces of larger
-    ones); a rank's ``shard-...`` file so named stays refused."""
+    ones); a rank's ``shard-...`` file so named stays refused alone; a prefix holding only it
+    reads as a local folder holding only it does (rank-local DCP, the shapes' doubt said)."""
     from jax_ucp._src.store.storage import object_store
 
     folder = os.path.join(FIX, SINGLE)
@@ -575,4 +614,12 @@ def test_a_single_process_hf_writer_folder_restores_locally_and_from_s3(bucket_u
             prefix + "-rank", "shard-00001-model-00001-of-00001.safetensors", f.read()
         )
     with pytest.raises(SourceError, match="pieces of larger"):
-        jax_ucp.restore(prefix + "-rank")
+        jax_ucp.restore(f"{prefix}-rank/shard-00001-model-00001-of-00001.safetensors")
+    shutil.copy(rank_file, tmp_path)
+    doubt = r"missing its last rank's file would read as smaller"
+    with pytest.warns(UserWarning, match=doubt):
+        local = jax_ucp.restore(str(tmp_path))["params"]
+    with pytest.warns(UserWarning, match=doubt):
+        remote = jax_ucp.restore(prefix + "-rank")["params"]
+    for key, value in local.items():
+        assert_bit_exact(remote[key], np.asarray(value), key)

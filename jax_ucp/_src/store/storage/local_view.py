@@ -12,8 +12,9 @@ or, for a lazily checked archive, when its bytes are first read (its mapping the
 touched, only read through ``format.mapped_file``), so a process fetches the members it reads.
 A torch DCP folder's ``.metadata`` and ``.distcp`` objects (plain, megatron-core's
 ``torch_dist`` and ``fsdp_dtensor``, verl's ``dist_ckpt``) stand as empty files: ``torchfiles.dcp`` opens the
-folder at its storage (:func:`stored_at`) and fetches the byte ranges of the chunks it reads. A prefix
-holding no torch archive nor torch DCP folder is never viewed (an Orbax step's arrays are not
+folder at its storage (:func:`stored_at`) and fetches the byte ranges of the chunks it reads; a rank's
+file of torch DCP's Hugging Face writer stands as a sparse file holding its header only, read the same
+way. A prefix holding no torch archive nor torch DCP folder is never viewed (an Orbax step's arrays are not
 fetched).
 """
 
@@ -34,6 +35,7 @@ from collections.abc import Callable, Iterator
 import tensorstore as ts
 
 from jax_ucp._src.errors import RequestError, SourceError, UCPError
+from jax_ucp._src.format import safetensors
 from jax_ucp._src.store.storage import ranged
 from jax_ucp._src.store.storage.base import Storage
 from jax_ucp._src.store.storage.local import LocalDirectory
@@ -222,7 +224,9 @@ def local_view(storage: Storage) -> tuple[View, LocalDirectory] | None:
     single = not names and base.lower().endswith(ARCHIVES) and "/" in parent.partition("://")[2]
     if single:
         storage, names = type(storage)(parent), [base]
-    if not any(n.lower().endswith(ARCHIVES) or n.rpartition("/")[2] == DCP for n in names):
+    if not any(n.lower().endswith(ARCHIVES) or n.rpartition("/")[2] == DCP for n in names) and (
+        not holds_rank_pieces(names)
+    ):
         return None  # never a zarr array fetched whole
     for key in [k for k, (built, *_) in _views.items() if now - built > REUSE]:
         del _views[key]
@@ -257,6 +261,8 @@ def _place(storage: Storage, name: str, view: View) -> None:
             return  # read in place by ranges (stored_at)
         if name.lower().endswith(ARCHIVES) and _archive(storage, name, path, fd, view):
             return
+        if safetensors.RANK_FILE.fullmatch(parts[-1]) and _rank_piece(storage, name, fd):
+            return
         record = RECORDS.get(parts[-1])
         try:
             data = storage.read(name, record or MAX_SMALL)
@@ -271,6 +277,33 @@ def _place(storage: Storage, name: str, view: View) -> None:
         os.write(fd, data)
     finally:
         os.close(fd)
+
+
+def holds_rank_pieces(names: list[str]) -> bool:
+    """Whether a prefix listing ``names`` holds rank files of torch DCP's Hugging Face writer
+    (its first ``.safetensors`` object by name so named, as torch names them): a checkpoint of
+    every rank's file, read through a view (``torchfiles.dcp_safetensors``, which checks their
+    headers), not as safetensors weights. By name: detection fetches nothing."""
+    first = min((n for n in names if "/" not in n and n.endswith(".safetensors")), default="")
+    return safetensors.RANK_FILE.fullmatch(first) is not None
+
+
+def _rank_piece(storage: Storage, name: str, fd: int) -> bool:
+    """A rank's DCP safetensors file (so named) as a sparse file of its size holding its header
+    (False: whole tensors, fetched whole): its pieces are read at the URL by ranges
+    (:func:`stored_at`), never from the holes."""
+    f = safetensors.SafetensorsFile.read_from(
+        storage.join(name), storage.reader(name), dcp_shard=True
+    )  # a header no reader takes: its error (the object's real size, when cut short)
+    if not f.rank_piece:
+        return False
+    head = storage.reader(name).read(0, f.data_start) or b""
+    if len(head) != f.data_start:
+        raise ViewError(f"{storage.join(name)}: its header changed while being read")
+    _count(3, len(head))
+    os.ftruncate(fd, f.data_start + max((e for *_, e in f.header.values()), default=0))
+    os.pwrite(fd, head, 0)
+    return True
 
 
 def _archive(storage: Storage, name: str, path: str, fd: int, view: View) -> bool:
