@@ -16,24 +16,24 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 CEILINGS = {
     "cli": 1748,
     "continuation": 2142,
-    "exporters": 2062,
-    "format": 2720,
-    "importers": 16721,
+    "exporters": 2349,
+    "format": 2729,
+    "importers": 16723,
     "language": 3193,
     "models": 1937,
     "multihost": 835,
     "orbax": 421,
-    "restoring": 4973,
+    "restoring": 4969,
     "saving": 964,
     "sharding": 713,
-    "store": 3346,
-    "torchfiles": 3178,
+    "store": 3382,
+    "torchfiles": 3175,
     "writer": 1675,
     "modules": 4447,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 51443
+TOTAL = 51770
 
 
 def _lines(paths) -> int:
