@@ -23,7 +23,7 @@ CEILINGS = {
     "models": 1937,
     "multihost": 835,
     "orbax": 421,
-    "restoring": 4969,
+    "restoring": 4973,
     "saving": 964,
     "sharding": 713,
     "store": 3382,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 51770
+TOTAL = 51774
 
 
 def _lines(paths) -> int:

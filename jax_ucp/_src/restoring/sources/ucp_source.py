@@ -192,8 +192,12 @@ class CheckpointSource(TensorSource):
             beyond = slice(MAX_ZARR_JSON_BYTES, MAX_ZARR_JSON_BYTES + 1)
             self._futures[entry.key] = (entry, _Fetch(name, self._kv.read(name, byte_range=beyond)))
             return
+        zarr_json = os.path.join(kv["path"], ZARR_JSON)
         try:  # never hand TensorStore a FIFO or a device, nor an array linked out of the root
-            data = self.storage.read(f"{entry.dir}/{ZARR_JSON}", MAX_ZARR_JSON_BYTES)
+            self.storage.inside(f"{entry.dir}/{ZARR_JSON}", fmt.MANIFEST_FILE)
+            data: bytes | None = fmt.files.read_regular(zarr_json, MAX_ZARR_JSON_BYTES)
+        except FileNotFoundError:
+            data = None
         except fmt.files.UnsafeFileError as e:  # a FIFO, a device, a link out, too large
             raise tensor_error(entry.name, e) from None
         self._futures[entry.key] = (entry, data)
