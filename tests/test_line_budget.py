@@ -21,7 +21,7 @@ CEILINGS = {
     "importers": 16723,
     "language": 3193,
     "models": 1937,
-    "multihost": 835,
+    "multihost": 836,
     "orbax": 421,
     "restoring": 4973,
     "saving": 964,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 51774
+TOTAL = 51775
 
 
 def _lines(paths) -> int:

@@ -55,13 +55,14 @@ def shutdown() -> None:
     state = distributed.global_state
     port = liveness.served_port()
     service, state.service = state.service, None
-    jax.distributed.shutdown()  # this process's client: the shutdown barrier
-    if service is None:
-        return
-    deadline = time.monotonic() + LEAVE_S
-    while port is not None and time.monotonic() < deadline and liveness.connected(port, True):
-        time.sleep(0.05)
-    service.shutdown()
+    try:
+        jax.distributed.shutdown()  # this process's client: the shutdown barrier
+    finally:  # a failed barrier (a peer lost) still stops the coordinator
+        deadline = time.monotonic() + LEAVE_S
+        while port is not None and time.monotonic() < deadline and liveness.connected(port, True):
+            time.sleep(0.05)
+        if service is not None:
+            service.shutdown()
 
 
 def local_process_limit() -> tuple[int, str]:
