@@ -14,7 +14,7 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: package of jax_ucp/_src (or "modules": its top-level modules; "public": jax_ucp/ outside
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
-    "cli": 1748,
+    "cli": 1752,
     "continuation": 2142,
     "exporters": 2349,
     "format": 2729,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 51775
+TOTAL = 51779
 
 
 def _lines(paths) -> int:

@@ -26,7 +26,6 @@ from jax_ucp._src.cli.fields import FromField, taking
 from jax_ucp._src.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
 from jax_ucp._src.format import ValueEntry, display, files
 from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
-from jax_ucp._src.restoring import steps as run_root
 from jax_ucp._src.version import __version__
 
 
@@ -154,6 +153,8 @@ def _checkpoint_or_steps(path: str) -> None:
     """A CheckpointManager root is not a checkpoint: list its steps and how to pick one."""
     if not os.path.isdir(path) or os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
         return
+    from jax_ucp._src.restoring import steps as run_root  # TensorStore: not for --version
+
     try:
         steps = run_root.with_ucp_items(path)
     except UCPError:
@@ -494,6 +495,8 @@ def _is_run_root(path: str) -> bool:
     (or a link or a damaged one)."""
     if not os.path.isdir(path) or os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
         return False
+    from jax_ucp._src.restoring import steps as run_root  # TensorStore: not for --version
+
     try:
         return bool(run_root.run_steps(path).steps)
     except UCPError:
@@ -505,6 +508,7 @@ def _verify_run(root: str, newest: int, memory_budget) -> None:
     then the step a resume takes: without fallback the newest step (an error if it is
     damaged), with fallback the newest intact one (``restoring.resume``'s rule)."""
     import jax_ucp
+    from jax_ucp._src.restoring import steps as run_root
 
     listed = run_root.run_steps(root)
     for notice in listed.notices:
