@@ -72,6 +72,24 @@ _DEEPSEEK_V3 = dict(
     rope_parameters={**_YARN, "mscale": 1.0, "mscale_all_dim": 0.8},
 )
 
+#: Qwen3.5's and Qwen3-Next's tiny config: Gated DeltaNet in layers 0, 2 and 3 (2 key heads
+#: of 32 dims, 4 value heads of 12), gated full attention in layer 1, half of each head rotated
+_GATED_DELTA_NET = dict(
+    _TINY,
+    num_hidden_layers=4,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    linear_conv_kernel_dim=3,
+    linear_key_head_dim=32,  # long keys, nearly orthogonal: fp32 rounding stays ~1e-6
+    linear_value_head_dim=12,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+)
+_QWEN_EXPERTS = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24
+)
+
 #: family -> (config class, model class, config kwargs, a field the model does not compute
 #: as {field: value} merged into config.json, what the refusal names)
 FAMILIES = {
@@ -375,6 +393,27 @@ FAMILIES = {
         ),
         {"text_config": {"model_type": "qwen3"}},
         r"text_config 'qwen3'",
+    ),
+    "qwen3_5_text": (
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        _GATED_DELTA_NET,
+        {"attention_bias": True},
+        r"attention_bias True",
+    ),
+    "qwen3_5_moe_text": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        dict(_GATED_DELTA_NET, **_QWEN_EXPERTS, intermediate_size=None),
+        {"linear_num_value_heads": 3},
+        r"linear_num_value_heads 3: is no multiple of 2 key heads",
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(_GATED_DELTA_NET, **_QWEN_EXPERTS, mlp_only_layers=[1]),  # layer 1 dense
+        {"layer_types": ["linear_attention", "sliding_attention"] * 2},
+        r"layer_types",
     ),
     "stablelm": (
         "StableLmConfig",

@@ -45,15 +45,14 @@ def _family(model_type, spec, read, refuses=(), silu=True, **defaults) -> Family
 LACKS = {
     "llama4": "the multimodal Llama4ForConditionalGeneration (vision tower, language_model.* "
     "names); its text model is model_type llama4_text",
-    **dict.fromkeys(
-        ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
-        "the linear_attention layers (Gated DeltaNet, layer_types) between its full attention",
-    ),
-    **dict.fromkeys(
-        ("qwen3_5", "qwen3_5_moe"),
-        "the multimodal model (vision tower) and its text model's linear_attention layers "
-        "(Gated DeltaNet)",
-    ),
+    **{
+        multimodal: f"the multimodal {name} (vision tower, model.visual.* and "
+        f"model.language_model.* names); its text model is model_type {multimodal}_text"
+        for multimodal, name in (
+            ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+            ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
+        )
+    },
     **dict.fromkeys(
         ("gemma4_text", "gemma4"),
         "Gemma 4's decoder layer: per-layer input embeddings (embed_tokens_per_layer, "
@@ -461,16 +460,12 @@ def _qwen_moe(c: Mapping, layers: int) -> dict:
 def _qwen2_moe(c: Mapping) -> dict:
     kw = _base(c)
     layers = kw["num_layers"]
-    shared = c.get("shared_expert_intermediate_size")
     return dict(
         **kw,
         **_qwen_window(c, layers, moe=True),
         **_qwen_moe(c, layers),
         qkv_bias=bool(c.get("qkv_bias", True)),
-        moe_shared_expert_intermediate_size=_int(c, "shared_expert_intermediate_size")
-        if shared
-        else None,
-        moe_shared_expert_gate=bool(shared),
+        **_shared_expert(c),
     )
 
 
@@ -482,6 +477,64 @@ def _qwen3_moe(c: Mapping) -> dict:
     kw = _base(c)
     window = _every_layer_window(c) if c.get("use_sliding_window") else {}
     return dict(**kw, **window, **_qwen_moe(c, kw["num_layers"]), qk_norm=True)
+
+
+def _gated_delta_net(c: Mapping) -> dict:
+    """Qwen3-Next's and Qwen3.5's layers: Gated DeltaNet (``linear_num_key_heads``,
+    ``linear_num_value_heads``, ``linear_key_head_dim``, ``linear_value_head_dim``,
+    ``linear_conv_kernel_dim``) in the ``linear_attention`` layers of ``layer_types`` (by default
+    all but every ``full_attention_interval``-th), Qwen3 attention with each head's output gated
+    by sigmoid of its half of q_proj, a partial rotary, (1 + w) RMSNorms."""
+    kw = _base(c, partial_ok=True)
+    layers = kw["num_layers"]
+    interval = _int(c, "full_attention_interval")
+    default = [
+        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)
+    ]
+    types = _layer_types(c, layers, default, ("linear_attention", "full_attention"))
+    nk, nv, dk, dv = (
+        _int(c, f"linear_{f}")
+        for f in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")
+    )
+    if nv % nk:
+        raise _refuse("linear_num_value_heads", nv, f"is no multiple of {nk} key heads")
+    return dict(
+        **kw,
+        qk_norm=True,
+        norm_offset=1.0,
+        attn_output_gate=True,
+        gdn=(nk, nv, dk, dv, _int(c, "linear_conv_kernel_dim")),
+        gdn_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+    )
+
+
+def _shared_expert(c: Mapping) -> dict:
+    """Qwen2-MoE's shared expert (``shared_expert_intermediate_size``, 0: none) and its gate."""
+    shared = c.get("shared_expert_intermediate_size")
+    width = _int(c, "shared_expert_intermediate_size") if shared else None
+    return dict(moe_shared_expert_intermediate_size=width, moe_shared_expert_gate=bool(shared))
+
+
+def _qwen3_5_text(c: Mapping) -> dict:
+    return _gated_delta_net(c)
+
+
+def _qwen3_5_moe_text(c: Mapping) -> dict:
+    """Every layer MoE: the softmax router's top-k renormalised, a gated shared expert."""
+    width = _int(c, "moe_intermediate_size")
+    return dict(
+        **_gated_delta_net({**c, "intermediate_size": width}),  # no dense MLP
+        **_experts(c, "num_experts"),
+        moe_ffn_hidden_size=width,
+        **_shared_expert(c),
+    )
+
+
+def _qwen3_next(c: Mapping) -> dict:
+    """Qwen3-Next: the in_proj_qkvz / in_proj_ba of Gated DeltaNet laid out per key head;
+    Qwen2-MoE's experts, dense layers and gated shared expert."""
+    kw = _gated_delta_net(c)
+    return dict(**kw, gdn_grouped=True, **_qwen_moe(c, kw["num_layers"]), **_shared_expert(c))
 
 
 def _rope_flags(c: Mapping, layers: int) -> list[int]:
@@ -787,6 +840,20 @@ _GEMMA: dict[str, Any] = dict(
 #: transformers' window defaults of the Qwen families
 _QWEN: dict[str, Any] = dict(rms_norm_eps=1e-6, sliding_window=4096)
 
+#: transformers' defaults of Qwen3.5 and Qwen3-Next (Gated DeltaNet, partial rotary)
+_QWEN35: dict[str, Any] = dict(
+    rms_norm_eps=1e-6,
+    head_dim=256,
+    num_key_value_heads=4,
+    partial_rotary_factor=0.25,
+    full_attention_interval=4,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+)
+
 # ------------------------------------------------------------------------------- the table
 #: model_type -> family: the models ``verify --against SRC --logits`` computes
 FAMILIES: dict[str, Family] = {
@@ -858,6 +925,31 @@ FAMILIES: dict[str, Family] = {
             norm_topk_prob=False,
             decoder_sparse_step=1,
             **_QWEN,
+        ),
+        _family("qwen3_5_text", "hf_qwen3_5", _qwen3_5_text, ("attention_bias",), **_QWEN35),
+        _family(
+            "qwen3_5_moe_text",
+            "hf_qwen3_5_moe",
+            _qwen3_5_moe_text,
+            ("attention_bias",),
+            **{**_QWEN35, "num_key_value_heads": 2},
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+        ),
+        _family(
+            "qwen3_next",
+            "hf_qwen3_next",
+            _qwen3_next,
+            ("attention_bias",),
+            **{**_QWEN35, "num_key_value_heads": 2},
+            num_experts=512,
+            num_experts_per_tok=10,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
         ),
         _family(
             "llama4_text",

@@ -111,6 +111,14 @@ class LMConfig:
     # Ernie 4.5: the top-k of softmax(router logits) + router_score_bias, weighted by their
     # softmax renormalised
     moe_score_bias: bool = False
+    # Qwen3-Next / Qwen3.5: Gated DeltaNet in the ``gdn_layers`` (transformers' linear_attention),
+    # gdn = (key heads, value heads, key head dim, value head dim, conv kernel); ``gdn_grouped``:
+    # Qwen3-Next's in_proj_qkvz / in_proj_ba, laid out per key head; ``attn_output_gate``: the
+    # full attention's q projection gives each head [q | gate], its output times sigmoid(gate)
+    gdn: tuple[int, int, int, int, int] | None = None
+    gdn_layers: tuple[int, ...] = ()
+    gdn_grouped: bool = False
+    attn_output_gate: bool = False
 
     @property
     def groups(self) -> int:
@@ -129,21 +137,27 @@ class LMConfig:
     def is_moe(self, layer: int) -> bool:
         return bool(self.num_experts) and layer not in self.dense_layers
 
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer ``layer`` mixes tokens by Gated DeltaNet instead of attention."""
+        return bool(self.gdn) and layer in self.gdn_layers
+
     def parameter_count(self) -> int:
         """How many elements ``TransformerLM(self)`` holds (what a checkpoint of the model
         holds at least): the module's own shapes (``jax.eval_shape``, nothing allocated) of a
         model with one dense layer and, with experts, one MoE layer, each counted as often as
         this config has layers of its kind."""
-        small = dataclasses.replace(
-            self, num_layers=2 if self.num_experts else 1, dense_layers=(0,)
-        )
+        # layers 0-3: dense + attention, MoE + attention, dense + Gated DeltaNet, MoE + DeltaNet
+        small = dataclasses.replace(self, num_layers=4, dense_layers=(0, 2), gdn_layers=(2, 3))
         tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
         tree = jax.eval_shape(TransformerLM(small).init, jax.random.key(0), tokens)["params"]
         sizes = {k: sum(math.prod(x.shape) for x in jax.tree.leaves(v)) for k, v in tree.items()}
-        dense = len({i for i in self.dense_layers if 0 <= i < self.num_layers})
-        dense = dense if self.num_experts else self.num_layers
-        dense_size, moe_size = sizes.pop("layers_0"), sizes.pop("layers_1", 0)
-        return sum(sizes.values()) + dense_size * dense + moe_size * (self.num_layers - dense)
+        layers = range(self.num_layers)
+        dense = {i for i in self.dense_layers if i in layers} if self.num_experts else set(layers)
+        linear = {i for i in self.gdn_layers if i in layers} if self.gdn else set()
+        both = len(dense & linear)
+        counts = (len(dense) - both, self.num_layers - len(dense | linear), both)
+        counts = (*counts, len(linear) - both)
+        return sum(sizes.pop(f"layers_{k}") * n for k, n in enumerate(counts)) + sum(sizes.values())
 
     @classmethod
     def from_hf_llama(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
@@ -314,11 +328,21 @@ class Attention(nn.Module):
         heads, groups, head_dim = cfg.num_attention_heads, cfg.groups, cfg.head_dim
         q_per_group = heads // groups
         bias = cfg.bias or cfg.qkv_bias
-        qkv = nn.Dense(groups * (q_per_group + 2) * head_dim, use_bias=bias, name="qkv")(x)
-        qkv = qkv.reshape(batch, seq, groups, (q_per_group + 2) * head_dim)
-        q = qkv[..., : q_per_group * head_dim].reshape(batch, seq, heads, head_dim)
-        k = qkv[..., q_per_group * head_dim : (q_per_group + 1) * head_dim]
-        v = qkv[..., (q_per_group + 1) * head_dim :]
+        if cfg.attn_output_gate:  # q, k, v apart: q's rows are each head's [q | gate]
+            q = nn.Dense(heads * 2 * head_dim, use_bias=bias, name="q")(x)
+            q, gate = jnp.split(q.reshape(batch, seq, heads, 2 * head_dim), 2, axis=-1)
+            k, v = (
+                nn.Dense(groups * head_dim, use_bias=bias, name=n)(x).reshape(
+                    batch, seq, groups, head_dim
+                )
+                for n in ("k", "v")
+            )
+        else:
+            qkv = nn.Dense(groups * (q_per_group + 2) * head_dim, use_bias=bias, name="qkv")(x)
+            qkv = qkv.reshape(batch, seq, groups, (q_per_group + 2) * head_dim)
+            q = qkv[..., : q_per_group * head_dim].reshape(batch, seq, heads, head_dim)
+            k = qkv[..., q_per_group * head_dim : (q_per_group + 1) * head_dim]
+            v = qkv[..., (q_per_group + 1) * head_dim :]
         if cfg.qk_norm and cfg.qk_norm_scope == "all":  # over all heads' q (k) at once
             q = _norm_layer(cfg, "q_norm")(q.reshape(batch, seq, -1)).reshape(q.shape)
             k = _norm_layer(cfg, "k_norm")(k.reshape(batch, seq, -1)).reshape(k.shape)
@@ -363,8 +387,115 @@ class Attention(nn.Module):
             probs = jax.nn.softmax(jnp.concatenate([scores, sinks], -1), axis=-1)[..., :-1]
         else:
             probs = jax.nn.softmax(scores, axis=-1)
-        context = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(batch, seq, heads * head_dim)
+        context = jnp.einsum("bnqk,bknd->bqnd", probs, v)
+        if cfg.attn_output_gate:
+            context = context * jax.nn.sigmoid(gate)
+        context = context.reshape(batch, seq, heads * head_dim)
         return nn.Dense(cfg.hidden_size, use_bias=cfg.bias, name="proj")(context)
+
+
+def gated_delta_rule(q, k, v, g, beta, chunk: int = 64):
+    """The gated delta rule over q, k [b, s, h, dk], v [b, s, h, dv], g, beta [b, s, h] (fp32):
+    per token each head's state S [dk, dv] decays by exp(g), then learns v at k with rate beta
+    (S += k (beta (v - k S))), and the output is q S. Computed as transformers'
+    ``torch_chunk_gated_delta_rule`` does (chunks of 64 tokens, the updates within one solved as
+    a unit lower-triangular system, the state carried over chunks by ``lax.scan``), the same sums
+    in the same order: a token-by-token recurrence differs from it by 4e-5 in a tiny model."""
+    s = q.shape[1]
+    pad = -s % chunk
+
+    def chunked(t):  # [b, s, h, ...] -> [n, b, h, chunk, ...]
+        t = jnp.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2))
+        t = jnp.moveaxis(t, 1, 2).reshape(*t.shape[:1], t.shape[2], -1, chunk, *t.shape[3:])
+        return jnp.moveaxis(t, 2, 0)
+
+    q, k, v, g, beta = (chunked(t) for t in (q, k, v, g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)
+    upper = jnp.triu(jnp.ones((chunk, chunk), bool), 1)
+    decay = jnp.exp(jnp.where(upper, -jnp.inf, cum[..., :, None] - cum[..., None, :]))
+    system = (k_beta @ jnp.swapaxes(k, -1, -2)) * decay
+    intra = (q @ jnp.swapaxes(k, -1, -2)) * decay
+
+    def solve(b):
+        return jax.lax.linalg.triangular_solve(
+            system, b, left_side=True, lower=True, unit_diagonal=True
+        )
+
+    values, k_decayed = solve(v_beta), solve(k_beta * jnp.exp(cum)[..., None])
+    q = q * jnp.exp(cum)[..., None]
+    k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+
+    def step(state, t):  # state [b, h, dk, dv]
+        q_i, k_i, values_i, k_decayed_i, intra_i, cum_i = t
+        fresh = values_i - k_decayed_i @ state
+        out = q_i @ state + intra_i @ fresh
+        state = state * jnp.exp(cum_i[..., -1])[..., None, None] + jnp.swapaxes(k_i, -1, -2) @ fresh
+        return state, out
+
+    b, h, dk, dv = *k.shape[1:3], k.shape[-1], v.shape[-1]
+    state = jnp.zeros((b, h, dk, dv), jnp.float32)
+    out = jax.lax.scan(step, state, (q, k, values, k_decayed, intra, cum))[1]
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, -1, dv)[:, :, :s]  # [b, h, s, dv]
+    return jnp.moveaxis(out, 1, 2)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's / Qwen3.5's linear attention (transformers' ``Qwen3NextGatedDeltaNet``): q, k,
+    v through a causal depthwise conv (``conv``, kernel [K, channels]) and SiLU; q and k L2-normed
+    (q times 1/sqrt(head dim)) and repeated to the value heads; per token the state S [dk, dv] of
+    each value head decays by exp(g), g = -exp(A_log) * softplus(a + dt_bias), and learns v at k
+    by the delta rule with rate sigmoid(b); the output q S, RMSNormed per head (``norm``) times
+    silu(z), projected (``out``); the recurrence in fp32 (``gated_delta_rule``)."""
+
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        assert cfg.gdn is not None  # Block builds it only then
+        (batch, seq, _), (nk, nv, dk, dv, width) = x.shape, cfg.gdn
+        r = nv // nk
+
+        def dense(n, name):
+            return nn.Dense(n, use_bias=False, name=name)(x)
+
+        if cfg.gdn_grouped:  # per key head: [q, k, v of its r value heads, z of them], [b, a]
+            qkvz = dense(nk * (2 * dk + 2 * r * dv), "qkvz").reshape(batch, seq, nk, -1)
+            q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+            b, a = jnp.split(dense(nk * 2 * r, "ba").reshape(batch, seq, nk, 2 * r), 2, -1)
+            qkv = jnp.concatenate([t.reshape(batch, seq, -1) for t in (q, k, v)], -1)
+        else:
+            qkv, z, b, a = (
+                dense(2 * nk * dk + nv * dv, "qkv"),
+                dense(nv * dv, "z"),
+                *(dense(nv, n) for n in ("b", "a")),
+            )
+        channels = qkv.shape[-1]
+        kernel = self.param("conv", nn.initializers.lecun_normal(), (width, channels))
+        padded = jnp.pad(qkv, ((0, 0), (width - 1, 0), (0, 0)))
+        qkv = jax.nn.silu(sum(padded[:, j : j + seq] * kernel[j] for j in range(width)))
+        q, k, v = jnp.split(qkv.astype(jnp.float32), [nk * dk, 2 * nk * dk], axis=-1)
+        q, k = (t.reshape(batch, seq, nk, dk) for t in (q, k))
+        q, k = (
+            jnp.repeat(t * jax.lax.rsqrt(jnp.sum(t * t, -1, keepdims=True) + 1e-6), r, 2)
+            for t in (q, k)
+        )
+        q = q * dk**-0.5
+        v = v.reshape(batch, seq, nv, dv)
+        beta = jax.nn.sigmoid(b.reshape(batch, seq, nv).astype(jnp.float32))
+        a_log = self.param("A_log", nn.initializers.zeros, (nv,))
+        dt_bias = self.param("dt_bias", nn.initializers.ones, (nv,))
+        a = a.reshape(batch, seq, nv).astype(jnp.float32)
+        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a + dt_bias)
+
+        out = gated_delta_rule(q, k, v, g, beta)
+        out = out * jax.lax.rsqrt(jnp.mean(out * out, -1, keepdims=True) + cfg.eps)
+        scale = self.param("norm", nn.initializers.ones, (dv,))
+        out = (scale * out.astype(x.dtype)).astype(jnp.float32)
+        out = out * jax.nn.silu(z.reshape(batch, seq, nv, dv).astype(jnp.float32))
+        out = out.astype(x.dtype).reshape(batch, seq, nv * dv)
+        return nn.Dense(cfg.hidden_size, use_bias=False, name="out")(out)
 
 
 class LatentAttention(nn.Module):
@@ -556,11 +687,12 @@ class Block(nn.Module):
                 h = h * cfg.residual_multiplier
             return x + h
 
-        attn = (
-            LatentAttention(cfg, name="attn")
-            if cfg.mla
-            else Attention(cfg, self.layer, name="attn")
-        )
+        if cfg.is_linear(self.layer):
+            attn = GatedDeltaNet(cfg, name="linear_attn")
+        elif cfg.mla:
+            attn = LatentAttention(cfg, name="attn")
+        else:
+            attn = Attention(cfg, self.layer, name="attn")
         x = sublayer(attn, x, "ln_1", "attn_out_norm")
         ffn = MoE(cfg, name="moe") if cfg.is_moe(self.layer) else MLP(cfg, name="mlp")
         return sublayer(ffn, x, "ln_2", "mlp_out_norm")
