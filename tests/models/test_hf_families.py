@@ -87,7 +87,10 @@ _GATED_DELTA_NET = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
 )
 _QWEN_EXPERTS = dict(
-    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
 )
 
 #: family -> (config class, model class, config kwargs, a field the model does not compute
@@ -579,9 +582,8 @@ def test_values_no_model_has_are_refused_naming_the_field(family, changes, names
     "model_type, lacks",
     [
         ("llama4", r"the multimodal Llama4ForConditionalGeneration.*llama4_text"),
-        ("qwen3_next", r"the linear_attention layers \(Gated DeltaNet"),
-        ("qwen3_5_text", r"the linear_attention layers \(Gated DeltaNet"),
-        ("qwen3_5_moe", r"the multimodal model .*linear_attention layers \(Gated DeltaNet"),
+        ("qwen3_5", r"the multimodal Qwen3_5ForConditionalGeneration .*qwen3_5_text"),
+        ("qwen3_5_moe", r"the multimodal Qwen3_5MoeForConditionalGeneration .*qwen3_5_moe_text"),
         ("deepseek_v32", r"DeepSeek V3.2's lightning indexer .*index_topk"),
         ("gemma4_text", r"Gemma 4's decoder layer: per-layer input embeddings"),
         ("gemma4", r"Gemma 4's decoder layer: .*multimodal"),
@@ -590,7 +592,7 @@ def test_values_no_model_has_are_refused_naming_the_field(family, changes, names
 def test_a_family_transformers_has_and_transformerlm_does_not_is_refused_naming_what_it_lacks(
     model_type, lacks, tmp_path
 ):
-    """Torch-free: the multimodal Llama 4, the hybrid linear-attention Qwen3-Next / Qwen3.5 and
+    """Torch-free: the multimodal Llama 4 and Qwen3.5 (their text models are read) and
     DeepSeek V3.2's sparse attention are refused by hf_model and
     by --logits (before the checkpoint is touched), naming the math TransformerLM lacks."""
     with pytest.raises(jax_ucp.RequestError, match=rf"'{model_type}': TransformerLM lacks {lacks}"):
@@ -846,10 +848,12 @@ def test_moe_with_sigmoid_input_adds_the_experts_biases():
         np.testing.assert_allclose(got[0, t], want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["hf_olmo3", "hf_glm4_moe"])
+@pytest.mark.parametrize(
+    "spec", ["hf_olmo3", "hf_glm4_moe", "hf_qwen3_5", "hf_qwen3_5_moe", "hf_qwen3_next"]
+)
 def test_the_new_family_specs_name_the_logical_axes_of_every_tensor(spec):
-    """Torch-free: every restore rule of the specs added for OLMo 3 and GLM-4.5 MoE names its
-    tensor's logical axes (what a restore onto a mesh shards by)."""
+    """Torch-free: every restore rule of the specs added for OLMo 3, GLM-4.5 MoE, Qwen3.5 and
+    Qwen3-Next names its tensor's logical axes (what a restore onto a mesh shards by)."""
     from jax_ucp.language import load_spec
 
     rules = load_spec(spec, num_attention_heads=4, num_query_groups=2, head_dim=8).restore
@@ -858,7 +862,8 @@ def test_the_new_family_specs_name_the_logical_axes_of_every_tensor(spec):
 
 #: the families added in round 14, each checked further: logits within 1e-5 of transformers'
 #: from a restore sharded onto a 2 x 4 mesh by the spec's logical axes
-NEW_FAMILIES = ["ernie4_5_moe", "minimax_m2", "kimi_k25"]
+NEW_FAMILIES = ["ernie4_5_moe", "minimax_m2", "kimi_k25", "qwen3_5_text", "qwen3_5_moe_text"]
+NEW_FAMILIES += ["qwen3_next"]
 _MESH_RULES = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("experts", "model")]
 
 

@@ -26,6 +26,8 @@ ARCHITECTURES = {
     "stablelm": "StableLmForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 
 
@@ -226,8 +228,30 @@ def _ernie(cfg: LMConfig) -> dict[str, Any]:
     }
 
 
+def _gated_delta_net(cfg: LMConfig) -> dict[str, Any]:
+    """Qwen3.5's and Qwen3-Next's linear attention layers and partial rotary."""
+    nk, nv, dk, dv, width = cfg.gdn or (0, 0, 0, 0, 0)
+    out = {
+        "rope_parameters": {**_rope(cfg), "partial_rotary_factor": cfg.rotary_percent},
+        "attention_bias": False,
+        "layer_types": [
+            "linear_attention" if cfg.is_linear(i) else "full_attention"
+            for i in range(cfg.num_layers)
+        ],
+        "linear_num_key_heads": nk,
+        "linear_num_value_heads": nv,
+        "linear_key_head_dim": dk,
+        "linear_value_head_dim": dv,
+        "linear_conv_kernel_dim": width,
+    }
+    return out
+
+
 #: the fields one family adds to the common ones
 _EXTRA = {
+    "qwen3_5_text": _gated_delta_net,
+    "qwen3_5_moe_text": _gated_delta_net,
+    "qwen3_next": _gated_delta_net,
     "stablelm": lambda cfg: {"layer_norm_eps": cfg.eps, "use_qkv_bias": cfg.qkv_bias},
     "granite": lambda cfg: {
         "embedding_multiplier": cfg.embedding_multiplier,

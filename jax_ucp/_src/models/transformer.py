@@ -15,6 +15,7 @@ in the specs, for both this numpy route and ``jax_ucp.restore(path, spec=...)``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -394,6 +395,7 @@ class Attention(nn.Module):
         return nn.Dense(cfg.hidden_size, use_bias=cfg.bias, name="proj")(context)
 
 
+@functools.partial(jax.jit, static_argnames="chunk")  # one compile, not one per eager op
 def gated_delta_rule(q, k, v, g, beta, chunk: int = 64):
     """The gated delta rule over q, k [b, s, h, dk], v [b, s, h, dv], g, beta [b, s, h] (fp32):
     per token each head's state S [dk, dv] decays by exp(g), then learns v at k with rate beta
