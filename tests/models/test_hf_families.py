@@ -864,6 +864,10 @@ def test_the_new_family_specs_name_the_logical_axes_of_every_tensor(spec):
 #: from a restore sharded onto a 2 x 4 mesh by the spec's logical axes
 NEW_FAMILIES = ["ernie4_5_moe", "minimax_m2", "kimi_k25", "qwen3_5_text", "qwen3_5_moe_text"]
 NEW_FAMILIES += ["qwen3_next"]
+#: Gated DeltaNet's gated RMSNorm rescales small head outputs, so fp32 rounding grows: on the tiny
+#: Qwen3.5, transformers' own chunked and token-by-token kernels differ by 4.4e-5 in the logits,
+#: its fp32 and fp64 forwards by 3.3e-4; TransformerLM (transformers' chunked sums) by 0.7-3e-5
+_ATOL = dict.fromkeys(["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"], 1e-4)
 _MESH_RULES = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("experts", "model")]
 
 
@@ -874,7 +878,7 @@ def test_a_new_family_restores_sharded_on_a_2x4_mesh_with_the_sources_logits(fam
     """transformers' tiny model saved, converted and restored with the family's spec onto a
     2 x 4 mesh (its logical axes sharded by the rules): the same values as the unsharded
     restore, some tensors split over both mesh axes, and fp32 logits within 1e-5 of
-    transformers' forward."""
+    transformers' forward (1e-4 with Gated DeltaNet: ``_ATOL``)."""
     import jax
     import numpy as np
     import torch
@@ -903,4 +907,4 @@ def test_a_new_family_restores_sharded_on_a_2x4_mesh_with_the_sources_logits(fam
     with torch.no_grad():
         want = model.eval()(torch.from_numpy(tokens)).logits.numpy()
     logits = np.asarray(jax.jit(TransformerLM(cfg).apply)({"params": got}, tokens))
-    assert np.abs(logits - want).max() <= 1e-5
+    assert np.abs(logits - want).max() <= _ATOL.get(family, 1e-5)
