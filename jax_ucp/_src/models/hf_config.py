@@ -231,7 +231,7 @@ def _ernie(cfg: LMConfig) -> dict[str, Any]:
 def _gated_delta_net(cfg: LMConfig) -> dict[str, Any]:
     """Qwen3.5's and Qwen3-Next's linear attention layers and partial rotary."""
     nk, nv, dk, dv, width = cfg.gdn or (0, 0, 0, 0, 0)
-    out = {
+    return {
         "rope_parameters": {**_rope(cfg), "partial_rotary_factor": cfg.rotary_percent},
         "attention_bias": False,
         "layer_types": [
@@ -244,7 +244,6 @@ def _gated_delta_net(cfg: LMConfig) -> dict[str, Any]:
         "linear_value_head_dim": dv,
         "linear_conv_kernel_dim": width,
     }
-    return out
 
 
 #: the fields one family adds to the common ones
