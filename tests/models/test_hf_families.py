@@ -72,6 +72,50 @@ _DEEPSEEK_V3 = dict(
     rope_parameters={**_YARN, "mscale": 1.0, "mscale_all_dim": 0.8},
 )
 
+#: Gemma 4's tiny dense config: two layer types of their own head_dim / kv heads (the global
+#: layers' v their k projection), proportional RoPE, the last two layers sharing the first two's
+#: k / v (their MLP twice as wide), per-layer inputs of 8 dims; its MoE case adds the experts
+_GEMMA4 = dict(
+    _TINY,
+    num_hidden_layers=4,
+    head_dim=8,  # small heads: softmax scale 1 over normed q / k makes scores of order head_dim
+    global_head_dim=16,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=5,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    vocab_size_per_layer_input=96,
+    hidden_size_per_layer_input=8,
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+    final_logit_softcapping=3.0,
+    pad_token_id=0,  # the defaults lie outside the tiny vocabulary
+    bos_token_id=1,
+    eos_token_id=2,
+)
+#: Gemma 4's variants beside its FAMILIES config: the MoE block beside every MLP, no kv sharing,
+#: no per-layer inputs, v projections of its own, a proportional RoPE with a factor
+_GEMMA4_CASES = {
+    "moe": dict(
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0,
+        attention_k_eq_v=False,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=16,
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.5,
+                "factor": 2.0,
+                "rope_theta": 1e5,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e3},
+        },
+    ),
+}
+
 #: family -> (config class, model class, config kwargs, a field the model does not compute
 #: as {field: value} merged into config.json, what the refusal names)
 FAMILIES = {
@@ -156,6 +200,13 @@ FAMILIES = {
         ),
         {"use_bidirectional_attention": True},
         r"use_bidirectional_attention True",
+    ),
+    "gemma4_text": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        _GEMMA4,
+        {"use_bidirectional_attention": "all"},
+        r"use_bidirectional_attention 'all'",
     ),
     "mixtral": (
         "MixtralConfig",
@@ -406,8 +457,8 @@ def _save_tiny(family: str, folder, **changes) -> str:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.2)
-        for name, b in model.named_buffers():  # DeepSeek V3's router bias (a saved buffer)
-            if name.endswith("e_score_correction_bias"):
+        for name, b in model.named_buffers():  # saved buffers: DeepSeek V3's router bias,
+            if name.endswith(("e_score_correction_bias", "layer_scalar")):  # Gemma 4's scalars
                 b.add_(torch.randn_like(b) * 0.2)
     model.save_pretrained(folder)
     return str(folder)
@@ -544,8 +595,7 @@ def test_values_no_model_has_are_refused_naming_the_field(family, changes, names
         ("qwen3_5_text", r"the linear_attention layers \(Gated DeltaNet"),
         ("qwen3_5_moe", r"the multimodal model .*linear_attention layers \(Gated DeltaNet"),
         ("deepseek_v32", r"DeepSeek V3.2's lightning indexer .*index_topk"),
-        ("gemma4_text", r"Gemma 4's decoder layer: per-layer input embeddings"),
-        ("gemma4", r"Gemma 4's decoder layer: .*multimodal"),
+        ("gemma4", r"the multimodal Gemma4ForConditionalGeneration.*gemma4_text"),
     ],
 )
 def test_a_family_transformers_has_and_transformerlm_does_not_is_refused_naming_what_it_lacks(
@@ -605,11 +655,11 @@ def _older_config(config: dict) -> dict:
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"gpt2"}))
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"gpt2", "gemma4_text"}))
 def test_an_older_config_reads_as_transformers_reads_it(family, tmp_path):
     """A config.json in transformers 4's form (no rope_parameters, no layer_types): the model
     read from it is the one read from what transformers 5 makes of it (its own config class,
-    defaults filled in, to_dict)."""
+    defaults filled in, to_dict). Gemma 4 (transformers 5 only) has no older form."""
     import transformers
 
     config_class, _, kwargs, _, _ = FAMILIES[family]
@@ -819,7 +869,7 @@ def test_the_new_family_specs_name_the_logical_axes_of_every_tensor(spec):
 
 #: the families added in round 14, each checked further: logits within 1e-5 of transformers'
 #: from a restore sharded onto a 2 x 4 mesh by the spec's logical axes
-NEW_FAMILIES = ["ernie4_5_moe", "minimax_m2", "kimi_k25"]
+NEW_FAMILIES = ["ernie4_5_moe", "minimax_m2", "kimi_k25", "gemma4_text"]
 _MESH_RULES = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("experts", "model")]
 
 

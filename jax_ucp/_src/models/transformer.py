@@ -15,6 +15,7 @@ in the specs, for both this numpy route and ``jax_ucp.restore(path, spec=...)``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -111,6 +112,25 @@ class LMConfig:
     # Ernie 4.5: the top-k of softmax(router logits) + router_score_bias, weighted by their
     # softmax renormalised
     moe_score_bias: bool = False
+    # Gemma 4 (SplitAttention with split_qkv): separate q/k/v projections, a weightless v norm;
+    # the global (not windowed) layers' head_dim and kv heads, their v the k projection
+    # (global_kv_from_k), RoPE on the first rotary_percent of their frequencies (the rest 0:
+    # rotary_proportional); the last kv_shared_layers layers attend with the k/v of the last
+    # earlier layer of their type, their MLP twice as wide with wide_shared_mlp; per-layer
+    # inputs (per_layer_input dims from a per_layer_vocab-row embedding and a projection of
+    # the embeddings) added after each layer's MLP; each layer's output times a learned scalar;
+    # the MoE block beside the dense MLP, routed from the residual (moe_beside_mlp)
+    split_qkv: bool = False
+    global_head_dim: int | None = None
+    global_query_groups: int | None = None
+    global_kv_from_k: bool = False
+    rotary_proportional: bool = False
+    kv_shared_layers: int = 0
+    wide_shared_mlp: bool = False
+    per_layer_input: int | None = None
+    per_layer_vocab: int | None = None
+    layer_scalar: bool = False
+    moe_beside_mlp: bool = False
 
     @property
     def groups(self) -> int:
@@ -129,15 +149,23 @@ class LMConfig:
     def is_moe(self, layer: int) -> bool:
         return bool(self.num_experts) and layer not in self.dense_layers
 
+    def is_kv_shared(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends with an earlier layer's keys and values (Gemma 4)."""
+        return layer >= self.num_layers - self.kv_shared_layers
+
     def parameter_count(self) -> int:
         """How many elements ``TransformerLM(self)`` holds (what a checkpoint of the model
         holds at least): the module's own shapes (``jax.eval_shape``, nothing allocated) of a
         model with one dense layer and, with experts, one MoE layer, each counted as often as
-        this config has layers of its kind."""
+        this config has layers of its kind; Gemma 4's (split_qkv: layers of several kinds, the
+        per-layer inputs' sizes times the layers) the whole model's shapes."""
+        tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+        if self.split_qkv:
+            tree = jax.eval_shape(TransformerLM(self).init, jax.random.key(0), tokens)
+            return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
         small = dataclasses.replace(
             self, num_layers=2 if self.num_experts else 1, dense_layers=(0,)
         )
-        tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
         tree = jax.eval_shape(TransformerLM(small).init, jax.random.key(0), tokens)["params"]
         sizes = {k: sum(math.prod(x.shape) for x in jax.tree.leaves(v)) for k, v in tree.items()}
         dense = len({i for i in self.dense_layers if 0 <= i < self.num_layers})
@@ -255,7 +283,9 @@ def _norm_layer(cfg: LMConfig, name: str):
     return nn.LayerNorm(epsilon=cfg.eps, use_fast_variance=False, name=name)
 
 
-def apply_rope(x, positions, base, factor=1.0, rotary_dim=None, llama3=None, yarn=None):
+def apply_rope(
+    x, positions, base, factor=1.0, rotary_dim=None, llama3=None, yarn=None, proportional=False
+):
     """Rotary position embedding, non-interleaved (rotate-half) like megatron-core's default,
     on the first ``rotary_dim`` dims (partial rotary; the rest pass), positions divided by
     ``factor`` (linear scaling; applied to the frequencies, as transformers does); with
@@ -263,9 +293,13 @@ def apply_rope(x, positions, base, factor=1.0, rotary_dim=None, llama3=None, yar
     divided, those between original / high and it smoothly (transformers' llama3 RoPE); with
     ``yarn`` = (beta_fast, beta_slow, original length, truncate, attention factor) the
     frequencies below the beta_fast..beta_slow correction range are divided, those in it by a
-    linear ramp, and cos / sin times the attention factor (transformers' yarn RoPE)."""
-    dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    linear ramp, and cos / sin times the attention factor (transformers' yarn RoPE); with
+    ``proportional`` the whole head rotates, its first ``rotary_dim / 2`` frequencies the
+    head's, the others 0 (transformers' proportional RoPE, Gemma 4's global layers)."""
+    dim = x.shape[-1] if rotary_dim is None or proportional else rotary_dim
     inverse_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if proportional and rotary_dim is not None:
+        inverse_freq = jnp.where(jnp.arange(dim // 2) < rotary_dim // 2, inverse_freq, 0.0)
     attention = 1.0
     if llama3 is not None:
         low, high, original = llama3
@@ -341,30 +375,87 @@ class Attention(nn.Module):
             floor_scale, scale = cfg.attn_temperature
             temperature = jnp.log1p(jnp.floor((jnp.arange(seq) + 1.0) / floor_scale)) * scale + 1
             q = q * temperature[:, None, None]
-        k, v = (jnp.repeat(x, q_per_group, axis=2) for x in (k, v))  # each group's heads
-        scores = jnp.einsum("bqnd,bknd->bnqk", q, k)
-        if cfg.attention_scale is None:
-            scores = scores / math.sqrt(head_dim)
-        else:
-            scores = scores * cfg.attention_scale
-        scores = _softcap(scores, cfg.attn_logit_softcapping)
-        mask = jnp.tril(jnp.ones((seq, seq), bool))
-        if sliding:  # key j is seen from query i when i - window < j <= i
-            position = jnp.arange(seq)
-            window = cfg.sliding_window or 0  # set: is_sliding
-            if cfg.sliding_chunked:
-                mask = mask & (position[None, :] // window == position[:, None] // window)
-            else:
-                mask = mask & (position[None, :] > position[:, None] - window)
-        scores = jnp.where(mask, scores, -jnp.inf)
-        if cfg.attention_sinks:
-            sinks = self.param("sinks", nn.initializers.zeros, (heads,))
-            sinks = jnp.broadcast_to(sinks[None, :, None, None], (*scores.shape[:3], 1))
-            probs = jax.nn.softmax(jnp.concatenate([scores, sinks], -1), axis=-1)[..., :-1]
-        else:
-            probs = jax.nn.softmax(scores, axis=-1)
-        context = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(batch, seq, heads * head_dim)
+        sinks = (
+            self.param("sinks", nn.initializers.zeros, (heads,)) if cfg.attention_sinks else None
+        )
+        context = _attend(cfg, sliding, q, k, v, sinks)
         return nn.Dense(cfg.hidden_size, use_bias=cfg.bias, name="proj")(context)
+
+
+def _attend(cfg: LMConfig, sliding: bool, q, k, v, sinks=None):
+    """Causal (``sliding``: windowed or chunked) softmax attention of q [b, s, heads, d] over the
+    groups' k / v [b, s, groups, d] (each group's heads repeated), scaled and soft-capped as
+    ``cfg`` says; a learned logit per head beside the scores with ``sinks``. [b, s, heads * d]."""
+    (batch, seq, heads, head_dim), groups = q.shape, k.shape[2]
+    k, v = (jnp.repeat(x, heads // groups, axis=2) for x in (k, v))  # each group's heads
+    scores = jnp.einsum("bqnd,bknd->bnqk", q, k)
+    if cfg.attention_scale is None:
+        scores = scores / math.sqrt(head_dim)
+    else:
+        scores = scores * cfg.attention_scale
+    scores = _softcap(scores, cfg.attn_logit_softcapping)
+    mask = jnp.tril(jnp.ones((seq, seq), bool))
+    if sliding:  # key j is seen from query i when i - window < j <= i
+        position = jnp.arange(seq)
+        window = cfg.sliding_window or 0  # set: is_sliding
+        if cfg.sliding_chunked:
+            mask = mask & (position[None, :] // window == position[:, None] // window)
+        else:
+            mask = mask & (position[None, :] > position[:, None] - window)
+    scores = jnp.where(mask, scores, -jnp.inf)
+    if sinks is not None:
+        sinks = jnp.broadcast_to(sinks[None, :, None, None], (*scores.shape[:3], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sinks], -1), axis=-1)[..., :-1]
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(batch, seq, heads * head_dim)
+
+
+class SplitAttention(nn.Module):
+    """Gemma 4's attention (``split_qkv``): separate q / k / v projections of the layer type's
+    head_dim and kv heads (``global_head_dim``, ``global_query_groups`` on the global layers,
+    whose v is the k projection with ``global_kv_from_k``), q / k RMSNorms before RoPE, a
+    weightless v RMSNorm; a kv-shared layer has no k / v of its own: it takes those ``kv``
+    holds for its layer type (each earlier layer stores its own there)."""
+
+    cfg: LMConfig
+    layer: int = 0
+
+    @nn.compact
+    def __call__(self, x, kv: dict):
+        cfg, (batch, seq, _) = self.cfg, x.shape
+        sliding = cfg.is_sliding(self.layer)
+        head_dim, groups = cfg.head_dim, cfg.groups
+        if not sliding:
+            head_dim, groups = cfg.global_head_dim or head_dim, cfg.global_query_groups or groups
+
+        def project(heads: int, name: str):
+            y = nn.Dense(heads * head_dim, use_bias=False, name=name)(x)
+            return y.reshape(batch, seq, heads, head_dim)
+
+        if sliding:
+            base = cfg.local_rotary_base or cfg.rotary_base
+            factor, rotary_dim = cfg.local_rotary_scaling_factor, None
+        else:
+            base, factor = cfg.rotary_base, cfg.rotary_scaling_factor
+            rotary_dim = int(head_dim * cfg.rotary_percent)
+        proportional = cfg.rotary_proportional and not sliding
+
+        def rope(y):
+            position = jnp.arange(seq)
+            return apply_rope(y, position, base, factor, rotary_dim, proportional=proportional)
+
+        q = rope(_norm_layer(cfg, "q_norm")(project(cfg.num_attention_heads, "q")))
+        if cfg.is_kv_shared(self.layer):
+            k, v = kv[sliding]
+        else:
+            k = project(groups, "k")
+            v = k if cfg.global_kv_from_k and not sliding else project(groups, "v")
+            k, v = rope(_norm_layer(cfg, "k_norm")(k)), nn.RMSNorm(cfg.eps, use_scale=False)(v)
+            kv[sliding] = k, v
+        return nn.Dense(cfg.hidden_size, use_bias=False, name="proj")(
+            _attend(cfg, sliding, q, k, v)
+        )
 
 
 class LatentAttention(nn.Module):
@@ -475,17 +566,23 @@ class MoE(nn.Module):
     [E, ffn, h] (the shipped ``mixtral`` spec's targets). ``moe_norm_topk=False`` weighs by the
     softmax over all experts (Qwen2-MoE); ``moe_groups`` routes as DeepSeek V3 (sigmoid scores,
     ``router_score_bias``, top groups); a shared expert (``shared/{fc1,fc2}``, gated by
-    ``sigmoid(x @ shared_gate)``) is added on every token."""
+    ``sigmoid(x @ shared_gate)``) is added on every token. Gemma 4's (``moe_beside_mlp``) routes
+    ``routed`` (the residual) weightless-normed times ``router_scale`` / sqrt(hidden), its
+    top-k weights times ``expert_scale``."""
 
     cfg: LMConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, routed=None):
         cfg = self.cfg
         experts, hidden_size = cfg.num_experts, cfg.hidden_size
         ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
         assert experts is not None  # Block builds an MoE only when num_experts is set
-        logits = nn.Dense(experts, use_bias=cfg.moe_bias, name="router")(x)
+        routed = x if routed is None else routed
+        if cfg.moe_beside_mlp:
+            scale = self.param("router_scale", nn.initializers.ones, (hidden_size,))
+            routed = nn.RMSNorm(cfg.eps, use_scale=False)(routed) * scale * hidden_size**-0.5
+        logits = nn.Dense(experts, use_bias=cfg.moe_bias, name="router")(routed)
         top, index = jax.lax.top_k(logits, cfg.moe_router_topk)
         if cfg.moe_groups:  # DeepSeek V3
             groups, top_groups, scaling = cfg.moe_groups
@@ -512,6 +609,8 @@ class MoE(nn.Module):
             probs = jax.nn.softmax(top, axis=-1)
         else:
             probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), index, axis=-1)
+        if cfg.moe_beside_mlp:
+            probs = probs * self.param("expert_scale", nn.initializers.ones, (experts,))[index]
         picked = jax.nn.one_hot(index, experts, dtype=x.dtype)  # [b, s, k, E]
         weights = jnp.sum(probs[..., None] * picked, axis=-2)  # [b, s, E]
         fc1 = _StackedKernel((experts, hidden_size, ffn * (2 if cfg.gated else 1)), name="fc1")()
@@ -539,13 +638,15 @@ class MoE(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual layer: attention, then the MLP (or MoE); with ``sandwich_norm`` the
     attention's and the MLP's outputs are normed too (``attn_out_norm``, ``mlp_out_norm``),
-    without ``pre_norm`` only they are."""
+    without ``pre_norm`` only they are. Gemma 4's: the MoE beside the MLP (each output normed,
+    ``dense_out_norm`` / ``moe_out_norm``, the experts' input by ``moe_in_norm``), then the
+    layer's per-layer input ``ple`` gated in, the output times ``layer_scalar``."""
 
     cfg: LMConfig
     layer: int = 0
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, ple=None, kv: dict | None = None):
         cfg = self.cfg
 
         def sublayer(module, x, pre: str, post: str):
@@ -556,14 +657,33 @@ class Block(nn.Module):
                 h = h * cfg.residual_multiplier
             return x + h
 
-        attn = (
-            LatentAttention(cfg, name="attn")
-            if cfg.mla
-            else Attention(cfg, self.layer, name="attn")
-        )
+        if cfg.split_qkv:
+            attn = functools.partial(SplitAttention(cfg, self.layer, name="attn"), kv=kv)
+        elif cfg.mla:
+            attn = LatentAttention(cfg, name="attn")
+        else:
+            attn = Attention(cfg, self.layer, name="attn")
         x = sublayer(attn, x, "ln_1", "attn_out_norm")
-        ffn = MoE(cfg, name="moe") if cfg.is_moe(self.layer) else MLP(cfg, name="mlp")
-        return sublayer(ffn, x, "ln_2", "mlp_out_norm")
+        wide = cfg.wide_shared_mlp and cfg.is_kv_shared(self.layer)
+        mlp = MLP(cfg, 2 * cfg.ffn_hidden_size if wide else None, name="mlp")
+        if cfg.moe_beside_mlp and cfg.is_moe(self.layer):
+
+            def ffn(h):
+                moe = MoE(cfg, name="moe")(_norm_layer(cfg, "moe_in_norm")(x), routed=x)
+                dense = _norm_layer(cfg, "dense_out_norm")(mlp(h))
+                return dense + _norm_layer(cfg, "moe_out_norm")(moe)
+
+        else:
+            ffn = MoE(cfg, name="moe") if cfg.is_moe(self.layer) else mlp
+        x = sublayer(ffn, x, "ln_2", "mlp_out_norm")
+        if cfg.per_layer_input:
+            h = nn.Dense(cfg.per_layer_input, use_bias=False, name="ple_gate")(x)
+            h = GLU_ACTIVATIONS[cfg.glu_activation](h) * ple
+            h = nn.Dense(cfg.hidden_size, use_bias=False, name="ple_proj")(h)
+            x = x + _norm_layer(cfg, "ple_norm")(h)
+        if cfg.layer_scalar:
+            x = x * self.param("layer_scalar", nn.initializers.ones, (1,))
+        return x
 
 
 class TransformerLM(nn.Module):
@@ -581,8 +701,10 @@ class TransformerLM(nn.Module):
         if cfg.position == "learned_absolute":
             wpe = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, name="wpe")
             x = x + wpe(jnp.arange(tokens.shape[1]))[None]
+        ple = self.per_layer_inputs(tokens, x) if cfg.per_layer_input else None
+        kv: dict = {}  # Gemma 4's keys and values by layer type, for the kv-shared layers
         for i in range(cfg.num_layers):
-            x = Block(cfg, i, name=f"layers_{i}")(x)
+            x = Block(cfg, i, name=f"layers_{i}")(x, None if ple is None else ple[:, :, i], kv)
         x = _norm_layer(cfg, "ln_f")(x)
         if cfg.tied:
             logits = wte.attend(x)
@@ -591,6 +713,20 @@ class TransformerLM(nn.Module):
         if cfg.logits_scaling != 1.0:
             logits = logits / cfg.logits_scaling
         return _softcap(logits, cfg.final_logit_softcapping)
+
+    def per_layer_inputs(self, tokens, x):
+        """Gemma 4's per-layer inputs [b, s, layers, per_layer_input]: the tokens' rows of
+        ``ple_embed`` times sqrt(per_layer_input) plus the embeddings ``x`` through
+        ``ple_model_proj`` / sqrt(hidden) normed (``ple_proj_norm``), over sqrt(2)."""
+        cfg = self.cfg
+        width, shape = cfg.per_layer_input or 0, (*tokens.shape, cfg.num_layers, -1)
+        embed = nn.Embed(
+            cfg.per_layer_vocab or cfg.vocab_size, cfg.num_layers * width, name="ple_embed"
+        )
+        token = embed(tokens).reshape(shape) * jnp.asarray(width**0.5, x.dtype)
+        proj = nn.Dense(cfg.num_layers * width, use_bias=False, name="ple_model_proj")(x)
+        proj = _norm_layer(cfg, "ple_proj_norm")((proj * cfg.hidden_size**-0.5).reshape(shape))
+        return (proj + token) * 2**-0.5
 
 
 def hf_model(config: Mapping[str, Any]) -> tuple[LMConfig, str]:
