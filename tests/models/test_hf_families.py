@@ -879,9 +879,9 @@ _MESH_RULES = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("expert
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_a_new_family_restores_sharded_on_a_2x4_mesh_with_the_sources_logits(family, tmp_path):
-    """transformers' tiny model (or its variant) saved, converted and restored with the family's spec onto a
-    2 x 4 mesh (its logical axes sharded by the rules): the same values as the unsharded
-    restore, some tensors split over both mesh axes, and fp32 logits within 1e-5 of
+    """transformers' tiny model (or its variant) saved, converted and restored with the
+    family's spec onto a 2 x 4 mesh (its logical axes sharded by the rules): the same values as
+    the unsharded restore, some tensors split over both mesh axes, and fp32 logits within 1e-5 of
     transformers' forward."""
     import jax
     import numpy as np
