@@ -580,6 +580,18 @@ def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_pa
         ("minimax_m2", {"rotary_dim": 3}, r"partial_rotary_factor 0.1875: gives an odd"),
         ("minimax_m2", {"num_local_experts": 0}, r"num_local_experts 0"),
         ("kimi_k25", {"text_config": None}, r"text_config None"),
+        ("gemma4_text", {"num_kv_shared_layers": 4}, r"num_kv_shared_layers 4: expected 0 to 3"),
+        ("gemma4_text", {"num_kv_shared_layers": 3}, r"num_kv_shared_layers 3: shares a layer"),
+        ("gemma4_text", {"per_layer_config": {"1": {"head_dim": 16}}}, r"per_layer_config"),
+        ("gemma4_text", {"per_layer_config": {"3": {"sliding_window": 2}}}, r"per_layer_config"),
+        ("gemma4_text", {"num_global_key_value_heads": 3}, r"num_global_key_value_heads 3"),
+        ("gemma4_text", {"rope_parameters": {"rope_type": "default"}}, r"rope_parameters"),
+        (
+            "gemma4_text",
+            {"rope_parameters": {"full_attention": {"rope_type": "yarn"}, "sliding_attention": {}}},
+            r"rope_parameters\.full_attention\.rope_type 'yarn'",
+        ),
+        ("gemma4_text", {"num_hidden_layers": 2000}, r"num_hidden_layers 2000: expected at most"),
         ("kimi_k25", {"text_config": {**_DEEPSEEK_V3, "n_group": 3}}, r"n_group 3"),
     ],
 )
@@ -672,6 +684,26 @@ def test_an_older_config_reads_as_transformers_reads_it(family, tmp_path):
         **{k: v for k, v in older.items() if k != "model_type"}
     ).to_dict()
     assert hf_model(older) == hf_model(again)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("case", ["dense", *_GEMMA4_CASES])
+def test_gemma4_released_config_reads_as_transformers_reads_it(case):
+    """Gemma 4's config.json as released (``global_head_dim``, ``num_global_key_value_heads``,
+    no ``per_layer_config``) gives the model read from what transformers 5 writes of it (its
+    ``per_layer_config``, the last layer forced global)."""
+    import transformers
+
+    _needs(transformers, "Gemma4TextConfig")
+    released = _config("gemma4_text", **_GEMMA4_CASES.get(case, {}))
+    released["layer_types"] = [
+        "full_attention",
+        *released["layer_types"][1:-1],
+        "sliding_attention",
+    ]
+    written = transformers.Gemma4TextConfig(**released).to_dict()
+    assert "per_layer_config" in written and "per_layer_config" not in released
+    assert hf_model(released) == hf_model(written)
 
 
 def test_llama4_text_reads_its_layer_lists_as_transformers_does():
