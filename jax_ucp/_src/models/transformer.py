@@ -658,6 +658,7 @@ class Block(nn.Module):
             return x + h
 
         if cfg.split_qkv:
+            kv = {} if kv is None else kv
             attn = functools.partial(SplitAttention(cfg, self.layer, name="attn"), kv=kv)
         elif cfg.mla:
             attn = LatentAttention(cfg, name="attn")
@@ -665,16 +666,19 @@ class Block(nn.Module):
             attn = Attention(cfg, self.layer, name="attn")
         x = sublayer(attn, x, "ln_1", "attn_out_norm")
         wide = cfg.wide_shared_mlp and cfg.is_kv_shared(self.layer)
-        mlp = MLP(cfg, 2 * cfg.ffn_hidden_size if wide else None, name="mlp")
-        if cfg.moe_beside_mlp and cfg.is_moe(self.layer):
+        width = 2 * cfg.ffn_hidden_size if wide else None
 
-            def ffn(h):
-                moe = MoE(cfg, name="moe")(_norm_layer(cfg, "moe_in_norm")(x), routed=x)
-                dense = _norm_layer(cfg, "dense_out_norm")(mlp(h))
-                return dense + _norm_layer(cfg, "moe_out_norm")(moe)
+        def beside(h):  # Gemma 4: the MoE beside the MLP, routed from the residual x
+            moe = MoE(cfg, name="moe")(_norm_layer(cfg, "moe_in_norm")(x), routed=x)
+            dense = _norm_layer(cfg, "dense_out_norm")(MLP(cfg, width, name="mlp")(h))
+            return dense + _norm_layer(cfg, "moe_out_norm")(moe)
 
-        else:
-            ffn = MoE(cfg, name="moe") if cfg.is_moe(self.layer) else mlp
+        moe = cfg.is_moe(self.layer)
+        ffn = (
+            beside
+            if moe and cfg.moe_beside_mlp
+            else (MoE(cfg, name="moe") if moe else MLP(cfg, width, name="mlp"))
+        )
         x = sublayer(ffn, x, "ln_2", "mlp_out_norm")
         if cfg.per_layer_input:
             h = nn.Dense(cfg.per_layer_input, use_bias=False, name="ple_gate")(x)
