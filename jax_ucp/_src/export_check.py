@@ -61,15 +61,17 @@ def compare_export(exported: str, ckpt: str, spec: Any = None, progress=None) ->
 def _compare(exported: str, root: str, ckpt: str, spec: Any, progress) -> ExportComparison:
     """``compare_export`` of the checkpoint found at ``root``."""
     manifest = store.read_manifest(root)
+    importer = registry.importer_for(exported)
     config = os.path.join(exported, "config.json")  # a safetensors export's: the heads
-    spec = by_spec.load(spec, manifest, config if spec and os.path.isfile(config) else None)
+    config = config if spec and os.path.isfile(config) else None
+    # a torch DCP export holds the names transformers' model has (its experts fused)
+    spec = by_spec.load(spec, manifest, config, state_dict=importer.name == "torch_dcp")
     available = ucp_source.available_tensors(manifest, spec)
     ours: dict[tuple, tuple] = {}
     for key, found in available.items():
         canonical = _canonical(tuple(key), found.sources[0])
         if canonical is not None:
             ours.setdefault(canonical, tuple(key))
-    importer = registry.importer_for(exported)
     plan = registry.plan_import(exported, format=importer)
     result = ExportComparison(format=importer.format)
     seen = set()
