@@ -189,7 +189,9 @@ def compare_logits(
         want = model(torch.from_numpy(tokens)).logits.float().numpy()
     del model  # the torch model (and the source's weights) freed before the checkpoint's
     gc.collect()
-    got = checkpoint_logits(os.fspath(ckpt), cfg, load_spec(spec, **cfg.head_settings), tokens, tree)
+    got = checkpoint_logits(
+        os.fspath(ckpt), cfg, load_spec(spec, **cfg.head_settings), tokens, tree
+    )
     if got.shape != want.shape:
         raise SourceError(
             f"{ckpt}: logits of shape {list(got.shape)}, the source's {list(want.shape)}"
@@ -214,8 +216,8 @@ def compare_export_logits(
 
     Args:
         ckpt: the checkpoint.
-        config: the model's config.json (the export's, else the one the checkpoint recorded),
-            read from ``where``.
+        config: the model's config.json (the export's, else the one the checkpoint recorded).
+        where: where ``config`` was read, for messages.
         weights: the export's model weights by its names, as its import reads them; mapped to
             the flax tree by the family's spec (its files' names, else its model's).
         tree: the checkpoint's tree of the same weights (``params`` or ``model_params``).

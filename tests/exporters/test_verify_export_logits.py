@@ -15,6 +15,10 @@ from jax_ucp.errors import RequestError
 from jax_ucp.language import load_spec
 from tests.exporters.test_by_spec import _config, random_tree
 
+#: torch-free, but JAX compiles the model's ops on their first use (seconds on a CI runner, far
+#: beyond a default test's): run in the framework stage beside the other model round trips
+pytestmark = pytest.mark.torch
+
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
