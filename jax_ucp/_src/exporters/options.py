@@ -143,6 +143,8 @@ class _TensorsExport(_Export):
     dtype: Any = None
     casting: str = "same_kind"
     default_select: ClassVar[str] = ""
+    #: a family spec writes the names transformers' model holds, not its files' (``by_spec``)
+    state_dict_names: ClassVar[bool] = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -188,6 +190,7 @@ class TorchDcpExport(_TensorsExport):
             nested ``{"state": {name: ...}, "param_groups": [{..., "params": [names]}]}``."""
 
     format: ClassVar[str] = "torch-dcp"
+    state_dict_names: ClassVar[bool] = True
     optimizer: str | None = None
     model: str = "model"
     param_groups: Mapping[str, Any] | list[Mapping[str, Any]] | None = None
