@@ -166,9 +166,10 @@ class LMConfig:
     def from_hf(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
         """From the ``config.json`` of any Hugging Face family ``verify --logits`` computes
         (Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral, Qwen2/3-MoE, Granite,
-        OLMo 2/3, SmolLM3, GLM-4.5 MoE, Ernie 4.5 MoE, MiniMax M2, StableLM, GPT-OSS, DeepSeek V3,
-        Kimi K2.5's text model: ``hf_families.FAMILIES``); a field the model does not compute is a ``RequestError``
-        naming it. :meth:`hf_spec` gives the spec its weights restore through."""
+        OLMo 2/3, SmolLM3, GLM-4.5 MoE, Ernie 4.5 MoE, MiniMax M2, StableLM, GPT-OSS, DeepSeek
+        V3 / V3.2, Kimi K2.5's text model: ``hf_families.FAMILIES``); a field the model does not
+        compute is a ``RequestError`` naming it. :meth:`hf_spec` gives the spec its weights
+        restore through."""
         cfg, _ = hf_model(config)
         return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
