@@ -292,6 +292,14 @@ FAMILIES = {
         {"attention_bias": True},
         r"attention_bias True",
     ),
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        # the indexer keeps 5 of the logits test's 16 keys: its top-k choice decides the logits
+        dict(_DEEPSEEK_V3, index_topk=5, index_head_dim=16, index_n_heads=8),
+        {"index_head_dim": 4},
+        r"index_head_dim 4: expected at least qk_rope_head_dim 8",
+    ),
     "granite": (
         "GraniteConfig",
         "GraniteForCausalLM",
@@ -592,6 +600,10 @@ def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_pa
             r"rope_parameters\.full_attention\.rope_type 'yarn'",
         ),
         ("gemma4_text", {"num_hidden_layers": 2000}, r"num_hidden_layers 2000: expected at most"),
+        ("deepseek_v32", {"q_lora_rank": None}, r"q_lora_rank None"),
+        ("deepseek_v32", {"index_topk": 0}, r"index_topk 0"),
+        ("deepseek_v32", {"mlp_layer_types": ["dense", "moe", "sparse"]}, r"mlp_layer_types"),
+        ("deepseek_v32", {"layer_types": ["full_attention"] * 3}, r"layer_types"),
         ("kimi_k25", {"text_config": {**_DEEPSEEK_V3, "n_group": 3}}, r"n_group 3"),
     ],
 )
@@ -608,7 +620,6 @@ def test_values_no_model_has_are_refused_naming_the_field(family, changes, names
         ("qwen3_next", r"the linear_attention layers \(Gated DeltaNet"),
         ("qwen3_5_text", r"the linear_attention layers \(Gated DeltaNet"),
         ("qwen3_5_moe", r"the multimodal model .*linear_attention layers \(Gated DeltaNet"),
-        ("deepseek_v32", r"DeepSeek V3.2's lightning indexer .*index_topk"),
         ("gemma4", r"the multimodal Gemma4ForConditionalGeneration.*gemma4_text"),
     ],
 )
@@ -616,8 +627,8 @@ def test_a_family_transformers_has_and_transformerlm_does_not_is_refused_naming_
     model_type, lacks, tmp_path
 ):
     """Torch-free: the multimodal Llama 4, the hybrid linear-attention Qwen3-Next / Qwen3.5 and
-    DeepSeek V3.2's sparse attention are refused by hf_model and
-    by --logits (before the checkpoint is touched), naming the math TransformerLM lacks."""
+    Gemma 4 are refused by hf_model and by --logits (before the checkpoint is touched), naming
+    the math TransformerLM lacks."""
     with pytest.raises(jax_ucp.RequestError, match=rf"'{model_type}': TransformerLM lacks {lacks}"):
         hf_model({"model_type": model_type})
     (tmp_path / "src").mkdir()
@@ -899,7 +910,14 @@ def test_the_new_family_specs_name_the_logical_axes_of_every_tensor(spec):
 
 #: the families added in round 14, each checked further: logits within 1e-5 of transformers'
 #: from a restore sharded onto a 2 x 4 mesh by the spec's logical axes
-NEW_FAMILIES = ["ernie4_5_moe", "minimax_m2", "kimi_k25", "gemma4_text", "gemma4_text/moe"]
+NEW_FAMILIES = [
+    "ernie4_5_moe",
+    "minimax_m2",
+    "kimi_k25",
+    "gemma4_text",
+    "gemma4_text/moe",
+    "deepseek_v32",
+]
 _MESH_RULES = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("experts", "model")]
 
 
@@ -941,3 +959,36 @@ def test_a_new_family_restores_sharded_on_a_2x4_mesh_with_the_sources_logits(fam
         want = model.eval()(torch.from_numpy(tokens)).logits.numpy()
     logits = np.asarray(jax.jit(TransformerLM(cfg).apply)({"params": got}, tokens))
     assert np.abs(logits - want).max() <= 1e-5
+
+
+def test_deepseek_v32s_indexer_keeps_the_top_k_causal_keys_of_each_query():
+    """Torch-free: the indexer's selection holds min(index_topk, i + 1) causal keys for query
+    i; with index_topk at least the sequence's length the model is DeepSeek V3's latent
+    attention (within 1e-6: the jitted programs differ). Fewer keys: the torch test."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_ucp._src.models.transformer import Indexer
+    from jax_ucp.models import TransformerLM
+
+    cfg, _ = hf_model(_config("deepseek_v32", num_hidden_layers=1))  # one dense layer
+    tokens = jnp.arange(12, dtype=jnp.int32)[None] % cfg.vocab_size
+    rng = np.random.default_rng(0)  # random weights, no init compiled
+    shapes = jax.eval_shape(TransformerLM(cfg).init, jax.random.key(0), tokens)
+    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32) * 0.3, shapes)
+    x = rng.normal(size=(2, 12, cfg.hidden_size)).astype(np.float32)
+    x_q = rng.normal(size=(2, 12, cfg.mla[0])).astype(np.float32)  # type: ignore[index]
+    indexer = {"params": params["params"]["layers_0"]["attn"]["indexer"]}
+    keep = np.asarray(jax.jit(Indexer(cfg).apply)(indexer, x, x_q))
+    assert not np.any(np.triu(keep, 1))
+    np.testing.assert_array_equal(keep.sum(-1), [np.minimum(5, np.arange(1, 13))] * 2)
+
+    def logits(indexer):
+        model = TransformerLM(dataclasses.replace(cfg, indexer=indexer))
+        return np.asarray(jax.jit(model.apply)(params, tokens))  # V3's: the indexer unused
+
+    heads, dim, _ = cfg.indexer  # type: ignore[misc]
+    np.testing.assert_allclose(logits((heads, dim, 12)), logits(None), rtol=0, atol=1e-6)

@@ -255,6 +255,21 @@ def _deepseek(cfg: LMConfig) -> dict[str, Any]:
     }
 
 
+def _deepseek_v32(cfg: LMConfig) -> dict[str, Any]:
+    """DeepSeek V3's fields, its indexer's and each layer's MLP kind (V3.2 has no
+    ``rope_interleave``: always interleaved)."""
+    heads, dim, top = cfg.indexer or (0, 0, 0)
+    out = {k: v for k, v in _deepseek(cfg).items() if k != "rope_interleave"}
+    kinds = ["dense" if not cfg.is_moe(i) else "sparse" for i in range(cfg.num_layers)]
+    return {
+        **out,
+        "index_n_heads": heads,
+        "index_head_dim": dim,
+        "index_topk": top,
+        "mlp_layer_types": kinds,
+    }
+
+
 def _ernie(cfg: LMConfig) -> dict[str, Any]:
     """Ernie 4.5's MoE layers as a first, last and interval (read back: another set refused)."""
     moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)] or [cfg.num_layers]
@@ -294,6 +309,7 @@ _EXTRA = {
     "gemma4_text": _gemma4,
     "llama4_text": _llama4,
     "deepseek_v3": _deepseek,
+    "deepseek_v32": _deepseek_v32,
     "ernie4_5_moe": _ernie,
     "gpt_oss": lambda cfg: {
         "attention_bias": cfg.bias,

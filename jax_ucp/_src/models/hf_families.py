@@ -56,8 +56,6 @@ LACKS = {
     ),
     "gemma4": "the multimodal Gemma4ForConditionalGeneration (vision and audio towers, "
     "model.language_model.* names); its text model is model_type gemma4_text",
-    "deepseek_v32": "DeepSeek V3.2's lightning indexer (DeepseekV32Indexer: each query attends "
-    "to its top index_topk keys only, sparse attention)",
 }
 
 #: GPT-2's own names of the common fields (its config.json spells only these)
@@ -656,6 +654,30 @@ def _deepseek_v3(c: Mapping) -> dict:
     )
 
 
+def _deepseek_v32(c: Mapping) -> dict:
+    """DeepSeek V3.2: DeepSeek V3 (its RoPE pairs always interleaved, q always through
+    ``q_lora_rank``) plus each layer's lightning indexer (``index_n_heads``, ``index_head_dim``,
+    ``index_topk``: a query attends to the ``index_topk`` keys it scores highest only); the MLPs
+    dense or MoE by ``mlp_layer_types`` (absent: the first ``first_k_dense_replace`` dense)."""
+    if c.get("q_lora_rank") is None:
+        raise _refuse("q_lora_rank", None, "expected an integer (V3.2 has no one q projection)")
+    kw = _deepseek_v3({**c, "rope_interleave": True})
+    layers, rope = kw["num_layers"], kw["mla"][3]
+    index = tuple(_int(c, f) for f in ("index_n_heads", "index_head_dim", "index_topk"))
+    if index[1] < rope:
+        raise _refuse("index_head_dim", index[1], f"expected at least qk_rope_head_dim {rope}")
+    _layer_types(c, layers, [], ("indexed_attention",))
+    kinds = c.get("mlp_layer_types")
+    if kinds is not None:
+        good = isinstance(kinds, list) and len(kinds) == layers
+        if not good or any(kind not in ("dense", "sparse") for kind in kinds):
+            raise _refuse(
+                "mlp_layer_types", repr(kinds)[:200], f"expected {layers} of dense, sparse"
+            )
+        kw["dense_layers"] = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+    return {**kw, "indexer": index}
+
+
 def _grouped_moe(c: Mapping, layers: int) -> dict:
     """DeepSeek V3's and GLM-4.5's MLPs: dense in the first ``first_k_dense_replace`` layers,
     then ``n_routed_experts`` with group-limited sigmoid routing (``n_group``, ``topk_group``,
@@ -1077,6 +1099,31 @@ FAMILIES: dict[str, Family] = {
             topk_group=4,
             norm_topk_prob=True,
             routed_scaling_factor=2.5,
+        ),
+        _family(
+            "deepseek_v32",
+            "hf_deepseek_v3",
+            _deepseek_v32,
+            ("attention_bias",),
+            rms_norm_eps=1e-6,
+            num_key_value_heads=128,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            n_routed_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=2048,
+            n_shared_experts=1,
+            first_k_dense_replace=3,
+            n_group=8,
+            topk_group=4,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            index_topk=2048,
+            index_head_dim=128,
+            index_n_heads=64,
         ),
         _family(
             "granite",

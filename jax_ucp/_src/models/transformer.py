@@ -109,6 +109,9 @@ class LMConfig:
     mla: tuple[int, int, int, int, int] | None = None
     rope_interleaved: bool = False
     moe_groups: tuple[int, int, float] | None = None
+    # DeepSeek V3.2's lightning indexer beside the latent attention, indexer = (index_n_heads,
+    # index_head_dim, index_topk): each query attends only to its index_topk best-scored keys
+    indexer: tuple[int, int, int] | None = None
     # Ernie 4.5: the top-k of softmax(router logits) + router_score_bias, weighted by their
     # softmax renormalised
     moe_score_bias: bool = False
@@ -191,9 +194,10 @@ class LMConfig:
     def from_hf(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
         """From the ``config.json`` of any Hugging Face family ``verify --logits`` computes
         (Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3/4, Mixtral, Qwen2/3-MoE, Granite,
-        OLMo 2/3, SmolLM3, GLM-4.5 MoE, Ernie 4.5 MoE, MiniMax M2, StableLM, GPT-OSS, DeepSeek V3,
-        Kimi K2.5's text model: ``hf_families.FAMILIES``); a field the model does not compute is a ``RequestError``
-        naming it. :meth:`hf_spec` gives the spec its weights restore through."""
+        OLMo 2/3, SmolLM3, GLM-4.5 MoE, Ernie 4.5 MoE, MiniMax M2, StableLM, GPT-OSS, DeepSeek
+        V3 / V3.2, Kimi K2.5's text model: ``hf_families.FAMILIES``); a field the model does not
+        compute is a ``RequestError`` naming it. :meth:`hf_spec` gives the spec its weights
+        restore through."""
         cfg, _ = hf_model(config)
         return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
@@ -474,11 +478,10 @@ class LatentAttention(nn.Module):
         assert cfg.mla is not None  # Block builds it only then
         (batch, seq, _), heads = x.shape, cfg.num_attention_heads
         q_rank, kv_rank, nope, rope, v_dim = cfg.mla
+        x_q = x
         if q_rank:
             x_q = nn.RMSNorm(1e-6, name="q_norm")(nn.Dense(q_rank, use_bias=False, name="q_a")(x))
-        q = nn.Dense(heads * (nope + rope), use_bias=False, name="q_b" if q_rank else "q")(
-            x_q if q_rank else x
-        )
+        q = nn.Dense(heads * (nope + rope), use_bias=False, name="q_b" if q_rank else "q")(x_q)
         q = q.reshape(batch, seq, heads, nope + rope)
         latent = nn.Dense(kv_rank + rope, use_bias=False, name="kv_a")(x)
         kv = nn.Dense(heads * (nope + v_dim), use_bias=False, name="kv_b")(
@@ -498,11 +501,43 @@ class LatentAttention(nn.Module):
         scores = jnp.einsum("bqnd,bknd->bnqk", q, k) * (
             cfg.attention_scale or (nope + rope) ** -0.5
         )
-        scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, -jnp.inf)
+        mask = jnp.tril(jnp.ones((seq, seq), bool))
+        if cfg.indexer:  # DeepSeek V3.2 (its reader requires q_lora_rank)
+            mask = Indexer(cfg, name="indexer")(x, x_q)[:, None]
+        scores = jnp.where(mask, scores, -jnp.inf)
         context = jnp.einsum("bnqk,bknd->bqnd", jax.nn.softmax(scores, axis=-1), kv[..., nope:])
         return nn.Dense(cfg.hidden_size, use_bias=False, name="proj")(
             context.reshape(batch, seq, heads * v_dim)
         )
+
+
+class Indexer(nn.Module):
+    """DeepSeek V3.2's lightning indexer (transformers' ``DeepseekV32Indexer``): the keys each
+    query attends to, its ``index_topk`` causal keys of highest score sum_h w_h relu(q_h . k /
+    sqrt(D)) / sqrt(H); q_h from the q latent (``q``), one key per token (``k`` then LayerNorm
+    ``k_norm``), both with rotate-half RoPE on their first ``qk_rope_head_dim`` dims, the weights
+    w from x (``weights``). A selection [b, q, k], so no gradient flows through it (transformers
+    trains the indexer apart)."""
+
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, x, x_q):
+        cfg = self.cfg
+        assert cfg.indexer is not None and cfg.mla is not None  # LatentAttention builds it then
+        (heads, dim, top), (batch, seq, _) = cfg.indexer, x.shape
+        q = nn.Dense(heads * dim, use_bias=False, name="q")(x_q).reshape(batch, seq, heads, dim)
+        k = nn.Dense(dim, use_bias=False, name="k")(x)
+        k = nn.LayerNorm(1e-6, use_fast_variance=False, name="k_norm")(k)[:, :, None]
+        scaling = (cfg.rotary_scaling_factor, cfg.mla[3], cfg.rotary_llama3, cfg.rotary_yarn)
+        q, k = (apply_rope(r, jnp.arange(seq), cfg.rotary_base, *scaling) for r in (q, k))
+        scores = jax.nn.relu(jnp.einsum("bqhd,bkd->bqhk", q, k[:, :, 0]) * dim**-0.5)
+        weights = nn.Dense(heads, use_bias=False, name="weights")(x) * heads**-0.5
+        causal = jnp.tril(jnp.ones((seq, seq), bool))
+        index = jnp.where(causal, jnp.einsum("bqh,bqhk->bqk", weights, scores), -jnp.inf)
+        chosen = jax.lax.top_k(jax.lax.stop_gradient(index), min(top, seq))[1]
+        picked = jax.vmap(jax.vmap(lambda i: jnp.zeros(seq, bool).at[i].set(True)))(chosen)
+        return picked & causal
 
 
 #: the gated MLP's activations (``LMConfig.glu_activation``)
