@@ -408,3 +408,108 @@ def test_megatron_core_loads_and_continues_moe(tmp_path, run, ep):
         np.testing.assert_allclose(after["params"][name], master, rtol=0, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(after["opt_state"]["mu"][name], m, atol=1e-7, err_msg=name)
         np.testing.assert_allclose(after["opt_state"]["nu"][name], v, atol=1e-8, err_msg=name)
+
+
+def _deeper(tree: dict, scale: float = 0.9) -> dict:
+    """A legacy import's ``tree`` with its layers ``decoder.layers.<i>.*`` (every root: params,
+    masters, moments) followed by a scaled copy of themselves: 2L layers, each different
+    (_synthetic)."""
+
+    def grow(leaves: dict) -> dict:
+        count = 1 + max(int(k.split(".")[2]) for k in leaves if k.split(".")[2].isdigit())
+        out = dict(leaves)
+        for k, v in leaves.items():
+            copy = np.asarray(v) * np.asarray(scale, v.dtype)
+            parts = k.split(".")
+            if parts[:2] == ["decoder", "layers"] and parts[2].isdigit():
+                out[".".join([*parts[:2], str(int(parts[2]) + count), *parts[3:]])] = copy
+        return out
+
+    out = {root: grow(tree[root]) for root in ("params", "model_params") if root in tree}
+    state = dict(tree["opt_state"])
+    out["opt_state"] = {**state, "mu": grow(state["mu"]), "nu": grow(state["nu"])}
+    return out
+
+
+def _with_shared_experts(tree: dict, size: int) -> dict:
+    """A MoE ``tree`` with megatron-core's shared experts added to each layer (SwiGLU
+    ``linear_fc1`` [L, 2S, h], ``linear_fc2`` [L, h, S]; seeded values and moments, _synthetic)."""
+    router = np.asarray(tree["params"]["decoder.layers.mlp.router.weight"])  # [L, E, h]
+    layers, hidden = router.shape[0], router.shape[2]
+    rng = np.random.default_rng(0)
+    shapes = {"linear_fc1": (layers, 2 * size, hidden), "linear_fc2": (layers, hidden, size)}
+    for part, shape in shapes.items():
+        name = f"decoder.layers.mlp.shared_experts.{part}.weight"
+        tree["params"][name] = rng.normal(0, 0.05, shape).astype(np.float32)
+        tree["opt_state"]["mu"][name] = rng.normal(0, 1e-3, shape).astype(np.float32)
+        tree["opt_state"]["nu"][name] = (rng.normal(0, 1e-3, shape) ** 2).astype(np.float32)
+    return tree
+
+
+MOE_RUN = MOE / "moe_distopt_ep2_fully_reshardable"
+LEGACY_PP2 = FIX / "legacy_gpt_distopt_pp2dp2_synthetic"  # tied embeddings, PP2, Adam
+#: layout -> (source, synthetic edit, export options, the megatron-core build, the JAX config)
+LAYOUTS = {
+    "moe_etp2": (MOE_RUN, None, dict(tp=2, etp=2), dict(kind="moe", tp=2, etp=2), ("moe_ep2", {})),
+    "moe_shared_ep2": (
+        MOE_RUN,
+        lambda tree: _with_shared_experts(tree, 16),
+        dict(ep=2),
+        dict(kind="moe", tp=1, ep=2, shared=16),
+        ("moe_ep2", dict(moe_shared_expert_intermediate_size=16)),
+    ),
+    "tied_pp2": (LEGACY_PP2, None, dict(pp=2), dict(kind="gpt", tp=1, pp=2), (LEGACY_PP2.name, {})),
+    "tied_pp2_vpp2": (
+        LEGACY_PP2,
+        _deeper,
+        dict(pp=2, vpp=2),
+        dict(kind="gpt", tp=1, pp=2, vpp=2, layers=4),
+        (LEGACY_PP2.name, dict(num_layers=4)),
+    ),
+}
+
+
+@pytest.mark.torch
+@pytest.mark.slow  # 1-2 min each: megatron-core built and stepped; CI runs it once (high end)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_megatron_core_loads_and_continues_layout(tmp_path, layout):
+    """The layouts megatron-core users run beyond TP / PP / EP: experts split over expert TP 2
+    (``expert_tensor_parallel_size``), shared experts beside the routed ones at EP 2, tied
+    embeddings over PP 2 (the embedding on the first stage, the output layer that reads it on
+    the last), and virtual pipeline chunks (``model0`` / ``model1``, 4 layers over PP 2 x VPP
+    2). megatron-core's ``dist_checkpointing.load`` reads the export into the model built that
+    way and its DistributedOptimizer; saved again it imports bit-identical to the export's own
+    import; one step on CPU continues it: the loss the JAX model's on the same weights, each
+    master and moment what Adam makes of the loaded state and megatron-core's gradient (the
+    tied one summed over both stages)."""
+    pytest.importorskip("megatron.core")
+    run, edit, options, cfg, (config, over) = LAYOUTS[layout]
+    src = tmp_path / "ucp"
+    jax_ucp.convert(run, src, importing=MegatronOptions(vocab_size=VOCAB))
+    record = {}
+    if edit is not None:  # a run continued in JAX: the import's record of the run
+        jax_ucp.save(tmp_path / "edited", edit(jax_ucp.restore(src)))
+        src, record = tmp_path / "edited", {"run_record": src}
+    dst = tmp_path / "export"
+    jax_ucp.export(src, dst, MegatronExport(make_vocab_size_divisible_by=8, **options, **record))
+    cfg = {"ep": 1, "tied": "tied" in layout, **cfg}
+    result = _mcore_continue(dst, tmp_path, cfg, world=2)
+    exported = _reimported(dst)  # (a legacy import's per-layer names stacked, as megatron-core's)
+    assert jax_ucp.diff(exported, _reimported(tmp_path / "loaded")).identical
+    assert result["ok"] and result["iteration"] == 2
+    before, after = jax_ucp.restore(exported), jax_ucp.restore(_reimported(tmp_path / "stepped"))
+    grads = jax_ucp.restore(_reimported(tmp_path / "grads"))["params"]
+    assert int(after["opt_state"]["count"]) == 3 and set(grads) == set(before["params"])
+    tokens = np.asarray(result["tokens"], np.int32)
+    lm = lm_config(config, max_position_embeddings=32, **over)
+    weights = {k: np.asarray(v, np.float32) for k, v in before["params"].items()}
+    logits = np.asarray(TransformerLM(lm).apply(from_megatron(weights, lm), tokens), np.float64)
+    assert abs(result["loss"] - _loss(logits, tokens, result["vocab_rows"])) < 1e-4
+    for name in grads:  # at EP 2 an expert's gradient stays halved (see the MoE test above)
+        scale = 0.5 if cfg["ep"] > 1 and ".experts.experts." in name else 1.0
+        master, m, v = _adam(before, {name: np.asarray(grads[name]) * scale}, name, step=3)
+        assert np.abs(master - np.asarray(before["params"][name], np.float64)).max() > 1e-4, name
+        np.testing.assert_allclose(after["params"][name], master, rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(after["opt_state"]["mu"][name], m, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(after["opt_state"]["nu"][name], v, atol=1e-8, err_msg=name)
