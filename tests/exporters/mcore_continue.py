@@ -93,7 +93,8 @@ def worker(rank: int) -> None:
     loaded = dist_checkpointing.load(state(is_loading=True), SRC)
     opt_sd = loaded.pop("optimizer")
     common = {k: loaded.pop(k) for k in ("iteration", "checkpoint_version", "args") if k in loaded}
-    loaded.pop("content_metadata", None)
+    for key in ("content_metadata", "opt_param_scheduler"):  # Megatron-LM's, not the model's
+        loaded.pop(key, None)
     for i, model in enumerate(models):
         model.load_state_dict(loaded[f"model{i}"] if len(models) > 1 else loaded)
     opt.load_state_dict(opt_sd)
@@ -107,7 +108,7 @@ def worker(rank: int) -> None:
         dist_checkpointing.save(state(), os.path.join(OUT, name))
 
     save("loaded")
-    if cfg.get("grouped"):
+    if cfg.get("grouped") or cfg.get("load_only"):
         dist.destroy_process_group()
         return
     g = torch.Generator().manual_seed(0)
@@ -117,6 +118,9 @@ def worker(rank: int) -> None:
     mask = torch.triu(torch.ones(1, 1, m.SEQ, m.SEQ, dtype=torch.bool), 1)
     for ddp in ddps:
         ddp.zero_grad_buffer()
+        # megatron-core refuses to train MoE under TP without sequence parallelism (whose
+        # reduce-scatter gloo lacks): eval mode is the same forward here (no dropout) and backward
+        ddp.train(not (cfg["tp"] > 1 and m.model_settings(cfg["kind"])["num_experts"]))
     loss = _forward_backward(ddps, models, tokens, pos, mask, labels, stage, last)
     if cfg["tied"] and cfg["pp"] > 1:  # as finalize_model_grads: the tied copies' grads summed
         emb = models[0] if stage == 0 else models[-1]

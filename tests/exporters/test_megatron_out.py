@@ -261,12 +261,37 @@ def test_refusals(imported, tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(RequestError, match="tp=0"):
         MegatronExport(tp=0)
+    with pytest.raises(RequestError, match="etp=0"):
+        MegatronExport(etp=0)
+
+
+def test_a_layout_megatron_core_cannot_build_is_refused(imported, tmp_path):
+    """Layers that do not split evenly over ``pp`` x ``vpp`` stages (the 2-layer run at PP 2 x
+    VPP 2, PP 3), a virtual pipeline without a pipeline: refused naming the setting, the
+    checkpoint's ucp.json and the tensor its layers were counted by, nothing written (megatron-
+    core would assert at the load); Megatron-LM's uneven split, given in ``args``, exports."""
+    refused = [
+        (
+            MegatronExport(pp=2, vpp=2),
+            r"pp=2 x vpp=2: the checkpoint at .*ucp\.json\) holds 2 "
+            r"layers \('decoder\.layers\.[\w.]+' \[2, .*cannot split in 4 equal parts",
+        ),
+        (MegatronExport(pp=3), r"pp=3: .* holds 2 layers .*in 3 equal"),
+        (MegatronExport(pp=1, vpp=2), r"vpp=2: megatron-core's virtual pipeline needs pp > 1"),
+    ]
+    for options, match in refused:
+        with pytest.raises(RequestError, match=match):
+            jax_ucp.export(imported, tmp_path / "out", options)
+    assert not (tmp_path / "out").exists()
+    uneven = MegatronExport(pp=3, args={"decoder_first_pipeline_num_layers": 0})
+    assert jax_ucp.export(imported, tmp_path / "out", uneven).tensors == 36
 
 
 def test_moe_optimizer_state_without_the_experts_param_groups_is_refused(tmp_path):
     """A MoE run continued in JAX (no record of its optimizers) cannot make megatron-core's
     expert-parallel param groups (EP > 1) from ``args``: refused naming the experts, nothing
-    written; the record of the run it was imported from gives them."""
+    written; the record of the run it was imported from gives them. 4 experts over EP 3:
+    refused naming the router they were counted by. The expert TP size goes to ``args``."""
     src = MOE / "moe_distopt_ep2_fully_reshardable"
     jax_ucp.convert(src, tmp_path / "ucp", importing=MegatronOptions(vocab_size=VOCAB))
     jax_ucp.save(tmp_path / "continued", jax_ucp.restore(tmp_path / "ucp"))
@@ -274,8 +299,18 @@ def test_moe_optimizer_state_without_the_experts_param_groups_is_refused(tmp_pat
     with pytest.raises(RequestError, match=r"ep=2: .*experts' param groups .*experts\.linear_fc1"):
         jax_ucp.export(tmp_path / "continued", tmp_path / "out", hyper)
     assert not (tmp_path / "out").exists()
-    record = MegatronExport(ep=2, run_record=tmp_path / "ucp")
+    with pytest.raises(
+        RequestError,
+        match=r"ep=3: .*ucp\.json\) holds 4 experts \('decoder\."
+        r"layers\.mlp\.router\.weight' \[1, 4, 32\].* in 3 equal parts",
+    ):
+        jax_ucp.export(tmp_path / "ucp", tmp_path / "out", MegatronExport(ep=3))
+    assert not (tmp_path / "out").exists()
+    record = MegatronExport(ep=2, etp=1, run_record=tmp_path / "ucp")
     assert jax_ucp.export(tmp_path / "continued", tmp_path / "out", record).tensors == 4 * 10
+    common = torch_zip.load_torch_file(tmp_path / "out" / "common.pt", legacy.LEGACY_CLASSES)
+    args = legacy.args_dict(common["args"])
+    assert (args["expert_model_parallel_size"], args["expert_tensor_parallel_size"]) == (2, 1)
     assert jax_ucp.export(tmp_path / "ucp", tmp_path / "ep1", MegatronExport()).tensors == 40
 
 
@@ -463,7 +498,7 @@ LAYOUTS = {
         LEGACY_PP2,
         _deeper,
         dict(pp=2, vpp=2),
-        dict(kind="gpt", tp=1, pp=2, vpp=2, layers=4),
+        dict(kind="gpt", tp=1, pp=2, vpp=2, layers=4, load_only=True),
         (LEGACY_PP2.name, dict(num_layers=4)),
     ),
 }
@@ -497,6 +532,9 @@ def test_megatron_core_loads_and_continues_layout(tmp_path, layout):
     result = _mcore_continue(dst, tmp_path, cfg, world=2)
     exported = _reimported(dst)  # (a legacy import's per-layer names stacked, as megatron-core's)
     assert jax_ucp.diff(exported, _reimported(tmp_path / "loaded")).identical
+    if cfg.get("load_only"):  # VPP: loaded and saved again, not stepped (see MEGATRON.md)
+        assert result is None
+        return
     assert result["ok"] and result["iteration"] == 2
     before, after = jax_ucp.restore(exported), jax_ucp.restore(_reimported(tmp_path / "stepped"))
     grads = jax_ucp.restore(_reimported(tmp_path / "grads"))["params"]

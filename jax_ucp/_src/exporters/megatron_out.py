@@ -66,6 +66,7 @@ _GROUPED_GEMM = {
     "mlp.experts.weight2": "mlp.experts.experts.linear_fc2.weight",
 }
 _ROUTER = "decoder.layers.mlp.router.weight"
+_UNEVEN = {"decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"}
 _LINEAR = re.compile(r"(decoder\.layers\.(?:[\w.]+\.)?linear_\w+)\.weight")
 #: the param groups megatron-core's optimizer builds (decayed, not), by the keys it pairs them on
 _DEFAULT_GROUPS = ({"wd_mult": 1.0}, {"wd_mult": 0.0})
@@ -264,8 +265,9 @@ def _stack(name: str, parts: list[RowSlabs], layout: tuple[int, int]) -> RowSlab
 
 def _check_layout(shapes: dict[str, tuple], options: MegatronExport, root: str) -> None:
     """The layout asked for splits this model as megatron-core builds it: its layers evenly
-    over ``pp`` (times ``vpp``) stages, its experts over ``ep`` ranks; else refused, nothing
-    written (megatron-core would stop at the load with a shape mismatch or an assert)."""
+    over ``pp`` (times ``vpp``) stages (unless ``args`` set Megatron-LM's uneven split), its
+    experts over ``ep`` ranks; else refused, nothing written (megatron-core would stop at the
+    load with an assert)."""
     if options.vpp and options.vpp > 1 and options.pp == 1:
         raise RequestError(f"vpp={options.vpp}: megatron-core's virtual pipeline needs pp > 1")
     layers = next(
@@ -277,6 +279,8 @@ def _check_layout(shapes: dict[str, tuple], options: MegatronExport, root: str) 
         (f"pp={options.pp}{vpp}", options.pp * (options.vpp or 1), "layers", layers, 0),
         (f"ep={options.ep}", options.ep, "experts", router and (_ROUTER, router), 1),
     ]
+    if _UNEVEN.intersection(options.args or ()):  # Megatron-LM's uneven pipeline split
+        splits = splits[1:]
     for given, parts, what, found, dim in splits:
         if found and len(found[1]) > dim and found[1][dim] % parts:
             raise RequestError(
@@ -366,8 +370,8 @@ def _args(
         tensor_model_parallel_size=options.tp,
         pipeline_model_parallel_size=options.pp,
         **({"expert_model_parallel_size": options.ep} if router else {}),
-        **({"expert_tensor_parallel_size": options.etp} if router and options.etp else {}),
-        **({"virtual_pipeline_model_parallel_size": options.vpp} if options.vpp else {}),
+        **({"expert_tensor_parallel_size": options.etp or options.tp} if router else {}),
+        virtual_pipeline_model_parallel_size=options.vpp,
         make_vocab_size_divisible_by=options.make_vocab_size_divisible_by,
         iteration=iteration,
         ckpt_format="torch_dist",
