@@ -515,7 +515,7 @@ def test_megatron_core_loads_and_continues_layout(tmp_path, layout):
     the last), and virtual pipeline chunks (``model0`` / ``model1``, 4 layers over PP 2 x VPP
     2). megatron-core's ``dist_checkpointing.load`` reads the export into the model built that
     way and its DistributedOptimizer; saved again it imports bit-identical to the export's own
-    import; one step on CPU continues it: the loss the JAX model's on the same weights, each
+    import; one step on CPU continues it (not the VPP one: loaded and saved only): the loss the JAX model's on the same weights, each
     master and moment what Adam makes of the loaded state and megatron-core's gradient (the
     tied one summed over both stages)."""
     pytest.importorskip("megatron.core")
