@@ -514,7 +514,7 @@ LAYOUTS = {
 @pytest.mark.parametrize(
     "layout",
     [
-        pytest.param(name, marks=pytest.mark.xfail(reason=TIED_SHIFT, strict=False))
+        pytest.param(name, marks=pytest.mark.xfail(reason=TIED_SHIFT, run=False))  # 4 min each
         if name.startswith("tied")
         else name
         for name in LAYOUTS
