@@ -92,6 +92,9 @@ _NEUTRAL_KEYS = frozenset(
 DS_ADAM_KEYS = frozenset({"betas", "eps", "bias_correction", "step", "amsgrad"})
 #: (a key only that optimizer writes, its name): what a group that is not Adam/AdamW looks like
 _LOOKALIKES = (
+    # its Muon and Adam halves both carry use_muon; which rows a Muon step orthogonalises
+    # together (per head, per expert) is set on the parameters, never saved
+    ("use_muon", "DeepSpeed's (or Keller Jordan's) MuonWithAuxAdam"),
     ("relative_step", "transformers' Adafactor"),
     ("scale_parameter", "transformers' Adafactor"),
     ("warmup_init", "transformers' Adafactor"),
@@ -300,7 +303,9 @@ def _recorded_mode(groups: list[dict], where: str) -> bool | None:
         keys = set(g) - _NEUTRAL_KEYS
         # DeepSpeed's FusedAdam / DeepSpeedCPUAdam, made by the client (decoupled decay unsaid)
         client = "bias_correction" in keys and keys <= DS_ADAM_KEYS
-        if not client and (not {"amsgrad", "betas"} <= keys or "momentum_decay" in keys):
+        if not client and (
+            not {"amsgrad", "betas"} <= keys or keys & {"momentum_decay", "use_muon"}
+        ):
             _refuse_lookalike(keys, i, where)
         flag = next((f for f in ("amsgrad", "maximize", "nesterov") if g.get(f)), None)
         if flag is not None:
