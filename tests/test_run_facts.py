@@ -300,3 +300,26 @@ def test_a_verl_rank_whose_param_groups_differ_is_refused(tmp_path, edit, said):
     with pytest.raises(jax_ucp.SourceError, match=r"records of this save disagree") as e:
         jax_ucp.convert(src, str(tmp_path / "out"))
     assert e.match(said) and "optim_world_size_2_rank_0.pt param_groups" in str(e.value)
+
+
+def test_trainer_groups_not_built_from_its_arguments_are_said_and_warned(tmp_path):
+    """optimizer.pt's betas[0] lowered by 0.1 (training_args.bin's adam_beta1 as it was): the
+    Trainer builds its optimizer from its arguments, so this is a client optimizer or an edited
+    file; the groups' betas are continued, said in a note and warned (silent before). The intact
+    save warns nothing."""
+    root = _copy(tmp_path, "hf_trainer/trainer_fp32")
+    ckpt, order = os.path.join(root, "checkpoint-3"), _trainer_order("trainer_fp32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        intact = jax_ucp.optax_from_torch(ckpt, options=order)
+    assert not [w for w in caught if "Trainer builds" in str(w.message)]
+    assert not [n for n in intact.notes if "Trainer builds" in n]
+
+    def lowered(t):
+        for g in t["param_groups"]:
+            g["betas"] = (g["betas"][0] - 0.1, g["betas"][1])
+
+    edit_torch_file(os.path.join(ckpt, "optimizer.pt"), lowered)
+    with pytest.warns(UserWarning, match=r"optimizer.pt param_groups' betas \[0\.8, 0\.999\]"):
+        run = jax_ucp.optax_from_torch(ckpt, options=order)
+    assert any("(training_args.bin [0.9, 0.999])" in n for n in run.notes)
