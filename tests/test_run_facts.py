@@ -5,6 +5,7 @@ fixtures with one field changed in one file, torch-free (``tests/torch_edit.py``
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import warnings
@@ -323,3 +324,19 @@ def test_trainer_groups_not_built_from_its_arguments_are_said_and_warned(tmp_pat
     with pytest.warns(UserWarning, match=r"optimizer.pt param_groups' betas \[0\.8, 0\.999\]"):
         run = jax_ucp.optax_from_torch(ckpt, options=order)
     assert any("(training_args.bin [0.9, 0.999])" in n for n in run.notes)
+
+
+def test_a_schedule_length_trainer_state_and_training_args_disagree_on_is_refused(tmp_path):
+    """trainer_state.json's max_steps 5 -> 7, training_args.bin's 5: refused naming both (the
+    held-rate check refused it only past warm-up, saying the schedule's rate and the held one;
+    within warm-up it continued on the longer decay)."""
+    root = _copy(tmp_path, "hf_trainer/trainer_fp32")
+    path = os.path.join(root, "checkpoint-3", "trainer_state.json")
+    with open(path) as f:
+        state = json.load(f)
+    state["max_steps"] = 7
+    with open(path, "w") as f:
+        json.dump(state, f)
+    with pytest.raises(jax_ucp.SourceError, match=r"disagree on max_steps") as e:
+        _continue(os.path.join(root, "checkpoint-3"), _trainer_order("trainer_fp32"))
+    assert "trainer_state.json max_steps = 7; training_args.bin max_steps = 5" in str(e.value)

@@ -17,7 +17,7 @@ import numpy as np
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.facts import Facts, canonical
 
-__all__ = ["check_logged_rates", "trainer_rates"]
+__all__ = ["check_logged_rates", "trainer_rates", "trainer_total"]
 
 
 def trainer_rates(source: dict, groups: list[dict], where: str) -> list[str]:
@@ -87,6 +87,19 @@ def _built_from_args(args: dict, groups: list[dict], opt: str, where: str) -> li
 
 def _number(x: Any) -> bool:
     return type(x) in (int, float) and math.isfinite(x)
+
+
+def trainer_total(trainer: dict, args: dict, where: str) -> Any:
+    """The schedule's length, ``trainer_state.json``'s ``max_steps`` and ``training_args.bin``'s
+    (when set: above 0, the Trainer copies it), agreed or refused naming both; a save in its
+    warm-up holds a rate that does not depend on it, so the held-rate check cannot tell."""
+    facts = Facts(where)
+    if trainer.get("max_steps") is not None:
+        facts.state("max_steps", "trainer_state.json max_steps", trainer["max_steps"])
+    given = args.get("max_steps")
+    if given is not None and not (type(given) is int and given <= 0):
+        facts.state("max_steps", "training_args.bin max_steps", given)
+    return facts.agree("max_steps")
 
 
 def check_logged_rates(
