@@ -71,9 +71,9 @@ def _built_from_args(args: dict, groups: list[dict], opt: str, where: str) -> li
             shown = sorted({repr(h) for h in held})
             differ.append(f"{field} {', '.join(shown)} (training_args.bin {want})")
     decay = args.get("weight_decay")
-    rates = {canonical(g.get("weight_decay")) for g in groups}
-    if adam and _number(decay) and not rates <= {canonical(decay), 0}:
-        differ.append(f"weight_decay {sorted(map(repr, rates))} (training_args.bin {decay})")
+    rates = {repr(canonical(g.get("weight_decay"))) for g in groups}
+    if adam and _number(decay) and not rates <= {repr(canonical(decay)), "0"}:
+        differ.append(f"weight_decay {', '.join(sorted(rates))} (training_args.bin {decay})")
     if not differ:
         return []
     note = (
