@@ -223,6 +223,25 @@ def test_a_verl_scheduler_whose_base_lrs_are_not_the_groups_initial_lr_is_refuse
 LEGACY = "megatron/legacy_gpt_distopt_pp2dp2_synthetic"
 
 
+@pytest.mark.parametrize(("field", "value"), [("maximize", True), ("amsgrad", True)])
+def test_megatron_groups_of_an_adam_variant_are_not_continued_as_adam(tmp_path, field, value):
+    """common.pt's param groups saying maximize (gradient ascent) or amsgrad: refused naming the
+    field; before: continued as plain Adam, nothing said."""
+    src = _copy(tmp_path, "megatron/gpt_distopt_dp2")
+    common = os.path.join(FIX, "megatron", "gpt_distopt_dp2_scheduler_synthetic.common.pt")
+    shutil.copyfile(common, os.path.join(src, "common.pt"))
+    intact = _continue(src)
+    assert intact.step == 2
+
+    def flagged(t):
+        for g in t["optimizer"]["optimizer"]["param_groups"]:
+            g[field] = value
+
+    edit_torch_file(os.path.join(src, "common.pt"), flagged)
+    with pytest.raises(jax_ucp.RequestError, match=rf"param_groups\[0\]\.{field} = True: not"):
+        _continue(src)
+
+
 @pytest.mark.parametrize(
     ("edit", "said"),
     [

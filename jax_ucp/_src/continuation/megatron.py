@@ -574,6 +574,10 @@ def _read_record(
     args = _Fields(_section(record, "args", file), "args", file)
     state = _section(record, "opt_param_scheduler", file)
     groups = _groups(record, file)
+    for group in groups:  # Adam's variants no chain here is
+        flag = next((f for f in ("amsgrad", "maximize") if group.values.get(f)), None)
+        if flag is not None:
+            raise RequestError(f"{file}: {group.section}.{flag} = True: not translated to optax")
     name = args.values.get("optimizer")
     if name is not None and name != "adam":
         raise RequestError(
