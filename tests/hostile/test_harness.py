@@ -254,6 +254,24 @@ def test_an_optimizer_built_without_a_lost_file_passes_only_when_said():
     assert judge("optax", said_before, warned, **args)[0] == "silent-wrong"
 
 
+def test_a_continuation_as_the_files_say_passes_only_with_a_new_warning_naming_them():
+    """Records that cannot be told edited from chosen (a Trainer's groups that are not its
+    arguments': a client optimizer) continue as the files say: 'said' only with a warning the
+    intact copy did not give, naming a file of the input, and the same params."""
+    params = {"w": ["tensor", [2], "float32", "aa"]}
+    base = _ok({"params": params, "opt_state": "A", "unrecovered": []})
+    other = {"params": params, "opt_state": "A", "unrecovered": [], "update": "B"}
+    name = sorted(NAMES)[0]
+    warned = _ok(other, [f"UserWarning: {name} param_groups' betas 0.8 (training_args.bin 0.9)"])
+    args = {"kind": PLAIN, "mutation_op": "record-disagree", "names": NAMES}
+    judge = oracle.judge_entry
+    assert judge("optax-direct", base, warned, **args)[0] == "said"
+    assert judge("optax-direct", base, _ok(other, ["UserWarning: odd"]), **args)[0] != "said"
+    assert judge("optax-direct", _ok(base[1], warned[2]), warned, **args)[0] == "silent-wrong"
+    moved = _ok({**other, "params": {"w": ["tensor", [2], "float32", "bb"]}}, warned[2])
+    assert judge("optax-direct", base, moved, **args)[0] == "silent-wrong"
+
+
 def test_a_step_renamed_to_a_new_number_is_that_step_only_for_a_rename():
     """latest_step naming a step no intact copy had passes only when a step folder was renamed
     (Orbax's manager lists it so); the same answer after a byte flip is a different value."""
