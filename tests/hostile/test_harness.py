@@ -77,9 +77,11 @@ CI_SLICE: dict[str, list[int]] = {
     # one record of a run's settings disagreeing with the others (issue 68): a rank's betas, a
     # rank's ds_config optimizer, the model states' clipping, a rank's clip_grad, the model
     # states' scheduler; scheduler.pt's base_lrs, training_args.bin's schedule kind, a logged
-    # learning rate, optimizer.pt's initial_lr (1, 14; 1, 7 continued silently before)
+    # learning rate, optimizer.pt's initial_lr (1, 14; 1, 7 continued silently before);
+    # optimizer.pt's betas, not training_args.bin's (3: a client optimizer or an edit, continued
+    # as the groups say and warned; silent before, probe 8)
     "run_records": [1, 4, 14, 16, 19],
-    "run_records_trainer": [0, 1, 2, 7],
+    "run_records_trainer": [0, 1, 2, 3, 7],
     # the same for Megatron, torchtune and verl (issue 68, round 2): a legacy rank's scheduler
     # position and iteration, a path through a link to the input; torch_dist's iteration, betas,
     # args.lr, num_steps and a linked parent folder; torchtune's progress; verl's rank 1's
