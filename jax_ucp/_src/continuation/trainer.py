@@ -48,11 +48,8 @@ def trainer_rates(source: dict, groups: list[dict], where: str) -> list[str]:
 
 #: a group's field -> the TrainingArguments the Trainer's own optimizer took it from
 #: (``Trainer.get_optimizer_cls_and_kwargs``); betas and eps only for its AdamW and Lion
-BUILT_FROM = {
-    "initial_lr": ("learning_rate",),
-    "betas": ("adam_beta1", "adam_beta2"),
-    "eps": ("adam_epsilon",),
-}
+BUILT_FROM = {"initial_lr": ("learning_rate",), "betas": ("adam_beta1", "adam_beta2"),
+              "eps": ("adam_epsilon",)}  # fmt: skip
 
 
 def _built_from_args(args: dict, groups: list[dict], opt: str, where: str) -> list[str]:
