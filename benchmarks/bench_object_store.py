@@ -135,13 +135,13 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
     from jax_ucp._src.store import storage as jax_ucp_storage
 
     def s3_counters() -> tuple[float, float]:
-        """(bytes read, reads) of TensorStore's s3 kvstore so far in this process."""
-        got = {"bytes_read": 0.0, "read": 0.0}
-        for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/s3/"):
-            leaf = m["name"].rsplit("/", 1)[-1]
-            if leaf in got:
-                got[leaf] += sum(v.get("value", 0) for v in m.get("values", []))
-        return got["bytes_read"], got["read"]
+        """(bytes read from s3, HTTP requests started) by TensorStore in this process so far
+        (a ``ts.Batch`` of ranges of one object is one request each: measured)."""
+        got = {"/tensorstore/kvstore/s3/bytes_read": 0.0, "/tensorstore/http/request_started": 0.0}
+        for m in ts.experimental_collect_matching_metrics("/tensorstore/"):
+            if m["name"] in got:
+                got[m["name"]] += sum(v.get("value", 0) for v in m.get("values", []))
+        return tuple(got.values())
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
     n = max(1, mib // 16)  # 16 MiB fp32 tensors
