@@ -255,7 +255,7 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
                 gets = statistics.median(g for _, g in fetched[k])
                 print(
                     f"  {k:38} {statistics.median(times[k]):7.2f} s, fetched {per:.4f}x the "
-                    f"slices needed in {gets:.0f} GETs"
+                    f"slices needed in {gets:.0f} HTTP requests"
                 )
         if name in times and loop in times:
             ratio[name] = statistics.median(times[loop]) / statistics.median(times[name])
@@ -271,7 +271,7 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
             "median_seconds": {k: statistics.median(v) for k, v in times.items()},
             "errors": errors,
             "bit_exact": exact,
-            "fetched_per_needed_and_gets": fetched,
+            "fetched_per_needed_and_requests": fetched,
             "speed_vs_bare_loop": ratio,
         }
         with open(json_path, "w") as f:
