@@ -19,7 +19,7 @@ from jax_ucp._src.continuation import families, frozen
 from jax_ucp._src.continuation.deepspeed import deepspeed_recipe, recorded_config
 from jax_ucp._src.continuation.megatron import megatron_recipe
 from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
-from jax_ucp._src.continuation.trainer import check_logged_rates, trainer_rates
+from jax_ucp._src.continuation.trainer import check_logged_rates, trainer_rates, trainer_total
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format import to_numpy_dtype
 from jax_ucp._src.format.files import strict_loads
@@ -395,7 +395,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
     if kind is None:
         notes.append(f"learning rate {lr}: the optimizer's for the next step; no schedule recorded")
         return (lambda count: lr), False
-    total = trainer.get("max_steps") or args.get("max_steps")
+    total = trainer_total(trainer, args, where)
     if not isinstance(total, int) or total <= 0:
         raise RequestError(f"{where}: the Trainer's schedule needs max_steps, found {total!r}")
     warmup = args.get("warmup_steps") or 0

@@ -324,8 +324,7 @@ def _say_renamed(folder: str, step: Any) -> None:
     if named is not None and type(step) is int and named != step:
         warnings.warn(
             f"{folder}: the folder's name says step {named}, {STATE_FILE}'s global_step says "
-            f"{step} (renamed or copied?); the run continues at step {step}, as the Trainer's "
-            f"resume would",
+            f"{step} (renamed or copied?); the Trainer's resume counts from global_step {step}",
             UserWarning,
             stacklevel=3,
         )
