@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2208,
     "exporters": 2407,
     "format": 2734,
-    "importers": 16744,
+    "importers": 16748,
     "language": 3193,
     "models": 2623,
     "multihost": 836,
@@ -29,11 +29,11 @@ CEILINGS = {
     "store": 3392,
     "torchfiles": 3202,
     "writer": 1675,
-    "modules": 4580,
+    "modules": 4578,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 52788
+TOTAL = 52790
 
 
 def _lines(paths) -> int:

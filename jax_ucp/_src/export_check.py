@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src import store, writer
+from jax_ucp._src import logits, store, writer
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.exporters import by_spec
 from jax_ucp._src.format import keypath
 from jax_ucp._src.importers import registry
 from jax_ucp._src.restoring import locate
+from jax_ucp._src.restoring.inspecting import inspect
 from jax_ucp._src.restoring.model import Request
 from jax_ucp._src.restoring.sources import ucp_source
 
@@ -65,7 +66,7 @@ def _compare(exported: str, root: str, ckpt: str, spec: Any, progress) -> Export
     config = os.path.join(exported, "config.json")  # a safetensors export's: the heads
     config = config if spec and os.path.isfile(config) else None
     # a torch DCP export holds the names transformers' model has (its experts fused)
-    spec = by_spec.load(spec, manifest, config, state_dict=importer.name == "torch_dcp")
+    spec = by_spec.load(spec, manifest, config, state_dict=importer.model_names)
     available = ucp_source.available_tensors(manifest, spec)
     ours: dict[tuple, tuple] = {}
     for key, found in available.items():
@@ -112,9 +113,6 @@ def export_logits(exported: str, ckpt: str, spec: Any, tolerance: float | None) 
     read by its format's import, against the checkpoint's (``logits.compare_export_logits``); the
     model's settings are the export's ``config.json``, else the one the checkpoint recorded,
     else refused: an export that carries none (a torch DCP) says nothing of its model."""
-    from jax_ucp._src import logits
-    from jax_ucp._src.restoring.inspecting import inspect
-
     importer = registry.importer_for(exported)
     items = [
         it
