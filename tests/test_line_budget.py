@@ -20,7 +20,7 @@ CEILINGS = {
     "format": 2734,
     "importers": 16748,
     "language": 3193,
-    "models": 2623,
+    "models": 2613,
     "multihost": 836,
     "orbax": 421,
     "restoring": 4973,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 52790
+TOTAL = 52780
 
 
 def _lines(paths) -> int:
