@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2208,
     "exporters": 2407,
     "format": 2734,
-    "importers": 16748,
+    "importers": 16742,
     "language": 3193,
     "models": 2613,
     "multihost": 836,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 52780
+TOTAL = 52774
 
 
 def _lines(paths) -> int:

@@ -12,7 +12,6 @@ import contextlib
 import contextvars
 import os
 import re
-import warnings
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -537,7 +536,13 @@ def source_record(tag_dir: str, model_states: Mapping, stage: int | None, **more
         more: further entries (they win over these).
     """
     steps = model_states.get("global_steps")
-    _say_renamed(tag_dir, steps)
+    runs.say_renamed(
+        tag_dir,
+        rf"global_step({files.DIGITS})(_universal)?",
+        steps,
+        "tag folder's name says step {named}, its model states' global_steps {step} (renamed or "
+        "copied?); the files' step {step} is recorded and continued",
+    )
     return {
         "framework": "deepspeed",
         "path": os.path.abspath(tag_dir),
@@ -546,20 +551,6 @@ def source_record(tag_dir: str, model_states: Mapping, stage: int | None, **more
         "global_steps": steps if type(steps) is int else None,
         **more,
     }
-
-
-def _say_renamed(tag_dir: str, steps: Any) -> None:
-    """A ``global_stepN`` tag folder whose model states say another ``global_steps`` (renamed or
-    copied under another step): the files' count is continued, and a warning names both."""
-    m = re.fullmatch(rf"global_step({files.DIGITS})(_universal)?", os.path.basename(tag_dir))
-    named = files.name_number(m[1]) if m else None
-    if named is not None and type(steps) is int and named != steps:
-        warnings.warn(
-            f"{tag_dir}: the tag folder's name says step {named}, its model states' global_steps "
-            f"{steps} (renamed or copied?); the files' step {steps} is recorded and continued",
-            UserWarning,
-            stacklevel=2,
-        )
 
 
 def version_string(model_states: Mapping) -> str | None:
