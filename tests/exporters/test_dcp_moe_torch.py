@@ -8,14 +8,18 @@ moment and step is the JAX state's bit for bit, and torch's next step is JAX's n
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
 import jax_ucp
 from jax_ucp._src.exporters import TorchDcpExport
 from jax_ucp.language import load_spec
-from tests.exporters.test_dcp_optimizer_torch import _hf_tree, _state_dicts, _torch_step
+from tests.exporters.test_dcp_optimizer_torch import (
+    _hf_tree,
+    _jax_step,
+    _state_dicts,
+    _torch_step,
+)
 from tests.models.test_hf_families import FAMILIES, _config
 
 pytestmark = pytest.mark.torch
@@ -39,12 +43,10 @@ def _torch_run(family: str, seed: int = 0):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_an_moe_run_continued_in_jax_goes_back_to_torch_with_its_optimizer(tmp_path, family):
-    import optax
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     from jax_ucp._src.models.transformer import hf_model
-    from jax_ucp.models import TransformerLM
 
     vocab = FAMILIES[family][2]["vocab_size"]
     tokens = np.random.default_rng(0).integers(0, vocab, (4, 2, 8))
@@ -59,18 +61,7 @@ def test_an_moe_run_continued_in_jax_goes_back_to_torch_with_its_optimizer(tmp_p
     cfg, name = hf_model(_config(family))
     spec = load_spec(name, **cfg.head_settings, hf_names="state_dict")
     run = jax_ucp.optax_from_torch(imported, spec=spec, clip=None)
-    lm = TransformerLM(cfg)
-
-    def loss_fn(params, ids):
-        logits = lm.apply({"params": params}, ids)
-        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
-
-    @jax.jit
-    def step(params, opt_state, ids):
-        loss, grads = jax.value_and_grad(loss_fn)(params, ids)
-        updates, opt_state = run.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = _jax_step(run, cfg)
     params, opt_state, _ = step(run.params, run.opt_state, tokens[2])
     continued = jax_ucp.save(str(tmp_path / "jax"), {"params": params, "opt_state": opt_state})
     next_params, _, next_loss = step(params, opt_state, tokens[3])
