@@ -1015,7 +1015,7 @@ _QWEN35: dict[str, Any] = dict(
 )
 
 #: transformers' defaults of DeepSeek V3 and V3.2 (V3.2 adds the indexer's)
-_DEEPSEEK = dict(
+_DEEPSEEK: dict[str, Any] = dict(
     rms_norm_eps=1e-6,
     num_key_value_heads=128,
     q_lora_rank=1536,
