@@ -22,9 +22,8 @@ pytestmark = pytest.mark.torch
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
-    """A Mistral flax tree (random weights) saved, its spec and config.json (dense, untied: an
-    MoE's first forward pass costs JAX ~30 s of compiling here; a tied model's DCP names all
-    start with ``model.``, which its import reads as the state dict's model key)."""
+    """A Mistral flax tree (random weights) saved, its spec and config.json (dense: an MoE's
+    first forward pass costs JAX ~30 s of compiling here)."""
     root = tmp_path_factory.mktemp("export_logits")
     cfg, name, tree = random_tree("mistral")
     ckpt = jax_ucp.save(str(root / "flax"), {"params": tree})
