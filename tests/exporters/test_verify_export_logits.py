@@ -11,6 +11,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.exporters import SafetensorsExport, TorchDcpExport
+from jax_ucp._src.importers import registry
 from jax_ucp.errors import RequestError
 from jax_ucp.language import load_spec
 from tests.exporters.test_by_spec import _config, random_tree
@@ -30,11 +31,15 @@ def mistral(tmp_path_factory):
     return root, ckpt, tree, load_spec(name, **cfg.head_settings), _config("mistral")
 
 
-def test_safetensors_and_dcp_exports_compute_the_checkpoints_logits(mistral):
+def test_safetensors_and_dcp_exports_compute_the_checkpoints_logits(mistral, monkeypatch):
+    """The export's import planned once, for its tensors and its logits."""
     root, ckpt, _, spec, config = mistral
     jax_ucp.export(ckpt, root / "hf", SafetensorsExport(spec=spec, config=config))
+    planned, plan = [], registry.plan_import
+    monkeypatch.setattr(registry, "plan_import", lambda *a, **k: planned.append(a) or plan(*a, **k))
     found = jax_ucp.verify(root / "hf", against=ckpt, spec=spec, logits=True)
     assert list(found) == [] and found.logits is not None, found
+    assert len(planned) == 1 and found.exported.equal
     assert found.logits.max_abs_diff == 0 and "safetensors import" in found.logits.source
     # the safetensors folder imported (it records its config.json), exported as torch DCP under
     # the same names: the settings come from the checkpoint's record
