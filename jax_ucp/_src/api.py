@@ -133,14 +133,13 @@ def _verify_export(
 ) -> VerifyResult:
     """``verify(EXPORTED, against=CKPT)``: every exported tensor against the checkpoint's; with
     ``logits``, the export's model's logits against the checkpoint's."""
-    from jax_ucp._src.export_check import compare_export, export_logits
+    from jax_ucp._src.export_check import verify_export
 
-    found = compare_export(path, against, spec, progress)
+    found, compared = verify_export(path, against, spec, progress, logits, tolerance)
     problems = [
         (n, f"{n}: exported, not the checkpoint's: {w}") for n, w in found.different.items()
     ]
     notices = [(n, f"{n}: not in the export") for n in found.not_exported]
-    compared = export_logits(path, against, spec, tolerance) if logits else None
     if compared is not None and not compared.ok:
         problems.append(("logits", compared.describe()))
     return VerifyResult(problems, notices, compared, exported=found)

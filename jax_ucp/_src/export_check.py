@@ -11,7 +11,6 @@ tied weight it wrote (its files say so: a DCP entry shared) is its parameter's."
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import numpy as np
@@ -50,33 +49,58 @@ def _canonical(key: tuple[str, ...], entry: Any) -> tuple[str, ...] | None:
     return None
 
 
-def compare_export(exported: str, ckpt: str, spec: Any = None, progress=None) -> ExportComparison:
-    """Each tensor of the export at ``exported`` against the checkpoint ``ckpt`` it was written
-    from (see the module); ``spec``: the spec the export was written by (None: the names as
-    saved)."""
-    return locate.read_consistently(
-        ckpt, lambda found: _compare(exported, found.root, ckpt, spec, progress)
-    )
+@dataclasses.dataclass
+class _Export:
+    """An export as its format's import reads it, planned once for the tensors and the
+    logits."""
+
+    path: str
+    format: str
+    model_names: bool  # the import reads a torch model's names (its experts fused)
+    items: list
+    config: dict | None  # its config.json, read through its Storage (None: it holds none)
+    where: str
 
 
-def _compare(exported: str, root: str, ckpt: str, spec: Any, progress) -> ExportComparison:
-    """``compare_export`` of the checkpoint found at ``root``."""
-    manifest = store.read_manifest(root)
+def _read_export(exported: str) -> _Export:
+    """``exported`` planned by its format's import, and its ``config.json``."""
     importer = registry.importer_for(exported)
-    config = os.path.join(exported, "config.json")  # a safetensors export's: the heads
-    config = config if spec and os.path.isfile(config) else None
-    # a torch DCP export holds the names transformers' model has (its experts fused)
-    spec = by_spec.load(spec, manifest, config, state_dict=importer.model_names)
+    storage = store.storage_for(exported)
+    where = storage.join("config.json")
+    raw = storage.read("config.json", logits.MAX_CONFIG_BYTES)
+    config = None if raw is None else logits.config_object(raw, where)
+    items = list(registry.plan_import(exported, format=importer).items)
+    return _Export(exported, importer.format, importer.model_names, items, config, where)
+
+
+def verify_export(
+    exported: str, ckpt: str, spec: Any, progress, with_logits: bool, tolerance: float | None
+) -> tuple[ExportComparison, Any]:
+    """Each tensor of the export at ``exported`` against the checkpoint ``ckpt`` it was written
+    from (see the module; ``spec``: the spec the export was written by, None: the names as
+    saved) and, ``with_logits``, its model's logits against the checkpoint's
+    (:func:`_export_logits`; else None)."""
+    export = _read_export(exported)
+    found = locate.read_consistently(ckpt, lambda c: _compare(export, c.root, ckpt, spec, progress))
+    return found, _export_logits(export, ckpt, spec, tolerance) if with_logits else None
+
+
+def _compare(export: _Export, root: str, ckpt: str, spec: Any, progress) -> ExportComparison:
+    """The comparison of the checkpoint found at ``root``."""
+    manifest = store.read_manifest(root)
+    # a safetensors export's config.json: the heads; a torch DCP export holds the names
+    # transformers' model has (its experts fused)
+    config = export.config if spec else None
+    spec = by_spec.load(spec, manifest, config, state_dict=export.model_names)
     available = ucp_source.available_tensors(manifest, spec)
     ours: dict[tuple, tuple] = {}
     for key, found in available.items():
         canonical = _canonical(tuple(key), found.sources[0])
         if canonical is not None:
             ours.setdefault(canonical, tuple(key))
-    plan = registry.plan_import(exported, format=importer)
-    result = ExportComparison(format=importer.format)
+    result = ExportComparison(format=export.format)
     seen = set()
-    items = list(plan.items)
+    items = export.items
     for done, item in enumerate(items, 1):
         name = keypath.key_to_str(item.key)
         key = ours.get(tuple(item.key)) or (
@@ -88,8 +112,7 @@ def _compare(exported: str, root: str, ckpt: str, spec: Any, progress) -> Export
             result.different[name] = f"exported, but {ckpt} holds no tensor of this name and role"
         else:
             seen.add(key)
-            value = item.value
-            got = np.asarray(value.build(name) if isinstance(value, writer.Deferred) else value)
+            got = _value(item.value, name)
             (want,) = ucp_source.read(root, manifest, [Request(key)], available=available)
             why = _differs(got, np.asarray(want), tuple(item.key) == ("opt_state", "count"))
             if why:
@@ -104,39 +127,40 @@ def _compare(exported: str, root: str, ckpt: str, spec: Any, progress) -> Export
         if k not in seen and c[0] in ("params", "opt_state") and c[-1] != "count"
     ]
     if not items:
-        raise RequestError(f"{exported}: its import holds no tensor to compare")
+        raise RequestError(f"{export.path}: its import holds no tensor to compare")
     return result
 
 
-def export_logits(exported: str, ckpt: str, spec: Any, tolerance: float | None) -> Any:
-    """``verify(EXPORTED, against=CKPT, logits=True)``: the logits of the export's model weights,
-    read by its format's import, against the checkpoint's (``logits.compare_export_logits``); the
-    model's settings are the export's ``config.json``, else the one the checkpoint recorded,
-    else refused: an export that carries none (a torch DCP) says nothing of its model."""
-    importer = registry.importer_for(exported)
+def _value(value: Any, name: str) -> np.ndarray:
+    """An item's value, built if the import deferred it."""
+    return np.asarray(value.build(name) if isinstance(value, writer.Deferred) else value)
+
+
+def _export_logits(export: _Export, ckpt: str, spec: Any, tolerance: float | None) -> Any:
+    """The logits of the export's model weights, read by its format's import, against the
+    checkpoint's (``logits.compare_export_logits``); the model's settings are the export's
+    ``config.json``, else the one the checkpoint recorded, else refused: an export that carries
+    none (a torch DCP) says nothing of its model."""
     items = [
         it
-        for it in registry.plan_import(exported, format=importer).items
+        for it in export.items
         if len(it.key) == 2 and it.key[0] in ("params", "model_params") and not it.tied_to
     ]
     tree = "model_params" if any(it.key[0] == "model_params" for it in items) else "params"
-    where = os.path.join(exported, "config.json")
-    if os.path.isfile(where):
-        config = logits.read_config(exported)
+    config, where = export.config, export.where
+    if config is not None:
+        config = logits.checked_config(config, where)
     else:
         config, where = by_spec.recorded_config(inspect(ckpt).source), f"{ckpt}'s recorded config"
         if config is None:
             raise RequestError(
-                f"--logits needs the model's settings (a config.json): {exported} (a "
-                f"{importer.format} export) holds none and {ckpt} records none (a "
+                f"--logits needs the model's settings (a config.json): {export.path} (a "
+                f"{export.format} export) holds none and {ckpt} records none (a "
                 f"SafetensorsExport with config= writes one); compare the tensors alone"
             )
 
     def weights() -> dict[str, Any]:
-        def read(value: Any, name: str) -> Any:
-            return value.build(name) if isinstance(value, writer.Deferred) else value
-
-        return {it.key[1]: read(it.value, it.key[1]) for it in items if it.key[0] == tree}
+        return {it.key[1]: _value(it.value, it.key[1]) for it in items if it.key[0] == tree}
 
     return logits.compare_export_logits(
         ckpt,
@@ -146,7 +170,7 @@ def export_logits(exported: str, ckpt: str, spec: Any, tolerance: float | None) 
         tree,
         spec=spec,
         tolerance=tolerance,
-        source=f"the export {exported} read by its {importer.format} import",
+        source=f"the export {export.path} read by its {export.format} import",
     )
 
 

@@ -48,7 +48,7 @@ SUPPORTED = tuple(FAMILIES)
 #: another order differ by ~1e-6 on small models; a misplaced weight moves them by far more)
 DEFAULT_TOLERANCE = 1e-4
 _BATCH = (2, 16)  # the fixed batch: 2 sequences of 16 token ids (fewer if the model is shorter)
-_MAX_CONFIG_BYTES = 16 << 20
+MAX_CONFIG_BYTES = 16 << 20  # a config.json read whole: larger is no model's
 
 
 @dataclasses.dataclass
@@ -125,13 +125,15 @@ def read_config(folder: str) -> dict:
     """The folder's ``config.json``, bounded, and refused unless its model is one
     ``TransformerLM`` computes, naming what it found."""
     path = files.inside_checkpoint(folder, "config.json", f"{folder}: the model's")
-    try:
-        config = files.strict_loads(files.read_regular(path, _MAX_CONFIG_BYTES))
-    except (ValueError, RecursionError) as e:
-        raise SourceError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+    return checked_config(config_object(files.read_regular(path, MAX_CONFIG_BYTES), path), path)
+
+
+def config_object(raw: bytes, path: str) -> dict:
+    """A ``config.json``'s bytes (read from ``path``) as the JSON object it must hold."""
+    config = files.strict_json(raw, path)
     if not isinstance(config, dict):
         raise SourceError(f"{path}: expected a JSON object")
-    return checked_config(config, path)
+    return config
 
 
 def checked_config(config: dict, path: str) -> dict:

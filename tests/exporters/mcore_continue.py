@@ -4,7 +4,8 @@ generator (CFG: its ``kind``, ``tp``, ``pp``, ``vpp``, ``ep``, ``etp``, ``shared
 step (forward, backward, Adam; with ``pp`` 2 one micro-batch sent between the stages by hand,
 through each stage's model chunks with ``vpp``; tied embeddings' gradients summed over the
 embedding group as ``finalize_model_grads`` does) and saves each parameter's gradient
-and the stepped state, all with its own ``dist_checkpointing.save``. A grouped-GEMM model
+and the stepped state, all with its own ``dist_checkpointing.save`` (its optimizer state at
+the offsets its load reads: ``_in_buffer_space``). A grouped-GEMM model
 (whose forward needs CUDA's grouped_gemm) only loads and saves.
 
 Run:  python mcore_continue.py GENERATOR EXPORT OUT CFG_JSON WORLD PORT
@@ -80,6 +81,10 @@ def worker(rank: int) -> None:
     meta = dist_checkpointing.load_content_metadata(SRC)  # as Megatron-LM's load_checkpoint
     assert meta["distrib_optim_sharding_type"] == "fully_reshardable", meta
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_states
+    dp_zero = DistributedOptimizer.get_parameter_state_dp_zero
+    DistributedOptimizer.get_parameter_state_dp_zero = lambda self, *a, **kw: _in_buffer_space(
+        self, dp_zero(self, *a, **kw)
+    )
 
     def model_sd():  # as Megatron-LM's generate_state_dict: model0, model1, .. with VPP
         sds = [c.sharded_state_dict() for c in models]
@@ -215,6 +220,32 @@ def _set_states(self, model_param, tensors):
     found = {"param": main, **self.optimizer.state[main]}
     for key, value in tensors.items():
         found[key].copy_(value)
+
+
+def _in_buffer_space(self, state):
+    """megatron-core's save bug (0.16.1 to 0.19.2, its "issue #504" TODO): the world tensors
+    ``get_parameter_state_dp_zero`` gathers drop the padding at each bucket's end, but the
+    ``fully_reshardable`` save slices them at ``param_index_map``'s buffer offsets, which count
+    it, so a parameter after a padded bucket is saved shifted by that padding (the tied
+    embedding, in a bucket of its own at PP > 1: 2 rows, "param range exceeds unpadded buffer by
+    64 elements"); its load slices each tensor by the parameter's own range, unshifted. The
+    world tensors are put back at their buckets' offsets, so the save writes what was loaded."""
+    import torch
+
+    for index, buffer in () if state is None else enumerate(self.buffers):
+        for world in state[index].values():
+            for key, flat in world.items():
+                if not isinstance(flat, torch.Tensor):
+                    continue
+                end = buffer.buckets[-1]
+                out, at = flat.new_zeros(end.offset + end.numel_unpadded), 0
+                for bucket in buffer.buckets:
+                    out[bucket.offset : bucket.offset + bucket.numel_unpadded] = flat[
+                        at : at + bucket.numel_unpadded
+                    ]
+                    at += bucket.numel_unpadded
+                world[key] = out
+    return state
 
 
 if __name__ == "__main__":

@@ -158,3 +158,19 @@ def test_only_a_tied_weight_may_share_a_storage_entry(tmp_path, borrower):
     write_layout(tmp_path / "dcp", tensors, objects)
     with pytest.raises(jax_ucp.UCPError, match=r"model\.embed\.weight.*are one storage entry"):
         jax_ucp.convert(tmp_path / "dcp", tmp_path / "back")
+
+
+def test_a_selection_whose_names_all_start_with_model_verifies(tmp_path):
+    """A tied Hugging Face model's weights exported with ``select`` are all named ``model.*``
+    (no ``lm_head.weight``), top-level keys of the dict saved: the DCP's ``planner_data`` says
+    so, and its import keeps the names (not a ``model`` container stripped off, which torch's
+    ``{"model": state_dict}`` is), so the export verifies against its checkpoint."""
+    rng = np.random.default_rng(0)
+    shapes = {"model.embed_tokens.weight": (6, 4), "model.norm.weight": (4,)}
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    ckpt = jax_ucp.save(str(tmp_path / "run"), {"params": params})
+    jax_ucp.export(ckpt, tmp_path / "dcp", TorchDcpExport(select="params"))
+    assert jax_ucp.verify(tmp_path / "dcp", against=ckpt) == []
+    back = jax_ucp.inspect(jax_ucp.convert(tmp_path / "dcp", tmp_path / "back"))
+    assert sorted(t.key[1] for t in back.tensors) == sorted(shapes)
+    assert back.source["model_container"] is None

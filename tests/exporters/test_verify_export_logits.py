@@ -11,6 +11,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.exporters import SafetensorsExport, TorchDcpExport
+from jax_ucp._src.importers import registry
 from jax_ucp.errors import RequestError
 from jax_ucp.language import load_spec
 from tests.exporters.test_by_spec import _config, random_tree
@@ -22,20 +23,23 @@ pytestmark = pytest.mark.torch
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
-    """A Mistral flax tree (random weights) saved, its spec and config.json (dense, untied: an
-    MoE's first forward pass costs JAX ~30 s of compiling here; a tied model's DCP names all
-    start with ``model.``, which its import reads as the state dict's model key)."""
+    """A Mistral flax tree (random weights) saved, its spec and config.json (dense: an MoE's
+    first forward pass costs JAX ~30 s of compiling here)."""
     root = tmp_path_factory.mktemp("export_logits")
     cfg, name, tree = random_tree("mistral")
     ckpt = jax_ucp.save(str(root / "flax"), {"params": tree})
     return root, ckpt, tree, load_spec(name, **cfg.head_settings), _config("mistral")
 
 
-def test_safetensors_and_dcp_exports_compute_the_checkpoints_logits(mistral):
+def test_safetensors_and_dcp_exports_compute_the_checkpoints_logits(mistral, monkeypatch):
+    """The export's import planned once, for its tensors and its logits."""
     root, ckpt, _, spec, config = mistral
     jax_ucp.export(ckpt, root / "hf", SafetensorsExport(spec=spec, config=config))
+    planned, plan = [], registry.plan_import
+    monkeypatch.setattr(registry, "plan_import", lambda *a, **k: planned.append(a) or plan(*a, **k))
     found = jax_ucp.verify(root / "hf", against=ckpt, spec=spec, logits=True)
     assert list(found) == [] and found.logits is not None, found
+    assert len(planned) == 1 and found.exported.equal
     assert found.logits.max_abs_diff == 0 and "safetensors import" in found.logits.source
     # the safetensors folder imported (it records its config.json), exported as torch DCP under
     # the same names: the settings come from the checkpoint's record

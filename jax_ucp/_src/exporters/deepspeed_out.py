@@ -139,7 +139,8 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
         dst: the directory to create.
         options: this format's options (``engine.export`` checked them)."""
     manifest = store.read_manifest(root)
-    spec = by_spec.load(options.spec, manifest, None)  # the names DeepSpeed's model has
+    # the names DeepSpeed's model has: its named_parameters (transformers 5's experts fused)
+    spec = by_spec.load(options.spec, manifest, None, state_dict=options.state_dict_names)
     available = ucp_source.available_tensors(manifest, spec)
     # each tensor's manifest entry (a view's: its first source's), for its role
     by_key = {k: a.sources[0] for k, a in available.items()}

@@ -61,9 +61,11 @@ class DeepSpeedUniversalExport(_Export):
         param_groups: the loading engine's optimizer param groups (DeepSpeed pairs them by
             position).
         spec: the spec the run was imported with (name, path or ``Spec``), run backwards so
-            that the parameters get the torch model's names (None: the saved key paths)."""
+            that the parameters get the torch model's names, as its ``named_parameters`` gives
+            them (a transformers 5 MoE's experts fused; None: the saved key paths)."""
 
     format: ClassVar[str] = "deepspeed-universal"
+    state_dict_names: ClassVar[bool] = True  # load_universal opens zero/<model parameter>/
     force: bool = False
     param_groups: int = 1
     spec: Any = None

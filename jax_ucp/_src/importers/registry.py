@@ -62,6 +62,7 @@ IMPORTERS: dict[str, Importer] = {
             deepspeed.plan,
             deepspeed.DeepSpeedOptions,
             run=deepspeed_run,
+            model_names=True,  # DeepSpeed saves the model's named_parameters
         ),
     )
 }

@@ -220,6 +220,9 @@ class DcpCheckpoint:
     layout: str = "dcp"
     #: what the reader could not check and the import records (``source.notes``)
     notes: tuple[str, ...] = ()
+    #: each entry's top-level key in the state dict saved, as ``.metadata``'s ``planner_data``
+    #: records it (``{"model": {"a.b": t}}``: ``model.a.b`` -> ``model``); {} where it is silent
+    tops: dict[str, str] = field(default_factory=dict)
     _covered: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
     _real: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
     #: objects (an :class:`ObjectPath`'s) found to hold at least this many bytes: probed once
@@ -950,7 +953,13 @@ def open_dcp(
             objects[name] = DcpObject(name, rp, bo, bl, trs)
         else:
             raise SourceError(f"{mfile}: entry {name!r} has unknown metadata type {kind}")
-    ck = DcpCheckpoint(root, tensors, objects, getattr(md, "version", None))
+    paths = getattr(md, "planner_data", None)
+    tops = {
+        n: p[0]
+        for n, p in (paths.items() if isinstance(paths, dict) else ())
+        if isinstance(n, str) and isinstance(p, tuple) and p and isinstance(p[0], str)
+    }
+    ck = DcpCheckpoint(root, tensors, objects, getattr(md, "version", None), tops=tops)
     try:
         check_disjoint(tensors, objects, mfile)
     except SourceError:

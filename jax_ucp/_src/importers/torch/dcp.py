@@ -17,7 +17,9 @@ model and the optimizer sit:
 * the model container ``P`` (``model.`` for ``get_state_dict`` / Accelerate / Lightning,
   nothing for torchtitan's top-level model keys) is found from the optimizer's parameter names
   (``P + name`` must be a tensor for every one) or, without optimizer state, is a single
-  top-level ``model.`` / ``state_dict.`` all tensors share;
+  top-level ``model.`` / ``state_dict.`` all tensors share, unless ``.metadata``'s
+  ``planner_data`` records them as keys of the dict saved (a tied model's weights, all
+  ``model.*``, exported by jax_ucp);
 * everything else (``train_state``, ``lr_scheduler``, ``dataloader``, pickled objects) is listed
   in ``source.skipped``.
 """
@@ -440,6 +442,8 @@ def _container(
             f"tensor is named like {probe!r} under one prefix (model tensors: "
             f"{sorted(model_names)[:3]})"
         )
+    if any(tensors[n][0].tops.get(n) == n for n in model_names):  # a key of the dict saved
+        return ""  # (planner_data: {"model.embed.weight": t} has no model container)
     firsts = {n.split(".", 1)[0] for n in model_names if "." in n}
     if len(firsts) == 1 and firsts <= set(MODEL_CONTAINERS) and all("." in n for n in model_names):
         return firsts.pop() + "."
