@@ -31,8 +31,9 @@ MAX_LOCAL_QUESTIONS = 13
 #: ``store/``: a ``.safetensors`` object's folder; 40 with round 13's verify of a source's
 #: medium and the Megatron export's destination; 41 with round 14's verify of an export, whose
 #: ``against`` is told a UCP checkpoint by the open stage's one decision; 40 with the DCP
-#: reader no longer choosing a medium for a path)
-MAX_STORAGE_FOR_CALLS = 40
+#: reader no longer choosing a medium for a path; 41 with round 19's export check reading the
+#: export's config.json through its Storage, where it asked ``os.path.isfile``)
+MAX_STORAGE_FOR_CALLS = 41
 #: modules decoding a safetensors header (its length bounded by ``MAX_HEADER_BYTES``): one,
 #: local and remote (``format.safetensors`` over a medium's ``Storage.reader``)
 MAX_SAFETENSORS_DECODERS = 1

@@ -64,12 +64,12 @@ class _Export:
 
 def _read_export(exported: str) -> _Export:
     """``exported`` planned by its format's import, and its ``config.json``."""
-    importer = registry.importer_for(exported)
-    storage = store.storage_for(exported)
+    storage = store.storage_for(exported)  # one medium for the import and its config.json
+    importer = registry.importer_for(storage)
     where = storage.join("config.json")
     raw = storage.read("config.json", logits.MAX_CONFIG_BYTES)
     config = None if raw is None else logits.config_object(raw, where)
-    items = list(registry.plan_import(exported, format=importer).items)
+    items = list(registry.plan_import(storage, format=importer).items)
     return _Export(exported, importer.format, importer.model_names, items, config, where)
 
 
