@@ -716,6 +716,10 @@ def _other_run(
     spec = spec_with_recorded_settings(spec, source, notes := [])
     tree = run.restore(_restore_keywords(options, spec, where))
     params, opt = tree["params"], tree.get("opt_state") or {}
+    tied, why = _ties(run, spec, torch_optimizer_record(source))
+    if why:
+        raise RequestError(f"{where}: {why}")
+    params = _untied(params, run.saved, spec, tied)
     step = _step_of(opt, source, notes, where)
     held = frozen.find(params, *(v for v in opt.values() if isinstance(v, dict)))
     trained = params if held is None else held.only(params)
