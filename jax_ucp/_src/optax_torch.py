@@ -540,7 +540,8 @@ def _ties(run: _Run, spec: Any, recorded: dict) -> tuple[dict[str, str], str]:
     if settings.get("tie_word_embeddings") is not True:
         return tied, "" if not same else (
             f"{_HEAD} has no optimizer state, its bytes are {embedding}'s and no file records "
-            f"a tie: tied or frozen? If the model ties them, give the spec its config's "
+            f"a tie: tied or frozen? If the model ties them, save its config.json "
+            f"(tie_word_embeddings true) in the weights' folder, or give the spec "
             f"tie_word_embeddings=True"
         )
     if not same:
