@@ -656,3 +656,54 @@ def test_a_checkpoint_folder_renamed_to_another_step_says_so(tmp_path):
         r"says 3 \(renamed or copied\?\); the Trainer.s resume counts from global_step 3",
     ):
         assert trainer_files.trainer_record(str(renamed))["global_step"] == 3
+
+
+def _prefix_truth() -> dict[str, np.ndarray]:
+    return load_truth(os.path.join(TRAINER, "trainer_prefix.truth.npz"))
+
+
+@pytest.mark.torch  # no torch needed: the import, restore and optax's first step take ~10 s
+def test_trainer_prefix_tuning_checkpoint_continues_with_no_order_given(tmp_path):
+    """A Trainer + peft prefix-tuning checkpoint (peft 0.21.2 itself): its one trained tensor,
+    the prompt encoder's embedding (saved as prompt_embeddings), imports with its moments and
+    step bit for bit, no parameter_order nor base config (the adapter config gives its shape),
+    and optax_from_torch takes the run's step 4 on the gradient the Trainer fed (within 1e-6)."""
+    import optax
+
+    src = trainer_src("trainer_prefix")
+    live = "prompt_encoder.default.embedding.weight"
+    truth = _prefix_truth()
+    want = {
+        k.replace(live, "prompt_embeddings"): v
+        for k, v in truth.items()
+        if not k.startswith("next_")
+    }
+    assert_matches_run(jax_ucp.restore(jax_ucp.convert(src, tmp_path / "ucp")), want)
+    run = jax_ucp.optax_from_torch(src)
+    assert "weight decay 0.1 on 1 of 1 leaves, decoupled (AdamW)" in run.notes
+    grads = {"prompt_embeddings": truth[f"next_grad/{live}"]}
+    updates, _ = run.tx.update(grads, run.opt_state, run.params)
+    got = optax.apply_updates(run.params, updates)["prompt_embeddings"]
+    np.testing.assert_allclose(np.asarray(got), truth[f"next_param/{live}"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ({"prefix_projection": True}, r"prefix_projection true: its prompt encoder trains"),
+        ({"peft_type": "P_TUNING"}, r"peft_type P_TUNING: its prompt encoder trains"),
+        ({"num_layers": 3}, r"exp_avg \[3, 64\] vs \[3, 96\]"),
+        ({"token_dim": "16"}, r"token_dim='16', expected a positive int"),
+    ],
+)
+def test_a_prompt_adapter_whose_saved_tensor_is_not_what_trains_is_refused(tmp_path, edit, said):
+    """A prompt encoder whose parameters are not the saved prompt_embeddings (p-tuning's and
+    prefix_projection's MLP), and an adapter config whose shape the file contradicts, are
+    refused naming the field."""
+    src = _copy(trainer_src("trainer_prefix"), tmp_path / "src")
+    path = os.path.join(src, "adapter_config.json")
+    with open(path) as f:
+        adapter = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**adapter, **edit}, f)
+    assert_convert_refused(src, tmp_path / "refused", said)
