@@ -242,4 +242,4 @@ def _prompt(config: Mapping[str, Any], tensors: Sequence[Tensor], where: str) ->
     )
     found = {t.name: list(t.shape) for t in tensors}
     if found != {"prompt_embeddings": shape}:
-        refuse("peft_type", f"one tensor prompt_embeddings {shape}", found)
+        refuse("peft_type", f"one tensor prompt_embeddings {shape} (select= it)", found)

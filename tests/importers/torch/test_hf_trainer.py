@@ -16,6 +16,7 @@ import warnings
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import jax_ucp
 from jax_ucp._src.importers.plan import tensor_names
@@ -707,3 +708,56 @@ def test_a_prompt_adapter_whose_saved_tensor_is_not_what_trains_is_refused(tmp_p
     with open(path, "w") as f:
         json.dump({**adapter, **edit}, f)
     assert_convert_refused(src, tmp_path / "refused", said)
+
+
+@pytest.mark.torch
+def test_an_adapter_checkpoint_imports_with_its_base_model_frozen(tmp_path):
+    """base_model= the base model's save_pretrained folder (trainer_prefix's run saved it): its
+    weights import bit for bit under their own names beside the adapter, without optimizer
+    state (source.optimizer.no_state), and optax_from_torch holds them (zero updates on any
+    gradient) while the prompt takes the run's step 4 (within 1e-6)."""
+    import optax
+
+    src, base = trainer_src("trainer_prefix"), os.path.join(TRAINER, "trainer_prefix", "base")
+    options = TorchOptions(base_model=base)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=options)
+    weights = load_file(os.path.join(base, "model.safetensors"))
+    got = jax_ucp.restore(out)
+    assert sorted(got["params"]) == sorted([*weights, "prompt_embeddings"])
+    for name, value in weights.items():
+        assert_bit_exact(got["params"][name], value, name)
+    source = jax_ucp.inspect(out).source
+    assert sorted(source["optimizer"]["no_state"]) == sorted(weights)
+    assert source["base_model"] == os.path.abspath(base)
+    run = jax_ucp.optax_from_torch(src, options=jax_ucp.RestoreOptions(importing=options))
+    truth, live = _prefix_truth(), "prompt_encoder.default.embedding.weight"
+    grads = {n: np.ones(np.shape(v), np.float32) for n, v in run.params.items()}
+    grads["prompt_embeddings"] = truth[f"next_grad/{live}"]
+    updates, _ = run.tx.update(grads, run.opt_state, run.params)
+    stepped = optax.apply_updates(run.params, updates)
+    for name, value in weights.items():
+        assert_bit_exact(stepped[name], value, name)
+    np.testing.assert_allclose(
+        np.asarray(stepped["prompt_embeddings"]), truth[f"next_param/{live}"], rtol=0, atol=1e-6
+    )
+
+
+@pytest.mark.torch
+def test_a_lora_checkpoint_takes_its_order_from_the_base_model_given(tmp_path):
+    """base_model= beside a LoRA checkpoint: the base's config.json rebuilds the adapter's
+    order (no model_config=), the base's weights frozen beside; refused for a full model."""
+    base = os.path.join(TRAINER, "trainer_prefix", "base")  # the same tiny Llama config
+    options = TorchOptions(base_model=base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the rebuilt order's notice
+        lora = jax_ucp.convert(trainer_src("trainer_lora"), tmp_path / "lora", importing=options)
+    weights = load_file(os.path.join(base, "model.safetensors"))
+    source = jax_ucp.inspect(lora).source
+    assert source["parameter_order"].startswith(os.path.join(base, "config.json"))
+    assert sorted(source["optimizer"]["no_state"]) == sorted(weights)
+    assert_convert_refused(
+        trainer_src("trainer_fp32"),
+        tmp_path / "no",
+        r"base_model= is for a peft adapter",
+        importing=options,
+    )
