@@ -80,6 +80,18 @@ def adapter_config(tensors: Sequence[Tensor], given: Any, recorded: Any) -> dict
     return config
 
 
+def without_base(tensors: Sequence[Tensor], recorded: Any) -> list[Tensor]:
+    """The adapter's tensors: an import with ``base_model=`` (``source.base_model``) also holds
+    the base model's weights, its parameters without optimizer state, which peft does not load
+    from an adapter folder."""
+    record = recorded if isinstance(recorded, Mapping) else {}
+    optimizer = record.get("optimizer")
+    frozen = optimizer.get("no_state") if isinstance(optimizer, Mapping) else None
+    if not record.get("base_model") or not isinstance(frozen, list):
+        return list(tensors)
+    return [t for t in tensors if t.name not in set(frozen)]
+
+
 def _number(x: Any) -> bool:
     return type(x) in (int, float) and math.isfinite(x)
 

@@ -745,7 +745,8 @@ def test_an_adapter_checkpoint_imports_with_its_base_model_frozen(tmp_path):
 @pytest.mark.torch
 def test_a_lora_checkpoint_takes_its_order_from_the_base_model_given(tmp_path):
     """base_model= beside a LoRA checkpoint: the base's config.json rebuilds the adapter's
-    order (no model_config=), the base's weights frozen beside; refused for a full model."""
+    order (no model_config=), the base's weights frozen beside and left out of the adapter
+    export; refused for a full model."""
     base = os.path.join(TRAINER, "trainer_prefix", "base")  # the same tiny Llama config
     options = TorchOptions(base_model=base)
     with warnings.catch_warnings():
@@ -755,6 +756,15 @@ def test_a_lora_checkpoint_takes_its_order_from_the_base_model_given(tmp_path):
     source = jax_ucp.inspect(lora).source
     assert source["parameter_order"].startswith(os.path.join(base, "config.json"))
     assert sorted(source["optimizer"]["no_state"]) == sorted(weights)
+    # the adapter export leaves the base out: the folder the Trainer wrote, bit for bit
+    from jax_ucp._src.exporters import SafetensorsExport
+
+    out = jax_ucp.export(lora, tmp_path / "adapter", SafetensorsExport(adapter=True))
+    written = load_file(os.path.join(out.path, "adapter_model.safetensors"))
+    want = load_file(os.path.join(trainer_src("trainer_lora"), "adapter_model.safetensors"))
+    assert sorted(written) == sorted(want)
+    for name, value in want.items():
+        assert_bit_exact(written[name], value, name)
     assert_convert_refused(
         trainer_src("trainer_fp32"),
         tmp_path / "no",
