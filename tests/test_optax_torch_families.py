@@ -317,3 +317,89 @@ def test_a_fuzzed_group_of_a_saved_run_is_refused_by_name(tmp_path, file, edit, 
     with warnings.catch_warnings(), pytest.raises(error, match=said):
         warnings.simplefilter("ignore", UserWarning)
         jax_ucp.optax_from_torch(path)
+
+
+def _tied_model(torch):
+    """A model whose head is its embedding (torch's tie: one parameter, two state-dict names)."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.embed_tokens = torch.nn.Embedding(12, 8)
+            self.model.proj = torch.nn.Linear(8, 8)
+            self.lm_head = torch.nn.Linear(8, 12, bias=False)
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+        def forward(self, x):
+            return self.lm_head(torch.tanh(self.model.proj(self.model.embed_tokens(x))))
+
+    return Tied()
+
+
+_TIED_RUNS = {  # each optimizer over the tied model's parameters (the tie once)
+    "sgd": lambda torch, named: [
+        torch.optim.SGD(named, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+    ],
+    "adafactor": lambda torch, named: [
+        __import__("transformers").optimization.Adafactor(named, lr=None)
+    ],
+    "muon": lambda torch, named: [
+        torch.optim.Muon([(n, p) for n, p in named if n == "model.proj.weight"], lr=0.02),
+        torch.optim.AdamW([(n, p) for n, p in named if n != "model.proj.weight"], lr=3e-3),
+    ],
+}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("kind", sorted(_TIED_RUNS))
+def test_a_tied_run_of_sgd_adafactor_or_muon_continues_as_one_parameter(tmp_path, kind):
+    """A tied embedding / head under torch SGD (Nesterov), transformers' Adafactor or Muon +
+    AdamW, saved with torch.save (the tie: one storage): continued as one parameter (no
+    lm_head leaf, as for AdamW), torch's next three steps within 1e-6 (before: a pytree
+    structure error, lm_head in the params and not in the gradients)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = _tied_model(torch)
+    named = list(model.named_parameters())
+    assert "lm_head.weight" not in dict(named)
+    x = torch.randint(0, 12, (6,))
+    optimizers = _TIED_RUNS[kind](torch, named)
+    saved = list if len(optimizers) > 1 else None
+    path, grads, want = _torch_steps(tmp_path, model, optimizers, x, saved=saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no schedule or clipping recorded
+        run = jax_ucp.optax_from_torch(path)
+    assert sorted(run.params) == sorted(n for n, _ in named)
+    _continue(run, grads, want)
+
+
+@pytest.mark.torch
+def test_a_tie_recorded_only_by_name_continues_with_the_models_config(tmp_path):
+    """The state dict saved as copies (both names, two storages; the optimizer holds the one
+    parameter): the tie is the model's config's. Without a config.json beside the weights the
+    head is refused as tied or frozen, naming the way out; with one saying
+    tie_word_embeddings, continued as one parameter within 1e-6 of torch."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = _tied_model(torch)
+    named = list(model.named_parameters())
+    optimizers = _TIED_RUNS["sgd"](torch, named)
+    path, grads, want = _torch_steps(tmp_path, model, optimizers, torch.randint(0, 12, (6,)))
+    saved = torch.load(path, weights_only=True)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    save_file({k: v.clone() for k, v in saved["model"].items()}, folder / "model.safetensors")
+    torch.save(saved["optimizer"], folder / "optimizer.pt")
+    with warnings.catch_warnings(), pytest.raises(jax_ucp.UCPError, match="tied or frozen"):
+        warnings.simplefilter("ignore", UserWarning)
+        jax_ucp.optax_from_torch(str(folder))
+    (folder / "config.json").write_text('{"tie_word_embeddings": true}')
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        run = jax_ucp.optax_from_torch(str(folder))
+    assert "lm_head.weight" not in run.params
+    _continue(run, grads, want)

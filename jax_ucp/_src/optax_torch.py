@@ -540,7 +540,8 @@ def _ties(run: _Run, spec: Any, recorded: dict) -> tuple[dict[str, str], str]:
     if settings.get("tie_word_embeddings") is not True:
         return tied, "" if not same else (
             f"{_HEAD} has no optimizer state, its bytes are {embedding}'s and no file records "
-            f"a tie: tied or frozen? If the model ties them, give the spec its config's "
+            f"a tie: tied or frozen? If the model ties them, save its config.json "
+            f"(tie_word_embeddings true) in the weights' folder, or give the spec "
             f"tie_word_embeddings=True"
         )
     if not same:
@@ -716,6 +717,10 @@ def _other_run(
     spec = spec_with_recorded_settings(spec, source, notes := [])
     tree = run.restore(_restore_keywords(options, spec, where))
     params, opt = tree["params"], tree.get("opt_state") or {}
+    tied, why = _ties(run, spec, torch_optimizer_record(source))
+    if why:
+        raise RequestError(f"{where}: {why}")
+    params = _untied(params, run.saved, spec, tied)
     step = _step_of(opt, source, notes, where)
     held = frozen.find(params, *(v for v in opt.values() if isinstance(v, dict)))
     trained = params if held is None else held.only(params)

@@ -311,3 +311,39 @@ def test_peft_patterns_outside_the_bounded_subset_are_refused():
     for bad in ("(a+)+", "(a|b)*", "(?=x)", r"\1", "a)", "(a", "[a", "*a", "x" * 300, "[[a]]"):
         with pytest.raises(ValueError):
             paths(bad, 40)
+
+
+PREFIX = os.path.join(TRAINER, "trainer_prefix")
+
+
+@pytest.mark.torch
+def test_a_prefix_tuning_adapter_exports_as_peft_loads_it(tmp_path):
+    """The Trainer + peft prefix-tuning checkpoint's import exports as the adapter peft wrote
+    (prompt_embeddings bit for bit, adapter_config.json as recorded); with peft, PeftModel.
+    from_pretrained over the run's base (saved beside by its save_pretrained) gives the same
+    prompt encoder and logits as the source folder; a config whose shape the tensor
+    contradicts is refused."""
+    folder = os.path.join(PREFIX, "checkpoint-3")
+    ckpt = jax_ucp.convert(folder, tmp_path / "ucp")
+    out = jax_ucp.export(ckpt, tmp_path / "adapter", SafetensorsExport(adapter=True))
+    _assert_as_source(folder, out.path)
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        config = {**json.load(f), "num_layers": 3}
+    with pytest.raises(RequestError, match=r"one tensor prompt_embeddings \[3, 96\]"):
+        jax_ucp.export(ckpt, tmp_path / "no", SafetensorsExport(adapter=True, config=config))
+    peft = pytest.importorskip("peft")
+    import torch
+    import transformers
+
+    def adapted(path: str):
+        base = transformers.LlamaForCausalLM.from_pretrained(os.path.join(PREFIX, "base"))
+        return peft.PeftModel.from_pretrained(base, path).eval()
+
+    want, got = adapted(folder), adapted(out.path)
+    want_sd, got_sd = want.state_dict(), got.state_dict()
+    assert sorted(got_sd) == sorted(want_sd)
+    for name, value in want_sd.items():
+        assert torch.equal(got_sd[name], value), name
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(got(input_ids=ids).logits, want(input_ids=ids).logits)

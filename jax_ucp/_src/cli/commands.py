@@ -587,6 +587,7 @@ IMPORT_FIELDS = (
         prefix="torch: ",
     ),
     FromField("importers.torch.options.TorchOptions", "model_config", prefix="torch: "),
+    FromField("importers.torch.options.TorchOptions", "base_model", prefix="torch: "),
 )
 CONVERT_FIELDS = (
     FromField(_CONVERT, "force"),

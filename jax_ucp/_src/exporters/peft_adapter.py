@@ -23,6 +23,8 @@ NEEDED = ("peft_type", "r", "lora_alpha", "target_modules")
 PREFIX = "base_model.model."  # each tensor of peft's saved adapter
 #: what this export writes: LoRA, and DoRA as peft saves it (LORA with use_dora)
 PEFT_TYPES = ("LORA",)
+#: peft's prompt-learning adapters this export writes: one tensor, the virtual tokens' embedding
+PROMPT_TYPES = ("PREFIX_TUNING", "PROMPT_TUNING")
 #: a module's tensors as peft saves them (its adapter name taken out): the role of each
 ROLES = {
     ".lora_A.weight": "A",
@@ -58,6 +60,9 @@ def adapter_config(tensors: Sequence[Tensor], given: Any, recorded: Any) -> dict
     if given is None and lora is not None and not isinstance(lora, Mapping):
         raise RequestError(f"adapter export: {where} is {type(lora).__name__}, not an object")
     config = read_config(given) if given is not None else dict(lora) if lora else {}
+    if config.get("peft_type") in PROMPT_TYPES:
+        _prompt(config, tensors, where)
+        return config
     missing = [k for k in NEEDED if config.get(k) is None]
     if missing:
         raise RequestError(
@@ -73,6 +78,18 @@ def adapter_config(tensors: Sequence[Tensor], given: Any, recorded: Any) -> dict
         )
     check(config, tensors, where)
     return config
+
+
+def without_base(tensors: Sequence[Tensor], recorded: Any) -> list[Tensor]:
+    """The adapter's tensors: an import with ``base_model=`` (``source.base_model``) also holds
+    the base model's weights, its parameters without optimizer state, which peft does not load
+    from an adapter folder."""
+    record = recorded if isinstance(recorded, Mapping) else {}
+    optimizer = record.get("optimizer")
+    frozen = optimizer.get("no_state") if isinstance(optimizer, Mapping) else None
+    if not record.get("base_model") or not isinstance(frozen, list):
+        return list(tensors)
+    return [t for t in tensors if t.name not in set(frozen)]
 
 
 def _number(x: Any) -> bool:
@@ -205,3 +222,36 @@ def _module(
         refuse("use_dora", f"a DoRA magnitude of {module!r} iff use_dora", dora, first)
     if m is not None and tuple(m.shape) != (b.shape[0],):
         refuse("use_dora", f"a magnitude of shape {[b.shape[0]]}", list(m.shape), m.name)
+
+
+def _prompt(config: Mapping[str, Any], tensors: Sequence[Tensor], where: str) -> None:
+    """A prefix / prompt tuning adapter: its one tensor ``prompt_embeddings`` of the shape peft
+    builds from the config (prefix: ``[num_virtual_tokens, num_layers * 2 * token_dim]``; prompt:
+    ``[num_virtual_tokens * num_transformer_submodules, token_dim]``), no projection (peft would
+    run an untrained MLP over it)."""
+
+    def refuse(key: str, expected: str, found: Any) -> NoReturn:
+        raise RequestError(
+            f"adapter export: {where} {key}: expected {expected}, found {found!r}; nothing "
+            f"was written (pass config= the adapter's {CONFIG_FILE} it was trained with)"
+        )
+
+    prefix = config["peft_type"] == "PREFIX_TUNING"
+    keys = ("num_virtual_tokens", "token_dim", *(("num_layers",) if prefix else ()))
+    sizes: dict[str, int] = {}
+    for key in (*keys, "num_transformer_submodules"):
+        value = config.get(key, 1 if key == "num_transformer_submodules" else None)
+        if type(value) is not int or value <= 0:
+            refuse(key, "a positive integer", value)
+        sizes[key] = value
+    if config.get("prefix_projection"):
+        refuse("prefix_projection", "false (the projection's MLP is not in the tensors)", True)
+    tokens, dim = sizes["num_virtual_tokens"], sizes["token_dim"]
+    shape = (
+        [tokens, sizes["num_layers"] * 2 * dim]
+        if prefix
+        else [tokens * sizes["num_transformer_submodules"], dim]
+    )
+    found = {t.name: list(t.shape) for t in tensors}
+    if found != {"prompt_embeddings": shape}:
+        refuse("peft_type", f"one tensor prompt_embeddings {shape} (select= it)", found)

@@ -118,8 +118,9 @@ def export(root: str, dst: str, options: SafetensorsExport) -> Exported:
         options: this format's options (``engine.export`` checked them)."""
     chosen = source.select(root, options, dtype_name, with_values=False)
     if options.adapter:  # peft reads one file and the adapter's config as recorded
-        config_file, groups = peft_adapter.CONFIG_FILE, [chosen.tensors]
-        config = peft_adapter.adapter_config(chosen.tensors, options.config, chosen.recorded)
+        tensors = peft_adapter.without_base(chosen.tensors, chosen.recorded)
+        config_file, groups = peft_adapter.CONFIG_FILE, [tensors]
+        config = peft_adapter.adapter_config(tensors, options.config, chosen.recorded)
     else:  # the one given, else the import's; of a family the spec maps (checked before writing)
         config_file = "config.json"
         groups = plan_files(chosen.tensors, int(options.max_file_bytes))  # parsed

@@ -16,6 +16,7 @@ import warnings
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import jax_ucp
 from jax_ucp._src.importers.plan import tensor_names
@@ -656,3 +657,117 @@ def test_a_checkpoint_folder_renamed_to_another_step_says_so(tmp_path):
         r"says 3 \(renamed or copied\?\); the Trainer.s resume counts from global_step 3",
     ):
         assert trainer_files.trainer_record(str(renamed))["global_step"] == 3
+
+
+def _prefix_truth() -> dict[str, np.ndarray]:
+    return load_truth(os.path.join(TRAINER, "trainer_prefix.truth.npz"))
+
+
+@pytest.mark.torch  # no torch needed: the import, restore and optax's first step take ~10 s
+def test_trainer_prefix_tuning_checkpoint_continues_with_no_order_given(tmp_path):
+    """A Trainer + peft prefix-tuning checkpoint (peft 0.21.2 itself): its one trained tensor,
+    the prompt encoder's embedding (saved as prompt_embeddings), imports with its moments and
+    step bit for bit, no parameter_order nor base config (the adapter config gives its shape),
+    and optax_from_torch takes the run's step 4 on the gradient the Trainer fed (within 1e-6)."""
+    import optax
+
+    src = trainer_src("trainer_prefix")
+    live = "prompt_encoder.default.embedding.weight"
+    truth = _prefix_truth()
+    want = {
+        k.replace(live, "prompt_embeddings"): v
+        for k, v in truth.items()
+        if not k.startswith("next_")
+    }
+    assert_matches_run(jax_ucp.restore(jax_ucp.convert(src, tmp_path / "ucp")), want)
+    run = jax_ucp.optax_from_torch(src)
+    assert "weight decay 0.1 on 1 of 1 leaves, decoupled (AdamW)" in run.notes
+    grads = {"prompt_embeddings": truth[f"next_grad/{live}"]}
+    updates, _ = run.tx.update(grads, run.opt_state, run.params)
+    got = optax.apply_updates(run.params, updates)["prompt_embeddings"]
+    np.testing.assert_allclose(np.asarray(got), truth[f"next_param/{live}"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ({"prefix_projection": True}, r"prefix_projection true: its prompt encoder trains"),
+        ({"peft_type": "P_TUNING"}, r"peft_type P_TUNING: its prompt encoder trains"),
+        ({"num_layers": 3}, r"exp_avg \[3, 64\] vs \[3, 96\]"),
+        ({"token_dim": "16"}, r"token_dim='16', expected a positive int"),
+    ],
+)
+def test_a_prompt_adapter_whose_saved_tensor_is_not_what_trains_is_refused(tmp_path, edit, said):
+    """A prompt encoder whose parameters are not the saved prompt_embeddings (p-tuning's and
+    prefix_projection's MLP), and an adapter config whose shape the file contradicts, are
+    refused naming the field."""
+    src = _copy(trainer_src("trainer_prefix"), tmp_path / "src")
+    path = os.path.join(src, "adapter_config.json")
+    with open(path) as f:
+        adapter = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**adapter, **edit}, f)
+    assert_convert_refused(src, tmp_path / "refused", said)
+
+
+@pytest.mark.torch
+def test_an_adapter_checkpoint_imports_with_its_base_model_frozen(tmp_path):
+    """base_model= the base model's save_pretrained folder (trainer_prefix's run saved it): its
+    weights import bit for bit under their own names beside the adapter, without optimizer
+    state (source.optimizer.no_state), and optax_from_torch holds them (zero updates on any
+    gradient) while the prompt takes the run's step 4 (within 1e-6)."""
+    import optax
+
+    src, base = trainer_src("trainer_prefix"), os.path.join(TRAINER, "trainer_prefix", "base")
+    options = TorchOptions(base_model=base)
+    out = jax_ucp.convert(src, tmp_path / "ucp", importing=options)
+    weights = load_file(os.path.join(base, "model.safetensors"))
+    got = jax_ucp.restore(out)
+    assert sorted(got["params"]) == sorted([*weights, "prompt_embeddings"])
+    for name, value in weights.items():
+        assert_bit_exact(got["params"][name], value, name)
+    source = jax_ucp.inspect(out).source
+    assert sorted(source["optimizer"]["no_state"]) == sorted(weights)
+    assert source["base_model"] == os.path.abspath(base)
+    run = jax_ucp.optax_from_torch(src, options=jax_ucp.RestoreOptions(importing=options))
+    truth, live = _prefix_truth(), "prompt_encoder.default.embedding.weight"
+    grads = {n: np.ones(np.shape(v), np.float32) for n, v in run.params.items()}
+    grads["prompt_embeddings"] = truth[f"next_grad/{live}"]
+    updates, _ = run.tx.update(grads, run.opt_state, run.params)
+    stepped = optax.apply_updates(run.params, updates)
+    for name, value in weights.items():
+        assert_bit_exact(stepped[name], value, name)
+    np.testing.assert_allclose(
+        np.asarray(stepped["prompt_embeddings"]), truth[f"next_param/{live}"], rtol=0, atol=1e-6
+    )
+
+
+@pytest.mark.torch
+def test_a_lora_checkpoint_takes_its_order_from_the_base_model_given(tmp_path):
+    """base_model= beside a LoRA checkpoint: the base's config.json rebuilds the adapter's
+    order (no model_config=), the base's weights frozen beside and left out of the adapter
+    export; refused for a full model."""
+    base = os.path.join(TRAINER, "trainer_prefix", "base")  # the same tiny Llama config
+    options = TorchOptions(base_model=base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the rebuilt order's notice
+        lora = jax_ucp.convert(trainer_src("trainer_lora"), tmp_path / "lora", importing=options)
+    weights = load_file(os.path.join(base, "model.safetensors"))
+    source = jax_ucp.inspect(lora).source
+    assert source["parameter_order"].startswith(os.path.join(base, "config.json"))
+    assert sorted(source["optimizer"]["no_state"]) == sorted(weights)
+    # the adapter export leaves the base out: the folder the Trainer wrote, bit for bit
+    from jax_ucp._src.exporters import SafetensorsExport
+
+    out = jax_ucp.export(lora, tmp_path / "adapter", SafetensorsExport(adapter=True))
+    written = load_file(os.path.join(out.path, "adapter_model.safetensors"))
+    want = load_file(os.path.join(trainer_src("trainer_lora"), "adapter_model.safetensors"))
+    assert sorted(written) == sorted(want)
+    for name, value in want.items():
+        assert_bit_exact(written[name], value, name)
+    assert_convert_refused(
+        trainer_src("trainer_fp32"),
+        tmp_path / "no",
+        r"base_model= is for a peft adapter",
+        importing=options,
+    )

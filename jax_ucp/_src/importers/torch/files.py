@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src.errors import OptimizerOrderWarning, SourceError
+from jax_ucp._src.errors import OptimizerOrderWarning, RequestError, SourceError
 from jax_ucp._src.format import files, safetensors
 from jax_ucp._src.format.safetensors import first_tensors, read_weight_map
 from jax_ucp._src.importers import trainer_files
@@ -244,6 +244,12 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
     if optimizer_file is None:
         trainer_files.check_optimizer_beside_scheduler(src, weights_only)
     model, found, other, optimizer, optimizer_at = _read_model_files(src, model_files)
+    base_folder = None if options.base_model is None else os.fspath(options.base_model)
+    if base_folder is not None:
+        _add_base(src, base_folder, model, found)
+        config = os.path.join(base_folder, trainer_files.CONFIG_FILE)
+        if model_config is None and parameter_order is None and os.path.isfile(config):
+            model_config = config  # the adapter's order over the base model's modules
     if os.path.isdir(src) and INDEX_FILE in os.listdir(src):
         _check_index(src, model)
     if optimizer_file is not None:
@@ -274,6 +280,8 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
         info["trainer"] = trainer_files.trainer_record(src)  # the schedule, clipping, step
     if os.path.isdir(src) and trainer_files.is_adapter_checkpoint(src):
         info["lora"] = trainer_files.adapter_record(src)  # exported back as peft reads it
+    if base_folder is not None:
+        info["base_model"] = os.path.abspath(base_folder)  # its weights imported, frozen
     if removed:
         info["wrappers_removed"] = removed
     if other:
@@ -286,6 +294,24 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
         **info,
     }
     return plan_state(state, source, options)
+
+
+def _add_base(src: str, base: str, model: dict, found: list[str]) -> None:
+    """The base model's weights (``base``: a folder of Hugging Face weights) added to the
+    adapter's under their own names: parameters without optimizer state, held frozen. Only
+    beside a peft adapter checkpoint; a name the adapter also has is refused."""
+    if not (os.path.isdir(src) and trainer_files.is_adapter_checkpoint(src)):
+        raise RequestError(f"{src}: base_model= is for a peft adapter checkpoint's folder")
+    if not os.path.isdir(base):
+        raise SourceError(f"base_model={base}: not a folder of the base model's weights")
+    weights = safetensors.shard_files(base) if safetensors.is_safetensors(base) else []
+    weights = weights or _files_of(base)[0]
+    tensors, base_found, *_ = _read_model_files(base, weights)
+    clash = sorted(set(tensors) & set(model))
+    if clash:
+        raise SourceError(f"base_model={base}: {clash[0]!r} is also a tensor of {src}")
+    model.update(tensors)
+    found += base_found
 
 
 def _read_model_files(src: str, model_files: list[str]):

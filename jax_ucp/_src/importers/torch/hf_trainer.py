@@ -295,9 +295,13 @@ def trainer_candidates(
         model_config: a ``config.json`` given for a folder without one (an Accelerate
             ``save_state``, a Trainer checkpoint without its config).
     """
-    model, what = _model_on_meta(folder, n_tensors, model_config)
     adapter_path = side_file(folder, ADAPTER_CONFIG_FILE)
-    if is_adapter_checkpoint(folder) and os.path.isfile(adapter_path):  # the base model's
+    adapter = is_adapter_checkpoint(folder) and os.path.isfile(adapter_path)
+    prompt = _prompt_candidates(adapter_path) if adapter else None
+    if prompt is not None:  # one embedding of the adapter's own: no base model to build
+        return prompt
+    model, what = _model_on_meta(folder, n_tensors, model_config)
+    if adapter:  # the base model's
         return _lora_candidates(adapter_path, model, what)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     shapes = {n: tuple(p.shape) for n, p in named}
@@ -440,4 +444,48 @@ def _lora_candidates(path: str, model, what: str) -> list[Candidate]:
             (decay, tuple(n for n in names if n in no_decay)),
             shapes,
         ),
+    ]
+
+
+#: peft's prompt-learning adapters: the virtual tokens' embedding is their one trained tensor,
+#: saved as ``prompt_embeddings``
+_PROMPT_TYPES = ("PREFIX_TUNING", "PROMPT_TUNING", "P_TUNING")
+
+
+def _prompt_candidates(path: str) -> list[Candidate] | None:
+    """The one trainable parameter of a peft prompt-learning adapter (prefix or prompt tuning),
+    ``prompt_encoder.<adapter>.embedding.weight`` saved as ``prompt_embeddings``: prefix tuning
+    ``[num_virtual_tokens, num_layers * 2 * token_dim]`` (each layer's key and value prefix),
+    prompt tuning ``[num_virtual_tokens * num_transformer_submodules, token_dim]``; in the
+    Trainer's decay group. None for another peft type. A prompt encoder that trains more than
+    the tensor it saves (p-tuning's MLP / LSTM, ``prefix_projection``'s MLP: the file holds
+    their output) is refused naming why."""
+    adapter = read_json(path)
+    kind = adapter.get("peft_type") if isinstance(adapter, dict) else None
+    if kind not in _PROMPT_TYPES:
+        return None
+    assert isinstance(adapter, dict)
+    if kind == "P_TUNING" or adapter.get("prefix_projection"):
+        field = "peft_type P_TUNING" if kind == "P_TUNING" else "prefix_projection true"
+        raise SourceError(
+            f"{path}: {field}: its prompt encoder trains an MLP / LSTM whose output, not its "
+            f"parameters, is saved as prompt_embeddings; the optimizer's state cannot be "
+            f"matched (weights_only=True imports the saved embeddings)"
+        )
+    sizes = {}
+    for key in ("num_virtual_tokens", "token_dim", "num_layers", "num_transformer_submodules"):
+        value = adapter.get(key, 1 if key == "num_transformer_submodules" else None)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+            raise SourceError(f"{path}: {key}={value!r}, expected a positive int")
+        sizes[key] = value
+    tokens, dim = sizes["num_virtual_tokens"], sizes["token_dim"]
+    if kind == "PREFIX_TUNING":
+        shape = (tokens, sizes["num_layers"] * 2 * dim)
+    else:
+        shape = (tokens * sizes["num_transformer_submodules"], dim)
+    rule = f"peft {kind.lower()}: prompt_embeddings {list(shape)}"
+    shapes = {"prompt_embeddings": shape}
+    return [
+        Candidate(f"{rule}, one group", (("prompt_embeddings",),), shapes),
+        Candidate(f"{rule}, the Trainer's groups", (("prompt_embeddings",), ()), shapes),
     ]

@@ -95,7 +95,9 @@ class ImportSource(TensorSource):
     def _tensor(self, key, name: str, value, item) -> _Tensor:
         p = item.provenance or {}
         files = ", ".join(map(str, p.get("files") or ())) or (
-            f"{p['file']}:{p['tensors'][0]}" if len(p.get("tensors") or ()) == 1 else self.path
+            ":".join(filter(None, (p.get("file"), p["tensors"][0])))  # a step: no file
+            if len(p.get("tensors") or ()) == 1
+            else self.path
         )
         if isinstance(value, writer.Deferred) and value.shape is None:
             with self._builds:  # its shape is known once built: kept until read
