@@ -112,7 +112,9 @@ def export_logits(exported: str, ckpt: str, spec: Any, tolerance: float | None) 
     """``verify(EXPORTED, against=CKPT, logits=True)``: the logits of the export's model weights,
     read by its format's import, against the checkpoint's (``logits.compare_export_logits``); the
     model's settings are the export's ``config.json``, else the one the checkpoint recorded,
-    else refused: an export that carries none (a torch DCP) says nothing of its model."""
+    else refused: an export that carries none (a torch DCP) says nothing of its model. The
+    checkpoint's logits take the fields it recorded itself, so an export whose config.json says
+    otherwise (another ``rms_norm_eps``) differs."""
     importer = registry.importer_for(exported)
     items = [
         it
@@ -121,10 +123,14 @@ def export_logits(exported: str, ckpt: str, spec: Any, tolerance: float | None) 
     ]
     tree = "model_params" if any(it.key[0] == "model_params" for it in items) else "params"
     where = os.path.join(exported, "config.json")
+    source = inspect(ckpt).source or {}
+    recorded = by_spec.recorded_config(source)
     if os.path.isfile(where):
         config = logits.read_config(exported)
+        if recorded and source.get("framework") != "safetensors":  # a record of some fields
+            recorded = {**config, **recorded}
     else:
-        config, where = by_spec.recorded_config(inspect(ckpt).source), f"{ckpt}'s recorded config"
+        config, where = recorded, f"{ckpt}'s recorded config"
         if config is None:
             raise RequestError(
                 f"--logits needs the model's settings (a config.json): {exported} (a "
@@ -147,6 +153,7 @@ def export_logits(exported: str, ckpt: str, spec: Any, tolerance: float | None) 
         spec=spec,
         tolerance=tolerance,
         source=f"the export {exported} read by its {importer.format} import",
+        recorded=recorded,
     )
 
 

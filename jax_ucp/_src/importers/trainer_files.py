@@ -91,6 +91,7 @@ MODEL_FIELDS = (
     "max_position_embeddings",
     "rms_norm_eps",
     "rope_theta",
+    "rope_parameters",  # transformers 5: rope_theta and the scaling, in one object
     "tie_word_embeddings",
 )
 #: what a pickled TrainingArguments refers to, read as inert stand-ins
