@@ -21,6 +21,7 @@ from jax_ucp._src.errors import RequestError
 from jax_ucp._src.exporters import by_spec
 from jax_ucp._src.format import keypath
 from jax_ucp._src.importers import registry
+from jax_ucp._src.importers.trainer_files import MODEL_FIELDS
 from jax_ucp._src.restoring import locate
 from jax_ucp._src.restoring.inspecting import inspect
 from jax_ucp._src.restoring.model import Request
@@ -123,11 +124,10 @@ def export_logits(exported: str, ckpt: str, spec: Any, tolerance: float | None) 
     ]
     tree = "model_params" if any(it.key[0] == "model_params" for it in items) else "params"
     where = os.path.join(exported, "config.json")
-    source = inspect(ckpt).source or {}
-    recorded = by_spec.recorded_config(source)
+    recorded = by_spec.recorded_config(inspect(ckpt).source)
     if os.path.isfile(where):
         config = logits.read_config(exported)
-        if recorded and source.get("framework") != "safetensors":  # a record of some fields
+        if recorded and set(recorded) <= set(MODEL_FIELDS):  # a Trainer's record of some fields
             recorded = {**config, **recorded}
     else:
         config, where = recorded, f"{ckpt}'s recorded config"
