@@ -378,3 +378,14 @@ def test_accelerates_scheduler_states_the_groups_rates_too(tmp_path):
     assert "optimizer.bin param_groups[0].lr = 0.005; scheduler.bin last_lr[0] = 0.0025" in str(
         e.value
     )
+
+
+def test_a_trainable_parameter_without_state_is_held_and_warned(tmp_path):
+    """The Trainer gives its optimizer only trainable parameters: one listed in its groups with
+    no state (its state lost, or it never had a gradient) is held frozen and warned, torch
+    starting its moments at its first gradient (probe 9: held with a note alone)."""
+    src = _copy(tmp_path, "hf_trainer/trainer_fp32/checkpoint-3")
+    edit_torch_file(os.path.join(src, "optimizer.pt"), lambda t: t["state"].pop(0))
+    with pytest.warns(UserWarning, match=r"in the optimizer's param groups have no optimizer"):
+        run = jax_ucp.optax_from_torch(src, options=_trainer_order("trainer_fp32"))
+    assert any("(model.embed_tokens.weight): held frozen" in n for n in run.notes)
