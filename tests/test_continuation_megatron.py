@@ -12,6 +12,7 @@ import json
 import math
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -530,6 +531,23 @@ class _Optimizer:
             {"max_lr": max_lr, "min_lr": min_lr, "wd_mult": 1.0, "lr_mult": 1.0, "step": 0.0},
             {"max_lr": max_lr, "min_lr": min_lr, "wd_mult": 0.0, "lr_mult": 1.0, "step": 0.0},
         ]
+
+
+def test_convert_warns_of_records_that_disagree_naming_both(tmp_path):
+    """A dp_reshardable save whose common.pt args and rank object's groups disagree (betas) is
+    imported as the files hold it, with a warning naming both records and that the continuation
+    refuses it (probe 9: converted silently, refused first by optax_from_torch); the intact
+    save converts without one."""
+    src = scheduled_distopt(tmp_path / "run")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        jax_ucp.convert(src, tmp_path / "intact")
+    assert not [w for w in said if "optax_from_torch" in str(w.message)]
+    edit_dcp_object(src, RANK.format(0), _rank_groups(lambda g: g.update(betas=(0.8, 0.95))))
+    with pytest.warns(UserWarning, match=r"betas \(0\.8, 0\.95\) but args \(0\.9, 0\.95\) \(im"):
+        jax_ucp.convert(src, tmp_path / "edited")
+    with pytest.raises(SourceError, match=r"betas \(0\.8, 0\.95\) but args"):
+        jax_ucp.optax_from_torch(tmp_path / "edited")
 
 
 @pytest.mark.torch

@@ -58,7 +58,8 @@ ALLOWED = {
         "models",
         "continuation",  # megatron_out: the run record checked as a continuation reads it
     },
-    "conversion": {"importers", "writer", "multihost", "orbax", "format", "store"},
+    # continuation: a Megatron run's records read at convert as a continuation reads them
+    "conversion": {"importers", "writer", "multihost", "orbax", "format", "store", "continuation"},
     # verify(against=, logits=True): the source's logits (transformers) vs TransformerLM's
     "logits": {"format", "restoring", "language", "models"},
     # what a torch run's files say of how it stepped (DeepSpeed's config, Megatron's scheduler)

@@ -359,3 +359,33 @@ def test_a_schedule_length_trainer_state_and_training_args_disagree_on_is_refuse
     with pytest.raises(jax_ucp.SourceError, match=r"disagree on max_steps") as e:
         _continue(os.path.join(root, "checkpoint-3"), _trainer_order("trainer_fp32"))
     assert "trainer_state.json max_steps = 7; training_args.bin max_steps = 5" in str(e.value)
+
+
+def test_accelerates_scheduler_states_the_groups_rates_too(tmp_path):
+    """Accelerate's save_state writes the LambdaLR's state (scheduler.bin) beside optimizer.bin:
+    its base_lrs / _last_lr are the groups' initial_lr / lr. optimizer.bin's lr doubled alone is
+    refused naming both files (probe 9: continued at twice the rate, only "no schedule recorded"
+    said)."""
+    src = _copy(tmp_path, "accelerate/accelerate_named")
+
+    def doubled(tree):
+        for group in tree["param_groups"]:
+            group["lr"] *= 2
+
+    edit_torch_file(os.path.join(src, "optimizer.bin"), doubled)
+    with pytest.raises(jax_ucp.SourceError, match=r"held learning rate of param_groups\[0\]") as e:
+        _continue(src)
+    assert "optimizer.bin param_groups[0].lr = 0.005; scheduler.bin last_lr[0] = 0.0025" in str(
+        e.value
+    )
+
+
+def test_a_trainable_parameter_without_state_is_held_and_warned(tmp_path):
+    """The Trainer gives its optimizer only trainable parameters: one listed in its groups with
+    no state (its state lost, or it never had a gradient) is held frozen and warned, torch
+    starting its moments at its first gradient (probe 9: held with a note alone)."""
+    src = _copy(tmp_path, "hf_trainer/trainer_fp32/checkpoint-3")
+    edit_torch_file(os.path.join(src, "optimizer.pt"), lambda t: t["state"].pop(0))
+    with pytest.warns(UserWarning, match=r"in the optimizer's param groups have no optimizer"):
+        run = jax_ucp.optax_from_torch(src, options=_trainer_order("trainer_fp32"))
+    assert any("(model.embed_tokens.weight): held frozen" in n for n in run.notes)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from jax_ucp._src import store, writer
-from jax_ucp._src.errors import RequestError
+from jax_ucp._src.continuation.megatron import RECORD, SCHEDULER_REQUIRED, megatron_recipe
+from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import certificate, files
 from jax_ucp._src.format.sizes import parse_size
 from jax_ucp._src.importers import registry
@@ -111,6 +113,8 @@ def convert(source, dest, options: ConvertOptions) -> str:
         plan = _plan(source, dest, options, job)
         items = writer.with_progress(plan.items, plan.total_params, options.progress)
         record = plan.source
+        if job is None and record.get(RECORD) is not None:
+            items = _run_checked(items, record, os.fspath(source))
         if job is None or job[0] == 0:  # the process that commits records it
             record = _certified(source, record)
         common: dict[str, Any] = dict(
@@ -126,6 +130,40 @@ def convert(source, dest, options: ConvertOptions) -> str:
         from jax_ucp._src.orbax.manager_step import write_manager_step
 
         return write_manager_step(dest, items, step=options.step, **common)
+
+
+def _run_checked(items, record: dict[str, Any], where: str):
+    """``items`` unchanged; once all are read, a Megatron run's records (args, scheduler, param
+    groups, iteration) read as ``optax_from_torch`` reads them: records that disagree, or any
+    other reason it cannot continue the run, are warned at convert, each record named (probe 9:
+    said first by the continuation, long after)."""
+    saved = {}
+    for item in items:
+        shape = getattr(item.value, "shape", None)
+        saved[tuple(item.key)] = (tuple(shape or ()), getattr(item.value, "dtype", None))
+        yield item
+    scheduler = (record[RECORD] or {}).get("opt_param_scheduler")
+    if not isinstance(scheduler, dict) or any(k not in scheduler for k in SCHEDULER_REQUIRED):
+        return  # no schedule saved whole (a step count alone): no continuation to check
+    if not any(k[:2] == ("opt_state", "mu") for k in saved):
+        return  # the weights alone
+    try:
+        megatron_recipe(_as_recorded(record), saved, where)
+    except SourceError as e:
+        warnings.warn(
+            f"{e} (imported as the files hold it: optax_from_torch will refuse to continue it)",
+            UserWarning,
+            stacklevel=2,
+        )
+    except RequestError:  # what a Recipe cannot hold (another optimizer): said by optax_from_torch
+        pass
+
+
+def _as_recorded(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` as the manifest will hold it (tuples as lists: what a continuation reads)."""
+    import json
+
+    return json.loads(json.dumps(record, default=str))
 
 
 def _certified(source, record: dict[str, Any]) -> dict[str, Any]:

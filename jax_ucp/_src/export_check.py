@@ -20,6 +20,7 @@ from jax_ucp._src.errors import RequestError
 from jax_ucp._src.exporters import by_spec
 from jax_ucp._src.format import keypath
 from jax_ucp._src.importers import registry
+from jax_ucp._src.importers.trainer_files import MODEL_FIELDS
 from jax_ucp._src.restoring import locate
 from jax_ucp._src.restoring.inspecting import inspect
 from jax_ucp._src.restoring.model import Request
@@ -140,7 +141,9 @@ def _export_logits(export: _Export, ckpt: str, spec: Any, tolerance: float | Non
     """The logits of the export's model weights, read by its format's import, against the
     checkpoint's (``logits.compare_export_logits``); the model's settings are the export's
     ``config.json``, else the one the checkpoint recorded, else refused: an export that carries
-    none (a torch DCP) says nothing of its model."""
+    none (a torch DCP) says nothing of its model. The checkpoint's logits take the fields it
+    recorded itself, so an export whose config.json says otherwise (another ``rms_norm_eps``)
+    differs."""
     items = [
         it
         for it in export.items
@@ -148,10 +151,13 @@ def _export_logits(export: _Export, ckpt: str, spec: Any, tolerance: float | Non
     ]
     tree = "model_params" if any(it.key[0] == "model_params" for it in items) else "params"
     config, where = export.config, export.where
+    recorded = by_spec.recorded_config(inspect(ckpt).source)
     if config is not None:
         config = logits.checked_config(config, where)
+        if recorded and set(recorded) <= set(MODEL_FIELDS):  # a Trainer's record of some fields
+            recorded = {**config, **recorded}
     else:
-        config, where = by_spec.recorded_config(inspect(ckpt).source), f"{ckpt}'s recorded config"
+        config, where = recorded, f"{ckpt}'s recorded config"
         if config is None:
             raise RequestError(
                 f"--logits needs the model's settings (a config.json): {export.path} (a "
@@ -171,6 +177,7 @@ def _export_logits(export: _Export, ckpt: str, spec: Any, tolerance: float | Non
         spec=spec,
         tolerance=tolerance,
         source=f"the export {export.path} read by its {export.format} import",
+        recorded=recorded,
     )
 
 

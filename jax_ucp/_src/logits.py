@@ -212,6 +212,7 @@ def compare_export_logits(
     spec: Any = None,
     tolerance: float | None = None,
     source: str = "the export",
+    recorded: dict | None = None,
 ) -> LogitsComparison:
     """The logits of one fixed batch through ``TransformerLM`` from an export's weights and
     from those of the checkpoint ``ckpt`` it was written from (no torch needed).
@@ -226,9 +227,12 @@ def compare_export_logits(
         spec: the spec the export ran backwards (the checkpoint holds its flax targets); None:
             the checkpoint holds the export's names.
         tolerance: the largest absolute difference accepted (None: :data:`DEFAULT_TOLERANCE`).
-        source: what the export is, for the report."""
+        source: what the export is, for the report.
+        recorded: the config the checkpoint recorded (None: none), its model for the
+            checkpoint's logits."""
     tolerance = checked_tolerance(tolerance)
     cfg, family = family_model(checked_config(config, where), where)
+    own = family_model(checked_config(recorded, where), where)[0] if recorded else cfg
     tokens = batch(cfg)
     _check_declared_size(where, cfg, ckpt, tree, _model_tree(ckpt, tree)[1])
     named = {"params": weights()}
@@ -245,7 +249,7 @@ def compare_export_logits(
     want = model_logits(cfg, params, tokens)
     del named, params
     gc.collect()
-    got = checkpoint_logits(ckpt, cfg, None if spec is not None else by_names, tokens, tree)
+    got = checkpoint_logits(ckpt, own, None if spec is not None else by_names, tokens, tree)
     diff = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
     return LogitsComparison(diff, tolerance, (tokens.shape[0], tokens.shape[1]), source, tree)
 

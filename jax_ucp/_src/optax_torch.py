@@ -691,11 +691,35 @@ def _from_run(
     if held is not None:
         tx, state = held.holding(tx, state, params)
         notes.append(held.note)
+        _say_trainable_held(source, recorded, groups, notes, where)
     schedule = recipe.learning_rate
     kinds = ["adam"] * len(groups)
     return TorchOptimizer(
         tx, state, params, schedule, step, notes, unrecovered, recipe.optimizer, groups, kinds
     )
+
+
+def _say_trainable_held(
+    source: dict, recorded: dict, groups: list, notes: list[str], where: str
+) -> None:
+    """Warns of parameters held frozen that a Trainer's optimizer groups list (it gives its
+    optimizer only those with ``requires_grad``): torch skips them while they get no gradient,
+    but starts their moments at their first; with their state lost or never made, the
+    continuation holds them (probe 9: an embedding's state removed, only a note said so).
+    Elsewhere a frozen parameter may be in the groups (``AdamW(model.parameters())``)."""
+    if not source.get("trainer"):
+        return
+    listed = {n for g in groups for n in g.get("params") or () if isinstance(n, str)}
+    trainable = sorted(set(recorded.get("no_state") or ()) & listed)
+    if trainable:
+        shown = ", ".join(trainable[:4]) + (", ..." if len(trainable) > 4 else "")
+        note = (
+            f"{len(trainable)} parameter(s) in the optimizer's param groups have no optimizer "
+            f"state ({shown}): held frozen, as torch steps them only once they get a gradient "
+            f"(then from fresh moments); a state lost from the file looks the same"
+        )
+        notes.append(note)
+        warnings.warn(f"{where}: {note}", UserWarning, stacklevel=4)
 
 
 def _other_run(

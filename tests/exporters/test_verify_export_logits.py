@@ -5,6 +5,8 @@ checkpoint's recorded one, else refused naming both. bf16 / fp16 weights are com
 
 from __future__ import annotations
 
+import json
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -52,6 +54,23 @@ def test_safetensors_and_dcp_exports_compute_the_checkpoints_logits(mistral, mon
     assert not jax_ucp.verify(root / "dcp_by_spec", against=ckpt, spec=spec)
     with pytest.raises(RequestError, match=r"--logits needs the model's settings.*records none"):
         jax_ucp.verify(root / "dcp_by_spec", against=ckpt, spec=spec, logits=True)
+
+
+def test_an_exports_config_json_saying_otherwise_than_the_checkpoints_record_differs(mistral):
+    """The checkpoint's logits take the config it recorded, the export's its config.json: an
+    export whose config.json was edited (rms_norm_eps) computes other logits (probe 9: both
+    sides took the export's config.json, 0 problems)."""
+    root, ckpt, _, spec, config = mistral
+    jax_ucp.export(ckpt, root / "hf_src", SafetensorsExport(spec=spec, config=config))
+    imported = jax_ucp.convert(root / "hf_src", root / "ucp_src")  # records config.json
+    jax_ucp.export(imported, root / "hf_again", SafetensorsExport())
+    assert not jax_ucp.verify(root / "hf_again", against=imported, logits=True)
+    path = root / "hf_again" / "config.json"
+    edited = json.loads(path.read_text())
+    edited["rms_norm_eps"] = 0.5
+    path.write_text(json.dumps(edited))
+    found = jax_ucp.verify(root / "hf_again", against=imported, logits=True)
+    assert [n for n, _ in found] == ["logits"] and found.logits.max_abs_diff > 1e-3
 
 
 @pytest.mark.parametrize("half", ["bfloat16", "float16"])

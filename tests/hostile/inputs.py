@@ -204,6 +204,15 @@ KINDS = {
             jax=True,
             ops=("record-disagree",),
         ),
+        # Accelerate's save_state: scheduler.bin's base_lrs / _last_lr against optimizer.bin's
+        Kind(
+            "run_records_accelerate",
+            ("accelerate/accelerate_named",),
+            ("optax-direct",),
+            ("convert",),
+            jax=True,
+            ops=("record-disagree",),
+        ),
         # the same for Megatron (legacy rank files; torch_dist's common state with its
         # scheduler), torchtune's recipe state and verl's rank files; paths through links
         Kind(

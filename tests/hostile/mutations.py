@@ -697,7 +697,8 @@ def _record_edits(c: Context) -> list[tuple[str, str, object]]:
             edits.append((rel, "param_groups' initial_lr and lr doubled", _doubled))
         if isinstance(tree.get("base_lrs"), list):
             edits.append((rel, "base_lrs doubled", _base_lrs))
-        if isinstance(tree.get("param_groups"), list) and tree["param_groups"]:
+        alone = name == "optimizer.bin"  # Accelerate's: no other record of its betas
+        if isinstance(tree.get("param_groups"), list) and tree["param_groups"] and not alone:
             edits.append((rel, "param_groups' betas[0] lowered by 0.1", _top_betas))
         edits += [(rel, what, change) for what, change in _megatron_edits(tree)]
         if isinstance(tree.get("epochs_run"), int):  # torchtune's recipe_state.pt

@@ -181,3 +181,23 @@ def test_a_peer_killed_before_the_first_exchange_is_named_not_waited_for(tmp_pat
     ) in out, out + err[-2000:]
     assert [e.name for e in jax_ucp.inspect(path).tensors] == ["old"]
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_saves_timeout_names_what_sets_it_not_an_option_save_lacks(monkeypatch, tmp_path):
+    """A save's processes wait BARRIER_TIMEOUT (save has no option for it); a stopped or hung
+    peer of this host lives and is waited for: said when it runs out (probe 9: "(save's
+    barrier_timeout)", an option save does not have)."""
+    import numpy as np
+
+    import jax_ucp
+
+    seen = {}
+
+    def join(where, timeout, purpose="convert", hint=None):
+        seen.update(timeout=timeout, hint=hint)
+        raise RuntimeError("joined")
+
+    monkeypatch.setattr(agreement, "join", join)
+    with pytest.raises(RuntimeError, match="joined"):
+        jax_ucp.save(tmp_path / "ckpt", {"a": np.arange(2)})
+    assert "barrier_timeout" not in seen["hint"] and f"{seen['timeout']:g} s" in seen["hint"]

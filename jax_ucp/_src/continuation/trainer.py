@@ -27,10 +27,12 @@ def trainer_rates(source: dict, groups: list[dict], where: str) -> list[str]:
     saved = trainer.get("scheduler") or {}
     opt = source.get("optimizer_file") or "rank 0's optimizer state"
     sched = "scheduler.pt" if source.get("optimizer_file") else "the saved lr_scheduler"
-    verl = source.get("lr_scheduler")  # verl's extra state: the same torch scheduler's
-    if not saved and isinstance(verl, dict):
-        saved = {"base_lrs": verl.get("base_lrs"), "last_lr": verl.get("_last_lr")}
-        sched = "extra_state_world_size_*_rank_0.pt lr_scheduler"
+    other = source.get("lr_scheduler")  # verl's extra state, Accelerate's scheduler.bin
+    if not saved and isinstance(other, dict):
+        saved = {"base_lrs": other.get("base_lrs"), "last_lr": other.get("_last_lr")}
+        saved["last_lr"] = other.get("last_lr", saved["last_lr"])
+        verl = "extra_state_world_size_*_rank_0.pt lr_scheduler"
+        sched = "scheduler.bin" if opt == "optimizer.bin" else verl
     facts = Facts(where)
     for key, field, what in (("base_lrs", "initial_lr", "base"), ("last_lr", "lr", "held")):
         rates = saved.get(key)

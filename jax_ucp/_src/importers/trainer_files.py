@@ -37,6 +37,7 @@ __all__ = [
     "model_config",
     "read_json",
     "rng_states",
+    "scheduler_record",
     "side_file",
     "trainer_folder_above",
     "trainer_record",
@@ -91,6 +92,7 @@ MODEL_FIELDS = (
     "max_position_embeddings",
     "rms_norm_eps",
     "rope_theta",
+    "rope_parameters",  # transformers 5: rope_theta and the scaling, in one object
     "tie_word_embeddings",
 )
 #: what a pickled TrainingArguments refers to, read as inert stand-ins
@@ -288,17 +290,25 @@ def trainer_record(folder: str) -> dict:
         else:
             fields = vars(args) if isinstance(args, allow_list.StandIn) else {}
             out["training_args"] = {k: _arg(fields[k]) for k in ARG_FIELDS if k in fields}
-    sched_path = side_file(folder, SCHEDULER_FILE)
-    if os.path.isfile(sched_path):
-        try:
-            sched = torch_zip.load_torch_file(sched_path)
-        except allow_list.TorchFileError as e:
-            out["scheduler_unread"] = str(e)[:300]
-        else:
-            if isinstance(sched, dict):
-                keys = {"last_epoch": "last_epoch", "base_lrs": "base_lrs", "_last_lr": "last_lr"}
-                out["scheduler"] = {v: jsonable(sched[k]) for k, v in keys.items() if k in sched}
+    out.update(scheduler_record(folder, SCHEDULER_FILE, "scheduler"))
     return out
+
+
+def scheduler_record(folder: str, name: str, key: str) -> dict[str, Any]:
+    """``{key: {last_epoch, base_lrs, last_lr}}`` of the torch scheduler's state ``name`` in
+    ``folder`` (the Trainer's ``scheduler.pt``, Accelerate's ``scheduler.bin``), ``{key +
+    "_unread": why}`` when it cannot be read; ``{}`` without the file."""
+    path = side_file(folder, name)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        sched = torch_zip.load_torch_file(path)
+    except allow_list.TorchFileError as e:
+        return {f"{key}_unread": str(e)[:300]}
+    if not isinstance(sched, dict):
+        return {}
+    keys = {"last_epoch": "last_epoch", "base_lrs": "base_lrs", "_last_lr": "last_lr"}
+    return {key: {v: jsonable(sched[k]) for k, v in keys.items() if k in sched}}
 
 
 #: the last learning rates of ``log_history`` recorded (each a record of the schedule)

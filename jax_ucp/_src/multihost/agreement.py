@@ -56,20 +56,23 @@ _POLL_MS = 200  # how often a waiting process checks that the processes it waits
 CUT_OFF_S = 1.0
 
 
-def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int, Gather] | None:
+def join(
+    where: str, timeout: float, purpose: str = "convert", hint: str | None = None
+) -> tuple[int, int, Gather] | None:
     """This process's index, the count and ``gather`` for ``purpose``; None in a one-process job.
 
     Args:
         where: the path written, for the errors.
         timeout: seconds to wait for the others.
-        purpose: what the processes do together, for the errors."""
+        purpose: what the processes do together, for the errors.
+        hint: what sets ``timeout``, said when it runs out (None: ``purpose``'s option
+            ``barrier_timeout``)."""
     import jax
 
     if jax.process_count() == 1:
         return None
-    job = Exchange(
-        purpose, f"{where}: not committed;", timeout, hint=f" ({purpose}'s barrier_timeout)"
-    )
+    hint = f" ({purpose}'s barrier_timeout)" if hint is None else hint
+    job = Exchange(purpose, f"{where}: not committed;", timeout, hint=hint)
     return job.index, job.count, job.gather
 
 

@@ -29,6 +29,11 @@ DIGESTS_PREFIX = "ucp.digests."  # per-process shard digests, merged by the prim
 #: seconds every process of a save waits at most for the slowest (a process of this host that
 #: dies is noticed at once, one on another host by jax.distributed's heartbeat)
 BARRIER_TIMEOUT = 3600.0
+#: said when it runs out: save has no option for it (probe 9: "save's barrier_timeout" was said)
+TIMEOUT_HINT = (
+    f" (a save waits {BARRIER_TIMEOUT:g} s for each process at each step: a process of this "
+    "host that is stopped (SIGSTOP) or hung still lives, and is waited for)"
+)
 
 
 @dataclasses.dataclass
@@ -175,7 +180,7 @@ def save(path: str, args: SaveArgs, *, force: bool) -> None:
     path = path.rstrip("/")
     # A malformed URL or a committed prefix fails here, in every process: all raise alike.
     store.storage_for(path).refuse_early(commit.Replace(force))
-    job = agreement.join(path, BARRIER_TIMEOUT, purpose="save")
+    job = agreement.join(path, BARRIER_TIMEOUT, purpose="save", hint=TIMEOUT_HINT)
     index, count, gather = job or (0, 1, None)
     saves: list[PreparedSave] = []
 
