@@ -229,17 +229,16 @@ def verify(
 
     found = sources.opening(store.storage_for(path))  # its importer, detected once
     if found.importer is not None:  # a torch source itself, no jax_ucp checkpoint
-        converted = against is not None and sources.opening(store.storage_for(against), warn=False)
-        if converted and converted.importer is None:
-            export = (os.fspath(path), os.fspath(against), spec, progress)
-            return _verify_export(*export, logits, logits_tolerance)
-        from jax_ucp._src.restoring import verify_source  # the importers: for a source only
-
         if against is not None:
+            if sources.opening(store.storage_for(against), warn=False).importer is None:
+                export = (os.fspath(path), os.fspath(against), spec, progress)
+                return _verify_export(*export, logits, logits_tolerance)
             raise RequestError(
                 f"verify(against=) compares a converted checkpoint with its source; "
                 f"{os.fspath(path)} is itself a {found.importer.format} source: verify it alone"
             )
+        from jax_ucp._src.restoring import verify_source  # the importers: for a source only
+
         problems, check = verify_source.verify_source(
             os.fspath(path), found.storage, found.importer, progress, budget
         )

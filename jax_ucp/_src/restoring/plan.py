@@ -411,7 +411,7 @@ def _explicit(av: model.Available, req: model.Request, casting: str):
     """``restore(target=/shardings=)``'s checks for one tensor, as a message instead of raised."""
     dtype, error = np.dtype(req.dtype) if req.dtype is not None else av.dtype, None
     try:
-        model.check_tensor_request(av.name, req, av, "the checkpoint", casting)
+        model.check_tensor_request(av.name, req, av, lambda: "the checkpoint", casting)
     except (CheckpointError, RequestError) as e:
         error = str(e)
     return av, dtype, req.sharding, (), error
