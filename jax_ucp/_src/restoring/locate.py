@@ -49,9 +49,7 @@ def find_checkpoint(storage: Storage, manifest: bool | None = None) -> Storage:
     """
     path = storage.root.rstrip("/") or "/"
     storage = storage if storage.root == path else store.storage_for(path)
-    if manifest is None:
-        manifest = storage.exists(fmt.MANIFEST_FILE)
-    if manifest:
+    if manifest or (manifest is None and storage.exists(fmt.MANIFEST_FILE)):
         return storage
     if not storage.local:  # an object-store prefix: no swap, no links
         return _find_in_object_store(storage)
@@ -200,9 +198,7 @@ def _find_in_object_store(prefix: Storage) -> Storage:
     raise CheckpointError(f"{url}: holds several UCP items {items}; pass one of them.")
 
 
-def read_consistently(
-    path, read: Callable[[Storage], T], *, redo: bool = True, manifest: bool | None = None
-) -> T:
+def read_consistently(path, read: Callable[[Storage], T], *, redo=True, manifest=None) -> T:
     """``read(root)`` of the checkpoint at ``path`` (``find_checkpoint``), or of the one a
     concurrent forced save swapped in while it ran (see ``consistent_reads``).
 
@@ -212,7 +208,7 @@ def read_consistently(
       redo: a successful ``read`` during which the directory changed is run again (False for a
         read with effects, as an export: a success is whole, every shard checked against the
         manifest's digest).
-      manifest: the open stage's "a manifest at ``path``?" (None: asked by the first read).
+      manifest: the open stage's True to "a manifest at ``path``?" (None: asked by the read).
     """
     result = cast(T, None)
     for attempt in consistent_reads(store.storage_for(path), redo=redo, manifest=manifest):
@@ -221,9 +217,7 @@ def read_consistently(
     return result
 
 
-def consistent_reads(
-    storage: Storage, *, redo: bool = True, manifest: bool | None = None
-) -> Iterator[Attempt]:
+def consistent_reads(storage: Storage, *, redo=True, manifest=None) -> Iterator[Attempt]:
     """The attempts at reading the checkpoint at ``path`` whole while a concurrent forced save
     may swap it, as ``for attempt in consistent_reads(p): with attempt: r = read(attempt.find())``
     (the loop ends after the read that counts; the caller keeps control, no callback).

@@ -157,9 +157,7 @@ def not_found(name: str, where: str, available: Mapping) -> CheckpointError:
     )
 
 
-def check_tensor_request(
-    name: str, req: Request, found, holder: Callable[[], str], casting: str
-) -> np.dtype:
+def check_tensor_request(name: str, req: Request, found, holder, casting: str) -> np.dtype:
     """The checks of a request for a tensor that need no data, whatever the source: shape,
     dtype cast, a Python scalar target (a 0-d tensor only), divisibility by the sharding, a
     64-bit dtype JAX would narrow on device. Returns the dtype it is restored as.
@@ -168,8 +166,7 @@ def check_tensor_request(
       name: the tensor's name.
       req: the request.
       found: what the source holds (``shape``, ``dtype``).
-      holder: names the source in an error ("the checkpoint <dir>", "<file>:<tensor>"),
-        asked only then.
+      holder: ``holder()`` names the source in an error, asked only then ("the checkpoint").
       casting: numpy's casting rule.
     """
     if req.shape is not None and tuple(req.shape) != found.shape:

@@ -69,9 +69,8 @@ def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
 
 @contextlib.contextmanager
 def imported(opened: sources.Opening, options) -> Iterator[OpenedSource]:
-    """The "open" stage of a source that is no UCP checkpoint (any source ``convert`` reads,
-    Hugging Face safetensors too): its import plan opened with the importer detected once
-    (``sources.opening``) and ``options.importing``, for one process's restore or plan."""
+    """The "open" stage of a source read through its import (safetensors too): its plan opened
+    with the importer ``sources.opening`` detected once and ``options.importing``."""
     from jax_ucp._src.restoring.sources import import_open
 
     assert opened.importer is not None

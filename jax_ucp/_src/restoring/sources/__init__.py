@@ -21,9 +21,8 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class Opening:
     """The open stage's one decision: ``storage`` read through ``importer`` (detected once),
-    or as a UCP checkpoint (``importer`` None; ``manifest`` True: its ucp.json seen at
-    ``storage``, not asked again as it is read, ``locate.consistent_reads``; None: asked then,
-    as a swap may have put it there since)."""
+    or as a UCP checkpoint (``importer`` None; ``manifest`` True: its ucp.json seen there, not
+    asked again by the first read; None: asked then, a swap may have put it there since)."""
 
     storage: Storage
     importer: Importer | None = None
@@ -31,18 +30,13 @@ class Opening:
 
 
 def opening(storage: Storage, importing=None, format=None, *, warn: bool = True) -> Opening:
-    """The open stage's one decision for ``storage``: "a manifest here?" asked once (what
-    ``locate.is_ucp`` explains without it: an Orbax step, a manager root, a swap), else "which
-    importer?" once (``import_open.import_for``); a UCP checkpoint is told without loading any
-    importer's code. No importer claiming it either: the UCP reader's error with the
-    detectors' report (``registry.Unclaimed``), or an object-store prefix's one UCP item.
-
-    Args:
-      storage: the path restored, inspected or planned (its ``Storage``, chosen once).
-      importing: the import options given (``RestoreOptions.importing``), or None.
-      format: the format given (``RestoreOptions.format``), or None.
-      warn: a run root's newer steps passed over are said (``ResumeWarning``).
-    """
+    """The open stage's one decision for ``storage``: "a manifest here?" asked once (else
+    ``locate.is_ucp``: an Orbax step, a manager root, a swap), else "which importer?" once
+    (``import_open.import_for``; no importer code loaded for a UCP checkpoint); none claiming
+    it: an object-store prefix's one UCP item, else the UCP reader's error with the detectors'
+    report (``registry.Unclaimed``). ``storage``: the path restored, inspected or planned,
+    chosen once; ``importing`` / ``format``: those given (``RestoreOptions``' fields), or None;
+    ``warn``: a run root's newer steps passed over are said (``ResumeWarning``)."""
     manifest = storage.exists(fmt.MANIFEST_FILE)
     if locate.is_ucp(storage, manifest, explicit=importing is not None or format is not None):
         return Opening(storage, manifest=manifest or None)

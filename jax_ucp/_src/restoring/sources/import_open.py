@@ -41,9 +41,8 @@ def import_for(
 ) -> tuple[store.storage.Storage, Importer] | registry.Unclaimed:
     """``(the storage read, the importer convert would import it with)`` for a source that is
     no UCP checkpoint (``sources.opening`` asked that once), a trainer's run root read as its
-    newest complete step; the detectors' report when no importer claims it. The importer is
-    asked of the registry once (``registry.claim``) and passed down (``opened_import``): no
-    detector is asked again.
+    newest complete step, else the detectors' report; asked of the registry once
+    (``registry.claim``) and passed down (``opened_import``): no detector is asked again.
 
     Args:
       storage: what was passed to restore / plan.
