@@ -146,7 +146,7 @@ def measure_import(src: str, depth: int = 99, *, calls: bool = False, names: boo
     """The stays of ``plan_import(src)`` (the planning ``convert`` does), every module a room."""
     from jax_ucp._src.importers import registry
 
-    name = registry.detected(src).name  # the layout's importer: planned without detection
+    name = registry.importer_for(src).name  # the layout's importer: planned without detection
 
     def plan():
         registry.plan_import(src, format=name)

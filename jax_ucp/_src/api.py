@@ -226,24 +226,28 @@ def verify(
         local_source(os.fspath(against))
     from jax_ucp._src.restoring import sources
 
-    found = sources.imported(store.storage_for(path))  # its importer, detected once
-    if found is not None:  # a torch source itself, no jax_ucp checkpoint
-        if against is not None and sources.imported(store.storage_for(against), warn=False) is None:
-            export = (os.fspath(path), os.fspath(against), spec, progress)
-            return _verify_export(*export, logits, logits_tolerance)
-        from jax_ucp._src.restoring import verify_source  # the importers: for a source only
-
+    found = sources.opening(store.storage_for(path))  # its importer, detected once
+    if found.importer is not None:  # a torch source itself, no jax_ucp checkpoint
         if against is not None:
+            if sources.opening(store.storage_for(against), warn=False).importer is None:
+                export = (os.fspath(path), os.fspath(against), spec, progress)
+                return _verify_export(*export, logits, logits_tolerance)
             raise RequestError(
                 f"verify(against=) compares a converted checkpoint with its source; "
-                f"{os.fspath(path)} is itself a {found[1].format} source: verify it alone"
+                f"{os.fspath(path)} is itself a {found.importer.format} source: verify it alone"
             )
-        problems, check = verify_source.verify_source(os.fspath(path), *found, progress, budget)
+        from jax_ucp._src.restoring import verify_source  # the importers: for a source only
+
+        problems, check = verify_source.verify_source(
+            os.fspath(path), found.storage, found.importer, progress, budget
+        )
         return VerifyResult(problems, source=check)
     # A concurrent forced save is read again, not reported as damage (locate.read_consistently).
     from jax_ucp._src.restoring import locate
 
-    result = locate.read_consistently(path, lambda root: _verify(root, progress, budget))
+    result = locate.read_consistently(
+        found.storage, lambda root: _verify(root, progress, budget), manifest=found.manifest
+    )
     if against is None or result:
         return result
     from jax_ucp._src.against import compare_with_source, source_weights

@@ -617,8 +617,8 @@ class _Run:
 def _opened_run(ckpt, options: Any):
     """``ckpt`` opened once: a converted checkpoint, or a torch source read in place."""
     importing, given = getattr(options, "importing", None), getattr(options, "format", None)
-    found = sources.imported(store.storage_for(ckpt), importing, given)  # detected once
-    if found is None:
+    found = sources.opening(store.storage_for(ckpt), importing, given)  # detected once
+    if found.importer is None:
         from jax_ucp._src.api import inspect, restore
 
         manifest = inspect(ckpt)
@@ -626,7 +626,9 @@ def _opened_run(ckpt, options: Any):
         yield _Run(manifest.source or {}, saved, lambda keywords: restore(ckpt, **keywords))
         return
     budget = options.read_budget if isinstance(options, RestoreOptions) else None
-    with import_open.opened_import(*found, importing, memory_budget=budget) as imported:
+    with import_open.opened_import(
+        found.storage, found.importer, importing, memory_budget=budget
+    ) as imported:
 
         def restore_imported(keywords: dict):
             wanted = RestoreOptions(**keywords)

@@ -263,7 +263,7 @@ def test_each_torch_layout_is_its_own_entry_and_torch_names_them_all(path, layou
         path = tmp_path / "step3"
         shutil.copytree(os.path.join(FIX, "olmo_core", "olmo_fp32"), path / "model_and_optim")
         (path / "train").mkdir()
-    importer = registry.detected(path)
+    importer = registry.importer_for(path)
     assert importer.format == "torch" == registry.detect_format(path)
     assert importer.name == layout
     assert registry.importer_for(path, "torch") is importer

@@ -89,8 +89,9 @@ def test_a_framework_spec_names_every_tensor_over_its_fixtures(name):
     fp32 masters, moments) with names."""
     walked = 0
     for rel, settings in SOURCES[name]:
-        storage, importer = sources.imported(storage_for(os.path.join(FIXTURES, rel)))
-        with import_open.opened_import(storage, importer) as imported:
+        found = sources.opening(storage_for(os.path.join(FIXTURES, rel)))
+        assert found.importer is not None
+        with import_open.opened_import(found.storage, found.importer) as imported:
             base = spec_with_recorded_settings(name, imported.source).with_settings(**settings)
             for layout in _layouts(base):
                 available = imported.with_spec(base.with_settings(**layout)).available
@@ -129,10 +130,11 @@ def test_a_hugging_face_family_spec_names_every_tensor(family):
 def test_mixtral_dense_layers_beside_moe_ones_are_named_synthetic():
     """No MoE fixture has a dense layer: one is added (synthetic, layer 2: the SwiGLU MLP of
     the fixture's sizes) to the real legacy MoE checkpoint's tensors."""
-    storage, importer = sources.imported(
+    found = sources.opening(
         storage_for(os.path.join(FIXTURES, "megatron/legacy_moe_ep2_synthetic"))
     )
-    with import_open.opened_import(storage, importer) as imported:
+    assert found.importer is not None
+    with import_open.opened_import(found.storage, found.importer) as imported:
         saved = {k: TensorInfo(*v) for k, v in imported.saved.items()}
     hidden, ffn = 32, 16  # fixtures.json
     dense = {"linear_fc1": (2 * ffn, hidden), "linear_fc2": (hidden, ffn)}

@@ -138,11 +138,11 @@ def test_a_direct_restore_equals_convert_then_restore(tmp_path, src):
     assert list(tmp_path.iterdir()) == [tmp_path / "ucp"]  # no scratch copy anywhere else
     # the records as convert writes them in the manifest
     manifest = jax_ucp.inspect(ckpt)
-    found = sources.imported(storage_for(src), ImportOptions())
-    assert found is not None
+    found = sources.opening(storage_for(src), ImportOptions())
+    assert found.importer is not None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with import_open.opened_import(*found) as opened:
+        with import_open.opened_import(found.storage, found.importer) as opened:
             assert opened.source == _uncertified(manifest.source)
             assert opened.saved == {
                 e.key: (e.shape, to_numpy_dtype(e.dtype)) for e in manifest.tensors
@@ -288,9 +288,9 @@ def test_weights_only_reads_as_convert_weights_only(tmp_path, rel):
     _equal(converted, direct)
     assert "opt_state" not in direct
     weights = ImportOptions(weights_only=True)
-    found = sources.imported(storage_for(src), weights)
-    assert found is not None
-    with import_open.opened_import(*found, weights) as opened:
+    found = sources.opening(storage_for(src), weights)
+    assert found.importer is not None
+    with import_open.opened_import(found.storage, found.importer, weights) as opened:
         assert opened.source == _uncertified(jax_ucp.inspect(ckpt).source)  # skipped listed
 
 

@@ -533,8 +533,8 @@ def test_a_reader_between_the_two_renames_of_a_swap(tmp_path, monkeypatch):
     os.rename(out, out + local.REPLACED)
     found = locate.find_checkpoint
 
-    def then_the_second_rename(storage):
-        root = found(storage)
+    def then_the_second_rename(storage, manifest=None):
+        root = found(storage, manifest)
         if os.path.isdir(out + local.REPLACING):
             os.rename(out + local.REPLACING, out)
         return root

@@ -164,14 +164,6 @@ def claim(
         return claimed if options is None else taken_over(src, claimed, options, answers)
 
 
-def detected(src) -> Importer:
-    """The importer of the checkpoint at ``src`` (a path or its ``Storage``), from the files it
-    holds (none is unpickled): of a format's layouts that find it, the first; a format claiming
-    by its own markers before one claiming weakly. A source no importer claims is an error
-    giving each one's reason."""
-    return importer_for(src)
-
-
 def _detected(storage: Storage) -> tuple[Importer | Unclaimed, dict[str, Detection]]:
     """(the importer claiming ``storage`` or why none does, every importer's answer: takers'
     too)."""
@@ -246,14 +238,17 @@ def trainer_run(src) -> TrainerRun | None:
 
 
 def detect_format(src) -> str:
-    """The format (one of ``FORMATS``) a path's files hold (:func:`detected`)."""
-    return detected(src).format
+    """The format (one of ``FORMATS``) a path's files hold (:func:`importer_for`)."""
+    return importer_for(src).format
 
 
 def importer_for(
     source, format: str | None = None, options: ImportOptions | None = None
 ) -> Importer:
-    """The importer that reads ``source``: detected (``format`` None), the one named
+    """The importer that reads ``source``: detected (``format`` None: from the files it holds,
+    none unpickled; of a format's layouts that find it, the first; a format claiming by its own
+    markers before one claiming weakly; none claiming it is an error giving each one's reason),
+    the one named
     (``IMPORTERS``' names), or of a format of several layouts the first that reads the source
     (its ``given``, else its ``detect``; none: the last, which plans and says what is missing:
     ``--from torch`` on a folder no torch layout reads is read as torch.save files).

@@ -297,5 +297,5 @@ def _plan_item(source: TensorSource, req: Request, available: Mapping, values: M
         if req.wants_array:
             value = value_as_array(name, source.where, value, req, casting)
         return ("value", value)
-    check_tensor_request(name, req, found, source.holder(found), casting)
+    check_tensor_request(name, req, found, lambda: source.holder(found), casting)
     return ("tensor", req, found)

@@ -19,14 +19,13 @@ def inspect(path: str | os.PathLike) -> fmt.Manifest:
     ``convert`` reads (torch, DeepSpeed, Megatron, a safetensors folder, ...) gives the
     manifest its conversion would write (``import_open.manifest_of``, the format's default
     import options): its tensors and the import's record (``source``), nothing written."""
-    storage = store.storage_for(path)
-    found = sources.imported(storage)  # its storage and importer, handed on
-    if found is not None:
+    found = sources.opening(store.storage_for(path))  # its storage and importer, handed on
+    if found.importer is not None:
         from jax_ucp._src.restoring.sources import import_open
 
-        manifest = import_open.manifest_of(*found)
+        manifest = import_open.manifest_of(found.storage, found.importer)
         manifest.notices = []
         return manifest
-    manifest = locate.read_consistently(storage, store.read_manifest)
+    manifest = locate.read_consistently(found.storage, store.read_manifest, manifest=found.manifest)
     manifest.notices = [message for _, message in tree_lib.class_notices(manifest.tree)]
     return manifest

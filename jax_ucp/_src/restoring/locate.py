@@ -18,13 +18,13 @@ from jax_ucp._src.store.storage import Storage, local
 T = TypeVar("T")
 
 
-def is_ucp(storage: Storage, explicit: bool = False) -> bool:
-    """Whether ``storage`` is read as a UCP checkpoint rather than a source ``convert`` reads,
-    asked once per restore: a manifest there, a local Orbax step directory holding a UCP item,
-    a CheckpointManager root (``find_checkpoint`` says which step to pass), or nothing there (a
-    forced save's swap, or the error ``find_checkpoint`` gives). ``explicit``: importing= or
-    format= was given, an error for a local checkpoint there."""
-    path, manifest = storage.root, storage.exists(fmt.MANIFEST_FILE)
+def is_ucp(storage: Storage, manifest: bool, explicit: bool = False) -> bool:
+    """Whether ``storage`` is read as a UCP checkpoint rather than a source ``convert`` reads:
+    ``manifest`` (the open stage asked "a manifest here?" once), a local Orbax step directory
+    holding a UCP item, a CheckpointManager root (``find_checkpoint`` says which step to pass),
+    or nothing there (a forced save's swap, or the error ``find_checkpoint`` gives).
+    ``explicit``: importing= or format= was given, an error for a local checkpoint there."""
+    path = storage.root
     if not storage.local:
         return manifest
     found = manifest or (
@@ -38,8 +38,9 @@ def is_ucp(storage: Storage, explicit: bool = False) -> bool:
     return found or (os.path.isdir(path) and bool(steps.with_ucp_items(path)))
 
 
-def find_checkpoint(storage: Storage) -> Storage:
-    """``storage`` itself when it holds ucp.json, else its single UCP item (an Orbax step dir).
+def find_checkpoint(storage: Storage, manifest: bool | None = None) -> Storage:
+    """``storage`` itself when it holds ucp.json (``manifest``: the open stage's answer, not
+    asked again; None: asked here), else its single UCP item (an Orbax step dir).
 
     A forced save killed between its two renames leaves ``path`` missing with both whole
     checkpoints beside it: the newer one (``<path>.ucp-replacing``, committed before the swap
@@ -48,10 +49,10 @@ def find_checkpoint(storage: Storage) -> Storage:
     """
     path = storage.root.rstrip("/") or "/"
     storage = storage if storage.root == path else store.storage_for(path)
+    if manifest or (manifest is None and storage.exists(fmt.MANIFEST_FILE)):
+        return storage
     if not storage.local:  # an object-store prefix: no swap, no links
         return _find_in_object_store(storage)
-    if os.path.isdir(path) and storage.exists(fmt.MANIFEST_FILE):
-        return storage
     if not os.path.lexists(path):
         for survivor in (path + local.REPLACING, path + local.REPLACED):
             if os.path.isdir(survivor):
@@ -175,10 +176,8 @@ def check_readable(path: str) -> None:
 
 
 def _find_in_object_store(prefix: Storage) -> Storage:
-    """``prefix`` when it holds ucp.json, else its single UCP item (an Orbax-style step prefix).
+    """The single UCP item of ``prefix``, which holds no ucp.json (an Orbax-style step prefix).
     A prefix without ucp.json is no checkpoint: a save that never completed."""
-    if prefix.exists(fmt.MANIFEST_FILE):
-        return prefix
     url = prefix.root
     items = sorted(
         {
@@ -199,7 +198,7 @@ def _find_in_object_store(prefix: Storage) -> Storage:
     raise CheckpointError(f"{url}: holds several UCP items {items}; pass one of them.")
 
 
-def read_consistently(path, read: Callable[[Storage], T], *, redo: bool = True) -> T:
+def read_consistently(path, read: Callable[[Storage], T], *, redo=True, manifest=None) -> T:
     """``read(root)`` of the checkpoint at ``path`` (``find_checkpoint``), or of the one a
     concurrent forced save swapped in while it ran (see ``consistent_reads``).
 
@@ -209,15 +208,16 @@ def read_consistently(path, read: Callable[[Storage], T], *, redo: bool = True) 
       redo: a successful ``read`` during which the directory changed is run again (False for a
         read with effects, as an export: a success is whole, every shard checked against the
         manifest's digest).
+      manifest: the open stage's True to "a manifest at ``path``?" (None: asked by the read).
     """
     result = cast(T, None)
-    for attempt in consistent_reads(store.storage_for(path), redo=redo):
+    for attempt in consistent_reads(store.storage_for(path), redo=redo, manifest=manifest):
         with attempt:
             result = read(attempt.find())
     return result
 
 
-def consistent_reads(storage: Storage, *, redo: bool = True) -> Iterator[Attempt]:
+def consistent_reads(storage: Storage, *, redo=True, manifest=None) -> Iterator[Attempt]:
     """The attempts at reading the checkpoint at ``path`` whole while a concurrent forced save
     may swap it, as ``for attempt in consistent_reads(p): with attempt: r = read(attempt.find())``
     (the loop ends after the read that counts; the caller keeps control, no callback).
@@ -236,11 +236,13 @@ def consistent_reads(storage: Storage, *, redo: bool = True) -> Iterator[Attempt
     Args:
       storage: the checkpoint directory, or an Orbax step directory holding one UCP item.
       redo: see ``read_consistently``.
+      manifest: see ``read_consistently`` (for the first attempt alone: a retry asks again).
     """
     path = storage.root.rstrip("/") or "/"
     error: BaseException | None = None
     for _ in range(_SWAP_RETRIES + 1):
-        attempt = Attempt(storage, redo)
+        attempt = Attempt(storage, redo, manifest)
+        manifest = None
         yield attempt
         if attempt.done:
             return
@@ -258,8 +260,8 @@ class Attempt:
     which the directory changed (retried: the exception is swallowed) from the checkpoint's own
     error (raised) and a read that counts (``done``)."""
 
-    def __init__(self, storage: Storage, redo: bool):
-        self.storage, self.redo = storage, redo
+    def __init__(self, storage: Storage, redo: bool, manifest: bool | None = None):
+        self.storage, self.redo, self.manifest = storage, redo, manifest
         self.root: Storage | None = None
         self.stamp = None
         self.done = False
@@ -271,7 +273,7 @@ class Attempt:
 
     def find(self) -> Storage:
         """The checkpoint this attempt reads (``find_checkpoint``)."""
-        self.root = find_checkpoint(self.storage)
+        self.root = find_checkpoint(self.storage, self.manifest)
         self.stamp = self.root.identity()
         step = os.path.dirname(self.root.root)  # an Orbax step's folder, its metadata in it
         self.step = step if os.path.isfile(os.path.join(step, local.ORBAX_STEP_METADATA)) else None

@@ -157,7 +157,7 @@ def not_found(name: str, where: str, available: Mapping) -> CheckpointError:
     )
 
 
-def check_tensor_request(name: str, req: Request, found, holder: str, casting: str) -> np.dtype:
+def check_tensor_request(name: str, req: Request, found, holder, casting: str) -> np.dtype:
     """The checks of a request for a tensor that need no data, whatever the source: shape,
     dtype cast, a Python scalar target (a 0-d tensor only), divisibility by the sharding, a
     64-bit dtype JAX would narrow on device. Returns the dtype it is restored as.
@@ -166,20 +166,20 @@ def check_tensor_request(name: str, req: Request, found, holder: str, casting: s
       name: the tensor's name.
       req: the request.
       found: what the source holds (``shape``, ``dtype``).
-      holder: names the source in errors ("the checkpoint <dir>", "<file>:<tensor>").
+      holder: ``holder()`` names the source in an error, asked only then ("the checkpoint").
       casting: numpy's casting rule.
     """
     if req.shape is not None and tuple(req.shape) != found.shape:
         raise CheckpointError(
             f"Tensor {name!r}: the target asks for shape {tuple(req.shape)}, "
-            f"{holder} holds shape {found.shape}."
+            f"{holder()} holds shape {found.shape}."
         )
     want_dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
     check_cast(name, found.dtype, want_dtype, casting)
     if req.python_type is not None and found.shape != ():
         raise CheckpointError(
             f"Leaf {name!r}: the target is a Python {req.python_type.__name__}, but "
-            f"{holder} holds an array of shape {found.shape}."
+            f"{holder()} holds an array of shape {found.shape}."
         )
     if req.sharding is not None:
         sharding_lib.check_divisible(name, found.shape, req.sharding)

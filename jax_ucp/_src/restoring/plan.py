@@ -16,7 +16,6 @@ mesh's device count: devices holding equal slices are one run of numbers, not a 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -36,7 +35,7 @@ from jax_ucp._src.errors import CheckpointError, RequestError
 from jax_ucp._src.format import display
 from jax_ucp._src.format.sizes import format_size
 from jax_ucp._src.options import field_namer, keywords_of
-from jax_ucp._src.restoring import engine, locate, model, requests, restore_entry
+from jax_ucp._src.restoring import engine, locate, model, requests, restore_entry, sources
 from jax_ucp._src.restoring.options import RestoreOptions
 from jax_ucp._src.restoring.sources import ucp_source
 from jax_ucp._src.sharding.mesh_layout import axes_of
@@ -251,13 +250,12 @@ def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
 
 
 def _plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
-    storage = store.storage_for(path)
-    # a source read in place: what its import holds; else the UCP checkpoint's manifest
-    opened = restore_entry.opened_elsewhere(storage, options) or contextlib.nullcontext(
-        ucp_source.open_checkpoint(locate.find_checkpoint(storage), options.spec)
-    )
-    with opened as source:
-        return _planned(source, options)
+    found = sources.opening(store.storage_for(path), options.importing, options.format)
+    if found.importer is not None:  # a source read in place: what its import holds
+        with restore_entry.imported(found, options) as source:
+            return _planned(source, options)
+    root = locate.find_checkpoint(found.storage, found.manifest)  # the UCP checkpoint's manifest
+    return _planned(ucp_source.open_checkpoint(root, options.spec), options)
 
 
 def _planned(opened: engine.OpenedSource, options: PlanOptions) -> RestorePlan:
@@ -413,7 +411,7 @@ def _explicit(av: model.Available, req: model.Request, casting: str):
     """``restore(target=/shardings=)``'s checks for one tensor, as a message instead of raised."""
     dtype, error = np.dtype(req.dtype) if req.dtype is not None else av.dtype, None
     try:
-        model.check_tensor_request(av.name, req, av, "the checkpoint", casting)
+        model.check_tensor_request(av.name, req, av, lambda: "the checkpoint", casting)
     except (CheckpointError, RequestError) as e:
         error = str(e)
     return av, dtype, req.sharding, (), error

@@ -55,39 +55,30 @@ def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
         safetensors (a file, or a folder of them).
       options: what to restore and how (checked when constructed).
     """
-    storage = store.storage_for(path)  # chosen once, handed down
-    elsewhere = opened_elsewhere(storage, options)
-    if elsewhere is not None:  # read in place through its import: no UCP checkpoint there
-        with elsewhere as opened:
-            return restore_from(opened, options)
+    opened = sources.opening(store.storage_for(path), options.importing, options.format)
+    if opened.importer is not None:  # read in place through its import: no UCP checkpoint there
+        with imported(opened, options) as source:
+            return restore_from(source, options)
     result: Any = None
-    for attempt in locate.consistent_reads(storage):
+    for attempt in locate.consistent_reads(opened.storage, manifest=opened.manifest):
         with attempt:
-            opened = ucp_source.open_checkpoint(attempt.find(), options.spec)
-            result = restore_from(opened, options)
+            opened_ucp = ucp_source.open_checkpoint(attempt.find(), options.spec)
+            result = restore_from(opened_ucp, options)
     return result
 
 
-def opened_elsewhere(
-    storage: store.storage.Storage, options: restore_options.RestoreOptions
-) -> contextlib.AbstractContextManager[OpenedSource] | None:
-    """The "open" stage for a source that is no UCP checkpoint (None for one): any source
-    ``convert`` reads (Hugging Face safetensors too), its importer detected once
-    (``sources.imported``) and its import plan opened with it (``import_open``) with
-    ``options.importing``."""
-    found = sources.imported(storage, options.importing, options.format)
-    return None if found is None else _imported(*found, options)
-
-
 @contextlib.contextmanager
-def _imported(storage, importer, options) -> Iterator[OpenedSource]:
+def imported(opened: sources.Opening, options) -> Iterator[OpenedSource]:
+    """The "open" stage of a source read through its import (safetensors too): its plan opened
+    with the importer ``sources.opening`` detected once and ``options.importing``."""
     from jax_ucp._src.restoring.sources import import_open
 
-    storage = import_open.one_revision(storage)  # one Hub commit for every process
+    assert opened.importer is not None
+    storage = import_open.one_revision(opened.storage)  # one Hub commit for every process
     with import_open.opened_import(
-        storage, importer, options.importing, options.spec, options.read_budget
-    ) as imported:
-        yield imported.opened
+        storage, opened.importer, options.importing, options.spec, options.read_budget
+    ) as found:
+        yield found.opened
 
 
 def restore_from(opened: OpenedSource, options: restore_options.RestoreOptions):

@@ -187,10 +187,10 @@ def _unplannable(path: str) -> str | None:
     from jax_ucp._src.restoring.sources import import_open
 
     try:  # its importer, detected once and handed on
-        found = sources.imported(store.storage_for(path), warn=False)
-        if found is None:
+        found = sources.opening(store.storage_for(path), warn=False)
+        if found.importer is None:
             return f"{path}: no importer reads it"
-        import_open.manifest_of(*found)
+        import_open.manifest_of(found.storage, found.importer)
     except (fmt.UCPError, OSError) as e:
         return str(e)
     return None

@@ -69,7 +69,17 @@ class PendingArray:
         if sharding is None:
             self._slices[()] = ()
             self.read_bytes = _nbytes(self.shape, source)
-            return
+        else:
+            self.read_bytes = self._slice(sharding, source)
+        stored = _stored_dtype(source)
+        #: bytes of this process's slices in the result's dtype (what a CPU result keeps)
+        self.result_bytes = self.read_bytes // stored.itemsize * self.dtype.itemsize
+        #: host memory ``start`` + ``result`` allocate at most (reads, converted copies)
+        self.host_bytes = self.read_bytes + (self.result_bytes if stored != self.dtype else 0)
+        self.on_host = on_host(sharding)  # sizes known once: the engine reads them, no call
+
+    def _slice(self, sharding: jax.sharding.Sharding, source) -> int:
+        """This process's distinct slices (each device's, or one box they tile); their bytes."""
         for device, index in sharding.addressable_devices_indices_map(self.shape).items():
             assert index is not None  # an addressable device always holds an index
             key = tuple(s.indices(n) for s, n in zip(index, self.shape))  # (start, stop, step)s
@@ -79,26 +89,10 @@ class PendingArray:
             self._box = _tiled_box(list(self._slices), self.shape)
         if self._box is not None:  # the slices tile one box: read it once, cut it on the host
             self._slices = {(): tuple(slice(a, b) for a, b in self._box)}
-        self.read_bytes = sum(
+        return sum(
             _nbytes(tuple(len(range(*s.indices(n))) for s, n in zip(index, self.shape)), source)
             for index in self._slices.values()
         )
-
-    @property
-    def host_bytes(self) -> int:
-        """Host memory ``start`` + ``result`` allocate at most (reads, converted copies)."""
-        if _stored_dtype(self._source) == self.dtype:
-            return self.read_bytes
-        return self.read_bytes + self.result_bytes
-
-    @property
-    def result_bytes(self) -> int:
-        """Bytes of this process's slices in the result's dtype (what a CPU result keeps)."""
-        return self.read_bytes // _stored_dtype(self._source).itemsize * self.dtype.itemsize
-
-    @property
-    def on_host(self) -> bool:
-        return on_host(self.sharding)
 
     def start(self) -> None:
         """Issues the reads (separate from construction so a caller can budget them)."""

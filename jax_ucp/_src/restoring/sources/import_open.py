@@ -38,12 +38,11 @@ if TYPE_CHECKING:
 
 def import_for(
     storage: store.storage.Storage, importing=None, format: str | None = None, *, warn: bool = False
-) -> tuple[store.storage.Storage, Importer] | None:
+) -> tuple[store.storage.Storage, Importer] | registry.Unclaimed:
     """``(the storage read, the importer convert would import it with)`` for a source that is
-    no UCP checkpoint (``sources.imported`` asked that once), a trainer's run root read as its
-    newest complete step; None when no importer claims it (the UCP reader's "not a jax_ucp
-    checkpoint"). The importer is asked of the registry once (``registry.claim``) and passed
-    down (``opened_import``): no detector is asked again.
+    no UCP checkpoint (``sources.opening`` asked that once), a trainer's run root read as its
+    newest complete step, else the detectors' report; asked of the registry once
+    (``registry.claim``) and passed down (``opened_import``): no detector is asked again.
 
     Args:
       storage: what was passed to restore / plan.
@@ -58,7 +57,7 @@ def import_for(
     if explicit:
         raise found.error()
     if found.run is None:
-        return None
+        return found
     # A torch trainer's run root that no importer reads itself (a Trainer's output_dir,
     # torchtitan's checkpoint/, OLMo-core's save folder): its newest complete step, as
     # restore(root, step="latest") takes it (``resume.latest_readable`` without fallback), each
