@@ -510,7 +510,7 @@ def main(argv=None) -> None:
     p.add_argument("--process", type=int, default=0)
     p.add_argument("--memory-budget", default=None, help="restore memory_budget (256MiB)")
     p.add_argument("--json", default=None)
-    p.add_argument("--export", action="store_true", help="convert (weights only), then export")
+    p.add_argument("--export", action="store_true", help="a UCP of the weights, exported to HF")
     a = p.parse_args(argv)
     if a.export:
         return export_main(a)
@@ -550,27 +550,52 @@ def main(argv=None) -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def export_main(a) -> None:
-    """The Megatron state converted weights-only to UCP (bf16 params), then exported to
-    safetensors by one process in a fresh child."""
-    import jax_ucp
-    from jax_ucp.conversion import ImportOptions
+def build_ucp(out: str, layers: int = LAYERS, **sizes) -> dict:
+    """A UCP checkpoint of Llama-3-70B's bf16 weights under Hugging Face names (``params``, as
+    an import of an HF model leaves them), written by ``jax_ucp.save`` (its real ``ucp.json``,
+    ``zarr.json`` files, crc32c trailers, indexes and shard digests) from zero arrays (pages
+    never touched: no memory), then made sparse (``cp --sparse=always``: the zero runs become
+    holes). Returns its totals."""
+    import ml_dtypes
 
+    import jax_ucp
+
+    params = {n: np.zeros(shape, ml_dtypes.bfloat16) for n, shape in hf_llama(layers, **sizes)}
+    jax_ucp.save(out, {"params": params})
+    for d, _, names in os.walk(os.path.join(out, "arrays")):
+        for name in names:
+            path = os.path.join(d, name)
+            subprocess.run(["cp", "--sparse=always", path, path + ".s"], check=True)
+            os.replace(path + ".s", path)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+    return {
+        "tensor_bytes": sum(v.nbytes for v in params.values()),
+        "tensors": len(params),
+        "ucp_bytes": size,
+        "on_disk": sum(
+            os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(out) for f in fs
+        ),
+    }
+
+
+def export_main(a) -> None:
+    """A sparse UCP checkpoint of the model's bf16 weights (``build_ucp``) exported to
+    safetensors by one process, in a fresh child."""
     base = tempfile.mkdtemp(prefix="bench70b_", dir=a.dir)
-    src, ucp = os.path.join(base, NAME), os.path.join(base, "ucp")
+    ucp = os.path.join(base, "ucp")
     try:
-        build(src, a.layers)
         t = time.perf_counter()
-        jax_ucp.convert(src, ucp, importing=ImportOptions(weights_only=True))
-        converted = {"convert_s": time.perf_counter() - t, "convert_peak_rss": _status("VmHWM")}
+        built = {**build_ucp(ucp, a.layers), "build_s": time.perf_counter() - t}
+        print(json.dumps(built), flush=True)
         call = f"b.measure_export({ucp!r}, {os.path.join(base, 'hf')!r}, {a.memory_budget!r})"
-        row = {**converted, **child(ucp, 1, 0, call=call)}
-        gib = 2**30
+        row = {**built, **child(ucp, 1, 0, call=call)}
+        gib, gb = 2**30, row["tensor_bytes"] / 1e9
         print(
             f"export: {row['safetensors_bytes'] / 1e9:.2f} GB of safetensors in {row['files']} "
-            f"files, wchar {row['wchar'] / 1e9:.2f} GB ({row['wchar'] / row['files_bytes']:.4f}x "
-            f"the files), {row['export_s']:.1f} s, peak RSS {row['peak_rss'] / gib:.2f} GiB "
-            f"(before {row['rss_before'] / gib:.2f})",
+            f"files, read {row['rchar'] / 1e9:.2f} GB ({row['rchar'] / row['tensor_bytes']:.4f}x "
+            f"the tensors), wchar {row['wchar'] / 1e9:.2f} GB ({row['wchar'] / row['files_bytes']:.4f}x "
+            f"the files), {row['export_s']:.1f} s ({row['export_s'] / gb:.1f} s/GB), peak RSS "
+            f"{row['peak_rss'] / gib:.2f} GiB (before {row['rss_before'] / gib:.2f})",
             flush=True,
         )
         if a.json:

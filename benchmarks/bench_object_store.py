@@ -7,7 +7,11 @@ local directory. Prints each contender's time (median of ``--rounds``) or its er
 moto keeps objects in memory in one Python process, so the S3 figures measure the protocol and
 this machine's CPU, not a real object store's bandwidth. ``--latency-ms 30`` puts a proxy in front
 of it that holds every response that long (a real store's time to first byte), which is what
-requests issued one after another pay for.
+requests issued one after another pay for. The restores from ``s3://`` (onto the transposed mesh,
+``select=`` half the tensors, the same one by TensorStore with the digest sweep it had before,
+and a torch DCP folder of the same tensors restored directly) alternate with bare loops fetching
+the same objects (whole, one GET each, all at once; for the DCP object also by ranged GETs as
+``ranged.fetch_ranges`` issues them), with the bytes and HTTP requests each fetched.
 """
 
 from __future__ import annotations
@@ -132,7 +136,10 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
     from jax.sharding import PartitionSpec as P
 
     import jax_ucp
+    from jax_ucp._src.restoring.sources import ucp_source
     from jax_ucp._src.store import storage as jax_ucp_storage
+    from jax_ucp._src.store.storage import object_store, ranged
+    from jax_ucp._src.torchfiles import dcp
 
     def s3_counters() -> tuple[float, float]:
         """(bytes read from s3, HTTP requests started) by TensorStore in this process so far
@@ -182,6 +189,19 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
     def restore(path, **kw):
         jax.block_until_ready(jax_ucp.restore(path, target=target, **kw))
 
+    def direct(path):  # an import's tensors are its params
+        jax.block_until_ready(jax_ucp.restore(path, target={"params": target}))
+
+    def restore_by_tensorstore(path):
+        """The restore as before issue 69's round 9: TensorStore reads every array, each shard
+        object's digest checked first in a sweep of its own (``verify_shard_objects``)."""
+        real = ucp_source.CheckpointSource._objects_read
+        ucp_source.CheckpointSource._objects_read = lambda self, found: False
+        try:
+            restore(path)
+        finally:
+            ucp_source.CheckpointSource._objects_read = real
+
     half = "w(" + "|".join(str(i) for i in range(n // 2 or 1)) + ")"  # select=: half the tensors
 
     def restore_half(path):
@@ -198,6 +218,17 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
         for got in [kv.read(k) for k in keys]:
             got.result()
 
+    def ranged_loop(path, sizes):
+        """Every object ``sizes`` names (name -> bytes) fetched by ranged GETs of
+        ``ranged.PIECE`` bytes, at most ``ranged.IN_FLIGHT`` bytes in flight
+        (``ranged.fetch_ranges``, what a direct restore's reads go through), nothing else done:
+        moto reads a whole object for every ranged GET, so whole-object GETs are no bound for
+        reads by ranges of one large object."""
+        storage = jax_ucp_storage.storage_for(path)
+        for name, size in sizes.items():
+            kv, key = ranged.opened(storage, name)
+            ranged.fetch_ranges(kv, key, [(0, size)], lambda at, n, got: None)
+
     fetched: dict[str, list[tuple[float, float]]] = {}
 
     def counted(name, fn, needed):
@@ -209,6 +240,17 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
         got = after[0] - before[0], after[1] - before[1]
         fetched.setdefault(name, []).append((got[0] / needed, got[1]))
 
+    dcp_url = "s3://bench/dcp"
+    # the same tensors as a torch DCP folder (one .distcp, as one rank's dcp.save writes),
+    # restored straight from s3:// (a "direct restore")
+    folder = os.path.join(local, "dcp")
+    os.makedirs(folder)
+    items = [dcp.DcpItem(k, (k,), (2048, 2048), np.dtype(np.float32)) for k in tree]
+    dcp.write_dcp(folder, items, (np.asarray(v) for v in tree.values()), save_id="bench")
+    dcp_sizes = {name: os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder)}
+    for name in dcp_sizes:
+        with open(os.path.join(folder, name), "rb") as f:
+            object_store.write(dcp_url, name, f.read())
     for r in range(rounds):
         timed("jax_ucp -> s3://", lambda: jax_ucp.save(f"s3://bench/ucp-{r}", tree))
         timed("Orbax StandardCheckpointer -> s3://", lambda: orbax_save(f"s3://bench/orbax-{r}"))
@@ -220,6 +262,10 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
         for name, fn, needed in [
             ("jax_ucp s3:// -> 4x2 mesh", lambda: restore(url), whole),
             ("bare GET loop, every object", lambda: bare_loop(url), whole),
+            ("same, TensorStore reads + digest sweep", lambda: restore_by_tensorstore(url), whole),
+            ("direct restore, DCP s3:// -> 4x2 mesh", lambda: direct(dcp_url), whole),
+            ("bare GET loop, the DCP objects", lambda: bare_loop(dcp_url), whole),
+            ("ranged GET loop, the DCP objects", lambda: ranged_loop(dcp_url, dcp_sizes), whole),
             ("jax_ucp s3:// select= half -> host", lambda: restore_half(url), part),
             ("bare GET loop, half the tensors", lambda: bare_loop(url, names), part),
         ][:: 1 if r % 2 == 0 else -1]:
@@ -244,13 +290,19 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
         else:
             print(f"  {name:38} {statistics.median(times[name]):7.2f} s")
     print(f"  jax_ucp's s3:// checkpoint restored bit-exact: {exact}")
-    ratio = {}
+    for name in sorted(set(errors) - set(names)):
+        print(f"  {name:38} fails: {errors[name]}")
+    ratio, shown = {}, set()
     for name, loop in [
         ("jax_ucp s3:// -> 4x2 mesh", "bare GET loop, every object"),
+        ("same, TensorStore reads + digest sweep", "bare GET loop, every object"),
+        ("direct restore, DCP s3:// -> 4x2 mesh", "bare GET loop, the DCP objects"),
+        ("direct restore, DCP s3:// -> 4x2 mesh", "ranged GET loop, the DCP objects"),
         ("jax_ucp s3:// select= half -> host", "bare GET loop, half the tensors"),
     ]:
         for k in (name, loop):
-            if k in times:
+            if k in times and k not in shown:
+                shown.add(k)
                 per = statistics.median(f for f, _ in fetched[k])
                 gets = statistics.median(g for _, g in fetched[k])
                 print(
@@ -258,8 +310,10 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
                     f"slices needed in {gets:.0f} HTTP requests"
                 )
         if name in times and loop in times:
-            ratio[name] = statistics.median(times[loop]) / statistics.median(times[name])
-            print(f"  {name}: {100 * ratio[name]:.0f} % of the bare loop's speed")
+            ratio[f"{name} / {loop}"] = r = statistics.median(times[loop]) / statistics.median(
+                times[name]
+            )
+            print(f"  {name}: {100 * r:.0f} % of the speed of the {loop}")
     if json_path:
         result = {
             "date": time.strftime("%Y-%m-%d"),

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import sys
 
+import numpy as np
 import pytest
 
 _PATH = os.path.join(
@@ -67,3 +68,25 @@ def test_a_zero3_share_reads_its_rows_synthetic(tmp_path):
     assert abs(quarter["share_bytes"] * 4 - whole["share_bytes"]) < whole["share_bytes"] // 10
     assert whole["read_rchar"] >= whole["share_bytes"]
     assert quarter["read_rchar"] < whole["read_rchar"] // 2, (quarter, whole)
+
+
+@pytest.mark.slow  # ~3-6 s: a save and an export in a child process
+def test_the_sparse_ucp_exports_every_weight_synthetic(tmp_path):
+    """The export benchmark's UCP checkpoint (saved by jax_ucp, then made sparse) is read
+    through the strict reader (crc32c, digests) and exported whole: every HF name, every byte."""
+    from safetensors import safe_open
+
+    bench = _bench()
+    built = bench.build_ucp(str(tmp_path / "ucp"), 2, hidden=64, mlp=128, vocab=256)
+    assert built["on_disk"] < built["ucp_bytes"]  # holes
+    row = bench.measure_export(str(tmp_path / "ucp"), str(tmp_path / "hf"))
+    names = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        with safe_open(str(f), "np") as st:
+            names.update({k: st.get_slice(k).get_shape() for k in st.keys()})  # noqa: SIM118
+    assert names == {n: list(s) for n, s in bench.hf_llama(2, hidden=64, mlp=128, vocab=256)}
+    assert (
+        row["safetensors_bytes"]
+        > built["tensor_bytes"]
+        == sum(2 * int(np.prod(s)) for s in names.values())
+    )

@@ -388,6 +388,83 @@ def test_damaged_shards_are_clear_errors(tmp_path, damage):
         r.read().result()
 
 
+class _CountedKv:
+    """A ``tensorstore.KvStore`` (a file one, read as an object store is) counting its GETs."""
+
+    def __init__(self, kv):
+        self.kv, self.gets = kv, 0
+
+    def read(self, key, byte_range=None):
+        self.gets += 1
+        return self.kv.read(key, byte_range=byte_range)
+
+
+def _object_reader(path, value, damage=None):
+    """``value`` written by TensorStore as 2 shards of 2 inner chunks, then read as objects by
+    ``ShardReader`` with each shard's digest as the manifest records it; ``damage`` done to
+    shard c/1/0 first."""
+    _, layout = _ts_array(path, value, (4, 8), (2, 8), "crc32c")
+    keys = ["c/0/0", "c/1/0"]
+    digests = {k: shard_reader.file_digest(str(path / k), 2) for k in keys}
+    shard = path / "c" / "1" / "0"
+    data = bytearray(shard.read_bytes())
+    if damage == "data byte":
+        data[3] ^= 0xFF
+    elif damage == "index byte":
+        data[-10] ^= 0xFF
+    elif damage == "truncated":
+        data = data[:20]
+    elif damage == "swapped":
+        data = bytearray((path / "c" / "0" / "0").read_bytes())
+    shard.write_bytes(bytes(data))
+    if damage == "missing":
+        shard.unlink()
+    kv = _CountedKv(ts.KvStore.open({"driver": "file", "path": str(path) + "/"}).result())
+    reader = shard_reader.ShardReader(
+        "s3://b/a", layout, value.dtype, digests=digests, tensor="w", objects=(kv, "")
+    )
+    return reader, kv
+
+
+def test_object_shards_read_by_ranges_their_digests_from_the_same_reads(tmp_path):
+    """From an object store, a whole shard is one ranged GET (chunks, trailers and index), its
+    digest checked from the trailers that GET fetched; a shard read in part fetches the rest of
+    its trailers and its index after (one GET each, issued together)."""
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    r, kv = _object_reader(tmp_path / "a", value)
+    assert_bit_exact(r.read().result(), value)
+    assert kv.gets == 2
+    r, kv = _object_reader(tmp_path / "b", value)
+    out = np.empty((3, 8), np.float32)
+    assert r.read_into([(((1, 4), (0, 8)), out)]).result() is None  # chunk 0 whole, 1 in part
+    assert_bit_exact(out, value[1:4])
+    assert kv.gets == 1  # both chunks of shard c/0/0 and its index: one GET
+    assert_bit_exact(r[0:2].read().result(), value[:2])
+    assert kv.gets == 2  # the chunk again, its shard's digest not checked twice
+    # chunk 0 of the shard, then chunk 1's trailer with the index; or chunk 1 with the index,
+    # then chunk 0's trailer: either way two GETs, and the swapped shard refused by its name
+    for rows in ((4, 6), (6, 8)):
+        r, kv = _object_reader(tmp_path / f"c{rows[0]}", value, "swapped")
+        with pytest.raises(CheckpointError, match=r"s3://b/a/c/1/0 is not the shard file"):
+            r[rows[0] : rows[1]].read().result()
+        assert kv.gets == 2
+
+
+@pytest.mark.parametrize("damage", ["data byte", "index byte", "truncated", "missing"])
+def test_damaged_shard_objects_are_clear_errors(tmp_path, damage):
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    r, _ = _object_reader(tmp_path / "a", value, damage)
+    assert_bit_exact(r[0:4].read().result(), value[:4])  # the other shard still reads
+    expect = {
+        "data byte": "s3://b/a/c/1/0: crc32c checksum mismatch in inner chunk 0",
+        "index byte": "s3://b/a/c/1/0: crc32c checksum mismatch in the shard index",
+        "truncated": "s3://b/a/c/1/0: (truncated|cannot read)",
+        "missing": "shard object s3://b/a/c/1/0 is missing",
+    }[damage]
+    with pytest.raises(CheckpointError, match=expect):
+        r.read().result()
+
+
 @pytest.mark.parametrize("case", ["zstd", "edge shards", "0-d", "empty", "int4"])
 def test_layouts_it_cannot_read_go_to_tensorstore(case):
     layout = store.ArrayLayout(

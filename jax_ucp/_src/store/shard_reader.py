@@ -227,11 +227,16 @@ class ShardReader:
         digests: Mapping[str, str] | None = None,
         tensor: str = "",
         root: str | None = None,
+        objects: tuple | None = None,
     ):
         """``digests``: shard key -> digest from the manifest; each shard file read is checked
         against it (None: no identity check, e.g. arrays saved without checksums). ``root``:
-        the checkpoint folder every shard file must resolve inside (default ``array_dir``)."""
+        the checkpoint folder every shard file must resolve inside (default ``array_dir``).
+        ``objects``: ``(kvstore, prefix)``, an object store's ``tensorstore.KvStore`` and the
+        array's names' prefix: shards are objects read by ranged GETs (``array_dir`` then only
+        names them in messages; crc32c and ``digests`` required)."""
         self.array_dir, self.layout, self.dtype = array_dir, layout, np.dtype(dtype)
+        self.objects = objects
         self.root = array_dir if root is None else root
         self.digests, self.tensor = digests, tensor
         self._verified: set[str] = set()
@@ -239,7 +244,7 @@ class ShardReader:
         # Per shard: its index and the crc32c trailers of the chunks read so far. A shard's
         # digest is checked once its reads are done, from these trailers (plus a 4-byte pread
         # for each chunk no read needed): whole-shard reads cost no extra I/O.
-        self._seen: dict[str, tuple[str, np.ndarray, dict[int, bytes]]] = {}
+        self._seen: dict[str, tuple[str, np.ndarray | None, dict[int, bytes]]] = {}
         self.shape = layout.shape
         self._inner = layout.inner_chunk_shape
         self._inner_grid = tuple(s // c for s, c in zip(layout.chunk_shape, self._inner))
@@ -279,12 +284,13 @@ class ShardReader:
         """Checks the digest of each shard in ``keys`` that has been read and not yet checked."""
         if not self._checks_digests():
             return
+        keys = [k for k in keys if k not in self._verified and k in self._seen]
+        if self.objects is not None:
+            self._fetch_rest(keys)
         for key in keys:
-            if key in self._verified or key not in self._seen:
-                continue
             path, index, trailers = self._seen[key]
-            missing = [i for i in range(len(index)) if i not in trailers]
-            if missing:
+            missing = [i for i in range(self._n_inner) if i not in trailers]
+            if missing and index is not None:
                 fd = files.open_regular(path)
                 try:
                     for i in missing:
@@ -292,9 +298,33 @@ class ShardReader:
                         trailers[i] = _pread_exact(fd, 4, off + nbytes - 4, path)
                 finally:
                     os.close(fd)
-            found = digest_of_trailers(b"".join(trailers[i] for i in range(len(index))))
+            found = digest_of_trailers(b"".join(trailers[i] for i in range(self._n_inner)))
             check_digest(path, found, (self.digests or {}).get(key), self.tensor)
             self._verified.add(key)
+
+    def _fetch_rest(self, keys) -> None:
+        """The trailers and index of shard objects ``keys`` their chunk reads did not fetch, as
+        ranged GETs all issued at once (the last chunk's trailer with the index)."""
+        kv, prefix = self.objects  # type: ignore  # an object store's reader only
+        step, last = self._chunk_bytes + 4, self._n_inner - 1
+        pending = []
+        for key in keys:
+            where, index, trailers = self._seen[key]
+            if index is None:
+                at = slice(last * step + step - 4, self._end(self._n_inner))
+                pending.append((key, None, at, kv.read(prefix + key, byte_range=at)))
+            for i in range(self._n_inner):
+                if i not in trailers and (i != last or index is not None):
+                    at = slice((i + 1) * step - 4, (i + 1) * step)
+                    pending.append((key, i, at, kv.read(prefix + key, byte_range=at)))
+        for key, i, at, future in pending:
+            where, _, trailers = self._seen[key]
+            raw = self._object_bytes(future, where, at.stop - at.start)
+            if i is None:
+                self._check_object_index(key, memoryview(raw)[4:])
+                trailers.setdefault(last, bytes(raw[:4]))
+            else:
+                trailers[i] = bytes(raw)
 
     def _read_chunk(
         self, fd: int, index: np.ndarray, i: int, path: str, key: str = "", into=None
@@ -370,6 +400,9 @@ class ShardReader:
         destination (region, out) they overlap."""
         key = shard_key(pos)
         path = os.path.join(self.array_dir, *key.split("/"))
+        if self.objects is not None:
+            ids = [int(np.ravel_multi_index(c, self._inner_grid)) for c in chunks]
+            return self._place(pos, chunks, dests, self._fetch_chunks(key, path, ids))
         try:
             if key not in self._inside:  # a shard file linked out of its array is never read
                 rel = os.path.relpath(path, self.root)
@@ -384,36 +417,122 @@ class ShardReader:
             raise CheckpointError(str(e)) from None
         try:
             index = self._shard_index(fd, path, key)
-            base = [p * c for p, c in zip(pos, self.layout.chunk_shape)]
-            for cpos in chunks:
-                i = int(np.ravel_multi_index(cpos, self._inner_grid))
-                start = [b0 + p * c for b0, p, c in zip(base, cpos, self._inner)]  # global
-                box = tuple((s, s + c) for s, c in zip(start, self._inner))
-                hits = [
-                    (region, out)
-                    for region, out in dests
-                    if all(a < e and s < b for (a, b), (s, e) in zip(region, box))
-                ]
-                direct = next((d for d in hits if _contiguous_within(box, d[0])), None)
-                into = None
-                if direct is not None:
-                    region, out = direct
-                    into = out[tuple(slice(s - a, e - a) for (a, _), (s, e) in zip(region, box))]
-                    if not into.flags.c_contiguous:  # never read into a reshaped copy
-                        direct = into = None
-                chunk = self._read_chunk(fd, index, i, path, key, into=into)
-                for region, out in hits:
-                    if direct is not None and out is direct[1]:
-                        continue
-                    src = tuple(
-                        slice(max(a, s) - s, min(b, e) - s) for (a, b), (s, e) in zip(region, box)
-                    )
-                    dst = tuple(
-                        slice(max(a, s) - a, min(b, e) - a) for (a, b), (s, e) in zip(region, box)
-                    )
-                    out[dst] = chunk[src]
+            self._place(
+                pos, chunks, dests, lambda i, into: self._read_chunk(fd, index, i, path, key, into)
+            )
         finally:
             os.close(fd)
+
+    def _place(self, pos, chunks, dests, read) -> None:
+        """Each inner chunk of ``chunks`` (of shard ``pos``) read by ``read(i, into)`` into
+        its parts of every destination: straight into one wholly holding it, when one does."""
+        base = [p * c for p, c in zip(pos, self.layout.chunk_shape)]
+        for cpos in chunks:
+            i = int(np.ravel_multi_index(cpos, self._inner_grid))
+            start = [b0 + p * c for b0, p, c in zip(base, cpos, self._inner)]  # global
+            box = tuple((s, s + c) for s, c in zip(start, self._inner))
+            hits = [
+                (region, out)
+                for region, out in dests
+                if all(a < e and s < b for (a, b), (s, e) in zip(region, box))
+            ]
+            direct = next((d for d in hits if _contiguous_within(box, d[0])), None)
+            into = None
+            if direct is not None:
+                region, out = direct
+                into = out[tuple(slice(s - a, e - a) for (a, _), (s, e) in zip(region, box))]
+                if not into.flags.c_contiguous:  # never read into a reshaped copy
+                    direct = into = None
+            chunk = read(i, into)
+            for region, out in hits:
+                if direct is not None and out is direct[1]:
+                    continue
+                src = tuple(
+                    slice(max(a, s) - s, min(b, e) - s) for (a, b), (s, e) in zip(region, box)
+                )
+                dst = tuple(
+                    slice(max(a, s) - a, min(b, e) - a) for (a, b), (s, e) in zip(region, box)
+                )
+                out[dst] = chunk[src]
+
+    def _fetch_chunks(self, key: str, where: str, ids: list[int]):
+        """An object store's inner chunks ``ids`` of shard ``key``: one ranged GET per run of
+        consecutive chunks, trailers included (the index too, when the run ends the shard),
+        issued at once; returns ``read(i, into)`` for ``_place``, each chunk's crc32c checked
+        and its trailer kept for the shard's digest (``verify_digests``)."""
+        kv, prefix = self.objects  # type: ignore  # an object store's reader only
+        step = self._chunk_bytes + 4
+        if (self.digests or {}).get(key) is None:  # not listed in the manifest: refuse early
+            check_digest(where, "", None, self.tensor)
+        runs: list[list[int]] = []
+        for i in ids:
+            if runs and runs[-1][1] == i:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+        data_bytes = self._n_inner * step
+        pending = [
+            (a, b, kv.read(prefix + key, byte_range=slice(a * step, self._end(b)))) for a, b in runs
+        ]
+        seen = self._seen.setdefault(key, (where, None, {}))
+        held = {}
+        for a, b, future in pending:
+            raw = memoryview(self._object_bytes(future, where, self._end(b) - a * step))
+            if b == self._n_inner:
+                self._check_object_index(key, raw[data_bytes - a * step :])
+            for i in range(a, b):
+                held[i] = raw[(i - a) * step : (i - a + 1) * step]
+
+        def read(i: int, into) -> np.ndarray:
+            raw = held.pop(i)
+            (stored,) = struct.unpack("<I", raw[-4:])
+            if crc32c_lib.crc32c(raw[:-4]) != stored:
+                raise CheckpointError(
+                    f"{where}: crc32c checksum mismatch in inner chunk {i} (the data is corrupt)"
+                )
+            seen[2][i] = bytes(raw[-4:])
+            chunk = np.frombuffer(raw[:-4], self.dtype).reshape(self._inner)
+            if into is None:
+                return chunk
+            into[...] = chunk
+            return into
+
+        return read
+
+    def _end(self, b: int) -> int:
+        """Where a ranged GET of an object's chunks up to ``b`` ends: the index included when
+        ``b`` is the last chunk (one GET reads a whole shard, index and all)."""
+        return b * (self._chunk_bytes + 4) + (self._n_inner * 16 + 4 if b == self._n_inner else 0)
+
+    def _object_bytes(self, future, where: str, want: int) -> bytes:
+        try:
+            got = future.result()
+        except (ValueError, OSError) as e:
+            raise _read_error(e, where) from None
+        if got.state != "value":
+            raise CheckpointError(
+                f"Tensor {self.tensor!r}: shard object {where} is missing (the checkpoint is "
+                f"incomplete)."
+            )
+        if len(got.value) != want:
+            raise CheckpointError(f"{where}: truncated ({want} bytes asked, {len(got.value)} read)")
+        return got.value
+
+    def _check_object_index(self, key: str, raw) -> None:
+        """An object's index, read with its last chunks: what its fixed layout says (chunk
+        after chunk, each its bytes and crc32c), else the object is not this checkpoint's."""
+        where, _, trailers = self._seen[key]
+        step = self._chunk_bytes + 4
+        index = parse_index(bytes(raw), where, self._n_inner, True, None)
+        if (
+            not (index[:, 1] == step).all()
+            or not (index[:, 0] == np.arange(self._n_inner) * step).all()
+        ):
+            raise CheckpointError(
+                f"{where}: its shard index does not place the chunks one after another as this "
+                f"array's layout does (corrupt, or not written by this checkpoint's save)"
+            )
+        self._seen[key] = (where, index, trailers)
 
 
 _BATCH_BYTES = 16 << 20

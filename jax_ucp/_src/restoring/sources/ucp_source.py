@@ -176,8 +176,26 @@ class CheckpointSource(TensorSource):
         for _, pending in self._futures.values():
             if isinstance(pending, _Fetch):  # the whole objects fetched at once in turn
                 pending.advance(self._kv)
-        if not self.storage.local:
-            verify_shard_objects(self.storage, sources.values())
+        if not self.storage.local:  # those read by ``ShardReader`` are checked as they are read
+            by_tensorstore = {
+                s.key: s
+                for found in tensors
+                if not self._objects_read(found)
+                for s in found.sources
+            }
+            verify_shard_objects(self.storage, by_tensorstore.values())
+
+    def _objects_read(self, found: Available) -> bool:
+        """Whether ``found`` is read from an object store by ``ShardReader``'s ranged GETs,
+        each shard's digest checked from the trailers those fetch (no sweep of its own)."""
+        entry = found.sources[0]
+        return (
+            found.stored
+            and self.storage.kvstore().get("driver") in ("s3", "gcs")
+            and entry.checksum == "crc32c"
+            and entry.shard_digests is not None
+            and shard_file.readable(store.zarr3.layout_of(entry))
+        )
 
     def _open(self, entry: fmt.TensorEntry) -> None:
         """Starts reading the array's ``zarr.json`` (checked against the manifest by ``_get``)."""
@@ -270,6 +288,18 @@ class CheckpointSource(TensorSource):
                     tensor=entry.name,
                     root=self.storage.kvstore()["path"],  # spelled as kv["path"] is
                 )
+        if self._objects_read(found):
+            self._checked(entry.key)
+            if self._kv is None:
+                self._kv = ts.KvStore.open(self.storage.kvstore()).result()
+            return shard_reader.ShardReader(
+                self.storage.join(entry.dir),
+                store.zarr3.layout_of(entry),
+                fmt.to_numpy_dtype(entry.dtype),
+                digests=entry.shard_digests,
+                tensor=entry.name,
+                objects=(self._kv, f"{entry.dir.strip('/')}/"),
+            )
         return found.build({s.key: self._get(s.key) for s in found.sources})
 
     def check_fits(self, found: Available, limit: int, what: str) -> None:
