@@ -17,6 +17,7 @@ import time
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import SaveConflictError
+from jax_ucp._src.format.mapped_file import FileMap, map_file
 from jax_ucp._src.multihost import liveness
 from jax_ucp._src.store import host_memory
 from jax_ucp._src.store.storage.base import Claim, Storage, Transaction
@@ -293,6 +294,10 @@ class LocalDirectory(Storage):
 
     def reader(self, name: str) -> LocalFile:
         return LocalFile(self.inside(name))
+
+    def mapped(self, name: str, *, sealed: bool = False) -> tuple[FileMap | None, None]:
+        """The file itself, mapped (None: empty)."""
+        return map_file(self.inside(name)), None
 
     def exists(self, name: str) -> bool:
         return os.path.exists(self.inside(name))
