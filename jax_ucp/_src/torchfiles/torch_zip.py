@@ -21,7 +21,7 @@ import numpy as np
 
 from jax_ucp._src.format import files, mapped_file
 from jax_ucp._src.store.storage import Storage as BaseStorage
-from jax_ucp._src.store.storage import local_view
+from jax_ucp._src.store.storage import sparse
 from jax_ucp._src.store.storage.sparse import RemoteArchive
 from jax_ucp._src.torchfiles import pickle_format
 from jax_ucp._src.torchfiles.allow_list import Storage, StorageType, TorchFileError, short_repr
@@ -75,7 +75,7 @@ class _BufferFile(io.RawIOBase):
 class TorchArchive:
     """A torch zip archive opened read-only with one ``mmap``: file ``name`` of a ``Storage``
     (``Storage.mapped``: a remote one's ranges fetched as they are read), or a local path (a
-    remote folder's stand-in: ``local_view.stored_at``). ``lazy_crc``: a storage's CRC-32 is
+    remote folder's stand-in: ``sparse.stored_at``). ``lazy_crc``: a storage's CRC-32 is
     checked when first read, so skipped moments are never read."""
 
     def __init__(
@@ -84,7 +84,7 @@ class TorchArchive:
         if isinstance(source, tuple):
             storage, name = source
         else:
-            storage, name = local_view.stored_at(source) or (None, os.fspath(source))
+            storage, name = sparse.stored_at(source) or (None, os.fspath(source))
         self.path = storage.join(name) if storage is not None else name
         self.lazy_crc = lazy_crc
         try:  # a regular file only: a FIFO or device would block or never end

@@ -127,6 +127,10 @@ class Storage(abc.ABC):
     def read(self, name: str, limit: int) -> bytes | None:
         """The whole of ``name`` (None when absent); more than ``limit`` bytes is an error."""
 
+    def folder(self, name: str) -> Storage:
+        """Folder ``name`` of ``root`` as a storage of its own (its names relative to it)."""
+        return type(self)(self.join(name))
+
     @abc.abstractmethod
     def exists(self, name: str) -> bool:
         """Whether ``name`` exists."""

@@ -14,12 +14,14 @@ import os
 import shutil
 import socket
 import time
+from typing import Any
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import SaveConflictError
 from jax_ucp._src.format.mapped_file import FileMap, map_file
 from jax_ucp._src.multihost import liveness
 from jax_ucp._src.store import host_memory
+from jax_ucp._src.store.storage import sparse
 from jax_ucp._src.store.storage.base import Claim, Storage, Transaction
 from jax_ucp._src.store.storage.ranged import LocalFile
 
@@ -295,9 +297,22 @@ class LocalDirectory(Storage):
     def reader(self, name: str) -> LocalFile:
         return LocalFile(self.inside(name))
 
-    def mapped(self, name: str, *, sealed: bool = False) -> tuple[FileMap | None, None]:
-        """The file itself, mapped (None: empty)."""
-        return map_file(self.inside(name)), None
+    def mapped(self, name: str, *, sealed: bool = False) -> tuple[FileMap | None, Any]:
+        """The file itself, mapped (None: empty); a local view's stand-in, its object's."""
+        path = self.inside(name)
+        stored = sparse.stored_at(path)
+        if stored is not None:
+            return stored[0].mapped(stored[1], sealed=sealed)
+        return map_file(path), None
+
+    def folder(self, name: str) -> LocalDirectory:
+        """Refused unless ``name`` resolves to a folder strictly inside ``root``."""
+        real = self.inside(name)
+        if os.path.realpath(real) == self.resolved:
+            raise fmt.files.UnsafeFileError(
+                f"{self.join(name)}: names {self.root} itself, not a folder inside it"
+            )
+        return LocalDirectory(self.join(name))
 
     def exists(self, name: str) -> bool:
         return os.path.exists(self.inside(name))

@@ -5,7 +5,7 @@ a file in a private temporary directory. Small objects (trackers, configs) are f
 most :data:`MAX_WHOLE` bytes each). A zip archive (``.pt``, ``.pth``, ``.bin``, ``.ckpt``), a
 torch DCP folder's ``.metadata`` and ``.distcp`` objects (plain, megatron-core's ``torch_dist``
 and ``fsdp_dtensor``, verl's ``dist_ckpt``) stand as empty files read at their storage
-(:func:`stored_at`): ``torchfiles.torch_zip`` through ``Storage.mapped`` (the members it reads
+(``sparse.stored_at``): ``torchfiles.torch_zip`` through ``Storage.mapped`` (the members it reads
 fetched by ranges), ``torchfiles.dcp`` by the byte ranges of the chunks it reads; a rank's file
 of torch DCP's Hugging Face writer stands as a sparse file holding its header only, read the
 same way. A prefix holding no torch archive nor torch DCP folder is never viewed (an Orbax
@@ -22,7 +22,6 @@ import tempfile
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 
 from jax_ucp._src.errors import RequestError, SourceError, UCPError
@@ -53,20 +52,6 @@ class ViewError(SourceError):
     """An object of the remote folder that cannot stand as a file of its view (a name no
     folder holds, a zip directory the object disagrees with, gone since the listing): the
     source is there and damaged, unlike a prefix with nothing to view."""
-
-
-#: local folder -> the view it is, while the view lives
-_viewed: weakref.WeakValueDictionary[str, View] = weakref.WeakValueDictionary()
-
-
-def stored_at(path: os.PathLike | str) -> tuple[Storage, str] | None:
-    """(the storage, the object name) the local ``path`` inside a live view stands for (None:
-    not inside one): the view's own storage, so a Hub repo stays at the commit it listed."""
-    real = os.path.realpath(path) if _viewed else ""
-    for root, view in list(_viewed.items()):
-        if real == root or real.startswith(root + os.sep):
-            return view.storage, real[len(root) :].replace(os.sep, "/").strip("/")
-    return None
 
 
 @dataclasses.dataclass
@@ -147,7 +132,7 @@ def local_view(storage: Storage) -> tuple[View, LocalDirectory] | None:
         list(pool.map(lambda name: _place(storage, name, view), names))
     path = os.path.join(view.path, base) if single else view.path
     _views[asked] = now, names, view, path
-    _viewed[os.path.realpath(view.path)] = view
+    sparse.standing[os.path.realpath(view.path)] = view
     return view, LocalDirectory(path)
 
 
@@ -197,7 +182,7 @@ def holds_rank_pieces(names: list[str]) -> bool:
 def _rank_piece(storage: Storage, name: str, fd: int) -> bool:
     """A rank's DCP safetensors file (so named) as a sparse file of its size holding its header
     (False: whole tensors, fetched whole): its pieces are read at the URL by ranges
-    (:func:`stored_at`), never from the holes."""
+    (``sparse.stored_at``), never from the holes."""
     f = safetensors.SafetensorsFile.read_from(
         storage.join(name), storage.reader(name), dcp_shard=True
     )  # a header no reader takes: its error (the object's real size, when cut short)
