@@ -22,6 +22,7 @@ from jax_ucp._src.importers.deepspeed import DeepSpeedOptions
 from jax_ucp._src.importers.deepspeed import files as deepspeed_files
 from jax_ucp._src.importers.plan import ImportOptions
 from jax_ucp._src.importers.registry import plan_import
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp.errors import SourceError
 from jax_ucp.exporters import DeepSpeedUniversalExport
 from tests.ucp_testing import REPO
@@ -220,7 +221,7 @@ def test_latest_universal_outside_refused_and_message_says_universal(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(SourceError, match=r"no DeepSpeed checkpoint here .*universal"):
-        deepspeed_files.resolve_tag_dir(str(empty), None)
+        deepspeed_files.resolve_tag_dir(LocalDirectory(str(empty)), None)
 
 
 @pytest.mark.torch
