@@ -57,6 +57,7 @@ import argparse
 import collections
 import datetime
 import json
+import resource
 import shutil
 import statistics
 import subprocess
@@ -251,7 +252,7 @@ def run_contender(name: str, fmt: str, src: str, scratch: str, check: bool) -> d
     baseline = rss.status().get("RssAnon", 0)
     out = os.path.join(scratch, "out")
     peak = rss.Peak(os.getpid(), interval=0.02).start()  # this process and its children
-    before, t = written(), time.perf_counter()
+    before, t, use = written(), time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     if name == "direct":
         result = jax_ucp.restore(src, target=target, importing=ImportOptions())
     elif name == "convert + restore":
@@ -261,9 +262,12 @@ def run_contender(name: str, fmt: str, src: str, scratch: str, check: bool) -> d
     leaves = [x for x in jax.tree.leaves(result) if isinstance(x, jax.Array)]
     jax.block_until_ready(leaves)
     seconds = time.perf_counter() - t
-    peak.stop()  # before the digests below (np.asarray keeps a host copy of each array)
+    end = resource.getrusage(resource.RUSAGE_SELF)  # this process's threads (offline: children
+    peak.stop()  # not counted) before the digests below (np.asarray keeps a host copy)
     row = {
         "seconds": seconds,
+        "cpu_s": end.ru_utime + end.ru_stime - use.ru_utime - use.ru_stime,
+        "minor_faults": end.ru_minflt - use.ru_minflt,
         "written": written() - before,
         "peak_anon": peak.anon,
         "baseline_anon": baseline,
@@ -401,7 +405,8 @@ def main() -> None:
                 c = row[name]
                 print(
                     f"  {labels[name]:26s} {c['seconds']:7.2f} s ({nbytes / c['seconds'] / 1e6:5.0f}"
-                    f" MB/s of source), {c['written'] / 1e9:6.2f} GB written, working memory "
+                    f" MB/s of source), CPU {c['cpu_s']:.2f} s, {c['minor_faults'] / 1e3:.0f} k "
+                    f"minor faults, {c['written'] / 1e9:6.2f} GB written, working memory "
                     f"{c['working_memory'] / 2**20:6.0f} MiB (peak RssAnon "
                     f"{c['peak_anon'] / 2**30:.2f} GiB, result {c['result_bytes'] / 2**30:.2f} GiB)"
                 )

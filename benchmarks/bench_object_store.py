@@ -127,10 +127,21 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
+    import tensorstore as ts
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jax_ucp
+    from jax_ucp._src.store import storage as jax_ucp_storage
+
+    def s3_counters() -> tuple[float, float]:
+        """(bytes read from s3, HTTP requests started) by TensorStore in this process so far
+        (a ``ts.Batch`` of ranges of one object is one request each: measured)."""
+        got = {"/tensorstore/kvstore/s3/bytes_read": 0.0, "/tensorstore/http/request_started": 0.0}
+        for m in ts.experimental_collect_matching_metrics("/tensorstore/"):
+            if m["name"] in got:
+                got[m["name"]] += sum(v.get("value", 0) for v in m.get("values", []))
+        return tuple(got.values())
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
     n = max(1, mib // 16)  # 16 MiB fp32 tensors
@@ -168,15 +179,51 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
         for k, v in tree.items()
     }
 
-    def restore(path):
-        jax.block_until_ready(jax_ucp.restore(path, target=target))
+    def restore(path, **kw):
+        jax.block_until_ready(jax_ucp.restore(path, target=target, **kw))
+
+    half = "w(" + "|".join(str(i) for i in range(n // 2 or 1)) + ")"  # select=: half the tensors
+
+    def restore_half(path):
+        jax.block_until_ready(jax_ucp.restore(path, select=half))
+
+    def bare_loop(path, names=None):
+        """Every object of the checkpoint (or those of tensors ``names``) fetched whole, one GET
+        each, all in flight at once through TensorStore's s3 driver (its request concurrency
+        the restore's): what the restore's reads cost with nothing else done."""
+        kv = ts.KvStore.open(jax_ucp_storage.storage_for(path).kvstore()).result()
+        keys = [k.decode() for k in kv.list().result()]
+        if names is not None:
+            keys = [k for k in keys if not k.startswith("arrays/") or k.split("/")[1] in names]
+        for got in [kv.read(k) for k in keys]:
+            got.result()
+
+    fetched: dict[str, list[tuple[float, float]]] = {}
+
+    def counted(name, fn, needed):
+        """``fn`` timed, and the s3 bytes and GETs it fetched (TensorStore's counters) per
+        byte of the slices it needed."""
+        before = s3_counters()
+        timed(name, fn)
+        after = s3_counters()
+        got = after[0] - before[0], after[1] - before[1]
+        fetched.setdefault(name, []).append((got[0] / needed, got[1]))
 
     for r in range(rounds):
         timed("jax_ucp -> s3://", lambda: jax_ucp.save(f"s3://bench/ucp-{r}", tree))
         timed("Orbax StandardCheckpointer -> s3://", lambda: orbax_save(f"s3://bench/orbax-{r}"))
         timed("jax_ucp -> local dir", lambda: jax_ucp.save(os.path.join(local, f"u{r}"), tree))
         timed("Orbax -> local dir", lambda: orbax_save(os.path.join(local, f"o{r}")))
-        timed("jax_ucp s3:// -> 4x2 mesh", lambda: restore(f"s3://bench/ucp-{r}"))
+        whole, part = n * 2048 * 2048 * 4, (n // 2 or 1) * 2048 * 2048 * 4
+        names = [f"w{i}" for i in range(n // 2 or 1)]
+        url = f"s3://bench/ucp-{r}"
+        for name, fn, needed in [
+            ("jax_ucp s3:// -> 4x2 mesh", lambda: restore(url), whole),
+            ("bare GET loop, every object", lambda: bare_loop(url), whole),
+            ("jax_ucp s3:// select= half -> host", lambda: restore_half(url), part),
+            ("bare GET loop, half the tensors", lambda: bare_loop(url, names), part),
+        ][:: 1 if r % 2 == 0 else -1]:
+            counted(name, fn, needed)
         timed("jax_ucp local dir -> 4x2 mesh", lambda: restore(os.path.join(local, f"u{r}")))
     shutil.rmtree(local, ignore_errors=True)
     back = jax_ucp.restore("s3://bench/ucp-0")
@@ -197,6 +244,22 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
         else:
             print(f"  {name:38} {statistics.median(times[name]):7.2f} s")
     print(f"  jax_ucp's s3:// checkpoint restored bit-exact: {exact}")
+    ratio = {}
+    for name, loop in [
+        ("jax_ucp s3:// -> 4x2 mesh", "bare GET loop, every object"),
+        ("jax_ucp s3:// select= half -> host", "bare GET loop, half the tensors"),
+    ]:
+        for k in (name, loop):
+            if k in times:
+                per = statistics.median(f for f, _ in fetched[k])
+                gets = statistics.median(g for _, g in fetched[k])
+                print(
+                    f"  {k:38} {statistics.median(times[k]):7.2f} s, fetched {per:.4f}x the "
+                    f"slices needed in {gets:.0f} HTTP requests"
+                )
+        if name in times and loop in times:
+            ratio[name] = statistics.median(times[loop]) / statistics.median(times[name])
+            print(f"  {name}: {100 * ratio[name]:.0f} % of the bare loop's speed")
     if json_path:
         result = {
             "date": time.strftime("%Y-%m-%d"),
@@ -208,6 +271,8 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
             "median_seconds": {k: statistics.median(v) for k, v in times.items()},
             "errors": errors,
             "bit_exact": exact,
+            "fetched_per_needed_and_requests": fetched,
+            "speed_vs_bare_loop": ratio,
         }
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)

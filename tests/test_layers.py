@@ -39,7 +39,7 @@ ALLOWED = {
     "orbax": {"format", "store", "writer", "multihost", "sharding", "tree", "restoring", "saving"},
     "api": {"format", "store", "tree", "restoring", "saving", "against", "logits", "export_check"},
     # verify(EXPORTED, against=CKPT): the export read by its import, the checkpoint by the spec
-    "export_check": {"format", "store", "writer", "restoring", "importers", "exporters"},
+    "export_check": {"format", "store", "writer", "restoring", "importers", "exporters", "logits"},
     # torch's file formats, read and written without torch; store: a DCP folder in an object
     # store or a Hub repo read by ranged GETs (store.storage.local_view)
     "torchfiles": {"format", "writer", "store"},

@@ -14,26 +14,26 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: package of jax_ucp/_src (or "modules": its top-level modules; "public": jax_ucp/ outside
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
-    "cli": 1752,
-    "continuation": 2142,
-    "exporters": 2349,
-    "format": 2729,
-    "importers": 16723,
+    "cli": 1755,
+    "continuation": 2208,
+    "exporters": 2407,
+    "format": 2734,
+    "importers": 16742,
     "language": 3193,
-    "models": 1937,
+    "models": 2613,
     "multihost": 836,
     "orbax": 421,
     "restoring": 4973,
     "saving": 964,
     "sharding": 713,
-    "store": 3382,
-    "torchfiles": 3175,
+    "store": 3392,
+    "torchfiles": 3202,
     "writer": 1675,
-    "modules": 4447,
+    "modules": 4578,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 51779
+TOTAL = 52774
 
 
 def _lines(paths) -> int:

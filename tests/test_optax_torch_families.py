@@ -12,6 +12,8 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.continuation import families
+from jax_ucp._src.optax_torch import identify
+from jax_ucp.conversion import TorchOptions
 
 
 def _continue(run, grads, want):
@@ -165,11 +167,40 @@ def test_any_other_optimizer_is_refused_naming_it(tmp_path, make, says):
             jax_ucp.optax_from_torch(path)
 
 
+@pytest.mark.torch
+def test_deepspeeds_muon_with_aux_adam_is_refused_naming_it(tmp_path):
+    """DeepSpeed's MuonWithAuxAdam, its groups built by its engine's own split (the Muon half
+    and the Adam half, each with use_muon), three steps saved: refused by its name, both when
+    its Muon group comes first and when only its Adam half is read."""
+    import torch
+
+    ds = pytest.importorskip("deepspeed.runtime.zero.muon.muon_optimizer")
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if not hasattr(DeepSpeedEngine, "_muon_param_groups"):
+        pytest.skip("this DeepSpeed's engine does not split Muon's groups")
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    for p in model.parameters():  # as deepspeed.initialize tags them: matrices to Muon
+        p.use_muon = p.ndim >= 2  # type: ignore[attr-defined]
+    groups = DeepSpeedEngine._muon_param_groups(
+        list(model.parameters()), {"lr": 0.02, "momentum": 0.9, "betas": (0.9, 0.95), "eps": 1e-8}
+    )
+    path, _, _ = _torch_steps(tmp_path, model, [ds.MuonWithAuxAdam(groups)], torch.randn(5, 8))
+    order = ["0.weight", "1.weight", "0.bias", "1.bias"]  # the Muon half's, then the Adam's
+    ckpt = jax_ucp.convert(path, tmp_path / "ucp", importing=TorchOptions(parameter_order=order))
+    with pytest.raises(jax_ucp.UCPError, match=r"keys of DeepSpeed's .*MuonWithAuxAdam"):
+        jax_ucp.optax_from_torch(ckpt)
+    adam = {k: v for k, v in groups[1].items() if k != "params"}
+    assert adam["use_muon"] is False and "betas" in adam
+    with pytest.raises(jax_ucp.UCPError, match=r"keys of DeepSpeed's .*MuonWithAuxAdam"):
+        identify([{**adam, "amsgrad": False, "params": [0]}], {}, "ckpt")
+
+
 def test_a_lion_group_is_refused_naming_it():
     """No framework here records Lion (bitsandbytes and lion-pytorch are not installed; the
     Trainer's ``lion_*`` needs bitsandbytes): lion-pytorch's group keys are refused naming it."""
-    from jax_ucp._src.optax_torch import identify
-
     group = {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0, "params": ["w"]}
     with pytest.raises(jax_ucp.UCPError, match=r"keys of .*a Lion \(betas\)"):
         identify([group], {}, "ckpt")

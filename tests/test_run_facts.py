@@ -5,6 +5,7 @@ fixtures with one field changed in one file, torch-free (``tests/torch_edit.py``
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import warnings
@@ -222,6 +223,25 @@ def test_a_verl_scheduler_whose_base_lrs_are_not_the_groups_initial_lr_is_refuse
 LEGACY = "megatron/legacy_gpt_distopt_pp2dp2_synthetic"
 
 
+@pytest.mark.parametrize(("field", "value"), [("maximize", True), ("amsgrad", True)])
+def test_megatron_groups_of_an_adam_variant_are_not_continued_as_adam(tmp_path, field, value):
+    """common.pt's param groups saying maximize (gradient ascent) or amsgrad: refused naming the
+    field; before: continued as plain Adam, nothing said."""
+    src = _copy(tmp_path, "megatron/gpt_distopt_dp2")
+    common = os.path.join(FIX, "megatron", "gpt_distopt_dp2_scheduler_synthetic.common.pt")
+    shutil.copyfile(common, os.path.join(src, "common.pt"))
+    intact = _continue(src)
+    assert intact.step == 2
+
+    def flagged(t):
+        for g in t["optimizer"]["optimizer"]["param_groups"]:
+            g[field] = value
+
+    edit_torch_file(os.path.join(src, "common.pt"), flagged)
+    with pytest.raises(jax_ucp.RequestError, match=rf"param_groups\[0\]\.{field} = True: not"):
+        _continue(src)
+
+
 @pytest.mark.parametrize(
     ("edit", "said"),
     [
@@ -300,3 +320,42 @@ def test_a_verl_rank_whose_param_groups_differ_is_refused(tmp_path, edit, said):
     with pytest.raises(jax_ucp.SourceError, match=r"records of this save disagree") as e:
         jax_ucp.convert(src, str(tmp_path / "out"))
     assert e.match(said) and "optim_world_size_2_rank_0.pt param_groups" in str(e.value)
+
+
+def test_trainer_groups_not_built_from_its_arguments_are_said_and_warned(tmp_path):
+    """optimizer.pt's betas[0] lowered by 0.1 (training_args.bin's adam_beta1 as it was): the
+    Trainer builds its optimizer from its arguments, so this is a client optimizer or an edited
+    file; the groups' betas are continued, said in a note and warned (silent before). The intact
+    save warns nothing."""
+    root = _copy(tmp_path, "hf_trainer/trainer_fp32")
+    ckpt, order = os.path.join(root, "checkpoint-3"), _trainer_order("trainer_fp32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        intact = jax_ucp.optax_from_torch(ckpt, options=order)
+    assert not [w for w in caught if "Trainer builds" in str(w.message)]
+    assert not [n for n in intact.notes if "Trainer builds" in n]
+
+    def lowered(t):
+        for g in t["param_groups"]:
+            g["betas"] = (g["betas"][0] - 0.1, g["betas"][1])
+
+    edit_torch_file(os.path.join(ckpt, "optimizer.pt"), lowered)
+    with pytest.warns(UserWarning, match=r"optimizer.pt param_groups' betas \[0\.8, 0\.999\]"):
+        run = jax_ucp.optax_from_torch(ckpt, options=order)
+    assert any("(training_args.bin [0.9, 0.999])" in n for n in run.notes)
+
+
+def test_a_schedule_length_trainer_state_and_training_args_disagree_on_is_refused(tmp_path):
+    """trainer_state.json's max_steps 5 -> 7, training_args.bin's 5: refused naming both (the
+    held-rate check refused it only past warm-up, saying the schedule's rate and the held one;
+    within warm-up it continued on the longer decay)."""
+    root = _copy(tmp_path, "hf_trainer/trainer_fp32")
+    path = os.path.join(root, "checkpoint-3", "trainer_state.json")
+    with open(path) as f:
+        state = json.load(f)
+    state["max_steps"] = 7
+    with open(path, "w") as f:
+        json.dump(state, f)
+    with pytest.raises(jax_ucp.SourceError, match=r"disagree on max_steps") as e:
+        _continue(os.path.join(root, "checkpoint-3"), _trainer_order("trainer_fp32"))
+    assert "trainer_state.json max_steps = 7; training_args.bin max_steps = 5" in str(e.value)

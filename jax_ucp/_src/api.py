@@ -128,16 +128,22 @@ class VerifyResult(list):
         self.source = source
 
 
-def _verify_export(path: str, against: str, spec: Any, progress) -> VerifyResult:
-    """``verify(EXPORTED, against=CKPT)``: every exported tensor against the checkpoint's."""
-    from jax_ucp._src.export_check import compare_export
+def _verify_export(
+    path: str, against: str, spec: Any, progress, logits: bool, tolerance: float | None
+) -> VerifyResult:
+    """``verify(EXPORTED, against=CKPT)``: every exported tensor against the checkpoint's; with
+    ``logits``, the export's model's logits against the checkpoint's."""
+    from jax_ucp._src.export_check import compare_export, export_logits
 
     found = compare_export(path, against, spec, progress)
     problems = [
         (n, f"{n}: exported, not the checkpoint's: {w}") for n, w in found.different.items()
     ]
     notices = [(n, f"{n}: not in the export") for n in found.not_exported]
-    return VerifyResult(problems, notices, exported=found)
+    compared = export_logits(path, against, spec, tolerance) if logits else None
+    if compared is not None and not compared.ok:
+        problems.append(("logits", compared.describe()))
+    return VerifyResult(problems, notices, compared, exported=found)
 
 
 def verify(
@@ -186,7 +192,10 @@ def verify(
         checkpoint's weights in
         ``jax_ucp._src.models.TransformerLM`` (the families docs/HF.md lists; ``jax_ucp._src.logits``): a largest
         absolute difference above ``logits_tolerance`` is a problem; ``.logits`` holds the
-        comparison. Needs transformers (``pip install 'jax_ucp[hf]'``).
+        comparison. Needs transformers (``pip install 'jax_ucp[hf]'``). With ``path`` an export:
+        the export's weights read by its import against the checkpoint's, both in
+        ``TransformerLM`` (no torch), the model its ``config.json`` (else the checkpoint's
+        recorded one) names; an export and checkpoint without one are refused.
       logits_tolerance: the largest absolute difference of the logits accepted (None:
         ``jax_ucp._src.logits.DEFAULT_TOLERANCE``, 1e-4): a finite number >= 0; text, a bool,
         NaN or infinity is refused before anything is read.
@@ -221,7 +230,8 @@ def verify(
     found = sources.imported(store.storage_for(path))  # its importer, detected once
     if found is not None:  # a torch source itself, no jax_ucp checkpoint
         if against is not None and sources.imported(store.storage_for(against), warn=False) is None:
-            return _verify_export(os.fspath(path), os.fspath(against), spec, progress)
+            export = (os.fspath(path), os.fspath(against), spec, progress)
+            return _verify_export(*export, logits, logits_tolerance)
         from jax_ucp._src.restoring import verify_source  # the importers: for a source only
 
         if against is not None:

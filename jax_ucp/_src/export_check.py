@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src import store, writer
+from jax_ucp._src import logits, store, writer
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.exporters import by_spec
 from jax_ucp._src.format import keypath
 from jax_ucp._src.importers import registry
 from jax_ucp._src.restoring import locate
+from jax_ucp._src.restoring.inspecting import inspect
 from jax_ucp._src.restoring.model import Request
 from jax_ucp._src.restoring.sources import ucp_source
 
@@ -61,15 +62,17 @@ def compare_export(exported: str, ckpt: str, spec: Any = None, progress=None) ->
 def _compare(exported: str, root: str, ckpt: str, spec: Any, progress) -> ExportComparison:
     """``compare_export`` of the checkpoint found at ``root``."""
     manifest = store.read_manifest(root)
+    importer = registry.importer_for(exported)
     config = os.path.join(exported, "config.json")  # a safetensors export's: the heads
-    spec = by_spec.load(spec, manifest, config if spec and os.path.isfile(config) else None)
+    config = config if spec and os.path.isfile(config) else None
+    # a torch DCP export holds the names transformers' model has (its experts fused)
+    spec = by_spec.load(spec, manifest, config, state_dict=importer.model_names)
     available = ucp_source.available_tensors(manifest, spec)
     ours: dict[tuple, tuple] = {}
     for key, found in available.items():
         canonical = _canonical(tuple(key), found.sources[0])
         if canonical is not None:
             ours.setdefault(canonical, tuple(key))
-    importer = registry.importer_for(exported)
     plan = registry.plan_import(exported, format=importer)
     result = ExportComparison(format=importer.format)
     seen = set()
@@ -103,6 +106,48 @@ def _compare(exported: str, root: str, ckpt: str, spec: Any, progress) -> Export
     if not items:
         raise RequestError(f"{exported}: its import holds no tensor to compare")
     return result
+
+
+def export_logits(exported: str, ckpt: str, spec: Any, tolerance: float | None) -> Any:
+    """``verify(EXPORTED, against=CKPT, logits=True)``: the logits of the export's model weights,
+    read by its format's import, against the checkpoint's (``logits.compare_export_logits``); the
+    model's settings are the export's ``config.json``, else the one the checkpoint recorded,
+    else refused: an export that carries none (a torch DCP) says nothing of its model."""
+    importer = registry.importer_for(exported)
+    items = [
+        it
+        for it in registry.plan_import(exported, format=importer).items
+        if len(it.key) == 2 and it.key[0] in ("params", "model_params") and not it.tied_to
+    ]
+    tree = "model_params" if any(it.key[0] == "model_params" for it in items) else "params"
+    where = os.path.join(exported, "config.json")
+    if os.path.isfile(where):
+        config = logits.read_config(exported)
+    else:
+        config, where = by_spec.recorded_config(inspect(ckpt).source), f"{ckpt}'s recorded config"
+        if config is None:
+            raise RequestError(
+                f"--logits needs the model's settings (a config.json): {exported} (a "
+                f"{importer.format} export) holds none and {ckpt} records none (a "
+                f"SafetensorsExport with config= writes one); compare the tensors alone"
+            )
+
+    def weights() -> dict[str, Any]:
+        def read(value: Any, name: str) -> Any:
+            return value.build(name) if isinstance(value, writer.Deferred) else value
+
+        return {it.key[1]: read(it.value, it.key[1]) for it in items if it.key[0] == tree}
+
+    return logits.compare_export_logits(
+        ckpt,
+        config,
+        where,
+        weights,
+        tree,
+        spec=spec,
+        tolerance=tolerance,
+        source=f"the export {exported} read by its {importer.format} import",
+    )
 
 
 def _differs(got: np.ndarray, want: np.ndarray, count: bool) -> str:

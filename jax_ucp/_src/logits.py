@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src.errors import RequestError, SourceError
+from jax_ucp._src.errors import LanguageError, RequestError, SourceError
 from jax_ucp._src.format import files
-from jax_ucp._src.language import load_spec
+from jax_ucp._src.language import apply_spec_to_tree, load_spec
 from jax_ucp._src.models import TransformerLM
 from jax_ucp._src.models.hf_families import FAMILIES, LACKS, canonical_config
 from jax_ucp._src.models.transformer import hf_model
@@ -38,6 +38,7 @@ __all__ = [
     "SUPPORTED",
     "LogitsComparison",
     "checked_tolerance",
+    "compare_export_logits",
     "compare_logits",
 ]
 
@@ -130,6 +131,12 @@ def read_config(folder: str) -> dict:
         raise SourceError(f"{path}: not valid JSON ({str(e)[:200]})") from None
     if not isinstance(config, dict):
         raise SourceError(f"{path}: expected a JSON object")
+    return checked_config(config, path)
+
+
+def checked_config(config: dict, path: str) -> dict:
+    """``config`` (a config.json's object, read from ``path``) canonical, refused unless its
+    model is one ``TransformerLM`` computes, naming what it found."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED or "auto_map" in config:
         found = "custom code (auto_map)" if "auto_map" in config else repr(model_type)
@@ -166,19 +173,11 @@ def compare_logits(
     tolerance = checked_tolerance(tolerance)
     folder = model_folder(os.fspath(src))
     config = read_config(folder)
-    try:
-        cfg, spec = hf_model(config)
-    except (RequestError, KeyError, TypeError, ValueError, ArithmeticError) as e:
-        raise SourceError(
-            f"--logits supports the {config['model_type']} models TransformerLM computes; "
-            f"{folder}/config.json: {e}"
-        ) from None
-    _checked_numbers(config, cfg, f"{folder}/config.json")
-    seq = max(1, min(_BATCH[1], cfg.max_position_embeddings))
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (_BATCH[0], seq))
+    cfg, spec = family_model(config, f"{folder}/config.json")
+    tokens = batch(cfg)
     torch, transformers = _torch_and_transformers()
     tree, held = _model_tree(os.fspath(ckpt))
-    _check_declared_size(folder, cfg, os.fspath(ckpt), tree, held)
+    _check_declared_size(f"{folder}/config.json", cfg, os.fspath(ckpt), tree, held)
     major = int(transformers.__version__.split(".")[0])
     fp32 = {"dtype" if major >= 5 else "torch_dtype": torch.float32}  # transformers 4's name
     if source_weights is not None and not _holds_pretrained_weights(folder):
@@ -190,13 +189,83 @@ def compare_logits(
         want = model(torch.from_numpy(tokens)).logits.float().numpy()
     del model  # the torch model (and the source's weights) freed before the checkpoint's
     gc.collect()
-    got = _checkpoint_logits(os.fspath(ckpt), cfg, spec, tokens, tree)
+    got = checkpoint_logits(
+        os.fspath(ckpt), cfg, load_spec(spec, **cfg.head_settings), tokens, tree
+    )
     if got.shape != want.shape:
         raise SourceError(
             f"{ckpt}: logits of shape {list(got.shape)}, the source's {list(want.shape)}"
         )
     diff = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
-    return LogitsComparison(diff, tolerance, (_BATCH[0], seq), source, tree)
+    return LogitsComparison(diff, tolerance, (tokens.shape[0], tokens.shape[1]), source, tree)
+
+
+def compare_export_logits(
+    ckpt: str,
+    config: dict,
+    where: str,
+    weights: Callable[[], dict[str, Any]],
+    tree: str,
+    *,
+    spec: Any = None,
+    tolerance: float | None = None,
+    source: str = "the export",
+) -> LogitsComparison:
+    """The logits of one fixed batch through ``TransformerLM`` from an export's weights and
+    from those of the checkpoint ``ckpt`` it was written from (no torch needed).
+
+    Args:
+        ckpt: the checkpoint.
+        config: the model's config.json (the export's, else the one the checkpoint recorded).
+        where: where ``config`` was read, for messages.
+        weights: the export's model weights by its names, as its import reads them; mapped to
+            the flax tree by the family's spec (its files' names, else its model's).
+        tree: the checkpoint's tree of the same weights (``params`` or ``model_params``).
+        spec: the spec the export ran backwards (the checkpoint holds its flax targets); None:
+            the checkpoint holds the export's names.
+        tolerance: the largest absolute difference accepted (None: :data:`DEFAULT_TOLERANCE`).
+        source: what the export is, for the report."""
+    tolerance = checked_tolerance(tolerance)
+    cfg, family = family_model(checked_config(config, where), where)
+    tokens = batch(cfg)
+    _check_declared_size(where, cfg, ckpt, tree, _model_tree(ckpt, tree)[1])
+    named = {"params": weights()}
+    family_spec = load_spec(family, **cfg.head_settings)
+    names = ["files", "state_dict"] if "hf_names" in family_spec.settings else [None]
+    for i, name in enumerate(names):  # the names the export holds: its files' or its model's
+        by_names = family_spec.with_settings(hf_names=name) if name else family_spec
+        try:
+            params = apply_spec_to_tree(by_names, named)["params"]
+            break
+        except LanguageError:
+            if i == len(names) - 1:
+                raise
+    want = model_logits(cfg, params, tokens)
+    del named, params
+    gc.collect()
+    got = checkpoint_logits(ckpt, cfg, None if spec is not None else by_names, tokens, tree)
+    diff = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
+    return LogitsComparison(diff, tolerance, (tokens.shape[0], tokens.shape[1]), source, tree)
+
+
+def family_model(config: dict, where: str) -> tuple[Any, str]:
+    """(the ``LMConfig``, the family spec's name) of a checked config.json read from ``where``;
+    a value the family does not compute is a ``SourceError`` naming it."""
+    try:
+        cfg, spec = hf_model(config)
+    except (RequestError, KeyError, TypeError, ValueError, ArithmeticError) as e:
+        raise SourceError(
+            f"--logits supports the {config['model_type']} models TransformerLM computes; "
+            f"{where}: {e}"
+        ) from None
+    _checked_numbers(config, cfg, where)
+    return cfg, spec
+
+
+def batch(cfg: Any) -> np.ndarray:
+    """The fixed batch of token ids (2 sequences of 16, fewer if the model is shorter)."""
+    seq = max(1, min(_BATCH[1], cfg.max_position_embeddings))
+    return np.random.default_rng(0).integers(0, cfg.vocab_size, (_BATCH[0], seq))
 
 
 def _torch_and_transformers() -> tuple[Any, Any]:
@@ -212,24 +281,24 @@ def _torch_and_transformers() -> tuple[Any, Any]:
     return torch, transformers
 
 
-def _model_tree(ckpt: str) -> tuple[str, int]:
-    """The checkpoint's tree of model weights (``model_params`` when the import kept a model
-    precision apart from fp32 masters, else ``params``) and how many elements it holds."""
+def _model_tree(ckpt: str, tree: str | None = None) -> tuple[str, int]:
+    """The checkpoint's tree of model weights (``tree``, else ``model_params`` when the import
+    kept a model precision apart from fp32 masters, else ``params``) and its element count."""
     tensors = inspect(ckpt).tensors
     names = {e.name.split("/", 1)[0] for e in tensors}
-    tree = "model_params" if "model_params" in names else "params"
+    tree = tree or ("model_params" if "model_params" in names else "params")
     held = sum(math.prod(e.shape) for e in tensors if e.name.split("/", 1)[0] == tree)
     return tree, held
 
 
-def _check_declared_size(folder: str, cfg: Any, ckpt: str, tree: str, held: int) -> None:
+def _check_declared_size(where: str, cfg: Any, ckpt: str, tree: str, held: int) -> None:
     """Refuses a config.json declaring a bigger model than the checkpoint holds, before
     from_pretrained allocates the declared size (an untrusted config may declare any)."""
     dims = (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.ffn_hidden_size)
     declared = cfg.parameter_count()
     if min(dims) <= 0 or cfg.groups <= 0 or declared > held:
         raise SourceError(
-            f"{folder}/config.json declares a model of {declared:,} parameters (vocab, hidden, "
+            f"{where} declares a model of {declared:,} parameters (vocab, hidden, "
             f"layers, intermediate {list(dims)}); the checkpoint {ckpt} holds {held:,} in "
             f"'{tree}': not the model it was converted from (from_pretrained would allocate "
             f"the declared size before reading a weight)"
@@ -316,17 +385,19 @@ def _model_from_config(
     )
 
 
-def _checkpoint_logits(
-    ckpt: str, cfg: Any, spec_name: str, tokens: np.ndarray, tree: str
-) -> np.ndarray:
+def checkpoint_logits(ckpt: str, cfg: Any, spec: Any, tokens: np.ndarray, tree: str) -> np.ndarray:
     """The logits ``TransformerLM(cfg)`` computes for ``tokens`` from the checkpoint's model
-    weights (``tree``, :func:`_model_tree`), restored through the family's spec alone: no
-    optimizer state is read."""
+    weights (``tree``, :func:`_model_tree`), restored through ``spec`` (the family's; None: the
+    flax tree as saved) alone: no optimizer state is read."""
+    return model_logits(cfg, restore(ckpt, spec=spec, select=rf"{tree}/.*")[tree], tokens)
+
+
+def model_logits(cfg: Any, params: Any, tokens: np.ndarray) -> np.ndarray:
+    """The logits ``TransformerLM(cfg)`` computes for ``tokens`` from the flax ``params``, each
+    weight as fp32 (bf16 / fp16 ones too, as the torch side computes)."""
     import jax
     import jax.numpy as jnp
 
-    spec = load_spec(spec_name, **cfg.head_settings)
-    params = restore(ckpt, spec=spec, select=rf"{tree}/.*")[tree]  # as fp32, like the torch side
     params = {"params": jax.tree.map(lambda a: np.asarray(a).astype(np.float32), params)}
     logits = TransformerLM(cfg).apply(params, jnp.asarray(tokens, jnp.int32))
     return np.asarray(logits, np.float32)

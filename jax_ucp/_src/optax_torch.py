@@ -19,7 +19,7 @@ from jax_ucp._src.continuation import families, frozen
 from jax_ucp._src.continuation.deepspeed import deepspeed_recipe, recorded_config
 from jax_ucp._src.continuation.megatron import megatron_recipe
 from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
-from jax_ucp._src.continuation.trainer import check_logged_rates, trainer_rates
+from jax_ucp._src.continuation.trainer import check_logged_rates, trainer_rates, trainer_total
 from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format import to_numpy_dtype
 from jax_ucp._src.format.files import strict_loads
@@ -92,6 +92,9 @@ _NEUTRAL_KEYS = frozenset(
 DS_ADAM_KEYS = frozenset({"betas", "eps", "bias_correction", "step", "amsgrad"})
 #: (a key only that optimizer writes, its name): what a group that is not Adam/AdamW looks like
 _LOOKALIKES = (
+    # its Muon and Adam halves both carry use_muon; which rows a Muon step orthogonalises
+    # together (per head, per expert) is set on the parameters, never saved
+    ("use_muon", "DeepSpeed's (or Keller Jordan's) MuonWithAuxAdam"),
     ("relative_step", "transformers' Adafactor"),
     ("scale_parameter", "transformers' Adafactor"),
     ("warmup_init", "transformers' Adafactor"),
@@ -300,7 +303,9 @@ def _recorded_mode(groups: list[dict], where: str) -> bool | None:
         keys = set(g) - _NEUTRAL_KEYS
         # DeepSpeed's FusedAdam / DeepSpeedCPUAdam, made by the client (decoupled decay unsaid)
         client = "bias_correction" in keys and keys <= DS_ADAM_KEYS
-        if not client and (not {"amsgrad", "betas"} <= keys or "momentum_decay" in keys):
+        if not client and (
+            not {"amsgrad", "betas"} <= keys or keys & {"momentum_decay", "use_muon"}
+        ):
             _refuse_lookalike(keys, i, where)
         flag = next((f for f in ("amsgrad", "maximize", "nesterov") if g.get(f)), None)
         if flag is not None:
@@ -390,7 +395,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
     if kind is None:
         notes.append(f"learning rate {lr}: the optimizer's for the next step; no schedule recorded")
         return (lambda count: lr), False
-    total = trainer.get("max_steps") or args.get("max_steps")
+    total = trainer_total(trainer, args, where)
     if not isinstance(total, int) or total <= 0:
         raise RequestError(f"{where}: the Trainer's schedule needs max_steps, found {total!r}")
     warmup = args.get("warmup_steps") or 0

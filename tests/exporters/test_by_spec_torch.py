@@ -13,12 +13,12 @@ import jax_ucp
 from jax_ucp._src.exporters import SafetensorsExport
 from jax_ucp._src.models.transformer import hf_model
 from tests.exporters.test_by_spec import NO_INVERSE
-from tests.models.test_hf_families import FAMILIES, _save_tiny
+from tests.models.test_hf_families import _GEMMA4_CASES, FAMILIES, _save_tiny
 
 pytestmark = pytest.mark.torch
 
 
-@pytest.mark.parametrize("family", sorted(set(FAMILIES) - NO_INVERSE))
+@pytest.mark.parametrize("family", [*sorted(set(FAMILIES) - NO_INVERSE), "gemma4_text/moe"])
 @pytest.mark.timeout(300)
 def test_the_family_goes_back_to_transformers_with_its_own_names(family, tmp_path):
     import json
@@ -26,7 +26,8 @@ def test_the_family_goes_back_to_transformers_with_its_own_names(family, tmp_pat
     import torch
     from transformers import AutoModelForCausalLM
 
-    src = _save_tiny(family, tmp_path / "src")
+    family, _, case = family.partition("/")  # a variant: gemma4_text/moe
+    src = _save_tiny(family, tmp_path / "src", **(_GEMMA4_CASES[case] if case else {}))
     with open(f"{src}/config.json") as f:
         cfg, spec = hf_model(json.load(f))
     imported = jax_ucp.convert(src, tmp_path / "ucp")

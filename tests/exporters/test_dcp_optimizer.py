@@ -91,19 +91,25 @@ def test_groups_that_do_not_fit_the_parameters_are_refused(tmp_path):
         jax_ucp.export(tmp_path / "w", tmp_path / "out", TorchDcpExport(optimizer="optim"))
 
 
-def test_an_moe_spec_writing_experts_one_by_one_is_refused(tmp_path):
-    """A Qwen3-MoE flax tree exported with its import's spec (the files' per-expert names,
-    which transformers 5's model does not have: it fuses them) is refused naming an expert's
-    name and the fused ones; nothing written."""
+@pytest.mark.parametrize("optimizer", ["optim", None])
+def test_an_moe_spec_writing_experts_one_by_one_is_refused(tmp_path, optimizer):
+    """A Qwen3-MoE flax tree exported with a family spec that knows only the files' per-expert
+    names (the shipped one without its ``hf_names = "state_dict"`` rules: transformers 5's model
+    fuses them) is refused naming an expert's name and the fused ones; nothing written. The
+    shipped spec writes the fused names (tests/exporters/test_by_spec_dcp_torch.py)."""
     from jax_ucp._src.language import load_spec
+    from jax_ucp._src.language.spec import spec_from_dict
     from tests.exporters.test_by_spec import random_tree
 
     cfg, name, tree = random_tree("qwen3_moe")
     ckpt = jax_ucp.save(str(tmp_path / "run"), {"params": tree})
-    options = TorchDcpExport(
-        spec=load_spec(name, **cfg.head_settings), optimizer="optim", param_groups=GROUP
-    )
-    expert = r"'model\.layers\.\d+\.mlp\.experts\.\d+\.\w+\.weight'"
+    plain = load_spec(name, **cfg.head_settings).to_dict()
+    plain["settings"].pop("hf_names")
+    rules = [r for r in plain["restore"] if r.pop("when", {}) != {"hf_names": "state_dict"}]
+    files_only = spec_from_dict({**plain, "restore": rules})
+    groups = {"param_groups": GROUP} if optimizer else {}
+    options = TorchDcpExport(spec=files_only, optimizer=optimizer, **groups)
+    expert = r"'(params\.)?model\.layers\.\d+\.mlp\.experts\.\d+\.\w+\.weight'"
     with pytest.raises(RequestError, match=rf"one by one \({expert}.*experts\.gate_up_proj"):
         jax_ucp.export(ckpt, tmp_path / "out", options)
     assert not (tmp_path / "out").exists()

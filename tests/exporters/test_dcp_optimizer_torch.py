@@ -54,32 +54,13 @@ def _torch_step(model, optim, ids) -> float:
     return float(loss.detach())
 
 
-def _state_dicts(model, optim, flat: bool = True):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    return get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flat))
-
-
-@pytest.mark.timeout(300)
-def test_a_run_continued_in_jax_goes_back_to_torch_with_its_optimizer(tmp_path):
+def _jax_step(run, cfg):
+    """A jitted step of ``run``'s optimizer on ``TransformerLM(cfg)``'s next-token loss:
+    ``step(params, opt_state, ids)`` -> (params, opt_state, the loss before the update)."""
     import optax
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    from jax_ucp._src.models.transformer import hf_model
     from jax_ucp.models import TransformerLM
 
-    tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (4, 2, 8))
-    model, optim = _torch_run()
-    for ids in tokens[:2]:
-        _torch_step(model, optim, ids)
-    msd, osd = _state_dicts(model, optim)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "torch"))
-
-    imported = jax_ucp.convert(tmp_path / "torch", tmp_path / "ucp")
-    cfg, name = hf_model({"model_type": "llama", **CONFIG})
-    spec = load_spec(name, **cfg.head_settings)
-    run = jax_ucp.optax_from_torch(imported, spec=spec, clip=None)
     lm = TransformerLM(cfg)
 
     def loss_fn(params, ids):
@@ -92,6 +73,34 @@ def test_a_run_continued_in_jax_goes_back_to_torch_with_its_optimizer(tmp_path):
         updates, opt_state = run.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    return step
+
+
+def _state_dicts(model, optim, flat: bool = True):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+
+
+@pytest.mark.timeout(300)
+def test_a_run_continued_in_jax_goes_back_to_torch_with_its_optimizer(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from jax_ucp._src.models.transformer import hf_model
+
+    tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (4, 2, 8))
+    model, optim = _torch_run()
+    for ids in tokens[:2]:
+        _torch_step(model, optim, ids)
+    msd, osd = _state_dicts(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "torch"))
+
+    imported = jax_ucp.convert(tmp_path / "torch", tmp_path / "ucp")
+    cfg, name = hf_model({"model_type": "llama", **CONFIG})
+    spec = load_spec(name, **cfg.head_settings)
+    run = jax_ucp.optax_from_torch(imported, spec=spec, clip=None)
+    step = _jax_step(run, cfg)
     params, opt_state, _ = step(run.params, run.opt_state, tokens[2])
     continued = jax_ucp.save(str(tmp_path / "jax"), {"params": params, "opt_state": opt_state})
     next_params, _, next_loss = step(params, opt_state, tokens[3])

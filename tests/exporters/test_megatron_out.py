@@ -234,6 +234,10 @@ def _edited(ucp: Path, dst: Path, change) -> Path:
         (lambda s, r: r["args"].update(bf16="x"), r"args\.bf16 = 'x': expected true or false"),
         (lambda s, r: r["args"].update(train_iters=1e308), r"train_iters = 1e\+308: .*integer"),
         (lambda s, r: r["opt_param_scheduler"].update(num_steps=12), r"num_steps 12 is not"),
+        (  # Megatron-LM's load_state_dict reads it (KeyError): written before (probe 8)
+            lambda s, r: r["opt_param_scheduler"].pop("lr_warmup_steps"),
+            r"opt_param_scheduler has no lr_warmup_steps \(nor an older name",
+        ),
     ],
 )
 def test_a_run_record_whose_records_disagree_is_not_exported(
@@ -261,12 +265,37 @@ def test_refusals(imported, tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(RequestError, match="tp=0"):
         MegatronExport(tp=0)
+    with pytest.raises(RequestError, match="etp=0"):
+        MegatronExport(etp=0)
+
+
+def test_a_layout_megatron_core_cannot_build_is_refused(imported, tmp_path):
+    """Layers that do not split evenly over ``pp`` x ``vpp`` stages (the 2-layer run at PP 2 x
+    VPP 2, PP 3), a virtual pipeline without a pipeline: refused naming the setting, the
+    checkpoint's ucp.json and the tensor its layers were counted by, nothing written (megatron-
+    core would assert at the load); Megatron-LM's uneven split, given in ``args``, exports."""
+    refused = [
+        (
+            MegatronExport(pp=2, vpp=2),
+            r"pp=2 x vpp=2: the checkpoint at .*ucp\.json\) holds 2 "
+            r"layers \('decoder\.layers\.[\w.]+' \[2, .*cannot split in 4 equal parts",
+        ),
+        (MegatronExport(pp=3), r"pp=3: .* holds 2 layers .*in 3 equal"),
+        (MegatronExport(pp=1, vpp=2), r"vpp=2: megatron-core's virtual pipeline needs pp > 1"),
+    ]
+    for options, match in refused:
+        with pytest.raises(RequestError, match=match):
+            jax_ucp.export(imported, tmp_path / "out", options)
+    assert not (tmp_path / "out").exists()
+    uneven = MegatronExport(pp=3, args={"decoder_first_pipeline_num_layers": 0})
+    assert jax_ucp.export(imported, tmp_path / "out", uneven).tensors == 36
 
 
 def test_moe_optimizer_state_without_the_experts_param_groups_is_refused(tmp_path):
     """A MoE run continued in JAX (no record of its optimizers) cannot make megatron-core's
     expert-parallel param groups (EP > 1) from ``args``: refused naming the experts, nothing
-    written; the record of the run it was imported from gives them."""
+    written; the record of the run it was imported from gives them. 4 experts over EP 3:
+    refused naming the router they were counted by. The expert TP size goes to ``args``."""
     src = MOE / "moe_distopt_ep2_fully_reshardable"
     jax_ucp.convert(src, tmp_path / "ucp", importing=MegatronOptions(vocab_size=VOCAB))
     jax_ucp.save(tmp_path / "continued", jax_ucp.restore(tmp_path / "ucp"))
@@ -274,8 +303,18 @@ def test_moe_optimizer_state_without_the_experts_param_groups_is_refused(tmp_pat
     with pytest.raises(RequestError, match=r"ep=2: .*experts' param groups .*experts\.linear_fc1"):
         jax_ucp.export(tmp_path / "continued", tmp_path / "out", hyper)
     assert not (tmp_path / "out").exists()
-    record = MegatronExport(ep=2, run_record=tmp_path / "ucp")
+    with pytest.raises(
+        RequestError,
+        match=r"ep=3: .*ucp\.json\) holds 4 experts \('decoder\."
+        r"layers\.mlp\.router\.weight' \[1, 4, 32\].* in 3 equal parts",
+    ):
+        jax_ucp.export(tmp_path / "ucp", tmp_path / "out", MegatronExport(ep=3))
+    assert not (tmp_path / "out").exists()
+    record = MegatronExport(ep=2, etp=1, run_record=tmp_path / "ucp")
     assert jax_ucp.export(tmp_path / "continued", tmp_path / "out", record).tensors == 4 * 10
+    common = torch_zip.load_torch_file(tmp_path / "out" / "common.pt", legacy.LEGACY_CLASSES)
+    args = legacy.args_dict(common["args"])
+    assert (args["expert_model_parallel_size"], args["expert_tensor_parallel_size"]) == (2, 1)
     assert jax_ucp.export(tmp_path / "ucp", tmp_path / "ep1", MegatronExport()).tensors == 40
 
 
@@ -405,6 +444,126 @@ def test_megatron_core_loads_and_continues_moe(tmp_path, run, ep):
         # the tokens of both) stays halved
         scale = 0.5 if ep > 1 and ".experts." in name else 1.0
         master, m, v = _adam(before, {name: np.asarray(grads[name]) * scale}, name, step=3)
+        np.testing.assert_allclose(after["params"][name], master, rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(after["opt_state"]["mu"][name], m, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(after["opt_state"]["nu"][name], v, atol=1e-8, err_msg=name)
+
+
+def _deeper(tree: dict, scale: float = 0.9) -> dict:
+    """A legacy import's ``tree`` with its layers ``decoder.layers.<i>.*`` (every root: params,
+    masters, moments) followed by a scaled copy of themselves: 2L layers, each different
+    (_synthetic)."""
+
+    def grow(leaves: dict) -> dict:
+        count = 1 + max(int(k.split(".")[2]) for k in leaves if k.split(".")[2].isdigit())
+        out = dict(leaves)
+        for k, v in leaves.items():
+            copy = np.asarray(v) * np.asarray(scale, v.dtype)
+            parts = k.split(".")
+            if parts[:2] == ["decoder", "layers"] and parts[2].isdigit():
+                out[".".join([*parts[:2], str(int(parts[2]) + count), *parts[3:]])] = copy
+        return out
+
+    out = {root: grow(tree[root]) for root in ("params", "model_params") if root in tree}
+    state = dict(tree["opt_state"])
+    out["opt_state"] = {**state, "mu": grow(state["mu"]), "nu": grow(state["nu"])}
+    return out
+
+
+def _with_shared_experts(tree: dict, size: int) -> dict:
+    """A MoE ``tree`` with megatron-core's shared experts added to each layer (SwiGLU
+    ``linear_fc1`` [L, 2S, h], ``linear_fc2`` [L, h, S]; seeded values and moments, _synthetic)."""
+    router = np.asarray(tree["params"]["decoder.layers.mlp.router.weight"])  # [L, E, h]
+    layers, hidden = router.shape[0], router.shape[2]
+    rng = np.random.default_rng(0)
+    shapes = {"linear_fc1": (layers, 2 * size, hidden), "linear_fc2": (layers, hidden, size)}
+    for part, shape in shapes.items():
+        name = f"decoder.layers.mlp.shared_experts.{part}.weight"
+        tree["params"][name] = rng.normal(0, 0.05, shape).astype(np.float32)
+        tree["opt_state"]["mu"][name] = rng.normal(0, 1e-3, shape).astype(np.float32)
+        tree["opt_state"]["nu"][name] = (rng.normal(0, 1e-3, shape) ** 2).astype(np.float32)
+    return tree
+
+
+#: open (megatron-core 0.16.1, CPU): the tied cases load and run, but the tied embedding's fp32
+#: master (and moments) megatron-core saves back are the export's shifted by 2 rows (64 elements,
+#: its "param range exceeds unpadded buffer by 64 elements" warning): not yet explained
+TIED_SHIFT = "tied embedding's master saved back shifted by 2 rows after megatron-core's load"
+MOE_RUN = MOE / "moe_distopt_ep2_fully_reshardable"
+LEGACY_PP2 = FIX / "legacy_gpt_distopt_pp2dp2_synthetic"  # tied embeddings, PP2, Adam
+#: layout -> (source, synthetic edit, export options, the megatron-core build, the JAX config)
+LAYOUTS = {
+    "moe_etp2": (MOE_RUN, None, dict(tp=2, etp=2), dict(kind="moe", tp=2, etp=2), ("moe_ep2", {})),
+    "moe_shared_ep2": (
+        MOE_RUN,
+        lambda tree: _with_shared_experts(tree, 16),
+        dict(ep=2),
+        dict(kind="moe", tp=1, ep=2, shared=16),
+        ("moe_ep2", dict(moe_shared_expert_intermediate_size=16)),
+    ),
+    "tied_pp2": (LEGACY_PP2, None, dict(pp=2), dict(kind="gpt", tp=1, pp=2), (LEGACY_PP2.name, {})),
+    "tied_pp2_vpp2": (
+        LEGACY_PP2,
+        _deeper,
+        dict(pp=2, vpp=2),
+        dict(kind="gpt", tp=1, pp=2, vpp=2, layers=4, load_only=True),
+        (LEGACY_PP2.name, dict(num_layers=4)),
+    ),
+}
+
+
+@pytest.mark.torch
+@pytest.mark.slow  # 1-2 min each: megatron-core built and stepped; CI runs it once (high end)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(name, marks=pytest.mark.xfail(reason=TIED_SHIFT, run=False))  # 4 min each
+        if name.startswith("tied")
+        else name
+        for name in LAYOUTS
+    ],
+)
+def test_megatron_core_loads_and_continues_layout(tmp_path, layout):
+    """The layouts megatron-core users run beyond TP / PP / EP: experts split over expert TP 2
+    (``expert_tensor_parallel_size``), shared experts beside the routed ones at EP 2, tied
+    embeddings over PP 2 (the embedding on the first stage, the output layer that reads it on
+    the last), and virtual pipeline chunks (``model0`` / ``model1``, 4 layers over PP 2 x VPP
+    2). megatron-core's ``dist_checkpointing.load`` reads the export into the model built that
+    way and its DistributedOptimizer; saved again it imports bit-identical to the export's own
+    import; one step on CPU continues it (not the VPP one: loaded and saved only): the loss the JAX model's on the same weights, each
+    master and moment what Adam makes of the loaded state and megatron-core's gradient (the
+    tied one summed over both stages)."""
+    pytest.importorskip("megatron.core")
+    run, edit, options, cfg, (config, over) = LAYOUTS[layout]
+    src = tmp_path / "ucp"
+    jax_ucp.convert(run, src, importing=MegatronOptions(vocab_size=VOCAB))
+    record = {}
+    if edit is not None:  # a run continued in JAX: the import's record of the run
+        jax_ucp.save(tmp_path / "edited", edit(jax_ucp.restore(src)))
+        src, record = tmp_path / "edited", {"run_record": src}
+    dst = tmp_path / "export"
+    jax_ucp.export(src, dst, MegatronExport(make_vocab_size_divisible_by=8, **options, **record))
+    cfg = {"ep": 1, "tied": "tied" in layout, **cfg}
+    result = _mcore_continue(dst, tmp_path, cfg, world=2)
+    exported = _reimported(dst)  # (a legacy import's per-layer names stacked, as megatron-core's)
+    assert jax_ucp.diff(exported, _reimported(tmp_path / "loaded")).identical
+    if cfg.get("load_only"):  # VPP: loaded and saved again, not stepped (see MEGATRON.md)
+        assert result is None
+        return
+    assert result["ok"] and result["iteration"] == 2
+    before, after = jax_ucp.restore(exported), jax_ucp.restore(_reimported(tmp_path / "stepped"))
+    grads = jax_ucp.restore(_reimported(tmp_path / "grads"))["params"]
+    assert int(after["opt_state"]["count"]) == 3 and set(grads) == set(before["params"])
+    tokens = np.asarray(result["tokens"], np.int32)
+    lm = lm_config(config, max_position_embeddings=32, **over)
+    weights = {k: np.asarray(v, np.float32) for k, v in before["params"].items()}
+    logits = np.asarray(TransformerLM(lm).apply(from_megatron(weights, lm), tokens), np.float64)
+    assert abs(result["loss"] - _loss(logits, tokens, result["vocab_rows"])) < 1e-4
+    for name in grads:  # at EP 2 an expert's gradient stays halved (see the MoE test above)
+        scale = 0.5 if cfg["ep"] > 1 and ".experts.experts." in name else 1.0
+        master, m, v = _adam(before, {name: np.asarray(grads[name]) * scale}, name, step=3)
+        assert np.abs(master - np.asarray(before["params"][name], np.float64)).max() > 1e-4, name
         np.testing.assert_allclose(after["params"][name], master, rtol=0, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(after["opt_state"]["mu"][name], m, atol=1e-7, err_msg=name)
         np.testing.assert_allclose(after["opt_state"]["nu"][name], v, atol=1e-8, err_msg=name)

@@ -70,6 +70,8 @@ def test_every_byte_size_option_of_the_cli_goes_through_the_parser():
                     "tp",
                     "pp",
                     "ep",
+                    "etp",
+                    "vpp",
                     "make_vocab_size_divisible_by",
                 ):  # counts, not bytes
                     continue

@@ -77,9 +77,11 @@ CI_SLICE: dict[str, list[int]] = {
     # one record of a run's settings disagreeing with the others (issue 68): a rank's betas, a
     # rank's ds_config optimizer, the model states' clipping, a rank's clip_grad, the model
     # states' scheduler; scheduler.pt's base_lrs, training_args.bin's schedule kind, a logged
-    # learning rate, optimizer.pt's initial_lr (1, 14; 1, 7 continued silently before)
+    # learning rate, optimizer.pt's initial_lr (1, 14; 1, 7 continued silently before);
+    # optimizer.pt's betas, not training_args.bin's (3: a client optimizer or an edit, continued
+    # as the groups say and warned; silent before, probe 8)
     "run_records": [1, 4, 14, 16, 19],
-    "run_records_trainer": [0, 1, 2, 7],
+    "run_records_trainer": [0, 1, 2, 3, 7],
     # the same for Megatron, torchtune and verl (issue 68, round 2): a legacy rank's scheduler
     # position and iteration, a path through a link to the input; torch_dist's iteration, betas,
     # args.lr, num_steps and a linked parent folder; torchtune's progress; verl's rank 1's
@@ -252,6 +254,24 @@ def test_an_optimizer_built_without_a_lost_file_passes_only_when_said():
     assert judge("optax", base, moved, **args)[0] == "silent-wrong"
     said_before = _ok({**other, "opt_state": "A"}, warned[2])  # nothing more went unrecovered
     assert judge("optax", said_before, warned, **args)[0] == "silent-wrong"
+
+
+def test_a_continuation_as_the_files_say_passes_only_with_a_new_warning_naming_them():
+    """Records that cannot be told edited from chosen (a Trainer's groups that are not its
+    arguments': a client optimizer) continue as the files say: 'said' only with a warning the
+    intact copy did not give, naming a file of the input, and the same params."""
+    params = {"w": ["tensor", [2], "float32", "aa"]}
+    base = _ok({"params": params, "opt_state": "A", "unrecovered": []})
+    other = {"params": params, "opt_state": "A", "unrecovered": [], "update": "B"}
+    name = sorted(NAMES)[0]
+    warned = _ok(other, [f"UserWarning: {name} param_groups' betas 0.8 (training_args.bin 0.9)"])
+    args = {"kind": PLAIN, "mutation_op": "record-disagree", "names": NAMES}
+    judge = oracle.judge_entry
+    assert judge("optax-direct", base, warned, **args)[0] == "said"
+    assert judge("optax-direct", base, _ok(other, ["UserWarning: odd"]), **args)[0] != "said"
+    assert judge("optax-direct", _ok(base[1], warned[2]), warned, **args)[0] == "silent-wrong"
+    moved = _ok({**other, "params": {"w": ["tensor", [2], "float32", "bb"]}}, warned[2])
+    assert judge("optax-direct", base, moved, **args)[0] == "silent-wrong"
 
 
 def test_a_step_renamed_to_a_new_number_is_that_step_only_for_a_rename():

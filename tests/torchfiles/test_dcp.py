@@ -352,3 +352,31 @@ def test_tensors_read_by_a_reader_replace_the_files_within_its_block_only():
         np.testing.assert_array_equal(ckpt.read_rows(name, 1, 2), files[1:2] + 1)
     assert asked == [(str(ckpt.path), name, 0, t.shape[0]), (str(ckpt.path), name, 1, 2)]
     np.testing.assert_array_equal(ckpt.read(name), files)
+
+
+def test_region_reads_of_a_whole_archive_chunk_check_its_crc_without_a_copy(tmp_path, monkeypatch):
+    """A ``torch.save`` chunk a direct restore cuts between devices is read slab by slab
+    straight into them (never whole, then copied) and its zip CRC-32 checked over its bytes in
+    file order: one flipped byte in its last slab is an error naming the chunk's file."""
+    from jax_ucp._src.torchfiles import torch_zip
+
+    monkeypatch.setattr(dcp, "READ_PIECE", 16)
+    whole = np.arange(48, dtype=np.float32).reshape(6, 8)
+    with open(tmp_path / "__0_0.distcp", "wb") as f:
+        length = torch_zip.write_torch_save(f, array=whole)
+    chunk = DcpChunk((0, 0), (6, 8), "__0_0.distcp", 0, length)
+    ck = dcp.DcpCheckpoint(tmp_path, {"w": DcpTensor("w", (6, 8), whole.dtype, (chunk,))}, {})
+    monkeypatch.setattr(ck, "read_chunk", None)  # the whole chunk is never read
+
+    def read() -> np.ndarray:
+        dests = [(((0, 6), (a, a + 4)), np.full((6, 4), -1, np.float32)) for a in (0, 4)]
+        for job in ck.region_jobs("w", dests):
+            job()
+        return np.concatenate([out for _, out in dests], axis=1)
+
+    np.testing.assert_array_equal(read(), whole)
+    data = bytearray((tmp_path / "__0_0.distcp").read_bytes())
+    data[data.find(whole.tobytes()) + 4 * 45] ^= 0xFF
+    (tmp_path / "__0_0.distcp").write_bytes(bytes(data))
+    with pytest.raises(SourceError, match=r"'w'.*__0_0\.distcp.*CRC-32 mismatch"):
+        read()

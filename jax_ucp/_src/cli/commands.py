@@ -1002,7 +1002,10 @@ EXPORT_FIELDS = (
     FromField(_SAFETENSORS, "adapter", prefix="safetensors: "),
     *(
         FromField("exporters.options.MegatronExport", name, prefix="megatron: ")
-        for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by", "iteration", "run_record")
+        for name in (
+            *("tp", "pp", "ep", "etp", "vpp", "make_vocab_size_divisible_by"),
+            *("iteration", "run_record"),
+        )
     ),
     FromField(_TENSORS, "force"),
     FromField("exporters.options._Export", "memory_budget", callback=_size_option),

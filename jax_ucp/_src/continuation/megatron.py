@@ -322,7 +322,8 @@ def check_megatron_record(
     from it): every param group holds the fields the others hold, each of its kind, and the
     record is read as :func:`megatron_recipe` reads it (every fact it states several times
     agreeing, the groups' rates the schedule's; with the Adam moments ``saved``). A scheduler
-    record missing a field (which Megatron-LM refuses on load) leaves the groups checked alone.
+    state missing a field Megatron-LM's load reads is refused (a step count alone, as synthetic
+    records hold, leaves the groups checked alone).
 
     Raises:
         SourceError: a field of the wrong kind, or records that disagree, each named.
@@ -353,11 +354,25 @@ def check_megatron_record(
                 f"({odd}): one optimizer saves the same fields in every group"
             )
     scheduler = _section(record, "opt_param_scheduler", where)
+    unread = [names[0] for names in _LOADED if scheduler and not any(n in scheduler for n in names)]
+    if unread and len(unread) < len(_LOADED) - 1:  # a state saved whole, less some (not a count)
+        raise SourceError(
+            f"{where}: {RECORD}.opt_param_scheduler has no {', '.join(unread)} (nor an older "
+            f"name of it), which Megatron-LM's OptimizerParamScheduler.load_state_dict reads: "
+            f"a resume from it would fail; nothing was written"
+        )
     if scheduler and any(k not in scheduler for k in SCHEDULER_REQUIRED):
         record = {k: v for k, v in record.items() if k not in ("opt_param_scheduler", "args")}
         source = {**source, RECORD: record}
     if (groups or scheduler) and any(_path(k).startswith("opt_state/mu/") for k in saved):
         megatron_recipe(source, saved, where)  # (weights alone: its kinds checked only)
+
+
+#: the scheduler fields Megatron-LM's load_state_dict reads, each with its older names (the
+#: weight decay's only where ``start_wd`` is saved)
+_LOADED = (("max_lr", "start_lr"), ("min_lr",), ("lr_warmup_steps", "warmup_iter", "warmup_steps"),
+           ("lr_decay_steps", "end_iter", "decay_steps"), ("lr_decay_style", "decay_style"),
+           ("num_steps", "num_iters"))  # fmt: skip
 
 
 #: the kinds of Megatron-LM's run arguments the record keeps (the others: numbers >= 0)
@@ -559,6 +574,10 @@ def _read_record(
     args = _Fields(_section(record, "args", file), "args", file)
     state = _section(record, "opt_param_scheduler", file)
     groups = _groups(record, file)
+    for group in groups:  # Adam's variants no chain here is
+        flag = next((f for f in ("amsgrad", "maximize") if group.values.get(f)), None)
+        if flag is not None:
+            raise RequestError(f"{file}: {group.section}.{flag} = True: not translated to optax")
     name = args.values.get("optimizer")
     if name is not None and name != "adam":
         raise RequestError(

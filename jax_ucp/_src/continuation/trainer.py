@@ -7,15 +7,17 @@ from the groups (a client optimizer, made by the user) are said."""
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from jax_ucp._src.errors import SourceError
-from jax_ucp._src.facts import Facts
+from jax_ucp._src.facts import Facts, canonical
 
-__all__ = ["check_logged_rates", "trainer_rates"]
+__all__ = ["check_logged_rates", "trainer_rates", "trainer_total"]
 
 
 def trainer_rates(source: dict, groups: list[dict], where: str) -> list[str]:
@@ -41,15 +43,60 @@ def trainer_rates(source: dict, groups: list[dict], where: str) -> list[str]:
             facts.state(fact, f"{opt} param_groups[{i}].{field}", group.get(field))
             facts.state(fact, f"{sched} {key}[{i}]", rate)
     facts.agree_all()
-    given = (trainer.get("training_args") or {}).get("learning_rate")
-    bases = {float(g["initial_lr"]) for g in groups if isinstance(g.get("initial_lr"), int | float)}
-    if isinstance(given, int | float) and bases and bases != {float(given)}:
-        return [
-            f"training_args.bin learning_rate {given}, the param groups' initial_lr "
-            f"{sorted(bases)}: the optimizer was the client's (Trainer(optimizers=...)); the "
-            f"groups' rates are continued"
-        ]
-    return []
+    return _built_from_args(trainer.get("training_args") or {}, groups, opt, where)
+
+
+#: a group's field -> the TrainingArguments the Trainer's own optimizer took it from
+#: (``Trainer.get_optimizer_cls_and_kwargs``); betas and eps only for its AdamW and Lion
+BUILT_FROM = {"initial_lr": ("learning_rate",), "betas": ("adam_beta1", "adam_beta2"),
+              "eps": ("adam_epsilon",)}  # fmt: skip
+
+
+def _built_from_args(args: dict, groups: list[dict], opt: str, where: str) -> list[str]:
+    """The param groups against the arguments the Trainer builds its optimizer from: where they
+    differ, the optimizer was the client's (``Trainer(optimizers=...)``), or a file was edited;
+    nothing tells which, so the groups' values are continued, said and warned."""
+    adam = any(k in str(args.get("optim", "adamw")) for k in ("adamw", "lion"))
+    differ = []
+    for field, names in BUILT_FROM.items():
+        given = [args.get(n) for n in names]
+        if (field != "initial_lr" and not adam) or not all(_number(v) for v in given):
+            continue
+        want = canonical(given if len(given) > 1 else given[0])
+        held = [canonical(g[field]) for g in groups if field in g]
+        if any(h != want for h in held):
+            shown = sorted({repr(h) for h in held})
+            differ.append(f"{field} {', '.join(shown)} (training_args.bin {want})")
+    decay = args.get("weight_decay")
+    rates = {repr(canonical(g.get("weight_decay"))) for g in groups}
+    if adam and _number(decay) and not rates <= {repr(canonical(decay)), "0"}:
+        differ.append(f"weight_decay {', '.join(sorted(rates))} (training_args.bin {decay})")
+    if not differ:
+        return []
+    note = (
+        f"{opt} param_groups' {'; '.join(differ)}: not the optimizer the Trainer builds from its "
+        f"arguments (a client optimizer, Trainer(optimizers=...), or an edited file); the "
+        f"groups' values are continued"
+    )
+    warnings.warn(f"{where}: {note}", UserWarning, stacklevel=3)
+    return [note]
+
+
+def _number(x: Any) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)
+
+
+def trainer_total(trainer: dict, args: dict, where: str) -> Any:
+    """The schedule's length, ``trainer_state.json``'s ``max_steps`` and ``training_args.bin``'s
+    (when set: above 0, the Trainer copies it), agreed or refused naming both; a save in its
+    warm-up holds a rate that does not depend on it, so the held-rate check cannot tell."""
+    facts = Facts(where)
+    if trainer.get("max_steps") is not None:
+        facts.state("max_steps", "trainer_state.json max_steps", trainer["max_steps"])
+    given = args.get("max_steps")
+    if given is not None and not (type(given) is int and given <= 0):
+        facts.state("max_steps", "training_args.bin max_steps", given)
+    return facts.agree("max_steps")
 
 
 def check_logged_rates(

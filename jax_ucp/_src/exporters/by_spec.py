@@ -15,10 +15,12 @@ from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import RequestError
 
 
-def load(spec: Any, manifest: fmt.Manifest, config: Any) -> Any:
+def load(spec: Any, manifest: fmt.Manifest, config: Any, *, state_dict: bool = False) -> Any:
     """``spec`` (a name, a file or a ``Spec``; None: none) ready to export: completed with the
     heads of ``config`` (a config.json, its path or an ``LMConfig``; else of what
-    ``manifest.source`` recorded, for a name) and, an import's spec, run backwards."""
+    ``manifest.source`` recorded, for a name) and, an import's spec, run backwards.
+    ``state_dict``: a spec with an ``hf_names`` setting writes the names transformers' model
+    holds (its experts fused), not its files' (a torch state dict is loaded as the model has it)."""
     if spec is None:
         return None
     from jax_ucp._src import language
@@ -36,6 +38,8 @@ def load(spec: Any, manifest: fmt.Manifest, config: Any) -> Any:
     if heads and isinstance(spec, (str, os.PathLike)):
         spec = language.load_spec(spec, **heads)
     spec = language.load_spec(spec_with_recorded_settings(spec, manifest.source))
+    if state_dict and "hf_names" in spec.settings:
+        spec = spec.with_settings(hf_names="state_dict")
     return export_spec(spec)
 
 

@@ -65,6 +65,8 @@ _GROUPED_GEMM = {
     "mlp.experts.weight1": "mlp.experts.experts.linear_fc1.weight",
     "mlp.experts.weight2": "mlp.experts.experts.linear_fc2.weight",
 }
+_ROUTER = "decoder.layers.mlp.router.weight"
+_UNEVEN = {"decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"}
 _LINEAR = re.compile(r"(decoder\.layers\.(?:[\w.]+\.)?linear_\w+)\.weight")
 #: the param groups megatron-core's optimizer builds (decayed, not), by the keys it pairs them on
 _DEFAULT_GROUPS = ({"wd_mult": 1.0}, {"wd_mult": 0.0})
@@ -116,6 +118,7 @@ def export(root: str, dst: str, options: MegatronExport) -> Exported:
             add(f"optimizer.state.{state}.{name}", name, keys, np.dtype(np.float32))
     reads.total = sum(len(parts) for parts in grouped.values()) * (4 if moments else 1)
     padded_vocab = next((s[0] for n, s in shapes.items() if n.endswith(VOCAB_PARALLEL)), None)
+    _check_layout(shapes, options, root)
     objects = _extra_state_names(shapes, recorded.get("skipped_objects"))
     items += [DcpItem(name, (name,), value=[None]) for name in objects]
     iteration = _iteration(options, recorded, record, step)
@@ -260,19 +263,49 @@ def _stack(name: str, parts: list[RowSlabs], layout: tuple[int, int]) -> RowSlab
     return RowSlabs((len(parts) // each, *shape), parts[0].dtype, slabs)
 
 
+def _check_layout(shapes: dict[str, tuple], options: MegatronExport, root: str) -> None:
+    """The layout asked for splits this model as megatron-core builds it: its layers evenly
+    over ``pp`` (times ``vpp``) stages (unless ``args`` set Megatron-LM's uneven split), its
+    experts over ``ep`` ranks; else refused, nothing written (megatron-core would stop at the
+    load with an assert)."""
+    if options.vpp and options.vpp > 1 and options.pp == 1:
+        raise RequestError(f"vpp={options.vpp}: megatron-core's virtual pipeline needs pp > 1")
+    layers = next(
+        ((n, s) for n, s in shapes.items() if n.startswith("decoder.layers.") and s), None
+    )
+    router = shapes.get(_ROUTER)  # [L, E, h]
+    vpp = f" x vpp={options.vpp}" if options.vpp else ""
+    splits = [
+        (f"pp={options.pp}{vpp}", options.pp * (options.vpp or 1), "layers", layers, 0),
+        (f"ep={options.ep}", options.ep, "experts", router and (_ROUTER, router), 1),
+    ]
+    if _UNEVEN.intersection(options.args or ()):  # Megatron-LM's uneven pipeline split
+        splits = splits[1:]
+    for given, parts, what, found, dim in splits:
+        if found and len(found[1]) > dim and found[1][dim] % parts:
+            raise RequestError(
+                f"{given}: the checkpoint at {root} ({fmt.MANIFEST_FILE}) holds {found[1][dim]} "
+                f"{what} ({found[0]!r} {list(found[1])} as megatron-core stacks it), which "
+                f"megatron-core cannot split in {parts} equal parts"
+            )
+
+
 def _extra_state_names(shapes: dict[str, tuple], recorded: Any) -> list[str]:
-    """The layers' ``_extra_state`` objects megatron-core asks for: those a torch_dist import
-    recorded, else one per layer (and expert) of each stacked ``linear_*`` (megatron-core's
-    local spec)."""
-    found = [n for n in recorded or () if isinstance(n, str) and "._extra_state/shard_" in n]
-    if found:
-        return found
+    """The layers' ``_extra_state`` objects megatron-core asks for: one per layer (and expert)
+    of each stacked ``linear_*`` (its local spec's; the grid this export's shapes give, so a
+    layer or shared experts added after the import count), and any other a torch_dist import
+    recorded (Transformer Engine's)."""
+    found, linears = [], set()
     for name, shape in shapes.items():
         m, grid = _LINEAR.fullmatch(name), shape[: 2 if ".experts." in name else 1]
         if m is not None and shape:  # an expert's: shard_<layer>.<expert>_<L>.<E>
+            linears.add(m[1])
             found += [
                 f"{m[1]}._extra_state/shard_{_dots(i)}_{_dots(grid)}" for i in np.ndindex(*grid)
             ]
+    for name in recorded or ():
+        if isinstance(name, str) and "._extra_state/shard_" in name:
+            found += [] if name.split("._extra_state/")[0] in linears else [name]
     return found
 
 
@@ -330,13 +363,15 @@ def _args(
             args.setdefault(key, settings[key])
     layers = [s[0] for n, s in shapes.items() if n.startswith("decoder.layers.") and s]
     embedding = shapes.get("embedding.word_embeddings.weight")
-    router = shapes.get("decoder.layers.mlp.router.weight")  # [L, E, h]
+    router = shapes.get(_ROUTER)  # [L, E, h]
     if router and len(router) == 3:
         args.setdefault("num_experts", router[1])
     args.update(
         tensor_model_parallel_size=options.tp,
         pipeline_model_parallel_size=options.pp,
         **({"expert_model_parallel_size": options.ep} if router else {}),
+        **({"expert_tensor_parallel_size": options.etp or options.tp} if router else {}),
+        virtual_pipeline_model_parallel_size=options.vpp,
         make_vocab_size_divisible_by=options.make_vocab_size_divisible_by,
         iteration=iteration,
         ckpt_format="torch_dist",

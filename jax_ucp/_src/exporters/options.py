@@ -88,6 +88,9 @@ class MegatronExport(_Export):
         pp: its pipeline-parallel size (recorded in ``args``).
         ep: its expert-parallel size: above 1 megatron-core keeps a MoE model's experts in a
             second optimizer, with the experts' own param groups (recorded by the import).
+        etp: its expert-tensor-parallel size (None: ``tp``, megatron-core's default).
+        vpp: its virtual-pipeline chunks per stage (None: none); the layers must split evenly
+            over ``pp * vpp`` chunks.
         make_vocab_size_divisible_by: Megatron-LM's option: vocab rows are padded to a multiple
             of it times ``tp``.
         iteration: the iteration recorded (None: the optimizer step plus the iterations the
@@ -102,6 +105,8 @@ class MegatronExport(_Export):
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int | None = None
+    vpp: int | None = None
     make_vocab_size_divisible_by: int = 128
     iteration: int | None = None
     run_record: str | os.PathLike | None = None
@@ -113,11 +118,13 @@ class MegatronExport(_Export):
             ("tp", 1),
             ("pp", 1),
             ("ep", 1),
+            ("etp", 1),
+            ("vpp", 1),
             ("make_vocab_size_divisible_by", 1),
             ("iteration", 0),
         ):
             value = getattr(self, name)
-            if value is None and name == "iteration":
+            if value is None and name in ("iteration", "etp", "vpp"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise RequestError(f"{name}={value!r}: an int >= {low}")
@@ -143,6 +150,8 @@ class _TensorsExport(_Export):
     dtype: Any = None
     casting: str = "same_kind"
     default_select: ClassVar[str] = ""
+    #: a family spec writes the names transformers' model holds, not its files' (``by_spec``)
+    state_dict_names: ClassVar[bool] = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -188,6 +197,7 @@ class TorchDcpExport(_TensorsExport):
             nested ``{"state": {name: ...}, "param_groups": [{..., "params": [names]}]}``."""
 
     format: ClassVar[str] = "torch-dcp"
+    state_dict_names: ClassVar[bool] = True
     optimizer: str | None = None
     model: str = "model"
     param_groups: Mapping[str, Any] | list[Mapping[str, Any]] | None = None

@@ -124,7 +124,8 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
         with_values: also the saved Python values (formats that can hold them)."""
     manifest = store.read_manifest(root)
     # safetensors: the config.json written beside gives the spec its head settings
-    spec = by_spec.load(options.spec, manifest, getattr(options, "config", None))
+    config = getattr(options, "config", None)
+    spec = by_spec.load(options.spec, manifest, config, state_dict=options.state_dict_names)
     available = ucp_source.available_tensors(manifest, spec)
     prefix = tuple(p for p in (options.prefix or "").split("/") if p)
     chosen, values, skipped, seen = [], [], [], {}

@@ -44,6 +44,7 @@ def export(root: str, dst: str, options: TorchDcpExport) -> Exported:
     if options.optimizer is not None:
         return _with_optimizer(root, dst, options)
     chosen = source.select(root, options, torch_dtype, with_values=True)
+    _check_experts([t.name for t in chosen.tensors], chosen.spec, root)
     items = [DcpItem(t.name, p, t.shape, t.dtype) for t, p in zip(chosen.tensors, chosen.paths)]
     items += [DcpItem(name, path, value=v) for name, path, v in chosen.values]
 
@@ -57,7 +58,7 @@ def export(root: str, dst: str, options: TorchDcpExport) -> Exported:
 def _with_optimizer(root: str, dst: str, options: TorchDcpExport) -> Exported:
     """The weights, Adam's moments and step, and the param groups, by manifest role."""
     manifest = store.read_manifest(root)
-    spec = by_spec.load(options.spec, manifest, None)  # the names the torch model has
+    spec = by_spec.load(options.spec, manifest, None, state_dict=True)  # the torch model's names
     available = ucp_source.available_tensors(manifest, spec)
     by_key = {k: a.sources[0] for k, a in available.items()}
     # every parameter's weight (frozen and tied ones too: get_state_dict has them), state for
@@ -65,16 +66,7 @@ def _with_optimizer(root: str, dst: str, options: TorchDcpExport) -> Exported:
     weights = {
         k: ".".join(k[1:]) for k, e in by_key.items() if e.role == "param" and e.sub_role is None
     }
-    per_expert = [n for n in weights.values() if _PER_EXPERT.search(n)]
-    if per_expert and spec is not None and spec.model_types:
-        raise RequestError(
-            f"{root}: spec {spec.name!r} writes an MoE model's experts one by one "
-            f"({per_expert[0]!r}, as transformers' files hold them), but transformers 5 "
-            f"holds them fused in the model (mlp.experts.gate_up_proj [E, 2F, H], "
-            f"mlp.experts.down_proj [E, H, F]): get_state_dict has those names, which no "
-            f"shipped spec writes yet; export SafetensorsExport (from_pretrained fuses them) or "
-            f"give a spec that writes the fused names"
-        )
+    _check_experts(weights.values(), spec, root)
     found, count = source.required_adam_keys(root, by_key, "a torch DCP export of the optimizer")
     moments = found.moments
     names = {p: weights[p] for p in found.params}
@@ -136,6 +128,22 @@ def _with_optimizer(root: str, dst: str, options: TorchDcpExport) -> Exported:
         skipped=[fmt.key_to_str(k) for k in by_key if k not in written]
         + [fmt.key_to_str(v.key) for v in manifest.values],
     )
+
+
+def _check_experts(names: Any, spec: Any, root: str) -> None:
+    """A ``RequestError`` when a family ``spec`` writes an MoE model's experts one by one (as
+    transformers' files hold them): transformers 5's model, hence its state dict, holds them
+    fused, so ``dcp.load`` would find none of them."""
+    per_expert = [n for n in names if _PER_EXPERT.search(n)]
+    if per_expert and spec is not None and spec.model_types:
+        raise RequestError(
+            f"{root}: spec {spec.name!r} writes an MoE model's experts one by one "
+            f"({per_expert[0]!r}, as transformers' files hold them), but transformers 5 "
+            f"holds them fused in the model (mlp.experts.gate_up_proj [E, 2F, H], "
+            f"mlp.experts.down_proj [E, H, F]), as its state dict names them; give a spec "
+            f"that writes those (the shipped hf_* specs' hf_names = 'state_dict' rules), or "
+            f"export SafetensorsExport (from_pretrained fuses them)"
+        )
 
 
 def _record(options: TorchDcpExport, recorded: Any) -> dict:

@@ -83,15 +83,20 @@ def is_safetensors(src) -> bool:
 
 
 def is_dcp_sharded(src) -> bool:
-    """A local folder whose first ``.safetensors`` file (by name) is one of torch DCP's Hugging
-    Face writer's: its ``__metadata__`` has :data:`DCP_SHARDING_INFO` (a folder of such files
-    is one checkpoint, each tensor assembled from every file's piece of it). Only that file's
-    header is read; a file that cannot be read says no (its own reader names the fault); the
-    single-process writer's whole tensors (:func:`_whole_tensors`) are plain safetensors."""
+    """A local folder whose first ``.safetensors`` file (by name, torch's rank file names
+    first: a stray ``model.safetensors`` beside them is no reason to read them as whole tensors)
+    is one of torch DCP's Hugging Face writer's: its ``__metadata__`` has
+    :data:`DCP_SHARDING_INFO` (a folder of such files is one checkpoint, each tensor assembled
+    from every file's piece of it). Only that file's header is read; a file that cannot be read
+    says no (its own reader names the fault); the single-process writer's whole tensors
+    (:func:`_whole_tensors`) are plain safetensors."""
     src = os.fspath(src)
     if not os.path.isdir(src):
         return False
-    names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    names = sorted(
+        (n for n in os.listdir(src) if n.endswith(".safetensors")),
+        key=lambda n: (RANK_FILE.fullmatch(n) is None, n),
+    )
     if not names:
         return False
     try:

@@ -167,6 +167,8 @@ class Importer:
             (a Trainer's ``checkpoint-N``, DeepSpeed's tags, ...) and which completed
             (:mod:`~jax_ucp._src.importers.runs`); None when the path is no such root, or
             the layout has none.
+        model_names: whether the layout keys tensors by a torch model's ``state_dict()`` names
+            (transformers' fused experts), not by the files' names a spec reads by default.
     """
 
     name: str
@@ -179,6 +181,7 @@ class Importer:
     given: Callable[[Storage], bool] | None = None
     hands_over: Callable[[Storage], tuple[str, str, dict[str, Any]] | None] | None = None
     run: Callable[[str], TrainerRun | None] | None = None
+    model_names: bool = False
 
     def __post_init__(self):
         if not self.format:

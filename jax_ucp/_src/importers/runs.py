@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 from collections.abc import Callable
+from typing import Any
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
@@ -115,3 +117,13 @@ def trainer_run(
             )
         steps.append(RunStep(step, path, problem or complete(path)))
     return TrainerRun(root, what, tuple(steps))
+
+
+def say_renamed(folder: str, pattern: str, step: Any, says: str) -> None:
+    """A step folder (``pattern``: its name, the step's digits its group 1) whose files record
+    another step, renamed or copied: the files' step holds, and a warning names both;
+    ``says`` the files' side of it and what is continued."""
+    m = re.fullmatch(pattern, os.path.basename(os.path.normpath(folder)))
+    named = files.name_number(m[1]) if m else None
+    if named is not None and type(step) is int and named != step:
+        warnings.warn(f"{folder}: the {says.format(named=named, step=step)}", UserWarning, 3)

@@ -78,6 +78,8 @@ class TensorRef:
     #: rows ``start:stop`` of dim 0 alone (a DCP tensor's chunks overlapping them), so that a
     #: tensor larger than the memory budget is written in row slabs; None: read whole
     rows: Callable[[int, int], np.ndarray] | None = None
+    #: a direct restore's boxes read straight into their buffers (``writer.Deferred.regions``)
+    regions: Callable[[list], list] | None = None
     #: the source tensors it is assembled from besides ``name`` (the other ranks' pieces)
     other_names: tuple[str, ...] = ()
 
@@ -375,7 +377,9 @@ def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
         return mapped_file.read_out(value, f"tensor {name!r} rows {start}:{stop}")
 
     by_rows = rows if ref.rows is not None and ref.shape else None
-    return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read, rows=by_rows)
+    regions = ref.regions if ref.shape else None
+    shape, dtype = tuple(ref.shape), np.dtype(ref.dtype)
+    return writer.Deferred(shape, dtype, read, rows=by_rows, regions=regions)
 
 
 def _check_read(value: Any, dtype: np.dtype, shape: tuple, name: str, where: str) -> None:

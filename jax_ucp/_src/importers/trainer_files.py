@@ -270,7 +270,13 @@ def trainer_record(folder: str) -> dict:
             logged = logged_rates(state.get("log_history"))
             if logged:
                 out["logged_lr"] = logged
-            _say_renamed(folder, out.get("global_step"))
+            runs.say_renamed(
+                folder,
+                rf"checkpoint-({files.DIGITS})",
+                out.get("global_step"),
+                "folder's name says step {named}, " + STATE_FILE + "'s global_step says {step} "
+                "(renamed or copied?); the Trainer's resume counts from global_step {step}",
+            )
     args_path = side_file(folder, ARGS_FILE)
     if os.path.isfile(args_path):
         try:
@@ -313,22 +319,6 @@ def logged_rates(history: Any) -> list[list]:
         and math.isfinite(entry["learning_rate"])
     ]
     return rates[-MAX_LOGGED:]
-
-
-def _say_renamed(folder: str, step: Any) -> None:
-    """A ``checkpoint-N/`` whose ``trainer_state.json`` says another ``global_step`` (a folder
-    renamed or copied): the run continues at the recorded step, as the Trainer's resume does,
-    and a warning names both."""
-    m = re.fullmatch(rf"checkpoint-({files.DIGITS})", os.path.basename(os.path.normpath(folder)))
-    named = files.name_number(m[1]) if m else None
-    if named is not None and type(step) is int and named != step:
-        warnings.warn(
-            f"{folder}: the folder's name says step {named}, {STATE_FILE}'s global_step says "
-            f"{step} (renamed or copied?); the run continues at step {step}, as the Trainer's "
-            f"resume would",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 def trainer_folder_above(tag_dir: str, marker: str = STATE_FILE) -> str | None:

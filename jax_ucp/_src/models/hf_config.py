@@ -18,6 +18,7 @@ from jax_ucp._src.models.transformer import LMConfig, hf_model
 ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -26,6 +27,8 @@ ARCHITECTURES = {
     "stablelm": "StableLmForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 
 
@@ -159,6 +162,49 @@ def _typed_rope(cfg: LMConfig) -> dict[str, Any]:
     return {"full_attention": _rope(cfg), "sliding_attention": _rope(local)}
 
 
+def _gemma4(cfg: LMConfig) -> dict[str, Any]:
+    """Gemma 4: a RoPE per layer type (proportional on the global layers), the global layers'
+    head_dim / kv heads as transformers 5.24 writes them (``per_layer_config``), shared k / v,
+    per-layer inputs and the MoE block."""
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    if cfg.rotary_proportional:
+        full.update(
+            rope_type="proportional",
+            partial_rotary_factor=cfg.rotary_percent,
+            factor=cfg.rotary_scaling_factor,
+        )
+    local = {"rope_type": "default", "rope_theta": cfg.local_rotary_base}
+    types = [_LAYER_TYPES[cfg.is_sliding(i)] for i in range(cfg.num_layers)]
+    width = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+    return {
+        **_gemma(cfg),
+        "query_pre_attn_scalar": None,
+        "rope_parameters": {"full_attention": full, "sliding_attention": local},
+        "layer_types": types,
+        "per_layer_config": {
+            str(i): {
+                "head_dim": cfg.global_head_dim,
+                "num_key_value_heads": cfg.global_query_groups,
+            }
+            for i, kind in enumerate(types)
+            if kind == "full_attention"
+        },
+        "attention_k_eq_v": cfg.global_kv_from_k,
+        "num_kv_shared_layers": cfg.kv_shared_layers,
+        "use_double_wide_mlp": cfg.wide_shared_mlp,
+        "hidden_size_per_layer_input": cfg.per_layer_input or 0,
+        "vocab_size_per_layer_input": cfg.per_layer_vocab or cfg.vocab_size,
+        "enable_moe_block": cfg.moe_beside_mlp,
+        "top_k_experts": cfg.moe_router_topk if cfg.moe_beside_mlp else None,
+        "moe_intermediate_size": width if cfg.moe_beside_mlp else None,
+        "attention_bias": False,
+    }
+
+
+#: a layer's type by ``is_sliding``
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def _olmo3(cfg: LMConfig) -> dict[str, Any]:
     """Its layer types always (absent, three of four layers are windowed)."""
     windowed = cfg.sliding_layers if cfg.sliding_window is not None else ()
@@ -211,6 +257,21 @@ def _deepseek(cfg: LMConfig) -> dict[str, Any]:
     }
 
 
+def _deepseek_v32(cfg: LMConfig) -> dict[str, Any]:
+    """DeepSeek V3's fields, its indexer's and each layer's MLP kind (V3.2 has no
+    ``rope_interleave``: always interleaved)."""
+    heads, dim, top = cfg.indexer or (0, 0, 0)
+    out = {k: v for k, v in _deepseek(cfg).items() if k != "rope_interleave"}
+    kinds = ["dense" if not cfg.is_moe(i) else "sparse" for i in range(cfg.num_layers)]
+    return {
+        **out,
+        "index_n_heads": heads,
+        "index_head_dim": dim,
+        "index_topk": top,
+        "mlp_layer_types": kinds,
+    }
+
+
 def _ernie(cfg: LMConfig) -> dict[str, Any]:
     """Ernie 4.5's MoE layers as a first, last and interval (read back: another set refused)."""
     moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)] or [cfg.num_layers]
@@ -226,8 +287,29 @@ def _ernie(cfg: LMConfig) -> dict[str, Any]:
     }
 
 
+def _gated_delta_net(cfg: LMConfig) -> dict[str, Any]:
+    """Qwen3.5's and Qwen3-Next's linear attention layers and partial rotary."""
+    nk, nv, dk, dv, width = cfg.gdn or (0, 0, 0, 0, 0)
+    return {
+        "rope_parameters": {**_rope(cfg), "partial_rotary_factor": cfg.rotary_percent},
+        "attention_bias": False,
+        "layer_types": [
+            "linear_attention" if cfg.is_linear(i) else "full_attention"
+            for i in range(cfg.num_layers)
+        ],
+        "linear_num_key_heads": nk,
+        "linear_num_value_heads": nv,
+        "linear_key_head_dim": dk,
+        "linear_value_head_dim": dv,
+        "linear_conv_kernel_dim": width,
+    }
+
+
 #: the fields one family adds to the common ones
 _EXTRA = {
+    "qwen3_5_text": _gated_delta_net,
+    "qwen3_5_moe_text": _gated_delta_net,
+    "qwen3_next": _gated_delta_net,
     "stablelm": lambda cfg: {"layer_norm_eps": cfg.eps, "use_qkv_bias": cfg.qkv_bias},
     "granite": lambda cfg: {
         "embedding_multiplier": cfg.embedding_multiplier,
@@ -247,8 +329,10 @@ _EXTRA = {
     },
     "gemma2": _gemma,
     "gemma3_text": _gemma,
+    "gemma4_text": _gemma4,
     "llama4_text": _llama4,
     "deepseek_v3": _deepseek,
+    "deepseek_v32": _deepseek_v32,
     "ernie4_5_moe": _ernie,
     "gpt_oss": lambda cfg: {
         "attention_bias": cfg.bias,

@@ -45,24 +45,16 @@ def _family(model_type, spec, read, refuses=(), silu=True, **defaults) -> Family
 LACKS = {
     "llama4": "the multimodal Llama4ForConditionalGeneration (vision tower, language_model.* "
     "names); its text model is model_type llama4_text",
-    **dict.fromkeys(
-        ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
-        "the linear_attention layers (Gated DeltaNet, layer_types) between its full attention",
-    ),
-    **dict.fromkeys(
-        ("qwen3_5", "qwen3_5_moe"),
-        "the multimodal model (vision tower) and its text model's linear_attention layers "
-        "(Gated DeltaNet)",
-    ),
-    **dict.fromkeys(
-        ("gemma4_text", "gemma4"),
-        "Gemma 4's decoder layer: per-layer input embeddings (embed_tokens_per_layer, "
-        "hidden_size_per_layer_input), the weightless v norm, a layer_scalar per layer, key/value "
-        "states shared across layers (num_kv_shared_layers), a head_dim per layer type "
-        "(global_head_dim, attention_k_eq_v) and its MoE block; gemma4 is multimodal too",
-    ),
-    "deepseek_v32": "DeepSeek V3.2's lightning indexer (DeepseekV32Indexer: each query attends "
-    "to its top index_topk keys only, sparse attention)",
+    **{
+        multimodal: f"the multimodal {name} (vision tower, model.visual.* and "
+        f"model.language_model.* names); its text model is model_type {multimodal}_text"
+        for multimodal, name in (
+            ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+            ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
+        )
+    },
+    "gemma4": "the multimodal Gemma4ForConditionalGeneration (vision and audio towers, "
+    "model.language_model.* names); its text model is model_type gemma4_text",
 }
 
 #: GPT-2's own names of the common fields (its config.json spells only these)
@@ -461,16 +453,12 @@ def _qwen_moe(c: Mapping, layers: int) -> dict:
 def _qwen2_moe(c: Mapping) -> dict:
     kw = _base(c)
     layers = kw["num_layers"]
-    shared = c.get("shared_expert_intermediate_size")
     return dict(
         **kw,
         **_qwen_window(c, layers, moe=True),
         **_qwen_moe(c, layers),
         qkv_bias=bool(c.get("qkv_bias", True)),
-        moe_shared_expert_intermediate_size=_int(c, "shared_expert_intermediate_size")
-        if shared
-        else None,
-        moe_shared_expert_gate=bool(shared),
+        **_shared_expert(c),
     )
 
 
@@ -482,6 +470,64 @@ def _qwen3_moe(c: Mapping) -> dict:
     kw = _base(c)
     window = _every_layer_window(c) if c.get("use_sliding_window") else {}
     return dict(**kw, **window, **_qwen_moe(c, kw["num_layers"]), qk_norm=True)
+
+
+def _gated_delta_net(c: Mapping) -> dict:
+    """Qwen3-Next's and Qwen3.5's layers: Gated DeltaNet (``linear_num_key_heads``,
+    ``linear_num_value_heads``, ``linear_key_head_dim``, ``linear_value_head_dim``,
+    ``linear_conv_kernel_dim``) in the ``linear_attention`` layers of ``layer_types`` (by default
+    all but every ``full_attention_interval``-th), Qwen3 attention with each head's output gated
+    by sigmoid of its half of q_proj, a partial rotary, (1 + w) RMSNorms."""
+    kw = _base(c, partial_ok=True)
+    layers = kw["num_layers"]
+    interval = _int(c, "full_attention_interval")
+    default = [
+        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)
+    ]
+    types = _layer_types(c, layers, default, ("linear_attention", "full_attention"))
+    nk, nv, dk, dv = (
+        _int(c, f"linear_{f}")
+        for f in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")
+    )
+    if nv % nk:
+        raise _refuse("linear_num_value_heads", nv, f"is no multiple of {nk} key heads")
+    return dict(
+        **kw,
+        qk_norm=True,
+        norm_offset=1.0,
+        attn_output_gate=True,
+        gdn=(nk, nv, dk, dv, _int(c, "linear_conv_kernel_dim")),
+        gdn_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+    )
+
+
+def _shared_expert(c: Mapping) -> dict:
+    """Qwen2-MoE's shared expert (``shared_expert_intermediate_size``, 0: none) and its gate."""
+    shared = c.get("shared_expert_intermediate_size")
+    width = _int(c, "shared_expert_intermediate_size") if shared else None
+    return dict(moe_shared_expert_intermediate_size=width, moe_shared_expert_gate=bool(shared))
+
+
+def _qwen3_5_text(c: Mapping) -> dict:
+    return _gated_delta_net(c)
+
+
+def _qwen3_5_moe_text(c: Mapping) -> dict:
+    """Every layer MoE: the softmax router's top-k renormalised, a gated shared expert."""
+    width = _int(c, "moe_intermediate_size")
+    return dict(
+        **_gated_delta_net({**c, "intermediate_size": width}),  # no dense MLP
+        **_experts(c, "num_experts"),
+        moe_ffn_hidden_size=width,
+        **_shared_expert(c),
+    )
+
+
+def _qwen3_next(c: Mapping) -> dict:
+    """Qwen3-Next: the in_proj_qkvz / in_proj_ba of Gated DeltaNet laid out per key head;
+    Qwen2-MoE's experts, dense layers and gated shared expert."""
+    kw = _gated_delta_net(c)
+    return dict(**kw, gdn_grouped=True, **_qwen_moe(c, kw["num_layers"]), **_shared_expert(c))
 
 
 def _rope_flags(c: Mapping, layers: int) -> list[int]:
@@ -661,6 +707,30 @@ def _deepseek_v3(c: Mapping) -> dict:
     )
 
 
+def _deepseek_v32(c: Mapping) -> dict:
+    """DeepSeek V3.2: DeepSeek V3 (its RoPE pairs always interleaved, q always through
+    ``q_lora_rank``) plus each layer's lightning indexer (``index_n_heads``, ``index_head_dim``,
+    ``index_topk``: a query attends to the ``index_topk`` keys it scores highest only); the MLPs
+    dense or MoE by ``mlp_layer_types`` (absent: the first ``first_k_dense_replace`` dense)."""
+    if c.get("q_lora_rank") is None:
+        raise _refuse("q_lora_rank", None, "expected an integer (V3.2 has no one q projection)")
+    kw = _deepseek_v3({**c, "rope_interleave": True})
+    layers, rope = kw["num_layers"], kw["mla"][3]
+    index = tuple(_int(c, f) for f in ("index_n_heads", "index_head_dim", "index_topk"))
+    if index[1] < rope:
+        raise _refuse("index_head_dim", index[1], f"expected at least qk_rope_head_dim {rope}")
+    _layer_types(c, layers, [], ("indexed_attention",))
+    kinds = c.get("mlp_layer_types")
+    if kinds is not None:
+        good = isinstance(kinds, list) and len(kinds) == layers
+        if not good or any(kind not in ("dense", "sparse") for kind in kinds):
+            raise _refuse(
+                "mlp_layer_types", repr(kinds)[:200], f"expected {layers} of dense, sparse"
+            )
+        kw["dense_layers"] = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+    return {**kw, "indexer": index}
+
+
 def _grouped_moe(c: Mapping, layers: int) -> dict:
     """DeepSeek V3's and GLM-4.5's MLPs: dense in the first ``first_k_dense_replace`` layers,
     then ``n_routed_experts`` with group-limited sigmoid routing (``n_group``, ``topk_group``,
@@ -773,6 +843,149 @@ def _kimi_k25(c: Mapping) -> dict:
     return {**fields, "tied": bool(c.get("tie_word_embeddings"))}
 
 
+#: transformers' default rope_parameters of Gemma 4
+_GEMMA4_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    "full_attention": {
+        "rope_type": "proportional",
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 1e6,
+    },
+}
+#: more layers than a Gemma 4 model has: its size is counted layer by layer (each kind differs)
+_GEMMA4_MAX_LAYERS = 1024
+
+
+def _gemma4_rope(c: Mapping) -> tuple[tuple, tuple, bool]:
+    """The global layers' RoPE (default, or proportional: partial_rotary_factor of the
+    frequencies, factor dividing them), the local layers' (default) and whether proportional."""
+    params = c.get("rope_parameters") or _GEMMA4_ROPE
+    if not isinstance(params, Mapping) or not all(t in params for t in _LAYER_TYPES):
+        raise _refuse("rope_parameters", repr(params)[:200], "Gemma 4 keys it by layer type")
+    read = []
+    for kind, allowed in (
+        ("full_attention", ("default", "proportional")),
+        ("sliding_attention", ("default",)),
+    ):
+        p, field = params[kind], f"rope_parameters.{kind}"
+        if not isinstance(p, Mapping) or p.get("rope_type", "default") not in allowed:
+            got = p.get("rope_type") if isinstance(p, Mapping) else p
+            raise _refuse(f"{field}.rope_type", repr(got), f"supported: {', '.join(allowed)}")
+        read.append(p)
+    full, local = read
+    proportional = full.get("rope_type") == "proportional"
+    theta = _number("rope_parameters.full_attention.rope_theta", full.get("rope_theta"))
+    factor = partial = 1.0
+    if proportional:  # transformers' default RoPE of Gemma 4 reads neither
+        factor = _number("rope_parameters.full_attention.factor", full.get("factor", 1.0))
+        partial = full.get("partial_rotary_factor", 1.0)
+        partial = _number("rope_parameters.full_attention.partial_rotary_factor", partial)
+        if partial > 1:
+            raise _refuse(
+                "rope_parameters.full_attention.partial_rotary_factor",
+                partial,
+                "expected at most 1",
+            )
+    local = _number("rope_parameters.sliding_attention.rope_theta", local.get("rope_theta"))
+    return (theta, factor, partial, {}), (local, 1.0, 1.0, {}), proportional
+
+
+def _gemma4_global_heads(c: Mapping, types: list[str], heads: int) -> tuple[int, int]:
+    """The global layers' (head_dim, kv heads): ``per_layer_config`` (transformers 5.24 writes
+    it: the same head_dim / num_key_value_heads on every full_attention layer, nothing on the
+    others), else ``global_head_dim`` and, with ``attention_k_eq_v``, ``num_global_key_value_heads``
+    (the released configs' form)."""
+    groups = _int(c, "num_key_value_heads")
+    per_layer = c.get("per_layer_config")
+    if per_layer is None:
+        dim = _int(c, "global_head_dim", c.get("global_head_dim", 512))
+        found = c.get("num_global_key_value_heads") if c.get("attention_k_eq_v") else None
+        found = groups if found is None else _int(c, "num_global_key_value_heads")
+    else:
+        full = {str(i) for i, t in enumerate(types) if t == "full_attention"}
+        values = list(per_layer.values()) if isinstance(per_layer, Mapping) else []
+        if (
+            not isinstance(per_layer, Mapping)
+            or {str(k) for k in per_layer} != full
+            or any(v != values[0] or not isinstance(v, Mapping) for v in values)
+            or not set(values[0]) <= {"head_dim", "num_key_value_heads"}
+        ):
+            raise _refuse(
+                "per_layer_config",
+                repr(per_layer)[:200],
+                "computed: one head_dim / num_key_value_heads for every full_attention layer",
+            )
+        dim = _int(c, "per_layer_config.head_dim", values[0].get("head_dim", c.get("head_dim")))
+        found = values[0].get("num_key_value_heads", groups)
+        found = _int(c, "per_layer_config.num_key_value_heads", found)
+    if heads % found:
+        raise _refuse("num_global_key_value_heads", found, f"does not divide {heads} heads")
+    return dim, found
+
+
+def _gemma4(c: Mapping) -> dict:
+    """Gemma 4's text model: plain RMSNorms (weight, not 1 + weight) around attention and MLP,
+    GeGLU, embeddings times sqrt(hidden), softmax scale 1, q / k / weightless v norms; local
+    (windowed) and global layers (``layer_types``, the last global), each type its head_dim and
+    kv heads (``_gemma4_global_heads``) and RoPE (``_gemma4_rope``), the global layers' v the k
+    projection with ``attention_k_eq_v``; the last ``num_kv_shared_layers`` layers reuse the k / v
+    of the last earlier layer of their type (their MLP twice as wide with
+    ``use_double_wide_mlp``); per-layer inputs (``hidden_size_per_layer_input``,
+    ``vocab_size_per_layer_input``); a scalar per layer; with ``enable_moe_block`` the MoE
+    (``num_experts``, ``top_k_experts``, ``moe_intermediate_size``) beside each dense MLP."""
+    if c.get("use_bidirectional_attention") not in (None, "vision"):  # vision: images only
+        raise _refuse(
+            "use_bidirectional_attention",
+            repr(c["use_bidirectional_attention"]),
+            "not computed (causal only)",
+        )
+    layers = _layers(c)
+    if layers > _GEMMA4_MAX_LAYERS:
+        raise _refuse(
+            "num_hidden_layers", layers, f"expected at most {_GEMMA4_MAX_LAYERS} for Gemma 4"
+        )
+    default = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
+    types = [*_layer_types(c, layers, default)[:-1], "full_attention"]  # as transformers forces
+    full, local, proportional = _gemma4_rope(c)
+    kw = _base(c, rope=full)
+    head_dim, groups = _gemma4_global_heads(c, types, kw["num_attention_heads"])
+    shared = c.get("num_kv_shared_layers") or 0
+    if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared < layers:
+        raise _refuse("num_kv_shared_layers", repr(shared), f"expected 0 to {layers - 1}")
+    if not set(types[layers - shared :]) <= set(types[: layers - shared]):
+        raise _refuse("num_kv_shared_layers", shared, "shares a layer type no earlier layer has")
+    out = dict(
+        **kw,
+        sandwich_norm=True,
+        glu_activation=_act(c, "hidden_activation", _GELU),
+        embedding_multiplier=float(kw["hidden_size"]) ** 0.5,
+        attention_scale=1.0,
+        final_logit_softcapping=_optional_number(c, "final_logit_softcapping"),
+        **_window(c, types, c.get("sliding_window")),
+        split_qkv=True,
+        global_head_dim=head_dim,
+        global_query_groups=groups,
+        global_kv_from_k=bool(c.get("attention_k_eq_v")),
+        rotary_proportional=proportional,
+        local_rotary_base=local[0],
+        kv_shared_layers=shared,
+        wide_shared_mlp=bool(c.get("use_double_wide_mlp")) and shared > 0,
+        layer_scalar=True,
+    )
+    if c.get("hidden_size_per_layer_input"):
+        out.update(
+            per_layer_input=_int(c, "hidden_size_per_layer_input"),
+            per_layer_vocab=_int(c, "vocab_size_per_layer_input"),
+        )
+    if c.get("enable_moe_block"):
+        out.update(
+            **_experts(c, "num_experts", "top_k_experts"),
+            moe_ffn_hidden_size=_int(c, "moe_intermediate_size"),
+            moe_beside_mlp=True,
+        )
+    return out
+
+
 _BIASES = ("attention_bias", "mlp_bias")
 _GEMMA_REFUSES = ("attention_bias", "use_bidirectional_attention")
 #: transformers' defaults Gemma 2 and 3 share
@@ -786,6 +999,40 @@ _GEMMA: dict[str, Any] = dict(
 )
 #: transformers' window defaults of the Qwen families
 _QWEN: dict[str, Any] = dict(rms_norm_eps=1e-6, sliding_window=4096)
+
+#: transformers' defaults of Qwen3.5 and Qwen3-Next (Gated DeltaNet, partial rotary)
+_QWEN35: dict[str, Any] = dict(
+    rms_norm_eps=1e-6,
+    head_dim=256,
+    num_key_value_heads=4,
+    partial_rotary_factor=0.25,
+    full_attention_interval=4,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+)
+
+#: transformers' defaults of DeepSeek V3 and V3.2 (V3.2 adds the indexer's)
+_DEEPSEEK: dict[str, Any] = dict(
+    rms_norm_eps=1e-6,
+    num_key_value_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=2048,
+    n_shared_experts=1,
+    first_k_dense_replace=3,
+    n_group=8,
+    topk_group=4,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+)
 
 # ------------------------------------------------------------------------------- the table
 #: model_type -> family: the models ``verify --against SRC --logits`` computes
@@ -825,6 +1072,22 @@ FAMILIES: dict[str, Family] = {
         ),
         _family("gemma3_text", "hf_gemma3", _gemma3, _GEMMA_REFUSES, silu=False, **_GEMMA),
         _family(
+            "gemma4_text",
+            "hf_gemma4_text",
+            _gemma4,
+            ("attention_bias",),
+            silu=False,
+            rms_norm_eps=1e-6,
+            head_dim=256,
+            num_key_value_heads=4,
+            sliding_window=512,
+            tie_word_embeddings=True,
+            hidden_activation="gelu_pytorch_tanh",
+            max_position_embeddings=131072,
+            vocab_size_per_layer_input=262144,
+            hidden_size_per_layer_input=256,
+        ),
+        _family(
             "mixtral",
             "hf_mixtral",
             _mixtral,
@@ -858,6 +1121,31 @@ FAMILIES: dict[str, Family] = {
             norm_topk_prob=False,
             decoder_sparse_step=1,
             **_QWEN,
+        ),
+        _family("qwen3_5_text", "hf_qwen3_5", _qwen3_5_text, ("attention_bias",), **_QWEN35),
+        _family(
+            "qwen3_5_moe_text",
+            "hf_qwen3_5_moe",
+            _qwen3_5_moe_text,
+            ("attention_bias",),
+            **{**_QWEN35, "num_key_value_heads": 2},
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+        ),
+        _family(
+            "qwen3_next",
+            "hf_qwen3_next",
+            _qwen3_next,
+            ("attention_bias",),
+            **{**_QWEN35, "num_key_value_heads": 2},
+            num_experts=512,
+            num_experts_per_tok=10,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
         ),
         _family(
             "llama4_text",
@@ -906,23 +1194,18 @@ FAMILIES: dict[str, Family] = {
             "hf_deepseek_v3",
             _deepseek_v3,
             ("attention_bias",),
-            rms_norm_eps=1e-6,
-            num_key_value_heads=128,
-            q_lora_rank=1536,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
             rope_interleave=True,
-            n_routed_experts=256,
-            num_experts_per_tok=8,
-            moe_intermediate_size=2048,
-            n_shared_experts=1,
-            first_k_dense_replace=3,
-            n_group=8,
-            topk_group=4,
-            norm_topk_prob=True,
-            routed_scaling_factor=2.5,
+            **_DEEPSEEK,
+        ),
+        _family(
+            "deepseek_v32",
+            "hf_deepseek_v3",
+            _deepseek_v32,
+            ("attention_bias",),
+            **_DEEPSEEK,
+            index_topk=2048,
+            index_head_dim=128,
+            index_n_heads=64,
         ),
         _family(
             "granite",

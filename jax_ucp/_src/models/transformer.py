@@ -15,6 +15,7 @@ in the specs, for both this numpy route and ``jax_ucp.restore(path, spec=...)``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -108,9 +109,39 @@ class LMConfig:
     mla: tuple[int, int, int, int, int] | None = None
     rope_interleaved: bool = False
     moe_groups: tuple[int, int, float] | None = None
+    # DeepSeek V3.2's lightning indexer beside the latent attention, indexer = (index_n_heads,
+    # index_head_dim, index_topk): each query attends only to its index_topk best-scored keys
+    indexer: tuple[int, int, int] | None = None
     # Ernie 4.5: the top-k of softmax(router logits) + router_score_bias, weighted by their
     # softmax renormalised
     moe_score_bias: bool = False
+    # Qwen3-Next / Qwen3.5: Gated DeltaNet in the ``gdn_layers`` (transformers' linear_attention),
+    # gdn = (key heads, value heads, key head dim, value head dim, conv kernel); ``gdn_grouped``:
+    # Qwen3-Next's in_proj_qkvz / in_proj_ba, laid out per key head; ``attn_output_gate``: the
+    # full attention's q projection gives each head [q | gate], its output times sigmoid(gate)
+    gdn: tuple[int, int, int, int, int] | None = None
+    gdn_layers: tuple[int, ...] = ()
+    gdn_grouped: bool = False
+    attn_output_gate: bool = False
+    # Gemma 4 (SplitAttention with split_qkv): separate q/k/v projections, a weightless v norm;
+    # the global (not windowed) layers' head_dim and kv heads, their v the k projection
+    # (global_kv_from_k), RoPE on the first rotary_percent of their frequencies (the rest 0:
+    # rotary_proportional); the last kv_shared_layers layers attend with the k/v of the last
+    # earlier layer of their type, their MLP twice as wide with wide_shared_mlp; per-layer
+    # inputs (per_layer_input dims from a per_layer_vocab-row embedding and a projection of
+    # the embeddings) added after each layer's MLP; each layer's output times a learned scalar;
+    # the MoE block beside the dense MLP, routed from the residual (moe_beside_mlp)
+    split_qkv: bool = False
+    global_head_dim: int | None = None
+    global_query_groups: int | None = None
+    global_kv_from_k: bool = False
+    rotary_proportional: bool = False
+    kv_shared_layers: int = 0
+    wide_shared_mlp: bool = False
+    per_layer_input: int | None = None
+    per_layer_vocab: int | None = None
+    layer_scalar: bool = False
+    moe_beside_mlp: bool = False
 
     @property
     def groups(self) -> int:
@@ -129,21 +160,36 @@ class LMConfig:
     def is_moe(self, layer: int) -> bool:
         return bool(self.num_experts) and layer not in self.dense_layers
 
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer ``layer`` mixes tokens by Gated DeltaNet instead of attention."""
+        return bool(self.gdn) and layer in self.gdn_layers
+
+    def is_kv_shared(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends with an earlier layer's keys and values (Gemma 4)."""
+        return layer >= self.num_layers - self.kv_shared_layers
+
     def parameter_count(self) -> int:
         """How many elements ``TransformerLM(self)`` holds (what a checkpoint of the model
         holds at least): the module's own shapes (``jax.eval_shape``, nothing allocated) of a
         model with one dense layer and, with experts, one MoE layer, each counted as often as
-        this config has layers of its kind."""
-        small = dataclasses.replace(
-            self, num_layers=2 if self.num_experts else 1, dense_layers=(0,)
-        )
+        this config has layers of its kind (dense / MoE, attention / Gated DeltaNet); Gemma 4's
+        (split_qkv: layers of several kinds, the per-layer inputs' sizes times the layers) the
+        whole model's shapes."""
         tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+        if self.split_qkv:
+            tree = jax.eval_shape(TransformerLM(self).init, jax.random.key(0), tokens)
+            return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+        # layers 0-3: dense + attention, MoE + attention, dense + Gated DeltaNet, MoE + DeltaNet
+        small = dataclasses.replace(self, num_layers=4, dense_layers=(0, 2), gdn_layers=(2, 3))
         tree = jax.eval_shape(TransformerLM(small).init, jax.random.key(0), tokens)["params"]
         sizes = {k: sum(math.prod(x.shape) for x in jax.tree.leaves(v)) for k, v in tree.items()}
-        dense = len({i for i in self.dense_layers if 0 <= i < self.num_layers})
-        dense = dense if self.num_experts else self.num_layers
-        dense_size, moe_size = sizes.pop("layers_0"), sizes.pop("layers_1", 0)
-        return sum(sizes.values()) + dense_size * dense + moe_size * (self.num_layers - dense)
+        layers = range(self.num_layers)
+        dense = {i for i in self.dense_layers if i in layers} if self.num_experts else set(layers)
+        linear = {i for i in self.gdn_layers if i in layers} if self.gdn else set()
+        both = len(dense & linear)
+        counts = (len(dense) - both, self.num_layers - len(dense | linear), both)
+        counts = (*counts, len(linear) - both)
+        return sum(sizes.pop(f"layers_{k}") * n for k, n in enumerate(counts)) + sum(sizes.values())
 
     @classmethod
     def from_hf_llama(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
@@ -162,10 +208,11 @@ class LMConfig:
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
         """From the ``config.json`` of any Hugging Face family ``verify --logits`` computes
-        (Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral, Qwen2/3-MoE, Granite,
-        OLMo 2/3, SmolLM3, GLM-4.5 MoE, Ernie 4.5 MoE, MiniMax M2, StableLM, GPT-OSS, DeepSeek V3,
-        Kimi K2.5's text model: ``hf_families.FAMILIES``); a field the model does not compute is a ``RequestError``
-        naming it. :meth:`hf_spec` gives the spec its weights restore through."""
+        (Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3/4, Mixtral, Qwen2/3-MoE, Granite,
+        OLMo 2/3, SmolLM3, GLM-4.5 MoE, Ernie 4.5 MoE, MiniMax M2, StableLM, GPT-OSS, DeepSeek
+        V3 / V3.2, Kimi K2.5's text model: ``hf_families.FAMILIES``); a field the model does not
+        compute is a ``RequestError`` naming it. :meth:`hf_spec` gives the spec its weights
+        restore through."""
         cfg, _ = hf_model(config)
         return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
@@ -255,7 +302,9 @@ def _norm_layer(cfg: LMConfig, name: str):
     return nn.LayerNorm(epsilon=cfg.eps, use_fast_variance=False, name=name)
 
 
-def apply_rope(x, positions, base, factor=1.0, rotary_dim=None, llama3=None, yarn=None):
+def apply_rope(
+    x, positions, base, factor=1.0, rotary_dim=None, llama3=None, yarn=None, proportional=False
+):
     """Rotary position embedding, non-interleaved (rotate-half) like megatron-core's default,
     on the first ``rotary_dim`` dims (partial rotary; the rest pass), positions divided by
     ``factor`` (linear scaling; applied to the frequencies, as transformers does); with
@@ -263,9 +312,13 @@ def apply_rope(x, positions, base, factor=1.0, rotary_dim=None, llama3=None, yar
     divided, those between original / high and it smoothly (transformers' llama3 RoPE); with
     ``yarn`` = (beta_fast, beta_slow, original length, truncate, attention factor) the
     frequencies below the beta_fast..beta_slow correction range are divided, those in it by a
-    linear ramp, and cos / sin times the attention factor (transformers' yarn RoPE)."""
-    dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    linear ramp, and cos / sin times the attention factor (transformers' yarn RoPE); with
+    ``proportional`` the whole head rotates, its first ``rotary_dim / 2`` frequencies the
+    head's, the others 0 (transformers' proportional RoPE, Gemma 4's global layers)."""
+    dim = x.shape[-1] if rotary_dim is None or proportional else rotary_dim
     inverse_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if proportional and rotary_dim is not None:
+        inverse_freq = jnp.where(jnp.arange(dim // 2) < rotary_dim // 2, inverse_freq, 0.0)
     attention = 1.0
     if llama3 is not None:
         low, high, original = llama3
@@ -314,11 +367,21 @@ class Attention(nn.Module):
         heads, groups, head_dim = cfg.num_attention_heads, cfg.groups, cfg.head_dim
         q_per_group = heads // groups
         bias = cfg.bias or cfg.qkv_bias
-        qkv = nn.Dense(groups * (q_per_group + 2) * head_dim, use_bias=bias, name="qkv")(x)
-        qkv = qkv.reshape(batch, seq, groups, (q_per_group + 2) * head_dim)
-        q = qkv[..., : q_per_group * head_dim].reshape(batch, seq, heads, head_dim)
-        k = qkv[..., q_per_group * head_dim : (q_per_group + 1) * head_dim]
-        v = qkv[..., (q_per_group + 1) * head_dim :]
+        if cfg.attn_output_gate:  # q, k, v apart: q's rows are each head's [q | gate]
+            q = nn.Dense(heads * 2 * head_dim, use_bias=bias, name="q")(x)
+            q, gate = jnp.split(q.reshape(batch, seq, heads, 2 * head_dim), 2, axis=-1)
+            k, v = (
+                nn.Dense(groups * head_dim, use_bias=bias, name=n)(x).reshape(
+                    batch, seq, groups, head_dim
+                )
+                for n in ("k", "v")
+            )
+        else:
+            qkv = nn.Dense(groups * (q_per_group + 2) * head_dim, use_bias=bias, name="qkv")(x)
+            qkv = qkv.reshape(batch, seq, groups, (q_per_group + 2) * head_dim)
+            q = qkv[..., : q_per_group * head_dim].reshape(batch, seq, heads, head_dim)
+            k = qkv[..., q_per_group * head_dim : (q_per_group + 1) * head_dim]
+            v = qkv[..., (q_per_group + 1) * head_dim :]
         if cfg.qk_norm and cfg.qk_norm_scope == "all":  # over all heads' q (k) at once
             q = _norm_layer(cfg, "q_norm")(q.reshape(batch, seq, -1)).reshape(q.shape)
             k = _norm_layer(cfg, "k_norm")(k.reshape(batch, seq, -1)).reshape(k.shape)
@@ -341,30 +404,194 @@ class Attention(nn.Module):
             floor_scale, scale = cfg.attn_temperature
             temperature = jnp.log1p(jnp.floor((jnp.arange(seq) + 1.0) / floor_scale)) * scale + 1
             q = q * temperature[:, None, None]
-        k, v = (jnp.repeat(x, q_per_group, axis=2) for x in (k, v))  # each group's heads
-        scores = jnp.einsum("bqnd,bknd->bnqk", q, k)
-        if cfg.attention_scale is None:
-            scores = scores / math.sqrt(head_dim)
-        else:
-            scores = scores * cfg.attention_scale
-        scores = _softcap(scores, cfg.attn_logit_softcapping)
-        mask = jnp.tril(jnp.ones((seq, seq), bool))
-        if sliding:  # key j is seen from query i when i - window < j <= i
-            position = jnp.arange(seq)
-            window = cfg.sliding_window or 0  # set: is_sliding
-            if cfg.sliding_chunked:
-                mask = mask & (position[None, :] // window == position[:, None] // window)
-            else:
-                mask = mask & (position[None, :] > position[:, None] - window)
-        scores = jnp.where(mask, scores, -jnp.inf)
-        if cfg.attention_sinks:
-            sinks = self.param("sinks", nn.initializers.zeros, (heads,))
-            sinks = jnp.broadcast_to(sinks[None, :, None, None], (*scores.shape[:3], 1))
-            probs = jax.nn.softmax(jnp.concatenate([scores, sinks], -1), axis=-1)[..., :-1]
-        else:
-            probs = jax.nn.softmax(scores, axis=-1)
-        context = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(batch, seq, heads * head_dim)
+        sinks = (
+            self.param("sinks", nn.initializers.zeros, (heads,)) if cfg.attention_sinks else None
+        )
+        context = _attend(cfg, sliding, q, k, v, sinks)
+        if cfg.attn_output_gate:  # per head: gate [b, s, heads, d] laid out as context
+            context = context * jax.nn.sigmoid(gate.reshape(context.shape))
         return nn.Dense(cfg.hidden_size, use_bias=cfg.bias, name="proj")(context)
+
+
+def _attend(cfg: LMConfig, sliding: bool, q, k, v, sinks=None):
+    """Causal (``sliding``: windowed or chunked) softmax attention of q [b, s, heads, d] over the
+    groups' k / v [b, s, groups, d] (each group's heads repeated), scaled and soft-capped as
+    ``cfg`` says; a learned logit per head beside the scores with ``sinks``. [b, s, heads * d]."""
+    (batch, seq, heads, head_dim), groups = q.shape, k.shape[2]
+    k, v = (jnp.repeat(x, heads // groups, axis=2) for x in (k, v))  # each group's heads
+    scores = jnp.einsum("bqnd,bknd->bnqk", q, k)
+    if cfg.attention_scale is None:
+        scores = scores / math.sqrt(head_dim)
+    else:
+        scores = scores * cfg.attention_scale
+    scores = _softcap(scores, cfg.attn_logit_softcapping)
+    mask = jnp.tril(jnp.ones((seq, seq), bool))
+    if sliding:  # key j is seen from query i when i - window < j <= i
+        position = jnp.arange(seq)
+        window = cfg.sliding_window or 0  # set: is_sliding
+        if cfg.sliding_chunked:
+            mask = mask & (position[None, :] // window == position[:, None] // window)
+        else:
+            mask = mask & (position[None, :] > position[:, None] - window)
+    scores = jnp.where(mask, scores, -jnp.inf)
+    if sinks is not None:
+        sinks = jnp.broadcast_to(sinks[None, :, None, None], (*scores.shape[:3], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sinks], -1), axis=-1)[..., :-1]
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(batch, seq, heads * head_dim)
+
+
+class SplitAttention(nn.Module):
+    """Gemma 4's attention (``split_qkv``): separate q / k / v projections of the layer type's
+    head_dim and kv heads (``global_head_dim``, ``global_query_groups`` on the global layers,
+    whose v is the k projection with ``global_kv_from_k``), q / k RMSNorms before RoPE, a
+    weightless v RMSNorm; a kv-shared layer has no k / v of its own: it takes those ``kv``
+    holds for its layer type (each earlier layer stores its own there)."""
+
+    cfg: LMConfig
+    layer: int = 0
+
+    @nn.compact
+    def __call__(self, x, kv: dict):
+        cfg, (batch, seq, _) = self.cfg, x.shape
+        sliding = cfg.is_sliding(self.layer)
+        head_dim, groups = cfg.head_dim, cfg.groups
+        if not sliding:
+            head_dim, groups = cfg.global_head_dim or head_dim, cfg.global_query_groups or groups
+
+        def project(heads: int, name: str):
+            y = nn.Dense(heads * head_dim, use_bias=False, name=name)(x)
+            return y.reshape(batch, seq, heads, head_dim)
+
+        if sliding:
+            base = cfg.local_rotary_base or cfg.rotary_base
+            factor, rotary_dim = cfg.local_rotary_scaling_factor, None
+        else:
+            base, factor = cfg.rotary_base, cfg.rotary_scaling_factor
+            rotary_dim = int(head_dim * cfg.rotary_percent)
+        proportional = cfg.rotary_proportional and not sliding
+
+        def rope(y):
+            position = jnp.arange(seq)
+            return apply_rope(y, position, base, factor, rotary_dim, proportional=proportional)
+
+        q = rope(_norm_layer(cfg, "q_norm")(project(cfg.num_attention_heads, "q")))
+        if cfg.is_kv_shared(self.layer):
+            k, v = kv[sliding]
+        else:
+            k = project(groups, "k")
+            v = k if cfg.global_kv_from_k and not sliding else project(groups, "v")
+            k, v = rope(_norm_layer(cfg, "k_norm")(k)), nn.RMSNorm(cfg.eps, use_scale=False)(v)
+            kv[sliding] = k, v
+        return nn.Dense(cfg.hidden_size, use_bias=False, name="proj")(
+            _attend(cfg, sliding, q, k, v)
+        )
+
+
+@functools.partial(jax.jit, static_argnames="chunk")  # one compile, not one per eager op
+def gated_delta_rule(q, k, v, g, beta, chunk: int = 64):
+    """The gated delta rule over q, k [b, s, h, dk], v [b, s, h, dv], g, beta [b, s, h] (fp32):
+    per token each head's state S [dk, dv] decays by exp(g), then learns v at k with rate beta
+    (S += k (beta (v - k S))), and the output is q S. Computed as transformers'
+    ``torch_chunk_gated_delta_rule`` does (chunks of 64 tokens, the updates within one solved as
+    a unit lower-triangular system, the state carried over chunks by ``lax.scan``), the same sums
+    in the same order: a token-by-token recurrence differs from it by 4e-5 in a tiny model."""
+    s = q.shape[1]
+    pad = -s % chunk
+
+    def chunked(t):  # [b, s, h, ...] -> [n, b, h, chunk, ...]
+        t = jnp.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2))
+        t = jnp.moveaxis(t, 1, 2).reshape(*t.shape[:1], t.shape[2], -1, chunk, *t.shape[3:])
+        return jnp.moveaxis(t, 2, 0)
+
+    q, k, v, g, beta = (chunked(t) for t in (q, k, v, g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)
+    upper = jnp.triu(jnp.ones((chunk, chunk), bool), 1)
+    decay = jnp.exp(jnp.where(upper, -jnp.inf, cum[..., :, None] - cum[..., None, :]))
+    system = (k_beta @ jnp.swapaxes(k, -1, -2)) * decay
+    intra = (q @ jnp.swapaxes(k, -1, -2)) * decay
+
+    def solve(b):
+        return jax.lax.linalg.triangular_solve(
+            system, b, left_side=True, lower=True, unit_diagonal=True
+        )
+
+    values, k_decayed = solve(v_beta), solve(k_beta * jnp.exp(cum)[..., None])
+    q = q * jnp.exp(cum)[..., None]
+    k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+
+    def step(state, t):  # state [b, h, dk, dv]
+        q_i, k_i, values_i, k_decayed_i, intra_i, cum_i = t
+        fresh = values_i - k_decayed_i @ state
+        out = q_i @ state + intra_i @ fresh
+        state = state * jnp.exp(cum_i[..., -1])[..., None, None] + jnp.swapaxes(k_i, -1, -2) @ fresh
+        return state, out
+
+    b, h, dk, dv = *k.shape[1:3], k.shape[-1], v.shape[-1]
+    state = jnp.zeros((b, h, dk, dv), jnp.float32)
+    out = jax.lax.scan(step, state, (q, k, values, k_decayed, intra, cum))[1]
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, -1, dv)[:, :, :s]  # [b, h, s, dv]
+    return jnp.moveaxis(out, 1, 2)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's / Qwen3.5's linear attention (transformers' ``Qwen3NextGatedDeltaNet``): q, k,
+    v through a causal depthwise conv (``conv``, kernel [K, channels]) and SiLU; q and k L2-normed
+    (q times 1/sqrt(head dim)) and repeated to the value heads; per token the state S [dk, dv] of
+    each value head decays by exp(g), g = -exp(A_log) * softplus(a + dt_bias), and learns v at k
+    by the delta rule with rate sigmoid(b); the output q S, RMSNormed per head (``norm``) times
+    silu(z), projected (``out``); the recurrence in fp32 (``gated_delta_rule``)."""
+
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        assert cfg.gdn is not None  # Block builds it only then
+        (batch, seq, _), (nk, nv, dk, dv, width) = x.shape, cfg.gdn
+        r = nv // nk
+
+        def dense(n, name):
+            return nn.Dense(n, use_bias=False, name=name)(x)
+
+        if cfg.gdn_grouped:  # per key head: [q, k, v of its r value heads, z of them], [b, a]
+            qkvz = dense(nk * (2 * dk + 2 * r * dv), "qkvz").reshape(batch, seq, nk, -1)
+            q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+            b, a = jnp.split(dense(nk * 2 * r, "ba").reshape(batch, seq, nk, 2 * r), 2, -1)
+            qkv = jnp.concatenate([t.reshape(batch, seq, -1) for t in (q, k, v)], -1)
+        else:
+            qkv, z, b, a = (
+                dense(2 * nk * dk + nv * dv, "qkv"),
+                dense(nv * dv, "z"),
+                *(dense(nv, n) for n in ("b", "a")),
+            )
+        channels = qkv.shape[-1]
+        kernel = self.param("conv", nn.initializers.lecun_normal(), (width, channels))
+        padded = jnp.pad(qkv, ((0, 0), (width - 1, 0), (0, 0)))
+        qkv = jax.nn.silu(sum(padded[:, j : j + seq] * kernel[j] for j in range(width)))
+        q, k, v = jnp.split(qkv.astype(jnp.float32), [nk * dk, 2 * nk * dk], axis=-1)
+        q, k = (t.reshape(batch, seq, nk, dk) for t in (q, k))
+        q, k = (
+            jnp.repeat(t * jax.lax.rsqrt(jnp.sum(t * t, -1, keepdims=True) + 1e-6), r, 2)
+            for t in (q, k)
+        )
+        q = q * dk**-0.5
+        v = v.reshape(batch, seq, nv, dv)
+        beta = jax.nn.sigmoid(b.reshape(batch, seq, nv).astype(jnp.float32))
+        a_log = self.param("A_log", nn.initializers.zeros, (nv,))
+        dt_bias = self.param("dt_bias", nn.initializers.ones, (nv,))
+        a = a.reshape(batch, seq, nv).astype(jnp.float32)
+        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a + dt_bias)
+
+        out = gated_delta_rule(q, k, v, g, beta)
+        out = out * jax.lax.rsqrt(jnp.mean(out * out, -1, keepdims=True) + cfg.eps)
+        scale = self.param("norm", nn.initializers.ones, (dv,))
+        out = (scale * out.astype(x.dtype)).astype(jnp.float32)
+        out = out * jax.nn.silu(z.reshape(batch, seq, nv, dv).astype(jnp.float32))
+        out = out.astype(x.dtype).reshape(batch, seq, nv * dv)
+        return nn.Dense(cfg.hidden_size, use_bias=False, name="out")(out)
 
 
 class LatentAttention(nn.Module):
@@ -383,11 +610,10 @@ class LatentAttention(nn.Module):
         assert cfg.mla is not None  # Block builds it only then
         (batch, seq, _), heads = x.shape, cfg.num_attention_heads
         q_rank, kv_rank, nope, rope, v_dim = cfg.mla
+        x_q = x
         if q_rank:
             x_q = nn.RMSNorm(1e-6, name="q_norm")(nn.Dense(q_rank, use_bias=False, name="q_a")(x))
-        q = nn.Dense(heads * (nope + rope), use_bias=False, name="q_b" if q_rank else "q")(
-            x_q if q_rank else x
-        )
+        q = nn.Dense(heads * (nope + rope), use_bias=False, name="q_b" if q_rank else "q")(x_q)
         q = q.reshape(batch, seq, heads, nope + rope)
         latent = nn.Dense(kv_rank + rope, use_bias=False, name="kv_a")(x)
         kv = nn.Dense(heads * (nope + v_dim), use_bias=False, name="kv_b")(
@@ -407,11 +633,43 @@ class LatentAttention(nn.Module):
         scores = jnp.einsum("bqnd,bknd->bnqk", q, k) * (
             cfg.attention_scale or (nope + rope) ** -0.5
         )
-        scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, -jnp.inf)
+        mask = jnp.tril(jnp.ones((seq, seq), bool))
+        if cfg.indexer:  # DeepSeek V3.2 (its reader requires q_lora_rank)
+            mask = Indexer(cfg, name="indexer")(x, x_q)[:, None]
+        scores = jnp.where(mask, scores, -jnp.inf)
         context = jnp.einsum("bnqk,bknd->bqnd", jax.nn.softmax(scores, axis=-1), kv[..., nope:])
         return nn.Dense(cfg.hidden_size, use_bias=False, name="proj")(
             context.reshape(batch, seq, heads * v_dim)
         )
+
+
+class Indexer(nn.Module):
+    """DeepSeek V3.2's lightning indexer (transformers' ``DeepseekV32Indexer``): the keys each
+    query attends to, its ``index_topk`` causal keys of highest score sum_h w_h relu(q_h . k /
+    sqrt(D)) / sqrt(H); q_h from the q latent (``q``), one key per token (``k`` then LayerNorm
+    ``k_norm``), both with rotate-half RoPE on their first ``qk_rope_head_dim`` dims, the weights
+    w from x (``weights``). A selection [b, q, k], so no gradient flows through it (transformers
+    trains the indexer apart)."""
+
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, x, x_q):
+        cfg = self.cfg
+        assert cfg.indexer is not None and cfg.mla is not None  # LatentAttention builds it then
+        (heads, dim, top), (batch, seq, _) = cfg.indexer, x.shape
+        q = nn.Dense(heads * dim, use_bias=False, name="q")(x_q).reshape(batch, seq, heads, dim)
+        k = nn.Dense(dim, use_bias=False, name="k")(x)
+        k = nn.LayerNorm(1e-6, use_fast_variance=False, name="k_norm")(k)[:, :, None]
+        scaling = (cfg.rotary_scaling_factor, cfg.mla[3], cfg.rotary_llama3, cfg.rotary_yarn)
+        q, k = (apply_rope(r, jnp.arange(seq), cfg.rotary_base, *scaling) for r in (q, k))
+        scores = jax.nn.relu(jnp.einsum("bqhd,bkd->bqhk", q, k[:, :, 0]) * dim**-0.5)
+        weights = nn.Dense(heads, use_bias=False, name="weights")(x) * heads**-0.5
+        causal = jnp.tril(jnp.ones((seq, seq), bool))
+        index = jnp.where(causal, jnp.einsum("bqh,bqhk->bqk", weights, scores), -jnp.inf)
+        chosen = jax.lax.top_k(jax.lax.stop_gradient(index), min(top, seq))[1]
+        picked = jax.vmap(jax.vmap(lambda i: jnp.zeros(seq, bool).at[i].set(True)))(chosen)
+        return picked & causal
 
 
 #: the gated MLP's activations (``LMConfig.glu_activation``)
@@ -475,17 +733,23 @@ class MoE(nn.Module):
     [E, ffn, h] (the shipped ``mixtral`` spec's targets). ``moe_norm_topk=False`` weighs by the
     softmax over all experts (Qwen2-MoE); ``moe_groups`` routes as DeepSeek V3 (sigmoid scores,
     ``router_score_bias``, top groups); a shared expert (``shared/{fc1,fc2}``, gated by
-    ``sigmoid(x @ shared_gate)``) is added on every token."""
+    ``sigmoid(x @ shared_gate)``) is added on every token. Gemma 4's (``moe_beside_mlp``) routes
+    ``routed`` (the residual) weightless-normed times ``router_scale`` / sqrt(hidden), its
+    top-k weights times ``expert_scale``."""
 
     cfg: LMConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, routed=None):
         cfg = self.cfg
         experts, hidden_size = cfg.num_experts, cfg.hidden_size
         ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
         assert experts is not None  # Block builds an MoE only when num_experts is set
-        logits = nn.Dense(experts, use_bias=cfg.moe_bias, name="router")(x)
+        routed = x if routed is None else routed
+        if cfg.moe_beside_mlp:
+            scale = self.param("router_scale", nn.initializers.ones, (hidden_size,))
+            routed = nn.RMSNorm(cfg.eps, use_scale=False)(routed) * scale * hidden_size**-0.5
+        logits = nn.Dense(experts, use_bias=cfg.moe_bias, name="router")(routed)
         top, index = jax.lax.top_k(logits, cfg.moe_router_topk)
         if cfg.moe_groups:  # DeepSeek V3
             groups, top_groups, scaling = cfg.moe_groups
@@ -512,6 +776,8 @@ class MoE(nn.Module):
             probs = jax.nn.softmax(top, axis=-1)
         else:
             probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), index, axis=-1)
+        if cfg.moe_beside_mlp:
+            probs = probs * self.param("expert_scale", nn.initializers.ones, (experts,))[index]
         picked = jax.nn.one_hot(index, experts, dtype=x.dtype)  # [b, s, k, E]
         weights = jnp.sum(probs[..., None] * picked, axis=-2)  # [b, s, E]
         fc1 = _StackedKernel((experts, hidden_size, ffn * (2 if cfg.gated else 1)), name="fc1")()
@@ -539,13 +805,15 @@ class MoE(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual layer: attention, then the MLP (or MoE); with ``sandwich_norm`` the
     attention's and the MLP's outputs are normed too (``attn_out_norm``, ``mlp_out_norm``),
-    without ``pre_norm`` only they are."""
+    without ``pre_norm`` only they are. Gemma 4's: the MoE beside the MLP (each output normed,
+    ``dense_out_norm`` / ``moe_out_norm``, the experts' input by ``moe_in_norm``), then the
+    layer's per-layer input ``ple`` gated in, the output times ``layer_scalar``."""
 
     cfg: LMConfig
     layer: int = 0
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, ple=None, kv: dict | None = None):
         cfg = self.cfg
 
         def sublayer(module, x, pre: str, post: str):
@@ -556,14 +824,39 @@ class Block(nn.Module):
                 h = h * cfg.residual_multiplier
             return x + h
 
-        attn = (
-            LatentAttention(cfg, name="attn")
-            if cfg.mla
-            else Attention(cfg, self.layer, name="attn")
-        )
+        if cfg.split_qkv:
+            kv = {} if kv is None else kv
+            attn = functools.partial(SplitAttention(cfg, self.layer, name="attn"), kv=kv)
+        elif cfg.is_linear(self.layer):
+            attn = GatedDeltaNet(cfg, name="linear_attn")
+        elif cfg.mla:
+            attn = LatentAttention(cfg, name="attn")
+        else:
+            attn = Attention(cfg, self.layer, name="attn")
         x = sublayer(attn, x, "ln_1", "attn_out_norm")
-        ffn = MoE(cfg, name="moe") if cfg.is_moe(self.layer) else MLP(cfg, name="mlp")
-        return sublayer(ffn, x, "ln_2", "mlp_out_norm")
+        wide = cfg.wide_shared_mlp and cfg.is_kv_shared(self.layer)
+        width = 2 * cfg.ffn_hidden_size if wide else None
+
+        def beside(h):  # Gemma 4: the MoE beside the MLP, routed from the residual x
+            moe = MoE(cfg, name="moe")(_norm_layer(cfg, "moe_in_norm")(x), routed=x)
+            dense = _norm_layer(cfg, "dense_out_norm")(MLP(cfg, width, name="mlp")(h))
+            return dense + _norm_layer(cfg, "moe_out_norm")(moe)
+
+        moe = cfg.is_moe(self.layer)
+        ffn = (
+            beside
+            if moe and cfg.moe_beside_mlp
+            else (MoE(cfg, name="moe") if moe else MLP(cfg, width, name="mlp"))
+        )
+        x = sublayer(ffn, x, "ln_2", "mlp_out_norm")
+        if cfg.per_layer_input:
+            h = nn.Dense(cfg.per_layer_input, use_bias=False, name="ple_gate")(x)
+            h = GLU_ACTIVATIONS[cfg.glu_activation](h) * ple
+            h = nn.Dense(cfg.hidden_size, use_bias=False, name="ple_proj")(h)
+            x = x + _norm_layer(cfg, "ple_norm")(h)
+        if cfg.layer_scalar:
+            x = x * self.param("layer_scalar", nn.initializers.ones, (1,))
+        return x
 
 
 class TransformerLM(nn.Module):
@@ -581,8 +874,10 @@ class TransformerLM(nn.Module):
         if cfg.position == "learned_absolute":
             wpe = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, name="wpe")
             x = x + wpe(jnp.arange(tokens.shape[1]))[None]
+        ple = self.per_layer_inputs(tokens, x) if cfg.per_layer_input else None
+        kv: dict = {}  # Gemma 4's keys and values by layer type, for the kv-shared layers
         for i in range(cfg.num_layers):
-            x = Block(cfg, i, name=f"layers_{i}")(x)
+            x = Block(cfg, i, name=f"layers_{i}")(x, None if ple is None else ple[:, :, i], kv)
         x = _norm_layer(cfg, "ln_f")(x)
         if cfg.tied:
             logits = wte.attend(x)
@@ -591,6 +886,20 @@ class TransformerLM(nn.Module):
         if cfg.logits_scaling != 1.0:
             logits = logits / cfg.logits_scaling
         return _softcap(logits, cfg.final_logit_softcapping)
+
+    def per_layer_inputs(self, tokens, x):
+        """Gemma 4's per-layer inputs [b, s, layers, per_layer_input]: the tokens' rows of
+        ``ple_embed`` times sqrt(per_layer_input) plus the embeddings ``x`` through
+        ``ple_model_proj`` / sqrt(hidden) normed (``ple_proj_norm``), over sqrt(2)."""
+        cfg = self.cfg
+        width, shape = cfg.per_layer_input or 0, (*tokens.shape, cfg.num_layers, -1)
+        embed = nn.Embed(
+            cfg.per_layer_vocab or cfg.vocab_size, cfg.num_layers * width, name="ple_embed"
+        )
+        token = embed(tokens).reshape(shape) * jnp.asarray(width**0.5, x.dtype)
+        proj = nn.Dense(cfg.num_layers * width, use_bias=False, name="ple_model_proj")(x)
+        proj = _norm_layer(cfg, "ple_proj_norm")((proj * cfg.hidden_size**-0.5).reshape(shape))
+        return (proj + token) * 2**-0.5
 
 
 def hf_model(config: Mapping[str, Any]) -> tuple[LMConfig, str]:

@@ -47,7 +47,9 @@ def object_digests(shards) -> list:
     chunk, read as byte ranges. ``data_bytes``: where the index starts when the layout fixes it
     (uncompressed chunks); else it is read as the object's suffix, which some servers (the GCS
     emulator) ignore. Every index read is issued together, then every trailer in one batch, so a
-    restore waits two round trips for all of them instead of two per object. Each result is the
+    restore waits two round trips for all of them instead of two per object (one, and one GET
+    per object, where the layout is fixed and a shard holds one inner chunk: the trailer before
+    the index is read with it). Each result is the
     digest, or the error (``FileNotFoundError``, ``CheckpointError``) for that object."""
     import tensorstore as ts
 
@@ -55,34 +57,43 @@ def object_digests(shards) -> list:
     index_reads = []
     for kvstore, key, n_chunks, _, data_bytes in shards:
         index_bytes = n_chunks * 16 + 4
+        # a fixed layout: the 4 bytes before the index too, the trailer of the chunk ending
+        # there (the last one written): one GET fewer per object, none more for one chunk
+        lead = 4 if data_bytes is not None and data_bytes >= 4 else 0
         where_index = (
             slice(-index_bytes, None)
             if data_bytes is None
-            else slice(data_bytes, data_bytes + index_bytes)
+            else slice(data_bytes - lead, data_bytes + index_bytes)
         )
-        index_reads.append(kvstore.read(key, byte_range=where_index))
+        index_reads.append((kvstore.read(key, byte_range=where_index), lead))
     trailer_reads = {}
     with ts.Batch() as batch:
-        for i, (kvstore, key, n_chunks, where, _) in enumerate(shards):
+        for i, (kvstore, key, n_chunks, where, data_bytes) in enumerate(shards):
             try:
-                got = index_reads[i].result()
+                got = index_reads[i][0].result()
                 if got.state == "missing":
                     raise FileNotFoundError(where)
-                index = parse_index(bytes(got.value), where, n_chunks, True, None)
+                lead = index_reads[i][1]
+                index = parse_index(bytes(got.value)[lead:], where, n_chunks, True, None)
             except (ValueError, OSError) as e:
                 out[i] = _read_error(e, where)
                 continue
             trailer_reads[i] = [
-                kvstore.read(key, byte_range=slice(int(o + n - 4), int(o + n)), batch=batch)
+                bytes(got.value)[:4]
+                if lead and o + n == data_bytes
+                else kvstore.read(key, byte_range=slice(int(o + n - 4), int(o + n)), batch=batch)
                 for o, n in index
             ]
     for i, reads in trailer_reads.items():
         where = shards[i][3]
         try:
-            trailers = [r.result() for r in reads]
-            if any(t.state != "value" or len(t.value) != 4 for t in trailers):
+            got = [r if isinstance(r, bytes) else r.result() for r in reads]
+            if any(not isinstance(t, bytes) and t.state != "value" for t in got):
                 raise CheckpointError(f"{where}: shard object changed or truncated while read")
-            out[i] = digest_of_trailers(b"".join(bytes(t.value) for t in trailers))
+            trailers = [t if isinstance(t, bytes) else bytes(t.value) for t in got]
+            if any(len(t) != 4 for t in trailers):
+                raise CheckpointError(f"{where}: shard object changed or truncated while read")
+            out[i] = digest_of_trailers(b"".join(trailers))
         except (ValueError, OSError) as e:
             out[i] = _read_error(e, where)
     return out

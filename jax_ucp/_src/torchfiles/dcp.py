@@ -320,13 +320,15 @@ class DcpCheckpoint:
             if archive:
                 arr, unchecked = _load_embedded(raw, f"{fpath}@{c.byte_offset}", where, True)
                 _check_chunk(arr, t, c, where)
-                members = list(unchecked.values())
-                if len(members) == 1 and arr.flags.c_contiguous:
-                    start, size, crc = members[0]
-                    if size == arr.nbytes and _address(arr) - _address(raw) == start:
-                        pread_into(fpath, c.byte_offset + start, region, crc, where)
-                        return
-                for start, size, crc in members:  # a view of a larger storage: check all
+                member = _data_member(arr, raw, unchecked)
+                if member is not None:
+                    _check_crc(
+                        pread_into(fpath, c.byte_offset + member[0], region, where, 0),
+                        member[1],
+                        where,
+                    )
+                    return
+                for start, size, crc in unchecked.values():  # a view of a larger storage
                     view = raw[start : start + size]
                     _check_crc(mapped_file.crc32(view, 0, torch_zip.zip_crc32, where), crc, where)
                 mapped_file.copy_into(region, arr, where)
@@ -334,7 +336,7 @@ class DcpCheckpoint:
             if raw.size == region.nbytes:  # raw serialization: the tensor's bytes, no CRC
                 if self.layout == "dcp":
                     _refuse_safetensors_format(raw, self.path, c.file, c.byte_offset)
-                pread_into(fpath, c.byte_offset, region, None, where)
+                pread_into(fpath, c.byte_offset, region, where)
                 return
         arr = self.read_chunk(t, c)
         first = (slice(skip, skip + region.shape[0]),) if region.ndim else ()
@@ -360,30 +362,45 @@ class DcpCheckpoint:
         return jobs
 
     def _chunk_into(self, t: DcpTensor, c: DcpChunk, box, dests) -> None:
-        """Chunk ``c``'s part ``box`` (chunk-local) into every destination overlapping it."""
+        """Chunk ``c``'s part ``box`` (chunk-local) into every destination overlapping it. An
+        archive whose one member holds the chunk's bytes is read as a raw chunk when ``box`` is
+        all of it, its CRC-32 computed slab by slab as they are read (file order)."""
         where = self._where(t, c)
         whole = isinstance(self.path, ObjectPath) or bool(c.transforms) or not c.sizes
+        at, crc = c.byte_offset, None
         if not whole:
             where, fpath, raw, archive = self._chunk_bytes(t, c)
-            whole = archive or raw.size != math.prod(c.sizes) * t.dtype.itemsize
-            if not archive and self.layout == "dcp":
-                _refuse_safetensors_format(raw, self.path, c.file, c.byte_offset)
+            member = None
+            if archive and all(b - a == n for (a, b), n in zip(box, c.sizes)):
+                arr, unchecked = _load_embedded(raw, f"{fpath}@{c.byte_offset}", where, True)
+                _check_chunk(arr, t, c, where)
+                member = _data_member(arr, raw, unchecked)
+            if member is not None:
+                at, crc = at + member[0], member[1]
+            if archive:
+                whole = member is None
+            else:
+                whole = raw.size != math.prod(c.sizes) * t.dtype.itemsize
+                if self.layout == "dcp":
+                    _refuse_safetensors_format(raw, self.path, c.file, c.byte_offset)
         if whole:
             arr = self.read_chunk(t, c)
             for part, view in _overlaps(c.offsets, [(0, n) for n in c.sizes], dests):
                 mapped_file.copy_into(view, arr[tuple(slice(a, b) for a, b in part)], where)
             return
-        for at, slab in _slabs(c.sizes, box, t.dtype.itemsize):
+        found = None if crc is None else 0
+        for off, slab in _slabs(c.sizes, box, t.dtype.itemsize):
             parts = _overlaps(c.offsets, slab, dests)
             if len(parts) == 1 and parts[0][0] == slab and parts[0][1].flags.c_contiguous:
-                pread_into(fpath, c.byte_offset + at, parts[0][1], None, where)  # no copy
+                found = pread_into(fpath, at + off, parts[0][1], where, found)  # no copy
                 continue
             shape = tuple(b - a for a, b in slab)
             buf = shard_reader.scratch(math.prod(shape) * t.dtype.itemsize)
             buf = buf.view(t.dtype).reshape(shape)
-            pread_into(fpath, c.byte_offset + at, buf, None, where)
+            found = pread_into(fpath, at + off, buf, where, found)
             for part, view in parts:
                 view[...] = buf[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(part, slab))]
+        _check_crc(found, crc, where)
 
     def _where(self, t: DcpTensor, c: DcpChunk) -> str:
         return f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
@@ -711,27 +728,37 @@ def _address(arr: np.ndarray) -> int:
 READ_PIECE = 4 << 20
 
 
-def _check_crc(found: int, crc: int | None, where: str) -> None:
+def _check_crc(found: int | None, crc: int | None, where: str) -> None:
     if crc is not None and found != crc:
         raise SourceError(
             f"{where}: CRC-32 mismatch (the chunk's archive records {crc:08x}, its bytes give "
-            f"{found:08x}): the file is corrupt"
+            f"{found or 0:08x}): the file is corrupt"
         )
 
 
+def _data_member(arr: np.ndarray, raw: np.ndarray, unchecked: dict) -> tuple[int, int] | None:
+    """``(offset in raw, zip CRC-32)`` of the one archive member holding exactly ``arr``'s bytes
+    (a chunk's ``torch.save`` archive, ``arr`` a view of ``raw``), else None."""
+    members = list(unchecked.values())
+    if len(members) == 1 and arr.flags.c_contiguous:
+        start, size, crc = members[0]
+        if size == arr.nbytes and _address(arr) - _address(raw) == start:
+            return start, crc
+    return None
+
+
 def pread_into(
-    path: Path | str, offset: int, region: np.ndarray, crc: int | None, where: str
-) -> None:
-    """``region.nbytes`` bytes of ``path`` from ``offset`` read into ``region`` with ``preadv``,
-    their zip CRC-32 checked against ``crc`` unless it is None. Args: path: the file. offset:
-    where the bytes start in it. region: the C-contiguous array filled. crc: the zip CRC-32 of
-    those bytes, or None. where: what is read, for the errors."""
+    path: Path | str, offset: int, region: np.ndarray, where: str, crc: int | None = None
+) -> int | None:
+    """``region.nbytes`` bytes of ``path`` from ``offset`` read into ``region`` with ``preadv``;
+    with ``crc`` (a running zip CRC-32, 0 to start) the CRC-32 carried on over them, returned.
+    Args: path: the file. offset: where the bytes start in it. region: the C-contiguous array
+    filled. where: what is read, for the errors. crc: the CRC-32 so far, or None (none)."""
     buf = region.reshape(-1).view(np.uint8).data
     try:
         fd = files.open_regular(str(path))
     except files.UnsafeFileError as e:
         raise SourceError(f"{where}: {e}") from None
-    found = 0
     try:
         pos, size = 0, len(buf)
         while pos < size:
@@ -743,11 +770,11 @@ def pread_into(
                     f"the file is truncated"
                 )
             if crc is not None:
-                found = torch_zip.zip_crc32(piece[:n], found)
+                crc = torch_zip.zip_crc32(piece[:n], crc)
             pos += n
     finally:
         os.close(fd)
-    _check_crc(found, crc, where)
+    return crc
 
 
 def _load_embedded(

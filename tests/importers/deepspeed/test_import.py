@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import shutil
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -148,6 +149,23 @@ def test_tag_folder_latest_and_manager_step(tmp_path):
         np.testing.assert_array_equal(ra["params"][n], rb["params"][n])
     m = jax_ucp.inspect(a)
     assert m.source["framework"] == "deepspeed" and m.source["zero_stage"] == 2
+
+
+def test_a_tag_folder_renamed_to_another_step_says_so(tmp_path):
+    """``global_step2/`` renamed ``global_step5/`` (``latest`` following): the model states'
+    global_steps 2 is recorded and a warning names both; before: nothing said. Under its own
+    name nothing is warned."""
+    src = copy_deepspeed_fixture(tmp_path, "z1_fp32_dp2")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        convert(src, tmp_path / "intact", format="deepspeed")
+    assert not [w for w in seen if "tag folder's name" in str(w.message)]
+    os.rename(os.path.join(src, "global_step2"), os.path.join(src, "global_step5"))
+    with open(os.path.join(src, "latest"), "w") as f:
+        f.write("global_step5")
+    with pytest.warns(UserWarning, match=r"global_step5: the tag folder's name says step 5, its "):
+        out = convert(src, tmp_path / "out", format="deepspeed")
+    assert jax_ucp.inspect(out).source["global_steps"] == 2
 
 
 def test_existing_destination_refused_unless_force(tmp_path):

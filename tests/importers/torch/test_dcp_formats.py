@@ -503,6 +503,26 @@ def test_a_rank_local_file_without_offsets_beside_the_others_is_refused(tmp_path
         jax_ucp.restore(src)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stray", ["model.safetensors", "adapter_model.safetensors"])
+def test_a_stray_safetensors_sorting_before_the_rank_files_is_refused_naming_it(
+    tmp_path, hub_server, stray
+):
+    """A ``model.safetensors`` (or ``adapter_model``) beside the rank files, locally and on the
+    Hub, is refused naming it; before: its name sorting first, the folder was read as plain
+    safetensors ("an unconsolidated shard ... pass the folder"; on the Hub "add the index",
+    or "no ucp.json here")."""
+    from safetensors.numpy import save_file
+
+    src = _copy(TRANSFORMERS, tmp_path)
+    save_file({"x": np.ones(2, np.float32)}, os.path.join(src, stray))
+    files = {e: open(os.path.join(src, e), "rb").read() for e in os.listdir(src)}
+    hub_server.add("org/stray", files)
+    for path in (src, "hf://org/stray"):
+        with pytest.raises(SourceError, match=rf"{stray}: no DCP_SHARDING_INFO in its __metad"):
+            jax_ucp.restore(path)
+
+
 # ---------------------------------------------------------------- torch's own readers agree
 
 

@@ -653,6 +653,6 @@ def test_a_checkpoint_folder_renamed_to_another_step_says_so(tmp_path):
     with pytest.warns(
         UserWarning,
         match=r"checkpoint-7: the folder's name says step 7, trainer_state.json's global_step "
-        r"says 3 \(renamed or copied\?\); the run continues at step 3",
+        r"says 3 \(renamed or copied\?\); the Trainer.s resume counts from global_step 3",
     ):
         assert trainer_files.trainer_record(str(renamed))["global_step"] == 3

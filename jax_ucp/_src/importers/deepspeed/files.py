@@ -548,6 +548,13 @@ def source_record(tag_dir: Storage, model_states: Mapping, stage: int | None, **
         more: further entries (they win over these).
     """
     steps = model_states.get("global_steps")
+    runs.say_renamed(
+        tag_dir,
+        rf"global_step({files.DIGITS})(_universal)?",
+        steps,
+        "tag folder's name says step {named}, its model states' global_steps {step} (renamed or "
+        "copied?); the files' step {step} is recorded and continued",
+    )
     return {
         "framework": "deepspeed",
         "path": tag_dir.absolute(),

@@ -154,7 +154,8 @@ def optimizer_record(state: Mapping[str, Any], where: str) -> dict | None:
 
 #: param-group fields one run gives every group of every rank (weight_decay and lr are scaled
 #: by a group's wd_mult / lr_mult, so they are compared where a rank's groups hold one value)
-GROUP_SHARED = ("lr", "max_lr", "min_lr", "betas", "eps", "step", "decoupled_weight_decay")
+GROUP_SHARED = ("lr", "max_lr", "min_lr", "betas", "eps", "step", "decoupled_weight_decay",
+                "amsgrad", "maximize")  # fmt: skip
 
 
 def agreed_record(files: Sequence[tuple[str, Mapping[str, Any]]], where: str) -> dict | None:

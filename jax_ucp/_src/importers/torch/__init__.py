@@ -48,6 +48,7 @@ LAYOUTS = (
         format="torch",
         given=lambda src: bool(dcp.dcp_dirs(src)),  # megatron-core's too, read as plain DCP
         run=run_roots.torchtitan_run,
+        model_names=True,
     ),
     # safetensors weights beside optimizer.pt / optimizer.bin: the safetensors importer's
     # claim, taken over to map the optimizer's state too

@@ -215,6 +215,7 @@ def _ref(ck: torch_dcp.DcpCheckpoint, name: str) -> TensorRef:
         lambda: ck.read(name),
         {"format": "torch_dcp", "source_name": name, "files": t.files, "chunks": len(t.chunks)},
         rows=lambda start, stop: ck.read_rows(name, start, stop),
+        regions=lambda dests: ck.region_jobs(name, dests),
         # one storage entry, one tensor: a tied weight's (DcpItem.same_as), see _check_shared
         identity=(str(ck.path), t.chunks, t.shape, t.dtype.str),
     )

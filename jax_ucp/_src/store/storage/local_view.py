@@ -172,11 +172,10 @@ def _place(storage: Storage, name: str, view: View) -> None:
 
 def holds_rank_pieces(names: list[str]) -> bool:
     """Whether a prefix listing ``names`` holds rank files of torch DCP's Hugging Face writer
-    (its first ``.safetensors`` object by name so named, as torch names them): a checkpoint of
+    (a ``.safetensors`` object so named, as torch names them, beside any other): a checkpoint of
     every rank's file, read through a view (``torchfiles.dcp_safetensors``, which checks their
     headers), not as safetensors weights. By name: detection fetches nothing."""
-    first = min((n for n in names if "/" not in n and n.endswith(".safetensors")), default="")
-    return safetensors.RANK_FILE.fullmatch(first) is not None
+    return any(safetensors.RANK_FILE.fullmatch(n) for n in names if "/" not in n)
 
 
 def _rank_piece(storage: Storage, name: str, fd: int) -> bool:
