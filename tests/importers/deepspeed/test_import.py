@@ -263,6 +263,10 @@ def test_not_a_checkpoint_and_bad_latest(tmp_path):
     open(os.path.join(src, "latest"), "w").write("global_step9")
     with pytest.raises(SourceError, match="latest names tag 'global_step9'"):
         convert(src, tmp_path / "out", format="deepspeed")
+    os.remove(os.path.join(src, "latest"))
+    os.symlink("global_step9", os.path.join(src, "latest"))  # a link to nothing: refused
+    with pytest.raises(SourceError, match=r"latest: listed, but no file there"):
+        convert(src, tmp_path / "out", format="deepspeed")
 
 
 def test_groups_disagreeing_on_step_is_an_error():

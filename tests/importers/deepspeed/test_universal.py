@@ -213,6 +213,18 @@ def test_universal_wrong_size_and_disagreeing_step(tmp_path):
         plan_import(root)
 
 
+@pytest.mark.timeout(60)
+def test_universal_parameter_folder_linked_to_another_refused(tmp_path):
+    """A parameter folder under zero/ that is a link (here to another parameter's folder of the
+    same shape, inside zero/) is refused: read through, one parameter would take another's
+    master and moments silently."""
+    root, tag = _copy_universal("z1_bf16_dp2", tmp_path)
+    shutil.rmtree(tag / "zero" / "h.0.ln_1.bias")
+    (tag / "zero" / "h.0.ln_1.bias").symlink_to("h.0.ln_2.bias")
+    with pytest.raises(SourceError, match=r"zero/h\.0\.ln_1\.bias: .*link"):
+        plan_import(root)
+
+
 @pytest.mark.timeout(30)
 def test_latest_universal_outside_refused_and_message_says_universal(tmp_path):
     (tmp_path / "latest_universal").write_text("../elsewhere")

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src.errors import RequestError, SourceError
+from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.plan import host_item, tensor_names, trainer_checkpoints
@@ -188,12 +188,10 @@ def read_tag_file(folder: Storage, name: str) -> str:
     A NUL or another control character would otherwise reach the file system as a raw
     "embedded null byte" error, or name a folder nobody wrote."""
     path = folder.join(name)
-    try:
+    with unsafe_files_refused():
         raw = folder.read(name, 4096)
-    except (files.UnsafeFileError, RequestError) as e:
-        raise SourceError(f"{e}: a record holding a step number, refused unread") from None
-    if raw is None:
-        raise SourceError(f"{path}: missing")
+    if raw is None:  # listed, yet no file: a link to nothing, never read as no tracker
+        raise SourceError(f"{path}: listed, but no file there (a link to nothing?)")
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError as e:
@@ -549,7 +547,7 @@ def source_record(tag_dir: Storage, model_states: Mapping, stage: int | None, **
     """
     steps = model_states.get("global_steps")
     runs.say_renamed(
-        tag_dir,
+        tag_dir.root,
         rf"global_step({files.DIGITS})(_universal)?",
         steps,
         "tag folder's name says step {named}, its model states' global_steps {step} (renamed or "

@@ -250,8 +250,8 @@ def _param_folders(
     frozen_fp32: dict[str, str] = {}
     untracked: dict[str, str] = {}
     for name in (n for n in listed(zero) or () if n != OPTIMIZER_STATE):
-        with unsafe_files_refused():
-            folder = zero.folder(name)
+        with unsafe_files_refused():  # a link: one parameter could read another's folder
+            folder = zero.folder(name, link=False)
         present = _folder_states(folder, name)
         if name in frozen or name not in shapes:
             if present != {"fp32"}:

@@ -127,8 +127,9 @@ class Storage(abc.ABC):
     def read(self, name: str, limit: int) -> bytes | None:
         """The whole of ``name`` (None when absent); more than ``limit`` bytes is an error."""
 
-    def folder(self, name: str) -> Storage:
-        """Folder ``name`` of ``root`` as a storage of its own (its names relative to it)."""
+    def folder(self, name: str, *, link: bool = True) -> Storage:
+        """Folder ``name`` of ``root`` as a storage of its own (its names relative to it);
+        ``link=False``: refused when ``name`` is a symlink (an object store holds none)."""
         return type(self)(self.join(name))
 
     @abc.abstractmethod

@@ -308,12 +308,17 @@ class LocalDirectory(Storage):
             return stored[0].mapped(stored[1], sealed=sealed)
         return map_file(path), None
 
-    def folder(self, name: str) -> LocalDirectory:
-        """Refused unless ``name`` resolves to a folder strictly inside ``root``."""
+    def folder(self, name: str, *, link: bool = True) -> LocalDirectory:
+        """Refused unless ``name`` resolves to a folder strictly inside ``root`` (``link=False``:
+        and is no symlink)."""
         real = self.inside(name, self.root)
         if os.path.realpath(real) == self.resolved:
             raise fmt.files.UnsafeFileError(
                 f"{self.join(name)}: names {self.root} itself, not a folder inside it"
+            )
+        if not link and os.path.islink(self.join(name)):
+            raise fmt.files.UnsafeFileError(
+                f"{self.join(name)}: a symlink, not a folder of its own"
             )
         return LocalDirectory(self.join(name))
 
