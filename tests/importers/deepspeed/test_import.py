@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.importers.deepspeed import detect, open_deepspeed_checkpoint
 from jax_ucp._src.importers.deepspeed import files as deepspeed_files
-from jax_ucp._src.importers.deepspeed import is_deepspeed_checkpoint, open_deepspeed_checkpoint
 from jax_ucp._src.importers.deepspeed.zero import optimizer_step
 from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp._src.torchfiles import pickle_format, torch_zip
@@ -130,10 +130,9 @@ def test_bf16_model_params_are_the_stored_module_weights(converted):
 
 def test_tag_folder_latest_and_manager_step(tmp_path):
     src = os.path.join(FIX, "z2_fp32_dp3", "ckpt")
-    assert is_deepspeed_checkpoint(LocalDirectory(src)) and is_deepspeed_checkpoint(
-        LocalDirectory(os.path.join(src, "global_step2"))
-    )
-    assert not is_deepspeed_checkpoint(LocalDirectory(str(tmp_path)))
+    assert detect(LocalDirectory(src)).found
+    assert detect(LocalDirectory(os.path.join(src, "global_step2"))).found
+    assert not detect(LocalDirectory(str(tmp_path))).found
     seen = []
     a = convert(
         os.path.join(src, "global_step2"),

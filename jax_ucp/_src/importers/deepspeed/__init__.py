@@ -52,21 +52,9 @@ __all__ = [
     "DeepSpeedOptions",
     "MegatronDeepSpeedCheckpoint",
     "detect",
-    "is_deepspeed_checkpoint",
     "open_deepspeed_checkpoint",
     "plan",
 ]
-
-
-def is_deepspeed_checkpoint(src: Storage) -> bool:
-    """True for a folder holding ``latest`` (or ``latest_universal``) + tag folders, or a tag
-    folder with ZeRO files or a universal checkpoint."""
-    names = listed(src)
-    if names is None:
-        return False
-    if any(t in names for t in ("latest", universal.LATEST_UNIVERSAL)):
-        return True
-    return universal.is_universal_tag_dir(src, names) or is_tag_dir(names)
 
 
 def open_deepspeed_checkpoint(
