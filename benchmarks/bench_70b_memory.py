@@ -296,6 +296,7 @@ def build_zero3(out: str, layers: int = LAYERS, ranks: int = ZERO3_RANKS, **size
     step), the objects' other fields as DeepSpeed 0.19.8 wrote them for
     ``tests/fixtures/deepspeed/z3_bf16_dp2``. Tensor bytes are holes. Returns its totals."""
     from jax_ucp._src.importers.deepspeed.files import load_deepspeed_file
+    from jax_ucp._src.store.storage import LocalDirectory
     from jax_ucp._src.torchfiles.pickle_format import Global as G
     from jax_ucp._src.torchfiles.torch_zip import TensorSlot
 
@@ -303,11 +304,9 @@ def build_zero3(out: str, layers: int = LAYERS, ranks: int = ZERO3_RANKS, **size
     os.makedirs(tag)
     with open(os.path.join(out, "latest"), "w") as f:
         f.write("global_step2")
-    fixture = os.path.join(ZERO3_FIXTURE, "global_step2")
-    model0 = load_deepspeed_file(os.path.join(fixture, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
-    optim0 = load_deepspeed_file(
-        os.path.join(fixture, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    )
+    fixture = LocalDirectory(os.path.join(ZERO3_FIXTURE, "global_step2"))
+    model0 = load_deepspeed_file(fixture, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    optim0 = load_deepspeed_file(fixture, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
     params = hf_llama(layers, **sizes)
     flat = sum(-(-int(np.prod(shape)) // ranks) for _, shape in params)
 

@@ -49,8 +49,9 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
 def largest_tensor_bytes(src: str) -> tuple[int, int]:
     sys.path.insert(0, ROOT)
     from jax_ucp._src.importers.deepspeed import DeepSpeedCheckpoint, open_deepspeed_checkpoint
+    from jax_ucp._src.store.storage import LocalDirectory
 
-    checkpoint = open_deepspeed_checkpoint(src)
+    checkpoint = open_deepspeed_checkpoint(LocalDirectory(src))
     import math
 
     if isinstance(checkpoint, DeepSpeedCheckpoint):

@@ -23,6 +23,7 @@ from jax_ucp._src.importers.deepspeed import files as deepspeed_files
 from jax_ucp._src.importers.deepspeed import zero as deepspeed_zero
 from jax_ucp._src.importers.megatron import dcp as megatron_dcp
 from jax_ucp._src.importers.megatron import legacy as megatron_legacy
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp._src.torchfiles import dcp as torch_dcp
 from jax_ucp._src.torchfiles import dcp_safetensors
 from jax_ucp._src.torchfiles.torch_zip import load_torch_file
@@ -57,7 +58,9 @@ def _deepspeed_tensors(src: str) -> set[str]:
     return {
         f"{os.path.basename(path)}:{name}"
         for path in sorted(glob.glob(os.path.join(tag_dir, "*.pt")))
-        for name in _walk(deepspeed_files.load_deepspeed_file(path))
+        for name in _walk(
+            deepspeed_files.load_deepspeed_file(LocalDirectory(tag_dir), os.path.basename(path))
+        )
     }
 
 

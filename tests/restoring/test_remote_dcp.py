@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 import jax_ucp
 from jax_ucp._src import store
-from jax_ucp._src.store.storage import local_view, object_store
+from jax_ucp._src.store.storage import object_store, sparse
 from jax_ucp._src.torchfiles import dcp
 from tests.restoring.test_remote_safetensors import _target
 
@@ -42,10 +42,10 @@ def test_dcp_in_an_object_store_restores_as_the_local_folder(bucket_url, name):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
     local = jax_ucp.restore(folder)
     target = _target(local, mesh)
-    before, viewed = store.bytes_read(), local_view.fetched()
+    before, viewed = store.bytes_read(), sparse.fetched()
     remote = jax_ucp.restore(url, target=target)
     assert store.bytes_read() >= before  # nothing written: only read
-    assert local_view.fetched() == viewed  # listed, no object fetched into the view: by ranges
+    assert sparse.fetched() == viewed  # listed, no object fetched into the view: by ranges
     on_mesh = jax_ucp.restore(folder, target=target)
     assert jax.tree.structure(remote) == jax.tree.structure(local)
     for a, b, c in zip(*(jax.tree.leaves(t) for t in (remote, on_mesh, local))):
@@ -100,6 +100,6 @@ def test_accelerates_two_dcp_folders_in_an_object_store_restore_as_the_local_fol
     url = upload(folder, served(monkeypatch, s3_server))
     local = jax_ucp.restore(folder)
     target = _target(local, Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b")))
-    viewed = local_view.fetched()
+    viewed = sparse.fetched()
     assert_same(jax_ucp.restore(url, target=target), jax_ucp.restore(folder, target=target))
-    assert local_view.fetched() == viewed
+    assert sparse.fetched() == viewed

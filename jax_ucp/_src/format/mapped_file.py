@@ -85,7 +85,7 @@ def map_file(path: str, fd: int | None = None, *, sealed: bool = False) -> FileM
     """A :class:`FileMap` of the regular file ``path`` (None when it is empty). ``fd``: a
     descriptor already open on it (duplicated; the caller still owns it). ``sealed``: the
     mapping cannot be touched at all (``PROT_NONE``), only read through this module: a file
-    filled in as its ranges are first read (``store.storage.local_view``)."""
+    filled in as its ranges are first read (``store.storage.sparse``)."""
     own = os.dup(fd) if fd is not None else open_regular(path)
     try:
         if os.fstat(own).st_size == 0:

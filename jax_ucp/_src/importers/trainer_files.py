@@ -331,12 +331,13 @@ def logged_rates(history: Any) -> list[list]:
     return rates[-MAX_LOGGED:]
 
 
-def trainer_folder_above(tag_dir: str) -> str | None:
+def trainer_folder_above(tag_dir: str, marker: str = STATE_FILE) -> str | None:
     """The Trainer's ``checkpoint-N/`` holding ``tag_dir`` (DeepSpeed's ``global_stepN/``, FSDP's
-    ``pytorch_model_fsdp_0/``): its parent when the Trainer saved there (``trainer_state.json``),
-    else None. Only that one folder is looked at, never further up."""
+    ``pytorch_model_fsdp_0/``): its parent when the Trainer saved there (``trainer_state.json``;
+    another ``marker``: a DeepSpeed ``save_dir``'s ``latest``), else None. Only that one folder
+    is looked at, never further up."""
     parent = os.path.dirname(os.path.abspath(tag_dir))
-    return parent if os.path.lexists(os.path.join(parent, STATE_FILE)) else None
+    return parent if os.path.lexists(os.path.join(parent, marker)) else None
 
 
 def trainer_run(root: str) -> runs.TrainerRun | None:

@@ -27,7 +27,7 @@ from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
 from jax_ucp._src.store import shard_reader
-from jax_ucp._src.store.storage import Storage, local_view, ranged
+from jax_ucp._src.store.storage import Storage, ranged, sparse
 from jax_ucp._src.torchfiles import allow_list, dcp_transforms, torch_zip
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
 from jax_ucp._src.torchfiles.pickle_format import (
@@ -159,12 +159,12 @@ class ObjectPath(str):
 
 def folder(path: os.PathLike | str | Storage) -> Path | ObjectPath:
     """``path`` as the reader holds it: a folder's ``Storage``, or a folder of a remote source's
-    local view (``local_view.stored_at``: empty DCP files), as an :class:`ObjectPath` (ranges)."""
+    local view (``sparse.stored_at``: empty DCP files), as an :class:`ObjectPath` (ranges)."""
     if isinstance(path, ObjectPath):
         return path
     if isinstance(path, Storage):
         return ObjectPath(path.root, path)
-    viewed = local_view.stored_at(path)
+    viewed = sparse.stored_at(path)
     if viewed is None:
         return Path(path)
     where, key = viewed

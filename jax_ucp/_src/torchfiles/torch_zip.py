@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.format import files, mapped_file
-from jax_ucp._src.store.storage import local_view
+from jax_ucp._src.store.storage import Storage as BaseStorage
+from jax_ucp._src.store.storage import sparse
+from jax_ucp._src.store.storage.sparse import RemoteArchive
 from jax_ucp._src.torchfiles import pickle_format
 from jax_ucp._src.torchfiles.allow_list import Storage, StorageType, TorchFileError, short_repr
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
@@ -71,33 +73,37 @@ class _BufferFile(io.RawIOBase):
 
 
 class TorchArchive:
-    """A torch zip archive opened read-only with one ``mmap``. ``lazy_crc``: a storage's CRC-32 is
+    """A torch zip archive opened read-only with one ``mmap``: file ``name`` of a ``Storage``
+    (``Storage.mapped``: a remote one's ranges fetched as they are read), or a local path (a
+    remote folder's stand-in: ``sparse.stored_at``). ``lazy_crc``: a storage's CRC-32 is
     checked when first read, so skipped moments are never read."""
 
-    def __init__(self, path: os.PathLike | str, *, lazy_crc: bool = False):
-        self.path = os.fspath(path)
+    def __init__(
+        self, source: os.PathLike | str | tuple[BaseStorage, str], *, lazy_crc: bool = False
+    ):
+        if isinstance(source, tuple):
+            storage, name = source
+        else:
+            storage, name = sparse.stored_at(source) or (None, os.fspath(source))
+        self.path = storage.join(name) if storage is not None else name
         self.lazy_crc = lazy_crc
-        self._remote = remote = local_view.remote_of(self.path)
         try:  # a regular file only: a FIFO or device would block or never end
-            mm = mapped_file.map_file(self.path, sealed=remote is not None and lazy_crc)
+            if storage is None:
+                mm, remote = mapped_file.map_file(name), None
+            else:
+                mm, remote = storage.mapped(name, sealed=lazy_crc)
         except files.UnsafeFileError as e:
             raise TorchFileError(self.path, str(e).split(": ", 1)[-1]) from None
         except OSError as e:
             raise TorchFileError(self.path, f"cannot open: {e.strerror}") from None
-        if mm is None:
+        self._remote = remote
+        if mm is None:  # empty, or (remote) no zip directory at its end
+            head = storage.reader(name).read(0, 8) if storage is not None else b""
+            _refuse_head(self.path, head or b"", "no zip directory at its end")
             raise TorchFileError(self.path, "file is empty")
-        if remote is not None:  # found by its zip directory
-            self.path = mm.path = remote.url
+        mm.path = self.path
         what = "reading the file's signature"
-        head = b"PK" if remote else mapped_file.read_bytes(mm, 0, min(8, len(mm)), what)
-        if not head.startswith(b"PK"):
-            if head[:1] == b"\x80":
-                raise TorchFileError(
-                    self.path,
-                    "legacy (pre-zip, torch<1.6) serialization is not supported; "
-                    "re-save it with torch.save(..., _use_new_zipfile_serialization=True)",
-                )
-            raise TorchFileError(self.path, f"not a torch zip archive (starts with {head!r})")
+        _refuse_head(self.path, mapped_file.read_bytes(mm, 0, min(8, len(mm)), what), "")
         self._filemap: mapped_file.FileMap | None = mm
         self._open_zip(np.frombuffer(mm, np.uint8), "zip archive")
 
@@ -106,7 +112,7 @@ class TorchArchive:
     defer_crc = False
     lazy_crc = False
     _filemap: mapped_file.FileMap | None = None
-    _remote: local_view.Remote | None = None
+    _remote: RemoteArchive | None = None
 
     @classmethod
     def from_buffer(cls, view: np.ndarray, where: str, *, defer_crc: bool = False) -> TorchArchive:
@@ -387,6 +393,20 @@ class TorchArchive:
         self._f.close()
 
 
+def _refuse_head(path: str, head: bytes, missing: str) -> None:
+    """Refuses a file not starting as a zip archive (and one that does, for ``missing``)."""
+    if head[:1] == b"\x80":
+        raise TorchFileError(
+            path,
+            "legacy (pre-zip, torch<1.6) serialization is not supported; "
+            "re-save it with torch.save(..., _use_new_zipfile_serialization=True)",
+        )
+    if head and not head.startswith(b"PK"):
+        raise TorchFileError(path, f"not a torch zip archive (starts with {head!r})")
+    if head and missing:
+        raise TorchFileError(path, f"truncated or corrupt zip archive ({missing})")
+
+
 def _crc_matches(path: str, name: str, recorded: int, found: int) -> None:
     if found != recorded:
         raise TorchFileError(
@@ -397,7 +417,7 @@ def _crc_matches(path: str, name: str, recorded: int, found: int) -> None:
 
 
 def _crc_check(
-    path: str, name: str, span: tuple[int, int], recorded: int, remote: local_view.Remote | None
+    path: str, name: str, span: tuple[int, int], recorded: int, remote: RemoteArchive | None
 ) -> Callable[[mapped_file.FileMap], None]:
     """The CRC-32 check of a stored member's bytes ``span`` (fetched first in an object store)."""
 

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ucp
 from jax_ucp._src.importers.deepspeed import files as deepspeed_files
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp._src.torchfiles import torch_zip
 from jax_ucp.conversion import ImportOptions
 from jax_ucp.errors import SourceError
@@ -117,7 +118,11 @@ def _rewrite_model_states(src: str, edit, model: str = MODEL) -> None:
             return {k: nodes(v) for k, v in x.items()}
         return type(x)(map(nodes, x)) if isinstance(x, (list, tuple)) else x
 
-    states = nodes(deepspeed_files.load_deepspeed_file(path))
+    states = nodes(
+        deepspeed_files.load_deepspeed_file(
+            LocalDirectory(os.path.dirname(path)), os.path.basename(path)
+        )
+    )
     edit(states)
     os.unlink(path)
     torch_zip.save_file(path, states, arrays)
@@ -258,8 +263,8 @@ def test_autoep_zero3_partition_groups_are_checked(tmp_path, monkeypatch):
     file = "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"
     read = deepspeed_files.load_deepspeed_file
 
-    def altered(path, **kwargs):
-        state = read(path, **kwargs)
+    def altered(folder, path, **kwargs):
+        state = read(folder, path, **kwargs)
         if os.path.basename(path) == file:
             groups = state["optimizer_state_dict"]["ds_zero_partition_groups"]
             groups[1]["partition_ranks"] = [2, 3]
@@ -286,8 +291,8 @@ def test_autoep_zero0_weights_only_and_its_optimizer_files_checked(tmp_path, mon
     file = "expp_rank_1_mp_rank_00_optim_states.pt"
     read = deepspeed_files.load_deepspeed_file
 
-    def swapped(path, **kwargs):  # index 21: layer 0's w1 (2, 8, 16), 22: its w2 (2, 16, 8)
-        state = read(path, **kwargs)
+    def swapped(folder, path, **kwargs):  # index 21: layer 0's w1 (2, 8, 16), 22: its w2 (2, 16, 8)
+        state = read(folder, path, **kwargs)
         if os.path.basename(path) == file:
             inner = state["optimizer"]["state"]
             inner[21], inner[22] = inner[22], inner[21]
@@ -318,9 +323,9 @@ def test_each_file_is_parsed_once_per_import(tmp_path, monkeypatch, run):
     parsed: list[str] = []
     read = deepspeed_files.load_deepspeed_file
 
-    def counting(path, **kwargs):
+    def counting(folder, path, **kwargs):
         parsed.append(os.path.basename(path))
-        return read(path, **kwargs)
+        return read(folder, path, **kwargs)
 
     monkeypatch.setattr(deepspeed_files, "load_deepspeed_file", counting)
     jax_ucp.convert(os.path.join(FIXTURES, run, "ckpt"), str(tmp_path / "u"))

@@ -20,6 +20,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers.deepspeed import affine as deepspeed_affine
 from jax_ucp._src.importers.deepspeed.files import load_deepspeed_file
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import REPO
 
@@ -76,7 +77,8 @@ def test_autotp_imports_bit_exact(run, tmp_path):
 
 def _maps(run="autotp_tp2_dp1_z1_fp32"):
     states = load_deepspeed_file(
-        os.path.join(FIXTURES, run, "ckpt", "global_step2", "mp_rank_00_model_states.pt")
+        LocalDirectory(os.path.join(FIXTURES, run, "ckpt", "global_step2")),
+        "mp_rank_00_model_states.pt",
     )
     return copy.deepcopy(dict(states["universal_checkpoint_info"]))
 

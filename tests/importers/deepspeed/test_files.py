@@ -91,8 +91,8 @@ def _altered(monkeypatch, file: str, alter) -> None:
     to rank file ``file``."""
     load = deepspeed_files.load_deepspeed_file
 
-    def altered(path, **kwargs):
-        state = load(path, **kwargs)
+    def altered(folder, path, **kwargs):
+        state = load(folder, path, **kwargs)
         if os.path.basename(path) == file:
             alter(state["optimizer_state_dict"])
         return state

@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.importers.deepspeed import detect, open_deepspeed_checkpoint
 from jax_ucp._src.importers.deepspeed import files as deepspeed_files
-from jax_ucp._src.importers.deepspeed import is_deepspeed_checkpoint, open_deepspeed_checkpoint
 from jax_ucp._src.importers.deepspeed.zero import optimizer_step
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp._src.torchfiles import pickle_format, torch_zip
 from jax_ucp._src.torchfiles.allow_list import StandIn, TorchFileError
 from jax_ucp.conversion import MegatronOptions, convert
@@ -129,10 +130,9 @@ def test_bf16_model_params_are_the_stored_module_weights(converted):
 
 def test_tag_folder_latest_and_manager_step(tmp_path):
     src = os.path.join(FIX, "z2_fp32_dp3", "ckpt")
-    assert is_deepspeed_checkpoint(src) and is_deepspeed_checkpoint(
-        os.path.join(src, "global_step2")
-    )
-    assert not is_deepspeed_checkpoint(tmp_path)
+    assert detect(LocalDirectory(src)).found
+    assert detect(LocalDirectory(os.path.join(src, "global_step2"))).found
+    assert not detect(LocalDirectory(str(tmp_path))).found
     seen = []
     a = convert(
         os.path.join(src, "global_step2"),
@@ -262,10 +262,14 @@ def test_not_a_checkpoint_and_bad_latest(tmp_path):
     open(os.path.join(src, "latest"), "w").write("global_step9")
     with pytest.raises(SourceError, match="latest names tag 'global_step9'"):
         convert(src, tmp_path / "out", format="deepspeed")
+    os.remove(os.path.join(src, "latest"))
+    os.symlink("global_step9", os.path.join(src, "latest"))  # a link to nothing: refused
+    with pytest.raises(SourceError, match=r"latest: listed, but no file there"):
+        convert(src, tmp_path / "out", format="deepspeed")
 
 
 def test_groups_disagreeing_on_step_is_an_error():
-    checkpoint = open_deepspeed_checkpoint(os.path.join(FIX, "z1_fp32_dp3", "ckpt"))
+    checkpoint = open_deepspeed_checkpoint(LocalDirectory(os.path.join(FIX, "z1_fp32_dp3", "ckpt")))
     assert optimizer_step(checkpoint) == 2
     group_state = checkpoint.optim_states[2]["base_optimizer_state"]["state"][0]
     group_state["step"] = np.float32(3)
@@ -312,7 +316,7 @@ def _as_nodes(obj, arrays: list):
 def _rewrite(path, edit) -> None:
     """``edit(obj)`` on the unpickled file (copied out of its memory map), saved back in place
     under the same name (the name inside the archive stays the file's)."""
-    obj = deepspeed_files.load_deepspeed_file(str(path))
+    obj = deepspeed_files.load_deepspeed_file(LocalDirectory(str(path.parent)), path.name)
     arrays: list = []
     nodes = _as_nodes(obj, arrays)
     arrays = [np.array(a) for a in arrays]
@@ -497,7 +501,7 @@ LINKED_OUT = {
     "DeepSpeed optimizer rank file": (
         DS,
         _link_out(DS_RANK1),
-        r"global_step2: file name 'bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt' resolves "
+        r"optim_states\.pt: file name 'bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt' resolves "
         r"to \S+/elsewhere/\S+, outside the checkpoint",
     ),
     "DeepSpeed model states file": (

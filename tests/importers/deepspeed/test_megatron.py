@@ -24,6 +24,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers.deepspeed import open_deepspeed_checkpoint
 from jax_ucp._src.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp.conversion import ImportOptions, convert
 from jax_ucp.errors import SourceError
 from tests.ucp_testing import REPO, assert_destination_untouched, copy_deepspeed_fixture
@@ -118,7 +119,7 @@ def test_kinds_come_from_universal_checkpoint_info(converted):
     assert m.source["layout"] == "megatron-deepspeed" and (m.source["tp"], m.source["pp"]) == (2, 1)
     assert m.source["original_vocab_size"] == 37 and m.source["padded_vocab_size"] == 48
     kinds = json.load(open(os.path.join(FIX, name, "run.json")))["kinds"]
-    checkpoint = open_deepspeed_checkpoint(os.path.join(FIX, name, "ckpt"))
+    checkpoint = open_deepspeed_checkpoint(LocalDirectory(os.path.join(FIX, name, "ckpt")))
     assert isinstance(checkpoint, MegatronDeepSpeedCheckpoint)
     matches = checkpoint.matches
     expect = {
@@ -139,7 +140,7 @@ def test_kinds_come_from_universal_checkpoint_info(converted):
 
 def test_pipeline_tied_embedding_and_layer_files(converted):
     name = "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic"
-    checkpoint = open_deepspeed_checkpoint(os.path.join(FIX, name, "ckpt"))
+    checkpoint = open_deepspeed_checkpoint(LocalDirectory(os.path.join(FIX, name, "ckpt")))
     assert (checkpoint.tp, checkpoint.pp, checkpoint.dp) == (2, 2, 2)
     assert checkpoint.holders["tied_modules.embed.word_embeddings.weight"] == [0, 1]
     assert checkpoint.holders["3.self_attention.dense.weight"] == [1]
@@ -262,8 +263,8 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
 
     real_load = deepspeed_files.load_deepspeed_file
 
-    def load(path, **kwargs):
-        d = real_load(path, **kwargs)
+    def load(folder, path, **kwargs):
+        d = real_load(folder, path, **kwargs)
         if os.path.basename(path).startswith("mp_rank_"):
             d = dict(d)
             d.pop("universal_checkpoint_info", None)
@@ -276,7 +277,7 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
     # an explicit import spec stands in for the missing patterns
     from jax_ucp._src.importers.deepspeed.ucp_info import spec_from_ucp_info
 
-    info = real_load(os.path.join(src, TAG, "mp_rank_00_model_states.pt"))[
+    info = real_load(LocalDirectory(os.path.join(src, TAG)), "mp_rank_00_model_states.pt")[
         "universal_checkpoint_info"
     ]
     out = convert(
@@ -295,7 +296,7 @@ def test_tp_ranks_disagreeing_on_step(tmp_path, monkeypatch):
     from jax_ucp._src.importers.deepspeed import zero
 
     checkpoint = open_deepspeed_checkpoint(
-        os.path.join(FIX, "megatron_ds_tp2_dp2_z1_bf16_synthetic", "ckpt")
+        LocalDirectory(os.path.join(FIX, "megatron_ds_tp2_dp2_z1_bf16_synthetic", "ckpt"))
     )
     assert zero.optimizer_step(*checkpoint.every_rank) == 2
     rank = checkpoint.ranks[0][1]

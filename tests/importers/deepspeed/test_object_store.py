@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 import jax_ucp
 from jax_ucp._src.importers import registry
-from jax_ucp._src.store.storage import local_view, object_store
+from jax_ucp._src.store.storage import object_store, sparse
 from jax_ucp._src.torchfiles import torch_zip
 from jax_ucp.conversion import ImportOptions
 from tests.restoring.test_remote_safetensors import _target
@@ -72,17 +72,17 @@ def served(monkeypatch, server: tuple[dict, str] | None = None) -> str:
     the zip directory, each local header on its own), else one GET fetches them whole."""
     for k, v in (server or ({}, ""))[0].items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(local_view, "TAIL", 1024)
-    monkeypatch.setattr(local_view, "HEAD", 64)
+    monkeypatch.setattr(sparse, "TAIL", 1024)
+    monkeypatch.setattr(sparse, "HEAD", 64)
     monkeypatch.setattr(torch_zip, "HEADER_GAP", 0)
     return (server or ({}, ""))[1]
 
 
 def fetched(call):
     """(what ``call()`` returns, the GETs and bytes it fetched into local views)."""
-    gets, nbytes = local_view.fetched()
+    gets, nbytes = sparse.fetched()
     out = call()
-    after = local_view.fetched()
+    after = sparse.fetched()
     return out, after[0] - gets, after[1] - nbytes
 
 
@@ -183,7 +183,7 @@ def test_a_tracker_served_large_is_refused_unread(s3_server, hub_server, monkeyp
         hub_server.add("org/zero", {**folder_files(ZERO), "latest": big})
         url = "hf://org/zero"
         said = r"hf://org/zero@\w+/latest: 200012 bytes, more than the 4096 it may have: a record"
-    nbytes = local_view.fetched()[1]
+    nbytes = sparse.fetched()[1]
     with pytest.raises(jax_ucp.UCPError, match=said):
         jax_ucp.restore(url)
-    assert local_view.fetched()[1] - nbytes < 100_000
+    assert sparse.fetched()[1] - nbytes < 100_000

@@ -205,8 +205,8 @@ def _altered_optimizer(monkeypatch, file: str, alter) -> None:
 
     load = deepspeed_files.load_deepspeed_file
 
-    def altered(path, **kwargs):
-        state = load(path, **kwargs)
+    def altered(folder, path, **kwargs):
+        state = load(folder, path, **kwargs)
         if os.path.basename(path) == file:
             alter(state["optimizer"])
         return state

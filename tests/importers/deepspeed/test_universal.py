@@ -22,6 +22,7 @@ from jax_ucp._src.importers.deepspeed import DeepSpeedOptions
 from jax_ucp._src.importers.deepspeed import files as deepspeed_files
 from jax_ucp._src.importers.plan import ImportOptions
 from jax_ucp._src.importers.registry import plan_import
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp.errors import SourceError
 from jax_ucp.exporters import DeepSpeedUniversalExport
 from tests.ucp_testing import REPO
@@ -212,6 +213,18 @@ def test_universal_wrong_size_and_disagreeing_step(tmp_path):
         plan_import(root)
 
 
+@pytest.mark.timeout(60)
+def test_universal_parameter_folder_linked_to_another_refused(tmp_path):
+    """A parameter folder under zero/ that is a link (here to another parameter's folder of the
+    same shape, inside zero/) is refused: read through, one parameter would take another's
+    master and moments silently."""
+    root, tag = _copy_universal("z1_bf16_dp2", tmp_path)
+    shutil.rmtree(tag / "zero" / "h.0.ln_1.bias")
+    (tag / "zero" / "h.0.ln_1.bias").symlink_to("h.0.ln_2.bias")
+    with pytest.raises(SourceError, match=r"zero/h\.0\.ln_1\.bias: .*link"):
+        plan_import(root)
+
+
 @pytest.mark.timeout(30)
 def test_latest_universal_outside_refused_and_message_says_universal(tmp_path):
     (tmp_path / "latest_universal").write_text("../elsewhere")
@@ -220,7 +233,7 @@ def test_latest_universal_outside_refused_and_message_says_universal(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(SourceError, match=r"no DeepSpeed checkpoint here .*universal"):
-        deepspeed_files.resolve_tag_dir(str(empty), None)
+        deepspeed_files.resolve_tag_dir(LocalDirectory(str(empty)), None)
 
 
 @pytest.mark.torch

@@ -8,6 +8,7 @@ import os
 import pytest
 
 import jax_ucp
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp.conversion import ImportOptions
 from tests.ucp_testing import FIXTURES as FIXTURES
 from tests.ucp_testing import copy_fixture as _copy
@@ -70,7 +71,9 @@ def test_module_weights_catch_a_wrong_master(rel):
     its rank pieces (a stale or foreign partition) is refused, naming parameter and files."""
     from jax_ucp._src.importers.deepspeed import zero as deepspeed_zero
 
-    checkpoint = deepspeed_zero.open_zero_checkpoint(os.path.join(FIXTURES, rel, "global_step2"))
+    checkpoint = deepspeed_zero.open_zero_checkpoint(
+        LocalDirectory(os.path.join(FIXTURES, rel, "global_step2"))
+    )
     name = next(n for n, f in checkpoint.fragment_plan.items() if len(f.pieces) > 1)
     fp32 = deepspeed_zero.gather_parameter(checkpoint, name, "fp32", {}).copy()
     deepspeed_zero.check_against_module(checkpoint, name, fp32)  # as saved: agrees
@@ -123,7 +126,9 @@ def test_weights_only_checks_the_masters_it_reads(tmp_path, name):
     src = _copy(tmp_path, f"deepspeed/{name}/ckpt")
     path = sorted((src / "global_step2").glob("*optim_states.pt"))[0]
     raw = bytearray(path.read_bytes())
-    master = next(_masters(load_deepspeed_file(str(path), lazy_crc=True)))
+    master = next(
+        _masters(load_deepspeed_file(LocalDirectory(str(path.parent)), path.name, lazy_crc=True))
+    )
     _, offset = mapped_file.mapped_at(master)
     raw[offset + master.nbytes // 2] ^= 0x40
     path.write_bytes(bytes(raw))
@@ -153,7 +158,9 @@ def test_weights_only_never_reads_the_moments(tmp_path, name):
     damaged = 0
     for path in sorted((src / "global_step2").glob("*optim_states.pt")):
         raw = bytearray(path.read_bytes())
-        for _, moment in _moments(load_deepspeed_file(str(path), lazy_crc=True)):
+        for _, moment in _moments(
+            load_deepspeed_file(LocalDirectory(str(path.parent)), path.name, lazy_crc=True)
+        ):
             _, offset = mapped_file.mapped_at(moment)
             raw[offset + moment.nbytes // 2] ^= 0x40
             damaged += 1

@@ -97,8 +97,8 @@ def _altered(monkeypatch, alter) -> None:
     model states file."""
     load = deepspeed_files.load_deepspeed_file
 
-    def altered(path, **kwargs):
-        state = load(path, **kwargs)
+    def altered(folder, path, **kwargs):
+        state = load(folder, path, **kwargs)
         if os.path.basename(path) == MODEL_FILE:
             alter(state)
         return state

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 import jax_ucp
 from jax_ucp._src.importers.megatron import dcp
-from jax_ucp._src.store.storage import local_view, object_store, ranged
+from jax_ucp._src.store.storage import object_store, ranged, sparse
 from tests.importers.deepspeed.test_object_store import (
     assert_same,
     restores_as_local,
@@ -110,13 +110,13 @@ def test_megatron_dcp_objects_are_read_by_the_byte_ranges_of_the_chunks_read(
     local = jax_ucp.restore(root)
     target = _target(local, Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b")))
     gets = _gets(monkeypatch)
-    view = local_view.fetched()[1]
+    view = sparse.fetched()[1]
     assert_same(jax_ucp.restore(url, target=target), jax_ucp.restore(root, target=target))
     dcp_gets = [g for g in gets if g[0].endswith(".distcp")]
     assert dcp_gets and set(dcp_gets) <= extents | probes, sorted(set(dcp_gets) - extents)
     assert all(b - a < sizes[name] for name, a, b in dcp_gets)  # never an object whole
     dcp_files = sum(n for f, n in sizes.items() if f == ".metadata" or f.endswith(".distcp"))
-    assert local_view.fetched()[1] - view <= size_of(root) - dcp_files  # the view: none of them
+    assert sparse.fetched()[1] - view <= size_of(root) - dcp_files  # the view: none of them
 
     gets.clear()
     part = jax_ucp.restore(url, select=select)

@@ -15,7 +15,7 @@ Output tree (the importer contract, docs/FORMAT.md section 2.6): ``params`` = fp
 from __future__ import annotations
 
 import dataclasses
-import os
+import fnmatch
 from typing import Any
 
 from jax_ucp._src.errors import SourceError
@@ -26,6 +26,7 @@ from jax_ucp._src.importers.deepspeed.files import (
     is_model_parallel,
     is_moe,
     is_tag_dir,
+    listed,
     parse_once,
     resolve_tag_dir,
 )
@@ -36,7 +37,6 @@ from jax_ucp._src.importers.plan import (
     ImportOptions,
     ImportPlan,
     TaggedOptions,
-    glob_detection,
     refuse_spec,
 )
 from jax_ucp._src.importers.trainer_files import (
@@ -52,23 +52,13 @@ __all__ = [
     "DeepSpeedOptions",
     "MegatronDeepSpeedCheckpoint",
     "detect",
-    "is_deepspeed_checkpoint",
     "open_deepspeed_checkpoint",
     "plan",
 ]
 
 
-def is_deepspeed_checkpoint(path: os.PathLike | str) -> bool:
-    """True for a folder holding ``latest`` (or ``latest_universal``) + tag folders, or a tag
-    folder with ZeRO files or a universal checkpoint."""
-    path = os.fspath(path)
-    if any(os.path.isfile(os.path.join(path, t)) for t in ("latest", universal.LATEST_UNIVERSAL)):
-        return True
-    return os.path.isdir(path) and (universal.is_universal_tag_dir(path) or is_tag_dir(path))
-
-
 def open_deepspeed_checkpoint(
-    src: os.PathLike | str, tag: str | None = None, *, spec: Any = None
+    src: Storage, tag: str | None = None, *, spec: Any = None
 ) -> DeepSpeedCheckpoint | MegatronDeepSpeedCheckpoint:
     """Finds and validates the files of one checkpoint tag; tensors stay memory-mapped.
 
@@ -80,23 +70,25 @@ def open_deepspeed_checkpoint(
         tag: the tag to open instead of ``latest``.
         spec: import rules to use instead of ``universal_checkpoint_info``.
     """
-    tag_dir = resolve_tag_dir(os.fspath(src), tag)
+    tag_dir = resolve_tag_dir(src, tag)
     if autoep.autoep_states(tag_dir) is not None:
-        raise SourceError(f"{tag_dir}: a DeepSpeed AutoEP checkpoint: read it with convert")
-    if is_moe(tag_dir):
+        raise SourceError(f"{tag_dir.root}: a DeepSpeed AutoEP checkpoint: read it with convert")
+    names = listed(tag_dir) or []
+    if is_moe(names):
         return moe.open_moe_zero_checkpoint(tag_dir)[0]
-    if is_model_parallel(tag_dir):
+    if is_model_parallel(names):
         return megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
     return zero.open_zero_checkpoint(tag_dir)
 
 
-def _plan_training_checkpoint(tag_dir: str, options: ImportOptions) -> ImportPlan:
+def _plan_training_checkpoint(tag_dir: Storage, options: ImportOptions) -> ImportPlan:
     spec, weights_only, share = options.spec, options.weights_only, options.share
     found = autoep.autoep_states(tag_dir)
     if found is not None:
         refuse_spec(spec, "convert: a DeepSpeed AutoEP checkpoint is imported raw")
         return autoep.plan_autoep(tag_dir, *found, options)
-    if is_moe(tag_dir):
+    names = listed(tag_dir) or []
+    if is_moe(names):
         refuse_spec(
             spec,
             "convert: a DeepSpeed MoE checkpoint is imported raw (experts under their "
@@ -106,7 +98,7 @@ def _plan_training_checkpoint(tag_dir: str, options: ImportOptions) -> ImportPla
     zero0_file = zero0.zero0_model_file(tag_dir)
     if zero0_file is not None:
         return zero0.plan_zero0(tag_dir, zero0_file, options)
-    if is_model_parallel(tag_dir):
+    if is_model_parallel(names):
         # TP/PP fragments merged by the universal_checkpoint_info patterns (translated into the
         # UCP language), or by the import rules of ``spec``
         checkpoint = megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
@@ -149,11 +141,16 @@ MARKERS = (
 
 
 def detect(storage: Storage) -> Detection:
-    """Whether ``src`` is a DeepSpeed checkpoint folder, from its file names."""
-    return glob_detection(
-        storage.root,
-        MARKERS,
-        "DeepSpeed files",
+    """Whether ``storage`` is a DeepSpeed checkpoint folder, from its entries' names (hidden ones
+    aside, as ``glob`` leaves them)."""
+    names = [n for n in listed(storage) or () if not n.startswith(".")]
+    if not names and listed(storage) is None:
+        return Detection(False, "not a directory")
+    for pattern in MARKERS:
+        if fnmatch.filter(names, pattern):
+            return Detection(True, f"DeepSpeed files ({pattern})")
+    return Detection(
+        False,
         "no `latest`, `global_stepN/`, `mp_rank_XX_model_states.pt` (universal: "
         "`latest_universal`, `<tag>_universal/zero/`)",
     )
@@ -170,17 +167,16 @@ def plan(storage: Storage, options: DeepSpeedOptions) -> ImportPlan:
     deepspeed-universal``'s: its ``<tag>_universal`` folder, or a folder whose
     ``latest_universal`` names it) is read by :mod:`deepspeed.universal`.
     """
-    src = storage.root
     tag = None if options.tag is None else str(options.tag)
-    universal_dir = universal.universal_tag_dir(os.fspath(src), tag)
+    universal_dir = universal.universal_tag_dir(storage, tag)
     if universal_dir is not None:
         return universal.plan_universal(universal_dir, options)
-    tag_dir = resolve_tag_dir(os.fspath(src), tag)
+    tag_dir = resolve_tag_dir(storage, tag)
     with parse_once():  # AutoEP's detection, the importer and the check read one parse
         plan = _plan_training_checkpoint(tag_dir, options)
         # every file of the tag folder is read: a file nobody reads is a silent loss (refused)
         check_every_file_read(tag_dir, plan.source_tensors)
-    trainer = trainer_folder_above(tag_dir)  # a Trainer's checkpoint-N/ holding global_stepN/
+    trainer = trainer_folder_above(tag_dir.root)  # a Trainer's checkpoint-N/: global_stepN/
     if trainer is not None:  # its schedule, clipping, step: what continues the run
         record = trainer_record(trainer)
         scheduler = (plan.source.get("optimizer") or {}).get("scheduler")
@@ -188,7 +184,7 @@ def plan(storage: Storage, options: DeepSpeedOptions) -> ImportPlan:
             record["scheduler"] = scheduler  # its state is in the model states file
         plan.source.update(trainer=record, trainer_path=trainer)
         zero.trainer_facts(plan.source, trainer)  # the config it filled from its arguments
-    elif os.path.lexists(os.path.join(root := os.path.dirname(os.path.abspath(tag_dir)), "latest")):
+    elif (root := trainer_folder_above(tag_dir.root, "latest")) is not None:
         config = model_config(root)  # the model's config.json saved beside `latest`
         if config:  # the head settings a spec by name takes (language.recorded)
             plan.source["config"] = config

@@ -13,7 +13,6 @@ DeepSpeed's universal checkpoint stores them.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -22,13 +21,14 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.importers.deepspeed import files, moe, zero, zero0
-from jax_ucp._src.importers.deepspeed.files import require
+from jax_ucp._src.importers.deepspeed.files import file_name, listed, require
 from jax_ucp._src.importers.plan import (
     ImportOptions,
     ImportPlan,
     Share,
     host_item,
 )
+from jax_ucp._src.store.storage import Storage
 
 #: The model states keys of DeepSpeed's AutoEP layer records (and the older name).
 RECORD_KEYS = ("ds_autoep_layers", "autoep_layers")
@@ -50,13 +50,13 @@ class Layer:
         return self.experts // self.ep
 
 
-def autoep_states(tag_dir: str) -> tuple[str, Mapping] | None:
+def autoep_states(tag_dir: Storage) -> tuple[str, Mapping] | None:
     """``(path, model states)`` of a tag folder whose model states file (``mp_rank_00``, or
     ZeRO-3's rank 0) records AutoEP layers; None for any other folder."""
+    names = listed(tag_dir) or []
     for name in ("mp_rank_00_model_states.pt", zero.ZERO3_MODEL_NAME.format(0, 0)):
-        path = os.path.join(tag_dir, name)
-        if os.path.isfile(path):
-            states = files.load_model_states(path)
+        if name in names:
+            path, states = tag_dir.join(name), files.load_model_states(tag_dir, name)
             return (path, states) if any(states.get(k) for k in RECORD_KEYS) else None
     return None
 
@@ -97,7 +97,7 @@ def autoep_records(states: Mapping, path: str) -> tuple[str, list]:
         )
     key = next(k for k in RECORD_KEYS if states.get(k))
     records = states[key] if isinstance(states[key], list) else [states[key]]
-    zero3 = os.path.basename(path) == zero.ZERO3_MODEL_NAME.format(0, 0)
+    zero3 = file_name(path) == zero.ZERO3_MODEL_NAME.format(0, 0)
     want = "zero3_partitioned" if zero3 else "per_expert_files"
     for index, record in enumerate(records):
         fmt = require(record, "checkpoint_format", f"{path}: {key}[{index}]")
@@ -169,23 +169,24 @@ def autoep_layers(
 
 
 def read_expert_files(
-    tag_dir: str, layers: list[Layer], fused: Mapping[str, tuple[int, ...]]
+    tag_dir: Storage, layers: list[Layer], fused: Mapping[str, tuple[int, ...]]
 ) -> dict[str, list[tuple[Any, str]]]:
     """``{<prefix>.<w>: [(expert g's weight, "<file>:<key>") for g in 0..E-1]}`` from exactly
     the files ``layer_<i>_expert_<g>_mp_rank_00_model_states.pt``, each holding
     ``<prefix>.<w>.<g>`` (of the fused local shape ``fused`` without its first dim) for w1, w2,
     w3 and nothing else."""
     out: dict[str, list[tuple[Any, str]]] = {}
+    names = listed(tag_dir) or []
     for i, layer in enumerate(layers):
         for g in range(layer.experts):
             name = f"layer_{i}_expert_{g}_mp_rank_00_model_states.pt"
-            path = os.path.join(tag_dir, name)
-            if not os.path.lexists(path):  # a file beside them is refused as not read
+            path = tag_dir.join(name)
+            if name not in names:  # a file beside them is refused as not read
                 raise SourceError(
                     f"{path}: missing file of expert {g} of AutoEP layer {i} ({layer.prefix}, "
                     f"{layer.experts} experts)"
                 )
-            state = files.load_deepspeed_file(path)
+            state = files.load_deepspeed_file(tag_dir, name)
             keys = {f"{layer.prefix}.{w}.{g}": f"{layer.prefix}.{w}" for w in WEIGHTS}
             if not isinstance(state, Mapping) or set(state) != set(keys):
                 found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
@@ -251,14 +252,14 @@ def _zero3_expert_groups(
 
 
 def _check_zero3_ranks(
-    tag_dir: str, key: str, records: list, states: Mapping, world: int, ep: int
+    tag_dir: Storage, key: str, records: list, states: Mapping, world: int, ep: int
 ) -> None:
     """Each DP rank r's model states (ZeRO-3 writes one per rank) name it EP rank ``r % ep``,
     expert-data-parallel rank ``r // ep``, records and ``param_shapes`` otherwise rank 0's."""
     shapes = files.param_shapes_of(states, zero.ZERO3_MODEL_NAME.format(0, 0))
     for r in range(world):
-        path = os.path.join(tag_dir, zero.ZERO3_MODEL_NAME.format(r, 0))
-        held = files.load_model_states(path)  # once per import (files.parse_once)
+        path = tag_dir.join(name := zero.ZERO3_MODEL_NAME.format(r, 0))
+        held = files.load_model_states(tag_dir, name)  # once per import (files.parse_once)
         e = r % ep
         want = [dict(_plain(x), ep_rank=e, expert_data_parallel_rank=r // ep) for x in records]
         for x in want:
@@ -274,17 +275,17 @@ def _check_zero3_ranks(
 
 
 def plan_autoep(
-    tag_dir: str, model_file: str, states: Mapping, options: ImportOptions
+    tag_dir: Storage, model_file: str, states: Mapping, options: ImportOptions
 ) -> ImportPlan:
     """The import of an AutoEP tag folder (ZeRO 0/1/2: per-expert files; ZeRO-3: partitions)."""
     key, records = autoep_records(states, model_file)
-    if not any(files.OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
+    if not any(files.OPTIMIZER_FILE.match(f) for f in (listed(tag_dir) or [])):
         return _plan_zero0(tag_dir, model_file, states, key, records, options)
     optimizer = files.rank0_optimizer_states(tag_dir, "AutoEP", (1, 2, 3))
     if (expected := zero.model_states_file(tag_dir, optimizer)) != model_file:
         raise SourceError(
             f"{optimizer.files[0]}: zero_stage {optimizer.stage}, whose model states are "
-            f"{os.path.basename(expected)}, beside the AutoEP records of {model_file}"
+            f"{file_name(expected)}, beside the AutoEP records of {model_file}"
         )
     local_shapes = files.param_shapes_of(states, model_file)
     ep = require(records[0], "ep_size", f"{model_file}: {key}[0]")
@@ -355,7 +356,12 @@ def _recorded_local_shapes(key: str, records: list, path: str) -> dict[str, tupl
 
 
 def _plan_zero0(
-    tag_dir: str, model_file: str, states: Mapping, key: str, records: list, options: ImportOptions
+    tag_dir: Storage,
+    model_file: str,
+    states: Mapping,
+    key: str,
+    records: list,
+    options: ImportOptions,
 ) -> ImportPlan:
     """ZeRO-0 (no ZeRO optimizer files; an fp32 run): the dense weights from ``module``, the
     experts' from their files (the trained values themselves, no master), stacked; Adam's
@@ -373,7 +379,7 @@ def _plan_zero0(
             f"{[x.ep for x in layers]}, module weights {len(dense)}: expected one file per EP "
             "rank and the dense weights in module"
         )
-    file = os.path.basename(model_file)
+    file = file_name(model_file)
     weights = {n: (v, f"{file}:module.{n}") for n, v in dense.items()}
     for name, held in experts.items():  # each EP rank's fused local tensor: shape and dtype
         carrier = np.broadcast_to(np.zeros((), held[0][0].dtype), fused[name])
@@ -383,7 +389,7 @@ def _plan_zero0(
     local = lambda r: [f"{x.prefix}.{w}{EP_PART}{r}" for x in layers for w in WEIGHTS]
     tensors = [t for held in experts.values() for _, t in held]
     found, moments, step = moe.zero0_optimizer(
-        model_file, states, optimizer_files, weights, tensors, local, source, options
+        tag_dir, model_file, states, optimizer_files, weights, tensors, local, source, options
     )
     names = options.share.pick([*dense, *experts])
     stacked = {name: _expert_files_item(("params", name), held) for name, held in experts.items()}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import re
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.plan import host_item, tensor_names, trainer_checkpoints
+from jax_ucp._src.store.storage import LocalDirectory, Storage
 from jax_ucp._src.torchfiles.allow_list import int_enum_standin, standin_class
 from jax_ucp._src.torchfiles.torch_zip import TorchArchive
 
@@ -60,7 +60,7 @@ EXPERT_FILE = re.compile(r"^layer_([0-9]+)_expert_([0-9]+)_mp_rank_([0-9]+)_mode
 EXPERT_OPTIMIZER_FILE = re.compile(r"^expp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt\Z")
 
 
-def load_deepspeed_file(path: str, *, lazy_crc: bool = False) -> Any:
+def load_deepspeed_file(folder: Storage, name: str, *, lazy_crc: bool = False) -> Any:
     """One torch file of a DeepSpeed checkpoint, DeepSpeed's own classes as inert stand-ins.
     ``lazy_crc``: each tensor's CRC-32 is checked when its bytes are first read, not now
     (:class:`TorchArchive`): the ZeRO rank files, whose moments a weights-only import skips.
@@ -69,11 +69,9 @@ def load_deepspeed_file(path: str, *, lazy_crc: bool = False) -> Any:
     ``torch.save``) must be the name it has: rank files renamed or swapped would otherwise be
     read as other ranks' partitions, i.e. wrong parameters.
     """
-    with unsafe_files_refused():
-        files.in_own_folder(path)  # a rank file linked to a file elsewhere is never read
-    archive = TorchArchive(path, lazy_crc=lazy_crc)
+    path = folder.join(name)  # a rank file linked out of its folder is never read (``inside``)
+    archive = TorchArchive((folder, name), lazy_crc=lazy_crc)
     try:
-        name = os.path.basename(path)
         saved = archive.saved_name
         # "archive": saved through a file object, no name kept
         if saved not in (name.removesuffix(".pt"), "archive"):
@@ -127,59 +125,73 @@ def sourced_item(key: tuple[str, ...], value: Any, pattern: str, tensors: list[s
 # --------------------------------------------------------------------------- the tag folder
 
 
-def resolve_tag_dir(src: str, tag: str | None) -> str:
+def listed(folder: Storage) -> list[str] | None:
+    """The entries of ``folder`` (a remote folder's nested objects by their first part), None
+    when it is no folder."""
+    try:
+        return sorted({name.split("/", 1)[0] for name in folder.names()})
+    except OSError:
+        return None
+
+
+def resolve_tag_dir(src: Storage, tag: str | None) -> Storage:
     """The tag folder to read: ``tag``, ``src`` itself when it is one (:func:`is_tag_dir`), or
     ``latest`` (which may only name a folder inside ``src``)."""
-    if not os.path.isdir(src):
-        raise SourceError(f"{src}: not a directory")
+    names = listed(src)
+    if names is None:
+        raise SourceError(f"{src.root}: not a directory")
     if tag is not None:
-        tag_dir = os.path.join(src, tag)
-        if not os.path.isdir(tag_dir):
-            raise SourceError(f"{tag_dir}: tag folder {tag!r} not found")
+        with unsafe_files_refused():
+            tag_dir = src.folder(tag)
+        if not listed(tag_dir):
+            raise SourceError(f"{tag_dir.root}: tag folder {tag!r} not found")
         return tag_dir
-    if is_tag_dir(src):
+    if is_tag_dir(names):
         return src
-    latest = os.path.join(src, "latest")
-    if os.path.lexists(latest):
-        return follow_tracker(src, latest)
-    if runs := trainer_checkpoints(src):
+    if "latest" in names:
+        return follow_tracker(src, "latest")
+    if runs := trainer_checkpoints(src.root):
         raise SourceError(
-            f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
-            f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
+            f"{src.root}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
+            f"{', '.join(runs)}. Convert one of them (e.g. {src.join(runs[-1])})."
         )
     raise SourceError(
-        f"{src}: no DeepSpeed checkpoint here (expected a 'latest' file or "
+        f"{src.root}: no DeepSpeed checkpoint here (expected a 'latest' file or "
         f"'*zero_pp_rank_*_optim_states.pt' files; for a universal checkpoint, a "
         f"'latest_universal' file or a '<tag>_universal' folder holding 'zero/' and "
         f"'mp_rank_XX_model_states.pt')"
     )
 
 
-def follow_tracker(src: str, tracker: str) -> str:
+def follow_tracker(src: Storage, tracker: str) -> Storage:
     """The tag folder a tracker file of ``src`` (``latest``, ``latest_universal``) names, which
     may only be a folder inside ``src``."""
-    tag = read_tag_file(tracker)
-    tag_dir = os.path.join(src, tag)
+    tag = read_tag_file(src, tracker)
     try:  # symlinks resolved, strictly inside: a tracker never leads out of its checkpoint
-        real = files.inside(src, os.path.relpath(tag_dir, src), tag_dir)
+        tag_dir = None if tag in ("", ".", "..") else src.folder(tag)
     except (files.UnsafeFileError, ValueError):
-        real = None
-    if tag in ("", ".", "..") or real in (None, os.path.realpath(src)):
+        tag_dir = None
+    if tag_dir is None:
         raise SourceError(
-            f"{tracker} names tag {tag[:100]!r}, which is not a folder inside {src}; refusing "
-            "to follow it"
+            f"{src.join(tracker)} names tag {tag[:100]!r}, which is not a folder inside "
+            f"{src.root}; refusing to follow it"
         )
-    if not os.path.isdir(tag_dir):
-        raise SourceError(f"{tracker} names tag {tag!r} but {tag_dir} does not exist")
+    if not listed(tag_dir):
+        raise SourceError(
+            f"{src.join(tracker)} names tag {tag!r} but {tag_dir.root} does not exist"
+        )
     return tag_dir
 
 
-def read_tag_file(path: str) -> str:
+def read_tag_file(folder: Storage, name: str) -> str:
     """The tag a tracker file (DeepSpeed's ``latest``) names: one line of printable UTF-8 text.
     A NUL or another control character would otherwise reach the file system as a raw
     "embedded null byte" error, or name a folder nobody wrote."""
+    path = folder.join(name)
     with unsafe_files_refused():
-        raw = files.read_regular(files.in_own_folder(path), 4096)
+        raw = folder.read(name, 4096)
+    if raw is None:  # listed, yet no file: a link to nothing, never read as no tracker
+        raise SourceError(f"{path}: listed, but no file there (a link to nothing?)")
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError as e:
@@ -195,10 +207,10 @@ def read_tag_file(path: str) -> str:
     return tag
 
 
-def is_tag_dir(path: str) -> bool:
-    """A checkpoint tag folder itself: ZeRO optimizer files, or (ZeRO-0, MoE) model states or
-    expert files and no ``latest`` (a run folder holding both is read through ``latest``)."""
-    names = os.listdir(path)
+def is_tag_dir(names: Collection[str]) -> bool:
+    """A checkpoint tag folder itself (its entries ``names``): ZeRO optimizer files, or (ZeRO-0,
+    MoE) model states or expert files and no ``latest`` (a run folder holding both is read
+    through ``latest``)."""
     if any(OPTIMIZER_FILE.match(f) for f in names):
         return True
     return "latest" not in names and any(
@@ -206,12 +218,12 @@ def is_tag_dir(path: str) -> bool:
     )
 
 
-def is_moe(tag_dir: str) -> bool:
-    """True when the tag folder holds DeepSpeed MoE expert files."""
-    return any(EXPERT_FILE.match(f) for f in os.listdir(tag_dir))
+def is_moe(names: Collection[str]) -> bool:
+    """True when a tag folder holding ``names`` holds DeepSpeed MoE expert files."""
+    return any(EXPERT_FILE.match(f) for f in names)
 
 
-def check_every_file_read(tag_dir: str, source_tensors) -> None:
+def check_every_file_read(tag_dir: Storage, source_tensors) -> None:
     """Every entry of the tag folder is a file the import reads (it holds a tensor the import
     accounts for: ``source_tensors``, named ``<file>:<path>``), else the import is refused
     naming it: a file nobody reads is part of the checkpoint silently lost (an unknown layout,
@@ -219,51 +231,44 @@ def check_every_file_read(tag_dir: str, source_tensors) -> None:
     without parameters) counts as read once it loads."""
     covered = {name.split(":", 1)[0] for name in source_tensors or ()}
     unread = []
-    for name in sorted(os.listdir(tag_dir)):
+    for name in listed(tag_dir) or ():
         if name in covered:
             continue
-        path = os.path.join(tag_dir, name)
         known = any(
             pattern.match(name)
             for pattern in (LAYER_FILE, MP_MODEL_FILE, ZERO3_MODEL_FILE, OPTIMIZER_FILE)
         )
-        if (
-            known
-            and os.path.isfile(path)
-            and not os.path.islink(path)
-            and not any(True for _ in tensor_names(parsed_file(path)))
-        ):
+        if known and not any(True for _ in tensor_names(parsed_file(tag_dir, name))):
             continue
         unread.append(name)
     if unread:
         raise SourceError(
-            f"{tag_dir}: the import would not read {len(unread)} of the folder's entries: "
+            f"{tag_dir.root}: the import would not read {len(unread)} of the folder's entries: "
             f"{unread[:10]}{' ...' if len(unread) > 10 else ''}. Refusing to import part of a "
             "checkpoint: this layout is not supported, or the files are not DeepSpeed's (move "
             "them out of the tag folder)"
         )
 
 
-def is_model_parallel(tag_dir: str) -> bool:
-    """True when the tag folder holds more than one model-parallel rank or pipeline layer files
-    (a Megatron-DeepSpeed TP/PP checkpoint)."""
-    files = os.listdir(tag_dir)
-    if any(LAYER_FILE.match(f) for f in files):
+def is_model_parallel(names: Collection[str]) -> bool:
+    """True when a tag folder holding ``names`` holds more than one model-parallel rank or
+    pipeline layer files (a Megatron-DeepSpeed TP/PP checkpoint)."""
+    if any(LAYER_FILE.match(f) for f in names):
         return True
-    mp_ranks = {int(m.group(3)) for m in map(OPTIMIZER_FILE.match, files) if m}
-    mp_ranks |= {int(m.group(1)) for m in map(MP_MODEL_FILE.match, files) if m}
+    mp_ranks = {int(m.group(3)) for m in map(OPTIMIZER_FILE.match, names) if m}
+    mp_ranks |= {int(m.group(1)) for m in map(MP_MODEL_FILE.match, names) if m}
     return len(mp_ranks) > 1
 
 
-def optimizer_files_by_rank(tag_dir: str) -> tuple[dict[int, dict[int, str]], str]:
-    """``{MP rank: {DP rank: path}}`` of the tag's ZeRO optimizer files, and their name prefix.
+def optimizer_files_by_rank(tag_dir: Storage) -> tuple[dict[int, dict[int, str]], str]:
+    """``{MP rank: {DP rank: name}}`` of the tag's ZeRO optimizer files, and their name prefix.
 
     One file per (MP, DP) rank, all with or all without DeepSpeed's ``bf16_`` prefix: anything
     else is two saves mixed in one folder.
     """
     by_rank: dict[int, dict[int, str]] = {}
     prefixes = set()
-    for name in sorted(os.listdir(tag_dir)):
+    for name in listed(tag_dir) or ():
         match = OPTIMIZER_FILE.match(name)
         if not match:
             continue
@@ -271,29 +276,31 @@ def optimizer_files_by_rank(tag_dir: str) -> tuple[dict[int, dict[int, str]], st
         same_rank = by_rank.setdefault(mp_rank, {})
         if dp_rank in same_rank:
             raise SourceError(
-                f"{tag_dir}: two optimizer files for DP rank {dp_rank}: "
-                f"{os.path.basename(same_rank[dp_rank])} and {name}"
+                f"{tag_dir.root}: two optimizer files for DP rank {dp_rank}: "
+                f"{same_rank[dp_rank]} and {name}"
             )
-        same_rank[dp_rank] = os.path.join(tag_dir, name)
+        same_rank[dp_rank] = name
         prefixes.add(match.group(1) or "")
     if len(prefixes) > 1:
-        raise SourceError(f"{tag_dir}: both 'bf16_' and plain optimizer files present")
+        raise SourceError(f"{tag_dir.root}: both 'bf16_' and plain optimizer files present")
     return by_rank, prefixes.pop() if prefixes else ""
 
 
-def rank0_optimizer_states(tag_dir: str, layout: str, stages: Collection[int]) -> OptimizerStates:
+def rank0_optimizer_states(
+    tag_dir: Storage, layout: str, stages: Collection[int]
+) -> OptimizerStates:
     """The checked optimizer files of model-parallel rank 0 of a layout (``layout``, for
     errors) without tensor or pipeline parallelism: rank 0's must be present, no other
     rank's, and of one of the ZeRO ``stages`` it is read for."""
     by_rank, _ = optimizer_files_by_rank(tag_dir)
     if not by_rank.get(0):
         raise SourceError(
-            f"{tag_dir}: no '*zero_pp_rank_*_mp_rank_00_optim_states.pt' files (a {layout} "
+            f"{tag_dir.root}: no '*zero_pp_rank_*_mp_rank_00_optim_states.pt' files (a {layout} "
             "checkpoint at ZeRO stage 0 keeps its optimizer state elsewhere: read it with convert)"
         )
     if set(by_rank) != {0}:  # a plain ZeRO folder's: unreachable (dispatched first)
         raise SourceError(
-            f"{tag_dir}: {layout} optimizer files of model-parallel ranks {sorted(by_rank)}; "
+            f"{tag_dir.root}: {layout} optimizer files of model-parallel ranks {sorted(by_rank)}; "
             f"tensor or pipeline parallelism is not supported with {layout}"
         )
     optimizer = read_optimizer_states(tag_dir, by_rank[0])
@@ -355,28 +362,28 @@ class OptimizerStates:
     stage: int
     world_size: int  # DP ranks, from partition_count
     partition_count: Any  # as recorded (an int, or one per param group)
-    files: list[str]  # per DP rank
+    files: list[str]  # per DP rank (shown: its folder joined)
     states: list[dict]  # per DP rank: its 'optimizer_state_dict'
     #: per DP rank: the file's own copy of the run's config (``ds_config``; None: not written)
     configs: list[Any] = field(default_factory=list)
 
 
 def read_optimizer_states(
-    tag_dir: str, files_by_dp_rank: Mapping[int, str], *, of_rank: str = ""
+    tag_dir: Storage, files_by_dp_rank: Mapping[int, str], *, of_rank: str = ""
 ) -> OptimizerStates:
     """Reads one model-parallel rank's optimizer files; every DP rank of ``partition_count``
     present, no other, all with the same stage and partition count.
 
     Args:
         tag_dir: the tag folder.
-        files_by_dp_rank: the optimizer file of each data-parallel rank.
+        files_by_dp_rank: the optimizer file (its name) of each data-parallel rank.
         of_rank: names the model-parallel rank in messages.
     """
     first_rank = min(files_by_dp_rank)
-    first = files_by_dp_rank[first_rank]
+    first = tag_dir.join(files_by_dp_rank[first_rank])
     # each partition's CRC-32 checked when it is first read: a weights-only import reads the
     # fp32 masters, never the moments (two thirds of the files)
-    first_file = load_deepspeed_file(first, lazy_crc=True)
+    first_file = load_deepspeed_file(tag_dir, files_by_dp_rank[first_rank], lazy_crc=True)
     first_state = require(first_file, "optimizer_state_dict", first)
     configs = [first_file.get("ds_config")]
     stage = zero_stage_of(first_state, first)
@@ -386,23 +393,23 @@ def read_optimizer_states(
     )
     for dp_rank in range(world):
         if dp_rank not in files_by_dp_rank:
-            name = os.path.basename(first)
+            name = files_by_dp_rank[first_rank]
             name = name.replace(f"zero_pp_rank_{first_rank}_", f"zero_pp_rank_{dp_rank}_")
             raise SourceError(
-                f"{os.path.join(tag_dir, name)}: missing optimizer file for DP rank {dp_rank}{of_rank} "
+                f"{tag_dir.join(name)}: missing optimizer file for DP rank {dp_rank}{of_rank} "
                 f"(partition_count in {first} is {world})"
             )
     if len(files_by_dp_rank) != world:
         extra = sorted(set(files_by_dp_rank) - set(range(world)))
         raise SourceError(
-            f"{tag_dir}: world size metadata says {world} DP ranks (partition_count in {first}) "
-            f"but found optimizer files{of_rank} for ranks {sorted(files_by_dp_rank)} (unexpected: "
-            f"{[os.path.basename(files_by_dp_rank[r]) for r in extra]})"
+            f"{tag_dir.root}: world size metadata says {world} DP ranks (partition_count in "
+            f"{first}) but found optimizer files{of_rank} for ranks {sorted(files_by_dp_rank)} "
+            f"(unexpected: {[files_by_dp_rank[r] for r in extra]})"
         )
-    files = [files_by_dp_rank[dp_rank] for dp_rank in range(world)]
+    files = [tag_dir.join(files_by_dp_rank[dp_rank]) for dp_rank in range(world)]
     states = [first_state]
-    for path in files[1:]:  # every further DP rank must agree with the first
-        loaded = load_deepspeed_file(path, lazy_crc=True)
+    for dp_rank, path in enumerate(files[1:], 1):  # every further DP rank agrees with the first
+        loaded = load_deepspeed_file(tag_dir, files_by_dp_rank[dp_rank], lazy_crc=True)
         state = require(loaded, "optimizer_state_dict", path)
         configs.append(loaded.get("ds_config"))
         if is_bf16_optimizer(state) != is_bf16_optimizer(first_state):
@@ -425,7 +432,7 @@ def read_optimizer_states(
 # --------------------------------------------------------------------------- model states files
 
 
-#: The files parsed while :func:`parse_once` is open, by path.
+#: The files parsed while :func:`parse_once` is open, by path (shown).
 _PARSED: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "parsed_model_states", default=None
 )
@@ -443,21 +450,24 @@ def parse_once() -> Iterator[None]:
         _PARSED.reset(token)
 
 
-def parsed_file(path: str) -> Any:
-    """:func:`load_deepspeed_file` of ``path``, parsed once while :func:`parse_once` is open."""
-    parsed = _PARSED.get()
+def parsed_file(folder: Storage, name: str) -> Any:
+    """:func:`load_deepspeed_file` of ``name``, parsed once while :func:`parse_once` is open."""
+    parsed, path = _PARSED.get(), folder.join(name)
     if parsed is None:
-        return load_deepspeed_file(path)
+        return load_deepspeed_file(folder, name)
     if path not in parsed:
-        parsed[path] = load_deepspeed_file(path)
+        parsed[path] = load_deepspeed_file(folder, name)
     return parsed[path]
 
 
-def load_model_states(path: str, *, of_rank: str = "") -> Mapping:
+def load_model_states(folder: Storage, name: str, *, of_rank: str = "") -> Mapping:
     """A ``*model_states.pt`` file (param_shapes, module, ds_config, ...), which must exist."""
-    if not os.path.lexists(path):  # present but not a regular file: the reader says what it is
+    path = folder.join(name)
+    with unsafe_files_refused():
+        here = folder.exists(name)
+    if not here:  # present but not a regular file: the reader says what it is
         raise SourceError(f"{path}: missing model states file{of_rank}")
-    model_states = parsed_file(path)
+    model_states = parsed_file(folder, name)
     if not isinstance(model_states, Mapping):
         raise SourceError(f"{path}: expected a dict, found {type(model_states).__name__}")
     return model_states
@@ -526,7 +536,7 @@ def param_shapes_of(model_states: Mapping, model_file: str) -> list[dict[str, tu
     ]
 
 
-def source_record(tag_dir: str, model_states: Mapping, stage: int | None, **more: Any) -> dict:
+def source_record(tag_dir: Storage, model_states: Mapping, stage: int | None, **more: Any) -> dict:
     """What the manifest records about every DeepSpeed source, and the layout's own ``more``.
 
     Args:
@@ -537,7 +547,7 @@ def source_record(tag_dir: str, model_states: Mapping, stage: int | None, **more
     """
     steps = model_states.get("global_steps")
     runs.say_renamed(
-        tag_dir,
+        tag_dir.root,
         rf"global_step({files.DIGITS})(_universal)?",
         steps,
         "tag folder's name says step {named}, its model states' global_steps {step} (renamed or "
@@ -545,7 +555,7 @@ def source_record(tag_dir: str, model_states: Mapping, stage: int | None, **more
     )
     return {
         "framework": "deepspeed",
-        "path": os.path.abspath(tag_dir),
+        "path": tag_dir.absolute(),
         "zero_stage": stage,
         "ds_version": version_string(model_states),
         "global_steps": steps if type(steps) is int else None,
@@ -582,15 +592,20 @@ def deepspeed_run(root: str) -> runs.TrainerRun | None:
     ``latest`` names did not complete; a tag folder without ZeRO optimizer or model-state
     files neither."""
     found = runs.numbered_steps(root, rf"global_step({files.DIGITS})")
-    tracked = None
-    if found and os.path.lexists(os.path.join(root, "latest")):
-        tag = read_tag_file(os.path.join(root, "latest"))
+    tracked, here = None, LocalDirectory(root)  # a run is listed by its path (``runs``)
+    if found and "latest" in (listed(here) or ()):
+        tag = read_tag_file(here, "latest")
         named = re.fullmatch(rf"global_step({files.DIGITS})", tag, re.ASCII)
         tracked = ("DeepSpeed's `latest`", int(named.group(1)) if named else None)
 
     def complete(path: str) -> str | None:
-        if is_tag_dir(path):
+        if is_tag_dir(listed(LocalDirectory(path)) or ()):
             return None
         return f"{path}: no ZeRO optimizer or model-state files: its save did not complete"
 
     return runs.trainer_run(root, "a DeepSpeed save_dir", found, complete, tracked)
+
+
+def file_name(shown: str) -> str:
+    """The name in its tag folder of a file shown as the folder joined with it (``join``)."""
+    return shown.rpartition("/")[2]

@@ -38,6 +38,7 @@ from jax_ucp._src.format.files import numbered_names
 from jax_ucp._src.importers import rank_grid
 from jax_ucp._src.importers.deepspeed import affine, files, zero
 from jax_ucp._src.importers.deepspeed.affine import AffineMap
+from jax_ucp._src.importers.deepspeed.files import file_name, listed
 from jax_ucp._src.importers.deepspeed.ucp_info import spec_from_ucp_info
 from jax_ucp._src.importers.deepspeed.zero import (
     STATE_TREES,
@@ -55,6 +56,7 @@ from jax_ucp._src.language import (
     load_spec,
 )
 from jax_ucp._src.language.patterns import compile_pattern
+from jax_ucp._src.store.storage import Storage
 
 __all__ = [
     "MegatronDeepSpeedCheckpoint",
@@ -71,7 +73,7 @@ ModelWeights = dict[str, dict[int, tuple[np.ndarray, str, str]]]
 class MegatronDeepSpeedCheckpoint:
     """Every TP/PP rank of one tag folder, validated up front, with the merge rule of each name."""
 
-    tag_dir: str
+    tag_dir: Storage
     stage: int
     tp: int
     pp: int
@@ -98,7 +100,7 @@ class MegatronDeepSpeedCheckpoint:
 class _RankFiles:
     """Where each model-parallel rank's files are (found and checked before any rank is read)."""
 
-    tag_dir: str
+    tag_dir: Storage
     tp: int
     pp: int
     model_files: dict[int, str]  # MP rank -> model states file name
@@ -112,11 +114,11 @@ class _RankFiles:
 
 
 def open_megatron_deepspeed_checkpoint(
-    tag_dir: str, *, spec: Any = None
+    tag_dir: Storage, *, spec: Any = None
 ) -> MegatronDeepSpeedCheckpoint:
     """Finds and validates every TP/PP/DP rank file of one tag folder (tensors stay
     memory-mapped); ``spec``: import rules to use instead of its ``universal_checkpoint_info``."""
-    listing = sorted(os.listdir(tag_dir))
+    listing = listed(tag_dir) or []
     rank_files = _find_rank_files(tag_dir, listing)
     spec, info = _import_spec(spec, rank_files)
     ranks = [
@@ -148,7 +150,7 @@ def open_megatron_deepspeed_checkpoint(
     checkpoint.matches = spec.classify(names)
     missing = [name for name in names if name not in checkpoint.matches]
     if missing:
-        raise SourceError(f"{tag_dir}: no import rule covers {missing[:10]}")
+        raise SourceError(f"{tag_dir.root}: no import rule covers {missing[:10]}")
     maps = affine.parse_affine_maps(
         info, f"{rank_files.first_model_file}: universal_checkpoint_info", rank_files.tp
     )
@@ -169,7 +171,7 @@ def open_megatron_deepspeed_checkpoint(
     return checkpoint
 
 
-def _find_rank_files(tag_dir: str, names: list[str]) -> _RankFiles:
+def _find_rank_files(tag_dir: Storage, names: list[str]) -> _RankFiles:
     """The TP x PP grid (from rank 0's model states) and every rank's model and optimizer files;
     a missing or surplus rank file is an error. ZeRO-3 (AutoTP with ZeRO stage 3) keeps each
     model-parallel rank's model states in ``zero_pp_rank_D_mp_rank_XX_model_states.pt``, one
@@ -180,24 +182,24 @@ def _find_rank_files(tag_dir: str, names: list[str]) -> _RankFiles:
             for f in names
             if (m := files.ZERO3_MODEL_FILE.match(f)) and int(m.group(1)) == 0
         ],
-        tag_dir,
+        tag_dir.root,
         "model-parallel rank",
     )
     model_files = zero3 or numbered_names(
         [(int(m[1]), f) for f in names if (m := files.MP_MODEL_FILE.match(f))],
-        tag_dir,
+        tag_dir.root,
         "model-parallel rank",
     )
     pattern = ("zero_pp_rank_0_" if zero3 else "") + "mp_rank_{:02d}_model_states.pt"
-    first_model_file = os.path.join(tag_dir, pattern.format(0))
+    first_model_file = tag_dir.join(pattern.format(0))
     first_model_states = files.load_model_states(
-        first_model_file, of_rank=" of model-parallel rank 0"
+        tag_dir, pattern.format(0), of_rank=" of model-parallel rank 0"
     )
     tp, pp = _degrees(names, first_model_states, first_model_file, len(model_files))
     mp_world = tp * pp
     for mp_rank in range(mp_world):
         if mp_rank not in model_files:
-            path = os.path.join(tag_dir, pattern.format(mp_rank))
+            path = tag_dir.join(pattern.format(mp_rank))
             raise SourceError(
                 f"{path}: missing model states file of model-parallel rank {mp_rank} "
                 f"(pp={mp_rank // tp}, tp={mp_rank % tp}; the checkpoint has tp={tp}, pp={pp})"
@@ -205,14 +207,14 @@ def _find_rank_files(tag_dir: str, names: list[str]) -> _RankFiles:
     extra = sorted(set(model_files) - set(range(mp_world)))
     if extra:
         raise SourceError(
-            f"{tag_dir}: model states files for ranks {extra} beyond tp={tp} x pp={pp}: "
+            f"{tag_dir.root}: model states files for ranks {extra} beyond tp={tp} x pp={pp}: "
             f"{[model_files[mp_rank] for mp_rank in extra]}"
         )
     optimizer_files, prefix = files.optimizer_files_by_rank(tag_dir)
     extra = sorted(set(optimizer_files) - set(range(mp_world)))
     if extra:
         raise SourceError(
-            f"{tag_dir}: optimizer files for model-parallel ranks {extra} beyond tp={tp} x pp={pp}"
+            f"{tag_dir.root}: optimizer files for model-parallel ranks {extra} beyond tp={tp} x pp={pp}"
         )
     return _RankFiles(
         tag_dir, tp, pp, model_files, optimizer_files, prefix, first_model_file, first_model_states
@@ -279,9 +281,11 @@ def _open_rank(rank_files: _RankFiles, pp_rank: int, tp_rank: int) -> DeepSpeedC
     """One model-parallel rank, read and checked like a plain ZeRO stage 1/2 checkpoint."""
     tag_dir, mp_world = rank_files.tag_dir, rank_files.tp * rank_files.pp
     mp_rank = pp_rank * rank_files.tp + tp_rank
-    model_file = os.path.join(tag_dir, rank_files.model_files[mp_rank])
+    model_file = tag_dir.join(rank_files.model_files[mp_rank])
     model_states = (
-        rank_files.first_model_states if mp_rank == 0 else files.load_model_states(model_file)
+        rank_files.first_model_states
+        if mp_rank == 0
+        else files.load_model_states(tag_dir, rank_files.model_files[mp_rank])
     )
     recorded = model_states.get("mp_world_size")
     if recorded is not None and int(recorded) != mp_world:
@@ -293,7 +297,7 @@ def _open_rank(rank_files: _RankFiles, pp_rank: int, tp_rank: int) -> DeepSpeedC
     files_by_dp_rank = rank_files.optimizer_files.get(mp_rank)
     if not files_by_dp_rank:
         name = f"{rank_files.optimizer_prefix}zero_pp_rank_0_mp_rank_{mp_rank:02d}_optim_states.pt"
-        raise SourceError(f"{os.path.join(tag_dir, name)}: missing optimizer files{of_rank}")
+        raise SourceError(f"{tag_dir.join(name)}: missing optimizer files{of_rank}")
     optimizer = files.read_optimizer_states(tag_dir, files_by_dp_rank, of_rank=of_rank)
     if optimizer.stage not in (1, 2, 3):
         raise SourceError(
@@ -302,15 +306,15 @@ def _open_rank(rank_files: _RankFiles, pp_rank: int, tp_rank: int) -> DeepSpeedC
         )
     # the stage's own model states file name (and, for stage 3, every DP rank's present)
     expected = zero.model_states_file(tag_dir, optimizer, mp_rank)
-    if os.path.basename(expected) != rank_files.model_files[mp_rank]:
+    if file_name(expected) != rank_files.model_files[mp_rank]:
         raise SourceError(
             f"{optimizer.files[0]}: zero_stage {optimizer.stage}{of_rank} is saved with "
-            f"{os.path.basename(expected)}, but the folder holds {rank_files.model_files[mp_rank]}"
+            f"{file_name(expected)}, but the folder holds {rank_files.model_files[mp_rank]}"
         )
     return zero.open_zero_rank(tag_dir, model_file, model_states, optimizer, mp_rank)
 
 
-def _check_same_partitioning(tag_dir: str, ranks: list[list[DeepSpeedCheckpoint]]) -> np.dtype:
+def _check_same_partitioning(tag_dir: Storage, ranks: list[list[DeepSpeedCheckpoint]]) -> np.dtype:
     """Every model-parallel rank was partitioned over the same DP ranks with the same stage, in
     the same model dtype (returned)."""
     reference = ranks[0][0]
@@ -324,7 +328,7 @@ def _check_same_partitioning(tag_dir: str, ranks: list[list[DeepSpeedCheckpoint]
     dtypes = {rank.model_dtype for row in ranks for rank in row}
     if len(dtypes) != 1:
         raise SourceError(
-            f"{tag_dir}: model-parallel ranks disagree on the model dtype: "
+            f"{tag_dir.root}: model-parallel ranks disagree on the model dtype: "
             f"{sorted(map(str, dtypes))}"
         )
     return dtypes.pop()
@@ -356,7 +360,7 @@ def _model_weights(checkpoint: MegatronDeepSpeedCheckpoint, names: list[str]) ->
                 continue
             for name, value in (rank.module or {}).items():
                 if isinstance(value, np.ndarray):
-                    file = os.path.basename(rank.model_file)
+                    file = file_name(rank.model_file)
                     weights.setdefault(str(name), {}).setdefault(
                         tp_rank, (value, file, f"{file}:module.{name}")
                     )
@@ -379,13 +383,12 @@ def _check_layer_files(
     for layer, tp_rank, name in layer_files:
         if tp_rank >= checkpoint.tp:
             raise SourceError(
-                f"{os.path.join(checkpoint.tag_dir, name)}: TP rank {tp_rank} beyond "
-                f"tp={checkpoint.tp}"
+                f"{checkpoint.tag_dir.join(name)}: TP rank {tp_rank} beyond tp={checkpoint.tp}"
             )
         same = tp_ranks_of_layer.setdefault(layer, {})
         if tp_rank in same:  # layer_00-model_states.pt beside layer_00-model_00-model_states.pt
             raise SourceError(
-                f"{checkpoint.tag_dir}: two files for pipeline layer {layer} on TP rank "
+                f"{checkpoint.tag_dir.root}: two files for pipeline layer {layer} on TP rank "
                 f"{tp_rank}: {same[tp_rank]} and {name} (two saves mixed in one folder?)"
             )
         same[tp_rank] = name
@@ -394,7 +397,7 @@ def _check_layer_files(
             if tp_rank not in tp_ranks:
                 name = f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
                 raise SourceError(
-                    f"{os.path.join(checkpoint.tag_dir, name)}: missing layer file of pipeline "
+                    f"{checkpoint.tag_dir.join(name)}: missing layer file of pipeline "
                     f"layer {layer} for TP rank {tp_rank} (other TP ranks have it)"
                 )
 
@@ -410,12 +413,12 @@ def _add_layer_weights(
         if name.startswith("tied_modules."):
             tied.setdefault(name.split(".", 2)[2], []).append(name)
     known = set(checkpoint.names)
-    for layer, tp_rank, file_name in layer_files:
-        path = os.path.join(checkpoint.tag_dir, file_name)
-        state_dict = files.parsed_file(path)  # once: check_every_file_read reads it too
+    for layer, tp_rank, file in layer_files:
+        path = checkpoint.tag_dir.join(file)
+        state_dict = files.parsed_file(checkpoint.tag_dir, file)  # and the check's
         if not isinstance(state_dict, Mapping):
             raise SourceError(f"{path}: expected a state dict, found {type(state_dict).__name__}")
-        checkpoint.layer_tensors[file_name] = [f"{file_name}:{n}" for n in tensor_names(state_dict)]
+        checkpoint.layer_tensors[file] = [f"{file}:{n}" for n in tensor_names(state_dict)]
         for key, value in state_dict.items():
             if not isinstance(value, np.ndarray):
                 continue
@@ -425,9 +428,7 @@ def _add_layer_weights(
                 if len(candidates) != 1:
                     continue  # a buffer, or not a trained parameter
                 name = candidates[0]
-            weights.setdefault(name, {}).setdefault(
-                tp_rank, (value, file_name, f"{file_name}:{key}")
-            )
+            weights.setdefault(name, {}).setdefault(tp_rank, (value, file, f"{file}:{key}"))
 
 
 # --------------------------------------------------------------------------- merge kinds
@@ -576,8 +577,8 @@ def _parameter_items(
     def files_of() -> str:
         return "; ".join(
             f"stage {stage} TP rank {tp_rank}: "
-            f"{os.path.basename(checkpoint.ranks[stage][tp_rank].model_file)} + "
-            f"{[os.path.basename(f) for f in checkpoint.ranks[stage][tp_rank].optim_files]}"
+            f"{file_name(checkpoint.ranks[stage][tp_rank].model_file)} + "
+            f"{[file_name(f) for f in checkpoint.ranks[stage][tp_rank].optim_files]}"
             for stage in stages
             for tp_rank in range(checkpoint.tp)
         )
@@ -635,10 +636,10 @@ def _provenance(checkpoint: MegatronDeepSpeedCheckpoint, name, match, tp_kind, w
     stages = checkpoint.holders[name]
     holding = [rank for stage in stages for rank in checkpoint.ranks[stage]]
     files = {
-        os.path.basename(rank.optim_files[piece.dp_rank])
+        file_name(rank.optim_files[piece.dp_rank])
         for rank in holding
         for piece in rank.fragment_plan[name].pieces
-    } | {os.path.basename(rank.model_file) for rank in holding}
+    } | {file_name(rank.model_file) for rank in holding}
     provenance = {
         "files": sorted(files),
         "pattern": match.rule.label or match.rule.pattern,
@@ -677,7 +678,7 @@ def _model_copy_item(
         if tuple(fragment.shape) != tuple(expected):
             raise SourceError(
                 f"{path}: {name!r} has shape {tuple(fragment.shape)}, param_shapes in "
-                f"{os.path.basename(checkpoint.ranks[stage][tp_rank].model_file)} say {tuple(expected)}"
+                f"{file_name(checkpoint.ranks[stage][tp_rank].model_file)} say {tuple(expected)}"
             )
     files = sorted(set(paths))
     value = _merged(checkpoint, name, tp_kind, [fragments], "module", lambda: files)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import mapped_file
 from jax_ucp._src.format.files import numbered_names
 from jax_ucp._src.importers.deepspeed import files, zero, zero0
-from jax_ucp._src.importers.deepspeed.files import require
+from jax_ucp._src.importers.deepspeed.files import file_name, listed, require
 from jax_ucp._src.importers.deepspeed.zero import DeepSpeedCheckpoint
 from jax_ucp._src.importers.plan import (
     ADAM_TREES,
@@ -50,6 +49,7 @@ from jax_ucp._src.importers.plan import (
     skip,
     tensor_names,
 )
+from jax_ucp._src.store.storage import Storage
 
 #: An expert parameter's name: ``<MoE module>.deepspeed_experts.<expert index>.<key>``.
 EXPERT_NAME = re.compile(r"^(.+)\.deepspeed_experts\.([0-9]+)\.(.+)$")
@@ -117,7 +117,7 @@ class Experts:
         return f"{prefix}.deepspeed_experts.{ep_rank * local_count + local}.{rest}"
 
 
-def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Experts:
+def read_experts(tag_dir: Storage, model_states: Mapping, model_file: str) -> Experts:
     """Reads every ``layer_L_expert_X_mp_rank_XX_model_states.pt``: experts 0..N-1 of each layer
     (N = ``num_experts`` of the model states when recorded), each file holding the parameters
     of its own expert only, one MoE module per layer.
@@ -128,8 +128,8 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
         model_file: its path, for errors.
     """
     by_layer: dict[int, dict[int, str]] = {}
-    listed = _rank0_files(tag_dir, files.EXPERT_FILE, "(layer, expert, model-parallel rank)")
-    for (layer, expert), name in listed.items():
+    numbered = _rank0_files(tag_dir, files.EXPERT_FILE, "(layer, expert, model-parallel rank)")
+    for (layer, expert), name in numbered.items():
         by_layer.setdefault(layer, {})[expert] = name
     recorded = model_states.get("num_experts")
     if isinstance(recorded, (list, tuple)) and len(recorded) != len(by_layer):
@@ -141,7 +141,7 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
     for index, (layer, by_expert) in enumerate(sorted(by_layer.items())):
         if layer != index:
             raise SourceError(
-                f"{tag_dir}: expert files of MoE layers {sorted(by_layer)}; layer {index} is "
+                f"{tag_dir.root}: expert files of MoE layers {sorted(by_layer)}; layer {index} is "
                 "missing"
             )
         count = len(by_expert)
@@ -152,46 +152,47 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
         for expert in range(count):
             if expert not in by_expert:
                 raise SourceError(
-                    f"{os.path.join(tag_dir, f'layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt')}"
+                    f"{tag_dir.join(f'layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt')}"
                     f": missing file of expert {expert} of MoE layer {layer} ({count} experts)"
                 )
         if len(by_expert) != count:
             raise SourceError(
-                f"{tag_dir}: MoE layer {layer} has {count} experts ({model_file}: num_experts) "
+                f"{tag_dir.root}: MoE layer {layer} has {count} experts ({model_file}: num_experts) "
                 f"but expert files {sorted(by_expert)}"
             )
         experts.count[layer] = count
         for expert, name in sorted(by_expert.items()):
-            _read_expert_file(experts, os.path.join(tag_dir, name), layer, expert)
+            _read_expert_file(experts, tag_dir, name, layer, expert)
     return experts
 
 
-def _rank0_files(tag_dir: str, pattern: re.Pattern, what: str) -> dict[tuple[int, ...], str]:
+def _rank0_files(tag_dir: Storage, pattern: re.Pattern, what: str) -> dict[tuple[int, ...], str]:
     """The files of ``tag_dir`` ``pattern`` names (its groups: numbers, ``what``, the last the
     model-parallel rank) by their numbers but the last; two names of one number
     (``layer_1_expert_0`` and ``layer_01_expert_0``) or a model-parallel rank but 0 refused."""
-    listed = numbered_names(
+    numbered = numbered_names(
         [
             (tuple(int(g) for g in m.groups()), name)
-            for name in os.listdir(tag_dir)
+            for name in (listed(tag_dir) or [])
             if (m := pattern.match(name))
         ],
-        tag_dir,
+        tag_dir.root,
         what,
     )
-    for numbers, name in listed.items():
+    for numbers, name in numbered.items():
         if numbers[-1] != 0:
             raise SourceError(
-                f"{os.path.join(tag_dir, name)}: a file of model-parallel rank {numbers[-1]}; "
+                f"{tag_dir.join(name)}: a file of model-parallel rank {numbers[-1]}; "
                 "DeepSpeed MoE with tensor or pipeline parallelism is not supported (supported: "
                 "expert + data parallelism, ZeRO 0/1/2)"
             )
-    return {numbers[:-1]: name for numbers, name in listed.items()}
+    return {numbers[:-1]: name for numbers, name in numbered.items()}
 
 
-def _read_expert_file(experts: Experts, path: str, layer: int, expert: int) -> None:
-    state = files.load_deepspeed_file(path)
-    file = os.path.basename(path)
+def _read_expert_file(
+    experts: Experts, tag_dir: Storage, file: str, layer: int, expert: int
+) -> None:
+    state, path = files.load_deepspeed_file(tag_dir, file), tag_dir.join(file)
     if not isinstance(state, Mapping) or not state:
         raise SourceError(f"{path}: expected a state dict of expert weights")
     for key, value in state.items():
@@ -261,12 +262,14 @@ def expert_groups(optimizer: files.OptimizerStates) -> dict[int, int]:
     return out
 
 
-def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts, dict[int, int]]:
+def open_moe_zero_checkpoint(
+    tag_dir: Storage,
+) -> tuple[DeepSpeedCheckpoint, Experts, dict[int, int]]:
     """The ZeRO 1/2 files of a MoE tag folder as one :class:`DeepSpeedCheckpoint` whose expert
     parameters carry their global names; every expert file's tensor is one of them."""
     optimizer = files.rank0_optimizer_states(tag_dir, "DeepSpeed MoE", (1, 2))
-    model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    model_states = files.load_model_states(model_file)
+    model_file = tag_dir.join(name := "mp_rank_00_model_states.pt")
+    model_states = files.load_model_states(tag_dir, name)
     experts = read_experts(tag_dir, model_states, model_file)
     ep_of_group = expert_groups(optimizer)
     local_shapes = files.param_shapes_of(model_states, model_file)
@@ -290,7 +293,7 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
         missing = sorted(set(experts.weights) - expert_names)
         extra = sorted(expert_names - set(experts.weights))
         raise SourceError(
-            f"{tag_dir}: the expert param groups ({model_file}: param_shapes, local names "
+            f"{tag_dir.root}: the expert param groups ({model_file}: param_shapes, local names "
             f"of every expert-parallel rank) and the expert files disagree: only in the expert "
             f"files {missing[:5]}, only in the optimizer groups {extra[:5]}"
         )
@@ -300,7 +303,7 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
         if tuple(weight.shape) != tuple(shape):
             raise SourceError(
                 f"{tensor.split(':', 1)[0]}: {name!r} has shape {tuple(weight.shape)}, "
-                f"param_shapes in {os.path.basename(model_file)} say {tuple(shape)}"
+                f"param_shapes in {file_name(model_file)} say {tuple(shape)}"
             )
 
     def rename(dp_rank: int, group: int, name: str) -> str:
@@ -379,10 +382,10 @@ def expert_weights(checkpoint, source: dict, tensors: list[str]) -> list[str]:
     return tensors
 
 
-def plan_moe(tag_dir: str, options: ImportOptions) -> ImportPlan:
+def plan_moe(tag_dir: Storage, options: ImportOptions) -> ImportPlan:
     """The import of a DeepSpeed MoE tag folder: ZeRO 1/2, or ZeRO-0 (optimizer state in
     ``expp_rank_*`` files)."""
-    if not any(files.OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
+    if not any(files.OPTIMIZER_FILE.match(f) for f in (listed(tag_dir) or [])):
         return plan_moe_zero0(tag_dir, options)
     weights_only, share = options.weights_only, options.share
     checkpoint, experts, ep_of_group = open_moe_zero_checkpoint(tag_dir)
@@ -406,18 +409,18 @@ def _moe_source(experts: Experts, ep_sizes: list[int]) -> dict:
 # --------------------------------------------------------------------------- ZeRO-0
 
 
-def plan_moe_zero0(tag_dir: str, options: ImportOptions) -> ImportPlan:
+def plan_moe_zero0(tag_dir: Storage, options: ImportOptions) -> ImportPlan:
     """ZeRO-0 MoE: the weights (fp32, the trained values themselves: no separate master) from
     ``module`` and the expert files; Adam's moments and step from the torch
     ``optimizer.state_dict()`` of every expert-parallel rank (``expp_rank_P_*``), mapped from
     index to name as :func:`zero0_index_names` says."""
-    model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    model_states = files.load_model_states(model_file)
+    model_file = tag_dir.join(name := "mp_rank_00_model_states.pt")
+    model_states = files.load_model_states(tag_dir, name)
     experts = read_experts(tag_dir, model_states, model_file)
     optimizer_files = expert_optimizer_files(tag_dir, model_states, model_file)
     if not isinstance(model_states.get("module"), Mapping) or not model_states["module"]:
         raise SourceError(f"{model_file}: no 'module' weights to import")
-    file = os.path.basename(model_file)
+    file = file_name(model_file)
     weights = {  # the dense weights (buffers left out), each with the tensor it is read from
         n: (v, f"{file}:module.{n}") for n, v in zero0.module_parameters(model_states).items()
     }
@@ -434,14 +437,14 @@ def plan_moe_zero0(tag_dir: str, options: ImportOptions) -> ImportPlan:
     local = functools.partial(experts.local_names, len(optimizer_files))
     tensors = [tensor for _, tensor in experts.weights.values()]
     found, moments, step = zero0_optimizer(
-        model_file, model_states, optimizer_files, weights, tensors, local, source, options
+        tag_dir, model_file, model_states, optimizer_files, weights, tensors, local, source, options
     )
     items = zero0_items(names, weights, moments, step)
     return ImportPlan(items, source, len(names), source_tensors=found)
 
 
 def zero0_optimizer(
-    model_file, model_states, optimizer_files, weights, tensors, local, source, options
+    tag_dir, model_file, model_states, optimizer_files, weights, tensors, local, source, options
 ):
     """Every tensor of a ZeRO-0 expert-parallel run's files (DeepSpeed MoE's, AutoEP's); the
     Adam moments and ``(step, tensors)`` of :func:`zero0_moments` (none under
@@ -449,6 +452,7 @@ def zero0_optimizer(
     imported listed in ``source.skipped``.
 
     Args:
+        tag_dir: the tag folder.
         model_file: rank 0's model states file.
         model_states: that file, loaded.
         optimizer_files: each expert-parallel rank's torch optimizer file.
@@ -459,11 +463,11 @@ def zero0_optimizer(
         source: the manifest's source record, whose ``skipped`` is filled.
         options: ``weights_only`` and ``share``.
     """
-    file = os.path.basename(model_file)
+    file = file_name(model_file)
     found = [f"{file}:{n}" for n in tensor_names(model_states)] + tensors
-    states = {path: files.load_deepspeed_file(path) for path in optimizer_files}
+    states = {p: files.load_deepspeed_file(tag_dir, file_name(p)) for p in optimizer_files}
     for path, state in states.items():
-        found += [f"{os.path.basename(path)}:{n}" for n in tensor_names(state)]
+        found += [f"{file_name(path)}:{n}" for n in tensor_names(state)]
     moments: dict[str, tuple[np.ndarray, np.ndarray, list[str]]] = {}
     step = None
     if options.weights_only:
@@ -586,7 +590,7 @@ def zero0_moments(model_states, model_file, states, dense, local_names, weights,
         (path, state, rank) for rank, (path, state) in enumerate(states.items())
     ]
     for path, state, ep_rank in copies:
-        file = os.path.basename(path)
+        file = file_name(path)
         optimizer = require(state, "optimizer", path)
         groups = require(optimizer, "param_groups", f"{path} optimizer")
         inner = require(optimizer, "state", f"{path} optimizer")
@@ -609,7 +613,7 @@ def zero0_moments(model_states, model_file, states, dense, local_names, weights,
                 moments[name] = (first[0], first[1], [] if path == model_file else tensors)
             else:
                 skip(source, tensors, f"replica of {held[2][0].rsplit('.', 1)[0]} (bit-identical)")
-    model_copy = os.path.basename(model_file)
+    model_copy = file_name(model_file)
     skip(
         source,
         [
@@ -621,7 +625,7 @@ def zero0_moments(model_states, model_file, states, dense, local_names, weights,
     )
     count = agreed_step(
         steps,
-        os.path.dirname(model_file),
+        model_file.rpartition("/")[0],
         recorded_by="ranks or parameters",
         error=SourceError,
     )
@@ -641,13 +645,13 @@ def _check_replica(stored, pair, tensors: list[str], name: str) -> None:
             )
 
 
-def expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str) -> list[str]:
+def expert_optimizer_files(tag_dir: Storage, model_states: Mapping, model_file: str) -> list[str]:
     """``expp_rank_P_mp_rank_00_optim_states.pt`` for P = 0..E-1 (E from the expert param
     group's name ``ep_size_E`` in the model states' optimizer), no other."""
-    listed = _rank0_files(
+    numbered = _rank0_files(
         tag_dir, files.EXPERT_OPTIMIZER_FILE, "(expert-parallel rank, model-parallel rank)"
     )
-    found = {ep_rank: os.path.join(tag_dir, name) for (ep_rank,), name in listed.items()}
+    found = {ep_rank: tag_dir.join(name) for (ep_rank,), name in numbered.items()}
     optimizer = model_states.get("optimizer")
     groups = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
     sizes = {
@@ -661,15 +665,15 @@ def expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str)
     for rank in range(ep_size):
         if rank not in found:
             raise SourceError(
-                f"{os.path.join(tag_dir, f'expp_rank_{rank}_mp_rank_00_optim_states.pt')}: "
+                f"{tag_dir.join(f'expp_rank_{rank}_mp_rank_00_optim_states.pt')}: "
                 f"missing optimizer file of expert-parallel rank {rank} (expert parallel size "
                 f"{ep_size})"
             )
     extra = sorted(set(found) - set(range(ep_size)))
     if extra:
         raise SourceError(
-            f"{tag_dir}: optimizer files of expert-parallel ranks {extra} beyond the expert "
-            f"parallel size {ep_size}: {[os.path.basename(found[r]) for r in extra]}"
+            f"{tag_dir.root}: optimizer files of expert-parallel ranks {extra} beyond the expert "
+            f"parallel size {ep_size}: {[file_name(found[r]) for r in extra]}"
         )
     return [found[rank] for rank in range(ep_size)]
 

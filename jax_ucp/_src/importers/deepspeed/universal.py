@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -40,8 +39,10 @@ from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files, mapped_file
 from jax_ucp._src.importers.deepspeed.files import (
     dtype_of_run,
+    file_name,
     follow_tracker,
     frozen_shapes_of,
+    listed,
     load_deepspeed_file,
     load_model_states,
     param_shapes_of,
@@ -61,6 +62,7 @@ from jax_ucp._src.importers.plan import (
     skip,
     tensor_names,
 )
+from jax_ucp._src.store.storage import Storage
 
 #: The tracker file ``ds_to_universal`` writes next to the universal tag folder.
 LATEST_UNIVERSAL = "latest_universal"
@@ -69,32 +71,37 @@ OPTIMIZER_STATE = "optimizer_state.pt"
 _MODEL_FILE = re.compile(r"^(?:zero_pp_rank_([0-9]+)_)?mp_rank_([0-9]+)_model_states\.pt\Z")
 
 
-def is_universal_tag_dir(path: str) -> bool:
-    """A universal tag folder: ``zero/`` beside DeepSpeed model states files."""
-    zero = os.path.isdir(os.path.join(path, ZERO_DIR))
-    return zero and any(_MODEL_FILE.match(f) for f in os.listdir(path))
+def is_universal_tag_dir(folder: Storage, names: list[str] | None = None) -> bool:
+    """A universal tag folder (its entries ``names``, listed when None): ``zero/`` beside
+    DeepSpeed model states files."""
+    names = listed(folder) if names is None else names
+    if not names or ZERO_DIR not in names or not any(_MODEL_FILE.match(f) for f in names):
+        return False
+    with unsafe_files_refused():
+        return bool(listed(folder.folder(ZERO_DIR)))
 
 
-def universal_tag_dir(src: str, tag: str | None) -> str | None:
+def universal_tag_dir(src: Storage, tag: str | None) -> Storage | None:
     """The universal tag folder ``src`` means, or None when it is not a universal checkpoint.
 
     ``src`` itself, ``src/<tag>``, or what ``latest_universal`` names when ``src`` has no
     ``latest`` (a run folder holding both is read through ``latest``, the training checkpoint;
     pass ``tag=`` to pick the universal one)."""
-    if not os.path.isdir(src):
+    names = listed(src)
+    if names is None:
         return None
     if tag is not None:
-        candidate = os.path.join(src, tag)
+        with unsafe_files_refused():
+            candidate = src.folder(tag)
         return candidate if is_universal_tag_dir(candidate) else None
-    if is_universal_tag_dir(src):
+    if is_universal_tag_dir(src, names):
         return src
-    tracker = os.path.join(src, LATEST_UNIVERSAL)
-    if not os.path.lexists(tracker) or os.path.lexists(os.path.join(src, "latest")):
+    if LATEST_UNIVERSAL not in names or "latest" in names:
         return None
-    tag_dir = follow_tracker(src, tracker)
+    tag_dir = follow_tracker(src, LATEST_UNIVERSAL)
     if not is_universal_tag_dir(tag_dir):
         raise SourceError(
-            f"{tracker} names {tag_dir}, which holds no universal checkpoint (expected a 'zero/' "
+            f"{src.join(LATEST_UNIVERSAL)} names {tag_dir.root}, which holds no universal checkpoint (expected a 'zero/' "
             "folder beside '*mp_rank_*_model_states.pt' files)"
         )
     return tag_dir
@@ -120,7 +127,7 @@ class UniversalParam:
 class UniversalCheckpoint:
     """A DeepSpeed universal folder: its model-states file, stage and per-parameter folders."""
 
-    tag_dir: str
+    tag_dir: Storage
     stage: int | None
     model_file: str
     model_states: Mapping
@@ -136,9 +143,9 @@ class UniversalCheckpoint:
     info: Mapping
 
 
-def _load_state(path: str, rel: str) -> tuple[np.ndarray, str]:
+def _load_state(folder: Storage, name: str, rel: str) -> tuple[np.ndarray, str]:
     """A ``zero/<param>/<state>.pt``: the array and its source-tensor name."""
-    value = load_deepspeed_file(path)
+    value, path = load_deepspeed_file(folder, name), folder.join(name)
     if isinstance(value, np.ndarray):
         return value, f"{rel}:"
     if isinstance(value, Mapping) and isinstance(value.get("param"), np.ndarray):
@@ -149,54 +156,58 @@ def _load_state(path: str, rel: str) -> tuple[np.ndarray, str]:
     )
 
 
-def _model_files(tag_dir: str) -> tuple[dict[int, dict[int | None, str]], int]:
+def _model_files(tag_dir: Storage) -> tuple[dict[int, dict[int | None, str]], int]:
     """``{mp rank: {dp rank or None: path}}`` of the model states files, and the ZeRO-3 DP size."""
     by_mp: dict[int, dict[int | None, str]] = {}
-    listed = files.numbered_names(  # mp_rank_00 and mp_rank_0: refused, not one taken
+    numbered = files.numbered_names(  # mp_rank_00 and mp_rank_0: refused, not one taken
         [
             ((int(m.group(2)), -1 if m.group(1) is None else int(m.group(1))), name)
-            for name in os.listdir(tag_dir)
+            for name in (listed(tag_dir) or [])
             if (m := _MODEL_FILE.match(name))
         ],
-        tag_dir,
+        tag_dir.root,
         "(model-parallel rank, DP rank)",
     )
-    for (mp, dp), name in listed.items():
-        by_mp.setdefault(mp, {})[None if dp < 0 else dp] = os.path.join(tag_dir, name)
+    for (mp, dp), name in numbered.items():
+        by_mp.setdefault(mp, {})[None if dp < 0 else dp] = tag_dir.join(name)
     zero3 = {mp: sorted(d for d in ranks if d is not None) for mp, ranks in by_mp.items()}
     world = max((len(v) for v in zero3.values()), default=0)
     for mp, dps in zero3.items():
         if dps and dps != list(range(world)):
             raise SourceError(
-                f"{tag_dir}: ZeRO-3 model states of model-parallel rank {mp} for DP ranks {dps}; "
+                f"{tag_dir.root}: ZeRO-3 model states of model-parallel rank {mp} for DP ranks {dps}; "
                 f"expected 0..{world - 1}"
             )
     return by_mp, world
 
 
-def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
+def open_universal_checkpoint(tag_dir: Storage) -> UniversalCheckpoint:
     """Finds and checks every file of a universal tag folder; tensors stay memory-mapped."""
     by_mp, world = _model_files(tag_dir)
     if sorted(by_mp) != list(range(len(by_mp))):
         raise SourceError(
-            f"{tag_dir}: model states of model-parallel ranks {sorted(by_mp)}; expected "
+            f"{tag_dir.root}: model states of model-parallel ranks {sorted(by_mp)}; expected "
             f"0..{len(by_mp) - 1}"
         )
-    model_files = {p: load_model_states(p) for ranks in by_mp.values() for p in ranks.values()}
+    model_files = {
+        p: load_model_states(tag_dir, file_name(p))
+        for ranks in by_mp.values()
+        for p in ranks.values()
+    }
     first = by_mp[0].get(None) or by_mp[0][min(d for d in by_mp[0] if d is not None)]
     model_states = model_files[first]
     mp_world_size = len(by_mp)
     recorded = model_states.get("mp_world_size")
     if recorded not in (None, mp_world_size):
         raise SourceError(
-            f"{first}: mp_world_size is {recorded} but {tag_dir} holds model states of "
+            f"{first}: mp_world_size is {recorded} but {tag_dir.root} holds model states of "
             f"{mp_world_size} model-parallel rank(s)"
         )
-    zero = os.path.join(tag_dir, ZERO_DIR)
     with unsafe_files_refused():  # zero/ linked to another run's folder is never read
-        files.inside(tag_dir, ZERO_DIR, tag_dir)
-    optimizer_path = os.path.join(zero, OPTIMIZER_STATE)  # absent: an empty dict
-    optimizer_state = load_deepspeed_file(optimizer_path) if os.path.lexists(optimizer_path) else {}
+        zero = tag_dir.folder(ZERO_DIR)
+    optimizer_path = zero.join(OPTIMIZER_STATE)  # absent: an empty dict
+    here = OPTIMIZER_STATE in (listed(zero) or ())
+    optimizer_state = load_deepspeed_file(zero, OPTIMIZER_STATE) if here else {}
     if not isinstance(optimizer_state, Mapping):
         raise SourceError(f"{optimizer_path}: expected a dict")
     stage = optimizer_state.get("zero_stage")
@@ -231,30 +242,31 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
 
 
 def _param_folders(
-    zero: str, first: str, shapes: dict[str, Any], frozen: Mapping, mp_world_size: int
+    zero: Storage, first: str, shapes: dict[str, Any], frozen: Mapping, mp_world_size: int
 ) -> tuple[dict[str, UniversalParam], dict[str, str], dict[str, str]]:
     """The folders under ``zero/``: trained parameters (in ``param_shapes`` order, none
     missing), and the fp32 copies of frozen and of undescribed names."""
     params: dict[str, UniversalParam] = {}
     frozen_fp32: dict[str, str] = {}
     untracked: dict[str, str] = {}
-    for name in sorted(n for n in os.listdir(zero) if n != OPTIMIZER_STATE):
-        folder = os.path.join(zero, name)
+    for name in (n for n in listed(zero) or () if n != OPTIMIZER_STATE):
+        with unsafe_files_refused():  # a link: one parameter could read another's folder
+            folder = zero.folder(name, link=False)
         present = _folder_states(folder, name)
         if name in frozen or name not in shapes:
             if present != {"fp32"}:
                 what = "frozen" if name in frozen else "not in param_shapes of " + first
                 raise SourceError(
-                    f"{folder}: parameter {name!r} is {what} but has optimizer state "
+                    f"{folder.root}: parameter {name!r} is {what} but has optimizer state "
                     f"{sorted(present - {'fp32'})}"
                 )
-            _, source = _load_state(os.path.join(folder, "fp32.pt"), f"zero/{name}/fp32.pt")
+            _, source = _load_state(folder, "fp32.pt", f"zero/{name}/fp32.pt")
             (frozen_fp32 if name in frozen else untracked)[name] = source
             continue
         missing = sorted({"exp_avg", "exp_avg_sq"} - present)
         if missing:
             raise SourceError(
-                f"{folder}: parameter {name!r} has no {' / '.join(f'{m}.pt' for m in missing)} "
+                f"{folder.root}: parameter {name!r} has no {' / '.join(f'{m}.pt' for m in missing)} "
                 "(ds_to_universal writes fp32.pt alone for a parameter that never had optimizer "
                 "state). To import the weights alone: convert(..., importing=ImportOptions(weights_only=True)) / "
                 "jax-ucp convert --weights-only"
@@ -263,48 +275,49 @@ def _param_folders(
     missing = [n for n in shapes if n not in params]
     if missing:
         raise SourceError(
-            f"{zero}: no folder for parameter(s) {missing[:8]} of param_shapes in {first} "
+            f"{zero.root}: no folder for parameter(s) {missing[:8]} of param_shapes in {first} "
             f"({len(missing)} missing)"
         )
     return {n: params[n] for n in shapes}, frozen_fp32, untracked  # param_shapes' order
 
 
-def _folder_states(folder: str, name: str) -> set[str]:
-    """The states a parameter folder holds: a real folder of known ``<state>.pt`` files, fp32.pt
+def _folder_states(folder: Storage, name: str) -> set[str]:
+    """The states a parameter folder holds: a folder of known ``<state>.pt`` files, fp32.pt
     among them."""
-    if not os.path.isdir(folder) or os.path.islink(folder):
+    names = listed(folder)
+    if not names:
         raise SourceError(
-            f"{folder}: expected a parameter folder (or {OPTIMIZER_STATE}) under zero/"
+            f"{folder.root}: expected a parameter folder (or {OPTIMIZER_STATE}) under zero/"
         )
-    present = {f[:-3] for f in os.listdir(folder) if f.endswith(".pt")}
-    unknown = sorted(set(os.listdir(folder)) - {f"{s}.pt" for s in present})
+    present = {f[:-3] for f in names if f.endswith(".pt")}
+    unknown = sorted(set(names) - {f"{s}.pt" for s in present})
     unknown += sorted(s for s in present if s not in ("fp32", "exp_avg", "exp_avg_sq", "step"))
     if unknown:
         raise SourceError(
-            f"{folder}: unexpected entries {unknown}; a universal parameter folder holds "
+            f"{folder.root}: unexpected entries {unknown}; a universal parameter folder holds "
             "fp32.pt, exp_avg.pt, exp_avg_sq.pt and step.pt"
         )
     if "fp32" not in present:
-        raise SourceError(f"{folder}/fp32.pt: missing (parameter {name!r})")
+        raise SourceError(f"{folder.join('fp32.pt')}: missing (parameter {name!r})")
     return present
 
 
-def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> UniversalParam:
+def _open_param(folder: Storage, name: str, local_shape, mp_world_size: int) -> UniversalParam:
     """A trained parameter's state files: same shape for every state, fp32; a flat (ZeRO-3)
     state takes the ``param_shapes`` shape, which only a single model-parallel rank records."""
     rel = f"zero/{name}"
     param = UniversalParam(name, ())
     for state, _ in STATE_TREES:
-        array, source = _load_state(os.path.join(folder, f"{state}.pt"), f"{rel}/{state}.pt")
+        array, source = _load_state(folder, f"{state}.pt", f"{rel}/{state}.pt")
         if array.dtype != np.float32:
             raise SourceError(
-                f"{folder}/{state}.pt: parameter {name!r} is {array.dtype}, expected float32"
+                f"{folder.join(state)}.pt: parameter {name!r} is {array.dtype}, expected float32"
             )
         if array.ndim == 1 and array.size == math.prod(local_shape) and mp_world_size == 1:
             full = tuple(local_shape)  # flat: ZeRO-3's layout, shape from param_shapes
         elif array.ndim == 1 and mp_world_size > 1 and tuple(local_shape) != array.shape:
             raise SourceError(
-                f"{folder}/{state}.pt: parameter {name!r} is a flat tensor of {array.size} "
+                f"{folder.join(state)}.pt: parameter {name!r} is a flat tensor of {array.size} "
                 f"elements from a run of {mp_world_size} model-parallel ranks, whose "
                 f"param_shapes record only each rank's piece ({tuple(local_shape)})"
             )
@@ -312,20 +325,20 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
             full = tuple(array.shape)
         if mp_world_size == 1 and math.prod(full) != math.prod(local_shape):
             raise SourceError(
-                f"{folder}/{state}.pt: parameter {name!r} holds {array.size} elements "
+                f"{folder.join(state)}.pt: parameter {name!r} holds {array.size} elements "
                 f"{array.shape}; param_shapes says {tuple(local_shape)}"
             )
         if param.arrays and full != param.shape:
             raise SourceError(
-                f"{folder}/{state}.pt: parameter {name!r} has shape {full}, fp32.pt has "
+                f"{folder.join(state)}.pt: parameter {name!r} has shape {full}, fp32.pt has "
                 f"{param.shape}"
             )
         param.shape = full
         param.arrays[state] = array
         param.sources[state] = source
-    step_path = os.path.join(folder, "step.pt")
-    if os.path.lexists(step_path):
-        step = load_deepspeed_file(step_path)
+    step_path = folder.join("step.pt")
+    if "step.pt" in (listed(folder) or ()):
+        step = load_deepspeed_file(folder, "step.pt")
         if isinstance(step, np.ndarray) and step.size == 1:
             param.step, param.step_source = float(step.reshape(())), f"{rel}/step.pt:"
         elif isinstance(step, (int, float)) and not isinstance(step, bool):
@@ -361,7 +374,7 @@ def _step(checkpoint: UniversalCheckpoint) -> tuple[int, list[str], list[str]]:
                 )
                 name = f"zero/{OPTIMIZER_STATE}:optimizer_state_dict.state.{key}.step"
                 (tensors if tensor else values).append(name)
-    where = os.path.join(checkpoint.tag_dir, ZERO_DIR)
+    where = checkpoint.tag_dir.join(ZERO_DIR)
     if not found:
         raise SourceError(
             f"{where}: no step.pt in any parameter folder and no step in {OPTIMIZER_STATE}; "
@@ -376,7 +389,7 @@ def _model_weight(checkpoint: UniversalCheckpoint, name: str, fp32: np.ndarray, 
     master cast (a ZeRO-3 placeholder, or a tensor-parallel rank's piece)."""
     stored = _stored_weight(checkpoint, name, fp32.shape)
     if stored is not None:
-        tensor = f"{os.path.basename(checkpoint.model_file)}:module.{name}"
+        tensor = f"{file_name(checkpoint.model_file)}:module.{name}"
         return sourced_item(("model_params", name), stored, "module", [tensor])
     cast = mapped_file.read_out(fp32, f"{name!r} fp32").astype(checkpoint.model_dtype)
     pattern = f"cast(fp32 -> {checkpoint.model_dtype})"
@@ -396,7 +409,7 @@ def _frozen_reader(checkpoint: UniversalCheckpoint) -> DeepSpeedCheckpoint:
     zero3 = sorted(
         p
         for p in checkpoint.model_files
-        if (m := _MODEL_FILE.match(os.path.basename(p))) is not None and m.group(1)
+        if (m := _MODEL_FILE.match(file_name(p))) is not None and m.group(1)
     )
     return DeepSpeedCheckpoint(
         tag_dir=checkpoint.tag_dir,
@@ -420,11 +433,11 @@ def _frozen_fp32(
     did: it must hold the weights of ``frozen_param_fragments``."""
     if name not in checkpoint.frozen_fp32:
         return []
-    copy = _load_state(os.path.join(checkpoint.tag_dir, ZERO_DIR, name, "fp32.pt"), "")[0]
+    copy = _load_state(checkpoint.tag_dir.folder(ZERO_DIR).folder(name), "fp32.pt", "")[0]
     copy, weight = mapped_file.read_out(copy), mapped_file.read_out(weight)
     if copy.shape != weight.shape or not np.array_equal(copy, weight.astype(np.float32)):
         raise SourceError(
-            f"{checkpoint.tag_dir}/zero/{name}/fp32.pt: frozen parameter {name!r} "
+            f"{checkpoint.tag_dir.root}/zero/{name}/fp32.pt: frozen parameter {name!r} "
             f"differs from its weights in frozen_param_fragments of {frozen_files}"
         )
     return [checkpoint.frozen_fp32[name]]
@@ -516,7 +529,7 @@ def _optimizer_tensors(
 def _model_states_tensors(checkpoint: UniversalCheckpoint, source: dict) -> list[str]:
     """The tensors of every model states file; all but the imported module weights and frozen
     fragments skipped with the reason."""
-    model_file = os.path.basename(checkpoint.model_file)
+    model_file = file_name(checkpoint.model_file)
     cast = checkpoint.model_dtype != np.dtype(np.float32)  # a model copy is imported
     imported = {
         f"{model_file}:module.{name}"
@@ -526,7 +539,7 @@ def _model_states_tensors(checkpoint: UniversalCheckpoint, source: dict) -> list
     frozen_names = {f"frozen_param_fragments.{n}" for n in checkpoint.frozen}
     found = []
     for path, states in checkpoint.model_files.items():
-        file = os.path.basename(path)
+        file = file_name(path)
         for name in tensor_names(states):
             full = f"{file}:{name}"
             found.append(full)
@@ -575,7 +588,7 @@ def source_info(checkpoint: UniversalCheckpoint) -> dict:
     )
 
 
-def plan_universal(tag_dir: str, options: ImportOptions) -> ImportPlan:
+def plan_universal(tag_dir: Storage, options: ImportOptions) -> ImportPlan:
     """The import of the ``<tag>_universal`` folder ``tag_dir`` (every file found and checked
     before this returns)."""
     weights_only, share = options.weights_only, options.share

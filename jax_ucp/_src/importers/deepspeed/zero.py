@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,20 +31,21 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.facts import ABSENT, Facts
-from jax_ucp._src.format import files, mapped_file
+from jax_ucp._src.format import mapped_file
 from jax_ucp._src.importers.deepspeed.files import (
     ZERO3_MODEL_FILE,
     OptimizerStates,
     dtype_of_run,
+    file_name,
     frozen_shapes_of,
     is_bf16_optimizer,
+    listed,
     load_model_states,
     param_shapes_of,
     rank0_optimizer_states,
     require,
     source_record,
     sourced_item,
-    unsafe_files_refused,
 )
 from jax_ucp._src.importers.plan import (
     ADAM_TREES,
@@ -59,6 +59,7 @@ from jax_ucp._src.importers.plan import (
     skip,
     tensor_names,
 )
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles.allow_list import StandIn
 
 #: The optimizer states of a parameter, in output order, with where each goes in the output tree.
@@ -91,7 +92,7 @@ class DeepSpeedCheckpoint:
     """One model-parallel rank's ZeRO files, validated up front (the whole checkpoint when there
     is no tensor/pipeline parallelism)."""
 
-    tag_dir: str
+    tag_dir: Storage
     stage: int
     world_size: int
     model_dtype: np.dtype
@@ -132,24 +133,24 @@ class DeepSpeedCheckpoint:
         if self.stage != 3:
             return [self.model_file]
         return [
-            os.path.join(self.tag_dir, ZERO3_MODEL_NAME.format(r, self.mp_rank))
+            self.tag_dir.join(ZERO3_MODEL_NAME.format(r, self.mp_rank))
             for r in range(self.world_size)
         ]
 
     def module_tensor(self, name: str) -> str:
         """The source tensor (``<file>:<key>``) of ``module`` entry ``name``."""
-        default = f"{os.path.basename(self.model_file)}:module.{name}"
+        default = f"{file_name(self.model_file)}:module.{name}"
         return self.module_tensors.get(name, default)
 
 
 # --------------------------------------------------------------------------- opening
 
 
-def open_zero_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
+def open_zero_checkpoint(tag_dir: Storage) -> DeepSpeedCheckpoint:
     """The ZeRO files of a tag folder without tensor/pipeline parallelism (MP rank 0 only)."""
     optimizer = rank0_optimizer_states(tag_dir, "ZeRO", (1, 2, 3))
     model_file = model_states_file(tag_dir, optimizer)
-    model_states = load_model_states(model_file)
+    model_states = load_model_states(tag_dir, file_name(model_file))
     if model_states.get("mp_world_size", 1) not in (None, 1):
         raise SourceError(
             f"{model_file}: mp_world_size is {model_states['mp_world_size']} but the folder holds "
@@ -158,7 +159,7 @@ def open_zero_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
     return open_zero_rank(tag_dir, model_file, model_states, optimizer)
 
 
-def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0) -> str:
+def model_states_file(tag_dir: Storage, optimizer: OptimizerStates, mp_rank: int = 0) -> str:
     """The model states file of the stage (of model-parallel rank ``mp_rank``); stage 3 also
     needs one file per DP rank.
 
@@ -168,28 +169,28 @@ def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0
         mp_rank: the model-parallel rank.
     """
     if optimizer.stage in (1, 2):
-        return os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
+        return tag_dir.join(f"mp_rank_{mp_rank:02d}_model_states.pt")
     if optimizer.stage != 3:
         raise SourceError(f"{optimizer.files[0]}: unsupported zero_stage {optimizer.stage}")
-    for dp_rank in range(optimizer.world_size):
-        path = os.path.join(tag_dir, ZERO3_MODEL_NAME.format(dp_rank, mp_rank))
-        if not os.path.lexists(path):
-            raise SourceError(f"{path}: missing stage-3 model states file for DP rank {dp_rank}")
-        with unsafe_files_refused(f" (stage-3 model states of DP rank {dp_rank})"):
-            files.check_regular(path)
-    matches = map(ZERO3_MODEL_FILE.match, os.listdir(tag_dir))
+    names = listed(tag_dir) or []
+    for dp_rank in range(optimizer.world_size):  # each read as a regular file (TorchArchive)
+        if (name := ZERO3_MODEL_NAME.format(dp_rank, mp_rank)) not in names:
+            raise SourceError(
+                f"{tag_dir.join(name)}: missing stage-3 model states file for DP rank {dp_rank}"
+            )
+    matches = map(ZERO3_MODEL_FILE.match, names)
     found = sum(1 for m in matches if m and int(m.group(2)) == mp_rank)
     if found != optimizer.world_size:
         raise SourceError(
-            f"{tag_dir}: world size metadata says {optimizer.world_size} DP ranks but found "
+            f"{tag_dir.root}: world size metadata says {optimizer.world_size} DP ranks but found "
             f"{found} stage-3 model states files"
             + (f" of model-parallel rank {mp_rank}" if mp_rank else "")
         )
-    return os.path.join(tag_dir, ZERO3_MODEL_NAME.format(0, mp_rank))
+    return tag_dir.join(ZERO3_MODEL_NAME.format(0, mp_rank))
 
 
 def open_zero_rank(
-    tag_dir: str,
+    tag_dir: Storage,
     model_file: str,
     model_states: Mapping,
     optimizer: OptimizerStates,
@@ -295,7 +296,7 @@ def plan_fragments(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragme
         held = sum(piece.numel for piece in fragments.pieces)
         if held != math.prod(shapes[name]):
             raise SourceError(
-                f"{checkpoint.tag_dir}: parameter {name!r} shape {shapes[name]} has "
+                f"{checkpoint.tag_dir.root}: parameter {name!r} shape {shapes[name]} has "
                 f"{math.prod(shapes[name])} elements but the optimizer files hold {held} "
                 f"(ranks {[piece.dp_rank for piece in fragments.pieces]})"
             )
@@ -462,7 +463,7 @@ def _check_stage12_contiguity(
             ):
                 raise SourceError(
                     f"{checkpoint.optim_files[after.dp_rank]}: parameter {name!r} does not "
-                    f"continue where {os.path.basename(checkpoint.optim_files[before.dp_rank])} "
+                    f"continue where {file_name(checkpoint.optim_files[before.dp_rank])} "
                     f"leaves it (piece [{before.start}, {before.start + before.numel}) of a "
                     f"{end}-element partition, then one at {after.start} on DP rank "
                     f"{after.dp_rank}): rank files out of order, renamed or from different saves"
@@ -493,7 +494,7 @@ def check_against_module(checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.nd
         bad = int(np.argmin(same))
         raise SourceError(
             f"parameter {name!r}: the fp32 master in "
-            f"{[os.path.basename(checkpoint.optim_files[p.dp_rank]) for p in pieces]} "
+            f"{[file_name(checkpoint.optim_files[p.dp_rank]) for p in pieces]} "
             f"gives {found[bad]!r} at flat index {int(index[bad])}, the model weight in "
             f"{checkpoint.module_tensors.get(name, checkpoint.model_file)} is "
             f"{want[bad]!r}: rank files renamed, swapped or from different saves"
@@ -641,7 +642,7 @@ def _steps(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, str, Any]]:
     (for messages) and its value (older torch kept Adam's step as a Python number)."""
     _, inner = _layout(checkpoint)
     for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
-        file = os.path.basename(path)
+        file = file_name(path)
         for group, group_state in state[inner]["state"].items():
             if "step" in group_state:
                 name = f"{file}:optimizer_state_dict.{inner}.state.{group}.step"
@@ -657,7 +658,7 @@ def optimizer_step(*checkpoints: DeepSpeedCheckpoint) -> int:
             seen.setdefault(float(mapped_file.read_out(np.asarray(step))), place)
     return agreed_step(
         seen,
-        checkpoints[0].tag_dir,
+        checkpoints[0].tag_dir.root,
         recorded_by="ranks or parameter groups",
         error=SourceError,
     )
@@ -683,7 +684,7 @@ def iter_zero_items(
     ``opt_state.count``; ``options.weights_only``: params and model_params alone."""
     weights_only, share = options.weights_only, options.share
     vectors: dict[tuple[int, str], Any] = {}
-    files = [os.path.basename(f) for f in checkpoint.optim_files]
+    files = [file_name(f) for f in checkpoint.optim_files]
     for name in share.pick(checkpoint.names):
         pieces = checkpoint.fragment_plan[name].pieces
         provenance = {
@@ -708,7 +709,7 @@ def iter_zero_items(
 
 def step_item(step: int, *checkpoints: DeepSpeedCheckpoint) -> writer.HostItem:
     """``opt_state.count``: the ``step`` the ranks' optimizer files agree on, named by them."""
-    files = [os.path.basename(f) for c in checkpoints for f in c.optim_files]
+    files = [file_name(f) for c in checkpoints for f in c.optim_files]
     provenance = {"files": files, "pattern": "step", **step_sources(*checkpoints)}
     return count_item(step, provenance)
 
@@ -724,7 +725,7 @@ def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -
     fragments = checkpoint.fragment_plan[name]
     out = []
     for piece in fragments.pieces:
-        file = os.path.basename(checkpoint.optim_files[piece.dp_rank])
+        file = file_name(checkpoint.optim_files[piece.dp_rank])
         named = _state_arrays(checkpoint, piece.dp_rank, state_name)
         if checkpoint.stage in (1, 2):
             out.append(f"{file}:{named[fragments.group][0]}")
@@ -755,19 +756,19 @@ def zero_tensors(
     """
     found: list[str] = []
     for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
-        file = os.path.basename(path)
+        file = file_name(path)
         found += [f"{file}:{n}" for n in tensor_names(state, "optimizer_state_dict")]
     module_found = []
     for path in checkpoint.model_files:
         states = _model_states(checkpoint, path)
-        names = [f"{os.path.basename(path)}:{n}" for n in tensor_names(states)]
+        names = [f"{file_name(path)}:{n}" for n in tensor_names(states)]
         found += names
         module_found += [n for n in names if n.split(":", 1)[1].startswith("module.")]
     if weights_only:
         moments = [n for n in found if n.rsplit(".", 1)[-1] in ("exp_avg", "exp_avg_sq")]
         skip(source, moments, "weights_only: Adam moment")
         skip(source, step_sources(checkpoint)[TENSORS], "weights_only: optimizer step")
-    model_file = os.path.basename(checkpoint.model_file)
+    model_file = file_name(checkpoint.model_file)
     if imported_module is None:  # the stored weights a bf16/fp16 ZeRO 1/2 run imports
         cast = checkpoint.stage in (1, 2) and checkpoint.model_dtype != np.dtype(np.float32)
         imported_module = {
@@ -806,7 +807,9 @@ def zero_tensors(
 
 def _model_states(checkpoint: DeepSpeedCheckpoint, path: str) -> Mapping:
     """The model states file ``path`` of the rank (the one already read, or read now)."""
-    return checkpoint.model_states if path == checkpoint.model_file else load_model_states(path)
+    if path == checkpoint.model_file:
+        return checkpoint.model_states
+    return load_model_states(checkpoint.tag_dir, file_name(path))
 
 
 def _model_copy_item(
@@ -855,7 +858,7 @@ def frozen_items(
         if not isinstance(found, Mapping):
             raise SourceError(f"{path}: frozen_param_fragments missing")
         fragments.append((path, found))
-    frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
+    frozen_files = sorted({file_name(f) for f in checkpoint.frozen_files})
     for name in names:
         shape = checkpoint.frozen[name]
         count = math.prod(shape)
@@ -970,12 +973,12 @@ def run_facts(checkpoint: DeepSpeedCheckpoint) -> tuple[list[Mapping], dict] | N
         if not all(isinstance(g, Mapping) for g in groups):
             return None
         per_rank.append(groups)
-    facts = Facts(checkpoint.tag_dir)
+    facts = Facts(checkpoint.tag_dir.root)
     model_config = checkpoint.model_states.get("ds_config")
     model_config = model_config if isinstance(model_config, Mapping) else {}
-    copies = [(f"{os.path.basename(checkpoint.model_file)} ds_config", model_config)]
+    copies = [(f"{file_name(checkpoint.model_file)} ds_config", model_config)]
     copies += [
-        (f"{os.path.basename(path)} ds_config", config)
+        (f"{file_name(path)} ds_config", config)
         for path, config in zip(checkpoint.optim_files, checkpoint.optim_configs)
         if config is not None  # a DeepSpeed that wrote none there
     ]
@@ -987,13 +990,13 @@ def run_facts(checkpoint: DeepSpeedCheckpoint) -> tuple[list[Mapping], dict] | N
                 facts.state(key, f"{name}.{key}", jsonable(config.get(key, ABSENT)))
     for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
         if "clip_grad" in state:  # ZeRO-1/2's and BF16_Optimizer's (ZeRO-3 keeps none)
-            name = f"{os.path.basename(path)} optimizer_state_dict.clip_grad"
+            name = f"{file_name(path)} optimizer_state_dict.clip_grad"
             facts.state("gradient_clipping", name, jsonable(state["clip_grad"]))
     for path, groups in zip(checkpoint.optim_files, per_rank):
         for g, group in enumerate(groups):
             for key in sorted({str(k) for gs in per_rank for k in gs[g]} - {"params"}):
                 at = f"param_groups[{g}].{key}"
-                name = f"{os.path.basename(path)} optimizer_state_dict.{inner_key}.{at}"
+                name = f"{file_name(path)} optimizer_state_dict.{inner_key}.{at}"
                 facts.state(at, name, jsonable(group.get(key, ABSENT)))
     agreed = facts.agree_all()
     return per_rank[0], {

@@ -14,7 +14,6 @@ DeepSpeed's ``shared_params`` are) or frozen (never handed to the optimizer).
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,12 +26,15 @@ from jax_ucp._src.format import mapped_file
 from jax_ucp._src.importers.deepspeed.files import (
     OPTIMIZER_FILE,
     dtype_of_run,
+    file_name,
+    listed,
     load_model_states,
     require,
     source_record,
     sourced_item,
 )
 from jax_ucp._src.importers.plan import ImportOptions, ImportPlan, agreed_step, skip, tensor_names
+from jax_ucp._src.store.storage import Storage
 
 #: Elements compared per tensor while matching masters to module weights (all are compared as
 #: each master is read for writing).
@@ -209,16 +211,17 @@ class _Read:
     moment_tensors: list[str]
 
 
-def zero0_model_file(tag_dir: str) -> str | None:
+def zero0_model_file(tag_dir: Storage) -> str | None:
     """The model states file of a ZeRO-0 (optimizer not partitioned) checkpoint: no ZeRO
     optimizer files, and the optimizer state inside ``mp_rank_00_model_states.pt``."""
-    if any(OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
+    names = listed(tag_dir) or []
+    if any(OPTIMIZER_FILE.match(f) for f in names):
         return None
-    path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    return path if os.path.lexists(path) else None
+    name = "mp_rank_00_model_states.pt"
+    return tag_dir.join(name) if name in names else None
 
 
-def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportPlan:
+def plan_zero0(tag_dir: Storage, model_file: str, options: ImportOptions) -> ImportPlan:
     """ZeRO-0: the optimizer state is inside the model states file. A bf16 / fp16 run's
     (``FP16_UnfusedOptimizer``) is imported from its fp32 masters (``params``), module weights
     (``model_params``), Adam moments and step; an fp32 run's plain torch
@@ -231,8 +234,8 @@ def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportP
         options: ``weights_only``: masters and model weights alone (the module's weights of a
             run without fp32 masters, which need it set); ``share``: this process's part.
     """
-    model_states = load_model_states(model_file)
-    file = os.path.basename(model_file)
+    model_states = load_model_states(tag_dir, file_name(model_file))
+    file = file_name(model_file)
     weights = module_parameters(model_states)
     model_dtype = dtype_of_run(model_states.get("ds_config") or {}, weights)
     optimizer = model_states.get("optimizer")
@@ -317,7 +320,7 @@ def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportP
 
 
 def _plan_module_weights(
-    tag_dir: str, model_file: str, model_states: Mapping, run_dtype, why: str, options
+    tag_dir: Storage, model_file: str, model_states: Mapping, run_dtype, why: str, options
 ) -> ImportPlan:
     """ZeRO-0 without ``FP16_UnfusedOptimizer`` state (``why``): the module's weights, the
     optimizer state listed in ``source.skipped``; ``options.weights_only`` must be set (a
@@ -336,7 +339,7 @@ def _plan_module_weights(
     if not isinstance(module, Mapping) or not module:
         raise SourceError(f"{model_file}: no 'module' weights to import")
     names = options.share.pick(n for n, v in module.items() if isinstance(v, np.ndarray))
-    file = os.path.basename(model_file)
+    file = file_name(model_file)
     items = (
         sourced_item(("params", n), module[n], "module", [f"{file}:module.{n}"]) for n in names
     )

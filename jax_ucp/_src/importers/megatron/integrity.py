@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
-from jax_ucp._src.store.storage import local_view, ranged
+from jax_ucp._src.store.storage import ranged, sparse
 
 __all__ = ["INTEGRITY_FILE", "verify_integrity"]
 
@@ -55,7 +55,7 @@ def _record(ckpt_dir: Path) -> dict[str, str]:
 
 
 def _sha256(path: str) -> str:
-    viewed = local_view.stored_at(path)
+    viewed = sparse.stored_at(path)
     if viewed is not None:  # a file of a remote source's local view: its object, by pieces
         h = hashlib.sha256()
         for piece in ranged.pieces(*viewed):

@@ -17,7 +17,9 @@ from typing import Any, Protocol
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import CheckpointError, RequestError
+from jax_ucp._src.format.mapped_file import FileMap, map_file
 from jax_ucp._src.store.storage.ranged import RandomAccess, RangedObject
+from jax_ucp._src.store.storage.sparse import RemoteArchive, remote_archive
 
 # URL scheme -> TensorStore kvstore driver: the object stores (``object_store``); here, so that
 # choosing a path's medium (``storage_for``) does not import the object-store code
@@ -109,9 +111,26 @@ class Storage(abc.ABC):
         """File ``name`` read at any offset (``ranged``: one GET a range; locally ``pread``)."""
         return RangedObject(self, name)
 
+    def mapped(
+        self, name: str, *, sealed: bool = False
+    ) -> tuple[FileMap | None, RemoteArchive | None]:
+        """Zip archive ``name`` (a ``torch.save`` file) mapped read-only, and what fetches its
+        byte ranges before they are read (None: all here): here a sparse copy of it
+        (``sparse.RemoteArchive``, ``sealed``: never touched, only read through
+        ``format.mapped_file``); (None, None) when the object ends no zip archive."""
+        remote = remote_archive(self, name)
+        if remote is None:
+            return None, None
+        return map_file(remote.url, remote.fd, sealed=sealed), remote
+
     @abc.abstractmethod
     def read(self, name: str, limit: int) -> bytes | None:
         """The whole of ``name`` (None when absent); more than ``limit`` bytes is an error."""
+
+    def folder(self, name: str, *, link: bool = True) -> Storage:
+        """Folder ``name`` of ``root`` as a storage of its own (its names relative to it);
+        ``link=False``: refused when ``name`` is a symlink (an object store holds none)."""
+        return type(self)(self.join(name))
 
     @abc.abstractmethod
     def exists(self, name: str) -> bool:

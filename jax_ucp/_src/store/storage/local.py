@@ -14,13 +14,16 @@ import os
 import shutil
 import socket
 import time
+from typing import Any
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import SaveConflictError
+from jax_ucp._src.format.mapped_file import FileMap, map_file
 from jax_ucp._src.multihost import liveness
 from jax_ucp._src.store import host_memory
+from jax_ucp._src.store.storage import sparse
 from jax_ucp._src.store.storage.base import Claim, Storage, Transaction
-from jax_ucp._src.store.storage.ranged import LocalFile
+from jax_ucp._src.store.storage.ranged import LocalFile, RandomAccess
 
 # Every destructive file operation and every commit is logged here (as Orbax's atomicity module
 # logs its renames): ``logging.getLogger("jax_ucp")`` shows what a save, import or export removed.
@@ -291,8 +294,33 @@ class LocalDirectory(Storage):
         except FileNotFoundError:
             return None
 
-    def reader(self, name: str) -> LocalFile:
-        return LocalFile(self.inside(name))
+    def reader(self, name: str) -> RandomAccess:
+        """``pread`` of the file; a local view's stand-in read at its object."""
+        path = self.inside(name)
+        stored = sparse.stored_at(path)
+        return LocalFile(path) if stored is None else stored[0].reader(stored[1])
+
+    def mapped(self, name: str, *, sealed: bool = False) -> tuple[FileMap | None, Any]:
+        """The file itself, mapped (None: empty); a local view's stand-in, its object's."""
+        path = self.inside(name)
+        stored = sparse.stored_at(path)
+        if stored is not None:
+            return stored[0].mapped(stored[1], sealed=sealed)
+        return map_file(path), None
+
+    def folder(self, name: str, *, link: bool = True) -> LocalDirectory:
+        """Refused unless ``name`` resolves to a folder strictly inside ``root`` (``link=False``:
+        and is no symlink)."""
+        real = self.inside(name, self.root)
+        if os.path.realpath(real) == self.resolved:
+            raise fmt.files.UnsafeFileError(
+                f"{self.join(name)}: names {self.root} itself, not a folder inside it"
+            )
+        if not link and os.path.islink(self.join(name)):
+            raise fmt.files.UnsafeFileError(
+                f"{self.join(name)}: a symlink, not a folder of its own"
+            )
+        return LocalDirectory(self.join(name))
 
     def exists(self, name: str) -> bool:
         return os.path.exists(self.inside(name))
