@@ -175,7 +175,10 @@ class GatheredStates(RankStates):
             except SourceError as e:
                 raise MegatronImportError(f"{e}. {WEIGHTS_ONLY_HINT}") from None
             params, shared = self.rank_params(rank)
-            size, whose = bucket_size if rank < self.tp else None, f"model-parallel rank {rank}"
+            size, whose = (
+                bucket_size if rank < self.grid.tp else None,
+                f"model-parallel rank {rank}",
+            )
             layout = legacy.distrib_optim_layout(params, shared, size, state, whose)
             self.buffers[rank] = state
             self.layout[rank] = {k: (0, a, b) for k, (a, b) in layout.items()}
@@ -241,7 +244,13 @@ def chained_states(
         )
     first = in_module_order(BucketStates, checkpoint, dense, settings, prefix="chained_0.")
     second = in_module_order(
-        BucketStates, checkpoint, experts, settings, prefix="chained_1.", experts=True, pp=first.pp
+        BucketStates,
+        checkpoint,
+        experts,
+        settings,
+        prefix="chained_1.",
+        experts=True,
+        pp=first.grid.pp,
     )
     return ChainedStates([first, second])
 
@@ -258,7 +267,7 @@ class ChainedStates:
         self.owner = {n: p for p in parts for n in (*p.before, *p.stacked, *p.after)}
         self.LAYOUT = parts[0].LAYOUT
         self.checkpoint = parts[0].checkpoint
-        self.tp, self.pp, self.where = parts[0].tp, parts[0].pp, parts[0].where
+        self.grid, self.where = parts[0].grid, parts[0].where
 
     def read(self, state: str, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         return self.owner[name].read(state, name, rows)

@@ -412,7 +412,7 @@ def bucket_items(
         provenance = {
             "format": "torch_dist",
             "files": files,
-            "pattern": f"{buckets.LAYOUT} (TP={buckets.tp}, PP={buckets.pp})",
+            "pattern": f"{buckets.LAYOUT} (TP={buckets.grid.tp}, PP={buckets.grid.pp})",
         }
         for state, tree in STATE_TREES.items():
             sources = {TENSORS if buckets.FROM_TENSORS else VALUES: buckets.sources(state, name)}
