@@ -396,9 +396,7 @@ def _add_grouped_experts(
             f"tensor {name!r} in {checkpoint.ranks[(stage, 0)].path}: grouped-GEMM experts "
             f"with TP > 1 are not supported"
         )
-    holders = [
-        checkpoint.ep_ranks[(stage, 0, ep_rank)] for ep_rank in range(checkpoint.grid.ep)
-    ]
+    holders = [checkpoint.ep_ranks[(stage, 0, ep_rank)] for ep_rank in range(checkpoint.grid.ep)]
     values = [r.model[name] for r in holders]
     _check_equal_shares(name, values, [r.path for r in holders], "expert-parallel")
     tensors.grouped.setdefault(global_name, {})[stage] = values
@@ -440,9 +438,7 @@ def _add_tp_fragments(
             if expert
             else global_name
         )
-        holders = [
-            checkpoint.ep_ranks[(stage, tp, ep_rank)] for tp in range(checkpoint.grid.tp)
-        ]
+        holders = [checkpoint.ep_ranks[(stage, tp, ep_rank)] for tp in range(checkpoint.grid.tp)]
         per_tp = [r.model[name] for r in holders]
         _check_equal_shares(name, per_tp, [r.path for r in holders], "tensor-parallel")
         if ep_rank == 0:

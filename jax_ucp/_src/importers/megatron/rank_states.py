@@ -27,28 +27,41 @@ from jax_ucp._src.importers.rank_grid import RankGrid
 BLOCK_BYTES = 16 << 20
 
 
+#: megatron-core's ``param_state_sharding_type`` names of the layouts read as :class:`RankStates`
+RESHARDABLE, GATHERED = "dp_reshardable", "dp_zero_gather_scatter"
+
+
 class RankStates:
-    """Distributed-optimizer state saved per model-parallel rank (``dp_group_idx`` = TP rank +
-    TP x PP rank) as flat fp32 ``param`` / ``exp_avg`` / ``exp_avg_sq`` vectors over the rank's
-    grad buffer, without parameter names. Their places are re-derived as megatron-core lays out
-    its grad buffers (``legacy``: the rank's local parameters in module order,
-    reversed, starts padded to 64, a pipeline-tied embedding alone in its bucket); every master
-    weight is then checked against the model weight it must equal (fp32) or round to (bf16).
+    """The one reader of megatron-core's distributed-optimizer state saved per model-parallel
+    rank (``dp_group_idx`` = TP rank + TP x PP rank, :class:`RankGrid`) as flat fp32 ``param``
+    / ``exp_avg`` / ``exp_avg_sq`` vectors over the rank's grad buffer, without parameter
+    names. Their places are re-derived as megatron-core lays out its grad buffers (``legacy``:
+    the rank's local parameters in module order, reversed, starts padded to 64, a
+    pipeline-tied embedding alone in its bucket); every master weight is then checked against
+    the model weight it must equal (fp32) or round to (bf16).
 
     A rank's local piece of a tensor is the tensor's saved chunks for that TP rank: the chunks
     (per layer) sorted by offset, every TP-th one (SwiGLU's fc1 is two chunks per rank, gate and
     up) joined along the split axis; a tensor saved in one chunk is replicated over TP.
-    Subclasses say where the flat vectors are and how the buffer splits into buckets."""
+    The layouts (:mod:`distopt`) fill in where the flat vectors are (``buffers``, ``held``) and
+    how each rank's buffer splits into buckets (``layout``).
+
+    Args:
+        checkpoint: the torch_dist checkpoint.
+        model_names: the model tensors whose state this is, in module order.
+        settings: the run's model settings.
+        ranks: the model-parallel ranks the state is saved by.
+        pp: the pipeline stages (None: from ``ranks`` and the TP size).
+        prefix: the key prefix of a ChainedOptimizer member (``chained_N.``), else "".
+        experts: the expert optimizer of a MoE ChainedOptimizer: its parameters are
+            SequentialMLP's (or GroupedMLP's) experts, saved stacked ``[layers, experts, ...]``.
+        grouped: the experts are a (legacy) GroupedMLP's: per layer one ``weight1``
+            ``[h, E_local * X]`` and one ``weight2`` ``[E_local * ffn, h]`` in the grad buffer,
+            each expert's block a contiguous ``[h, X]`` / ``[ffn, h]`` saved transposed.
+        sharding: megatron-core's name of the saved layout.
+    """
 
     STATES = tuple(STATE_TREES)
-    LAYOUT: str  # megatron-core's name of the saved layout, set by each subclass
-    layout: dict[int, dict[str, tuple[int, int, int]]]  # rank -> {param: (bucket, start, end)}
-
-    #: The key prefix of a ChainedOptimizer member (``chained_N.``), else "".
-    prefix = ""
-    #: Whether this is the expert optimizer of a MoE ChainedOptimizer: its parameters are
-    #: SequentialMLP's (or GroupedMLP's) experts, saved stacked ``[layers, experts, ...]``.
-    experts = False
 
     def __init__(
         self,
@@ -57,16 +70,23 @@ class RankStates:
         settings: dict,
         ranks: int,
         pp: int | None = None,
+        prefix: str = "",
+        experts: bool = False,
         grouped: bool = False,
+        sharding: str = RESHARDABLE,
     ):
-        self.checkpoint = checkpoint
+        self.checkpoint, self.prefix, self.experts = checkpoint, prefix, experts
+        self.sharding = sharding
         self.where = checkpoint.path / ".metadata"
         self.ranks = ranks
         self._groups: list[tuple[str, Any]] | None = None  # saved_groups, read once
-        #: Whether the experts are a (legacy) GroupedMLP's: per layer one ``weight1``
-        #: ``[h, E_local * X]`` and one ``weight2`` ``[E_local * ffn, h]`` in the grad buffer,
-        #: each expert's block a contiguous ``[h, X]`` / ``[ffn, h]`` saved transposed.
         self.grouped = grouped
+        #: rank -> per bucket {state: the tensor (or pickled object) holding it}
+        self.buffers: dict[int, list[dict[str, str]]] = {}
+        #: rank -> its whole buffer, unpickled (``dp_zero_gather_scatter``); else read by range
+        self.held: dict[int, legacy.DistribOptimState] = {}
+        #: rank -> {param: (bucket, start, end)}
+        self.layout: dict[int, dict[str, tuple[int, int, int]]] = {}
         self._read_layers(model_names)
         self._read_experts()
         self.grid = self._read_parallelism(self._tp_size(model_names), ranks, pp)
@@ -319,14 +339,25 @@ class RankStates:
             steps, str(self.where), recorded_by="model-parallel ranks", error=MegatronImportError
         )
 
-    #: Whether :meth:`source` names .metadata tensors (else pickled objects).
-    FROM_TENSORS = True
+    @property
+    def from_tensors(self) -> bool:
+        """Whether :meth:`source` names .metadata tensors (else pickled objects)."""
+        return not self.held
 
     def files(self) -> list[str]:
-        raise NotImplementedError
+        """The files the flat state is read from."""
+        names = {n for per in self.buffers.values() for states in per for n in states.values()}
+        tensors, objects = self.checkpoint.tensors, self.checkpoint.objects
+        return sorted(
+            {f for n in names for f in (tensors[n].files if n in tensors else [objects[n].file])}
+        )
 
     def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
-        raise NotImplementedError
+        """Elements ``start:end`` of ``state`` in ``rank``'s ``bucket``: from the buffer held,
+        else only that range of its tensor."""
+        if rank in self.held:
+            return self.held[rank].arrays[state][start:end]
+        return self.checkpoint.read_rows(self.buffers[rank][bucket][state], start, end)
 
     def source(self, rank: int, bucket: int, state: str) -> str:
         """The tensor (or object) holding ``state`` of ``rank``'s ``bucket``.
@@ -336,7 +367,7 @@ class RankStates:
             bucket: the bucket of that rank.
             state: "param", "exp_avg" or "exp_avg_sq".
         """
-        raise NotImplementedError
+        return self.buffers[rank][bucket][state]
 
     def _pieces(self, name: str) -> Iterator[tuple]:
         """What :meth:`read` takes for ``name``: (rank, layout key, layer, local shape, join
@@ -382,7 +413,7 @@ class RankStates:
         the last stage's copy of a pipeline-tied embedding, or a TP rank > 0's copy of
         parameters replicated over TP. A bucket holding anything else is left out (the import
         is then refused as not accounting for it)."""
-        if not self.FROM_TENSORS:
+        if self.held:
             return {}
         names = [*self.before, *self.stacked, *self.after]
         read = {(rank, key) for n in names for rank, key, *_ in self._pieces(n)}
@@ -399,7 +430,7 @@ class RankStates:
                     continue
                 for state in self.STATES:
                     out[self.source(rank, bucket, state)] = (
-                        f"{self.LAYOUT} bucket of model-parallel rank {rank} holding only "
+                        f"{self.sharding} bucket of model-parallel rank {rank} holding only "
                         f"{'; '.join(dict.fromkeys(why))}: not read"
                     )
         return out

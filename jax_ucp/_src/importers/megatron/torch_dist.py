@@ -30,10 +30,10 @@ from jax_ucp._src.importers.megatron.common import (
     tied_embeddings,
 )
 from jax_ucp._src.importers.megatron.distopt import (
-    BucketStates,
-    GatheredStates,
+    bucket_states,
     chained_layouts,
     chained_states,
+    gathered_states,
 )
 from jax_ucp._src.importers.megatron.integrity import verify_integrity
 from jax_ucp._src.importers.megatron.model_space import (
@@ -96,7 +96,7 @@ def plan_torch_dist(
             checkpoint, common, common_path, chained, optimizer, model_names
         )
         layout = (  # never "optimizer", which names a torch optimizer's record in other formats
-            optimizer.buckets.LAYOUT
+            optimizer.buckets.sharding
             if optimizer.buckets
             else ("per_parameter" if optimizer.tensors else None)
         )
@@ -112,7 +112,7 @@ def plan_torch_dist(
             master = (
                 repr(states.get("param") or states.get("fp32_param"))
                 if optimizer.buckets is None
-                else f"the {optimizer.buckets.LAYOUT} state, checked equal to this weight"
+                else f"the {optimizer.buckets.sharding} state, checked equal to this weight"
             )
             skipped[name] = (
                 f"a float32 run's model weight: its fp32 master ({master}) is imported as params/"
@@ -181,7 +181,7 @@ def _find_optimizer_state(
         return OptimizerFound(tensors=model_space_tensors(checkpoint, common))
     if sharding == "dp_reshardable":
         return OptimizerFound(
-            buckets=in_module_order(BucketStates, checkpoint, model_names, settings)
+            buckets=in_module_order(bucket_states, checkpoint, model_names, settings)
         )
     if sharding == "dp_zero_gather_scatter":
         if optimizer_names:  # this layout saves objects only: a tensor is something else
@@ -191,7 +191,7 @@ def _find_optimizer_state(
                 f"{SUPPORTED_LAYOUTS}. {WEIGHTS_ONLY_HINT}"
             )
         return OptimizerFound(
-            buckets=in_module_order(GatheredStates, checkpoint, model_names, settings)
+            buckets=in_module_order(gathered_states, checkpoint, model_names, settings)
         )
     tensors = model_space_tensors(checkpoint, common)
     objects = [n for n in checkpoint.objects if is_optimizer_name(n)]
@@ -412,10 +412,10 @@ def bucket_items(
         provenance = {
             "format": "torch_dist",
             "files": files,
-            "pattern": f"{buckets.LAYOUT} (TP={buckets.grid.tp}, PP={buckets.grid.pp})",
+            "pattern": f"{buckets.sharding} (TP={buckets.grid.tp}, PP={buckets.grid.pp})",
         }
         for state, tree in STATE_TREES.items():
-            sources = {TENSORS if buckets.FROM_TENSORS else VALUES: buckets.sources(state, name)}
+            sources = {TENSORS if buckets.from_tensors else VALUES: buckets.sources(state, name)}
             value = _bucket_state(buckets, state, name, weight, state_bytes + weight_bytes)
             yield host_item((*tree, name), value, {**provenance, **sources})
         if want_model:
@@ -482,7 +482,7 @@ def _bucket_state(
     def checked(value: np.ndarray, weight: np.ndarray, what: str, does: str) -> np.ndarray:
         if state == "param" and not rounds_to(value, weight):
             raise MegatronImportError(
-                f"tensor {name!r}: {what} found in the {buckets.LAYOUT} state of "
+                f"tensor {name!r}: {what} found in the {buckets.sharding} state of "
                 f"{buckets.where} {does} "
                 f"{'equal' if weight.dtype == np.float32 else 'round to'} the model weight: the "
                 f"grad-buffer layout jax_ucp derived does not match this checkpoint (another "
