@@ -8,8 +8,6 @@ import itertools
 import re
 from typing import Any
 
-import numpy as np
-
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.importers.megatron import dcp, legacy
 from jax_ucp._src.importers.megatron.common import (
@@ -22,7 +20,6 @@ from jax_ucp._src.importers.megatron.common import (
 )
 from jax_ucp._src.importers.megatron.module_order import STACKED_EXPERT, in_module_order
 from jax_ucp._src.importers.megatron.rank_states import GATHERED, RankStates
-from jax_ucp._src.importers.plan import agreed_step
 from jax_ucp._src.torchfiles import allow_list
 
 _BUCKET_KEY = re.compile(
@@ -186,9 +183,10 @@ def chained_layouts(checkpoint: dcp.DcpCheckpoint, common: Any) -> list[str | No
 
 def chained_states(
     checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict, chained: list[str | None]
-) -> ChainedStates | None:
+) -> list[RankStates] | None:
     """A MoE run's ChainedOptimizer (megatron-core puts expert parameters in their own grad
-    buffer and optimizer, after the dense one): ``dp_reshardable`` state per member, or None
+    buffer and optimizer, after the dense one): each member's ``dp_reshardable`` state (dense:
+    ``chained_0``; experts: ``chained_1``, placed by expert-parallel rank), or None
     when every member is ``fully_reshardable`` (model-space tensors, read like a single
     optimizer's). Anything else is refused naming the layouts.
 
@@ -222,49 +220,4 @@ def chained_states(
         experts=True,
         pp=first.grid.pp,
     )
-    return ChainedStates([first, second])
-
-
-class ChainedStates:
-    """The members of a MoE ChainedOptimizer's ``dp_reshardable`` state read as one: each
-    model tensor's state from the member holding it (dense: ``chained_0``; experts:
-    ``chained_1``, placed by expert-parallel rank), one step for all."""
-
-    from_tensors = True
-
-    def __init__(self, parts: list[RankStates]):
-        self.parts = parts
-        self.owner = {n: p for p in parts for n in (*p.before, *p.stacked, *p.after)}
-        self.sharding = parts[0].sharding
-        self.checkpoint = parts[0].checkpoint
-        self.grid, self.where = parts[0].grid, parts[0].where
-
-    def read(self, state: str, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
-        return self.owner[name].read(state, name, rows)
-
-    def sources(self, state: str, name: str) -> list[str]:
-        return self.owner[name].sources(state, name)
-
-    def files(self) -> list[str]:
-        return sorted({f for p in self.parts for f in p.files()})
-
-    def unread(self) -> dict[str, str]:
-        return {k: v for p in self.parts for k, v in p.unread().items()}
-
-    def step_objects(self) -> list[str]:
-        return sorted(n for p in self.parts for n in p.step_objects())
-
-    def saved_groups(self) -> list[list[tuple[str, Any]]]:
-        """Each member's :meth:`RankStates.saved_groups`, dense then experts."""
-        return [g for p in self.parts for g in p.saved_groups()]
-
-    def step(self) -> int:
-        steps: dict[float, str] = {}
-        for part in self.parts:
-            steps.setdefault(part.step(), f"in {part.prefix}optimizer")
-        return agreed_step(
-            steps,
-            str(self.where),
-            recorded_by="ChainedOptimizer members",
-            error=MegatronImportError,
-        )
+    return [first, second]

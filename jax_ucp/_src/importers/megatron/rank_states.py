@@ -318,9 +318,9 @@ class RankStates:
         prefixes = tuple(f"{self._key(rank)}.optimizer/" for rank in range(self.ranks))
         return sorted(n for n in self.checkpoint.objects if n.startswith(prefixes))
 
-    def saved_groups(self) -> list[list[tuple[str, Any]]]:
-        """[(each model-parallel rank's ``optimizer`` object, its param_groups)] (None where not
-        saved), in a list of one member: the step and the run's hyper-parameters are read there."""
+    def saved_groups(self) -> list[tuple[str, Any]]:
+        """(each model-parallel rank's ``optimizer`` object, its param_groups) (None where not
+        saved): the step and the run's hyper-parameters are read there."""
         if self._groups is None:
             self._groups = []
             for rank in range(self.ranks):
@@ -328,11 +328,11 @@ class RankStates:
                 first = state[0] if isinstance(state, list) and state else None
                 groups = first.get("param_groups") if isinstance(first, dict) else None
                 self._groups.append((f"{self._key(rank)}.optimizer", groups))
-        return [self._groups]
+        return self._groups
 
     def step(self) -> int:
         steps: dict[float, str] = {}
-        for rank, (name, groups) in enumerate(self.saved_groups()[0]):
+        for rank, (name, groups) in enumerate(self.saved_groups()):
             where = f"{self.where} ({name})"
             steps.setdefault(step_from_param_groups(groups, where), f"in rank {rank}")
         return agreed_step(
@@ -556,3 +556,13 @@ def rounds_to(master: np.ndarray, weight: np.ndarray, block: int = 1 << 20) -> b
         m[i : i + block].astype(w.dtype).tobytes() == w[i : i + block].tobytes()
         for i in range(0, m.size, block)
     )
+
+
+def members_step(members: list[RankStates]) -> int:
+    """The step of an optimizer's state (a ChainedOptimizer's: one per member, which agree)."""
+    steps: dict[float, str] = {}
+    for member in members:
+        steps.setdefault(member.step(), f"in {member.prefix}optimizer")
+    where = str(members[0].where)
+    by = "ChainedOptimizer members"
+    return agreed_step(steps, where, recorded_by=by, error=MegatronImportError)
