@@ -28,8 +28,7 @@ class RankGrid:
     dp: int = 1  # data-parallel ranks each model-parallel rank's state is split over (ZeRO)
 
     @property
-    def size(self) -> int:
-        """Model-parallel ranks."""
+    def size(self) -> int:  # model-parallel ranks
         return self.tp * self.ep * self.pp
 
     def rank(self, tp_rank: int, stage: int = 0, ep_rank: int = 0) -> int:

@@ -667,9 +667,8 @@ def _model_copy_item(
             dict(provenance, pattern=f"cast(fp32 -> {checkpoint.model_dtype})", state="module"),
         )
     stage = checkpoint.holders[name][0]
-    fragments, paths, sources = (
-        list(e) for e in zip(*(stored[t] for t in range(checkpoint.grid.tp)))
-    )
+    tp_ranks = range(checkpoint.grid.tp)
+    fragments, paths, sources = (list(e) for e in zip(*(stored[t] for t in tp_ranks)))
     for tp_rank, (fragment, path) in enumerate(zip(fragments, paths)):
         if fragment.dtype != checkpoint.model_dtype:
             raise SourceError(

@@ -176,11 +176,8 @@ def plan_legacy(source_dir: MegatronSource, settings: dict, options: ImportOptio
                 f"{checkpoint.iter_dir}: no import rule covers {uncovered[:10]} "
                 f"(pass a spec with rules for them)"
             )
-    if (
-        (tensors.grouped or checkpoint.grid.ep > 1)
-        and checkpoint.distrib_optim
-        and not weights_only
-    ):
+    experts = tensors.grouped or checkpoint.grid.ep > 1
+    if experts and checkpoint.distrib_optim and not weights_only:
         raise MegatronImportError(
             f"{checkpoint.iter_dir}: distrib_optim.pt with "
             f"{'grouped-GEMM' if tensors.grouped else 'expert-parallel'} experts is not "
@@ -515,8 +512,7 @@ def _legacy_distrib_optim(
     steps: dict[float, str] = {}
     for (stage, tp_rank), rank_file in checkpoint.ranks.items():
         path = checkpoint.distrib_optim[(stage, tp_rank)]
-        # with a virtual pipeline one grad buffer per model chunk (``gbuf_idx`` = chunk)
-        buffer = (checkpoint.grid.chunk(stage), checkpoint.grid.vpp)
+        buffer = (checkpoint.grid.chunk(stage), checkpoint.grid.vpp)  # one per model chunk
         buffers = legacy.distrib_optim_state(legacy.load_rank_file(path), path, *buffer)
         rank_tensors = local[(stage, tp_rank)]
         params = [(local_name, int(a.size)) for local_name, _, a in rank_tensors]

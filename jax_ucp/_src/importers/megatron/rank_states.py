@@ -44,21 +44,12 @@ class RankStates:
     (per layer) sorted by offset, every TP-th one (SwiGLU's fc1 is two chunks per rank, gate and
     up) joined along the split axis; a tensor saved in one chunk is replicated over TP.
     The layouts (:mod:`distopt`) fill in where the flat vectors are (``buffers``, ``held``) and
-    how each rank's buffer splits into buckets (``layout``).
-
-    Args:
-        checkpoint: the torch_dist checkpoint.
-        model_names: the model tensors whose state this is, in module order.
-        settings: the run's model settings.
-        ranks: the model-parallel ranks the state is saved by.
-        pp: the pipeline stages (None: from ``ranks`` and the TP size).
-        prefix: the key prefix of a ChainedOptimizer member (``chained_N.``), else "".
-        experts: the expert optimizer of a MoE ChainedOptimizer: its parameters are
-            SequentialMLP's (or GroupedMLP's) experts, saved stacked ``[layers, experts, ...]``.
-        grouped: the experts are a (legacy) GroupedMLP's: per layer one ``weight1``
-            ``[h, E_local * X]`` and one ``weight2`` ``[E_local * ffn, h]`` in the grad buffer,
-            each expert's block a contiguous ``[h, X]`` / ``[ffn, h]`` saved transposed.
-        sharding: megatron-core's name of the saved layout.
+    how each rank's buffer splits into buckets (``layout``). ``prefix``: a ChainedOptimizer
+    member's key prefix (``chained_N.``); ``experts``: the MoE expert member (SequentialMLP's
+    or GroupedMLP's experts, saved ``[layers, experts, ...]``); ``grouped``: GroupedMLP's
+    experts (per layer one ``weight1`` ``[h, E_local * X]`` and one ``weight2``
+    ``[E_local * ffn, h]`` in the grad buffer, each expert's block saved transposed);
+    ``sharding``: megatron-core's name of the saved layout.
     """
 
     STATES = tuple(STATE_TREES)
@@ -338,11 +329,6 @@ class RankStates:
         return agreed_step(
             steps, str(self.where), recorded_by="model-parallel ranks", error=MegatronImportError
         )
-
-    @property
-    def from_tensors(self) -> bool:
-        """Whether :meth:`source` names .metadata tensors (else pickled objects)."""
-        return not self.held
 
     def files(self) -> list[str]:
         """The files the flat state is read from."""

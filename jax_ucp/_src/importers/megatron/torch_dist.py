@@ -418,7 +418,7 @@ def bucket_items(
             "pattern": f"{first.sharding} (TP={first.grid.tp}, PP={first.grid.pp})",
         }
         for state, tree in STATE_TREES.items():
-            sources = {TENSORS if buckets.from_tensors else VALUES: buckets.sources(state, name)}
+            sources = {VALUES if buckets.held else TENSORS: buckets.sources(state, name)}
             value = _bucket_state(buckets, state, name, weight, state_bytes + weight_bytes)
             yield host_item((*tree, name), value, {**provenance, **sources})
         if want_model:
