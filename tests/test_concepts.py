@@ -67,6 +67,14 @@ ZERO = os.path.join(
     REPO, "tests", "fixtures", "deepspeed", "recipe_z2_fp32_cpuadam_l2_nobias_warmup", "ckpt"
 )
 DCP = os.path.join(REPO, "tests", "fixtures", "torch", "fsdp2_bf16")
+#: Megatron optimizer-state reader classes: classes of the Megatron importers
+#: (``importers/megatron/``, ``importers/deepspeed/megatron.py``) with a method taking an
+#: optimizer ``state`` name (issue 71 wants 1). 4 before (RankStates, BucketStates,
+#: GatheredStates, ChainedStates); 1 with the layouts builders of one ``RankStates`` and a
+#: ChainedOptimizer its members' list. Not counted (functions, no class): legacy
+#: ``distrib_optim.pt`` cut by ``legacy_import._legacy_distrib_optim`` and Megatron-DeepSpeed's
+#: ZeRO merge, which share the ``RankGrid`` only.
+MAX_MEGATRON_STATE_READERS = 1
 
 
 @functools.cache
@@ -407,3 +415,32 @@ def test_the_stay_count_sees_one_more():
     once = restore_stays(lambda: jax_ucp.restore(ZERO))
     twice = restore_stays(lambda: (jax_ucp.restore(ZERO), locate.is_step_dir(ZERO)))
     assert len(twice) == len(once) + 1, twice[len(once) - 2 :]
+
+
+def megatron_state_readers(paths=None) -> list[str]:
+    """``module.Class`` of every class in the Megatron importers (or ``paths``) with a method
+    taking an argument named ``state``."""
+    if paths is None:
+        megatron = os.path.join(PACKAGE, "importers", "megatron")
+        paths = [os.path.join(PACKAGE, "importers", "deepspeed", "megatron.py")]
+        paths += [os.path.join(megatron, n) for n in sorted(os.listdir(megatron))]
+    found = []
+    for path in (p for p in paths if p.endswith(".py")):
+        for node in _nodes(path):
+            if isinstance(node, ast.ClassDef) and any(
+                arg.arg == "state"
+                for method in node.body
+                if isinstance(method, ast.FunctionDef)
+                for arg in method.args.args
+            ):
+                found.append(f"{os.path.basename(path)[:-3]}.{node.name}")
+    return sorted(found)
+
+
+def test_one_megatron_optimizer_state_reader(tmp_path):
+    found = megatron_state_readers()
+    assert "rank_states.RankStates" in found
+    assert len(found) <= MAX_MEGATRON_STATE_READERS, found
+    second = tmp_path / "second.py"
+    second.write_text("class Chained:\n    def read(self, state, name): ...\nclass Other: ...\n")
+    assert megatron_state_readers([str(second)]) == ["second.Chained"]

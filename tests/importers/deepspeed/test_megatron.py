@@ -141,7 +141,7 @@ def test_kinds_come_from_universal_checkpoint_info(converted):
 def test_pipeline_tied_embedding_and_layer_files(converted):
     name = "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic"
     checkpoint = open_deepspeed_checkpoint(LocalDirectory(os.path.join(FIX, name, "ckpt")))
-    assert (checkpoint.tp, checkpoint.pp, checkpoint.dp) == (2, 2, 2)
+    assert (checkpoint.grid.tp, checkpoint.grid.pp, checkpoint.grid.dp) == (2, 2, 2)
     assert checkpoint.holders["tied_modules.embed.word_embeddings.weight"] == [0, 1]
     assert checkpoint.holders["3.self_attention.dense.weight"] == [1]
     # model weights come from the layer files (the mp_rank files hold module=None)

@@ -66,7 +66,7 @@ def test_vpp_legacy_imports_every_layer_in_place(tmp_path, weights_only):
 def test_vpp_chunk_layers_are_global_layers():
     """Chunk v of pipeline rank p is virtual stage v * PP + p: global layer v * 2 + p."""
     checkpoint = megatron_legacy.open_legacy(FIX / NAME)
-    assert (checkpoint.pp, checkpoint.virtual_pipeline) == (4, 2)
+    assert (checkpoint.grid.pp, checkpoint.grid.vpp) == (4, 2)
     where = {
         stage: (
             checkpoint.ranks[(stage, 0)].path.parent.name,

@@ -218,8 +218,8 @@ def test_grouped_experts_are_not_read_as_sequential(monkeypatch, tmp_path):
 
     real = rank_states.RankStates.__init__
 
-    def sequential_only(self, checkpoint, model_names, settings, ranks, pp=None, grouped=False):
-        real(self, checkpoint, model_names, settings, ranks, pp, grouped=False)
+    def sequential_only(self, *args, grouped=False, **kwargs):
+        real(self, *args, grouped=False, **kwargs)
 
     monkeypatch.setattr(rank_states.RankStates, "__init__", sequential_only)
     with pytest.raises(

@@ -57,16 +57,14 @@ def test_a_whole_state_read_in_row_blocks_is_the_same_checkpoint(tmp_path, monke
     """With blocks of 256 bytes the TP pieces of whole states are read in many more, smaller
     ranges of the flat buckets than with the default blocks (one per piece on this small
     model; per-layer pieces of stacked tensors are read whole either way), and the checkpoint is the same, file for file."""
-    from jax_ucp._src.importers.megatron import distopt
-
     ranges: list = []
-    flat = distopt.BucketStates.flat
+    flat = rank_states.RankStates.flat
 
     def flat_spy(self, rank, bucket, state, start, end):
         ranges.append(end - start)
         return flat(self, rank, bucket, state, start, end)
 
-    monkeypatch.setattr(distopt.BucketStates, "flat", flat_spy)
+    monkeypatch.setattr(rank_states.RankStates, "flat", flat_spy)
     default = jax_ucp.convert(
         SRC, tmp_path / "default", importing=MegatronOptions(vocab_size=VOCAB)
     )

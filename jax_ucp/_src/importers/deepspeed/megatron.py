@@ -47,6 +47,7 @@ from jax_ucp._src.importers.deepspeed.zero import (
     zero_tensors,
 )
 from jax_ucp._src.importers.plan import WHOLE, Share, host_item, skip, tensor_names
+from jax_ucp._src.importers.rank_grid import RankGrid
 from jax_ucp._src.language import (
     Averaged,
     PipelineTied,
@@ -75,9 +76,7 @@ class MegatronDeepSpeedCheckpoint:
 
     tag_dir: Storage
     stage: int
-    tp: int
-    pp: int
-    dp: int
+    grid: RankGrid  # TP x PP, each model-parallel rank's ZeRO state over DP ranks
     model_dtype: np.dtype
     info: Mapping[str, Any]
     spec: Any
@@ -101,8 +100,7 @@ class _RankFiles:
     """Where each model-parallel rank's files are (found and checked before any rank is read)."""
 
     tag_dir: Storage
-    tp: int
-    pp: int
+    grid: RankGrid
     model_files: dict[int, str]  # MP rank -> model states file name
     optimizer_files: dict[int, dict[int, str]]  # MP rank -> {DP rank: path}
     optimizer_prefix: str
@@ -122,8 +120,8 @@ def open_megatron_deepspeed_checkpoint(
     rank_files = _find_rank_files(tag_dir, listing)
     spec, info = _import_spec(spec, rank_files)
     ranks = [
-        [_open_rank(rank_files, pp_rank, tp_rank) for tp_rank in range(rank_files.tp)]
-        for pp_rank in range(rank_files.pp)
+        [_open_rank(rank_files, pp_rank, tp_rank) for tp_rank in range(rank_files.grid.tp)]
+        for pp_rank in range(rank_files.grid.pp)
     ]
     _check_same_parameters_per_stage(ranks)
     holders: dict[str, list[int]] = {}  # in stage order, a tied parameter once
@@ -134,9 +132,7 @@ def open_megatron_deepspeed_checkpoint(
     checkpoint = MegatronDeepSpeedCheckpoint(
         tag_dir=tag_dir,
         stage=ranks[0][0].stage,
-        tp=rank_files.tp,
-        pp=rank_files.pp,
-        dp=ranks[0][0].world_size,
+        grid=dataclasses.replace(rank_files.grid, dp=ranks[0][0].world_size),
         model_dtype=_check_same_partitioning(tag_dir, ranks),
         info=info,
         spec=spec,
@@ -152,7 +148,7 @@ def open_megatron_deepspeed_checkpoint(
     if missing:
         raise SourceError(f"{tag_dir.root}: no import rule covers {missing[:10]}")
     maps = affine.parse_affine_maps(
-        info, f"{rank_files.first_model_file}: universal_checkpoint_info", rank_files.tp
+        info, f"{rank_files.first_model_file}: universal_checkpoint_info", rank_files.grid.tp
     )
     for name in names:
         amap = affine.map_for(maps, name)
@@ -196,13 +192,15 @@ def _find_rank_files(tag_dir: Storage, names: list[str]) -> _RankFiles:
         tag_dir, pattern.format(0), of_rank=" of model-parallel rank 0"
     )
     tp, pp = _degrees(names, first_model_states, first_model_file, len(model_files))
-    mp_world = tp * pp
+    grid = RankGrid(tp, pp)
+    mp_world = grid.size
     for mp_rank in range(mp_world):
         if mp_rank not in model_files:
             path = tag_dir.join(pattern.format(mp_rank))
+            tp_rank, stage, _ = grid.coords(mp_rank)
             raise SourceError(
                 f"{path}: missing model states file of model-parallel rank {mp_rank} "
-                f"(pp={mp_rank // tp}, tp={mp_rank % tp}; the checkpoint has tp={tp}, pp={pp})"
+                f"(pp={stage}, tp={tp_rank}; the checkpoint has tp={tp}, pp={pp})"
             )
     extra = sorted(set(model_files) - set(range(mp_world)))
     if extra:
@@ -217,7 +215,7 @@ def _find_rank_files(tag_dir: Storage, names: list[str]) -> _RankFiles:
             f"{tag_dir.root}: optimizer files for model-parallel ranks {extra} beyond tp={tp} x pp={pp}"
         )
     return _RankFiles(
-        tag_dir, tp, pp, model_files, optimizer_files, prefix, first_model_file, first_model_states
+        tag_dir, grid, model_files, optimizer_files, prefix, first_model_file, first_model_states
     )
 
 
@@ -252,7 +250,7 @@ def _import_spec(spec: Any, rank_files: _RankFiles) -> tuple[Any, dict]:
     if isinstance(spec, (str, os.PathLike)):
         spec = load_spec(os.fspath(spec))
     if spec is None:
-        if not isinstance(info, Mapping) and rank_files.tp == 1:
+        if not isinstance(info, Mapping) and rank_files.grid.tp == 1:
             # pipeline parallelism alone (DeepSpeed's PipelineModule): every parameter is whole
             # on the stage(s) holding it, so no TP merge rule is needed (stages holding the same
             # name, tied layers, are still checked bit-identical)
@@ -279,8 +277,8 @@ def _import_spec(spec: Any, rank_files: _RankFiles) -> tuple[Any, dict]:
 
 def _open_rank(rank_files: _RankFiles, pp_rank: int, tp_rank: int) -> DeepSpeedCheckpoint:
     """One model-parallel rank, read and checked like a plain ZeRO stage 1/2 checkpoint."""
-    tag_dir, mp_world = rank_files.tag_dir, rank_files.tp * rank_files.pp
-    mp_rank = pp_rank * rank_files.tp + tp_rank
+    tag_dir, grid = rank_files.tag_dir, rank_files.grid
+    mp_rank = grid.rank(tp_rank, pp_rank)
     model_file = tag_dir.join(rank_files.model_files[mp_rank])
     model_states = (
         rank_files.first_model_states
@@ -288,10 +286,10 @@ def _open_rank(rank_files: _RankFiles, pp_rank: int, tp_rank: int) -> DeepSpeedC
         else files.load_model_states(tag_dir, rank_files.model_files[mp_rank])
     )
     recorded = model_states.get("mp_world_size")
-    if recorded is not None and int(recorded) != mp_world:
+    if recorded is not None and int(recorded) != grid.size:
         raise SourceError(
             f"{model_file}: mp_world_size {recorded}, {rank_files.first_model_file} implies "
-            f"{mp_world} (tp={rank_files.tp} x pp={rank_files.pp})"
+            f"{grid.size} (tp={grid.tp} x pp={grid.pp})"
         )
     of_rank = f" of model-parallel rank {mp_rank} (pp={pp_rank}, tp={tp_rank})"
     files_by_dp_rank = rank_files.optimizer_files.get(mp_rank)
@@ -381,9 +379,9 @@ def _check_layer_files(
     """Every pipeline layer has one file per TP rank, and no TP rank beyond the grid."""
     tp_ranks_of_layer: dict[int, dict[int, str]] = {}
     for layer, tp_rank, name in layer_files:
-        if tp_rank >= checkpoint.tp:
+        if tp_rank >= checkpoint.grid.tp:
             raise SourceError(
-                f"{checkpoint.tag_dir.join(name)}: TP rank {tp_rank} beyond tp={checkpoint.tp}"
+                f"{checkpoint.tag_dir.join(name)}: TP rank {tp_rank} beyond tp={checkpoint.grid.tp}"
             )
         same = tp_ranks_of_layer.setdefault(layer, {})
         if tp_rank in same:  # layer_00-model_states.pt beside layer_00-model_00-model_states.pt
@@ -393,7 +391,7 @@ def _check_layer_files(
             )
         same[tp_rank] = name
     for layer, tp_ranks in sorted(tp_ranks_of_layer.items()):
-        for tp_rank in range(checkpoint.tp):
+        for tp_rank in range(checkpoint.grid.tp):
             if tp_rank not in tp_ranks:
                 name = f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
                 raise SourceError(
@@ -484,7 +482,9 @@ def _tp_kind(checkpoint: MegatronDeepSpeedCheckpoint, name: str, kind) -> tuple[
         tp_kind = Replicated()
     dim = getattr(_merged_kind(tp_kind), "dim", 0) or 0
     stage = checkpoint.holders[name][0]
-    shapes = [checkpoint.ranks[stage][tp_rank].shapes[name] for tp_rank in range(checkpoint.tp)]
+    shapes = [
+        checkpoint.ranks[stage][tp_rank].shapes[name] for tp_rank in range(checkpoint.grid.tp)
+    ]
     widths = [s[dim] if len(s) > abs(dim) else 0 for s in shapes] if shapes[0] else []
     return resolve_sub_params(tp_kind, name, checkpoint.info, widths), widths
 
@@ -556,7 +556,7 @@ def _stored_copy_used(checkpoint: MegatronDeepSpeedCheckpoint, name: str) -> boo
     if (
         name not in checkpoint.matches
         or checkpoint.model_dtype == np.dtype(np.float32)
-        or len(checkpoint.module.get(name, {})) != checkpoint.tp
+        or len(checkpoint.module.get(name, {})) != checkpoint.grid.tp
     ):
         return False
     if name in checkpoint.affine:
@@ -580,7 +580,7 @@ def _parameter_items(
             f"{file_name(checkpoint.ranks[stage][tp_rank].model_file)} + "
             f"{[file_name(f) for f in checkpoint.ranks[stage][tp_rank].optim_files]}"
             for stage in stages
-            for tp_rank in range(checkpoint.tp)
+            for tp_rank in range(checkpoint.grid.tp)
         )
 
     if name in checkpoint.affine:
@@ -644,7 +644,7 @@ def _provenance(checkpoint: MegatronDeepSpeedCheckpoint, name, match, tp_kind, w
         "files": sorted(files),
         "pattern": match.rule.label or match.rule.pattern,
         "kind": tp_kind.to_dict(),
-        "tp": checkpoint.tp,
+        "tp": checkpoint.grid.tp,
         "pp_stages": stages,
         "zero_stage": checkpoint.stage,
     }
@@ -668,7 +668,8 @@ def _model_copy_item(
             dict(provenance, pattern=f"cast(fp32 -> {checkpoint.model_dtype})", state="module"),
         )
     stage = checkpoint.holders[name][0]
-    fragments, paths, sources = (list(e) for e in zip(*(stored[t] for t in range(checkpoint.tp))))
+    tp_ranks = range(checkpoint.grid.tp)
+    fragments, paths, sources = (list(e) for e in zip(*(stored[t] for t in tp_ranks)))
     for tp_rank, (fragment, path) in enumerate(zip(fragments, paths)):
         if fragment.dtype != checkpoint.model_dtype:
             raise SourceError(
@@ -696,10 +697,10 @@ def source_info(checkpoint: MegatronDeepSpeedCheckpoint) -> dict:
         checkpoint.tag_dir,
         checkpoint.model_states,
         checkpoint.stage,
-        layout="megatron-deepspeed" if checkpoint.info or checkpoint.tp > 1 else "pipeline",
-        tp=checkpoint.tp,
-        pp=checkpoint.pp,
-        dp_world_size=checkpoint.dp,
+        layout="megatron-deepspeed" if checkpoint.info or checkpoint.grid.tp > 1 else "pipeline",
+        tp=checkpoint.grid.tp,
+        pp=checkpoint.grid.pp,
+        dp_world_size=checkpoint.grid.dp,
         model_dtype=str(checkpoint.model_dtype),
         original_vocab_size=checkpoint.info.get("original_vocab_size"),
         padded_vocab_size=checkpoint.info.get("padded_vocab_size"),

@@ -38,18 +38,19 @@ def named_errors() -> Iterator[None]:
 class OptimizerFound:
     """The optimizer state of a megatron-core DCP checkpoint, as its layout reads it:
     model-space tensors (``tensors``: {model tensor: {state: tensor}}, ``"param"`` the model
-    tensor itself where that is the master) or per-rank flat state (``buckets``), or neither
+    tensor itself where that is the master) or per-rank flat state (``buckets``: a
+    ``RankStates`` per optimizer, a ChainedOptimizer's members dense then experts), or neither
     (no state, or weights only); ``skipped``: the optimizer tensors not imported, and why;
     ``step``: the step and where it was read (None: none)."""
 
     tensors: dict[str, dict[str, str]] = field(default_factory=dict)
-    buckets: Any = None  # a RankStates, ChainedStates or None
+    buckets: list = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     step: tuple[int, dict] | None = None
 
     @property
     def present(self) -> bool:
-        return bool(self.tensors) or self.buckets is not None
+        return bool(self.tensors or self.buckets)
 
 
 SUPPORTED_LAYOUTS = (

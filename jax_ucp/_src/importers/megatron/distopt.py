@@ -8,11 +8,10 @@ import itertools
 import re
 from typing import Any
 
-import numpy as np
-
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.importers.megatron import dcp, legacy
 from jax_ucp._src.importers.megatron.common import (
+    STATE_TREES,
     SUPPORTED_LAYOUTS,
     WEIGHTS_ONLY_HINT,
     MegatronImportError,
@@ -20,8 +19,7 @@ from jax_ucp._src.importers.megatron.common import (
     is_optimizer_name,
 )
 from jax_ucp._src.importers.megatron.module_order import STACKED_EXPERT, in_module_order
-from jax_ucp._src.importers.megatron.rank_states import RankStates
-from jax_ucp._src.importers.plan import agreed_step
+from jax_ucp._src.importers.megatron.rank_states import GATHERED, RankStates
 from jax_ucp._src.torchfiles import allow_list
 
 _BUCKET_KEY = re.compile(
@@ -33,161 +31,133 @@ _BUCKET_KEY = re.compile(
 _EXPERT = re.compile(r"decoder\.layers\.mlp\.experts\.")
 
 
-class BucketStates(RankStates):
+def bucket_states(
+    checkpoint: dcp.DcpCheckpoint,
+    model_names: list[str],
+    settings: dict,
+    prefix: str = "",
+    experts: bool = False,
+    pp: int | None = None,
+    grouped: bool = False,
+) -> RankStates:
     """megatron-core 0.16's ``dp_reshardable`` (Megatron-LM's default): one flat tensor per
     rank, grad buffer, bucket and state, each bucket's length its recorded unpadded size; a
     bucket closes exactly there (``legacy.bucket_layout``), so the DDP ``bucket_size``
-    (not saved) is not needed and every bucket size is checked."""
-
-    LAYOUT = "dp_reshardable"
-
-    def __init__(
-        self,
-        checkpoint: dcp.DcpCheckpoint,
-        model_names: list[str],
-        settings: dict,
-        prefix: str = "",
-        experts: bool = False,
-        pp: int | None = None,
-        grouped: bool = False,
-    ):
-        self.prefix, self.experts = prefix, experts
-        where = checkpoint.path / ".metadata"
-        ranks: dict[int, dict[int, dict[str, str]]] = {}  # {rank: {bucket: {state: tensor}}}
-        dtypes: dict[int, set[str]] = {}
-        for name in checkpoint.tensors:
-            if not is_optimizer_name(name) or (prefix and not name.startswith(prefix)):
-                continue
-            m = _BUCKET_KEY.fullmatch(name)
-            if m is None or m.group(2) != "0" or (not prefix and name.startswith("chained_")):
-                which = "expert" if experts else "dense"
-                raise MegatronImportError(
-                    f"{where}: dp_reshardable optimizer tensor {name!r} is not in grad buffer 0 "
-                    f"of the {which} parameters (several parameter dtypes are not supported). "
-                    f"{WEIGHTS_ONLY_HINT}"
-                )
-            rank, bucket = int(m.group(1)), int(m.group(4))
-            ranks.setdefault(rank, {}).setdefault(bucket, {})[m.group(5)] = name
-            dtypes.setdefault(rank, set()).add(m.group(3))
-        if not ranks or sorted(ranks) != list(range(len(ranks))):
+    (not saved) is not needed and every bucket size is checked. ``prefix``, ``experts``: a
+    ChainedOptimizer member's (:class:`RankStates`)."""
+    where = checkpoint.path / ".metadata"
+    ranks: dict[int, dict[int, dict[str, str]]] = {}  # {rank: {bucket: {state: tensor}}}
+    dtypes: dict[int, set[str]] = {}
+    for name in checkpoint.tensors:
+        if not is_optimizer_name(name) or (prefix and not name.startswith(prefix)):
+            continue
+        m = _BUCKET_KEY.fullmatch(name)
+        if m is None or m.group(2) != "0" or (not prefix and name.startswith("chained_")):
+            which = "expert" if experts else "dense"
             raise MegatronImportError(
-                f"{where}: dp_reshardable state for model-parallel ranks {sorted(ranks)}, "
-                f"expected 0..N-1. {WEIGHTS_ONLY_HINT}"
+                f"{where}: dp_reshardable optimizer tensor {name!r} is not in grad buffer 0 "
+                f"of the {which} parameters (several parameter dtypes are not supported). "
+                f"{WEIGHTS_ONLY_HINT}"
             )
-        self.buckets: dict[int, list[dict[str, str]]] = {}
-        for rank, per_bucket in sorted(ranks.items()):
-            if len(dtypes[rank]) != 1 or sorted(per_bucket) != list(range(len(per_bucket))):
-                raise MegatronImportError(
-                    f"{where}: dp_reshardable state of model-parallel rank {rank}: buckets "
-                    f"{sorted(per_bucket)}, dtypes {sorted(dtypes[rank])}; expected buckets "
-                    f"0..N-1 of one dtype. {WEIGHTS_ONLY_HINT}"
-                )
-            for bucket, states in per_bucket.items():
-                if set(states) != set(self.STATES):
-                    raise MegatronImportError(
-                        f"{where}: dp_reshardable bucket {bucket} of model-parallel rank {rank} "
-                        f"has states {sorted(states)}, expected {list(self.STATES)}"
-                    )
-                shapes = {checkpoint.tensors[n].shape for n in states.values()}
-                if len(shapes) != 1 or len(next(iter(shapes))) != 1:
-                    raise MegatronImportError(
-                        f"{where}: dp_reshardable bucket {bucket} of model-parallel rank {rank}: "
-                        f"shapes {sorted(shapes)}, expected one flat vector per state"
-                    )
-            self.buckets[rank] = [per_bucket[b] for b in range(len(per_bucket))]
-        super().__init__(checkpoint, model_names, settings, len(ranks), pp, grouped)
-        self.layout = {}
-        for rank in self.buckets:
-            params, shared = self.rank_params(rank)
-            numels = [checkpoint.tensors[b["param"]].shape[0] for b in self.buckets[rank]]
-            recorded = self._recorded_numels(rank)
-            if recorded is not None and recorded != numels:
-                raise MegatronImportError(
-                    f"{where}: model-parallel rank {rank}: bucket tensors of {numels} elements, "
-                    f"but megatron-core recorded {recorded} unpadded"
-                )
-            self.layout[rank] = legacy.bucket_layout(
-                params, shared, numels, f"{where} (model-parallel rank {rank})"
-            )
-
-    def _recorded_numels(self, rank: int) -> list[int] | None:
-        """``per_bucket_numel_unpadded``: [[{(param dtype, grad dtype): [numel per bucket]}]]."""
-        value = self.object(rank, "per_bucket_numel_unpadded")
-        if value is None:
-            return None
-        try:
-            ((per_dtype,),) = value
-            (numels,) = per_dtype.values()
-            return [int(n) for n in numels]
-        except (TypeError, ValueError, AttributeError):
+        rank, bucket = int(m.group(1)), int(m.group(4))
+        ranks.setdefault(rank, {}).setdefault(bucket, {})[m.group(5)] = name
+        dtypes.setdefault(rank, set()).add(m.group(3))
+    if not ranks or sorted(ranks) != list(range(len(ranks))):
+        raise MegatronImportError(
+            f"{where}: dp_reshardable state for model-parallel ranks {sorted(ranks)}, "
+            f"expected 0..N-1. {WEIGHTS_ONLY_HINT}"
+        )
+    buffers: dict[int, list[dict[str, str]]] = {}
+    for rank, per_bucket in sorted(ranks.items()):
+        if len(dtypes[rank]) != 1 or sorted(per_bucket) != list(range(len(per_bucket))):
             raise MegatronImportError(
-                f"{self.where}: per_bucket_numel_unpadded of model-parallel rank {rank} is "
-                f"{allow_list.short_repr(value)}, expected [[{{dtypes: [numel per bucket]}}]]"
-            ) from None
+                f"{where}: dp_reshardable state of model-parallel rank {rank}: buckets "
+                f"{sorted(per_bucket)}, dtypes {sorted(dtypes[rank])}; expected buckets "
+                f"0..N-1 of one dtype. {WEIGHTS_ONLY_HINT}"
+            )
+        for bucket, states in per_bucket.items():
+            if set(states) != set(STATE_TREES):
+                raise MegatronImportError(
+                    f"{where}: dp_reshardable bucket {bucket} of model-parallel rank {rank} "
+                    f"has states {sorted(states)}, expected {list(STATE_TREES)}"
+                )
+            shapes = {checkpoint.tensors[n].shape for n in states.values()}
+            if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+                raise MegatronImportError(
+                    f"{where}: dp_reshardable bucket {bucket} of model-parallel rank {rank}: "
+                    f"shapes {sorted(shapes)}, expected one flat vector per state"
+                )
+        buffers[rank] = [per_bucket[b] for b in range(len(per_bucket))]
+    found = RankStates(
+        checkpoint, model_names, settings, len(ranks), pp, prefix, experts, grouped=grouped
+    )
+    found.buffers = buffers
+    for rank in buffers:
+        params, shared = found.rank_params(rank)
+        numels = [checkpoint.tensors[b["param"]].shape[0] for b in buffers[rank]]
+        recorded = _recorded_numels(found, rank)
+        if recorded is not None and recorded != numels:
+            raise MegatronImportError(
+                f"{where}: model-parallel rank {rank}: bucket tensors of {numels} elements, "
+                f"but megatron-core recorded {recorded} unpadded"
+            )
+        found.layout[rank] = legacy.bucket_layout(
+            params, shared, numels, f"{where} (model-parallel rank {rank})"
+        )
+    return found
 
-    def files(self) -> list[str]:
-        names = (n for per in self.buckets.values() for states in per for n in states.values())
-        return sorted({f for n in names for f in self.checkpoint.tensors[n].files})
 
-    def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
-        return self.checkpoint.read_rows(self.buckets[rank][bucket][state], start, end)
+def _recorded_numels(found: RankStates, rank: int) -> list[int] | None:
+    """``per_bucket_numel_unpadded``: [[{(param dtype, grad dtype): [numel per bucket]}]]."""
+    value = found.object(rank, "per_bucket_numel_unpadded")
+    if value is None:
+        return None
+    try:
+        ((per_dtype,),) = value
+        (numels,) = per_dtype.values()
+        return [int(n) for n in numels]
+    except (TypeError, ValueError, AttributeError):
+        raise MegatronImportError(
+            f"{found.where}: per_bucket_numel_unpadded of model-parallel rank {rank} is "
+            f"{allow_list.short_repr(value)}, expected [[{{dtypes: [numel per bucket]}}]]"
+        ) from None
 
-    def source(self, rank: int, bucket: int, state: str) -> str:
-        return self.buckets[rank][bucket][state]
 
-
-class GatheredStates(RankStates):
+def gathered_states(
+    checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict, grouped: bool = False
+) -> RankStates:
     """megatron-core 0.13's ``dp_zero_gather_scatter``: per model-parallel rank one pickled
     ``param_state`` object (written by DP rank 0), the same dict as a legacy
     ``distrib_optim.pt`` (the buckets' unpadded parts concatenated), laid out as for that file
     (``legacy.distrib_optim_layout``, the DDP bucket size from the saved args)."""
-
-    LAYOUT = "dp_zero_gather_scatter"
-    FROM_TENSORS = False  # the state is pickled objects, not .metadata tensors
-
-    def __init__(
-        self,
-        checkpoint: dcp.DcpCheckpoint,
-        model_names: list[str],
-        settings: dict,
-        grouped: bool = False,
-    ):
-        where = checkpoint.path / ".metadata"
-        pattern = r"optimizer\.distributed\.dp_group_idx_([0-9]+)\.param_state/.*"
-        found = {int(m.group(1)): n for n in checkpoint.objects if (m := re.fullmatch(pattern, n))}
-        if not found or sorted(found) != list(range(len(found))):
-            raise MegatronImportError(
-                f"{where}: dp_zero_gather_scatter param_state objects for model-parallel ranks "
-                f"{sorted(found)}, expected 0..N-1. {WEIGHTS_ONLY_HINT}"
-            )
-        super().__init__(checkpoint, model_names, settings, len(found), grouped=grouped)
-        self.names = found
-        bucket_size = ddp_bucket_size(settings)
-        self.buffers: dict[int, legacy.DistribOptimState] = {}
-        self.layout = {}
-        for rank, name in found.items():
-            saved = checkpoint.read_object(name, legacy.LEGACY_CLASSES)
-            label = f"{where} (object {name!r})"
-            try:
-                if isinstance(saved, list) and len(saved) == 1:  # one model chunk
-                    (saved,) = saved
-                state = legacy.distrib_optim_state(saved, label)
-            except SourceError as e:
-                raise MegatronImportError(f"{e}. {WEIGHTS_ONLY_HINT}") from None
-            params, shared = self.rank_params(rank)
-            size, whose = bucket_size if rank < self.tp else None, f"model-parallel rank {rank}"
-            layout = legacy.distrib_optim_layout(params, shared, size, state, whose)
-            self.buffers[rank] = state
-            self.layout[rank] = {k: (0, a, b) for k, (a, b) in layout.items()}
-
-    def files(self) -> list[str]:
-        return sorted({self.checkpoint.objects[n].file for n in self.names.values()})
-
-    def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
-        return self.buffers[rank].arrays[state][start:end]
-
-    def source(self, rank: int, bucket: int, state: str) -> str:
-        return self.names[rank]
+    where = checkpoint.path / ".metadata"
+    pattern = r"optimizer\.distributed\.dp_group_idx_([0-9]+)\.param_state/.*"
+    named = {int(m.group(1)): n for n in checkpoint.objects if (m := re.fullmatch(pattern, n))}
+    if not named or sorted(named) != list(range(len(named))):
+        raise MegatronImportError(
+            f"{where}: dp_zero_gather_scatter param_state objects for model-parallel ranks "
+            f"{sorted(named)}, expected 0..N-1. {WEIGHTS_ONLY_HINT}"
+        )
+    found = RankStates(
+        checkpoint, model_names, settings, len(named), grouped=grouped, sharding=GATHERED
+    )
+    bucket_size = ddp_bucket_size(settings)
+    for rank, name in named.items():
+        saved = checkpoint.read_object(name, legacy.LEGACY_CLASSES)
+        label = f"{where} (object {name!r})"
+        try:
+            if isinstance(saved, list) and len(saved) == 1:  # one model chunk
+                (saved,) = saved
+            state = legacy.distrib_optim_state(saved, label)
+        except SourceError as e:
+            raise MegatronImportError(f"{e}. {WEIGHTS_ONLY_HINT}") from None
+        params, shared = found.rank_params(rank)
+        size, whose = bucket_size if rank < found.grid.tp else None, f"model-parallel rank {rank}"
+        layout = legacy.distrib_optim_layout(params, shared, size, state, whose)
+        found.buffers[rank] = [dict.fromkeys(STATE_TREES, name)]
+        found.held[rank] = state
+        found.layout[rank] = {k: (0, a, b) for k, (a, b) in layout.items()}
+    return found
 
 
 def chained_layouts(checkpoint: dcp.DcpCheckpoint, common: Any) -> list[str | None] | None:
@@ -213,9 +183,10 @@ def chained_layouts(checkpoint: dcp.DcpCheckpoint, common: Any) -> list[str | No
 
 def chained_states(
     checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict, chained: list[str | None]
-) -> ChainedStates | None:
+) -> list[RankStates] | None:
     """A MoE run's ChainedOptimizer (megatron-core puts expert parameters in their own grad
-    buffer and optimizer, after the dense one): ``dp_reshardable`` state per member, or None
+    buffer and optimizer, after the dense one): each member's ``dp_reshardable`` state (dense:
+    ``chained_0``; experts: ``chained_1``, placed by expert-parallel rank), or None
     when every member is ``fully_reshardable`` (model-space tensors, read like a single
     optimizer's). Anything else is refused naming the layouts.
 
@@ -239,53 +210,14 @@ def chained_states(
             f"'dp_reshardable' or both 'fully_reshardable' ({SUPPORTED_LAYOUTS}). "
             f"{WEIGHTS_ONLY_HINT}"
         )
-    first = in_module_order(BucketStates, checkpoint, dense, settings, prefix="chained_0.")
+    first = in_module_order(bucket_states, checkpoint, dense, settings, prefix="chained_0.")
     second = in_module_order(
-        BucketStates, checkpoint, experts, settings, prefix="chained_1.", experts=True, pp=first.pp
+        bucket_states,
+        checkpoint,
+        experts,
+        settings,
+        prefix="chained_1.",
+        experts=True,
+        pp=first.grid.pp,
     )
-    return ChainedStates([first, second])
-
-
-class ChainedStates:
-    """The members of a MoE ChainedOptimizer's ``dp_reshardable`` state read as one: each
-    model tensor's state from the member holding it (dense: ``chained_0``; experts:
-    ``chained_1``, placed by expert-parallel rank), one step for all."""
-
-    FROM_TENSORS = True
-
-    def __init__(self, parts: list[RankStates]):
-        self.parts = parts
-        self.owner = {n: p for p in parts for n in (*p.before, *p.stacked, *p.after)}
-        self.LAYOUT = parts[0].LAYOUT
-        self.checkpoint = parts[0].checkpoint
-        self.tp, self.pp, self.where = parts[0].tp, parts[0].pp, parts[0].where
-
-    def read(self, state: str, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
-        return self.owner[name].read(state, name, rows)
-
-    def sources(self, state: str, name: str) -> list[str]:
-        return self.owner[name].sources(state, name)
-
-    def files(self) -> list[str]:
-        return sorted({f for p in self.parts for f in p.files()})
-
-    def unread(self) -> dict[str, str]:
-        return {k: v for p in self.parts for k, v in p.unread().items()}
-
-    def step_objects(self) -> list[str]:
-        return sorted(n for p in self.parts for n in p.step_objects())
-
-    def saved_groups(self) -> list[list[tuple[str, Any]]]:
-        """Each member's :meth:`RankStates.saved_groups`, dense then experts."""
-        return [g for p in self.parts for g in p.saved_groups()]
-
-    def step(self) -> int:
-        steps: dict[float, str] = {}
-        for part in self.parts:
-            steps.setdefault(part.step(), f"in {part.prefix}optimizer")
-        return agreed_step(
-            steps,
-            str(self.where),
-            recorded_by="ChainedOptimizer members",
-            error=MegatronImportError,
-        )
+    return [first, second]

@@ -38,6 +38,7 @@ from jax_ucp._src.importers.megatron.common import (
     MegatronImportError,
     agreed_iteration,
 )
+from jax_ucp._src.importers.rank_grid import RankGrid
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
@@ -92,27 +93,18 @@ class LegacyCheckpoint:
 
     iter_dir: Path
     iteration: int | None
-    tp: int
-    pp: int
-    ep: int
+    # TP x PP x EP; with a virtual pipeline ``pp`` counts virtual stages (chunk v of pipeline
+    # rank p is stage v * (pp // vpp) + p) and ``vpp`` the model chunks per rank file
+    grid: RankGrid
     ep_ranks: dict[tuple[int, int, int], RankFile]  # (pp, tp, ep) -> file
     args: dict[str, Any]
     checkpoint_version: float | None
     distrib_optim: dict[tuple[int, int], Path]  # (pp, tp) -> EP rank 0's distrib_optim.pt
-    # virtual pipeline: model chunks per rank file (``pp`` then counts virtual stages, chunk v of
-    # pipeline rank p being stage v * (pp // virtual_pipeline) + p); 1 without
-    virtual_pipeline: int
 
     @functools.cached_property
     def ranks(self) -> dict[tuple[int, int], RankFile]:
         """(pp, tp) -> EP rank 0's file."""
         return {(pp, tp): r for (pp, tp, ep), r in self.ep_ranks.items() if ep == 0}
-
-    def distrib_optim_buffer(self, key: tuple[int, int]) -> tuple[int, int]:
-        """(buffer index, buffer count) of stage ``key``'s grad buffer in its ``distrib_optim.pt``:
-        with a virtual pipeline, megatron-core's DistributedOptimizer keeps one buffer per model
-        chunk (``gbuf_idx`` = chunk), so virtual stage v*PP + p reads buffer v."""
-        return key[0] // (self.pp // self.virtual_pipeline), self.virtual_pipeline
 
 
 TRACKER_FILE = runs.TRACKER_FILE
@@ -312,14 +304,11 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
     return LegacyCheckpoint(
         iteration_dir,
         agreed_iteration(iteration, first.state.get("iteration"), str(first.path)),
-        tp_size,
-        pp_size * virtual,
-        ep_size,
+        RankGrid(tp_size, pp_size * virtual, ep_size, virtual),
         ep_ranks,
         args,
         float(version) if isinstance(version, (int, float)) else None,
         distrib_optim,
-        virtual,
     )
 
 

@@ -148,7 +148,7 @@ class LegacyMerger:
             per_stage.append(joined.reshape(shape[0], -1) if name.endswith("weight1") else joined)
         if len(per_stage) > 1:
             raise MegatronImportError(f"tensor {name!r} is held by several pipeline stages")
-        return per_stage[0], f"expert(grouped, ep={self.checkpoint.ep}, flat concat)"
+        return per_stage[0], f"expert(grouped, ep={self.checkpoint.grid.ep}, flat concat)"
 
 
 def plan_legacy(source_dir: MegatronSource, settings: dict, options: ImportOptions) -> ImportPlan:
@@ -176,7 +176,8 @@ def plan_legacy(source_dir: MegatronSource, settings: dict, options: ImportOptio
                 f"{checkpoint.iter_dir}: no import rule covers {uncovered[:10]} "
                 f"(pass a spec with rules for them)"
             )
-    if (tensors.grouped or checkpoint.ep > 1) and checkpoint.distrib_optim and not weights_only:
+    experts = tensors.grouped or checkpoint.grid.ep > 1
+    if experts and checkpoint.distrib_optim and not weights_only:
         raise MegatronImportError(
             f"{checkpoint.iter_dir}: distrib_optim.pt with "
             f"{'grouped-GEMM' if tensors.grouped else 'expert-parallel'} experts is not "
@@ -318,7 +319,7 @@ def _legacy_settings(checkpoint: legacy.LegacyCheckpoint, settings: dict) -> Non
 def _stage_layer_offsets(checkpoint: legacy.LegacyCheckpoint, settings) -> dict[int, int]:
     """Per-stage layer offset: sum of the distinct layer counts of the earlier stages."""
     offsets, total = {}, 0
-    for stage in range(checkpoint.pp):
+    for stage in range(checkpoint.grid.pp):
         offsets[stage] = total
         rank_file = checkpoint.ranks[(stage, 0)]
         numbers = {int(m.group(2)) for n in rank_file.model for m in [_LAYER.match(n)] if m}
@@ -340,13 +341,13 @@ def _collect_legacy_tensors(
     checkpoint: legacy.LegacyCheckpoint, offsets: dict[int, int]
 ) -> _LegacyTensors:
     tensors = _LegacyTensors(local={key: [] for key in checkpoint.ranks})  # state-dict order
-    for stage in range(checkpoint.pp):
+    for stage in range(checkpoint.grid.pp):
         local_names = list(checkpoint.ranks[(stage, 0)].model)
         local_experts = _check_stage_names(checkpoint, stage, local_names)
         for name in local_names:
             first = checkpoint.ranks[(stage, 0)].model[name]
             if name.endswith("_extra_state") or not isinstance(first, np.ndarray):
-                tensors.skipped.append(name if checkpoint.pp == 1 else f"stage{stage}:{name}")
+                tensors.skipped.append(name if checkpoint.grid.pp == 1 else f"stage{stage}:{name}")
                 for (pp_rank, _, _), rank_file in checkpoint.ep_ranks.items():
                     if pp_rank == stage and isinstance(rank_file.model[name], np.ndarray):
                         tensors.not_imported[rank_file.source(name)] = (
@@ -359,7 +360,7 @@ def _collect_legacy_tensors(
                 if layer
                 else name
             )
-            if checkpoint.ep > 1 and _GROUPED_EXPERT.match(name):
+            if checkpoint.grid.ep > 1 and _GROUPED_EXPERT.match(name):
                 _add_grouped_experts(checkpoint, tensors, stage, name, global_name)
             else:
                 _add_tp_fragments(checkpoint, tensors, stage, name, global_name, local_experts)
@@ -387,12 +388,12 @@ def _add_grouped_experts(
     checkpoint: legacy.LegacyCheckpoint, tensors: _LegacyTensors, stage, name, global_name
 ) -> None:
     """A grouped-GEMM expert weight: one buffer per EP rank (no TP split supported)."""
-    if checkpoint.tp > 1:
+    if checkpoint.grid.tp > 1:
         raise MegatronImportError(
             f"tensor {name!r} in {checkpoint.ranks[(stage, 0)].path}: grouped-GEMM experts "
             f"with TP > 1 are not supported"
         )
-    holders = [checkpoint.ep_ranks[(stage, 0, ep_rank)] for ep_rank in range(checkpoint.ep)]
+    holders = [checkpoint.ep_ranks[(stage, 0, ep_rank)] for ep_rank in range(checkpoint.grid.ep)]
     values = [r.model[name] for r in holders]
     _check_equal_shares(name, values, [r.path for r in holders], "expert-parallel")
     tensors.grouped.setdefault(global_name, {})[stage] = values
@@ -427,14 +428,14 @@ def _add_tp_fragments(
     local_experts: int,
 ) -> None:
     """The TP fragments of one tensor (of each EP rank's experts, numbered globally)."""
-    expert = _LOCAL_EXPERT.match(global_name) if checkpoint.ep > 1 else None
-    for ep_rank in range(checkpoint.ep) if expert else [0]:
+    expert = _LOCAL_EXPERT.match(global_name) if checkpoint.grid.ep > 1 else None
+    for ep_rank in range(checkpoint.grid.ep) if expert else [0]:
         expert_name = (
             f"{expert.group(1)}{ep_rank * local_experts + int(expert.group(2))}{expert.group(3)}"
             if expert
             else global_name
         )
-        holders = [checkpoint.ep_ranks[(stage, tp, ep_rank)] for tp in range(checkpoint.tp)]
+        holders = [checkpoint.ep_ranks[(stage, tp, ep_rank)] for tp in range(checkpoint.grid.tp)]
         per_tp = [r.model[name] for r in holders]
         _check_equal_shares(name, per_tp, [r.path for r in holders], "tensor-parallel")
         if ep_rank == 0:
@@ -443,8 +444,8 @@ def _add_tp_fragments(
         tensors.fragments.setdefault(expert_name, {})[stage] = per_tp
         tensors.sources.setdefault(expert_name, []).extend(r.source(name) for r in holders)
     if expert is None:  # a non-expert tensor: every EP rank holds a copy, EP rank 0's is read
-        for ep_rank in range(1, checkpoint.ep):
-            for tp_rank in range(checkpoint.tp):
+        for ep_rank in range(1, checkpoint.grid.ep):
+            for tp_rank in range(checkpoint.grid.tp):
                 copy = checkpoint.ep_ranks[(stage, tp_rank, ep_rank)]
                 read = checkpoint.ep_ranks[(stage, tp_rank, 0)]
                 tensors.not_imported[copy.source(name)] = (
@@ -466,7 +467,7 @@ def _tied_output_pairs(
             continue
         if untie is False:
             pairs.append((embedding, output))
-        elif untie is None and checkpoint.pp > 1:
+        elif untie is None and checkpoint.grid.pp > 1:
             first_embedding = next(iter(fragments[embedding].values()))
             first_output = next(iter(fragments[output].values()))
             if all(
@@ -511,17 +512,17 @@ def _legacy_distrib_optim(
     steps: dict[float, str] = {}
     for (stage, tp_rank), rank_file in checkpoint.ranks.items():
         path = checkpoint.distrib_optim[(stage, tp_rank)]
-        buffer = checkpoint.distrib_optim_buffer((stage, tp_rank))  # (index, count)
+        buffer = (checkpoint.grid.chunk(stage), checkpoint.grid.vpp)  # one per model chunk
         buffers = legacy.distrib_optim_state(legacy.load_rank_file(path), path, *buffer)
         rank_tensors = local[(stage, tp_rank)]
         params = [(local_name, int(a.size)) for local_name, _, a in rank_tensors]
         shared = {  # a pipeline-tied embedding (and its copy on the last stage): its own bucket
             n
             for n, _, _ in rank_tensors
-            if checkpoint.pp > 1
+            if checkpoint.grid.pp > 1
             and (
                 (stage == 0 and n.endswith("embedding.word_embeddings.weight"))
-                or (stage == checkpoint.pp - 1 and tied and n.endswith("output_layer.weight"))
+                or (stage == checkpoint.grid.pp - 1 and tied and n.endswith("output_layer.weight"))
             )
         }
         whose = _rank_dir_file(checkpoint, rank_file.path)
@@ -530,7 +531,7 @@ def _legacy_distrib_optim(
             start, end = layout[local_name]
             for state_name, per_name in out.items():
                 per_tp = per_name.setdefault(global_name, {}).setdefault(
-                    stage, [None] * checkpoint.tp
+                    stage, [None] * checkpoint.grid.tp
                 )
                 per_tp[tp_rank] = buffers.arrays[state_name][start:end].reshape(value.shape)
                 flat = f"{_rank_dir_file(checkpoint, path)}:{buffers.names[state_name]}"
@@ -556,7 +557,7 @@ def _legacy_items(plan: LegacyMerger, share: Share = WHOLE) -> Iterator[writer.H
     )
     for name in share.pick(plan.names):
         files = tensors.files(name)
-        parallel = {"tp": checkpoint.tp, "pp": checkpoint.pp, "ep": checkpoint.ep}
+        parallel = {"tp": checkpoint.grid.tp, "pp": checkpoint.grid.pp, "ep": checkpoint.grid.ep}
         provenance = {"format": "legacy", "files": files, **parallel}
         weights = {**provenance, TENSORS: tensors.sources[name]}
         if name in tensors.grouped or plan.optimizer is None:
@@ -610,9 +611,9 @@ def _legacy_info(plan: LegacyMerger, dtypes: set) -> dict:
                 stripped[name] = [rows, kind.vocab_size]
     info = {
         "format": "legacy",
-        "tp": checkpoint.tp,
-        "pp": checkpoint.pp // checkpoint.virtual_pipeline,  # virtual stages: pp * vp
-        "ep": checkpoint.ep,
+        "tp": checkpoint.grid.tp,
+        "pp": checkpoint.grid.pp // checkpoint.grid.vpp,  # virtual stages: pp * vp
+        "ep": checkpoint.grid.ep,
         "iteration": checkpoint.iteration,
         "vocab_stripped": stripped,
         "checkpoint_version": checkpoint.checkpoint_version,
@@ -621,8 +622,8 @@ def _legacy_info(plan: LegacyMerger, dtypes: set) -> dict:
         "model_dtype": ", ".join(sorted(str(d) for d in dtypes)),
         "optimizer_layout": None if plan.optimizer is None else "distrib_optim",
     }
-    if checkpoint.virtual_pipeline > 1:
-        info["virtual_pipeline"] = checkpoint.virtual_pipeline
+    if checkpoint.grid.vpp > 1:
+        info["virtual_pipeline"] = checkpoint.grid.vpp
     if not checkpoint.distrib_optim and any(
         "optimizer" in r.state for r in checkpoint.ranks.values()
     ):

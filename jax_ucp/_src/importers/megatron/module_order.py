@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -88,17 +89,17 @@ def _order_key(name: str, layer: list[str]) -> tuple | None:
     return (1, int(m.group(1)), layer.index(rest), half)
 
 
-def in_module_order(cls: type, checkpoint: dcp.DcpCheckpoint, names: list[str], *a, **k):
-    """``cls``'s state laid out over the first module order of ``names`` that fits the saved
+def in_module_order(make: Callable, checkpoint: dcp.DcpCheckpoint, names: list[str], *a, **k):
+    """``make``'s state laid out over the first module order of ``names`` that fits the saved
     buckets and whose masters equal (fp32) or round to (bf16) the model weights of the small
     tensors (norms, biases: a wrong order misplaces them); the first error if none fits.
 
     Args:
-        cls: the state class (``BucketStates``, ...) built per order.
+        make: builds the state per order (``distopt.bucket_states``, ...).
         checkpoint: the torch_dist checkpoint.
         names: the model's parameter names.
-        *a: passed on to ``cls``.
-        **k: passed on to ``cls``.
+        *a: passed on to ``make``.
+        **k: passed on to ``make``.
     """
     first: MegatronImportError | None = None
     orders = _module_orders(names)
@@ -107,7 +108,7 @@ def in_module_order(cls: type, checkpoint: dcp.DcpCheckpoint, names: list[str], 
     grouped = (False, True) if any(STACKED_EXPERT.fullmatch(n) for n in names) else (False,)
     for order, is_grouped in itertools.product(orders, grouped):
         try:
-            states = cls(checkpoint, order, *a, grouped=is_grouped, **k)
+            states = make(checkpoint, order, *a, grouped=is_grouped, **k)
         except MegatronImportError as e:
             first = first or e
             continue
@@ -118,7 +119,7 @@ def in_module_order(cls: type, checkpoint: dcp.DcpCheckpoint, names: list[str], 
             rounds = "equal" if checkpoint.tensors[wrong].dtype == np.float32 else "round to"
             experts = ", each with SequentialMLP and GroupedMLP experts" if len(grouped) > 1 else ""
             first = MegatronImportError(
-                f"tensor {wrong!r}: the fp32 master found in the {states.LAYOUT} state of "
+                f"tensor {wrong!r}: the fp32 master found in the {states.sharding} state of "
                 f"{states.where} does not {rounds} the model weight in megatron-core's parameter "
                 f"order (tried {len(orders)}: local spec, Transformer Engine, .metadata"
                 f"{experts}); another megatron-core version or DDP config? {WEIGHTS_ONLY_HINT}"

@@ -21,33 +21,38 @@ from jax_ucp._src.importers.megatron.common import (
 )
 from jax_ucp._src.importers.megatron.module_order import PER_LAYER, STACKED_EXPERT
 from jax_ucp._src.importers.plan import agreed_step
+from jax_ucp._src.importers.rank_grid import RankGrid
 
 #: Bytes of a tensor's rows read from a rank's flat state at once (``RankStates.read``).
 BLOCK_BYTES = 16 << 20
 
 
+#: megatron-core's ``param_state_sharding_type`` names of the layouts read as :class:`RankStates`
+RESHARDABLE, GATHERED = "dp_reshardable", "dp_zero_gather_scatter"
+
+
 class RankStates:
-    """Distributed-optimizer state saved per model-parallel rank (``dp_group_idx`` = TP rank +
-    TP x PP rank) as flat fp32 ``param`` / ``exp_avg`` / ``exp_avg_sq`` vectors over the rank's
-    grad buffer, without parameter names. Their places are re-derived as megatron-core lays out
-    its grad buffers (``legacy``: the rank's local parameters in module order,
-    reversed, starts padded to 64, a pipeline-tied embedding alone in its bucket); every master
-    weight is then checked against the model weight it must equal (fp32) or round to (bf16).
+    """The one reader of megatron-core's distributed-optimizer state saved per model-parallel
+    rank (``dp_group_idx`` = TP rank + TP x PP rank, :class:`RankGrid`) as flat fp32 ``param``
+    / ``exp_avg`` / ``exp_avg_sq`` vectors over the rank's grad buffer, without parameter
+    names. Their places are re-derived as megatron-core lays out its grad buffers (``legacy``:
+    the rank's local parameters in module order, reversed, starts padded to 64, a
+    pipeline-tied embedding alone in its bucket); every master weight is then checked against
+    the model weight it must equal (fp32) or round to (bf16).
 
     A rank's local piece of a tensor is the tensor's saved chunks for that TP rank: the chunks
     (per layer) sorted by offset, every TP-th one (SwiGLU's fc1 is two chunks per rank, gate and
     up) joined along the split axis; a tensor saved in one chunk is replicated over TP.
-    Subclasses say where the flat vectors are and how the buffer splits into buckets."""
+    The layouts (:mod:`distopt`) fill in where the flat vectors are (``buffers``, ``held``) and
+    how each rank's buffer splits into buckets (``layout``). ``prefix``: a ChainedOptimizer
+    member's key prefix (``chained_N.``); ``experts``: the MoE expert member (SequentialMLP's
+    or GroupedMLP's experts, saved ``[layers, experts, ...]``); ``grouped``: GroupedMLP's
+    experts (per layer one ``weight1`` ``[h, E_local * X]`` and one ``weight2``
+    ``[E_local * ffn, h]`` in the grad buffer, each expert's block saved transposed);
+    ``sharding``: megatron-core's name of the saved layout.
+    """
 
     STATES = tuple(STATE_TREES)
-    LAYOUT: str  # megatron-core's name of the saved layout, set by each subclass
-    layout: dict[int, dict[str, tuple[int, int, int]]]  # rank -> {param: (bucket, start, end)}
-
-    #: The key prefix of a ChainedOptimizer member (``chained_N.``), else "".
-    prefix = ""
-    #: Whether this is the expert optimizer of a MoE ChainedOptimizer: its parameters are
-    #: SequentialMLP's (or GroupedMLP's) experts, saved stacked ``[layers, experts, ...]``.
-    experts = False
 
     def __init__(
         self,
@@ -56,22 +61,28 @@ class RankStates:
         settings: dict,
         ranks: int,
         pp: int | None = None,
+        prefix: str = "",
+        experts: bool = False,
         grouped: bool = False,
+        sharding: str = RESHARDABLE,
     ):
-        self.checkpoint = checkpoint
+        self.checkpoint, self.prefix, self.experts = checkpoint, prefix, experts
+        self.sharding = sharding
         self.where = checkpoint.path / ".metadata"
         self.ranks = ranks
         self._groups: list[tuple[str, Any]] | None = None  # saved_groups, read once
-        #: Whether the experts are a (legacy) GroupedMLP's: per layer one ``weight1``
-        #: ``[h, E_local * X]`` and one ``weight2`` ``[E_local * ffn, h]`` in the grad buffer,
-        #: each expert's block a contiguous ``[h, X]`` / ``[ffn, h]`` saved transposed.
         self.grouped = grouped
+        #: rank -> per bucket {state: the tensor (or pickled object) holding it}
+        self.buffers: dict[int, list[dict[str, str]]] = {}
+        #: rank -> its whole buffer, unpickled (``dp_zero_gather_scatter``); else read by range
+        self.held: dict[int, legacy.DistribOptimState] = {}
+        #: rank -> {param: (bucket, start, end)}
+        self.layout: dict[int, dict[str, tuple[int, int, int]]] = {}
         self._read_layers(model_names)
         self._read_experts()
-        self.tp = self._tp_size(model_names)
-        self._read_parallelism(ranks, pp)
+        self.grid = self._read_parallelism(self._tp_size(model_names), ranks, pp)
         tied = tied_embeddings(model_names, settings)
-        self.tied_copy = tied[0] if self.pp > 1 and tied else None
+        self.tied_copy = tied[0] if self.grid.pp > 1 and tied else None
 
     def _read_layers(self, model_names: list[str]) -> None:
         """The stacked (or per-layer) decoder tensors, the layer count, and the tensors before
@@ -125,31 +136,30 @@ class RankStates:
                 f"{self.where}: expert biases {odd}: megatron-core's GroupedMLP has none"
             )
 
-    def _read_parallelism(self, ranks: int, pp: int | None) -> None:
-        """PP (and EP for the expert optimizer) from the rank count and the TP size."""
+    def _read_parallelism(self, tp: int, ranks: int, pp: int | None) -> RankGrid:
+        """The grid: PP (and EP for the expert optimizer) from the rank count and the TP size."""
         where = self.where
-        if ranks % self.tp:
+        if ranks % tp:
             raise MegatronImportError(
                 f"{where}: optimizer state of {ranks} model-parallel ranks, not a multiple of the "
-                f"tensor-parallel size {self.tp} the model tensors are split by"
+                f"tensor-parallel size {tp} the model tensors are split by"
             )
-        self.pp = ranks // self.tp if pp is None else pp
+        pp = ranks // tp if pp is None else pp
         # the expert optimizer's ranks are megatron-core's expert tensor x expert x pipeline
-        # group ('tp-ep-pp' order): rank = etp_rank + ETP * (ep_rank + EP * stage)
-        self.ep = ranks // (self.tp * self.pp) if self.experts else 1
-        if self.experts and (
-            self.tp * self.ep * self.pp != ranks or not self.ep or self.num_experts % self.ep
-        ):
+        # group: its TP is the expert TP
+        ep = ranks // (tp * pp) if self.experts else 1
+        if self.experts and (tp * ep * pp != ranks or not ep or self.num_experts % ep):
             raise MegatronImportError(
                 f"{where}: expert optimizer state of {ranks} ranks does not split into expert "
-                f"TP={self.tp} x PP={self.pp} x EP ranks of {self.num_experts} experts. "
+                f"TP={tp} x PP={pp} x EP ranks of {self.num_experts} experts. "
                 f"{WEIGHTS_ONLY_HINT}"
             )
-        if self.layers % self.pp:
+        if self.layers % pp:
             raise MegatronImportError(
-                f"{where}: {self.layers} layers over {self.pp} pipeline stages (uneven or "
+                f"{where}: {self.layers} layers over {pp} pipeline stages (uneven or "
                 f"virtual pipeline stages are not supported). {WEIGHTS_ONLY_HINT}"
             )
+        return RankGrid(tp, pp, ep)
 
     def _distinct(self, name: str) -> list[dcp.DcpChunk]:
         """One chunk per distinct place outside the layer (and expert) axes, sorted by offset."""
@@ -208,13 +218,13 @@ class RankStates:
         shape = self.checkpoint.tensors[name].shape[skip:]
         if len(chunks) == 1:
             return tuple(shape), None, chunks
-        mine = chunks[tp_rank :: self.tp]
+        mine = chunks[tp_rank :: self.grid.tp]
         axes = {a for c in chunks for a in range(len(shape)) if c.sizes[skip + a] != shape[a]}
-        if len(axes) != 1 or len(chunks) % self.tp:
+        if len(axes) != 1 or len(chunks) % self.grid.tp:
             raise MegatronImportError(
                 f"{self.where}: tensor {name!r} is saved in {len(chunks)} chunks split along "
                 f"axes {sorted(axes)}; expected a split along one axis into a multiple of "
-                f"TP={self.tp}"
+                f"TP={self.grid.tp}"
             )
         (axis,) = axes
         local = list(shape)
@@ -228,25 +238,24 @@ class RankStates:
         """The local parameters of model-parallel rank ``rank`` in module order (a stacked
         layer's as ``name#layer``), and which of them megatron-core puts alone in a bucket (a
         pipeline-tied embedding and its copy on the last stage)."""
-        tp_rank, stage = rank % self.tp, rank // self.tp
-        per_stage = self.layers // self.pp
+        grid = self.grid
+        tp_rank, stage, ep_rank = grid.coords(rank)
         params: list[tuple[str, int]] = []
         shared: set[str] = set()
         if self.experts:  # the expert optimizer's ranks: expert TP x EP x PP
-            ep_rank, stage = (rank // self.tp) % self.ep, rank // (self.tp * self.ep)
-            for i in range(stage * per_stage, (stage + 1) * per_stage):
+            for i in grid.layers_of(stage, self.layers):
                 params += self._layer_params(i, tp_rank, ep_rank)
             return params, shared
         if stage == 0:
             params += [(n, self._numel(n, tp_rank)) for n in self.before]
-        for i in range(stage * per_stage, (stage + 1) * per_stage):
+        for i in grid.layers_of(stage, self.layers):
             params += self._layer_params(i, tp_rank, 0)
-        if stage == self.pp - 1:
+        if stage == grid.pp - 1:
             params += [(n, self._numel(n, tp_rank)) for n in self.after]
         if self.tied_copy is not None:
             if stage == 0:
                 shared.add(self.tied_copy)
-            if stage == self.pp - 1:
+            if stage == grid.pp - 1:
                 copy = f"{self.tied_copy}#tied_output_copy"
                 params.append((copy, self._numel(self.tied_copy, tp_rank)))
                 shared.add(copy)
@@ -257,7 +266,7 @@ class RankStates:
         order, a run of expert tensors expanded expert by expert (``local_experts.<e>.fc1,
         fc2``; EP rank ``ep_rank``'s experts), or GroupedMLP's ``weight1``, ``weight2`` holding
         all of them."""
-        local = self.num_experts // self.ep if self.num_experts else 0
+        local = self.num_experts // self.grid.ep if self.num_experts else 0
         out: list[tuple[str, int]] = []
         if self.layer_of:  # singleton_local_shards: this layer's own tensors
             for n in self.stacked:
@@ -300,9 +309,9 @@ class RankStates:
         prefixes = tuple(f"{self._key(rank)}.optimizer/" for rank in range(self.ranks))
         return sorted(n for n in self.checkpoint.objects if n.startswith(prefixes))
 
-    def saved_groups(self) -> list[list[tuple[str, Any]]]:
-        """[(each model-parallel rank's ``optimizer`` object, its param_groups)] (None where not
-        saved), in a list of one member: the step and the run's hyper-parameters are read there."""
+    def saved_groups(self) -> list[tuple[str, Any]]:
+        """(each model-parallel rank's ``optimizer`` object, its param_groups) (None where not
+        saved): the step and the run's hyper-parameters are read there."""
         if self._groups is None:
             self._groups = []
             for rank in range(self.ranks):
@@ -310,25 +319,31 @@ class RankStates:
                 first = state[0] if isinstance(state, list) and state else None
                 groups = first.get("param_groups") if isinstance(first, dict) else None
                 self._groups.append((f"{self._key(rank)}.optimizer", groups))
-        return [self._groups]
+        return self._groups
 
     def step(self) -> int:
         steps: dict[float, str] = {}
-        for rank, (name, groups) in enumerate(self.saved_groups()[0]):
+        for rank, (name, groups) in enumerate(self.saved_groups()):
             where = f"{self.where} ({name})"
             steps.setdefault(step_from_param_groups(groups, where), f"in rank {rank}")
         return agreed_step(
             steps, str(self.where), recorded_by="model-parallel ranks", error=MegatronImportError
         )
 
-    #: Whether :meth:`source` names .metadata tensors (else pickled objects).
-    FROM_TENSORS = True
-
     def files(self) -> list[str]:
-        raise NotImplementedError
+        """The files the flat state is read from."""
+        names = {n for per in self.buffers.values() for states in per for n in states.values()}
+        tensors, objects = self.checkpoint.tensors, self.checkpoint.objects
+        return sorted(
+            {f for n in names for f in (tensors[n].files if n in tensors else [objects[n].file])}
+        )
 
     def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
-        raise NotImplementedError
+        """Elements ``start:end`` of ``state`` in ``rank``'s ``bucket``: from the buffer held,
+        else only that range of its tensor."""
+        if rank in self.held:
+            return self.held[rank].arrays[state][start:end]
+        return self.checkpoint.read_rows(self.buffers[rank][bucket][state], start, end)
 
     def source(self, rank: int, bucket: int, state: str) -> str:
         """The tensor (or object) holding ``state`` of ``rank``'s ``bucket``.
@@ -338,39 +353,37 @@ class RankStates:
             bucket: the bucket of that rank.
             state: "param", "exp_avg" or "exp_avg_sq".
         """
-        raise NotImplementedError
+        return self.buffers[rank][bucket][state]
 
     def _pieces(self, name: str) -> Iterator[tuple]:
         """What :meth:`read` takes for ``name``: (rank, layout key, layer, local shape, join
         axis, chunks) of every TP rank's (and pipeline stage's) piece; a tensor replicated over
         TP from TP rank 0 only, a pipeline-tied embedding from the first stage only."""
-        skip = self._lead(name)
-        per_stage = self.layers // self.pp if self.layers else 1
-        for tp_rank in range(self.tp):
+        skip, grid = self._lead(name), self.grid
+        for tp_rank in range(grid.tp):
             local, axis, chunks = self.piece(name, tp_rank)
             if axis is None and tp_rank:
                 break  # replicated over TP: rank 0's copy
             if name in self.expert_names:  # expert e of layer i: EP rank e // local experts
-                local_experts = self.num_experts // self.ep
+                local_experts = self.num_experts // grid.ep
                 for layer in range(self.layers):
                     for e in range(self.num_experts):
-                        ep_rank, stage = e // local_experts, layer // per_stage
-                        rank = tp_rank + self.tp * (ep_rank + self.ep * stage)
+                        stage = grid.stage_of(layer, self.layers)
+                        rank = grid.rank(tp_rank, stage, e // local_experts)
                         key = f"{name}#{layer}#{'grouped' if self.grouped else e}"
                         yield rank, key, (layer, e), local, axis, chunks
                 continue
             if name in self.layer_of:
-                stage = self.layer_of[name] // per_stage
-                yield tp_rank + self.tp * stage, self._pair(name) or name, None, local, axis, chunks
+                rank = grid.rank(tp_rank, grid.stage_of(self.layer_of[name], self.layers))
+                yield rank, self._pair(name) or name, None, local, axis, chunks
                 continue
             for layer in range(self.layers) if skip else [None]:
                 if layer is not None:  # skip: one piece per layer
-                    stage = layer // per_stage
+                    stage = grid.stage_of(layer, self.layers)
                 else:
-                    stage = 0 if name in self.before else self.pp - 1
-                rank = tp_rank + self.tp * stage
+                    stage = 0 if name in self.before else grid.pp - 1
                 key = f"{name}#{layer}" if skip else name
-                yield rank, key, layer, local, axis, chunks
+                yield grid.rank(tp_rank, stage), key, layer, local, axis, chunks
 
     def sources(self, state: str, name: str) -> list[str]:
         """The tensors (or objects) :meth:`read` takes ``state`` of ``name`` from."""
@@ -386,7 +399,7 @@ class RankStates:
         the last stage's copy of a pipeline-tied embedding, or a TP rank > 0's copy of
         parameters replicated over TP. A bucket holding anything else is left out (the import
         is then refused as not accounting for it)."""
-        if not self.FROM_TENSORS:
+        if self.held:
             return {}
         names = [*self.before, *self.stacked, *self.after]
         read = {(rank, key) for n in names for rank, key, *_ in self._pieces(n)}
@@ -403,7 +416,7 @@ class RankStates:
                     continue
                 for state in self.STATES:
                     out[self.source(rank, bucket, state)] = (
-                        f"{self.LAYOUT} bucket of model-parallel rank {rank} holding only "
+                        f"{self.sharding} bucket of model-parallel rank {rank} holding only "
                         f"{'; '.join(dict.fromkeys(why))}: not read"
                     )
         return out
@@ -415,10 +428,8 @@ class RankStates:
                 f"the last pipeline stage's copy of the tied embedding {name!r} (the first "
                 f"stage's state is imported)"
             )
-        if rank % self.tp and self.piece(name, rank % self.tp)[1] is None:
-            return (
-                f"TP rank {rank % self.tp}'s copy of replicated {name!r} (TP rank 0's is imported)"
-            )
+        if rank % self.grid.tp and self.piece(name, rank % self.grid.tp)[1] is None:
+            return f"TP rank {rank % self.grid.tp}'s copy of replicated {name!r} (TP rank 0's is imported)"
         return None
 
     def spot_check(self, limit: int = 1 << 16) -> str | None:
@@ -453,7 +464,7 @@ class RankStates:
         for rank, key, layer, local, axis, chunks in self._pieces(name):
             bucket, start, end = self.layout[rank][key]
             if key != name and name.endswith("_v"):  # after the _w half of [w; v]
-                start += self._numel(key + "_w", rank % self.tp)
+                start += self._numel(key + "_w", rank % self.grid.tp)
             if skip:  # dim 0 indexes layers: a piece is all in the rows or not at all
                 first = layer if isinstance(layer, int) else layer[0]
                 if not lo <= first < hi:
@@ -461,7 +472,7 @@ class RankStates:
                 layer = first - lo if isinstance(layer, int) else (first - lo, *layer[1:])
             if key.endswith("#grouped"):  # the local expert's block, saved transposed
                 assert layer is not None and not isinstance(layer, int)  # (layer, expert)
-                start += layer[1] % (self.num_experts // self.ep) * element_count(local)
+                start += layer[1] % (self.num_experts // self.grid.ep) * element_count(local)
                 end = start + element_count(local)
                 value = self.flat(rank, bucket, state, start, end)
                 value = value.reshape(*local[:-2], local[-1], local[-2]).swapaxes(-1, -2)
@@ -531,3 +542,13 @@ def rounds_to(master: np.ndarray, weight: np.ndarray, block: int = 1 << 20) -> b
         m[i : i + block].astype(w.dtype).tobytes() == w[i : i + block].tobytes()
         for i in range(0, m.size, block)
     )
+
+
+def members_step(members: list[RankStates]) -> int:
+    """The step of an optimizer's state (a ChainedOptimizer's: one per member, which agree)."""
+    steps: dict[float, str] = {}
+    for member in members:
+        steps.setdefault(member.step(), f"in {member.prefix}optimizer")
+    where = str(members[0].where)
+    by = "ChainedOptimizer members"
+    return agreed_step(steps, where, recorded_by=by, error=MegatronImportError)

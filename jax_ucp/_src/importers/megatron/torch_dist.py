@@ -30,10 +30,10 @@ from jax_ucp._src.importers.megatron.common import (
     tied_embeddings,
 )
 from jax_ucp._src.importers.megatron.distopt import (
-    BucketStates,
-    GatheredStates,
+    bucket_states,
     chained_layouts,
     chained_states,
+    gathered_states,
 )
 from jax_ucp._src.importers.megatron.integrity import verify_integrity
 from jax_ucp._src.importers.megatron.model_space import (
@@ -43,7 +43,7 @@ from jax_ucp._src.importers.megatron.model_space import (
     unflatten,
 )
 from jax_ucp._src.importers.megatron.module_order import in_module_order
-from jax_ucp._src.importers.megatron.rank_states import RankStates, rounds_to
+from jax_ucp._src.importers.megatron.rank_states import RankStates, members_step, rounds_to
 from jax_ucp._src.importers.megatron.rules import add_arg_settings, import_rules_spec
 from jax_ucp._src.importers.megatron.run_record import (
     MEGATRON_OPTIMIZER,
@@ -96,7 +96,7 @@ def plan_torch_dist(
             checkpoint, common, common_path, chained, optimizer, model_names
         )
         layout = (  # never "optimizer", which names a torch optimizer's record in other formats
-            optimizer.buckets.LAYOUT
+            optimizer.buckets[0].sharding
             if optimizer.buckets
             else ("per_parameter" if optimizer.tensors else None)
         )
@@ -111,14 +111,14 @@ def plan_torch_dist(
                 continue
             master = (
                 repr(states.get("param") or states.get("fp32_param"))
-                if optimizer.buckets is None
-                else f"the {optimizer.buckets.LAYOUT} state, checked equal to this weight"
+                if not optimizer.buckets
+                else f"the {optimizer.buckets[0].sharding} state, checked equal to this weight"
             )
             skipped[name] = (
                 f"a float32 run's model weight: its fp32 master ({master}) is imported as params/"
             )
-    if optimizer.buckets is not None:
-        skipped.update(optimizer.buckets.unread())
+    for member in optimizer.buckets:
+        skipped.update(member.unread())
     iteration = common.get("iteration") if isinstance(common, dict) else None
     info = {  # what the manifest's source records
         "format": fmt,
@@ -137,13 +137,13 @@ def plan_torch_dist(
     }
     where = os.path.relpath(common_path, source_dir.ckpt_dir)
     record = optimizer_record(common, where) if isinstance(common, dict) else None
-    if optimizer.buckets is not None:  # the per-rank groups: lr, betas, eps, weight decay...
-        groups = optimizer.buckets.saved_groups()
+    if optimizer.buckets:  # the per-rank groups: lr, betas, eps, weight decay...
+        groups = [member.saved_groups() for member in optimizer.buckets]
         record = with_rank_groups(record, groups, where, str(checkpoint.path / ".metadata"))
     if record is not None:  # how the run stepped: args, scheduler state, param groups
         info[MEGATRON_OPTIMIZER] = record
     mine = options.share.pick(model_names)
-    if optimizer.buckets is not None:
+    if optimizer.buckets:
         items = bucket_items(reader, optimizer.buckets, mine, want_model)
     else:
         items = torch_dist_items(reader, mine, optimizer.tensors, want_model, fmt, names)
@@ -175,13 +175,13 @@ def _find_optimizer_state(
         why = f"weights_only: optimizer state (layout {layout})"
         return OptimizerFound(skipped=dict.fromkeys(optimizer_names, why))
     if chained is not None:
-        buckets = chained_states(checkpoint, model_names, settings, chained)
-        if buckets is not None:
-            return OptimizerFound(buckets=buckets)
+        members = chained_states(checkpoint, model_names, settings, chained)
+        if members is not None:
+            return OptimizerFound(buckets=members)
         return OptimizerFound(tensors=model_space_tensors(checkpoint, common))
     if sharding == "dp_reshardable":
         return OptimizerFound(
-            buckets=in_module_order(BucketStates, checkpoint, model_names, settings)
+            buckets=[in_module_order(bucket_states, checkpoint, model_names, settings)]
         )
     if sharding == "dp_zero_gather_scatter":
         if optimizer_names:  # this layout saves objects only: a tensor is something else
@@ -191,7 +191,7 @@ def _find_optimizer_state(
                 f"{SUPPORTED_LAYOUTS}. {WEIGHTS_ONLY_HINT}"
             )
         return OptimizerFound(
-            buckets=in_module_order(GatheredStates, checkpoint, model_names, settings)
+            buckets=[in_module_order(gathered_states, checkpoint, model_names, settings)]
         )
     tensors = model_space_tensors(checkpoint, common)
     objects = [n for n in checkpoint.objects if is_optimizer_name(n)]
@@ -217,10 +217,11 @@ def _optimizer_step(
     """The Adam step and where it was read (None without optimizer state): from the per-rank
     state objects, or from ``common.pt``'s param_groups (one per ChainedOptimizer member, which
     must agree)."""
-    buckets = optimizer.buckets
-    if buckets is not None:
-        objects = {"files": buckets.files(), VALUES: buckets.step_objects()}
-        return buckets.step(), {"pattern": "param_groups.step", **objects}
+    members = optimizer.buckets
+    if members:
+        objects = sorted(n for member in members for n in member.step_objects())
+        read = {"pattern": "param_groups.step", "files": _files(members), VALUES: objects}
+        return members_step(members), read
     if not optimizer.tensors:
         return None
     check_model_space_tensors(checkpoint, common, common_path, optimizer.tensors, model_names)
@@ -388,7 +389,7 @@ class TorchDistReader:
 
 def bucket_items(
     reader: TorchDistReader,
-    buckets: RankStates,
+    members: list[RankStates],
     model_names: list[str],
     want_model: bool,
 ) -> Iterator[writer.HostItem]:
@@ -398,13 +399,15 @@ def bucket_items(
 
     Args:
         reader: reads the model tensors (vocab rows stripped).
-        buckets: the per-rank flat optimizer state.
+        members: the per-rank flat optimizer state of each optimizer (a ChainedOptimizer's
+            members).
         model_names: this process's model tensors.
         want_model: also import the model-precision copy.
     """
-    checkpoint = reader.checkpoint
-    files = buckets.files()
+    checkpoint, files, first = reader.checkpoint, _files(members), members[0]
+    owner = {n: m for m in members for n in (*m.before, *m.stacked, *m.after)}
     for name in model_names:
+        buckets = owner[name]
         full = checkpoint.tensors[name]
         weight = ModelWeight(reader, name)
         weight_bytes = math.prod(full.shape) * np.dtype(full.dtype).itemsize
@@ -412,10 +415,10 @@ def bucket_items(
         provenance = {
             "format": "torch_dist",
             "files": files,
-            "pattern": f"{buckets.LAYOUT} (TP={buckets.tp}, PP={buckets.pp})",
+            "pattern": f"{first.sharding} (TP={first.grid.tp}, PP={first.grid.pp})",
         }
         for state, tree in STATE_TREES.items():
-            sources = {TENSORS if buckets.FROM_TENSORS else VALUES: buckets.sources(state, name)}
+            sources = {VALUES if buckets.held else TENSORS: buckets.sources(state, name)}
             value = _bucket_state(buckets, state, name, weight, state_bytes + weight_bytes)
             yield host_item((*tree, name), value, {**provenance, **sources})
         if want_model:
@@ -436,6 +439,11 @@ def bucket_items(
                     TENSORS: [name],
                 },
             )
+
+
+def _files(members: list[RankStates]) -> list[str]:
+    """The files every member's flat state is read from."""
+    return sorted({f for member in members for f in member.files()})
 
 
 class ModelWeight:
@@ -482,7 +490,7 @@ def _bucket_state(
     def checked(value: np.ndarray, weight: np.ndarray, what: str, does: str) -> np.ndarray:
         if state == "param" and not rounds_to(value, weight):
             raise MegatronImportError(
-                f"tensor {name!r}: {what} found in the {buckets.LAYOUT} state of "
+                f"tensor {name!r}: {what} found in the {buckets.sharding} state of "
                 f"{buckets.where} {does} "
                 f"{'equal' if weight.dtype == np.float32 else 'round to'} the model weight: the "
                 f"grad-buffer layout jax_ucp derived does not match this checkpoint (another "
