@@ -3,7 +3,8 @@
 moments: each spec walked (in each of its layouts) over the fixtures it applies to, written by
 the frameworks (Megatron, Megatron-DeepSpeed, torchtitan, the Trainer with DeepSpeed) and, for
 the Hugging Face families, over the names and shapes transformers itself saves
-(fixtures/hf_families/names.json, tools/fixtures/make_hf_family_names.py). A tensor of two or
+(fixtures/hf_families/names.json, tools/fixtures/make_hf_family_names.py; of a multimodal model
+its text model, as the import names it). A tensor of two or
 more dimensions without ``axes`` fails, naming it."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 
 import pytest
 
+from jax_ucp._src.importers.safetensors_weights import text_model
 from jax_ucp._src.language.plan import TensorInfo, compile_restore_plan
 from jax_ucp._src.language.recorded import spec_with_recorded_settings
 from jax_ucp._src.models.transformer import hf_model
@@ -111,7 +113,8 @@ def test_a_hugging_face_family_spec_names_every_tensor(family):
     tied model also with an untied output layer (synthetic: the embedding's shape)."""
     entry = HF_FAMILIES[family]
     cfg, name = hf_model(entry["config"])
-    tensors = dict(entry["tensors"])
+    named, _ = text_model(entry["config"], list(entry["tensors"]))  # a multimodal one's text
+    tensors = {n: entry["tensors"][saved] for n, saved in named.items()}
     key = next(k for k in tensors if k.endswith(("embed_tokens.weight", "wte.weight")))
     head = re.sub(r"(model\.embed_tokens|transformer\.wte|wte)\.weight$", "lm_head.weight", key)
     tensors.setdefault(head, tensors[key])  # Kimi K2.5's: language_model.lm_head.weight

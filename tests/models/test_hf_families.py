@@ -488,6 +488,63 @@ FAMILIES = {
     ),
 }
 
+_QWEN35_VISION = dict(
+    depth=1,
+    hidden_size=16,
+    intermediate_size=16,
+    num_heads=2,
+    out_hidden_size=32,
+    num_position_embeddings=16,
+    patch_size=4,
+)
+#: the multimodal checkpoints whose text model is imported (the towers in source.skipped): the
+#: text model of each the tiny one above, its vision (and Gemma 4's audio) tower tiny
+MULTIMODAL = {
+    "llama4": dict(
+        vision_config=dict(
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=16,
+            vision_output_dim=16,
+            image_size=16,
+            patch_size=4,
+            projector_input_dim=16,
+            projector_output_dim=32,
+        )
+    ),
+    "qwen3_5": dict(vision_config=_QWEN35_VISION),
+    "qwen3_5_moe": dict(vision_config=_QWEN35_VISION),
+    "gemma4": dict(
+        vision_config=dict(
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            position_embedding_size=16,
+            patch_size=4,
+        ),
+        audio_config=dict(
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            subsampling_conv_channels=[4, 4],
+            output_proj_dims=16,
+        ),
+    ),
+}
+for _f, _towers in MULTIMODAL.items():
+    _class = FAMILIES[f"{_f}_text"][0].replace("TextConfig", "Config")
+    FAMILIES[_f] = (
+        _class,
+        _class.replace("Config", "ForConditionalGeneration"),
+        dict(_towers, text_config=FAMILIES[f"{_f}_text"][2]),
+        {"text_config": {"model_type": "llama"}},
+        r"text_config 'llama'",
+    )
+
 
 def _needs(transformers, config_class: str) -> None:
     """Skip where the installed transformers lacks the family (CI's oldest torch stage)."""
@@ -655,27 +712,57 @@ def test_values_no_model_has_are_refused_naming_the_field(family, changes, names
         hf_model(config)
 
 
-@pytest.mark.parametrize(
-    "model_type, lacks",
-    [
-        ("llama4", r"the multimodal Llama4ForConditionalGeneration.*llama4_text"),
-        ("qwen3_5", r"the multimodal Qwen3_5ForConditionalGeneration .*qwen3_5_text"),
-        ("qwen3_5_moe", r"the multimodal Qwen3_5MoeForConditionalGeneration .*qwen3_5_moe_text"),
-        ("gemma4", r"the multimodal Gemma4ForConditionalGeneration.*gemma4_text"),
-    ],
-)
-def test_a_family_transformers_has_and_transformerlm_does_not_is_refused_naming_what_it_lacks(
-    model_type, lacks, tmp_path
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model_type", sorted(MULTIMODAL))
+def test_a_multimodal_checkpoint_imports_its_text_model_and_lists_the_towers_skipped(
+    model_type, tmp_path
 ):
-    """Torch-free: the multimodal Llama 4, Qwen3.5 and Gemma 4 (their text models are read) are
-    refused by hf_model and by --logits (before the checkpoint is touched), naming the math
-    TransformerLM lacks."""
-    with pytest.raises(jax_ucp.RequestError, match=rf"'{model_type}': TransformerLM lacks {lacks}"):
-        hf_model({"model_type": model_type})
+    """Torch-free, over the names, shapes and config.json transformers saved (names.json, random
+    values): the import holds exactly the tensors the text model's ``*ForCausalLM`` saves, under
+    its names and shapes, equal to the source's (verify --against); every other source tensor
+    (vision / audio tower, projector) is in source.skipped; the config recorded is the text
+    model's (``text_config``), which an export writes back; the text family's spec maps the
+    import into TransformerLM's tree. An export into the multimodal config is refused by name."""
+    import jax
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from jax_ucp._src.exporters import SafetensorsExport
+    from jax_ucp.models import TransformerLM
+    from tests.ucp_testing import FIXTURES
+
+    with open(os.path.join(FIXTURES, "hf_families", "names.json")) as f:
+        names = json.load(f)
+    entry, text = names[model_type], names[f"{model_type}_text"]
+    rng = np.random.default_rng(0)
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in entry["tensors"].items()}
     (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": model_type}))
-    with pytest.raises(jax_ucp.SourceError, match=rf"'{model_type}' \(TransformerLM lacks {lacks}"):
-        compare_logits(str(tmp_path / "never-read"), str(tmp_path / "src"))
+    save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
+    (tmp_path / "src" / "config.json").write_text(json.dumps(entry["config"]))
+    ckpt = jax_ucp.convert(tmp_path / "src", tmp_path / "ucp")
+    found = jax_ucp.inspect(ckpt)
+    held = {e.name.removeprefix("params/"): list(e.shape) for e in found.tensors}
+    assert held == text["tensors"]
+    assert found.source["config"]["model_type"] == f"{model_type}_text"
+    skipped = found.source["skipped"]
+    assert len(skipped) + len(held) == len(tensors) and not set(skipped) & set(text["tensors"])
+    assert jax_ucp.verify(ckpt, against=tmp_path / "src") == []
+
+    cfg, spec = hf_model(entry["config"])
+    assert hf_model(found.source["config"]) == (cfg, spec)
+    tokens = jax.ShapeDtypeStruct((1, 4), np.int32)
+    want = jax.eval_shape(TransformerLM(cfg).init, jax.random.key(0), tokens)["params"]
+    got = jax_ucp.restore(ckpt, spec=spec)["params"]
+    assert jax.tree.map(np.shape, got) == jax.tree.map(lambda s: s.shape, want)
+    jax_ucp.export(ckpt, tmp_path / "hf", SafetensorsExport())
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "np") as f:
+        assert sorted(f.keys()) == sorted(text["tensors"])  # the text model's names
+    with open(tmp_path / "hf" / "config.json") as f:
+        assert json.load(f) == found.source["config"]
+    with pytest.raises(jax_ucp.RequestError, match=rf"model_type '{model_type}': .* text model"):
+        jax_ucp.export(ckpt, tmp_path / "mm", SafetensorsExport(config=entry["config"]))
+    assert not os.path.exists(tmp_path / "mm")
 
 
 def test_the_sliding_window_masks_keys_further_back_than_it():

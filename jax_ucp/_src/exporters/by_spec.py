@@ -46,7 +46,8 @@ def load(spec: Any, manifest: fmt.Manifest, config: Any, *, state_dict: bool = F
 def config_for(spec: Any, given: Any, recorded: Any) -> dict[str, Any] | None:
     """The ``config.json`` to write: ``given`` (a dict, a file, an ``LMConfig``), else the one
     the checkpoint's ``source`` record holds (None without), checked against ``spec``'s
-    families."""
+    families; of a multimodal model's text model (``source.multimodal_config``) never the
+    multimodal config."""
     if given is None:
         config = recorded_config(recorded)
     elif hasattr(given, "head_settings"):  # an LMConfig: its model imports JAX already
@@ -57,6 +58,22 @@ def config_for(spec: Any, given: Any, recorded: Any) -> dict[str, Any] | None:
         config = read_config(given)
     if config is not None and spec is not None:
         check_family(config, spec)
+    multimodal = recorded.get("multimodal_config") if isinstance(recorded, Mapping) else None
+    if (
+        config
+        and isinstance(multimodal, Mapping)
+        and config.get("model_type")
+        in (
+            multimodal.get("model_type"),
+            None,
+        )
+    ):
+        raise RequestError(
+            f"config.json: model_type {config.get('model_type')!r}: the checkpoint holds the "
+            f"text model of that multimodal model (its towers were not imported), named as "
+            f"the text model names it; exported with the text model's config.json (the one "
+            f"recorded, written by default), never under the multimodal one"
+        )
     return config
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face safetensors weights as an import plan: ``params/<HF name>`` in the stored dtype,
+"""Hugging Face safetensors weights as an import plan: ``params/<HF name>`` in the stored dtype
+(of a multimodal model, :data:`TEXT_MODELS`, its text model's tensors under its own names),
 each tensor a read-only view of a memory map (read with ``pread``: the writer streams it, a direct
 restore reads each region's rows straight into its buffer), or in an object store or Hub repo a
 ``Deferred`` whose rows are ranged reads.
@@ -37,7 +38,45 @@ from jax_ucp._src.store.shard_reader import count_bytes_read
 from jax_ucp._src.store.storage import Storage, local_view
 from jax_ucp._src.store.storage.ranged import RandomAccess, RangeError
 
-__all__ = ["RemoteTensor", "holds_remote", "open_remote", "plan_safetensors"]
+__all__ = [
+    "TEXT_MODELS",
+    "RemoteTensor",
+    "holds_remote",
+    "open_remote",
+    "plan_safetensors",
+    "text_model",
+]
+
+_LANGUAGE_MODEL = {"model.language_model.": "model.", "lm_head.": "lm_head."}
+#: multimodal model_type -> its text model's prefixes as ``save_pretrained`` (transformers 5.24)
+#: writes them -> as the text model (``*ForCausalLM``) names them; what has none of them (vision
+#: and audio towers, projectors) is not imported (``source.skipped``)
+TEXT_MODELS = {
+    "qwen3_5": _LANGUAGE_MODEL,
+    "qwen3_5_moe": _LANGUAGE_MODEL,
+    "gemma4": _LANGUAGE_MODEL,
+    "llama4": {"language_model.model.": "model.", "language_model.lm_head.": "lm_head."},
+}
+
+
+def text_model(config: dict, names: list[str]) -> tuple[dict[str, str], dict | None]:
+    """(each imported tensor's name -> its saved name, the config.json of the imported model):
+    of a multimodal ``config`` (:data:`TEXT_MODELS`) its text model, named as the text model
+    names it, ``text_config`` with the outer ``tie_word_embeddings`` (transformers ties by it);
+    else every name as saved and None."""
+    model_type = str(config.get("model_type"))
+    prefixes = TEXT_MODELS.get(model_type)
+    if prefixes is None:
+        return {n: n for n in names}, None
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise SourceError(f"config.json: model_type {model_type!r} without a text_config object")
+    renamed = {prefixes[p] + n[len(p) :]: n for n in names for p in prefixes if n.startswith(p)}
+    archs = config.get("architectures") or []
+    archs = archs if isinstance(archs, list) else [archs]
+    archs = [str(a).replace("ForConditionalGeneration", "ForCausalLM") for a in archs]
+    tied = {k: config[k] for k in ("tie_word_embeddings",) if k in config}
+    return renamed, {"model_type": f"{model_type}_text", **text, **tied, "architectures": archs}
 
 
 def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
@@ -64,7 +103,7 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
         "dtypes": dtypes,
         "metadata": {k: v for f in opened for k, v in f.metadata.items() if isinstance(v, str)},
     }
-    found = list(names)
+    found, named = list(names), {n: n for n in names}
     # the model's config.json, as its weights are read (a Hub cache snapshot's link into blobs/)
     where = f"{src}: the model's {CONFIG_FILE}"
     if os.path.isdir(src) and os.path.isfile(
@@ -73,6 +112,12 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
         config = read_json(config)  # the model's settings: an export writes them back
         if isinstance(config, dict):
             source["config"] = {k: jsonable(v) for k, v in config.items()}
+            named, text = text_model(config, names)
+            if text is not None:  # its text model: the towers listed, the outer config kept
+                source["multimodal_config"], source["config"] = source["config"], jsonable(text)
+                others = sorted(set(names) - set(named.values()))
+                why = f"{config['model_type']}: not its text model (imported alone)"
+                skip(source, others, why)
     # a Trainer's optimizer.pt (Accelerate's optimizer.bin) in the folder would be lost without a
     # word if the weights were imported alone; a file given by its own path is that file only
     beside = ("optimizer.pt", "optimizer.bin") if os.path.isdir(src) else ()
@@ -96,14 +141,14 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
     for name, why in adapters.items():
         skip(source, [name], why)
         found.append(name)
-    mine = share.pick(names)
+    mine = share.pick(sorted(named))
     items = (
         host_item(
             ("params", n),
-            owner[n].tensor(n),  # a mapped view: never touched, read with pread
-            {"file": os.path.basename(owner[n].path), "tensors": [n]},
+            owner[s].tensor(s),  # a mapped view: never touched, read with pread
+            {"file": os.path.basename(owner[s].path), "tensors": [s]},
         )
-        for n in mine
+        for n, s in ((n, named[n]) for n in mine)
     )
     return ImportPlan(items, source, len(mine), source_tensors=found)
 

@@ -41,21 +41,9 @@ def _family(model_type, spec, read, refuses=(), silu=True, **defaults) -> Family
     return Family(model_type, spec, read, defaults, refuses, silu)
 
 
-#: families transformers has that TransformerLM does not compute: what it lacks for each
-LACKS = {
-    "llama4": "the multimodal Llama4ForConditionalGeneration (vision tower, language_model.* "
-    "names); its text model is model_type llama4_text",
-    **{
-        multimodal: f"the multimodal {name} (vision tower, model.visual.* and "
-        f"model.language_model.* names); its text model is model_type {multimodal}_text"
-        for multimodal, name in (
-            ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
-            ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
-        )
-    },
-    "gemma4": "the multimodal Gemma4ForConditionalGeneration (vision and audio towers, "
-    "model.language_model.* names); its text model is model_type gemma4_text",
-}
+#: families transformers has that TransformerLM does not compute: what it lacks for each (none
+#: now: the multimodal Llama 4, Qwen3.5 and Gemma 4 are read as their text models)
+LACKS: dict[str, str] = {}
 
 #: GPT-2's own names of the common fields (its config.json spells only these)
 GPT2_NAMES = {
@@ -827,20 +815,21 @@ def _minimax_m2(c: Mapping) -> dict:
     )
 
 
-def _kimi_k25(c: Mapping) -> dict:
-    """Kimi K2.5's text model: its ``text_config`` read as DeepSeek V3 (``model_type``
-    deepseek_v3, or kimi_k2 as the released config names it), tied by the outer
-    ``tie_word_embeddings`` (as transformers ties it); the vision tower is not computed (text
-    logits only)."""
-    text = c.get("text_config")
-    if not isinstance(text, Mapping) or text.get("model_type", "deepseek_v3") not in (
-        "deepseek_v3",
-        "kimi_k2",
-    ):
-        kind = text.get("model_type") if isinstance(text, Mapping) else text
-        raise _refuse("text_config", repr(kind)[:200], "expected a DeepSeek V3 text model")
-    fields, _ = hf_fields({**text, "model_type": "deepseek_v3"})
-    return {**fields, "tied": bool(c.get("tie_word_embeddings"))}
+def _text_model(*types: str) -> Callable[[Mapping], dict]:
+    """The reader of a multimodal checkpoint's text model (Kimi K2.5, Llama 4, Qwen3.5, Gemma 4):
+    its ``text_config`` (``model_type`` one of ``types``) read as the family ``types[0]``, tied
+    by the outer ``tie_word_embeddings`` (as transformers ties it); the vision and audio towers
+    are not computed (text logits only)."""
+
+    def read(c: Mapping) -> dict:
+        text = c.get("text_config")
+        if not isinstance(text, Mapping) or text.get("model_type", types[0]) not in types:
+            kind = text.get("model_type") if isinstance(text, Mapping) else text
+            raise _refuse("text_config", repr(kind)[:200], f"expected a {types[0]} text model")
+        fields, _ = hf_fields({**text, "model_type": types[0]})
+        return {**fields, "tied": bool(c.get("tie_word_embeddings"))}
+
+    return read
 
 
 #: transformers' default rope_parameters of Gemma 4
@@ -1280,7 +1269,22 @@ FAMILIES: dict[str, Family] = {
             num_local_experts=256,
             num_experts_per_tok=8,
         ),
-        _family("kimi_k25", "hf_kimi_k25", _kimi_k25, silu=False, tie_word_embeddings=True),
+        _family(
+            "kimi_k25",
+            "hf_kimi_k25",
+            _text_model("deepseek_v3", "kimi_k2"),  # kimi_k2: the released config's name
+            silu=False,
+            tie_word_embeddings=True,
+        ),
+        *(  # the text model of each, its spec's names as the import names them (importers)
+            _family(f, spec, _text_model(f"{f}_text"), silu=False, tie_word_embeddings=tied)
+            for f, spec, tied in (
+                ("llama4", "hf_llama4_text", False),
+                ("qwen3_5", "hf_qwen3_5", False),
+                ("qwen3_5_moe", "hf_qwen3_5_moe", False),
+                ("gemma4", "hf_gemma4_text", True),
+            )
+        ),
         _family(
             "stablelm",
             "hf_stablelm",
