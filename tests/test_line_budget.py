@@ -14,26 +14,26 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: package of jax_ucp/_src (or "modules": its top-level modules; "public": jax_ucp/ outside
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
-    "cli": 1755,
-    "continuation": 2208,
-    "exporters": 2407,
+    "cli": 1756,
+    "continuation": 2210,
+    "exporters": 2478,
     "format": 2734,
-    "importers": 16742,
+    "importers": 16918,
     "language": 3193,
-    "models": 2613,
-    "multihost": 836,
+    "models": 2617,
+    "multihost": 839,
     "orbax": 421,
-    "restoring": 4973,
-    "saving": 964,
-    "sharding": 713,
-    "store": 3392,
-    "torchfiles": 3202,
+    "restoring": 5009,
+    "saving": 969,
+    "sharding": 707,
+    "store": 3581,
+    "torchfiles": 3231,
     "writer": 1675,
-    "modules": 4578,
+    "modules": 4689,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 52774
+TOTAL = 53395
 
 
 def _lines(paths) -> int:
