@@ -1050,11 +1050,14 @@ NEW_FAMILIES = [
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "qwen3_next",
+    *MULTIMODAL,  # their text models
 ]
 #: Gated DeltaNet's gated RMSNorm rescales small head outputs, so fp32 rounding grows: on the tiny
 #: Qwen3.5, transformers' own chunked and token-by-token kernels differ by 4.4e-5 in the logits,
 #: its fp32 and fp64 forwards by 3.3e-4; TransformerLM (transformers' chunked sums) by 0.7-3e-5
-_ATOL = dict.fromkeys(["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"], 1e-4)
+_ATOL = dict.fromkeys(
+    ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_5", "qwen3_5_moe"], 1e-4
+)
 _MESH_RULES = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("experts", "model")]
 
 
@@ -1129,3 +1132,39 @@ def test_deepseek_v32s_indexer_keeps_the_top_k_causal_keys_of_each_query():
 
     heads, dim, _ = cfg.indexer  # type: ignore[misc]
     np.testing.assert_allclose(logits((heads, dim, 12)), logits(None), rtol=0, atol=1e-6)
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model_type", sorted(MULTIMODAL))
+def test_a_multimodal_checkpoints_text_model_goes_out_as_the_text_model_transformers_loads(
+    model_type, tmp_path
+):
+    """transformers' multimodal model saved, converted (its text model), exported with the
+    config.json recorded: ``AutoModelForCausalLM`` loads the text model's class with every
+    weight of the multimodal model's language model, and computes its logits."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from jax_ucp._src.exporters import SafetensorsExport
+
+    src = _save_tiny(model_type, tmp_path / "src")
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp")
+    jax_ucp.export(ckpt, tmp_path / "hf", SafetensorsExport())
+    fp32 = dict(dtype=torch.float32)
+    text = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", **fp32).eval()
+    full = getattr(transformers, FAMILIES[model_type][1]).from_pretrained(src, **fp32).eval()
+    assert type(text).__name__ == FAMILIES[f"{model_type}_text"][1]
+    if model_type == "llama4":  # its language model is a Llama4ForCausalLM
+        want = full.language_model.state_dict()
+    else:
+        language = full.model.language_model.state_dict()
+        want = {f"model.{k}": v for k, v in language.items()} | {
+            "lm_head.weight": full.lm_head.weight
+        }
+    got = text.state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 96, (2, 16)))
+    with torch.no_grad():
+        assert torch.equal(text(tokens).logits, full(tokens).logits)
