@@ -1050,7 +1050,9 @@ NEW_FAMILIES = [
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "qwen3_next",
-    *MULTIMODAL,  # their text models
+    # their text models (Gemma 4's not: its tiny multimodal model's random text weights, not
+    # gemma4_text's, give 1.4e-5 jitted on the mesh, 9.5e-6 eager; --logits checks it to 1e-4)
+    *sorted(set(MULTIMODAL) - {"gemma4"}),
 ]
 #: Gated DeltaNet's gated RMSNorm rescales small head outputs, so fp32 rounding grows: on the tiny
 #: Qwen3.5, transformers' own chunked and token-by-token kernels differ by 4.4e-5 in the logits,
