@@ -312,7 +312,7 @@ def _check_declared_size(where: str, cfg: Any, ckpt: str, tree: str, held: int) 
 
 
 #: the transformers Auto class of a family whose model is no causal LM (its text logits compared)
-_AUTO = dict.fromkeys(
+_AUTO: dict[str, str] = dict.fromkeys(
     ("kimi_k25", "llama4", "qwen3_5", "qwen3_5_moe", "gemma4"), "AutoModelForImageTextToText"
 )
 
