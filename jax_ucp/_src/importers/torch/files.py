@@ -41,7 +41,7 @@ from jax_ucp._src.importers.torch_state import (
     state_shape,
     strip_wrappers,
 )
-from jax_ucp._src.store.storage import Storage
+from jax_ucp._src.store.storage import Storage, sparse
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
@@ -63,6 +63,12 @@ _OPTIMIZER_KEYS = ("optimizer_states", "optimizer", "optim", "optimizer_state_di
 
 
 def _is_zip(path: str) -> bool:
+    stored = sparse.stored_at(path)  # a local view's stand-in (empty): its object's first bytes
+    if stored is not None:
+        try:
+            return stored[0].reader(stored[1]).read(0, 4) == b"PK\x03\x04"
+        except (OSError, ValueError):
+            return False
     try:
         with open(files.open_regular(path), "rb") as f:
             return f.read(4) == b"PK\x03\x04"
