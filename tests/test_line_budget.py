@@ -29,11 +29,11 @@ CEILINGS = {
     "store": 3581,
     "torchfiles": 3231,
     "writer": 1675,
-    "modules": 4689,
+    "modules": 4700,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53401
+TOTAL = 53412
 
 
 def _lines(paths) -> int:
