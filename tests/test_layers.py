@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import glob
 import os
 
@@ -113,10 +114,16 @@ def _internal(dotted: str) -> list[str]:
     return [parts[0], *parts[2:]] if parts[1:2] == ["_src"] else parts
 
 
+@functools.cache
+def _tree(path: str) -> ast.Module:
+    """The parsed module, once per test process (the checks only read it)."""
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), path)
+
+
 def _imports(path: str):
     """(imported jax_ucp layer, imported names) of every import in the module, nested included."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), path)
+    tree = _tree(path)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -149,8 +156,7 @@ def test_the_layers_import_no_public_module():
     wrong = []
     for path in _modules():
         root_ok = _layer_of(path) in TOP
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), path)
+        tree = _tree(path)
         for node in ast.walk(tree):
             names = (
                 [node.module or ""]
@@ -239,8 +245,7 @@ def test_the_actual_imports_form_no_cycle():
 def _imported_modules(path: str):
     """(line, dotted module) of every absolute import in the module, ``from a import b`` also
     as ``a.b`` (b may be a module)."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), path)
+    tree = _tree(path)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             yield node.lineno, node.module
@@ -298,8 +303,7 @@ def _module_file(name: str) -> str | None:
 def _load_time_imports(path: str):
     """The absolute module names ``path`` imports when it is imported: its statements outside
     functions and ``if TYPE_CHECKING:`` blocks (a ``from m import n`` names ``m.n`` too)."""
-    with open(path, encoding="utf-8") as f:
-        body = ast.parse(f.read(), path).body
+    body = _tree(path).body
     stack = list(body)
     while stack:
         node = stack.pop()
@@ -412,8 +416,7 @@ def _private_reaches(path: str):
     """(line, what) for each underscore name of jax_ucp a test file imports, reads as an
     attribute of something it imported from jax_ucp, or monkeypatches by name (the ``_src``
     package itself excepted: ``_private_parts``)."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), path)
+    tree = _tree(path)
     bound = set()  # names bound to jax_ucp modules, classes or functions
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jax_ucp":
@@ -541,8 +544,7 @@ def test_renames_and_object_writes_stay_in_the_storage_modules():
         rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
         if rel.startswith(STORAGE):
             continue
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), path)
+        tree = _tree(path)
         wrong += [
             f"jax_ucp/_src/{rel}:{line}: {what}" for line, what in _storage_escapes(rel, tree)
         ]
@@ -636,8 +638,7 @@ def test_format_names_stay_in_the_importers():
     for path in _modules():
         rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
         if not rel.startswith("importers/"):
-            with open(path, encoding="utf-8") as f:
-                wrong += _format_names(rel, ast.parse(f.read(), path), names)
+            wrong += _format_names(rel, _tree(path), names)
     assert not wrong, "\n".join(wrong)
 
 
