@@ -209,11 +209,14 @@ def aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
     """An uninitialised C-ordered array whose data starts at a multiple of 64 bytes. From
     ``_OWN_MAPPING_AT`` bytes up it is a mapping of its own, without numpy's
     ``madvise(MADV_HUGEPAGE)``, which lets each page fault compact memory first: 1.05 s against 1.80
-    s on a cold 0.54 GB restore (docs/BENCHMARKS.md)."""
+    s on a cold 0.54 GB restore; its pages are faulted in by ``mmap`` itself (``MAP_POPULATE``,
+    Linux), one call instead of a fault per 4 KiB page in the reads and copies that fill it
+    (every caller writes every byte): less CPU per GB restored (docs/BENCHMARKS.md)."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes >= _OWN_MAPPING_AT and hasattr(mmap, "MAP_ANONYMOUS"):
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        mapping = mmap.mmap(-1, nbytes, flags=flags)
         return np.frombuffer(mapping, np.uint8).view(dtype).reshape(tuple(shape))  # page-aligned
     raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % _ALIGNMENT
