@@ -31,11 +31,11 @@ def child(path: str) -> dict:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import numpy as np
+    from bench_save_restore import evict
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jax_ucp
-    from bench_save_restore import evict
 
     n = len(os.listdir(os.path.join(path, "arrays")))  # bench_scale's names: w000, w001, ...
     names = [f"w{i:03d}" for i in range(n)]
@@ -55,13 +55,17 @@ def child(path: str) -> dict:
         "minflt": r1.ru_minflt - r0.ru_minflt,
         # bit-exactness across trees: a digest of the first two tensors' device buffers
         "digest": hashlib.sha256(
-            b"".join(np.asarray(s.data).tobytes() for k in names[:2] for s in out[k].addressable_shards)
+            b"".join(
+                np.asarray(s.data).tobytes() for k in names[:2] for s in out[k].addressable_shards
+            )
         ).hexdigest()[:16],
     }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("ckpts", nargs="+")
     ap.add_argument("--tree", action="append", required=True, help="NAME=DIR (repeatable)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -78,8 +82,19 @@ def main() -> None:
             for name, tree in trees if r % 2 == 0 else trees[::-1]:
                 env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), PYTHONWARNINGS="ignore")
                 out = subprocess.run(
-                    [sys.executable, os.path.abspath(__file__), "x", "--tree", "x=.", "--child", ck],
-                    env=env, capture_output=True, text=True, check=True,
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "x",
+                        "--tree",
+                        "x=.",
+                        "--child",
+                        ck,
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
                 )
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 row.update(tree=name, ckpt=ck, round=r, load=os.getloadavg()[0])
