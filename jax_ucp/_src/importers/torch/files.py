@@ -64,10 +64,14 @@ _OPTIMIZER_KEYS = ("optimizer_states", "optimizer", "optim", "optimizer_state_di
 
 def _is_zip(folder: Storage, name: str) -> bool:
     """Whether file ``name`` of ``folder`` begins a zip archive, its first bytes read through
-    ``folder`` (a remote object's by one ranged read); False when it is no regular file."""
+    ``folder`` (a remote object's by one ranged read). One ``folder`` refuses to read (a link out
+    of it) is taken: the plan follows a Hugging Face cache snapshot's link into its blobs, or
+    names why not (``_inside``)."""
     try:
         return folder.reader(name).read(0, 4) == b"PK\x03\x04"
-    except (OSError, ValueError):  # UnsafeFileError (a FIFO, a link out), a failed range
+    except files.UnsafeFileError:
+        return True
+    except (OSError, ValueError):  # gone, a failed range
         return False
 
 
