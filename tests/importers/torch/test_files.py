@@ -5,6 +5,7 @@ state; hostile and inconsistent inputs built by the tests."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -88,6 +89,28 @@ def test_a_folder_holding_one_torch_save_file_is_that_file(tmp_path, name, as_na
     shutil.copy(os.path.join(FIX, name), rank / "model_optim_rng.pt")
     with pytest.raises(jax_ucp.SourceError, match="cannot tell the checkpoint format"):
         registry.detect_format(str(rank))
+
+
+def test_a_folder_whose_one_torch_save_file_is_a_link(tmp_path):
+    """A Hugging Face cache snapshot's one ``.pt`` (a link into its repo's blobs) imports; one
+    linked out of any checkpoint is claimed and refused naming the link, not left unclaimed."""
+    repo = tmp_path / "models--org--run"
+    data = open(os.path.join(FIX, "plain_state_dict.pt"), "rb").read()
+    blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(data)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "run.pt").symlink_to(os.path.relpath(blob, snapshot))
+    restored = jax_ucp.restore(str(snapshot))
+    for key, value in _truth("plain_state_dict.pt").items():
+        if key.startswith("param/"):
+            assert_bit_exact(restored["params"][key[len("param/") :]], value, key)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.pt").symlink_to(blob)
+    with pytest.raises(jax_ucp.SourceError, match=r"run\.pt' resolves to .*outside the checkpoint"):
+        jax_ucp.convert(str(out), str(tmp_path / "ucp"))
 
 
 def _truth(name):

@@ -41,7 +41,7 @@ from jax_ucp._src.importers.torch_state import (
     state_shape,
     strip_wrappers,
 )
-from jax_ucp._src.store.storage import Storage, sparse
+from jax_ucp._src.store.storage import LocalDirectory, Storage
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
@@ -62,17 +62,16 @@ _MODEL_KEYS = ("state_dict", "model", "model_state_dict", "module")
 _OPTIMIZER_KEYS = ("optimizer_states", "optimizer", "optim", "optimizer_state_dict")
 
 
-def _is_zip(path: str) -> bool:
-    stored = sparse.stored_at(path)  # a local view's stand-in (empty): its object's first bytes
-    if stored is not None:
-        try:
-            return stored[0].reader(stored[1]).read(0, 4) == b"PK\x03\x04"
-        except (OSError, ValueError):
-            return False
+def _is_zip(folder: Storage, name: str) -> bool:
+    """Whether file ``name`` of ``folder`` begins a zip archive, its first bytes read through
+    ``folder`` (a remote object's by one ranged read). One ``folder`` refuses to read (a link out
+    of it) is taken: the plan follows a Hugging Face cache snapshot's link into its blobs, or
+    names why not (``_inside``)."""
     try:
-        with open(files.open_regular(path), "rb") as f:
-            return f.read(4) == b"PK\x03\x04"
-    except (OSError, files.UnsafeFileError):
+        return folder.reader(name).read(0, 4) == b"PK\x03\x04"
+    except files.UnsafeFileError:
+        return True
+    except (OSError, ValueError):  # gone, a failed range
         return False
 
 
@@ -80,38 +79,34 @@ def _is_zip(path: str) -> bool:
 _RANK_FILE = re.compile(r"^(model_optim_rng|distrib_optim)\.pt$|mp_rank_|zero_pp_rank_|_rank_[0-9]")
 
 
-def is_torch_files(src: os.PathLike | str) -> bool:
+def is_torch_files(storage: Storage) -> bool:
     """A torch.save file, or a folder with the model files this importer knows."""
-    src = os.fspath(src)
-    if os.path.isfile(src):
-        return src.endswith(SUFFIXES) and _is_zip(src)
-    if not os.path.isdir(src):
+    if os.path.isfile(storage.root):
+        parent, name = os.path.split(os.path.realpath(storage.root))  # a link: its file
+        return storage.root.endswith(SUFFIXES) and _is_zip(type(storage)(parent), name)
+    try:
+        names = set(storage.names())
+    except OSError:  # neither a file nor a folder
         return False
-    names = set(os.listdir(src))
-    return bool(names & {INDEX_FILE, *MODEL_FILES}) or _single_file(src, names) is not None
+    return bool(names & {INDEX_FILE, *MODEL_FILES}) or _single_file(storage, names) is not None
 
 
-def _single_file(src: str, names: set[str]) -> str | None:
+def _single_file(folder: Storage, names: set[str]) -> str | None:
     """The one torch.save file of a folder holding no other (``run.pt``, Lightning's ``.ckpt``),
     nor safetensors weights or a DCP's ``.metadata`` it would sit beside as a side file; one
     rank's file of Megatron, DeepSpeed or verl is no whole model (their importers read them)."""
     if ".metadata" in names or any(n.endswith(".safetensors") for n in names):
         return None
-    found = sorted(
-        n
-        for n in names
-        if n.endswith(SUFFIXES)
-        and not _RANK_FILE.search(n)
-        and os.path.isfile(os.path.join(src, n))
-    )
-    return found[0] if len(found) == 1 and _is_zip(os.path.join(src, found[0])) else None
+    found = sorted(n for n in names if n.endswith(SUFFIXES) and not _RANK_FILE.search(n))
+    return found[0] if len(found) == 1 and _is_zip(folder, found[0]) else None
 
 
-def _files_of(src: str) -> tuple[list[str], str | None]:
+def _files_of(storage: Storage) -> tuple[list[str], str | None]:
     """(model files, optimizer file or None) of a file or folder."""
+    src = storage.root
     if os.path.isfile(src):
         return [src], None
-    names = set(os.listdir(src))
+    names = set(storage.names())
     optimizer = next((_inside(src, n, src) for n in OPTIMIZER_FILES if n in names), None)
     if INDEX_FILE in names:
         return _index_files(src), optimizer
@@ -123,7 +118,7 @@ def _files_of(src: str) -> tuple[list[str], str | None]:
     if optimizer is not None and safetensors.is_safetensors(src):
         # a Trainer checkpoint-N/ or Accelerate save_state folder: safetensors weights
         return safetensors.shard_files(src), optimizer
-    single = _single_file(src, names)
+    single = _single_file(storage, names)
     if single is not None:
         return [_inside(src, single, src)], None
     raise SourceError(
@@ -200,12 +195,11 @@ def _merged(optimizers: list, path: str, prefix: str) -> dict:
 def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a torch.save file or a folder of them, from names (and a zip's
     signature). A folder is a weak claim: DeepSpeed and Megatron folders hold them too."""
-    src = storage.root
-    if os.path.isfile(src):
-        if is_torch_files(src):
+    if os.path.isfile(storage.root):
+        if is_torch_files(storage):
             return Detection(True, "a torch.save file")
         return Detection(False, "not a torch.save file (`.bin`/`.pt`/`.pth`/`.ckpt` zip)")
-    if os.path.isdir(src) and is_torch_files(src):
+    if is_torch_files(storage):
         return Detection(True, "torch.save files", weak=True)
     return Detection(
         False,
@@ -218,8 +212,11 @@ def detect_optimizer(storage: Storage) -> Detection:
     """Whether ``src`` holds a torch optimizer file beside its weights (a Hugging Face Trainer
     ``checkpoint-N/``, Accelerate's ``save_state``): read here with the safetensors weights
     that format's importer claims."""
-    src = os.fspath(storage.root)
-    if os.path.isdir(src) and any(os.path.lexists(os.path.join(src, n)) for n in OPTIMIZER_FILES):
+    try:
+        names = storage.names()
+    except OSError:  # a file, or nothing
+        names = []
+    if any(n in names for n in OPTIMIZER_FILES):
         return Detection(True, "a torch optimizer beside the weights (optimizer.pt / .bin)")
     return Detection(False, "no torch optimizer (`optimizer.pt`, `optimizer.bin`)")
 
@@ -246,7 +243,7 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
     src = os.fspath(src)
     if not os.path.exists(src):
         raise SourceError(f"{src}: no such file or folder")
-    model_files, optimizer_file = _files_of(src)
+    model_files, optimizer_file = _files_of(storage)
     if optimizer_file is None:
         trainer_files.check_optimizer_beside_scheduler(src, weights_only)
     model, found, other, optimizer, optimizer_at = _read_model_files(src, model_files)
@@ -314,7 +311,7 @@ def _add_base(src: str, base: str, model: dict, found: list[str]) -> None:
     if not os.path.isdir(base):
         raise SourceError(f"base_model={base}: not a folder of the base model's weights")
     weights = safetensors.shard_files(base) if safetensors.is_safetensors(base) else []
-    weights = weights or _files_of(base)[0]
+    weights = weights or _files_of(LocalDirectory(base))[0]
     tensors, base_found, *_ = _read_model_files(base, weights)
     clash = sorted(set(tensors) & set(model))
     if clash:
