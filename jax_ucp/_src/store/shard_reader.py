@@ -9,6 +9,7 @@ import functools
 import itertools
 import math
 import os
+import re
 import struct
 import threading
 from collections.abc import Mapping
@@ -102,9 +103,21 @@ def object_digests(shards) -> list:
 def _read_error(e: Exception, where: str) -> Exception:
     if isinstance(e, (FileNotFoundError, CheckpointError)):
         return e
+    text = str(e)
+    if "OUT_OF_RANGE" in text:  # a range past the object's end: shorter than the save wrote it
+        size = _OBJECT_SIZE.search(text)
+        held = f"it holds {size.group(1) or size.group(2)} bytes: " if size else ""
+        return CheckpointError(
+            f"{where}: shorter than this checkpoint's save wrote it ({held}cut short, or "
+            f"replaced by another object)"
+        )
     return CheckpointError(
         f"{where}: cannot read the shard index or trailers ({tensorstore_message(e)})"
     )
+
+
+#: an object's size in a refused range's message: TensorStore's, or the S3 error body's
+_OBJECT_SIZE = re.compile(r"total size (\d+)|ActualObjectSize>(\d+)<")
 
 
 def file_digest(path: str, n_chunks: int) -> str:
