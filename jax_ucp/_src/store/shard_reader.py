@@ -9,7 +9,6 @@ import functools
 import itertools
 import math
 import os
-import re
 import struct
 import threading
 from collections.abc import Mapping
@@ -17,9 +16,10 @@ from collections.abc import Mapping
 import crc32c as crc32c_lib
 import numpy as np
 
-from jax_ucp._src.errors import CheckpointError, tensorstore_message
+from jax_ucp._src.errors import CheckpointError, SourceError, tensorstore_message
 from jax_ucp._src.format import files, mapped_file
 from jax_ucp._src.store.shard_file import check_digest, digest_of_trailers, parse_index, shard_key
+from jax_ucp._src.store.storage.ranged import size_when_short
 from jax_ucp._src.store.zarr3 import ArrayLayout
 
 
@@ -103,21 +103,23 @@ def object_digests(shards) -> list:
 def _read_error(e: Exception, where: str) -> Exception:
     if isinstance(e, (FileNotFoundError, CheckpointError)):
         return e
-    text = str(e)
-    if "OUT_OF_RANGE" in text:  # a range past the object's end: shorter than the save wrote it
-        size = _OBJECT_SIZE.search(text)
-        held = f"it holds {size.group(1) or size.group(2)} bytes: " if size else ""
+    if isinstance(e, ValueError) and "OUT_OF_RANGE" in str(e):  # past the object's end
+        try:
+            size = size_when_short(e, where)
+        except SourceError as answered:  # another range than asked: named there
+            return answered
+        held = "" if size is None else f"it holds {size} bytes: "
         return CheckpointError(
             f"{where}: shorter than this checkpoint's save wrote it ({held}cut short, or "
             f"replaced by another object)"
         )
     return CheckpointError(
+        f"{where}: shorter than this checkpoint's save wrote it ({held}cut short, or "
+        f"replaced by another object)"
+    )
+    return CheckpointError(
         f"{where}: cannot read the shard index or trailers ({tensorstore_message(e)})"
     )
-
-
-#: an object's size in a refused range's message: TensorStore's, or the S3 error body's
-_OBJECT_SIZE = re.compile(r"total size (\d+)|ActualObjectSize>(\d+)<")
 
 
 def file_digest(path: str, n_chunks: int) -> str:
