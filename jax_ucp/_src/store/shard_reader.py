@@ -114,10 +114,6 @@ def _read_error(e: Exception, where: str) -> Exception:
             f"replaced by another object)"
         )
     return CheckpointError(
-        f"{where}: shorter than this checkpoint's save wrote it ({held}cut short, or "
-        f"replaced by another object)"
-    )
-    return CheckpointError(
         f"{where}: cannot read the shard index or trailers ({tensorstore_message(e)})"
     )
 

@@ -322,8 +322,9 @@ _LORA_SIDE = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.(?:[^.]+\.)?weig
 def _check_prompt_sizes(settings: dict, adapter_path: str, config: dict, config_path: str) -> None:
     """peft fills a prompt adapter's ``num_layers`` and ``token_dim`` from the base model's
     config (``token_dim`` per key-value head for prefix tuning): they must still agree."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    sizes = {
+    inner = config.get("text_config")
+    text: dict = inner if isinstance(inner, dict) else config
+    sizes: dict[str, int | None] = {
         key: next((text[k] for k in names if isinstance(text.get(k), int)), None)
         for key, names in (
             ("hidden", ("hidden_size", "n_embd", "d_model")),
@@ -339,13 +340,11 @@ def _check_prompt_sizes(settings: dict, adapter_path: str, config: dict, config_
             f"{adapter_path}: num_layers={layer_count!r}, but the base model's {config_path} "
             f"has {layers} layers: another model's adapter"
         )
-    dims = (
-        {hidden}
-        if not (hidden and heads and isinstance(kv, int))
-        else {hidden, hidden // heads * kv}
-    )
     dim = settings.get("token_dim")
-    if hidden is not None and dim is not None and dim not in dims:
+    if hidden is not None and dim is not None:
+        dims = {hidden, hidden // heads * kv} if heads and isinstance(kv, int) else {hidden}
+        if dim in dims:
+            return
         raise SourceError(
             f"{adapter_path}: token_dim={dim!r}, but the base model's {config_path} has "
             f"hidden size {hidden} (token_dim {' or '.join(map(str, sorted(dims)))}): another "
