@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2210,
     "exporters": 2478,
     "format": 2734,
-    "importers": 16921,
+    "importers": 17068,
     "language": 3193,
     "models": 2617,
     "multihost": 839,
@@ -26,14 +26,14 @@ CEILINGS = {
     "restoring": 5009,
     "saving": 969,
     "sharding": 707,
-    "store": 3581,
+    "store": 3592,
     "torchfiles": 3231,
     "writer": 1675,
     "modules": 4700,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53409
+TOTAL = 53567
 
 
 def _lines(paths) -> int:

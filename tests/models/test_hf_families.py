@@ -765,6 +765,61 @@ def test_a_multimodal_checkpoint_imports_its_text_model_and_lists_the_towers_ski
     assert not os.path.exists(tmp_path / "mm")
 
 
+def _tower_as_layer_7(model_type: str, tensors: dict) -> dict:
+    prefix = "language_model.model." if model_type == "llama4" else "model.language_model."
+    return {
+        (f"{prefix}layers.7.{n.split('.', 2)[-1]}" if "vision" in n else n): v
+        for n, v in tensors.items()
+    }
+
+
+@pytest.mark.parametrize("model_type", ["llama4", "gemma4"])
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        (
+            "hidden_size",
+            r"text_config's hidden_size is 64, but '[\w.]*embed_tokens\.weight' is \[96, 32\]",
+        ),
+        (
+            "num_hidden_layers",
+            r"text_config's num_hidden_layers is 5, but the weights hold .*\[0, 1, 2, 3\]",
+        ),
+        ("tower", r"num_hidden_layers is 4, but the weights hold .*\[0, 1, 2, 3, 7\]"),
+        ("model_type", r"no tensor is under its text model's prefixes"),
+    ],
+)
+def test_a_multimodal_config_that_disagrees_with_its_weights_is_refused(
+    model_type, damage, said, tmp_path
+):
+    """Torch-free (names.json): a text_config edited against the tensors (hidden size, layer
+    count), a vision tower renamed as a text layer, or model_type swapped for a multimodal type
+    naming its text model otherwise: refused naming the field and what the weights hold. Before,
+    each imported (the last one with no tensor at all, every one in source.skipped)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from tests.ucp_testing import FIXTURES, assert_convert_refused
+
+    with open(os.path.join(FIXTURES, "hf_families", "names.json")) as f:
+        entry = json.load(f)[model_type]
+    rng = np.random.default_rng(0)
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in entry["tensors"].items()}
+    config = json.loads(json.dumps(entry["config"]))
+    if damage == "hidden_size":
+        config["text_config"]["hidden_size"] *= 2
+    elif damage == "num_hidden_layers":
+        config["text_config"]["num_hidden_layers"] += 1
+    elif damage == "tower":
+        tensors = _tower_as_layer_7(model_type, tensors)
+    else:
+        config["model_type"] = "qwen3_5" if model_type == "llama4" else "llama4"
+    (tmp_path / "src").mkdir()
+    save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    assert_convert_refused(tmp_path / "src", tmp_path / "ucp", said)
+
+
 def test_the_sliding_window_masks_keys_further_back_than_it():
     """A window at least the sequence's length is full attention, bit for bit; a window of 1
     is not (each query sees only itself)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 
 import numpy as np
 
@@ -59,11 +60,15 @@ TEXT_MODELS = {
 }
 
 
-def text_model(config: dict, names: list[str]) -> tuple[dict[str, str], dict | None]:
+def text_model(
+    config: dict, names: list[str], shapes: dict | None = None
+) -> tuple[dict[str, str], dict | None]:
     """(each imported tensor's name -> its saved name, the config.json of the imported model):
     of a multimodal ``config`` (:data:`TEXT_MODELS`) its text model, named as the text model
     names it, ``text_config`` with the outer ``tie_word_embeddings`` (transformers ties by it);
-    else every name as saved and None."""
+    else every name as saved and None. A text model the weights do not hold as ``text_config``
+    states it (no tensor under its prefixes: another model's ``model_type``; other layers, a
+    tower renamed as one; another embedding width, with ``shapes``) is refused."""
     model_type = str(config.get("model_type"))
     prefixes = TEXT_MODELS.get(model_type)
     if prefixes is None:
@@ -72,11 +77,35 @@ def text_model(config: dict, names: list[str]) -> tuple[dict[str, str], dict | N
     if not isinstance(text, dict):
         raise SourceError(f"config.json: model_type {model_type!r} without a text_config object")
     renamed = {prefixes[p] + n[len(p) :]: n for n in names for p in prefixes if n.startswith(p)}
+    _check_text_model(model_type, text, renamed, prefixes, shapes or {})
     archs = config.get("architectures") or []
     archs = archs if isinstance(archs, list) else [archs]
     archs = [str(a).replace("ForConditionalGeneration", "ForCausalLM") for a in archs]
     tied = {k: config[k] for k in ("tie_word_embeddings",) if k in config}
     return renamed, {"model_type": f"{model_type}_text", **text, **tied, "architectures": archs}
+
+
+def _check_text_model(model_type: str, text: dict, renamed: dict, prefixes, shapes) -> None:
+    where = f"config.json: model_type {model_type!r}"
+    if not renamed:
+        raise SourceError(
+            f"{where}, but no tensor is under its text model's prefixes "
+            f"({', '.join(prefixes)}): another model's config.json?"
+        )
+    layers = {int(m.group(1)) for n in renamed if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    count = text.get("num_hidden_layers")
+    if isinstance(count, int) and layers != set(range(count)):
+        raise SourceError(
+            f"{where}: text_config's num_hidden_layers is {count}, but the weights hold its "
+            f"text model's layers {sorted(layers)[:8]}{' ...' if len(layers) > 8 else ''}"
+        )
+    embed = renamed.get("model.embed_tokens.weight")
+    width, hidden = (shapes.get(embed) or [None])[-1], text.get("hidden_size")
+    if isinstance(hidden, int) and width is not None and width != hidden:
+        raise SourceError(
+            f"{where}: text_config's hidden_size is {hidden}, but {embed!r} is "
+            f"{list(shapes[embed])}"
+        )
 
 
 def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
@@ -112,7 +141,8 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
         config = read_json(config)  # the model's settings: an export writes them back
         if isinstance(config, dict):
             source["config"] = {k: jsonable(v) for k, v in config.items()}
-            named, text = text_model(config, names)
+            shapes = {n: owner[n].header[n][1] for n in names}
+            named, text = text_model(config, names, shapes)
             if text is not None:  # its text model: the towers listed, the outer config kept
                 source["multimodal_config"], source["config"] = source["config"], jsonable(text)
                 others = sorted(set(names) - set(named.values()))

@@ -16,9 +16,10 @@ from collections.abc import Mapping
 import crc32c as crc32c_lib
 import numpy as np
 
-from jax_ucp._src.errors import CheckpointError, tensorstore_message
+from jax_ucp._src.errors import CheckpointError, SourceError, tensorstore_message
 from jax_ucp._src.format import files, mapped_file
 from jax_ucp._src.store.shard_file import check_digest, digest_of_trailers, parse_index, shard_key
+from jax_ucp._src.store.storage.ranged import size_when_short
 from jax_ucp._src.store.zarr3 import ArrayLayout
 
 
@@ -102,6 +103,16 @@ def object_digests(shards) -> list:
 def _read_error(e: Exception, where: str) -> Exception:
     if isinstance(e, (FileNotFoundError, CheckpointError)):
         return e
+    if isinstance(e, ValueError) and "OUT_OF_RANGE" in str(e):  # past the object's end
+        try:
+            size = size_when_short(e, where)
+        except SourceError as answered:  # another range than asked: named there
+            return answered
+        held = "" if size is None else f"it holds {size} bytes: "
+        return CheckpointError(
+            f"{where}: shorter than this checkpoint's save wrote it ({held}cut short, or "
+            f"replaced by another object)"
+        )
     return CheckpointError(
         f"{where}: cannot read the shard index or trailers ({tensorstore_message(e)})"
     )

@@ -771,3 +771,86 @@ def test_a_lora_checkpoint_takes_its_order_from_the_base_model_given(tmp_path):
         r"base_model= is for a peft adapter",
         importing=options,
     )
+
+
+def _other_base(tmp_path, edit_config=None, edit_weights=None) -> str:
+    """trainer_prefix's base model folder, its config.json or weights edited."""
+    from safetensors.numpy import save_file
+
+    base = _copy(os.path.join(TRAINER, "trainer_prefix", "base"), tmp_path / "base")
+    if edit_config:
+        with open(os.path.join(base, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(base, "config.json"), "w") as f:
+            json.dump({**config, **edit_config}, f)
+    if edit_weights:
+        path = os.path.join(base, "model.safetensors")
+        save_file(edit_weights(load_file(path)), path, metadata={"format": "pt"})
+    return base
+
+
+@pytest.mark.parametrize(
+    "kind, config, weights, said",
+    [
+        (
+            "prefix",
+            {"hidden_size": 64},
+            None,
+            r"token_dim=16, but .*config\.json has hidden size 64",
+        ),
+        (
+            "prefix",
+            {"num_hidden_layers": 3},
+            None,
+            r"num_layers=2, but .*config\.json has 3 layers",
+        ),
+        ("prefix", {"num_key_value_heads": 4}, None, r"token_dim=16, but .*hidden size 32"),
+        (
+            "lora",
+            None,
+            lambda w: {
+                k: (v.T.copy() if k.endswith("layers.0.self_attn.v_proj.weight") else v)
+                for k, v in w.items()
+            },
+            r"'base_model\.model\.model\.layers\.0\.self_attn\.v_proj\.lora_A\.weight' \[4, 32\] "
+            r"\(adapter_model\.safetensors\) does not fit the base's "
+            r"'model\.layers\.0\.self_attn\.v_proj\.weight' \[32, 16\]",
+        ),
+        (
+            "lora",
+            None,
+            lambda w: {k: v for k, v in w.items() if ".layers.1." not in k},
+            r"adapts 'model\.layers\.1\.self_attn\.q_proj\.weight', which the base model does not hold",
+        ),
+    ],
+)
+def test_a_base_model_that_is_not_the_adapters_is_refused(tmp_path, kind, config, weights, said):
+    """base_model= a folder whose config.json or weights disagree with the adapter (another
+    hidden size, layer count, key-value heads; a LoRA weight of another shape, or missing) is
+    refused naming the field or tensor and both values. Before, each imported: an adapter beside
+    weights it can never run with."""
+    base = _other_base(tmp_path, config, weights)
+    src = trainer_src(f"trainer_{kind}")
+    assert_convert_refused(src, tmp_path / "no", said, importing=TorchOptions(base_model=base))
+
+
+@pytest.mark.torch
+def test_a_base_model_missing_its_configs_tensors_is_refused(tmp_path):
+    """A base folder whose weights lack a layer its config.json's model has (the prefix adapter
+    never names the base's tensors): refused naming the first one missing; the intact base, given
+    through a symlink, imports."""
+    base = _other_base(
+        tmp_path, None, lambda w: {k: v for k, v in w.items() if ".layers.1." not in k}
+    )
+    src = trainer_src("trainer_prefix")
+    assert_convert_refused(
+        src,
+        tmp_path / "no",
+        r"no tensor of 'model\.layers\.1\.[\w.]+' .*though its config\.json's model",
+        importing=TorchOptions(base_model=base),
+    )
+    link = tmp_path / "link"
+    link.symlink_to(os.path.join(TRAINER, "trainer_prefix", "base"))
+    out = jax_ucp.convert(src, tmp_path / "ok", importing=TorchOptions(base_model=link))
+    weights = load_file(os.path.join(TRAINER, "trainer_prefix", "base", "model.safetensors"))
+    assert sorted(jax_ucp.restore(out)["params"]) == sorted([*weights, "prompt_embeddings"])

@@ -316,6 +316,7 @@ def _add_base(src: str, base: str, model: dict, found: list[str]) -> None:
     clash = sorted(set(tensors) & set(model))
     if clash:
         raise SourceError(f"base_model={base}: {clash[0]!r} is also a tensor of {src}")
+    hf_trainer.check_base_model(src, base, tensors, model)
     model.update(tensors)
     found += base_found
 

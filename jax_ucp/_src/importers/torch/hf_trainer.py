@@ -14,10 +14,13 @@ every moment's shape) and uses it only when exactly one fits. (The Trainer's sid
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 from collections.abc import Iterator
 from typing import Any
+
+import numpy as np
 
 from jax_ucp._src.errors import SourceError, UCPError
 from jax_ucp._src.format import files
@@ -33,6 +36,7 @@ from jax_ucp._src.importers.trainer_files import (
 __all__ = [
     "ORDER_HINT",
     "Candidate",
+    "check_base_model",
     "trainer_candidates",
 ]
 
@@ -196,14 +200,18 @@ def _base_model_config(adapter_path: str) -> tuple[str | None, str]:
     return None, f"{where} {name!r}: " + "; ".join(tried)
 
 
-def _model_on_meta(folder: str, n_tensors: int, model_config: str | None = None):
+def _model_on_meta(
+    folder: str,
+    n_tensors: int,
+    model_config: str | None = None,
+    why: str = "cannot rebuild the optimizer's parameter order",
+):
     """The config's architecture, built by transformers on the meta device (no weights):
     ``model_config`` (a Hugging Face ``config.json`` the caller gives, for a folder without
     one), else the folder's own ``config.json``.
 
     An untrusted config could ask for millions of layers (modules cost memory even on the meta
     device): a layer count above the checkpoint's tensor count is refused before building."""
-    why = "cannot rebuild the optimizer's parameter order"
     path, origin = _config_path(folder, model_config, why)
     config = read_json(path)
     if not isinstance(config, dict):
@@ -263,6 +271,114 @@ def _model_on_meta(folder: str, n_tensors: int, model_config: str | None = None)
         ) from None
     what = f"transformers {transformers.__version__} {archs[0]}"
     return model, f"{what} ({origin})" if origin else what
+
+
+def check_base_model(src: str, base: str, weights: dict, adapter: dict) -> None:
+    """A base model given beside the peft adapter ``src`` (``base_model=``) must be the one it
+    was trained on: its ``config.json``'s sizes those peft filled the prompt adapter's config
+    from, each LoRA pair's sides the shape of the base weight it adapts, and (transformers
+    installed) its weights the tensors that config's model holds. Else refused naming the
+    field or tensor, the file and both values: imported, the two would never run together.
+
+    Args:
+        src: the adapter checkpoint's folder.
+        base: the base model's folder.
+        weights: ``{name: (tensor, file, name)}`` of the base's files.
+        adapter: the same of the adapter's files.
+    """
+    config_path = os.path.join(base, CONFIG_FILE)
+    config = read_json(config_path) if os.path.isfile(config_path) else None
+    adapter_path = side_file(src, ADAPTER_CONFIG_FILE)
+    settings = read_json(adapter_path) if os.path.isfile(adapter_path) else None
+    prompt = isinstance(settings, dict) and settings.get("peft_type") in _PROMPT_TYPES
+    if isinstance(config, dict) and prompt:
+        assert isinstance(settings, dict)
+        _check_prompt_sizes(settings, adapter_path, config, config_path)
+    for name, (value, file, _) in adapter.items():
+        lora = _LORA_SIDE.match(name)
+        if lora is None or np.ndim(value) != 2:
+            continue
+        target = f"{lora.group(1)}.weight"
+        if target not in weights:
+            raise SourceError(
+                f"base_model={base}: the adapter's {name!r} ({os.path.basename(file)}) adapts "
+                f"{target!r}, which the base model does not hold"
+            )
+        held, side = np.shape(weights[target][0]), 1 if lora.group(2) == "A" else 0
+        if len(held) != 2 or held[side] != np.shape(value)[side]:
+            raise SourceError(
+                f"base_model={base}: the adapter's {name!r} {list(np.shape(value))} "
+                f"({os.path.basename(file)}) does not fit the base's {target!r} {list(held)} "
+                f"({os.path.basename(weights[target][1])}): another model's adapter"
+            )
+    if isinstance(config, dict) and importlib.util.find_spec("transformers") is not None:
+        _check_base_weights(base, weights)
+
+
+#: a LoRA pair's side as peft saves it: ``base_model.model.<module>.lora_A.weight``
+_LORA_SIDE = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.(?:[^.]+\.)?weight")
+
+
+def _check_prompt_sizes(settings: dict, adapter_path: str, config: dict, config_path: str) -> None:
+    """peft fills a prompt adapter's ``num_layers`` and ``token_dim`` from the base model's
+    config (``token_dim`` per key-value head for prefix tuning): they must still agree."""
+    inner = config.get("text_config")
+    text: dict = inner if isinstance(inner, dict) else config
+    sizes: dict[str, int | None] = {
+        key: next((text[k] for k in names if isinstance(text.get(k), int)), None)
+        for key, names in (
+            ("hidden", ("hidden_size", "n_embd", "d_model")),
+            ("layers", ("num_hidden_layers", "n_layer", "num_layers")),
+            ("heads", ("num_attention_heads", "n_head")),
+        )
+    }
+    hidden, layers, heads = sizes["hidden"], sizes["layers"], sizes["heads"]
+    kv = text.get("num_key_value_heads") or heads
+    layer_count = settings.get("num_layers")
+    if layers is not None and layer_count is not None and layer_count != layers:
+        raise SourceError(
+            f"{adapter_path}: num_layers={layer_count!r}, but the base model's {config_path} "
+            f"has {layers} layers: another model's adapter"
+        )
+    dim = settings.get("token_dim")
+    if hidden is not None and dim is not None:
+        dims = {hidden, hidden // heads * kv} if heads and isinstance(kv, int) else {hidden}
+        if dim in dims:
+            return
+        raise SourceError(
+            f"{adapter_path}: token_dim={dim!r}, but the base model's {config_path} has "
+            f"hidden size {hidden} (token_dim {' or '.join(map(str, sorted(dims)))}): another "
+            f"model's adapter"
+        )
+
+
+def _check_base_weights(base: str, weights: dict) -> None:
+    """The base's weights against the model its config builds (meta device): a tensor of
+    another shape, or a module of the model with none of its tensors in the files, is refused.
+    Names the files hold beyond the model (buffers older versions saved, a checkpoint's own
+    layout of fused experts) are left to the import."""
+    model, what = _model_on_meta(base, len(weights), why="cannot check the base model's weights")
+    by_tensor: dict[int, list[str]] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(value), []).append(name)
+    for names in by_tensor.values():  # tied names: one of them saved
+        shapes = {n: tuple(model.state_dict(keep_vars=True)[n].shape) for n in names}
+        held = [n for n in names if n in weights]
+        for n in held:
+            found = tuple(np.shape(weights[n][0]))
+            if found != shapes[n]:
+                raise SourceError(
+                    f"base_model={base}: {n!r} is {list(found)} in "
+                    f"{os.path.basename(weights[n][1])}, but its config.json's model ({what}) "
+                    f"has {list(shapes[n])}"
+                )
+        module = names[0].rpartition(".")[0]
+        if not held and not any(w.startswith(module + ".") for w in weights):
+            raise SourceError(
+                f"base_model={base}: no tensor of {names[0]!r} (module {module!r}) in its "
+                f"weights, though its config.json's model ({what}) has it: an incomplete or "
+                f"another model's folder"
+            )
 
 
 def _legacy_decay_names(model) -> list[str]:
