@@ -9,6 +9,20 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if (
+    "JAX_COMPILATION_CACHE_DIR" not in os.environ
+    and os.environ.get("UCP_TEST_COMPILE_CACHE", "1") == "1"
+):
+    # One compilation cache for the test run: both xdist workers and every child process a test
+    # starts (the hostile harness, the docs snippets, multi-process runs) share the programs
+    # jax compiled once, which is most of what small tests pay for. Inherited through the
+    # environment; set once by the controlling process (xdist workers see it already set).
+    import atexit
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_ucp-test-jit-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import hypothesis
 import pytest
