@@ -92,7 +92,7 @@ def _check_text_model(model_type: str, text: dict, renamed: dict, prefixes, shap
             f"{where}, but no tensor is under its text model's prefixes "
             f"({', '.join(prefixes)}): another model's config.json?"
         )
-    layers = {int(m.group(1)) for n in renamed if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    layers = {int(m.group(1)) for n in renamed if (m := re.match(r"model\.layers\.([0-9]+)\.", n))}
     count = text.get("num_hidden_layers")
     if isinstance(count, int) and layers != set(range(count)):
         raise SourceError(
