@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2210,
     "exporters": 2478,
     "format": 2734,
-    "importers": 16924,
+    "importers": 16922,
     "language": 3193,
     "models": 2617,
     "multihost": 839,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53412
+TOTAL = 53410
 
 
 def _lines(paths) -> int:
