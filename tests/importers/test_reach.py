@@ -168,11 +168,11 @@ def test_megatron_dp_reshardable_imports_with_its_optimizer_state(tmp_path, name
 def test_megatron_dp_reshardable_bucket_sizes_are_checked(tmp_path, monkeypatch):
     """A parameter list that does not fill the recorded buckets exactly (here: one layer's
     tensors dropped, as a wrong TP/PP guess would) is refused, naming the bucket and sizes."""
-    from jax_ucp._src.importers.megatron import legacy as megatron_legacy
+    from jax_ucp._src.importers.megatron import rank_states
 
-    real = megatron_legacy.bucket_layout
+    real = rank_states.bucket_layout
     monkeypatch.setattr(
-        megatron_legacy,
+        rank_states,
         "bucket_layout",
         lambda params, shared, numels, where: real(params[1:], shared, numels, where),
     )
@@ -187,11 +187,11 @@ def test_megatron_dp_reshardable_bucket_sizes_are_checked(tmp_path, monkeypatch)
 def test_megatron_dp_reshardable_with_a_wrong_layout_is_refused(tmp_path, monkeypatch):
     """If the derived layout does not fit (another version, another DDP config), the check
     against the model weights refuses the import; nothing is written."""
-    from jax_ucp._src.importers.megatron import legacy as megatron_legacy
+    from jax_ucp._src.importers.megatron import rank_states
 
-    real = megatron_legacy.bucket_layout
+    real = rank_states.bucket_layout
     monkeypatch.setattr(
-        megatron_legacy,
+        rank_states,
         "bucket_layout",
         lambda params, shared, numels, where: real(list(reversed(params)), shared, numels, where),
     )

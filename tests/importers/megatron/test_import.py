@@ -289,7 +289,7 @@ def test_legacy_missing_distrib_optim(tmp_path):
 
 
 def test_legacy_distrib_optim_wrong_bucket_layout(tmp_path, monkeypatch):
-    from jax_ucp._src.importers.megatron import legacy as lg
+    from jax_ucp._src.importers.megatron import rank_states as lg
 
     real = lg.distrib_optim_layout
     # one bucket per parameter: no 64-element start padding inside buckets -> totals disagree

@@ -161,11 +161,11 @@ def _compare_to_truth(src, got, model, original, dtype) -> None:
 def test_dp_zero_gather_scatter_with_a_wrong_layout_is_refused(tmp_path, monkeypatch):
     """A derived buffer layout that does not add up to the saved buffer (another version or DDP
     bucket setting) is an error naming the object and the sizes; nothing is written."""
-    from jax_ucp._src.importers.megatron import legacy as megatron_legacy
+    from jax_ucp._src.importers.megatron import rank_states
 
-    real = megatron_legacy.distrib_optim_layout
+    real = rank_states.distrib_optim_layout
     monkeypatch.setattr(
-        megatron_legacy,
+        rank_states,
         "distrib_optim_layout",
         lambda params, shared, size, *rest: real(params[1:], shared, size, *rest),
     )

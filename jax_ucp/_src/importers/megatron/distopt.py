@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from jax_ucp._src.errors import SourceError
-from jax_ucp._src.importers.megatron import dcp, legacy
+from jax_ucp._src.importers.megatron import dcp, legacy, rank_states
 from jax_ucp._src.importers.megatron.common import (
     STATE_TREES,
     SUPPORTED_LAYOUTS,
@@ -42,7 +42,7 @@ def bucket_states(
 ) -> RankStates:
     """megatron-core 0.16's ``dp_reshardable`` (Megatron-LM's default): one flat tensor per
     rank, grad buffer, bucket and state, each bucket's length its recorded unpadded size; a
-    bucket closes exactly there (``legacy.bucket_layout``), so the DDP ``bucket_size``
+    bucket closes exactly there (``rank_states.bucket_layout``), so the DDP ``bucket_size``
     (not saved) is not needed and every bucket size is checked. ``prefix``, ``experts``: a
     ChainedOptimizer member's (:class:`RankStates`)."""
     where = checkpoint.path / ".metadata"
@@ -101,7 +101,7 @@ def bucket_states(
                 f"{where}: model-parallel rank {rank}: bucket tensors of {numels} elements, "
                 f"but megatron-core recorded {recorded} unpadded"
             )
-        found.layout[rank] = legacy.bucket_layout(
+        found.layout[rank] = rank_states.bucket_layout(
             params, shared, numels, f"{where} (model-parallel rank {rank})"
         )
     return found
@@ -129,7 +129,7 @@ def gathered_states(
     """megatron-core 0.13's ``dp_zero_gather_scatter``: per model-parallel rank one pickled
     ``param_state`` object (written by DP rank 0), the same dict as a legacy
     ``distrib_optim.pt`` (the buckets' unpadded parts concatenated), laid out as for that file
-    (``legacy.distrib_optim_layout``, the DDP bucket size from the saved args)."""
+    (``rank_states.distrib_optim_layout``, the DDP bucket size from the saved args)."""
     where = checkpoint.path / ".metadata"
     pattern = r"optimizer\.distributed\.dp_group_idx_([0-9]+)\.param_state/.*"
     named = {int(m.group(1)): n for n in checkpoint.objects if (m := re.fullmatch(pattern, n))}
@@ -148,12 +148,12 @@ def gathered_states(
         try:
             if isinstance(saved, list) and len(saved) == 1:  # one model chunk
                 (saved,) = saved
-            state = legacy.distrib_optim_state(saved, label)
+            state = rank_states.distrib_optim_state(saved, label)
         except SourceError as e:
             raise MegatronImportError(f"{e}. {WEIGHTS_ONLY_HINT}") from None
         params, shared = found.rank_params(rank)
         size, whose = bucket_size if rank < found.grid.tp else None, f"model-parallel rank {rank}"
-        layout = legacy.distrib_optim_layout(params, shared, size, state, whose)
+        layout = rank_states.distrib_optim_layout(params, shared, size, state, whose)
         found.buffers[rank] = [dict.fromkeys(STATE_TREES, name)]
         found.held[rank] = state
         found.layout[rank] = {k: (0, a, b) for k, (a, b) in layout.items()}

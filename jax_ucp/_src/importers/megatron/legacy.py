@@ -24,17 +24,14 @@ import itertools
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.megatron.common import (
-    WEIGHTS_ONLY_HINT,
     MegatronImportError,
     agreed_iteration,
 )
@@ -46,9 +43,6 @@ __all__ = [
     "LegacyCheckpoint",
     "RankFile",
     "args_dict",
-    "bucket_layout",
-    "distrib_optim_layout",
-    "distrib_optim_state",
     "flatten_state_dict",
     "inside",
     "load_rank_file",
@@ -310,169 +304,3 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
         float(version) if isinstance(version, (int, float)) else None,
         distrib_optim,
     )
-
-
-# ----------------------------------------------------------------------------- distrib_optim.pt
-
-
-def _buckets(
-    params: list[tuple[str, int]], shared: set[str], limit: Callable[[int], int | None]
-) -> list[tuple[dict[str, tuple[int, int]], int]]:
-    """megatron-core's grad-buffer walk (``_ParamAndGradBuffer``, 0.16): parameters in reverse
-    module order, each start padded to 64 elements, a shared-embedding parameter alone in its
-    bucket, a bucket closed once it holds ``limit(bucket)`` elements (None: never). Returns
-    every bucket's ({name: (start, end)} within it, its size)."""
-    out: list[tuple[dict[str, tuple[int, int]], int]] = []
-    places: dict[str, tuple[int, int]] = {}
-    rel = 0
-    for name, numel in reversed(params):
-        rel = -(-rel // 64) * 64
-        if name in shared and places:
-            out.append((places, rel))
-            places, rel = {}, 0
-        places[name] = (rel, rel + numel)
-        rel += numel
-        size = limit(len(out))
-        if name in shared or (size is not None and rel >= size):
-            out.append((places, rel))
-            places, rel = {}, 0
-    if places:
-        out.append((places, rel))
-    return out
-
-
-def distrib_optim_layout(
-    params: list[tuple[str, int]],
-    shared: set[str],
-    bucket_size: int | None,
-    state: DistribOptimState,
-    whose: str,
-) -> dict[str, tuple[int, int]]:
-    """Where each parameter sits in a ``distrib_optim.pt`` flat buffer (megatron-core 0.16):
-    the buckets of ``_buckets`` concatenated without their end padding, as
-    ``get_parameter_state_dp_zero`` does; refused unless they fill the buffer exactly.
-    Returns {name: (start, end)}.
-
-    Args:
-        params: (name, numel) of the rank's local parameters, in module order.
-        shared: the pipeline-tied embedding parameters.
-        bucket_size: DDP's bucket size in elements (None: one bucket).
-        state: the buffer (its ``numel_unpadded``, its path for the error).
-        whose: the rank the parameters are of, for the error.
-    """
-    out: dict[str, tuple[int, int]] = {}
-    base = 0
-    for places, size in _buckets(params, shared, lambda _: bucket_size):
-        out.update({name: (base + a, base + b) for name, (a, b) in places.items()})
-        base += size
-    if base != state.numel_unpadded:
-        raise MegatronImportError(
-            f"{state.path}: the buffer holds {state.numel_unpadded} elements, but the "
-            f"{len(params)} local parameters of {whose} lay out to {base} (megatron-core's "
-            f"grad-buffer layout, bucket_size={bucket_size}); another megatron-core version or "
-            f"DDP bucket setting? {WEIGHTS_ONLY_HINT}"
-        )
-    return out
-
-
-def bucket_layout(
-    params: list[tuple[str, int]], shared: set[str], bucket_numels: list[int], where: str
-) -> dict[str, tuple[int, int, int]]:
-    """Where each parameter sits in megatron-core's grad-buffer buckets, given the unpadded
-    size of every bucket (which megatron-core records): ``{name: (bucket, start, end)}``.
-
-    A bucket closes where its recorded size says, so the DDP ``bucket_size`` (not saved, and
-    ``None`` past the first pipeline stage) is not needed; every recorded size is checked, so
-    a wrong parameter list cannot fit silently (a misfit: ``MegatronImportError``, which
-    :func:`module_order.in_module_order` answers by trying the next order).
-
-    Args:
-        params: (name, numel) of the rank's local parameters, in module order.
-        shared: the pipeline-tied embedding parameters.
-        bucket_numels: the recorded unpadded size of every bucket.
-        where: the file, for errors.
-    """
-    buckets = _buckets(
-        params, shared, lambda b: bucket_numels[b] if b < len(bucket_numels) else None
-    )
-    why = "(megatron-core 0.16 grad-buffer layout; another version or DDP config?)"
-    for bucket, (places, size) in enumerate(buckets):
-        if bucket >= len(bucket_numels) or size != bucket_numels[bucket]:
-            recorded = bucket_numels[bucket] if bucket < len(bucket_numels) else None
-            raise MegatronImportError(
-                f"{where}: bucket {bucket} would end after {list(places)[-1]!r} at element "
-                f"{size}, but megatron-core recorded {recorded} elements (buckets "
-                f"{bucket_numels}); the parameter list does not match this checkpoint's grad "
-                f"buffer {why}. {WEIGHTS_ONLY_HINT}"
-            )
-    if len(buckets) != len(bucket_numels):
-        raise MegatronImportError(
-            f"{where}: the parameters fill {len(buckets)} buckets, megatron-core recorded "
-            f"{len(bucket_numels)} ({bucket_numels}) {why}. {WEIGHTS_ONLY_HINT}"
-        )
-    return {
-        name: (bucket, a, b)
-        for bucket, (places, _) in enumerate(buckets)
-        for name, (a, b) in places.items()
-    }
-
-
-@dataclass
-class DistribOptimState:
-    """One buffer of a ``distrib_optim.pt``: its flat fp32 states, checked."""
-
-    path: Path | str
-    arrays: dict[str, np.ndarray]  # "param" (fp32 masters), "exp_avg", "exp_avg_sq"
-    numel_unpadded: int
-    #: state name -> the flat tensor's dotted path in the loaded dict (``tensor_names`` form)
-    names: dict[str, str] = field(default_factory=dict)
-
-
-def distrib_optim_state(
-    saved: Any, path: Path | str, index: int = 0, count: int = 1
-) -> DistribOptimState:
-    """Buffer ``index`` of a loaded ``get_parameter_state_dp_zero`` dict holding ``count``
-    buffers (more than one: a virtual pipeline's model chunks), checked: the content of a
-    ``distrib_optim.pt`` and of megatron-core 0.13's ``dp_zero_gather_scatter`` object.
-
-    Args:
-        saved: the loaded dict.
-        path: where it was loaded from, for errors.
-        index: which buffer.
-        count: how many buffers it holds.
-    """
-    if not isinstance(saved, dict) or saved.get("buckets_coalesced") is not True:
-        raise SourceError(
-            f"{path}: not a megatron-core distrib_optim.pt with buckets_coalesced=True "
-            f"(older per-bucket layouts are not supported)"
-        )
-    buffers = [k for k in saved if k != "buckets_coalesced"]
-    if buffers != list(range(count)):
-        raise SourceError(
-            f"{path}: {len(buffers)} gradient buffers {buffers}; expected {count} (one per "
-            f"model chunk: a single dtype, no expert-parallel buffer)"
-        )
-    per_dtype = saved[index]
-    if not isinstance(per_dtype, dict) or len(per_dtype) != 1:
-        raise SourceError(
-            f"{path}: buffer {index} holds "
-            f"{len(per_dtype) if isinstance(per_dtype, dict) else '?'} dtype groups, expected 1"
-        )
-    ((dtypes, buffer),) = per_dtype.items()
-    arrays = {}
-    for state_name in ("param", "exp_avg", "exp_avg_sq"):
-        array = buffer.get(state_name) if isinstance(buffer, dict) else None
-        if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype != np.float32:
-            raise SourceError(
-                f"{path}: buffer {index} {state_name!r} must be a flat float32 tensor, found "
-                f"{getattr(array, 'dtype', type(array).__name__)} {getattr(array, 'shape', '')}"
-            )
-        arrays[state_name] = array
-    numel = buffer.get("numel_unpadded")
-    if type(numel) is not int or any(a.size != numel for a in arrays.values()):
-        raise SourceError(
-            f"{path}: numel_unpadded={numel!r} but the flat tensors hold "
-            f"{[a.size for a in arrays.values()]} elements"
-        )
-    names = {state_name: f"{index}.{dtypes}.{state_name}" for state_name in arrays}
-    return DistribOptimState(path, arrays, numel, names)

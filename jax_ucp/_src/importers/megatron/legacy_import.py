@@ -18,7 +18,7 @@ from jax_ucp._src import writer
 from jax_ucp._src.errors import LanguageError
 from jax_ucp._src.format import mapped_file
 from jax_ucp._src.importers import rank_grid
-from jax_ucp._src.importers.megatron import legacy
+from jax_ucp._src.importers.megatron import legacy, rank_states
 from jax_ucp._src.importers.megatron.common import (
     STATE_TREES,
     WEIGHTS_ONLY_HINT,
@@ -513,7 +513,7 @@ def _legacy_distrib_optim(
     for (stage, tp_rank), rank_file in checkpoint.ranks.items():
         path = checkpoint.distrib_optim[(stage, tp_rank)]
         buffer = (checkpoint.grid.chunk(stage), checkpoint.grid.vpp)  # one per model chunk
-        buffers = legacy.distrib_optim_state(legacy.load_rank_file(path), path, *buffer)
+        buffers = rank_states.distrib_optim_state(legacy.load_rank_file(path), path, *buffer)
         rank_tensors = local[(stage, tp_rank)]
         params = [(local_name, int(a.size)) for local_name, _, a in rank_tensors]
         shared = {  # a pipeline-tied embedding (and its copy on the last stage): its own bucket
@@ -526,7 +526,7 @@ def _legacy_distrib_optim(
             )
         }
         whose = _rank_dir_file(checkpoint, rank_file.path)
-        layout = legacy.distrib_optim_layout(params, shared, bucket_size, buffers, whose)
+        layout = rank_states.distrib_optim_layout(params, shared, bucket_size, buffers, whose)
         for local_name, global_name, value in rank_tensors:
             start, end = layout[local_name]
             for state_name, per_name in out.items():
