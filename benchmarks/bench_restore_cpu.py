@@ -9,7 +9,15 @@ taken around ``jax_ucp.restore`` alone (imports and set-up excluded), the load a
 Each CKPT is a ``bench_scale.py --child jax-save --contender jax_ucp --gb N`` checkpoint (64 MiB
 float32 tensors saved on 2 x 4), restored onto 4 x 2 with other specs as ``bench_scale`` does
 (three specs of four cut its inner chunks between devices). ``--tree NAME=DIR``: a checkout whose
-``jax_ucp`` is imported (``PYTHONPATH=DIR``)."""
+``jax_ucp`` is imported (``PYTHONPATH=DIR``). ``--devices 1``: every tensor onto one device instead
+(three layouts of four then read their chunks as strided blocks of it).
+
+A profile of the restore alone (imports excluded), one child run under ``perf``; its JSON line
+names the restore's ``CLOCK_MONOTONIC`` window:
+
+    perf record -k CLOCK_MONOTONIC -e cpu-clock -F 1999 -g -o P.data -- python
+        benchmarks/bench_restore_cpu.py x --tree x=. --child CKPT [--devices 1]
+    perf report -i P.data --time WINDOW --no-children --sort sym --stdio -g none"""
 
 from __future__ import annotations
 
@@ -26,8 +34,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def child(path: str) -> dict:
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+def child(path: str, devices: int = 8) -> dict:
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={devices}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import numpy as np
@@ -39,13 +47,15 @@ def child(path: str) -> dict:
 
     n = len(os.listdir(os.path.join(path, "arrays")))  # bench_scale's names: w000, w001, ...
     names = [f"w{i:03d}" for i in range(n)]
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
+    mesh = Mesh(np.array(jax.devices()[:devices]).reshape(-1, 2 if devices > 1 else 1), ("x", "y"))
     specs = [P("y", "x"), P("x", "y"), P(("y", "x"), None), P(None, ("x", "y"))]
     shardings = {k: NamedSharding(mesh, specs[i % 4]) for i, k in enumerate(names)}
     evict(path)
+    m0 = time.clock_gettime(time.CLOCK_MONOTONIC)
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     out = jax.block_until_ready(jax_ucp.restore(path, shardings=shardings))
     wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    m1 = time.clock_gettime(time.CLOCK_MONOTONIC)
     nbytes = sum(s.data.nbytes for x in out.values() for s in x.addressable_shards)
     return {
         "gb": nbytes / 1e9,
@@ -53,6 +63,7 @@ def child(path: str) -> dict:
         "user": r1.ru_utime - r0.ru_utime,
         "sys": r1.ru_stime - r0.ru_stime,
         "minflt": r1.ru_minflt - r0.ru_minflt,
+        "window": f"{m0:.6f},{m1:.6f}",  # for ``perf report --time`` (docstring)
         # bit-exactness across trees: a digest of the first two tensors' device buffers
         "digest": hashlib.sha256(
             b"".join(
@@ -70,10 +81,11 @@ def main() -> None:
     ap.add_argument("--tree", action="append", required=True, help="NAME=DIR (repeatable)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument("--devices", type=int, default=8, choices=(1, 8))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child)))
+        print(json.dumps(child(a.child, a.devices)))
         return
     trees = [t.split("=", 1) for t in a.tree]
     runs: list[dict] = []
@@ -90,6 +102,8 @@ def main() -> None:
                         "x=.",
                         "--child",
                         ck,
+                        "--devices",
+                        str(a.devices),
                     ],
                     env=env,
                     capture_output=True,
