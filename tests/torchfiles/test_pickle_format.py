@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp._src.torchfiles.allow_list import (
     StandIn,
     TorchFileError,
@@ -840,7 +841,7 @@ def test_verify_crc_of_deflated_members_keeps_nothing(tmp_path):
     from jax_ucp._src.torchfiles.torch_zip import TorchArchive
 
     src = _bomb(tmp_path / "unreferenced.pt", 2, 255 * MIB, 0)
-    arch = TorchArchive(src)
+    arch = TorchArchive(LocalDirectory(str(tmp_path)), "unreferenced.pt")
     try:
         arch.verify_crc()
         assert arch._inflated == 0
@@ -916,7 +917,7 @@ def test_lazy_crc_checks_a_storage_when_its_bytes_are_first_read(tmp_path):
     with pytest.raises(TorchFileError, match=r"flip.pt.*CRC"):
         load_torch_file(p, DS_CLASSES)
     good = load_torch_file(real, DS_CLASSES)
-    arch = TorchArchive(p, lazy_crc=True)
+    arch = TorchArchive(LocalDirectory(str(tmp_path)), "flip.pt", lazy_crc=True)
     loaded = arch.load(DS_CLASSES)
     arch.close()
 
@@ -944,7 +945,7 @@ def test_lazy_crc_checks_a_storage_when_its_bytes_are_first_read(tmp_path):
         else:
             assert np.array_equal(mapped_file.read_out(arr).view(np.uint8), want[at].view(np.uint8))
     assert refused and len(refused) < len(want)
-    arch = TorchArchive(p, lazy_crc=True)
+    arch = TorchArchive(LocalDirectory(str(tmp_path)), "flip.pt", lazy_crc=True)
     try:
         arch.load(DS_CLASSES)
         with pytest.raises(TorchFileError, match=r"flip.pt.*CRC"):

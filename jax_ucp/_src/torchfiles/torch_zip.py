@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.format import files, mapped_file
+from jax_ucp._src.store.storage import LocalDirectory, sparse
 from jax_ucp._src.store.storage import Storage as BaseStorage
-from jax_ucp._src.store.storage import sparse
 from jax_ucp._src.store.storage.sparse import RemoteArchive
 from jax_ucp._src.torchfiles import pickle_format
 from jax_ucp._src.torchfiles.allow_list import Storage, StorageType, TorchFileError, short_repr
@@ -73,33 +73,23 @@ class _BufferFile(io.RawIOBase):
 
 
 class TorchArchive:
-    """A torch zip archive opened read-only with one ``mmap``: file ``name`` of a ``Storage``
-    (``Storage.mapped``: a remote one's ranges fetched as they are read), or a local path (a
-    remote folder's stand-in: ``sparse.stored_at``). ``lazy_crc``: a storage's CRC-32 is
-    checked when first read, so skipped moments are never read."""
+    """A torch zip archive, file ``name`` of ``storage``, opened read-only with one ``mmap``
+    (``Storage.mapped``: a remote one's ranges fetched as they are read). ``lazy_crc``: a
+    storage's CRC-32 is checked when first read, so skipped moments are never read."""
 
-    def __init__(
-        self, source: os.PathLike | str | tuple[BaseStorage, str], *, lazy_crc: bool = False
-    ):
-        if isinstance(source, tuple):
-            storage, name = source
-        else:
-            storage, name = sparse.stored_at(source) or (None, os.fspath(source))
-        self.path = storage.join(name) if storage is not None else name
+    def __init__(self, storage: BaseStorage, name: str, *, lazy_crc: bool = False):
+        self.path = storage.join(name)
         self.lazy_crc = lazy_crc
         try:  # a regular file only: a FIFO or device would block or never end
-            if storage is None:
-                mm, remote = mapped_file.map_file(name), None
-            else:
-                mm, remote = storage.mapped(name, sealed=lazy_crc)
+            mm, remote = storage.mapped(name, sealed=lazy_crc)
         except files.UnsafeFileError as e:
             raise TorchFileError(self.path, str(e).split(": ", 1)[-1]) from None
         except OSError as e:
             raise TorchFileError(self.path, f"cannot open: {e.strerror}") from None
         self._remote = remote
         if mm is None:  # empty, or (remote) no zip directory at its end
-            head = storage.reader(name).read(0, 8) if storage is not None else b""
-            _refuse_head(self.path, head or b"", "no zip directory at its end")
+            head = storage.reader(name).read(0, 8) or b""
+            _refuse_head(self.path, head, "no zip directory at its end")
             raise TorchFileError(self.path, "file is empty")
         mm.path = self.path
         what = "reading the file's signature"
@@ -431,7 +421,7 @@ def _crc_check(
 
 
 def load_torch_file(
-    path: os.PathLike | str,
+    path: os.PathLike | str | tuple[BaseStorage, str],
     extra_classes: Mapping[str, Any] | None = None,
     *,
     verify_crc: bool = False,
@@ -439,15 +429,25 @@ def load_torch_file(
     """Load a ``torch.save`` zip file safely; tensors become read-only memory-mapped numpy arrays.
 
     Args:
-        path: the ``torch.save`` zip file.
+        path: the ``torch.save`` zip file: a checked local path, or (a ``Storage``, its name).
         extra_classes: more allow-listed classes, ``"module.QualName"`` -> a :class:`StandIn`
             subclass, an ``int_enum_standin``, or a side-effect-free callable that checks its
             arguments.
         verify_crc: check every storage's CRC-32 while loading."""
-    with contextlib.closing(TorchArchive(path)) as arch:
+    with contextlib.closing(TorchArchive(*_located(path))) as arch:
         if verify_crc:
             arch.verify_crc()
         return arch.load(extra_classes)
+
+
+def _located(path: os.PathLike | str | tuple[BaseStorage, str]) -> tuple[BaseStorage, str]:
+    """(storage, name) as given, or of a checked local path (a link followed; a view's: its URL)."""
+    if isinstance(path, tuple):
+        return path
+    if (stored := sparse.stored_at(path)) is not None:
+        return stored
+    folder, name = os.path.split(os.path.realpath(path) if os.path.islink(path) else path)
+    return LocalDirectory(folder), name
 
 
 # --------------------------------------------------------------------------- writing

@@ -70,7 +70,7 @@ def load_deepspeed_file(folder: Storage, name: str, *, lazy_crc: bool = False) -
     read as other ranks' partitions, i.e. wrong parameters.
     """
     path = folder.join(name)  # a rank file linked out of its folder is never read (``inside``)
-    archive = TorchArchive((folder, name), lazy_crc=lazy_crc)
+    archive = TorchArchive(folder, name, lazy_crc=lazy_crc)
     try:
         saved = archive.saved_name
         # "archive": saved through a file object, no name kept

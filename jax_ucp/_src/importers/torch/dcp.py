@@ -168,7 +168,7 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
         _check_shared(state, str(src))
         units: dict[str, str] = {}  # side files found and skipped whole
         if olmo_core.is_step_folder(src):  # the trainer's step, its files skipped as units
-            info["trainer"], units = olmo_core.train_record(str(src))
+            info["trainer"], units = olmo_core.train_record(storage)
             if "global_step_unread" in info["trainer"]:
                 info["notes"] = [
                     f"OLMo-core's trainer step not recovered: "

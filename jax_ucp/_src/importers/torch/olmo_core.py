@@ -57,25 +57,28 @@ def detect(storage: Storage) -> Detection:
     return Detection(False, "no OLMo-core `model_and_optim/` + `train/`")
 
 
-def rank_files(src: str) -> list[str]:
-    """``train/rank<R>.pt`` of ``src``, by rank (paths relative to ``src``)."""
-    folder = files.inside(src, TRAIN_DIR, f"{src}: OLMo-core's {TRAIN_DIR}/")
-    found = [(int(m.group(1)), n) for n in os.listdir(folder) if (m := _RANK_FILE.fullmatch(n))]
-    return [f"{TRAIN_DIR}/{name}" for name in files.numbered_names(found, folder, "rank").values()]
+def rank_files(storage: Storage) -> list[str] | None:
+    """``train/rank<R>.pt`` of ``storage``, by rank (names relative to it); None: no ``train/``."""
+    try:
+        listed = (train := storage.folder(TRAIN_DIR)).names()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    found = [(int(m.group(1)), n) for n in listed if (m := _RANK_FILE.fullmatch(n))]
+    return [f"{TRAIN_DIR}/{n}" for n in files.numbered_names(found, train.root, "rank").values()]
 
 
-def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:
+def train_record(storage: Storage) -> tuple[dict[str, Any], dict[str, str]]:
     """What the trainer recorded, and its files as skipped units (``name -> why``).
 
     The record: ``framework`` "olmo_core", ``train_files``, ``global_step`` (and ``max_steps``,
     ``world_size`` when recorded) from ``train/rank0.pt``, or ``global_step_unread`` saying why
     there is no step; ``olmo_core_version`` from ``.metadata.json`` when it names one.
     """
-    names = rank_files(src) if os.path.isdir(os.path.join(src, TRAIN_DIR)) else None
+    names = rank_files(storage)
     record: dict[str, Any] = {"framework": "olmo_core", "train_files": names or []}
     first = f"{TRAIN_DIR}/rank0.pt"
     if names is None:  # model_and_optim/ kept alone
-        found = "is not a folder" if os.path.lexists(os.path.join(src, TRAIN_DIR)) else "is missing"
+        found = "is not a folder" if storage.exists(TRAIN_DIR) else "is missing"
         record["global_step_unread"] = (
             f"{TRAIN_DIR}/ {found} (OLMo-core's trainer state was not kept beside {MODEL_DIR}/)"
         )
@@ -83,15 +86,14 @@ def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:
         record["global_step_unread"] = (
             f"no {first} (found {', '.join(names) or 'no rank file'} in {TRAIN_DIR}/)"
         )
-    else:
-        path = files.inside(src, first, f"{src}: OLMo-core's trainer state")
+    elif storage.exists(first):  # (listed) a link out of the checkpoint refused, not recorded
         try:
-            state = torch_zip.load_torch_file(path, TRAIN_CLASSES)
+            state = torch_zip.load_torch_file((storage, first), TRAIN_CLASSES)
         except (allow_list.TorchFileError, files.UnsafeFileError) as e:
             record["global_step_unread"] = f"{first} was not read ({str(e)[:300]})"
         else:
             _steps(state, first, record)
-    if (version := _version(src)) is not None:
+    if (version := _version(storage)) is not None:
         record["olmo_core_version"] = version
     why = (
         "OLMo-core's trainer state (data loader position, RNG states, callbacks), not imported; "
@@ -121,14 +123,12 @@ def _steps(state: Any, name: str, record: dict[str, Any]) -> None:
             record[key] = value
 
 
-def _version(src: str) -> str | None:
-    """OLMo-core's version from ``.metadata.json`` (``{"version": ...}``), None if absent or
-    unreadable (it is a record, not needed for the import)."""
-    path = files.inside(src, VERSION_FILE, f"{src}: OLMo-core's {VERSION_FILE}")
-    if not os.path.isfile(path):
+def _version(storage: Storage) -> str | None:
+    """OLMo-core's version from ``.metadata.json``, None if absent or unreadable (a record)."""
+    if not storage.exists(VERSION_FILE):  # a link out of the checkpoint refused (``inside``)
         return None
     try:
-        data = files.strict_loads(files.read_regular(path, MAX_JSON_BYTES))
+        data = files.strict_loads(storage.read(VERSION_FILE, MAX_JSON_BYTES) or b"")
     except (ValueError, RecursionError, files.UnsafeFileError):
         return None
     version = data.get("version") if isinstance(data, dict) else None
