@@ -29,11 +29,11 @@ CEILINGS = {
     "store": 3592,
     "torchfiles": 3231,
     "writer": 1675,
-    "modules": 4728,
+    "modules": 4726,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53656
+TOTAL = 53654
 
 
 def _lines(paths) -> int:

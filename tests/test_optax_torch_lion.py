@@ -57,6 +57,7 @@ def test_deepspeeds_lion_continues_in_jax_as_deepspeed_steps():
     assert run.step == 3 and run.unrecovered == [] and run.optimizer == "lion"
     assert run.notes[0].startswith("DeepSpeed Lion") and run.kinds == ["lion"]
     assert any("DeepSpeed WarmupLR schedule" in n for n in run.notes)
+    assert "weight decay 0.1 on 4 of 4 leaves, decoupled (Lion)" in run.notes
     params, state = jax.tree.map(jnp.asarray, dict(run.params)), run.opt_state
     worst = 0.0
     for i in range(3):

@@ -682,10 +682,8 @@ def _from_run(
     if _decays(recipe):
         mask = _mask_tree(run.saved, spec, trained, dict(recipe.decayed), where)
         leaves = jax.tree.leaves(mask)
-        style = (
-            "decoupled (AdamW)"
-            if recipe.optimizer == "adamw"
-            else "L2, added to the gradient (Adam)"
+        style = {"adamw": "decoupled (AdamW)", "lion": "decoupled (Lion)"}.get(
+            recipe.optimizer, "L2, added to the gradient (Adam)"
         )
         rate = recipe.weight_decay
         said = f"scheduled, {float(rate(step))} at step {step}" if callable(rate) else rate
