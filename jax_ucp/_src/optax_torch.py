@@ -1135,7 +1135,7 @@ def chain_of(recipe: Recipe, mask: Any) -> Any:
     b1, b2 = recipe.betas
     rate = recipe.weight_decay
     if recipe.optimizer == "lion":
-        lion = optax.lion(recipe.learning_rate, b1, b2, weight_decay=rate, mask=mask)  # pyright: ignore[reportArgumentType]
+        lion = optax.lion(recipe.learning_rate, b1, b2, weight_decay=rate, mask=mask)
         return optax.chain(clip_like_torch(recipe.clip), lion)
     l2 = rate if recipe.optimizer == "adam" else 0.0
     decoupled = rate if recipe.optimizer == "adamw" else 0.0
