@@ -15,7 +15,7 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
     "cli": 1756,
-    "continuation": 2210,
+    "continuation": 2273,
     "exporters": 2478,
     "format": 2734,
     "importers": 17066,
@@ -29,11 +29,11 @@ CEILINGS = {
     "store": 3592,
     "torchfiles": 3231,
     "writer": 1675,
-    "modules": 4700,
+    "modules": 4726,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53565
+TOTAL = 53654
 
 
 def _lines(paths) -> int:

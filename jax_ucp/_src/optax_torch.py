@@ -16,7 +16,7 @@ import numpy as np
 
 from jax_ucp._src import language, store
 from jax_ucp._src.continuation import families, frozen
-from jax_ucp._src.continuation.deepspeed import deepspeed_recipe, recorded_config
+from jax_ucp._src.continuation.deepspeed import deepspeed_recipe, names_lion, recorded_config
 from jax_ucp._src.continuation.megatron import megatron_recipe
 from jax_ucp._src.continuation.recipe import Recipe, agreed, group_decay
 from jax_ucp._src.continuation.trainer import check_logged_rates, trainer_rates, trainer_total
@@ -257,20 +257,21 @@ def _number(value: Any, field: str, where: str, *, below: float | None = None) -
     return number
 
 
-def check_groups(groups: list, where: str) -> None:
-    """Each group's ``lr``, ``betas``, ``eps``, ``weight_decay`` as torch takes them, or refused."""
+def check_groups(groups: list, where: str, lion: bool = False) -> None:
+    """Each group's ``lr``, ``betas``, ``eps`` (a Lion has none), ``weight_decay`` as torch takes
+    them, or refused."""
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise RequestError(f"{where}: param_groups is not a list of groups")
     for i, g in enumerate(groups):
         at = f"param_groups[{i}]"
         if "betas" not in g and "bias_correction" not in g:  # not Adam's: named by its keys
             _refuse_lookalike(set(g) - _NEUTRAL_KEYS, i, where)
-        for key in ("lr", "betas", "eps"):
+        for key in ("lr", "betas") if lion else ("lr", "betas", "eps"):
             if key not in g:
                 raise RequestError(f"{where}: {at} has no {key!r}")
         for key in ("lr", "eps", "weight_decay"):
             _number(g.get(key, 0.0), f"{at}.{key}", where)
-        if g["eps"] >= 1.0:  # torch takes it, no run does: continued, it would be a damaged one
+        if not lion and g["eps"] >= 1.0:  # torch takes it, no run does: it would be damaged
             raise RequestError(
                 f"{where}: {at}.eps = {g['eps']!r}: 1 or more swamps every update (Adam's "
                 f"default is 1e-8): not continued"
@@ -652,19 +653,21 @@ def _from_run(
         if set(kinds) != {"adam"}:
             return _other_run(run, spec, optimizer, options, given, groups, kinds, where)
     if groups:
-        check_groups(groups, where)
+        check_groups(groups, where, lion=names_lion(source))
     recipe = _framework_recipe(source, run.saved, where, optimizer)
     deepspeed = recipe is not None and recorded_config(source) is not None
     if recipe is None and not groups:
         raise RequestError(_no_optimizer(source, where))
     spec = spec_with_recorded_settings(spec, source, notes := [])
-    params, mu, nu, step = _restored_adam(run, options, spec, where)
+    lion = recipe is not None and recipe.optimizer == "lion"
+    params, mu, nu, step = _restored_adam(run, options, spec, where, lion)
     tied, why = _ties(run, spec, recorded)
     if why:
         raise RequestError(f"{where}: {why}")
     params = _untied(params, run.saved, spec, tied)
     held = frozen.find(params, mu)
-    trained, mu, nu = (params, mu, nu) if held is None else map(held.only, (params, mu, nu))
+    trained, mu = (params, mu) if held is None else map(held.only, (params, mu))
+    nu = nu if held is None or nu is None else held.only(nu)
     if recipe is None:
         recipe = torch_recipe(source, groups, step, optimizer, where)
     elif recipe.at_step is not None:
@@ -679,10 +682,8 @@ def _from_run(
     if _decays(recipe):
         mask = _mask_tree(run.saved, spec, trained, dict(recipe.decayed), where)
         leaves = jax.tree.leaves(mask)
-        style = (
-            "decoupled (AdamW)"
-            if recipe.optimizer == "adamw"
-            else "L2, added to the gradient (Adam)"
+        style = {"adamw": "decoupled (AdamW)", "lion": "decoupled (Lion)"}.get(
+            recipe.optimizer, "L2, added to the gradient (Adam)"
         )
         rate = recipe.weight_decay
         said = f"scheduled, {float(rate(step))} at step {step}" if callable(rate) else rate
@@ -695,7 +696,7 @@ def _from_run(
         notes.append(held.note)
         _say_trainable_held(source, recorded, groups, notes, where)
     schedule = recipe.learning_rate
-    kinds = ["adam"] * len(groups)
+    kinds = ["lion" if lion else "adam"] * len(groups)
     return TorchOptimizer(
         tx, state, params, schedule, step, notes, unrecovered, recipe.optimizer, groups, kinds
     )
@@ -1125,12 +1126,17 @@ def scale_by_torch_adam(b1: Any, b2: float, eps: float, bias_correction: bool = 
 
 
 def chain_of(recipe: Recipe, mask: Any) -> Any:
-    """The one chain every source continues with: ``clip, L2 decay, Adam, decoupled decay, learning
-    rate`` (absent pieces pass through), one state structure for every run."""
+    """The one chain every Adam source continues with: ``clip, L2 decay, Adam, decoupled decay,
+    learning rate`` (absent pieces pass through), one state structure for every run; a Lion's is
+    ``clip, optax.lion`` (its ``b1`` / ``b2`` torch's ``betas``, its decay decoupled as
+    DeepSpeed's ``p * (1 - lr * wd)``)."""
     import optax
 
     b1, b2 = recipe.betas
     rate = recipe.weight_decay
+    if recipe.optimizer == "lion":
+        lion = optax.lion(recipe.learning_rate, b1, b2, weight_decay=rate, mask=mask)
+        return optax.chain(clip_like_torch(recipe.clip), lion)
     l2 = rate if recipe.optimizer == "adam" else 0.0
     decoupled = rate if recipe.optimizer == "adamw" else 0.0
     return optax.chain(
@@ -1161,18 +1167,31 @@ def _recorded_steps(source: dict, step: int, notes: list[str], where: str) -> No
             warnings.warn(note, UserWarning, stacklevel=4)  # _from_run, optax_from_torch
 
 
-def _restored_adam(run: _Run, options: Any, spec: Any, where: str) -> tuple[Any, Any, Any, int]:
-    """(params, mu, nu, step) restored as ``options`` asks; the step is the opt_state's count."""
+def _restored_adam(
+    run: _Run, options: Any, spec: Any, where: str, lion: bool = False
+) -> tuple[Any, Any, Any, int]:
+    """(params, mu, nu, step) restored as ``options`` asks; the step is the opt_state's count.
+    A Lion's state is ``mu`` (its ``exp_avg``): ``nu`` is None, or DeepSpeedCPULion's
+    ``exp_avg_sq``, which it makes and never steps (zeros, checked)."""
     import jax
+    import jax.numpy as jnp
 
     tree = run.restore(_restore_keywords(options, spec, where))
     if "opt_state" not in tree:
         raise RequestError(f"{where}: the checkpoint holds no optimizer state")
     opt = tree["opt_state"]  # mu and nu at opt_state/mu, or a spec's opt_state/0/mu
-    nodes = [n for n in (opt, *opt.values()) if isinstance(n, dict) and {"mu", "nu"} <= set(n)]
+    want = {"mu"} if lion else {"mu", "nu"}
+    nodes = [n for n in (opt, *opt.values()) if isinstance(n, dict) and want <= set(n)]
     if not nodes:
-        raise RequestError(f"{where}: no Adam moments (mu, nu) in the checkpoint's opt_state")
-    mu, nu = nodes[0]["mu"], nodes[0]["nu"]
+        what = "Lion momentum (mu)" if lion else "Adam moments (mu, nu)"
+        raise RequestError(f"{where}: no {what} in the checkpoint's opt_state")
+    mu, nu = nodes[0]["mu"], nodes[0].get("nu")
+    if lion and any(bool(jnp.any(v != 0)) for v in jax.tree.leaves(nu)):
+        raise RequestError(
+            f"{where}: the config names Lion, but opt_state/nu (exp_avg_sq) holds non-zero "
+            f"values: DeepSpeedCPULion keeps it at zeros; not a Lion's state"
+        )
+    nu = None if lion else nu
     leaves = jax.tree_util.tree_leaves_with_path(opt)
     counts = [v for path, v in leaves if getattr(path[-1], "key", None) == "count"]
     if len(counts) != 1:
@@ -1180,19 +1199,26 @@ def _restored_adam(run: _Run, options: Any, spec: Any, where: str) -> tuple[Any,
     return tree["params"], mu, nu, int(counts[0])
 
 
-def _state_of(tx: Any, params: Any, mu: Any, nu: Any, step: int) -> tuple:
-    """The chain's state around the restored moments, from shapes (no ``tx.init`` zeros)."""
+def _state_of(tx: Any, params: Any, mu: Any, nu: Any, step: int, shaped: Any = None) -> tuple:
+    """The chain's state around the restored moments, from shapes (no ``tx.init`` zeros);
+    ``shaped``: a chain's inside (optax.lion's), its shapes."""
     import jax
     import jax.numpy as jnp
     import optax
 
-    state = list(jax.eval_shape(tx.init, params))  # pyright: ignore[reportArgumentType]  # a chain's state is a tuple
+    if shaped is None:
+        shaped = jax.eval_shape(tx.init, params)
+    state = list(shaped)  # pyright: ignore[reportArgumentType]  # a chain's state is a tuple
     count = jnp.asarray(step, jnp.int32)
     for i, s in enumerate(state):
         if isinstance(s, optax.ScaleByAdamState):
             state[i] = optax.ScaleByAdamState(count=count, mu=_like(mu, s.mu), nu=_like(nu, s.nu))
+        elif isinstance(s, optax.ScaleByLionState):
+            state[i] = optax.ScaleByLionState(count=count, mu=_like(mu, s.mu))
         elif isinstance(s, optax.ScaleByScheduleState):  # the learning rate's, the decays'
             state[i] = optax.ScaleByScheduleState(count=count)
+        elif type(s) is tuple:
+            state[i] = _state_of(tx, params, mu, nu, step, s)
         else:  # clipping and weight decay keep no arrays; anything else starts at zeros
             state[i] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), s)
     return tuple(state)

@@ -1,5 +1,5 @@
-"""A DeepSpeed run's config, as its checkpoint records it, read into a :class:`Recipe`: the Adam its
-config names (all DeepSpeed's take the same step) and its schedule, which after ``c`` optimizer
+"""A DeepSpeed run's config, as its checkpoint records it, read into a :class:`Recipe`: the Adam or
+Lion its config names (each's classes take one step) and its schedule, which after ``c`` optimizer
 steps is at ``c - 1``. Every value is checked as DeepSpeed takes it, else refused naming it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from jax_ucp._src.errors import RequestError
 from jax_ucp._src.facts import canonical
 from jax_ucp._src.format.manifest import torch_optimizer_record
 
-__all__ = ["SCHEDULERS", "deepspeed_recipe", "deepspeed_schedule"]
+__all__ = ["SCHEDULERS", "deepspeed_recipe", "deepspeed_schedule", "names_lion"]
 
 #: DeepSpeed's optimizer types that are Adam/AdamW (its config lower-cases the type)
 ADAM_TYPES = ("adam", "adamw")
@@ -24,12 +24,13 @@ OTHER_TYPES = (
     "zerooneadam",
     "onebitlamb",
     "adagrad",
-    "lion",
     "muadam",
     "muadamw",
     "musgd",
     "muon",
 )
+#: the parameters DeepSpeedCPULion / FusedLion take (type "Lion": the engine passes all on)
+DS_LION_PARAMS = ("lr", "betas", "weight_decay", "fp32_optimizer_states", "set_grad_none")
 #: Adam parameters DeepSpeed's classes (FusedAdam, DeepSpeedCPUAdam, torch's) and engine take
 DS_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad")
 DS_ENGINE_PARAMS = ("adam_w_mode", "torch_adam", "fp32_optimizer_states", "set_grad_none")
@@ -315,29 +316,70 @@ def _adam_params(name: str, params: Mapping[str, Any], field: str) -> float:
     for key in ("eps", "weight_decay"):
         if key in params:
             _value(_NUMBER, params[key], 0.0, False, f"{field}.{key}")
+    _betas(params, field)
+    return float(_value(_NUMBER, params.get("lr", DEFAULT_LR), 0.0, False, f"{field}.lr"))
+
+
+def _betas(params: Mapping[str, Any], field: str) -> None:
+    """The config's ``betas`` (both classes' default ``(0.9, 0.999)``): two numbers in [0, 1)."""
     betas = params.get("betas", [0.9, 0.999])
     if not isinstance(betas, list | tuple) or len(betas) != 2:
         raise RequestError(f"{field}.betas = {betas!r}: expected two numbers in [0, 1)")
     for j, b in enumerate(betas):
         if _value(_NUMBER, b, 0.0, False, f"{field}.betas[{j}]") >= 1:
             raise RequestError(f"{field}.betas[{j}] = {b!r}: expected a number in [0, 1)")
-    return float(_value(_NUMBER, params.get("lr", DEFAULT_LR), 0.0, False, f"{field}.lr"))
 
 
-def _adam_from_config(made: Any, groups: list[dict], where: str) -> tuple[str, str, bool, float]:
-    """(kind, how, bias_correction, lr) of the Adam DeepSpeed built from ``optimizer``."""
+def _lion(params: Mapping[str, Any], groups: list[dict], where: str) -> tuple[str, float]:
+    """(how, lr) of the Lion DeepSpeed built from the config's ``params``, its groups checked to
+    be a Lion's (``lr``, ``betas``, ``weight_decay``; no Adam ``eps`` / ``bias_correction``)."""
+    field = f"{where}: DeepSpeed optimizer params"
+    for key in params:
+        if key not in DS_LION_PARAMS:
+            raise RequestError(
+                f"{field}.{key}: not a parameter DeepSpeed's Lion (DeepSpeedCPULion / FusedLion) "
+                f"takes; translated are {', '.join(DS_LION_PARAMS)}"
+            )
+    for key in ("fp32_optimizer_states", "set_grad_none"):
+        if key in params:
+            _value(_BOOL, params[key], 0, False, f"{field}.{key}")
+    if params.get("fp32_optimizer_states") is False:
+        raise RequestError(
+            f"{field}.fp32_optimizer_states = false: DeepSpeedCPULion's momentum in the "
+            f"parameters' low precision is not reproduced"
+        )
+    if "weight_decay" in params:
+        _value(_NUMBER, params["weight_decay"], 0.0, False, f"{field}.weight_decay")
+    _betas(params, field)
+    lr = float(_value(_NUMBER, params.get("lr", DEFAULT_LR), 0.0, False, f"{field}.lr"))
+    how = "DeepSpeed Lion: config type 'Lion' (DeepSpeedCPULion under offload, else FusedLion)"
+    for i, g in enumerate(groups):  # a resumed DeepSpeedCPULion adds amsgrad: false to them
+        has = set(g)
+        if not {"lr", "betas", "weight_decay"} <= has or has & {"eps", "bias_correction"}:
+            raise RequestError(
+                f"{where}: param_groups[{i}] ({', '.join(sorted(has))}): not the groups of the "
+                f"Lion the config names (lr, betas, weight_decay; no eps or bias_correction)"
+            )
+    return how, lr
+
+
+def _made_from_config(made: Any, groups: list[dict], where: str) -> tuple[str, str, bool, float]:
+    """(kind, how, bias_correction, lr) of the Adam or Lion DeepSpeed built from ``optimizer``."""
     if not isinstance(made, Mapping) or not isinstance(made.get("type"), str):
         raise RequestError(f"{where}: DeepSpeed config optimizer {made!r}: expected a 'type'")
     name = made["type"]
     params = made.get("params") or {}
     if not isinstance(params, Mapping):
         raise RequestError(f"{where}: DeepSpeed optimizer params {params!r} is not a mapping")
+    if name.lower() == "lion":
+        how, lr = _lion(params, groups, where)
+        return "lion", how, True, lr
     if name.lower() not in ADAM_TYPES:
         other = name.lower() in OTHER_TYPES
         raise RequestError(
             f"{where}: the run's DeepSpeed optimizer is {name!r} "
             f"({'a DeepSpeed optimizer' if other else 'not one DeepSpeed builds as Adam'}): "
-            f"optax_from_torch continues Adam/AdamW (types 'Adam', 'AdamW'); restore the weights "
+            f"optax_from_torch continues types 'Adam', 'AdamW' and 'Lion'; restore the weights "
             f"(select=r'params/.*') and start a new optimizer"
         )
     torch_adam = params.get("torch_adam", False)
@@ -391,6 +433,12 @@ def recorded_config(source: dict) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
+def names_lion(source: dict) -> bool:
+    """Whether the recorded DeepSpeed config's optimizer is type Lion (its groups have no eps)."""
+    made = (recorded_config(source) or {}).get("optimizer")
+    return isinstance(made, Mapping) and str(made.get("type")).lower() == "lion"
+
+
 def deepspeed_recipe(
     source: dict, where: str, client: tuple[str, str] | None = None
 ) -> Recipe | None:
@@ -410,7 +458,7 @@ def deepspeed_recipe(
     notes: list[str] = []
     made = ds.get("optimizer")
     if made is not None:
-        kind, how, bias_correction, base_lr = _adam_from_config(made, groups, where)
+        kind, how, bias_correction, base_lr = _made_from_config(made, groups, where)
     else:
         if client is None:
             raise RequestError(f"{where}: the client's optimizer is not identified")
@@ -419,11 +467,13 @@ def deepspeed_recipe(
     clip = ds.get("gradient_clipping", 0.0)
     clip = float(_value(_NUMBER, clip, 0.0, False, f"{where}: DeepSpeed gradient_clipping"))
     b1, b2 = (float(b) for b in agreed(groups, "betas", where))
-    eps = float(agreed(groups, "eps", where))
+    lion = kind == "lion"
+    eps = 0.0 if lion else float(agreed(groups, "eps", where))
     held = float(agreed(groups, "lr", where))  # the next step's, as the scheduler left it
     rate, decayed = group_decay(groups, where)
     if made is not None:
-        notes.extend(_overridden(made.get("params") or {}, {"betas": [b1, b2], "eps": eps}, rate))
+        held_params = {"betas": [b1, b2], **({} if lion else {"eps": eps})}
+        notes.extend(_overridden(made.get("params") or {}, held_params, rate))
     scheduler = ds.get("scheduler")
     beta1 = None
     saved = record.get("scheduler") or {}
@@ -450,6 +500,11 @@ def deepspeed_recipe(
         lr, beta1 = made_schedule["lr"], made_schedule["beta1"]
         notes.append(f"DeepSpeed {name} schedule: {dict(sorted(kw.items()))}")
         if beta1 is not None:
+            if lion:
+                raise RequestError(
+                    f"{where}: OneCycle with cycle_momentum cycles Lion's beta1, which optax's "
+                    f"Lion takes as a constant: not translated (set cycle_momentum false)"
+                )
             if b2 != ONE_CYCLE_BETA2:
                 raise RequestError(
                     f"{where}: OneCycle with cycle_momentum sets every group's beta2 to "
@@ -463,6 +518,11 @@ def deepspeed_recipe(
         lr = None  # the client's scheduler: read by the torch path (the Trainer's), or none
     if clip:
         notes.append(f"gradients clipped to global norm {clip} (DeepSpeed gradient_clipping)")
+    if lion:
+        notes.append(
+            "Lion's sign of b1 * m + (1 - b1) * g: where that is exactly 0 (no gradient nor "
+            "momentum yet) optax steps by 0, DeepSpeedCPULion by -lr and FusedLion by +lr"
+        )
     notes.append(
         "fp16 dynamic loss scaling (if the run used it) has no optax counterpart: a step DeepSpeed "
         "skips on an overflow is not skipped here; bf16 and fp32 runs skip none"

@@ -29,6 +29,7 @@ NAMES = {
     "sgd": "torch SGD",
     "muon": "torch Muon",
     "adafactor": "transformers' Adafactor",
+    "lion": "DeepSpeed Lion",
 }
 #: optax state field -> the torch state it holds (``opt_state/<that>/<param>`` once imported)
 _STATE_OF = {
@@ -209,7 +210,8 @@ _TORCH_NAME = {
 def torch_state_dicts(opt_state: Any, groups: list[dict], kinds: list[str]) -> list[dict]:
     """The continued state as the torch optimizers' ``state_dict()`` dicts (one per optimizer: a
     run of groups of one kind), numpy arrays keyed by index in group order, for
-    ``load_state_dict`` after ``torch.from_numpy``: Adam's and Adafactor's step is the count.
+    ``load_state_dict`` after ``torch.from_numpy``: Adam's, Adafactor's and Lion's step is the
+    count (a Lion's state: ``exp_avg`` and ``step``, as FusedLion keeps it).
 
     Args:
         opt_state: the chain's state (params keyed by torch name: no spec).
@@ -245,7 +247,7 @@ def torch_state_dicts(opt_state: Any, groups: list[dict], kinds: list[str]) -> l
             state = dict(per.get(name, {}))
             if state and kind == "adam":
                 state["step"] = np.asarray(count, np.float32)
-            elif state and kind == "adafactor":
+            elif state and kind in ("adafactor", "lion"):
                 state["step"] = count
             if state:
                 one["state"][index] = state

@@ -21,8 +21,9 @@ Schedule = Callable[[Any], Any]
 class Recipe:
     """What a run's files say of how its optimizer stepped (schedules of optax's step count)."""
 
-    #: "adam" (L2 decay added to the gradient), "adamw" (decoupled decay), or torch's "sgd",
-    #: "muon", transformers' "adafactor" (their other settings: ``continuation.families``)
+    #: "adam" (L2 decay added to the gradient), "adamw" (decoupled decay), DeepSpeed's "lion"
+    #: (``betas``, decoupled decay), or torch's "sgd", "muon", transformers' "adafactor" (their
+    #: other settings: ``continuation.families``)
     optimizer: str
     #: how the optimizer was identified, in words (the first of the notes)
     how: str
@@ -33,7 +34,7 @@ class Recipe:
     decayed: Mapping[str, bool]
     #: the global gradient norm clipped to; None: no clipping (or unknown: see ``unrecovered``)
     clip: float | None
-    #: Adam's (unused by the other optimizers)
+    #: Adam's (Lion's betas too; unused by the other optimizers)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     bias_correction: bool = True
