@@ -177,28 +177,25 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
 
 
 def _with_config(source: dict, config, shapes: dict[str, list[int]]) -> dict[str, str]:
-    """{imported name: saved name} of the tensors ``shapes`` names, with the model's
-    ``config.json`` (None: none) recorded in ``source`` (an export writes it back); of a
-    multimodal model its text model (:func:`text_model`), the outer config and the towers
-    (``skipped``) recorded. One step for a local folder and a remote one, so both record alike."""
-    names = sorted(shapes)
-    if not isinstance(config, dict):
-        return {n: n for n in names}
-    source["config"] = {k: jsonable(v) for k, v in config.items()}
-    named, text = text_model(config, names, shapes)
+    """{imported name: saved name} of the tensors ``shapes`` names, the model's ``config.json``
+    (None: none) recorded in ``source``, of a multimodal model the text model's (:func:`text_model`,
+    the towers skipped): one step for a local folder and a remote one, so both record alike."""
+    if isinstance(config, dict):
+        source["config"] = {k: jsonable(v) for k, v in config.items()}
+    named, text = text_model(config if isinstance(config, dict) else {}, sorted(shapes), shapes)
     if text is not None:  # its text model: the towers listed, the outer config kept
         source["multimodal_config"], source["config"] = source["config"], jsonable(text)
-        others = sorted(set(names) - set(named.values()))
-        skip(source, others, f"{config['model_type']}: not its text model (imported alone)")
+        others = sorted(set(shapes) - set(named.values()))
+        why = f"{source['multimodal_config']['model_type']}: not its text model (imported alone)"
+        skip(source, others, why)
     return named
 
 
 def _plan_remote(storage: Storage, options: ImportOptions) -> ImportPlan:
     """The import of safetensors in an object store or a Hub repo (``hf://``): each tensor's
     rows ranged reads (in slabs when larger than the memory budget); ``path`` the source as
-    read, a Hub repo's pinned to the commit it was read at (``hf://ORG/NAME@SHA``). The
-    records are a local folder's: each file's ``__metadata__``, and of a prefix or repo (not
-    one object) its ``config.json`` read through the same storage."""
+    read, a Hub repo's pinned to the commit it was read at (``hf://ORG/NAME@SHA``); the rest
+    recorded as of a local folder (``config.json`` read through the storage)."""
     prefix, tensors, metadata = open_remote(storage)
     names = sorted(tensors)
     source = {
@@ -208,10 +205,9 @@ def _plan_remote(storage: Storage, options: ImportOptions) -> ImportPlan:
         "dtypes": sorted({str(tensors[n].dtype) for n in names}),
         "metadata": metadata,
     }
-    config = None
-    if not storage.root.rstrip("/").endswith(".safetensors"):  # a folder: its config.json
-        raw = prefix.read(CONFIG_FILE, MAX_JSON_BYTES)
-        config = None if raw is None else files.strict_json(raw, prefix.join(CONFIG_FILE))
+    single = storage.root.rstrip("/").endswith(".safetensors")  # one object: no folder's config
+    raw = None if single else prefix.read(CONFIG_FILE, MAX_JSON_BYTES)
+    config = None if raw is None else files.strict_json(raw, prefix.join(CONFIG_FILE))
     named = _with_config(source, config, {n: list(tensors[n].shape) for n in names})
 
     def deferred(t: RemoteTensor) -> writer.Deferred:
@@ -308,10 +304,9 @@ class RemoteTensor:
 
 
 def open_remote(storage: Storage) -> tuple[Storage, dict[str, RemoteTensor], dict[str, str]]:
-    """(the medium, each tensor by name, the files' string ``__metadata__``) of the safetensors
-    checkpoint at ``storage`` (a ``.safetensors`` object, or a prefix / repo holding them, with
-    the index when several), every header checked by the one decoder (``format.safetensors``);
-    no tensor bytes read."""
+    """(the medium, each tensor by name, the files' str ``__metadata__``) of the safetensors at
+    ``storage`` (a ``.safetensors`` object, or a prefix / repo holding them, with the index when
+    several), every header checked by the one decoder (``format.safetensors``); no bytes read."""
     prefix, names = _objects(storage)
     tensors: dict[str, RemoteTensor] = {}
     metadata: dict[str, str] = {}
