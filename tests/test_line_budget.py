@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2273,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17066,
+    "importers": 17082,
     "language": 3193,
     "models": 2617,
     "multihost": 839,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53654
+TOTAL = 53670
 
 
 def _lines(paths) -> int:

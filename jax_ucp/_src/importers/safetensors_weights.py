@@ -32,6 +32,7 @@ from jax_ucp._src.importers.plan import (
 )
 from jax_ucp._src.importers.trainer_files import (
     CONFIG_FILE,
+    MAX_JSON_BYTES,
     adapter_beside_model,
     read_json,
 )
@@ -132,22 +133,14 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
         "dtypes": dtypes,
         "metadata": {k: v for f in opened for k, v in f.metadata.items() if isinstance(v, str)},
     }
-    found, named = list(names), {n: n for n in names}
+    found, config = list(names), None
     # the model's config.json, as its weights are read (a Hub cache snapshot's link into blobs/)
     where = f"{src}: the model's {CONFIG_FILE}"
     if os.path.isdir(src) and os.path.isfile(
-        config := files.inside_checkpoint(src, CONFIG_FILE, where)
+        path := files.inside_checkpoint(src, CONFIG_FILE, where)
     ):
-        config = read_json(config)  # the model's settings: an export writes them back
-        if isinstance(config, dict):
-            source["config"] = {k: jsonable(v) for k, v in config.items()}
-            shapes = {n: owner[n].header[n][1] for n in names}
-            named, text = text_model(config, names, shapes)
-            if text is not None:  # its text model: the towers listed, the outer config kept
-                source["multimodal_config"], source["config"] = source["config"], jsonable(text)
-                others = sorted(set(names) - set(named.values()))
-                why = f"{config['model_type']}: not its text model (imported alone)"
-                skip(source, others, why)
+        config = read_json(path)
+    named = _with_config(source, config, {n: owner[n].header[n][1] for n in names})
     # a Trainer's optimizer.pt (Accelerate's optimizer.bin) in the folder would be lost without a
     # word if the weights were imported alone; a file given by its own path is that file only
     beside = ("optimizer.pt", "optimizer.bin") if os.path.isdir(src) else ()
@@ -183,18 +176,39 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
     return ImportPlan(items, source, len(mine), source_tensors=found)
 
 
+def _with_config(source: dict, config, shapes: dict[str, list[int]]) -> dict[str, str]:
+    """{imported name: saved name} of the tensors ``shapes`` names, the model's ``config.json``
+    (None: none) recorded in ``source``, of a multimodal model the text model's (:func:`text_model`,
+    the towers skipped): one step for a local folder and a remote one, so both record alike."""
+    if isinstance(config, dict):
+        source["config"] = {k: jsonable(v) for k, v in config.items()}
+    named, text = text_model(config if isinstance(config, dict) else {}, sorted(shapes), shapes)
+    if text is not None:  # its text model: the towers listed, the outer config kept
+        source["multimodal_config"], source["config"] = source["config"], jsonable(text)
+        others = sorted(set(shapes) - set(named.values()))
+        why = f"{source['multimodal_config']['model_type']}: not its text model (imported alone)"
+        skip(source, others, why)
+    return named
+
+
 def _plan_remote(storage: Storage, options: ImportOptions) -> ImportPlan:
     """The import of safetensors in an object store or a Hub repo (``hf://``): each tensor's
     rows ranged reads (in slabs when larger than the memory budget); ``path`` the source as
-    read, a Hub repo's pinned to the commit it was read at (``hf://ORG/NAME@SHA``)."""
-    prefix, tensors = open_remote(storage)
+    read, a Hub repo's pinned to the commit it was read at (``hf://ORG/NAME@SHA``); the rest
+    recorded as of a local folder (``config.json`` read through the storage)."""
+    prefix, tensors, metadata = open_remote(storage)
     names = sorted(tensors)
     source = {
         "framework": "safetensors",
         "path": prefix.absolute(),
         "files": sorted({t.shown.rpartition("/")[2] for t in tensors.values()}),
         "dtypes": sorted({str(tensors[n].dtype) for n in names}),
+        "metadata": metadata,
     }
+    single = storage.root.rstrip("/").endswith(".safetensors")  # one object: no folder's config
+    raw = None if single else prefix.read(CONFIG_FILE, MAX_JSON_BYTES)
+    config = None if raw is None else files.strict_json(raw, prefix.join(CONFIG_FILE))
+    named = _with_config(source, config, {n: list(tensors[n].shape) for n in names})
 
     def deferred(t: RemoteTensor) -> writer.Deferred:
         rows = t.shape[0] if t.shape else 1
@@ -206,10 +220,10 @@ def _plan_remote(storage: Storage, options: ImportOptions) -> ImportPlan:
             ranged=True,
         )
 
-    mine = options.share.pick(names)
+    mine = options.share.pick(sorted(named))
     items = (
-        host_item(("params", n), deferred(tensors[n]), {"file": tensors[n].shown, "tensors": [n]})
-        for n in mine
+        host_item(("params", n), deferred(tensors[s]), {"file": tensors[s].shown, "tensors": [s]})
+        for n, s in ((n, named[n]) for n in mine)
     )
     return ImportPlan(items, source, len(mine), source_tensors=names)
 
@@ -289,19 +303,21 @@ class RemoteTensor:
         return np.frombuffer(got, self.dtype).reshape((b - a, *self.shape[1:]))
 
 
-def open_remote(storage: Storage) -> tuple[Storage, dict[str, RemoteTensor]]:
-    """(the medium, each tensor by name) of the safetensors checkpoint at ``storage`` (a
-    ``.safetensors`` object, or a prefix / repo holding them, with the index when several),
-    every header checked by the one decoder (``format.safetensors``); no tensor bytes read."""
+def open_remote(storage: Storage) -> tuple[Storage, dict[str, RemoteTensor], dict[str, str]]:
+    """(the medium, each tensor by name, the files' str ``__metadata__``) of the safetensors at
+    ``storage`` (a ``.safetensors`` object, or a prefix / repo holding them, with the index when
+    several), every header checked by the one decoder (``format.safetensors``); no bytes read."""
     prefix, names = _objects(storage)
     tensors: dict[str, RemoteTensor] = {}
+    metadata: dict[str, str] = {}
     for name in names:
         file = prefix.reader(name)
         parsed = safetensors.SafetensorsFile.read_from(file.shown, file)
+        metadata.update((k, v) for k, v in parsed.metadata.items() if isinstance(v, str))
         for tensor, (dtype, shape, begin, _) in parsed.header.items():
             if tensor in tensors:
                 raise SourceError(f"{storage.root}: tensor {tensor[:100]!r} is in two objects.")
             tensors[tensor] = RemoteTensor(
                 file, tensor, np.dtype(dtype), tuple(shape), parsed.data_start + begin
             )
-    return prefix, tensors
+    return prefix, tensors, metadata
