@@ -713,6 +713,51 @@ def test_values_no_model_has_are_refused_naming_the_field(family, changes, names
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("recorded", [False, True])
+def test_a_square_fused_experts_tensor_is_read_as_the_spec_says_only_out_loud(recorded, tmp_path):
+    """Llama 4's experts ``gate_up_proj`` [E, H, 2F] with H == 2F (names.json's, random values)
+    saved transposed: its shape is the same either way, so nothing in the files tells the
+    orientation. Without a record of its writer (no config.json: a torch DCP's case) the
+    restore with the family's spec warns naming the tensor and the layout it assumes (before:
+    silently transposed values); with transformers' config.json (model type, transformers 5)
+    the layout is that model's and nothing is said. ``down_proj`` [E, F, H], not square, is
+    never named: its shape shows its layout."""
+    import warnings
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from jax_ucp.language import load_spec
+    from tests.ucp_testing import FIXTURES
+
+    with open(os.path.join(FIXTURES, "hf_families", "names.json")) as f:
+        entry = json.load(f)["llama4_text"]
+    rng = np.random.default_rng(0)
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in entry["tensors"].items()}
+    fused = "model.layers.1.feed_forward.experts.gate_up_proj"
+    assert tensors[fused].shape == (4, 32, 32)
+    tensors[fused] = np.ascontiguousarray(tensors[fused].transpose(0, 2, 1))  # the attack
+    (tmp_path / "src").mkdir()
+    save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
+    if recorded:
+        (tmp_path / "src" / "config.json").write_text(json.dumps(entry["config"]))
+    ckpt = jax_ucp.convert(tmp_path / "src", tmp_path / "ucp")
+    cfg, name = hf_model(entry["config"])
+    spec = load_spec(name, **cfg.head_settings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = jax_ucp.restore(ckpt, spec=spec)["params"]
+    said = [str(w.message) for w in caught if "cannot tell" in str(w.message)]
+    assert np.array_equal(got["layers_1"]["moe"]["fc1"]["kernel"], tensors[fused])  # as saved
+    if recorded:
+        assert said == []
+        return
+    assert len(said) == 1 and "down_proj" not in said[0], said
+    assert f"{fused} [4, 32, 32]" in said[0] and "read as [E, H, 2F]" in said[0]
+    assert "no file records which layout its writer used" in said[0]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("model_type", sorted(MULTIMODAL))
 def test_a_multimodal_checkpoint_imports_its_text_model_and_lists_the_towers_skipped(
     model_type, tmp_path

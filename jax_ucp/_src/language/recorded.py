@@ -63,3 +63,32 @@ def spec_with_recorded_settings(
     if notes is not None:
         notes.append(f"spec {os.fspath(spec)!r} with {origin}'s settings {missing}")
     return loaded.with_settings(**missing)
+
+
+def layout_recorded(spec: Any, source: Mapping[str, Any] | None) -> bool:
+    """Whether ``source`` records the writer of the layouts ``spec``'s rules read (``layout``):
+    its ``config.json`` (a Trainer's, a safetensors folder's) names one of the spec's model
+    types and a transformers 5 or later, whose model holds its fused tensors as the spec says."""
+    source = source if isinstance(source, Mapping) else {}
+    trainer = source.get("trainer")
+    model = trainer.get("model_config") if isinstance(trainer, Mapping) else None
+    config = model if isinstance(model, Mapping) else source.get("config")
+    if not isinstance(config, Mapping):
+        return False
+    version = str(config.get("transformers_version") or "").split(".")[0]
+    types = getattr(spec, "model_types", None) or ()
+    return version.isdigit() and int(version) >= 5 and config.get("model_type") in types
+
+
+def layout_assumed(plans: Mapping[Any, Any], spec: Any, source: Mapping[str, Any] | None):
+    """The layouts ``plans`` (``compile_restore_plan``'s) read on trust, no record of ``source``
+    confirming them: one sentence (the first tensors named), or ``""``."""
+    assumed = [p.assumed for p in plans.values() if getattr(p, "assumed", "")]
+    if not assumed or layout_recorded(spec, source):
+        return ""
+    more = f" (and {len(assumed) - 2} more tensors alike)" if len(assumed) > 2 else ""
+    return (
+        f"{'; '.join(assumed[:2])}{more}: no file records which layout its writer used (a "
+        f"config.json naming the model type and a transformers version would): check that it "
+        f"holds {'them' if len(assumed) > 1 else 'it'} so, or the values are transposed"
+    )
