@@ -61,7 +61,10 @@ CI_SLICE: dict[str, list[int]] = {
     # save_optimizer_distributed's folder beside rank-local safetensors: its .metadata renamed
     # (3), the folder renamed (24); deleted whole it is a model-only save, as the files say
     "torch_dcp_hf_optimizer": [0, 3, 24],
-    "ucp_record": [1, 9, 13],
+    # ucp_record: a consistent swap (6), a chunk linked out (9), ".." in a dir (13); a chunk
+    # linked out of an input reached through a link to it (2), a folder linked out under a
+    # linked parent folder (4): a path through links is no licence to follow one out (issue 68)
+    "ucp_record": [2, 4, 6, 9, 13],
     "orbax_array_out": [2],
     "verl": [0, 1, 2, 4, 5],
     # Megatron-FSDP fsdp_dtensor (issue 57): a stray rank copy (read exactly), a truncated rank
@@ -111,7 +114,11 @@ CI_SLICE: dict[str, list[int]] = {
     "adapter_export": [1, 2, 4, 9],
     "adapter_export_record": [9, 11, 19, 22, 35, 66, 74],
     "run_records_verl": [0, 1, 3],
-    "ucp_settings": [0, 1],
+    # a converted checkpoint's recorded run (issue 68): the certificate removed (10: "no
+    # certificate recorded", exit 1), a group's betas (17), a Trainer's max_grad_norm (105) and
+    # its scheduler's position (201): verify --against the source, API and command line, must
+    # report it naming the setting
+    "ucp_settings": [10, 17, 105, 201],
     # the readers besides Adam (issue 68): a hostile pickle, a deleted file, a FIFO in place of
     # the file; a group's weight_decay made a string (a raw ValueError before) or removed
     # (continued undecayed before), eps 1e308 (continued before), a state tensor's shape
