@@ -278,8 +278,8 @@ KINDS = {
         Kind(
             "ucp_settings",
             ("@ucp_imported", "@ucp_trainer"),
-            ("verify-against", "cli-verify-against"),
-            (),
+            ("cli-verify-against",),
+            ("verify-against",),
             checksummed=True,
             jax=True,
             ops=("settings-rewrite",),

@@ -429,3 +429,58 @@ def test_a_consistent_record_swap_is_counted_apart_only_when_tensor_bytes_alone_
     moved = {**other, "step": ["value", "4"]}
     assert oracle.judge_entry("restore", BASE, _ok(moved), **args)[0] == "silent-wrong"
     assert oracle.judge_entry("verify", BASE, _ok(other), **args)[0] == "silent-wrong"
+
+
+def test_a_disagreement_passes_only_refused_naming_both_records_or_said():
+    """``record-disagree`` (one record of a fact edited): the continuation as the intact copy's,
+    nothing said, is a reader that read only the other records (*disagreement-unseen*); a
+    refusal must name the record edited and another file; a new warning naming the edited one
+    is *said*. ``settings-rewrite``: ``verify --against`` must name the setting it changed."""
+    from tests.hostile.mutations import Mutation
+
+    base = _ok({"params": {}, "update": "A"})
+    edited = Mutation("record-disagree", "global_step3/mp_rank_00_model_states.pt", "clip")
+    names = NAMES | {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"}
+    args = {"kind": PLAIN, "mutation_op": "record-disagree", "names": names, "mutation": edited}
+    judge = oracle.judge_entry
+    assert judge("optax-direct", base, base, **args)[0] == "disagreement-unseen"
+    assert judge("convert", base, base, **args)[0] == "same"  # holds no settings
+    warned = _ok(base[1], ["UserWarning: mp_rank_00_model_states.pt says 0, its ranks 1.0"])
+    assert judge("optax-direct", base, warned, **args)[0] == "said"
+    one = ("error", "SourceError", "mp_rank_00_model_states.pt: clipping 0", True)
+    assert judge("optax-direct", base, one, **args)[0] == "unnamed-record"
+    both = ("error", "SourceError", one[2] + ", zero_pp_rank_0_mp_rank_00_optim_states.pt 1.0",
+            True)  # fmt: skip
+    assert judge("optax-direct", base, both, **args)[0] == "refused"
+    rewrite = Mutation("settings-rewrite", "ucp.json", "source.trainer.max_steps changed")
+    args = {"kind": SUMMED, "mutation_op": "settings-rewrite", "names": NAMES, "mutation": rewrite}
+    intact = _ok("intact")
+    said = _ok("reported: source.trainer.max_steps")
+    assert judge("verify-against", intact, said, **args)[0] == "reported"
+    assert judge("verify-against", intact, _ok("reported: w"), **args)[0] == "unnamed-setting"
+    cli = ("error", "CLI exit", "/work/in/src: ucp.json records source.optimizer ...", True)
+    assert judge("cli-verify-against", _ok("exit 0"), cli, **args)[0] == "unnamed-setting"
+    gone = Mutation("settings-rewrite", "ucp.json", "source.certificate removed")
+    cli = ("error", "CLI exit", "/work/in/src: certificate: no\ncertificate recorded", True)
+    args["mutation"] = gone
+    assert judge("cli-verify-against", _ok("exit 0"), cli, **args)[0] == "refused"
+
+
+def test_linked_path_out_links_an_array_out_and_names_a_path_through_links(tmp_path):
+    """``linked-path-out``: one array's folder or chunk moved out of the input (same bytes) and
+    linked back; the detail starts with the path form (a linked parent or a link to the input)
+    the child hands the entry points."""
+    import numpy as np
+
+    import jax_ucp
+
+    ck = tmp_path / "ck"
+    jax_ucp.save(ck, {"a": np.arange(4, dtype=np.float32), "b": np.ones(3, np.float32)})
+    for seed in range(4):
+        copy = tmp_path / f"ck{seed}"
+        shutil.copytree(ck, copy)
+        m = mutations.mutate(str(copy), random.Random(seed), str(tmp_path / f"o{seed}"),
+                             ["linked-path-out"])  # fmt: skip
+        assert m.op == "linked-path-out" and os.path.islink(copy / m.target), m.describe()
+        assert m.detail.split(";")[0] in mutations.PATH_FORMS[-2:]
+        assert os.listdir(tmp_path / f"o{seed}")
