@@ -151,17 +151,24 @@ def _edited_record(mutation) -> tuple[str, ...] | None:
     if mutation is None or mutation.op != "record-disagree":
         return None
     names = [os.path.basename(mutation.target)]
-    if ":" in mutation.detail:  # a rank's optimizer object inside a .distcp
-        names.append(mutation.detail.split(":")[0])
+    if ":" in mutation.detail:  # a rank's optimizer object inside a .distcp (its shard aside)
+        names.append(mutation.detail.split(":")[0].split("/")[0])
     return tuple(names)
+
+
+#: how a refusal sets one record against another inside one file (common.pt's args, its
+#: scheduler and its groups; recipe_state.pt's progress against the optimizer's step)
+_AGAINST = ("disagree", " but ", " is not ", " not the ", " differ")
 
 
 def _another_file(message: str, record: tuple[str, ...], names: set[str]) -> bool:
     """``message`` names a file or object of the input besides the record edited (the record
-    it disagrees with), or names the edited one twice (two of its fields disagreeing)."""
+    it disagrees with), or sets two records of one file against each other, their values
+    stated."""
     files = {n for n in names if "." in n and not n.startswith("/")}
     others = [n for n in files if n not in record and not any(n in r for r in record)]
-    return any(n in message for n in others) or any(message.count(r) > 1 for r in record)
+    against = any(w in message for w in _AGAINST) or message.count(" = ") >= 2
+    return any(n in message for n in others) or against
 
 
 def _names(text: str, setting: str) -> bool:
