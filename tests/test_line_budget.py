@@ -19,21 +19,21 @@ CEILINGS = {
     "exporters": 2478,
     "format": 2734,
     "importers": 17066,
-    "language": 3193,
+    "language": 3232,
     "models": 2617,
     "multihost": 839,
     "orbax": 421,
-    "restoring": 5009,
+    "restoring": 5015,
     "saving": 969,
     "sharding": 707,
     "store": 3592,
     "torchfiles": 3231,
     "writer": 1675,
-    "modules": 4700,
+    "modules": 4707,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53565
+TOTAL = 53617
 
 
 def _lines(paths) -> int:

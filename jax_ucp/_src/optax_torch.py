@@ -24,7 +24,7 @@ from jax_ucp._src.errors import RequestError
 from jax_ucp._src.format import to_numpy_dtype
 from jax_ucp._src.format.files import strict_loads
 from jax_ucp._src.format.manifest import torch_optimizer_record
-from jax_ucp._src.language.recorded import layout_assumed, spec_with_recorded_settings
+from jax_ucp._src.language.recorded import spec_with_recorded_settings
 from jax_ucp._src.options import user_stacklevel
 from jax_ucp._src.restoring import restore_entry, sources
 from jax_ucp._src.restoring.options import RestoreOptions
@@ -507,23 +507,16 @@ def _mask_tree(saved_tensors: dict, spec, params, decayed: dict[str, bool], wher
     )
 
 
-def _layout_notes(run: _Run, spec) -> list[str]:
-    """The layouts ``spec`` reads that the source's shapes cannot confirm and no record of it
-    names (a square fused experts tensor), said in the notes as the restore warns them."""
-    if spec is None:
-        return []
-    saved = {k: language.TensorInfo(shape, dtype) for k, (shape, dtype) in run.saved.items()}
-    said = layout_assumed(language.compile_restore_plan(spec, saved), spec, run.source)
-    return [said] if said else []
+def _plans(saved_tensors: dict, spec) -> dict:
+    saved = {k: language.TensorInfo(shape, dtype) for k, (shape, dtype) in saved_tensors.items()}
+    return language.compile_restore_plan(spec, saved)
 
 
 def _leaf_sources(saved_tensors: dict, spec) -> dict[tuple, list[str]]:
     """{a params leaf's path: the torch parameters the spec makes it of}."""
-    saved = {k: language.TensorInfo(shape, dtype) for k, (shape, dtype) in saved_tensors.items()}
+    plans = _plans(saved_tensors, spec)
     return {
-        key[1:]: [s[1] for s in plan.sources]
-        for key, plan in language.compile_restore_plan(spec, saved).items()
-        if key[0] == "params"
+        key[1:]: [s[1] for s in plan.sources] for key, plan in plans.items() if key[0] == "params"
     }
 
 
@@ -668,7 +661,8 @@ def _from_run(
     if recipe is None and not groups:
         raise RequestError(_no_optimizer(source, where))
     spec = spec_with_recorded_settings(spec, source, notes := [])
-    notes.extend(_layout_notes(run, spec))
+    if spec is not None:  # a layout no shape shows, as the restore warns it
+        notes += language.layout_assumed(_plans(run.saved, spec), spec, source)
     params, mu, nu, step = _restored_adam(run, options, spec, where)
     tied, why = _ties(run, spec, recorded)
     if why:
@@ -752,7 +746,8 @@ def _other_run(
 
     source = run.source
     spec = spec_with_recorded_settings(spec, source, notes := [])
-    notes.extend(_layout_notes(run, spec))
+    if spec is not None:  # a layout no shape shows, as the restore warns it
+        notes += language.layout_assumed(_plans(run.saved, spec), spec, source)
     tree = run.restore(_restore_keywords(options, spec, where))
     params, opt = tree["params"], tree.get("opt_state") or {}
     tied, why = _ties(run, spec, torch_optimizer_record(source))

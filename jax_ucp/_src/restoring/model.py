@@ -62,18 +62,14 @@ def spec_views(spec, stored: Mapping[tuple[str, ...], Available], source=None):
     Args:
         spec: a ``language.Spec`` (or a shipped spec's name, a spec file).
         stored: the tensors as stored, by key (``stored=True``, one source each).
-        source: what the checkpoint records of its source (``ucp.json``'s ``source``): a
-            layout a rule reads that no shape can confirm (a square fused tensor) is warned
-            unless it records the writer (``language.recorded.layout_recorded``).
+        source: ``ucp.json``'s ``source``: a layout no shape shows is warned unless it
+            records the writer (``language.layout_assumed``).
     """
     from jax_ucp._src import language  # restore-time transforms
-    from jax_ucp._src.language.recorded import layout_assumed
 
     saved = {k: language.TensorInfo(shape=a.shape, dtype=a.dtype) for k, a in stored.items()}
-    spec = spec if isinstance(spec, language.Spec) else language.load_spec(spec)
     plans = language.compile_restore_plan(spec, saved)
-    said = layout_assumed(plans, spec, source)
-    if said:
+    for said in language.layout_assumed(plans, spec, source):
         warnings.warn(said, UserWarning, stacklevel=3)
     for key, plan in plans.items():
         sources = [stored[tuple(s)] for s in plan.sources]
