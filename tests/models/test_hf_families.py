@@ -832,6 +832,10 @@ def _tower_as_layer_7(model_type: str, tensors: dict) -> dict:
         ),
         ("tower", r"num_hidden_layers is 4, but the weights hold .*\[0, 1, 2, 3, 7\]"),
         ("model_type", r"no tensor is under its text model's prefixes"),
+        # probe 11: a vocabulary the embedding does not have (imported before), and a layer
+        # count of 10**12 (a set of that many numbers built: a raw MemoryError before)
+        ("vocab_size", r"text_config's vocab_size is 7, but '[\w.]*embed_tokens\.weight' is \[96,"),
+        ("huge_layers", r"num_hidden_layers is 1000000000000, but the weights hold"),
     ],
 )
 def test_a_multimodal_config_that_disagrees_with_its_weights_is_refused(
@@ -857,6 +861,9 @@ def test_a_multimodal_config_that_disagrees_with_its_weights_is_refused(
         config["text_config"]["num_hidden_layers"] += 1
     elif damage == "tower":
         tensors = _tower_as_layer_7(model_type, tensors)
+    elif damage in ("vocab_size", "huge_layers"):
+        field = "vocab_size" if damage == "vocab_size" else "num_hidden_layers"
+        config["text_config"][field] = 7 if damage == "vocab_size" else 10**12
     else:
         config["model_type"] = "qwen3_5" if model_type == "llama4" else "llama4"
     (tmp_path / "src").mkdir()
