@@ -671,6 +671,9 @@ def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_pa
         ("qwen3", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor"),
         ("mistral", {"sliding_window": -3}, r"sliding_window -3"),
         ("llama", {"rms_norm_eps": 0}, r"rms_norm_eps 0: expected a finite number > 0"),
+        # probe 11: a string is truthy, so "false" tied the output layer to the embedding
+        ("llama", {"tie_word_embeddings": "false"}, r"tie_word_embeddings 'false': expected true"),
+        ("gpt2", {"tie_word_embeddings": 0}, r"tie_word_embeddings 0: expected true or false"),
         ("gpt2", {"layer_norm_epsilon": 0}, r"layer_norm_epsilon 0: expected a finite number"),
         ("bert", {}, r"model_type 'bert'"),
         ("llama", {"num_hidden_layers": 2**30}, r"num_hidden_layers 1073741824"),
