@@ -18,9 +18,9 @@ CEILINGS = {
     "continuation": 2210,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17066,
+    "importers": 17067,
     "language": 3232,
-    "models": 2617,
+    "models": 2625,
     "multihost": 839,
     "orbax": 421,
     "restoring": 5015,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53617
+TOTAL = 53626
 
 
 def _lines(paths) -> int:

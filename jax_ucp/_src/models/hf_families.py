@@ -109,10 +109,8 @@ def _number(field: str, value: Any) -> float:
 
 
 def _tied(c: Mapping, default: bool) -> bool:
-    """``tie_word_embeddings`` as transformers reads it: true or false (a string such as
-    "false" would be truthy: the output layer silently taken as the embedding)."""
-    value = c.get("tie_word_embeddings")
-    value = default if value is None else value
+    """``tie_word_embeddings``, a bool (a string "false" is truthy: silently tied)."""
+    value = default if c.get("tie_word_embeddings") is None else c["tie_word_embeddings"]
     if not isinstance(value, bool):
         raise _refuse("tie_word_embeddings", repr(value)[:100], "expected true or false")
     return value
