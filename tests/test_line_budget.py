@@ -18,22 +18,22 @@ CEILINGS = {
     "continuation": 2273,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17082,
-    "language": 3193,
-    "models": 2617,
+    "importers": 17083,
+    "language": 3232,
+    "models": 2625,
     "multihost": 839,
     "orbax": 421,
-    "restoring": 5009,
+    "restoring": 5015,
     "saving": 969,
     "sharding": 707,
     "store": 3592,
     "torchfiles": 3231,
     "writer": 1675,
-    "modules": 4726,
+    "modules": 4733,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53670
+TOTAL = 53731
 
 
 def _lines(paths) -> int:

@@ -508,13 +508,16 @@ def _mask_tree(saved_tensors: dict, spec, params, decayed: dict[str, bool], wher
     )
 
 
+def _plans(saved_tensors: dict, spec) -> dict:
+    saved = {k: language.TensorInfo(shape, dtype) for k, (shape, dtype) in saved_tensors.items()}
+    return language.compile_restore_plan(spec, saved)
+
+
 def _leaf_sources(saved_tensors: dict, spec) -> dict[tuple, list[str]]:
     """{a params leaf's path: the torch parameters the spec makes it of}."""
-    saved = {k: language.TensorInfo(shape, dtype) for k, (shape, dtype) in saved_tensors.items()}
+    plans = _plans(saved_tensors, spec)
     return {
-        key[1:]: [s[1] for s in plan.sources]
-        for key, plan in language.compile_restore_plan(spec, saved).items()
-        if key[0] == "params"
+        key[1:]: [s[1] for s in plan.sources] for key, plan in plans.items() if key[0] == "params"
     }
 
 
@@ -660,6 +663,8 @@ def _from_run(
         raise RequestError(_no_optimizer(source, where))
     spec = spec_with_recorded_settings(spec, source, notes := [])
     lion = recipe is not None and recipe.optimizer == "lion"
+    if spec is not None:  # a layout no shape shows, as the restore warns it
+        notes += language.layout_assumed(_plans(run.saved, spec), spec, source)
     params, mu, nu, step = _restored_adam(run, options, spec, where, lion)
     tied, why = _ties(run, spec, recorded)
     if why:
@@ -742,6 +747,8 @@ def _other_run(
 
     source = run.source
     spec = spec_with_recorded_settings(spec, source, notes := [])
+    if spec is not None:  # a layout no shape shows, as the restore warns it
+        notes += language.layout_assumed(_plans(run.saved, spec), spec, source)
     tree = run.restore(_restore_keywords(options, spec, where))
     params, opt = tree["params"], tree.get("opt_state") or {}
     tied, why = _ties(run, spec, torch_optimizer_record(source))

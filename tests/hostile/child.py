@@ -157,8 +157,9 @@ class Child:
         m = mutations.mutate(inp.root, rng, outside, ops=self.kind.ops, given=given)
         emit(event="mutated", index=index, source=source, mutation=m.describe())
         t0 = time.monotonic()
-        if m.op == "path-form":  # the same input, its path typed another way
-            with path_in_form(inp, m.detail, self.work) as typed:
+        form = {"path-form": m.detail, "linked-path-out": m.detail.split(";")[0]}.get(m.op)
+        if form is not None:  # the input, its path typed another way (through links)
+            with path_in_form(inp, form, self.work) as typed:
                 got, seen = self.run_entries(typed)
                 here = os.getcwd()
             # a result naming the path names it as typed: the same path, told apart no more
@@ -177,6 +178,7 @@ class Child:
                 mutation_op=m.op,
                 names=names,
                 alt=base["alt"],
+                mutation=m,
             )
             labels[entry] = label
             if label not in oracle.PASS:

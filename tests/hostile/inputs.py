@@ -174,7 +174,7 @@ KINDS = {
             (),
             checksummed=True,
             jax=True,
-            ops=("record-swap", "array-out"),
+            ops=("record-swap", "array-out", "linked-path-out"),
         ),
         Kind(
             "orbax_array_out",
@@ -277,9 +277,9 @@ KINDS = {
         # a run setting ucp.json records rewritten: verify --against its source reports it
         Kind(
             "ucp_settings",
-            ("@ucp_imported",),
+            ("@ucp_imported", "@ucp_trainer"),
+            ("cli-verify-against",),
             ("verify-against",),
-            (),
             checksummed=True,
             jax=True,
             ops=("settings-rewrite",),
@@ -438,6 +438,20 @@ def _build_ucp_imported(pristine, root, out, work) -> Input:
     against = os.path.join(work, "against")
     shutil.copytree(os.path.join(FIXTURES, "torch", "fsdp2_fp32"), against)
     jax_ucp.convert(against, pristine)
+    return Input(root, root, out, against=against)
+
+
+def _build_ucp_trainer(pristine, root, out, work) -> Input:
+    """A Trainer checkpoint imported: ucp.json records its run (training_args' clipping and
+    rates, the schedule's length, the logged rates, the optimizer's groups) beside the
+    certificate of its files."""
+    import jax_ucp
+    from jax_ucp.conversion import TorchOptions
+
+    source = "hf_trainer/trainer_fp32/checkpoint-3"
+    against = os.path.join(work, "against-trainer")
+    shutil.copytree(os.path.join(FIXTURES, source), against)
+    jax_ucp.convert(against, pristine, importing=TorchOptions(**_options(source)))
     return Input(root, root, out, against=against)
 
 
@@ -621,6 +635,7 @@ BUILDERS: dict[str, Callable[..., Input]] = {
     "@canary_zarr": _build_canary_zarr,
     "@ucp": _build_ucp,
     "@ucp_imported": _build_ucp_imported,
+    "@ucp_trainer": _build_ucp_trainer,
     "@run_root": _build_run_root,
     "@safetensors": _build_safetensors,
     "@orbax_ocdbt": _build_orbax(ocdbt=True),
@@ -803,6 +818,8 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
                 return "skipped (nothing converted)"
             return _verdict(jax_ucp.verify(inp.out, against=p))
         return _verdict(jax_ucp.verify(p, against=inp.against))
+    if name == "cli-verify-against":  # the command line: its exit status and what it says
+        return _cli(["verify", p, "--against", str(inp.against)]) and "exit 0"
     if name == "restore":
         return tree_digest(jax_ucp.restore(p))
     if name == "restore-direct":  # straight from the source, nothing written
@@ -930,17 +947,22 @@ class NotStrictJson(Exception):
 def _cli_json(args: list[str]) -> Any:
     """The command line's ``--json`` output, parsed strictly (no NaN/Infinity tokens, as jq and
     JSON.parse read it); a refusal raises ``CliFailure``."""
-    from typer.testing import CliRunner
-
-    from jax_ucp.cli import app
-
-    result = CliRunner().invoke(app, args)
-    if result.exit_code != 0:
-        exc = result.exception
-        raw = None if exc is None or isinstance(exc, SystemExit) else exc
-        raise CliFailure(result.output[-2000:], raw)
 
     def strict(token):
         raise NotStrictJson(f"--json printed the non-JSON token {token}")
 
-    return json.loads(result.stdout, parse_constant=strict)
+    return json.loads(_cli(args), parse_constant=strict)
+
+
+def _cli(args: list[str]) -> str:
+    """What the command line prints (exit status 0); a refusal raises ``CliFailure``."""
+    from typer.testing import CliRunner
+
+    from jax_ucp.cli import app
+
+    result = CliRunner().invoke(app, args, terminal_width=400)
+    if result.exit_code != 0:
+        exc = result.exception
+        raw = None if exc is None or isinstance(exc, SystemExit) else exc
+        raise CliFailure(result.output[-2000:], raw)
+    return result.stdout

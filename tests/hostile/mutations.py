@@ -904,15 +904,25 @@ def settings_rewrite(c: Context) -> Mutation | None:
 
     for key in ("optimizer", "megatron_optimizer", "lr_scheduler", "recipe"):
         walk((doc.get("source") or {}).get(key), ["source", key])
+    trainer = (doc.get("source") or {}).get("trainer")
+    for key in sorted(trainer) if isinstance(trainer, dict) else ():  # its run, not its model
+        if key != "model_config":
+            walk(trainer[key], ["source", "trainer", key])
+    if "certificate" in (doc.get("source") or {}):  # the certificate removed: "uncertified"
+        leaves.append((["source", "certificate"], None))
     if not leaves:
         return None
     at, value = c.rng.choice(leaves)
     node = doc
     for k in at[:-1]:
         node = node[k]
-    node[at[-1]] = value * 2 if value else 1
+    if value is None:
+        del node[at[-1]]
+    else:
+        node[at[-1]] = value * 2 if value else 1
     c.write("ucp.json", json.dumps(doc, indent=1).encode())
-    return Mutation("settings-rewrite", "ucp.json", ".".join(map(str, at)) + " changed")
+    said = "removed" if value is None else "changed"
+    return Mutation("settings-rewrite", "ucp.json", ".".join(map(str, at)) + " " + said)
 
 
 def run_record_edit(c: Context) -> Mutation | None:
@@ -1135,6 +1145,24 @@ def path_form(c: Context) -> Mutation | None:
     return Mutation("path-form", c.given, c.rng.choice(PATH_FORMS))
 
 
+def linked_path_out(c: Context) -> Mutation | None:
+    """An array's folder or one chunk moved out and linked back (``array-out``'s links), the
+    input handed through a path of links (a linked parent folder, or a link to the input:
+    ``path-form``'s last two): a path through links restores what the plain path does, but
+    what leaves the input through a link inside it is still refused. The detail starts with
+    the path form, then ``;``."""
+    metas = [r for r in c.files if os.path.basename(r) in ("zarr.json", ".zarray")]
+    arrays = sorted({os.path.dirname(r) for r in metas} - {"", c.given})
+    if not arrays:
+        return None
+    form = c.rng.choice(PATH_FORMS[-2:])
+    arr = c.rng.choice(arrays)
+    chunks = [r for r in c.files if r.startswith(arr + os.sep) and r not in metas]
+    rel = c.rng.choice([arr, *chunks])
+    way = "folder linked out" if rel == arr else "chunk linked out"
+    return Mutation("linked-path-out", rel, f"{form}; {way} ({_link_out(c, rel)} link)")
+
+
 #: operators a kind draws from only when it names them (``Kind.ops``): kept out of ``OPS`` so
 #: every other kind's (seed, index) still names the mutation it always did
 SEMANTIC_OPS = {
@@ -1147,6 +1175,7 @@ SEMANTIC_OPS = {
     "group-fuzz": group_fuzz,
     "run-record-edit": run_record_edit,
     "lora-record-edit": lora_record_edit,
+    "linked-path-out": linked_path_out,
 }
 
 

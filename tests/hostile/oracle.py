@@ -50,13 +50,34 @@ def names_of(root: str, digest_keys=()) -> set[str]:
     return {n for n in out if len(n) >= 3 and not n.isdigit()}
 
 
-def judge_entry(entry: str, base, got, *, kind, mutation_op: str, names: set[str], alt=None):
+#: entry points whose result holds a run's settings (what a continuation reads)
+SETTINGS_ENTRIES = ("optax", "optax-direct", "convert-settings")
+
+
+def judge_entry(
+    entry: str, base, got, *, kind, mutation_op: str, names: set[str], alt=None, mutation=None
+):
     """(label, detail) for one entry point: ``base``/``got`` are ``("ok", digest, warnings)`` or
-    ``("error", class name, message, is_ucp)``; ``alt`` maps older steps to their digests."""
+    ``("error", class name, message, is_ucp)``; ``alt`` maps older steps to their digests;
+    ``mutation`` (``mutations.Mutation``): what was done, for the operators whose answer must
+    name it (``record-disagree``: the record edited; ``settings-rewrite``: the setting)."""
     if got[0] == "skipped":
         return "skipped", ""
     if base[0] != "ok":  # the entry cannot read even the intact copy here (e.g. needs torch)
         return "unavailable", f"{base[1]}: {base[2][:200]}"
+    record = _edited_record(mutation) if entry in SETTINGS_ENTRIES else None
+    if got[0] == "ok" and record is not None and got[1] == base[1]:
+        # one record of a fact edited, the others not: a reader that read only the others
+        # continues as before, silently; it must refuse, or say it (a new warning naming it)
+        said = [w for w in got[2] if w not in base[2] and any(r in w for r in record)]
+        if said:
+            return "said", f"continued as the other records say, warned: {said[0][:200]}"
+        return "disagreement-unseen", f"{mutation.describe()}: continued as intact, nothing said"
+    if got[0] == "ok" and mutation_op == "settings-rewrite" and entry.startswith("verify"):
+        setting = _setting(mutation)
+        value = got[1]
+        if isinstance(value, str) and value.startswith("reported") and not _names(value, setting):
+            return "unnamed-setting", f"{setting} changed, verify reported {value[:200]!r}"
     if got[0] == "ok":
         value, warnings = got[1], got[2]
         if value == base[1]:
@@ -115,7 +136,52 @@ def judge_entry(entry: str, base, got, *, kind, mutation_op: str, names: set[str
         return "raw-exception", f"{cls}: {message[:400]}"
     if not any(n in message for n in names):
         return "unnamed-error", f"{cls}: {message[:400]}"
+    if record is not None and not (
+        any(r in message for r in record) and _another_file(message, record, names)
+    ):  # a refusal of a disagreement names both records (the edited one and another)
+        return "unnamed-record", f"{mutation.describe()}: {cls}: {message[:400]}"
+    if mutation_op == "settings-rewrite" and not _names(message, _setting(mutation)):
+        return "unnamed-setting", f"{_setting(mutation)} changed: {cls}: {message[:400]}"
     return "refused", f"{cls}"
+
+
+def _edited_record(mutation) -> tuple[str, ...] | None:
+    """How an answer may name the record ``record-disagree`` edited: its file's name, or the
+    DCP object's (``object: what``); None for any other operator."""
+    if mutation is None or mutation.op != "record-disagree":
+        return None
+    names = [os.path.basename(mutation.target)]
+    if ":" in mutation.detail:  # a rank's optimizer object inside a .distcp (its shard aside)
+        names.append(mutation.detail.split(":")[0].split("/")[0])
+    return tuple(names)
+
+
+#: how a refusal sets one record against another inside one file (common.pt's args, its
+#: scheduler and its groups; recipe_state.pt's progress against the optimizer's step)
+_AGAINST = ("disagree", " but ", " is not ", " not the ", " differ")
+
+
+def _another_file(message: str, record: tuple[str, ...], names: set[str]) -> bool:
+    """``message`` names a file or object of the input besides the record edited (the record
+    it disagrees with), or sets two records of one file against each other, their values
+    stated."""
+    files = {n for n in names if "." in n and not n.startswith("/")}
+    others = [n for n in files if n not in record and not any(n in r for r in record)]
+    against = any(w in message for w in _AGAINST) or message.count(" = ") >= 2
+    return any(n in message for n in others) or against
+
+
+def _names(text: str, setting: str) -> bool:
+    """``text`` names the ``setting`` (the certificate's absence by its own words)."""
+    text = " ".join(text.split())  # a terminal's line breaks
+    certificate = setting == "source.certificate" and "no certificate recorded" in text
+    return setting in text or certificate
+
+
+def _setting(mutation) -> str:
+    """The setting ``settings-rewrite`` changed, as ``verify --against`` names it: the field
+    of ``ucp.json``'s ``source`` it sits in (``source.optimizer``...)."""
+    return ".".join(mutation.detail.split(" ")[0].split(".")[:2])
 
 
 def _said(base, value, warnings) -> bool:

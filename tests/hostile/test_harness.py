@@ -61,7 +61,10 @@ CI_SLICE: dict[str, list[int]] = {
     # save_optimizer_distributed's folder beside rank-local safetensors: its .metadata renamed
     # (3), the folder renamed (24); deleted whole it is a model-only save, as the files say
     "torch_dcp_hf_optimizer": [0, 3, 24],
-    "ucp_record": [1, 9, 13],
+    # ucp_record: a consistent swap (6), a chunk linked out (9), ".." in a dir (13); a chunk
+    # linked out of an input reached through a link to it (2), a folder linked out under a
+    # linked parent folder (4): a path through links is no licence to follow one out (issue 68)
+    "ucp_record": [2, 4, 6, 9, 13],
     "orbax_array_out": [2],
     "verl": [0, 1, 2, 4, 5],
     # Megatron-FSDP fsdp_dtensor (issue 57): a stray rank copy (read exactly), a truncated rank
@@ -111,7 +114,11 @@ CI_SLICE: dict[str, list[int]] = {
     "adapter_export": [1, 2, 4, 9],
     "adapter_export_record": [9, 11, 19, 22, 35, 66, 74],
     "run_records_verl": [0, 1, 3],
-    "ucp_settings": [0, 1],
+    # a converted checkpoint's recorded run (issue 68): the certificate removed (10: "no
+    # certificate recorded", exit 1), a group's betas (17), a Trainer's max_grad_norm (105) and
+    # its scheduler's position (201): verify --against the source, API and command line, must
+    # report it naming the setting
+    "ucp_settings": [10, 17, 105, 201],
     # the readers besides Adam (issue 68): a hostile pickle, a deleted file, a FIFO in place of
     # the file; a group's weight_decay made a string (a raw ValueError before) or removed
     # (continued undecayed before), eps 1e308 (continued before), a state tensor's shape
@@ -422,3 +429,58 @@ def test_a_consistent_record_swap_is_counted_apart_only_when_tensor_bytes_alone_
     moved = {**other, "step": ["value", "4"]}
     assert oracle.judge_entry("restore", BASE, _ok(moved), **args)[0] == "silent-wrong"
     assert oracle.judge_entry("verify", BASE, _ok(other), **args)[0] == "silent-wrong"
+
+
+def test_a_disagreement_passes_only_refused_naming_both_records_or_said():
+    """``record-disagree`` (one record of a fact edited): the continuation as the intact copy's,
+    nothing said, is a reader that read only the other records (*disagreement-unseen*); a
+    refusal must name the record edited and another file; a new warning naming the edited one
+    is *said*. ``settings-rewrite``: ``verify --against`` must name the setting it changed."""
+    from tests.hostile.mutations import Mutation
+
+    base = _ok({"params": {}, "update": "A"})
+    edited = Mutation("record-disagree", "global_step3/mp_rank_00_model_states.pt", "clip")
+    names = NAMES | {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"}
+    args = {"kind": PLAIN, "mutation_op": "record-disagree", "names": names, "mutation": edited}
+    judge = oracle.judge_entry
+    assert judge("optax-direct", base, base, **args)[0] == "disagreement-unseen"
+    assert judge("convert", base, base, **args)[0] == "same"  # holds no settings
+    warned = _ok(base[1], ["UserWarning: mp_rank_00_model_states.pt says 0, its ranks 1.0"])
+    assert judge("optax-direct", base, warned, **args)[0] == "said"
+    one = ("error", "SourceError", "mp_rank_00_model_states.pt: clipping 0", True)
+    assert judge("optax-direct", base, one, **args)[0] == "unnamed-record"
+    both = ("error", "SourceError", one[2] + ", zero_pp_rank_0_mp_rank_00_optim_states.pt 1.0",
+            True)  # fmt: skip
+    assert judge("optax-direct", base, both, **args)[0] == "refused"
+    rewrite = Mutation("settings-rewrite", "ucp.json", "source.trainer.max_steps changed")
+    args = {"kind": SUMMED, "mutation_op": "settings-rewrite", "names": NAMES, "mutation": rewrite}
+    intact = _ok("intact")
+    said = _ok("reported: source.trainer.max_steps")
+    assert judge("verify-against", intact, said, **args)[0] == "reported"
+    assert judge("verify-against", intact, _ok("reported: w"), **args)[0] == "unnamed-setting"
+    cli = ("error", "CLI exit", "/work/in/src: ucp.json records source.optimizer ...", True)
+    assert judge("cli-verify-against", _ok("exit 0"), cli, **args)[0] == "unnamed-setting"
+    gone = Mutation("settings-rewrite", "ucp.json", "source.certificate removed")
+    cli = ("error", "CLI exit", "/work/in/src: certificate: no\ncertificate recorded", True)
+    args["mutation"] = gone
+    assert judge("cli-verify-against", _ok("exit 0"), cli, **args)[0] == "refused"
+
+
+def test_linked_path_out_links_an_array_out_and_names_a_path_through_links(tmp_path):
+    """``linked-path-out``: one array's folder or chunk moved out of the input (same bytes) and
+    linked back; the detail starts with the path form (a linked parent or a link to the input)
+    the child hands the entry points."""
+    import numpy as np
+
+    import jax_ucp
+
+    ck = tmp_path / "ck"
+    jax_ucp.save(ck, {"a": np.arange(4, dtype=np.float32), "b": np.ones(3, np.float32)})
+    for seed in range(4):
+        copy = tmp_path / f"ck{seed}"
+        shutil.copytree(ck, copy)
+        m = mutations.mutate(str(copy), random.Random(seed), str(tmp_path / f"o{seed}"),
+                             ["linked-path-out"])  # fmt: skip
+        assert m.op == "linked-path-out" and os.path.islink(copy / m.target), m.describe()
+        assert m.detail.split(";")[0] in mutations.PATH_FORMS[-2:]
+        assert os.listdir(tmp_path / f"o{seed}")

@@ -671,6 +671,9 @@ def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_pa
         ("qwen3", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor"),
         ("mistral", {"sliding_window": -3}, r"sliding_window -3"),
         ("llama", {"rms_norm_eps": 0}, r"rms_norm_eps 0: expected a finite number > 0"),
+        # probe 11: a string is truthy, so "false" tied the output layer to the embedding
+        ("llama", {"tie_word_embeddings": "false"}, r"tie_word_embeddings 'false': expected true"),
+        ("gpt2", {"tie_word_embeddings": 0}, r"tie_word_embeddings 0: expected true or false"),
         ("gpt2", {"layer_norm_epsilon": 0}, r"layer_norm_epsilon 0: expected a finite number"),
         ("bert", {}, r"model_type 'bert'"),
         ("llama", {"num_hidden_layers": 2**30}, r"num_hidden_layers 1073741824"),
@@ -710,6 +713,51 @@ def test_values_no_model_has_are_refused_naming_the_field(family, changes, names
     config = _config(family, **changes) if family in FAMILIES else {"model_type": family}
     with pytest.raises(jax_ucp.RequestError, match=names):
         hf_model(config)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("recorded", [False, True])
+def test_a_square_fused_experts_tensor_is_read_as_the_spec_says_only_out_loud(recorded, tmp_path):
+    """Llama 4's experts ``gate_up_proj`` [E, H, 2F] with H == 2F (names.json's, random values)
+    saved transposed: its shape is the same either way, so nothing in the files tells the
+    orientation. Without a record of its writer (no config.json: a torch DCP's case) the
+    restore with the family's spec warns naming the tensor and the layout it assumes (before:
+    silently transposed values); with transformers' config.json (model type, transformers 5)
+    the layout is that model's and nothing is said. ``down_proj`` [E, F, H], not square, is
+    never named: its shape shows its layout."""
+    import warnings
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from jax_ucp.language import load_spec
+    from tests.ucp_testing import FIXTURES
+
+    with open(os.path.join(FIXTURES, "hf_families", "names.json")) as f:
+        entry = json.load(f)["llama4_text"]
+    rng = np.random.default_rng(0)
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in entry["tensors"].items()}
+    fused = "model.layers.1.feed_forward.experts.gate_up_proj"
+    assert tensors[fused].shape == (4, 32, 32)
+    tensors[fused] = np.ascontiguousarray(tensors[fused].transpose(0, 2, 1))  # the attack
+    (tmp_path / "src").mkdir()
+    save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
+    if recorded:
+        (tmp_path / "src" / "config.json").write_text(json.dumps(entry["config"]))
+    ckpt = jax_ucp.convert(tmp_path / "src", tmp_path / "ucp")
+    cfg, name = hf_model(entry["config"])
+    spec = load_spec(name, **cfg.head_settings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = jax_ucp.restore(ckpt, spec=spec)["params"]
+    said = [str(w.message) for w in caught if "cannot tell" in str(w.message)]
+    assert np.array_equal(got["layers_1"]["moe"]["fc1"]["kernel"], tensors[fused])  # as saved
+    if recorded:
+        assert said == []
+        return
+    assert len(said) == 1 and "down_proj" not in said[0], said
+    assert f"{fused} [4, 32, 32]" in said[0] and "read as [E, H, 2F]" in said[0]
+    assert "no file records which layout its writer used" in said[0]
 
 
 @pytest.mark.timeout(120)
@@ -787,6 +835,10 @@ def _tower_as_layer_7(model_type: str, tensors: dict) -> dict:
         ),
         ("tower", r"num_hidden_layers is 4, but the weights hold .*\[0, 1, 2, 3, 7\]"),
         ("model_type", r"no tensor is under its text model's prefixes"),
+        # probe 11: a vocabulary the embedding does not have (imported before), and a layer
+        # count of 10**12 (a set of that many numbers built: a raw MemoryError before)
+        ("vocab_size", r"text_config's vocab_size is 7, but '[\w.]*embed_tokens\.weight' is \[96,"),
+        ("huge_layers", r"num_hidden_layers is 1000000000000, but the weights hold"),
     ],
 )
 def test_a_multimodal_config_that_disagrees_with_its_weights_is_refused(
@@ -812,6 +864,9 @@ def test_a_multimodal_config_that_disagrees_with_its_weights_is_refused(
         config["text_config"]["num_hidden_layers"] += 1
     elif damage == "tower":
         tensors = _tower_as_layer_7(model_type, tensors)
+    elif damage in ("vocab_size", "huge_layers"):
+        field = "vocab_size" if damage == "vocab_size" else "num_hidden_layers"
+        config["text_config"][field] = 7 if damage == "vocab_size" else 10**12
     else:
         config["model_type"] = "qwen3_5" if model_type == "llama4" else "llama4"
     (tmp_path / "src").mkdir()

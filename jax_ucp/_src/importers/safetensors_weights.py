@@ -95,18 +95,19 @@ def _check_text_model(model_type: str, text: dict, renamed: dict, prefixes, shap
         )
     layers = {int(m.group(1)) for n in renamed if (m := re.match(r"model\.layers\.([0-9]+)\.", n))}
     count = text.get("num_hidden_layers")
-    if isinstance(count, int) and layers != set(range(count)):
+    if isinstance(count, int) and (count != len(layers) or layers != set(range(count))):
         raise SourceError(
             f"{where}: text_config's num_hidden_layers is {count}, but the weights hold its "
             f"text model's layers {sorted(layers)[:8]}{' ...' if len(layers) > 8 else ''}"
         )
     embed = renamed.get("model.embed_tokens.weight")
-    width, hidden = (shapes.get(embed) or [None])[-1], text.get("hidden_size")
-    if isinstance(hidden, int) and width is not None and width != hidden:
-        raise SourceError(
-            f"{where}: text_config's hidden_size is {hidden}, but {embed!r} is "
-            f"{list(shapes[embed])}"
-        )
+    rows, width = [*(shapes.get(embed) or ()), None, None][:2]
+    for field, held in (("vocab_size", rows), ("hidden_size", width)):
+        value = text.get(field)
+        if isinstance(value, int) and held is not None and held != value:
+            raise SourceError(
+                f"{where}: text_config's {field} is {value}, but {embed!r} is {list(shapes[embed])}"
+            )
 
 
 def plan_safetensors(src, options: ImportOptions) -> ImportPlan:

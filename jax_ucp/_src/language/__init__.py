@@ -36,6 +36,7 @@ from jax_ucp._src.language.plan import (
     saved_infos,
     unflatten_nested,
 )
+from jax_ucp._src.language.recorded import layout_assumed
 from jax_ucp._src.language.settings import padded_vocab_size
 from jax_ucp._src.language.spec import (
     DEFAULT_ROOTS,
@@ -91,6 +92,7 @@ __all__ = [
     "invert_rule",
     "invert_spec",
     "kind_from_obj",
+    "layout_assumed",
     "list_specs",
     "load_spec",
     "merge",

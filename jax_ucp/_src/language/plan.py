@@ -45,6 +45,7 @@ class ViewPlan:
     rule: str = "identity"  # which rule produced it (for plans / errors)
     ops: tuple = ()  # op names applied, in order
     logical_axes: tuple | None = None  # the rule's ``axes``: names for restore(mesh=, rules=)
+    assumed: str = ""  # a layout the rule reads that the source's shape cannot confirm
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,15 @@ def _match_rule(rules, rel: str):
 def _emit_rule(r, i, entries, env0, targets: _Targets) -> None:
     """Applies rule ``r``'s ops to the tensors it matched and puts each result at its target."""
     what = describe_rule(r, i, "restore")
+    square = {}  # a source whose last two axes are of one length: its layout is taken on trust
+    for inst, _, _, node, rel in entries if r.layout else ():
+        shape = tuple(node.view.shape)
+        if len(shape) >= 2 and shape[-1] == shape[-2]:
+            square[node.sources[0]] = (
+                f"{'/'.join(inst)}/{rel} {list(shape)}: its last two axes are of one length, "
+                f"so its shape cannot tell {r.layout} from its transpose; read as {r.layout} "
+                f"({what})"
+            )
     for op in r.ops:
         entries = _apply_op(op, entries, env0, what)
     for inst, tprefix, vars_, node, rel in entries:
@@ -243,6 +253,7 @@ def _emit_rule(r, i, entries, env0, targets: _Targets) -> None:
             what,
             node.ops,
             r.axes,
+            "; ".join(dict.fromkeys(square[s] for s in node.sources if s in square)),
         )
         _put(targets, tkey, plan, f"{'/'.join(inst)}/{rel} ({what})")
 

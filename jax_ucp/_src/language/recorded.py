@@ -63,3 +63,26 @@ def spec_with_recorded_settings(
     if notes is not None:
         notes.append(f"spec {os.fspath(spec)!r} with {origin}'s settings {missing}")
     return loaded.with_settings(**missing)
+
+
+def layout_assumed(plans: Mapping[Any, Any], spec: Any, source: Any) -> list[str]:
+    """What ``plans`` (``compile_restore_plan``'s) read in a rule's ``layout`` that no shape
+    shows (a square fused tensor) and no ``config.json`` ``source`` records confirms (one of the
+    spec's model types, transformers 5 or later: that model's layout): a sentence, or none."""
+    assumed = [p.assumed for p in plans.values() if p.assumed]
+    source = source if isinstance(source, Mapping) else {}
+    trainer = source.get("trainer") if isinstance(source.get("trainer"), Mapping) else {}
+    config = next((c for c in (trainer.get("model_config"), source.get("config"))
+                   if isinstance(c, Mapping)), {})  # fmt: skip
+    version = str(config.get("transformers_version") or "").split(".")[0]
+    types = getattr(spec, "model_types", ())
+    if not assumed or (
+        version.isdigit() and int(version) >= 5 and config.get("model_type") in types
+    ):
+        return []
+    more = f" (and {len(assumed) - 2} more alike)" if len(assumed) > 2 else ""
+    return [
+        f"{'; '.join(assumed[:2])}{more}: no file records which layout its writer used (a "
+        f"config.json naming the model type and a transformers version would): check that it "
+        f"holds it so, or the values are transposed"
+    ]

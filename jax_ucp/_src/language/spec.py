@@ -81,6 +81,9 @@ class RestoreRule:
     label: str = ""
     # logical axis names of the restored tensor, for ``restore(mesh=, rules=)``; None: unnamed
     axes: tuple | None = None
+    # the axes the source tensor is read as holding ("[E, 2F, H]"), where its writer chose them
+    # (a model's fused parameter): a tensor whose last two are of one length cannot show it
+    layout: str = ""
     if TYPE_CHECKING:  # compiled by __post_init__
         _regex: Any = field(init=False)
 
@@ -352,7 +355,7 @@ def _rule_fields(obj: Mapping, keys: set[str]) -> dict[str, Any]:
     return rule | {"required": bool(obj.get("required", True)), "when": dict(obj.get("when", {}))}
 
 
-_RESTORE_KEYS = {"pattern", "target", "ops", "required", "when", "label", "axes"}
+_RESTORE_KEYS = {"pattern", "target", "ops", "required", "when", "label", "axes", "layout"}
 
 
 def restore_rule_from_dict(obj: Mapping, where: str) -> RestoreRule:

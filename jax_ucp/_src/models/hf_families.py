@@ -108,6 +108,14 @@ def _number(field: str, value: Any) -> float:
     return float(value)
 
 
+def _tied(c: Mapping, default: bool) -> bool:
+    """``tie_word_embeddings``, a bool (a string "false" is truthy: silently tied)."""
+    value = default if c.get("tie_word_embeddings") is None else c["tie_word_embeddings"]
+    if not isinstance(value, bool):
+        raise _refuse("tie_word_embeddings", repr(value)[:100], "expected true or false")
+    return value
+
+
 def _optional_number(c: Mapping, field: str) -> float | None:
     return None if c.get(field) is None else _number(field, c[field])
 
@@ -321,7 +329,7 @@ def _base(c: Mapping, partial_ok: bool = False, rope: tuple | None = None) -> di
         **scaling,
         rotary_percent=partial,
         eps=_optional_number(c, "rms_norm_eps") or 1e-6,  # absent: the default; 0 refused
-        tied=bool(c.get("tie_word_embeddings", False)),
+        tied=_tied(c, False),
     )
 
 
@@ -595,7 +603,7 @@ def _gpt2(c: Mapping) -> dict:
             c, "max_position_embeddings", c.get("max_position_embeddings") or 1024
         ),
         eps=_optional_number(c, "layer_norm_epsilon") or 1e-5,  # absent: the default; 0 refused
-        tied=bool(c.get("tie_word_embeddings", True)),
+        tied=_tied(c, True),
         gelu_tanh=act != "gelu",
     )
 
@@ -827,7 +835,7 @@ def _text_model(*types: str) -> Callable[[Mapping], dict]:
             kind = text.get("model_type") if isinstance(text, Mapping) else text
             raise _refuse("text_config", repr(kind)[:200], f"expected a {types[0]} text model")
         fields, _ = hf_fields({**text, "model_type": types[0]})
-        return {**fields, "tied": bool(c.get("tie_word_embeddings"))}
+        return {**fields, "tied": _tied(c, False)}
 
     return read
 

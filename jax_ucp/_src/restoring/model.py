@@ -7,6 +7,7 @@ place a request that carries a sharding, when JAX is loaded already).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +52,7 @@ class Available:
         return cls(key, ("key",) * len(key), shape, dtype, sources, plan.build, **fields)
 
 
-def spec_views(spec, stored: Mapping[tuple[str, ...], Available]):
+def spec_views(spec, stored: Mapping[tuple[str, ...], Available], source=None):
     """The views ``spec``'s restore plan (``language.compile_restore_plan``) builds over the
     ``stored`` tensors, as ``(Available, plan)`` pairs. A view that is one stored tensor
     unchanged (no transform, its shape and dtype) is read as that tensor, region by region;
@@ -61,11 +62,16 @@ def spec_views(spec, stored: Mapping[tuple[str, ...], Available]):
     Args:
         spec: a ``language.Spec`` (or a shipped spec's name, a spec file).
         stored: the tensors as stored, by key (``stored=True``, one source each).
+        source: ``ucp.json``'s ``source``: a layout no shape shows is warned unless it
+            records the writer (``language.layout_assumed``).
     """
     from jax_ucp._src import language  # restore-time transforms
 
     saved = {k: language.TensorInfo(shape=a.shape, dtype=a.dtype) for k, a in stored.items()}
-    for key, plan in language.compile_restore_plan(spec, saved).items():
+    plans = language.compile_restore_plan(spec, saved)
+    for said in language.layout_assumed(plans, spec, source):
+        warnings.warn(said, UserWarning, stacklevel=3)
+    for key, plan in plans.items():
         sources = [stored[tuple(s)] for s in plan.sources]
         view = Available.view(key, plan, tuple(a.sources[0] for a in sources))
         one = sources[0] if len(sources) == 1 else None

@@ -64,7 +64,7 @@ def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...]
     from jax_ucp._src.language.recorded import spec_with_recorded_settings
 
     spec = spec_with_recorded_settings(spec, manifest.source)  # by name: the source's heads
-    return {view.key: view for view, _ in spec_views(spec, stored)}
+    return {view.key: view for view, _ in spec_views(spec, stored, manifest.source)}
 
 
 def read(
