@@ -19,7 +19,7 @@ CEILINGS = {
     "exporters": 2478,
     "format": 2734,
     "importers": 17083,
-    "language": 3232,
+    "language": 3231,
     "models": 2625,
     "multihost": 839,
     "orbax": 421,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53731
+TOTAL = 53730
 
 
 def _lines(paths) -> int:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jax_ucp._src.errors import LanguageError
+from jax_ucp._src.format import files
 from jax_ucp._src.language.settings import hf_head_settings, normalize
 from jax_ucp._src.language.toml_io import load_spec
 
@@ -74,11 +75,9 @@ def layout_assumed(plans: Mapping[Any, Any], spec: Any, source: Any) -> list[str
     trainer = source.get("trainer") if isinstance(source.get("trainer"), Mapping) else {}
     config = next((c for c in (trainer.get("model_config"), source.get("config"))
                    if isinstance(c, Mapping)), {})  # fmt: skip
-    version = str(config.get("transformers_version") or "").split(".")[0]
+    major = files.name_number(str(config.get("transformers_version") or "").split(".")[0])
     types = getattr(spec, "model_types", ())
-    if not assumed or (
-        version.isdigit() and int(version) >= 5 and config.get("model_type") in types
-    ):
+    if not assumed or (major is not None and major >= 5 and config.get("model_type") in types):
         return []
     more = f" (and {len(assumed) - 2} more alike)" if len(assumed) > 2 else ""
     return [
