@@ -210,14 +210,17 @@ class HubServer:
             return self._send(h, 404, b"", {"X-Error-Code": "EntryNotFound"})
         data, asked = files[name], h.headers.get("Range")
         record = {"server": server, "method": h.command, "path": name, "range": asked}
-        self.log.append({**record, "authorization": auth, "start": None, "stop": None})
+        # this request's own record: with requests served on several threads, log[-1] may be
+        # another's by the time the range is parsed
+        record = {**record, "authorization": auth, "start": None, "stop": None}
+        self.log.append(record)
         m = re.fullmatch(r"bytes=(\d*)-(\d*)", asked or "")
         if asked is None or m is None or not (m[1] or m[2]):
             return self._send(h, 200, data, {})
         if not m[1]:  # a suffix: the last N bytes
             m = ["", str(max(0, len(data) - int(m[2]))), ""]
         start, stop = int(m[1]), min(int(m[2]) + 1 if m[2] else len(data), len(data))
-        self.log[-1].update(start=start, stop=int(m[2]) + 1 if m[2] else len(data))
+        record.update(start=start, stop=int(m[2]) + 1 if m[2] else len(data))
         if start >= len(data):
             return self._send(h, 416, b"", {"Content-Range": f"bytes */{len(data)}"})
         content_range = f"bytes {start}-{stop - 1}/{len(data)}"
