@@ -484,8 +484,9 @@ def _schedule_argument(key: str, value: Any, where: str) -> Any:
 _HEAD, _EMBEDDINGS = "lm_head.weight", ("model.embed_tokens.weight", "transformer.wte.weight")
 
 
-def _mask_tree(saved_tensors: dict, spec, params, decayed: dict[str, bool], where: str):
-    """Per leaf of ``params``: decayed or not, from the torch parameters it is made of."""
+def _mask_tree(sources: Any, params, decayed: dict[str, bool], where: str):
+    """Per leaf of ``params``: decayed or not, from the torch parameters it is made of
+    (``sources``: ``_leaf_sources``, None without a spec)."""
     import jax
 
     def of(names: list[str], leaf: str) -> bool:
@@ -497,9 +498,8 @@ def _mask_tree(saved_tensors: dict, spec, params, decayed: dict[str, bool], wher
             )
         return bool(flags.pop())  # one flag, not None (checked above)
 
-    if spec is None:  # a frozen leaf (optax.MaskedNode) has no flag
+    if sources is None:  # a frozen leaf (optax.MaskedNode) has no flag
         return {n: of([n], n) if jax.tree.leaves(v) else v for n, v in params.items()}
-    sources = _leaf_sources(saved_tensors, spec)
     return jax.tree_util.tree_map_with_path(
         lambda path, _: of(
             sources[tuple(str(getattr(k, "key", k)) for k in path)], jax.tree_util.keystr(path)
@@ -508,14 +508,14 @@ def _mask_tree(saved_tensors: dict, spec, params, decayed: dict[str, bool], wher
     )
 
 
-def _plans(saved_tensors: dict, spec) -> dict:
-    saved = {k: language.TensorInfo(shape, dtype) for k, (shape, dtype) in saved_tensors.items()}
-    return language.compile_restore_plan(spec, saved)
-
-
-def _leaf_sources(saved_tensors: dict, spec) -> dict[tuple, list[str]]:
-    """{a params leaf's path: the torch parameters the spec makes it of}."""
-    plans = _plans(saved_tensors, spec)
+def _leaf_sources(run: _Run, spec: Any, notes: list[str]) -> dict[tuple, list[str]] | None:
+    """{a params leaf's path: the torch parameters the spec makes it of}, None without a spec;
+    the restore plan compiled once, and a layout no shape shows noted as the restore warns it."""
+    if spec is None:
+        return None
+    saved = {k: language.TensorInfo(shape, dtype) for k, (shape, dtype) in run.saved.items()}
+    plans = language.compile_restore_plan(spec, saved)
+    notes += language.layout_assumed(plans, spec, run.source)
     return {
         key[1:]: [s[1] for s in plan.sources] for key, plan in plans.items() if key[0] == "params"
     }
@@ -556,10 +556,10 @@ def _ties(run: _Run, spec: Any, recorded: dict) -> tuple[dict[str, str], str]:
     return {**tied, _HEAD: embedding}, ""
 
 
-def _untied(params: Any, saved: dict, spec: Any, tied: dict[str, str]) -> Any:
+def _untied(params: Any, sources: Any, tied: dict[str, str]) -> Any:
     """``params`` without the leaves made of tied names alone, nor the modules they empty (the
     tied model's tree)."""
-    leaves = {(k,): [k] for k in params} if spec is None else _leaf_sources(saved, spec)
+    leaves = {(k,): [k] for k in params} if sources is None else sources
     for path, names in leaves.items():
         if names and set(names) <= set(tied):
             nodes = [params]
@@ -663,13 +663,12 @@ def _from_run(
         raise RequestError(_no_optimizer(source, where))
     spec = spec_with_recorded_settings(spec, source, notes := [])
     lion = recipe is not None and recipe.optimizer == "lion"
-    if spec is not None:  # a layout no shape shows, as the restore warns it
-        notes += language.layout_assumed(_plans(run.saved, spec), spec, source)
+    sources = _leaf_sources(run, spec, notes)
     params, mu, nu, step = _restored_adam(run, options, spec, where, lion)
     tied, why = _ties(run, spec, recorded)
     if why:
         raise RequestError(f"{where}: {why}")
-    params = _untied(params, run.saved, spec, tied)
+    params = _untied(params, sources, tied)
     held = frozen.find(params, mu)
     trained, mu = (params, mu) if held is None else map(held.only, (params, mu))
     nu = nu if held is None or nu is None else held.only(nu)
@@ -685,7 +684,7 @@ def _from_run(
     _recorded_steps(source, step, notes, where)
     mask = None
     if _decays(recipe):
-        mask = _mask_tree(run.saved, spec, trained, dict(recipe.decayed), where)
+        mask = _mask_tree(sources, trained, dict(recipe.decayed), where)
         leaves = jax.tree.leaves(mask)
         style = {"adamw": "decoupled (AdamW)", "lion": "decoupled (Lion)"}.get(
             recipe.optimizer, "L2, added to the gradient (Adam)"
@@ -747,14 +746,13 @@ def _other_run(
 
     source = run.source
     spec = spec_with_recorded_settings(spec, source, notes := [])
-    if spec is not None:  # a layout no shape shows, as the restore warns it
-        notes += language.layout_assumed(_plans(run.saved, spec), spec, source)
+    sources = _leaf_sources(run, spec, notes)
     tree = run.restore(_restore_keywords(options, spec, where))
     params, opt = tree["params"], tree.get("opt_state") or {}
     tied, why = _ties(run, spec, torch_optimizer_record(source))
     if why:
         raise RequestError(f"{where}: {why}")
-    params = _untied(params, run.saved, spec, tied)
+    params = _untied(params, sources, tied)
     step = _step_of(opt, source, notes, where)
     held = frozen.find(params, *(v for v in opt.values() if isinstance(v, dict)))
     trained = params if held is None else held.only(params)
@@ -786,15 +784,15 @@ def _other_run(
         notes.append(recipe.how)
         notes.extend(recipe.notes)
         inside = {n: k == kind for n, k in owner.items()}
-        part = _mask_tree(run.saved, spec, trained, inside, where) if len(by_kind) > 1 else None
-        chains[kind] = _kind_chain(kind, recipe, mine, run, spec, trained, part, owner, notes)
+        part = _mask_tree(sources, trained, inside, where) if len(by_kind) > 1 else None
+        chains[kind] = _kind_chain(kind, recipe, mine, run, sources, trained, part, owner, notes)
     clip = recipes[0].clip
     if any(r.clip != clip for r in recipes):
         raise RequestError(f"{where}: the optimizers' recipes disagree on clipping")
     if len(chains) == 1:
         inner = next(iter(chains.values()))
     else:
-        labels = _labels(run, spec, trained, owner, where)
+        labels = _labels(sources, trained, owner, where)
         inner = optax.partition(chains, labels)
     tx = optax.chain(clip_like_torch(clip), inner)
     if held is not None:
@@ -824,14 +822,13 @@ def _say_unrecovered(unrecovered: Any, notes: list[str], where: str) -> list[str
     return unrecovered
 
 
-def _labels(run: _Run, spec: Any, params: Any, owner: dict[str, str], where: str) -> Any:
+def _labels(sources: Any, params: Any, owner: dict[str, str], where: str) -> Any:
     """Per leaf of ``params``: the optimizer its torch parameters belong to."""
     import jax
 
     kinds = sorted(set(owner.values()))
     masks = [
-        _mask_tree(run.saved, spec, params, {n: o == k for n, o in owner.items()}, where)
-        for k in kinds
+        _mask_tree(sources, params, {n: o == k for n, o in owner.items()}, where) for k in kinds
     ]
     return jax.tree.map(lambda *flags: kinds[list(flags).index(True)], *masks)
 
@@ -902,7 +899,7 @@ def _kind_chain(
     recipe: Recipe,
     groups: list[dict],
     run: _Run,
-    spec: Any,
+    sources: Any,
     params: Any,
     part: Any,
     owner: dict[str, str],
@@ -917,7 +914,7 @@ def _kind_chain(
     mask = None
     if _decays(recipe):
         decayed = {**dict.fromkeys(owner, False), **recipe.decayed}  # the others': no decay
-        mask = _mask_tree(run.saved, spec, params, decayed, where)
+        mask = _mask_tree(sources, params, decayed, where)
     if part is not None and mask is not None:  # a partition passes only this part's leaves
         mask = jax.tree.map(lambda m, mine: m if mine else optax.MaskedNode(), mask, part)
     if kind == "adam":

@@ -290,7 +290,7 @@ def _one_cycle(kw: Mapping[str, Any], position: Callable[[Any], Any]) -> dict[st
 def _adam_params(name: str, params: Mapping[str, Any], field: str) -> float:
     """The config's Adam parameters as DeepSpeed's class takes them, checked; and the lr."""
     torch_adam = params.get("torch_adam", False)
-    for key in ("torch_adam", "adam_w_mode", "bias_correction", "amsgrad", "set_grad_none"):
+    for key in ("torch_adam", "adam_w_mode", "bias_correction", "amsgrad"):
         if key in params:
             _value(_BOOL, params[key], 0, False, f"{field}.{key}")
     allowed = (
@@ -298,21 +298,34 @@ def _adam_params(name: str, params: Mapping[str, Any], field: str) -> float:
         if torch_adam
         else (DS_ADAM_PARAMS + DS_ENGINE_PARAMS)
     )
-    for key in params:
-        if key not in allowed:
-            raise RequestError(
-                f"{field}.{key}: not a parameter DeepSpeed's {name} "
-                f"({'torch Adam/AdamW' if torch_adam else 'FusedAdam / DeepSpeedCPUAdam'}) takes; "
-                f"translated are {', '.join(allowed)}"
-            )
+    named = f"{name} ({'torch Adam/AdamW' if torch_adam else 'FusedAdam / DeepSpeedCPUAdam'})"
+    _check_allowed(params, field, allowed, named)
     for key in ("amsgrad", "maximize", "capturable", "differentiable"):
         if params.get(key):
             raise RequestError(f"{field}.{key} = true is not translated to optax")
+    return _checked_common(
+        params, field, "DeepSpeedCPUAdam's moments in the parameters' low precision are"
+    )
+
+
+def _check_allowed(params: Mapping[str, Any], field: str, allowed: tuple, named: str) -> None:
+    """Refuses a parameter DeepSpeed's class ``named`` does not take, naming it."""
+    for key in params:
+        if key not in allowed:
+            raise RequestError(
+                f"{field}.{key}: not a parameter DeepSpeed's {named} takes; "
+                f"translated are {', '.join(allowed)}"
+            )
+
+
+def _checked_common(params: Mapping[str, Any], field: str, low_precision: str) -> float:
+    """The parameters Adam's and Lion's classes both take, checked as they take them (the
+    CPU class's state in low precision, ``low_precision``, refused); and the lr."""
+    for key in ("fp32_optimizer_states", "set_grad_none"):
+        if key in params:
+            _value(_BOOL, params[key], 0, False, f"{field}.{key}")
     if params.get("fp32_optimizer_states") is False:
-        raise RequestError(
-            f"{field}.fp32_optimizer_states = false: DeepSpeedCPUAdam's moments in the parameters' "
-            f"low precision are not reproduced"
-        )
+        raise RequestError(f"{field}.fp32_optimizer_states = false: {low_precision} not reproduced")
     for key in ("eps", "weight_decay"):
         if key in params:
             _value(_NUMBER, params[key], 0.0, False, f"{field}.{key}")
@@ -334,24 +347,10 @@ def _lion(params: Mapping[str, Any], groups: list[dict], where: str) -> tuple[st
     """(how, lr) of the Lion DeepSpeed built from the config's ``params``, its groups checked to
     be a Lion's (``lr``, ``betas``, ``weight_decay``; no Adam ``eps`` / ``bias_correction``)."""
     field = f"{where}: DeepSpeed optimizer params"
-    for key in params:
-        if key not in DS_LION_PARAMS:
-            raise RequestError(
-                f"{field}.{key}: not a parameter DeepSpeed's Lion (DeepSpeedCPULion / FusedLion) "
-                f"takes; translated are {', '.join(DS_LION_PARAMS)}"
-            )
-    for key in ("fp32_optimizer_states", "set_grad_none"):
-        if key in params:
-            _value(_BOOL, params[key], 0, False, f"{field}.{key}")
-    if params.get("fp32_optimizer_states") is False:
-        raise RequestError(
-            f"{field}.fp32_optimizer_states = false: DeepSpeedCPULion's momentum in the "
-            f"parameters' low precision is not reproduced"
-        )
-    if "weight_decay" in params:
-        _value(_NUMBER, params["weight_decay"], 0.0, False, f"{field}.weight_decay")
-    _betas(params, field)
-    lr = float(_value(_NUMBER, params.get("lr", DEFAULT_LR), 0.0, False, f"{field}.lr"))
+    _check_allowed(params, field, DS_LION_PARAMS, "Lion (DeepSpeedCPULion / FusedLion)")
+    lr = _checked_common(
+        params, field, "DeepSpeedCPULion's momentum in the parameters' low precision is"
+    )
     how = "DeepSpeed Lion: config type 'Lion' (DeepSpeedCPULion under offload, else FusedLion)"
     for i, g in enumerate(groups):  # a resumed DeepSpeedCPULion adds amsgrad: false to them
         has = set(g)
