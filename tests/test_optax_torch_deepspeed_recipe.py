@@ -135,6 +135,7 @@ ADAMW = {"type": "AdamW", "params": {"lr": 0.01}}
         ({"type": "AdamW", "params": {"eps": "1e-8"}}, r"params.eps = '1e-8'"),
         ({"type": "AdamW", "params": {"weight_decay": -0.1}}, r"params.weight_decay = -0.1"),
         ({"type": "AdamW", "params": {"fp32_optimizer_states": False}}, r"fp32_optimizer_states"),
+        ({"type": "AdamW", "params": {"fp32_optimizer_states": 0}}, r"states = 0: expected true"),
         ({"type": "Adam", "params": {"torch_adam": True, "bias_correction": False}}, r"torch Adam"),
         ({"params": {}}, r"expected a 'type'"),
     ],
