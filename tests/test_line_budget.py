@@ -15,7 +15,7 @@ ROOT = pathlib.Path(REPO) / "jax_ucp"
 #: _src) -> the most lines its .py files may hold
 CEILINGS = {
     "cli": 1756,
-    "continuation": 2273,
+    "continuation": 2272,
     "exporters": 2478,
     "format": 2734,
     "importers": 17083,
@@ -29,11 +29,11 @@ CEILINGS = {
     "store": 3592,
     "torchfiles": 3231,
     "writer": 1675,
-    "modules": 4733,
+    "modules": 4730,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53730
+TOTAL = 53726
 
 
 def _lines(paths) -> int:
