@@ -33,7 +33,7 @@ from jax_ucp._src.importers.plan import (
 )
 from jax_ucp._src.importers.runs import TrainerRun
 from jax_ucp._src.importers.verl.layout import verl_run
-from jax_ucp._src.store.storage import Storage, local_view
+from jax_ucp._src.store.storage import Storage, base, local_view
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
 # first weak claim (a folder of .safetensors, of .bin / .pt files).
@@ -113,7 +113,7 @@ def _readable(storage: Storage) -> Iterator[tuple[Storage, local_view.View | Non
     (``store.storage.local_view``: its archives' bytes fetched as they are read, its torch DCP
     folders read at their URL), its errors naming ``storage.root``; None when that remote
     prefix holds nothing a view shows (no torch archive nor DCP folder); listed once."""
-    with store.storage.base.listed_once():
+    with base.listed_once():
         if storage.local or any(IMPORTERS[n].detect(storage).found for n in _IN_PLACE):
             yield storage, None
             return

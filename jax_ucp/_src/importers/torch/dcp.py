@@ -207,7 +207,7 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
     return plan
 
 
-def _open(folder: Path) -> torch_dcp.DcpCheckpoint:
+def _open(folder: Path | torch_dcp.ObjectPath) -> torch_dcp.DcpCheckpoint:
     """A DCP folder: its ``.metadata``, else torch's Hugging Face writer's rank-local
     ``.safetensors`` shards."""
     if dcp_safetensors.is_rank_local(folder):
