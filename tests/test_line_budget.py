@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2272,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17083,
+    "importers": 17091,
     "language": 3231,
     "models": 2625,
     "multihost": 839,
@@ -26,14 +26,14 @@ CEILINGS = {
     "restoring": 5015,
     "saving": 969,
     "sharding": 707,
-    "store": 3592,
+    "store": 3608,
     "torchfiles": 3231,
     "writer": 1675,
     "modules": 4730,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53726
+TOTAL = 53750
 
 
 def _lines(paths) -> int:

@@ -1,7 +1,7 @@
 """A torch DCP folder in an object store restored straight onto a mesh (``s3://`` and ``gs://`` on
 the local servers tests/store/test_object_store.py starts): the tree equals the local folder's direct
-restore bit for bit, its chunks fetched by ranges (nothing fetched whole into the prefix's local
-view); a corrupt or missing ``.distcp`` object is an error naming it."""
+restore bit for bit, its chunks fetched by ranges, the folder read through its ``Storage`` (no
+local view built); a corrupt or missing ``.distcp`` object is an error naming it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 import jax_ucp
 from jax_ucp._src import store
-from jax_ucp._src.store.storage import object_store, sparse
+from jax_ucp._src.store.storage import local_view, object_store, sparse
 from jax_ucp._src.torchfiles import dcp
 from tests.restoring.test_remote_safetensors import _target
 
@@ -37,8 +37,15 @@ def _bytes(x) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", ["fsdp2_fp32", "fsdp2_bf16"])
-def test_dcp_in_an_object_store_restores_as_the_local_folder(bucket_url, name):
+def test_dcp_in_an_object_store_restores_as_the_local_folder(bucket_url, monkeypatch, name):
     folder, url = _upload(name, bucket_url)
+
+    def no_view(storage):
+        raise AssertionError(f"{storage.root}: a local view built for a torch DCP folder")
+
+    monkeypatch.setattr(local_view, "local_view", no_view)
+    listed, list_names = [], object_store.list_names
+    monkeypatch.setattr(object_store, "list_names", lambda *a: listed.append(a) or list_names(*a))
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
     local = jax_ucp.restore(folder)
     target = _target(local, mesh)
@@ -46,6 +53,7 @@ def test_dcp_in_an_object_store_restores_as_the_local_folder(bucket_url, name):
     remote = jax_ucp.restore(url, target=target)
     assert store.bytes_read() >= before  # nothing written: only read
     assert sparse.fetched() == viewed  # listed, no object fetched into the view: by ranges
+    assert listed == [(url, "")] * 2  # once to detect (every detector), once to plan
     on_mesh = jax_ucp.restore(folder, target=target)
     assert jax.tree.structure(remote) == jax.tree.structure(local)
     for a, b, c in zip(*(jax.tree.leaves(t) for t in (remote, on_mesh, local))):

@@ -33,7 +33,7 @@ from jax_ucp._src.importers.plan import (
 )
 from jax_ucp._src.importers.runs import TrainerRun
 from jax_ucp._src.importers.verl.layout import verl_run
-from jax_ucp._src.store.storage import Storage, local_view
+from jax_ucp._src.store.storage import Storage, base, local_view
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
 # first weak claim (a folder of .safetensors, of .bin / .pt files).
@@ -103,26 +103,27 @@ def _layouts(checkpoint_format: str) -> list[Importer]:
     return [i for i in IMPORTERS.values() if i.format == checkpoint_format and not i.takes_over]
 
 
-_IN_PLACE = ("safetensors",)  # importers that fetch a remote source's ranges themselves
+_IN_PLACE = ("safetensors", "torch_dcp")  # read remotely through their Storage themselves
 
 
 @contextlib.contextmanager
 def _readable(storage: Storage) -> Iterator[tuple[Storage, local_view.View | None] | None]:
     """(the ``Storage`` the importers read ``storage`` by, its view): ``storage`` itself, or for
-    a remote folder or file that no importer reads in place (safetensors fetches its own ranges)
-    a local view of it (``store.storage.local_view``: its archives' bytes fetched as they are
-    read, its torch DCP folders read at their URL), its errors naming ``storage.root``; None
-    when that remote prefix holds nothing a view shows (no torch archive nor DCP folder)."""
-    if storage.local or any(IMPORTERS[n].detect(storage).found for n in _IN_PLACE):
-        yield storage, None
-        return
-    viewed = local_view.local_view(storage)
-    if viewed is None:
-        yield None
-        return
-    view, src = viewed
-    with view.named():
-        yield src, view
+    a remote folder or file that no importer reads in place (``_IN_PLACE``) a local view of it
+    (``store.storage.local_view``: its archives' bytes fetched as they are read, its torch DCP
+    folders read at their URL), its errors naming ``storage.root``; None when that remote
+    prefix holds nothing a view shows (no torch archive nor DCP folder); listed once."""
+    with base.listed_once():
+        if storage.local or any(IMPORTERS[n].detect(storage).found for n in _IN_PLACE):
+            yield storage, None
+            return
+        viewed = local_view.local_view(storage)
+        if viewed is None:
+            yield None
+            return
+        view, src = viewed
+        with view.named():
+            yield src, view
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,16 +72,22 @@ HF_OPTIMIZER_DIR = "optimizer"
 MEGATRON_FILES = ("common.pt", "metadata.json", "integrity.json")
 
 
-def dcp_dirs(storage: Storage) -> list[Path]:
+def dcp_dirs(storage: Storage) -> list[Path | torch_dcp.ObjectPath]:
     """The DCP folders of ``src``: itself when it holds ``.metadata``, an OLMo-core step
     folder's ``model_and_optim/``, else Accelerate's ``pytorch_model_fsdp_N/`` and
     ``optimizer_N/`` inside it; [] when none. Rank-local safetensors come with the DCP
-    ``optimizer/`` transformers' ``save_optimizer_distributed`` writes beside them, if any. An
-    object-store prefix is read through its local view (``importers.registry``), whose DCP
-    folders ``torchfiles.dcp`` reads at their URL."""
+    ``optimizer/`` transformers' ``save_optimizer_distributed`` writes beside them, if any. A
+    remote prefix holding ``.metadata`` (no megatron-core file beside it) is read through its
+    ``Storage``, by its listing; its other layouts through a local view
+    (``importers.registry``)."""
     path = Path(storage.root)
     if not path.is_dir():
-        return []
+        try:
+            names = set(storage.names())
+        except OSError:  # a local file, or nothing
+            return []
+        plain = ".metadata" in names and not names.intersection(MEGATRON_FILES)
+        return [torch_dcp.folder(storage)] if plain else []
     if dcp_safetensors.is_rank_local(path):
         return [path, *_optimizer_dirs(path)]
     if os.path.lexists(path / ".metadata"):
@@ -155,9 +161,10 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
             f"{src}: no .metadata (and no pytorch_model_fsdp_N/ or optimizer_N/ folder holding "
             f"one): not a torch DCP checkpoint"
         )
+    itself = (Path(src), torch_dcp.folder(storage))
     try:
         for d in dirs:  # Accelerate's folders inside src, never links to another run's
-            if d != Path(src):
+            if d not in itself:
                 files.inside(src, d.name, str(src))
         checkpoints = [_open(d) for d in dirs]
         for ck in checkpoints:
@@ -174,7 +181,7 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
                     f"OLMo-core's trainer step not recovered: "
                     f"{info['trainer']['global_step_unread']}"
                 ]
-        elif dirs[0] != Path(src) and trainer_files.is_trainer_checkpoint(str(src)):
+        elif dirs[0] not in itself and trainer_files.is_trainer_checkpoint(str(src)):
             # a Trainer's FSDP checkpoint-N/: its schedule, clipping and step beside the folders
             info["trainer"] = trainer_files.trainer_record(str(src))
             units = trainer_files.rng_states(str(src))  # the Trainer's torch RNG states
@@ -187,7 +194,7 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
             state,
             {
                 "framework": "torch_dcp",
-                "path": os.path.abspath(src),
+                "path": storage.absolute(),
                 "folders": [os.path.relpath(d, src) for d in dirs],
                 "dcp_version": checkpoints[0].version,
                 **({"layout": "hf_safetensors"} if checkpoints[0].layout != "dcp" else {}),
@@ -200,7 +207,7 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
     return plan
 
 
-def _open(folder: Path) -> torch_dcp.DcpCheckpoint:
+def _open(folder: Path | torch_dcp.ObjectPath) -> torch_dcp.DcpCheckpoint:
     """A DCP folder: its ``.metadata``, else torch's Hugging Face writer's rank-local
     ``.safetensors`` shards."""
     if dcp_safetensors.is_rank_local(folder):

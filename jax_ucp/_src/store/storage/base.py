@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from jax_ucp._src import format as fmt
@@ -24,6 +25,18 @@ from jax_ucp._src.store.storage.sparse import RemoteArchive, remote_archive
 # URL scheme -> TensorStore kvstore driver: the object stores (``object_store``); here, so that
 # choosing a path's medium (``storage_for``) does not import the object-store code
 SCHEMES = {"s3": "s3", "gs": "gcs"}
+#: (root, prefix) -> its names, inside ``listed_once`` (``ObjectStorePrefix.names``)
+LISTINGS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("listings", default=None)
+
+
+@contextlib.contextmanager
+def listed_once() -> Iterator[None]:
+    """Inside it a remote prefix is listed once: one open stage's detectors send one LIST."""
+    token = LISTINGS.set(LISTINGS.get() or {})
+    try:
+        yield
+    finally:
+        LISTINGS.reset(token)
 
 
 class Claim(Protocol):

@@ -1,15 +1,12 @@
-"""A remote checkpoint folder (``s3://``, ``gs://``, any ``Storage`` that is not ``local``) seen
-as a local folder, for the importers that walk folders (Megatron, verl, torchtune,
-torch_checkpointing, ``torch.save`` files, torch DCP): one listing gives the folder, each object
-a file in a private temporary directory. Small objects (trackers, configs) are fetched whole (at
-most :data:`MAX_WHOLE` bytes each). A zip archive (``.pt``, ``.pth``, ``.bin``, ``.ckpt``), a
-torch DCP folder's ``.metadata`` and ``.distcp`` objects (plain, megatron-core's ``torch_dist``
-and ``fsdp_dtensor``, verl's ``dist_ckpt``) stand as empty files read at their storage
-(``sparse.stored_at``): ``torchfiles.torch_zip`` through ``Storage.mapped`` (the members it reads
-fetched by ranges), ``torchfiles.dcp`` by the byte ranges of the chunks it reads; a rank's file
-of torch DCP's Hugging Face writer stands as a sparse file holding its header only, read the
-same way. A prefix holding no torch archive nor torch DCP folder is never viewed (an Orbax
-step's arrays are not fetched).
+"""A remote checkpoint folder (``s3://``, ``gs://``, ``hf://``) seen as a local folder, for the
+importers that walk folders and do not read its ``Storage`` themselves (all but
+``importers.registry._IN_PLACE``): one listing gives the folder, each object a file in a private
+temporary directory. Small objects (trackers, configs) are fetched whole (at most
+:data:`MAX_WHOLE` bytes each); a zip archive (``.pt``, ``.pth``, ``.bin``, ``.ckpt``), a torch DCP
+folder's ``.metadata`` and ``.distcp`` objects, and a rank's file of torch DCP's Hugging Face
+writer (its header) stand as sparse files read at their storage (``sparse.stored_at``). A prefix
+holding no torch archive nor torch DCP folder is never viewed (an Orbax step's arrays are not
+fetched).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ import tensorstore as ts
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import RequestError, SaveConflictError
 from jax_ucp._src.multihost import liveness
+from jax_ucp._src.store.storage import base
 from jax_ucp._src.store.storage.base import SCHEMES, Claim, Storage, Transaction, kvstore_join
 
 log = logging.getLogger(__name__)
@@ -348,7 +349,12 @@ class ObjectStorePrefix(Storage):
 
     def names(self, prefix: str = "") -> list[str]:
         """Every object name under ``root`` (relative to it, nested ones too)."""
-        return list_names(self.root, prefix)
+        memo = base.LISTINGS.get()  # listed once inside ``base.listed_once``
+        if memo is None:
+            return list_names(self.root, prefix)
+        if (self.root, prefix) not in memo:
+            memo[self.root, prefix] = list_names(self.root, prefix)
+        return list(memo[self.root, prefix])
 
     def delete(self, names: list[str]) -> None:
         delete_names(self.root, names)
