@@ -619,7 +619,13 @@ def test_each_family_builds_a_model_of_the_counted_size_and_its_spec_loads(famil
     cfg, spec = hf_model(_config(family))
     assert load_spec(spec, **cfg.head_settings).name == spec
     tokens = jnp.arange(12, dtype=jnp.int32).reshape(1, 12) % cfg.vocab_size
-    params = TransformerLM(cfg).init(jax.random.key(0), tokens)
+    # the parameters init makes (traced, not run: an eager init compiles every initializer
+    # and runs the model once more, ~60 % of this test's time), filled with random values
+    shapes = jax.eval_shape(TransformerLM(cfg).init, jax.random.key(0), tokens)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda x: jnp.asarray((rng.standard_normal(x.shape) * 0.2).astype(x.dtype)), shapes
+    )
     held = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     assert held == cfg.parameter_count()
     logits = TransformerLM(cfg).apply(params, tokens)
