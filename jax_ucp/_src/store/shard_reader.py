@@ -11,7 +11,7 @@ import math
 import os
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import crc32c as crc32c_lib
 import numpy as np
@@ -239,15 +239,18 @@ class ShardReader:
         tensor: str = "",
         root: str | None = None,
         objects: tuple | None = None,
+        check: Callable[[], object] | None = None,
     ):
         """``digests``: shard key -> digest from the manifest; each shard file read is checked
         against it (None: no identity check, e.g. arrays saved without checksums). ``root``:
         the checkpoint folder every shard file must resolve inside (default ``array_dir``).
         ``objects``: ``(kvstore, prefix)``, an object store's ``tensorstore.KvStore`` and the
         array's names' prefix: shards are objects read by ranged GETs (``array_dir`` then only
-        names them in messages; crc32c and ``digests`` required)."""
+        names them in messages; crc32c and ``digests`` required). ``check``: raises when the
+        array may not be read (its ``zarr.json`` against the manifest); called before any read's
+        result is returned, so that the check's requests overlap the reads."""
         self.array_dir, self.layout, self.dtype = array_dir, layout, np.dtype(dtype)
-        self.objects = objects
+        self.objects, self.check = objects, check
         self.root = array_dir if root is None else root
         self.digests, self.tensor = digests, tensor
         self._verified: set[str] = set()
@@ -584,8 +587,13 @@ class RegionRead(PendingReads):
         )
 
     def result(self) -> np.ndarray | None:
-        """Waits for every part, raises the first error, then checks the shard digests."""
-        super().result()
+        """Waits for every part; raises the reader's ``check``'s error, else the first part's;
+        then checks the shard digests."""
+        try:
+            super().result()
+        finally:  # its error first: what the reads found does not matter if the array is refused
+            if self._reader.check is not None:
+                self._reader.check()
         self._reader.verify_digests(self._keys)
         return self.out
 
