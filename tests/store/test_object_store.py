@@ -187,7 +187,7 @@ def test_an_array_metadata_fetch_waited_for_before_its_size_is_known_completes()
             done.set_result(ts.KvStore.ReadResult(state="value", value=b"{}"))
             return future
 
-    fetch = ucp_source._Fetch("arrays/w/zarr.json", Store())
+    fetch = ucp_source.ObjectFetch("arrays/w/zarr.json", Store())
     got = []
     waiter = threading.Thread(target=lambda: got.append(fetch.result(Store())), daemon=True)
     waiter.start()

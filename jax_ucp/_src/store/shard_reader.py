@@ -246,9 +246,8 @@ class ShardReader:
         the checkpoint folder every shard file must resolve inside (default ``array_dir``).
         ``objects``: ``(kvstore, prefix)``, an object store's ``tensorstore.KvStore`` and the
         array's names' prefix: shards are objects read by ranged GETs (``array_dir`` then only
-        names them in messages; crc32c and ``digests`` required). ``check``: raises when the
-        array may not be read (its ``zarr.json`` against the manifest); called before any read's
-        result is returned, so that the check's requests overlap the reads."""
+        names them in messages; crc32c and ``digests`` required). ``check``: raises if the array
+        may not be read (its ``zarr.json`` unlike the manifest), run before any result is returned."""
         self.array_dir, self.layout, self.dtype = array_dir, layout, np.dtype(dtype)
         self.objects, self.check = objects, check
         self.root = array_dir if root is None else root
@@ -587,8 +586,7 @@ class RegionRead(PendingReads):
         )
 
     def result(self) -> np.ndarray | None:
-        """Waits for every part; raises the reader's ``check``'s error, else the first part's;
-        then checks the shard digests."""
+        """Waits for every part; raises the reader's ``check``'s error, the first part's, a digest's."""
         try:
             super().result()
         finally:  # its error first: what the reads found does not matter if the array is refused

@@ -161,7 +161,7 @@ class CheckpointSource(TensorSource):
         self.root = self.path = root = self.storage.root
         self.where = f"the checkpoint {root}"
         self._context = store.zarr3.read_context()
-        # per array: its zarr.json's bytes (None: missing) or their fetch (``_Fetch``), then
+        # per array: its zarr.json's bytes (None: missing) or their fetch (``ObjectFetch``), then
         # its checked layout, then the TensorStore array opened
         self._futures: dict[tuple, tuple[fmt.TensorEntry, Any]] = {}
         self._kv: ts.KvStore | None = None  # an object store's, opened once
@@ -206,7 +206,7 @@ class CheckpointSource(TensorSource):
                 self._kv = ts.KvStore.open(self.storage.kvstore()).result()
             name = f"{entry.dir.strip('/')}/{ZARR_JSON}"
             # a byte past the limit first: a larger object is refused, never fetched
-            self._futures[entry.key] = (entry, _Fetch(name, self._kv))
+            self._futures[entry.key] = (entry, ObjectFetch(name, self._kv))
             return
         zarr_json = os.path.join(kv["path"], ZARR_JSON)
         try:  # never hand TensorStore a FIFO or a device, nor an array linked out of the root
@@ -226,7 +226,7 @@ class CheckpointSource(TensorSource):
             return store.zarr3.layout_of(entry)
         where = self.storage.join(entry.dir, ZARR_JSON)
         data = pending if isinstance(pending, bytes) else None
-        if isinstance(pending, _Fetch):
+        if isinstance(pending, ObjectFetch):
             try:
                 data = pending.result(self._kv)
             except Exception as e:
@@ -323,37 +323,35 @@ class CheckpointSource(TensorSource):
         return max(1, int(found.sources[0].inner_chunk_shape[0])) if found.stored else 1
 
 
-class _Fetch:
+class ObjectFetch:
     """An object's content, fetched in two steps: a byte past ``MAX_ZARR_JSON_BYTES`` (present:
     too large), then the whole object, started as soon as the first answers (nobody waits)."""
 
     def __init__(self, name: str, kv):
-        self.name = name
+        self.name, self._lock = name, threading.Lock()  # TensorStore's thread and the caller's
         self.whole: ts.Future | None = None
         self.settled: tuple[bool, bytes | None] | None = None  # (too large, content)
-        self._lock = threading.Lock()  # ``advance`` from TensorStore's thread and the caller's
-        beyond = slice(MAX_ZARR_JSON_BYTES, MAX_ZARR_JSON_BYTES + 1)
-        self.beyond = kv.read(name, byte_range=beyond)
-        self.beyond.add_done_callback(lambda _: self._advance_quietly(kv))
+        self.beyond = kv.read(name, byte_range=slice(MAX_ZARR_JSON_BYTES, MAX_ZARR_JSON_BYTES + 1))
+        self.beyond.add_done_callback(lambda _: self.advance(kv, quietly=True))
 
-    def _advance_quietly(self, kv) -> None:
-        with contextlib.suppress(Exception):  # ``result`` raises it, naming the file
-            self.advance(kv)
-
-    def advance(self, kv) -> None:
-        # waited for without the lock: TensorStore runs the callback above before it wakes a
-        # waiter, so a waiter holding the lock would never wake
+    def advance(self, kv, quietly: bool = False) -> None:
+        """The second GET issued once the first answered (``quietly``: its error left to
+        ``result``). Waited for without the lock: TensorStore runs the callback above before it
+        wakes a waiter, so a waiter holding the lock would never wake."""
         try:
             got = self.beyond.result()
         except ValueError:  # the range starts past the end (OUT_OF_RANGE): a small object
             got = None
-        with self._lock:
-            if self.whole is not None or self.settled is not None:
+        except Exception:
+            if quietly:
                 return
-            if got is None:
-                self.whole = kv.read(self.name)
-            else:
-                self.settled = (got.state == "value", None)
+            raise
+        with self._lock:
+            if self.whole is None and self.settled is None:
+                if got is None:
+                    self.whole = kv.read(self.name)
+                else:
+                    self.settled = (got.state == "value", None)
 
     def result(self, kv) -> bytes | None:
         """The content (None: no such object); more than the limit: ``limit + 1`` bytes."""
