@@ -11,7 +11,10 @@ requests issued one after another pay for. The restores from ``s3://`` (onto the
 ``select=`` half the tensors, the same one by TensorStore with the digest sweep it had before,
 and a torch DCP folder of the same tensors restored directly) alternate with bare loops fetching
 the same objects (whole, one GET each, all at once; for the DCP object also by ranged GETs as
-``ranged.fetch_ranges`` issues them), with the bytes and HTTP requests each fetched.
+``ranged.fetch_ranges`` issues them), with the bytes and HTTP requests each fetched, and the CPU
+seconds (user + system) this process, moto's and the proxy's spent during each: moto and the
+proxy run on the same cores as the client. ``--pin`` puts moto and the proxy on the first core
+and this process on the others (``os.sched_setaffinity``), so that they do not compete.
 """
 
 from __future__ import annotations
@@ -43,6 +46,13 @@ def _wait_for_port(port: int) -> None:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.05)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` (every thread) has spent so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def delay_proxy(listen: int, target: int, seconds: float) -> None:
@@ -88,17 +98,35 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--latency-ms", type=float, default=0, help="added to every S3 request")
     ap.add_argument(
+        "--only",
+        default="",
+        help="run only the contenders whose name this regex finds (the save to s3:// runs anyway)",
+    )
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="moto and the proxy on the first core, this process on the others",
+    )
+    ap.add_argument(
         "--proxy", nargs=3, metavar=("LISTEN", "TARGET", "SECONDS"), help=argparse.SUPPRESS
     )
     a = ap.parse_args()
     if a.proxy:
         return delay_proxy(int(a.proxy[0]), int(a.proxy[1]), float(a.proxy[2]))
+    cores = sorted(os.sched_getaffinity(0))
+    if a.pin and len(cores) < 2:
+        ap.error(f"--pin needs 2 cores, this process may run on {cores}")
+    server_cores = cores[:1] if a.pin else cores
+    if a.pin:  # before any thread starts: they inherit it
+        os.sched_setaffinity(0, cores[1:])
     port = _free_port()
     server = subprocess.Popen(
         [shutil.which("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    os.sched_setaffinity(server.pid, server_cores)
+    servers = {"moto": server.pid}
     proxy = None
     try:
         _wait_for_port(port)
@@ -114,9 +142,11 @@ def main() -> None:
             proxy_port = _free_port()
             cmd = [sys.executable, __file__, "--proxy", str(proxy_port), str(port)]
             proxy = subprocess.Popen([*cmd, str(a.latency_ms / 1000)])
+            os.sched_setaffinity(proxy.pid, server_cores)
+            servers["proxy"] = proxy.pid
             _wait_for_port(proxy_port)
             os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{proxy_port}"
-        run(a.mib, a.rounds, a.json, a.latency_ms)
+        run(a.mib, a.rounds, a.json, a.latency_ms, servers, a.pin, a.only)
     finally:
         if proxy is not None:
             proxy.terminate()
@@ -124,9 +154,18 @@ def main() -> None:
         server.wait(timeout=30)
 
 
-def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> None:
+def run(
+    mib: int,
+    rounds: int,
+    json_path: str | None,
+    latency_ms: float = 0,
+    servers: dict[str, int] | None = None,
+    pinned: bool = False,
+    only: str = "",
+) -> None:
     import json
     import platform
+    import re
 
     import jax
     import numpy as np
@@ -164,7 +203,7 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
     errors: dict[str, str] = {}
 
     def timed(name, fn):
-        if name in errors:
+        if name in errors or (name != "jax_ucp -> s3://" and not re.search(only, name)):
             return
         t = time.perf_counter()
         try:
@@ -230,15 +269,24 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
             ranged.fetch_ranges(kv, key, [(0, size)], lambda at, n, got: None)
 
     fetched: dict[str, list[tuple[float, float]]] = {}
+    load = [os.getloadavg()[0]]  # at the start and after each round
+    servers = servers or {}
+    cpu: dict[str, list[dict[str, float]]] = {}  # per contender and round: who spent what
+
+    def cpu_now() -> dict[str, float]:
+        return {"client": time.process_time()} | {k: cpu_seconds(p) for k, p in servers.items()}
 
     def counted(name, fn, needed):
-        """``fn`` timed, and the s3 bytes and GETs it fetched (TensorStore's counters) per
-        byte of the slices it needed."""
-        before = s3_counters()
+        """``fn`` timed, the s3 bytes and GETs it fetched (TensorStore's counters) per byte of
+        the slices it needed, and the CPU seconds this process and each server spent."""
+        before, was = s3_counters(), cpu_now()
         timed(name, fn)
-        after = s3_counters()
+        after, now = s3_counters(), cpu_now()
+        if name not in times:
+            return
         got = after[0] - before[0], after[1] - before[1]
         fetched.setdefault(name, []).append((got[0] / needed, got[1]))
+        cpu.setdefault(name, []).append({k: now[k] - was[k] for k in now})
 
     dcp_url = "s3://bench/dcp"
     # the same tensors as a torch DCP folder (one .distcp, as one rank's dcp.save writes),
@@ -271,11 +319,16 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
         ][:: 1 if r % 2 == 0 else -1]:
             counted(name, fn, needed)
         timed("jax_ucp local dir -> 4x2 mesh", lambda: restore(os.path.join(local, f"u{r}")))
+        load.append(os.getloadavg()[0])
     shutil.rmtree(local, ignore_errors=True)
     back = jax_ucp.restore("s3://bench/ucp-0")
     exact = all(np.asarray(back[k]).tobytes() == np.asarray(v).tobytes() for k, v in tree.items())
     added = f", {latency_ms:g} ms added to every S3 request" if latency_ms else ""
+    added += ", moto and the proxy pinned to a core of their own" if pinned else ""
     print(f"{n} x 16 MiB fp32 tensors on a 2x4 mesh, median of {rounds}{added}:")
+    print(
+        f"  load (1 min) at the start and after each round: {', '.join(f'{x:.1f}' for x in load)}"
+    )
     names = (
         "jax_ucp -> s3://",
         "Orbax StandardCheckpointer -> s3://",
@@ -285,6 +338,8 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
         "jax_ucp local dir -> 4x2 mesh",
     )
     for name in names:
+        if name not in times and name not in errors:
+            continue
         if name in errors:
             print(f"  {name:38} fails: {errors[name]}")
         else:
@@ -305,9 +360,12 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
                 shown.add(k)
                 per = statistics.median(f for f, _ in fetched[k])
                 gets = statistics.median(g for _, g in fetched[k])
+                spent = ", ".join(
+                    f"{who} {statistics.median(c[who] for c in cpu[k]):.2f}" for who in cpu[k][0]
+                )
                 print(
                     f"  {k:38} {statistics.median(times[k]):7.2f} s, fetched {per:.4f}x the "
-                    f"slices needed in {gets:.0f} HTTP requests"
+                    f"slices needed in {gets:.0f} HTTP requests; CPU s: {spent}"
                 )
         if name in times and loop in times:
             ratio[f"{name} / {loop}"] = r = statistics.median(times[loop]) / statistics.median(
@@ -326,6 +384,9 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
             "errors": errors,
             "bit_exact": exact,
             "fetched_per_needed_and_requests": fetched,
+            "cpu_seconds": cpu,
+            "pinned": pinned,
+            "load_at_start_and_each_round": load,
             "speed_vs_bare_loop": ratio,
         }
         with open(json_path, "w") as f:

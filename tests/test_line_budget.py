@@ -23,17 +23,17 @@ CEILINGS = {
     "models": 2625,
     "multihost": 839,
     "orbax": 421,
-    "restoring": 5015,
+    "restoring": 5024,
     "saving": 969,
     "sharding": 707,
-    "store": 3608,
+    "store": 3614,
     "torchfiles": 3231,
     "writer": 1675,
     "modules": 4730,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53750
+TOTAL = 53765
 
 
 def _lines(paths) -> int:

@@ -127,6 +127,78 @@ def test_a_shard_object_cut_short_or_emptied_is_named_with_its_size(bucket):
     assert np.asarray(jax_ucp.restore(url)["w"]).tobytes() == w.tobytes()
 
 
+def test_an_array_metadata_object_unlike_the_manifest_is_refused(bucket):
+    """An array's zarr.json is checked against its manifest entry while its shard objects are
+    fetched (issue 69): one member changed (big-endian: every value byte-swapped if believed),
+    one too large or missing is still refused naming the object, onto a mesh, to host and by
+    select=, and its error comes first when a shard object is also wrong."""
+    _, root = bucket
+    url = _new(root, "meta")
+    w = np.arange(64 * 96, dtype=np.float32).reshape(64, 96)
+    jax_ucp.save(url, {"w": jax.device_put(w, NamedSharding(_mesh((2, 4)), P("x", "y")))})
+    (entry,) = jax_ucp.inspect(url).tensors
+    name = f"{entry.dir}/zarr.json"
+    good = object_store.read(url, name, 1 << 14)
+    assert good is not None and b'"little"' in good
+    onto = {"w": NamedSharding(_mesh((4, 2)), P("y", "x"))}
+    for data, said in [
+        (good.replace(b'"little"', b'"big"'), r"zarr\.json.*endian"),
+        (good + b" " * (1 << 14), r"zarr\.json: more than the 16384 bytes"),
+        (None, r"array metadata .*zarr\.json is missing"),
+    ]:
+        if data is None:
+            object_store.delete(url, name)
+        else:
+            object_store.write(url, name, data)
+        for kw in ({"shardings": onto}, {}, {"select": "w"}):
+            with pytest.raises(jax_ucp.UCPError, match=said):
+                jax_ucp.restore(url, **kw)
+    object_store.write(url, name, good.replace(b'"little"', b'"big"'))
+    shard = f"{entry.dir}/c/0/0"
+    whole = object_store.read(url, shard, 1 << 20)
+    object_store.write(url, shard, whole[: len(whole) // 2])
+    with pytest.raises(jax_ucp.UCPError, match=r"zarr\.json.*endian"):
+        jax_ucp.restore(url)
+    object_store.write(url, shard, whole)
+    object_store.write(url, name, good)
+    assert np.asarray(jax_ucp.restore(url, shardings=onto)["w"]).tobytes() == w.tobytes()
+
+
+def test_an_array_metadata_fetch_waited_for_before_its_size_is_known_completes():
+    """The zarr.json's second GET is issued by a callback when its size probe answers; a
+    restore whose chunk reads finished first waits for the probe meanwhile. Waiting while
+    holding the lock that callback takes hung (TensorStore runs the callback before it wakes
+    the waiter): the wait now ends with the content, the probe answered from another thread."""
+    import threading
+
+    import tensorstore as ts
+
+    from jax_ucp._src.restoring.sources import ucp_source
+
+    probe, probed = ts.Promise.new()
+    asked = []
+
+    class Store:  # answers the probe when the test says; the whole object at once
+        def read(self, name, byte_range=None):
+            asked.append(byte_range)
+            if byte_range is not None:
+                return probed
+            done, future = ts.Promise.new()
+            done.set_result(ts.KvStore.ReadResult(state="value", value=b"{}"))
+            return future
+
+    fetch = ucp_source.ObjectFetch("arrays/w/zarr.json", Store())
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(fetch.result(Store())), daemon=True)
+    waiter.start()
+    time.sleep(0.2)  # the waiter waits on the probe
+    past_the_end = ValueError("OUT_OF_RANGE: the range starts past the end")
+    threading.Thread(target=lambda: probe.set_exception(past_the_end), daemon=True).start()
+    waiter.join(30)
+    assert not waiter.is_alive(), "waiting for the probe hung"
+    assert got == [b"{}"] and asked[0] == slice(1 << 14, (1 << 14) + 1) and asked[1:] == [None]
+
+
 def test_a_save_that_did_not_commit_is_never_a_checkpoint(bucket):
     """Killed before its ucp.json: restore/inspect/verify say it is no checkpoint; the next
     save to the prefix deletes the leftovers and commits only its own objects."""

@@ -11,7 +11,7 @@ import math
 import os
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import crc32c as crc32c_lib
 import numpy as np
@@ -239,15 +239,17 @@ class ShardReader:
         tensor: str = "",
         root: str | None = None,
         objects: tuple | None = None,
+        check: Callable[[], object] | None = None,
     ):
         """``digests``: shard key -> digest from the manifest; each shard file read is checked
         against it (None: no identity check, e.g. arrays saved without checksums). ``root``:
         the checkpoint folder every shard file must resolve inside (default ``array_dir``).
         ``objects``: ``(kvstore, prefix)``, an object store's ``tensorstore.KvStore`` and the
         array's names' prefix: shards are objects read by ranged GETs (``array_dir`` then only
-        names them in messages; crc32c and ``digests`` required)."""
+        names them in messages; crc32c and ``digests`` required). ``check``: raises if the array
+        may not be read (its ``zarr.json`` unlike the manifest), run before any result is returned."""
         self.array_dir, self.layout, self.dtype = array_dir, layout, np.dtype(dtype)
-        self.objects = objects
+        self.objects, self.check = objects, check
         self.root = array_dir if root is None else root
         self.digests, self.tensor = digests, tensor
         self._verified: set[str] = set()
@@ -584,8 +586,12 @@ class RegionRead(PendingReads):
         )
 
     def result(self) -> np.ndarray | None:
-        """Waits for every part, raises the first error, then checks the shard digests."""
-        super().result()
+        """Waits for every part; raises the reader's ``check``'s error, the first part's, a digest's."""
+        try:
+            super().result()
+        finally:  # its error first: what the reads found does not matter if the array is refused
+            if self._reader.check is not None:
+                self._reader.check()
         self._reader.verify_digests(self._keys)
         return self.out
 

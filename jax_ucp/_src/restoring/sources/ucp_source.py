@@ -7,8 +7,10 @@ the reads exporters, verify and diff make of it (``read``, ``read_rows``). JAX-f
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -159,7 +161,7 @@ class CheckpointSource(TensorSource):
         self.root = self.path = root = self.storage.root
         self.where = f"the checkpoint {root}"
         self._context = store.zarr3.read_context()
-        # per array: its zarr.json's bytes (None: missing) or their fetch (``_Fetch``), then
+        # per array: its zarr.json's bytes (None: missing) or their fetch (``ObjectFetch``), then
         # its checked layout, then the TensorStore array opened
         self._futures: dict[tuple, tuple[fmt.TensorEntry, Any]] = {}
         self._kv: ts.KvStore | None = None  # an object store's, opened once
@@ -172,10 +174,7 @@ class CheckpointSource(TensorSource):
         at once, before any read."""
         sources = {s.key: s for found in tensors for s in found.sources}
         for src in sources.values():
-            self._open(src)
-        for _, pending in self._futures.values():
-            if isinstance(pending, _Fetch):  # the whole objects fetched at once in turn
-                pending.advance(self._kv)
+            self._open(src)  # an object's zarr.json fetched in two steps, nobody waiting
         if not self.storage.local:  # those read by ``ShardReader`` are checked as they are read
             by_tensorstore = {
                 s.key: s
@@ -207,8 +206,7 @@ class CheckpointSource(TensorSource):
                 self._kv = ts.KvStore.open(self.storage.kvstore()).result()
             name = f"{entry.dir.strip('/')}/{ZARR_JSON}"
             # a byte past the limit first: a larger object is refused, never fetched
-            beyond = slice(MAX_ZARR_JSON_BYTES, MAX_ZARR_JSON_BYTES + 1)
-            self._futures[entry.key] = (entry, _Fetch(name, self._kv.read(name, byte_range=beyond)))
+            self._futures[entry.key] = (entry, ObjectFetch(name, self._kv))
             return
         zarr_json = os.path.join(kv["path"], ZARR_JSON)
         try:  # never hand TensorStore a FIFO or a device, nor an array linked out of the root
@@ -228,7 +226,7 @@ class CheckpointSource(TensorSource):
             return store.zarr3.layout_of(entry)
         where = self.storage.join(entry.dir, ZARR_JSON)
         data = pending if isinstance(pending, bytes) else None
-        if isinstance(pending, _Fetch):
+        if isinstance(pending, ObjectFetch):
             try:
                 data = pending.result(self._kv)
             except Exception as e:
@@ -288,8 +286,7 @@ class CheckpointSource(TensorSource):
                     tensor=entry.name,
                     root=self.storage.kvstore()["path"],  # spelled as kv["path"] is
                 )
-        if self._objects_read(found):
-            self._checked(entry.key)
+        if self._objects_read(found):  # its zarr.json checked while its chunks are fetched
             if self._kv is None:
                 self._kv = ts.KvStore.open(self.storage.kvstore()).result()
             return shard_reader.ShardReader(
@@ -299,6 +296,7 @@ class CheckpointSource(TensorSource):
                 digests=entry.shard_digests,
                 tensor=entry.name,
                 objects=(self._kv, f"{entry.dir.strip('/')}/"),
+                check=functools.partial(self._checked, entry.key),
             )
         return found.build({s.key: self._get(s.key) for s in found.sources})
 
@@ -325,24 +323,35 @@ class CheckpointSource(TensorSource):
         return max(1, int(found.sources[0].inner_chunk_shape[0])) if found.stored else 1
 
 
-class _Fetch:
+class ObjectFetch:
     """An object's content, fetched in two steps: a byte past ``MAX_ZARR_JSON_BYTES`` (present:
-    too large), then the whole object; ``advance`` starts the second without waiting for it."""
+    too large), then the whole object, started as soon as the first answers (nobody waits)."""
 
-    def __init__(self, name: str, beyond: ts.Future):
-        self.name, self.beyond = name, beyond
+    def __init__(self, name: str, kv):
+        self.name, self._lock = name, threading.Lock()  # TensorStore's thread and the caller's
         self.whole: ts.Future | None = None
         self.settled: tuple[bool, bytes | None] | None = None  # (too large, content)
+        self.beyond = kv.read(name, byte_range=slice(MAX_ZARR_JSON_BYTES, MAX_ZARR_JSON_BYTES + 1))
+        self.beyond.add_done_callback(lambda _: self.advance(kv, quietly=True))
 
-    def advance(self, kv) -> None:
-        if self.whole is not None or self.settled is not None:
-            return
+    def advance(self, kv, quietly: bool = False) -> None:
+        """The second GET issued once the first answered (``quietly``: its error left to
+        ``result``). Waited for without the lock: TensorStore runs the callback above before it
+        wakes a waiter, so a waiter holding the lock would never wake."""
         try:
             got = self.beyond.result()
         except ValueError:  # the range starts past the end (OUT_OF_RANGE): a small object
-            self.whole = kv.read(self.name)
-            return
-        self.settled = (got.state == "value", None)
+            got = None
+        except Exception:
+            if quietly:
+                return
+            raise
+        with self._lock:
+            if self.whole is None and self.settled is None:
+                if got is None:
+                    self.whole = kv.read(self.name)
+                else:
+                    self.settled = (got.state == "value", None)
 
     def result(self, kv) -> bytes | None:
         """The content (None: no such object); more than the limit: ``limit + 1`` bytes."""
