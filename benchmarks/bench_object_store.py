@@ -11,7 +11,8 @@ requests issued one after another pay for. The restores from ``s3://`` (onto the
 ``select=`` half the tensors, the same one by TensorStore with the digest sweep it had before,
 and a torch DCP folder of the same tensors restored directly) alternate with bare loops fetching
 the same objects (whole, one GET each, all at once; for the DCP object also by ranged GETs as
-``ranged.fetch_ranges`` issues them), with the bytes and HTTP requests each fetched, and the CPU
+``ranged.fetch_ranges`` issues them), and both restores as one process of two sees them (its
+devices hold the first half of every tensor's rows) beside loops fetching just that share, with the bytes and HTTP requests each fetched, and the CPU
 seconds (user + system) this process, moto's and the proxy's spent during each: moto and the
 proxy run on the same cores as the client. ``--pin`` puts moto and the proxy on the first core
 and this process on the others (``os.sched_setaffinity``), so that they do not compete.
@@ -246,7 +247,39 @@ def run(
     def restore_half(path):
         jax.block_until_ready(jax_ucp.restore(path, select=half))
 
-    def bare_loop(path, names=None):
+    from jax._src import sharding as jax_sharding
+
+    @contextlib.contextmanager
+    def one_process_of_two():
+        """The restore as process 0 of a 2-process job sees it, simulated in this one: its
+        addressable devices are those holding the first half of each tensor's rows (the
+        others are process 1's), and its arrays are the shards it read (a list per tensor)."""
+        real_map, real_make = (
+            jax_sharding._addressable_devices_indices_map,
+            jax.make_array_from_single_device_arrays,
+        )
+
+        def share(sharding, shape):
+            every = real_map(sharding, shape)
+            return {d: i for d, i in every.items() if not shape or (i[0].start or 0) == 0}
+
+        jax_sharding._addressable_devices_indices_map = share
+        jax.make_array_from_single_device_arrays = lambda shape, sharding, singles: singles
+        try:
+            yield
+        finally:
+            jax_sharding._addressable_devices_indices_map = real_map
+            jax.make_array_from_single_device_arrays = real_make
+
+    def share_restore(path):
+        with one_process_of_two():
+            restore(path)
+
+    def share_direct(path):
+        with one_process_of_two():
+            direct(path)
+
+    def bare_loop(path, names=None, keep=None):
         """Every object of the checkpoint (or those of tensors ``names``) fetched whole, one GET
         each, all in flight at once through TensorStore's s3 driver (its request concurrency
         the restore's): what the restore's reads cost with nothing else done."""
@@ -254,19 +287,23 @@ def run(
         keys = [k.decode() for k in kv.list().result()]
         if names is not None:
             keys = [k for k in keys if not k.startswith("arrays/") or k.split("/")[1] in names]
+        if keep is not None:
+            keys = [k for k in keys if keep(k)]
         for got in [kv.read(k) for k in keys]:
             got.result()
 
-    def ranged_loop(path, sizes):
+    def ranged_loop(path, sizes, ranges=None):
         """Every object ``sizes`` names (name -> bytes) fetched by ranged GETs of
         ``ranged.PIECE`` bytes, at most ``ranged.IN_FLIGHT`` bytes in flight
         (``ranged.fetch_ranges``, what a direct restore's reads go through), nothing else done:
         moto reads a whole object for every ranged GET, so whole-object GETs are no bound for
-        reads by ranges of one large object."""
+        reads by ranges of one large object. ``ranges`` (name -> [(start, stop)]): those bytes
+        alone."""
         storage = jax_ucp_storage.storage_for(path)
         for name, size in sizes.items():
             kv, key = ranged.opened(storage, name)
-            ranged.fetch_ranges(kv, key, [(0, size)], lambda at, n, got: None)
+            wanted = ranges[name] if ranges is not None else [(0, size)]
+            ranged.fetch_ranges(kv, key, wanted, lambda at, n, got: None)
 
     fetched: dict[str, list[tuple[float, float]]] = {}
     load = [os.getloadavg()[0]]  # at the start and after each round
@@ -299,6 +336,16 @@ def run(
     for name in dcp_sizes:
         with open(os.path.join(folder, name), "rb") as f:
             object_store.write(dcp_url, name, f.read())
+    # process 0's share of the DCP object: the first half of each tensor's rows (row-major)
+    opened_dcp = dcp.open_dcp(folder)
+    dcp_share: dict[str, list[tuple[int, int]]] = {}
+    for t in opened_dcp.tensors.values():
+        for c in t.chunks:
+            row = c.byte_length // c.sizes[0]
+            low, high = max(0, c.offsets[0]), min(t.shape[0] // 2, c.offsets[0] + c.sizes[0])
+            if low < high:
+                at = c.byte_offset + (low - c.offsets[0]) * row
+                dcp_share.setdefault(c.file, []).append((at, at + (high - low) * row))
     for r in range(rounds):
         timed("jax_ucp -> s3://", lambda: jax_ucp.save(f"s3://bench/ucp-{r}", tree))
         timed("Orbax StandardCheckpointer -> s3://", lambda: orbax_save(f"s3://bench/orbax-{r}"))
@@ -306,6 +353,11 @@ def run(
         timed("Orbax -> local dir", lambda: orbax_save(os.path.join(local, f"o{r}")))
         whole, part = n * 2048 * 2048 * 4, (n // 2 or 1) * 2048 * 2048 * 4
         names = [f"w{i}" for i in range(n // 2 or 1)]
+        dcp_half = (dcp_url, {k: dcp_sizes[k] for k in dcp_share}, dcp_share)
+
+        def first(key):  # metadata, and the chunks of each tensor's first half of rows
+            return not key.startswith("arrays/") or "/c/" not in key or "/c/0/" in key
+
         url = f"s3://bench/ucp-{r}"
         for name, fn, needed in [
             ("jax_ucp s3:// -> 4x2 mesh", lambda: restore(url), whole),
@@ -316,6 +368,14 @@ def run(
             ("ranged GET loop, the DCP objects", lambda: ranged_loop(dcp_url, dcp_sizes), whole),
             ("jax_ucp s3:// select= half -> host", lambda: restore_half(url), part),
             ("bare GET loop, half the tensors", lambda: bare_loop(url, names), part),
+            ("one process of 2: s3:// -> its rows", lambda: share_restore(url), whole // 2),
+            (
+                "bare GET loop, that process's chunks",
+                lambda: bare_loop(url, keep=first),
+                whole // 2,
+            ),
+            ("one process of 2: direct DCP -> rows", lambda: share_direct(dcp_url), whole // 2),
+            ("ranged GET loop, that process's rows", lambda: ranged_loop(*dcp_half), whole // 2),
         ][:: 1 if r % 2 == 0 else -1]:
             counted(name, fn, needed)
         timed("jax_ucp local dir -> 4x2 mesh", lambda: restore(os.path.join(local, f"u{r}")))
@@ -354,6 +414,8 @@ def run(
         ("direct restore, DCP s3:// -> 4x2 mesh", "bare GET loop, the DCP objects"),
         ("direct restore, DCP s3:// -> 4x2 mesh", "ranged GET loop, the DCP objects"),
         ("jax_ucp s3:// select= half -> host", "bare GET loop, half the tensors"),
+        ("one process of 2: s3:// -> its rows", "bare GET loop, that process's chunks"),
+        ("one process of 2: direct DCP -> rows", "ranged GET loop, that process's rows"),
     ]:
         for k in (name, loop):
             if k in times and k not in shown:
