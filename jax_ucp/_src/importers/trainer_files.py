@@ -259,6 +259,12 @@ def _entries(storage: Storage) -> set[str]:
     return {name.split("/", 1)[0] for name in storage.names()}
 
 
+def _refuse_link_out(storage: Storage, name: str) -> None:
+    """A local side file linking out of the checkpoint refused, never recorded as unread."""
+    if isinstance(storage, LocalDirectory):
+        side_file(storage.root, name)
+
+
 def _json(storage: Storage, name: str, entries: set[str]) -> Any:
     """JSON file ``name`` of ``storage`` (bounded in size), None when not among ``entries``."""
     raw = storage.read(name, MAX_JSON_BYTES) if name in entries else None
@@ -289,6 +295,7 @@ def trainer_record(storage: Storage) -> dict:
             "(renamed or copied?); the Trainer's resume counts from global_step {step}",
         )
     if ARGS_FILE in entries:
+        _refuse_link_out(storage, ARGS_FILE)
         try:
             classes = {n: allow_list.standin_class(n) for n in ARG_CLASSES}
             classes[_TrainingArguments.qualname] = _TrainingArguments
@@ -308,6 +315,7 @@ def scheduler_record(storage: Storage, name: str, key: str) -> dict[str, Any]:
     ``{key + "_unread": why}`` when it cannot be read; ``{}`` without the file."""
     if name not in _entries(storage):
         return {}
+    _refuse_link_out(storage, name)
     try:
         sched = torch_zip.load_torch_file((storage, name))
     except allow_list.TorchFileError as e:
