@@ -32,7 +32,7 @@ from jax_ucp._src.importers.plan import (
     accounted,
 )
 from jax_ucp._src.importers.runs import TrainerRun
-from jax_ucp._src.importers.verl.layout import verl_run
+from jax_ucp._src.importers.verl.layout import named_like_verl, verl_run
 from jax_ucp._src.store.storage import Storage, base, local_view
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
@@ -103,7 +103,16 @@ def _layouts(checkpoint_format: str) -> list[Importer]:
     return [i for i in IMPORTERS.values() if i.format == checkpoint_format and not i.takes_over]
 
 
-_IN_PLACE = ("safetensors", "torch_dcp")  # read remotely through their Storage themselves
+_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed")  # read remotely through their Storage
+
+
+def _in_place(storage: Storage) -> bool:
+    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage``; DeepSpeed's only
+    without verl's names (verl outranks it, and reads a remote prefix through a view)."""
+    for name in _IN_PLACE:
+        if IMPORTERS[name].detect(storage).found:
+            return name != "deepspeed" or not named_like_verl(storage.names())
+    return False
 
 
 @contextlib.contextmanager
@@ -114,7 +123,7 @@ def _readable(storage: Storage) -> Iterator[tuple[Storage, local_view.View | Non
     folders read at their URL), its errors naming ``storage.root``; None when that remote
     prefix holds nothing a view shows (no torch archive nor DCP folder); listed once."""
     with base.listed_once():
-        if storage.local or any(IMPORTERS[n].detect(storage).found for n in _IN_PLACE):
+        if storage.local or _in_place(storage):
             yield storage, None
             return
         viewed = local_view.local_view(storage)

@@ -12,6 +12,7 @@ unpickler with inert stand-ins, for the schedule and clipping the run used; ``sc
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -22,6 +23,7 @@ from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.plan import jsonable
+from jax_ucp._src.store.storage import LocalDirectory, Storage
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
@@ -243,66 +245,79 @@ class _TrainingArguments(allow_list.StandIn):
         super().__setstate__(state)
 
 
-def model_config(folder: str) -> dict | None:
-    """The :data:`MODEL_FIELDS` of ``folder``'s ``config.json`` (what a spec by name needs to
-    restore the model: its head settings), None without one."""
-    config_path = side_file(folder, CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        return None
-    config = read_json(config_path)
+def model_config(storage: Storage) -> dict | None:
+    """The :data:`MODEL_FIELDS` of the ``config.json`` of the folder ``storage`` (what a spec by
+    name needs to restore the model: its head settings), None without one."""
+    config = _json(storage, CONFIG_FILE, _entries(storage))
     if not isinstance(config, dict):
         return None
     return {k: jsonable(config[k]) for k in MODEL_FIELDS if k in config}
 
 
-def trainer_record(folder: str) -> dict:
+def _entries(storage: Storage) -> set[str]:
+    """The entries of ``storage`` (a remote prefix's by its one listing)."""
+    return {name.split("/", 1)[0] for name in storage.names()}
+
+
+def _refuse_link_out(storage: Storage, name: str) -> None:
+    """A local side file linking out of the checkpoint refused, never recorded as unread."""
+    if isinstance(storage, LocalDirectory):
+        side_file(storage.root, name)
+
+
+def _json(storage: Storage, name: str, entries: set[str]) -> Any:
+    """JSON file ``name`` of ``storage`` (bounded in size), None when not among ``entries``."""
+    raw = storage.read(name, MAX_JSON_BYTES) if name in entries else None
+    return None if raw is None else files.strict_json(raw, storage.join(name))
+
+
+def trainer_record(storage: Storage) -> dict:
     """What the Trainer recorded of its optimizer's schedule: ``training_args`` (the fields of
     :data:`ARG_FIELDS`), ``scheduler`` (``last_epoch``, ``base_lrs``, ``last_lr``) and
     ``global_step`` / ``max_steps``, ``logged_lr`` (:func:`logged_rates`); absent files are
-    absent keys."""
+    absent keys; the folder ``storage`` (a remote one read in place)."""
+    entries = _entries(storage)
     out: dict[str, Any] = {}
-    config = model_config(folder)
+    config = model_config(storage)
     if config is not None:
         out["model_config"] = config
-    state_path = side_file(folder, STATE_FILE)
-    if os.path.isfile(state_path):
-        state = read_json(state_path)
-        if isinstance(state, dict):
-            out.update({k: jsonable(state[k]) for k in ("global_step", "max_steps") if k in state})
-            logged = logged_rates(state.get("log_history"))
-            if logged:
-                out["logged_lr"] = logged
-            runs.say_renamed(
-                folder,
-                rf"checkpoint-({files.DIGITS})",
-                out.get("global_step"),
-                "folder's name says step {named}, " + STATE_FILE + "'s global_step says {step} "
-                "(renamed or copied?); the Trainer's resume counts from global_step {step}",
-            )
-    args_path = side_file(folder, ARGS_FILE)
-    if os.path.isfile(args_path):
+    state = _json(storage, STATE_FILE, entries)
+    if isinstance(state, dict):
+        out.update({k: jsonable(state[k]) for k in ("global_step", "max_steps") if k in state})
+        logged = logged_rates(state.get("log_history"))
+        if logged:
+            out["logged_lr"] = logged
+        runs.say_renamed(
+            storage.root,
+            rf"checkpoint-({files.DIGITS})",
+            out.get("global_step"),
+            "folder's name says step {named}, " + STATE_FILE + "'s global_step says {step} "
+            "(renamed or copied?); the Trainer's resume counts from global_step {step}",
+        )
+    if ARGS_FILE in entries:
+        _refuse_link_out(storage, ARGS_FILE)
         try:
             classes = {n: allow_list.standin_class(n) for n in ARG_CLASSES}
             classes[_TrainingArguments.qualname] = _TrainingArguments
-            args = torch_zip.load_torch_file(args_path, classes)
+            args = torch_zip.load_torch_file((storage, ARGS_FILE), classes)
         except allow_list.TorchFileError as e:
             out["training_args_unread"] = str(e)[:300]
         else:
             fields = vars(args) if isinstance(args, allow_list.StandIn) else {}
             out["training_args"] = {k: _arg(fields[k]) for k in ARG_FIELDS if k in fields}
-    out.update(scheduler_record(folder, SCHEDULER_FILE, "scheduler"))
+    out.update(scheduler_record(storage, SCHEDULER_FILE, "scheduler"))
     return out
 
 
-def scheduler_record(folder: str, name: str, key: str) -> dict[str, Any]:
+def scheduler_record(storage: Storage, name: str, key: str) -> dict[str, Any]:
     """``{key: {last_epoch, base_lrs, last_lr}}`` of the torch scheduler's state ``name`` in
-    ``folder`` (the Trainer's ``scheduler.pt``, Accelerate's ``scheduler.bin``), ``{key +
-    "_unread": why}`` when it cannot be read; ``{}`` without the file."""
-    path = side_file(folder, name)
-    if not os.path.isfile(path):
+    the folder ``storage`` (the Trainer's ``scheduler.pt``, Accelerate's ``scheduler.bin``),
+    ``{key + "_unread": why}`` when it cannot be read; ``{}`` without the file."""
+    if name not in _entries(storage):
         return {}
+    _refuse_link_out(storage, name)
     try:
-        sched = torch_zip.load_torch_file(path)
+        sched = torch_zip.load_torch_file((storage, name))
     except allow_list.TorchFileError as e:
         return {f"{key}_unread": str(e)[:300]}
     if not isinstance(sched, dict):
@@ -331,13 +346,22 @@ def logged_rates(history: Any) -> list[list]:
     return rates[-MAX_LOGGED:]
 
 
-def trainer_folder_above(tag_dir: str, marker: str = STATE_FILE) -> str | None:
+def trainer_folder_above(
+    tag_dir: Storage, opened: Storage, marker: str = STATE_FILE
+) -> Storage | None:
     """The Trainer's ``checkpoint-N/`` holding ``tag_dir`` (DeepSpeed's ``global_stepN/``, FSDP's
     ``pytorch_model_fsdp_0/``): its parent when the Trainer saved there (``trainer_state.json``;
     another ``marker``: a DeepSpeed ``save_dir``'s ``latest``), else None. Only that one folder
-    is looked at, never further up."""
-    parent = os.path.dirname(os.path.abspath(tag_dir))
-    return parent if os.path.lexists(os.path.join(parent, marker)) else None
+    is looked at, never further up: ``opened`` (the folder read, a remote one listed once) when
+    ``tag_dir`` is its entry, else a local folder's parent folder."""
+    if tag_dir is not opened and tag_dir.root == opened.join(os.path.basename(tag_dir.root)):
+        parent: Storage = opened
+    elif isinstance(tag_dir, LocalDirectory):  # opened at the tag folder or below it
+        parent = LocalDirectory(os.path.dirname(os.path.abspath(tag_dir.root)))
+    else:  # a remote prefix above the one given is never read
+        return None
+    with contextlib.suppress(OSError):
+        return parent if marker in _entries(parent) else None
 
 
 def trainer_run(root: str) -> runs.TrainerRun | None:

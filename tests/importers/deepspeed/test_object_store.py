@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 import jax_ucp
 from jax_ucp._src.importers import registry
-from jax_ucp._src.store.storage import object_store, sparse
+from jax_ucp._src.store.storage import local_view, object_store, sparse
 from jax_ucp._src.torchfiles import torch_zip
 from jax_ucp.conversion import ImportOptions
 from tests.restoring.test_remote_safetensors import _target
@@ -150,6 +150,30 @@ def test_a_zero_folder_in_an_object_store_converts_as_the_local_folder(
     assert_same(jax_ucp.restore(got), jax_ucp.restore(jax_ucp.convert(ZERO, str(tmp_path / "l"))))
     source = jax_ucp.inspect(got).source
     assert source["path"].startswith(url) and "ucp-view-" not in str(source)
+
+
+TRAINER_DS = os.path.join(REPO, "tests", "fixtures", "hf_trainer", "trainer_ds_z2", "checkpoint-3")
+
+
+@pytest.mark.parametrize("src", [ZERO, TRAINER_DS], ids=["zero", "trainer"])
+def test_a_deepspeed_folder_is_read_in_place(s3_server, monkeypatch, tmp_path, src):
+    """No local view of the prefix: DeepSpeed's files, and a Trainer's beside its
+    ``global_stepN/`` (its schedule, step, model config), read through the prefix's storage;
+    the source recorded as the local folder's, naming the URL."""
+    url = upload(src, served(monkeypatch, s3_server))
+
+    def no_view(storage):
+        raise AssertionError(f"{storage.root}: a local view built for a DeepSpeed folder")
+
+    local = jax_ucp.inspect(jax_ucp.convert(src, str(tmp_path / "local"))).source
+    monkeypatch.setattr(local_view, "local_view", no_view)
+    got = jax_ucp.convert(url, str(tmp_path / "remote"))
+    assert_same(jax_ucp.restore(got), jax_ucp.restore(str(tmp_path / "local")))
+    source = jax_ucp.inspect(got).source
+    assert source["path"].startswith(url)
+    assert source.get("trainer") == local.get("trainer")
+    assert source.get("config") == local.get("config")
+    assert ("trainer" in source) == (src == TRAINER_DS)
 
 
 def test_a_zero_folder_in_a_hub_repo_restores_by_ranges(hub_server, monkeypatch):

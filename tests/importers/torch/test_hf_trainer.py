@@ -20,6 +20,7 @@ from safetensors.numpy import load_file
 
 import jax_ucp
 from jax_ucp._src.importers.plan import tensor_names
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp._src.torchfiles import torch_zip
 from jax_ucp.conversion import ImportOptions, TorchOptions
 from tests.ucp_testing import (
@@ -647,7 +648,7 @@ def test_a_checkpoint_folder_renamed_to_another_step_says_so(tmp_path):
     src = os.path.join(TRAINER, "trainer_fp32", "checkpoint-3")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert trainer_files.trainer_record(src)["global_step"] == 3
+        assert trainer_files.trainer_record(LocalDirectory(src))["global_step"] == 3
     assert not [w for w in seen if "folder's name" in str(w.message)]
     renamed = tmp_path / "checkpoint-7"
     shutil.copytree(src, renamed)
@@ -656,7 +657,7 @@ def test_a_checkpoint_folder_renamed_to_another_step_says_so(tmp_path):
         match=r"checkpoint-7: the folder's name says step 7, trainer_state.json's global_step "
         r"says 3 \(renamed or copied\?\); the Trainer.s resume counts from global_step 3",
     ):
-        assert trainer_files.trainer_record(str(renamed))["global_step"] == 3
+        assert trainer_files.trainer_record(LocalDirectory(str(renamed)))["global_step"] == 3
 
 
 def _prefix_truth() -> dict[str, np.ndarray]:

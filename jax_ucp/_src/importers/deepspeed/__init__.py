@@ -176,15 +176,15 @@ def plan(storage: Storage, options: DeepSpeedOptions) -> ImportPlan:
         plan = _plan_training_checkpoint(tag_dir, options)
         # every file of the tag folder is read: a file nobody reads is a silent loss (refused)
         check_every_file_read(tag_dir, plan.source_tensors)
-    trainer = trainer_folder_above(tag_dir.root)  # a Trainer's checkpoint-N/: global_stepN/
+    trainer = trainer_folder_above(tag_dir, storage)  # a Trainer's checkpoint-N/
     if trainer is not None:  # its schedule, clipping, step: what continues the run
         record = trainer_record(trainer)
         scheduler = (plan.source.get("optimizer") or {}).get("scheduler")
         if "scheduler" not in record and scheduler is not None:  # no scheduler.pt under DeepSpeed
             record["scheduler"] = scheduler  # its state is in the model states file
-        plan.source.update(trainer=record, trainer_path=trainer)
-        zero.trainer_facts(plan.source, trainer)  # the config it filled from its arguments
-    elif (root := trainer_folder_above(tag_dir.root, "latest")) is not None:
+        plan.source.update(trainer=record, trainer_path=trainer.root)
+        zero.trainer_facts(plan.source, trainer.root)  # the config it filled from its arguments
+    elif (root := trainer_folder_above(tag_dir, storage, "latest")) is not None:
         config = model_config(root)  # the model's config.json saved beside `latest`
         if config:  # the head settings a spec by name takes (language.recorded)
             plan.source["config"] = config

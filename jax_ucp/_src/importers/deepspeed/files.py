@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src.errors import SourceError
+from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.plan import host_item, tensor_names, trainer_checkpoints
@@ -188,8 +188,11 @@ def read_tag_file(folder: Storage, name: str) -> str:
     A NUL or another control character would otherwise reach the file system as a raw
     "embedded null byte" error, or name a folder nobody wrote."""
     path = folder.join(name)
-    with unsafe_files_refused():
-        raw = folder.read(name, 4096)
+    try:
+        with unsafe_files_refused():
+            raw = folder.read(name, 4096)
+    except RequestError as e:  # a remote one served larger: never fetched whole
+        raise SourceError(f"{e}: a record naming the tag folder, refused unread") from None
     if raw is None:  # listed, yet no file: a link to nothing, never read as no tracker
         raise SourceError(f"{path}: listed, but no file there (a link to nothing?)")
     try:

@@ -183,7 +183,7 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
                 ]
         elif dirs[0] not in itself and trainer_files.is_trainer_checkpoint(str(src)):
             # a Trainer's FSDP checkpoint-N/: its schedule, clipping and step beside the folders
-            info["trainer"] = trainer_files.trainer_record(str(src))
+            info["trainer"] = trainer_files.trainer_record(storage)
             units = trainer_files.rng_states(str(src))  # the Trainer's torch RNG states
         state.found.extend(units)
         state.skipped.update(units)

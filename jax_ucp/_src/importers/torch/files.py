@@ -280,10 +280,10 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
             states, groups, info["optimizer_keys"] = _optimizer(optimizer, prefix, skipped, order)
     _skip_unused(src, model_files[0], found, optimizer_sources, params, states, skipped)
     if os.path.isdir(src) and trainer_files.is_trainer_checkpoint(src):
-        info["trainer"] = trainer_files.trainer_record(src)  # the schedule, clipping, step
+        info["trainer"] = trainer_files.trainer_record(storage)  # the schedule, clipping, step
     elif info.get("optimizer_file") == "optimizer.bin" and not weights_only:
         # Accelerate's save_state: its scheduler's base_lrs / _last_lr state the groups' rates
-        info.update(trainer_files.scheduler_record(src, "scheduler.bin", "lr_scheduler"))
+        info.update(trainer_files.scheduler_record(storage, "scheduler.bin", "lr_scheduler"))
     if os.path.isdir(src) and trainer_files.is_adapter_checkpoint(src):
         info["lora"] = trainer_files.adapter_record(src)  # exported back as peft reads it
     if base_folder is not None:

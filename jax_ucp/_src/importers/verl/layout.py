@@ -26,6 +26,7 @@ __all__ = [
     "is_megatron_dir",
     "is_model_dir",
     "locate",
+    "named_like_verl",
     "rank_files",
     "step_dirs",
 ]
@@ -64,6 +65,12 @@ def step_dirs(root: str) -> list[str]:
     """The ``global_step_N`` folders of a verl run holding a saved actor, by step."""
     holds = lambda path: is_model_dir(os.path.join(path, MODEL_DIRS[0]))
     return list(runs.numbered_steps(root, _STEP_DIR.pattern, holds).values())
+
+
+def named_like_verl(names: list[str]) -> bool:
+    """Whether ``names`` (a remote prefix's) hold a verl step or model folder, by names alone."""
+    parts = {part for name in names for part in name.split("/")}
+    return any(_STEP_DIR.fullmatch(p) or p in (*MODEL_DIRS, DIST_CKPT) for p in parts)
 
 
 @dataclasses.dataclass(frozen=True)
