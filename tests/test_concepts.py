@@ -75,6 +75,10 @@ DCP = os.path.join(REPO, "tests", "fixtures", "torch", "fsdp2_bf16")
 #: ``distrib_optim.pt`` cut by ``legacy_import._legacy_distrib_optim`` and Megatron-DeepSpeed's
 #: ZeRO merge, which share the ``RankGrid`` only.
 MAX_MEGATRON_STATE_READERS = 1
+#: the same count over the DeepSpeed importers but Megatron-DeepSpeed's (issue 71 wants 1):
+#: ``universal.UniversalParam`` (DeepSpeed's own universal format); ZeRO 0-3 are read by
+#: ``zero.DeepSpeedCheckpoint``'s functions, which take a state's name, not classes of their own
+MAX_DEEPSPEED_STATE_READERS = 1
 
 
 @functools.cache
@@ -417,9 +421,9 @@ def test_the_stay_count_sees_one_more():
     assert len(twice) == len(once) + 1, twice[len(once) - 2 :]
 
 
-def megatron_state_readers(paths=None) -> list[str]:
+def state_readers(paths=None) -> list[str]:
     """``module.Class`` of every class in the Megatron importers (or ``paths``) with a method
-    taking an argument named ``state``."""
+    taking an argument named ``state``: an optimizer-state reader of its own."""
     if paths is None:
         megatron = os.path.join(PACKAGE, "importers", "megatron")
         paths = [os.path.join(PACKAGE, "importers", "deepspeed", "megatron.py")]
@@ -437,10 +441,20 @@ def megatron_state_readers(paths=None) -> list[str]:
     return sorted(found)
 
 
+def test_one_deepspeed_optimizer_state_reader():
+    deepspeed = os.path.join(PACKAGE, "importers", "deepspeed")
+    paths = [
+        os.path.join(deepspeed, n) for n in sorted(os.listdir(deepspeed)) if n != "megatron.py"
+    ]
+    found = state_readers(paths)
+    assert "universal.UniversalParam" in found
+    assert len(found) <= MAX_DEEPSPEED_STATE_READERS, found
+
+
 def test_one_megatron_optimizer_state_reader(tmp_path):
-    found = megatron_state_readers()
+    found = state_readers()
     assert "rank_states.RankStates" in found
     assert len(found) <= MAX_MEGATRON_STATE_READERS, found
     second = tmp_path / "second.py"
     second.write_text("class Chained:\n    def read(self, state, name): ...\nclass Other: ...\n")
-    assert megatron_state_readers([str(second)]) == ["second.Chained"]
+    assert state_readers([str(second)]) == ["second.Chained"]
