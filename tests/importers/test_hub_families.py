@@ -16,14 +16,23 @@ import pytest
 from jax.sharding import Mesh
 
 import jax_ucp
+from jax_ucp._src.store.storage import local_view
 from jax_ucp.conversion import ImportOptions
 from tests.importers.deepspeed.test_object_store import assert_same, served, size_of
+from tests.importers.torch.test_object_store import no_view
 from tests.restoring.test_remote_safetensors import _target
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(300)
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 ARCHIVES = (".pt", ".bin", ".ckpt", ".distcp")
+#: read through the repo's Storage, no local view built
+IN_PLACE = (
+    "torch/fsdp2_fp32",
+    "torch/dcp_zstd",
+    "olmo_core/olmo_fp32",
+    "torch_checkpointing/tc_fsdp2_synthetic_layout/step-3",
+)
 
 
 @pytest.mark.parametrize(
@@ -53,6 +62,8 @@ def test_each_importer_family_restores_from_a_hub_repo_as_its_local_folder(
     hub_server, monkeypatch, name, options
 ):
     served(monkeypatch)
+    if name in IN_PLACE:
+        monkeypatch.setattr(local_view, "local_view", no_view)
     src = os.path.join(FIXTURES, name)
     files = {}
     for folder, _, names in os.walk(src):

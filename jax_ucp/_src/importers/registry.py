@@ -103,7 +103,8 @@ def _layouts(checkpoint_format: str) -> list[Importer]:
     return [i for i in IMPORTERS.values() if i.format == checkpoint_format and not i.takes_over]
 
 
-_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed")  # read remotely through their Storage
+#: read remotely through their Storage
+_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed", "torch_checkpointing", "olmo_core")
 
 
 def _in_place(storage: Storage) -> bool:
