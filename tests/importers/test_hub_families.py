@@ -32,6 +32,7 @@ IN_PLACE = (
     "torch/dcp_zstd",
     "olmo_core/olmo_fp32",
     "torch_checkpointing/tc_fsdp2_synthetic_layout/step-3",
+    "torch/hf_bin_sharded",
 )
 
 
@@ -87,3 +88,18 @@ def test_each_importer_family_restores_from_a_hub_repo_as_its_local_folder(
     )
     # no byte twice (but the one-byte reads holding an archive's size to the object's)
     assert 0 < nbytes <= size_of(src) + 2 * len(files), (len(gets), nbytes)
+
+
+def test_one_torch_save_file_of_a_hub_repo_is_read_in_place(hub_server, monkeypatch):
+    """``hf://org/name/pytorch_model.bin``, one file of a repo holding others, restores as the
+    local file, read through its folder's Storage (no local view), by ranges, no byte twice."""
+    served(monkeypatch)
+    monkeypatch.setattr(local_view, "local_view", no_view)
+    src = os.path.join(FIXTURES, "torch", "hf_bin", "pytorch_model.bin")
+    with open(src, "rb") as f:
+        data = f.read()
+    hub_server.add("org/one-bin", {"pytorch_model.bin": data, "other.pt": data[:10]})
+    assert_same(jax_ucp.restore("hf://org/one-bin/pytorch_model.bin"), jax_ucp.restore(src))
+    gets = [r for r in hub_server.log if r["method"] == "GET" and r["path"] == "pytorch_model.bin"]
+    assert all(r["range"] is not None for r in gets), gets
+    assert 0 < sum(r["stop"] - r["start"] for r in gets) <= len(data) + 2

@@ -39,18 +39,15 @@ TRAIN_CLASSES: dict[str, Any] = dict(allow_list.NUMPY_CLASSES)
 def is_step_folder(storage: Storage) -> bool:
     """An OLMo-core ``Checkpointer`` folder: no ``.metadata`` of its own and a torch DCP
     ``model_and_optim/.metadata`` (OLMo-core's name), with ``train/`` beside it or not (a step
-    folder copied without its trainer state is still OLMo-core's layout); a remote prefix by its
-    one listing, a folder linked out of the checkpoint claimed (its plan refuses it)."""
+    folder copied without its trainer state is still OLMo-core's layout)."""
     try:
-        names = storage.names()
+        names = storage.names()  # a remote prefix's: model_and_optim/.metadata among them
+        inside = MODEL_DIR in names and storage.folder(MODEL_DIR).exists(".metadata")
+    except files.UnsafeFileError:  # linked out of the checkpoint: its plan refuses it
+        return True
     except OSError:  # a file, or nothing
         return False
-    if ".metadata" in names or f"{MODEL_DIR}/.metadata" in names:  # nested: a remote listing
-        return ".metadata" not in names
-    try:
-        return MODEL_DIR in names and storage.folder(MODEL_DIR).exists(".metadata")
-    except files.UnsafeFileError:
-        return True
+    return ".metadata" not in names and (inside or f"{MODEL_DIR}/.metadata" in names)
 
 
 def detect(storage: Storage) -> Detection:

@@ -11,6 +11,7 @@ from jax_ucp._src import store
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.torch import dcp, olmo_core, torch_checkpointing
+from jax_ucp._src.store.storage import LocalDirectory
 
 
 def torchtitan_run(root: str) -> runs.TrainerRun | None:
@@ -34,7 +35,7 @@ def olmo_core_run(root: str) -> runs.TrainerRun | None:
     """OLMo-core's save folder: its ``stepN`` folders (``model_and_optim/`` torch DCP)."""
 
     def complete(path: str) -> str | None:
-        if olmo_core.is_step_folder(store.storage_for(path)):
+        if olmo_core.is_step_folder(LocalDirectory(path)):  # a run root is a local folder
             return None
         return (
             f"{path}: no {olmo_core.MODEL_DIR}/.metadata (torch DCP writes it once every rank's "

@@ -61,10 +61,7 @@ def _metadata(storage: Storage) -> tuple[dict, int]:
     """({item: {nested path tuple: [(sharding data, ranks)]}}, world size) from metadata.pkl."""
     path = storage.join(METADATA_FILE)
     # a bounded read of a regular file of this folder (never a link out, a FIFO, a huge file)
-    try:
-        data = storage.read(METADATA_FILE, MAX_METADATA_BYTES)
-    except RequestError as e:  # a remote one served larger: never fetched whole
-        raise SourceError(str(e)) from None
+    data = storage.read(METADATA_FILE, MAX_METADATA_BYTES)  # a larger one refused unread
     if data is None:
         raise SourceError(f"{path}: listed, but no file there (a link to nothing?)")
     raw = pickle_format.restricted_loads(data, where=path)
@@ -333,9 +330,7 @@ def _rank_files(storage: Storage) -> list[str]:
     return sorted(numbered_names(found, storage.root, "(item, rank)").values())
 
 
-def _load_ranks(
-    storage: Storage, items: dict, world: int, files: list[str]
-) -> dict[str, dict[int, Any]]:
+def _load_ranks(storage: Storage, items: dict, world: int, files: list[str]) -> dict:
     """{item: {rank: its state}}: every item's file of every rank, or refused naming the one
     missing (a tensor could not be assembled without it)."""
     loaded: dict[str, dict[int, Any]] = {}
@@ -343,9 +338,8 @@ def _load_ranks(
         for rank in range(world):
             name = f"{item}_{rank}.pt"
             if name not in files:
-                raise SourceError(
-                    f"{storage.root}: {name} is missing (world size {world}, item {item!r})"
-                )
+                where = storage.root
+                raise SourceError(f"{where}: {name} is missing (world size {world}, item {item!r})")
             loaded.setdefault(item, {})[rank] = _load(storage, name)
     return loaded
 
