@@ -20,6 +20,7 @@ import dataclasses
 import os
 import re
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,13 +68,19 @@ def _is_zip(folder: Storage, name: str) -> bool:
     """Whether file ``name`` of ``folder`` begins a zip archive, its first bytes read through
     ``folder`` (a remote object's by one ranged read). One ``folder`` refuses to read (a link out
     of it) is taken: the plan follows a Hugging Face cache snapshot's link into its blobs, or
-    names why not (``_inside``)."""
-    try:
-        return folder.reader(name).read(0, 4) == b"PK\x03\x04"
-    except files.UnsafeFileError:
-        return True
-    except (OSError, ValueError):  # gone, a failed range
-        return False
+    names why not (``_inside``). Asked once of a storage (detected, then planned)."""
+    known = _ZIPS.setdefault(folder, {})
+    if name not in known:
+        try:
+            known[name] = folder.reader(name).read(0, 4) == b"PK\x03\x04"
+        except files.UnsafeFileError:
+            known[name] = True
+        except (OSError, ValueError):  # gone, a failed range
+            known[name] = False
+    return known[name]
+
+
+_ZIPS: weakref.WeakKeyDictionary[Storage, dict[str, bool]] = weakref.WeakKeyDictionary()
 
 
 #: one rank's file of a framework whose importer assembles the ranks (never read as a model)
@@ -86,7 +93,16 @@ _Files = dict[str, tuple[Storage, str]]  # a file's path in messages -> (storage
 def _one_file(storage: Storage) -> tuple[Storage, str] | None:
     """(its folder's storage, its name) when ``storage`` names one file, not a folder: a local
     file (a link: its file's folder), or an object of a torch.save suffix with none below it (a
-    single remote ``pytorch_model.bin``)."""
+    single remote ``pytorch_model.bin``); asked once of a storage (detected, then planned)."""
+    if storage not in _ONE:
+        _ONE[storage] = _file_of(storage)
+    return _ONE[storage]
+
+
+_ONE: weakref.WeakKeyDictionary[Storage, tuple[Storage, str] | None] = weakref.WeakKeyDictionary()
+
+
+def _file_of(storage: Storage) -> tuple[Storage, str] | None:
     try:
         if storage.names():
             return None
@@ -115,7 +131,9 @@ def _single_file(folder: Storage, names: set[str]) -> str | None:
     return found[0] if len(found) == 1 and _is_zip(folder, found[0]) else None
 
 
-def _files_of(storage: Storage, one: tuple | None, names: set[str]) -> tuple[_Files, tuple | None]:
+def _files_of(
+    storage: Storage, one: tuple | None, names: set[str], index: dict | None = None
+) -> tuple[_Files, tuple | None]:
     """(model files, (path, where) of the optimizer file or None) of a file (``one``) or a
     folder holding ``names``."""
     src = storage.root
@@ -124,7 +142,7 @@ def _files_of(storage: Storage, one: tuple | None, names: set[str]) -> tuple[_Fi
     opt = next((n for n in OPTIMIZER_FILES if n in names), None)
     optimizer = None if opt is None else (storage.join(opt), _inside(storage, opt, src))
     if INDEX_FILE in names:
-        return _index_files(storage), optimizer
+        return _index_files(storage, index or _weight_map(storage)), optimizer
     found = [n for n in MODEL_FILES if n in names]
     if len(found) > 1:
         raise SourceError(f"{src}: several model files ({', '.join(found)}); pass one")
@@ -154,8 +172,8 @@ def _weight_map(storage: Storage) -> dict[str, str]:
     return weight_map_of(raw, storage.join(INDEX_FILE), error=SourceError)
 
 
-def _index_files(storage: Storage) -> _Files:
-    first = first_tensors(_weight_map(storage))
+def _index_files(storage: Storage, weight_map: dict[str, str]) -> _Files:
+    first = first_tensors(weight_map)
     what = f"{storage.join(INDEX_FILE)}: weight_map entry"
     return {storage.join(n): _inside(storage, n, f"{what} {t[:100]!r}") for n, t in first.items()}
 
@@ -280,7 +298,8 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
         names = set() if one is not None else _top(storage)
     except FileNotFoundError:
         raise SourceError(f"{src}: no such file or folder") from None
-    model_files, optimizer_file = _files_of(storage, one, names)
+    index = _weight_map(storage) if INDEX_FILE in names else None  # read once
+    model_files, optimizer_file = _files_of(storage, one, names, index)
     if optimizer_file is None:
         trainer_files.check_optimizer_beside_scheduler(storage, weights_only)
     model, found, other, optimizer, optimizer_at = _read_model_files(src, model_files)
@@ -290,8 +309,8 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
         config = os.path.join(base_folder, trainer_files.CONFIG_FILE)
         if model_config is None and parameter_order is None and os.path.isfile(config):
             model_config = config  # the adapter's order over the base model's modules
-    if INDEX_FILE in names:
-        _check_index(storage, model)
+    if index is not None:
+        _check_index(storage.join(INDEX_FILE), index, model)
     if optimizer_file is not None:
         optimizer = torch_zip.load_torch_file(optimizer_file[1])
         base = os.path.basename(optimizer_file[0])
@@ -443,9 +462,7 @@ def _ref(value: np.ndarray, path: str, name: str) -> TensorRef:
     )
 
 
-def _check_index(storage: Storage, model: dict) -> None:
-    index = storage.join(INDEX_FILE)
-    weight_map = _weight_map(storage)
+def _check_index(index: str, weight_map: dict[str, str], model: dict) -> None:
     wrong = sorted(n for n, f in weight_map.items() if n not in model)
     unlisted = sorted(set(model) - set(weight_map))
     moved = sorted(
