@@ -112,8 +112,7 @@ def _file_of(storage: Storage) -> tuple[Storage, str] | None:
     except OSError:  # nothing there
         return None
     parent, _, name = storage.root.rstrip("/").rpartition("/")
-    single = name.endswith(SUFFIXES) and "/" in parent.partition("://")[2]
-    return (type(storage)(parent), name) if single else None
+    return (type(storage)(parent), name) if name.endswith(SUFFIXES) else None
 
 
 def _top(storage: Storage) -> set[str]:
