@@ -16,14 +16,24 @@ import pytest
 from jax.sharding import Mesh
 
 import jax_ucp
+from jax_ucp._src.store.storage import local_view
 from jax_ucp.conversion import ImportOptions
 from tests.importers.deepspeed.test_object_store import assert_same, served, size_of
+from tests.importers.torch.test_object_store import no_view
 from tests.restoring.test_remote_safetensors import _target
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(300)
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 ARCHIVES = (".pt", ".bin", ".ckpt", ".distcp")
+#: read through the repo's Storage, no local view built
+IN_PLACE = (
+    "torch/fsdp2_fp32",
+    "torch/dcp_zstd",
+    "olmo_core/olmo_fp32",
+    "torch_checkpointing/tc_fsdp2_synthetic_layout/step-3",
+    "torch/hf_bin_sharded",
+)
 
 
 @pytest.mark.parametrize(
@@ -53,6 +63,8 @@ def test_each_importer_family_restores_from_a_hub_repo_as_its_local_folder(
     hub_server, monkeypatch, name, options
 ):
     served(monkeypatch)
+    if name in IN_PLACE:
+        monkeypatch.setattr(local_view, "local_view", no_view)
     src = os.path.join(FIXTURES, name)
     files = {}
     for folder, _, names in os.walk(src):
@@ -76,3 +88,18 @@ def test_each_importer_family_restores_from_a_hub_repo_as_its_local_folder(
     )
     # no byte twice (but the one-byte reads holding an archive's size to the object's)
     assert 0 < nbytes <= size_of(src) + 2 * len(files), (len(gets), nbytes)
+
+
+def test_one_torch_save_file_of_a_hub_repo_is_read_in_place(hub_server, monkeypatch):
+    """``hf://org/name/pytorch_model.bin``, one file of a repo holding others, restores as the
+    local file, read through its folder's Storage (no local view), by ranges, no byte twice."""
+    served(monkeypatch)
+    monkeypatch.setattr(local_view, "local_view", no_view)
+    src = os.path.join(FIXTURES, "torch", "hf_bin", "pytorch_model.bin")
+    with open(src, "rb") as f:
+        data = f.read()
+    hub_server.add("org/one-bin", {"pytorch_model.bin": data, "other.pt": data[:10]})
+    assert_same(jax_ucp.restore("hf://org/one-bin/pytorch_model.bin"), jax_ucp.restore(src))
+    gets = [r for r in hub_server.log if r["method"] == "GET" and r["path"] == "pytorch_model.bin"]
+    assert all(r["range"] is not None for r in gets), gets
+    assert 0 < sum(r["stop"] - r["start"] for r in gets) <= len(data) + 2

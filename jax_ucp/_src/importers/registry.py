@@ -103,14 +103,18 @@ def _layouts(checkpoint_format: str) -> list[Importer]:
     return [i for i in IMPORTERS.values() if i.format == checkpoint_format and not i.takes_over]
 
 
-_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed")  # read remotely through their Storage
+_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed", "torch_checkpointing", "olmo_core")
+_IN_PLACE += ("torch_files",)  # (read remotely through their Storage)
 
 
 def _in_place(storage: Storage) -> bool:
     """Whether an importer of ``_IN_PLACE`` claims the remote ``storage``; DeepSpeed's only
-    without verl's names (verl outranks it, and reads a remote prefix through a view)."""
+    without verl's names (verl outranks it, and reads a remote prefix through a view), torch
+    files' only without a Trainer's or an adapter's files (their order and config read so)."""
     for name in _IN_PLACE:
         if IMPORTERS[name].detect(storage).found:
+            if name == "torch_files":  # a Trainer's parameter order, an adapter: through a view
+                return not set(storage.names()) & set(torch.files.VIEWED_BESIDE)
             return name != "deepspeed" or not named_like_verl(storage.names())
     return False
 

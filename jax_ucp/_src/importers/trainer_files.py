@@ -132,16 +132,17 @@ _SCHEDULER = re.compile(r"scheduler(_[0-9]+)?\.(pt|bin)")
 _OPTIMIZER = re.compile(r"optimizer(_[0-9]+)?(\.(pt|bin))?")
 
 
-def check_optimizer_beside_scheduler(folder: str, weights_only: bool) -> None:
+def check_optimizer_beside_scheduler(storage: Storage, weights_only: bool) -> None:
     """A folder holding a scheduler's state but no optimizer's lost it (the Trainer and
     Accelerate's ``save_state`` write both, or neither): refused unless only the weights are
     asked for, so a resume never starts its optimizer from nothing unsaid. Without a
     scheduler, a run's other state (the Trainer's ``rng_state*.pth``, written only with its
     optimizer; Accelerate's ``random_states_*.pkl``, written by every ``save_state``) or a
     name like an optimizer's (``optimizer.bin.bak``) is said: a warning, the weights alone."""
-    if weights_only or not os.path.isdir(folder):
+    try:
+        names, folder = [] if weights_only else _entries(storage), storage.root
+    except OSError:  # a file, or nothing
         return
-    names = os.listdir(folder)
     if any(_OPTIMIZER.fullmatch(n) for n in names):
         return
     schedulers = sorted(n for n in names if _SCHEDULER.fullmatch(n))

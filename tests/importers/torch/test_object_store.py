@@ -5,13 +5,16 @@ test_object_store.py has the DeepSpeed folders and the errors)."""
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
+import shutil
 import struct
 
 import pytest
 
 import jax_ucp
-from jax_ucp._src.store.storage import object_store
+from jax_ucp._src.store.storage import local_view, object_store
 from jax_ucp.conversion import ImportOptions
 from tests.importers.deepspeed.test_object_store import (
     assert_same,
@@ -19,6 +22,7 @@ from tests.importers.deepspeed.test_object_store import (
     served,
     upload,
 )
+from tests.torchfiles.test_pickle_format import write_pt
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,14 +37,46 @@ FIXTURES = os.path.join(REPO, "tests", "fixtures")
         ("torch/hf_bin_sharded", {}),  # pytorch_model-0000N-of-00002.bin + their index
         ("torch/accelerate_full", {}),  # pytorch_model_fsdp.bin + optimizer.bin
         ("torchtune/tt_fp32", {"importing": ImportOptions(weights_only=True)}),
-        ("torch_checkpointing/tc_fsdp2_synthetic_layout/step-3", {}),
     ],
 )
 def test_torch_sources_in_an_object_store_restore_as_the_local_ones(
     s3_server, monkeypatch, name, options
 ):
+    """torch.save files and folders of them are read through their Storage (no local view)."""
+    if name.startswith("torch/"):
+        monkeypatch.setattr(local_view, "local_view", no_view)
     url = served(monkeypatch, s3_server)
     restores_as_local(os.path.join(FIXTURES, name), url, **options)
+
+
+def no_view(storage):
+    raise AssertionError(f"{storage.root}: a local view built for a folder read in place")
+
+
+def test_torch_checkpointing_and_olmo_core_folders_are_read_in_place(
+    s3_server, monkeypatch, tmp_path
+):
+    """A torch_checkpointing folder and an OLMo-core step folder (``model_and_optim/`` torch
+    DCP, ``train/rank0.pt``, ``.metadata.json``) in an object store restore as the local ones,
+    read through their prefix's Storage (no local view); the OLMo-core trainer's step and
+    version are recorded as from the local folder."""
+    monkeypatch.setattr(local_view, "local_view", no_view)
+    url = served(monkeypatch, s3_server)
+    restores_as_local(
+        os.path.join(FIXTURES, "torch_checkpointing/tc_fsdp2_synthetic_layout/step-3"), url
+    )
+    step = tmp_path / "step3"
+    shutil.copytree(os.path.join(FIXTURES, "olmo_core", "olmo_fp32"), step / "model_and_optim")
+    (step / "train").mkdir()
+    write_pt(str(step / "train" / "rank0.pt"), pickle.dumps({"global_step": 3}, protocol=2))
+    (step / ".metadata.json").write_text(json.dumps({"version": "3.0.0"}))
+    restores_as_local(str(step), url)
+    remote = jax_ucp.convert(upload(str(step), url), tmp_path / "remote")
+    record = jax_ucp.inspect(remote).source
+    local = jax_ucp.inspect(jax_ucp.convert(str(step), tmp_path / "local")).source
+    assert record["trainer"] == local["trainer"]
+    assert record["trainer"]["global_step"] == 3
+    assert record["skipped"] == local["skipped"]
 
 
 HF_BIN_SHARDED = os.path.join(FIXTURES, "torch", "hf_bin_sharded")

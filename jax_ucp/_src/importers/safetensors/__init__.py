@@ -60,5 +60,5 @@ def plan(storage: Storage, options: ImportOptions) -> ImportPlan:
                 f"{storage.root}: {field}= orders a torch optimizer's state; these safetensors "
                 f"come without one (or weights_only=True)"
             )
-    trainer_files.check_optimizer_beside_scheduler(storage.root, options.weights_only)
+    trainer_files.check_optimizer_beside_scheduler(storage, options.weights_only)
     return plan_safetensors(storage, options)

@@ -86,13 +86,15 @@ def dcp_dirs(storage: Storage) -> list[Path | torch_dcp.ObjectPath]:
             names = set(storage.names())
         except OSError:  # a local file, or nothing
             return []
+        if olmo_core.is_step_folder(storage):
+            storage, names = storage.folder(olmo_core.MODEL_DIR), {".metadata"}
         plain = ".metadata" in names and not names.intersection(MEGATRON_FILES)
         return [torch_dcp.folder(storage)] if plain else []
     if dcp_safetensors.is_rank_local(path):
         return [path, *_optimizer_dirs(path)]
     if os.path.lexists(path / ".metadata"):
         return [path]
-    if olmo_core.is_step_folder(path):
+    if olmo_core.is_step_folder(storage):
         return [path / olmo_core.MODEL_DIR]
     return sorted(
         p for p in path.iterdir() if _ACCELERATE_DIR.match(p.name) and (p / ".metadata").exists()
@@ -164,7 +166,7 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
     itself = (Path(src), torch_dcp.folder(storage))
     try:
         for d in dirs:  # Accelerate's folders inside src, never links to another run's
-            if d not in itself:
+            if d not in itself and isinstance(d, Path):
                 files.inside(src, d.name, str(src))
         checkpoints = [_open(d) for d in dirs]
         for ck in checkpoints:
@@ -174,7 +176,7 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
         state, info = _state(checkpoints, str(src), weights_only, parameter_order)
         _check_shared(state, str(src))
         units: dict[str, str] = {}  # side files found and skipped whole
-        if olmo_core.is_step_folder(src):  # the trainer's step, its files skipped as units
+        if olmo_core.is_step_folder(storage):  # the trainer's step, its files skipped as units
             info["trainer"], units = olmo_core.train_record(storage)
             if "global_step_unread" in info["trainer"]:
                 info["notes"] = [

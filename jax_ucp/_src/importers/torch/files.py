@@ -20,6 +20,7 @@ import dataclasses
 import os
 import re
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ import numpy as np
 
 from jax_ucp._src.errors import OptimizerOrderWarning, RequestError, SourceError
 from jax_ucp._src.format import files, safetensors
-from jax_ucp._src.format.safetensors import first_tensors, read_weight_map
+from jax_ucp._src.format.safetensors import first_tensors, weight_map_of
 from jax_ucp._src.importers import trainer_files
 from jax_ucp._src.importers.plan import Detection, ImportPlan, refuse_spec, tensor_names
 from jax_ucp._src.importers.torch import hf_trainer
@@ -50,7 +51,6 @@ __all__ = [
     "SUFFIXES",
     "detect",
     "detect_optimizer",
-    "is_torch_files",
     "plan_torch_files",
 ]
 
@@ -58,6 +58,8 @@ SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 INDEX_FILE = "pytorch_model.bin.index.json"
 MODEL_FILES = ("pytorch_model.bin", "pytorch_model_fsdp.bin", "model.pt", "model.bin")
 OPTIMIZER_FILES = ("optimizer.bin", "optimizer.pt")
+#: a Trainer's or a peft adapter's files: a remote folder holding one is read through a view
+VIEWED_BESIDE = ("optimizer.pt", "trainer_state.json", "adapter_config.json")
 _MODEL_KEYS = ("state_dict", "model", "model_state_dict", "module")
 _OPTIMIZER_KEYS = ("optimizer_states", "optimizer", "optim", "optimizer_state_dict")
 
@@ -66,29 +68,56 @@ def _is_zip(folder: Storage, name: str) -> bool:
     """Whether file ``name`` of ``folder`` begins a zip archive, its first bytes read through
     ``folder`` (a remote object's by one ranged read). One ``folder`` refuses to read (a link out
     of it) is taken: the plan follows a Hugging Face cache snapshot's link into its blobs, or
-    names why not (``_inside``)."""
-    try:
-        return folder.reader(name).read(0, 4) == b"PK\x03\x04"
-    except files.UnsafeFileError:
-        return True
-    except (OSError, ValueError):  # gone, a failed range
-        return False
+    names why not (``_inside``). Asked once of a storage (detected, then planned)."""
+    known = _ZIPS.setdefault(folder, {})
+    if name not in known:
+        try:
+            known[name] = folder.reader(name).read(0, 4) == b"PK\x03\x04"
+        except files.UnsafeFileError:
+            known[name] = True
+        except (OSError, ValueError):  # gone, a failed range
+            known[name] = False
+    return known[name]
+
+
+_ZIPS: weakref.WeakKeyDictionary[Storage, dict[str, bool]] = weakref.WeakKeyDictionary()
 
 
 #: one rank's file of a framework whose importer assembles the ranks (never read as a model)
 _RANK_FILE = re.compile(r"^(model_optim_rng|distrib_optim)\.pt$|mp_rank_|zero_pp_rank_|_rank_[0-9]")
 
 
-def is_torch_files(storage: Storage) -> bool:
-    """A torch.save file, or a folder with the model files this importer knows."""
-    if os.path.isfile(storage.root):
-        parent, name = os.path.split(os.path.realpath(storage.root))  # a link: its file
-        return storage.root.endswith(SUFFIXES) and _is_zip(type(storage)(parent), name)
+_Files = dict[str, tuple[Storage, str]]  # a file's path in messages -> (storage, name) read
+
+
+def _one_file(storage: Storage) -> tuple[Storage, str] | None:
+    """(its folder's storage, its name) when ``storage`` names one file, not a folder: a local
+    file (a link: its file's folder), or an object of a torch.save suffix with none below it (a
+    single remote ``pytorch_model.bin``); asked once of a storage (detected, then planned)."""
+    if storage not in _ONE:
+        _ONE[storage] = _file_of(storage)
+    return _ONE[storage]
+
+
+_ONE: weakref.WeakKeyDictionary[Storage, tuple[Storage, str] | None] = weakref.WeakKeyDictionary()
+
+
+def _file_of(storage: Storage) -> tuple[Storage, str] | None:
     try:
-        names = set(storage.names())
-    except OSError:  # neither a file nor a folder
-        return False
-    return bool(names & {INDEX_FILE, *MODEL_FILES}) or _single_file(storage, names) is not None
+        if storage.names():
+            return None
+    except NotADirectoryError:  # a local file
+        parent, name = os.path.split(os.path.realpath(storage.root))
+        return type(storage)(parent), name
+    except OSError:  # nothing there
+        return None
+    parent, _, name = storage.root.rstrip("/").rpartition("/")
+    return (type(storage)(parent), name) if name.endswith(SUFFIXES) else None
+
+
+def _top(storage: Storage) -> set[str]:
+    """The names of the folder ``storage``'s own files (a remote prefix's: none below it)."""
+    return {n for n in storage.names() if "/" not in n}
 
 
 def _single_file(folder: Storage, names: set[str]) -> str | None:
@@ -101,46 +130,64 @@ def _single_file(folder: Storage, names: set[str]) -> str | None:
     return found[0] if len(found) == 1 and _is_zip(folder, found[0]) else None
 
 
-def _files_of(storage: Storage) -> tuple[list[str], str | None]:
-    """(model files, optimizer file or None) of a file or folder."""
+def _files_of(
+    storage: Storage, one: tuple | None, names: set[str], index: dict | None = None
+) -> tuple[_Files, tuple | None]:
+    """(model files, (path, where) of the optimizer file or None) of a file (``one``) or a
+    folder holding ``names``."""
     src = storage.root
-    if os.path.isfile(src):
-        return [src], None
-    names = set(storage.names())
-    optimizer = next((_inside(src, n, src) for n in OPTIMIZER_FILES if n in names), None)
+    if one is not None:
+        return {src: one}, None
+    opt = next((n for n in OPTIMIZER_FILES if n in names), None)
+    optimizer = None if opt is None else (storage.join(opt), _inside(storage, opt, src))
     if INDEX_FILE in names:
-        return _index_files(src), optimizer
+        return _index_files(storage, index or _weight_map(storage)), optimizer
     found = [n for n in MODEL_FILES if n in names]
     if len(found) > 1:
         raise SourceError(f"{src}: several model files ({', '.join(found)}); pass one")
     if found:
-        return [_inside(src, found[0], src)], optimizer
+        return {storage.join(found[0]): _inside(storage, found[0], src)}, optimizer
     if optimizer is not None and safetensors.is_safetensors(src):
         # a Trainer checkpoint-N/ or Accelerate save_state folder: safetensors weights
-        return safetensors.shard_files(src), optimizer
+        return _paths(safetensors.shard_files(src)), optimizer
     single = _single_file(storage, names)
     if single is not None:
-        return [_inside(src, single, src)], None
+        return {storage.join(single): _inside(storage, single, src)}, None
     raise SourceError(
         f"{src}: no {INDEX_FILE}, {', '.join(MODEL_FILES)} or single torch.save file "
         f"({'/'.join(SUFFIXES)})"
     )
 
 
-def _index_files(src: str) -> list[str]:
-    index = _inside(src, INDEX_FILE, src)  # the index itself never a link to another model's
-    first = first_tensors(read_weight_map(index, error=SourceError))
-    return [_inside(src, n, f"{index}: weight_map entry {t[:100]!r}") for n, t in first.items()]
+def _paths(paths: list[str]) -> _Files:
+    """Local files (safetensors weights, read at their paths) as :data:`_Files`."""
+    return {p: (LocalDirectory(os.path.dirname(p)), os.path.basename(p)) for p in paths}
 
 
-def _inside(src: str, name: str, what: str) -> str:
-    """``src/name`` once it resolves inside the folder ``src`` (a Hugging Face cache snapshot:
-    inside its cache repo), never a link to a file elsewhere."""
+def _weight_map(storage: Storage) -> dict[str, str]:
+    """The index's ``weight_map``, the index itself never a link to another model's."""
+    folder, name = _inside(storage, INDEX_FILE, storage.root)
+    raw = folder.read(name, safetensors.MAX_INDEX_BYTES) or b""  # none: no JSON index
+    return weight_map_of(raw, storage.join(INDEX_FILE), error=SourceError)
+
+
+def _index_files(storage: Storage, weight_map: dict[str, str]) -> _Files:
+    first = first_tensors(weight_map)
+    what = f"{storage.join(INDEX_FILE)}: weight_map entry"
+    return {storage.join(n): _inside(storage, n, f"{what} {t[:100]!r}") for n, t in first.items()}
+
+
+def _inside(folder: Storage, name: str, what: str) -> tuple[Storage, str]:
+    """(storage, name) file ``name`` of ``folder`` is read at, once it resolves inside the
+    folder (a Hugging Face cache snapshot: inside its cache repo, its links into ``blobs/``
+    followed), never a link to a file elsewhere; a remote prefix's object as it is named."""
+    if not isinstance(folder, LocalDirectory):
+        return folder, name
     try:
-        files.inside_checkpoint(src, name, what)
+        real = files.inside_checkpoint(folder.root, name, what)
     except files.UnsafeFileError as e:
         raise SourceError(str(e)) from None
-    return os.path.join(src, name)
+    return LocalDirectory(os.path.dirname(real)), os.path.basename(real)
 
 
 def _split(obj: Any, path: str) -> tuple[str | None, dict, str | None, Any]:
@@ -195,11 +242,16 @@ def _merged(optimizers: list, path: str, prefix: str) -> dict:
 def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a torch.save file or a folder of them, from names (and a zip's
     signature). A folder is a weak claim: DeepSpeed and Megatron folders hold them too."""
-    if os.path.isfile(storage.root):
-        if is_torch_files(storage):
+    one = _one_file(storage)
+    if one is not None:
+        if storage.root.endswith(SUFFIXES) and _is_zip(*one):
             return Detection(True, "a torch.save file")
         return Detection(False, "not a torch.save file (`.bin`/`.pt`/`.pth`/`.ckpt` zip)")
-    if is_torch_files(storage):
+    try:
+        names = _top(storage)
+    except OSError:  # nothing there
+        names = set()
+    if names & {INDEX_FILE, *MODEL_FILES} or _single_file(storage, names) is not None:
         return Detection(True, "torch.save files", weak=True)
     return Detection(
         False,
@@ -240,12 +292,15 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
     parameter_order = options.parameter_order
     model_config = None if options.model_config is None else os.fspath(options.model_config)
     refuse_spec(spec, "torch file imports keep torch's parameter names", SourceError)
-    src = os.fspath(src)
-    if not os.path.exists(src):
-        raise SourceError(f"{src}: no such file or folder")
-    model_files, optimizer_file = _files_of(storage)
+    one = _one_file(storage)
+    try:
+        names = set() if one is not None else _top(storage)
+    except FileNotFoundError:
+        raise SourceError(f"{src}: no such file or folder") from None
+    index = _weight_map(storage) if INDEX_FILE in names else None  # read once
+    model_files, optimizer_file = _files_of(storage, one, names, index)
     if optimizer_file is None:
-        trainer_files.check_optimizer_beside_scheduler(src, weights_only)
+        trainer_files.check_optimizer_beside_scheduler(storage, weights_only)
     model, found, other, optimizer, optimizer_at = _read_model_files(src, model_files)
     base_folder = None if options.base_model is None else os.fspath(options.base_model)
     if base_folder is not None:
@@ -253,12 +308,12 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
         config = os.path.join(base_folder, trainer_files.CONFIG_FILE)
         if model_config is None and parameter_order is None and os.path.isfile(config):
             model_config = config  # the adapter's order over the base model's modules
-    if os.path.isdir(src) and INDEX_FILE in os.listdir(src):
-        _check_index(src, model)
+    if index is not None:
+        _check_index(storage.join(INDEX_FILE), index, model)
     if optimizer_file is not None:
-        optimizer = torch_zip.load_torch_file(optimizer_file)
-        base = os.path.basename(optimizer_file)
-        optimizer_at = (optimizer_file, f"{base}:")
+        optimizer = torch_zip.load_torch_file(optimizer_file[1])
+        base = os.path.basename(optimizer_file[0])
+        optimizer_at = (optimizer_file[0], f"{base}:")
         found += [f"{base}:{n}" for n in tensor_names(optimizer)]
     clean, removed = strip_wrappers(list(model), src)
     params = {new: _ref(*model[old]) for new, old in clean.items()}
@@ -273,18 +328,19 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
         optimizer_sources = [n for n in found if n.startswith(prefix)]
         info["optimizer_file"] = os.path.basename(path)
         if not weights_only:
-            on_safetensors = model_files[0].endswith(".safetensors")
+            on_safetensors = next(iter(model_files)).endswith(".safetensors")
             order = _Order(
                 src, parameter_order, on_safetensors, model_config, path, model, clean, info
             )
             states, groups, info["optimizer_keys"] = _optimizer(optimizer, prefix, skipped, order)
-    _skip_unused(src, model_files[0], found, optimizer_sources, params, states, skipped)
-    if os.path.isdir(src) and trainer_files.is_trainer_checkpoint(src):
+    folder = one is None
+    _skip_unused(src, folder, model_files, found, optimizer_sources, params, states, skipped)
+    if folder and names & {"optimizer.pt", trainer_files.STATE_FILE}:  # the Trainer saved it
         info["trainer"] = trainer_files.trainer_record(storage)  # the schedule, clipping, step
     elif info.get("optimizer_file") == "optimizer.bin" and not weights_only:
         # Accelerate's save_state: its scheduler's base_lrs / _last_lr state the groups' rates
         info.update(trainer_files.scheduler_record(storage, "scheduler.bin", "lr_scheduler"))
-    if os.path.isdir(src) and trainer_files.is_adapter_checkpoint(src):
+    if folder and trainer_files.is_adapter_checkpoint(src):
         info["lora"] = trainer_files.adapter_record(src)  # exported back as peft reads it
     if base_folder is not None:
         info["base_model"] = os.path.abspath(base_folder)  # its weights imported, frozen
@@ -295,7 +351,7 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
     state = TorchState(params, states, groups, skipped, src, found, optimizer_sources)
     source = {
         "framework": "torch_files",
-        "path": os.path.abspath(src),
+        "path": storage.absolute(),
         "files": [os.path.basename(p) for p in model_files],
         **info,
     }
@@ -310,8 +366,9 @@ def _add_base(src: str, base: str, model: dict, found: list[str]) -> None:
         raise RequestError(f"{src}: base_model= is for a peft adapter checkpoint's folder")
     if not os.path.isdir(base):
         raise SourceError(f"base_model={base}: not a folder of the base model's weights")
-    weights = safetensors.shard_files(base) if safetensors.is_safetensors(base) else []
-    weights = weights or _files_of(LocalDirectory(base))[0]
+    weights = _paths(safetensors.shard_files(base) if safetensors.is_safetensors(base) else [])
+    folder = LocalDirectory(base)
+    weights = weights or _files_of(folder, None, _top(folder))[0]
     tensors, base_found, *_ = _read_model_files(base, weights)
     clash = sorted(set(tensors) & set(model))
     if clash:
@@ -321,7 +378,7 @@ def _add_base(src: str, base: str, model: dict, found: list[str]) -> None:
     found += base_found
 
 
-def _read_model_files(src: str, model_files: list[str]):
+def _read_model_files(src: str, model_files: _Files):
     """The model files' tensors, ``{name: (tensor, file, source name)}``, with every tensor
     found, the non-tensor entries, and an optimizer state saved inside them with (its file,
     its source-name prefix). A name in two files is refused."""
@@ -329,14 +386,14 @@ def _read_model_files(src: str, model_files: list[str]):
     found: list[str] = []
     other: list[str] = []
     optimizer = optimizer_at = None
-    for path in model_files:
+    for path, at in model_files.items():
         base = os.path.basename(path)
         if path.endswith(".safetensors"):
             f = safetensors.SafetensorsFile(path)  # read-only views of its map
             sd, prefix = {name: f.tensor(name) for name in f.header}, f"{base}:"
             found += [f"{base}:{n}" for n in sd]
         else:
-            obj = torch_zip.load_torch_file(path)
+            obj = torch_zip.load_torch_file(at)
             key, sd, opt_prefix, opt = _split(obj, path)
             found += [f"{base}:{n}" for n in tensor_names(obj)]
             other += [f"{base}:{k}" for k, v in obj.items() if not _has_tensors(v)]
@@ -356,7 +413,8 @@ def _read_model_files(src: str, model_files: list[str]):
 
 def _skip_unused(
     src: str,
-    first_model_file: str,
+    folder: bool,
+    model_files: _Files,
     found: list[str],
     optimizer_sources: list[str],
     params: dict[str, TensorRef],
@@ -366,7 +424,7 @@ def _skip_unused(
     """Why each tensor found that is neither imported nor an optimizer state is left out; the
     Trainer's torch RNG states beside safetensors weights (``rng_state*.pth``) are source files
     of their own, each counted in ``found`` too."""
-    if os.path.isdir(src) and first_model_file.endswith(".safetensors"):
+    if folder and next(iter(model_files)).endswith(".safetensors"):
         rng = trainer_files.rng_states(src)
         rng.update(trainer_files.adapter_beside_model(src))  # LoRA files beside a full model
         found.extend(rng)
@@ -403,9 +461,7 @@ def _ref(value: np.ndarray, path: str, name: str) -> TensorRef:
     )
 
 
-def _check_index(src: str, model: dict) -> None:
-    index = os.path.join(src, INDEX_FILE)
-    weight_map = read_weight_map(index, error=SourceError)
+def _check_index(index: str, weight_map: dict[str, str], model: dict) -> None:
     wrong = sorted(n for n, f in weight_map.items() if n not in model)
     unlisted = sorted(set(model) - set(weight_map))
     moved = sorted(

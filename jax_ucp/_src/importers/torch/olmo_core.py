@@ -15,7 +15,6 @@ Nothing else of the trainer state is imported: each ``train/`` file is listed in
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
@@ -37,22 +36,24 @@ _RANK_FILE = re.compile(r"rank([0-9]+)\.pt")
 TRAIN_CLASSES: dict[str, Any] = dict(allow_list.NUMPY_CLASSES)
 
 
-def is_step_folder(src: os.PathLike | str) -> bool:
+def is_step_folder(storage: Storage) -> bool:
     """An OLMo-core ``Checkpointer`` folder: no ``.metadata`` of its own and a torch DCP
     ``model_and_optim/.metadata`` (OLMo-core's name), with ``train/`` beside it or not (a step
     folder copied without its trainer state is still OLMo-core's layout)."""
-    path = os.fspath(src)
-    return (
-        os.path.isdir(path)
-        and not os.path.lexists(os.path.join(path, ".metadata"))
-        and os.path.lexists(os.path.join(path, MODEL_DIR, ".metadata"))
-    )
+    try:
+        names = storage.names()  # a remote prefix's: model_and_optim/.metadata among them
+        inside = MODEL_DIR in names and storage.folder(MODEL_DIR).exists(".metadata")
+    except files.UnsafeFileError:  # linked out of the checkpoint: its plan refuses it
+        return True
+    except OSError:  # a file, or nothing
+        return False
+    return ".metadata" not in names and (inside or f"{MODEL_DIR}/.metadata" in names)
 
 
 def detect(storage: Storage) -> Detection:
     """Whether ``src`` is an OLMo-core step folder, from names (its ``model_and_optim/`` is
     torch DCP, planned by the DCP importer, which reads ``train/`` too)."""
-    if is_step_folder(storage.root):
+    if is_step_folder(storage):
         return Detection(True, "an OLMo-core step folder (model_and_optim/ torch DCP, train/)")
     return Detection(False, "no OLMo-core `model_and_optim/` + `train/`")
 
@@ -63,6 +64,8 @@ def rank_files(storage: Storage) -> list[str] | None:
         listed = (train := storage.folder(TRAIN_DIR)).names()
     except (FileNotFoundError, NotADirectoryError):
         return None
+    if not listed and not any(n.partition("/")[0] == TRAIN_DIR for n in storage.names()):
+        return None  # a remote prefix: no object under train/
     found = [(int(m.group(1)), n) for n in listed if (m := _RANK_FILE.fullmatch(n))]
     return [f"{TRAIN_DIR}/{n}" for n in files.numbered_names(found, train.root, "rank").values()]
 

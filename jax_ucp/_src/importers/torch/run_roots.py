@@ -11,6 +11,7 @@ from jax_ucp._src import store
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.torch import dcp, olmo_core, torch_checkpointing
+from jax_ucp._src.store.storage import LocalDirectory
 
 
 def torchtitan_run(root: str) -> runs.TrainerRun | None:
@@ -18,8 +19,8 @@ def torchtitan_run(root: str) -> runs.TrainerRun | None:
     or torch_checkpointing (0.3)."""
 
     def complete(path: str) -> str | None:
-        in_dcp = dcp.is_torch_dcp(store.storage_for(path))
-        if in_dcp or torch_checkpointing.is_torch_checkpointing(path):
+        step = store.storage_for(path)
+        if dcp.is_torch_dcp(step) or torch_checkpointing.is_torch_checkpointing(step):
             return None
         return (
             f"{path}: no torch DCP .metadata (written once every rank's files are) nor "
@@ -34,7 +35,7 @@ def olmo_core_run(root: str) -> runs.TrainerRun | None:
     """OLMo-core's save folder: its ``stepN`` folders (``model_and_optim/`` torch DCP)."""
 
     def complete(path: str) -> str | None:
-        if olmo_core.is_step_folder(path):
+        if olmo_core.is_step_folder(LocalDirectory(path)):  # a run root is a local folder
             return None
         return (
             f"{path}: no {olmo_core.MODEL_DIR}/.metadata (torch DCP writes it once every rank's "

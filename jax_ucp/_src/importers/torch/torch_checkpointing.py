@@ -19,14 +19,13 @@ listed in ``source.skipped``.
 from __future__ import annotations
 
 import math
-import os
 import re
 from typing import Any
 
 import numpy as np
 
 from jax_ucp._src.errors import RequestError, SourceError
-from jax_ucp._src.format.files import in_own_folder, numbered_names, read_regular, strict_loads
+from jax_ucp._src.format.files import numbered_names, strict_loads
 from jax_ucp._src.importers.plan import (
     Detection,
     ImportPlan,
@@ -49,21 +48,23 @@ OPTIMIZER_ITEMS = ("optimizer", "optim")
 _RANK_FILE = re.compile(r"(.+)_([0-9]+)\.pt")  # ASCII digits: rank_١.pt is no rank file
 
 
-def is_torch_checkpointing(src: os.PathLike | str) -> bool:
-    """``metadata.pkl`` beside ``<item>_<rank>.pt`` files."""
-    src = os.fspath(src)
-    if not (os.path.isdir(src) and os.path.isfile(os.path.join(src, METADATA_FILE))):
+def is_torch_checkpointing(storage: Storage) -> bool:
+    """``metadata.pkl`` beside ``<item>_<rank>.pt`` files (a remote prefix by its listing)."""
+    try:
+        names = storage.names()
+    except OSError:  # a file, or nothing
         return False
-    return any(_RANK_FILE.fullmatch(n) for n in os.listdir(src))
+    return METADATA_FILE in names and any(_RANK_FILE.fullmatch(n) for n in names)
 
 
-def _metadata(src: str) -> tuple[dict, int]:
+def _metadata(storage: Storage) -> tuple[dict, int]:
     """({item: {nested path tuple: [(sharding data, ranks)]}}, world size) from metadata.pkl."""
-    path = os.path.join(src, METADATA_FILE)
+    path = storage.join(METADATA_FILE)
     # a bounded read of a regular file of this folder (never a link out, a FIFO, a huge file)
-    raw = pickle_format.restricted_loads(
-        read_regular(in_own_folder(path), MAX_METADATA_BYTES), where=path
-    )
+    data = storage.read(METADATA_FILE, MAX_METADATA_BYTES)  # a larger one refused unread
+    if data is None:
+        raise SourceError(f"{path}: listed, but no file there (a link to nothing?)")
+    raw = pickle_format.restricted_loads(data, where=path)
     if not isinstance(raw, dict) or not isinstance(raw.get("metadata"), dict):
         raise SourceError(
             f"{path}: expected a dict with 'metadata', found {allow_list.short_repr(raw, 120)}"
@@ -250,7 +251,7 @@ def _leaf(state: Any, nested: tuple) -> Any:
 
 def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a torch_checkpointing folder, from its file names."""
-    if is_torch_checkpointing(storage.root):
+    if is_torch_checkpointing(storage):
         return Detection(True, "a torch_checkpointing checkpoint (metadata.pkl, <item>_<rank>.pt)")
     return Detection(False, "no torch_checkpointing `metadata.pkl` + `<item>_<rank>.pt`")
 
@@ -274,17 +275,16 @@ def plan_torch_checkpointing(storage: Storage, options: TorchOptions) -> ImportP
     refuse_spec(
         options.spec, "torch_checkpointing imports keep torch's parameter names", SourceError
     )
-    src = os.fspath(src)
-    items, world = _metadata(src)
+    items, world = _metadata(storage)
     model_item = next((i for i in MODEL_ITEMS if i in items), None)
     if model_item is None:
         raise SourceError(
-            f"{os.path.join(src, METADATA_FILE)}: no {' or '.join(MODEL_ITEMS)!r} item among "
+            f"{storage.join(METADATA_FILE)}: no {' or '.join(MODEL_ITEMS)!r} item among "
             f"{sorted(items)}"
         )
     optimizer_item = next((i for i in OPTIMIZER_ITEMS if i in items), None)
-    files = _rank_files(src)
-    loaded = _load_ranks(src, items, world, files)
+    files = _rank_files(storage)
+    loaded = _load_ranks(storage, items, world, files)
     params, states, found, optimizer_sources, skipped = _refs(
         src, items, world, loaded, model_item, optimizer_item
     )
@@ -304,11 +304,11 @@ def plan_torch_checkpointing(storage: Storage, options: TorchOptions) -> ImportP
             entry = f"{optimizer_item}:state.{param}.step"
             states.setdefault(str(param), {})["step"] = scalar_ref(entry, step, where)
     groups_out = list(saved.get("param_groups") or [])
-    recorded = _unmapped_items(src, items, files, found, skipped)
+    recorded = _unmapped_items(storage, items, files, found, skipped)
     torch_state = TorchState(params, states, groups_out, skipped, src, found, optimizer_sources)
     source = {
         "framework": "torch_checkpointing",
-        "path": os.path.abspath(src),
+        "path": storage.absolute(),
         "world_size": world,
         "items": sorted(set(items) | {f.rsplit("_", 1)[0] for f in files}),
         "files": files + [METADATA_FILE],
@@ -318,19 +318,19 @@ def plan_torch_checkpointing(storage: Storage, options: TorchOptions) -> ImportP
     return plan_state(torch_state, source, options)
 
 
-def _rank_files(src: str) -> list[str]:
+def _rank_files(storage: Storage) -> list[str]:
     """The ``<item>_<rank>.pt`` files of ``src``, refusing two names for one item's rank
     (``model_1.pt``, ``model_01.pt``): the import reads one by its name, the other would be
     left out unsaid."""
     found = [
         ((m.group(1), int(m.group(2))), n)
-        for n in os.listdir(src)
+        for n in storage.names()
         if (m := _RANK_FILE.fullmatch(n))
     ]
-    return sorted(numbered_names(found, src, "(item, rank)").values())
+    return sorted(numbered_names(found, storage.root, "(item, rank)").values())
 
 
-def _load_ranks(src: str, items: dict, world: int, files: list[str]) -> dict[str, dict[int, Any]]:
+def _load_ranks(storage: Storage, items: dict, world: int, files: list[str]) -> dict:
     """{item: {rank: its state}}: every item's file of every rank, or refused naming the one
     missing (a tensor could not be assembled without it)."""
     loaded: dict[str, dict[int, Any]] = {}
@@ -338,10 +338,9 @@ def _load_ranks(src: str, items: dict, world: int, files: list[str]) -> dict[str
         for rank in range(world):
             name = f"{item}_{rank}.pt"
             if name not in files:
-                raise SourceError(f"{src}: {name} is missing (world size {world}, item {item!r})")
-            loaded.setdefault(item, {})[rank] = torch_zip.load_torch_file(
-                in_own_folder(os.path.join(src, name)), allow_list.SHARDED_TENSOR_CLASSES
-            )
+                where = storage.root
+                raise SourceError(f"{where}: {name} is missing (world size {world}, item {item!r})")
+            loaded.setdefault(item, {})[rank] = _load(storage, name)
     return loaded
 
 
@@ -394,16 +393,23 @@ def _refs(
     return params, states, found, optimizer_sources, skipped
 
 
+def _load(storage: Storage, name: str) -> Any:
+    """Rank file ``name`` of ``storage`` (a link out of the folder refused)."""
+    try:
+        return torch_zip.load_torch_file((storage, name), allow_list.SHARDED_TENSOR_CLASSES)
+    except allow_list.TorchFileError:
+        storage.exists(name)  # a link out of the folder: refused as such (UnsafeFileError)
+        raise
+
+
 def _unmapped_items(
-    src: str, items: dict, files: list[str], found: list[str], skipped: dict[str, str]
+    storage: Storage, items: dict, files: list[str], found: list[str], skipped: dict[str, str]
 ) -> dict[str, Any]:
     """The items saved without global metadata (``train_state``, ...): their numbers recorded,
     their tensors skipped."""
     recorded: dict[str, Any] = {}
     for item in sorted({f.rsplit("_", 1)[0] for f in files} - set(items)):
-        state = torch_zip.load_torch_file(
-            in_own_folder(os.path.join(src, f"{item}_0.pt")), allow_list.SHARDED_TENSOR_CLASSES
-        )
+        state = _load(storage, f"{item}_0.pt")
         for name in tensor_names(state):
             entry = f"{item}:{name}"
             found.append(entry)
