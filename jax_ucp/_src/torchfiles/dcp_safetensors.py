@@ -1,6 +1,8 @@
 """torch DCP's rank-local Hugging Face safetensors (``shard-<rank>-model-<i>-of-<n>.safetensors``,
 no ``.metadata``) as one DCP checkpoint: each file's ``DCP_SHARDING_INFO`` places its pieces (the
-full shape, when unrecorded, their largest extent, as torch takes it), read as raw-byte chunks."""
+full shape, when unrecorded, their largest extent, as torch takes it), read as raw-byte chunks.
+A folder's files are read through its ``Storage`` (``Storage.reader``: a header by two ranges,
+locally ``pread``), the pieces at their ranges by the DCP reader."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from jax_ucp._src.errors import SourceError
+from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, safetensors
+from jax_ucp._src.store.storage import LocalDirectory, Storage
 from jax_ucp._src.torchfiles import dcp
 
 #: ``__metadata__`` keys of the writer: the version of its layout (``HF_DCP_VERSION``).
@@ -21,14 +24,49 @@ _FIELDS = ("saved_offsets", "global_shape")
 _MAX_CONFIG_BYTES = 1 << 20
 
 
+def holds_rank_pieces(names: list[str]) -> bool:
+    """Whether a folder's entries ``names`` hold rank files of torch DCP's Hugging Face writer
+    (a ``.safetensors`` file so named, as torch names them, beside any other): a checkpoint of
+    every rank's file, read here, not as safetensors weights. By name: nothing fetched."""
+    return any(safetensors.RANK_FILE.fullmatch(n) for n in names if "/" not in n)
+
+
+def _medium(folder: Path | dcp.ObjectPath) -> tuple[Storage, str]:
+    """(the storage holding ``folder``'s files, their names' prefix in it)."""
+    if isinstance(folder, dcp.ObjectPath):
+        return folder.storage, folder.key + "/" if folder.key else ""
+    return LocalDirectory(str(folder)), ""
+
+
+def _files(storage: Storage, at: str) -> list[str]:
+    """The files of the folder ``at`` of ``storage`` (a remote prefix's from its one listing)."""
+    return [n[len(at) :] for n in storage.names() if n.startswith(at) and "/" not in n[len(at) :]]
+
+
+def _header(storage: Storage, at: str, name: str, root) -> safetensors.SafetensorsFile:
+    """The checked header of file ``name``, read by ranges (a link out of a local folder refused)."""
+    try:
+        file = storage.reader(at + name)
+    except files.UnsafeFileError as e:
+        raise SourceError(str(e)) from None
+    return safetensors.SafetensorsFile.read_from(str(root / name), file, dcp_shard=True)
+
+
 def is_rank_local(path: os.PathLike | str) -> bool:
-    """A local folder of torch DCP Hugging Face shards (and no ``.metadata``)."""
-    path = os.fspath(path)
-    return (
-        os.path.isdir(path)
-        and not os.path.lexists(os.path.join(path, dcp.METADATA_FILE))
-        and safetensors.is_dcp_sharded(path)
-    )
+    """A folder of torch DCP Hugging Face shards (and no ``.metadata``): rank files by name
+    (:func:`holds_rank_pieces`), the first of them one rank's piece by its header (a file that
+    cannot be read says no: its own reader names the fault); the single-process writer's whole
+    tensors are plain safetensors."""
+    root = path if isinstance(path, dcp.ObjectPath) else Path(path)
+    storage, at = _medium(root)
+    try:
+        names = _files(storage, at)
+        if dcp.METADATA_FILE in names or not holds_rank_pieces(names):
+            return False
+        first = min(n for n in names if safetensors.RANK_FILE.fullmatch(n))
+        return _header(storage, at, first, root).rank_piece
+    except (SourceError, OSError):
+        return False
 
 
 def _dims(value: Any, rank: int, what: str) -> tuple[int, ...]:
@@ -81,16 +119,23 @@ def _entries(f: safetensors.SafetensorsFile) -> dict[str, dict[str, tuple[int, .
     return out
 
 
-def _check_index(root: Path, pieces: dict[str, list]) -> None:
-    """The writer's index agrees with the files (a file gone would drop its tensors silently)."""
-    index = root / safetensors.INDEX_FILE
-    if not os.path.lexists(index):
-        return
+def _read(storage: Storage, name: str, limit: int) -> bytes | None:
+    """File ``name`` (at most ``limit`` bytes; a link out refused), None when gone."""
     try:
-        files.inside(root, safetensors.INDEX_FILE, f"{root}: index")
-    except files.UnsafeFileError as e:
+        return storage.read(name, limit)
+    except (files.UnsafeFileError, RequestError) as e:
         raise SourceError(str(e)) from None
-    weight_map = safetensors.read_weight_map(str(index), ".safetensors")
+
+
+def _check_index(storage: Storage, at: str, root, names: list[str], pieces: dict) -> None:
+    """The writer's index agrees with the files (a file gone would drop its tensors silently)."""
+    if safetensors.INDEX_FILE not in names:
+        return
+    index = str(root / safetensors.INDEX_FILE)
+    raw = _read(storage, at + safetensors.INDEX_FILE, safetensors.MAX_INDEX_BYTES)
+    if raw is None:
+        raise SourceError(f"{index}: listed, but no file there (a link to nothing?)")
+    weight_map = safetensors.weight_map_of(raw, index, ".safetensors")
     for tensor, name in weight_map.items():
         if name not in {p[0] for p in pieces.get(tensor, ())}:
             raise SourceError(
@@ -125,17 +170,19 @@ def _check_ranks(root: Path, names: list[str], pieces: dict[str, list]) -> None:
         )
 
 
-def _check_config(root: Path, tensors: dict[str, dcp.DcpTensor], inferred: list[str]) -> bool:
+def _check_config(
+    storage: Storage, at: str, root, names: list[str], tensors: dict, inferred
+) -> bool:
     """transformers' ``config.json`` beside the files: its ``vocab_size`` and ``hidden_size`` are
     dimensions of the model's tensors (the embedding's), so shapes inferred from the pieces
     that hold neither mean the files stop short (the last rank's file missing). False: no such
     config to compare with."""
-    if not os.path.lexists(root / "config.json"):
+    if "config.json" not in names:
         return False
     try:
-        path = files.inside(root, "config.json", f"{root}: config")
-        config = files.strict_json(files.read_regular(path, _MAX_CONFIG_BYTES), path)
-    except (files.UnsafeFileError, SourceError, OSError):
+        raw = _read(storage, at + "config.json", _MAX_CONFIG_BYTES)
+        config = files.strict_json(raw or b"", str(root / "config.json"))
+    except (SourceError, OSError):
         return False
     dims = {d for t in tensors.values() for d in t.shape}
     wants = (
@@ -161,19 +208,18 @@ def _shown(shape: tuple[int, ...] | None) -> str:
 
 
 def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
-    """Every ``.safetensors`` file of the folder ``path`` opened and checked, each tensor's pieces
-    gathered as chunks; nothing read."""
-    root = Path(path)
-    names = sorted(n for n in os.listdir(root) if n.endswith(".safetensors"))
+    """Every ``.safetensors`` file of the folder ``path`` (a local one, or a remote one's
+    ``dcp.ObjectPath``) checked by its header, each tensor's pieces gathered as chunks; no
+    tensor read."""
+    root = path if isinstance(path, dcp.ObjectPath) else Path(path)
+    storage, at = _medium(root)
+    listed = _files(storage, at)
+    names = sorted(n for n in listed if n.endswith(".safetensors"))
     # tensor -> (file, dtype, offsets, sizes, byte offset, byte length, global_shape or None)
     pieces: dict[str, list[tuple[str, Any, tuple[int, ...], tuple[int, ...], int, int, Any]]] = {}
     versions = set()
     for name in names:
-        try:
-            real = files.inside(root, name, f"{root}: shard")
-        except files.UnsafeFileError as e:
-            raise SourceError(str(e)) from None
-        f = safetensors.SafetensorsFile(str(root / name), real, dcp_shard=True)
+        f = _header(storage, at, name, root)
         versions.add(f.metadata.get(DCP_VERSION))
         for tensor, entry in _entries(f).items():
             dtype, sizes, begin, end = f.header[tensor]
@@ -190,7 +236,7 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
             )
     if not pieces:
         raise SourceError(f"{root}: no tensor in its torch DCP Hugging Face shards {names[:5]}")
-    _check_index(root, pieces)
+    _check_index(storage, at, root, listed, pieces)
     _check_ranks(root, names, pieces)
     tensors: dict[str, dcp.DcpTensor] = {}
     inferred = []
@@ -221,10 +267,12 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
             f"HuggingFaceStorageReader takes them so): a folder missing its last rank's file "
             f"would read as smaller tensors, so compare the shapes with the model's config",
         )
-        if not _check_config(root, tensors, inferred):  # nothing tells a last rank gone
+        if not _check_config(
+            storage, at, root, listed, tensors, inferred
+        ):  # nothing tells a last rank gone
             warnings.warn(f"{root}: {notes[0]}", UserWarning, stacklevel=2)
     return dcp.DcpCheckpoint(
-        dcp.folder(root),  # a remote folder's view: its pieces read at the URL by ranges
+        root,  # a remote folder's pieces read at its URL by ranges
         tensors,
         {},
         version if isinstance(version, str) else None,
