@@ -17,13 +17,14 @@ from jax.sharding import Mesh
 
 import jax_ucp
 from jax_ucp.conversion import ImportOptions
-from tests.importers.deepspeed.test_object_store import assert_same, served, size_of
+from tests.importers.deepspeed.test_object_store import assert_same, folder_files, served, size_of
 from tests.restoring.test_remote_safetensors import _target
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(300)
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 ARCHIVES = (".pt", ".bin", ".ckpt", ".distcp")
+RANGED = (*ARCHIVES, ".safetensors")
 
 
 @pytest.mark.parametrize(
@@ -76,3 +77,46 @@ def test_each_importer_family_restores_from_a_hub_repo_as_its_local_folder(
     )
     # no byte twice (but the one-byte reads holding an archive's size to the object's)
     assert 0 < nbytes <= size_of(src) + 2 * len(files), (len(gets), nbytes)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "hf_trainer/trainer_fsdp_synthetic_layout/checkpoint-3",  # pytorch_model_fsdp_0/ + optimizer_0/
+        "torch/dcp_hf_ranklocal",  # torch DCP's Hugging Face writer, a file per rank
+        "torch/hf_dist_optimizer_tp2",  # the same, and transformers' DCP optimizer/ beside
+    ],
+)
+def test_trainer_fsdp_and_rank_local_dcp_folders_convert_in_place_as_their_local_folder(
+    hub_server, monkeypatch, tmp_path, name
+):
+    """Read through the repo's ``Storage``, no local view: the import equals the local folder's
+    (values, and the source record but its path and certificate); the DCP and safetensors files read by ranges
+    (a header, the pieces), none whole."""
+    from jax_ucp._src.store.storage import local_view
+
+    served(monkeypatch)
+    src = os.path.join(FIXTURES, name)
+    files = folder_files(src)
+    repo = "org/" + name.replace("/", "-")
+    hub_server.add(repo, files)
+
+    def no_view(storage):
+        raise AssertionError(f"{storage.root}: a local view built")
+
+    monkeypatch.setattr(local_view, "local_view", no_view)
+    local = jax_ucp.convert(src, str(tmp_path / "local"))
+    remote = jax_ucp.convert(f"hf://{repo}", str(tmp_path / "remote"))
+    assert_same(jax_ucp.restore(remote), jax_ucp.restore(local))
+    want, got = (dict(jax_ucp.inspect(p).source) for p in (local, remote))
+    assert got.pop("path").startswith(f"hf://{repo}") and want.pop("path") == os.path.abspath(src)
+    want.pop("certificate")  # a local import's (docs/HF.md)
+    assert got == want
+    gets = [r for r in hub_server.log if r["method"] == "GET" and r["path"] in files]
+    whole = [r["path"] for r in gets if r["range"] is None and r["path"].endswith(RANGED)]
+    assert not whole, f"read whole: {whole}"
+    nbytes = sum(
+        len(files[r["path"]]) if r["range"] is None else r["stop"] - r["start"] for r in gets
+    )
+    # each piece once; a safetensors header read by the detection and the plan (a few KiB here)
+    assert 0 < nbytes <= 1.5 * size_of(src), (len(gets), nbytes, size_of(src))
