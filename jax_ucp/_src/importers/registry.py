@@ -32,7 +32,7 @@ from jax_ucp._src.importers.plan import (
     accounted,
 )
 from jax_ucp._src.importers.runs import TrainerRun
-from jax_ucp._src.importers.verl.layout import named_like_verl, verl_run
+from jax_ucp._src.importers.verl.layout import megatron_named, verl_run
 from jax_ucp._src.store.storage import Storage, base, local_view
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
@@ -50,7 +50,7 @@ IMPORTERS: dict[str, Importer] = {
             verl.VerlOptions,
             outranks=("megatron", "deepspeed"),
             # megatron's reading of the .metadata tells verl's bridge mode (no model tensor)
-            hands_over=lambda s: verl.megatron_backend(s.root, lambda d: open_dcp(d).tensors),
+            hands_over=lambda s: verl.megatron_backend(s, lambda d: open_dcp(d).tensors),
             run=verl_run,
         ),
         Importer(
@@ -103,16 +103,15 @@ def _layouts(checkpoint_format: str) -> list[Importer]:
     return [i for i in IMPORTERS.values() if i.format == checkpoint_format and not i.takes_over]
 
 
-_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed")  # read remotely through their Storage
+_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed", "verl")  # read remotely, their Storage
 
 
 def _in_place(storage: Storage) -> bool:
-    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage``; DeepSpeed's only
-    without verl's names (verl outranks it, and reads a remote prefix through a view)."""
-    for name in _IN_PLACE:
-        if IMPORTERS[name].detect(storage).found:
-            return name != "deepspeed" or not named_like_verl(storage.names())
-    return False
+    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage``; verl's Megatron
+    backend only once megatron's importer (it hands its folder over) reads in place too."""
+    if not any(IMPORTERS[name].detect(storage).found for name in _IN_PLACE):
+        return False
+    return "megatron" in _IN_PLACE or not megatron_named(storage.names())
 
 
 @contextlib.contextmanager
