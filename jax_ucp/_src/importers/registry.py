@@ -32,7 +32,7 @@ from jax_ucp._src.importers.plan import (
     accounted,
 )
 from jax_ucp._src.importers.runs import TrainerRun
-from jax_ucp._src.importers.verl.layout import megatron_named, verl_run
+from jax_ucp._src.importers.verl.layout import DIST_CKPT, verl_run
 from jax_ucp._src.store.storage import Storage, base, local_view
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
@@ -111,7 +111,7 @@ def _in_place(storage: Storage) -> bool:
     backend only once megatron's importer (it hands its folder over) reads in place too."""
     if not any(IMPORTERS[name].detect(storage).found for name in _IN_PLACE):
         return False
-    return "megatron" in _IN_PLACE or not megatron_named(storage.names())
+    return "megatron" in _IN_PLACE or all(DIST_CKPT not in n.split("/") for n in storage.names())
 
 
 @contextlib.contextmanager

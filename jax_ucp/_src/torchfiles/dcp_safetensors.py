@@ -1,8 +1,7 @@
 """torch DCP's rank-local Hugging Face safetensors (``shard-<rank>-model-<i>-of-<n>.safetensors``,
 no ``.metadata``) as one DCP checkpoint: each file's ``DCP_SHARDING_INFO`` places its pieces (the
-full shape, when unrecorded, their largest extent, as torch takes it), read as raw-byte chunks.
-A folder's files are read through its ``Storage`` (``Storage.reader``: a header by two ranges,
-locally ``pread``), the pieces at their ranges by the DCP reader."""
+full shape, when unrecorded, their largest extent, as torch takes it), read as raw-byte chunks;
+a folder's headers read by ranges through its ``Storage`` (``Storage.reader``)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from jax_ucp._src.errors import RequestError, SourceError
+from jax_ucp._src.errors import SourceError, UCPError
 from jax_ucp._src.format import files, safetensors
 from jax_ucp._src.store.storage import LocalDirectory, Storage
 from jax_ucp._src.torchfiles import dcp
@@ -26,45 +25,32 @@ _MAX_CONFIG_BYTES = 1 << 20
 
 def holds_rank_pieces(names: list[str]) -> bool:
     """Whether a folder's entries ``names`` hold rank files of torch DCP's Hugging Face writer
-    (a ``.safetensors`` file so named, as torch names them, beside any other): a checkpoint of
-    every rank's file, read here, not as safetensors weights. By name: nothing fetched."""
+    (so named, beside any other): read here, never as safetensors weights. Nothing fetched."""
     return any(safetensors.RANK_FILE.fullmatch(n) for n in names if "/" not in n)
 
 
-def _medium(folder: Path | dcp.ObjectPath) -> tuple[Storage, str]:
-    """(the storage holding ``folder``'s files, their names' prefix in it)."""
-    if isinstance(folder, dcp.ObjectPath):
-        return folder.storage, folder.key + "/" if folder.key else ""
-    return LocalDirectory(str(folder)), ""
-
-
-def _files(storage: Storage, at: str) -> list[str]:
-    """The files of the folder ``at`` of ``storage`` (a remote prefix's from its one listing)."""
-    return [n[len(at) :] for n in storage.names() if n.startswith(at) and "/" not in n[len(at) :]]
-
-
-def _header(storage: Storage, at: str, name: str, root) -> safetensors.SafetensorsFile:
-    """The checked header of file ``name``, read by ranges (a link out of a local folder refused)."""
-    try:
-        file = storage.reader(at + name)
-    except files.UnsafeFileError as e:
-        raise SourceError(str(e)) from None
-    return safetensors.SafetensorsFile.read_from(str(root / name), file, dcp_shard=True)
+def _opened(path) -> tuple[Path | dcp.ObjectPath, Storage, str, list[str]]:
+    """(the folder as the DCP reader holds it, the storage of its files, their names' prefix
+    there, the names of its files: a remote prefix's from its one listing)."""
+    root = path if isinstance(path, dcp.ObjectPath) else Path(path)
+    storage, at = LocalDirectory(str(root)), ""
+    if isinstance(root, dcp.ObjectPath):
+        storage, at = root.storage, root.key + "/" if root.key else ""
+    names = [n[len(at) :] for n in storage.names() if n.startswith(at) and "/" not in n[len(at) :]]
+    return root, storage, at, names
 
 
 def is_rank_local(path: os.PathLike | str) -> bool:
-    """A folder of torch DCP Hugging Face shards (and no ``.metadata``): rank files by name
-    (:func:`holds_rank_pieces`), the first of them one rank's piece by its header (a file that
-    cannot be read says no: its own reader names the fault); the single-process writer's whole
-    tensors are plain safetensors."""
-    root = path if isinstance(path, dcp.ObjectPath) else Path(path)
-    storage, at = _medium(root)
+    """A folder of torch DCP Hugging Face shards (and no ``.metadata``): rank files by name, the
+    first of them one rank's piece by its header (unreadable: no, its reader names the fault)."""
     try:
-        names = _files(storage, at)
+        root, storage, at, names = _opened(path)
         if dcp.METADATA_FILE in names or not holds_rank_pieces(names):
             return False
         first = min(n for n in names if safetensors.RANK_FILE.fullmatch(n))
-        return _header(storage, at, first, root).rank_piece
+        reader = storage.reader(at + first)
+        header = safetensors.SafetensorsFile.read_from(str(root / first), reader, dcp_shard=True)
+        return header.rank_piece
     except (SourceError, OSError):
         return False
 
@@ -119,22 +105,12 @@ def _entries(f: safetensors.SafetensorsFile) -> dict[str, dict[str, tuple[int, .
     return out
 
 
-def _read(storage: Storage, name: str, limit: int) -> bytes | None:
-    """File ``name`` (at most ``limit`` bytes; a link out refused), None when gone."""
-    try:
-        return storage.read(name, limit)
-    except (files.UnsafeFileError, RequestError) as e:
-        raise SourceError(str(e)) from None
-
-
 def _check_index(storage: Storage, at: str, root, names: list[str], pieces: dict) -> None:
     """The writer's index agrees with the files (a file gone would drop its tensors silently)."""
     if safetensors.INDEX_FILE not in names:
         return
     index = str(root / safetensors.INDEX_FILE)
-    raw = _read(storage, at + safetensors.INDEX_FILE, safetensors.MAX_INDEX_BYTES)
-    if raw is None:
-        raise SourceError(f"{index}: listed, but no file there (a link to nothing?)")
+    raw = storage.read(at + safetensors.INDEX_FILE, safetensors.MAX_INDEX_BYTES) or b""
     weight_map = safetensors.weight_map_of(raw, index, ".safetensors")
     for tensor, name in weight_map.items():
         if name not in {p[0] for p in pieces.get(tensor, ())}:
@@ -180,9 +156,9 @@ def _check_config(
     if "config.json" not in names:
         return False
     try:
-        raw = _read(storage, at + "config.json", _MAX_CONFIG_BYTES)
-        config = files.strict_json(raw or b"", str(root / "config.json"))
-    except (SourceError, OSError):
+        raw = storage.read(at + "config.json", _MAX_CONFIG_BYTES) or b""
+        config = files.strict_json(raw, str(root / "config.json"))
+    except (UCPError, OSError):
         return False
     dims = {d for t in tensors.values() for d in t.shape}
     wants = (
@@ -211,15 +187,14 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
     """Every ``.safetensors`` file of the folder ``path`` (a local one, or a remote one's
     ``dcp.ObjectPath``) checked by its header, each tensor's pieces gathered as chunks; no
     tensor read."""
-    root = path if isinstance(path, dcp.ObjectPath) else Path(path)
-    storage, at = _medium(root)
-    listed = _files(storage, at)
+    root, storage, at, listed = _opened(path)
     names = sorted(n for n in listed if n.endswith(".safetensors"))
     # tensor -> (file, dtype, offsets, sizes, byte offset, byte length, global_shape or None)
     pieces: dict[str, list[tuple[str, Any, tuple[int, ...], tuple[int, ...], int, int, Any]]] = {}
     versions = set()
     for name in names:
-        f = _header(storage, at, name, root)
+        reader = storage.reader(at + name)
+        f = safetensors.SafetensorsFile.read_from(str(root / name), reader, dcp_shard=True)
         versions.add(f.metadata.get(DCP_VERSION))
         for tensor, entry in _entries(f).items():
             dtype, sizes, begin, end = f.header[tensor]

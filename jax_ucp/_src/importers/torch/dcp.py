@@ -116,20 +116,16 @@ def _optimizer_dirs(path: Path) -> list[Path]:
 
 def is_torch_dcp(storage: Storage) -> bool:
     """A plain torch DCP checkpoint (not megatron-core's, which has common.pt/metadata.json)."""
-    return bool(_plain_dirs(storage))
-
-
-def _plain_dirs(storage: Storage) -> list[Path | torch_dcp.ObjectPath]:
     dirs = dcp_dirs(storage)
-    return [] if any(os.path.lexists(d / f) for d in dirs for f in MEGATRON_FILES) else dirs
+    return bool(dirs) and not any(os.path.lexists(d / f) for d in dirs for f in MEGATRON_FILES)
 
 
 def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a torch DCP checkpoint (``.metadata``, or Accelerate's / OLMo-core's
     folders holding one, or the rank-local safetensors of torch's Hugging Face writer), not
     megatron-core's, from names alone (and a safetensors header's ``__metadata__``)."""
-    if dirs := _plain_dirs(storage):
-        if dcp_safetensors.is_rank_local(dirs[0]):
+    if is_torch_dcp(storage):
+        if dcp_safetensors.is_rank_local(dcp_dirs(storage)[0]):
             return Detection(True, "torch DCP rank-local safetensors (DCP_SHARDING_INFO)")
         return Detection(True, "torch DCP (.metadata)")
     return Detection(

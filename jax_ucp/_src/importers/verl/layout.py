@@ -29,7 +29,6 @@ __all__ = [
     "is_megatron_dir",
     "is_model_dir",
     "locate",
-    "megatron_named",
     "named_like_verl",
     "rank_files",
     "step_dirs",
@@ -55,10 +54,8 @@ def entries(folder: Storage) -> list[str]:
 def named_like_verl(names: list[str]) -> bool:
     """Whether a folder's entries ``names`` hold a verl file or folder, by names alone: none,
     nothing of verl's is below it (detection lists no folder further)."""
-    return any(RANK_FILE.fullmatch(n) or _STEP_DIR.fullmatch(n) for n in names) or not {
-        *MODEL_DIRS,
-        DIST_CKPT,
-    }.isdisjoint(names)
+    dirs = (*MODEL_DIRS, DIST_CKPT)
+    return any(RANK_FILE.fullmatch(n) or _STEP_DIR.fullmatch(n) or n in dirs for n in names)
 
 
 def is_megatron_dir(folder: Storage) -> bool:
@@ -74,9 +71,8 @@ def is_model_dir(folder: Storage) -> bool:
     """A folder verl's FSDP checkpoint manager wrote (it holds ``model_world_size_W_rank_R.pt``)
     or its Megatron one (:func:`is_megatron_dir`)."""
     names = entries(folder)
-    return any((m := RANK_FILE.fullmatch(n)) and m.group(1) == "model" for n in names) or (
-        DIST_CKPT in names and is_megatron_dir(folder)
-    )
+    model = any((m := RANK_FILE.fullmatch(n)) and m.group(1) == "model" for n in names)
+    return model or is_megatron_dir(folder)
 
 
 def holds_actor(folder: Storage) -> bool:
@@ -92,11 +88,6 @@ def step_dirs(root: Storage) -> list[str]:
         if (m := _STEP_DIR.fullmatch(n)) and holds_actor(root.folder(n))
     ]
     return list(files.numbered_names(found, root.root, "step").values())
-
-
-def megatron_named(names: list[str]) -> bool:
-    """Whether a remote prefix's ``names`` hold verl's Megatron backend (``dist_ckpt/``)."""
-    return any(DIST_CKPT in name.split("/") for name in names)
 
 
 @dataclasses.dataclass(frozen=True)
