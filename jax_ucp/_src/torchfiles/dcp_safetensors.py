@@ -132,7 +132,7 @@ def _ranks(names: list[str]) -> set[int]:
     return {int(m[1]) for n in names if (m := safetensors.RANK_FILE.fullmatch(n))}
 
 
-def _check_ranks(root: Path, names: list[str], pieces: dict[str, list]) -> None:
+def _check_ranks(root: Path | dcp.ObjectPath, names: list[str], pieces: dict[str, list]) -> None:
     """Every rank from 1 to the highest holds a file (torch's writer numbers them so): a gap is
     a rank file gone, whose pieces and whole tensors would otherwise vanish without a word."""
     ranks = _ranks(names)
