@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2272,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17207,
+    "importers": 17262,
     "language": 3231,
     "models": 2625,
     "multihost": 839,
@@ -26,14 +26,14 @@ CEILINGS = {
     "restoring": 5024,
     "saving": 969,
     "sharding": 707,
-    "store": 3614,
-    "torchfiles": 3231,
+    "store": 3622,
+    "torchfiles": 3254,
     "writer": 1675,
     "modules": 4730,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53881
+TOTAL = 53967
 
 
 def _lines(paths) -> int:

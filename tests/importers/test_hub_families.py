@@ -18,12 +18,13 @@ from jax.sharding import Mesh
 import jax_ucp
 from jax_ucp._src.store.storage import local_view
 from jax_ucp.conversion import ImportOptions
-from tests.importers.deepspeed.test_object_store import assert_same, served, size_of
+from tests.importers.deepspeed.test_object_store import assert_same, folder_files, served, size_of
 from tests.importers.torch.test_object_store import no_view
 from tests.restoring.test_remote_safetensors import _target
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(300)
+
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 ARCHIVES = (".pt", ".bin", ".ckpt", ".distcp")
 #: read through the repo's Storage, no local view built
@@ -33,7 +34,9 @@ IN_PLACE = (
     "olmo_core/olmo_fp32",
     "torch_checkpointing/tc_fsdp2_synthetic_layout/step-3",
     "torch/hf_bin_sharded",
+    "verl/fsdp2",
 )
+RANGED = (*ARCHIVES, ".safetensors")
 
 
 @pytest.mark.parametrize(
@@ -45,8 +48,8 @@ IN_PLACE = (
         ("olmo_core/olmo_fp32", {}),  # torch DCP with OLMo-core's storage records
         ("megatron/gpt_tp2", {}),  # megatron-core's torch_dist
         ("megatron_fsdp_dtensor/gpt_dp2", {}),
-        # zip archives through the local view of the repo, as DeepSpeed's folder in the default
-        # run (tests/importers/deepspeed/test_object_store.py): the slow stage
+        # zip archives by ranges, through the local view of the repo but verl's (read in place,
+        # as DeepSpeed's folder in tests/importers/deepspeed/test_object_store.py): the slow stage
         *(
             pytest.param(name, options, marks=pytest.mark.slow)
             for name, options in [
@@ -103,3 +106,40 @@ def test_one_torch_save_file_of_a_hub_repo_is_read_in_place(hub_server, monkeypa
     gets = [r for r in hub_server.log if r["method"] == "GET" and r["path"] == "pytorch_model.bin"]
     assert all(r["range"] is not None for r in gets), gets
     assert 0 < sum(r["stop"] - r["start"] for r in gets) <= len(data) + 2
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "hf_trainer/trainer_fsdp_synthetic_layout/checkpoint-3",  # pytorch_model_fsdp_0/ + optimizer_0/
+        "torch/dcp_hf_ranklocal",  # torch DCP's Hugging Face writer, a file per rank
+        "torch/hf_dist_optimizer_tp2",  # the same, and transformers' DCP optimizer/ beside
+    ],
+)
+def test_trainer_fsdp_and_rank_local_dcp_folders_convert_in_place_as_their_local_folder(
+    hub_server, monkeypatch, tmp_path, name
+):
+    """Read through the repo's ``Storage``, no local view: the import equals the local folder's
+    (values, and the source record but its path and certificate); the DCP and safetensors files read by ranges
+    (a header, the pieces), none whole."""
+    served(monkeypatch)
+    src = os.path.join(FIXTURES, name)
+    files = folder_files(src)
+    repo = "org/" + name.replace("/", "-")
+    hub_server.add(repo, files)
+    monkeypatch.setattr(local_view, "local_view", no_view)
+    local = jax_ucp.convert(src, str(tmp_path / "local"))
+    remote = jax_ucp.convert(f"hf://{repo}", str(tmp_path / "remote"))
+    assert_same(jax_ucp.restore(remote), jax_ucp.restore(local))
+    want, got = (dict(jax_ucp.inspect(p).source) for p in (local, remote))
+    assert got.pop("path").startswith(f"hf://{repo}") and want.pop("path") == os.path.abspath(src)
+    want.pop("certificate")  # a local import's (docs/HF.md)
+    assert got == want
+    gets = [r for r in hub_server.log if r["method"] == "GET" and r["path"] in files]
+    whole = [r["path"] for r in gets if r["range"] is None and r["path"].endswith(RANGED)]
+    assert not whole, f"read whole: {whole}"
+    nbytes = sum(
+        len(files[r["path"]]) if r["range"] is None else r["stop"] - r["start"] for r in gets
+    )
+    # each piece once; a safetensors header read by the detection and the plan (a few KiB here)
+    assert 0 < nbytes <= 1.5 * size_of(src), (len(gets), nbytes, size_of(src))

@@ -32,7 +32,7 @@ from jax_ucp._src.importers.plan import (
     accounted,
 )
 from jax_ucp._src.importers.runs import TrainerRun
-from jax_ucp._src.importers.verl.layout import named_like_verl, verl_run
+from jax_ucp._src.importers.verl.layout import DIST_CKPT, verl_run
 from jax_ucp._src.store.storage import Storage, base, local_view
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
@@ -50,7 +50,7 @@ IMPORTERS: dict[str, Importer] = {
             verl.VerlOptions,
             outranks=("megatron", "deepspeed"),
             # megatron's reading of the .metadata tells verl's bridge mode (no model tensor)
-            hands_over=lambda s: verl.megatron_backend(s.root, lambda d: open_dcp(d).tensors),
+            hands_over=lambda s: verl.megatron_backend(s, lambda d: open_dcp(d).tensors),
             run=verl_run,
         ),
         Importer(
@@ -103,19 +103,22 @@ def _layouts(checkpoint_format: str) -> list[Importer]:
     return [i for i in IMPORTERS.values() if i.format == checkpoint_format and not i.takes_over]
 
 
-_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed", "torch_checkpointing", "olmo_core")
+_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed", "verl", "torch_checkpointing", "olmo_core")
 _IN_PLACE += ("torch_files",)  # (read remotely through their Storage)
 
 
 def _in_place(storage: Storage) -> bool:
-    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage``; DeepSpeed's only
-    without verl's names (verl outranks it, and reads a remote prefix through a view), torch
-    files' only without a Trainer's or an adapter's files (their order and config read so)."""
+    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage``; torch files' only
+    without a Trainer's or an adapter's files (their order and config read through a view),
+    verl's Megatron backend only once megatron's importer (it hands its folder over) reads in
+    place too."""
     for name in _IN_PLACE:
         if IMPORTERS[name].detect(storage).found:
-            if name == "torch_files":  # a Trainer's parameter order, an adapter: through a view
+            if name == "torch_files":
                 return not set(storage.names()) & set(torch.files.VIEWED_BESIDE)
-            return name != "deepspeed" or not named_like_verl(storage.names())
+            return "megatron" in _IN_PLACE or all(
+                DIST_CKPT not in n.split("/") for n in storage.names()
+            )
     return False
 
 

@@ -37,8 +37,9 @@ from jax_ucp._src.importers.trainer_files import (
     read_json,
 )
 from jax_ucp._src.store.shard_reader import count_bytes_read
-from jax_ucp._src.store.storage import Storage, local_view
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.store.storage.ranged import RandomAccess, RangeError
+from jax_ucp._src.torchfiles import dcp_safetensors
 
 __all__ = [
     "TEXT_MODELS",
@@ -242,7 +243,7 @@ def holds_remote(prefix: Storage) -> bool:
     return (
         prefix.exists(safetensors.INDEX_FILE)
         or any("/" not in n and n.endswith(".safetensors") for n in names)
-    ) and not local_view.holds_rank_pieces(names)  # torch DCP's: read through a view
+    ) and not dcp_safetensors.holds_rank_pieces(names)  # torch DCP's (importers.torch.dcp)
 
 
 def _objects(prefix: Storage) -> tuple[Storage, list[str]]:

@@ -43,6 +43,7 @@ __all__ = [
     "side_file",
     "trainer_folder_above",
     "trainer_record",
+    "trainer_saved",
 ]
 
 MAX_JSON_BYTES = 16 << 20
@@ -212,6 +213,16 @@ def rng_states(folder: str) -> dict[str, str]:
         for name in sorted(os.listdir(folder))
         if name.startswith("rng_state") and name.endswith(".pth")
     }
+
+
+def trainer_saved(storage: Storage) -> dict[str, str] | None:
+    """:func:`rng_states` of the folder ``storage`` when the Trainer saved it (``optimizer.pt``
+    or ``trainer_state.json`` among its entries: :func:`is_trainer_checkpoint`), else None."""
+    entries = _entries(storage)
+    if entries.isdisjoint(("optimizer.pt", STATE_FILE)):
+        return None
+    why = "the torch run's RNG state, not imported"
+    return {n: why for n in sorted(entries) if n.startswith("rng_state") and n.endswith(".pth")}
 
 
 def side_file(folder: str, name: str) -> str:

@@ -1,6 +1,7 @@
 """torch DCP's rank-local Hugging Face safetensors (``shard-<rank>-model-<i>-of-<n>.safetensors``,
 no ``.metadata``) as one DCP checkpoint: each file's ``DCP_SHARDING_INFO`` places its pieces (the
-full shape, when unrecorded, their largest extent, as torch takes it), read as raw-byte chunks."""
+full shape, when unrecorded, their largest extent, as torch takes it), read as raw-byte chunks;
+a folder's headers read by ranges through its ``Storage`` (``Storage.reader``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from jax_ucp._src.errors import SourceError
+from jax_ucp._src.errors import SourceError, UCPError
 from jax_ucp._src.format import files, safetensors
+from jax_ucp._src.store.storage import LocalDirectory, Storage
 from jax_ucp._src.torchfiles import dcp
 
 #: ``__metadata__`` keys of the writer: the version of its layout (``HF_DCP_VERSION``).
@@ -21,14 +23,36 @@ _FIELDS = ("saved_offsets", "global_shape")
 _MAX_CONFIG_BYTES = 1 << 20
 
 
+def holds_rank_pieces(names: list[str]) -> bool:
+    """Whether a folder's entries ``names`` hold rank files of torch DCP's Hugging Face writer
+    (so named, beside any other): read here, never as safetensors weights. Nothing fetched."""
+    return any(safetensors.RANK_FILE.fullmatch(n) for n in names if "/" not in n)
+
+
+def _opened(path) -> tuple[Path | dcp.ObjectPath, Storage, str, list[str]]:
+    """(the folder as the DCP reader holds it, the storage of its files, their names' prefix
+    there, the names of its files: a remote prefix's from its one listing)."""
+    root = path if isinstance(path, dcp.ObjectPath) else Path(path)
+    storage, at = LocalDirectory(str(root)), ""
+    if isinstance(root, dcp.ObjectPath):
+        storage, at = root.storage, root.key + "/" if root.key else ""
+    names = [n[len(at) :] for n in storage.names() if n.startswith(at) and "/" not in n[len(at) :]]
+    return root, storage, at, names
+
+
 def is_rank_local(path: os.PathLike | str) -> bool:
-    """A local folder of torch DCP Hugging Face shards (and no ``.metadata``)."""
-    path = os.fspath(path)
-    return (
-        os.path.isdir(path)
-        and not os.path.lexists(os.path.join(path, dcp.METADATA_FILE))
-        and safetensors.is_dcp_sharded(path)
-    )
+    """A folder of torch DCP Hugging Face shards (and no ``.metadata``): rank files by name, the
+    first of them one rank's piece by its header (unreadable: no, its reader names the fault)."""
+    try:
+        root, storage, at, names = _opened(path)
+        if dcp.METADATA_FILE in names or not holds_rank_pieces(names):
+            return False
+        first = min(n for n in names if safetensors.RANK_FILE.fullmatch(n))
+        reader = storage.reader(at + first)
+        header = safetensors.SafetensorsFile.read_from(str(root / first), reader, dcp_shard=True)
+        return header.rank_piece
+    except (SourceError, OSError):
+        return False
 
 
 def _dims(value: Any, rank: int, what: str) -> tuple[int, ...]:
@@ -81,16 +105,13 @@ def _entries(f: safetensors.SafetensorsFile) -> dict[str, dict[str, tuple[int, .
     return out
 
 
-def _check_index(root: Path, pieces: dict[str, list]) -> None:
+def _check_index(storage: Storage, at: str, root, names: list[str], pieces: dict) -> None:
     """The writer's index agrees with the files (a file gone would drop its tensors silently)."""
-    index = root / safetensors.INDEX_FILE
-    if not os.path.lexists(index):
+    if safetensors.INDEX_FILE not in names:
         return
-    try:
-        files.inside(root, safetensors.INDEX_FILE, f"{root}: index")
-    except files.UnsafeFileError as e:
-        raise SourceError(str(e)) from None
-    weight_map = safetensors.read_weight_map(str(index), ".safetensors")
+    index = str(root / safetensors.INDEX_FILE)
+    raw = storage.read(at + safetensors.INDEX_FILE, safetensors.MAX_INDEX_BYTES) or b""
+    weight_map = safetensors.weight_map_of(raw, index, ".safetensors")
     for tensor, name in weight_map.items():
         if name not in {p[0] for p in pieces.get(tensor, ())}:
             raise SourceError(
@@ -111,7 +132,7 @@ def _ranks(names: list[str]) -> set[int]:
     return {int(m[1]) for n in names if (m := safetensors.RANK_FILE.fullmatch(n))}
 
 
-def _check_ranks(root: Path, names: list[str], pieces: dict[str, list]) -> None:
+def _check_ranks(root: Path | dcp.ObjectPath, names: list[str], pieces: dict[str, list]) -> None:
     """Every rank from 1 to the highest holds a file (torch's writer numbers them so): a gap is
     a rank file gone, whose pieces and whole tensors would otherwise vanish without a word."""
     ranks = _ranks(names)
@@ -125,17 +146,19 @@ def _check_ranks(root: Path, names: list[str], pieces: dict[str, list]) -> None:
         )
 
 
-def _check_config(root: Path, tensors: dict[str, dcp.DcpTensor], inferred: list[str]) -> bool:
+def _check_config(
+    storage: Storage, at: str, root, names: list[str], tensors: dict, inferred
+) -> bool:
     """transformers' ``config.json`` beside the files: its ``vocab_size`` and ``hidden_size`` are
     dimensions of the model's tensors (the embedding's), so shapes inferred from the pieces
     that hold neither mean the files stop short (the last rank's file missing). False: no such
     config to compare with."""
-    if not os.path.lexists(root / "config.json"):
+    if "config.json" not in names:
         return False
     try:
-        path = files.inside(root, "config.json", f"{root}: config")
-        config = files.strict_json(files.read_regular(path, _MAX_CONFIG_BYTES), path)
-    except (files.UnsafeFileError, SourceError, OSError):
+        raw = storage.read(at + "config.json", _MAX_CONFIG_BYTES) or b""
+        config = files.strict_json(raw, str(root / "config.json"))
+    except (UCPError, OSError):
         return False
     dims = {d for t in tensors.values() for d in t.shape}
     wants = (
@@ -161,19 +184,17 @@ def _shown(shape: tuple[int, ...] | None) -> str:
 
 
 def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
-    """Every ``.safetensors`` file of the folder ``path`` opened and checked, each tensor's pieces
-    gathered as chunks; nothing read."""
-    root = Path(path)
-    names = sorted(n for n in os.listdir(root) if n.endswith(".safetensors"))
+    """Every ``.safetensors`` file of the folder ``path`` (a local one, or a remote one's
+    ``dcp.ObjectPath``) checked by its header, each tensor's pieces gathered as chunks; no
+    tensor read."""
+    root, storage, at, listed = _opened(path)
+    names = sorted(n for n in listed if n.endswith(".safetensors"))
     # tensor -> (file, dtype, offsets, sizes, byte offset, byte length, global_shape or None)
     pieces: dict[str, list[tuple[str, Any, tuple[int, ...], tuple[int, ...], int, int, Any]]] = {}
     versions = set()
     for name in names:
-        try:
-            real = files.inside(root, name, f"{root}: shard")
-        except files.UnsafeFileError as e:
-            raise SourceError(str(e)) from None
-        f = safetensors.SafetensorsFile(str(root / name), real, dcp_shard=True)
+        reader = storage.reader(at + name)
+        f = safetensors.SafetensorsFile.read_from(str(root / name), reader, dcp_shard=True)
         versions.add(f.metadata.get(DCP_VERSION))
         for tensor, entry in _entries(f).items():
             dtype, sizes, begin, end = f.header[tensor]
@@ -190,7 +211,7 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
             )
     if not pieces:
         raise SourceError(f"{root}: no tensor in its torch DCP Hugging Face shards {names[:5]}")
-    _check_index(root, pieces)
+    _check_index(storage, at, root, listed, pieces)
     _check_ranks(root, names, pieces)
     tensors: dict[str, dcp.DcpTensor] = {}
     inferred = []
@@ -221,10 +242,12 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
             f"HuggingFaceStorageReader takes them so): a folder missing its last rank's file "
             f"would read as smaller tensors, so compare the shapes with the model's config",
         )
-        if not _check_config(root, tensors, inferred):  # nothing tells a last rank gone
+        if not _check_config(
+            storage, at, root, listed, tensors, inferred
+        ):  # nothing tells a last rank gone
             warnings.warn(f"{root}: {notes[0]}", UserWarning, stacklevel=2)
     return dcp.DcpCheckpoint(
-        dcp.folder(root),  # a remote folder's view: its pieces read at the URL by ranges
+        root,  # a remote folder's pieces read at its URL by ranges
         tensors,
         {},
         version if isinstance(version, str) else None,

@@ -77,9 +77,8 @@ def dcp_dirs(storage: Storage) -> list[Path | torch_dcp.ObjectPath]:
     folder's ``model_and_optim/``, else Accelerate's ``pytorch_model_fsdp_N/`` and
     ``optimizer_N/`` inside it; [] when none. Rank-local safetensors come with the DCP
     ``optimizer/`` transformers' ``save_optimizer_distributed`` writes beside them, if any. A
-    remote prefix holding ``.metadata`` (no megatron-core file beside it) is read through its
-    ``Storage``, by its listing; its other layouts through a local view
-    (``importers.registry``)."""
+    remote prefix (no megatron-core file beside its ``.metadata``) is read through its
+    ``Storage``, by its listing."""
     path = Path(storage.root)
     if not path.is_dir():
         try:
@@ -88,8 +87,14 @@ def dcp_dirs(storage: Storage) -> list[Path | torch_dcp.ObjectPath]:
             return []
         if olmo_core.is_step_folder(storage):
             storage, names = storage.folder(olmo_core.MODEL_DIR), {".metadata"}
-        plain = ".metadata" in names and not names.intersection(MEGATRON_FILES)
-        return [torch_dcp.folder(storage)] if plain else []
+        root = torch_dcp.folder(storage)
+        subs = sorted({n.split("/", 1)[0] for n in names if "/" in n})
+        held = [d for d in subs if f"{d}/{torch_dcp.METADATA_FILE}" in names]
+        if dcp_safetensors.is_rank_local(root):
+            return [root, *(root / d for d in subs if d == HF_OPTIMIZER_DIR or d in held)]
+        if torch_dcp.METADATA_FILE in names:
+            return [] if names.intersection(MEGATRON_FILES) else [root]
+        return [root / d for d in held if _ACCELERATE_DIR.match(d)]
     if dcp_safetensors.is_rank_local(path):
         return [path, *_optimizer_dirs(path)]
     if os.path.lexists(path / ".metadata"):
@@ -122,7 +127,7 @@ def detect(storage: Storage) -> Detection:
     folders holding one, or the rank-local safetensors of torch's Hugging Face writer), not
     megatron-core's, from names alone (and a safetensors header's ``__metadata__``)."""
     if is_torch_dcp(storage):
-        if dcp_safetensors.is_rank_local(storage.root):  # a local folder (dcp_dirs)
+        if dcp_safetensors.is_rank_local(dcp_dirs(storage)[0]):
             return Detection(True, "torch DCP rank-local safetensors (DCP_SHARDING_INFO)")
         return Detection(True, "torch DCP (.metadata)")
     return Detection(
@@ -166,8 +171,8 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
     itself = (Path(src), torch_dcp.folder(storage))
     try:
         for d in dirs:  # Accelerate's folders inside src, never links to another run's
-            if d not in itself and isinstance(d, Path):
-                files.inside(src, d.name, str(src))
+            if d not in itself:
+                storage.folder(d.name)
         checkpoints = [_open(d) for d in dirs]
         for ck in checkpoints:
             ck.check_files()
@@ -183,10 +188,10 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
                     f"OLMo-core's trainer step not recovered: "
                     f"{info['trainer']['global_step_unread']}"
                 ]
-        elif dirs[0] not in itself and trainer_files.is_trainer_checkpoint(str(src)):
+        elif dirs[0] not in itself and (rng := trainer_files.trainer_saved(storage)) is not None:
             # a Trainer's FSDP checkpoint-N/: its schedule, clipping and step beside the folders
             info["trainer"] = trainer_files.trainer_record(storage)
-            units = trainer_files.rng_states(str(src))  # the Trainer's torch RNG states
+            units = rng  # the Trainer's torch RNG states
         state.found.extend(units)
         state.skipped.update(units)
         notes = [n for ck in checkpoints for n in ck.notes]

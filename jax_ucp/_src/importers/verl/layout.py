@@ -15,14 +15,17 @@ import dataclasses
 import os
 import re
 
-from jax_ucp._src.errors import SourceError
+from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
+from jax_ucp._src.store.storage import LocalDirectory, Storage
 
 __all__ = [
     "TRACKER",
     "Located",
     "RankFiles",
+    "entries",
+    "holds_actor",
     "is_megatron_dir",
     "is_model_dir",
     "locate",
@@ -39,105 +42,124 @@ _STEP_DIR = re.compile(r"global_step_([0-9]+)")
 RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_([0-9]+)_rank_([0-9]+)\.pt")
 
 
-def is_megatron_dir(path: str) -> bool:
-    """A folder verl's Megatron checkpoint manager wrote: ``dist_ckpt/`` with megatron-core's
-    ``.metadata`` and its ``common.pt`` or ``metadata.json``."""
-    ckpt = os.path.join(path, DIST_CKPT)
-    return os.path.isfile(os.path.join(ckpt, ".metadata")) and any(
-        os.path.isfile(os.path.join(ckpt, n)) for n in ("common.pt", "metadata.json")
-    )
-
-
-def is_model_dir(path: str) -> bool:
-    """A folder verl's FSDP checkpoint manager wrote (it holds ``model_world_size_W_rank_R.pt``)
-    or its Megatron one (:func:`is_megatron_dir`)."""
-    if is_megatron_dir(path):
-        return True
+def entries(folder: Storage) -> list[str]:
+    """The entries of ``folder`` (a remote prefix's nested objects by their first part); [] when
+    it is no folder."""
     try:
-        return os.path.isdir(path) and any(
-            (m := RANK_FILE.fullmatch(n)) and m.group(1) == "model" for n in os.listdir(path)
-        )
+        return sorted({name.split("/", 1)[0] for name in folder.names()})
     except OSError:
-        return False
-
-
-def step_dirs(root: str) -> list[str]:
-    """The ``global_step_N`` folders of a verl run holding a saved actor, by step."""
-    holds = lambda path: is_model_dir(os.path.join(path, MODEL_DIRS[0]))
-    return list(runs.numbered_steps(root, _STEP_DIR.pattern, holds).values())
+        return []
 
 
 def named_like_verl(names: list[str]) -> bool:
-    """Whether ``names`` (a remote prefix's) hold a verl step or model folder, by names alone."""
-    parts = {part for name in names for part in name.split("/")}
-    return any(_STEP_DIR.fullmatch(p) or p in (*MODEL_DIRS, DIST_CKPT) for p in parts)
+    """Whether a folder's entries ``names`` hold a verl file or folder, by names alone: none,
+    nothing of verl's is below it (detection lists no folder further)."""
+    dirs = (*MODEL_DIRS, DIST_CKPT)
+    return any(RANK_FILE.fullmatch(n) or _STEP_DIR.fullmatch(n) or n in dirs for n in names)
+
+
+def is_megatron_dir(folder: Storage) -> bool:
+    """A folder verl's Megatron checkpoint manager wrote: ``dist_ckpt/`` with megatron-core's
+    ``.metadata`` and its ``common.pt`` or ``metadata.json``."""
+    if DIST_CKPT not in entries(folder):
+        return False
+    names = entries(folder.folder(DIST_CKPT))
+    return ".metadata" in names and not {"common.pt", "metadata.json"}.isdisjoint(names)
+
+
+def is_model_dir(folder: Storage) -> bool:
+    """A folder verl's FSDP checkpoint manager wrote (it holds ``model_world_size_W_rank_R.pt``)
+    or its Megatron one (:func:`is_megatron_dir`)."""
+    names = entries(folder)
+    model = any((m := RANK_FILE.fullmatch(n)) and m.group(1) == "model" for n in names)
+    return model or is_megatron_dir(folder)
+
+
+def holds_actor(folder: Storage) -> bool:
+    """Whether ``folder`` holds a saved actor (``actor/``, a model folder)."""
+    return MODEL_DIRS[0] in entries(folder) and is_model_dir(folder.folder(MODEL_DIRS[0]))
+
+
+def step_dirs(root: Storage) -> list[str]:
+    """The ``global_step_N`` folders of a verl run holding a saved actor, by step."""
+    found = [
+        (int(m.group(1)), n)
+        for n in entries(root)
+        if (m := _STEP_DIR.fullmatch(n)) and holds_actor(root.folder(n))
+    ]
+    return list(files.numbered_names(found, root.root, "step").values())
 
 
 @dataclasses.dataclass(frozen=True)
 class Located:
     """A verl checkpoint's folders: ``model_dir`` (``actor/`` or ``critic/``) always,
-    ``step_dir`` (``global_step_N``) and ``root`` (the run) when the path shows them, ``step``
-    from the folder's name, ``tracker_step`` from the tracker when there is one."""
+    ``step_dir`` (``global_step_N``) and ``root`` (the run) when the path shows them (a remote
+    prefix above the one given is never read), ``step`` from the folder's name,
+    ``tracker_step`` from the tracker when there is one."""
 
-    model_dir: str
-    step_dir: str | None
-    root: str | None
+    model_dir: Storage
+    step_dir: Storage | None
+    root: Storage | None
     step: int | None
     tracker_step: int | None
 
 
-def _read_tracker(root: str) -> int | None:
+def _read_tracker(root: Storage) -> int | None:
     """The step the run's tracker names (None without one)."""
-    path = os.path.join(root, TRACKER)
-    step = runs.read_tracker(path, what="verl's step number") if os.path.isfile(path) else None
+    if TRACKER not in entries(root):
+        return None
+    path = root.join(TRACKER)
+    try:
+        raw = root.read(TRACKER, 4096)
+    except (files.UnsafeFileError, RequestError) as e:  # a link out, a larger one
+        raise SourceError(str(e)) from None
+    if raw is None:  # listed, yet no file: a link to nothing, never read as no tracker
+        raise SourceError(f"{path}: listed, but no file there (a link to nothing?)")
+    step = runs.tracker_value(raw, path, what="verl's step number")
     if step == "release":
         raise SourceError(f"{path}: expected verl's step number, found 'release'")
     return step if isinstance(step, int) else None
 
 
-def locate(src: str) -> Located:
-    """The folders of the verl checkpoint at ``src``: a run root (its tracker names the step),
-    a ``global_step_N/`` or its ``actor/`` (``critic/``) folder. A tracker naming a step whose
-    folder is missing is refused, naming what is there."""
-    src = os.path.abspath(src)
-    model_dir = src if is_model_dir(src) else os.path.join(src, MODEL_DIRS[0])
-    step_dir = os.path.dirname(model_dir)
-    m = _STEP_DIR.fullmatch(os.path.basename(step_dir))
-    if model_dir == src and not m:
+def _name(folder: Storage) -> str:
+    return folder.root.rstrip("/").rpartition("/")[2]
+
+
+def locate(storage: Storage) -> Located:
+    """The folders of the verl checkpoint at ``storage``: a run root (its tracker names the
+    step), a ``global_step_N/`` or its ``actor/`` (``critic/``) folder. A tracker naming a step
+    whose folder is missing is refused, naming what is there."""
+    src = type(storage)(storage.absolute())  # named as a save records it
+    model_dir = src if is_model_dir(src) else src.folder(MODEL_DIRS[0])
+    step_dir = src.parent() if model_dir is src else src
+    m = _STEP_DIR.fullmatch(_name(step_dir)) if step_dir is not None else None
+    if model_dir is src and not m:
         return Located(src, None, None, None, None)
-    if m and is_model_dir(model_dir):
-        root = os.path.dirname(step_dir)
-        _model_dir_inside(step_dir, model_dir)
-        return Located(model_dir, step_dir, root, int(m.group(1)), _read_tracker(root))
+    if m and step_dir is not None and is_model_dir(model_dir):
+        root = step_dir.parent()
+        step_dir.folder(_name(model_dir))  # a folder of that step, never a link out of it
+        tracked = None if root is None else _read_tracker(root)
+        return Located(model_dir, step_dir, root, int(m.group(1)), tracked)
     steps = step_dirs(src)
     if not steps:
         raise SourceError(
-            f"{src}: not a verl checkpoint (no model_world_size_W_rank_R.pt or {DIST_CKPT}/, "
-            f"no global_step_N/actor/)"
+            f"{src.root}: not a verl checkpoint (no model_world_size_W_rank_R.pt or "
+            f"{DIST_CKPT}/, no global_step_N/actor/)"
         )
     tracker = _read_tracker(src)
     if tracker is None:
         raise SourceError(
-            f"{src}: a verl run with {len(steps)} checkpoints ({', '.join(steps)}) and no "
-            f"{TRACKER}; convert one of them (e.g. {os.path.join(src, steps[-1])})"
+            f"{src.root}: a verl run with {len(steps)} checkpoints ({', '.join(steps)}) and no "
+            f"{TRACKER}; convert one of them (e.g. {src.join(steps[-1])})"
         )
     name = f"global_step_{tracker}"
     if name not in steps:
         raise SourceError(
-            f"{os.path.join(src, TRACKER)} names step {tracker} but {os.path.join(src, name)}"
-            f"/actor/ does not exist (found {', '.join(steps)}); convert one of those folders"
+            f"{src.join(TRACKER)} names step {tracker} but {src.join(name)}/actor/ does not "
+            f"exist (found {', '.join(steps)}); convert one of those folders"
         )
-    step_dir = files.inside(src, name, os.path.join(src, TRACKER))
-    model_dir = os.path.join(step_dir, MODEL_DIRS[0])
-    _model_dir_inside(step_dir, model_dir)
-    return Located(model_dir, step_dir, src, tracker, tracker)
-
-
-def _model_dir_inside(step_dir: str, model_dir: str) -> None:
-    """``global_step_N/actor`` is a folder of that step, never a link to another step's or
-    run's actor (its rank files would be read as this step's)."""
-    if model_dir != step_dir:
-        files.inside(step_dir, os.path.basename(model_dir), f"{step_dir}: verl's model folder")
+    step_dir = src.folder(name)
+    return Located(step_dir.folder(MODEL_DIRS[0]), step_dir, src, tracker, tracker)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +171,7 @@ class RankFiles:
     by_kind: dict[str, list[str]]
 
 
-def rank_files(model_dir: str) -> RankFiles:
+def rank_files(model_dir: Storage) -> RankFiles:
     """Every ``<kind>_world_size_W_rank_R.pt`` of ``model_dir``, checked: one world size, every
     rank 0..W-1 of each kind present (the model always, the optimizer and extra state when
     saved); anything else is refused naming the missing files, and so are two names for one
@@ -159,10 +181,10 @@ def rank_files(model_dir: str) -> RankFiles:
     named = files.numbered_names(
         [
             ((m.group(1), int(m.group(2)), int(m.group(3))), name)
-            for name in os.listdir(model_dir)
+            for name in entries(model_dir)
             if (m := RANK_FILE.fullmatch(name))
         ],
-        model_dir,
+        model_dir.root,
         "(kind, world size, rank)",
     )
     for (kind, world, rank), name in named.items():
@@ -170,7 +192,7 @@ def rank_files(model_dir: str) -> RankFiles:
         found.setdefault(kind, {})[rank] = name
     if len(sizes) != 1:
         raise SourceError(
-            f"{model_dir}: rank files of {len(sizes)} world sizes: "
+            f"{model_dir.root}: rank files of {len(sizes)} world sizes: "
             + ", ".join(f"{w} ({n})" for w, n in sorted(sizes.items()))
             + "; each save is of one world size: remove the stale files"
         )
@@ -182,7 +204,7 @@ def rank_files(model_dir: str) -> RankFiles:
         if missing or extra:
             what = ", ".join(f"{kind}_world_size_{world}_rank_{r}.pt" for r in missing)
             raise SourceError(
-                f"{model_dir}: {'missing ' + what if missing else ''}"
+                f"{model_dir.root}: {'missing ' + what if missing else ''}"
                 f"{'; ' if missing and extra else ''}"
                 f"{'ranks ' + str(extra) + ' beyond world size ' + str(world) if extra else ''}"
                 f" (a save of {world} ranks holds {kind}_world_size_{world}_rank_0..{world - 1}.pt)"
@@ -196,10 +218,10 @@ def verl_run(root: str) -> runs.TrainerRun | None:
     saved, so a newer step did not complete; one without its actor's model rank files
     neither."""
     found = runs.numbered_steps(root, r"global_step_([0-9]+)")
-    tracked = (TRACKER, _read_tracker(root)) if found else None
+    tracked = (TRACKER, _read_tracker(LocalDirectory(root))) if found else None
 
     def complete(path: str) -> str | None:
-        if is_model_dir(os.path.join(path, MODEL_DIRS[0])):
+        if is_model_dir(LocalDirectory(os.path.join(path, MODEL_DIRS[0]))):
             return None
         return (
             f"{path}: no {MODEL_DIRS[0]}/model_world_size_W_rank_R.pt or {DIST_CKPT}/: its save "

@@ -28,7 +28,7 @@ def optimizer_state(model_dir, ranks, options, params: rank_tensors.Params, tied
     state is not read with ``weights_only``).
 
     Args:
-        model_dir: the folder of the rank files.
+        model_dir: the folder of the rank files (a ``Storage``).
         ranks: the rank files by kind (``layout.rank_files``).
         options: the import options (``weights_only``).
         params: the model's tensors (``rank_tensors.parameters``).
@@ -47,7 +47,7 @@ def optimizer_state(model_dir, ranks, options, params: rank_tensors.Params, tied
     if options.weights_only:
         return {}, [], names
     trained = {n: v for n, v in params.items() if n not in tied}
-    states, groups = _optimizer(model_dir, optim_files, optims, trained, ranks.world_size)
+    states, groups = _optimizer(model_dir.root, optim_files, optims, trained, ranks.world_size)
     return states, groups, names
 
 

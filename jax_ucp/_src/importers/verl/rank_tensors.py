@@ -13,6 +13,7 @@ import numpy as np
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers.torch_state import TensorRef
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, sharded, torch_zip
 
 __all__ = ["Params", "Pieces", "gather", "load", "parameters", "tensor_ref"]
@@ -21,10 +22,10 @@ __all__ = ["Params", "Pieces", "gather", "load", "parameters", "tensor_ref"]
 Params = dict[str, tuple[tuple[int, ...], np.dtype, "Pieces"]]
 
 
-def load(folder: str, name: str) -> Any:
-    path = files.inside(folder, name, f"{folder}: verl's rank file")
+def load(folder: Storage, name: str) -> Any:
+    """Rank file ``name`` of ``folder``, its tensors' stand-ins read (a link out refused)."""
     try:
-        return torch_zip.load_torch_file(path, allow_list.SHARDED_TENSOR_CLASSES)
+        return torch_zip.load_torch_file((folder, name), allow_list.SHARDED_TENSOR_CLASSES)
     except (allow_list.TorchFileError, files.UnsafeFileError) as e:
         raise SourceError(str(e)) from None
 

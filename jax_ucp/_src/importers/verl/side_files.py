@@ -5,14 +5,14 @@ other model folder, ``huggingface/`` weights)."""
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
-from jax_ucp._src.errors import SourceError
+from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers.plan import jsonable, skip
 from jax_ucp._src.importers.verl import layout
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
@@ -29,7 +29,7 @@ MAX_CONFIG_BYTES = 1 << 20
 _EXTRA_CLASSES = allow_list.NUMPY_CLASSES
 
 
-def extra_state(folder: str, names: list[str], source: dict, found: list[str]) -> None:
+def extra_state(folder: Storage, names: list[str], source: dict, found: list[str]) -> None:
     """The scheduler's record from the ranks' extra state (every rank's, which must agree);
     every extra-state file (the RNG states) is a unit left out.
 
@@ -46,9 +46,8 @@ def extra_state(folder: str, names: list[str], source: dict, found: list[str]) -
     skip(source, names, why + " is in source.lr_scheduler")
     records: list[tuple[str, dict | None]] = []  # every rank's: one run steps them alike
     for name in names:
-        path = files.inside(folder, name, f"{folder}: verl's extra state")
         try:
-            extra = torch_zip.load_torch_file(path, _EXTRA_CLASSES)
+            extra = torch_zip.load_torch_file((folder, name), _EXTRA_CLASSES)
         except (allow_list.TorchFileError, files.UnsafeFileError) as e:
             source["lr_scheduler_unread"] = f"{name} was not read ({str(e)[:300]})"
             return
@@ -60,7 +59,7 @@ def extra_state(folder: str, names: list[str], source: dict, found: list[str]) -
             keys: list[str] = sorted({*(record or {}), *(first or {})})
             differ = [k for k in keys if (record or {}).get(k) != (first or {}).get(k)]
             raise SourceError(
-                f"{folder}: the ranks' lr schedulers disagree on {', '.join(differ)}: "
+                f"{folder.root}: the ranks' lr schedulers disagree on {', '.join(differ)}: "
                 f"{first_name} has {_shown(first, differ)}, {name} has {_shown(record, differ)} "
                 f"(files of two saves mixed?)"
             )
@@ -109,9 +108,8 @@ def units_beside(where: layout.Located, source: dict, found: list[str]) -> None:
         found: every source tensor's (or unit's) name, added to.
     """
     model_dir = where.model_dir
-    hf = os.path.join(model_dir, "huggingface")
-    if os.path.isdir(hf):
-        for name in sorted(os.listdir(hf)):
+    if "huggingface" in layout.entries(model_dir):
+        for name in layout.entries(model_dir.folder("huggingface")):
             if name.endswith((".safetensors", ".bin")):
                 unit = f"huggingface/{name}"
                 found.append(unit)
@@ -122,27 +120,42 @@ def units_beside(where: layout.Located, source: dict, found: list[str]) -> None:
                 )
     if where.step_dir is None:
         return
-    if os.path.isfile(os.path.join(where.step_dir, "data.pt")):
+    beside = layout.entries(where.step_dir)
+    if "data.pt" in beside:
         found.append("../data.pt")
         skip(source, ["../data.pt"], "verl's data loader state, not imported")
     for other in layout.MODEL_DIRS:
-        path = os.path.join(where.step_dir, other)
-        if path != model_dir and layout.is_model_dir(path):
-            unit = f"../{other}/"
-            found.append(unit)
-            skip(source, [unit], f"verl's {other} model: convert {path} on its own")
+        path = where.step_dir.join(other)
+        if (
+            other in beside
+            and path != model_dir.root
+            and layout.is_model_dir(where.step_dir.folder(other))
+        ):
+            found.append(f"../{other}/")
+            skip(source, [f"../{other}/"], f"verl's {other} model: convert {path} on its own")
 
 
-def fsdp_config(folder: str, world: int) -> int | None:
+def _json(folder: Storage, name: str) -> Any:
+    """JSON file ``name`` of ``folder`` (bounded), None without it; refused naming it."""
+    path = folder.join(*name.split("/"))
+    try:
+        raw = folder.read(name, MAX_CONFIG_BYTES)
+        return None if raw is None else files.strict_loads(raw)
+    except (files.UnsafeFileError, RequestError) as e:  # a link out, a larger one
+        raise SourceError(str(e)) from None
+    except (ValueError, RecursionError) as e:
+        raise SourceError(f"{path}: not readable JSON ({str(e)[:200]})") from None
+
+
+def fsdp_config(folder: Storage, world: int) -> int | None:
     """``FSDP_version`` from ``fsdp_config.json``, its ``world_size`` checked against the rank
     files' (None without the file)."""
-    path = os.path.join(folder, "fsdp_config.json")
-    if not os.path.isfile(path):
+    path = folder.join("fsdp_config.json")
+    data = (
+        _json(folder, "fsdp_config.json") if "fsdp_config.json" in layout.entries(folder) else None
+    )
+    if data is None:
         return None
-    try:
-        data = files.strict_loads(files.read_regular(files.in_own_folder(path), MAX_CONFIG_BYTES))
-    except (ValueError, RecursionError, files.UnsafeFileError) as e:
-        raise SourceError(f"{path}: not readable JSON ({str(e)[:200]})") from None
     if not isinstance(data, dict):
         raise SourceError(f"{path}: expected a JSON object")
     if data.get("world_size") not in (None, world):
@@ -153,21 +166,15 @@ def fsdp_config(folder: str, world: int) -> int | None:
     return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
-def hf_config(folder: str) -> dict | None:
+def hf_config(folder: Storage) -> dict | None:
     """``huggingface/config.json`` of the model folder (None without it), refused when it is
     not a JSON object (NaN and infinities included: the manifest records it) or when it or
     ``huggingface/`` leads out of the model folder (a link): another model's config would set
     the import's settings."""
-    path = os.path.join(folder, "huggingface", "config.json")
-    if not os.path.isfile(path):
+    if "huggingface" not in layout.entries(folder):
         return None
-    try:
-        real = files.inside(folder, os.path.join("huggingface", "config.json"), "model config")
-        data = files.strict_loads(files.read_regular(real, MAX_CONFIG_BYTES))
-    except files.UnsafeFileError as e:
-        raise SourceError(str(e)) from None
-    except (ValueError, RecursionError) as e:
-        raise SourceError(f"{path}: not readable JSON ({str(e)[:200]})") from None
-    if not isinstance(data, dict):
+    data = _json(folder, "huggingface/config.json")
+    if data is not None and not isinstance(data, dict):
+        path = folder.join("huggingface", "config.json")
         raise SourceError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data

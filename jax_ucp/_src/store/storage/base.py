@@ -145,6 +145,11 @@ class Storage(abc.ABC):
         ``link=False``: refused when ``name`` is a symlink (an object store holds none)."""
         return type(self)(self.join(name))
 
+    def parent(self) -> Storage | None:
+        """The folder holding ``root``, where a reader may look above the folder it was given
+        (a local directory's); None for a remote prefix, never read above the one given."""
+        return None
+
     @abc.abstractmethod
     def exists(self, name: str) -> bool:
         """Whether ``name`` exists."""

@@ -322,6 +322,9 @@ class LocalDirectory(Storage):
             )
         return LocalDirectory(self.join(name))
 
+    def parent(self) -> LocalDirectory:
+        return LocalDirectory(os.path.dirname(self.absolute()))
+
     def exists(self, name: str) -> bool:
         return os.path.exists(self.inside(name))
 
