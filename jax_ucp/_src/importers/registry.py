@@ -50,7 +50,9 @@ IMPORTERS: dict[str, Importer] = {
             verl.VerlOptions,
             outranks=("megatron", "deepspeed"),
             # megatron's reading of the .metadata tells verl's bridge mode (no model tensor)
-            hands_over=lambda s: verl.megatron_backend(s.root, lambda d: open_dcp(d).tensors),
+            hands_over=lambda s: verl.megatron_backend(
+                s.root, lambda d: open_dcp(store.storage_for(d)).tensors
+            ),
             run=verl_run,
         ),
         Importer(

@@ -11,8 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src.errors import SourceError
+from jax_ucp._src.errors import RequestError, SourceError
+from jax_ucp._src.format import files
 from jax_ucp._src.importers.plan import ADAM_TREES, agreed_step
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles.allow_list import TorchFileError
 
 
@@ -31,6 +33,32 @@ def named_errors() -> Iterator[None]:
     except (TorchFileError, MegatronImportError):
         raise
     except SourceError as e:
+        raise MegatronImportError(str(e)) from None
+
+
+def listed(folder: Storage) -> list[str] | None:
+    """The entries of ``folder`` (a remote folder's nested objects by their first part), None
+    when it is no folder."""
+    try:
+        return sorted({name.split("/", 1)[0] for name in folder.names()})
+    except OSError:
+        return None
+
+
+def subfolder(parent: Storage, name: str) -> Storage:
+    """Folder ``name`` of ``parent``: never a link to another run's."""
+    try:
+        return parent.folder(name)
+    except files.UnsafeFileError as e:
+        raise MegatronImportError(str(e)) from None
+
+
+def read_file(folder: Storage, name: str, limit: int) -> bytes | None:
+    """File ``name`` of ``folder`` (None: absent), a regular file in it of at most ``limit``
+    bytes, else an error naming it."""
+    try:
+        return folder.read(name, limit)
+    except (files.UnsafeFileError, RequestError) as e:
         raise MegatronImportError(str(e)) from None
 
 
