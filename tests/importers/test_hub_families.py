@@ -4,7 +4,7 @@ OLMo-core, torchtune, torch_checkpointing, legacy Megatron, megatron-core's ``to
 (DeepSpeed: tests/importers/deepspeed/test_object_store.py; safetensors: tests/store/test_hub.py).
 Each restores onto a 2 x 4 mesh bit for bit as its local folder does; its torch archives are read
 by ranged GETs (DCP's only the chunks' ranges), none downloaded whole, and no byte is fetched
-twice."""
+twice; the Megatron folders are read in place (no local view of the repo built)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jax_ucp
+from jax_ucp._src.store.storage import local_view
 from jax_ucp.conversion import ImportOptions
 from tests.importers.deepspeed.test_object_store import assert_same, served, size_of
 from tests.restoring.test_remote_safetensors import _target
@@ -35,8 +36,8 @@ ARCHIVES = (".pt", ".bin", ".ckpt", ".distcp")
         ("olmo_core/olmo_fp32", {}),  # torch DCP with OLMo-core's storage records
         ("megatron/gpt_tp2", {}),  # megatron-core's torch_dist
         ("megatron_fsdp_dtensor/gpt_dp2", {}),
-        # zip archives through the local view of the repo, as DeepSpeed's folder in the default
-        # run (tests/importers/deepspeed/test_object_store.py): the slow stage
+        # zip archives by ranges (the legacy Megatron folder in place, the others through the
+        # local view of the repo): the slow stage
         *(
             pytest.param(name, options, marks=pytest.mark.slow)
             for name, options in [
@@ -53,6 +54,12 @@ def test_each_importer_family_restores_from_a_hub_repo_as_its_local_folder(
     hub_server, monkeypatch, name, options
 ):
     served(monkeypatch)
+    if name.startswith("megatron"):  # read in place, through the repo's Storage
+
+        def no_view(storage):
+            raise AssertionError(f"{storage.root}: a local view built for a Megatron folder")
+
+        monkeypatch.setattr(local_view, "local_view", no_view)
     src = os.path.join(FIXTURES, name)
     files = {}
     for folder, _, names in os.walk(src):

@@ -105,15 +105,17 @@ def _layouts(checkpoint_format: str) -> list[Importer]:
     return [i for i in IMPORTERS.values() if i.format == checkpoint_format and not i.takes_over]
 
 
-_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed")  # read remotely through their Storage
+#: read remotely through their Storage
+_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed", "megatron")
 
 
 def _in_place(storage: Storage) -> bool:
-    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage``; DeepSpeed's only
-    without verl's names (verl outranks it, and reads a remote prefix through a view)."""
+    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage``; DeepSpeed's and
+    Megatron's only without verl's names (verl outranks them, and reads a remote prefix through
+    a view)."""
     for name in _IN_PLACE:
         if IMPORTERS[name].detect(storage).found:
-            return name != "deepspeed" or not named_like_verl(storage.names())
+            return name in _IN_PLACE[:2] or not named_like_verl(storage.names())
     return False
 
 

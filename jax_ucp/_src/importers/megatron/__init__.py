@@ -27,6 +27,7 @@ from jax_ucp._src.importers.megatron import bridge
 from jax_ucp._src.importers.megatron.common import (
     MegatronImportError,
     agreed_iteration,
+    entries_of,
     listed,
     named_errors,
 )
@@ -143,7 +144,7 @@ def detect(storage: Storage) -> Detection:
     names = [n for n in entries if not n.startswith(".")]
     for pattern in _MARKERS:
         folder, _, file = pattern.rpartition("/")
-        if any(file in _entries(storage, d) for d in fnmatch.filter(names, folder)) or (
+        if any(file in entries_of(storage, d) for d in fnmatch.filter(names, folder)) or (
             not folder and fnmatch.filter(names, pattern)
         ):
             return Detection(True, f"Megatron files ({pattern})")
@@ -153,14 +154,6 @@ def detect(storage: Storage) -> Detection:
         "`*.distcp` with `common.pt`, Megatron Bridge `latest_train_state.pt` / "
         "`run_config.yaml`",
     )
-
-
-def _entries(storage: Storage, name: str) -> list[str]:
-    """The entries of folder ``name`` of ``storage`` ([] when it is none, or links out)."""
-    try:
-        return listed(storage.folder(name)) or []
-    except OSError:
-        return []
 
 
 def plan(storage: Storage, options: MegatronOptions) -> ImportPlan:

@@ -24,6 +24,7 @@ Output: the Megatron importer's tree and source, with ``framework = "megatron-br
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -39,6 +40,7 @@ from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.megatron import legacy
 from jax_ucp._src.importers.megatron.common import (
     MegatronImportError,
+    entries_of,
     listed,
     read_file,
     subfolder,
@@ -103,14 +105,15 @@ def is_megatron_bridge(folder: Storage) -> bool:
     # listed: a tracker that is a FIFO or a symlink loop is this format's file gone wrong
     if any(name in names for name in known):
         return True
+    bridges = [  # the iteration folders holding Bridge's files: the tracker read only then
+        n for n in names if _ITER_DIR.fullmatch(n) and set(known[1:]) & set(entries_of(folder, n))
+    ]
     try:
-        step = _tracker_step(folder, names)
+        step = _tracker_step(folder, names) if bridges else None
     except MegatronImportError:
         return False  # Megatron-LM's importer names what is wrong with it
-    if step is None or f"iter_{step:07d}" not in names:
-        return False
-    inner = listed(subfolder(folder, f"iter_{step:07d}")) or ()
-    return any(name in inner for name in known[1:])
+    return step is not None and f"iter_{step:07d}" in bridges
+
 
 
 def _tracker_step(folder: Storage, names: list[str]) -> int | None:
@@ -175,13 +178,14 @@ def read_train_state(folder: Storage, name: str, names: list[str]) -> dict[str, 
             f"{path}: missing; Megatron Bridge writes {TRAIN_STATE_FILE} into every iteration "
             f"directory (the train state: step, consumed samples)"
         )
-    try:
-        if folder.reader(name).holds(MAX_TRAIN_STATE_BYTES + 1):
-            raise MegatronImportError(
-                f"{path}: more than the {MAX_TRAIN_STATE_BYTES} bytes a train state may have "
-                f"(Bridge's is a few KB)"
-            )
-        raw = torch_zip.load_torch_file((folder, name))
+    try:  # its size known once mapped (a remote one's zip directory read), before it is read
+        with contextlib.closing(torch_zip.TorchArchive(folder, name)) as archive:
+            if archive.size > MAX_TRAIN_STATE_BYTES:
+                raise MegatronImportError(
+                    f"{path}: {archive.size} bytes, more than the {MAX_TRAIN_STATE_BYTES} a "
+                    f"train state may have (Bridge's is a few KB)"
+                )
+            raw = archive.load()
     except (files.UnsafeFileError, allow_list.TorchFileError) as e:
         raise MegatronImportError(str(e)) from None
     if not isinstance(raw, dict) or "step" not in raw:

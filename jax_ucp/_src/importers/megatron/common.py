@@ -45,6 +45,14 @@ def listed(folder: Storage) -> list[str] | None:
         return None
 
 
+def entries_of(folder: Storage, name: str) -> list[str]:
+    """The entries of folder ``name`` of ``folder`` ([] when none, or a link out of it)."""
+    try:
+        return listed(folder.folder(name)) or []
+    except OSError:
+        return []
+
+
 def subfolder(parent: Storage, name: str) -> Storage:
     """Folder ``name`` of ``parent``: never a link to another run's."""
     try:

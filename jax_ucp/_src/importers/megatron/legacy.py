@@ -270,9 +270,10 @@ def _rank_file(folder: Storage, directory: RankDir, file: str) -> dict:
     return _load_rank(folder, f"{directory[0]}/{file}", file in directory[1])
 
 
-def open_legacy(iteration_dir: Storage, iteration: int | None) -> LegacyCheckpoint:
-    """Find and load (lazily, memory-mapped) every rank's ``model_optim_rng.pt`` of the
-    iteration folder (the directories placed by :func:`_rank_directories`); check the grid."""
+def open_legacy(src: Storage) -> LegacyCheckpoint:
+    """Find and load (lazily, memory-mapped) every rank's ``model_optim_rng.pt`` (the
+    directories placed by :func:`_rank_directories`); check the grid."""
+    iteration_dir, iteration = resolve_iteration_dir(src, listed(src) or [])
     found, expected = _rank_directories(iteration_dir)
     pp_size, tp_size, ep_size = (max(key[axis] for key in found) + 1 for axis in range(3))
     ep_ranks: dict[tuple[int, int, int], RankFile] = {}

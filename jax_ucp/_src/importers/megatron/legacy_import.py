@@ -160,7 +160,7 @@ def plan_legacy(source_dir: MegatronSource, settings: dict, options: ImportOptio
             listed in ``source.skipped``.
     """
     spec, weights_only, share = options.spec, options.weights_only, options.share
-    checkpoint = legacy.open_legacy(source_dir.folder, source_dir.iteration)
+    checkpoint = legacy.open_legacy(source_dir.folder)
     _legacy_settings(checkpoint, settings)
     tensors = _collect_legacy_tensors(checkpoint, _stage_layer_offsets(checkpoint, settings))
     tied_pairs = _tied_output_pairs(checkpoint, tensors.fragments, settings)

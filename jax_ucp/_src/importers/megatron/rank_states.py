@@ -673,9 +673,7 @@ class DistribOptimState:
     names: dict[str, str] = field(default_factory=dict)
 
 
-def distrib_optim_state(
-    saved: Any, path: str, index: int = 0, count: int = 1
-) -> DistribOptimState:
+def distrib_optim_state(saved: Any, path: str, index: int = 0, count: int = 1) -> DistribOptimState:
     """Buffer ``index`` of a loaded ``get_parameter_state_dp_zero`` dict holding ``count``
     buffers (more than one: a virtual pipeline's model chunks), checked: the content of a
     ``distrib_optim.pt`` and of megatron-core 0.13's ``dp_zero_gather_scatter`` object.
