@@ -115,7 +115,6 @@ def is_megatron_bridge(folder: Storage) -> bool:
     return step is not None and f"iter_{step:07d}" in bridges
 
 
-
 def _tracker_step(folder: Storage, names: list[str]) -> int | None:
     """The iteration in Megatron-LM's tracker file in ``folder`` (None: no file, or 'release')."""
     step = legacy.read_tracker(folder, names, MegatronImportError)

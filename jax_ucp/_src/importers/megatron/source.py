@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.megatron import legacy
-from jax_ucp._src.importers.megatron.common import listed, subfolder
+from jax_ucp._src.importers.megatron.common import entries_of, listed, subfolder
 from jax_ucp._src.store.storage import LocalDirectory, Storage
 
 
@@ -48,23 +47,21 @@ def detect_megatron(src: Storage) -> MegatronSource | None:
     return None
 
 
-def megatron_run(root: os.PathLike | str) -> runs.TrainerRun | None:
-    """A Megatron save root: its ``iter_NNNNNNN`` folders. Megatron writes
-    ``latest_checkpointed_iteration.txt`` once every rank has saved an iteration, so a newer
-    one did not complete; a folder with neither torch_dist's ``.metadata`` (written last) nor
-    legacy ``mp_rank_*`` folders neither."""
-    root = os.fspath(root)
+def megatron_run(root: str) -> runs.TrainerRun | None:
+    """A Megatron save root (a local folder: ``Importer.run``): its ``iter_NNNNNNN`` folders.
+    Megatron writes ``latest_checkpointed_iteration.txt`` once every rank has saved an
+    iteration, so a newer one did not complete; a folder with neither torch_dist's
+    ``.metadata`` (written last) nor legacy ``mp_rank_*`` folders neither."""
     found = runs.numbered_steps(root, r"iter_([0-9]+)")
+    folder = LocalDirectory(root)
+    names = listed(folder) or [] if found else []
     tracked = None
-    if found and os.path.lexists(os.path.join(root, legacy.TRACKER_FILE)):
-        folder = LocalDirectory(root)  # a local run root (``Importer.run``)
-        _, iteration = legacy.resolve_iteration_dir(folder, listed(folder) or [])
-        tracked = (legacy.TRACKER_FILE, iteration)
+    if legacy.TRACKER_FILE in names:
+        tracked = (legacy.TRACKER_FILE, legacy.resolve_iteration_dir(folder, names)[1])
 
     def complete(path: str) -> str | None:
-        if os.path.lexists(os.path.join(path, ".metadata")) or any(
-            d.startswith("mp_rank_") for d in os.listdir(path)
-        ):
+        inner = entries_of(folder, path.rpartition("/")[2])
+        if ".metadata" in inner or any(d.startswith("mp_rank_") for d in inner):
             return None
         return (
             f"{path}: neither torch_dist's .metadata (written last) nor mp_rank_* folders: its "
