@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2272,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17134,
+    "importers": 17180,
     "language": 3231,
     "models": 2625,
     "multihost": 839,
@@ -26,14 +26,14 @@ CEILINGS = {
     "restoring": 5024,
     "saving": 969,
     "sharding": 707,
-    "store": 3614,
+    "store": 3624,
     "torchfiles": 3231,
     "writer": 1675,
     "modules": 4730,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53808
+TOTAL = 53920
 
 
 def _lines(paths) -> int:

@@ -33,7 +33,7 @@ from jax_ucp._src.importers.plan import (
 )
 from jax_ucp._src.importers.runs import TrainerRun
 from jax_ucp._src.importers.verl.layout import named_like_verl, verl_run
-from jax_ucp._src.store.storage import Storage, base, local_view
+from jax_ucp._src.store.storage import LocalDirectory, Storage, base, local_view
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
 # first weak claim (a folder of .safetensors, of .bin / .pt files).
@@ -50,8 +50,8 @@ IMPORTERS: dict[str, Importer] = {
             verl.VerlOptions,
             outranks=("megatron", "deepspeed"),
             # megatron's reading of the .metadata tells verl's bridge mode (no model tensor)
-            hands_over=lambda s: verl.megatron_backend(
-                s.root, lambda d: open_dcp(store.storage_for(d)).tensors
+            hands_over=lambda s: verl.megatron_backend(  # a local path (a view's, remotely)
+                s.root, lambda d: open_dcp(LocalDirectory(d)).tensors
             ),
             run=verl_run,
         ),

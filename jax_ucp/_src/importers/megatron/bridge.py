@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -220,14 +219,13 @@ def read_run_config(folder: Storage) -> dict[str, Any]:
     (aliases counted each time they are used: a billion-laughs file is refused before anything
     walks it)."""
     path = folder.join(RUN_CONFIG_FILE)
-    text = read_file(folder, RUN_CONFIG_FILE, MAX_RUN_CONFIG_BYTES)
-    if text is None:
+    if RUN_CONFIG_FILE not in (listed(folder) or ()):
         raise MegatronImportError(
             f"{path}: missing; Megatron Bridge writes {RUN_CONFIG_FILE} beside "
             f"{TRAIN_STATE_FILE} at every save, and only it records the model settings "
             f"(heads, query groups, kv channels, SwiGLU, vocab size) of a Bridge checkpoint"
         )
-    loader = _SafeLoader(text)
+    loader = _SafeLoader(read_file(folder, RUN_CONFIG_FILE, MAX_RUN_CONFIG_BYTES))
     try:
         node = loader.get_single_node()
         if node is None:
@@ -334,7 +332,7 @@ _MODEL_STRINGS = {
 }
 
 
-def bridge_settings(run_config: Mapping[str, Any], where: os.PathLike | str) -> dict[str, Any]:
+def bridge_settings(run_config: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Import settings from a run config's ``model`` section (its ``transformer`` sub-section
     for Bridge's newer ``GPTModelConfig``) and its ``ddp`` gradient-bucket settings: the values
     a spec needs, each type-checked."""
@@ -373,7 +371,7 @@ def bridge_settings(run_config: Mapping[str, Any], where: os.PathLike | str) -> 
     return settings
 
 
-def _named_settings(fields: dict[str, Any], where: os.PathLike | str, settings: dict) -> None:
+def _named_settings(fields: dict[str, Any], where: str, settings: dict) -> None:
     """The int, bool and name fields that map one to one onto a setting, and the tied-embedding
     flag (inverted), into ``settings``."""
     for key, name in _MODEL_INTS.items():
@@ -391,7 +389,7 @@ def _named_settings(fields: dict[str, Any], where: os.PathLike | str, settings: 
             settings[name] = value
 
 
-def _int_field(value: Any, key: str, where: os.PathLike | str) -> int:
+def _int_field(value: Any, key: str, where: str) -> int:
     if type(value) is not int or not 0 <= value < 2**63:
         shown = (
             f"an integer of {value.bit_length()} bits"

@@ -13,7 +13,7 @@ import numpy as np
 
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files
-from jax_ucp._src.importers.plan import ADAM_TREES, agreed_step
+from jax_ucp._src.importers.plan import ADAM_TREES, agreed_step, listed
 from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles.allow_list import TorchFileError
 
@@ -36,15 +36,6 @@ def named_errors() -> Iterator[None]:
         raise MegatronImportError(str(e)) from None
 
 
-def listed(folder: Storage) -> list[str] | None:
-    """The entries of ``folder`` (a remote folder's nested objects by their first part), None
-    when it is no folder."""
-    try:
-        return sorted({name.split("/", 1)[0] for name in folder.names()})
-    except OSError:
-        return None
-
-
 def entries_of(folder: Storage, name: str) -> list[str]:
     """The entries of folder ``name`` of ``folder`` ([] when none, or a link out of it)."""
     try:
@@ -61,13 +52,16 @@ def subfolder(parent: Storage, name: str) -> Storage:
         raise MegatronImportError(str(e)) from None
 
 
-def read_file(folder: Storage, name: str, limit: int) -> bytes | None:
-    """File ``name`` of ``folder`` (None: absent), a regular file in it of at most ``limit``
+def read_file(folder: Storage, name: str, limit: int) -> bytes:
+    """File ``name`` of ``folder``, listed there: a regular file in it of at most ``limit``
     bytes, else an error naming it."""
     try:
-        return folder.read(name, limit)
+        raw = folder.read(name, limit)
     except (files.UnsafeFileError, RequestError) as e:
         raise MegatronImportError(str(e)) from None
+    if raw is None:  # listed, yet no file: a link to nothing, never read as no file
+        raise MegatronImportError(f"{folder.join(name)}: listed, but no file there")
+    return raw
 
 
 @dataclass

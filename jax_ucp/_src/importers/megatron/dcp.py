@@ -81,8 +81,6 @@ def open_dcp(folder: Storage) -> MegatronDcpCheckpoint:
     if "metadata.json" in (listed(folder) or ()):  # a FIFO, a device or a huge file: an error
         where = folder.join("metadata.json")
         raw = read_file(folder, "metadata.json", MAX_MCORE_METADATA_BYTES)
-        if raw is None:  # listed, yet no file: a link to nothing
-            raise SourceError(f"{where}: listed, but no file there (a link to nothing?)")
         try:
             mcore = files.strict_loads(raw)
         except (ValueError, RecursionError) as e:

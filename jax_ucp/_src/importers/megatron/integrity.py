@@ -28,8 +28,6 @@ _READ = re.compile(r"\.metadata|metadata\.json|common\.pt|__[0-9]+_[0-9]+\.distc
 def _record(folder: Storage) -> dict[str, str]:
     path = folder.join(INTEGRITY_FILE)
     raw = read_file(folder, INTEGRITY_FILE, MAX_RECORD_BYTES)  # never another run's, linked in
-    if raw is None:  # listed, yet no file: a link to nothing
-        raise SourceError(f"{path}: listed, but no file there (a link to nothing?)")
     try:
         data = files.strict_loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError included

@@ -90,8 +90,7 @@ class RankFile:
 class LegacyCheckpoint:
     """A legacy (``mp_rank_*``) Megatron checkpoint: its rank files and run arguments."""
 
-    iter_dir: str  # its path or URL, for messages
-    folder: Storage  # where its files are read
+    folder: Storage  # the iteration folder: its files, its ``root`` in messages
     iteration: int | None
     # TP x PP x EP; with a virtual pipeline ``pp`` counts virtual stages (chunk v of pipeline
     # rank p is stage v * (pp // vpp) + p) and ``vpp`` the model chunks per rank file
@@ -126,8 +125,6 @@ def read_tracker(
         raw = read_file(folder, TRACKER_FILE, 4096)
     except SourceError as e:
         raise error(str(e)) from None
-    if raw is None:  # listed, yet no file: a link to nothing, never read as no tracker
-        raise error(f"{folder.join(TRACKER_FILE)}: listed, but no file there (a link to nothing?)")
     return runs.tracker_step(raw, folder.join(TRACKER_FILE), error)
 
 
@@ -326,7 +323,6 @@ def open_legacy(src: Storage) -> LegacyCheckpoint:
         )
     version = first.state.get("checkpoint_version")
     return LegacyCheckpoint(
-        iteration_dir.root,
         iteration_dir,
         agreed_iteration(iteration, first.state.get("iteration"), str(first.path)),
         RankGrid(tp_size, pp_size * virtual, ep_size, virtual),

@@ -171,13 +171,13 @@ def plan_legacy(source_dir: MegatronSource, settings: dict, options: ImportOptio
         uncovered = [n for n in names if n not in matches]
         if uncovered:
             raise MegatronImportError(
-                f"{checkpoint.iter_dir}: no import rule covers {uncovered[:10]} "
+                f"{checkpoint.folder.root}: no import rule covers {uncovered[:10]} "
                 f"(pass a spec with rules for them)"
             )
     experts = tensors.grouped or checkpoint.grid.ep > 1
     if experts and checkpoint.distrib_optim and not weights_only:
         raise MegatronImportError(
-            f"{checkpoint.iter_dir}: distrib_optim.pt with "
+            f"{checkpoint.folder.root}: distrib_optim.pt with "
             f"{'grouped-GEMM' if tensors.grouped else 'expert-parallel'} experts is not "
             f"supported. {WEIGHTS_ONLY_HINT}"
         )
@@ -218,7 +218,7 @@ def plan_legacy(source_dir: MegatronSource, settings: dict, options: ImportOptio
         : 1 if weights_only else None
     ]
     named = [(f.name, f.state) for f in files]
-    record = agreed_record(named, str(checkpoint.iter_dir))
+    record = agreed_record(named, str(checkpoint.folder.root))
     if record is not None:
         info[MEGATRON_OPTIMIZER] = record
     return ImportPlan(
@@ -249,7 +249,7 @@ def _refuse_unread_optimizer(
     held = [n for n in found if n.partition(":")[2].startswith("optimizer.")]
     if held:
         raise MegatronImportError(
-            f"{checkpoint.iter_dir}: the rank files hold the state of a non-distributed "
+            f"{checkpoint.folder.root}: the rank files hold the state of a non-distributed "
             f"optimizer ({len(held)} tensors, e.g. {held[0]!r}), which is not supported (only "
             f"the distributed optimizer's distrib_optim.pt is read). {WEIGHTS_ONLY_HINT}"
         )
@@ -323,7 +323,7 @@ def _stage_layer_offsets(checkpoint: legacy.LegacyCheckpoint, settings) -> dict[
     num_layers = settings.get("num_layers")
     if num_layers and total and total != num_layers:
         raise MegatronImportError(
-            f"{checkpoint.iter_dir}: stages hold {total} layers in all, "
+            f"{checkpoint.folder.root}: stages hold {total} layers in all, "
             f"args.num_layers={num_layers}"
         )
     return offsets
@@ -535,7 +535,7 @@ def _legacy_distrib_optim(
         step = step_from_param_groups(groups, f"{rank_file.path} ['optimizer']")
         steps.setdefault(step, f"in {rank_file.path}")
     count = agreed_step(
-        steps, str(checkpoint.iter_dir), recorded_by="ranks", error=MegatronImportError
+        steps, str(checkpoint.folder.root), recorded_by="ranks", error=MegatronImportError
     )
     for per_name in out.values():  # the tied output layer's copy merges like the weights
         _fold_tied_copies(per_name, tied_pairs)
