@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53920
+TOTAL = 53864
 
 
 def _lines(paths) -> int:
