@@ -23,6 +23,7 @@ import jax_ucp
 from jax_ucp._src.continuation.megatron import MegatronSchedule, megatron_recipe
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.importers.megatron import MegatronOptions, dcp, legacy, plan_megatron
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp.conversion import ImportOptions
 from tests.megatron_testing import (
     DISTOPT,
@@ -199,7 +200,7 @@ def test_a_megatron_core_run_continues_with_the_schedule_given():
     from its param groups, the rate they hold; schedule= / clip= fill what is not recorded (as
     for FSDP2), a schedule contradicting the held rate refused."""
     src = FIX / "gpt_distopt_dp2"
-    record = plan_megatron(src, MegatronOptions()).source["megatron_optimizer"]
+    record = plan_megatron(LocalDirectory(str(src)), MegatronOptions()).source["megatron_optimizer"]
     assert "opt_param_scheduler" not in record and "args" not in record
     group = record["param_groups"][0]
     bare = jax_ucp.optax_from_torch(str(src))
@@ -215,7 +216,9 @@ def test_a_megatron_core_run_continues_with_the_schedule_given():
 
 def test_incomplete_scheduler_record_refused():
     """The legacy fixture's synthetic {'num_steps': 2}: refused naming the first missing field."""
-    source = plan_megatron(FIX / "legacy_gpt_distopt_pp2dp2_synthetic", MegatronOptions()).source
+    source = plan_megatron(
+        LocalDirectory(str(FIX / "legacy_gpt_distopt_pp2dp2_synthetic")), MegatronOptions()
+    ).source
     record = source["megatron_optimizer"]
     assert record["file"].endswith("mp_rank_00_000/model_optim_rng.pt")
     assert record["opt_param_scheduler"] == {"num_steps": 2}
@@ -446,8 +449,10 @@ def test_dp_reshardable_groups_are_read_from_every_rank_object(tmp_path):
     continue a megatron-core run as the per-parameter layout's do; a rank whose groups state
     another betas, or another weight decay for the same wd_mult, is refused naming each rank's
     object and value (only the step was read from them, and compared)."""
-    record = plan_megatron(DISTOPT, MegatronOptions()).source["megatron_optimizer"]
-    checkpoint = dcp.open_dcp(DISTOPT)
+    record = plan_megatron(LocalDirectory(str(DISTOPT)), MegatronOptions()).source[
+        "megatron_optimizer"
+    ]
+    checkpoint = dcp.open_dcp(LocalDirectory(str(DISTOPT)))
     (name,) = [n for n in checkpoint.objects if n.startswith(RANK.format(0))]
     saved = checkpoint.read_object(name, legacy.LEGACY_CLASSES)[0]["param_groups"]
     assert record["groups_file"] == RANK.format(0)[:-1]
@@ -473,7 +478,7 @@ def test_dp_reshardable_groups_are_read_from_every_rank_object(tmp_path):
         shutil.copytree(DISTOPT_TP2, src)
         edit_dcp_object(src, RANK.format(1), _rank_groups(change))
         with pytest.raises(SourceError, match=r"records of this save disagree") as raised:
-            plan_megatron(src, MegatronOptions())
+            plan_megatron(LocalDirectory(str(src)), MegatronOptions())
         assert raised.match(match) and raised.match(RANK.format(0)[:-1])
 
 
@@ -485,7 +490,9 @@ def test_dp_reshardable_groups_are_compared_with_the_args_and_scheduler(tmp_path
     saved = scheduled[1]  # the same GPT's tensors
 
     def recipe(src: Path):
-        return megatron_recipe(plan_megatron(src, MegatronOptions()).source, saved, "ckpt")
+        return megatron_recipe(
+            plan_megatron(LocalDirectory(str(src)), MegatronOptions()).source, saved, "ckpt"
+        )
 
     src = scheduled_distopt(tmp_path / "run", consistent=False)
     with pytest.raises(

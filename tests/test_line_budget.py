@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2272,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17262,
+    "importers": 17293,
     "language": 3231,
     "models": 2625,
     "multihost": 839,
@@ -26,14 +26,14 @@ CEILINGS = {
     "restoring": 5024,
     "saving": 969,
     "sharding": 707,
-    "store": 3622,
+    "store": 3632,
     "torchfiles": 3254,
     "writer": 1675,
     "modules": 4730,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53967
+TOTAL = 54008
 
 
 def _lines(paths) -> int:

@@ -19,6 +19,7 @@ from jax_ucp._src.exporters import (
     options_for,
     safetensors_out,
 )
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp.cli import app
 from jax_ucp.errors import RequestError
 from tests.ucp_testing import REPO, run_torchrun
@@ -220,7 +221,7 @@ def test_dcp_export_reads_back_bit_exact_without_torch(tmp_path):
     jax_ucp.save(str(tmp_path / "ck"), state)
     out = jax_ucp.export(str(tmp_path / "ck"), tmp_path / "dcp", TorchDcpExport())
     assert out.files == [".metadata", "__0_0.distcp"] and out.tensors == 7 and not out.skipped
-    back = megatron_dcp.open_dcp(tmp_path / "dcp")
+    back = megatron_dcp.open_dcp(LocalDirectory(str(tmp_path / "dcp")))
     flat = {
         "params.w": state["params"]["w"],
         "params.emb": state["params"]["emb"],
@@ -239,7 +240,10 @@ def test_megatron_to_ucp_to_dcp_keeps_every_weight_bit_exact(tmp_path):
     src = os.path.join(REPO, "tests", "fixtures", "megatron", "gpt_tp2")
     ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"))
     jax_ucp.export(ckpt, tmp_path / "dcp", TorchDcpExport(select="params"))
-    original, back = megatron_dcp.open_dcp(src), megatron_dcp.open_dcp(tmp_path / "dcp")
+    original, back = (
+        megatron_dcp.open_dcp(LocalDirectory(str(src))),
+        megatron_dcp.open_dcp(LocalDirectory(str(tmp_path / "dcp"))),
+    )
     assert set(back.tensors) == {n for n in original.tensors if not n.startswith("optimizer.")}
     for name in back.tensors:
         assert _same(back.read(name), original.read(name)), name

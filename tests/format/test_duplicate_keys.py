@@ -21,6 +21,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.format import manifest
 from jax_ucp._src.importers.megatron import integrity
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp.errors import CheckpointError, RequestError, SourceError
 
 pytestmark = pytest.mark.timeout(120)
@@ -147,11 +148,13 @@ def test_a_megatron_integrity_record_listing_a_file_twice_is_refused(tmp_path):
     record = '{"algorithm": "sha256", "files": {".metadata": "%s", ".metadata": "%s"}}'
     (tmp_path / integrity.INTEGRITY_FILE).write_text(record % (old, new))
     with pytest.raises(SourceError, match=r"integrity.json.*names '.metadata' twice"):
-        integrity.verify_integrity(tmp_path)
+        integrity.verify_integrity(LocalDirectory(str(tmp_path)), os.listdir(tmp_path))
     (tmp_path / integrity.INTEGRITY_FILE).write_text(
         json.dumps({"algorithm": "sha256", "files": {".metadata": new}})
     )
-    assert integrity.verify_integrity(tmp_path) is not None
+    assert (
+        integrity.verify_integrity(LocalDirectory(str(tmp_path)), os.listdir(tmp_path)) is not None
+    )
 
 
 def test_every_other_json_a_user_hands_us_refuses_a_key_named_twice(good, tmp_path):

@@ -67,12 +67,12 @@ def _deepspeed_tensors(src: str) -> set[str]:
 def _megatron_tensors(src: str) -> set[str]:
     """torch_dist: the ``.metadata`` tensor keys; legacy: ``<rank dir>/<file>:<path>``."""
     if os.path.exists(os.path.join(src, ".metadata")):
-        return set(megatron_dcp.open_dcp(src).tensors)
+        return set(megatron_dcp.open_dcp(LocalDirectory(str(src))).tensors)
     with open(os.path.join(src, megatron_legacy.TRACKER_FILE)) as f:
         iteration = f.read().strip()
     iter_dir = os.path.join(src, f"iter_{int(iteration):07d}")
     if os.path.exists(os.path.join(iter_dir, ".metadata")):  # Megatron Bridge: torch_dist
-        return set(megatron_dcp.open_dcp(iter_dir).tensors)
+        return set(megatron_dcp.open_dcp(LocalDirectory(str(iter_dir))).tensors)
     return {
         f"{os.path.relpath(path, iter_dir)}:{name}"
         for path in sorted(glob.glob(os.path.join(iter_dir, "mp_rank_*", "*.pt")))

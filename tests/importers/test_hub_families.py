@@ -4,7 +4,7 @@ OLMo-core, torchtune, torch_checkpointing, legacy Megatron, megatron-core's ``to
 (DeepSpeed: tests/importers/deepspeed/test_object_store.py; safetensors: tests/store/test_hub.py).
 Each restores onto a 2 x 4 mesh bit for bit as its local folder does; its torch archives are read
 by ranged GETs (DCP's only the chunks' ranges), none downloaded whole, and no byte is fetched
-twice."""
+twice; the Megatron folders are read in place (no local view of the repo built)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ IN_PLACE = (
     "torch_checkpointing/tc_fsdp2_synthetic_layout/step-3",
     "torch/hf_bin_sharded",
     "verl/fsdp2",
+    "megatron/gpt_tp2",
+    "megatron_fsdp_dtensor/gpt_dp2",
+    "megatron/legacy_gpt_tp2pp2_synthetic",
 )
 RANGED = (*ARCHIVES, ".safetensors")
 
@@ -48,8 +51,8 @@ RANGED = (*ARCHIVES, ".safetensors")
         ("olmo_core/olmo_fp32", {}),  # torch DCP with OLMo-core's storage records
         ("megatron/gpt_tp2", {}),  # megatron-core's torch_dist
         ("megatron_fsdp_dtensor/gpt_dp2", {}),
-        # zip archives by ranges, through the local view of the repo but verl's (read in place,
-        # as DeepSpeed's folder in tests/importers/deepspeed/test_object_store.py): the slow stage
+        # zip archives by ranges, in place but torchtune's (through the local view of the repo):
+        # the slow stage
         *(
             pytest.param(name, options, marks=pytest.mark.slow)
             for name, options in [

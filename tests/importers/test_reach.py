@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import jax_ucp
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp.cli import app
 from jax_ucp.conversion import ImportOptions, MegatronOptions
 from tests.ucp_testing import REPO
@@ -133,7 +134,7 @@ def test_megatron_dp_reshardable_imports_with_its_optimizer_state(tmp_path, name
 
     tp, pp, _dp, buckets, dtype = DP_RESHARDABLE[name]
     src = os.path.join(MEGATRON, "mcore_versions", name)
-    original = megatron_dcp.open_dcp(src)
+    original = megatron_dcp.open_dcp(LocalDirectory(str(src)))
     optimizer = [n for n in original.tensors if n.startswith("optimizer.")]
     assert len(optimizer) == 3 * tp * pp * buckets  # what the fixture is meant to cover
     ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=61))

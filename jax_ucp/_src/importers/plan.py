@@ -8,7 +8,6 @@ from key names): :func:`host_item` is that contract, written once for every impo
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import re
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -179,7 +178,7 @@ class Importer:
     outranks: tuple[str, ...] = ()
     takes_over: tuple[str, ...] = ()
     given: Callable[[Storage], bool] | None = None
-    hands_over: Callable[[Storage], tuple[str, str, dict[str, Any]] | None] | None = None
+    hands_over: Callable[[Storage], tuple[str, Storage, dict[str, Any]] | None] | None = None
     run: Callable[[str], TrainerRun | None] | None = None
     model_names: bool = False
 
@@ -188,22 +187,13 @@ class Importer:
             object.__setattr__(self, "format", self.name)
 
 
-def glob_detection(src: str, patterns: tuple[str, ...], found: str, missing: str) -> Detection:
-    """Whether the folder ``src`` holds a file matching one of ``patterns`` (glob, names only:
-    nothing is opened).
-
-    Args:
-        src: the folder to look in.
-        patterns: glob patterns of the format's own file names.
-        found: the reason given when one matches.
-        missing: the reason given when none does (what was looked for).
-    """
-    if not os.path.isdir(src):
-        return Detection(False, "not a directory")
-    for pattern in patterns:
-        if glob.glob(os.path.join(src, pattern)):
-            return Detection(True, f"{found} ({pattern})")
-    return Detection(False, missing)
+def listed(folder: Storage) -> list[str] | None:
+    """The entries of ``folder`` (a remote folder's nested objects by their first part), None
+    when it is no folder."""
+    try:
+        return sorted({name.split("/", 1)[0] for name in folder.names()})
+    except OSError:
+        return None
 
 
 def refuse_spec(spec: Any, keeps: str, error: type[Exception] = RequestError) -> None:

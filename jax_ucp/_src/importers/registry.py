@@ -32,7 +32,7 @@ from jax_ucp._src.importers.plan import (
     accounted,
 )
 from jax_ucp._src.importers.runs import TrainerRun
-from jax_ucp._src.importers.verl.layout import DIST_CKPT, verl_run
+from jax_ucp._src.importers.verl.layout import verl_run
 from jax_ucp._src.store.storage import Storage, base, local_view
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
@@ -103,21 +103,17 @@ def _layouts(checkpoint_format: str) -> list[Importer]:
     return [i for i in IMPORTERS.values() if i.format == checkpoint_format and not i.takes_over]
 
 
-_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed", "verl", "torch_checkpointing", "olmo_core")
-_IN_PLACE += ("torch_files",)  # (read remotely through their Storage)
+_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed", "megatron", "verl", "torch_checkpointing")
+_IN_PLACE += ("olmo_core", "torch_files")  # (read remotely through their Storage)
 
 
 def _in_place(storage: Storage) -> bool:
     """Whether an importer of ``_IN_PLACE`` claims the remote ``storage``; torch files' only
-    without a Trainer's or an adapter's files (their order and config read through a view),
-    verl's Megatron backend only once megatron's importer (it hands its folder over) reads in
-    place too."""
+    without a Trainer's or an adapter's files (their order and config read through a view)."""
     for name in _IN_PLACE:
         if IMPORTERS[name].detect(storage).found:
-            if name == "torch_files":
-                return not set(storage.names()) & set(torch.files.VIEWED_BESIDE)
-            return "megatron" in _IN_PLACE or all(
-                DIST_CKPT not in n.split("/") for n in storage.names()
+            return name != "torch_files" or not set(storage.names()) & set(
+                torch.files.VIEWED_BESIDE
             )
     return False
 
@@ -397,7 +393,7 @@ def plan_import(
             raise importer.error()
         handed = importer.hands_over(src) if importer.hands_over else None
         if handed is not None:  # another format's checkpoint inside this layout
-            importer, src = IMPORTERS[handed[0]], store.storage_for(handed[1])
+            importer, src = IMPORTERS[handed[0]], handed[1]
             answers = None  # asked of the folder around it
         options = for_format(importer, options)
         if share != WHOLE:

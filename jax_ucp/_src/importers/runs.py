@@ -82,13 +82,14 @@ def read_tracker(
         raw = files.read_regular(files.in_own_folder(tracker), 4096)
     except files.UnsafeFileError as e:
         raise error(str(e)) from None
-    return tracker_value(raw, tracker, error, what)
+    return tracker_step(raw, tracker, error, what)
 
 
-def tracker_value(
+def tracker_step(
     raw: bytes, tracker, error: type[SourceError] = SourceError, what: str = "an iteration number"
 ) -> int | str:
-    """:func:`read_tracker` of the tracker's bytes ``raw`` (read by the caller, bounded)."""
+    """The iteration the bytes ``raw`` of the tracker file ``tracker`` name (see
+    :func:`read_tracker`)."""
     text = raw.decode("utf-8", "replace").strip()
     step = files.name_number(text)
     if text != "release" and (step is None or len(text) > 18):

@@ -518,12 +518,14 @@ LINKED_OUT = {
     "Megatron torch_dist common.pt": (
         "megatron/gpt_tp2",
         _link_out("common.pt"),
-        r"gpt_tp2: file name 'common\.pt' resolves to \S+/elsewhere/common\.pt, outside",
+        r"gpt_tp2/common\.pt: file name 'common\.pt' resolves to \S+/elsewhere/common\.pt, "
+        r"outside",
     ),
     "Megatron legacy rank file": (
         LEGACY,
         _link_out("iter_0000007/mp_rank_01_001/model_optim_rng.pt"),
-        r"iter_0000007: file name 'mp_rank_01_001/model_optim_rng\.pt' resolves to "
+        r"iter_0000007/mp_rank_01_001/model_optim_rng\.pt: file name "
+        r"'mp_rank_01_001/model_optim_rng\.pt' resolves to "
         r"\S+/elsewhere/",
     ),
     "Megatron legacy rank directory": (

@@ -20,6 +20,7 @@ from jax_ucp._src.importers import registry
 from jax_ucp._src.importers.megatron import MegatronOptions, plan_megatron
 from jax_ucp._src.importers.megatron import bridge as megatron_bridge
 from jax_ucp._src.importers.megatron.common import MegatronImportError
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp.cli import app
 from jax_ucp.conversion import ImportOptions
 from tests.ucp_testing import REPO
@@ -121,7 +122,7 @@ def test_fully_reshardable_save_imports_bit_exact(tmp_path):
     param_groups; masters and moments equal the run's live state bit for bit."""
     from jax_ucp._src.importers.megatron import dcp as megatron_dcp
 
-    original = megatron_dcp.open_dcp(os.path.join(RESHARDABLE, ITER))
+    original = megatron_dcp.open_dcp(LocalDirectory(os.path.join(RESHARDABLE, ITER)))
     optimizer = sorted(n for n in original.tensors if n.startswith("optimizer."))
     assert len(optimizer) == 27 and optimizer[0].startswith("optimizer.state.")  # model space
     ckpt = jax_ucp.convert(RESHARDABLE, str(tmp_path / "ucp"))
@@ -187,7 +188,9 @@ def test_a_spec_setting_overrides_the_run_config(tmp_path):
     from jax_ucp.language import Spec
 
     spec = Spec(name="mine", settings={"vocab_size": 62})
-    plan = megatron_bridge.plan_megatron_bridge(FULL, MegatronOptions(spec=spec), plan_megatron)
+    plan = megatron_bridge.plan_megatron_bridge(
+        LocalDirectory(str(FULL)), MegatronOptions(spec=spec), plan_megatron
+    )
     assert plan.source["settings"]["vocab_size"] == 62
     assert plan.source["settings"]["num_query_groups"] == 2  # the rest from run_config.yaml
     assert plan.source["vocab_stripped"]["output_layer.weight"] == [64, 62]
@@ -339,7 +342,7 @@ def test_save_directory_without_latest_train_state_is_found_by_the_tracker(bridg
     """Megatron-LM's tracker (which Bridge writes too) leads to the iteration directory; it is
     still read as Bridge's (run_config.yaml's settings: the vocab padding stripped)."""
     os.remove(bridge_copy / "latest_train_state.pt")
-    assert megatron_bridge.is_megatron_bridge(bridge_copy)
+    assert megatron_bridge.is_megatron_bridge(LocalDirectory(str(bridge_copy)))
     source = jax_ucp.inspect(jax_ucp.convert(str(bridge_copy), str(tmp_path / "u"))).source
     assert source["framework"] == "megatron-bridge" and source["iteration"] == 2
     assert source["vocab_stripped"]["output_layer.weight"] == [64, VOCAB]

@@ -11,6 +11,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.importers.megatron import MegatronImportError, dcp
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp._src.torchfiles import dtypes, pickle_format, torch_zip
 from jax_ucp.conversion import MegatronOptions
 from tests.megatron_testing import (
@@ -60,7 +61,7 @@ def _storage(file, offset, length) -> pickle_format.New:
 
 def read_layout(src) -> tuple[dict, dict]:
     """The checkpoint's ``.metadata`` as plain, editable dicts (read without torch)."""
-    ck = dcp.open_dcp(src)
+    ck = dcp.open_dcp(LocalDirectory(str(src)))
     tensors = {
         name: {
             "shape": list(t.shape),

@@ -18,6 +18,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.importers.megatron import MegatronImportError, dcp, detect_megatron
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp.conversion import ImportOptions, MegatronOptions, convert
 from tests.megatron_testing import (
     FIX,
@@ -77,12 +78,12 @@ def test_fixtures_are_small_and_labelled():
 
 @pytest.mark.parametrize("name", TORCH_DIST + LEGACY)
 def test_detect(name):
-    src = detect_megatron(FIX / name)
+    src = detect_megatron(LocalDirectory(str(FIX / name)))
     assert src is not None and src.format == ("legacy" if name in LEGACY else "torch_dist")
 
 
 def test_detect_rejects_other_dirs(tmp_path):
-    assert detect_megatron(tmp_path) is None
+    assert detect_megatron(LocalDirectory(str(tmp_path))) is None
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(MegatronImportError, match="not a Megatron checkpoint"):
@@ -95,7 +96,7 @@ def test_detect_rejects_other_dirs(tmp_path):
 @pytest.mark.parametrize("name", TORCH_DIST)
 def test_dcp_reader_matches_torch_consolidation(name):
     """Every tensor the raw reader assembles equals dcp.load(..., no_dist=True), bit for bit."""
-    ck = dcp.open_dcp(FIX / name)
+    ck = dcp.open_dcp(LocalDirectory(str(FIX / name)))
     ref = load_reference(name)
     assert set(ck.tensors) == set(ref)
     for n in ck.tensors:
@@ -190,19 +191,23 @@ def test_settings_give_the_padded_and_the_true_vocabulary():
     want = json.loads((FIX / "fixtures.json").read_text())["legacy_llama_tp2_synthetic"]
     padded, vocab = want["padded_vocab_size"], want["vocab_size"]
     src = FIX / "legacy_llama_tp2_synthetic"
-    settings = plan_megatron(src, MegatronOptions()).source["settings"]
+    settings = plan_megatron(LocalDirectory(str(src)), MegatronOptions()).source["settings"]
     assert settings["padded_vocab_size"] == padded and "vocab_size" not in settings
     with pytest.raises(
         RequestError, match=rf"no vocab_size .*padded_vocab_size={padded} .*vocab_size= to strip"
     ):
         LMConfig.from_settings(settings)
     assert LMConfig.from_settings(settings, vocab_size=padded).vocab_size == padded
-    settings = plan_megatron(src, MegatronOptions(vocab_size=vocab)).source["settings"]
+    settings = plan_megatron(LocalDirectory(str(src)), MegatronOptions(vocab_size=vocab)).source[
+        "settings"
+    ]
     cfg = LMConfig.from_settings(settings)
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers) == (
         vocab, want["hidden_size"], want["num_layers"],
     )  # fmt: skip
-    bare = plan_megatron(FIX / "gpt_tp2", MegatronOptions(vocab_size=vocab)).source["settings"]
+    bare = plan_megatron(
+        LocalDirectory(str(FIX / "gpt_tp2")), MegatronOptions(vocab_size=vocab)
+    ).source["settings"]
     assert bare == {"vocab_size": vocab, "padded_vocab_size": padded}
     with pytest.raises(RequestError, match="no hidden_size, num_layers, num_attention_heads"):
         LMConfig.from_settings(bare)
@@ -330,7 +335,7 @@ def test_legacy_rng_state_and_args_are_inert():
     from jax_ucp._src.importers.megatron import legacy as lg
     from jax_ucp._src.torchfiles.allow_list import StandIn
 
-    ck = lg.open_legacy(FIX / "legacy_llama_tp2_synthetic")
+    ck = lg.open_legacy(LocalDirectory(str(FIX / "legacy_llama_tp2_synthetic")))
     st = ck.ranks[(0, 0)].state
     assert type(st["args"]).__name__ == "Namespace" and ck.args["swiglu"] is True
     np_state = st["rng_state"][0]["np_rng_state"]

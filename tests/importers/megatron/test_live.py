@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp.conversion import MegatronOptions
 from tests.megatron_testing import FIX, LEGACY, TORCH_DIST, VOCAB, assert_bit_equal, load_reference
 from tests.ucp_testing import REPO
@@ -63,7 +64,7 @@ def test_legacy_reader_equals_torch_load(name):
     torch = pytest.importorskip("torch")
     from jax_ucp._src.importers.megatron import legacy as lg
 
-    ck = lg.open_legacy(FIX / name)
+    ck = lg.open_legacy(LocalDirectory(str(FIX / name)))
     for rf in ck.ranks.values():
         sd = torch.load(rf.path, map_location="cpu", weights_only=False)
         want = lg.flatten_state_dict(sd["model"])

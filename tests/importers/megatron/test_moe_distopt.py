@@ -35,6 +35,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.importers.megatron import MegatronImportError
 from jax_ucp._src.importers.megatron import dcp as megatron_dcp
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp._src.torchfiles import torch_zip
 from jax_ucp.conversion import ImportOptions, MegatronOptions
 from tests.importers.megatron.test_dcp import ExtraFile, read_layout, write_layout
@@ -101,7 +102,7 @@ def _stripped(name: str, value: np.ndarray) -> np.ndarray:
 def test_moe_distributed_optimizer_imports_bit_exact(tmp_path, name):
     layout, count, truth_of = FIXTURES[name]
     src = os.path.join(ROOT, name)
-    original = megatron_dcp.open_dcp(src)
+    original = megatron_dcp.open_dcp(LocalDirectory(str(src)))
     model = [n for n in original.tensors if "optimizer." not in n]
     optimizer = [n for n in original.tensors if "optimizer." in n]
     assert len(optimizer) == count  # what the fixture is meant to cover
@@ -203,7 +204,9 @@ def test_grouped_experts_weights_only(tmp_path, name):
     for key, value in masters.items():
         assert got["params"][key].tobytes() == _stripped(key, value).tobytes(), key
     skipped = jax_ucp.inspect(ckpt).source["skipped"]
-    optimizer = [n for n in megatron_dcp.open_dcp(src).tensors if "optimizer." in n]
+    optimizer = [
+        n for n in megatron_dcp.open_dcp(LocalDirectory(str(src))).tensors if "optimizer." in n
+    ]
     assert sorted(skipped) == sorted(optimizer)
     assert all(why.startswith("weights_only: optimizer state") for why in skipped.values())
 

@@ -1,9 +1,10 @@
 """Megatron checkpoints in an object store (``s3://`` on the local moto server) restore onto a
 mesh as the local folders do: the legacy per-rank folders (``iter_N/mp_rank_XX[_YYY]/
 model_optim_rng.pt``, the distributed optimizer's ``distrib_optim.pt``), their archives read by
-ranged GETs through a local view of the prefix; megatron-core's ``torch_dist`` and
-``fsdp_dtensor`` folders, read at their URL by the torch DCP reader: each ``.distcp`` object only
-by the byte ranges of the chunks a restore reads (every GET recorded), never whole."""
+ranged GETs; megatron-core's ``torch_dist`` and ``fsdp_dtensor`` folders, read at their URL by
+the torch DCP reader: each ``.distcp`` object only by the byte ranges of the chunks a restore
+reads (every GET recorded), never whole. Each prefix is read in place, through its ``Storage``
+(no local view of it built)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from jax.sharding import Mesh
 
 import jax_ucp
 from jax_ucp._src.importers.megatron import dcp
-from jax_ucp._src.store.storage import object_store, ranged, sparse
+from jax_ucp._src.store.storage import LocalDirectory, local_view, object_store, ranged, sparse
 from tests.importers.deepspeed.test_object_store import (
     assert_same,
     restores_as_local,
@@ -29,6 +30,15 @@ from tests.restoring.test_remote_safetensors import _target
 from tests.ucp_testing import REPO, run_workers
 
 pytestmark = pytest.mark.timeout(300)
+
+
+def no_view(monkeypatch) -> None:
+    """Building a local view of a prefix is an error from now on: the folder is read in place."""
+
+    def refused(storage):
+        raise AssertionError(f"{storage.root}: a local view built for a Megatron folder")
+
+    monkeypatch.setattr(local_view, "local_view", refused)
 
 
 @pytest.mark.parametrize(
@@ -44,17 +54,25 @@ def test_legacy_megatron_in_an_object_store_restores_as_the_local_folder(
     s3_server, monkeypatch, name
 ):
     url = served(monkeypatch, s3_server)
+    no_view(monkeypatch)
     restores_as_local(os.path.join(REPO, "tests", "fixtures", "megatron", name), url)
 
 
 def test_megatron_fsdp_dtensor_in_an_object_store_restores_as_the_local_folder(
     s3_server, monkeypatch
 ):
-    """megatron-core's own fsdp_dtensor save (torch DCP with uneven DP row chunks) from s3://."""
-    url = served(monkeypatch, s3_server)
-    restores_as_local(
-        os.path.join(REPO, "tests", "fixtures", "megatron_fsdp_dtensor", "gpt_dp2"), url
-    )
+    """megatron-core's own fsdp_dtensor save (torch DCP with uneven DP row chunks) from s3://,
+    a save root (its tracker naming ``iter_0000002/``) read in place: no archive in it, so
+    nothing is fetched into a sparse copy, its objects only by ranges."""
+    src = os.path.join(REPO, "tests", "fixtures", "megatron_fsdp_dtensor", "gpt_dp2")
+    url = upload(src, served(monkeypatch, s3_server))
+    no_view(monkeypatch)
+    local = jax_ucp.restore(src)
+    target = _target(local, Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b")))
+    before = sparse.fetched()
+    assert_same(jax_ucp.restore(url, target=target), jax_ucp.restore(src, target=target))
+    assert_same(jax_ucp.restore(url), local)
+    assert sparse.fetched() == before
 
 
 def _gets(monkeypatch) -> list[tuple[str, int | None, int | None]]:
@@ -102,7 +120,7 @@ def test_megatron_dcp_objects_are_read_by_the_byte_ranges_of_the_chunks_read(
     url = upload(root, served(monkeypatch, s3_server))
     monkeypatch.setattr(ranged, "PIECE", 4096)
     folder = os.path.join(root, inside)
-    ck = dcp.open_dcp(folder)
+    ck = dcp.open_dcp(LocalDirectory(folder))
     sizes = {f: os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)}
     entries = [*(c for t in ck.tensors.values() for c in t.chunks), *ck.objects.values()]
     extents = set(map(_extent, entries))

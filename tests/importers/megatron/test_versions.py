@@ -12,6 +12,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.importers.megatron import dcp as megatron_dcp
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp.conversion import MegatronOptions
 from tests.ucp_testing import REPO
 
@@ -117,7 +118,7 @@ def test_megatron_core_013_to_016_optimizer_layouts_import_bit_exact(tmp_path, n
 
     dtype, layout, count = OLDER_LAYOUTS[name]
     src = os.path.join(ROOT, name)
-    original = megatron_dcp.open_dcp(src)
+    original = megatron_dcp.open_dcp(LocalDirectory(str(src)))
     model = [n for n in original.tensors if not n.startswith("optimizer.")]
     # what the fixture is meant to cover
     if layout == "dp_zero_gather_scatter":
@@ -255,7 +256,7 @@ def test_megatron_core_017_to_019_optimizer_layouts_import_bit_exact(tmp_path, n
     or the per-rank optimizer objects, model weights as saved."""
     layout, dtype, truth = NEWER[name]
     src = os.path.join(ROOT, name)
-    original = megatron_dcp.open_dcp(src)
+    original = megatron_dcp.open_dcp(LocalDirectory(str(src)))
     assert os.path.exists(os.path.join(src, "common.pt")) != name.startswith("0.19")
     model = [n for n in original.tensors if "optimizer." not in n]
     if "fully_parallel" in name:  # what the fixture is meant to cover: not module order
@@ -276,7 +277,7 @@ def test_singleton_local_shards_import_bit_exact(tmp_path):
     import re
 
     src = os.path.join(ROOT, "0.16.1", "llama_distopt_dp2_singleton_dp_reshardable")
-    original = megatron_dcp.open_dcp(src)
+    original = megatron_dcp.open_dcp(LocalDirectory(str(src)))
     model = [n for n in original.tensors if "optimizer." not in n]
     assert "decoder.layers.1.mlp.linear_fc1.weight_v" in model  # what the fixture covers
     ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), importing=MegatronOptions(vocab_size=VOCAB))

@@ -20,7 +20,7 @@ import numpy as np
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
-from jax_ucp._src.importers.plan import host_item, tensor_names, trainer_checkpoints
+from jax_ucp._src.importers.plan import host_item, listed, tensor_names, trainer_checkpoints
 from jax_ucp._src.store.storage import LocalDirectory, Storage
 from jax_ucp._src.torchfiles.allow_list import int_enum_standin, standin_class
 from jax_ucp._src.torchfiles.torch_zip import TorchArchive
@@ -123,15 +123,6 @@ def sourced_item(key: tuple[str, ...], value: Any, pattern: str, tensors: list[s
 
 
 # --------------------------------------------------------------------------- the tag folder
-
-
-def listed(folder: Storage) -> list[str] | None:
-    """The entries of ``folder`` (a remote folder's nested objects by their first part), None
-    when it is no folder."""
-    try:
-        return sorted({name.split("/", 1)[0] for name in folder.names()})
-    except OSError:
-        return None
 
 
 def resolve_tag_dir(src: Storage, tag: str | None) -> Storage:

@@ -16,7 +16,7 @@ names.
 from __future__ import annotations
 
 import dataclasses
-import os
+import fnmatch
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +27,8 @@ from jax_ucp._src.importers.megatron import bridge
 from jax_ucp._src.importers.megatron.common import (
     MegatronImportError,
     agreed_iteration,
+    entries_of,
+    listed,
     named_errors,
 )
 from jax_ucp._src.importers.megatron.legacy_import import plan_legacy
@@ -36,7 +38,6 @@ from jax_ucp._src.importers.plan import (
     Detection,
     ImportOptions,
     ImportPlan,
-    glob_detection,
     jsonable,
 )
 from jax_ucp._src.language import Spec, load_spec
@@ -55,7 +56,7 @@ __all__ = [
 # ----------------------------------------------------------------------------- entry point
 
 
-def plan_megatron(src: os.PathLike | str, options: MegatronOptions) -> ImportPlan:
+def plan_megatron(src: Storage, options: MegatronOptions) -> ImportPlan:
     """The import of a Megatron checkpoint (torch_dist or legacy; detected). Every check that
     needs no tensor bytes runs before this returns.
 
@@ -72,7 +73,7 @@ def plan_megatron(src: os.PathLike | str, options: MegatronOptions) -> ImportPla
         source_dir = detect_megatron(src)
     if source_dir is None:
         raise MegatronImportError(
-            f"{src}: not a Megatron checkpoint (no .metadata, no "
+            f"{src.root}: not a Megatron checkpoint (no .metadata, no "
             f"latest_checkpointed_iteration.txt / iter_NNNNNNN/mp_rank_* layout)"
         )
     user_spec = None if spec is None else spec if isinstance(spec, Spec) else load_spec(spec)
@@ -89,8 +90,8 @@ def plan_megatron(src: os.PathLike | str, options: MegatronOptions) -> ImportPla
         settings.setdefault("padded_vocab_size", padded.pop())
     source = {
         "framework": "megatron",
-        "path": os.path.abspath(source_dir.ckpt_dir),
-        "iteration": agreed_iteration(source_dir.iteration, iteration, str(source_dir.ckpt_dir)),
+        "path": source_dir.folder.absolute(),
+        "iteration": agreed_iteration(source_dir.iteration, iteration, source_dir.folder.root),
         "vocab_size": settings.get("vocab_size"),
         "settings": jsonable(settings),
         **jsonable(info),
@@ -122,24 +123,33 @@ class MegatronOptions(ImportOptions):
     vocab_size: int | None = None
 
 
+_MARKERS = (
+    "latest_checkpointed_iteration.txt",
+    bridge.LATEST_TRAIN_STATE_FILE,  # Megatron Bridge (also run_config.yaml)
+    bridge.RUN_CONFIG_FILE,
+    "iter_*",
+    "metadata.json",  # torch_dist: megatron's own beside torch DCP's .metadata
+    "common.pt",
+    "integrity.json",  # megatron-core's record: a DCP with it is never read as plain torch
+    "mp_rank_*/model_optim_rng.pt",
+)
+
+
 def detect(storage: Storage) -> Detection:
-    """Whether ``src`` is a Megatron-LM / megatron-core / Megatron Bridge checkpoint folder, from
-    its file names."""
-    src = storage.root
-    markers = (
-        "latest_checkpointed_iteration.txt",
-        bridge.LATEST_TRAIN_STATE_FILE,  # Megatron Bridge (also run_config.yaml)
-        bridge.RUN_CONFIG_FILE,
-        "iter_*",
-        "metadata.json",  # torch_dist: megatron's own beside torch DCP's .metadata
-        "common.pt",
-        "integrity.json",  # megatron-core's record: a DCP with it is never read as plain torch
-        "mp_rank_*/model_optim_rng.pt",
-    )
-    return glob_detection(
-        os.fspath(src),
-        markers,
-        "Megatron files",
+    """Whether ``storage`` is a Megatron-LM / megatron-core / Megatron Bridge checkpoint folder,
+    from its file names (hidden ones aside, as ``glob`` leaves them)."""
+    entries = listed(storage)
+    if entries is None:
+        return Detection(False, "not a directory")
+    names = [n for n in entries if not n.startswith(".")]
+    for pattern in _MARKERS:
+        folder, _, file = pattern.rpartition("/")
+        if any(file in entries_of(storage, d) for d in fnmatch.filter(names, folder)) or (
+            not folder and fnmatch.filter(names, pattern)
+        ):
+            return Detection(True, f"Megatron files ({pattern})")
+    return Detection(
+        False,
         "no `latest_checkpointed_iteration.txt`, `iter_N/`, torch_dist `.metadata` + "
         "`*.distcp` with `common.pt`, Megatron Bridge `latest_train_state.pt` / "
         "`run_config.yaml`",
@@ -149,7 +159,6 @@ def detect(storage: Storage) -> Detection:
 def plan(storage: Storage, options: MegatronOptions) -> ImportPlan:
     """Megatron Bridge (``latest_train_state.pt``, ``train_state.pt`` + ``run_config.yaml``)
     or Megatron-LM / megatron-core, with its options as one ``MegatronOptions``."""
-    src = storage.root
-    if bridge.is_megatron_bridge(src):
-        return bridge.plan_megatron_bridge(src, options, plan_megatron)
-    return plan_megatron(src, options)
+    if bridge.is_megatron_bridge(storage):
+        return bridge.plan_megatron_bridge(storage, options, plan_megatron)
+    return plan_megatron(storage, options)

@@ -24,12 +24,11 @@ Output: the Megatron importer's tree and source, with ``framework = "megatron-br
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-import os
 import re
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,10 +37,17 @@ import yaml
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.megatron import legacy
-from jax_ucp._src.importers.megatron.common import MegatronImportError
+from jax_ucp._src.importers.megatron.common import (
+    MegatronImportError,
+    entries_of,
+    listed,
+    read_file,
+    subfolder,
+)
 from jax_ucp._src.importers.megatron.run_record import MEGATRON_OPTIMIZER, run_config_args
 from jax_ucp._src.importers.plan import ImportPlan
 from jax_ucp._src.language import Spec, load_spec
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 if TYPE_CHECKING:  # the package imports this module: its names are handed in, never imported
@@ -82,102 +88,102 @@ _ITER_DIR = re.compile(r"iter_([0-9]+)")
 class BridgeCheckpoint:
     """Where a Bridge checkpoint's files are, and its train state."""
 
-    root: Path  # the save directory (with latest_train_state.pt), or the iter dir's parent
-    iter_dir: Path  # iter_NNNNNNN/: the torch_dist checkpoint, train_state.pt, run_config.yaml
+    root: str  # the save directory (with latest_train_state.pt), or the iter dir's parent
+    iter_dir: Storage  # iter_NNNNNNN/: the torch_dist checkpoint, train_state.pt, run_config.yaml
     train_state: dict[str, Any]  # step, consumed_train_samples, ... as Python scalars
 
 
-def is_megatron_bridge(src: os.PathLike | str) -> bool:
+def is_megatron_bridge(folder: Storage) -> bool:
     """A Bridge save directory (``latest_train_state.pt``, or Megatron-LM's tracker naming an
     iteration directory of Bridge's) or iteration directory (``train_state.pt`` /
     ``run_config.yaml``), from file names and the tracker's number alone."""
-    path = Path(src)
-    if not path.is_dir():
+    names = listed(folder)
+    if names is None:
         return False
-    names = (LATEST_TRAIN_STATE_FILE, TRAIN_STATE_FILE, RUN_CONFIG_FILE)
-    # lexists: a tracker that is a FIFO or a symlink loop is this format's file gone wrong
-    if any(os.path.lexists(path / name) for name in names):
+    known = (LATEST_TRAIN_STATE_FILE, TRAIN_STATE_FILE, RUN_CONFIG_FILE)
+    # listed: a tracker that is a FIFO or a symlink loop is this format's file gone wrong
+    if any(name in names for name in known):
         return True
+    bridges = [  # the iteration folders holding Bridge's files: the tracker read only then
+        n for n in names if _ITER_DIR.fullmatch(n) and set(known[1:]) & set(entries_of(folder, n))
+    ]
     try:
-        step = _tracker_step(path)
+        step = _tracker_step(folder, names) if bridges else None
     except MegatronImportError:
         return False  # Megatron-LM's importer names what is wrong with it
-    return step is not None and any(
-        os.path.lexists(path / f"iter_{step:07d}" / name) for name in names[1:]
-    )
+    return step is not None and f"iter_{step:07d}" in bridges
 
 
-def _tracker_step(folder: Path) -> int | None:
+def _tracker_step(folder: Storage, names: list[str]) -> int | None:
     """The iteration in Megatron-LM's tracker file in ``folder`` (None: no file, or 'release')."""
-    step = runs.read_tracker(folder / runs.TRACKER_FILE, MegatronImportError)
+    step = legacy.read_tracker(folder, names, MegatronImportError)
     return step if isinstance(step, int) else None
 
 
-def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
-    """The iteration directory Bridge itself would load from ``src``: ``src`` when it is one,
+def find_bridge_checkpoint(path: Storage) -> BridgeCheckpoint:
+    """The iteration directory Bridge itself would load from ``path``: ``path`` when it is one,
     else the step in ``latest_train_state.pt`` (Megatron-LM's tracker file must agree)."""
-    path = Path(src)
-    if not path.is_dir():
-        raise MegatronImportError(f"{src}: not a directory")
-    latest = path / LATEST_TRAIN_STATE_FILE
-    if os.path.lexists(latest) and not os.path.lexists(path / TRAIN_STATE_FILE):
-        step = read_train_state(latest)["step"]
-        iter_dir = path / f"iter_{step:07d}"
+    names = listed(path)
+    if names is None:
+        raise MegatronImportError(f"{path.root}: not a directory")
+    latest = path.join(LATEST_TRAIN_STATE_FILE)
+    if LATEST_TRAIN_STATE_FILE in names and TRAIN_STATE_FILE not in names:
+        step = read_train_state(path, LATEST_TRAIN_STATE_FILE, names)["step"]
+        iter_name = f"iter_{step:07d}"
         # Megatron-LM's tracker (Bridge writes it with the same step) must not name another save
-        tracked = _tracker_step(path)
+        tracked = _tracker_step(path, names)
         if tracked is not None and tracked != step:
             raise MegatronImportError(
-                f"{path / runs.TRACKER_FILE}: iteration {tracked}, but {latest} says step "
+                f"{path.join(runs.TRACKER_FILE)}: iteration {tracked}, but {latest} says step "
                 f"{step}; the two trackers of one Bridge save agree (a later save by another tool?)"
             )
-        if os.path.lexists(iter_dir):  # never read through a link to another run's
-            legacy.inside(path, iter_dir.name, str(path))
-        if not iter_dir.is_dir():
-            found = sorted(p.name for p in path.iterdir() if _ITER_DIR.fullmatch(p.name))
+        iter_dir = subfolder(path, iter_name)  # never read through a link to another run's
+        inner = listed(iter_dir) if iter_name in names else None
+        if inner is None:
+            found = [n for n in names if _ITER_DIR.fullmatch(n)]
             shown = ", ".join(found[:8]) + (f", ... ({len(found)})" if len(found) > 8 else "")
             raise MegatronImportError(
-                f"{latest}: step {step}, but {iter_dir} (its iteration directory) is missing; "
-                f"iteration directories here: {shown or 'none'}"
+                f"{latest}: step {step}, but {iter_dir.root} (its iteration directory) is "
+                f"missing; iteration directories here: {shown or 'none'}"
             )
-        state = read_train_state(iter_dir / TRAIN_STATE_FILE)
+        state = read_train_state(iter_dir, TRAIN_STATE_FILE, inner)
         if state["step"] != step:
             raise MegatronImportError(
-                f"{iter_dir / TRAIN_STATE_FILE}: step {state['step']}, but {latest} says {step}"
+                f"{iter_dir.join(TRAIN_STATE_FILE)}: step {state['step']}, but {latest} says {step}"
             )
-        return BridgeCheckpoint(path, iter_dir, state)
-    step = None if os.path.lexists(path / TRAIN_STATE_FILE) else _tracker_step(path)
+        return BridgeCheckpoint(path.absolute(), iter_dir, state)
+    step = None if TRAIN_STATE_FILE in names else _tracker_step(path, names)
     if step is not None:  # a save directory whose latest_train_state.pt is gone
-        legacy.inside(path, f"iter_{step:07d}", str(path))
-        path = path / f"iter_{step:07d}"
-    state = read_train_state(path / TRAIN_STATE_FILE)
-    match = _ITER_DIR.fullmatch(path.name)
+        path = subfolder(path, f"iter_{step:07d}")
+        names = listed(path) or []
+    state = read_train_state(path, TRAIN_STATE_FILE, names)
+    match = _ITER_DIR.fullmatch(legacy.name_of(path))
     if match and int(match.group(1)) != state["step"]:
         raise MegatronImportError(
-            f"{path / TRAIN_STATE_FILE}: step {state['step']}, but the directory is "
-            f"{path.name} (iteration {int(match.group(1))})"
+            f"{path.join(TRAIN_STATE_FILE)}: step {state['step']}, but the directory is "
+            f"{legacy.name_of(path)} (iteration {int(match.group(1))})"
         )
-    return BridgeCheckpoint(path.parent, path, state)
+    return BridgeCheckpoint(path.absolute().rstrip("/").rpartition("/")[0], path, state)
 
 
-def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
-    """Bridge's ``TrainState.state_dict()`` as Python scalars (``step`` required, a
-    non-negative int). Read by the allow-listed unpickler: torch tensors only."""
-    path = Path(path)
-    if not os.path.lexists(path):
+def read_train_state(folder: Storage, name: str, names: list[str]) -> dict[str, Any]:
+    """Bridge's ``TrainState.state_dict()`` (file ``name`` of ``folder``, whose entries are
+    ``names``) as Python scalars (``step`` required, a non-negative int). Read by the
+    allow-listed unpickler: torch tensors only."""
+    path = folder.join(name)
+    if name not in names:
         raise MegatronImportError(
             f"{path}: missing; Megatron Bridge writes {TRAIN_STATE_FILE} into every iteration "
             f"directory (the train state: step, consumed samples)"
         )
-    try:
-        files.check_regular(str(path))
-        files.in_own_folder(path)
-        size = os.stat(path).st_size
-        if size > MAX_TRAIN_STATE_BYTES:
-            raise MegatronImportError(
-                f"{path}: {size} bytes, more than the {MAX_TRAIN_STATE_BYTES} a train state may "
-                f"have (Bridge's is a few KB)"
-            )
-        raw = torch_zip.load_torch_file(path)
+    try:  # its size known once mapped (a remote one's zip directory read), before it is read
+        with contextlib.closing(torch_zip.TorchArchive(folder, name)) as archive:
+            if archive.size > MAX_TRAIN_STATE_BYTES:
+                raise MegatronImportError(
+                    f"{path}: {archive.size} bytes, more than the {MAX_TRAIN_STATE_BYTES} a "
+                    f"train state may have (Bridge's is a few KB)"
+                )
+            raw = archive.load()
     except (files.UnsafeFileError, allow_list.TorchFileError) as e:
         raise MegatronImportError(str(e)) from None
     if not isinstance(raw, dict) or "step" not in raw:
@@ -207,22 +213,19 @@ def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
 _SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-def read_run_config(path: os.PathLike | str) -> dict[str, Any]:
-    """``run_config.yaml`` as plain data, read from at most :data:`MAX_RUN_CONFIG_BYTES` and
-    refused when it expands past :data:`MAX_YAML_NODES` nodes (aliases counted each time they
-    are used: a billion-laughs file is refused before anything walks it)."""
-    path = Path(path)
-    if not os.path.lexists(path):
+def read_run_config(folder: Storage) -> dict[str, Any]:
+    """``run_config.yaml`` of the iteration folder ``folder`` as plain data, read from at most
+    :data:`MAX_RUN_CONFIG_BYTES` and refused when it expands past :data:`MAX_YAML_NODES` nodes
+    (aliases counted each time they are used: a billion-laughs file is refused before anything
+    walks it)."""
+    path = folder.join(RUN_CONFIG_FILE)
+    if RUN_CONFIG_FILE not in (listed(folder) or ()):
         raise MegatronImportError(
             f"{path}: missing; Megatron Bridge writes {RUN_CONFIG_FILE} beside "
             f"{TRAIN_STATE_FILE} at every save, and only it records the model settings "
             f"(heads, query groups, kv channels, SwiGLU, vocab size) of a Bridge checkpoint"
         )
-    try:
-        text = files.read_regular(files.in_own_folder(path), MAX_RUN_CONFIG_BYTES)
-    except files.UnsafeFileError as e:
-        raise MegatronImportError(str(e)) from None
-    loader = _SafeLoader(text)
+    loader = _SafeLoader(read_file(folder, RUN_CONFIG_FILE, MAX_RUN_CONFIG_BYTES))
     try:
         node = loader.get_single_node()
         if node is None:
@@ -250,7 +253,7 @@ MAX_NUMBER_CHARS = 64
 _NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 
 
-def _check_nodes(root: yaml.Node, path: Path) -> None:
+def _check_nodes(root: yaml.Node, path: str) -> None:
     """Refuse, before anything is built, a document whose nodes, aliases expanded, exceed
     MAX_YAML_NODES, that contains itself, or that spells a number with more than
     :data:`MAX_NUMBER_CHARS` characters (naming its key and line); linear in the composed graph
@@ -329,7 +332,7 @@ _MODEL_STRINGS = {
 }
 
 
-def bridge_settings(run_config: Mapping[str, Any], where: os.PathLike | str) -> dict[str, Any]:
+def bridge_settings(run_config: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Import settings from a run config's ``model`` section (its ``transformer`` sub-section
     for Bridge's newer ``GPTModelConfig``) and its ``ddp`` gradient-bucket settings: the values
     a spec needs, each type-checked."""
@@ -368,7 +371,7 @@ def bridge_settings(run_config: Mapping[str, Any], where: os.PathLike | str) -> 
     return settings
 
 
-def _named_settings(fields: dict[str, Any], where: os.PathLike | str, settings: dict) -> None:
+def _named_settings(fields: dict[str, Any], where: str, settings: dict) -> None:
     """The int, bool and name fields that map one to one onto a setting, and the tied-embedding
     flag (inverted), into ``settings``."""
     for key, name in _MODEL_INTS.items():
@@ -386,7 +389,7 @@ def _named_settings(fields: dict[str, Any], where: os.PathLike | str, settings: 
             settings[name] = value
 
 
-def _int_field(value: Any, key: str, where: os.PathLike | str) -> int:
+def _int_field(value: Any, key: str, where: str) -> int:
     if type(value) is not int or not 0 <= value < 2**63:
         shown = (
             f"an integer of {value.bit_length()} bits"
@@ -406,9 +409,9 @@ def _section(run_config: Mapping[str, Any], name: str) -> dict:
 
 
 def plan_megatron_bridge(
-    src: os.PathLike | str,
+    src: Storage,
     options: MegatronOptions,
-    plan_megatron: Callable[[Path, MegatronOptions], ImportPlan],
+    plan_megatron: Callable[[Storage, MegatronOptions], ImportPlan],
 ) -> ImportPlan:
     """The import of a Megatron Bridge checkpoint: the model settings from ``run_config.yaml``,
     the rest the Megatron importer's torch_dist import.
@@ -425,8 +428,8 @@ def plan_megatron_bridge(
     """
     spec = options.spec
     checkpoint = find_bridge_checkpoint(src)
-    config_path = checkpoint.iter_dir / RUN_CONFIG_FILE
-    run_config = read_run_config(config_path)
+    config_path = checkpoint.iter_dir.join(RUN_CONFIG_FILE)
+    run_config = read_run_config(checkpoint.iter_dir)
     settings = bridge_settings(run_config, config_path)
     ckpt_format = _section(run_config, "checkpoint").get("ckpt_format", "torch_dist")
     if ckpt_format != "torch_dist":
@@ -446,7 +449,7 @@ def plan_megatron_bridge(
     source = dict(plan.source)
     source["framework"] = "megatron-bridge"
     source["iteration"] = checkpoint.train_state["step"]
-    source["bridge"] = _bridge_info(checkpoint, run_config, config_path)
+    source["bridge"] = _bridge_info(checkpoint, run_config)
     args = run_config_args(run_config)
     if args:  # Bridge saves no args: its run config names the optimizer and schedule
         record: dict[str, Any] = dict(source.get(MEGATRON_OPTIMIZER) or {"file": RUN_CONFIG_FILE})
@@ -460,7 +463,7 @@ def plan_megatron_bridge(
     return dataclasses.replace(plan, source=source)
 
 
-def _bridge_info(checkpoint: BridgeCheckpoint, run_config: dict, config_path: Path) -> dict:
+def _bridge_info(checkpoint: BridgeCheckpoint, run_config: dict) -> dict:
     """What the manifest records of the Bridge save beyond the torch_dist checkpoint."""
     model = _section(run_config, "model")
     checkpoint_cfg = _section(run_config, "checkpoint")
@@ -470,8 +473,8 @@ def _bridge_info(checkpoint: BridgeCheckpoint, run_config: dict, config_path: Pa
         if isinstance(v, (bool, int)) or (isinstance(v, float) and math.isfinite(v))
     }
     info = {
-        "root": os.path.abspath(checkpoint.root),
-        "run_config": os.path.abspath(config_path),
+        "root": checkpoint.root,
+        "run_config": f"{checkpoint.iter_dir.absolute()}/{RUN_CONFIG_FILE}",
         "train_state": state,
         "model_provider": model.get("_target_") if isinstance(model.get("_target_"), str) else None,
     }
@@ -494,14 +497,14 @@ def _notes(checkpoint: BridgeCheckpoint, run_config: dict, source: dict) -> list
             "vocab padding kept: run_config.yaml records no model.vocab_size and none was given "
             "(vocab_size= / --vocab-size)"
         )
-    extra = sorted(
-        p.name
-        for p in checkpoint.iter_dir.iterdir()
-        if p.name not in _KNOWN_FILES and not p.name.endswith(".distcp")
-    )
+    extra = [
+        name
+        for name in listed(checkpoint.iter_dir) or ()
+        if name not in _KNOWN_FILES and not name.endswith(".distcp")
+    ]
     if extra:
         notes.append(
-            f"not read from {checkpoint.iter_dir.name}/: {', '.join(extra[:12])} (Bridge's "
+            f"not read from {legacy.name_of(checkpoint.iter_dir)}/: {', '.join(extra[:12])} (Bridge's "
             f"extra artifacts: hf/ = a Hugging Face export of these weights, modelopt_state/ = "
             f"ModelOpt quantization state, tokenizer files)"
         )

@@ -11,8 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src.errors import SourceError
-from jax_ucp._src.importers.plan import ADAM_TREES, agreed_step
+from jax_ucp._src.errors import RequestError, SourceError
+from jax_ucp._src.format import files
+from jax_ucp._src.importers.plan import ADAM_TREES, agreed_step, listed
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles.allow_list import TorchFileError
 
 
@@ -32,6 +34,34 @@ def named_errors() -> Iterator[None]:
         raise
     except SourceError as e:
         raise MegatronImportError(str(e)) from None
+
+
+def entries_of(folder: Storage, name: str) -> list[str]:
+    """The entries of folder ``name`` of ``folder`` ([] when none, or a link out of it)."""
+    try:
+        return listed(folder.folder(name)) or []
+    except OSError:
+        return []
+
+
+def subfolder(parent: Storage, name: str) -> Storage:
+    """Folder ``name`` of ``parent``: never a link to another run's."""
+    try:
+        return parent.folder(name)
+    except files.UnsafeFileError as e:
+        raise MegatronImportError(str(e)) from None
+
+
+def read_file(folder: Storage, name: str, limit: int) -> bytes:
+    """File ``name`` of ``folder``, listed there: a regular file in it of at most ``limit``
+    bytes, else an error naming it."""
+    try:
+        raw = folder.read(name, limit)
+    except (files.UnsafeFileError, RequestError) as e:
+        raise MegatronImportError(str(e)) from None
+    if raw is None:  # listed, yet no file: a link to nothing, never read as no file
+        raise MegatronImportError(f"{folder.join(name)}: listed, but no file there")
+    return raw
 
 
 @dataclass

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
+from jax_ucp._src.importers.megatron.common import listed, read_file
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, dcp
 from jax_ucp._src.torchfiles.dcp import DcpCheckpoint, DcpChunk, DcpTensor, check_coverage
 
@@ -52,7 +52,7 @@ class MegatronDcpCheckpoint(DcpCheckpoint):
     mcore_metadata: dict = field(default_factory=dict)  # metadata.json
 
 
-#: within ``parsed_once()``: each folder's parse, by real path
+#: within ``parsed_once()``: each folder's parse, by its absolute path or URL
 _PARSED: contextvars.ContextVar[dict[str, MegatronDcpCheckpoint] | None] = contextvars.ContextVar(
     "megatron_dcp_parsed", default=None
 )
@@ -69,25 +69,24 @@ def parsed_once() -> Iterator[None]:
         _PARSED.reset(token)
 
 
-def open_dcp(path: os.PathLike | str) -> MegatronDcpCheckpoint:
-    """Parse ``.metadata`` (and ``metadata.json`` when present) into typed, checked entries."""
-    parsed, key = _PARSED.get(), os.path.realpath(path)
+def open_dcp(folder: Storage) -> MegatronDcpCheckpoint:
+    """Parse ``.metadata`` (and ``metadata.json`` when present) of ``folder`` into typed,
+    checked entries."""
+    parsed, key = _PARSED.get(), folder.absolute()
     if parsed is not None and key in parsed:
         return parsed[key]
-    base = dcp.open_dcp(path, MCORE_CLASSES, fsdp_dtensor=True)  # read by .fsdp_dtensor
+    # a local folder by its path (the DCP reader's checks of links and sizes), else in place
+    base = dcp.open_dcp(folder.root if folder.local else folder, MCORE_CLASSES, fsdp_dtensor=True)
     mcore = {}
-    mj = Path(path) / "metadata.json"
-    if os.path.lexists(mj):  # a FIFO, a device or a huge file there is an error, not "none"
+    if "metadata.json" in (listed(folder) or ()):  # a FIFO, a device or a huge file: an error
+        where = folder.join("metadata.json")
+        raw = read_file(folder, "metadata.json", MAX_MCORE_METADATA_BYTES)
         try:
-            mcore = files.strict_loads(
-                files.read_regular(files.in_own_folder(mj), MAX_MCORE_METADATA_BYTES)
-            )
-        except files.UnsafeFileError as e:  # names the file
-            raise SourceError(str(e)) from None
+            mcore = files.strict_loads(raw)
         except (ValueError, RecursionError) as e:
-            raise SourceError(f"{mj}: not JSON ({str(e)[:200]})") from None
+            raise SourceError(f"{where}: not JSON ({str(e)[:200]})") from None
         if not isinstance(mcore, dict):
-            raise SourceError(f"{mj}: a JSON {type(mcore).__name__}, expected an object")
+            raise SourceError(f"{where}: a JSON {type(mcore).__name__}, expected an object")
     found = MegatronDcpCheckpoint(
         base.path, base.tensors, base.objects, base.version, mcore_metadata=mcore
     )

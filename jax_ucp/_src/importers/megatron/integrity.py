@@ -8,13 +8,12 @@ refused, never ignored."""
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-from pathlib import Path
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
-from jax_ucp._src.store.storage import ranged, sparse
+from jax_ucp._src.importers.megatron.common import read_file
+from jax_ucp._src.store.storage import Storage, ranged
 
 __all__ = ["INTEGRITY_FILE", "verify_integrity"]
 
@@ -26,14 +25,11 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 _READ = re.compile(r"\.metadata|metadata\.json|common\.pt|__[0-9]+_[0-9]+\.distcp")
 
 
-def _record(ckpt_dir: Path) -> dict[str, str]:
-    path = ckpt_dir / INTEGRITY_FILE
+def _record(folder: Storage) -> dict[str, str]:
+    path = folder.join(INTEGRITY_FILE)
+    raw = read_file(folder, INTEGRITY_FILE, MAX_RECORD_BYTES)  # never another run's, linked in
     try:
-        files.in_own_folder(path)  # never another run's record linked in
-        raw = files.read_regular(str(path), MAX_RECORD_BYTES)
         data = files.strict_loads(raw)
-    except files.UnsafeFileError as e:
-        raise SourceError(str(e)) from None
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError included
         raise SourceError(f"{path}: not megatron-core's integrity record ({e})") from None
     algorithm = data.get("algorithm") if isinstance(data, dict) else None
@@ -45,7 +41,11 @@ def _record(ckpt_dir: Path) -> dict[str, str]:
             f"{type(listed).__name__}"
         )
     for name, digest in listed.items():
-        files.inside(ckpt_dir, name, f"{path}: a listed file")  # a plain name in the folder
+        if not name or "\0" in name or ".." in name.replace("\\", "/").split("/"):
+            raise files.UnsafeFileError(  # as ``files.inside`` refuses it, never looked up
+                f"{path}: a listed file: file name {name!r}; a checkpoint may name only files "
+                f"inside {folder.root}"
+            )
         if "/" in name or not isinstance(digest, str) or not _HEX.fullmatch(digest):
             raise SourceError(
                 f"{path}: entry {name!r}: {digest!r}: expected a file of the folder and its "
@@ -54,40 +54,33 @@ def _record(ckpt_dir: Path) -> dict[str, str]:
     return listed
 
 
-def _sha256(path: str) -> str:
-    viewed = sparse.stored_at(path)
-    if viewed is not None:  # a file of a remote source's local view: its object, by pieces
-        h = hashlib.sha256()
-        for piece in ranged.pieces(*viewed):
-            h.update(piece)
-        return h.hexdigest()
-    fd = files.open_regular(path)
-    try:
-        h = hashlib.sha256()
-        while chunk := os.read(fd, 8 << 20):
-            h.update(chunk)
-        return h.hexdigest()
-    finally:
-        os.close(fd)
+def _sha256(folder: Storage, name: str) -> str:
+    """The SHA-256 of file ``name`` of ``folder``, read by pieces (remotely: ranged GETs)."""
+    h = hashlib.sha256()
+    for piece in ranged.pieces(folder, name):
+        h.update(piece)
+    return h.hexdigest()
 
 
-def verify_integrity(ckpt_dir: Path) -> int | None:
+def verify_integrity(folder: Storage, names: list[str]) -> int | None:
     """The number of files ``integrity.json`` vouches for, each hashed and equal to its record
-    (None: the checkpoint has no record, as before megatron-core 0.19 or without
-    ``verify_integrity``). Costs one more read of every file."""
-    if not os.path.lexists(ckpt_dir / INTEGRITY_FILE):
+    (None: the checkpoint folder, whose entries are ``names``, has no record, as before
+    megatron-core 0.19 or without ``verify_integrity``). Costs one more read of every file."""
+    if INTEGRITY_FILE not in names:
         return None
-    listed = _record(ckpt_dir)
-    unlisted = sorted(n for n in os.listdir(ckpt_dir) if _READ.fullmatch(n) and n not in listed)
+    listed = _record(folder)
+    unlisted = sorted(n for n in names if _READ.fullmatch(n) and n not in listed)
     if unlisted:
         raise SourceError(
-            f"{ckpt_dir / INTEGRITY_FILE}: does not list {', '.join(unlisted)}, which the import "
-            f"reads (megatron-core lists every file it saved: a file added since?)"
+            f"{folder.join(INTEGRITY_FILE)}: does not list {', '.join(unlisted)}, which the "
+            f"import reads (megatron-core lists every file it saved: a file added since?)"
         )
     for name, digest in sorted(listed.items()):
-        path = files.inside(ckpt_dir, name, f"{ckpt_dir / INTEGRITY_FILE}: a listed file")
+        path = folder.join(name)
         try:
-            found = _sha256(path)
+            if name not in names:
+                raise FileNotFoundError(path)
+            found = _sha256(folder, name)
         except FileNotFoundError:
             raise SourceError(
                 f"{path}: listed in {INTEGRITY_FILE} but missing from the checkpoint"

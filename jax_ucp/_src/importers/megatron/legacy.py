@@ -21,21 +21,22 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.megatron.common import (
-    MegatronImportError,
     agreed_iteration,
+    listed,
+    read_file,
+    subfolder,
 )
 from jax_ucp._src.importers.rank_grid import RankGrid
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
@@ -44,9 +45,10 @@ __all__ = [
     "RankFile",
     "args_dict",
     "flatten_state_dict",
-    "inside",
     "load_rank_file",
+    "name_of",
     "open_legacy",
+    "read_tracker",
     "resolve_iteration_dir",
 ]
 
@@ -68,24 +70,27 @@ _RANK_DIR = re.compile(r"mp_rank_([0-9]{2})(?:_([0-9]{3}))?(?:_([0-9]{3}))?\Z")
 @dataclass
 class RankFile:
     """One ``mp_rank_*`` file of a legacy checkpoint (its ranks: its key in
-    ``LegacyCheckpoint.ep_ranks``): its model state."""
+    ``LegacyCheckpoint.ep_ranks``): its model state; ``name``: ``<rank dir>/<file>`` in the
+    iteration folder, ``path`` its path or URL (for messages)."""
 
-    path: Path
+    path: str
+    name: str
     state: dict  # the unpickled top-level dict (tensors memory-mapped)
     model: dict[str, Any]  # flattened model state_dict (dotted names)
     model_key: str = "model"  # where ``model`` sits in ``state`` (``model<v>``: a VPP chunk)
+    beside: tuple[str, ...] = ()  # the entries of its rank directory
 
     def source(self, name: str) -> str:
         """How the import names model tensor ``name`` of this file (its source tensor):
         ``<rank dir>/<file>:<model key>.<name>``."""
-        return f"{self.path.parent.name}/{self.path.name}:{self.model_key}.{name}"
+        return f"{self.name}:{self.model_key}.{name}"
 
 
 @dataclass
 class LegacyCheckpoint:
     """A legacy (``mp_rank_*``) Megatron checkpoint: its rank files and run arguments."""
 
-    iter_dir: Path
+    folder: Storage  # the iteration folder: its files, its ``root`` in messages
     iteration: int | None
     # TP x PP x EP; with a virtual pipeline ``pp`` counts virtual stages (chunk v of pipeline
     # rank p is stage v * (pp // vpp) + p) and ``vpp`` the model chunks per rank file
@@ -93,7 +98,7 @@ class LegacyCheckpoint:
     ep_ranks: dict[tuple[int, int, int], RankFile]  # (pp, tp, ep) -> file
     args: dict[str, Any]
     checkpoint_version: float | None
-    distrib_optim: dict[tuple[int, int], Path]  # (pp, tp) -> EP rank 0's distrib_optim.pt
+    distrib_optim: dict[tuple[int, int], str]  # (pp, tp) -> EP rank 0's distrib_optim.pt
 
     @functools.cached_property
     def ranks(self) -> dict[tuple[int, int], RankFile]:
@@ -104,36 +109,46 @@ class LegacyCheckpoint:
 TRACKER_FILE = runs.TRACKER_FILE
 
 
-def resolve_iteration_dir(src: Path) -> tuple[Path, int | None]:
-    """(iteration dir, iteration) for a root holding the tracker file or an iter dir."""
-    src = Path(src)
-    tracker = src / TRACKER_FILE
-    it = runs.read_tracker(tracker)
+def name_of(folder: Storage) -> str:
+    """The last part of ``folder``'s path or URL (``iter_0000010``)."""
+    return folder.root.rstrip("/").rpartition("/")[2]
+
+
+def read_tracker(
+    folder: Storage, names: list[str], error: type[SourceError] = SourceError
+) -> int | str | None:
+    """The iteration Megatron-LM's tracker file in ``folder`` (its entries ``names``) names
+    (:func:`runs.tracker_step`); None without one."""
+    if TRACKER_FILE not in names:
+        return None
+    try:
+        raw = read_file(folder, TRACKER_FILE, 4096)
+    except SourceError as e:
+        raise error(str(e)) from None
+    return runs.tracker_step(raw, folder.join(TRACKER_FILE), error)
+
+
+def resolve_iteration_dir(src: Storage, names: list[str]) -> tuple[Storage, int | None]:
+    """(iteration folder, iteration) for a root holding the tracker file or an iter folder
+    (``names``: the entries of ``src``)."""
+    it = read_tracker(src, names)
     if it == "release":
-        return src / "release", None
+        return subfolder(src, "release"), None
     if isinstance(it, int):
-        d = src / f"iter_{it:07d}"
-        if not d.is_dir():
-            raise SourceError(f"{tracker} names iteration {it} but {d} does not exist")
-        inside(src, d.name, str(tracker))
+        d = subfolder(src, f"iter_{it:07d}")  # never a link to another run's
+        if f"iter_{it:07d}" not in names or listed(d) is None:
+            raise SourceError(
+                f"{src.join(TRACKER_FILE)} names iteration {it} but {d.root} does not exist"
+            )
         return d, it
-    m = re.fullmatch(r"iter_([0-9]+)", src.name)
+    m = re.fullmatch(r"iter_([0-9]+)", name_of(src))
     if m:
         return src, int(m.group(1))
-    if src.name == "release":
+    if name_of(src) == "release":
         return src, None
     raise SourceError(
-        f"{src}: no latest_checkpointed_iteration.txt and not an iter_NNNNNNN directory"
+        f"{src.root}: no latest_checkpointed_iteration.txt and not an iter_NNNNNNN directory"
     )
-
-
-def inside(root: Path, name: str, what: str) -> None:
-    """``root/name`` resolves inside ``root``: an iteration or rank directory is never a link
-    to another run's (``what``: where the name was read, for the error)."""
-    try:
-        files.inside(root, name, what)
-    except files.UnsafeFileError as e:
-        raise MegatronImportError(str(e)) from None
 
 
 def flatten_state_dict(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -156,23 +171,24 @@ def args_dict(args: Any) -> dict[str, Any]:
     }
 
 
-def load_rank_file(path: Path) -> Any:
-    """A rank directory's torch file (``iter_N/mp_rank_XX/<file>``), through the restricted
-    unpickler; one linked to a file outside ``iter_N`` is never read."""
-    iteration = path.parent.parent
+def load_rank_file(folder: Storage, name: str) -> Any:
+    """A rank directory's torch file ``name`` (``mp_rank_XX/<file>``) of the iteration folder
+    ``folder``, through the restricted unpickler; one linked to a file outside it is never
+    read."""
     try:
-        files.inside(iteration, f"{path.parent.name}/{path.name}", str(iteration))
-        return torch_zip.load_torch_file(path, LEGACY_CLASSES)
+        return torch_zip.load_torch_file((folder, name), LEGACY_CLASSES)
     except (files.UnsafeFileError, allow_list.TorchFileError) as e:
         raise SourceError(str(e)) from None
 
 
-def _load_rank(path: Path) -> dict:
-    """One rank's ``model_optim_rng.pt``: its top-level dict, holding ``model`` or the
-    virtual-pipeline model chunks."""
-    if not path.is_file():
+def _load_rank(folder: Storage, name: str, present: bool) -> dict:
+    """One rank's ``model_optim_rng.pt`` (``name`` in the iteration folder ``folder``;
+    ``present``: listed there): its top-level dict, holding ``model`` or the virtual-pipeline
+    model chunks."""
+    path = folder.join(name)
+    if not present:
         raise SourceError(f"missing shard file {path}")
-    state = load_rank_file(path)
+    state = load_rank_file(folder, name)
     if not isinstance(state, dict):
         raise SourceError(f"{path}: top level is a {type(state).__name__}, expected a dict")
     if "model" not in state and not model_chunks(state, path):
@@ -180,7 +196,7 @@ def _load_rank(path: Path) -> dict:
     return state
 
 
-def model_chunks(state: dict, path: Path) -> list[str]:
+def model_chunks(state: dict, path: str) -> list[str]:
     """The virtual-pipeline model chunks of a rank file, ``model0`` .. ``model<N-1>`` (empty
     without a virtual pipeline); a gap in the numbering, or ``model`` beside them, is an error."""
     chunks = sorted(
@@ -200,31 +216,35 @@ def model_chunks(state: dict, path: Path) -> list[str]:
     return [key for _, key in chunks]
 
 
+#: a rank directory's name and its entries
+RankDir = tuple[str, list[str]]
+
+
 def _rank_directories(
-    iteration_dir: Path,
-) -> tuple[dict[tuple[int, int, int], Path], Callable[[int, int, int], Path]]:
+    iteration_dir: Storage,
+) -> tuple[dict[tuple[int, int, int], RankDir], Callable[[int, int, int], str]]:
     """Every ``mp_rank_TT[_PPP][_EEE]`` directory by (pp, tp, ep), and the directory Megatron-LM
     would have written for a rank (named in errors); a single 3-digit suffix is the pipeline
     stage unless the run's args say expert- but not pipeline-parallel (the expert rank then)."""
     named = []
-    for directory in sorted(iteration_dir.iterdir()):
-        match = _RANK_DIR.match(directory.name)
-        if directory.is_dir() and match:
-            inside(iteration_dir, directory.name, str(iteration_dir))
-            named.append((directory, int(match.group(1)), match.group(2), match.group(3)))
+    for name in listed(iteration_dir) or ():
+        match = _RANK_DIR.match(name)
+        entries = listed(subfolder(iteration_dir, name)) if match else None
+        if match and entries is not None:
+            named.append(((name, entries), int(match.group(1)), match.group(2), match.group(3)))
     if not named:
-        raise SourceError(f"{iteration_dir}: no mp_rank_* directories")
+        raise SourceError(f"{iteration_dir.root}: no mp_rank_* directories")
     if len({(first is None, second is None) for _, _, first, second in named}) > 1:
         raise SourceError(
-            f"{iteration_dir}: mixes mp_rank_* directory name forms: "
-            f"{sorted(d.name for d, *_ in named)}"
+            f"{iteration_dir.root}: mixes mp_rank_* directory name forms: "
+            f"{sorted(d for (d, _), *_ in named)}"
         )
-    first_state = _load_rank(named[0][0] / "model_optim_rng.pt")
+    first_state = _rank_file(iteration_dir, named[0][0], "model_optim_rng.pt")
     first_args = args_dict(first_state.get("args"))
     expert_parallel = int(first_args.get("expert_model_parallel_size") or 1)
     pipeline_parallel = int(first_args.get("pipeline_model_parallel_size") or 1)
     suffix_is_ep = expert_parallel > 1 and pipeline_parallel == 1
-    found: dict[tuple[int, int, int], Path] = {}
+    found: dict[tuple[int, int, int], RankDir] = {}
     for directory, tp_rank, first, second in named:
         if second is not None:
             key = (int(first), tp_rank, int(second))
@@ -234,22 +254,27 @@ def _rank_directories(
             key = (0, tp_rank, 0)
         found[key] = directory
 
-    def expected(pp_rank: int, tp_rank: int, ep_rank: int) -> Path:
+    def expected(pp_rank: int, tp_rank: int, ep_rank: int) -> str:
         pp = f"_{pp_rank:03d}" if named[0][2] is not None and not suffix_is_ep else ""
         ep = f"_{ep_rank:03d}" if named[0][3] is not None or suffix_is_ep else ""
-        return iteration_dir / f"mp_rank_{tp_rank:02d}{pp}{ep}"
+        return iteration_dir.join(f"mp_rank_{tp_rank:02d}{pp}{ep}")
 
     return found, expected
 
 
-def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
+def _rank_file(folder: Storage, directory: RankDir, file: str) -> dict:
+    """:func:`_load_rank` of ``file`` in the rank directory ``directory``."""
+    return _load_rank(folder, f"{directory[0]}/{file}", file in directory[1])
+
+
+def open_legacy(src: Storage) -> LegacyCheckpoint:
     """Find and load (lazily, memory-mapped) every rank's ``model_optim_rng.pt`` (the
     directories placed by :func:`_rank_directories`); check the grid."""
-    iteration_dir, iteration = resolve_iteration_dir(Path(src))
+    iteration_dir, iteration = resolve_iteration_dir(src, listed(src) or [])
     found, expected = _rank_directories(iteration_dir)
     pp_size, tp_size, ep_size = (max(key[axis] for key in found) + 1 for axis in range(3))
     ep_ranks: dict[tuple[int, int, int], RankFile] = {}
-    distrib_optim: dict[tuple[int, int], Path] = {}
+    distrib_optim: dict[tuple[int, int], str] = {}
     virtual: int | None = None
     for key in itertools.product(range(pp_size), range(tp_size), range(ep_size)):
         directory = found.get(key)
@@ -259,8 +284,9 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
                 f"PP={pp_size}, EP={ep_size} grid from the directories present)"
             )
         pp_rank, tp_rank, ep_rank = key
-        path = directory / "model_optim_rng.pt"
-        state = _load_rank(path)
+        name = f"{directory[0]}/model_optim_rng.pt"
+        path = iteration_dir.join(name)
+        state = _rank_file(iteration_dir, directory, "model_optim_rng.pt")
         chunks = model_chunks(state, path)
         if virtual is None:
             virtual = len(chunks) or 1
@@ -272,10 +298,11 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
         parts = [(v * pp_size + pp_rank, k) for v, k in enumerate(chunks)] or [(pp_rank, "model")]
         for stage, key in parts:
             model = flatten_state_dict(state[key])
-            ep_ranks[(stage, tp_rank, ep_rank)] = RankFile(path, state, model, key)
-        if ep_rank == 0 and (directory / "distrib_optim.pt").is_file():
+            rank_file = RankFile(path, name, state, model, key, tuple(directory[1]))
+            ep_ranks[(stage, tp_rank, ep_rank)] = rank_file
+        if ep_rank == 0 and "distrib_optim.pt" in directory[1]:
             for stage, _ in parts:
-                distrib_optim[(stage, tp_rank)] = directory / "distrib_optim.pt"
+                distrib_optim[(stage, tp_rank)] = f"{directory[0]}/distrib_optim.pt"
     first = ep_ranks[(0, 0, 0)]
     assert virtual is not None  # set by the rank file of (0, 0)
     args = args_dict(first.state.get("args"))

@@ -4,11 +4,9 @@ pieces laid out like megatron-core's grad buffer."""
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -162,7 +160,7 @@ def plan_legacy(source_dir: MegatronSource, settings: dict, options: ImportOptio
             listed in ``source.skipped``.
     """
     spec, weights_only, share = options.spec, options.weights_only, options.share
-    checkpoint = legacy.open_legacy(source_dir.ckpt_dir)
+    checkpoint = legacy.open_legacy(source_dir.folder)
     _legacy_settings(checkpoint, settings)
     tensors = _collect_legacy_tensors(checkpoint, _stage_layer_offsets(checkpoint, settings))
     tied_pairs = _tied_output_pairs(checkpoint, tensors.fragments, settings)
@@ -173,13 +171,13 @@ def plan_legacy(source_dir: MegatronSource, settings: dict, options: ImportOptio
         uncovered = [n for n in names if n not in matches]
         if uncovered:
             raise MegatronImportError(
-                f"{checkpoint.iter_dir}: no import rule covers {uncovered[:10]} "
+                f"{checkpoint.folder.root}: no import rule covers {uncovered[:10]} "
                 f"(pass a spec with rules for them)"
             )
     experts = tensors.grouped or checkpoint.grid.ep > 1
     if experts and checkpoint.distrib_optim and not weights_only:
         raise MegatronImportError(
-            f"{checkpoint.iter_dir}: distrib_optim.pt with "
+            f"{checkpoint.folder.root}: distrib_optim.pt with "
             f"{'grouped-GEMM' if tensors.grouped else 'expert-parallel'} experts is not "
             f"supported. {WEIGHTS_ONLY_HINT}"
         )
@@ -219,8 +217,8 @@ def plan_legacy(source_dir: MegatronSource, settings: dict, options: ImportOptio
     files = [checkpoint.ep_ranks[k] for k in sorted(checkpoint.ep_ranks)][
         : 1 if weights_only else None
     ]
-    named = [(os.path.relpath(f.path, source_dir.ckpt_dir), f.state) for f in files]
-    record = agreed_record(named, str(checkpoint.iter_dir))
+    named = [(f.name, f.state) for f in files]
+    record = agreed_record(named, str(checkpoint.folder.root))
     if record is not None:
         info[MEGATRON_OPTIMIZER] = record
     return ImportPlan(
@@ -228,22 +226,16 @@ def plan_legacy(source_dir: MegatronSource, settings: dict, options: ImportOptio
     )
 
 
-def _rank_dir_file(checkpoint: legacy.LegacyCheckpoint, path: Path) -> str:
-    """``<rank dir>/<file>``: how a legacy rank file prefixes its source tensor names."""
-    return os.path.relpath(path, checkpoint.iter_dir)
-
-
 def _legacy_found(checkpoint: legacy.LegacyCheckpoint) -> list[str]:
     """Every tensor of every rank's ``model_optim_rng.pt`` and ``distrib_optim.pt`` (of every
     EP rank's directory too), as ``<rank dir>/<file>:<dotted path>``."""
     found = []
     for rank_file in checkpoint.ep_ranks.values():
-        prefix = _rank_dir_file(checkpoint, rank_file.path)
-        found += [f"{prefix}:{n}" for n in tensor_names(rank_file.state)]
-        optim = rank_file.path.parent / "distrib_optim.pt"
-        if os.path.lexists(optim):
-            prefix = _rank_dir_file(checkpoint, optim)
-            found += [f"{prefix}:{n}" for n in tensor_names(legacy.load_rank_file(optim))]
+        found += [f"{rank_file.name}:{n}" for n in tensor_names(rank_file.state)]
+        optim = f"{rank_file.name.rpartition('/')[0]}/distrib_optim.pt"
+        if "distrib_optim.pt" in rank_file.beside:
+            loaded = legacy.load_rank_file(checkpoint.folder, optim)
+            found += [f"{optim}:{n}" for n in tensor_names(loaded)]
     return found
 
 
@@ -257,7 +249,7 @@ def _refuse_unread_optimizer(
     held = [n for n in found if n.partition(":")[2].startswith("optimizer.")]
     if held:
         raise MegatronImportError(
-            f"{checkpoint.iter_dir}: the rank files hold the state of a non-distributed "
+            f"{checkpoint.folder.root}: the rank files hold the state of a non-distributed "
             f"optimizer ({len(held)} tensors, e.g. {held[0]!r}), which is not supported (only "
             f"the distributed optimizer's distrib_optim.pt is read). {WEIGHTS_ONLY_HINT}"
         )
@@ -266,7 +258,7 @@ def _refuse_unread_optimizer(
 def _legacy_step_sources(checkpoint: legacy.LegacyCheckpoint, found: list[str]) -> dict:
     """Where opt_state/count comes from: every rank's ``param_groups`` (a step that is a tensor
     named as one)."""
-    prefixes = [_rank_dir_file(checkpoint, r.path) for r in checkpoint.ranks.values()]
+    prefixes = [r.name for r in checkpoint.ranks.values()]
     step = re.compile(
         rf"(?:{'|'.join(map(re.escape, prefixes))}):optimizer\.optimizer\.param_groups\.[0-9]+\.step"
     )
@@ -331,7 +323,7 @@ def _stage_layer_offsets(checkpoint: legacy.LegacyCheckpoint, settings) -> dict[
     num_layers = settings.get("num_layers")
     if num_layers and total and total != num_layers:
         raise MegatronImportError(
-            f"{checkpoint.iter_dir}: stages hold {total} layers in all, "
+            f"{checkpoint.folder.root}: stages hold {total} layers in all, "
             f"args.num_layers={num_layers}"
         )
     return offsets
@@ -450,7 +442,7 @@ def _add_tp_fragments(
                 read = checkpoint.ep_ranks[(stage, tp_rank, 0)]
                 tensors.not_imported[copy.source(name)] = (
                     f"expert-parallel rank {ep_rank}'s copy of a non-expert tensor: imported "
-                    f"from EP rank 0's {_rank_dir_file(checkpoint, read.path)}"
+                    f"from EP rank 0's {read.name}"
                 )
 
 
@@ -502,7 +494,9 @@ def _legacy_distrib_optim(
     missing = [key for key in checkpoint.ranks if key not in checkpoint.distrib_optim]
     if missing:
         raise MegatronImportError(
-            f"missing shard file {checkpoint.ranks[missing[0]].path.parent / 'distrib_optim.pt'} "
+            f"missing shard file "
+            f"{checkpoint.folder.join(checkpoint.ranks[missing[0]].name.rpartition('/')[0])}/"
+            f"distrib_optim.pt "
             f"(other ranks have one)"
         )
     bucket_size = ddp_bucket_size(settings)
@@ -513,7 +507,8 @@ def _legacy_distrib_optim(
     for (stage, tp_rank), rank_file in checkpoint.ranks.items():
         path = checkpoint.distrib_optim[(stage, tp_rank)]
         buffer = (checkpoint.grid.chunk(stage), checkpoint.grid.vpp)  # one per model chunk
-        buffers = rank_states.distrib_optim_state(legacy.load_rank_file(path), path, *buffer)
+        saved = legacy.load_rank_file(checkpoint.folder, path)
+        buffers = rank_states.distrib_optim_state(saved, checkpoint.folder.join(path), *buffer)
         rank_tensors = local[(stage, tp_rank)]
         params = [(local_name, int(a.size)) for local_name, _, a in rank_tensors]
         shared = {  # a pipeline-tied embedding (and its copy on the last stage): its own bucket
@@ -525,7 +520,7 @@ def _legacy_distrib_optim(
                 or (stage == checkpoint.grid.pp - 1 and tied and n.endswith("output_layer.weight"))
             )
         }
-        whose = _rank_dir_file(checkpoint, rank_file.path)
+        whose = rank_file.name
         layout = rank_states.distrib_optim_layout(params, shared, bucket_size, buffers, whose)
         for local_name, global_name, value in rank_tensors:
             start, end = layout[local_name]
@@ -534,13 +529,13 @@ def _legacy_distrib_optim(
                     stage, [None] * checkpoint.grid.tp
                 )
                 per_tp[tp_rank] = buffers.arrays[state_name][start:end].reshape(value.shape)
-                flat = f"{_rank_dir_file(checkpoint, path)}:{buffers.names[state_name]}"
+                flat = f"{path}:{buffers.names[state_name]}"
                 sources[state_name].setdefault(global_name, []).append(flat)
         groups = param_groups(rank_file.state.get("optimizer"))
         step = step_from_param_groups(groups, f"{rank_file.path} ['optimizer']")
         steps.setdefault(step, f"in {rank_file.path}")
     count = agreed_step(
-        steps, str(checkpoint.iter_dir), recorded_by="ranks", error=MegatronImportError
+        steps, str(checkpoint.folder.root), recorded_by="ranks", error=MegatronImportError
     )
     for per_name in out.values():  # the tied output layer's copy merges like the weights
         _fold_tied_copies(per_name, tied_pairs)
@@ -552,9 +547,7 @@ def _legacy_distrib_optim(
 def _legacy_items(plan: LegacyMerger, share: Share = WHOLE) -> Iterator[writer.HostItem]:
     """Per name: the merged weight, or master + moments (+ model copy) with distrib_optim.pt."""
     checkpoint, tensors = plan.checkpoint, plan.tensors
-    optimizer_files = sorted(
-        os.path.relpath(f, checkpoint.iter_dir) for f in checkpoint.distrib_optim.values()
-    )
+    optimizer_files = sorted(checkpoint.distrib_optim.values())
     for name in share.pick(plan.names):
         files = tensors.files(name)
         parallel = {"tp": checkpoint.grid.tp, "pp": checkpoint.grid.pp, "ep": checkpoint.grid.ep}
@@ -586,11 +579,11 @@ def _legacy_items(plan: LegacyMerger, share: Share = WHOLE) -> Iterator[writer.H
             value, pattern = plan.deferred(name, tensors.fragments[name], "model weights")
             yield host_item(("model_params", name), value, {**weights, "pattern": pattern})
     if plan.count is not None and share.primary:  # set with the optimizer
-        rank_files = (r.path for r in checkpoint.ranks.values())
+        rank_files = (r.name for r in checkpoint.ranks.values())
         yield count_item(
             plan.count,
             {
-                "files": sorted(os.path.relpath(f, checkpoint.iter_dir) for f in rank_files),
+                "files": sorted(rank_files),
                 "pattern": "optimizer.param_groups.step",
                 **plan.step_sources,
             },

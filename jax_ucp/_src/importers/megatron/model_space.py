@@ -5,7 +5,6 @@ parameter, shaped like the parameter or N-D flattened (:func:`unflatten`)."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,7 +57,7 @@ def model_space_tensors(checkpoint: dcp.DcpCheckpoint, common: Any) -> dict[str,
 def check_model_space_tensors(
     checkpoint: dcp.DcpCheckpoint,
     common: Any,
-    common_path: Path,
+    common_path: str,
     optimizer_tensors: dict[str, dict[str, str]],
     model_names: list[str],
 ) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -667,16 +666,14 @@ def bucket_layout(
 class DistribOptimState:
     """One buffer of a ``distrib_optim.pt``: its flat fp32 states, checked."""
 
-    path: Path | str
+    path: str
     arrays: dict[str, np.ndarray]  # "param" (fp32 masters), "exp_avg", "exp_avg_sq"
     numel_unpadded: int
     #: state name -> the flat tensor's dotted path in the loaded dict (``tensor_names`` form)
     names: dict[str, str] = field(default_factory=dict)
 
 
-def distrib_optim_state(
-    saved: Any, path: Path | str, index: int = 0, count: int = 1
-) -> DistribOptimState:
+def distrib_optim_state(saved: Any, path: str, index: int = 0, count: int = 1) -> DistribOptimState:
     """Buffer ``index`` of a loaded ``get_parameter_state_dp_zero`` dict holding ``count``
     buffers (more than one: a virtual pipeline's model chunks), checked: the content of a
     ``distrib_optim.pt`` and of megatron-core 0.13's ``dp_zero_gather_scatter`` object.

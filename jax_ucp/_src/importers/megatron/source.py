@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.megatron import legacy
+from jax_ucp._src.importers.megatron.common import entries_of, listed, subfolder
+from jax_ucp._src.store.storage import LocalDirectory, Storage
 
 
 @dataclass(frozen=True)
@@ -17,49 +17,51 @@ class MegatronSource:
     """Where a Megatron checkpoint is and which of its two formats it is."""
 
     format: str  # "torch_dist" | "legacy"
-    ckpt_dir: Path  # the directory holding .metadata (torch_dist) or the mp_rank_* dirs (legacy)
+    #: the folder holding .metadata (torch_dist) or the mp_rank_* folders (legacy)
+    folder: Storage
     iteration: int | None
 
 
-def detect_megatron(src: os.PathLike | str) -> MegatronSource | None:
-    """torch_dist or legacy, from a checkpoint root (with the tracker file) or an iter directory."""
-    path = Path(src)
-    if not path.is_dir():
+def detect_megatron(src: Storage) -> MegatronSource | None:
+    """torch_dist or legacy, from a checkpoint root (with the tracker file) or an iter folder."""
+    names = listed(src)
+    if names is None:
         return None
-    # lexists, not is_file: a .metadata or tracker that is a FIFO, a device or too large is
-    # this format's file gone wrong, reported as such by the reader, not "not a checkpoint"
-    if os.path.lexists(path / ".metadata"):
-        match = re.fullmatch(r"iter_([0-9]+)", path.name)
-        return MegatronSource("torch_dist", path, int(match.group(1)) if match else None)
+    # listed, not a regular file: a .metadata or tracker that is a FIFO, a device or too large
+    # is this format's file gone wrong, reported as such by the reader, not "not a checkpoint"
+    if ".metadata" in names:
+        match = re.fullmatch(r"iter_([0-9]+)", legacy.name_of(src))
+        return MegatronSource("torch_dist", src, int(match.group(1)) if match else None)
     try:
-        iteration_dir, iteration = legacy.resolve_iteration_dir(path)
+        iteration_dir, iteration = legacy.resolve_iteration_dir(src, names)
     except SourceError:
-        if os.path.lexists(path / legacy.TRACKER_FILE):
+        if legacy.TRACKER_FILE in names:
             raise
         return None
-    if os.path.lexists(iteration_dir / ".metadata"):
+    inner = names if iteration_dir is src else listed(iteration_dir) or []
+    if ".metadata" in inner:
         return MegatronSource("torch_dist", iteration_dir, iteration)
-    if any(d.name.startswith("mp_rank_") for d in iteration_dir.iterdir() if d.is_dir()):
+    ranks = (n for n in inner if n.startswith("mp_rank_"))
+    if any(listed(subfolder(iteration_dir, n)) is not None for n in ranks):
         return MegatronSource("legacy", iteration_dir, iteration)
     return None
 
 
-def megatron_run(root: os.PathLike | str) -> runs.TrainerRun | None:
-    """A Megatron save root: its ``iter_NNNNNNN`` folders. Megatron writes
-    ``latest_checkpointed_iteration.txt`` once every rank has saved an iteration, so a newer
-    one did not complete; a folder with neither torch_dist's ``.metadata`` (written last) nor
-    legacy ``mp_rank_*`` folders neither."""
-    root = os.fspath(root)
+def megatron_run(root: str) -> runs.TrainerRun | None:
+    """A Megatron save root (a local folder: ``Importer.run``): its ``iter_NNNNNNN`` folders.
+    Megatron writes ``latest_checkpointed_iteration.txt`` once every rank has saved an
+    iteration, so a newer one did not complete; a folder with neither torch_dist's
+    ``.metadata`` (written last) nor legacy ``mp_rank_*`` folders neither."""
     found = runs.numbered_steps(root, r"iter_([0-9]+)")
+    folder = LocalDirectory(root)
+    names = listed(folder) or [] if found else []
     tracked = None
-    if found and os.path.lexists(os.path.join(root, legacy.TRACKER_FILE)):
-        _, iteration = legacy.resolve_iteration_dir(Path(root))
-        tracked = (legacy.TRACKER_FILE, iteration)
+    if legacy.TRACKER_FILE in names:
+        tracked = (legacy.TRACKER_FILE, legacy.resolve_iteration_dir(folder, names)[1])
 
     def complete(path: str) -> str | None:
-        if os.path.lexists(os.path.join(path, ".metadata")) or any(
-            d.startswith("mp_rank_") for d in os.listdir(path)
-        ):
+        inner = entries_of(folder, path.rpartition("/")[2])
+        if ".metadata" in inner or any(d.startswith("mp_rank_") for d in inner):
             return None
         return (
             f"{path}: neither torch_dist's .metadata (written last) nor mp_rank_* folders: its "

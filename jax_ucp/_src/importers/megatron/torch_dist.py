@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +21,7 @@ from jax_ucp._src.importers.megatron.common import (
     MegatronImportError,
     OptimizerFound,
     is_optimizer_name,
+    listed,
     named_errors,
     param_groups,
     sharding_type,
@@ -61,6 +60,7 @@ from jax_ucp._src.importers.plan import (
     host_item,
 )
 from jax_ucp._src.language import Spec, Vocab
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 
@@ -78,10 +78,10 @@ def plan_torch_dist(
             ``weights_only``: the model weights alone, the optimizer state skipped and listed
             in ``source.skipped``.
     """
-    checkpoint, common, common_path, vouched = open_torch_dist(source_dir.ckpt_dir)
+    checkpoint, common, common_name, vouched = open_torch_dist(source_dir.folder)
     fmt, names = "torch_dist", {}  # each model tensor's output name, where not its own
     if not common and fsdp_dtensor.is_fsdp_dtensor(checkpoint):
-        fmt, common_path = "fsdp_dtensor", Path(source_dir.ckpt_dir) / ".metadata"
+        fmt, common_name = "fsdp_dtensor", ".metadata"
         common, names, optimizer = fsdp_dtensor.read_fsdp_dtensor(checkpoint, options.weights_only)
         model_names, layout = sorted(names), "fsdp_dtensor" if optimizer.tensors else None
     if not settings.get("num_layers") and isinstance(common, dict):
@@ -93,7 +93,7 @@ def plan_torch_dist(
             checkpoint, common, chained, model_names, settings, options.weights_only
         )
         optimizer.step = _optimizer_step(
-            checkpoint, common, common_path, chained, optimizer, model_names
+            checkpoint, common, source_dir.folder.join(common_name), chained, optimizer, model_names
         )
         layout = (  # never "optimizer", which names a torch optimizer's record in other formats
             optimizer.buckets[0].sharding
@@ -135,7 +135,7 @@ def plan_torch_dist(
         "tied_embeddings": tied_embeddings([names.get(n, n) for n in model_names], settings),
         **({"integrity": f"{vouched} files equal to integrity.json's SHA-256"} if vouched else {}),
     }
-    where = os.path.relpath(common_path, source_dir.ckpt_dir)
+    where = common_name
     record = optimizer_record(common, where) if isinstance(common, dict) else None
     if optimizer.buckets:  # the per-rank groups: lr, betas, eps, weight decay...
         groups = [member.saved_groups() for member in optimizer.buckets]
@@ -209,7 +209,7 @@ def _find_optimizer_state(
 def _optimizer_step(
     checkpoint: dcp.DcpCheckpoint,
     common: Any,
-    common_path: Path,
+    common_path: str,
     chained: list[str | None] | None,
     optimizer: OptimizerFound,
     model_names: list[str],
@@ -248,15 +248,17 @@ def _optimizer_step(
     return agreed, read
 
 
-#: (the checkpoint, its common state, where that was read, the files integrity.json vouched for)
-Opened = tuple[dcp.MegatronDcpCheckpoint, Any, Path, int | None]
+#: (the checkpoint, its common state, the name in the folder it was read from, the files
+#: integrity.json vouched for)
+Opened = tuple[dcp.MegatronDcpCheckpoint, Any, str, int | None]
 
 
-def open_torch_dist(ckpt_dir: Path) -> Opened:
-    """The checkpoint with every shard file and chunk tiling checked (``integrity.json`` first,
-    before any byte of it is read), and its ``common.pt``."""
-    vouched = verify_integrity(ckpt_dir)
-    checkpoint = dcp.open_dcp(ckpt_dir)
+def open_torch_dist(folder: Storage) -> Opened:
+    """The checkpoint in ``folder`` with every shard file and chunk tiling checked
+    (``integrity.json`` first, before any byte of it is read), and its ``common.pt``."""
+    names = listed(folder) or []
+    vouched = verify_integrity(folder, names)
+    checkpoint = dcp.open_dcp(folder)
     backend = checkpoint.mcore_metadata.get("sharded_backend")
     if backend not in (None, "torch_dist"):
         raise MegatronImportError(
@@ -266,15 +268,14 @@ def open_torch_dist(ckpt_dir: Path) -> Opened:
     checkpoint.check_files()
     for tensor in checkpoint.tensors.values():
         dcp.check_coverage(tensor, checkpoint.path / ".metadata")
-    common_path = Path(ckpt_dir) / "common.pt"  # megatron-core checkpoints are read from disk
+    common_name = "common.pt"
     common: Any = {}
     # megatron-core >= 0.19 saves the common state (args, iteration, optimizer param_groups,
     # sharding type) as one object of the checkpoint instead of common.pt
     objects = sorted(n for n in checkpoint.objects if n.startswith("common_state/"))
-    if os.path.lexists(common_path):  # a FIFO or device there is an error, not "no common.pt"
-        try:
-            files.in_own_folder(common_path)  # never a common.pt linked to another run's
-            common = torch_zip.load_torch_file(common_path, legacy.LEGACY_CLASSES)
+    if common_name in names:  # a FIFO or device there is an error, not "no common.pt"
+        try:  # never a common.pt linked to another run's
+            common = torch_zip.load_torch_file((folder, common_name), legacy.LEGACY_CLASSES)
         except (files.UnsafeFileError, allow_list.TorchFileError) as e:
             raise MegatronImportError(str(e)) from None
     elif objects:
@@ -291,8 +292,8 @@ def open_torch_dist(ckpt_dir: Path) -> Opened:
                 f"{checkpoint.path / '.metadata'}: object {objects[0]!r} holds "
                 f"{allow_list.short_repr(common)}, expected the common state dict"
             )
-        common_path = Path(ckpt_dir) / objects[0]
-    return checkpoint, common, common_path, vouched
+        common_name = objects[0]
+    return checkpoint, common, common_name, vouched
 
 
 class TorchDistReader:

@@ -115,7 +115,7 @@ def _read_tracker(root: Storage) -> int | None:
         raise SourceError(str(e)) from None
     if raw is None:  # listed, yet no file: a link to nothing, never read as no tracker
         raise SourceError(f"{path}: listed, but no file there (a link to nothing?)")
-    step = runs.tracker_value(raw, path, what="verl's step number")
+    step = runs.tracker_step(raw, path, what="verl's step number")
     if step == "release":
         raise SourceError(f"{path}: expected verl's step number, found 'release'")
     return step if isinstance(step, int) else None

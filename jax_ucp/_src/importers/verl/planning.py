@@ -43,8 +43,8 @@ def detect(storage: Storage) -> Detection:
 
 
 def megatron_backend(
-    storage: Storage, tensor_names: Callable[[str], Iterable[str]]
-) -> tuple[str, str, dict[str, Any]] | None:
+    storage: Storage, tensor_names: Callable[[Storage], Iterable[str]]
+) -> tuple[str, Storage, dict[str, Any]] | None:
     """(``"megatron"``, megatron-core's ``dist_ckpt/`` folder, the verl record its import
     keeps) when ``storage`` locates a step of verl's Megatron backend, which megatron's importer
     reads (``Importer.hands_over``); None for an FSDP one. Bridge mode's ``dist_ckpt/`` (the
@@ -53,11 +53,11 @@ def megatron_backend(
     where = layout.locate(storage)
     if not layout.is_megatron_dir(where.model_dir):
         return None
-    ckpt = where.model_dir.folder(layout.DIST_CKPT).root  # never a link out of the model folder
+    ckpt = where.model_dir.folder(layout.DIST_CKPT)  # never a link out of the model folder
     if all(name.startswith("optimizer.") for name in tensor_names(ckpt)):
         hf = where.model_dir.join("huggingface")
         raise SourceError(
-            f"{ckpt}: no model weights, only the optimizer's state: verl's Megatron backend in "
+            f"{ckpt.root}: no model weights, only the optimizer's state: verl's Megatron backend in "
             f"bridge mode (use_dist_checkpointing=False) saves the weights as safetensors in "
             f"{hf}; convert that folder (the optimizer state in {layout.DIST_CKPT}/ is not read)"
         )

@@ -247,6 +247,12 @@ class HubRepo(Storage):
     def exists(self, name: str) -> bool:
         return "/".join(p for p in (self.path, name) if p) in self._listing()[1]
 
+    def folder(self, name: str, *, link: bool = True) -> HubRepo:
+        """Folder ``name`` of this repo at the commit already listed (no second listing)."""
+        inner = HubRepo(self.join(name))
+        inner._pinned = self._pinned
+        return inner
+
     def names(self, prefix: str = "") -> list[str]:
         """Every file of the repo under ``PATH`` (nested ones too) starting with ``prefix``."""
         under = f"{self.path}/" if self.path else ""

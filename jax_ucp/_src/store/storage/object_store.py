@@ -352,6 +352,10 @@ class ObjectStorePrefix(Storage):
         memo = base.LISTINGS.get()  # listed once inside ``base.listed_once``
         if memo is None:
             return list_names(self.root, prefix)
+        for (root, listed_prefix), names in list(memo.items()):  # a folder of a listed prefix
+            under = self.root[len(root.rstrip("/")) + 1 :].strip("/") + "/"
+            if not listed_prefix and self.root.startswith(root.rstrip("/") + "/") and under != "/":
+                return [n[len(under) :] for n in names if n.startswith(under + prefix)]
         if (self.root, prefix) not in memo:
             memo[self.root, prefix] = list_names(self.root, prefix)
         return list(memo[self.root, prefix])
