@@ -133,17 +133,17 @@ def check_step_item(path: str | Storage, manifest: fmt.Manifest | None = None) -
         place through Orbax's args: nothing to check).
     """
     storage = store.storage_for(path)
-    path = storage.local_path()
-    if path is None:
+    folder = storage.local_path()
+    if folder is None:
         return
     if manifest is None:
-        if not os.path.isfile(os.path.join(path, fmt.MANIFEST_FILE)):
+        if not os.path.isfile(os.path.join(folder, fmt.MANIFEST_FILE)):
             return
         manifest = storage.read_manifest()
     recorded = (manifest.source or {}).get(fmt.ORBAX_ITEM)
     if recorded is None:
         return
-    real = os.path.normpath(os.path.abspath(path))
+    real = os.path.normpath(os.path.abspath(folder))
     found = "/".join(real.split(os.sep)[-2:])
     if recorded == found:
         return
@@ -153,10 +153,10 @@ def check_step_item(path: str | Storage, manifest: fmt.Manifest | None = None) -
         return  # renamed or moved out of its step: nothing else of the run claims it
     shown = repr(recorded)[:200]
     raise CheckpointError(
-        f"{path}: saved as {shown} of its run (source.{fmt.ORBAX_ITEM}), found as {found!r}: "
+        f"{folder}: saved as {shown} of its run (source.{fmt.ORBAX_ITEM}), found as {found!r}: "
         f"another step's item, swapped or copied in; never restored as this step. To restore "
         f"what it holds on purpose (a rollback copied forward), name the item folder itself: "
-        f"jax_ucp.restore({os.fspath(path)!r}) restores it as the checkpoint it is, or move it "
+        f"jax_ucp.restore({os.fspath(folder)!r}) restores it as the checkpoint it is, or move it "
         f"out of the run"
     )
 
