@@ -822,17 +822,17 @@ def compare_with_source(
     return result
 
 
-def local_source(src: str) -> None:
+def local_source(source: store.storage.Storage) -> None:
     """Refuses a source in an object store or on the Hub (``s3://``, ``gs://``, ``hf://``),
     naming its URL: the frameworks' own loaders read local files (a path joined from the URL
     became ``s3:/bucket/...``)."""
-    if not store.storage_for(src).local:
+    if source.local_path() is None:
         raise RequestError(
-            f"verify(against={src!r}): --against reads the source with its framework's own "
-            f"loaders (safetensors' safe_open, torch.load, torch DCP's dcp.load, DeepSpeed's "
+            f"verify(against={source.root!r}): --against reads the source with its framework's "
+            f"own loaders (safetensors' safe_open, torch.load, torch DCP's dcp.load, DeepSpeed's "
             f"zero_to_fp32), which read local files only, and its certificate is of local "
-            f"files: copy {src} to a local folder (aws s3 sync, gcloud storage cp -r, hf "
-            f"download) and give that folder"
+            f"files: copy {source.root} to a local folder (aws s3 sync, gcloud storage cp -r, "
+            f"hf download) and give that folder"
         )
 
 

@@ -16,6 +16,7 @@ from jax_ucp._src.saving.options import SaveOptions
 
 if TYPE_CHECKING:  # the restoring modules load where used: a save never needs them
     from jax_ucp._src.restoring import steps
+    from jax_ucp._src.store.storage import Storage
 
 # JAX-free at import: ``verify`` and ``latest_step`` (``jax-ucp verify``/``latest``) never load
 # JAX (1-4 s); ``save`` imports the save engine and ``restore`` its module when first used.
@@ -52,9 +53,9 @@ def save(path: str | os.PathLike, options: SaveOptions) -> str:
     """
     from jax_ucp._src.saving import engine  # JAX: here, so verify starts without it
 
-    path = store.storage_for(path).absolute()
-    engine.save(path, options, force=options.force)
-    return path
+    storage = store.storage_for(path)
+    engine.save(storage, options, force=options.force)
+    return storage.absolute()
 
 
 def latest_step(run_root: str | os.PathLike | Any, *, fallback: bool = False) -> int:
@@ -129,13 +130,13 @@ class VerifyResult(list):
 
 
 def _verify_export(
-    path: str, against: str, spec: Any, progress, logits: bool, tolerance: float | None
+    exported: Storage, against: str, spec: Any, progress, logits: bool, tolerance: float | None
 ) -> VerifyResult:
     """``verify(EXPORTED, against=CKPT)``: every exported tensor against the checkpoint's; with
     ``logits``, the export's model's logits against the checkpoint's."""
     from jax_ucp._src.export_check import verify_export
 
-    found, compared = verify_export(path, against, spec, progress, logits, tolerance)
+    found, compared = verify_export(exported, against, spec, progress, logits, tolerance)
     problems = [
         (n, f"{n}: exported, not the checkpoint's: {w}") for n, w in found.different.items()
     ]
@@ -220,17 +221,19 @@ def verify(
     budget = parse_size(
         DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget, "verify(memory_budget=)"
     )
-    if against is not None:  # refused before the checkpoint is read: the URL named
+    source = None if against is None else store.storage_for(against)
+    if source is not None:  # refused before the checkpoint is read: the URL named
         from jax_ucp._src.against import local_source
 
-        local_source(os.fspath(against))
+        local_source(source)
     from jax_ucp._src.restoring import sources
 
-    found = sources.opening(store.storage_for(path))  # its importer, detected once
+    storage = store.storage_for(path)  # the export's too, with against=
+    found = sources.opening(storage)  # its importer, detected once
     if found.importer is not None:  # a torch source itself, no jax_ucp checkpoint
-        if against is not None:
-            if sources.opening(store.storage_for(against), warn=False).importer is None:
-                export = (os.fspath(path), os.fspath(against), spec, progress)
+        if source is not None:
+            if sources.opening(source, warn=False).importer is None:
+                export = (storage, source.root, spec, progress)
                 return _verify_export(*export, logits, logits_tolerance)
             raise RequestError(
                 f"verify(against=) compares a converted checkpoint with its source; "
@@ -286,18 +289,8 @@ def verify(
             # the source's files already differ from the certificate (named): no logits
         if compared is not None and not compared.ok:
             problems.append(("logits", compared.describe()))
-    return VerifyResult(
-        problems,
-        [
-            *result.notices,
-            *(
-                (n, f"{n}: not compared with the source: {why}")
-                for n, why in found.not_compared.items()
-            ),
-        ],
-        compared,
-        against=found,
-    )
+    unread = [(n, f"{n}: not compared with the source: {w}") for n, w in found.not_compared.items()]
+    return VerifyResult(problems, [*result.notices, *unread], compared, against=found)
 
 
 def _verify(root: store.storage.Storage, progress, budget: int) -> VerifyResult:

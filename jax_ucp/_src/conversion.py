@@ -170,7 +170,7 @@ def _certified(source, record: dict[str, Any]) -> dict[str, Any]:
     """``record`` with the certificate of the source's files (``format.certificate``), taken
     before the import reads them, which ``verify --against`` checks first; a source in an
     object store has none (its objects are read by ranged GETs, never listed whole)."""
-    if not store.storage_for(source).local:
+    if store.storage_for(source).local_path() is None:
         return record
     said = (
         [f"megatron-core's integrity.json: {record['integrity']}"]
@@ -183,7 +183,7 @@ def _certified(source, record: dict[str, Any]) -> dict[str, Any]:
 def _check_target(source, dest: str, options: ConvertOptions) -> None:
     """What the destination refuses, before the source is read (checked again under the save
     lock, in the transaction)."""
-    if not store.storage_for(dest).local:
+    if store.storage_for(dest).local_path() is None:
         if options.step is not None or options.distributed:
             raise RequestError(
                 f"convert: {dest} is an object store; step= and distributed=True write local "

@@ -25,6 +25,7 @@ from jax_ucp._src.restoring import locate
 from jax_ucp._src.restoring.inspecting import inspect
 from jax_ucp._src.restoring.model import Request
 from jax_ucp._src.restoring.sources import ucp_source
+from jax_ucp._src.store.storage import Storage
 
 
 @dataclasses.dataclass
@@ -63,19 +64,18 @@ class _Export:
     where: str
 
 
-def _read_export(exported: str) -> _Export:
-    """``exported`` planned by its format's import, and its ``config.json``."""
-    storage = store.storage_for(exported)  # one medium for the import and its config.json
+def _read_export(storage: Storage) -> _Export:
+    """The export at ``storage`` planned by its format's import, and its ``config.json``."""
     importer = registry.importer_for(storage)
     where = storage.join("config.json")
     raw = storage.read("config.json", logits.MAX_CONFIG_BYTES)
     config = None if raw is None else logits.config_object(raw, where)
     items = list(registry.plan_import(storage, format=importer).items)
-    return _Export(exported, importer.format, importer.model_names, items, config, where)
+    return _Export(storage.root, importer.format, importer.model_names, items, config, where)
 
 
 def verify_export(
-    exported: str, ckpt: str, spec: Any, progress, with_logits: bool, tolerance: float | None
+    exported: Storage, ckpt: str, spec: Any, progress, with_logits: bool, tolerance: float | None
 ) -> tuple[ExportComparison, Any]:
     """Each tensor of the export at ``exported`` against the checkpoint ``ckpt`` it was written
     from (see the module; ``spec``: the spec the export was written by, None: the names as

@@ -175,7 +175,7 @@ def _keys(root: str, manifest: fmt.Manifest):
 
 def _source_of(path: str | os.PathLike) -> dict:
     """The ``source`` record of the checkpoint at ``path`` (an import from Megatron)."""
-    manifest = store.read_manifest(locate.find_checkpoint(store.storage_for(path)).root)
+    manifest = locate.find_checkpoint(store.storage_for(path)).read_manifest()
     if not manifest.source or not manifest.source.get("megatron_optimizer"):
         raise RequestError(f"run_record={os.fspath(path)!r}: records no Megatron run (imported?)")
     return manifest.source

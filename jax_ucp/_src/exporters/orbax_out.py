@@ -162,8 +162,8 @@ def export_orbax(
         use_ocdbt: Orbax's OCDBT layout (Orbax's default, as is zstd).
         use_zarr3: zarr v3 arrays instead of Orbax's default v2.
         progress: called as ``progress(name, done, total)`` per tensor."""
-    root = locate.find_checkpoint(store.storage_for(ckpt)).root
-    manifest = store.read_manifest(root)
+    checkpoint = locate.find_checkpoint(store.storage_for(ckpt))
+    root, manifest = checkpoint.root, checkpoint.read_manifest()
     empty = [e.name for e in manifest.tensors if math.prod(e.shape) == 0]
     if empty:  # Orbax's own save refuses them ("Cannot save arrays with zero size")
         raise RequestError(

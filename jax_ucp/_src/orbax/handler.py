@@ -47,8 +47,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._primary_host = options.primary_host
         # Primary only: each save in flight, merged into ucp.json by finalize.
         self._pending: dict[str, engine.PreparedSave] = {}
-        # An async save's private host copies (CPU devices), reused by the next one (released
-        # by close()).
+        # An async save's private host copies (CPU devices), reused by the next (freed by close())
         self.copy_pool = save_plan.HostCopyPool()
         self._reuse_host_copies = reuse_host_copies
 
@@ -60,7 +59,8 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         donated or deleted array would change under the write); a blocking save skips them.
         """
         directory = os.fspath(directory)
-        if not store.storage_for(directory).local and local.ORBAX_TMP_MARK in directory:
+        storage = store.storage_for(directory)  # chosen once for the save
+        if storage.local_path() is None and local.ORBAX_TMP_MARK in directory:
             raise fmt.UCPError(
                 f"{directory}: Orbax is saving into a temporary prefix it would then rename, which "
                 f"an object store cannot do atomically. Pass CheckpointManagerOptions("
@@ -85,7 +85,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         pool = self.copy_pool if pooled else None
         copies: list = []
         save = engine.prepare(
-            directory,
+            storage,
             args,
             primary=ocp.multihost.is_primary_host(self._primary_host),
             copy=copy,

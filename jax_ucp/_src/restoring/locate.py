@@ -24,8 +24,8 @@ def is_ucp(storage: Storage, manifest: bool, explicit: bool = False) -> bool:
     holding a UCP item, a CheckpointManager root (``find_checkpoint`` says which step to pass),
     or nothing there (a forced save's swap, or the error ``find_checkpoint`` gives).
     ``explicit``: importing= or format= was given, an error for a local checkpoint there."""
-    path = storage.root
-    if not storage.local:
+    path = storage.local_path()
+    if path is None:
         return manifest
     found = manifest or (
         bool(steps.ucp_items(path)) if os.path.isdir(path) else not os.path.lexists(path)
@@ -48,15 +48,15 @@ def find_checkpoint(storage: Storage, manifest: bool | None = None) -> Storage:
     next save to ``path`` completes the interrupted swap.
     """
     path = storage.root.rstrip("/") or "/"
-    storage = storage if storage.root == path else store.storage_for(path)
+    storage = storage if storage.root == path else storage.at(path)
     if manifest or (manifest is None and storage.exists(fmt.MANIFEST_FILE)):
         return storage
-    if not storage.local:  # an object-store prefix: no swap, no links
+    if storage.local_path() is None:  # an object-store prefix: no swap, no links
         return _find_in_object_store(storage)
     if not os.path.lexists(path):
         for survivor in (path + local.REPLACING, path + local.REPLACED):
             if os.path.isdir(survivor):
-                return find_checkpoint(store.storage_for(survivor))
+                return find_checkpoint(storage.at(survivor))
         raise CheckpointError(f"{path}: no such checkpoint directory.")
     if not os.path.isdir(path):
         raise CheckpointError(
@@ -69,7 +69,7 @@ def find_checkpoint(storage: Storage, manifest: bool | None = None) -> Storage:
             fmt.files.inside(path, items[0], path)
         except fmt.files.UnsafeFileError as e:
             raise CheckpointError(str(e)) from None
-        return store.storage_for(os.path.join(path, items[0]))
+        return storage.at(os.path.join(path, items[0]))
     if len(items) == 1:  # any folder holding one checkpoint is not read as that checkpoint
         raise CheckpointError(
             f"{path}: no {fmt.MANIFEST_FILE} here; it is not a checkpoint nor an Orbax step "
@@ -133,17 +133,17 @@ def check_step_item(path: str | Storage, manifest: fmt.Manifest | None = None) -
         place through Orbax's args: nothing to check).
     """
     storage = store.storage_for(path)
-    if not storage.local:
+    folder = storage.local_path()
+    if folder is None:
         return
-    path = storage.root
     if manifest is None:
-        if not os.path.isfile(os.path.join(path, fmt.MANIFEST_FILE)):
+        if not os.path.isfile(os.path.join(folder, fmt.MANIFEST_FILE)):
             return
         manifest = storage.read_manifest()
     recorded = (manifest.source or {}).get(fmt.ORBAX_ITEM)
     if recorded is None:
         return
-    real = os.path.normpath(os.path.abspath(path))
+    real = os.path.normpath(os.path.abspath(folder))
     found = "/".join(real.split(os.sep)[-2:])
     if recorded == found:
         return
@@ -153,10 +153,10 @@ def check_step_item(path: str | Storage, manifest: fmt.Manifest | None = None) -
         return  # renamed or moved out of its step: nothing else of the run claims it
     shown = repr(recorded)[:200]
     raise CheckpointError(
-        f"{path}: saved as {shown} of its run (source.{fmt.ORBAX_ITEM}), found as {found!r}: "
+        f"{folder}: saved as {shown} of its run (source.{fmt.ORBAX_ITEM}), found as {found!r}: "
         f"another step's item, swapped or copied in; never restored as this step. To restore "
         f"what it holds on purpose (a rollback copied forward), name the item folder itself: "
-        f"jax_ucp.restore({os.fspath(path)!r}) restores it as the checkpoint it is, or move it "
+        f"jax_ucp.restore({os.fspath(folder)!r}) restores it as the checkpoint it is, or move it "
         f"out of the run"
     )
 
@@ -187,7 +187,7 @@ def _find_in_object_store(prefix: Storage) -> Storage:
         }
     )
     if len(items) == 1:
-        return store.storage_for(prefix.join(items[0]))
+        return prefix.folder(items[0])
     if not items:
         _refuse_incomplete_dcp(url, list(prefix.names()))
         raise CheckpointError(
@@ -263,8 +263,7 @@ class Attempt:
     def __init__(self, storage: Storage, redo: bool, manifest: bool | None = None):
         self.storage, self.redo, self.manifest = storage, redo, manifest
         self.root: Storage | None = None
-        self.stamp = None
-        self.done = False
+        self.stamp, self.done = None, False
         self.error: BaseException | None = None
 
     def __enter__(self) -> Attempt:

@@ -41,7 +41,7 @@ class PreparedSave:
     """One process's save between its stages: the writes ``prepare`` laid out (dropped once
     written), and on the primary the manifest ``merge`` completes with every shard's digest."""
 
-    directory: str
+    storage: store.storage.Storage  # where it is written (a directory or an object-store prefix)
     primary: bool
     tensors: list[writer.PreparedTensor]
     manifest: fmt.Manifest | None
@@ -50,7 +50,7 @@ class PreparedSave:
 
 
 def prepare(
-    directory: str,
+    storage: store.storage.Storage,
     args: SaveArgs,
     *,
     primary: bool,
@@ -61,7 +61,7 @@ def prepare(
     """The layout of ``args.item`` and this process's shards on host, nothing written yet.
 
     Args:
-        directory: where the checkpoint is written (a directory or an object-store prefix).
+        storage: where the checkpoint is written (a directory or an object-store prefix).
         args: the tree and its layout options.
         primary: this process writes what exists once and the manifest.
         copy: private host copies of CPU shards (an async save: the caller goes on).
@@ -90,9 +90,9 @@ def prepare(
             entries,
             source=args.source,
             tree=tree_lib.describe_structure(args.item),
-            kvstore_driver=store.kvstore_driver(directory),
+            kvstore_driver=store.kvstore_driver(storage.root),
         )
-    return PreparedSave(directory, primary, tensors, manifest, budget=_budget(args))
+    return PreparedSave(storage, primary, tensors, manifest, budget=_budget(args))
 
 
 def _budget(args: SaveArgs) -> int | None:
@@ -107,7 +107,7 @@ async def write(save: PreparedSave, written: Callable[[], None] | None = None) -
         save: what ``prepare`` laid out; its tensors are dropped once written.
         written: called once every write has settled (the host copies may be reused).
     """
-    directory = save.directory
+    directory = save.storage.root
     # No fsync per file (each costs a disk round trip: thousands of small tensors spent most
     # of a save there); one syncfs makes this process's files durable before the commit.
     try:
@@ -118,7 +118,7 @@ async def write(save: PreparedSave, written: Callable[[], None] | None = None) -
         save.tensors = []
         if written is not None:
             written()
-    storage = store.storage_for(directory)
+    storage = save.storage
     await asyncio.to_thread(storage.make_durable)
     if save.primary:
         save.digests.update(digests)
@@ -136,8 +136,8 @@ def merge(save: PreparedSave, process_count: int) -> None:
         process_count: how many processes wrote (each other one reported its digests).
     """
     assert save.manifest is not None, "merge runs on the primary"
-    root, digests = save.directory, save.digests
-    storage = store.storage_for(root)
+    storage, digests = save.storage, save.digests
+    root = storage.root
     others = [n for n in storage.names(DIGESTS_PREFIX) if n.endswith(".json")]
     expected = max(process_count - 1, 0)
     if len(others) != expected:
@@ -168,24 +168,24 @@ def merge(save: PreparedSave, process_count: int) -> None:
     storage.delete(others)
 
 
-def save(path: str, args: SaveArgs, *, force: bool) -> None:
-    """``args`` saved at ``path`` by every process, committed once (``commit_once``) in a
+def save(storage: store.storage.Storage, args: SaveArgs, *, force: bool) -> None:
+    """``args`` saved at ``storage`` by every process, committed once (``commit_once``) in a
     ``commit.transaction``: a failed or killed save leaves the old checkpoint whole.
 
     Args:
-        path: the checkpoint directory (absolute) or object-store prefix.
+        storage: the checkpoint directory or object-store prefix (``api.save``'s).
         args: the tree and its options, the same in every process.
-        force: replace a jax_ucp checkpoint at ``path``.
+        force: replace a jax_ucp checkpoint there.
     """
-    path = path.rstrip("/")
+    path = storage.absolute().rstrip("/")
     # A malformed URL or a committed prefix fails here, in every process: all raise alike.
-    store.storage_for(path).refuse_early(commit.Replace(force))
+    storage.at(path).refuse_early(commit.Replace(force))
     job = agreement.join(path, BARRIER_TIMEOUT, purpose="save", hint=TIMEOUT_HINT)
     index, count, gather = job or (0, 1, None)
     saves: list[PreparedSave] = []
 
     def write_part(directory: str) -> str:
-        saves.append(prepare(directory, args, primary=index == 0, copy=False))
+        saves.append(prepare(storage.at(directory), args, primary=index == 0, copy=False))
         run_coroutine(write(saves[0]))
         return ""
 

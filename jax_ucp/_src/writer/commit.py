@@ -59,15 +59,15 @@ class Replace:
                 ) from None
         return replacing
 
-    def prefix(self, url: str) -> None:
-        """Before a save to the prefix ``url`` (lock held): refuses a committed checkpoint
+    def prefix(self, prefix: store.storage.Storage) -> None:
+        """Before a save to ``prefix`` (lock held): refuses a committed checkpoint
         there (an object store cannot replace one) and anything a killed jax_ucp save of this
         prefix cannot have left, naming it; deletes such a save's leftovers (its arrays'
         objects and digest reports, nothing else)."""
         # a local save never loads it
         from jax_ucp._src.store.storage.object_store import LOCK_OBJECT
 
-        prefix = store.storage_for(url)
+        url = prefix.root
         names = [n for n in prefix.names() if n != LOCK_OBJECT]
         if fmt.MANIFEST_FILE in names:
             if self.force:
@@ -92,8 +92,8 @@ class Replace:
             log.info("deleting %d objects a killed save of %s left there", len(names), url)
         prefix.delete(names)
 
-    def failed(self, url: str) -> None:
-        remove_object_store_leftovers(url)
+    def failed(self, prefix: store.storage.Storage) -> None:
+        remove_object_store_leftovers(prefix)
 
 
 def transaction(
@@ -434,12 +434,11 @@ _LEFTOVER = re.compile(
 )
 
 
-def remove_object_store_leftovers(url: str) -> None:
-    """After a failed save to ``url`` (lock held): its own objects, if it did not commit."""
-    prefix = store.storage_for(url)
+def remove_object_store_leftovers(prefix: store.storage.Storage) -> None:
+    """After a failed save to ``prefix`` (lock held): its own objects, if it did not commit."""
     names = prefix.names()
     if fmt.MANIFEST_FILE not in names:
         own = [n for n in names if _LEFTOVER.fullmatch(n)]
         if own:
-            log.info("deleting %d objects of the failed save of %s", len(own), url)
+            log.info("deleting %d objects of the failed save of %s", len(own), prefix.root)
         prefix.delete(own)

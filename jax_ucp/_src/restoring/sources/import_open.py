@@ -73,7 +73,7 @@ def import_for(
             ResumeWarning,
             stacklevel=user_stacklevel(),  # the user's call
         )
-    return import_for(store.storage_for(complete[0].path), importing, format)
+    return import_for(storage.at(complete[0].path), importing, format)
 
 
 def one_revision(storage: store.storage.Storage) -> store.storage.Storage:
@@ -82,7 +82,7 @@ def one_revision(storage: store.storage.Storage) -> store.storage.Storage:
     of a source in an object store or a Hub repo."""
     import jax
 
-    if jax.process_count() == 1 or storage.local:
+    if jax.process_count() == 1 or storage.local_path() is not None:
         return storage
     from jax_ucp._src.multihost import agreement
 
@@ -95,7 +95,7 @@ def one_revision(storage: store.storage.Storage) -> store.storage.Storage:
     for i, peer in enumerate(peers):
         if "error" in peer:
             raise MultiProcessError(f"{where} process {i}: {peer['error']}")
-    return store.storage_for(peers[0]["url"])
+    return storage.at(peers[0]["url"])
 
 
 @dataclasses.dataclass

@@ -160,6 +160,7 @@ class CheckpointSource(TensorSource):
         self.storage = store.storage_for(root)  # chosen once: every array is opened through it
         self.root = self.path = root = self.storage.root
         self.where = f"the checkpoint {root}"
+        self.sweep = self.storage.local_path() is None  # shards checked at once (``prepare``)
         self._context = store.zarr3.read_context()
         # per array: its zarr.json's bytes (None: missing) or their fetch (``ObjectFetch``), then
         # its checked layout, then the TensorStore array opened
@@ -175,7 +176,7 @@ class CheckpointSource(TensorSource):
         sources = {s.key: s for found in tensors for s in found.sources}
         for src in sources.values():
             self._open(src)  # an object's zarr.json fetched in two steps, nobody waiting
-        if not self.storage.local:  # those read by ``ShardReader`` are checked as they are read
+        if self.sweep:  # those read by ``ShardReader`` are checked as they are read
             by_tensorstore = {
                 s.key: s
                 for found in tensors
@@ -314,7 +315,7 @@ class CheckpointSource(TensorSource):
     def verify(self, found: Available, reader) -> None:
         """Read by TensorStore: every shard file it may open checked first (object stores
         were checked at once, by ``prepare``)."""
-        if self.storage.local and not isinstance(reader, shard_reader.ShardReader):
+        if not self.sweep and not isinstance(reader, shard_reader.ShardReader):
             for src in found.sources:
                 verify_shard_files(self.storage, src)
 

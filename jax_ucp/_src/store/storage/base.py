@@ -47,14 +47,12 @@ class Claim(Protocol):
         (swapped out at the commit); raises when what is there may not be replaced."""
         ...
 
-    def prefix(self, url: str) -> None:
-        """Before a save to the prefix ``url``: raises when what is there may not be replaced,
-        else deletes what a killed save of it left."""
-        ...
+    def prefix(self, prefix: Storage) -> None:
+        """Before a save to ``prefix``: raises when what is there may not be replaced, else
+        deletes what a killed save of it left."""
 
-    def failed(self, url: str) -> None:
-        """After a failed save to the prefix ``url``: deletes what it wrote, if uncommitted."""
-        ...
+    def failed(self, prefix: Storage) -> None:
+        """After a failed save to ``prefix``: deletes what it wrote, if uncommitted."""
 
 
 @dataclasses.dataclass
@@ -78,10 +76,9 @@ class Transaction:
 
     def commit(self) -> None:
         """Commits now (the ``with`` block commits at its end otherwise); idempotent."""
-        if self.committed:
-            return
-        self.finish(self)
-        self.committed = True
+        if not self.committed:
+            self.finish(self)
+            self.committed = True
 
 
 class Storage(abc.ABC):
@@ -98,9 +95,17 @@ class Storage(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.root!r})"
 
-    @abc.abstractmethod
+    def at(self, root: str) -> Storage:
+        """The same medium at ``root`` (a sibling, an item below: the medium not chosen again)."""
+        return type(self)(root)
+
+    def local_path(self) -> str | None:
+        """``root`` as a folder ``os`` opens (None: requests only, nothing to link or swap)."""
+        return self.root if self.local else None
+
     def absolute(self) -> str:
         """``root`` as a save returns it (a local path made absolute)."""
+        return self.root
 
     @abc.abstractmethod
     def join(self, *parts: str) -> str:
@@ -143,7 +148,7 @@ class Storage(abc.ABC):
     def folder(self, name: str, *, link: bool = True) -> Storage:
         """Folder ``name`` of ``root`` as a storage of its own (its names relative to it);
         ``link=False``: refused when ``name`` is a symlink (an object store holds none)."""
-        return type(self)(self.join(name))
+        return self.at(self.join(name))
 
     def parent(self) -> Storage | None:
         """The folder holding ``root``, where a reader may look above the folder it was given
@@ -185,9 +190,9 @@ class Storage(abc.ABC):
             )
         return fmt.Manifest.loads(data, where=where)
 
-    @abc.abstractmethod
     def write_manifest(self, manifest: fmt.Manifest, name: str = fmt.MANIFEST_FILE) -> None:
         """``ucp.json`` (or a part of it), whole; in an object store, the commit."""
+        self.write(name, manifest.dumps().encode())
 
     @abc.abstractmethod
     def identity(self) -> Any:

@@ -348,9 +348,6 @@ class LocalDirectory(Storage):
     def read_manifest(self) -> fmt.Manifest:
         return fmt.read_manifest_file(self.root)
 
-    def write_manifest(self, manifest: fmt.Manifest, name: str = fmt.MANIFEST_FILE) -> None:
-        self.write(name, manifest.dumps().encode())
-
     def identity(self):
         return directory_identity(self.root)
 

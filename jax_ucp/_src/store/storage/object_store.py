@@ -329,9 +329,6 @@ class ObjectStorePrefix(Storage):
         f"{fmt.MANIFEST_FILE} is written)"
     )
 
-    def absolute(self) -> str:
-        return self.root
-
     def join(self, *parts: str) -> str:
         return join(self.root, *parts)
 
@@ -381,7 +378,7 @@ class ObjectStorePrefix(Storage):
         """A malformed URL, or a committed checkpoint in the prefix, before anything is written."""
         kvstore_root(self.root)
         if exists(self.root, fmt.MANIFEST_FILE):
-            claim.prefix(self.root)
+            claim.prefix(self)
 
     @contextlib.contextmanager
     def transaction(self, claim: Claim, *, kind: str, staged: bool, inner: str | None):
@@ -390,11 +387,11 @@ class ObjectStorePrefix(Storage):
         deleted on failure."""
         self.refuse_early(claim)
         with self.lock():
-            claim.prefix(self.root)
+            claim.prefix(self)
             tx = Transaction(self.root, self.root, replacing=False, staged=False)
             try:
                 yield tx
                 tx.commit()
             except BaseException:
-                claim.failed(self.root)
+                claim.failed(self)
                 raise
