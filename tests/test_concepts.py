@@ -39,8 +39,9 @@ MAX_IMPORTS_IN_FUNCTIONS = 60
 #: ``.local`` asked of a ``Storage`` outside ``store/`` (issue 71 wants 0; 16 once the open stage
 #: asks "a manifest here?" once, ``locate.is_ucp``; 15 without ucp_source's dead remote branch;
 #: 13 with the DCP reader opening the paths it is given, a remote one through its local view;
-#: 3, the importers', once callers ask a Storage for its ``local_path()`` or re-root it ``at``)
-MAX_LOCAL_QUESTIONS = 3
+#: 3, the importers', once callers ask a Storage for its ``local_path()`` or re-root it ``at``;
+#: 0 with the importers asking it too)
+MAX_LOCAL_QUESTIONS = 0
 #: ``storage_for(`` called outside ``store/``: a ``Storage`` made again from a path instead of
 #: handed down (issue 71 wants 0; 37, and 1 more counted as the remote safetensors reader left
 #: ``store/``: a ``.safetensors`` object's folder; 40 with round 13's verify of a source's
@@ -48,8 +49,9 @@ MAX_LOCAL_QUESTIONS = 3
 #: ``against`` is told a UCP checkpoint by the open stage's one decision; 40 with the DCP
 #: reader no longer choosing a medium for a path; 41 with round 19's export check reading the
 #: export's config.json through its Storage, where it asked ``os.path.isfile``; 28 with the
-#: save engine, the Claim, the checkpoint search and verify's export handed their Storage)
-MAX_STORAGE_FOR_CALLS = 28
+#: save engine, the Claim, the checkpoint search and verify's export handed their Storage; 27
+#: with verl handing megatron its ``dist_ckpt/`` folder's Storage)
+MAX_STORAGE_FOR_CALLS = 27
 #: modules decoding a safetensors header (its length bounded by ``MAX_HEADER_BYTES``): one,
 #: local and remote (``format.safetensors`` over a medium's ``Storage.reader``)
 MAX_SAFETENSORS_DECODERS = 1

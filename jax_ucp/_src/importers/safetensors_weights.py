@@ -123,7 +123,7 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
     refuse_spec(spec, "safetensors imports keep Hugging Face's names", SourceError)
     storage = store.storage_for(src)  # the importer's (torchtune's: a path)
     src = storage.root
-    if not storage.local:  # an object store's or the Hub's: read by ranges
+    if storage.local_path() is None:  # an object store's or the Hub's: read by ranges
         return _plan_remote(storage, options)
     opened, owner = safetensors.open_checkpoint(src)
     names = sorted(owner)
@@ -233,7 +233,7 @@ def _plan_remote(storage: Storage, options: ImportOptions) -> ImportPlan:
 def holds_remote(prefix: Storage) -> bool:
     """A ``.safetensors`` object, or a prefix / repo holding safetensors (or their index) and
     no ``ucp.json``, in a medium that is no local directory (read by ranges)."""
-    if prefix.local:  # a local directory: ``format.safetensors`` maps its files
+    if prefix.local_path() is not None:  # a local directory: ``format.safetensors`` maps it
         return False
     if prefix.root.rstrip("/").endswith(".safetensors"):
         return True

@@ -76,7 +76,7 @@ def open_dcp(folder: Storage) -> MegatronDcpCheckpoint:
     if parsed is not None and key in parsed:
         return parsed[key]
     # a local folder by its path (the DCP reader's checks of links and sizes), else in place
-    base = dcp.open_dcp(folder.root if folder.local else folder, MCORE_CLASSES, fsdp_dtensor=True)
+    base = dcp.open_dcp(folder.local_path() or folder, MCORE_CLASSES, fsdp_dtensor=True)
     mcore = {}
     if "metadata.json" in (listed(folder) or ()):  # a FIFO, a device or a huge file: an error
         where = folder.join("metadata.json")
