@@ -179,12 +179,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_ucp
 from jax_ucp._src.store.storage import ranged
-read, lock, fetch = [0], threading.Lock(), ranged.fetch_ranges
-def counting(kv, key, ranges, put, url=""):
+read, lock, read_into = [0], threading.Lock(), ranged.RangedObject.read_into
+def counting(self, pieces, done):
     with lock:
-        read[0] += sum(b - a for a, b in ranges) if key.endswith(".distcp") else 0
-    return fetch(kv, key, ranges, put, url)
-ranged.fetch_ranges = counting
+        read[0] += sum(n for _, n, _ in pieces) if self.key.endswith(".distcp") else 0
+    return read_into(self, pieces, done)
+ranged.RangedObject.read_into = counting
 mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 assert {d.process_index for d in mesh.devices[pid]} == {pid}
 whole = jax_ucp.restore(src)  # the local folder, to host: the single-process answer
@@ -203,7 +203,7 @@ def test_each_process_of_a_two_process_restore_fetches_only_its_chunks(
 ):
     """A 2-process job (4 CPU devices each, rows split over the processes) restores the TP=2
     torch_dist fixture from s3://: every shard equals the local folder's, and each process
-    fetches the chunks of its rows, not both ranks' (counted at ``ranged.fetch_ranges``)."""
+    fetches the chunks of its rows, not both ranks' (counted at ``RangedObject.read_into``)."""
     src = os.path.join(REPO, "tests", "fixtures", "megatron", "gpt_tp2")
     url = upload(src, served(monkeypatch, s3_server))
     results = run_workers(tmp_path, WORKER, url, src, devices=4, timeout=240)

@@ -74,17 +74,11 @@ class RandomAccess(abc.ABC):
         """Up to ``n`` bytes from ``offset`` (fewer: the file ends first), None when there is
         no such file; a range the medium refuses is a ``RangeError``."""
 
+    @abc.abstractmethod
     def read_into(self, pieces: Sequence[Piece], done: Callable[[int, memoryview], None]) -> None:
         """Bytes ``[at, at + n)`` of each ``(at, n, into)`` of ``pieces``, handed on in their order
         as ``done(i, data)``: ``into`` filled (writable bytes), else a view valid during the call;
         the file missing or ending before a piece ends is a ``RangeError``."""
-        for i, (at, n, into) in enumerate(pieces):
-            got = self.read(at, n)
-            if got is None or len(got) < n:
-                raise RangeError(_short(self.shown, at, n, None if got is None else len(got)))
-            if into is not None:
-                into[:n] = got
-            done(i, memoryview(got) if into is None else into[:n])
 
     def holds(self, size: int) -> bool:
         """Whether the file has at least ``size`` bytes (one byte read just before it)."""
