@@ -393,17 +393,11 @@ class DcpCheckpoint:
             raw = np.frombuffer(dcp_transforms.undo(data, e.transforms, budget, where), np.uint8)
         return fpath, raw
 
-    def _chunk_bytes(self, t: DcpTensor, c: DcpChunk) -> tuple[str, str, np.ndarray, bool]:
-        """(``c`` for errors, its file, its bytes, whether they are a torch.save archive)."""
-        where = self._where(t, c)
-        n = math.prod(c.sizes) * t.dtype.itemsize
-        fpath, raw = self._entry_bytes(c, n + ARCHIVE_OVERHEAD, where)
-        return where, fpath, raw, mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04"
-
     def read_chunk(self, t: DcpTensor, c: DcpChunk) -> np.ndarray:
-        where, fpath, raw, archive = self._chunk_bytes(t, c)
-        n = math.prod(c.sizes) * t.dtype.itemsize
-        if archive:
+        """Chunk ``c`` of ``t`` read whole: its array (a view of the bytes read)."""
+        where, n = self._where(t, c), math.prod(c.sizes) * t.dtype.itemsize
+        fpath, raw = self._entry_bytes(c, n + ARCHIVE_OVERHEAD, where)
+        if mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04":
             arr, _ = _load_embedded(raw, f"{fpath}@{c.byte_offset}", where)
         else:  # torch's raw (non-torch.save) serialization: the bytes of a contiguous tensor
             if self.layout == "dcp":
