@@ -314,9 +314,14 @@ class DcpCheckpoint:
         bytes read), from the file's reader (pread, or ranged GETs of an object); an archive's
         data member found from the archive's first and last bytes, its CRC-32 computed slab by
         slab when ``box`` is all of the chunk (a part of it is not checkable). An archive laid
-        out otherwise, a transformed chunk (its codec) or a 0-d one is read whole and cut."""
+        out otherwise, a transformed chunk (its codec), a 0-d or a small one (:data:`SMALL`) is
+        read whole and cut."""
         where, reader = self._where(t, c), self._reader(c.file)
-        at, crc, whole = c.byte_offset, None, bool(c.transforms) or not c.sizes
+        need = math.prod(b - a for a, b in box) * t.dtype.itemsize  # a small chunk read whole
+        small = c.byte_length <= max(
+            SMALL, 2 * EDGE + need if box != [(0, n) for n in c.sizes] else 0
+        )
+        at, crc, whole = c.byte_offset, None, bool(c.transforms) or not c.sizes or small
         if not whole:
             raw = _file_range(reader, c.byte_offset, c.byte_length, where, edges=EDGE)
             if mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04":
@@ -671,6 +676,8 @@ def _address(arr: np.ndarray) -> int:
 READ_PIECE = 4 << 20
 #: Bytes of a chunk's archive read at each end to find its data member (torch writes ~1.5 KiB).
 EDGE = 4 << 10
+#: A chunk up to this long, or its ends and the rows read longer, is read whole (fewer bytes).
+SMALL = 64 << 10
 
 
 def _check_crc(found: int | None, crc: int | None, where: str) -> None:
