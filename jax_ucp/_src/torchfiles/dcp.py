@@ -354,7 +354,7 @@ class DcpCheckpoint:
             if found[0] is not None:
                 found[0] = torch_zip.zip_crc32(data, found[0])
             shape, slab, parts = cuts[i]
-            buf = np.frombuffer(data, t.dtype).reshape(shape) if parts else None
+            buf = np.frombuffer(data, t.dtype).reshape(shape)  # (a view: nothing copied)
             for part, view in parts:
                 view[...] = buf[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(part, slab))]
 
