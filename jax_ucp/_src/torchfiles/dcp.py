@@ -294,10 +294,9 @@ class DcpCheckpoint:
         """One job (a callable, any thread) per chunk overlapping the regions of ``dests``
         (``((start, stop) per dim, C-contiguous out)``), that reads the chunk's part of every
         region straight into it: a row of a layer stack can be a GiB, so no row is put
-        together first. A raw chunk is read in slabs of at most ``READ_PIECE`` bytes (into a
+        together first. A chunk is read in slabs of at most ``READ_PIECE`` bytes (into a
         region when it lies whole in one, else into a scratch buffer cut into each), only
-        those its regions cover; an archive or transformed chunk (its CRC, its codec) or a
-        remote one is read whole (one chunk) and cut."""
+        those its regions cover, on every medium (``_chunk_into``)."""
         t = self.tensors[name]
         self.check_tensor(name)
         self.check_files([t])
@@ -317,10 +316,8 @@ class DcpCheckpoint:
         out otherwise, a transformed chunk (its codec), a 0-d or a small one (:data:`SMALL`) is
         read whole and cut."""
         where, reader = self._where(t, c), self._reader(c.file)
-        need = math.prod(b - a for a, b in box) * t.dtype.itemsize  # a small chunk read whole
-        small = c.byte_length <= max(
-            SMALL, 2 * EDGE + need if box != [(0, n) for n in c.sizes] else 0
-        )
+        n, need = (math.prod(d) * t.dtype.itemsize for d in (c.sizes, [b - a for a, b in box]))
+        small = c.byte_length <= max(SMALL, 2 * EDGE + need if need < n else 0)  # fewer bytes
         at, crc, whole = c.byte_offset, None, bool(c.transforms) or not c.sizes or small
         if not whole:
             raw = _file_range(reader, c.byte_offset, c.byte_length, where, edges=EDGE)
@@ -329,9 +326,9 @@ class DcpCheckpoint:
                 whole = member is None
                 if member is not None:  # a part's CRC-32 is not checkable
                     at += member[0]
-                    crc = member[1] if all(b - a == n for (a, b), n in zip(box, c.sizes)) else None
+                    crc = member[1] if need == n else None
             else:
-                whole = raw.size != math.prod(c.sizes) * t.dtype.itemsize
+                whole = raw.size != n
                 if self.layout == "dcp":
                     _refuse_safetensors_format(raw, self.path, c.file, c.byte_offset)
         if whole:
@@ -362,18 +359,16 @@ class DcpCheckpoint:
         _check_crc(found[0], crc, where)
 
     def _member(self, t: DcpTensor, c: DcpChunk, raw: np.ndarray, where: str):
-        """``(offset, zip CRC-32)`` of the one member of chunk ``c``'s archive holding its bytes,
-        ``raw`` its first and last :data:`EDGE` bytes (zeros between); None when the archive
-        is laid out otherwise, or reads bytes between (the whole chunk then says what it is)."""
+        """``(offset, zip CRC-32)`` of the member of archive ``raw`` (its ends, zeros between)
+        holding chunk ``c``'s bytes; None when laid out otherwise (read whole, it says how)."""
         try:
             arr, unchecked = _load_embedded(raw, f"{where}@{c.byte_offset}", where, True)
             _check_chunk(arr, t, c, where)
         except SourceError:
             return None
-        member = _data_member(arr, raw, unchecked)
-        if member is None or raw.size <= 2 * EDGE:
-            return member
-        return member if member[0] <= EDGE and member[0] + arr.nbytes >= raw.size - EDGE else None
+        m = _data_member(arr, raw, unchecked)  # every byte but its data read, or all of them
+        ends = m is not None and m[0] <= EDGE and m[0] + arr.nbytes >= raw.size - EDGE
+        return m if ends or raw.size <= 2 * EDGE else None
 
     def _where(self, t: DcpTensor, c: DcpChunk) -> str:
         return f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
@@ -628,9 +623,7 @@ def _file_range(
     """A read-only uint8 array of the file's bytes ``[offset, offset + length)``; ``edges``:
     only its first and last ``edges`` bytes read, zeros between (untouched pages)."""
     out = np.zeros(length, np.uint8)
-    spans = [(0, length)]
-    if edges and length > 2 * edges:
-        spans = [(0, edges), (length - edges, length)]
+    spans = [(0, edges), (length - edges, length)] if 0 < 2 * edges < length else [(0, length)]
     _read(reader, [(offset + a, b - a, out[a:b].data) for a, b in spans], None, where)
     out.flags.writeable = False
     return out
