@@ -26,14 +26,14 @@ CEILINGS = {
     "restoring": 5024,
     "saving": 969,
     "sharding": 707,
-    "store": 3631,
-    "torchfiles": 3254,
+    "store": 3718,
+    "torchfiles": 3166,
     "writer": 1674,
     "modules": 4723,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53999
+TOTAL = 53998
 
 
 def _lines(paths) -> int:

@@ -361,6 +361,7 @@ def test_region_reads_of_a_whole_archive_chunk_check_its_crc_without_a_copy(tmp_
     from jax_ucp._src.torchfiles import torch_zip
 
     monkeypatch.setattr(dcp, "READ_PIECE", 16)
+    monkeypatch.setattr(dcp, "SMALL", 0)  # (so small a chunk is otherwise read whole)
     whole = np.arange(48, dtype=np.float32).reshape(6, 8)
     with open(tmp_path / "__0_0.distcp", "wb") as f:
         length = torch_zip.write_torch_save(f, array=whole)

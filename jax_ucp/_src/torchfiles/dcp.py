@@ -26,7 +26,6 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
-from jax_ucp._src.store import shard_reader
 from jax_ucp._src.store.storage import Storage, ranged, sparse
 from jax_ucp._src.torchfiles import allow_list, dcp_transforms, torch_zip
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
@@ -277,83 +276,27 @@ class DcpCheckpoint:
         read by the reader :func:`tensors_read_by` installed."""
         if (reader := _READER.get()) is not None:
             return reader(str(self.path), t.name, start, stop)
-        self.check_tensor(t.name)
-        self.check_files([t])  # so what is allocated below is at most the bytes on disk
         shape = t.shape if stop is None else (stop - start, *t.shape[1:])
         # its own mapping: glibc keeps freed blocks under 32 MiB in the heap (+120 MiB measured)
         out = writer.unpooled_empty(shape, t.dtype)
-        jobs = []
-        for c in t.chunks:
-            sl = [slice(o, o + s) for o, s in zip(c.offsets, c.sizes)]
-            skip = 0
-            if stop is not None:
-                low, high = max(start, c.offsets[0]), min(stop, c.offsets[0] + c.sizes[0])
-                if low > high or (low == high and c.sizes[0]):
-                    continue  # outside the rows (an empty chunk before them too)
-                sl[0] = slice(low - start, high - start)
-                skip = low - c.offsets[0]
-            jobs.append((c, out[(*sl, Ellipsis)], skip))  # a view, also when 0-d
+        region = [] if stop is None else [(start, stop), *((0, n) for n in t.shape[1:])]
+        jobs = self.region_jobs(t.name, [(tuple(region), out)])
         if len(jobs) > 1 and out.nbytes >= PARALLEL_BYTES:
             # preadv and the CRC release the GIL: the chunks (one per rank) are read at once
-            futures = [
-                _pool(os.getpid()).submit(self._read_chunk_into, t, c, r, k) for c, r, k in jobs
-            ]
-            concurrent.futures.wait(futures)
-            for f in futures:
+            for f in [_pool(os.getpid()).submit(job) for job in jobs]:
                 f.result()
         else:
-            for c, region, skip in jobs:
-                self._read_chunk_into(t, c, region, skip)
+            for job in jobs:
+                job()
         return out
-
-    def _read_chunk_into(
-        self, t: DcpTensor, c: DcpChunk, region: np.ndarray, skip: int = 0
-    ) -> None:
-        """Chunk ``c`` into ``region`` (from its row ``skip`` on). A row shard's bytes are read with
-        ``preadv`` straight into it, the CRC computed there while in cache: one copy, one pass."""
-        if (
-            not skip
-            and region.flags.c_contiguous
-            and region.shape == tuple(c.sizes)
-            and region.size
-            and not c.transforms
-            and not isinstance(self.path, ObjectPath)  # fetched once, by read_chunk below
-        ):
-            where, fpath, raw, archive = self._chunk_bytes(t, c)
-            if archive:
-                arr, unchecked = _load_embedded(raw, f"{fpath}@{c.byte_offset}", where, True)
-                _check_chunk(arr, t, c, where)
-                member = _data_member(arr, raw, unchecked)
-                if member is not None:
-                    _check_crc(
-                        pread_into(fpath, c.byte_offset + member[0], region, where, 0),
-                        member[1],
-                        where,
-                    )
-                    return
-                for start, size, crc in unchecked.values():  # a view of a larger storage
-                    view = raw[start : start + size]
-                    _check_crc(mapped_file.crc32(view, 0, torch_zip.zip_crc32, where), crc, where)
-                mapped_file.copy_into(region, arr, where)
-                return
-            if raw.size == region.nbytes:  # raw serialization: the tensor's bytes, no CRC
-                if self.layout == "dcp":
-                    _refuse_safetensors_format(raw, self.path, c.file, c.byte_offset)
-                pread_into(fpath, c.byte_offset, region, where)
-                return
-        arr = self.read_chunk(t, c)
-        first = (slice(skip, skip + region.shape[0]),) if region.ndim else ()
-        part = arr[(*first, *(slice(0, n) for n in region.shape[1:]))]
-        mapped_file.copy_into(region, part, self._where(t, c))
 
     def region_jobs(self, name: str, dests: Sequence[tuple[tuple, np.ndarray]]) -> list:
         """One job (a callable, any thread) per chunk overlapping the regions of ``dests``
         (``((start, stop) per dim, C-contiguous out)``), that reads the chunk's part of every
         region straight into it: a row of a layer stack can be a GiB, so no row is put
-        together first. A raw chunk is read in slabs of at most ``READ_PIECE`` bytes (into a
+        together first. A chunk is read in slabs of at most ``READ_PIECE`` bytes (into a
         region when it lies whole in one, else into a scratch buffer cut into each), only
-        those its regions cover; an archive or transformed chunk (its CRC, its codec) or a
-        remote one is read whole (one chunk) and cut."""
+        those its regions cover, on every medium (``_chunk_into``)."""
         t = self.tensors[name]
         self.check_tensor(name)
         self.check_files([t])
@@ -365,25 +308,27 @@ class DcpCheckpoint:
         return jobs
 
     def _chunk_into(self, t: DcpTensor, c: DcpChunk, box, dests) -> None:
-        """Chunk ``c``'s part ``box`` (chunk-local) into every destination overlapping it. An
-        archive whose one member holds the chunk's bytes is read as a raw chunk when ``box`` is
-        all of it, its CRC-32 computed slab by slab as they are read (file order)."""
-        where = self._where(t, c)
-        whole = isinstance(self.path, ObjectPath) or bool(c.transforms) or not c.sizes
-        at, crc = c.byte_offset, None
+        """Chunk ``c``'s part ``box`` (chunk-local) into every destination overlapping it: the
+        slabs it covers read alone (into a destination a slab lies whole in, else cut from the
+        bytes read), from the file's reader (pread, or ranged GETs of an object); an archive's
+        data member found from the archive's first and last bytes, its CRC-32 computed slab by
+        slab when ``box`` is all of the chunk (a part of it is not checkable). An archive laid
+        out otherwise, a transformed chunk (its codec), a 0-d or a small one (:data:`SMALL`) is
+        read whole and cut."""
+        where, reader = self._where(t, c), self._reader(c.file)
+        n, need = (math.prod(d) * t.dtype.itemsize for d in (c.sizes, [b - a for a, b in box]))
+        small = c.byte_length <= max(SMALL, 2 * EDGE + need if need < n else 0)  # fewer bytes
+        at, crc, whole = c.byte_offset, None, bool(c.transforms) or not c.sizes or small
         if not whole:
-            where, fpath, raw, archive = self._chunk_bytes(t, c)
-            member = None
-            if archive and all(b - a == n for (a, b), n in zip(box, c.sizes)):
-                arr, unchecked = _load_embedded(raw, f"{fpath}@{c.byte_offset}", where, True)
-                _check_chunk(arr, t, c, where)
-                member = _data_member(arr, raw, unchecked)
-            if member is not None:
-                at, crc = at + member[0], member[1]
-            if archive:
+            raw = _file_range(reader, c.byte_offset, c.byte_length, where, edges=EDGE)
+            if mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04":
+                member = self._member(t, c, raw, where)
                 whole = member is None
+                if member is not None:  # a part's CRC-32 is not checkable
+                    at += member[0]
+                    crc = member[1] if need == n else None
             else:
-                whole = raw.size != math.prod(c.sizes) * t.dtype.itemsize
+                whole = raw.size != n
                 if self.layout == "dcp":
                     _refuse_safetensors_format(raw, self.path, c.file, c.byte_offset)
         if whole:
@@ -391,53 +336,68 @@ class DcpCheckpoint:
             for part, view in _overlaps(c.offsets, [(0, n) for n in c.sizes], dests):
                 mapped_file.copy_into(view, arr[tuple(slice(a, b) for a, b in part)], where)
             return
-        found = None if crc is None else 0
+        pieces, cuts = [], []
         for off, slab in _slabs(c.sizes, box, t.dtype.itemsize):
             parts = _overlaps(c.offsets, slab, dests)
-            if len(parts) == 1 and parts[0][0] == slab and parts[0][1].flags.c_contiguous:
-                found = pread_into(fpath, at + off, parts[0][1], where, found)  # no copy
-                continue
             shape = tuple(b - a for a, b in slab)
-            buf = shard_reader.scratch(math.prod(shape) * t.dtype.itemsize)
-            buf = buf.view(t.dtype).reshape(shape)
-            found = pread_into(fpath, at + off, buf, where, found)
+            into = None
+            if len(parts) == 1 and parts[0][0] == slab and parts[0][1].flags.c_contiguous:
+                into, parts = parts[0][1].reshape(-1).view(np.uint8).data, []  # no copy
+            pieces.append((at + off, math.prod(shape) * t.dtype.itemsize, into))
+            cuts.append((shape, slab, parts))
+        found = [None if crc is None else 0]
+
+        def done(i: int, data: memoryview) -> None:
+            if found[0] is not None:
+                found[0] = torch_zip.zip_crc32(data, found[0])
+            shape, slab, parts = cuts[i]
+            buf = np.frombuffer(data, t.dtype).reshape(shape)  # (a view: nothing copied)
             for part, view in parts:
                 view[...] = buf[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(part, slab))]
-        _check_crc(found, crc, where)
+
+        _read(reader, pieces, done, where)
+        _check_crc(found[0], crc, where)
+
+    def _member(self, t: DcpTensor, c: DcpChunk, raw: np.ndarray, where: str):
+        """``(offset, zip CRC-32)`` of the member of archive ``raw`` (its ends, zeros between)
+        holding chunk ``c``'s bytes; None when laid out otherwise (read whole, it says how)."""
+        try:
+            arr, unchecked = _load_embedded(raw, f"{where}@{c.byte_offset}", where, True)
+            _check_chunk(arr, t, c, where)
+        except SourceError:
+            return None
+        m = _data_member(arr, raw, unchecked)  # every byte but its data read, or all of them
+        ends = m is not None and m[0] <= EDGE and m[0] + arr.nbytes >= raw.size - EDGE
+        return m if ends or raw.size <= 2 * EDGE else None
 
     def _where(self, t: DcpTensor, c: DcpChunk) -> str:
         return f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
 
-    def _file(self, name: str) -> Path | ObjectPath:
-        path = self.file_path(name)
-        return path if isinstance(path, ObjectPath) else Path(path)
+    def _reader(self, name: str) -> ranged.RandomAccess:
+        """Storage file ``name`` read at any offset, locally inside the folder only."""
+        if isinstance(self.path, ObjectPath):
+            obj = self.path / name
+            return obj.storage.reader(obj.key)
+        return ranged.LocalFile(self.file_path(name))
 
     def _entry_bytes(
         self, e: DcpChunk | DcpObject, budget: int, where: str
-    ) -> tuple[Path | ObjectPath, np.ndarray]:
+    ) -> tuple[str, np.ndarray]:
         """(its file, the bytes of chunk or object ``e``), torch's stream transforms (its
         ZStandard extension) undone within ``budget`` bytes."""
         dcp_transforms.check_descriptors(e.transforms, where)
-        fpath = self._file(e.file)
-        raw = _file_range(fpath, e.byte_offset, e.byte_length, where)
+        reader = self._reader(e.file)
+        fpath, raw = reader.shown, _file_range(reader, e.byte_offset, e.byte_length, where)
         if e.transforms:
             data = mapped_file.read_bytes(raw, 0, raw.size, where)
             raw = np.frombuffer(dcp_transforms.undo(data, e.transforms, budget, where), np.uint8)
         return fpath, raw
 
-    def _chunk_bytes(
-        self, t: DcpTensor, c: DcpChunk
-    ) -> tuple[str, Path | ObjectPath, np.ndarray, bool]:
-        """(``c`` for errors, its file, its bytes, whether they are a torch.save archive)."""
-        where = self._where(t, c)
-        n = math.prod(c.sizes) * t.dtype.itemsize
-        fpath, raw = self._entry_bytes(c, n + ARCHIVE_OVERHEAD, where)
-        return where, fpath, raw, mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04"
-
     def read_chunk(self, t: DcpTensor, c: DcpChunk) -> np.ndarray:
-        where, fpath, raw, archive = self._chunk_bytes(t, c)
-        n = math.prod(c.sizes) * t.dtype.itemsize
-        if archive:
+        """Chunk ``c`` of ``t`` read whole: its array (a view of the bytes read)."""
+        where, n = self._where(t, c), math.prod(c.sizes) * t.dtype.itemsize
+        fpath, raw = self._entry_bytes(c, n + ARCHIVE_OVERHEAD, where)
+        if mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04":
             arr, _ = _load_embedded(raw, f"{fpath}@{c.byte_offset}", where)
         else:  # torch's raw (non-torch.save) serialization: the bytes of a contiguous tensor
             if self.layout == "dcp":
@@ -652,51 +612,29 @@ def _overlaps(offsets: Sequence[int], part: Sequence[tuple[int, int]], dests) ->
         box = _overlap(own, region) if own else []
         if box is None:
             continue
-        view = arr[tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(box, region))]
+        view = arr[(*(slice(a - r, b - r) for (a, b), (r, _) in zip(box, region)), ...)]
         out.append(([(a - o, b - o) for (a, b), o in zip(box, offsets)], view))
     return out
 
 
-def _file_range(path: Path | ObjectPath, offset: int, length: int, where: str) -> np.ndarray:
-    """A read-only uint8 view of ``path[offset:offset+length]``, read by pread only (no SIGBUS)."""
-    if isinstance(path, ObjectPath):  # pieces fetched at once, within the bytes in flight
-        out = np.empty(length, np.uint8)
+def _file_range(
+    reader: ranged.RandomAccess, offset: int, length: int, where: str, edges: int = 0
+) -> np.ndarray:
+    """A read-only uint8 array of the file's bytes ``[offset, offset + length)``; ``edges``:
+    only its first and last ``edges`` bytes read, zeros between (untouched pages)."""
+    out = np.zeros(length, np.uint8)
+    spans = [(0, edges), (length - edges, length)] if 0 < 2 * edges < length else [(0, length)]
+    _read(reader, [(offset + a, b - a, out[a:b].data) for a, b in spans], None, where)
+    out.flags.writeable = False
+    return out
 
-        def put(at: int, n: int, got: bytes | None) -> None:
-            if got is None:
-                raise SourceError(f"{where}: shard object {path} is missing")
-            if len(got) != n:
-                raise SourceError(
-                    f"{where}: byte range [{offset}, {offset + length}) beyond the object's end "
-                    f"(truncated)"
-                )
-            out[at - offset : at - offset + n] = np.frombuffer(got, np.uint8)
 
-        kv, key = ranged.opened(path.storage, path.key)
-        ranged.fetch_ranges(kv, key, [(offset, offset + length)], put, str(path))
-        out.flags.writeable = False
-        return out
+def _read(reader: ranged.RandomAccess, pieces: list, done, where: str) -> None:
+    """``reader.read_into``, its errors naming ``where``."""
     try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise SourceError(f"{where}: shard file is missing") from None
-    if offset < 0 or length < 0 or offset + length > size:
-        raise SourceError(
-            f"{where}: byte range [{offset}, {offset + length}) beyond the file's "
-            f"{size} bytes (truncated)"
-        )
-    if length == 0:
-        return np.empty(0, np.uint8)
-    try:
-        mm = mapped_file.map_file(str(path))  # a regular file only
-    except files.UnsafeFileError as e:
+        reader.read_into(pieces, done or (lambda i, data: None))
+    except (ranged.RangeError, files.UnsafeFileError) as e:
         raise SourceError(f"{where}: {e}") from None
-    if mm is None or len(mm) < offset + length:
-        raise SourceError(
-            f"{where}: byte range [{offset}, {offset + length}) beyond the file's "
-            f"{0 if mm is None else len(mm)} bytes (truncated)"
-        )
-    return np.frombuffer(mm, np.uint8, count=length, offset=offset)
 
 
 def _check_chunk(arr: Any, t: DcpTensor, c: DcpChunk, where: str) -> None:
@@ -727,8 +665,12 @@ def _address(arr: np.ndarray) -> int:
     return arr.__array_interface__["data"][0]
 
 
-#: Bytes read and CRC-checked per step of :func:`pread_into` (they stay in the CPU cache).
+#: Most bytes read and CRC-checked at once (they stay in the CPU cache).
 READ_PIECE = 4 << 20
+#: Bytes of a chunk's archive read at each end to find its data member (torch writes ~1.5 KiB).
+EDGE = 4 << 10
+#: A chunk up to this long, or its ends and the rows read longer, is read whole (fewer bytes).
+SMALL = 64 << 10
 
 
 def _check_crc(found: int | None, crc: int | None, where: str) -> None:
@@ -748,36 +690,6 @@ def _data_member(arr: np.ndarray, raw: np.ndarray, unchecked: dict) -> tuple[int
         if size == arr.nbytes and _address(arr) - _address(raw) == start:
             return start, crc
     return None
-
-
-def pread_into(
-    path: Path | str, offset: int, region: np.ndarray, where: str, crc: int | None = None
-) -> int | None:
-    """``region.nbytes`` bytes of ``path`` from ``offset`` read into ``region`` with ``preadv``;
-    with ``crc`` (a running zip CRC-32, 0 to start) the CRC-32 carried on over them, returned.
-    Args: path: the file. offset: where the bytes start in it. region: the C-contiguous array
-    filled. where: what is read, for the errors. crc: the CRC-32 so far, or None (none)."""
-    buf = region.reshape(-1).view(np.uint8).data
-    try:
-        fd = files.open_regular(str(path))
-    except files.UnsafeFileError as e:
-        raise SourceError(f"{where}: {e}") from None
-    try:
-        pos, size = 0, len(buf)
-        while pos < size:
-            piece = buf[pos : min(size, pos + READ_PIECE)]
-            n = os.preadv(fd, [piece], offset + pos)
-            if n <= 0:
-                raise SourceError(
-                    f"{where}: byte range [{offset}, {offset + size}) ends at {offset + pos}: "
-                    f"the file is truncated"
-                )
-            if crc is not None:
-                crc = torch_zip.zip_crc32(piece[:n], crc)
-            pos += n
-    finally:
-        os.close(fd)
-    return crc
 
 
 def _load_embedded(
@@ -977,7 +889,7 @@ def _diagnose_overlap(ck: DcpCheckpoint) -> None:
                 continue
             seen.add((c.file, c.byte_offset))
             try:
-                head = _file_range(ck._file(c.file), c.byte_offset, min(c.byte_length, 16), "")
+                head = _file_range(ck._reader(c.file), c.byte_offset, min(c.byte_length, 16), "")
             except SourceError:  # a missing or short file: the overlap is the error
                 continue
             _refuse_safetensors_format(head, ck.path, c.file, c.byte_offset)

@@ -314,7 +314,10 @@ def test_chunks_read_into_the_tensor_equal_the_mapped_chunks(monkeypatch, parall
 
 
 def test_flipped_byte_in_a_chunk_read_on_threads_is_an_error(tmp_path, monkeypatch):
+    """Read slab by slab (no chunk small enough to be read whole), the CRC-32 carried over the
+    slabs finds a flipped last byte."""
     monkeypatch.setattr(torch_dcp, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(torch_dcp, "SMALL", 0)
     src = _copy(tmp_path)
     ck = torch_dcp.open_dcp(src)
     tensor = ck.tensors["optim.state.output.weight.exp_avg"]
@@ -335,7 +338,7 @@ def test_flipped_byte_in_a_chunk_read_on_threads_is_an_error(tmp_path, monkeypat
 @pytest.mark.timeout(10)
 def test_the_chunk_crc_is_zips_crc32():
     """The CRC the reader checks chunks with (ISA-L's when installed) is zip's CRC-32, also
-    continued piece by piece as ``pread_into`` does: the value torch writes per member."""
+    continued slab by slab as a chunk's reads do: the value torch writes per member."""
     import zlib
 
     data = np.random.default_rng(0).integers(0, 256, 3 * 1024 * 1024 + 17, np.uint8)
@@ -349,21 +352,23 @@ def test_the_chunk_crc_is_zips_crc32():
 
 def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypatch):
     """A chunk whose tensor is not exactly its storage's bytes (here: the unpickled tensor made
-    a copy, so it is not at the storage's address) takes the mapped path, not the direct read:
-    the storage's CRC-32 is checked on its bytes (read with pread, never by touching the
-    mapping), then the tensor copied into place."""
+    a copy, so it is not at the storage's address) is read whole, not slab by slab: the
+    storage's CRC-32 is checked on its bytes, then the tensor copied into place."""
     from jax_ucp._src.torchfiles import torch_zip
 
     real_load = torch_zip.TorchArchive.load
     monkeypatch.setattr(torch_zip.TorchArchive, "load", lambda self, *a: real_load(self, *a).copy())
-    calls = []
-    monkeypatch.setattr(torch_dcp, "pread_into", lambda *a: calls.append(a))  # not used
     src = _copy(tmp_path)
     ck = torch_dcp.open_dcp(src)
     tensor = ck.tensors["model.output.weight"]
     want = np.concatenate([ck.read_chunk(tensor, c) for c in tensor.chunks])
+    calls = []
+    real_chunk = torch_dcp.DcpCheckpoint.read_chunk
+    monkeypatch.setattr(
+        torch_dcp.DcpCheckpoint, "read_chunk", lambda *a: calls.append(a) or real_chunk(*a)
+    )
     assert ck.read("model.output.weight").tobytes() == want.tobytes()
-    assert calls == []
+    assert len(calls) == len(tensor.chunks)  # each read whole
     values = ck.read_chunk(tensor, tensor.chunks[0]).tobytes()
     f = src / tensor.chunks[0].file
     data = bytearray(f.read_bytes())
@@ -371,8 +376,8 @@ def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypat
     f.write_bytes(bytes(data))
     with pytest.raises(
         SourceError,
-        match=r"'model\.output\.weight' chunk at offsets \[0, 0\] .*CRC-32 mismatch \(the chunk's "
-        r"archive records",
+        match=r"'model\.output\.weight' chunk at offsets \[0, 0\] .*CRC-32 mismatch \(the archive "
+        r"records",
     ):
         torch_dcp.open_dcp(src).read("model.output.weight")
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import abc
 import os
 import re
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import tensorstore as ts
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 
 PIECE = 8 << 20  # bytes per ranged GET
 IN_FLIGHT = 64 << 20  # bytes of ranged GETs in flight at once
+#: ``(at, n, into)``: ``n`` bytes of a file from ``at``, read into ``into`` (None: any buffer)
+Piece = tuple[int, int, "memoryview | None"]
+_SCRATCH = threading.local()  # LocalFile's reusable read buffer, per thread
 
 #: TensorStore's OUT_OF_RANGE for a ranged read answered with other bytes than asked
 _ANSWERED = re.compile(
@@ -70,6 +74,12 @@ class RandomAccess(abc.ABC):
         """Up to ``n`` bytes from ``offset`` (fewer: the file ends first), None when there is
         no such file; a range the medium refuses is a ``RangeError``."""
 
+    @abc.abstractmethod
+    def read_into(self, pieces: Sequence[Piece], done: Callable[[int, memoryview], None]) -> None:
+        """Bytes ``[at, at + n)`` of each ``(at, n, into)`` of ``pieces``, handed on in their order
+        as ``done(i, data)``: ``into`` filled (writable bytes), else a view valid during the call;
+        the file missing or ending before a piece ends is a ``RangeError``."""
+
     def holds(self, size: int) -> bool:
         """Whether the file has at least ``size`` bytes (one byte read just before it)."""
         try:
@@ -96,6 +106,25 @@ class LocalFile(RandomAccess):
         finally:
             os.close(fd)
 
+    def read_into(self, pieces: Sequence[Piece], done: Callable[[int, memoryview], None]) -> None:
+        """One ``preadv`` a piece, into ``into`` or this thread's scratch buffer."""
+        try:
+            fd = files.open_regular(self.shown)
+        except FileNotFoundError:
+            raise RangeError(_short(self.shown, 0, 0, None)) from None
+        try:
+            for i, (at, n, into) in enumerate(pieces):
+                if into is None:
+                    into = getattr(_SCRATCH, "buf", None)
+                    if into is None or len(into) < n:
+                        into = _SCRATCH.buf = memoryview(bytearray(n))
+                got = mapped_file.preadv_full(fd, [into[:n]], at)
+                if got < n:
+                    raise RangeError(_short(self.shown, at, n, got))
+                done(i, into[:n])
+        finally:
+            os.close(fd)
+
 
 class RangedObject(RandomAccess):
     """An object of an object-store prefix or a Hub repo, each read one ranged GET through
@@ -112,6 +141,64 @@ class RangedObject(RandomAccess):
             size_when_short(e, self.shown)  # (another range answered: named here)
             raise RangeError(tensorstore_message(e)) from None
         return bytes(got.value) if got.state == "value" else None
+
+    def read_into(self, pieces: Sequence[Piece], done: Callable[[int, memoryview], None]) -> None:
+        """Adjacent pieces fetched together, :data:`PIECE` bytes a GET (a larger piece cut), at
+        most :data:`IN_FLIGHT` bytes in flight; each GET's bytes copied into ``into`` (a piece
+        cut without one gets a buffer) or handed on as they came."""
+        window: InFlightBytes[tuple[int, int, ts.Future, list]] = InFlightBytes(IN_FLIGHT)
+        start = end = 0
+        parts: list = []  # of the GET being gathered: (i, at, n, into, piece's start, last)
+
+        def issue() -> None:
+            for job in window.make_room(end - start):
+                _hand_on(self.shown, *job, done)
+            window.add(
+                (start, end, self.kv.read(self.key, byte_range=slice(start, end)), parts),
+                end - start,
+            )
+
+        for i, (first, n, into) in enumerate(pieces):
+            if into is None and n > PIECE:
+                into = memoryview(bytearray(n))
+            for at in range(first, first + max(n, 1), PIECE):
+                k = min(PIECE, first + n - at)
+                if parts and (at != end or end - start + k > PIECE):
+                    issue()
+                    parts = []
+                if not parts:
+                    start = end = at
+                parts.append((i, at, k, into, first, at + k == first + n))
+                end = at + k
+        if parts:
+            issue()
+        for job in window.drain():
+            _hand_on(self.shown, *job, done)
+
+
+def _hand_on(shown: str, start: int, end: int, future: ts.Future, parts: list, done) -> None:
+    """One GET's bytes ``[start, end)`` into its ``parts`` (``RangedObject.read_into``)."""
+    try:
+        got = future.result()
+    except ValueError as e:  # past the end of the object (OUT_OF_RANGE), a server's status
+        size_when_short(e, shown)
+        raise RangeError(f"{shown}: {tensorstore_message(e)}") from None
+    data = memoryview(got.value) if got.state == "value" else None
+    if data is None or len(data) < end - start:
+        raise RangeError(_short(shown, start, end - start, None if data is None else len(data)))
+    for i, at, n, into, first, last in parts:
+        part = data[at - start : at - start + n]
+        if into is not None:
+            into[at - first : at - first + n] = part
+        if last:
+            done(i, part if into is None else into[: at + n - first])
+
+
+def _short(shown: str, at: int, n: int, got: int | None) -> str:
+    """Why ``n`` bytes from ``at`` were not read: ``got`` of them were (None: no such file)."""
+    if got is None:
+        return f"{shown}: no such file"
+    return f"{shown}: bytes [{at}, {at + n}) asked, the file ends at byte {at + got} (truncated)"
 
 
 def opened(storage: Storage, name: str) -> tuple[ts.KvStore, str]:
