@@ -108,14 +108,10 @@ _IN_PLACE += ("torch_files",)  # (read remotely through their Storage)
 
 
 def _in_place(storage: Storage) -> bool:
-    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage``; torch files' only
-    without a Trainer's or an adapter's files (their order and config read through a view),
-    verl's Megatron backend only once megatron's importer (it hands its folder over) reads in
+    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage``; verl's Megatron backend only once megatron's importer (it hands its folder over) reads in
     place too."""
     for name in _IN_PLACE:
         if IMPORTERS[name].detect(storage).found:
-            if name == "torch_files":
-                return not set(storage.names()) & set(torch.files.VIEWED_BESIDE)
             return "megatron" in _IN_PLACE or all(
                 DIST_CKPT not in n.split("/") for n in storage.names()
             )
