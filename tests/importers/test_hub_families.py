@@ -9,10 +9,13 @@ twice; the Megatron folders are read in place (no local view of the repo built).
 from __future__ import annotations
 
 import os
+import pickle
+import tempfile
 
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 from jax.sharding import Mesh
 
 import jax_ucp
@@ -21,6 +24,7 @@ from jax_ucp.conversion import ImportOptions
 from tests.importers.deepspeed.test_object_store import assert_same, folder_files, served, size_of
 from tests.importers.torch.test_object_store import no_view
 from tests.restoring.test_remote_safetensors import _target
+from tests.torchfiles.test_pickle_format import D, G, prog, tensor, write_pt
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(300)
@@ -146,3 +150,49 @@ def test_trainer_fsdp_and_rank_local_dcp_folders_convert_in_place_as_their_local
     )
     # each piece once; a safetensors header read by the detection and the plan (a few KiB here)
     assert 0 < nbytes <= 1.5 * size_of(src), (len(gets), nbytes, size_of(src))
+
+
+def _torch_bin(tensors: dict[str, np.ndarray]) -> bytes:
+    """A ``torch.save`` zip of float32 ``tensors`` (an OrderedDict state dict), as torch writes
+    it, from tests/torchfiles/test_pickle_format.py's pickle assembler."""
+    items, storages = b"", {}
+    for i, (name, a) in enumerate(tensors.items()):
+        assert a.dtype == np.float32 and a.flags.c_contiguous
+        stride = [s // a.itemsize for s in a.strides]
+        items += D(name) + tensor("FloatStorage", str(i), a.size, 0, a.shape, stride)
+        storages[str(i)] = a.tobytes()
+    ordered = G("collections", "OrderedDict") + pickle.EMPTY_TUPLE + pickle.REDUCE
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "w.bin")
+        write_pt(path, prog(ordered + pickle.MARK + items + pickle.SETITEMS), storages)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+@pytest.mark.torch  # transformers rebuilds the Trainer's parameter order
+def test_a_trainer_checkpoint_of_bin_weights_converts_in_place_as_its_local_folder(
+    hub_server, monkeypatch, tmp_path
+):
+    """A Trainer's ``checkpoint-N/`` saved with ``save_safetensors=False`` (``pytorch_model.bin``
+    beside ``optimizer.pt``, ``trainer_state.json``, ``config.json``) in a Hub repo is read
+    through its ``Storage``, no local view: its parameter order (rebuilt from the repo's
+    ``config.json``), Trainer record and values as the local folder's."""
+    served(monkeypatch)
+    files = folder_files(os.path.join(FIXTURES, "hf_trainer", "trainer_fp32", "checkpoint-3"))
+    files["pytorch_model.bin"] = _torch_bin(safetensors.numpy.load(files.pop("model.safetensors")))
+    src = tmp_path / "checkpoint-3"
+    src.mkdir()
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    hub_server.add("org/trainer-bin", files)
+    monkeypatch.setattr(local_view, "local_view", no_view)
+    local = jax_ucp.convert(str(src), str(tmp_path / "local"))
+    remote = jax_ucp.convert("hf://org/trainer-bin", str(tmp_path / "remote"))
+    assert_same(jax_ucp.restore(remote), jax_ucp.restore(local))
+    want, got = (dict(jax_ucp.inspect(p).source) for p in (local, remote))
+    assert got.pop("path").startswith("hf://org/trainer-bin@")
+    assert want.pop("path") == str(src)
+    want.pop("certificate")  # a local import's (docs/HF.md)
+    assert got == want
+    assert got["optimizer_keys"].startswith("parameter indices, in the Trainer's groups")
+    assert got["trainer"]["global_step"] == 3

@@ -108,14 +108,9 @@ _IN_PLACE += ("olmo_core", "torch_files")  # (read remotely through their Storag
 
 
 def _in_place(storage: Storage) -> bool:
-    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage``; torch files' only
-    without a Trainer's or an adapter's files (their order and config read through a view)."""
-    for name in _IN_PLACE:
-        if IMPORTERS[name].detect(storage).found:
-            return name != "torch_files" or not set(storage.names()) & set(
-                torch.files.VIEWED_BESIDE
-            )
-    return False
+    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage`` (torchtune's folders
+    and safetensors beside a Trainer's files are read through a view)."""
+    return any(IMPORTERS[name].detect(storage).found for name in _IN_PLACE)
 
 
 @contextlib.contextmanager

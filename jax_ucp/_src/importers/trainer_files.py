@@ -41,6 +41,7 @@ __all__ = [
     "rng_states",
     "scheduler_record",
     "side_file",
+    "side_json",
     "trainer_folder_above",
     "trainer_record",
     "trainer_saved",
@@ -118,11 +119,33 @@ ARG_CLASSES = (
 )
 
 
-def is_trainer_checkpoint(folder: str) -> bool:
+def is_trainer_checkpoint(storage: Storage) -> bool:
     """A folder the Trainer saved: ``optimizer.pt`` or ``trainer_state.json`` beside the weights."""
-    return os.path.isdir(folder) and any(
-        os.path.lexists(os.path.join(folder, n)) for n in ("optimizer.pt", STATE_FILE)
-    )
+    return any(_has(storage, n) for n in ("optimizer.pt", STATE_FILE))
+
+
+def _has(storage: Storage, name: str) -> bool:
+    """Whether ``name`` is an entry of the folder ``storage``: a local one's (a link, even
+    dangling, too), a remote prefix's by its one listing."""
+    if isinstance(storage, LocalDirectory):
+        return os.path.lexists(os.path.join(storage.root, name))
+    with contextlib.suppress(OSError):
+        return name in _entries(storage)
+    return False
+
+
+def side_json(storage: Storage, name: str, absent_ok: bool = False) -> tuple[Any, str] | None:
+    """(JSON side file ``name`` of the folder ``storage``, its path or URL for errors): a local
+    one through :func:`side_file` (a link out refused), a remote one read by name, both bounded
+    in size; None when ``absent_ok`` and it is no file there."""
+    if isinstance(storage, LocalDirectory):
+        path = side_file(storage.root, name)
+        if absent_ok and not os.path.isfile(path):
+            return None
+        return read_json(path), path
+    if absent_ok and not _has(storage, name):
+        return None
+    return _json(storage, name, {name}), storage.join(name)
 
 
 #: a learning-rate scheduler's state: the Trainer's ``scheduler.pt``, Accelerate's
@@ -167,36 +190,39 @@ def check_optimizer_beside_scheduler(storage: Storage, weights_only: bool) -> No
 _RUN_STATE = ("rng_state", "random_states_")  # the Trainer's / Accelerate's RNG states
 
 
-def _holds_model(folder: str) -> bool:
-    return any(os.path.lexists(os.path.join(folder, n)) for n in MODEL_WEIGHTS)
+def _holds_model(storage: Storage) -> bool:
+    return any(_has(storage, n) for n in MODEL_WEIGHTS)
 
 
-def is_adapter_checkpoint(folder: str) -> bool:
+def is_adapter_checkpoint(storage: Storage) -> bool:
     """A peft adapter checkpoint (the Trainer's save of a ``PeftModel``): ``adapter_config.json``
     and no full model's weights beside it, so its weights and optimizer are the adapter's."""
-    return os.path.lexists(os.path.join(folder, ADAPTER_CONFIG_FILE)) and not _holds_model(folder)
+    return _has(storage, ADAPTER_CONFIG_FILE) and not _holds_model(storage)
 
 
-def adapter_record(folder: str) -> dict[str, Any]:
-    """``folder``'s ``adapter_config.json`` as written ({} without one), recorded as the
-    manifest's ``source.lora`` so that an export writes the adapter's config back unchanged."""
-    if not os.path.lexists(os.path.join(folder, ADAPTER_CONFIG_FILE)):
+def adapter_record(storage: Storage) -> dict[str, Any]:
+    """The folder ``storage``'s ``adapter_config.json`` as written ({} without one), recorded as
+    the manifest's ``source.lora`` so that an export writes the adapter's config back unchanged."""
+    if not _has(storage, ADAPTER_CONFIG_FILE):
         return {}
-    record = read_json(side_file(folder, ADAPTER_CONFIG_FILE))
-    return record if isinstance(record, dict) else {}
+    got = side_json(storage, ADAPTER_CONFIG_FILE)
+    return got[0] if got is not None and isinstance(got[0], dict) else {}
 
 
-def adapter_beside_model(folder: str) -> dict[str, str]:
+def adapter_beside_model(folder: str | Storage) -> dict[str, str]:
     """{file: why skipped} of the LoRA / peft adapter files in a folder that also holds a full
     model's weights (:data:`MODEL_WEIGHTS`): the full model is imported, the adapter (its own
     parameters, not the model's) is listed, never read. {} for an adapter checkpoint, whose
     adapter is what is imported."""
-    if not (os.path.isdir(folder) and _holds_model(folder)):
+    if isinstance(folder, str) and not os.path.isdir(folder):
+        return {}
+    storage = LocalDirectory(folder) if isinstance(folder, str) else folder
+    if not _holds_model(storage):
         return {}
     return {
         name: "a LoRA / peft adapter beside the full model's weights (the full model imported)"
         for name in (*ADAPTER_WEIGHTS, ADAPTER_CONFIG_FILE)
-        if os.path.lexists(os.path.join(folder, name))
+        if _has(storage, name)
     }
 
 
@@ -205,12 +231,13 @@ def read_json(path: str) -> Any:
     return files.strict_json(files.read_regular(path, MAX_JSON_BYTES), path)
 
 
-def rng_states(folder: str) -> dict[str, str]:
-    """{file: why skipped} of the Trainer's torch RNG states (``rng_state*.pth``): source files
-    of their own, which the caller counts as found and lists as skipped."""
+def rng_states(storage: Storage) -> dict[str, str]:
+    """{file: why skipped} of the Trainer's torch RNG states (``rng_state*.pth``) in the folder
+    ``storage``: source files of their own, which the caller counts as found and lists as
+    skipped."""
     return {
         name: "the torch run's RNG state, not imported"
-        for name in sorted(os.listdir(folder))
+        for name in sorted(_entries(storage))
         if name.startswith("rng_state") and name.endswith(".pth")
     }
 

@@ -58,8 +58,6 @@ SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 INDEX_FILE = "pytorch_model.bin.index.json"
 MODEL_FILES = ("pytorch_model.bin", "pytorch_model_fsdp.bin", "model.pt", "model.bin")
 OPTIMIZER_FILES = ("optimizer.bin", "optimizer.pt")
-#: a Trainer's or a peft adapter's files: a remote folder holding one is read through a view
-VIEWED_BESIDE = ("optimizer.pt", "trainer_state.json", "adapter_config.json")
 _MODEL_KEYS = ("state_dict", "model", "model_state_dict", "module")
 _OPTIMIZER_KEYS = ("optimizer_states", "optimizer", "optim", "optimizer_state_dict")
 
@@ -304,7 +302,7 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
     model, found, other, optimizer, optimizer_at = _read_model_files(src, model_files)
     base_folder = None if options.base_model is None else os.fspath(options.base_model)
     if base_folder is not None:
-        _add_base(src, base_folder, model, found)
+        _add_base(storage, base_folder, model, found)
         config = os.path.join(base_folder, trainer_files.CONFIG_FILE)
         if model_config is None and parameter_order is None and os.path.isfile(config):
             model_config = config  # the adapter's order over the base model's modules
@@ -330,18 +328,18 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
         if not weights_only:
             on_safetensors = next(iter(model_files)).endswith(".safetensors")
             order = _Order(
-                src, parameter_order, on_safetensors, model_config, path, model, clean, info
+                storage, parameter_order, on_safetensors, model_config, path, model, clean, info
             )
             states, groups, info["optimizer_keys"] = _optimizer(optimizer, prefix, skipped, order)
     folder = one is None
-    _skip_unused(src, folder, model_files, found, optimizer_sources, params, states, skipped)
+    _skip_unused(storage, folder, model_files, found, optimizer_sources, params, states, skipped)
     if folder and names & {"optimizer.pt", trainer_files.STATE_FILE}:  # the Trainer saved it
         info["trainer"] = trainer_files.trainer_record(storage)  # the schedule, clipping, step
     elif info.get("optimizer_file") == "optimizer.bin" and not weights_only:
         # Accelerate's save_state: its scheduler's base_lrs / _last_lr state the groups' rates
         info.update(trainer_files.scheduler_record(storage, "scheduler.bin", "lr_scheduler"))
-    if folder and trainer_files.is_adapter_checkpoint(src):
-        info["lora"] = trainer_files.adapter_record(src)  # exported back as peft reads it
+    if folder and trainer_files.is_adapter_checkpoint(storage):
+        info["lora"] = trainer_files.adapter_record(storage)  # exported back as peft reads it
     if base_folder is not None:
         info["base_model"] = os.path.abspath(base_folder)  # its weights imported, frozen
     if removed:
@@ -358,11 +356,12 @@ def plan_torch_files(storage: Storage, options: TorchOptions) -> ImportPlan:
     return plan_state(state, source, options)
 
 
-def _add_base(src: str, base: str, model: dict, found: list[str]) -> None:
+def _add_base(storage: Storage, base: str, model: dict, found: list[str]) -> None:
     """The base model's weights (``base``: a folder of Hugging Face weights) added to the
     adapter's under their own names: parameters without optimizer state, held frozen. Only
     beside a peft adapter checkpoint; a name the adapter also has is refused."""
-    if not (os.path.isdir(src) and trainer_files.is_adapter_checkpoint(src)):
+    src = storage.root
+    if _one_file(storage) is not None or not trainer_files.is_adapter_checkpoint(storage):
         raise RequestError(f"{src}: base_model= is for a peft adapter checkpoint's folder")
     if not os.path.isdir(base):
         raise SourceError(f"base_model={base}: not a folder of the base model's weights")
@@ -373,7 +372,7 @@ def _add_base(src: str, base: str, model: dict, found: list[str]) -> None:
     clash = sorted(set(tensors) & set(model))
     if clash:
         raise SourceError(f"base_model={base}: {clash[0]!r} is also a tensor of {src}")
-    hf_trainer.check_base_model(src, base, tensors, model)
+    hf_trainer.check_base_model(storage, base, tensors, model)
     model.update(tensors)
     found += base_found
 
@@ -412,7 +411,7 @@ def _read_model_files(src: str, model_files: _Files):
 
 
 def _skip_unused(
-    src: str,
+    storage: Storage,
     folder: bool,
     model_files: _Files,
     found: list[str],
@@ -425,8 +424,8 @@ def _skip_unused(
     Trainer's torch RNG states beside safetensors weights (``rng_state*.pth``) are source files
     of their own, each counted in ``found`` too."""
     if folder and next(iter(model_files)).endswith(".safetensors"):
-        rng = trainer_files.rng_states(src)
-        rng.update(trainer_files.adapter_beside_model(src))  # LoRA files beside a full model
+        rng = trainer_files.rng_states(storage)
+        rng.update(trainer_files.adapter_beside_model(storage))  # LoRA files beside a full model
         found.extend(rng)
         skipped.update(rng)
     for name in optimizer_sources:
@@ -479,7 +478,7 @@ class _Order:
     """Where the order of an index-keyed optimizer's parameters may come from, and what it is
     checked against: the model state dict's tensors."""
 
-    src: str
+    src: Storage  # the checkpoint folder (or file)
     given: Sequence[str] | None  # parameter_order=
     safetensors: bool  # the weights are safetensors: their order is sorted, not the model's
     model_config: str | os.PathLike | None  # model_config=: a config.json to rebuild it from
@@ -554,8 +553,10 @@ def _name_keys(order: _Order, state: dict, groups: list) -> tuple[str, dict]:
         keys = "trainer"
         to_name, info["parameter_order"] = _trainer_order(order, groups, state)
         said = _TRAINER_RULE
-        adapter = trainer_files.side_file(order.src, trainer_files.ADAPTER_CONFIG_FILE)
-        if trainer_files.is_adapter_checkpoint(order.src) and os.path.isfile(adapter):
+        adapter = trainer_files.ADAPTER_CONFIG_FILE
+        if trainer_files.is_adapter_checkpoint(order.src) and trainer_files.side_json(
+            order.src, adapter, absent_ok=True
+        ):
             said = _config_rule("the base model's config.json", info["parameter_order"])
         _say_order_assumed(order, to_name, state, said)
     else:  # one group, torch.save weights: by the state-dict order, else refused

@@ -30,8 +30,9 @@ from jax_ucp._src.importers.trainer_files import (
     CONFIG_FILE,
     is_adapter_checkpoint,
     read_json,
-    side_file,
+    side_json,
 )
+from jax_ucp._src.store.storage import LocalDirectory, Storage
 
 __all__ = [
     "ORDER_HINT",
@@ -90,9 +91,9 @@ def _module_counts(config: Any, path: str = "") -> Iterator[tuple[str, int]]:
             stack.extend((f"{where}[{i}]", v) for i, v in enumerate(node))
 
 
-def _config_path(folder: str, model_config: str | None, why: str) -> tuple[str, str]:
-    """(the ``config.json`` to build the model from, where it came from when not the folder's
-    own): ``model_config``, else the folder's own; for a peft adapter folder (its adapter's
+def _config(folder: Storage, model_config: str | None, why: str) -> tuple[Any, str, str]:
+    """(the ``config.json`` to build the model from, its path or URL, where it came from when not
+    the folder's own): ``model_config``, else the folder's own (read through ``folder``); for a peft adapter folder (its adapter's
     config, not the base model's) the base model's, found from ``adapter_config.json``'s
     ``base_model_name_or_path`` on this machine (:func:`_base_model_config`), else refused
     naming what was tried."""
@@ -104,20 +105,27 @@ def _config_path(folder: str, model_config: str | None, why: str) -> tuple[str, 
         path = os.fspath(model_config)
         if not os.path.isfile(path):
             raise SourceError(f"model_config={path}: no such file (expected a {CONFIG_FILE})")
-        return path, ""
-    path = side_file(folder, CONFIG_FILE)
-    adapter_path = side_file(folder, ADAPTER_CONFIG_FILE)
-    if is_adapter_checkpoint(folder) and os.path.isfile(adapter_path):
-        base, tried = _base_model_config(adapter_path)
+        return read_json(path), path, ""
+    adapter = _adapter(folder)
+    if adapter is not None:
+        base, tried = _base_model_config(adapter[0])
         if base is not None:
-            return base, tried
+            return read_json(base), base, tried
         raise SourceError(
-            f"{folder}: a peft adapter checkpoint ({ADAPTER_CONFIG_FILE}) without the base "
+            f"{folder.root}: a peft adapter checkpoint ({ADAPTER_CONFIG_FILE}) without the base "
             f"model's {CONFIG_FILE} ({tried}): {why}; {way_out}"
         )
-    if not os.path.isfile(path):
-        raise SourceError(f"{folder}: no {CONFIG_FILE}: {why}; {way_out}")
-    return path, ""
+    got = side_json(folder, CONFIG_FILE, absent_ok=True)
+    if got is None:
+        raise SourceError(f"{folder.root}: no {CONFIG_FILE}: {why}; {way_out}")
+    return *got, ""
+
+
+def _adapter(folder: Storage) -> tuple[Any, str] | None:
+    """(``adapter_config.json``, its path) of a peft adapter checkpoint ``folder``, else None."""
+    if not is_adapter_checkpoint(folder):
+        return None
+    return side_json(folder, ADAPTER_CONFIG_FILE, absent_ok=True)
 
 
 #: a Hugging Face Hub repo id (``org/name`` or ``name``), as huggingface_hub accepts one
@@ -138,7 +146,7 @@ def _hub_cache() -> str:
     return os.path.join(os.path.expanduser(home), "hub")
 
 
-def _base_model_config(adapter_path: str) -> tuple[str | None, str]:
+def _base_model_config(adapter: Any) -> tuple[str | None, str]:
     """(the base model's ``config.json``, where it came from) for a peft adapter, from its
     ``adapter_config.json``'s ``base_model_name_or_path``: a local folder holding a
     ``config.json``, else the snapshot of that Hub repo id in the local Hugging Face cache
@@ -146,7 +154,6 @@ def _base_model_config(adapter_path: str) -> tuple[str | None, str]:
     (None, what was tried) when neither holds one. The name is untrusted: a folder's
     ``config.json`` is reached through :func:`files.inside_checkpoint` (a link out of the folder
     or out of its cache repo refused), a ref read bounded and used only as a commit hash."""
-    adapter = read_json(adapter_path)
     name = adapter.get("base_model_name_or_path") if isinstance(adapter, dict) else None
     where = f"{ADAPTER_CONFIG_FILE}'s base_model_name_or_path"
     if not isinstance(name, str) or not name or "\0" in name:
@@ -201,7 +208,7 @@ def _base_model_config(adapter_path: str) -> tuple[str | None, str]:
 
 
 def _model_on_meta(
-    folder: str,
+    folder: Storage,
     n_tensors: int,
     model_config: str | None = None,
     why: str = "cannot rebuild the optimizer's parameter order",
@@ -212,8 +219,7 @@ def _model_on_meta(
 
     An untrusted config could ask for millions of layers (modules cost memory even on the meta
     device): a layer count above the checkpoint's tensor count is refused before building."""
-    path, origin = _config_path(folder, model_config, why)
-    config = read_json(path)
+    config, path, origin = _config(folder, model_config, why)
     if not isinstance(config, dict):
         raise SourceError(f"{path}: expected a JSON object")
     if "auto_map" in config:
@@ -240,7 +246,7 @@ def _model_on_meta(
         )
     except ImportError as e:
         raise SourceError(
-            f"{folder}: {why} without transformers ({e}); install transformers (with torch), "
+            f"{folder.root}: {why} without transformers ({e}); install transformers (with torch), "
             f"or pass {ORDER_HINT}"
         ) from None
     shipped = {
@@ -273,7 +279,7 @@ def _model_on_meta(
     return model, f"{what} ({origin})" if origin else what
 
 
-def check_base_model(src: str, base: str, weights: dict, adapter: dict) -> None:
+def check_base_model(src: Storage, base: str, weights: dict, adapter: dict) -> None:
     """A base model given beside the peft adapter ``src`` (``base_model=``) must be the one it
     was trained on: its ``config.json``'s sizes those peft filled the prompt adapter's config
     from, each LoRA pair's sides the shape of the base weight it adapts, and (transformers
@@ -288,8 +294,7 @@ def check_base_model(src: str, base: str, weights: dict, adapter: dict) -> None:
     """
     config_path = os.path.join(base, CONFIG_FILE)
     config = read_json(config_path) if os.path.isfile(config_path) else None
-    adapter_path = side_file(src, ADAPTER_CONFIG_FILE)
-    settings = read_json(adapter_path) if os.path.isfile(adapter_path) else None
+    settings, adapter_path = side_json(src, ADAPTER_CONFIG_FILE, absent_ok=True) or (None, "")
     prompt = isinstance(settings, dict) and settings.get("peft_type") in _PROMPT_TYPES
     if isinstance(config, dict) and prompt:
         assert isinstance(settings, dict)
@@ -357,7 +362,9 @@ def _check_base_weights(base: str, weights: dict) -> None:
     another shape, or a module of the model with none of its tensors in the files, is refused.
     Names the files hold beyond the model (buffers older versions saved, a checkpoint's own
     layout of fused experts) are left to the import."""
-    model, what = _model_on_meta(base, len(weights), why="cannot check the base model's weights")
+    model, what = _model_on_meta(
+        LocalDirectory(base), len(weights), why="cannot check the base model's weights"
+    )
     by_tensor: dict[int, list[str]] = {}
     for name, value in model.state_dict(keep_vars=True).items():
         by_tensor.setdefault(id(value), []).append(name)
@@ -399,7 +406,7 @@ def _installed_decay_names(model) -> list[str]:
 
 
 def trainer_candidates(
-    folder: str, n_tensors: int, model_config: str | None = None
+    folder: Storage, n_tensors: int, model_config: str | None = None
 ) -> list[Candidate]:
     """The Trainer's groupings of the config's model, distinct ones only: the installed
     transformers' decay rule and the 4.x rule (checkpoints of an older transformers); with
@@ -411,14 +418,13 @@ def trainer_candidates(
         model_config: a ``config.json`` given for a folder without one (an Accelerate
             ``save_state``, a Trainer checkpoint without its config).
     """
-    adapter_path = side_file(folder, ADAPTER_CONFIG_FILE)
-    adapter = is_adapter_checkpoint(folder) and os.path.isfile(adapter_path)
-    prompt = _prompt_candidates(adapter_path) if adapter else None
+    adapter = _adapter(folder)
+    prompt = _prompt_candidates(*adapter) if adapter is not None else None
     if prompt is not None:  # one embedding of the adapter's own: no base model to build
         return prompt
     model, what = _model_on_meta(folder, n_tensors, model_config)
     if adapter:  # the base model's
-        return _lora_candidates(adapter_path, model, what)
+        return _lora_candidates(*adapter, model, what)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     shapes = {n: tuple(p.shape) for n, p in named}
     out: list[Candidate] = []
@@ -438,7 +444,7 @@ def trainer_candidates(
             decay = set(decay_names(model))
         except Exception as e:  # a rule this transformers cannot run
             raise SourceError(
-                f"{folder}: {what}: the Trainer's decay rule failed ({type(e).__name__}: "
+                f"{folder.root}: {what}: the Trainer's decay rule failed ({type(e).__name__}: "
                 f"{str(e)[:200]})"
             ) from None
         groups = (
@@ -479,10 +485,9 @@ def _names_list(adapter: dict, key: str, path: str) -> list[str]:
     return value
 
 
-def _lora_config(path: str) -> tuple[list[str], list[str], int, bool]:
+def _lora_config(adapter: Any, path: str) -> tuple[list[str], list[str], int, bool]:
     """(target modules, modules to save, r, use_dora) of a LoRA ``adapter_config.json``; one
-    :func:`_lora_candidates` cannot rebuild is refused naming the field."""
-    adapter = read_json(path)
+    :func:`_lora_candidates` cannot rebuild is refused naming the field (``path``: its file)."""
     if not isinstance(adapter, dict) or adapter.get("peft_type") != "LORA":
         raise SourceError(
             f"{path}: not a LoRA adapter config (peft_type "
@@ -504,7 +509,7 @@ def _lora_config(path: str) -> tuple[list[str], list[str], int, bool]:
     return targets, saved, rank, adapter.get("use_dora") is True
 
 
-def _lora_candidates(path: str, model, what: str) -> list[Candidate]:
+def _lora_candidates(adapter: Any, path: str, model, what: str) -> list[Candidate]:
     """The trainable parameters of a peft LoRA adapter over ``model`` (the base model on the
     meta device), in peft's ``named_parameters()`` order, named as peft saves them (the adapter
     name dropped): each target module (peft's rule: the module's name is a target or ends with
@@ -513,7 +518,7 @@ def _lora_candidates(path: str, model, what: str) -> list[Candidate]:
     its name ends with the entry) its own parameters (a trained copy, saved under the module's
     name), all in the base model's module order. Target modules must be ``nn.Linear``; a field
     of :data:`_LORA_PLAIN` set otherwise is refused."""
-    targets, saved, rank, dora = _lora_config(path)
+    targets, saved, rank, dora = _lora_config(adapter, path)
     names, shapes, no_decay, inside = [], {}, set(), None
     for module_name, module in model.named_modules():
         if inside is not None and module_name.startswith(inside):
@@ -568,15 +573,14 @@ def _lora_candidates(path: str, model, what: str) -> list[Candidate]:
 _PROMPT_TYPES = ("PREFIX_TUNING", "PROMPT_TUNING", "P_TUNING")
 
 
-def _prompt_candidates(path: str) -> list[Candidate] | None:
+def _prompt_candidates(adapter: Any, path: str) -> list[Candidate] | None:
     """The one trainable parameter of a peft prompt-learning adapter (prefix or prompt tuning),
     ``prompt_encoder.<adapter>.embedding.weight`` saved as ``prompt_embeddings``: prefix tuning
     ``[num_virtual_tokens, num_layers * 2 * token_dim]`` (each layer's key and value prefix),
     prompt tuning ``[num_virtual_tokens * num_transformer_submodules, token_dim]``; in the
     Trainer's decay group. None for another peft type. A prompt encoder that trains more than
     the tensor it saves (p-tuning's MLP / LSTM, ``prefix_projection``'s MLP: the file holds
-    their output) is refused naming why."""
-    adapter = read_json(path)
+    their output) is refused naming why (``path``: the adapter config's file)."""
     kind = adapter.get("peft_type") if isinstance(adapter, dict) else None
     if kind not in _PROMPT_TYPES:
         return None

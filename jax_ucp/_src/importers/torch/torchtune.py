@@ -59,7 +59,7 @@ from jax_ucp._src.importers.trainer_files import (
     read_json,
     side_file,
 )
-from jax_ucp._src.store.storage import Storage
+from jax_ucp._src.store.storage import LocalDirectory, Storage
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 from jax_ucp._src.torchfiles import dcp as torch_dcp
 
@@ -821,7 +821,7 @@ def _lora_adapter(
     )
     peft_copies = [f"{epoch}/{n}" for n in adapter_files(latest) if n != ADAPTER_PT]
     skipped.update(dict.fromkeys(peft_copies, f"peft's copy of {pt} (imported in peft's names)"))
-    lora = adapter_record(latest)
+    lora = adapter_record(LocalDirectory(latest))
     base = lora.get("base_model_name_or_path")
     note = (
         f"torchtune LoRA recipe: the adapter ({len(params)} tensors of {pt}, in peft's names "
