@@ -7,6 +7,8 @@ import functools
 import glob
 import os
 
+import pytest
+
 from tests.ucp_testing import REPO
 
 # The layers are the packages and modules of jax_ucp/_src/ (the public modules outside it are
@@ -116,15 +118,41 @@ def _internal(dotted: str) -> list[str]:
 
 @functools.cache
 def _tree(path: str) -> ast.Module:
-    """The parsed module, once per test process (the checks only read it)."""
+    """The parsed module, once per test module's run (the checks only read it)."""
     with open(path, encoding="utf-8") as f:
         return ast.parse(f.read(), path)
 
 
+#: id(tree) -> (the tree, its nodes in ``ast.walk``'s order, {types: those of them})
+_WALKS: dict[int, tuple[ast.AST, tuple[ast.AST, ...], dict[tuple[type, ...], list[ast.AST]]]] = {}
+
+
+def _walk(tree: ast.AST, *types: type[ast.AST]) -> tuple[ast.AST, ...] | list[ast.AST]:
+    """``ast.walk(tree)``'s nodes, in its order, those of ``types`` only when given: each tree
+    walked once (a walk in Python, node by node, is most of what these checks cost; every check
+    walks every module)."""
+    got = _WALKS.get(id(tree))
+    if got is None or got[0] is not tree:
+        got = _WALKS[id(tree)] = (tree, tuple(ast.walk(tree)), {})
+    if not types:
+        return got[1]
+    if types not in got[2]:
+        got[2][types] = [n for n in got[1] if isinstance(n, types)]
+    return got[2][types]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_the_trees():
+    """The parsed trees and their walks (millions of objects) go at the module's end: kept, they
+    would slow every full garbage collection of the rest of the xdist worker's tests."""
+    yield
+    _tree.cache_clear()
+    _WALKS.clear()
+
+
 def _imports(path: str):
     """(imported jax_ucp layer, imported names) of every import in the module, nested included."""
-    tree = _tree(path)
-    for node in ast.walk(tree):
+    for node in _walk(_tree(path), ast.Import, ast.ImportFrom):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 parts = _internal(alias.name)
@@ -156,8 +184,7 @@ def test_the_layers_import_no_public_module():
     wrong = []
     for path in _modules():
         root_ok = _layer_of(path) in TOP
-        tree = _tree(path)
-        for node in ast.walk(tree):
+        for node in _walk(_tree(path), ast.Import, ast.ImportFrom):
             names = (
                 [node.module or ""]
                 if isinstance(node, ast.ImportFrom) and node.level == 0
@@ -245,8 +272,7 @@ def test_the_actual_imports_form_no_cycle():
 def _imported_modules(path: str):
     """(line, dotted module) of every absolute import in the module, ``from a import b`` also
     as ``a.b`` (b may be a module)."""
-    tree = _tree(path)
-    for node in ast.walk(tree):
+    for node in _walk(_tree(path), ast.Import, ast.ImportFrom):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             yield node.lineno, node.module
             for a in node.names:
@@ -418,7 +444,7 @@ def _private_reaches(path: str):
     package itself excepted: ``_private_parts``)."""
     tree = _tree(path)
     bound = set()  # names bound to jax_ucp modules, classes or functions
-    for node in ast.walk(tree):
+    for node in _walk(tree, ast.Import, ast.ImportFrom):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jax_ucp":
             for a in node.names:
                 if _private_parts(f"{node.module}.{a.name}"):
@@ -430,7 +456,7 @@ def _private_reaches(path: str):
                     if _private_parts(a.name):
                         yield node.lineno, f"import {a.name}"
                     bound.add(a.asname or "jax_ucp")
-    for node in ast.walk(tree):
+    for node in _walk(tree, ast.Attribute, ast.Call):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
             chain, base = [node.attr], node.value
             while isinstance(base, ast.Attribute):
@@ -512,7 +538,7 @@ KVSTORE_READERS = {
 
 
 def _storage_escapes(rel: str, tree: ast.AST):
-    for node in ast.walk(tree):
+    for node in _walk(tree, ast.ImportFrom, ast.Attribute, ast.Call):
         if (
             isinstance(node, ast.ImportFrom)
             and (node.module or "").split(".")[-1] in OBJECT_CLIENTS
@@ -622,8 +648,8 @@ def _format_names(rel: str, tree: ast.AST, names: set[str]) -> list[str]:
     names = names - FORMAT_NAMES_ALLOWED.get(rel, set())
     return [
         f"jax_ucp/_src/{rel}:{node.lineno}: {node.value!r}"
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+        for node in _walk(tree, ast.Constant)
+        if isinstance(node.value, str) and node.value in names
     ]
 
 
