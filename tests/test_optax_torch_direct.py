@@ -48,8 +48,12 @@ def test_a_trainer_run_continues_on_a_mesh_straight_from_its_checkpoint(tmp_path
     assert [float(run.schedule(3 + i)) for i in range(len(lrs))] == pytest.approx(lrs, rel=1e-6)
     with open(os.path.join(src, "config.json")) as f:
         cfg = LMConfig.from_hf_llama(json.load(f))
-    losses, _ = _steps(run, cfg, tokens)
+    losses, stepped = _steps(run, cfg, tokens)
     np.testing.assert_allclose(losses, want, rtol=0, atol=1e-5)
+    # the state as a jitted step returns it, placement included: the next step runs the program
+    # the first one compiled (a step count off the mesh made a user's train step compile twice)
+    for a, b in zip(jax.tree.leaves(run.opt_state), jax.tree.leaves(stepped)):
+        assert (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding), (a, b)
 
     ckpt = jax_ucp.convert(src, tmp_path / "ucp", importing=importing)
     converted = jax_ucp.optax_from_torch(
