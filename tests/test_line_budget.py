@@ -29,11 +29,11 @@ CEILINGS = {
     "store": 3718,
     "torchfiles": 3166,
     "writer": 1674,
-    "modules": 4723,
+    "modules": 4726,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 54025
+TOTAL = 54028
 
 
 def _lines(paths) -> int:

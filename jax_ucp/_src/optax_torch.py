@@ -1213,17 +1213,10 @@ def _state_of(tx: Any, params: Any, mu: Any, nu: Any, step: int, shaped: Any = N
     if shaped is None:
         shaped = jax.eval_shape(tx.init, params)
     state = list(shaped)  # pyright: ignore[reportArgumentType]  # a chain's state is a tuple
-    count = jnp.asarray(step, jnp.int32)
-    meshes = [
-        a.sharding.mesh
-        for a in jax.tree.leaves(params)
-        if isinstance(a, jax.Array) and isinstance(a.sharding, jax.sharding.NamedSharding)
-    ]
-    if meshes:  # replicated on the params' mesh, as a jitted update returns it: else the
-        # caller's train step sees another input type at its second step and compiles again
-        count = jax.device_put(
-            count, jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec())
-        )
+    count = jnp.asarray(step, jnp.int32)  # on the params' mesh, as a jitted step returns it
+    on = [a.sharding for a in jax.tree.leaves(params) if isinstance(a, jax.Array)]
+    if on and isinstance(on[0], jax.sharding.NamedSharding):  # (else step 2 compiles again)
+        count = jax.device_put(count, jax.sharding.NamedSharding(on[0].mesh, jax.P()))
     for i, s in enumerate(state):
         if isinstance(s, optax.ScaleByAdamState):
             state[i] = optax.ScaleByAdamState(count=count, mu=_like(mu, s.mu), nu=_like(nu, s.nu))
