@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2272,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17320,
+    "importers": 17324,
     "language": 3231,
     "models": 2625,
     "multihost": 839,
@@ -26,14 +26,14 @@ CEILINGS = {
     "restoring": 5024,
     "saving": 969,
     "sharding": 707,
-    "store": 3718,
-    "torchfiles": 3166,
+    "store": 3726,
+    "torchfiles": 3172,
     "writer": 1674,
     "modules": 4726,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 54028
+TOTAL = 54046
 
 
 def _lines(paths) -> int:

@@ -194,7 +194,7 @@ def test_every_other_json_a_user_hands_us_refuses_a_key_named_twice(good, tmp_pa
     (tmp_path / "huggingface").mkdir()
     config.rename(tmp_path / "huggingface" / "config.json")
     with pytest.raises(SourceError, match=r"config\.json.*names 'hidden_size' twice"):
-        hf_config(str(tmp_path))
+        hf_config(LocalDirectory(str(tmp_path)))
 
     args = {"lr_scheduler_kwargs": '{"num_cycles": 0.5, "num_cycles": 3}'}
     with pytest.raises(RequestError, match="names 'num_cycles' twice"):

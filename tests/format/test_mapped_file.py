@@ -38,7 +38,8 @@ if kind == "pt":
 
     def load(path, *args, **kwargs):  # planned (every tensor a view of the mapping), then shrunk
         out = real(path, *args, **kwargs)
-        shrink(os.fspath(path), os.path.getsize(path) // 2)
+        file = os.path.join(path[0].root, path[1]) if isinstance(path, tuple) else os.fspath(path)
+        shrink(file, os.path.getsize(file) // 2)
         return out
 
     torch_zip.load_torch_file = load
@@ -57,9 +58,9 @@ elif kind == "safetensors":
 else:
     real = torch_dcp._file_range
 
-    def file_range(path, offset, *args):  # mapped, then cut where the range starts
-        out = real(path, offset, *args)
-        shrink(str(path), offset)
+    def file_range(reader, offset, *args):  # read, then cut where the range starts
+        out = real(reader, offset, *args)
+        shrink(reader.shown, offset)
         return out
 
     torch_dcp._file_range = file_range

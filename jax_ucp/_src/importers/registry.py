@@ -121,7 +121,11 @@ def _readable(storage: Storage) -> Iterator[tuple[Storage, local_view.View | Non
     folders read at their URL), its errors naming ``storage.root``; None when that remote
     prefix holds nothing a view shows (no torch archive nor DCP folder); listed once."""
     with base.listed_once():
-        if storage.local_path() is not None or _in_place(storage):
+        if storage.local_path() is not None:
+            yield storage, None
+            return
+        local_view.check_names(storage)
+        if _in_place(storage):
             yield storage, None
             return
         viewed = local_view.local_view(storage)

@@ -29,24 +29,29 @@ def holds_rank_pieces(names: list[str]) -> bool:
     return any(safetensors.RANK_FILE.fullmatch(n) for n in names if "/" not in n)
 
 
-def _opened(path) -> tuple[Path | dcp.ObjectPath, Storage, str, list[str]]:
+def _opened(
+    path, *, reading: bool = True
+) -> tuple[Path | dcp.ObjectPath, Storage | None, str, list[str]]:
     """(the folder as the DCP reader holds it, the storage of its files, their names' prefix
-    there, the names of its files: a remote prefix's from its one listing)."""
-    root = path if isinstance(path, dcp.ObjectPath) else Path(path)
-    storage, at = LocalDirectory(str(root)), ""
-    if isinstance(root, dcp.ObjectPath):
-        storage, at = root.storage, root.key + "/" if root.key else ""
+    there, the names of its files: a remote prefix's from its one listing); ``reading=False``:
+    a local folder's storage not made (a detection's question that finds no rank file)."""
+    if not isinstance(path, dcp.ObjectPath):
+        root = Path(path)
+        names = sorted(os.listdir(root))
+        return root, LocalDirectory(str(root)) if reading else None, "", names
+    storage, at = path.storage, path.key + "/" if path.key else ""
     names = [n[len(at) :] for n in storage.names() if n.startswith(at) and "/" not in n[len(at) :]]
-    return root, storage, at, names
+    return path, storage, at, names
 
 
 def is_rank_local(path: os.PathLike | str) -> bool:
     """A folder of torch DCP Hugging Face shards (and no ``.metadata``): rank files by name, the
     first of them one rank's piece by its header (unreadable: no, its reader names the fault)."""
     try:
-        root, storage, at, names = _opened(path)
+        root, storage, at, names = _opened(path, reading=False)
         if dcp.METADATA_FILE in names or not holds_rank_pieces(names):
             return False
+        storage = storage or LocalDirectory(str(root))
         first = min(n for n in names if safetensors.RANK_FILE.fullmatch(n))
         reader = storage.reader(at + first)
         header = safetensors.SafetensorsFile.read_from(str(root / first), reader, dcp_shard=True)
@@ -188,6 +193,7 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
     ``dcp.ObjectPath``) checked by its header, each tensor's pieces gathered as chunks; no
     tensor read."""
     root, storage, at, listed = _opened(path)
+    assert storage is not None  # made for reading
     names = sorted(n for n in listed if n.endswith(".safetensors"))
     # tensor -> (file, dtype, offsets, sizes, byte offset, byte length, global_shape or None)
     pieces: dict[str, list[tuple[str, Any, tuple[int, ...], tuple[int, ...], int, int, Any]]] = {}

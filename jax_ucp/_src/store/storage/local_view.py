@@ -133,11 +133,19 @@ def local_view(storage: Storage) -> tuple[View, LocalDirectory] | None:
     return view, LocalDirectory(path)
 
 
+def check_names(storage: Storage) -> None:
+    """Refuses a remote listing naming an object no folder holds (through '..', absolutely, a NUL,
+    an empty part): read in place or viewed, a listing is untrusted. Folder markers aside."""
+    for name in storage.names():
+        if not name.endswith("/") and any(
+            p in ("", ".", "..") or "\0" in p for p in name.split("/")
+        ):
+            raise ViewError(f"{storage.join(name)[:300]!r}: an object name the folder cannot hold")
+
+
 def _place(storage: Storage, name: str, view: View) -> None:
-    """Object ``name`` as a file under ``view.path``."""
+    """Object ``name`` as a file under ``view.path`` (its name checked: ``check_names``)."""
     parts = name.split("/")
-    if any(p in ("", ".", "..") or "\0" in p for p in parts):
-        raise ViewError(f"{storage.join(name)[:300]!r}: an object name the folder cannot hold")
     path = os.path.join(view.path, *parts)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
