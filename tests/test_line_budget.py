@@ -26,14 +26,14 @@ CEILINGS = {
     "restoring": 5024,
     "saving": 969,
     "sharding": 707,
-    "store": 3726,
-    "torchfiles": 3172,
+    "store": 3730,
+    "torchfiles": 3173,
     "writer": 1674,
     "modules": 4726,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 54046
+TOTAL = 54051
 
 
 def _lines(paths) -> int:

@@ -313,11 +313,12 @@ class DcpCheckpoint:
         bytes read), from the file's reader (pread, or ranged GETs of an object); an archive's
         data member found from the archive's first and last bytes, its CRC-32 computed slab by
         slab when ``box`` is all of the chunk (a part of it is not checkable). An archive laid
-        out otherwise, a transformed chunk (its codec), a 0-d or a small one (:data:`SMALL`) is
-        read whole and cut."""
+        out otherwise, a transformed chunk (its codec), a 0-d or a small one (:data:`SMALL`), and
+        one needed whole from a file read by requests (its ends' two saved) is read whole and cut."""
         where, reader = self._where(t, c), self._reader(c.file)
         n, need = (math.prod(d) * t.dtype.itemsize for d in (c.sizes, [b - a for a, b in box]))
         small = c.byte_length <= max(SMALL, 2 * EDGE + need if need < n else 0)  # fewer bytes
+        small = small or (need == n and reader.requests)  # fewer requests
         at, crc, whole = c.byte_offset, None, bool(c.transforms) or not c.sizes or small
         if not whole:
             raw = _file_range(reader, c.byte_offset, c.byte_length, where, edges=EDGE)

@@ -68,6 +68,8 @@ class RandomAccess(abc.ABC):
     """One file of a medium, read by byte ranges; ``shown`` names it (its path or URL)."""
 
     shown: str
+    #: each read is a request (a round trip): a reader needing a whole range reads it at once
+    requests = False
 
     @abc.abstractmethod
     def read(self, offset: int, n: int) -> bytes | None:
@@ -129,6 +131,8 @@ class LocalFile(RandomAccess):
 class RangedObject(RandomAccess):
     """An object of an object-store prefix or a Hub repo, each read one ranged GET through
     TensorStore's kvstore drivers (opened once per file)."""
+
+    requests = True
 
     def __init__(self, storage: Storage, name: str):
         self.kv, self.key = opened(storage, name)
