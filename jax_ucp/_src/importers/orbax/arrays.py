@@ -39,16 +39,15 @@ def tree_metadata(path: str):
 
     if os.path.isfile(os.path.join(path, PYTREE_METADATA)):  # a key named twice: refused
         read_json(os.path.join(path, PYTREE_METADATA))  # (Orbax's json keeps the last)
+    _quiet_closed_loop()  # Orbax's loop closes as it returns; TensorStore may complete later
     try:
         return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
     except (KeyError, TypeError, AttributeError, IndexError) as e:  # Orbax parsing _METADATA
-        _quiet_closed_loop()
         raise SourceError(
             f"{os.path.join(path, '_METADATA')}: not Orbax's tree metadata (Orbax's reader "
             f"failed: {type(e).__name__}: {str(e)[:200]})"
         ) from None
     except ValueError as e:
-        _quiet_closed_loop()  # Orbax's loop is closed while TensorStore still completes
         if tensorstore_status(e) is None:  # Orbax's own parse ("7 is not a valid KeyType")
             raise SourceError(
                 f"{os.path.join(path, '_METADATA')}: not Orbax's tree metadata (Orbax's "
@@ -63,9 +62,6 @@ def tree_metadata(path: str):
             f"{path}: cannot read {what} (missing, truncated or corrupt file): "
             f"{tensorstore_message(e)}"
         ) from None
-    except BaseException:
-        _quiet_closed_loop()  # whatever else failed, the same late callbacks may follow
-        raise
 
 
 def _quiet_closed_loop() -> None:
@@ -74,8 +70,9 @@ def _quiet_closed_loop() -> None:
     arrays' futures, whose callbacks then find the loop closed and print a traceback after the
     one clear error (TensorStore reports it through the unraisable hook or, in some builds and
     timings, ``PyErr_Print`` and so ``sys.excepthook``: CI saw the latter). Installed (wrapping
-    the hooks before it) only once such a read failed; only a closed-loop error raised inside
-    asyncio itself is left out, every other report goes to the hook before."""
+    the hooks before it) before Orbax's metadata is read: a read that succeeds can leave such
+    callbacks too (a damaged array found later; CI saw it under load); only a closed-loop error
+    raised inside asyncio itself is left out, every other report goes to the hook before."""
     if getattr(sys.unraisablehook, "__name__", None) == "_closed_loop_left_out":
         return
     before, before_print = sys.unraisablehook, sys.excepthook
