@@ -116,41 +116,37 @@ def test_accelerates_two_dcp_folders_in_an_object_store_restore_as_the_local_fol
     assert sparse.fetched() == viewed
 
 
-def _fetched() -> float:
-    """Bytes TensorStore's object-store drivers have read in this process so far."""
+def _counted(what: str) -> float:
+    """``what`` (``bytes_read``, ``read``: the requests) of TensorStore's object-store drivers in
+    this process so far."""
+    names = (f"/tensorstore/kvstore/s3/{what}", f"/tensorstore/kvstore/gcs/{what}")
     return sum(
         v.get("value", 0)
         for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/")
-        if m["name"]
-        in ("/tensorstore/kvstore/s3/bytes_read", "/tensorstore/kvstore/gcs/bytes_read")
+        if m["name"] in names
         for v in m.get("values", [])
     )
 
 
-def _reads() -> float:
-    """Reads (requests) TensorStore's object-store drivers have sent in this process so far."""
-    return sum(
-        v.get("value", 0)
-        for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/")
-        if m["name"] in ("/tensorstore/kvstore/s3/read", "/tensorstore/kvstore/gcs/read")
-        for v in m.get("values", [])
-    )
+def _uploaded(bucket_url: str, tmp_path, values: dict, name: str) -> dcp.DcpCheckpoint:
+    """``values`` written as a torch DCP folder, uploaded under a fresh prefix, opened there."""
+    items = [dcp.DcpItem(k, (k,), v.shape, v.dtype) for k, v in values.items()]
+    dcp.write_dcp(str(tmp_path), items, values.values(), save_id=name)
+    prefix = f"{bucket_url}/{name}-{os.getpid()}-{time.time_ns()}"
+    for entry in os.listdir(tmp_path):
+        object_store.write(prefix, entry, (tmp_path / entry).read_bytes())
+    return dcp.open_dcp(storage.storage_for(prefix))
 
 
 def test_a_remote_chunk_needed_whole_is_read_in_one_request(bucket_url, tmp_path):
     """A tensor read whole (a full restore's share): one ranged GET per chunk, not its archive's
     two ends first (issue 71 item 1: a direct restore's requests do not grow)."""
     values = {"w": np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)}
-    items = [dcp.DcpItem(k, (k,), v.shape, v.dtype) for k, v in values.items()]
-    dcp.write_dcp(str(tmp_path), items, values.values(), save_id="whole")
-    prefix = f"{bucket_url}/whole-{os.getpid()}-{time.time_ns()}"
-    for entry in os.listdir(tmp_path):
-        object_store.write(prefix, entry, (tmp_path / entry).read_bytes())
-    ck = dcp.open_dcp(storage.storage_for(prefix))
+    ck = _uploaded(bucket_url, tmp_path, values, "whole")
     ck.check_files(list(ck.tensors.values()))  # its size probes aside
-    before = _reads()
+    before = _counted("read")
     np.testing.assert_array_equal(ck.read("w"), values["w"])
-    assert _reads() - before == len(ck.tensors["w"].chunks)
+    assert _counted("read") - before == len(ck.tensors["w"].chunks)
 
 
 def test_a_share_of_a_remote_chunk_fetches_its_rows_alone(bucket_url, tmp_path):
@@ -160,14 +156,9 @@ def test_a_share_of_a_remote_chunk_fetches_its_rows_alone(bucket_url, tmp_path):
     (issue 69 item 4: it was 2x); the values are the tensor's."""
     rng = np.random.default_rng(0)
     values = {f"w{i}": rng.standard_normal((512, 1024), np.float32) for i in range(2)}
-    items = [dcp.DcpItem(k, (k,), v.shape, v.dtype) for k, v in values.items()]
-    dcp.write_dcp(str(tmp_path), items, values.values(), save_id="share")
-    prefix = f"{bucket_url}/share-{os.getpid()}-{rng.integers(1 << 30)}"
-    for entry in os.listdir(tmp_path):
-        object_store.write(prefix, entry, (tmp_path / entry).read_bytes())
-    ck = dcp.open_dcp(storage.storage_for(prefix))
+    ck = _uploaded(bucket_url, tmp_path, values, "share")
     for rows in ((0, 256), (256, 512)):
-        before = _fetched()
+        before = _counted("bytes_read")
         for name, v in values.items():
             halves = [np.empty((256, 512), np.float32) for _ in range(2)]
             dests = [((rows, (0, 512)), halves[0]), ((rows, (512, 1024)), halves[1])]
@@ -175,4 +166,4 @@ def test_a_share_of_a_remote_chunk_fetches_its_rows_alone(bucket_url, tmp_path):
                 job()
             np.testing.assert_array_equal(np.concatenate(halves, axis=1), v[slice(*rows)])
         needed = sum(v[slice(*rows)].nbytes for v in values.values())
-        assert needed <= _fetched() - before <= 1.05 * needed
+        assert needed <= _counted("bytes_read") - before <= 1.05 * needed
