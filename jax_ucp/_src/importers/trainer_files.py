@@ -245,11 +245,7 @@ def rng_states(storage: Storage) -> dict[str, str]:
 def trainer_saved(storage: Storage) -> dict[str, str] | None:
     """:func:`rng_states` of the folder ``storage`` when the Trainer saved it (``optimizer.pt``
     or ``trainer_state.json`` among its entries: :func:`is_trainer_checkpoint`), else None."""
-    entries = _entries(storage)
-    if entries.isdisjoint(("optimizer.pt", STATE_FILE)):
-        return None
-    why = "the torch run's RNG state, not imported"
-    return {n: why for n in sorted(entries) if n.startswith("rng_state") and n.endswith(".pth")}
+    return rng_states(storage) if is_trainer_checkpoint(storage) else None
 
 
 def side_file(folder: str, name: str) -> str:
