@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +29,7 @@ from jax_ucp._src.importers.plan import (
     ImportPlan,
     Share,
     accounted,
+    listed,
 )
 from jax_ucp._src.importers.runs import TrainerRun
 from jax_ucp._src.importers.verl.layout import verl_run
@@ -109,17 +109,20 @@ _IN_PLACE += ("olmo_core", "torch_files")  # (read remotely through their Storag
 
 def _in_place(storage: Storage) -> bool:
     """Whether an importer of ``_IN_PLACE`` claims the remote ``storage`` (torchtune's folders
-    and safetensors beside a Trainer's files are read through a view)."""
-    return any(IMPORTERS[name].detect(storage).found for name in _IN_PLACE)
+    and safetensors beside a Trainer's files are read through a view), or it is a run root of
+    checkpoints (``trainer_run``: its steps named by their URLs)."""
+    found = any(IMPORTERS[name].detect(storage).found for name in _IN_PLACE)
+    return found or trainer_run(storage) is not None
 
 
 @contextlib.contextmanager
-def _readable(storage: Storage) -> Iterator[tuple[Storage, local_view.View | None] | None]:
+def _readable(storage: Storage) -> Iterator[tuple[Storage, local_view.View | None]]:
     """(the ``Storage`` the importers read ``storage`` by, its view): ``storage`` itself, or for
     a remote folder or file that no importer reads in place (``_IN_PLACE``) a local view of it
     (``store.storage.local_view``: its archives' bytes fetched as they are read, its torch DCP
-    folders read at their URL), its errors naming ``storage.root``; None when that remote
-    prefix holds nothing a view shows (no torch archive nor DCP folder); listed once."""
+    folders read at their URL), its errors naming ``storage.root``; ``storage`` itself when that
+    remote prefix holds nothing a view shows (no torch archive nor DCP folder: the detectors'
+    report names what it holds); listed once."""
     with base.listed_once():
         if storage.local_path() is not None:
             yield storage, None
@@ -130,7 +133,7 @@ def _readable(storage: Storage) -> Iterator[tuple[Storage, local_view.View | Non
             return
         viewed = local_view.local_view(storage)
         if viewed is None:
-            yield None
+            yield storage, None
             return
         view, src = viewed
         with view.named():
@@ -151,14 +154,6 @@ class Unclaimed:
         return SourceError(self.message)
 
 
-def _nothing_viewed(storage: Storage) -> Unclaimed:
-    return Unclaimed(
-        f"{storage.root}: no torch archive ({', '.join(local_view.ARCHIVES)}) nor torch DCP "
-        f"{local_view.DCP} among its objects; only torch DCP, safetensors and folders of torch "
-        f"archives are read in place"
-    )
-
-
 def claim(
     storage: Storage, format: str | None = None, options: ImportOptions | None = None
 ) -> Importer | Unclaimed:
@@ -166,10 +161,7 @@ def claim(
     report when detection finds none: the one question a restore's open stage asks."""
     if format in IMPORTERS and options is None:
         return IMPORTERS[format]
-    with _readable(storage) as readable:
-        if readable is None:
-            return _nothing_viewed(storage)
-        src, view = readable
+    with _readable(storage) as (src, view):
         claimed, answers = _claimed(src, format)
         if isinstance(claimed, Unclaimed):  # a view's run: its steps' files go with it
             return claimed if view is None else Unclaimed(view.as_url(claimed.message))
@@ -207,20 +199,20 @@ def _detected(storage: Storage) -> tuple[Importer | Unclaimed, dict[str, Detecti
         )
     if strong or weak:
         return next(iter((strong or weak).values())), answers
-    if not os.path.isdir(src):
+    found = listed(storage)
+    if found is None:
         return Unclaimed(
             f"{src}: not a directory (expected a checkpoint folder, or a .safetensors, .bin, "
             f".pt, .pth or .ckpt file)."
         ), answers
-    run = trainer_run(src)  # a run root of checkpoints (``Importer.run``): which to convert
+    run = trainer_run(storage)  # a run root of checkpoints (``Importer.run``): which to convert
     if run is not None:
-        names = ", ".join(os.path.basename(step.path) for step in reversed(run.steps))
+        names = ", ".join(step.path.rpartition("/")[2] for step in reversed(run.steps))
         return Unclaimed(
             f"{src}: {run.what} with {len(run.steps)} checkpoints: {names}. Convert one of them "
             f"(e.g. {run.steps[0].path}).",
             run,
         ), answers
-    found = sorted(os.listdir(src))
     listing = ", ".join(found[:12]) + (f", ... ({len(found)} entries)" if len(found) > 12 else "")
     tried = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
     return Unclaimed(
@@ -240,13 +232,13 @@ def _held(item, view: local_view.View):
     return dataclasses.replace(item, value=value)
 
 
-def trainer_run(src) -> TrainerRun | None:
-    """The run root ``src`` of a torch trainer (a Trainer's ``output_dir``, torchtitan's
+def trainer_run(root: Storage) -> TrainerRun | None:
+    """The run root ``root`` of a torch trainer (a Trainer's ``output_dir``, torchtitan's
     ``checkpoint/``, a DeepSpeed ``save_dir``, a Megatron or verl save root): its steps, newest
     first, each with why its save did not complete; the first importer's listing that finds
     step folders in it (``Importer.run``), None when none does."""
-    src, listings = os.fspath(src), dict.fromkeys(i.run for i in IMPORTERS.values() if i.run)
-    return next((run for listing in listings if (run := listing(src)) is not None), None)
+    listings = dict.fromkeys(i.run for i in IMPORTERS.values() if i.run)
+    return next((run for listing in listings if (run := listing(root)) is not None), None)
 
 
 def detect_format(src) -> str:
@@ -382,10 +374,7 @@ def plan_import(
         The checked plan, its items accounted for.
     """
     storage = store.storage_for(source)  # chosen here unless given
-    with _readable(storage) as readable, parsed_once():  # verl hands over a parsed folder
-        if readable is None:
-            raise _nothing_viewed(storage).error()
-        src, view = readable
+    with _readable(storage) as (src, view), parsed_once():  # verl hands over a parsed folder
         given = isinstance(format, Importer)  # takers already asked
         importer, answers = (format, None) if given else _claimed(src, format)
         if isinstance(importer, Unclaimed):

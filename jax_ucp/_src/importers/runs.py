@@ -15,6 +15,7 @@ from typing import Any
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
+from jax_ucp._src.store.storage import Storage
 
 #: Megatron-LM's tracker file (verl writes it too): the latest iteration number, or "release".
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -41,16 +42,16 @@ class TrainerRun:
 
 
 def numbered_steps(
-    root, pattern: str, holds: Callable[[str], bool] | None = None, what: str = "step"
+    root, pattern: str, holds: Callable[[str], bool], what: str = "step"
 ) -> dict[int, str]:
-    """number -> name of the entries of ``root`` named ``pattern`` whose path ``holds``, by
-    number; {} when ``root`` cannot be listed.
+    """number -> name of the entries of the folder ``root`` named ``pattern`` whose path
+    ``holds``, by number; {} when ``root`` cannot be listed.
 
     Args:
         root: the folder.
         pattern: a regular expression of the whole name, its one group the number (ASCII
             digits: :data:`files.DIGITS`).
-        holds: whether a matching entry's path is one (None: a folder, never a link).
+        holds: whether a matching entry's path is one.
         what: what the number is (``"epoch"``), for the error.
 
     Two entries of one number (``iter_5``, ``iter_05``) are refused naming both.
@@ -59,8 +60,6 @@ def numbered_steps(
         names = os.listdir(root)
     except OSError:
         return {}
-    if holds is None:
-        holds = lambda path: os.path.isdir(path) and not os.path.islink(path)
     found = [
         (int(m.group(1)), n)
         for n in names
@@ -69,27 +68,38 @@ def numbered_steps(
     return files.numbered_names(found, os.fspath(root), what)
 
 
-def read_tracker(
-    tracker, error: type[SourceError] = SourceError, what: str = "an iteration number"
-) -> int | str | None:
-    """The iteration a tracker file names (:data:`TRACKER_FILE`, a regular file in its own
-    folder): a number of at most 18 ASCII digits (``int()`` takes "١٢", " 5" and "5_0" too),
-    or ``"release"``; None when there is no file. Anything else is ``error``, naming the file
-    and saying ``what`` was expected."""
-    if not os.path.lexists(tracker):
-        return None
+def step_folders(root: Storage, pattern: str) -> dict[int, str]:
+    """number -> name of the folders of ``root`` (never a link) named ``pattern`` (as
+    :func:`numbered_steps`), listed through the medium: a remote prefix's by its one listing."""
     try:
-        raw = files.read_regular(files.in_own_folder(tracker), 4096)
-    except files.UnsafeFileError as e:
-        raise error(str(e)) from None
-    return tracker_step(raw, tracker, error, what)
+        names = {name.split("/", 1)[0] for name in root.names()}
+    except OSError:
+        return {}
+    found = [
+        (int(m.group(1)), n)
+        for n in sorted(names)
+        if (m := re.fullmatch(pattern, n, re.ASCII)) and _is_folder(root, n)
+    ]
+    return files.numbered_names(found, root.root, "step")
+
+
+def _is_folder(root: Storage, name: str) -> bool:
+    """Whether ``name`` of ``root`` is a folder: listed, not a file nor a link (a remote
+    prefix's entry is one when objects are below it)."""
+    try:
+        root.folder(name, link=False).names()
+    except OSError:  # UnsafeFileError too: a link
+        return False
+    return True
 
 
 def tracker_step(
     raw: bytes, tracker, error: type[SourceError] = SourceError, what: str = "an iteration number"
 ) -> int | str:
-    """The iteration the bytes ``raw`` of the tracker file ``tracker`` name (see
-    :func:`read_tracker`)."""
+    """The iteration the bytes ``raw`` of the tracker file ``tracker`` (:data:`TRACKER_FILE`)
+    name: a number of at most 18 ASCII digits (``int()`` takes "١٢", " 5" and "5_0" too), or
+    ``"release"``. Anything else is ``error``, naming the file and saying ``what`` was
+    expected."""
     text = raw.decode("utf-8", "replace").strip()
     step = files.name_number(text)
     if text != "release" and (step is None or len(text) > 18):
@@ -101,14 +111,14 @@ def tracker_step(
 
 
 def trainer_run(
-    root: str,
+    root: Storage,
     what: str,
     found: dict[int, str],
-    complete: Callable[[str], str | None],
+    complete: Callable[[Storage], str | None],
     tracker: tuple[str, int | None] | None = None,
 ) -> TrainerRun | None:
     """The run at ``root`` from its step folders ``found`` (step -> name), None when there are
-    none. A step is incomplete when ``complete(path)`` says why, or when the run keeps a
+    none. A step is incomplete when ``complete(its folder)`` says why, or when the run keeps a
     tracker (``(file name, the step it names)``: DeepSpeed's ``latest``, Megatron's and verl's
     ``latest_checkpointed_iteration.txt``, written once every rank has saved) naming an older
     step: the save of a newer one never finished."""
@@ -116,15 +126,15 @@ def trainer_run(
         return None
     steps = []
     for step in sorted(found, reverse=True):
-        path = os.path.join(root, found[step])
+        folder = root.folder(found[step])
         problem = None
         if tracker is not None and tracker[1] is not None and step > tracker[1]:
             problem = (
-                f"{path}: newer than step {tracker[1]}, which {tracker[0]} names: the tracker "
-                f"is written once every rank has saved, so this save did not complete"
+                f"{folder.root}: newer than step {tracker[1]}, which {tracker[0]} names: the "
+                f"tracker is written once every rank has saved, so this save did not complete"
             )
-        steps.append(RunStep(step, path, problem or complete(path)))
-    return TrainerRun(root, what, tuple(steps))
+        steps.append(RunStep(step, folder.root, problem or complete(folder)))
+    return TrainerRun(root.root, what, tuple(steps))
 
 
 def say_renamed(folder: str, pattern: str, step: Any, says: str) -> None:

@@ -399,15 +399,17 @@ def trainer_folder_above(
         return parent if marker in _entries(parent) else None
 
 
-def trainer_run(root: str) -> runs.TrainerRun | None:
+def trainer_run(root: Storage) -> runs.TrainerRun | None:
     """A Trainer's ``output_dir``: its ``checkpoint-N`` folders. The Trainer writes
     ``trainer_state.json`` last in a checkpoint (after the weights, optimizer, scheduler and RNG
     states), so a folder without it is a save that did not complete."""
 
-    def complete(path: str) -> str | None:
-        if os.path.isfile(os.path.join(path, STATE_FILE)):
+    def complete(step: Storage) -> str | None:
+        if STATE_FILE in _entries(step):
             return None
-        return f"{path}: no {STATE_FILE} (the Trainer writes it last): its save did not complete"
+        return (
+            f"{step.root}: no {STATE_FILE} (the Trainer writes it last): its save did not complete"
+        )
 
-    found = runs.numbered_steps(root, rf"checkpoint-({files.DIGITS})")
+    found = runs.step_folders(root, rf"checkpoint-({files.DIGITS})")
     return runs.trainer_run(root, "a Hugging Face Trainer output directory", found, complete)

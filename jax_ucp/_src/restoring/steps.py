@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import CheckpointError
-from jax_ucp._src.store.storage import local
+from jax_ucp._src.store.storage import Storage, base, local
 from jax_ucp._src.store.storage.local import ORBAX_STEP_METADATA
 
 # A step folder's name as Orbax's standard name formats build it: ``[<step_prefix>_]<digits>``,
@@ -134,16 +134,16 @@ def run_steps(root: str, step_format: StepFormat | None = None) -> RunSteps:
     return RunSteps(sorted(steps, key=lambda s: s.step, reverse=True), notices)
 
 
-def trainer_steps(root: str) -> RunSteps | None:
+def trainer_steps(root: Storage) -> RunSteps | None:
     """The steps of ``root`` as a torch trainer's run root (a Trainer's ``output_dir``,
     torchtitan's ``checkpoint/``, a DeepSpeed ``save_dir``, a Megatron or verl save root: what
-    the importers list, ``registry.trainer_run``), newest first, each step's ``problem`` why its
-    save did not complete; None when ``root`` is no such root."""
-    if not os.path.isdir(root):
-        return None
+    the importers list, ``registry.trainer_run``; a remote one listed once), newest first, each
+    step's ``problem`` why its save did not complete, its ``path`` the folder's path or URL; None
+    when ``root`` is no such root."""
     from jax_ucp._src.importers import registry  # the edge restoring -> importers
 
-    run = registry.trainer_run(root)
+    with base.listed_once():
+        run = registry.trainer_run(root)
     if run is None:
         return None
     listed = [Step(s.step, s.path, [s.path], s.problem, imported=True) for s in run.steps]

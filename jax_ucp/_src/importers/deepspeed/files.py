@@ -21,7 +21,7 @@ from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.plan import host_item, listed, tensor_names, trainer_checkpoints
-from jax_ucp._src.store.storage import LocalDirectory, Storage
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles.allow_list import int_enum_standin, standin_class
 from jax_ucp._src.torchfiles.torch_zip import TorchArchive
 
@@ -580,22 +580,22 @@ def dtype_of_run(ds_config: Mapping, module: Mapping[str, Any]) -> np.dtype:
     return np.dtype(np.float32)
 
 
-def deepspeed_run(root: str) -> runs.TrainerRun | None:
+def deepspeed_run(root: Storage) -> runs.TrainerRun | None:
     """A DeepSpeed ``save_dir``: its ``global_stepN`` tag folders (DeepSpeed's default tags).
     DeepSpeed writes ``latest`` once every rank has saved a tag, so a tag newer than the one
     ``latest`` names did not complete; a tag folder without ZeRO optimizer or model-state
     files neither."""
-    found = runs.numbered_steps(root, rf"global_step({files.DIGITS})")
-    tracked, here = None, LocalDirectory(root)  # a run is listed by its path (``runs``)
-    if found and "latest" in (listed(here) or ()):
-        tag = read_tag_file(here, "latest")
+    found = runs.step_folders(root, rf"global_step({files.DIGITS})")
+    tracked = None
+    if found and "latest" in (listed(root) or ()):
+        tag = read_tag_file(root, "latest")
         named = re.fullmatch(rf"global_step({files.DIGITS})", tag, re.ASCII)
         tracked = ("DeepSpeed's `latest`", int(named.group(1)) if named else None)
 
-    def complete(path: str) -> str | None:
-        if is_tag_dir(listed(LocalDirectory(path)) or ()):
+    def complete(step: Storage) -> str | None:
+        if is_tag_dir(listed(step) or ()):
             return None
-        return f"{path}: no ZeRO optimizer or model-state files: its save did not complete"
+        return f"{step.root}: no ZeRO optimizer or model-state files: its save did not complete"
 
     return runs.trainer_run(root, "a DeepSpeed save_dir", found, complete, tracked)
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.importers import runs
 from jax_ucp._src.importers.megatron import legacy
-from jax_ucp._src.importers.megatron.common import entries_of, listed, subfolder
-from jax_ucp._src.store.storage import LocalDirectory, Storage
+from jax_ucp._src.importers.megatron.common import listed, subfolder
+from jax_ucp._src.store.storage import Storage
 
 
 @dataclass(frozen=True)
@@ -47,25 +47,24 @@ def detect_megatron(src: Storage) -> MegatronSource | None:
     return None
 
 
-def megatron_run(root: str) -> runs.TrainerRun | None:
-    """A Megatron save root (a local folder: ``Importer.run``): its ``iter_NNNNNNN`` folders.
-    Megatron writes ``latest_checkpointed_iteration.txt`` once every rank has saved an
-    iteration, so a newer one did not complete; a folder with neither torch_dist's
-    ``.metadata`` (written last) nor legacy ``mp_rank_*`` folders neither."""
-    found = runs.numbered_steps(root, r"iter_([0-9]+)")
-    folder = LocalDirectory(root)
-    names = listed(folder) or [] if found else []
+def megatron_run(root: Storage) -> runs.TrainerRun | None:
+    """A Megatron save root (``Importer.run``): its ``iter_NNNNNNN`` folders. Megatron writes
+    ``latest_checkpointed_iteration.txt`` once every rank has saved an iteration, so a newer one
+    did not complete; a folder with neither torch_dist's ``.metadata`` (written last) nor
+    legacy ``mp_rank_*`` folders neither."""
+    found = runs.step_folders(root, r"iter_([0-9]+)")
+    names = listed(root) or [] if found else []
     tracked = None
     if legacy.TRACKER_FILE in names:
-        tracked = (legacy.TRACKER_FILE, legacy.resolve_iteration_dir(folder, names)[1])
+        tracked = (legacy.TRACKER_FILE, legacy.resolve_iteration_dir(root, names)[1])
 
-    def complete(path: str) -> str | None:
-        inner = entries_of(folder, path.rpartition("/")[2])
+    def complete(step: Storage) -> str | None:
+        inner = listed(step) or []
         if ".metadata" in inner or any(d.startswith("mp_rank_") for d in inner):
             return None
         return (
-            f"{path}: neither torch_dist's .metadata (written last) nor mp_rank_* folders: its "
-            f"save did not complete"
+            f"{step.root}: neither torch_dist's .metadata (written last) nor mp_rank_* folders: "
+            f"its save did not complete"
         )
 
     return runs.trainer_run(root, "a Megatron save root", found, complete, tracked)

@@ -11,14 +11,14 @@ the two apart. verl's Megatron backend (``MegatronCheckpointManager``) writes th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
 import re
 
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import runs
-from jax_ucp._src.store.storage import LocalDirectory, Storage
+from jax_ucp._src.store.storage import Storage
 
 __all__ = [
     "TRACKER",
@@ -213,19 +213,20 @@ def rank_files(model_dir: Storage) -> RankFiles:
     return RankFiles(world, by_kind)
 
 
-def verl_run(root: str) -> runs.TrainerRun | None:
+def verl_run(root: Storage) -> runs.TrainerRun | None:
     """A verl run root: its ``global_step_N`` folders. verl writes its tracker once a step is
     saved, so a newer step did not complete; one without its actor's model rank files
     neither."""
-    found = runs.numbered_steps(root, r"global_step_([0-9]+)")
-    tracked = (TRACKER, _read_tracker(LocalDirectory(root))) if found else None
+    found = runs.step_folders(root, r"global_step_([0-9]+)")
+    tracked = (TRACKER, _read_tracker(root)) if found else None
 
-    def complete(path: str) -> str | None:
-        if is_model_dir(LocalDirectory(os.path.join(path, MODEL_DIRS[0]))):
-            return None
+    def complete(step: Storage) -> str | None:
+        with contextlib.suppress(OSError):  # an actor folder linking out of the step: none
+            if is_model_dir(step.folder(MODEL_DIRS[0])):
+                return None
         return (
-            f"{path}: no {MODEL_DIRS[0]}/model_world_size_W_rank_R.pt or {DIST_CKPT}/: its save "
-            "did not complete"
+            f"{step.root}: no {MODEL_DIRS[0]}/model_world_size_W_rank_R.pt or {DIST_CKPT}/: its "
+            "save did not complete"
         )
 
     return runs.trainer_run(root, "a verl run", found, complete, tracked)
