@@ -131,17 +131,14 @@ def step_item(root: str, step: int, step_format: steps.StepFormat | None = None)
 
 def listed_steps(root: str, step_format: steps.StepFormat | None = None) -> steps.RunSteps:
     """The steps a resume chooses from: the CheckpointManager's committed steps with a UCP
-    item, else (none) those of a torch trainer's run root (``steps.trainer_steps``: a remote
-    one's too, read through its ``Storage``)."""
-    storage = store.storage_for(root)
-    no_manager = storage.local_path() is None and step_format is None  # a URL: none here
-    listed = steps.RunSteps([], []) if no_manager else steps.run_steps(root, step_format)
+    item, else (none) those of a torch trainer's run root (``steps.trainer_steps``, a URL's)."""
+    storage = store.storage_for(root)  # a URL holds no manager's steps: a trainer's only
+    remote = storage.local_path() is None and step_format is None
+    listed = steps.RunSteps([], []) if remote else steps.run_steps(root, step_format)
     if listed.steps or step_format is not None:
         return listed
-    trainer = steps.trainer_steps(storage)
-    if trainer is None or not trainer.steps:
-        return listed
-    return steps.RunSteps(trainer.steps, listed.notices + trainer.notices)
+    trainer = steps.trainer_steps(storage)  # None, or its steps (one at least)
+    return listed if trainer is None else steps.RunSteps(trainer.steps, listed.notices)
 
 
 def one_item(step: steps.Step) -> str:

@@ -138,8 +138,7 @@ def trainer_steps(root: Storage) -> RunSteps | None:
     """The steps of ``root`` as a torch trainer's run root (a Trainer's ``output_dir``,
     torchtitan's ``checkpoint/``, a DeepSpeed ``save_dir``, a Megatron or verl save root: what
     the importers list, ``registry.trainer_run``; a remote one listed once), newest first, each
-    step's ``problem`` why its save did not complete, its ``path`` the folder's path or URL; None
-    when ``root`` is no such root."""
+    step's ``problem`` why its save did not complete; None when ``root`` is no such root."""
     from jax_ucp._src.importers import registry  # the edge restoring -> importers
 
     with base.listed_once():
