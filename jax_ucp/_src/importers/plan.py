@@ -162,10 +162,10 @@ class Importer:
             layout around another format's checkpoint (verl's Megatron backend: megatron-core's
             ``dist_ckpt/``): that format's importer reads the folder, ``record`` joins its
             source record; None otherwise.
-        run: ``run(root)``: the steps of a run root of the trainers that save this layout
-            (a Trainer's ``checkpoint-N``, DeepSpeed's tags, ...) and which completed
-            (:mod:`~jax_ucp._src.importers.runs`); None when the path is no such root, or
-            the layout has none.
+        run: ``run(root)``: the steps of a run root (its ``Storage``, read through it) of the
+            trainers that save this layout (a Trainer's ``checkpoint-N``, DeepSpeed's tags,
+            ...) and which completed (:mod:`~jax_ucp._src.importers.runs`); None when it is no
+            such root, or the layout has none.
         model_names: whether the layout keys tensors by a torch model's ``state_dict()`` names
             (transformers' fused experts), not by the files' names a spec reads by default.
     """
@@ -179,7 +179,7 @@ class Importer:
     takes_over: tuple[str, ...] = ()
     given: Callable[[Storage], bool] | None = None
     hands_over: Callable[[Storage], tuple[str, Storage, dict[str, Any]] | None] | None = None
-    run: Callable[[str], TrainerRun | None] | None = None
+    run: Callable[[Storage], TrainerRun | None] | None = None
     model_names: bool = False
 
     def __post_init__(self):
