@@ -23,8 +23,9 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 @dataclasses.dataclass(frozen=True)
 class RunStep:
-    """One checkpoint of a run root: its ``step``, its folder ``path``, and ``problem``: why
-    its files show a save that did not complete (None: complete as far as they show)."""
+    """One checkpoint of a run root: its ``step``, its folder's ``path`` (a URL when the root
+    is remote), and ``problem``: why its files show a save that did not complete (None:
+    complete as far as they show)."""
 
     step: int
     path: str
