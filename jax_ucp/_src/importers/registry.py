@@ -109,7 +109,8 @@ _IN_PLACE += ("olmo_core", "torch_files")  # (read remotely through their Storag
 
 def _in_place(storage: Storage) -> bool:
     """Whether an importer of ``_IN_PLACE`` claims the remote ``storage`` (torchtune's folders
-    and safetensors beside a Trainer's files are read through a view)."""
+    are read through a view); its taker too (safetensors beside a Trainer's or Accelerate's
+    optimizer: ``hf_trainer``, :func:`taken_over`) reads it in place."""
     return any(IMPORTERS[name].detect(storage).found for name in _IN_PLACE)
 
 
