@@ -8,6 +8,7 @@ twice; the Megatron folders are read in place (no local view of the repo built).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import tempfile
@@ -239,3 +240,40 @@ def test_a_trainer_checkpoint_of_safetensors_weights_converts_in_place_as_its_lo
         read[r["path"]] += len(files[r["path"]]) if r["range"] is None else r["stop"] - r["start"]
     weights = [n for n in files if n.endswith(".safetensors")]
     assert 0 < sum(read[n] for n in weights) <= sum(len(files[n]) for n in weights) + 64
+
+
+@pytest.mark.torch  # transformers rebuilds the Trainer's parameter order
+def test_sharded_trainer_weights_and_an_adapter_alone_convert_in_place_as_their_local_folders(
+    hub_server, monkeypatch, tmp_path
+):
+    """A Trainer's ``checkpoint-N/`` whose safetensors are sharded (two shards and their
+    ``model.safetensors.index.json``), and a peft adapter's folder alone
+    (``adapter_model.safetensors`` + ``adapter_config.json``, no torch archive), in a Hub repo:
+    read through its ``Storage`` as the local folder is. Before: the first through a view, the
+    second refused (nothing a view shows)."""
+    served(monkeypatch)
+    monkeypatch.setattr(local_view, "local_view", no_view)
+    trainer = folder_files(os.path.join(FIXTURES, "hf_trainer", "trainer_fp32", "checkpoint-3"))
+    weights = safetensors.numpy.load(trainer.pop("model.safetensors"))
+    names = sorted(weights)
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+    for shard, held in shards.items():
+        trainer[shard] = safetensors.numpy.save({n: weights[n] for n in held})
+    index = {"metadata": {}, "weight_map": {n: s for s, held in shards.items() for n in held}}
+    trainer["model.safetensors.index.json"] = json.dumps(index).encode()
+    lora = folder_files(os.path.join(FIXTURES, "hf_trainer", "trainer_lora", "checkpoint-3"))
+    adapter = {n: lora[n] for n in ("adapter_model.safetensors", "adapter_config.json")}
+    for name, files in (("sharded", trainer), ("adapter", adapter)):
+        src = tmp_path / name
+        src.mkdir()
+        for file, data in files.items():
+            (src / file).write_bytes(data)
+        hub_server.add(f"org/{name}", files)
+        local = jax_ucp.convert(str(src), str(tmp_path / f"{name}-local"))
+        remote = jax_ucp.convert(f"hf://org/{name}", str(tmp_path / f"{name}-remote"))
+        assert_same(jax_ucp.restore(remote), jax_ucp.restore(local))
+        want, got = (dict(jax_ucp.inspect(p).source) for p in (local, remote))
+        assert got.pop("path").startswith(f"hf://org/{name}@") and want.pop("path") == str(src)
+        want.pop("certificate")  # a local import's (docs/HF.md)
+        assert got == want
+    assert got["framework"] == "safetensors" and want["files"] == ["adapter_model.safetensors"]

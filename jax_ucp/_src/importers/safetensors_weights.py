@@ -325,11 +325,10 @@ def open_remote(storage: Storage) -> tuple[Storage, dict[str, RemoteTensor], dic
     metadata: dict[str, str] = {}
     for name in names:
         got, meta = _remote_file(prefix, name)
+        if twice := sorted(set(got) & set(tensors)):
+            raise SourceError(f"{storage.root}: tensor {twice[0][:100]!r} is in two objects.")
+        tensors.update(got)
         metadata.update(meta)
-        for tensor, t in got.items():
-            if tensor in tensors:
-                raise SourceError(f"{storage.root}: tensor {tensor[:100]!r} is in two objects.")
-            tensors[tensor] = t
     return prefix, tensors, metadata
 
 
