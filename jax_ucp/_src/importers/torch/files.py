@@ -376,7 +376,7 @@ def _read_model_files(src: str, model_files: _Files):
     """The model files' tensors, ``{name: (tensor, file, source name)}``, with every tensor
     found, the non-tensor entries, and an optimizer state saved inside them with (its file,
     its source-name prefix). A name in two files is refused."""
-    model: dict[str, tuple[np.ndarray, str, str]] = {}  # name -> (tensor, file, source name)
+    model: dict[str, tuple[np.ndarray | RemoteTensor, str, str]] = {}  # -> (tensor, file, name)
     found: list[str] = []
     other: list[str] = []
     optimizer = optimizer_at = None
