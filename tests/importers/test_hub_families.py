@@ -8,6 +8,7 @@ twice; the Megatron folders are read in place (no local view of the repo built).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import tempfile
@@ -20,7 +21,7 @@ from jax.sharding import Mesh
 
 import jax_ucp
 from jax_ucp._src.store.storage import local_view
-from jax_ucp.conversion import ImportOptions
+from jax_ucp.conversion import ImportOptions, TorchOptions
 from tests.importers.deepspeed.test_object_store import assert_same, folder_files, served, size_of
 from tests.importers.torch.test_object_store import no_view
 from tests.restoring.test_remote_safetensors import _target
@@ -44,6 +45,7 @@ IN_PLACE = (
     "megatron/legacy_gpt_tp2pp2_synthetic",
 )
 RANGED = (*ARCHIVES, ".safetensors")
+TRAINER_CONFIG = os.path.join(FIXTURES, "hf_trainer", "trainer_fp32", "checkpoint-3", "config.json")
 
 
 @pytest.mark.parametrize(
@@ -196,3 +198,82 @@ def test_a_trainer_checkpoint_of_bin_weights_converts_in_place_as_its_local_fold
     assert got == want
     assert got["optimizer_keys"].startswith("parameter indices, in the Trainer's groups")
     assert got["trainer"]["global_step"] == 3
+
+
+@pytest.mark.torch  # transformers rebuilds the Trainer's parameter order
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("hf_trainer/trainer_fp32/checkpoint-3", {}),  # model.safetensors beside optimizer.pt
+        ("hf_trainer/trainer_fp32/checkpoint-3", {"weights_only": True}),  # the safetensors plan
+        # a peft adapter's adapter_model.safetensors, its order from the base model's config
+        ("hf_trainer/trainer_lora/checkpoint-3", {"model_config": TRAINER_CONFIG}),
+        ("accelerate/accelerate_named", {}),  # Accelerate's save_state: optimizer.bin beside
+    ],
+)
+def test_a_trainer_checkpoint_of_safetensors_weights_converts_in_place_as_its_local_folder(
+    hub_server, monkeypatch, tmp_path, name, options
+):
+    """A Trainer's ``checkpoint-N/`` (or Accelerate's ``save_state``) saving its weights as
+    safetensors, in a Hub repo, is read through its ``Storage``, no local view: values and source
+    record as the local folder's, its safetensors read by ranges (no byte twice) and the
+    optimizer's archive by ranges too. Before: read through a view of the repo."""
+    served(monkeypatch)
+    src = os.path.join(FIXTURES, name)
+    files = folder_files(src)
+    repo = "org/" + name.replace("/", "-")
+    hub_server.add(repo, files)
+    monkeypatch.setattr(local_view, "local_view", no_view)
+    importing = TorchOptions(**options)
+    local = jax_ucp.convert(src, str(tmp_path / "local"), importing=importing)
+    remote = jax_ucp.convert(f"hf://{repo}", str(tmp_path / "remote"), importing=importing)
+    assert_same(jax_ucp.restore(remote), jax_ucp.restore(local))
+    want, got = (dict(jax_ucp.inspect(p).source) for p in (local, remote))
+    assert got.pop("path").startswith(f"hf://{repo}@") and want.pop("path") == src
+    want.pop("certificate")  # a local import's (docs/HF.md)
+    assert got == want
+    gets = [r for r in hub_server.log if r["method"] == "GET" and r["path"] in files]
+    whole = [r["path"] for r in gets if r["range"] is None and r["path"].endswith(RANGED)]
+    assert not whole, f"read whole: {whole}"
+    read = {n: 0 for n in files}
+    for r in gets:
+        read[r["path"]] += len(files[r["path"]]) if r["range"] is None else r["stop"] - r["start"]
+    weights = [n for n in files if n.endswith(".safetensors")]
+    assert 0 < sum(read[n] for n in weights) <= sum(len(files[n]) for n in weights) + 64
+
+
+@pytest.mark.torch  # transformers rebuilds the Trainer's parameter order
+def test_sharded_trainer_weights_and_an_adapter_alone_convert_in_place_as_their_local_folders(
+    hub_server, monkeypatch, tmp_path
+):
+    """A Trainer's ``checkpoint-N/`` whose safetensors are sharded (two shards and their
+    ``model.safetensors.index.json``), and a peft adapter's folder alone
+    (``adapter_model.safetensors`` + ``adapter_config.json``, no torch archive), in a Hub repo:
+    read through its ``Storage`` as the local folder is. Before: the first through a view, the
+    second refused (nothing a view shows)."""
+    served(monkeypatch)
+    monkeypatch.setattr(local_view, "local_view", no_view)
+    trainer = folder_files(os.path.join(FIXTURES, "hf_trainer", "trainer_fp32", "checkpoint-3"))
+    weights = safetensors.numpy.load(trainer.pop("model.safetensors"))
+    names = sorted(weights)
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+    for shard, held in shards.items():
+        trainer[shard] = safetensors.numpy.save({n: weights[n] for n in held})
+    index = {"metadata": {}, "weight_map": {n: s for s, held in shards.items() for n in held}}
+    trainer["model.safetensors.index.json"] = json.dumps(index).encode()
+    lora = folder_files(os.path.join(FIXTURES, "hf_trainer", "trainer_lora", "checkpoint-3"))
+    adapter = {n: lora[n] for n in ("adapter_model.safetensors", "adapter_config.json")}
+    for name, files in (("sharded", trainer), ("adapter", adapter)):
+        src = tmp_path / name
+        src.mkdir()
+        for file, data in files.items():
+            (src / file).write_bytes(data)
+        hub_server.add(f"org/{name}", files)
+        local = jax_ucp.convert(str(src), str(tmp_path / f"{name}-local"))
+        remote = jax_ucp.convert(f"hf://org/{name}", str(tmp_path / f"{name}-remote"))
+        assert_same(jax_ucp.restore(remote), jax_ucp.restore(local))
+        want, got = (dict(jax_ucp.inspect(p).source) for p in (local, remote))
+        assert got.pop("path").startswith(f"hf://org/{name}@") and want.pop("path") == str(src)
+        want.pop("certificate")  # a local import's (docs/HF.md)
+        assert got == want
+    assert got["framework"] == "safetensors" and want["files"] == ["adapter_model.safetensors"]

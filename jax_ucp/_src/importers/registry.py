@@ -109,8 +109,9 @@ _IN_PLACE += ("olmo_core", "torch_files")  # (read remotely through their Storag
 
 def _in_place(storage: Storage) -> bool:
     """Whether an importer of ``_IN_PLACE`` claims the remote ``storage`` (torchtune's folders
-    and safetensors beside a Trainer's files are read through a view), or it is a run root of
-    checkpoints (``trainer_run``: its steps named by their URLs)."""
+    are read through a view; safetensors beside a Trainer's optimizer are taken over by
+    ``hf_trainer`` in place), or it is a run root of checkpoints (``trainer_run``: its steps
+    named by their URLs)."""
     found = any(IMPORTERS[name].detect(storage).found for name in _IN_PLACE)
     return found or trainer_run(storage) is not None
 

@@ -44,10 +44,12 @@ from jax_ucp._src.torchfiles import dcp_safetensors
 __all__ = [
     "TEXT_MODELS",
     "RemoteTensor",
+    "file_tensors",
     "holds_remote",
     "open_remote",
     "plan_safetensors",
     "text_model",
+    "weight_files",
 ]
 
 _LANGUAGE_MODEL = {"model.language_model.": "model.", "lm_head.": "lm_head."}
@@ -143,29 +145,7 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
     ):
         config = read_json(path)
     named = _with_config(source, config, {n: owner[n].header[n][1] for n in names})
-    # a Trainer's optimizer.pt (Accelerate's optimizer.bin) in the folder would be lost without a
-    # word if the weights were imported alone; a file given by its own path is that file only
-    beside = ("optimizer.pt", "optimizer.bin") if os.path.isdir(src) else ()
-    trainer_state = next((p for n in beside if os.path.lexists(p := os.path.join(src, n))), None)
-    if trainer_state is not None:
-        optimizer_file = os.path.basename(trainer_state)
-        trainer = optimizer_file == "optimizer.pt"
-        writer_name = "Hugging Face Trainer" if trainer else "Accelerate save_state"
-        if not weights_only:
-            raise SourceError(
-                f"{trainer_state}: {'a' if trainer else 'an'} {writer_name} "
-                f"{'checkpoint' if trainer else 'folder'}; its "
-                f"torch optimizer state ({optimizer_file}, keyed by parameter index) is not "
-                f"imported. To import the model weights without it: convert(..., "
-                f"importing=ImportOptions(weights_only=True)) / jax-ucp convert --weights-only"
-            )
-        # not opened (it is not read): accounted for as one unit
-        skip(source, [optimizer_file], f"weights_only: {writer_name}'s torch optimizer state")
-        found.append(optimizer_file)
-    adapters = adapter_beside_model(src)  # LoRA / peft adapter files: listed, never ignored
-    for name, why in adapters.items():
-        skip(source, [name], why)
-        found.append(name)
+    _beside(storage if os.path.isdir(src) else None, source, found, weights_only)
     mine = share.pick(sorted(named))
     items = (
         host_item(
@@ -176,6 +156,35 @@ def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
         for n, s in ((n, named[n]) for n in mine)
     )
     return ImportPlan(items, source, len(mine), source_tensors=found)
+
+
+def _beside(folder: Storage | None, source: dict, found: list[str], weights_only: bool) -> None:
+    """A Trainer's ``optimizer.pt`` (Accelerate's ``optimizer.bin``) in ``folder`` would be lost
+    without a word if the weights were imported alone: refused, or with ``weights_only`` listed
+    in ``source.skipped``, unread; LoRA / peft adapter files beside the model listed, never
+    ignored (each appended to ``found``). ``folder`` None: a file given by its own path or URL,
+    that file only."""
+    if folder is None:
+        return
+    beside = [n for n in ("optimizer.pt", "optimizer.bin") if n in folder.names()]
+    if beside:
+        optimizer_file = beside[0]
+        trainer = optimizer_file == "optimizer.pt"
+        writer_name = "Hugging Face Trainer" if trainer else "Accelerate save_state"
+        if not weights_only:
+            raise SourceError(
+                f"{folder.join(optimizer_file)}: {'a' if trainer else 'an'} {writer_name} "
+                f"{'checkpoint' if trainer else 'folder'}; its "
+                f"torch optimizer state ({optimizer_file}, keyed by parameter index) is not "
+                f"imported. To import the model weights without it: convert(..., "
+                f"importing=ImportOptions(weights_only=True)) / jax-ucp convert --weights-only"
+            )
+        # not opened (it is not read): accounted for as one unit
+        skip(source, [optimizer_file], f"weights_only: {writer_name}'s torch optimizer state")
+        found.append(optimizer_file)
+    for name, why in adapter_beside_model(folder).items():
+        skip(source, [name], why)
+        found.append(name)
 
 
 def _with_config(source: dict, config, shapes: dict[str, list[int]]) -> dict[str, str]:
@@ -211,6 +220,8 @@ def _plan_remote(storage: Storage, options: ImportOptions) -> ImportPlan:
     raw = None if single else prefix.read(CONFIG_FILE, MAX_JSON_BYTES)
     config = None if raw is None else files.strict_json(raw, prefix.join(CONFIG_FILE))
     named = _with_config(source, config, {n: list(tensors[n].shape) for n in names})
+    found = list(names)
+    _beside(None if single else prefix, source, found, options.weights_only)
 
     def deferred(t: RemoteTensor) -> writer.Deferred:
         rows = t.shape[0] if t.shape else 1
@@ -227,7 +238,7 @@ def _plan_remote(storage: Storage, options: ImportOptions) -> ImportPlan:
         host_item(("params", n), deferred(tensors[s]), {"file": tensors[s].shown, "tensors": [s]})
         for n, s in ((n, named[n]) for n in mine)
     )
-    return ImportPlan(items, source, len(mine), source_tensors=names)
+    return ImportPlan(items, source, len(mine), source_tensors=found)
 
 
 def holds_remote(prefix: Storage) -> bool:
@@ -313,13 +324,46 @@ def open_remote(storage: Storage) -> tuple[Storage, dict[str, RemoteTensor], dic
     tensors: dict[str, RemoteTensor] = {}
     metadata: dict[str, str] = {}
     for name in names:
-        file = prefix.reader(name)
-        parsed = safetensors.SafetensorsFile.read_from(file.shown, file)
-        metadata.update((k, v) for k, v in parsed.metadata.items() if isinstance(v, str))
-        for tensor, (dtype, shape, begin, _) in parsed.header.items():
-            if tensor in tensors:
-                raise SourceError(f"{storage.root}: tensor {tensor[:100]!r} is in two objects.")
-            tensors[tensor] = RemoteTensor(
-                file, tensor, np.dtype(dtype), tuple(shape), parsed.data_start + begin
-            )
+        got, meta = _remote_file(prefix, name)
+        if twice := sorted(set(got) & set(tensors)):
+            raise SourceError(f"{storage.root}: tensor {twice[0][:100]!r} is in two objects.")
+        tensors.update(got)
+        metadata.update(meta)
     return prefix, tensors, metadata
+
+
+def _remote_file(prefix: Storage, name: str) -> tuple[dict[str, RemoteTensor], dict[str, str]]:
+    """(each tensor, the str ``__metadata__``) of object ``name`` of ``prefix``, its header
+    checked; no tensor's bytes read."""
+    file = prefix.reader(name)
+    parsed = safetensors.SafetensorsFile.read_from(file.shown, file)
+    tensors = {
+        tensor: RemoteTensor(file, tensor, np.dtype(dtype), tuple(shape), parsed.data_start + b)
+        for tensor, (dtype, shape, b, _) in parsed.header.items()
+    }
+    return tensors, {k: v for k, v in parsed.metadata.items() if isinstance(v, str)}
+
+
+def weight_files(folder: Storage) -> dict[str, tuple[Storage, str]]:
+    """{path or URL: (storage, name) it is read at} of the safetensors weights ``folder`` holds
+    (its index's shards, else its one file: ``format.safetensors.shard_files``, an object store's
+    or Hub repo's by the same rules); {} when it holds none (or torch DCP's rank pieces)."""
+    local = folder.local_path()
+    if local is not None:
+        paths = safetensors.shard_files(local) if safetensors.is_safetensors(local) else []
+        return {p: (folder, os.path.basename(p)) for p in paths}
+    if not holds_remote(folder):
+        return {}
+    prefix, names = _objects(folder)
+    return {prefix.join(n): (prefix, n) for n in names}
+
+
+def file_tensors(folder: Storage, name: str) -> dict[str, np.ndarray | RemoteTensor]:
+    """Each tensor of safetensors file ``name`` of ``folder`` (:func:`weight_files`), its header
+    checked: a read-only view of a local file's map (read with ``pread``), else its rows read by
+    ranges when written (:class:`RemoteTensor`)."""
+    local = folder.local_path()
+    if local is None:
+        return dict(_remote_file(folder, name)[0])
+    f = safetensors.SafetensorsFile(os.path.join(local, name))
+    return {n: f.tensor(n) for n in f.header}

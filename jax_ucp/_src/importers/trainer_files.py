@@ -209,14 +209,11 @@ def adapter_record(storage: Storage) -> dict[str, Any]:
     return got[0] if got is not None and isinstance(got[0], dict) else {}
 
 
-def adapter_beside_model(folder: str | Storage) -> dict[str, str]:
+def adapter_beside_model(storage: Storage) -> dict[str, str]:
     """{file: why skipped} of the LoRA / peft adapter files in a folder that also holds a full
     model's weights (:data:`MODEL_WEIGHTS`): the full model is imported, the adapter (its own
     parameters, not the model's) is listed, never read. {} for an adapter checkpoint, whose
     adapter is what is imported."""
-    if isinstance(folder, str) and not os.path.isdir(folder):
-        return {}
-    storage = LocalDirectory(folder) if isinstance(folder, str) else folder
     if not _holds_model(storage):
         return {}
     return {

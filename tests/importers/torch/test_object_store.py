@@ -1,7 +1,7 @@
-"""torch.save files, a folder of them, torchtune's and torch_checkpointing's folders in an object
-store (``s3://`` on the local moto server) restore onto a mesh as the local ones do, their archives
-read by ranged GETs through a local view of the prefix (tests/importers/deepspeed/
-test_object_store.py has the DeepSpeed folders and the errors)."""
+"""torch.save files, a folder of them, Accelerate's safetensors beside ``optimizer.bin``,
+torchtune's and torch_checkpointing's folders in an object store (``s3://`` on the local moto
+server) restore onto a mesh as the local ones do, their archives read by ranged GETs
+(tests/importers/deepspeed/test_object_store.py has the DeepSpeed folders and the errors)."""
 
 from __future__ import annotations
 
@@ -36,14 +36,16 @@ FIXTURES = os.path.join(REPO, "tests", "fixtures")
         ("torch/lightning.ckpt", {}),
         ("torch/hf_bin_sharded", {}),  # pytorch_model-0000N-of-00002.bin + their index
         ("torch/accelerate_full", {}),  # pytorch_model_fsdp.bin + optimizer.bin
+        ("accelerate/accelerate_named", {}),  # model.safetensors + optimizer.bin (by name)
         ("torchtune/tt_fp32", {"importing": ImportOptions(weights_only=True)}),
     ],
 )
 def test_torch_sources_in_an_object_store_restore_as_the_local_ones(
     s3_server, monkeypatch, name, options
 ):
-    """torch.save files and folders of them are read through their Storage (no local view)."""
-    if name.startswith("torch/"):
+    """torch.save files and folders of them, and safetensors weights beside a torch optimizer,
+    are read through their Storage (no local view)."""
+    if not name.startswith("torchtune/"):
         monkeypatch.setattr(local_view, "local_view", no_view)
     url = served(monkeypatch, s3_server)
     restores_as_local(os.path.join(FIXTURES, name), url, **options)

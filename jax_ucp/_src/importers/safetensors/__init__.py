@@ -24,18 +24,13 @@ from jax_ucp._src.store.storage import Storage
 
 __all__ = ["detect", "plan"]
 
-#: a run's state beside remote weights: read through a local view of the folder instead
-_RUN_STATE = ("optimizer", "scheduler", "adapter_", "trainer_state", "rng_state")
-
 
 def detect(storage: Storage) -> Detection:
     """Whether ``src`` is a ``.safetensors`` file or a folder of them (with or without the
     index), from names and headers' lengths only. A folder is a weak claim: DeepSpeed,
     Megatron, Orbax and torch DCP folders may hold safetensors too."""
     src = storage.root
-    if holds_remote(storage) and not any(  # weights alone: read in place by ranges
-        n.rpartition("/")[2].startswith(_RUN_STATE) for n in storage.names()
-    ):
+    if holds_remote(storage):  # read in place by ranges (a Trainer's folder: by hf_trainer)
         return Detection(True, "Hugging Face safetensors (read by ranges)", weak=True)
     if os.path.isfile(src):
         if src.endswith(".safetensors"):

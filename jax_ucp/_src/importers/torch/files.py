@@ -31,6 +31,7 @@ from jax_ucp._src.format import files, safetensors
 from jax_ucp._src.format.safetensors import first_tensors, weight_map_of
 from jax_ucp._src.importers import trainer_files
 from jax_ucp._src.importers.plan import Detection, ImportPlan, refuse_spec, tensor_names
+from jax_ucp._src.importers.safetensors_weights import RemoteTensor, file_tensors, weight_files
 from jax_ucp._src.importers.torch import hf_trainer
 from jax_ucp._src.importers.torch.options import TorchOptions
 from jax_ucp._src.importers.torch_state import (
@@ -145,9 +146,9 @@ def _files_of(
         raise SourceError(f"{src}: several model files ({', '.join(found)}); pass one")
     if found:
         return {storage.join(found[0]): _inside(storage, found[0], src)}, optimizer
-    if optimizer is not None and safetensors.is_safetensors(src):
-        # a Trainer checkpoint-N/ or Accelerate save_state folder: safetensors weights
-        return _paths(safetensors.shard_files(src)), optimizer
+    weights = {} if optimizer is None else weight_files(storage)
+    if weights:  # a Trainer checkpoint-N/ or Accelerate save_state folder: safetensors weights
+        return weights, optimizer
     single = _single_file(storage, names)
     if single is not None:
         return {storage.join(single): _inside(storage, single, src)}, None
@@ -155,11 +156,6 @@ def _files_of(
         f"{src}: no {INDEX_FILE}, {', '.join(MODEL_FILES)} or single torch.save file "
         f"({'/'.join(SUFFIXES)})"
     )
-
-
-def _paths(paths: list[str]) -> _Files:
-    """Local files (safetensors weights, read at their paths) as :data:`_Files`."""
-    return {p: (LocalDirectory(os.path.dirname(p)), os.path.basename(p)) for p in paths}
 
 
 def _weight_map(storage: Storage) -> dict[str, str]:
@@ -365,9 +361,8 @@ def _add_base(storage: Storage, base: str, model: dict, found: list[str]) -> Non
         raise RequestError(f"{src}: base_model= is for a peft adapter checkpoint's folder")
     if not os.path.isdir(base):
         raise SourceError(f"base_model={base}: not a folder of the base model's weights")
-    weights = _paths(safetensors.shard_files(base) if safetensors.is_safetensors(base) else [])
     folder = LocalDirectory(base)
-    weights = weights or _files_of(folder, None, _top(folder))[0]
+    weights = weight_files(folder) or _files_of(folder, None, _top(folder))[0]
     tensors, base_found, *_ = _read_model_files(base, weights)
     clash = sorted(set(tensors) & set(model))
     if clash:
@@ -381,15 +376,14 @@ def _read_model_files(src: str, model_files: _Files):
     """The model files' tensors, ``{name: (tensor, file, source name)}``, with every tensor
     found, the non-tensor entries, and an optimizer state saved inside them with (its file,
     its source-name prefix). A name in two files is refused."""
-    model: dict[str, tuple[np.ndarray, str, str]] = {}  # name -> (tensor, file, source name)
+    model: dict[str, tuple[np.ndarray | RemoteTensor, str, str]] = {}  # -> (tensor, file, name)
     found: list[str] = []
     other: list[str] = []
     optimizer = optimizer_at = None
     for path, at in model_files.items():
         base = os.path.basename(path)
         if path.endswith(".safetensors"):
-            f = safetensors.SafetensorsFile(path)  # read-only views of its map
-            sd, prefix = {name: f.tensor(name) for name in f.header}, f"{base}:"
+            sd, prefix = file_tensors(*at), f"{base}:"  # views of a map, or read by ranges
             found += [f"{base}:{n}" for n in sd]
         else:
             obj = torch_zip.load_torch_file(at)
@@ -402,7 +396,7 @@ def _read_model_files(src: str, model_files: _Files):
         for name, value in sd.items():
             if not isinstance(name, str):
                 raise SourceError(f"{path}: state dict key {name!r} is not a string")
-            if not isinstance(value, np.ndarray):
+            if not isinstance(value, np.ndarray | RemoteTensor):
                 continue  # a nested object's tensors are accounted as skipped below
             if name in model:
                 raise SourceError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
@@ -443,13 +437,19 @@ def _has_tensors(value: Any) -> bool:
     return next(iter(tensor_names(value)), None) is not None
 
 
-def _ref(value: np.ndarray, path: str, name: str) -> TensorRef:
+def _ref(value: np.ndarray | RemoteTensor, path: str, name: str) -> TensorRef:
+    where = {"format": "torch_files", "file": os.path.basename(path)}
+    if isinstance(value, RemoteTensor):  # its rows read by ranges as they are written
+        rows, count = (value.rows, value.shape[0]) if value.shape else (None, 1)
+        read = lambda: value.rows(0, count).reshape(value.shape)
+        identity = (value.shown, value.offset, value.shape, value.dtype.str)
+        return TensorRef(name, value.shape, value.dtype, read, where, identity, rows)
     return TensorRef(
         name,
         tuple(value.shape),
         value.dtype,
         lambda: value,
-        {"format": "torch_files", "file": os.path.basename(path)},
+        where,
         # where its bytes are: tied tensors are views of one storage
         identity=(
             value.__array_interface__["data"][0],

@@ -301,7 +301,7 @@ def check_base_model(src: Storage, base: str, weights: dict, adapter: dict) -> N
         _check_prompt_sizes(settings, adapter_path, config, config_path)
     for name, (value, file, _) in adapter.items():
         lora = _LORA_SIDE.match(name)
-        if lora is None or np.ndim(value) != 2:
+        if lora is None or len(np.shape(value)) != 2:
             continue
         target = f"{lora.group(1)}.weight"
         if target not in weights:
