@@ -82,6 +82,11 @@ class RandomAccess(abc.ABC):
         as ``done(i, data)``: ``into`` filled (writable bytes), else a view valid during the call;
         the file missing or ending before a piece ends is a ``RangeError``."""
 
+    @abc.abstractmethod
+    def size(self, at_least: int) -> int:
+        """The file's size in bytes, or ``at_least`` when it holds that many at least (one
+        request spared); -1 when there is no such file."""
+
     def holds(self, size: int) -> bool:
         """Whether the file has at least ``size`` bytes (one byte read just before it)."""
         try:
@@ -107,6 +112,17 @@ class LocalFile(RandomAccess):
             return bytes(out[: mapped_file.preadv_full(fd, [out], offset)])
         finally:
             os.close(fd)
+
+    def size(self, at_least: int) -> int:
+        """Its size by ``stat`` (a FIFO or a device refused: ``UnsafeFileError``; a link to
+        nothing: ``RangeError``)."""
+        if not os.path.lexists(self.shown):
+            return -1
+        try:
+            files.check_regular(self.shown)
+            return os.stat(self.shown).st_size
+        except FileNotFoundError:
+            raise RangeError(f"{self.shown}: dangling link") from None
 
     def read_into(self, pieces: Sequence[Piece], done: Callable[[int, memoryview], None]) -> None:
         """One ``preadv`` a piece, into ``into`` or this thread's scratch buffer."""
@@ -136,7 +152,11 @@ class RangedObject(RandomAccess):
 
     def __init__(self, storage: Storage, name: str):
         self.kv, self.key = opened(storage, name)
-        self.shown = storage.join(name)
+        self.shown, self._at = storage.join(name), (storage, name)
+
+    def size(self, at_least: int) -> int:
+        """``object_size``: a GET of byte ``at_least - 1``, its answer's size when shorter."""
+        return object_size(*self._at, at_least)
 
     def read(self, offset: int, n: int) -> bytes | None:
         try:
