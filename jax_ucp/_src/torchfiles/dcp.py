@@ -729,9 +729,7 @@ def _storage_ref(
     return rp, cast(int, bo), cast(int, bl), tuple(trs)  # checked by _is_count above
 
 
-def _dims(
-    mfile: str, name: str, what: str, value: Any, rank: int | None = None
-) -> tuple[int, ...]:
+def _dims(mfile: str, name: str, what: str, value: Any, rank: int | None = None) -> tuple[int, ...]:
     """A shape / offsets / sizes field: non-negative ints (torch's int64), ``rank`` of them."""
     if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value):
         raise SourceError(
@@ -779,9 +777,7 @@ def _storage_by_fqn(storage: dict[Any, Any], mfile: str) -> dict[str, dict[Any, 
     return by_fqn
 
 
-def _tensor_entry(
-    name: str, m: Any, mfile: str, by_fqn: dict[str, dict[Any, Any]]
-) -> DcpTensor:
+def _tensor_entry(name: str, m: Any, mfile: str, by_fqn: dict[str, dict[Any, Any]]) -> DcpTensor:
     """One ``TensorStorageMetadata``: its shape, dtype and chunks, each with its storage entry."""
     shape = _dims(mfile, name, "size", getattr(m, "size", None))
     dt = _dtype_of(getattr(m, "properties", None), name, mfile)
