@@ -25,7 +25,7 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
-from jax_ucp._src.store.storage import Storage, ranged, storage_for
+from jax_ucp._src.store.storage import LocalDirectory, Storage, ranged
 from jax_ucp._src.torchfiles import allow_list, dcp_transforms, torch_zip
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
 from jax_ucp._src.torchfiles.pickle_format import (
@@ -131,9 +131,10 @@ MAX_OBJECT_BYTES = 256 << 20
 
 
 def folder(path: os.PathLike | str | Storage) -> Storage:
-    """The ``Storage`` of the DCP folder ``path`` (a ``Storage`` as it is), every file of it
-    read through it (``Storage.reader``: ``pread`` locally, ranged GETs of an object)."""
-    return storage_for(path)
+    """The ``Storage`` of the DCP folder ``path`` (a local folder's path; a ``Storage`` as it
+    is), every file of it read through it (``Storage.reader``: ``pread`` locally, ranged GETs
+    of an object)."""
+    return path if isinstance(path, Storage) else LocalDirectory(os.fspath(path))
 
 
 def shown(storage: Storage, *names: str) -> str:

@@ -126,8 +126,8 @@ class Storage(abc.ABC):
         raise NotImplementedError(f"{self!r} has no local files ({what}: {name})")
 
     def reader(self, name: str, what: str = "") -> RandomAccess:
-        """File ``name`` read at any offset (``ranged``: one GET a range; locally ``pread``,
-        refused unless inside ``root``: ``what`` says where ``name`` was read, for that error)."""
+        """File ``name`` read at any offset (``ranged``: one GET a range; locally ``pread``;
+        ``what``: where ``name`` was read, for the error refusing it)."""
         return RangedObject(self, name)
 
     def mapped(
