@@ -98,17 +98,17 @@ def _dirs(storage: Storage, names: set[str]) -> list[str]:
     return [d for d in subs if _ACCELERATE_DIR.match(d) and _holds(storage, names, d, ".metadata")]
 
 
-def _holds(storage: Storage, names: set[str], folder: str, name: str) -> bool:
+def _holds(storage: Storage, names: set[str], folder: str, name: str, out: bool = True) -> bool:
     """Whether ``folder`` ("": ``storage`` itself) holds file ``name``: by the listing ``names``
     (a remote prefix's lists nested names), else asked of a folder it lists (a directory's
-    lists its entries); a folder linked out of the checkpoint: yes (its plan refuses it)."""
+    lists its entries); ``out`` for a folder linked out of the checkpoint (its plan refuses it)."""
     path = f"{folder}/{name}" if folder else name
     if path in names or not folder or folder not in names:
         return path in names
     try:
         return storage.exists(path)
     except files.UnsafeFileError:
-        return True
+        return out
 
 
 def is_torch_dcp(storage: Storage) -> bool:
@@ -118,9 +118,8 @@ def is_torch_dcp(storage: Storage) -> bool:
     except OSError:  # a file, or nothing
         return False
     dirs = _dirs(storage, names)
-    return bool(dirs) and not any(
-        _holds(storage, names, d, f) for d in dirs for f in MEGATRON_FILES
-    )
+    megatron = (_holds(storage, names, d, f, out=False) for d in dirs for f in MEGATRON_FILES)
+    return bool(dirs) and not any(megatron)
 
 
 def detect(storage: Storage) -> Detection:
