@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2272,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17352,
+    "importers": 17351,
     "language": 3231,
     "models": 2625,
     "multihost": 839,
@@ -26,14 +26,14 @@ CEILINGS = {
     "restoring": 5023,
     "saving": 969,
     "sharding": 707,
-    "store": 3730,
-    "torchfiles": 3173,
+    "store": 3741,
+    "torchfiles": 3114,
     "writer": 1674,
     "modules": 4726,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 54078
+TOTAL = 54029
 
 
 def _lines(paths) -> int:

@@ -322,7 +322,7 @@ def test_region_reads_equal_slices_of_the_whole_tensor(tmp_path, monkeypatch):
                     length = f.write(part.tobytes())
                 chunks.append(DcpChunk(tuple(offsets), tuple(sizes), "__0_0.distcp", at, length))
         t = DcpTensor("w", shape, np.dtype(np.float32), tuple(chunks))
-        ck = dcp.DcpCheckpoint(tmp_path, {"w": t}, {})
+        ck = dcp.DcpCheckpoint(dcp.folder(tmp_path), {"w": t}, {})
         for _ in range(20):
             dests = []
             for _ in range(int(rng.integers(1, 4))):
@@ -366,7 +366,9 @@ def test_region_reads_of_a_whole_archive_chunk_check_its_crc_without_a_copy(tmp_
     with open(tmp_path / "__0_0.distcp", "wb") as f:
         length = torch_zip.write_torch_save(f, array=whole)
     chunk = DcpChunk((0, 0), (6, 8), "__0_0.distcp", 0, length)
-    ck = dcp.DcpCheckpoint(tmp_path, {"w": DcpTensor("w", (6, 8), whole.dtype, (chunk,))}, {})
+    ck = dcp.DcpCheckpoint(
+        dcp.folder(tmp_path), {"w": DcpTensor("w", (6, 8), whole.dtype, (chunk,))}, {}
+    )
     monkeypatch.setattr(ck, "read_chunk", None)  # the whole chunk is never read
 
     def read() -> np.ndarray:

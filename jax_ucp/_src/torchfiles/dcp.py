@@ -18,7 +18,6 @@ import os
 import posixpath
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -26,7 +25,7 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
-from jax_ucp._src.store.storage import Storage, ranged, sparse
+from jax_ucp._src.store.storage import LocalDirectory, Storage, ranged
 from jax_ucp._src.torchfiles import allow_list, dcp_transforms, torch_zip
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
 from jax_ucp._src.torchfiles.pickle_format import (
@@ -131,43 +130,16 @@ MAX_OBJECT_BYTES = 256 << 20
 # ----------------------------------------------------------------- typed view of the metadata
 
 
-class ObjectPath(str):
-    """A DCP folder (or a file of it) in an object store or a Hub repo: its URL, for messages;
-    read by ranged GETs only, as object ``key`` of ``storage`` (the one medium the read chose:
-    a Hub repo's commit listed once)."""
-
-    storage: Storage
-    key: str
-
-    def __new__(cls, url: str, where: Storage, key: str = "") -> ObjectPath:
-        self = super().__new__(cls, url.rstrip("/"))
-        self.storage, self.key = where, key.strip("/")
-        return self
-
-    def __reduce__(self):  # copied (and pickled, where its storage is) with its storage
-        return ObjectPath, (str(self), self.storage, self.key)
-
-    def __truediv__(self, name: str) -> ObjectPath:
-        key = f"{self.key}/{name}" if self.key else name
-        return ObjectPath(f"{self}/{name}", self.storage, key)
-
-    @property
-    def name(self) -> str:
-        return self.rpartition("/")[2]
+def folder(path: os.PathLike | str | Storage) -> Storage:
+    """The ``Storage`` of the DCP folder ``path`` (a local folder's path; a ``Storage`` as it
+    is), every file of it read through it (``Storage.reader``: ``pread`` locally, ranged GETs
+    of an object)."""
+    return path if isinstance(path, Storage) else LocalDirectory(os.fspath(path))
 
 
-def folder(path: os.PathLike | str | Storage) -> Path | ObjectPath:
-    """``path`` as the reader holds it: a folder's ``Storage``, or a folder of a remote source's
-    local view (``sparse.stored_at``: empty DCP files), as an :class:`ObjectPath` (ranges)."""
-    if isinstance(path, ObjectPath):
-        return path
-    if isinstance(path, Storage):
-        return ObjectPath(path.root, path)
-    viewed = sparse.stored_at(path)
-    if viewed is None:
-        return Path(path)
-    where, key = viewed
-    return ObjectPath("/".join(p for p in (where.root.rstrip("/"), key) if p), where, key)
+def shown(storage: Storage, *names: str) -> str:
+    """The folder ``storage`` (or its file ``names``) as messages name it: as given."""
+    return "/".join([storage.root.rstrip("/"), *names]) if names else storage.root.rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -211,7 +183,7 @@ class DcpObject:
 class DcpCheckpoint:
     """A parsed, checked ``.metadata``: tensors, pickled objects and the torch version."""
 
-    path: Path | ObjectPath
+    storage: Storage  # the folder, every file read through it (``Storage.reader``)
     tensors: dict[str, DcpTensor]
     objects: dict[str, DcpObject]
     version: str | None = None
@@ -223,28 +195,22 @@ class DcpCheckpoint:
     #: records it (``{"model": {"a.b": t}}``: ``model.a.b`` -> ``model``); {} where it is silent
     tops: dict[str, str] = field(default_factory=dict)
     _covered: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
-    _real: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
-    #: objects (an :class:`ObjectPath`'s) found to hold at least this many bytes: probed once
+    _readers: dict[str, ranged.RandomAccess] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    #: files found to hold at least this many bytes: probed once
     _long: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def file_path(self, name: str) -> str:
-        """The real path of storage file ``name``, refused unless it lies inside the folder."""
-        if isinstance(self.path, ObjectPath):
-            return self.path / name  # a plain name (checked in _storage_ref): no link to follow
-        real = self._real.get(name)
-        if real is None:
-            try:
-                real = files.inside(self.path, name, f"{self.path / METADATA_FILE}: storage file")
-            except files.UnsafeFileError as e:
-                raise SourceError(str(e)) from None
-            self._real[name] = real
-        return real
+    @property
+    def path(self) -> str:
+        """The folder, for messages (its path or URL as given)."""
+        return shown(self.storage)
 
     @property
     def index(self) -> str:
         """What records the chunks, for errors: ``.metadata``, or the safetensors files."""
         if self.layout == "dcp":
-            return str(self.path / METADATA_FILE)
+            return shown(self.storage, METADATA_FILE)
         return f"{self.path} (DCP_SHARDING_INFO of its .safetensors files)"
 
     def check_tensor(self, name: str) -> None:
@@ -372,14 +338,19 @@ class DcpCheckpoint:
         return m if ends or raw.size <= 2 * EDGE else None
 
     def _where(self, t: DcpTensor, c: DcpChunk) -> str:
-        return f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
+        where = shown(self.storage, c.file)
+        return f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {where}"
 
     def _reader(self, name: str) -> ranged.RandomAccess:
-        """Storage file ``name`` read at any offset, locally inside the folder only."""
-        if isinstance(self.path, ObjectPath):
-            obj = self.path / name
-            return obj.storage.reader(obj.key)
-        return ranged.LocalFile(self.file_path(name))
+        """Storage file ``name`` read at any offset (made once), inside the folder only."""
+        reader = self._readers.get(name)
+        if reader is None:
+            try:
+                reader = self.storage.reader(name, what=f"{self.index}: storage file")
+            except files.UnsafeFileError as e:
+                raise SourceError(str(e)) from None
+            self._readers[name] = reader
+        return reader
 
     def _entry_bytes(
         self, e: DcpChunk | DcpObject, budget: int, where: str
@@ -414,7 +385,7 @@ class DcpCheckpoint:
     def read_object(self, name: str, extra_classes=None) -> Any:
         """Unpickle a ShardedObject payload (restricted; unknown classes are refused)."""
         o = self.objects[name]
-        where = f"object {name!r} in {self.path / o.file}"
+        where = f"object {name!r} in {shown(self.storage, o.file)}"
         fpath, raw = self._entry_bytes(o, MAX_OBJECT_BYTES, where)
         obj, _ = _load_embedded(raw, f"{fpath}@{o.byte_offset}", where, extra_classes=extra_classes)
         return obj
@@ -432,29 +403,21 @@ class DcpCheckpoint:
         for _, file, end in entries:
             ends[file] = max(end, ends.get(file, 0))
         for name, file, end in entries:
-            if file not in sizes and isinstance(self.path, ObjectPath):
-                if self._long.get(file, -1) < ends[file]:
-                    obj = self.path / file  # at least ends[file] bytes, else its size
-                    self._long[file] = ranged.object_size(obj.storage, obj.key, ends[file])
-                sizes[file] = self._long[file]
-            if file not in sizes:
-                p = Path(self.file_path(file))
-                if os.path.lexists(p):
-                    try:
-                        files.check_regular(str(p))
-                    except (files.UnsafeFileError, FileNotFoundError) as e:
-                        what = e if isinstance(e, files.UnsafeFileError) else f"{p}: dangling link"
-                        raise SourceError(f"tensor {name!r}: shard {what}") from None
-                sizes[file] = p.stat().st_size if p.is_file() else -1
+            if file not in sizes and self._long.get(file, -1) < ends[file]:
+                try:  # at least ends[file] bytes, else its size (-1: none)
+                    self._long[file] = self._reader(file).size(ends[file])
+                except (files.UnsafeFileError, ranged.RangeError) as e:
+                    raise SourceError(f"tensor {name!r}: shard {e}") from None
+            sizes[file] = self._long[file]
             if sizes[file] < 0:
                 raise SourceError(
-                    f"tensor {name!r}: shard file {self.path / file} is missing "
-                    f"(referenced by {self.path / METADATA_FILE})"
+                    f"tensor {name!r}: shard file {shown(self.storage, file)} is missing "
+                    f"(referenced by {shown(self.storage, METADATA_FILE)})"
                 )
             if sizes[file] < end:
                 raise SourceError(
-                    f"tensor {name!r}: shard file {self.path / file} has {sizes[file]} bytes, "
-                    f"metadata needs {end} (truncated)"
+                    f"tensor {name!r}: shard file {shown(self.storage, file)} has {sizes[file]} "
+                    f"bytes, metadata needs {end} (truncated)"
                 )
 
 
@@ -481,7 +444,7 @@ def tensors_read_by(reader: RowReader) -> Iterator[None]:
 MAX_COVERAGE_CORNERS = 1 << 25
 
 
-def check_coverage(t: DcpTensor, where: Path | str) -> None:
+def check_coverage(t: DcpTensor, where: str) -> None:
     """Every element of ``t`` comes from exactly one chunk, each inside the shape with enough bytes,
     in Python ints (no int64 wrap); O(n log n)."""
     nd = len(t.shape)
@@ -524,7 +487,7 @@ def check_coverage(t: DcpTensor, where: Path | str) -> None:
     check_disjoint({t.name: t}, {}, where)  # no two chunks share a byte
 
 
-def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[DcpChunk]] | None:
+def _tiling_witness(t: DcpTensor, where: str) -> tuple[list[int], list[DcpChunk]] | None:
     """None when the chunks tile ``t.shape`` exactly, else an element in no chunk or in several, and
     the chunks holding it.
 
@@ -728,7 +691,7 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and 0 <= value < 2**63
 
 
-def _dtype_of(props: Any, name: str, where: Path | str) -> np.dtype:
+def _dtype_of(props: Any, name: str, where: str) -> np.dtype:
     state = getattr(props, "state", None)
     dt = getattr(props, "dtype", None)
     if dt is None and isinstance(state, tuple) and state:
@@ -739,7 +702,7 @@ def _dtype_of(props: Any, name: str, where: Path | str) -> np.dtype:
 
 
 def _storage_ref(
-    by_fqn: dict[str, dict[Any, Any]], mfile: Path | str, name: str, off, what: str
+    by_fqn: dict[str, dict[Any, Any]], mfile: str, name: str, off, what: str
 ) -> tuple[str, int, int, tuple[str, ...]]:
     """The checked (file, offset, length, transforms) of one chunk or object of ``name``."""
     info = by_fqn.get(name, {}).get(off)
@@ -767,9 +730,7 @@ def _storage_ref(
     return rp, cast(int, bo), cast(int, bl), tuple(trs)  # checked by _is_count above
 
 
-def _dims(
-    mfile: Path | str, name: str, what: str, value: Any, rank: int | None = None
-) -> tuple[int, ...]:
+def _dims(mfile: str, name: str, what: str, value: Any, rank: int | None = None) -> tuple[int, ...]:
     """A shape / offsets / sizes field: non-negative ints (torch's int64), ``rank`` of them."""
     if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value):
         raise SourceError(
@@ -784,19 +745,17 @@ def _dims(
     return tuple(value)
 
 
-def _load_metadata(root: Path | ObjectPath, extra_classes: dict[str, Any] | None):
-    """``.metadata`` restrictedly unpickled: (path, pickle, its two checked dicts)."""
-    mfile = root / METADATA_FILE
+def _load_metadata(root: Storage, extra_classes: dict[str, Any] | None):
+    """``.metadata`` restrictedly unpickled: (its name for messages, pickle, its two checked
+    dicts); never another checkpoint's ``.metadata`` through a link (``Storage.read``)."""
+    mfile = shown(root, METADATA_FILE)
     try:
-        if isinstance(mfile, ObjectPath):
-            raw = mfile.storage.read(mfile.key, MAX_METADATA_BYTES)
-            if raw is None:
-                raise SourceError(f"{root}: no .metadata object (not a torch DCP checkpoint)")
-        elif not os.path.lexists(mfile):
-            raise SourceError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
-        else:
-            files.in_own_folder(mfile)  # never another checkpoint's .metadata through a link
-            raw = files.read_regular(str(mfile), MAX_METADATA_BYTES)
+        try:
+            raw = root.read(METADATA_FILE, MAX_METADATA_BYTES)
+        except NotADirectoryError:  # a file, not a folder
+            raw = None
+        if raw is None:
+            raise SourceError(f"{shown(root)}: no .metadata (not a torch DCP checkpoint)")
         extra = {**DCP_CLASSES, **(extra_classes or {})}
         md = restricted_loads(raw, where=str(mfile), extra_classes=extra)
     except (RequestError, allow_list.TorchFileError, files.UnsafeFileError) as e:
@@ -808,7 +767,7 @@ def _load_metadata(root: Path | ObjectPath, extra_classes: dict[str, Any] | None
     return mfile, md, sdm, storage
 
 
-def _storage_by_fqn(storage: dict[Any, Any], mfile: Path | str) -> dict[str, dict[Any, Any]]:
+def _storage_by_fqn(storage: dict[Any, Any], mfile: str) -> dict[str, dict[Any, Any]]:
     """``storage_data`` regrouped as name -> chunk offsets -> storage info."""
     by_fqn: dict[str, dict[Any, Any]] = {}
     for idx, info in storage.items():
@@ -819,9 +778,7 @@ def _storage_by_fqn(storage: dict[Any, Any], mfile: Path | str) -> dict[str, dic
     return by_fqn
 
 
-def _tensor_entry(
-    name: str, m: Any, mfile: Path | str, by_fqn: dict[str, dict[Any, Any]]
-) -> DcpTensor:
+def _tensor_entry(name: str, m: Any, mfile: str, by_fqn: dict[str, dict[Any, Any]]) -> DcpTensor:
     """One ``TensorStorageMetadata``: its shape, dtype and chunks, each with its storage entry."""
     shape = _dims(mfile, name, "size", getattr(m, "size", None))
     dt = _dtype_of(getattr(m, "properties", None), name, mfile)
@@ -900,13 +857,11 @@ def _diagnose_overlap(ck: DcpCheckpoint) -> None:
 _MAX_SAFETENSORS_HEADER = 100 << 20
 
 
-def _refuse_safetensors_format(
-    raw: np.ndarray, root: Path | ObjectPath, file: str, offset: int
-) -> None:
+def _refuse_safetensors_format(raw: np.ndarray, root: str, file: str, offset: int) -> None:
     """Refuse an entry whose bytes start a safetensors file:
     ``FileSystemWriter(serialization_format=SAFETENSORS)`` records every tensor at its start, so
     nothing is located (torch's ``dcp.load`` fails too)."""
-    head = mapped_file.read_bytes(raw, 0, min(raw.size, 10), f"{root / file}@{offset}")
+    head = mapped_file.read_bytes(raw, 0, min(raw.size, 10), f"{root}/{file}@{offset}")
     length = int.from_bytes(head[:8], "little") if len(head) == 10 else 0
     if not 2 <= length <= _MAX_SAFETENSORS_HEADER or head[8:] != b'{"':
         return
@@ -934,7 +889,7 @@ def _storage_entries(
 
 
 def check_disjoint(
-    tensors: dict[str, DcpTensor], objects: dict[str, DcpObject], where: Path | str
+    tensors: dict[str, DcpTensor], objects: dict[str, DcpObject], where: str
 ) -> None:
     """No two storage entries share a byte of a file (a tensor would import another's values),
     but for a tied weight (``DcpItem.same_as``): a whole one-chunk tensor whose entry, shape and

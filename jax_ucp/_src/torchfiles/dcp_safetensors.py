@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 from jax_ucp._src.errors import SourceError, UCPError
 from jax_ucp._src.format import files, safetensors
-from jax_ucp._src.store.storage import LocalDirectory, Storage
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import dcp
 
 #: ``__metadata__`` keys of the writer: the version of its layout (``HF_DCP_VERSION``).
@@ -29,32 +28,23 @@ def holds_rank_pieces(names: list[str]) -> bool:
     return any(safetensors.RANK_FILE.fullmatch(n) for n in names if "/" not in n)
 
 
-def _opened(
-    path, *, reading: bool = True
-) -> tuple[Path | dcp.ObjectPath, Storage | None, str, list[str]]:
-    """(the folder as the DCP reader holds it, the storage of its files, their names' prefix
-    there, the names of its files: a remote prefix's from its one listing); ``reading=False``:
-    a local folder's storage not made (a detection's question that finds no rank file)."""
-    if not isinstance(path, dcp.ObjectPath):
-        root = Path(path)
-        names = sorted(os.listdir(root))
-        return root, LocalDirectory(str(root)) if reading else None, "", names
-    storage, at = path.storage, path.key + "/" if path.key else ""
-    names = [n[len(at) :] for n in storage.names() if n.startswith(at) and "/" not in n[len(at) :]]
-    return path, storage, at, names
+def _opened(path: os.PathLike | str | Storage) -> tuple[Storage, str, list[str]]:
+    """(the folder's storage, its name for messages, the names of its files: a remote prefix's
+    from its one listing)."""
+    storage = dcp.folder(path)
+    return storage, dcp.shown(storage), [n for n in storage.names() if "/" not in n]
 
 
-def is_rank_local(path: os.PathLike | str) -> bool:
+def is_rank_local(path: os.PathLike | str | Storage) -> bool:
     """A folder of torch DCP Hugging Face shards (and no ``.metadata``): rank files by name, the
     first of them one rank's piece by its header (unreadable: no, its reader names the fault)."""
     try:
-        root, storage, at, names = _opened(path, reading=False)
+        storage, root, names = _opened(path)
         if dcp.METADATA_FILE in names or not holds_rank_pieces(names):
             return False
-        storage = storage or LocalDirectory(str(root))
         first = min(n for n in names if safetensors.RANK_FILE.fullmatch(n))
-        reader = storage.reader(at + first)
-        header = safetensors.SafetensorsFile.read_from(str(root / first), reader, dcp_shard=True)
+        reader = storage.reader(first)
+        header = safetensors.SafetensorsFile.read_from(f"{root}/{first}", reader, dcp_shard=True)
         return header.rank_piece
     except (SourceError, OSError):
         return False
@@ -110,12 +100,12 @@ def _entries(f: safetensors.SafetensorsFile) -> dict[str, dict[str, tuple[int, .
     return out
 
 
-def _check_index(storage: Storage, at: str, root, names: list[str], pieces: dict) -> None:
+def _check_index(storage: Storage, root: str, names: list[str], pieces: dict) -> None:
     """The writer's index agrees with the files (a file gone would drop its tensors silently)."""
     if safetensors.INDEX_FILE not in names:
         return
-    index = str(root / safetensors.INDEX_FILE)
-    raw = storage.read(at + safetensors.INDEX_FILE, safetensors.MAX_INDEX_BYTES) or b""
+    index = f"{root}/{safetensors.INDEX_FILE}"
+    raw = storage.read(safetensors.INDEX_FILE, safetensors.MAX_INDEX_BYTES) or b""
     weight_map = safetensors.weight_map_of(raw, index, ".safetensors")
     for tensor, name in weight_map.items():
         if name not in {p[0] for p in pieces.get(tensor, ())}:
@@ -137,7 +127,7 @@ def _ranks(names: list[str]) -> set[int]:
     return {int(m[1]) for n in names if (m := safetensors.RANK_FILE.fullmatch(n))}
 
 
-def _check_ranks(root: Path | dcp.ObjectPath, names: list[str], pieces: dict[str, list]) -> None:
+def _check_ranks(root: str, names: list[str], pieces: dict[str, list]) -> None:
     """Every rank from 1 to the highest holds a file (torch's writer numbers them so): a gap is
     a rank file gone, whose pieces and whole tensors would otherwise vanish without a word."""
     ranks = _ranks(names)
@@ -151,9 +141,7 @@ def _check_ranks(root: Path | dcp.ObjectPath, names: list[str], pieces: dict[str
         )
 
 
-def _check_config(
-    storage: Storage, at: str, root, names: list[str], tensors: dict, inferred
-) -> bool:
+def _check_config(storage: Storage, root: str, names: list[str], tensors: dict, inferred) -> bool:
     """transformers' ``config.json`` beside the files: its ``vocab_size`` and ``hidden_size`` are
     dimensions of the model's tensors (the embedding's), so shapes inferred from the pieces
     that hold neither mean the files stop short (the last rank's file missing). False: no such
@@ -161,8 +149,8 @@ def _check_config(
     if "config.json" not in names:
         return False
     try:
-        raw = storage.read(at + "config.json", _MAX_CONFIG_BYTES) or b""
-        config = files.strict_json(raw, str(root / "config.json"))
+        raw = storage.read("config.json", _MAX_CONFIG_BYTES) or b""
+        config = files.strict_json(raw, f"{root}/config.json")
     except (UCPError, OSError):
         return False
     dims = {d for t in tensors.values() for d in t.shape}
@@ -188,19 +176,17 @@ def _shown(shape: tuple[int, ...] | None) -> str:
     return "not recorded" if shape is None else str(list(shape))
 
 
-def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
-    """Every ``.safetensors`` file of the folder ``path`` (a local one, or a remote one's
-    ``dcp.ObjectPath``) checked by its header, each tensor's pieces gathered as chunks; no
-    tensor read."""
-    root, storage, at, listed = _opened(path)
-    assert storage is not None  # made for reading
+def open_rank_local(path: os.PathLike | str | Storage) -> dcp.DcpCheckpoint:
+    """Every ``.safetensors`` file of the folder ``path`` (a path or its ``Storage``) checked by
+    its header, each tensor's pieces gathered as chunks; no tensor read."""
+    storage, root, listed = _opened(path)
     names = sorted(n for n in listed if n.endswith(".safetensors"))
     # tensor -> (file, dtype, offsets, sizes, byte offset, byte length, global_shape or None)
     pieces: dict[str, list[tuple[str, Any, tuple[int, ...], tuple[int, ...], int, int, Any]]] = {}
     versions = set()
     for name in names:
-        reader = storage.reader(at + name)
-        f = safetensors.SafetensorsFile.read_from(str(root / name), reader, dcp_shard=True)
+        reader = storage.reader(name)
+        f = safetensors.SafetensorsFile.read_from(f"{root}/{name}", reader, dcp_shard=True)
         versions.add(f.metadata.get(DCP_VERSION))
         for tensor, entry in _entries(f).items():
             dtype, sizes, begin, end = f.header[tensor]
@@ -217,7 +203,7 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
             )
     if not pieces:
         raise SourceError(f"{root}: no tensor in its torch DCP Hugging Face shards {names[:5]}")
-    _check_index(storage, at, root, listed, pieces)
+    _check_index(storage, root, listed, pieces)
     _check_ranks(root, names, pieces)
     tensors: dict[str, dcp.DcpTensor] = {}
     inferred = []
@@ -249,11 +235,11 @@ def open_rank_local(path: os.PathLike | str) -> dcp.DcpCheckpoint:
             f"would read as smaller tensors, so compare the shapes with the model's config",
         )
         if not _check_config(
-            storage, at, root, listed, tensors, inferred
+            storage, root, listed, tensors, inferred
         ):  # nothing tells a last rank gone
             warnings.warn(f"{root}: {notes[0]}", UserWarning, stacklevel=2)
     return dcp.DcpCheckpoint(
-        root,  # a remote folder's pieces read at its URL by ranges
+        storage,
         tensors,
         {},
         version if isinstance(version, str) else None,

@@ -542,7 +542,7 @@ LINKED_OUT = {
     "torch DCP .metadata": (
         "torch/fsdp2_fp32",
         _link_out(".metadata"),
-        r"fsdp2_fp32: file name '\.metadata' resolves to \S+/elsewhere/\.metadata, outside",
+        r"fsdp2_fp32/\.metadata: file name '\.metadata' resolves to \S+/elsewhere/\.metadata, outside",
     ),
     "torch Accelerate DCP folder": (
         "torch/accelerate_fsdp",

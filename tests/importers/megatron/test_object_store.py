@@ -80,7 +80,7 @@ def _gets(monkeypatch) -> list[tuple[str, int | None, int | None]]:
     (a range of ``ranged.fetch_ranges``, a piece of ``RangedObject.read_into`` or a size
     probe), (name, None, None) of a whole GET."""
     gets: list[tuple[str, int | None, int | None]] = []
-    fetch, size, whole = ranged.fetch_ranges, ranged.object_size, object_store.read
+    fetch, size, whole = ranged.fetch_ranges, ranged.RangedObject.size, object_store.read
 
     def pieces(kv, key, ranges, put, url=""):
         gets.extend((key.rpartition("/")[2], a, b) for a, b in ranges)
@@ -95,10 +95,10 @@ def _gets(monkeypatch) -> list[tuple[str, int | None, int | None]]:
 
     monkeypatch.setattr(ranged.RangedObject, "read_into", into)
     monkeypatch.setattr(
-        ranged,
-        "object_size",
-        lambda where, name, end: (
-            gets.append((name.rpartition("/")[2], end - 1, end)) or size(where, name, end)
+        ranged.RangedObject,
+        "size",
+        lambda self, end: (
+            gets.append((self.key.rpartition("/")[2], end - 1, end)) or size(self, end)
         ),
     )
     monkeypatch.setattr(

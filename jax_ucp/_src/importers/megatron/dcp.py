@@ -75,8 +75,7 @@ def open_dcp(folder: Storage) -> MegatronDcpCheckpoint:
     parsed, key = _PARSED.get(), folder.absolute()
     if parsed is not None and key in parsed:
         return parsed[key]
-    # a local folder by its path (the DCP reader's checks of links and sizes), else in place
-    base = dcp.open_dcp(folder.local_path() or folder, MCORE_CLASSES, fsdp_dtensor=True)
+    base = dcp.open_dcp(folder, MCORE_CLASSES, fsdp_dtensor=True)
     mcore = {}
     if "metadata.json" in (listed(folder) or ()):  # a FIFO, a device or a huge file: an error
         where = folder.join("metadata.json")
@@ -88,7 +87,7 @@ def open_dcp(folder: Storage) -> MegatronDcpCheckpoint:
         if not isinstance(mcore, dict):
             raise SourceError(f"{where}: a JSON {type(mcore).__name__}, expected an object")
     found = MegatronDcpCheckpoint(
-        base.path, base.tensors, base.objects, base.version, mcore_metadata=mcore
+        base.storage, base.tensors, base.objects, base.version, mcore_metadata=mcore
     )
     if parsed is not None:
         parsed[key] = found

@@ -45,7 +45,7 @@ def bucket_states(
     bucket closes exactly there (``rank_states.bucket_layout``), so the DDP ``bucket_size``
     (not saved) is not needed and every bucket size is checked. ``prefix``, ``experts``: a
     ChainedOptimizer member's (:class:`RankStates`)."""
-    where = checkpoint.path / ".metadata"
+    where = checkpoint.index
     ranks: dict[int, dict[int, dict[str, str]]] = {}  # {rank: {bucket: {state: tensor}}}
     dtypes: dict[int, set[str]] = {}
     for name in checkpoint.tensors:
@@ -130,7 +130,7 @@ def gathered_states(
     ``param_state`` object (written by DP rank 0), the same dict as a legacy
     ``distrib_optim.pt`` (the buckets' unpadded parts concatenated), laid out as for that file
     (``rank_states.distrib_optim_layout``, the DDP bucket size from the saved args)."""
-    where = checkpoint.path / ".metadata"
+    where = checkpoint.index
     pattern = r"optimizer\.distributed\.dp_group_idx_([0-9]+)\.param_state/.*"
     named = {int(m.group(1)): n for n in checkpoint.objects if (m := re.fullmatch(pattern, n))}
     if not named or sorted(named) != list(range(len(named))):
@@ -196,7 +196,7 @@ def chained_states(
         settings: the run's model settings.
         chained: each member's sharding type, from ``chained_layouts``.
     """
-    where = checkpoint.path / ".metadata"
+    where = checkpoint.index
     experts = [n for n in model_names if _EXPERT.match(n)]
     dense = [n for n in model_names if n not in experts]
     if set(chained) == {"fully_reshardable"}:

@@ -55,7 +55,7 @@ def read_fsdp_dtensor(
     state as ``common.pt`` holds it (:func:`_run_state`), each model tensor's output name
     (wrappers dropped), and the optimizer state by parameter (none with ``weights_only``: its
     tensors in ``skipped``)."""
-    where = checkpoint.path / ".metadata"
+    where = checkpoint.index
     chunks = [n for n in checkpoint.tensors if re.match(r"model[0-9]+\.", n)]
     if chunks:  # Megatron-LM's virtual pipeline chunks: model0, model1, ...
         raise MegatronImportError(
@@ -130,7 +130,7 @@ def _states(
 ) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
     """``{model tensor: {"param": itself, "exp_avg": ..., "exp_avg_sq": ...}}`` and the per-
     parameter ``step`` tensors ``{tensor: model tensor}``; none when no optimizer was saved."""
-    where = checkpoint.path / ".metadata"
+    where = checkpoint.index
     found: dict[str, dict[str, str]] = {}
     steps: dict[str, str] = {}
     for n in (n for n in checkpoint.tensors if n.startswith(_STATE)):
@@ -168,7 +168,7 @@ def _states(
 def _count(checkpoint: dcp.DcpCheckpoint, steps: dict[str, str], by_param: dict) -> int:
     """Adam's step: every parameter's ``step`` tensor (torch's Adam), else its group record's
     ``step`` (optimizers that keep it in the param group); all must agree."""
-    where = str(checkpoint.path / ".metadata")
+    where = checkpoint.index
     found: dict[float, str] = {}
     sources = steps or {
         n: n for n in checkpoint.objects if n.startswith(_GROUP_META) and n.endswith(".step")

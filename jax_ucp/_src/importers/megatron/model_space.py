@@ -35,20 +35,19 @@ def model_space_tensors(checkpoint: dcp.DcpCheckpoint, common: Any) -> dict[str,
         m = re.match(r"(chained_[0-9]+\.)?" + re.escape(_OPTIMIZER_PREFIX), tensor)
         if m is None:
             raise MegatronImportError(
-                f"tensor {tensor!r} in {checkpoint.path / '.metadata'}: unsupported "
+                f"tensor {tensor!r} in {checkpoint.index}: unsupported "
                 f"distributed-optimizer layout ({sharding_type(common)!r}); "
                 f"{SUPPORTED_LAYOUTS}. {WEIGHTS_ONLY_HINT}"
             )
         state_name, _, parameter = tensor[m.end() :].partition(".")
         if state_name in found.get(parameter, {}):
             raise MegatronImportError(
-                f"{checkpoint.path / '.metadata'}: both {found[parameter][state_name]!r} and "
+                f"{checkpoint.index}: both {found[parameter][state_name]!r} and "
                 f"{tensor!r} hold {state_name!r} of {parameter!r}"
             )
         if state_name not in OPTIMIZER_STATE_TREES:
             raise MegatronImportError(
-                f"tensor {tensor!r} in {checkpoint.path / '.metadata'}: unknown optimizer state "
-                f"{state_name!r}"
+                f"tensor {tensor!r} in {checkpoint.index}: unknown optimizer state {state_name!r}"
             )
         found.setdefault(parameter, {})[state_name] = tensor
     return found
@@ -70,7 +69,7 @@ def check_model_space_tensors(
         optimizer_tensors: {parameter: {state: tensor name}} found.
         model_names: the model tensors.
     """
-    metadata = checkpoint.path / ".metadata"
+    metadata = checkpoint.index
     sharding = sharding_type(common)
     if sharding not in (None, "fully_reshardable", "fully_sharded_model_space"):
         raise MegatronImportError(

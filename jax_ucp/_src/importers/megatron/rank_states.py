@@ -73,7 +73,7 @@ class RankStates:
     ):
         self.checkpoint, self.prefix, self.experts = checkpoint, prefix, experts
         self.sharding = sharding
-        self.where = checkpoint.path / ".metadata"
+        self.where = checkpoint.index
         self.ranks = ranks
         self._groups: list[tuple[str, Any]] | None = None  # saved_groups, read once
         self.grouped = grouped

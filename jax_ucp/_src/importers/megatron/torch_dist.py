@@ -139,7 +139,7 @@ def plan_torch_dist(
     record = optimizer_record(common, where) if isinstance(common, dict) else None
     if optimizer.buckets:  # the per-rank groups: lr, betas, eps, weight decay...
         groups = [member.saved_groups() for member in optimizer.buckets]
-        record = with_rank_groups(record, groups, where, str(checkpoint.path / ".metadata"))
+        record = with_rank_groups(record, groups, where, checkpoint.index)
     if record is not None:  # how the run stepped: args, scheduler state, param groups
         info[MEGATRON_OPTIMIZER] = record
     mine = options.share.pick(model_names)
@@ -163,7 +163,7 @@ def _find_optimizer_state(
     """The optimizer state in the layout ``common`` names (a ChainedOptimizer's per member);
     a layout saved as objects this importer does not read is refused. ``weights_only``: none
     read, every optimizer tensor named as skipped (none dropped without a word) with its layout."""
-    where = checkpoint.path / ".metadata"
+    where = checkpoint.index
     sharding = sharding_type(common)
     optimizer_names = [n for n in checkpoint.tensors if is_optimizer_name(n)]
     if weights_only:
@@ -262,12 +262,12 @@ def open_torch_dist(folder: Storage) -> Opened:
     backend = checkpoint.mcore_metadata.get("sharded_backend")
     if backend not in (None, "torch_dist"):
         raise MegatronImportError(
-            f"{checkpoint.path / 'metadata.json'}: sharded_backend {backend!r} is not supported "
+            f"{checkpoint.storage.join('metadata.json')}: sharded_backend {backend!r} is not supported "
             f"(only 'torch_dist')"
         )
     checkpoint.check_files()
     for tensor in checkpoint.tensors.values():
-        dcp.check_coverage(tensor, checkpoint.path / ".metadata")
+        dcp.check_coverage(tensor, checkpoint.index)
     common_name = "common.pt"
     common: Any = {}
     # megatron-core >= 0.19 saves the common state (args, iteration, optimizer param_groups,
@@ -281,7 +281,7 @@ def open_torch_dist(folder: Storage) -> Opened:
     elif objects:
         if len(objects) != 1:
             raise MegatronImportError(
-                f"{checkpoint.path / '.metadata'}: {len(objects)} common_state objects "
+                f"{checkpoint.index}: {len(objects)} common_state objects "
                 f"({objects}); megatron-core saves one"
             )
         common = checkpoint.read_object(objects[0], legacy.LEGACY_CLASSES)
@@ -289,7 +289,7 @@ def open_torch_dist(folder: Storage) -> Opened:
             (common,) = common
         if not isinstance(common, dict):
             raise MegatronImportError(
-                f"{checkpoint.path / '.metadata'}: object {objects[0]!r} holds "
+                f"{checkpoint.index}: object {objects[0]!r} holds "
                 f"{allow_list.short_repr(common)}, expected the common state dict"
             )
         common_name = objects[0]
@@ -336,7 +336,7 @@ class TorchDistReader:
         if found[0] < vocab:
             raise MegatronImportError(
                 f"tensor {tensor!r}: {found[0]} rows, fewer than vocab_size={vocab} "
-                f"({self.checkpoint.path / '.metadata'})"
+                f"({self.checkpoint.index})"
             )
         return (vocab, *found[1:]), f"vocab(strip {found[0]} -> {vocab})", False
 

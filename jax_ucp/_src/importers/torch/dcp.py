@@ -26,10 +26,8 @@ model and the optimizer sit:
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from jax_ucp._src.errors import SourceError
@@ -72,54 +70,56 @@ HF_OPTIMIZER_DIR = "optimizer"
 MEGATRON_FILES = ("common.pt", "metadata.json", "integrity.json")
 
 
-def dcp_dirs(storage: Storage) -> list[Path | torch_dcp.ObjectPath]:
-    """The DCP folders of ``src``: itself when it holds ``.metadata``, an OLMo-core step
-    folder's ``model_and_optim/``, else Accelerate's ``pytorch_model_fsdp_N/`` and
-    ``optimizer_N/`` inside it; [] when none. Rank-local safetensors come with the DCP
-    ``optimizer/`` transformers' ``save_optimizer_distributed`` writes beside them, if any. A
-    remote prefix (no megatron-core file beside its ``.metadata``) is read through its
-    ``Storage``, by its listing."""
-    path = Path(storage.root)
-    if not path.is_dir():
-        try:
-            names = set(storage.names())
-        except OSError:  # a local file, or nothing
-            return []
-        if olmo_core.is_step_folder(storage):
-            storage, names = storage.folder(olmo_core.MODEL_DIR), {".metadata"}
-        root = torch_dcp.folder(storage)
-        subs = sorted({n.split("/", 1)[0] for n in names if "/" in n})
-        held = [d for d in subs if f"{d}/{torch_dcp.METADATA_FILE}" in names]
-        if dcp_safetensors.is_rank_local(root):
-            return [root, *(root / d for d in subs if d == HF_OPTIMIZER_DIR or d in held)]
-        if torch_dcp.METADATA_FILE in names:
-            return [] if names.intersection(MEGATRON_FILES) else [root]
-        return [root / d for d in held if _ACCELERATE_DIR.match(d)]
-    if dcp_safetensors.is_rank_local(path):
-        return [path, *_optimizer_dirs(path)]
-    if os.path.lexists(path / ".metadata"):
-        return [path]
+def dcp_dirs(storage: Storage) -> list[str]:
+    """The DCP folders of ``storage``, as names in it ("": itself): itself when it holds
+    ``.metadata``, an OLMo-core step folder's ``model_and_optim/``, else Accelerate's
+    ``pytorch_model_fsdp_N/`` and ``optimizer_N/`` inside it; [] when none. Rank-local
+    safetensors come with the DCP ``optimizer/`` transformers' ``save_optimizer_distributed``
+    writes beside them, if any. From its listing (and a folder's ``.metadata`` asked)."""
+    try:
+        names = set(storage.names())
+    except OSError:  # a file, or nothing
+        return []
+    return _dirs(storage, names)
+
+
+def _dirs(storage: Storage, names: set[str]) -> list[str]:
+    """:func:`dcp_dirs` of ``storage``, whose listing is ``names``."""
+    subs = sorted({n.split("/", 1)[0] for n in names})
+    if dcp_safetensors.is_rank_local(storage):
+        # save_optimizer_distributed takes any name; transformers' docs say optimizer/ (taken
+        # even broken, so that it is refused)
+        held = [d for d in subs if d == HF_OPTIMIZER_DIR or _holds(storage, names, d, ".metadata")]
+        return ["", *held]
+    if torch_dcp.METADATA_FILE in names:
+        return [""]
     if olmo_core.is_step_folder(storage):
-        return [path / olmo_core.MODEL_DIR]
-    return sorted(
-        p for p in path.iterdir() if _ACCELERATE_DIR.match(p.name) and (p / ".metadata").exists()
-    )
+        return [olmo_core.MODEL_DIR]
+    return [d for d in subs if _ACCELERATE_DIR.match(d) and _holds(storage, names, d, ".metadata")]
 
 
-def _optimizer_dirs(path: Path) -> list[Path]:
-    """The DCP folders beside rank-local safetensors (``save_optimizer_distributed`` takes any
-    name; transformers' docs say ``optimizer/``, taken even broken so that it is refused)."""
-    return sorted(
-        p
-        for p in path.iterdir()
-        if p.name == HF_OPTIMIZER_DIR or (p.is_dir() and os.path.lexists(p / ".metadata"))
-    )
+def _holds(storage: Storage, names: set[str], folder: str, name: str, out: bool = True) -> bool:
+    """Whether ``folder`` ("": ``storage`` itself) holds file ``name``: by the listing ``names``
+    (a remote prefix's lists nested names), else asked of a folder it lists (a directory's
+    lists its entries); ``out`` for a folder linked out of the checkpoint (its plan refuses it)."""
+    path = f"{folder}/{name}" if folder else name
+    if path in names or not folder or folder not in names:
+        return path in names
+    try:
+        return storage.exists(path)
+    except files.UnsafeFileError:
+        return out
 
 
 def is_torch_dcp(storage: Storage) -> bool:
     """A plain torch DCP checkpoint (not megatron-core's, which has common.pt/metadata.json)."""
-    dirs = dcp_dirs(storage)
-    return bool(dirs) and not any(os.path.lexists(d / f) for d in dirs for f in MEGATRON_FILES)
+    try:
+        names = set(storage.names())
+    except OSError:  # a file, or nothing
+        return False
+    dirs = _dirs(storage, names)
+    megatron = (_holds(storage, names, d, f, out=False) for d in dirs for f in MEGATRON_FILES)
+    return bool(dirs) and not any(megatron)
 
 
 def detect(storage: Storage) -> Detection:
@@ -127,7 +127,7 @@ def detect(storage: Storage) -> Detection:
     folders holding one, or the rank-local safetensors of torch's Hugging Face writer), not
     megatron-core's, from names alone (and a safetensors header's ``__metadata__``)."""
     if is_torch_dcp(storage):
-        if dcp_safetensors.is_rank_local(dcp_dirs(storage)[0]):
+        if dcp_dirs(storage)[0] == "" and dcp_safetensors.is_rank_local(storage):
             return Detection(True, "torch DCP rank-local safetensors (DCP_SHARDING_INFO)")
         return Detection(True, "torch DCP (.metadata)")
     return Detection(
@@ -156,23 +156,24 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
     spec, weights_only = options.spec, options.weights_only
     parameter_order = options.parameter_order
     refuse_spec(spec, "torch DCP imports keep torch's parameter names", SourceError)
-    dirs = dcp_dirs(storage)
-    parent = Path(src).parent
-    if dcp_safetensors.is_rank_local(parent) and Path(src) in _optimizer_dirs(parent):
+    names = dcp_dirs(storage)
+    parent = storage.parent()
+    if (
+        parent is not None
+        and dcp_safetensors.is_rank_local(parent)
+        and storage.absolute().rstrip("/").rsplit("/", 1)[-1] in dcp_dirs(parent)[1:]
+    ):
         raise SourceError(
             f"{src}: a DCP folder beside a model's rank-local safetensors (transformers' "
-            f"save_optimizer_distributed): import {parent} (the model and this folder)"
+            f"save_optimizer_distributed): import {parent.root} (the model and this folder)"
         )
-    if not dirs:
+    if not names:
         raise SourceError(
             f"{src}: no .metadata (and no pytorch_model_fsdp_N/ or optimizer_N/ folder holding "
             f"one): not a torch DCP checkpoint"
         )
-    itself = (Path(src), torch_dcp.folder(storage))
-    try:
-        for d in dirs:  # Accelerate's folders inside src, never links to another run's
-            if d not in itself:
-                storage.folder(d.name)
+    try:  # Accelerate's folders inside src, never links to another run's
+        dirs = [storage.folder(d) if d else storage for d in names]
         checkpoints = [_open(d) for d in dirs]
         for ck in checkpoints:
             ck.check_files()
@@ -188,7 +189,7 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
                     f"OLMo-core's trainer step not recovered: "
                     f"{info['trainer']['global_step_unread']}"
                 ]
-        elif dirs[0] not in itself and (rng := trainer_files.trainer_saved(storage)) is not None:
+        elif names[0] and (rng := trainer_files.trainer_saved(storage)) is not None:
             # a Trainer's FSDP checkpoint-N/: its schedule, clipping and step beside the folders
             info["trainer"] = trainer_files.trainer_record(storage)
             units = rng  # the Trainer's torch RNG states
@@ -202,7 +203,7 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
             {
                 "framework": "torch_dcp",
                 "path": storage.absolute(),
-                "folders": [os.path.relpath(d, src) for d in dirs],
+                "folders": [d or "." for d in names],
                 "dcp_version": checkpoints[0].version,
                 **({"layout": "hf_safetensors"} if checkpoints[0].layout != "dcp" else {}),
                 **info,
@@ -214,7 +215,7 @@ def plan_torch_dcp(storage: Storage, options: TorchOptions) -> ImportPlan:
     return plan
 
 
-def _open(folder: Path | torch_dcp.ObjectPath) -> torch_dcp.DcpCheckpoint:
+def _open(folder: Storage) -> torch_dcp.DcpCheckpoint:
     """A DCP folder: its ``.metadata``, else torch's Hugging Face writer's rank-local
     ``.safetensors`` shards."""
     if dcp_safetensors.is_rank_local(folder):

@@ -125,8 +125,9 @@ class Storage(abc.ABC):
         medium only: ``local.LocalDirectory.inside``)."""
         raise NotImplementedError(f"{self!r} has no local files ({what}: {name})")
 
-    def reader(self, name: str) -> RandomAccess:
-        """File ``name`` read at any offset (``ranged``: one GET a range; locally ``pread``)."""
+    def reader(self, name: str, what: str = "") -> RandomAccess:
+        """File ``name`` read at any offset (``ranged``: one GET a range; locally ``pread``;
+        ``what``: where ``name`` was read, for the error refusing it)."""
         return RangedObject(self, name)
 
     def mapped(

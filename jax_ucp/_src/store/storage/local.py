@@ -294,9 +294,9 @@ class LocalDirectory(Storage):
         except FileNotFoundError:
             return None
 
-    def reader(self, name: str) -> RandomAccess:
+    def reader(self, name: str, what: str = "") -> RandomAccess:
         """``pread`` of the file; a local view's stand-in read at its object."""
-        path = self.inside(name)
+        path = self.inside(name, what)
         stored = sparse.stored_at(path)
         return LocalFile(path) if stored is None else stored[0].reader(stored[1])
 

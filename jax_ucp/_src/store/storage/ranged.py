@@ -3,7 +3,7 @@ local file, ranged GETs of an object-store object or a Hub file (where ``Storage
 is read from: the Hub's CDN redirect followed there), so that a reader of a format that reads
 parts of a file (safetensors' header, then each tensor's rows) is one reader whatever the medium;
 and the ranged reads of a remote file every reader shares (``fetch_ranges``: pieces in flight at
-once, ``object_size``, ``pieces``). JAX-free.
+once, ``pieces``). JAX-free.
 """
 
 from __future__ import annotations
@@ -82,6 +82,10 @@ class RandomAccess(abc.ABC):
         as ``done(i, data)``: ``into`` filled (writable bytes), else a view valid during the call;
         the file missing or ending before a piece ends is a ``RangeError``."""
 
+    @abc.abstractmethod
+    def size(self, at_least: int) -> int:
+        """Its size, or ``at_least`` when it holds at least that many bytes; -1: no such file."""
+
     def holds(self, size: int) -> bool:
         """Whether the file has at least ``size`` bytes (one byte read just before it)."""
         try:
@@ -107,6 +111,16 @@ class LocalFile(RandomAccess):
             return bytes(out[: mapped_file.preadv_full(fd, [out], offset)])
         finally:
             os.close(fd)
+
+    def size(self, at_least: int) -> int:
+        """By ``stat``: a FIFO refused (``UnsafeFileError``), a link to nothing a ``RangeError``."""
+        if not os.path.lexists(self.shown):
+            return -1
+        try:
+            files.check_regular(self.shown)
+            return os.stat(self.shown).st_size
+        except FileNotFoundError:
+            raise RangeError(f"{self.shown}: dangling link") from None
 
     def read_into(self, pieces: Sequence[Piece], done: Callable[[int, memoryview], None]) -> None:
         """One ``preadv`` a piece, into ``into`` or this thread's scratch buffer."""
@@ -136,7 +150,20 @@ class RangedObject(RandomAccess):
 
     def __init__(self, storage: Storage, name: str):
         self.kv, self.key = opened(storage, name)
-        self.shown = storage.join(name)
+        self.shown, self._at = storage.join(name), (storage, name)
+
+    def size(self, at_least: int) -> int:
+        """A GET of its last byte, the size from the server's answer when it ends before (a
+        local view's stand-in is empty: its size says nothing)."""
+        for start in (max(at_least - 1, 0), 0):  # from 0 tells the size where one past it cannot
+            try:
+                got = self.kv.read(self.key, byte_range=slice(start, at_least)).result()
+            except ValueError as e:
+                if (size := size_when_short(e, self.shown)) is not None:
+                    return size
+                continue
+            return -1 if got.state != "value" else start + len(got.value)
+        return 0 if self._at[0].exists(self._at[1]) else -1
 
     def read(self, offset: int, n: int) -> bytes | None:
         try:
@@ -210,23 +237,6 @@ def opened(storage: Storage, name: str) -> tuple[ts.KvStore, str]:
     key there."""
     spec, key = storage.ranged(name)
     return ts.KvStore.open(spec).result(), key
-
-
-def object_size(storage: Storage, name: str, end: int) -> int:
-    """``end`` when object ``name`` of ``storage`` holds at least ``end`` bytes, else its
-    real size (-1: no such object): a GET of its last byte, the size from the server's answer
-    when it ends before (a local view's stand-in is empty: its size says nothing)."""
-    kv, key = opened(storage, name)
-    for start in (max(end - 1, 0), 0):  # a range from 0 tells the size where one past it cannot
-        try:
-            got = kv.read(key, byte_range=slice(start, end)).result()
-        except ValueError as e:
-            size = size_when_short(e, storage.join(name))
-            if size is not None:
-                return size
-            continue
-        return -1 if got.state != "value" else start + len(got.value)
-    return 0 if storage.exists(name) else -1
 
 
 def pieces(storage: Storage, name: str) -> Iterator[bytes]:
