@@ -26,7 +26,7 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
-from jax_ucp._src.store.storage import Storage, ranged, sparse
+from jax_ucp._src.store.storage import Storage, ranged
 from jax_ucp._src.torchfiles import allow_list, dcp_transforms, torch_zip
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
 from jax_ucp._src.torchfiles.pickle_format import (
@@ -157,17 +157,13 @@ class ObjectPath(str):
 
 
 def folder(path: os.PathLike | str | Storage) -> Path | ObjectPath:
-    """``path`` as the reader holds it: a folder's ``Storage``, or a folder of a remote source's
-    local view (``sparse.stored_at``: empty DCP files), as an :class:`ObjectPath` (ranges)."""
+    """``path`` as the reader holds it: a local folder, or a ``Storage`` as an
+    :class:`ObjectPath` (ranges)."""
     if isinstance(path, ObjectPath):
         return path
     if isinstance(path, Storage):
         return ObjectPath(path.root, path)
-    viewed = sparse.stored_at(path)
-    if viewed is None:
-        return Path(path)
-    where, key = viewed
-    return ObjectPath("/".join(p for p in (where.root.rstrip("/"), key) if p), where, key)
+    return Path(path)
 
 
 @dataclass(frozen=True)
