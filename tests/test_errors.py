@@ -35,7 +35,6 @@ INTERNAL = {
     "ProcessLostError": ("jax_ucp._src.multihost.agreement", "MultiProcessError"),
     "ShardLayoutError": ("jax_ucp._src.torchfiles.sharded", "SourceError"),
     "MissingExtraError": ("jax_ucp._src.against", "SourceError"),
-    "ViewError": ("jax_ucp._src.store.storage.local_view", "SourceError"),
     "HubDeadlineError": ("jax_ucp._src.store.storage.hub", "SourceError"),
     "RangeError": ("jax_ucp._src.store.storage.ranged", "SourceError"),
 }

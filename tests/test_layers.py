@@ -44,7 +44,7 @@ ALLOWED = {
     # verify(EXPORTED, against=CKPT): the export read by its import, the checkpoint by the spec
     "export_check": {"format", "store", "writer", "restoring", "importers", "exporters", "logits"},
     # torch's file formats, read and written without torch; store: a DCP folder in an object
-    # store or a Hub repo read by ranged GETs (store.storage.local_view)
+    # store or a Hub repo read by ranged GETs (store.storage.ranged)
     "torchfiles": {"format", "writer", "store"},
     # store: the local medium's names (Orbax's temporary step mark, store.storage.local)
     "importers": {"format", "store", "writer", "language", "torchfiles"},

@@ -20,10 +20,8 @@ import safetensors.numpy
 from jax.sharding import Mesh
 
 import jax_ucp
-from jax_ucp._src.store.storage import local_view
 from jax_ucp.conversion import ImportOptions, TorchOptions
 from tests.importers.deepspeed.test_object_store import assert_same, folder_files, served, size_of
-from tests.importers.torch.test_object_store import no_view
 from tests.restoring.test_remote_safetensors import _target
 from tests.torchfiles.test_pickle_format import D, G, prog, tensor, write_pt
 from tests.ucp_testing import REPO
@@ -32,18 +30,6 @@ pytestmark = pytest.mark.timeout(300)
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 ARCHIVES = (".pt", ".bin", ".ckpt", ".distcp")
-#: read through the repo's Storage, no local view built
-IN_PLACE = (
-    "torch/fsdp2_fp32",
-    "torch/dcp_zstd",
-    "olmo_core/olmo_fp32",
-    "torch_checkpointing/tc_fsdp2_synthetic_layout/step-3",
-    "torch/hf_bin_sharded",
-    "verl/fsdp2",
-    "megatron/gpt_tp2",
-    "megatron_fsdp_dtensor/gpt_dp2",
-    "megatron/legacy_gpt_tp2pp2_synthetic",
-)
 RANGED = (*ARCHIVES, ".safetensors")
 TRAINER_CONFIG = os.path.join(FIXTURES, "hf_trainer", "trainer_fp32", "checkpoint-3", "config.json")
 
@@ -75,8 +61,6 @@ def test_each_importer_family_restores_from_a_hub_repo_as_its_local_folder(
     hub_server, monkeypatch, name, options
 ):
     served(monkeypatch)
-    if name in IN_PLACE:
-        monkeypatch.setattr(local_view, "local_view", no_view)
     src = os.path.join(FIXTURES, name)
     files = {}
     for folder, _, names in os.walk(src):
@@ -106,7 +90,6 @@ def test_one_torch_save_file_of_a_hub_repo_is_read_in_place(hub_server, monkeypa
     """``hf://org/name/pytorch_model.bin``, one file of a repo holding others, restores as the
     local file, read through its folder's Storage (no local view), by ranges, no byte twice."""
     served(monkeypatch)
-    monkeypatch.setattr(local_view, "local_view", no_view)
     src = os.path.join(FIXTURES, "torch", "hf_bin", "pytorch_model.bin")
     with open(src, "rb") as f:
         data = f.read()
@@ -136,7 +119,6 @@ def test_trainer_fsdp_and_rank_local_dcp_folders_convert_in_place_as_their_local
     files = folder_files(src)
     repo = "org/" + name.replace("/", "-")
     hub_server.add(repo, files)
-    monkeypatch.setattr(local_view, "local_view", no_view)
     local = jax_ucp.convert(src, str(tmp_path / "local"))
     remote = jax_ucp.convert(f"hf://{repo}", str(tmp_path / "remote"))
     assert_same(jax_ucp.restore(remote), jax_ucp.restore(local))
@@ -187,7 +169,6 @@ def test_a_trainer_checkpoint_of_bin_weights_converts_in_place_as_its_local_fold
     for name, data in files.items():
         (src / name).write_bytes(data)
     hub_server.add("org/trainer-bin", files)
-    monkeypatch.setattr(local_view, "local_view", no_view)
     local = jax_ucp.convert(str(src), str(tmp_path / "local"))
     remote = jax_ucp.convert("hf://org/trainer-bin", str(tmp_path / "remote"))
     assert_same(jax_ucp.restore(remote), jax_ucp.restore(local))
@@ -223,7 +204,6 @@ def test_a_trainer_checkpoint_of_safetensors_weights_converts_in_place_as_its_lo
     files = folder_files(src)
     repo = "org/" + name.replace("/", "-")
     hub_server.add(repo, files)
-    monkeypatch.setattr(local_view, "local_view", no_view)
     importing = TorchOptions(**options)
     local = jax_ucp.convert(src, str(tmp_path / "local"), importing=importing)
     remote = jax_ucp.convert(f"hf://{repo}", str(tmp_path / "remote"), importing=importing)
@@ -252,7 +232,6 @@ def test_sharded_trainer_weights_and_an_adapter_alone_convert_in_place_as_their_
     read through its ``Storage`` as the local folder is. Before: the first through a view, the
     second refused (nothing a view shows)."""
     served(monkeypatch)
-    monkeypatch.setattr(local_view, "local_view", no_view)
     trainer = folder_files(os.path.join(FIXTURES, "hf_trainer", "trainer_fp32", "checkpoint-3"))
     weights = safetensors.numpy.load(trainer.pop("model.safetensors"))
     names = sorted(weights)

@@ -13,9 +13,8 @@ import uuid
 import pytest
 
 import jax_ucp
-from jax_ucp._src.store.storage import local_view, object_store
+from jax_ucp._src.store.storage import object_store
 from tests.importers.deepspeed.test_object_store import assert_same, folder_files, served
-from tests.importers.torch.test_object_store import no_view
 from tests.ucp_testing import FIXTURES
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,7 +38,6 @@ def _uploaded(monkeypatch, s3_server, files: dict[str, bytes]) -> str:
     url = f"{served(monkeypatch, s3_server)}/run-{uuid.uuid4().hex[:8]}"
     for name, data in files.items():
         object_store.write(url, name, data)
-    monkeypatch.setattr(local_view, "local_view", no_view)
     return url
 
 
@@ -78,7 +76,6 @@ def test_a_trainer_output_dir_in_an_object_store(s3_server, monkeypatch, tmp_pat
 def test_a_trainer_output_dir_in_a_hub_repo(hub_server, monkeypatch, tmp_path):
     """The same run root in a Hub repo: its steps named at the commit listed."""
     served(monkeypatch)
-    monkeypatch.setattr(local_view, "local_view", no_view)
     drop = ("checkpoint-4/trainer_state.json",)
     hub_server.add(
         "org/run", _run({"checkpoint-2": TRAINER_CKPT, "checkpoint-4": TRAINER_CKPT}, drop)

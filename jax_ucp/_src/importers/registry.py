@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from jax_ucp._src import store, writer
+from jax_ucp._src import store
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.importers import deepspeed, megatron, orbax, safetensors, torch, verl
 from jax_ucp._src.importers.deepspeed.files import deepspeed_run
@@ -33,7 +33,7 @@ from jax_ucp._src.importers.plan import (
 )
 from jax_ucp._src.importers.runs import TrainerRun
 from jax_ucp._src.importers.verl.layout import verl_run
-from jax_ucp._src.store.storage import Storage, base, local_view
+from jax_ucp._src.store.storage import Storage, base
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
 # first weak claim (a folder of .safetensors, of .bin / .pt files).
@@ -103,42 +103,20 @@ def _layouts(checkpoint_format: str) -> list[Importer]:
     return [i for i in IMPORTERS.values() if i.format == checkpoint_format and not i.takes_over]
 
 
-_IN_PLACE = ("safetensors", "torch_dcp", "deepspeed", "megatron", "verl", "torch_checkpointing")
-_IN_PLACE += ("olmo_core", "torch_files")  # (read remotely through their Storage)
-
-
-def _in_place(storage: Storage) -> bool:
-    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage`` (torchtune's folders
-    are read through a view; safetensors beside a Trainer's optimizer are taken over by
-    ``hf_trainer`` in place), or it is a run root of checkpoints (``trainer_run``: its steps
-    named by their URLs)."""
-    found = any(IMPORTERS[name].detect(storage).found for name in _IN_PLACE)
-    return found or trainer_run(storage) is not None
-
-
 @contextlib.contextmanager
-def _readable(storage: Storage) -> Iterator[tuple[Storage, local_view.View | None]]:
-    """(the ``Storage`` the importers read ``storage`` by, its view): ``storage`` itself, or for
-    a remote folder or file that no importer reads in place (``_IN_PLACE``) a local view of it
-    (``store.storage.local_view``: its archives' bytes fetched as they are read, its torch DCP
-    folders read at their URL), its errors naming ``storage.root``; ``storage`` itself when that
-    remote prefix holds nothing a view shows (no torch archive nor DCP folder: the detectors'
-    report names what it holds); listed once."""
+def _opened(storage: Storage) -> Iterator[Storage]:
+    """``storage``, listed once while its importer is chosen and planned; a remote listing
+    naming an object no folder holds (through '..', absolutely, a NUL, an empty part) refused
+    before any importer reads it in place: a listing is untrusted. Folder markers aside."""
     with base.listed_once():
-        if storage.local_path() is not None:
-            yield storage, None
-            return
-        local_view.check_names(storage)
-        if _in_place(storage):
-            yield storage, None
-            return
-        viewed = local_view.local_view(storage)
-        if viewed is None:
-            yield storage, None
-            return
-        view, src = viewed
-        with view.named():
-            yield src, view
+        if storage.local_path() is None:
+            for name in storage.names():
+                parts = name.split("/")
+                if not name.endswith("/") and any(p in ("", ".", "..") or "\0" in p for p in parts):
+                    raise SourceError(
+                        f"{storage.join(name)[:300]!r}: an object name the folder cannot hold"
+                    )
+        yield storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,11 +140,11 @@ def claim(
     report when detection finds none: the one question a restore's open stage asks."""
     if format in IMPORTERS and options is None:
         return IMPORTERS[format]
-    with _readable(storage) as (src, view):
+    with _opened(storage) as src:
         claimed, answers = _claimed(src, format)
-        if isinstance(claimed, Unclaimed):  # a view's run: its steps' files go with it
-            return claimed if view is None else Unclaimed(view.as_url(claimed.message))
-        return claimed if options is None else taken_over(src, claimed, options, answers)
+        if isinstance(claimed, Unclaimed) or options is None:
+            return claimed
+        return taken_over(src, claimed, options, answers)
 
 
 def _detected(storage: Storage) -> tuple[Importer | Unclaimed, dict[str, Detection]]:
@@ -220,17 +198,6 @@ def _detected(storage: Storage) -> tuple[Importer | Unclaimed, dict[str, Detecti
         f"{src}: cannot tell the checkpoint format; it holds: {listing or 'nothing'}. Tried "
         f"{tried}. Use `--from {'|'.join(FORMATS)}` (`format=` in Python) to force one."
     ), answers
-
-
-def _held(item, view: local_view.View):
-    """``item`` whose tensor, built after the plan is read (a direct restore's regions), keeps
-    ``view``'s files and names its URL."""
-    value = item.value
-    if not isinstance(value, writer.Deferred):
-        return item
-    rows = value.rows and view.holding(value.rows)
-    value = dataclasses.replace(value, make=view.holding(value.make), rows=rows)
-    return dataclasses.replace(item, value=value)
 
 
 def trainer_run(root: Storage) -> TrainerRun | None:
@@ -375,7 +342,7 @@ def plan_import(
         The checked plan, its items accounted for.
     """
     storage = store.storage_for(source)  # chosen here unless given
-    with _readable(storage) as (src, view), parsed_once():  # verl hands over a parsed folder
+    with _opened(storage) as src, parsed_once():  # verl hands over a parsed folder
         given = isinstance(format, Importer)  # takers already asked
         importer, answers = (format, None) if given else _claimed(src, format)
         if isinstance(importer, Unclaimed):
@@ -394,7 +361,4 @@ def plan_import(
         items = accounted(
             plan, f"{storage.root} ({importer.format})", whole=options.share.count == 1
         )
-    if view is not None:  # read later: its errors and its record name the source, not the view
-        items = (_held(item, view) for item in view.named_items(items))
-        plan.source.update({k: view.as_url(v) for k, v in plan.source.items() if type(v) is str})
     return dataclasses.replace(plan, items=items)

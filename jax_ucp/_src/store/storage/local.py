@@ -21,7 +21,6 @@ from jax_ucp._src.errors import SaveConflictError
 from jax_ucp._src.format.mapped_file import FileMap, map_file
 from jax_ucp._src.multihost import liveness
 from jax_ucp._src.store import host_memory
-from jax_ucp._src.store.storage import sparse
 from jax_ucp._src.store.storage.base import Claim, Storage, Transaction
 from jax_ucp._src.store.storage.ranged import LocalFile, RandomAccess
 
@@ -295,18 +294,12 @@ class LocalDirectory(Storage):
             return None
 
     def reader(self, name: str, what: str = "") -> RandomAccess:
-        """``pread`` of the file; a local view's stand-in read at its object."""
-        path = self.inside(name, what)
-        stored = sparse.stored_at(path)
-        return LocalFile(path) if stored is None else stored[0].reader(stored[1])
+        """``pread`` of the file."""
+        return LocalFile(self.inside(name, what))
 
     def mapped(self, name: str, *, sealed: bool = False) -> tuple[FileMap | None, Any]:
-        """The file itself, mapped (None: empty); a local view's stand-in, its object's."""
-        path = self.inside(name)
-        stored = sparse.stored_at(path)
-        if stored is not None:
-            return stored[0].mapped(stored[1], sealed=sealed)
-        return map_file(path), None
+        """The file itself, mapped (None: empty)."""
+        return map_file(self.inside(name)), None
 
     def folder(self, name: str, *, link: bool = True) -> LocalDirectory:
         """Refused unless ``name`` resolves to a folder strictly inside ``root`` (``link=False``:

@@ -17,8 +17,7 @@ import struct
 import tempfile
 import threading
 import time
-import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import tensorstore as ts
 
@@ -37,19 +36,6 @@ _counts = {"gets": 0, "bytes": 0}
 _lock = threading.Lock()
 #: URL -> (when opened, its copy)
 _opened: dict[str, tuple[float, RemoteArchive]] = {}
-#: local folder -> the remote folder it stands for (``local_view.View``: its ``storage``)
-standing: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-
-
-def stored_at(path: os.PathLike | str) -> tuple[Storage, str] | None:
-    """(the storage, the object name) the local ``path`` inside a live local view stands for
-    (None: not inside one): the view's own storage, so a Hub repo stays at the commit it
-    listed."""
-    real = os.path.realpath(path) if standing else ""
-    for root, view in list(standing.items()):
-        if real == root or real.startswith(root + os.sep):
-            return view.storage, real[len(root) :].replace(os.sep, "/").strip("/")
-    return None
 
 
 def fetched() -> tuple[int, int]:
