@@ -100,7 +100,7 @@ def test_accelerates_two_dcp_folders_in_an_object_store_restore_as_the_local_fol
     s3_server, monkeypatch
 ):
     """Accelerate's FSDP ``save_state`` (``pytorch_model_fsdp_0/`` and ``optimizer_0/``, a DCP
-    folder each) from s3://: read through the prefix's local view, each folder at its URL."""
+    folder each) from s3://: read in place, each folder at its URL."""
     from tests.importers.deepspeed.test_object_store import assert_same, served, upload
 
     folder = os.path.join(FIXTURES, "accelerate_fsdp")

@@ -78,7 +78,7 @@ def served(monkeypatch, server: tuple[dict, str] | None = None) -> str:
 
 
 def fetched(call):
-    """(what ``call()`` returns, the GETs and bytes it fetched into local views)."""
+    """(what ``call()`` returns, the GETs and bytes it fetched into remote archives' copies)."""
     gets, nbytes = sparse.fetched()
     out = call()
     after = sparse.fetched()

@@ -1,7 +1,7 @@
 """A verl FSDP checkpoint (``global_step_N/actor/model_world_size_W_rank_R.pt`` and the optimizer's
 rank files) in an object store (``s3://`` on the local moto server) restores onto a mesh as the
 local folder does, its rank files read by ranged GETs through the prefix's Storage (its Megatron
-backend through a local view, until megatron's importer reads in place)."""
+backend too)."""
 
 from __future__ import annotations
 
