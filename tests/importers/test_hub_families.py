@@ -42,6 +42,8 @@ IN_PLACE = (
     "megatron/gpt_tp2",
     "megatron_fsdp_dtensor/gpt_dp2",
     "megatron/legacy_gpt_tp2pp2_synthetic",
+    "torchtune/tt_lora",
+    "torchtune/tt_fp32",
 )
 RANGED = (*ARCHIVES, ".safetensors")
 
@@ -55,8 +57,9 @@ RANGED = (*ARCHIVES, ".safetensors")
         ("olmo_core/olmo_fp32", {}),  # torch DCP with OLMo-core's storage records
         ("megatron/gpt_tp2", {}),  # megatron-core's torch_dist
         ("megatron_fsdp_dtensor/gpt_dp2", {}),
-        # zip archives by ranges, in place but torchtune's (through the local view of the repo):
-        # the slow stage
+        # torchtune's LoRA recipe: adapter_model.pt and recipe_state.pt by ranges, in place
+        ("torchtune/tt_lora", {}),
+        # zip archives by ranges, in place: the slow stage
         *(
             pytest.param(name, options, marks=pytest.mark.slow)
             for name, options in [

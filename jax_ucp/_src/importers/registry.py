@@ -104,12 +104,12 @@ def _layouts(checkpoint_format: str) -> list[Importer]:
 
 
 _IN_PLACE = ("safetensors", "torch_dcp", "deepspeed", "megatron", "verl", "torch_checkpointing")
-_IN_PLACE += ("olmo_core", "torch_files")  # (read remotely through their Storage)
+_IN_PLACE += ("olmo_core", "torch_files", "torchtune")  # (read remotely through their Storage)
 
 
 def _in_place(storage: Storage) -> bool:
-    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage`` (torchtune's folders
-    and safetensors beside a Trainer's files are read through a view)."""
+    """Whether an importer of ``_IN_PLACE`` claims the remote ``storage`` (safetensors beside a
+    Trainer's files are read through a view)."""
     return any(IMPORTERS[name].detect(storage).found for name in _IN_PLACE)
 
 
