@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers.plan import (
@@ -105,9 +104,8 @@ DEFAULT_CONVERT_MODEL_TYPES = ("llama", "mistral")
 
 
 def epoch_folders(storage: Storage, dist: bool = False) -> list[str]:
-    """``epoch_N`` folders of ``storage`` holding safetensors, by N (never a link); ``dist``:
-    ``dist_epoch_N`` folders holding a torch DCP ``.metadata`` (DistributedCheckpointer's
-    ``_checkpoint_dir_prefix``). Two names of one N are refused naming both."""
+    """``epoch_N`` folders of ``storage`` holding safetensors, by N; ``dist``: ``dist_epoch_N``
+    ones with torch DCP's ``.metadata`` (DistributedCheckpointer's ``_checkpoint_dir_prefix``)."""
 
     def holds(name: str) -> bool:
         try:
@@ -117,30 +115,23 @@ def epoch_folders(storage: Storage, dist: bool = False) -> list[str]:
         return ".metadata" in names if dist else any(n.endswith(".safetensors") for n in names)
 
     pattern = rf"{'dist_' if dist else ''}epoch_([0-9]+)"
-    found = [
-        (int(m.group(1)), n)
-        for n in listed(storage) or ()
-        if (m := re.fullmatch(pattern, n, re.ASCII)) and holds(n)
-    ]
+    named = ((re.fullmatch(pattern, n, re.ASCII), n) for n in listed(storage) or ())
+    found = [(int(m.group(1)), n) for m, n in named if m and holds(n)]
     return list(files.numbered_names(found, storage.root, "epoch").values())
 
 
 def adapter_files(folder: Storage) -> list[str]:
-    """The LoRA adapter files of :data:`ADAPTER_FILES` among ``folder``'s entries (links too:
-    listed, never read)."""
+    """:data:`ADAPTER_FILES` among ``folder``'s entries (links too: listed, never read)."""
     return [n for n in ADAPTER_FILES if n in (listed(folder) or ())]
 
 
-def _adapter_units(storage: Storage, epoch: str) -> tuple[list[str], str]:
-    """(the latest epoch's adapter files as source units, why they are not imported): the
-    merged weights are imported, the adapter's ``lora_a`` / ``lora_b`` are already in them;
-    an adapter-only save (``save_adapter_weights_only``) imports its ``adapter_model.
+def _adapter_units(folder: Storage, epoch: str) -> tuple[list[str], str]:
+    """(the adapter files of the latest epoch ``folder`` as source units, why they are not
+    imported): the merged weights are imported, the adapter's ``lora_a`` / ``lora_b`` are in
+    them; an adapter-only save (``save_adapter_weights_only``) imports its ``adapter_model.
     safetensors``, torchtune's own ``.pt`` copy of it skipped."""
-    found = adapter_files(storage.folder(epoch))
-    merged = any(
-        n.endswith(".safetensors") and n not in ADAPTER_FILES
-        for n in listed(storage.folder(epoch)) or ()
-    )
+    found, names = adapter_files(folder), listed(folder) or ()
+    merged = any(n.endswith(".safetensors") and n not in ADAPTER_FILES for n in names)
     if not merged:
         found = [n for n in found if n != "adapter_model.safetensors"]
         why = "torchtune's LoRA adapter in its own names (adapter_model.safetensors imported)"
@@ -278,8 +269,7 @@ def plan_torchtune(storage: Storage, options: TorchOptions) -> ImportPlan:
     refuse_model_config(src, options)
     spec, weights_only = options.spec, options.weights_only
     parameter_order = options.parameter_order
-    epochs = epoch_folders(storage)
-    dist = epoch_folders(storage, dist=True)
+    epochs, dist = epoch_folders(storage), epoch_folders(storage, dist=True)
     if not epochs and not dist:
         raise SourceError(
             f"{src}: no torchtune epoch_N/ folder holding safetensors, nor dist_epoch_N/ "
@@ -303,7 +293,8 @@ def plan_torchtune(storage: Storage, options: TorchOptions) -> ImportPlan:
         plan = dcp.plan_torch_dcp(folder, options)
         if rebuilt is not None:
             plan.source["parameter_order"] = rebuilt[1]
-        return _as_dist_epoch(plan, storage, epochs, dist, has_recipe)
+        others = [f"{e}/" for e in epochs + dist[:-1]] + [RECIPE_STATE] * has_recipe
+        return _as_dist_epoch(plan, storage, dist[-1], others)
     loaded = _load(storage, RECIPE_STATE) if has_recipe and not weights_only else None
     said = None if weights_only else _recipe_not_the_latest(storage, loaded, has_recipe, epochs)
     if has_recipe and not weights_only and said is None:
@@ -314,9 +305,8 @@ def plan_torchtune(storage: Storage, options: TorchOptions) -> ImportPlan:
             f"{src}: parameter_order numbers the optimizer of {RECIPE_STATE}, which "
             f"{'weights_only leaves out' if has_recipe else 'this folder does not hold'}"
         )
-    plan = plan_safetensors(
-        storage.folder(epochs[-1]), dataclasses.replace(options, weights_only=False)
-    )
+    latest = storage.folder(epochs[-1])
+    plan = plan_safetensors(latest, dataclasses.replace(options, weights_only=False))
     source = dict(plan.source)
     source.update(framework="torchtune", path=storage.absolute(), epoch=epochs[-1])
     # the adapter files the safetensors plan listed by their names in the epoch: listed below
@@ -329,7 +319,7 @@ def plan_torchtune(storage: Storage, options: TorchOptions) -> ImportPlan:
     tensors = [n for n in plan.source_tensors or () if n not in ADAPTER_FILES]
     units = [f"{e}/" for e in epochs[:-1] + dist]
     skip(source, units, f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)")
-    adapters, why = _adapter_units(storage, epochs[-1])
+    adapters, why = _adapter_units(latest, epochs[-1])
     if adapters:
         units.extend(adapters)
         skip(source, adapters, why)
@@ -381,28 +371,23 @@ def _recipe_not_the_latest(storage: Storage, loaded: Any, has_recipe: bool, epoc
     return None
 
 
-def _as_dist_epoch(
-    plan: ImportPlan, storage: Storage, epochs: list[str], dist: list[str], has_recipe: bool
-) -> ImportPlan:
+def _as_dist_epoch(plan: ImportPlan, storage: Storage, epoch: str, units: list[str]) -> ImportPlan:
     """The torch DCP importer's plan of the latest ``dist_epoch_N/`` (torchtune's names as
     saved) as torchtune's; the other epochs' folders and ``recipe_state.pt`` (the synchronous
-    saves') skipped."""
+    saves': ``units``) skipped."""
     source = dict(plan.source)
     source.update(
         framework="torchtune",
         saved_by="torchtune DistributedCheckpointer (asynchronous save, torch DCP)",
         path=storage.absolute(),
-        epoch=dist[-1],
-        folders=[dist[-1]],
+        epoch=epoch,
+        folders=[epoch],
         names="torchtune's (its model as trained: no Hugging Face conversion)",
     )
-    units = [f"{e}/" for e in epochs + dist[:-1]]
-    if has_recipe:
-        units.append(RECIPE_STATE)
     if units:  # (no empty source.skipped)
-        skip(source, units, f"an earlier epoch's checkpoint ({dist[-1]}/ imported)")
+        skip(source, units, f"an earlier epoch's checkpoint ({epoch}/ imported)")
     items = (
-        dataclasses.replace(item, provenance={**(item.provenance or {}), "folder": dist[-1]})
+        dataclasses.replace(item, provenance={**(item.provenance or {}), "folder": epoch})
         for item in plan.items
     )
     return dataclasses.replace(
@@ -494,22 +479,18 @@ def _recipe_optimizer(loaded: Any, recipe: str, epoch: str) -> tuple[dict, dict,
 
 def _epoch_weights(folder: Storage, epoch: str) -> tuple[dict[str, TensorRef], list[str]]:
     """The epoch's safetensors as lazy references (Hugging Face's names and rows, as the
-    checkpointer wrote them), as the safetensors importer reads them (a view of the map, a
-    remote one's rows by ranges), and the files they came from."""
+    checkpointer wrote them), as the safetensors importer reads them, and their files."""
     params: dict[str, TensorRef] = {}
     for item in plan_safetensors(folder, TorchOptions(weights_only=True)).items:
-        value, (name,) = item.value, item.provenance["tensors"]
-        read, rows = (
-            (value.make, value.rows) if isinstance(value, writer.Deferred) else (None, None)
-        )
-        base = item.provenance["file"].rpartition("/")[2]
+        value, (name,) = item.value, item.provenance["tensors"]  # a map's view, or a Deferred
+        base = item.provenance["file"].rpartition("/")[2]  # a remote one's: read by ranges
         params[name] = TensorRef(
             name,
             tuple(value.shape),
             value.dtype,
-            read or (lambda v=value: v),
+            getattr(value, "make", lambda v=value: v),
             {"format": "safetensors", "file": f"{epoch}/{base}"},
-            rows=rows,
+            rows=getattr(value, "rows", None),
         )
     return params, sorted({ref.where["file"].partition("/")[2] for ref in params.values()})
 
@@ -623,11 +604,9 @@ def _plan_with_optimizer(
 ) -> ImportPlan:
     """The latest epoch's weights (or a LoRA recipe's adapter) with recipe_state.pt's moments
     (``loaded``), renamed and row-permuted as torchtune's checkpointer converts the weights;
-    every other tensor of recipe_state.pt and every older epoch (``epochs``: the safetensors
-    ones, the DCP ones) said skipped."""
+    every other tensor of recipe_state.pt and every older epoch (``epochs``, ``dist``) skipped."""
     (epochs, dist), recipe = epochs, storage.join(RECIPE_STATE)
-    epoch = epochs[-1]
-    latest = storage.folder(epoch)
+    epoch, latest = epochs[-1], storage.folder(epochs[-1])
     loaded, state, groups = _recipe_optimizer(loaded, recipe, epoch)
     progress = {
         k: loaded[k]
@@ -640,7 +619,7 @@ def _plan_with_optimizer(
     if found or any(isinstance(k, str) and _LORA_NAME.search(k) for k in state):
         if ADAPTER_PT not in found:
             raise _lora_refusal(recipe, epoch, found, state)
-        mapped = _lora_adapter(storage, epoch, recipe, (state, groups, order), heads)
+        mapped = _lora_adapter(storage, epoch, (state, groups, order), heads)
     else:
         mapped = _epoch_mapped(latest, epoch, recipe, (loaded, state, groups), order)
     states, moved = _moments(state, mapped.to_name, recipe, heads, epoch)
@@ -792,15 +771,11 @@ def _adapter_modules(adapter: dict[str, np.ndarray], pt: str) -> None:
 
 
 def _lora_adapter(
-    storage: Storage,
-    epoch: str,
-    recipe: str,
-    opened: tuple[dict, list, Any],
-    heads: tuple[int, int, int],
+    storage: Storage, epoch: str, opened: tuple[dict, list, Any], heads: tuple[int, int, int]
 ) -> _Mapped:
     """A LoRA recipe's adapter (``adapter_model.pt``) in peft's names and q/k rows; the merged
     weights and peft's copies of the adapter skipped."""
-    state, groups, order = opened
+    (state, groups, order), recipe = opened, storage.join(RECIPE_STATE)
     latest = storage.folder(epoch)
     pt = f"{epoch}/{ADAPTER_PT}"
     adapter = _load(storage, pt)
