@@ -32,7 +32,7 @@ import dataclasses
 import re
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -400,8 +400,8 @@ def _heads(folder: Storage) -> tuple[dict[str, Any], tuple[int, int, int]]:
     checkpointer read them; a model ``tune_to_hf`` does not convert is refused."""
     path = folder.join(CONFIG_FILE)
     try:  # a bounded read of a regular file inside the checkpoint (never a link out, a FIFO)
-        config = (side_json(folder, CONFIG_FILE) or (None,))[0]
-        if config is None and CONFIG_FILE not in (listed(folder) or ()):  # a remote one
+        config = cast(Any, side_json(folder, CONFIG_FILE) or (None,))[0]
+        if CONFIG_FILE not in (listed(folder) or ()) and config is None:  # a remote one
             raise FileNotFoundError(f"no {CONFIG_FILE} in {folder.root}")
     except (OSError, SourceError) as e:
         raise SourceError(
@@ -482,8 +482,8 @@ def _epoch_weights(folder: Storage, epoch: str) -> tuple[dict[str, TensorRef], l
     checkpointer wrote them), as the safetensors importer reads them, and their files."""
     params: dict[str, TensorRef] = {}
     for item in plan_safetensors(folder, TorchOptions(weights_only=True)).items:
-        value, (name,) = item.value, item.provenance["tensors"]  # a map's view, or a Deferred
-        base = item.provenance["file"].rpartition("/")[2]  # a remote one's: read by ranges
+        value, where = item.value, cast(dict, item.provenance)  # a map's view, or a Deferred
+        (name,), base = where["tensors"], where["file"].rpartition("/")[2]  # (remote: by ranges)
         params[name] = TensorRef(
             name,
             tuple(value.shape),
@@ -597,15 +597,15 @@ class _Mapped:
 
 def _plan_with_optimizer(
     storage: Storage,
-    epochs: tuple[list[str], list[str]],
+    folders: tuple[list[str], list[str]],
     loaded: Any,
     options: TorchOptions,
     order: Sequence[str] | None,
 ) -> ImportPlan:
     """The latest epoch's weights (or a LoRA recipe's adapter) with recipe_state.pt's moments
     (``loaded``), renamed and row-permuted as torchtune's checkpointer converts the weights;
-    every other tensor of recipe_state.pt and every older epoch (``epochs``, ``dist``) skipped."""
-    (epochs, dist), recipe = epochs, storage.join(RECIPE_STATE)
+    every other tensor of recipe_state.pt and every older epoch (``folders``: both kinds) skipped."""
+    (epochs, dist), recipe = folders, storage.join(RECIPE_STATE)
     epoch, latest = epochs[-1], storage.folder(epochs[-1])
     loaded, state, groups = _recipe_optimizer(loaded, recipe, epoch)
     progress = {
