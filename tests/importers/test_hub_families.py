@@ -43,8 +43,9 @@ TRAINER_CONFIG = os.path.join(FIXTURES, "hf_trainer", "trainer_fp32", "checkpoin
         ("olmo_core/olmo_fp32", {}),  # torch DCP with OLMo-core's storage records
         ("megatron/gpt_tp2", {}),  # megatron-core's torch_dist
         ("megatron_fsdp_dtensor/gpt_dp2", {}),
-        # zip archives by ranges, in place:
-        # the slow stage
+        # torchtune's LoRA recipe: adapter_model.pt and recipe_state.pt by ranges, in place
+        ("torchtune/tt_lora", {}),
+        # zip archives by ranges, in place: the slow stage
         *(
             pytest.param(name, options, marks=pytest.mark.slow)
             for name, options in [

@@ -1,7 +1,8 @@
 """torch.save files, a folder of them, Accelerate's safetensors beside ``optimizer.bin``,
 torchtune's and torch_checkpointing's folders in an object store (``s3://`` on the local moto
-server) restore onto a mesh as the local ones do, their archives read by ranged GETs
-(tests/importers/deepspeed/test_object_store.py has the DeepSpeed folders and the errors)."""
+server) restore onto a mesh as the local ones do, read in place through the prefix's Storage,
+their archives by ranged GETs (tests/importers/deepspeed/test_object_store.py has the DeepSpeed
+folders and the errors)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.store.storage import object_store
-from jax_ucp.conversion import ImportOptions
+from jax_ucp.conversion import ImportOptions, TorchOptions
 from tests.importers.deepspeed.test_object_store import (
     assert_same,
     restores_as_local,
     served,
+    size_of,
     upload,
 )
+from tests.importers.torch.test_torchtune import ORDER
+from tests.restoring.test_remote_dcp import _counted
 from tests.torchfiles.test_pickle_format import write_pt
 from tests.ucp_testing import REPO
 
@@ -37,7 +41,6 @@ FIXTURES = os.path.join(REPO, "tests", "fixtures")
         ("torch/hf_bin_sharded", {}),  # pytorch_model-0000N-of-00002.bin + their index
         ("torch/accelerate_full", {}),  # pytorch_model_fsdp.bin + optimizer.bin
         ("accelerate/accelerate_named", {}),  # model.safetensors + optimizer.bin (by name)
-        ("torchtune/tt_fp32", {"importing": ImportOptions(weights_only=True)}),
     ],
 )
 def test_torch_sources_in_an_object_store_restore_as_the_local_ones(
@@ -72,6 +75,38 @@ def test_torch_checkpointing_and_olmo_core_folders_are_read_in_place(
     assert record["trainer"] == local["trainer"]
     assert record["trainer"]["global_step"] == 3
     assert record["skipped"] == local["skipped"]
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("tt_fp32", ImportOptions(weights_only=True)),  # epoch_0/'s safetensors, by ranges
+        ("tt_dist_fp32", ImportOptions()),  # and recipe_state.pt's moments, keyed by names
+        ("tt_lora", ImportOptions()),  # a LoRA recipe's adapter_model.pt and its moments
+        ("tt_dist_async", TorchOptions(parameter_order=ORDER)),  # dist_epoch_0/: torch DCP
+    ],
+)
+def test_torchtune_output_folders_are_read_in_place(
+    s3_server, monkeypatch, tmp_path, name, options
+):
+    """A torchtune output folder in an object store converts as the local one (its values and
+    source record but the path and certificate), read through its prefix's Storage: no local view, no object
+    read twice (but config.json, by the q/k heads' check and the weights' plan). Before: read
+    through a local view of the prefix, its safetensors fetched whole."""
+    src = os.path.join(FIXTURES, "torchtune", name)
+    url = upload(src, served(monkeypatch, s3_server))
+    before = _counted("bytes_read")
+    remote = jax_ucp.convert(url, tmp_path / "remote", importing=options)
+    nbytes = _counted("bytes_read") - before
+    local = jax_ucp.convert(src, tmp_path / "local", importing=options)
+    assert_same(jax_ucp.restore(remote), jax_ucp.restore(local))
+    got, want = (jax_ucp.inspect(out).source for out in (remote, local))
+    assert (got.pop("path"), want.pop("path")) == (url, os.path.abspath(src))
+    assert want.pop("certificate") and got == want  # (a local source's files' digests)
+    files = sum(1 for _, _, names in os.walk(src) for _ in names)
+    config = os.path.join(src, "epoch_0", "config.json")
+    twice = os.path.getsize(config) if os.path.exists(config) else 0
+    assert 0 < nbytes <= size_of(src) + 2 * files + twice, nbytes
 
 
 HF_BIN_SHARDED = os.path.join(FIXTURES, "torch", "hf_bin_sharded")

@@ -29,25 +29,23 @@ it where ``adapter_config.json`` records it). With weights_only the merged weigh
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from jax_ucp._src import store
 from jax_ucp._src.errors import SourceError
-from jax_ucp._src.format import files, safetensors
+from jax_ucp._src.format import files
 from jax_ucp._src.importers.plan import (
     Detection,
     ImportPlan,
+    listed,
     refuse_spec,
     skip,
     tensor_names,
 )
-from jax_ucp._src.importers.runs import numbered_steps
 from jax_ucp._src.importers.safetensors_weights import plan_safetensors
 from jax_ucp._src.importers.torch import dcp, torchtune_order
 from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
@@ -55,11 +53,11 @@ from jax_ucp._src.importers.torch_state import TensorRef, TorchState, numbered_n
 from jax_ucp._src.importers.trainer_files import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS,
+    CONFIG_FILE,
     adapter_record,
-    read_json,
-    side_file,
+    side_json,
 )
-from jax_ucp._src.store.storage import LocalDirectory, Storage
+from jax_ucp._src.store.storage import Storage
 from jax_ucp._src.torchfiles import allow_list, torch_zip
 from jax_ucp._src.torchfiles import dcp as torch_dcp
 
@@ -72,7 +70,8 @@ __all__ = [
     "plan_torchtune",
 ]
 
-RECIPE_STATE = os.path.join("recipe_state", "recipe_state.pt")
+RECIPE_DIR, RECIPE_FILE = "recipe_state", "recipe_state.pt"
+RECIPE_STATE = f"{RECIPE_DIR}/{RECIPE_FILE}"
 ADAPTER_PT = "adapter_model.pt"  # torchtune's own copy of the adapter: its names and order
 OPTIMIZER_KEY = "optimizer"  # torchtune's training.OPT_KEY
 #: what a LoRA recipe's checkpointer writes into ``epoch_N/`` beside the merged weights:
@@ -104,37 +103,35 @@ TUNE_TO_HF = {
 DEFAULT_CONVERT_MODEL_TYPES = ("llama", "mistral")
 
 
-def epoch_folders(src: str, dist: bool = False) -> list[str]:
-    """``epoch_N`` folders holding safetensors, by N; ``dist``: ``dist_epoch_N`` folders holding
-    a torch DCP ``.metadata`` (DistributedCheckpointer's ``_checkpoint_dir_prefix``)."""
+def epoch_folders(storage: Storage, dist: bool = False) -> list[str]:
+    """``epoch_N`` folders of ``storage`` holding safetensors, by N; ``dist``: ``dist_epoch_N``
+    ones with torch DCP's ``.metadata`` (DistributedCheckpointer's ``_checkpoint_dir_prefix``)."""
 
-    def holds(path: str) -> bool:
-        if os.path.islink(path) or not os.path.isdir(path):
+    def holds(name: str) -> bool:
+        try:
+            names = listed(storage.folder(name, link=False)) or []
+        except OSError:  # a link (out of the folder or not): no epoch of this run
             return False
-        if dist:
-            return os.path.isfile(os.path.join(path, ".metadata"))
-        return any(n.endswith(".safetensors") for n in os.listdir(path))
+        return ".metadata" in names if dist else any(n.endswith(".safetensors") for n in names)
 
     pattern = rf"{'dist_' if dist else ''}epoch_([0-9]+)"
-    return list(numbered_steps(src, pattern, holds, "epoch").values())
+    named = ((re.fullmatch(pattern, n, re.ASCII), n) for n in listed(storage) or ())
+    found = [(int(m.group(1)), n) for m, n in named if m and holds(n)]
+    return list(files.numbered_names(found, storage.root, "epoch").values())
 
 
-def adapter_files(folder: str) -> list[str]:
-    """The LoRA adapter files of :data:`ADAPTER_FILES` in ``folder`` (links too: listed, never
-    read)."""
-    return [n for n in ADAPTER_FILES if os.path.lexists(os.path.join(folder, n))]
+def adapter_files(folder: Storage) -> list[str]:
+    """:data:`ADAPTER_FILES` among ``folder``'s entries (links too: listed, never read)."""
+    return [n for n in ADAPTER_FILES if n in (listed(folder) or ())]
 
 
-def _adapter_units(src: str, epoch: str) -> tuple[list[str], str]:
-    """(the latest epoch's adapter files as source units, why they are not imported): the
-    merged weights are imported, the adapter's ``lora_a`` / ``lora_b`` are already in them;
-    an adapter-only save (``save_adapter_weights_only``) imports its ``adapter_model.
+def _adapter_units(folder: Storage, epoch: str) -> tuple[list[str], str]:
+    """(the adapter files of the latest epoch ``folder`` as source units, why they are not
+    imported): the merged weights are imported, the adapter's ``lora_a`` / ``lora_b`` are in
+    them; an adapter-only save (``save_adapter_weights_only``) imports its ``adapter_model.
     safetensors``, torchtune's own ``.pt`` copy of it skipped."""
-    found = adapter_files(os.path.join(src, epoch))
-    merged = any(
-        n.endswith(".safetensors") and n not in ADAPTER_FILES
-        for n in os.listdir(os.path.join(src, epoch))
-    )
+    found, names = adapter_files(folder), listed(folder) or ()
+    merged = any(n.endswith(".safetensors") and n not in ADAPTER_FILES for n in names)
     if not merged:
         found = [n for n in found if n != "adapter_model.safetensors"]
         why = "torchtune's LoRA adapter in its own names (adapter_model.safetensors imported)"
@@ -177,19 +174,19 @@ def renamed(name: str, table: dict[str, str]) -> str | None:
 _HF_TO_TUNE = {hf: tune for tune, hf in TUNE_TO_HF.items()}
 
 
-def _dist_order(folder: str) -> tuple[list[str], str] | None:
+def _dist_order(folder: Storage) -> tuple[list[str], str] | None:
     """torchtune's builder's order of a ``dist_epoch_N/``'s model (its ``model.*`` tensors),
     when torchtune is installed and builds exactly those parameters."""
     if torchtune_order.torchtune_builder() is None:
         return None
-    checkpoint = torch_dcp.open_dcp(folder)
+    checkpoint = torch_dcp.open_dcp(folder)  # the DCP importer's reader, in place
     prefix = "model."
     shapes = {
         n[len(prefix) :]: tuple(t.shape)
         for n, t in checkpoint.tensors.items()
         if n.startswith(prefix)
     }
-    rebuilt = torchtune_order.builder_order(shapes, folder) if shapes else None
+    rebuilt = torchtune_order.builder_order(shapes, folder.root) if shapes else None
     return rebuilt if isinstance(rebuilt, tuple) else None
 
 
@@ -248,11 +245,10 @@ def recipe_optimizer(recipe: Any) -> str:
 
 
 def detect(storage: Storage) -> Detection:
-    """Whether ``src`` is a torchtune output folder, from names: ``epoch_N/`` safetensors
+    """Whether ``storage`` is a torchtune output folder, from names: ``epoch_N/`` safetensors
     folders (with or without recipe state) or the asynchronous save's ``dist_epoch_N/`` torch
     DCP folders; a weak claim (``epoch_N/`` holds safetensors, as other formats' folders may)."""
-    src = os.fspath(storage.root)
-    if os.path.isdir(src) and (epoch_folders(src) or epoch_folders(src, dist=True)):
+    if epoch_folders(storage) or epoch_folders(storage, dist=True):
         return Detection(True, "a torchtune checkpoint", weak=True)
     return Detection(False, "no torchtune `epoch_N/` or `dist_epoch_N/`")
 
@@ -273,48 +269,46 @@ def plan_torchtune(storage: Storage, options: TorchOptions) -> ImportPlan:
     refuse_model_config(src, options)
     spec, weights_only = options.spec, options.weights_only
     parameter_order = options.parameter_order
-    src = os.fspath(src)
-    epochs = epoch_folders(src)
-    dist = epoch_folders(src, dist=True)
+    epochs, dist = epoch_folders(storage), epoch_folders(storage, dist=True)
     if not epochs and not dist:
         raise SourceError(
             f"{src}: no torchtune epoch_N/ folder holding safetensors, nor dist_epoch_N/ "
             f"holding torch DCP"
         )
-    recipe = os.path.join(src, RECIPE_STATE)
-    has_recipe = os.path.lexists(recipe)
-    if has_recipe:  # never a recipe_state/ (or its file) linked out of the output folder
-        recipe = files.inside(src, RECIPE_STATE, src)
-    elif os.path.lexists(os.path.dirname(recipe)) and not weights_only:
+    here = RECIPE_DIR in (listed(storage) or ())  # never linked out of the output folder
+    has_recipe = here and RECIPE_FILE in (listed(storage.folder(RECIPE_DIR)) or ())
+    if here and not has_recipe and not weights_only:
         raise SourceError(  # torchtune makes the folder to write the file: the file was lost
-            f"{src}: recipe_state/ is here without {os.path.basename(RECIPE_STATE)} (the "
+            f"{src}: recipe_state/ is here without {RECIPE_FILE} (the "
             f"recipe's optimizer state and seed, written into it for a resumable checkpoint); "
             f"pass weights_only=True to take the weights alone"
         )
     if dist and (not epochs or _epoch_number(dist[-1]) > _epoch_number(epochs[-1])):
-        folder = os.path.join(src, dist[-1])
+        folder = storage.folder(dist[-1])
         rebuilt = None  # the index-keyed optimizer's order, by torchtune's builder if installed
         if parameter_order is None and not weights_only:
             rebuilt = _dist_order(folder)
             if rebuilt is not None:
                 options = dataclasses.replace(options, parameter_order=rebuilt[0])
-        plan = dcp.plan_torch_dcp(store.storage_for(folder), options)
+        plan = dcp.plan_torch_dcp(folder, options)
         if rebuilt is not None:
             plan.source["parameter_order"] = rebuilt[1]
-        return _as_dist_epoch(plan, src, epochs, dist)
-    said = None if weights_only else _recipe_not_the_latest(src, recipe, has_recipe, epochs)
+        others = [f"{e}/" for e in epochs + dist[:-1]] + [RECIPE_STATE] * has_recipe
+        return _as_dist_epoch(plan, storage, dist[-1], others)
+    loaded = _load(storage, RECIPE_STATE) if has_recipe and not weights_only else None
+    said = None if weights_only else _recipe_not_the_latest(storage, loaded, has_recipe, epochs)
     if has_recipe and not weights_only and said is None:
         refuse_spec(spec, "torchtune imports keep Hugging Face's names", SourceError)
-        return _plan_with_optimizer(src, epochs, recipe, options, parameter_order)
+        return _plan_with_optimizer(storage, (epochs, dist), loaded, options, parameter_order)
     if parameter_order is not None and said is None:
         raise SourceError(
             f"{src}: parameter_order numbers the optimizer of {RECIPE_STATE}, which "
             f"{'weights_only leaves out' if has_recipe else 'this folder does not hold'}"
         )
-    latest = os.path.join(src, epochs[-1])
+    latest = storage.folder(epochs[-1])
     plan = plan_safetensors(latest, dataclasses.replace(options, weights_only=False))
     source = dict(plan.source)
-    source.update(framework="torchtune", path=os.path.abspath(src), epoch=epochs[-1])
+    source.update(framework="torchtune", path=storage.absolute(), epoch=epochs[-1])
     # the adapter files the safetensors plan listed by their names in the epoch: listed below
     # by their path in the output folder, with torchtune's reason
     source["skipped"] = {
@@ -325,7 +319,7 @@ def plan_torchtune(storage: Storage, options: TorchOptions) -> ImportPlan:
     tensors = [n for n in plan.source_tensors or () if n not in ADAPTER_FILES]
     units = [f"{e}/" for e in epochs[:-1] + dist]
     skip(source, units, f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)")
-    adapters, why = _adapter_units(src, epochs[-1])
+    adapters, why = _adapter_units(latest, epochs[-1])
     if adapters:
         units.extend(adapters)
         skip(source, adapters, why)
@@ -342,7 +336,16 @@ def plan_torchtune(storage: Storage, options: TorchOptions) -> ImportPlan:
     return dataclasses.replace(plan, source=source, source_tensors=[*tensors, *units])
 
 
-def _recipe_not_the_latest(src: str, recipe: str, has_recipe: bool, epochs: list[str]):
+def _load(storage: Storage, name: str) -> Any:
+    """torch.save file ``name`` of ``storage`` (a link out of the folder refused as such)."""
+    try:
+        return torch_zip.load_torch_file((storage, name))
+    except allow_list.TorchFileError:
+        storage.exists(name)  # a local link out of the folder: UnsafeFileError
+        raise
+
+
+def _recipe_not_the_latest(storage: Storage, loaded: Any, has_recipe: bool, epochs: list[str]):
     """Why the latest epoch's weights come without an optimizer, when the folder shows they
     had one or have another's (None: the recipe state is the latest epoch's, or no sign). A
     recipe writes ``recipe_state.pt`` at every epoch but the last and never removes it: one
@@ -350,7 +353,6 @@ def _recipe_not_the_latest(src: str, recipe: str, has_recipe: bool, epochs: list
     or a name like it (``recipe_state.bak``), was removed or renamed."""
     latest = epochs[-1] if epochs else None
     if has_recipe and latest is not None:
-        loaded = torch_zip.load_torch_file(recipe)
         run = loaded.get("epochs_run") if isinstance(loaded, dict) else None
         if type(run) is int and run != _epoch_number(latest) + 1:
             return (
@@ -359,7 +361,7 @@ def _recipe_not_the_latest(src: str, recipe: str, has_recipe: bool, epochs: list
                 f"{latest}/'s weights imported alone"
             )
         return None
-    odd = [n for n in os.listdir(src) if "recipe_state" in n and n != "recipe_state"]
+    odd = [n for n in listed(storage) or () if "recipe_state" in n and n != RECIPE_DIR]
     if latest is not None and (odd or len(epochs) > 1):
         return (
             f"no {RECIPE_STATE} beside {', '.join(odd[:3]) or ', '.join(epochs[:3])}: "
@@ -369,26 +371,23 @@ def _recipe_not_the_latest(src: str, recipe: str, has_recipe: bool, epochs: list
     return None
 
 
-def _as_dist_epoch(plan: ImportPlan, src: str, epochs: list[str], dist: list[str]) -> ImportPlan:
+def _as_dist_epoch(plan: ImportPlan, storage: Storage, epoch: str, units: list[str]) -> ImportPlan:
     """The torch DCP importer's plan of the latest ``dist_epoch_N/`` (torchtune's names as
     saved) as torchtune's; the other epochs' folders and ``recipe_state.pt`` (the synchronous
-    saves') skipped."""
+    saves': ``units``) skipped."""
     source = dict(plan.source)
     source.update(
         framework="torchtune",
         saved_by="torchtune DistributedCheckpointer (asynchronous save, torch DCP)",
-        path=os.path.abspath(src),
-        epoch=dist[-1],
-        folders=[dist[-1]],
+        path=storage.absolute(),
+        epoch=epoch,
+        folders=[epoch],
         names="torchtune's (its model as trained: no Hugging Face conversion)",
     )
-    units = [f"{e}/" for e in epochs + dist[:-1]]
-    if os.path.lexists(os.path.join(src, RECIPE_STATE)):
-        units.append(RECIPE_STATE)
     if units:  # (no empty source.skipped)
-        skip(source, units, f"an earlier epoch's checkpoint ({dist[-1]}/ imported)")
+        skip(source, units, f"an earlier epoch's checkpoint ({epoch}/ imported)")
     items = (
-        dataclasses.replace(item, provenance={**(item.provenance or {}), "folder": dist[-1]})
+        dataclasses.replace(item, provenance={**(item.provenance or {}), "folder": epoch})
         for item in plan.items
     )
     return dataclasses.replace(
@@ -396,12 +395,14 @@ def _as_dist_epoch(plan: ImportPlan, src: str, epochs: list[str], dist: list[str
     )
 
 
-def _heads(folder: str) -> tuple[dict[str, Any], tuple[int, int, int]]:
+def _heads(folder: Storage) -> tuple[dict[str, Any], tuple[int, int, int]]:
     """(config, (q heads, kv heads, head_dim)) from the epoch's ``config.json``, as the
     checkpointer read them; a model ``tune_to_hf`` does not convert is refused."""
-    path = os.path.join(folder, "config.json")
+    path = folder.join(CONFIG_FILE)
     try:  # a bounded read of a regular file inside the checkpoint (never a link out, a FIFO)
-        config = read_json(side_file(folder, "config.json"))
+        config = cast(Any, side_json(folder, CONFIG_FILE) or (None,))[0]
+        if CONFIG_FILE not in (listed(folder) or ()) and config is None:  # a remote one
+            raise FileNotFoundError(f"no {CONFIG_FILE} in {folder.root}")
     except (OSError, SourceError) as e:
         raise SourceError(
             f"{path}: not read ({e}); the q/k heads its moments are permuted by are in it"
@@ -461,10 +462,9 @@ def _optimizer_names(
     return numbered_names(ids, keys, order, recipe)
 
 
-def _recipe_optimizer(recipe: str, epoch: str) -> tuple[dict, dict, list]:
+def _recipe_optimizer(loaded: Any, recipe: str, epoch: str) -> tuple[dict, dict, list]:
     """(the recipe state, its optimizer's ``state``, its ``param_groups``); refused when the
     recipe holds no torch optimizer state dict (the weights still import alone)."""
-    loaded = torch_zip.load_torch_file(recipe)
     optimizer = loaded.get(OPTIMIZER_KEY) if isinstance(loaded, dict) else None
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
@@ -477,22 +477,22 @@ def _recipe_optimizer(recipe: str, epoch: str) -> tuple[dict, dict, list]:
     return loaded, state, groups
 
 
-def _epoch_weights(folder: str, epoch: str) -> tuple[dict[str, TensorRef], list[str]]:
+def _epoch_weights(folder: Storage, epoch: str) -> tuple[dict[str, TensorRef], list[str]]:
     """The epoch's safetensors as lazy references (Hugging Face's names and rows, as the
-    checkpointer wrote them), and the files they came from."""
-    _, owner = safetensors.open_checkpoint(folder)
+    checkpointer wrote them), as the safetensors importer reads them, and their files."""
     params: dict[str, TensorRef] = {}
-    for name, f in owner.items():
-        value = f.tensor(name)  # a lazy view of the map
-        base = os.path.basename(f.path)
+    for item in plan_safetensors(folder, TorchOptions(weights_only=True)).items:
+        value, where = item.value, cast(dict, item.provenance)  # a map's view, or a Deferred
+        (name,), base = where["tensors"], where["file"].rpartition("/")[2]  # (remote: by ranges)
         params[name] = TensorRef(
             name,
             tuple(value.shape),
             value.dtype,
-            lambda f=f, name=name: f.tensor(name),
+            getattr(value, "make", lambda v=value: v),
             {"format": "safetensors", "file": f"{epoch}/{base}"},
+            rows=getattr(value, "rows", None),
         )
-    return params, sorted({os.path.basename(f.path) for f in owner.values()})
+    return params, sorted({ref.where["file"].partition("/")[2] for ref in params.values()})
 
 
 def _moment_ref(
@@ -596,18 +596,18 @@ class _Mapped:
 
 
 def _plan_with_optimizer(
-    src: str,
-    epochs: list[str],
-    recipe: str,
+    storage: Storage,
+    folders: tuple[list[str], list[str]],
+    loaded: Any,
     options: TorchOptions,
     order: Sequence[str] | None,
 ) -> ImportPlan:
-    """The latest epoch's weights (or a LoRA recipe's adapter) with recipe_state.pt's moments,
-    renamed and row-permuted as torchtune's checkpointer converts the weights; every other
-    tensor of recipe_state.pt and every older epoch said skipped."""
-    epoch = epochs[-1]
-    latest = os.path.join(src, epoch)
-    loaded, state, groups = _recipe_optimizer(recipe, epoch)
+    """The latest epoch's weights (or a LoRA recipe's adapter) with recipe_state.pt's moments
+    (``loaded``), renamed and row-permuted as torchtune's checkpointer converts the weights;
+    every other tensor of recipe_state.pt and every older epoch (``folders``: both kinds) skipped."""
+    (epochs, dist), recipe = folders, storage.join(RECIPE_STATE)
+    epoch, latest = epochs[-1], storage.folder(epochs[-1])
+    loaded, state, groups = _recipe_optimizer(loaded, recipe, epoch)
     progress = {
         k: loaded[k]
         for k in ("seed", "epochs_run", "total_epochs", "max_steps_per_epoch")
@@ -619,7 +619,7 @@ def _plan_with_optimizer(
     if found or any(isinstance(k, str) and _LORA_NAME.search(k) for k in state):
         if ADAPTER_PT not in found:
             raise _lora_refusal(recipe, epoch, found, state)
-        mapped = _lora_adapter(src, epoch, recipe, (state, groups, order), heads)
+        mapped = _lora_adapter(storage, epoch, (state, groups, order), heads)
     else:
         mapped = _epoch_mapped(latest, epoch, recipe, (loaded, state, groups), order)
     states, moved = _moments(state, mapped.to_name, recipe, heads, epoch)
@@ -631,7 +631,7 @@ def _plan_with_optimizer(
             skipped[n] = "torchtune recipe state, not a model weight or optimizer state"
         elif n.startswith(f"{RECIPE_STATE}:{OPTIMIZER_KEY}.param_groups."):
             skipped[n] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
-    units = [f"{e}/" for e in epochs[:-1] + epoch_folders(src, dist=True)]
+    units = [f"{e}/" for e in epochs[:-1] + dist]
     skipped.update(dict.fromkeys(units, f"an earlier epoch's checkpoint ({epoch}/ imported)"))
     named_groups = [  # a parameter without state (frozen) is in source.optimizer.no_state
         {
@@ -650,7 +650,7 @@ def _plan_with_optimizer(
     )
     source = {
         "framework": "torchtune",
-        "path": os.path.abspath(src),
+        "path": storage.absolute(),
         "epoch": epoch,
         "optimizer_keyed_by": "index" if all(isinstance(k, int) for k in state) else "name",
         "qk_permuted": dict(zip(("heads", "kv_heads", "head_dim"), heads)),
@@ -662,7 +662,7 @@ def _plan_with_optimizer(
 
 
 def _epoch_mapped(
-    latest: str,
+    latest: Storage,
     epoch: str,
     recipe: str,
     opened: tuple[dict, dict, list],
@@ -771,14 +771,14 @@ def _adapter_modules(adapter: dict[str, np.ndarray], pt: str) -> None:
 
 
 def _lora_adapter(
-    src: str, epoch: str, recipe: str, opened: tuple[dict, list, Any], heads: tuple[int, int, int]
+    storage: Storage, epoch: str, opened: tuple[dict, list, Any], heads: tuple[int, int, int]
 ) -> _Mapped:
     """A LoRA recipe's adapter (``adapter_model.pt``) in peft's names and q/k rows; the merged
     weights and peft's copies of the adapter skipped."""
-    state, groups, order = opened
-    latest = os.path.join(src, epoch)
+    (state, groups, order), recipe = opened, storage.join(RECIPE_STATE)
+    latest = storage.folder(epoch)
     pt = f"{epoch}/{ADAPTER_PT}"
-    adapter = torch_zip.load_torch_file(files.inside(src, pt, src))
+    adapter = _load(storage, pt)
     tensors = isinstance(adapter, dict) and all(isinstance(v, np.ndarray) for v in adapter.values())
     if not (tensors and adapter):
         raise SourceError(f"{pt}: expected torchtune's adapter state dict (name -> tensor)")
@@ -810,7 +810,7 @@ def _lora_adapter(
         )
     merged = sorted(
         f"{epoch}/{n}"
-        for n in os.listdir(latest)
+        for n in listed(latest) or ()
         if n.endswith(".safetensors") and n not in ADAPTER_FILES
     )
     dora = [n for n in adapter if n.endswith(".magnitude")]
@@ -821,7 +821,7 @@ def _lora_adapter(
     )
     peft_copies = [f"{epoch}/{n}" for n in adapter_files(latest) if n != ADAPTER_PT]
     skipped.update(dict.fromkeys(peft_copies, f"peft's copy of {pt} (imported in peft's names)"))
-    lora = adapter_record(LocalDirectory(latest))
+    lora = adapter_record(latest)
     base = lora.get("base_model_name_or_path")
     note = (
         f"torchtune LoRA recipe: the adapter ({len(params)} tensors of {pt}, in peft's names "
