@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2272,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17351,
+    "importers": 17315,
     "language": 3231,
     "models": 2625,
     "multihost": 839,
@@ -26,14 +26,14 @@ CEILINGS = {
     "restoring": 5023,
     "saving": 969,
     "sharding": 707,
-    "store": 3741,
-    "torchfiles": 3114,
+    "store": 3519,
+    "torchfiles": 3112,
     "writer": 1674,
     "modules": 4726,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 54029
+TOTAL = 53769
 
 
 def _lines(paths) -> int:
