@@ -37,17 +37,21 @@ def _opened(path: os.PathLike | str | Storage) -> tuple[Storage, str, list[str]]
 
 def is_rank_local(path: os.PathLike | str | Storage) -> bool:
     """A folder of torch DCP Hugging Face shards (and no ``.metadata``): rank files by name, the
-    first of them one rank's piece by its header (unreadable: no, its reader names the fault)."""
+    first of them one rank's piece by its header (unreadable, cut short: yes, so that the rank
+    files' reader names the fault, not a safetensors reader told it is one rank's piece)."""
     try:
         storage, root, names = _opened(path)
-        if dcp.METADATA_FILE in names or not holds_rank_pieces(names):
-            return False
-        first = min(n for n in names if safetensors.RANK_FILE.fullmatch(n))
-        reader = storage.reader(first)
-        header = safetensors.SafetensorsFile.read_from(f"{root}/{first}", reader, dcp_shard=True)
-        return header.rank_piece
     except (SourceError, OSError):
         return False
+    if dcp.METADATA_FILE in names or not holds_rank_pieces(names):
+        return False
+    first = min(n for n in names if safetensors.RANK_FILE.fullmatch(n))
+    try:
+        reader = storage.reader(first)
+        header = safetensors.SafetensorsFile.read_from(f"{root}/{first}", reader, dcp_shard=True)
+    except (SourceError, OSError):
+        return True
+    return header.rank_piece
 
 
 def _dims(value: Any, rank: int, what: str) -> tuple[int, ...]:

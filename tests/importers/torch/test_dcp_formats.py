@@ -156,6 +156,22 @@ def test_a_dcp_object_cut_short_remotely_is_reported_at_its_real_size(
         jax_ucp.restore(url)
 
 
+def test_a_rank_local_folder_with_its_first_rank_file_cut_short_names_the_cut(tmp_path):
+    """torch's rank-local safetensors with the first rank's file cut short, in a local folder:
+    refused naming that file and the truncation (as from S3 or the Hub). Before: detection,
+    unable to read the header, read the folder as plain safetensors, whose reader refused the
+    file as "an unconsolidated shard ... pass the folder holding all of them": the folder given."""
+    folder = str(tmp_path / "tp2")
+    shutil.copytree(os.path.join(FIX, TRANSFORMERS), folder)
+    first = os.path.join(folder, RANK[0])
+    with open(first, "rb") as f:
+        data = f.read()
+    with open(first, "wb") as f:
+        f.write(data[:-4])
+    with pytest.raises(SourceError, match=rf"{RANK[0]}: .*the file is shorter \(truncated\)"):
+        jax_ucp.restore(folder)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("where", ["s3", "hub"])
 def test_rank_local_dcp_in_an_object_store_or_the_hub_restores_as_the_local_folder(
