@@ -53,8 +53,14 @@ def test_a_restore_chooses_its_storage_once(tmp_path, monkeypatch):
 
 
 def test_a_direct_dcp_restore_chooses_its_storage_once(monkeypatch):
-    """A torch DCP folder restored in place: one ``Storage`` too, the restore's, handed to the
-    importers' detection and plan (16 in issue 58: one per question each importer asked)."""
+    """A torch DCP folder restored in place: one ``Storage`` of it, the restore's, handed to the
+    importers' detection and plan (16 in issue 58: one per question each importer asked), and
+    one of its parent, asked once whether the folder is the optimizer's beside a model's
+    rank-local safetensors (transformers' ``save_optimizer_distributed``)."""
     made = _storages_made(monkeypatch)
-    jax_ucp.restore(os.path.join(FIXTURES, "torch", "fsdp2_fp32"))
-    assert len(made) == 1
+    folder = os.path.join(FIXTURES, "torch", "fsdp2_fp32")
+    jax_ucp.restore(folder)
+    assert [os.path.realpath(m) for m in made] == [
+        os.path.realpath(folder),
+        os.path.realpath(os.path.dirname(folder)),
+    ]
