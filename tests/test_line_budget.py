@@ -27,13 +27,13 @@ CEILINGS = {
     "saving": 969,
     "sharding": 707,
     "store": 3519,
-    "torchfiles": 3112,
+    "torchfiles": 3114,
     "writer": 1674,
     "modules": 4726,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53769
+TOTAL = 53771
 
 
 def _lines(paths) -> int:

@@ -37,21 +37,19 @@ def _opened(path: os.PathLike | str | Storage) -> tuple[Storage, str, list[str]]
 
 def is_rank_local(path: os.PathLike | str | Storage) -> bool:
     """A folder of torch DCP Hugging Face shards (and no ``.metadata``): rank files by name, the
-    first of them one rank's piece by its header (unreadable, cut short: yes, so that the rank
-    files' reader names the fault, not a safetensors reader told it is one rank's piece)."""
+    first of them one rank's piece by its header (cut short: yes, its reader names the fault)."""
     try:
-        storage, root, names = _opened(path)
+        storage, _, names = _opened(path)
+        if dcp.METADATA_FILE in names or not holds_rank_pieces(names):
+            return False
+        first = min(n for n in names if safetensors.RANK_FILE.fullmatch(n))
+        reader = storage.reader(first)
     except (SourceError, OSError):
         return False
-    if dcp.METADATA_FILE in names or not holds_rank_pieces(names):
-        return False
-    first = min(n for n in names if safetensors.RANK_FILE.fullmatch(n))
-    try:
-        reader = storage.reader(first)
-        header = safetensors.SafetensorsFile.read_from(f"{root}/{first}", reader, dcp_shard=True)
+    try:  # not the safetensors reader, which would call the folder given one rank's piece
+        return safetensors.SafetensorsFile.read_from(first, reader, dcp_shard=True).rank_piece
     except (SourceError, OSError):
         return True
-    return header.rank_piece
 
 
 def _dims(value: Any, rank: int, what: str) -> tuple[int, ...]:
