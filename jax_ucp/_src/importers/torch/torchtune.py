@@ -495,26 +495,19 @@ def _epoch_weights(folder: Storage, epoch: str) -> tuple[dict[str, TensorRef], l
     return params, sorted({ref.where["file"].partition("/")[2] for ref in params.values()})
 
 
-def _moment_ref(
-    key: Any, tune: str, st: str, value: np.ndarray, rows: int | None, head_dim: int
+def _row_ref(
+    name: str, value: np.ndarray, rows: int | None, head_dim: int, where: dict
 ) -> TensorRef:
-    """One optimizer state entry, its q/k rows permuted as ``tune_to_hf`` permutes the weight
-    (``rows`` heads; none for ``step`` or a non-matrix)."""
-    permuted = rows is not None and st != "step" and value.ndim in (1, 2)
-    read = lambda v=value: v
-    if rows is not None and permuted:
-        read = lambda v=value, n=rows: permute_rows(v, n, head_dim)
+    """``value`` as a reference, its q/k rows permuted as ``tune_to_hf`` permutes the weight
+    (``rows`` heads; None: as saved)."""
+    if rows is None:
+        return TensorRef(name, tuple(value.shape), value.dtype, lambda: value, where)
     return TensorRef(
-        f"{RECIPE_STATE}:{OPTIMIZER_KEY}.state.{key}.{st}",
+        name,
         tuple(value.shape),
         value.dtype,
-        read,
-        {
-            "format": "torch_files",
-            "file": RECIPE_STATE,
-            "torchtune_name": tune,
-            **({"rows_permuted": {"heads": rows, "head_dim": head_dim}} if permuted else {}),
-        },
+        lambda: permute_rows(value, rows, head_dim),
+        where | {"rows_permuted": {"heads": rows, "head_dim": head_dim}},
     )
 
 
@@ -543,7 +536,14 @@ def _moments(
                 if not (st == "step" and isinstance(value, (int, float))):
                     continue  # not a tensor: not in found either
                 value = np.asarray(value, np.float64)
-            states.setdefault(hf, {})[st] = _moment_ref(key, tune, st, value, rows, head_dim)
+            permuted = rows is not None and st != "step" and value.ndim in (1, 2)
+            states.setdefault(hf, {})[st] = _row_ref(
+                f"{RECIPE_STATE}:{OPTIMIZER_KEY}.state.{key}.{st}",
+                value,
+                rows if permuted else None,
+                head_dim,
+                {"format": "torch_files", "file": RECIPE_STATE, "torchtune_name": tune},
+            )
         exp_avg = states.get(hf, {}).get("exp_avg")
         if rows is not None and exp_avg is not None:
             shape = exp_avg.shape
@@ -795,19 +795,8 @@ def _lora_adapter(
     params: dict[str, TensorRef] = {}
     for tune, value in adapter.items():
         rows = _permuted_heads(tune, q_heads, kv_heads)
-        read = (
-            (lambda v=value: v)
-            if rows is None
-            else (lambda v=value, n=rows: permute_rows(v, n, head_dim))
-        )
-        params[str(peft_name(tune))] = TensorRef(
-            f"{pt}:{tune}",
-            tuple(value.shape),
-            value.dtype,
-            read,
-            {"format": "torch_files", "file": pt, "torchtune_name": tune}
-            | ({"rows_permuted": {"heads": rows, "head_dim": head_dim}} if rows else {}),
-        )
+        where = {"format": "torch_files", "file": pt, "torchtune_name": tune}
+        params[str(peft_name(tune))] = _row_ref(f"{pt}:{tune}", value, rows, head_dim, where)
     merged = sorted(
         f"{epoch}/{n}"
         for n in listed(latest) or ()
