@@ -210,10 +210,10 @@ def _names(keys: list, count: int = 3) -> str:
 
 
 def recipe_optimizer(recipe: Any) -> str:
-    """What the loaded ``recipe_state.pt`` holds of the optimizer, said as found: a state dict
-    keyed by index (the single-device recipes), by torchtune's parameter names (the distributed
-    recipes' full optimizer state dict), one optimizer per parameter (optimizer in backward),
-    or none."""
+    """What the loaded ``recipe_state.pt`` holds of the optimizer, said as found when it is
+    refused: a state dict keyed by index (the single-device recipes) or by anything but names
+    alone (one keyed by torchtune's names is imported, never said), one optimizer per parameter
+    (optimizer in backward), or none."""
     if not isinstance(recipe, dict):
         return f"absent (the file holds a {type(recipe).__name__}, expected a dict)"
     optimizer = recipe.get(OPTIMIZER_KEY)
@@ -228,11 +228,6 @@ def recipe_optimizer(recipe: Any) -> str:
             return (
                 f"keyed by index ({len(keys)} parameters {where}, indices {_names(keys)}, "
                 f"without their names)"
-            )
-        if keys and all(isinstance(k, str) for k in keys):
-            return (
-                f"keyed by torchtune's parameter names ({len(keys)} parameters {where}, e.g. "
-                f"{_names(keys)})"
             )
         return f"keyed by {_names(keys)} ({len(keys)} parameters {where})"
     per = [k for k, v in optimizer.items() if isinstance(v, dict) and "state" in v]
