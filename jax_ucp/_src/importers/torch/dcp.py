@@ -127,7 +127,7 @@ def detect(storage: Storage) -> Detection:
     folders holding one, or the rank-local safetensors of torch's Hugging Face writer), not
     megatron-core's, from names alone (and a safetensors header's ``__metadata__``)."""
     if is_torch_dcp(storage):
-        if dcp_dirs(storage)[0] == "" and dcp_safetensors.is_rank_local(storage):
+        if dcp_safetensors.is_rank_local(storage):  # then read as its own DCP folder ("")
             return Detection(True, "torch DCP rank-local safetensors (DCP_SHARDING_INFO)")
         return Detection(True, "torch DCP (.metadata)")
     return Detection(
