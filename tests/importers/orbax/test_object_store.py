@@ -46,10 +46,10 @@ def _saved(root: str, ocdbt: bool) -> dict[int, dict]:
     return {step: _state(step) for step in (1, 2, 3)}
 
 
-def _upload(root: str, s3_server, monkeypatch, drop=(), cut: dict | None = None) -> str:
-    """Every file under ``root`` as objects of a fresh prefix (but ``drop``; ``cut``: a file
-    name -> its bytes kept); the prefix's URL."""
-    env, bucket = s3_server
+def _upload(root: str, server, monkeypatch, drop=(), cut: dict | None = None) -> str:
+    """Every file under ``root`` as objects of a fresh prefix of the ``server`` fixture's bucket
+    (but ``drop``; ``cut``: a file name -> its bytes kept); the prefix's URL."""
+    env, bucket = server
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     url = f"{bucket}/orbax-{uuid.uuid4().hex[:8]}"
