@@ -50,7 +50,8 @@ def tree_metadata(item: Storage, ocdbt: bool):
     try:
         internal = orbax_tree.InternalTreeMetadata.from_json(raw)
         internal.use_ocdbt = ocdbt
-        tree = internal.as_custom_metadata(epath.Path(item.absolute()), _Handlers(item))
+        handlers: Any = _Handlers(item)  # the registry Orbax asks: only its get()
+        tree = internal.as_custom_metadata(epath.Path(item.absolute()), handlers)
         return orbax_tree.build_default_tree_metadata(tree, use_zarr3=internal.use_zarr3)
     except (KeyError, TypeError, AttributeError, IndexError) as e:  # Orbax parsing _METADATA
         raise SourceError(
@@ -82,12 +83,12 @@ class _Handlers:
         self.item = item
         self.shardings = read_json(item, _SHARDING) if item.exists(_SHARDING) else {}
 
-    def get(self, typestr: str):
+    def get(self, ty: str) -> Any:
         import orbax.checkpoint as ocp
 
-        if typestr not in ("jax.Array", "np.ndarray", "scalar"):
-            return ocp.type_handlers.get_type_handler(typestr)
-        return types.SimpleNamespace(metadata=functools.partial(self.metadata, typestr))
+        if ty not in ("jax.Array", "np.ndarray", "scalar"):
+            return ocp.type_handlers.get_type_handler(ty)
+        return types.SimpleNamespace(metadata=functools.partial(self.metadata, ty))
 
     async def metadata(self, typestr: str, infos) -> list:
         import orbax.checkpoint as ocp
