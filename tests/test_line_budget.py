@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2272,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17299,
+    "importers": 17406,
     "language": 3231,
     "models": 2625,
     "multihost": 839,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53755
+TOTAL = 53862
 
 
 def _lines(paths) -> int:

@@ -21,6 +21,7 @@ from jax_ucp._src.importers import deepspeed, megatron, orbax, safetensors, torc
 from jax_ucp._src.importers.deepspeed.files import deepspeed_run
 from jax_ucp._src.importers.megatron.dcp import open_dcp, parsed_once
 from jax_ucp._src.importers.megatron.source import megatron_run
+from jax_ucp._src.importers.orbax.layout import orbax_run
 from jax_ucp._src.importers.plan import (
     WHOLE,
     Detection,
@@ -42,7 +43,7 @@ IMPORTERS: dict[str, Importer] = {
     for importer in (
         Importer("safetensors", safetensors.detect, safetensors.plan, torch.TorchOptions),
         *torch.LAYOUTS,
-        Importer("orbax", orbax.detect, orbax.plan, orbax.OrbaxOptions),
+        Importer("orbax", orbax.detect, orbax.plan, orbax.OrbaxOptions, run=orbax_run),
         Importer(
             "verl",
             verl.detect,

@@ -370,9 +370,9 @@ def test_a_fifo_in_an_item_is_refused_before_tensorstore_blocks_on_it(tmp_path):
 _LATE_CALLBACK = """
 import asyncio, sys
 import jax_ucp
-from jax_ucp._src.importers.orbax import arrays
+from jax_ucp._src.importers.orbax import arrays; from jax_ucp._src.store.storage import LocalDirectory
 try:
-    arrays.tree_metadata(sys.argv[1])  # a damaged item: the hooks go in on the failure
+    arrays.tree_metadata(LocalDirectory(sys.argv[1]), False)  # damaged: the hooks go in
 except jax_ucp.UCPError:
     pass
 loop = asyncio.new_event_loop()

@@ -8,11 +8,14 @@ for."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import functools
 import math
 import os
 import re
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,42 +29,109 @@ from jax_ucp._src.errors import (
 from jax_ucp._src.format import SavedSharding, keypath, role_of
 from jax_ucp._src.importers.orbax import zstd_rows
 from jax_ucp._src.importers.orbax.layout import PYTREE_METADATA, STRINGS_FILE, read_json
+from jax_ucp._src.store.storage import Storage
+
+_SHARDING = "_sharding"  # Orbax's record of each jax.Array's sharding
 
 # the array a TensorStore error names: ``Error reading "params.w/.zarray"``
 _ARRAY_IN_MESSAGE = re.compile(r'"([^"]+?)/(?:\.zarray|zarr\.json|[0-9]+(?:[./][0-9]+)*)"')
 
 
-def tree_metadata(path: str):
-    """Orbax's own metadata of an item (its tree, each array's shape, dtype and chunks); a
-    missing or damaged file is an error naming the item and the file, not TensorStore's spec."""
-    import orbax.checkpoint as ocp
+def tree_metadata(item: Storage, ocdbt: bool):
+    """Orbax's own metadata of an item (its tree, each array's shape, dtype and chunks), read
+    through the item's ``Storage``; a missing or damaged file is an error naming the item and
+    the file, not TensorStore's spec."""
     from etils import epath
+    from orbax.checkpoint._src.metadata import tree as orbax_tree
 
-    if os.path.isfile(os.path.join(path, PYTREE_METADATA)):  # a key named twice: refused
-        read_json(os.path.join(path, PYTREE_METADATA))  # (Orbax's json keeps the last)
+    path = item.root
+    raw = read_json(item, PYTREE_METADATA)  # a key named twice: refused (Orbax keeps the last)
     _quiet_closed_loop()  # Orbax's loop closes as it returns; TensorStore may complete later
     try:
-        return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
+        internal = orbax_tree.InternalTreeMetadata.from_json(raw)
+        internal.use_ocdbt = ocdbt
+        handlers: Any = _Handlers(item)  # the registry Orbax asks: only its get()
+        tree = internal.as_custom_metadata(epath.Path(item.absolute()), handlers)
+        return orbax_tree.build_default_tree_metadata(tree, use_zarr3=internal.use_zarr3)
     except (KeyError, TypeError, AttributeError, IndexError) as e:  # Orbax parsing _METADATA
         raise SourceError(
-            f"{os.path.join(path, '_METADATA')}: not Orbax's tree metadata (Orbax's reader "
+            f"{item.join(PYTREE_METADATA)}: not Orbax's tree metadata (Orbax's reader "
             f"failed: {type(e).__name__}: {str(e)[:200]})"
         ) from None
     except ValueError as e:
         if tensorstore_status(e) is None:  # Orbax's own parse ("7 is not a valid KeyType")
             raise SourceError(
-                f"{os.path.join(path, '_METADATA')}: not Orbax's tree metadata (Orbax's "
+                f"{item.join(PYTREE_METADATA)}: not Orbax's tree metadata (Orbax's "
                 f"reader failed: {str(e)[:200]})"
             ) from None
         if not is_tensorstore_io_error(e):
             raise
         m = _ARRAY_IN_MESSAGE.search(str(e))
-        array = m and m.group(1).removeprefix(os.path.join(path, ""))  # a file's name: relative
+        array = m and m.group(1).removeprefix(item.join(""))  # a file's name: relative
         what = f"the metadata of array {array!r}" if m else "Orbax's metadata"
         raise SourceError(
             f"{path}: cannot read {what} (missing, truncated or corrupt file): "
             f"{tensorstore_message(e)}"
         ) from None
+
+
+class _Handlers:
+    """Orbax's type handlers, the metadata of its arrays and scalars read through ``item``
+    (Orbax's own handlers open them at the item's path)."""
+
+    def __init__(self, item: Storage):
+        self.item = item
+        self.shardings = read_json(item, _SHARDING) if item.exists(_SHARDING) else {}
+
+    def get(self, ty: str) -> Any:
+        import orbax.checkpoint as ocp
+
+        if ty not in ("jax.Array", "np.ndarray", "scalar"):
+            return ocp.type_handlers.get_type_handler(ty)
+        return types.SimpleNamespace(metadata=functools.partial(self.metadata, ty))
+
+    async def metadata(self, typestr: str, infos) -> list:
+        import orbax.checkpoint as ocp
+        import tensorstore as ts
+        from orbax.checkpoint._src.metadata import sharding
+        from orbax.checkpoint._src.serialization import tensorstore_utils
+
+        specs = [
+            read_spec(self.item, i.name, i.is_ocdbt_checkpoint, i.use_zarr3, i.ts_context)
+            for i in infos
+        ]
+        opened = [ts.open(s, open=True, context=i.ts_context) for s, i in zip(specs, infos)]
+        out = []
+        for t, info in zip(await asyncio.gather(*opened), infos):
+            coded = self.shardings.get(base64.urlsafe_b64encode(info.name.encode()).decode())
+            saved = sharding.from_serialized_string(coded) if coded else None
+            m = tensorstore_utils.array_metadata_from_tensorstore(
+                t, info, saved if typestr == "jax.Array" else None
+            )
+            if typestr == "scalar":
+                m = ocp.metadata.ScalarMetadata(name=m.name, directory=m.directory, dtype=m.dtype)
+            out.append(m)
+        return out
+
+
+def read_spec(item: Storage, name: str, ocdbt: bool, zarr3: bool, context) -> dict:
+    """Orbax's TensorStore read spec of array ``name``, its kvstore the item's ``Storage``."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    info = ocp.type_handlers.ParamInfo(
+        name=name,
+        parent_dir=epath.Path("/item"),  # Orbax's spec of a local item, its kvstore replaced
+        is_ocdbt_checkpoint=ocdbt,
+        use_zarr3=zarr3,
+        ts_context=context,
+    )
+    tspec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
+    if ocdbt:  # the database is the item's; the array a key in it
+        tspec["kvstore"].update(base=item.kvstore(), manifest=item.kvstore())
+    else:
+        tspec["kvstore"] = item.kvstore(name)
+    return tspec
 
 
 def _quiet_closed_loop() -> None:
@@ -102,17 +172,17 @@ def _late_closed_loop(e: BaseException | None, tb) -> bool:
     return closed and asyncio_only and frames[-1].co_name == "_check_closed"
 
 
-def metadata_file(path: str, name: str, ocdbt: bool, zarr3: bool) -> str:
+def metadata_file(item: Storage, name: str, ocdbt: bool, zarr3: bool) -> str:
     """Where an array's zarr metadata lies (inside the OCDBT database, for OCDBT).
 
     Args:
-        path: the Orbax checkpoint (item) directory.
+        item: the Orbax checkpoint (item) directory.
         name: the array's name in it.
         ocdbt: the arrays are in an OCDBT database (the path is then only named).
         zarr3: zarr v3 (``zarr.json``) rather than v2 (``.zarray``).
     """
     meta = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
-    return f"{path} (OCDBT entry {meta})" if ocdbt else os.path.join(path, meta)
+    return f"{item.root} (OCDBT entry {meta})" if ocdbt else item.join(meta)
 
 
 def check_chunks(where: str, name: str, shape: tuple[int, ...], chunks) -> None:
@@ -200,18 +270,19 @@ def host_items(leaves) -> Iterator[writer.HostItem]:
     """The writer's items of the planned leaves, built lazily (arrays left unread)."""
     contexts: dict[bool, Any] = {}
     strings: dict[str, dict] = {}
-    for key, key_types, name, path, leaf, ocdbt, zarr3 in leaves:
+    for key, key_types, name, item, leaf, ocdbt, zarr3 in leaves:
+        path = item.root
         provenance: dict = {"file": name, "tensors": [name]}
         if leaf is None:
             value, provenance = None, {"values": [f"{name} (an empty node)"]}
         elif type(leaf).__name__ == "StringMetadata":
             if path not in strings:
-                strings[path] = read_json(os.path.join(path, STRINGS_FILE))
+                strings[path] = read_json(item, STRINGS_FILE)
             value = strings[path].get(leaf.name) if isinstance(strings[path], dict) else None
             if not isinstance(value, str):
                 raise SourceError(f"{path}/{STRINGS_FILE}: no string for leaf {leaf.name!r}")
         else:
-            value = _array(leaf, name, path, ocdbt, zarr3, contexts)
+            value = _array(leaf, name, item, ocdbt, zarr3, contexts)
         yield writer.HostItem(
             key,
             value,
@@ -222,17 +293,16 @@ def host_items(leaves) -> Iterator[writer.HostItem]:
         )
 
 
-def _array(leaf, name: str, path: str, ocdbt: bool, zarr3: bool, contexts: dict):
+def _array(leaf, name: str, item: Storage, ocdbt: bool, zarr3: bool, contexts: dict):
     """An array leaf as a ``writer.Deferred``, read once the writer has room for it (zstd chunks
     decoded as a stream into the rows, else through TensorStore); a scalar leaf as its value."""
     import orbax.checkpoint as ocp
     import tensorstore as ts
-    from etils import epath
 
     kind = type(leaf).__name__
     if kind not in ("ArrayMetadata", "ScalarMetadata"):
         raise SourceError(
-            f"{path}: leaf {leaf.name!r} has Orbax metadata {kind}; jax_ucp imports arrays, "
+            f"{item.root}: leaf {leaf.name!r} has Orbax metadata {kind}; jax_ucp imports arrays, "
             f"scalars and strings"
         )
     if ocdbt not in contexts:
@@ -242,18 +312,11 @@ def _array(leaf, name: str, path: str, ocdbt: bool, zarr3: bool, contexts: dict)
             ts.Context.Spec({"cache_pool#ocdbt": {"total_bytes_limit": 0}}),
             ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt),
         )
-    info = ocp.type_handlers.ParamInfo(
-        name=leaf.name,
-        parent_dir=epath.Path(path),
-        is_ocdbt_checkpoint=ocdbt,
-        use_zarr3=zarr3,
-        ts_context=contexts[ocdbt],
-    )
-    tspec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
-    where = metadata_file(path, leaf.name, ocdbt, zarr3)
+    tspec = read_spec(item, leaf.name, ocdbt, zarr3, contexts[ocdbt])
+    where = metadata_file(item, leaf.name, ocdbt, zarr3)
     # where the chunks lie: the array's directory, or the data files of the OCDBT database
-    data = os.path.join(path, leaf.name)
-    data = f"{path} (OCDBT data files under d/ and ocdbt.process_*/d/)" if ocdbt else data
+    data = item.join(leaf.name)
+    data = f"{item.root} (OCDBT data files under d/ and ocdbt.process_*/d/)" if ocdbt else data
     array = _open(tspec, contexts[ocdbt], where, name, tuple(leaf.shape))
     if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
         return _read(array, data, name).item()

@@ -17,6 +17,7 @@ from jax_ucp._src.importers.orbax.arrays import (
 )
 from jax_ucp._src.importers.orbax.layout import (
     CHECKPOINT_METADATA,
+    OCDBT_MANIFEST,
     PYTREE_METADATA,
     check_links,
     check_names,
@@ -40,15 +41,13 @@ def plan(storage: Storage, options: OrbaxOptions) -> ImportPlan:
     (under the item name when a step has several PyTree items). ``weights_only``: only the
     ``params`` subtree (everything else listed in ``source.skipped``); a spec is refused (an
     Orbax import keeps the saved tree)."""
-    src = storage.root
     refuse_spec(options.spec, "Orbax imports keep the saved tree", SourceError)
     import orbax.checkpoint as ocp
-    from etils import epath
 
-    step_dir, step, items, others = resolve(src, options.tag)
+    step_dir, step, items, others = resolve(storage, options.tag)
     source: dict[str, Any] = {
         "framework": "orbax",
-        "path": step_dir,
+        "path": step_dir.root,
         "step": step,
         "items": sorted(items),
         "orbax_version": ocp.__version__,
@@ -58,8 +57,8 @@ def plan(storage: Storage, options: OrbaxOptions) -> ImportPlan:
     for item, path in items.items():
         check_links(step_dir, path)
         check_names(path)  # before Orbax's metadata(), which opens every array itself
-        md = tree_metadata(path)
-        ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path)))
+        ocdbt = path.exists(OCDBT_MANIFEST)
+        md = tree_metadata(path, ocdbt)
         zarr3 = bool(getattr(md, "use_zarr3", False))
         source.setdefault("layout", {})[item] = {"ocdbt": ocdbt, "zarr3": zarr3}
         under = ((item,), ("key",)) if len(items) > 1 else ((), ())
@@ -69,7 +68,11 @@ def plan(storage: Storage, options: OrbaxOptions) -> ImportPlan:
                 leaves.append((*out, ".".join(key), path, None, ocdbt, zarr3))
                 continue
             # the array's directory (or OCDBT key) Orbax's read spec joins from its name
-            inside(path, leaf.name, f"{path}/{PYTREE_METADATA}: array {'.'.join(key)[:100]!r}")
+            inside(
+                path.root,
+                leaf.name,
+                f"{path.root}/{PYTREE_METADATA}: array {'.'.join(key)[:100]!r}",
+            )
             name = f"{item}/{leaf.name}" if item else leaf.name
             chunks = getattr(leaf, "storage", None)  # Orbax's record of the array's chunks
             if (chunk_shape := getattr(chunks, "chunk_shape", None)) is not None:
@@ -86,7 +89,7 @@ def plan(storage: Storage, options: OrbaxOptions) -> ImportPlan:
         skip(source, tensors, "weights_only: not under params/")
         leaves = [lv for lv in leaves if lv[0][:1] == ("params",)]
         if not leaves:
-            raise SourceError(f"{step_dir}: weights_only, but no tree has a params/ subtree")
+            raise SourceError(f"{step_dir.root}: weights_only, but no tree has a params/ subtree")
     mine = options.share.pick(leaves)
     params = sum(1 for lv in mine if lv[0][:1] == ("params",))
     return ImportPlan(host_items(mine), source, params, source_tensors=found)
@@ -105,6 +108,6 @@ class OrbaxOptions(TaggedOptions):
 def detect(storage: Storage) -> Detection:
     """Whether ``src`` is an Orbax checkpoint, step or CheckpointManager directory, from its
     file names."""
-    if is_orbax(storage.root):
+    if is_orbax(storage):
         return Detection(True, "Orbax metadata")
     return Detection(False, f"no Orbax `{CHECKPOINT_METADATA}`, `{PYTREE_METADATA}` or steps")
