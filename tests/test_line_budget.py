@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2272,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17315,
+    "importers": 17306,
     "language": 3231,
     "models": 2625,
     "multihost": 839,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53771
+TOTAL = 53762
 
 
 def _lines(paths) -> int:
