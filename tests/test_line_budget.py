@@ -18,7 +18,7 @@ CEILINGS = {
     "continuation": 2272,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17406,
+    "importers": 17397,
     "language": 3231,
     "models": 2625,
     "multihost": 839,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53862
+TOTAL = 53853
 
 
 def _lines(paths) -> int:

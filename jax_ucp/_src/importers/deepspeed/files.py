@@ -406,16 +406,13 @@ def read_optimizer_states(
         loaded = load_deepspeed_file(tag_dir, files_by_dp_rank[dp_rank], lazy_crc=True)
         state = require(loaded, "optimizer_state_dict", path)
         configs.append(loaded.get("ds_config"))
-        if is_bf16_optimizer(state) != is_bf16_optimizer(first_state):
+        if (bf16 := is_bf16_optimizer(state)) != is_bf16_optimizer(first_state):
             raise SourceError(
-                f"{path}: {'a' if is_bf16_optimizer(state) else 'not a'} BF16_Optimizer's state, "
-                f"{first} is {'' if is_bf16_optimizer(first_state) else 'not '}one: files of "
-                "different runs"
+                f"{path}: {'a' if bf16 else 'not a'} BF16_Optimizer's state, {first} is "
+                f"{'not ' if bf16 else ''}one: files of different runs"
             )
-        if zero_stage_of(state, path) != stage:
-            raise SourceError(
-                f"{path}: zero_stage {zero_stage_of(state, path)}, {first} has {stage}"
-            )
+        if (found := zero_stage_of(state, path)) != stage:
+            raise SourceError(f"{path}: zero_stage {found}, {first} has {stage}")
         count = require(state, "partition_count", path)
         if count != partition_count:
             raise SourceError(f"{path}: partition_count {count}, {first} has {partition_count}")

@@ -172,20 +172,14 @@ def _find_rank_files(tag_dir: Storage, names: list[str]) -> _RankFiles:
     a missing or surplus rank file is an error. ZeRO-3 (AutoTP with ZeRO stage 3) keeps each
     model-parallel rank's model states in ``zero_pp_rank_D_mp_rank_XX_model_states.pt``, one
     per DP rank: DP rank 0's stands for the rank (the others are checked when it is opened)."""
-    zero3 = numbered_names(  # mp_rank_00 and mp_rank_0: refused, never one of them taken
-        [
-            (int(m.group(2)), f)
-            for f in names
-            if (m := files.ZERO3_MODEL_FILE.match(f)) and int(m.group(1)) == 0
-        ],
-        tag_dir.root,
-        "model-parallel rank",
-    )
-    model_files = zero3 or numbered_names(
-        [(int(m[1]), f) for f in names if (m := files.MP_MODEL_FILE.match(f))],
-        tag_dir.root,
-        "model-parallel rank",
-    )
+    zero3 = [
+        (int(m.group(2)), f)
+        for f in names
+        if (m := files.ZERO3_MODEL_FILE.match(f)) and int(m.group(1)) == 0
+    ]
+    plain = [(int(m[1]), f) for f in names if (m := files.MP_MODEL_FILE.match(f))]
+    # mp_rank_00 and mp_rank_0: refused, never one of them taken
+    model_files = numbered_names(zero3 or plain, tag_dir.root, "model-parallel rank")
     pattern = ("zero_pp_rank_0_" if zero3 else "") + "mp_rank_{:02d}_model_states.pt"
     first_model_file = tag_dir.join(pattern.format(0))
     first_model_states = files.load_model_states(

@@ -334,7 +334,7 @@ def open_moe_zero_checkpoint(
 
 
 def _checked_experts(
-    items: Iterator[writer.HostItem], checkpoint: DeepSpeedCheckpoint, experts: Experts
+    items: Iterator[writer.HostItem], experts: Experts
 ) -> Iterator[writer.HostItem]:
     """Each expert's fp32 master, assembled from its expert-parallel rank's partitions, must
     round to the weight its expert file holds, every element: an expert read from another
@@ -393,7 +393,7 @@ def plan_moe(tag_dir: Storage, options: ImportOptions) -> ImportPlan:
     source.update(_moe_source(experts, sorted(set(ep_of_group.values()))))
     found = zero.zero_tensors(checkpoint, source, weights_only=weights_only)
     found += expert_weights(checkpoint, source, [t for _, t in experts.weights.values()])
-    items = _checked_experts(zero.iter_zero_items(checkpoint, options), checkpoint, experts)
+    items = _checked_experts(zero.iter_zero_items(checkpoint, options), experts)
     return ImportPlan(items, source, len(share.pick(checkpoint.names)), source_tensors=found)
 
 

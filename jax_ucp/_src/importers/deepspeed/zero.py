@@ -429,8 +429,8 @@ def _check_stage12_partitions(checkpoint: DeepSpeedCheckpoint) -> None:
         if len(fp32) != groups:
             raise SourceError(f"{path}: {len(fp32)} fp32 partitions for {groups} groups")
         for group in range(len(fp32)):
+            group_state = require(inner, group, f"{path} state")
             for state_name in ("exp_avg", "exp_avg_sq"):
-                group_state = require(inner, group, f"{path} state")
                 moment = require(group_state, state_name, f"{path} state[{group}]")
                 if not isinstance(moment, np.ndarray):
                     raise SourceError(
