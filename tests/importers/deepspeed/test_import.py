@@ -277,6 +277,14 @@ def test_groups_disagreeing_on_step_is_an_error():
         optimizer_step(checkpoint)
 
 
+def test_a_checkpoints_names_and_shapes_are_built_once():
+    """Asked per parameter and optimizer state: rebuilt on each ask they cost O(N^2) in the
+    parameter count (a MoE of tens of thousands of tensors)."""
+    checkpoint = open_deepspeed_checkpoint(LocalDirectory(os.path.join(FIX, "z1_fp32_dp3", "ckpt")))
+    assert checkpoint.shapes is checkpoint.shapes and checkpoint.names is checkpoint.names
+    assert list(checkpoint.shapes) == checkpoint.names and len(checkpoint.names) > 1
+
+
 # Hostile inputs, each built here: a clear error naming the file, or an exact import.
 
 

@@ -119,11 +119,11 @@ class DeepSpeedCheckpoint:
     # where a ``module`` entry was read from when not ``<model file>:module.<name>`` (experts)
     module_tensors: dict[str, str] = field(default_factory=dict)
 
-    @property
+    @functools.cached_property  # asked per parameter and state: built once, not O(N) each time
     def names(self) -> list[str]:
         return [name for group in self.param_shapes for name in group]
 
-    @property
+    @functools.cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for group in self.param_shapes for name, shape in group.items()}
 
