@@ -31,7 +31,8 @@ def is_orbax(src: Storage) -> bool:
     step directories hold one; from file names only."""
     if any(is_file(src, n) for n in (PYTREE_METADATA, CHECKPOINT_METADATA)):
         return not is_file(src, MANIFEST_FILE)
-    return bool(_steps(src))
+    # a step folder linked out of the root is no evidence (its files are not looked at)
+    return any(_committed(src, name, linked=False) for name in _steps(src).values())
 
 
 def is_file(folder: Storage, name: str) -> bool:
@@ -60,11 +61,11 @@ def _steps(root: Storage) -> dict[int, str]:
     return files.numbered_names(found, root.root, "step")
 
 
-def _committed(root: Storage, name: str) -> bool:
+def _committed(root: Storage, name: str, linked: bool = True) -> bool:
     try:
         return ORBAX_TMP_MARK not in name and is_file(root.folder(name), CHECKPOINT_METADATA)
     except files.UnsafeFileError:  # a link leaving the root: refused where it is read
-        return True
+        return linked
 
 
 def orbax_run(root: Storage) -> runs.TrainerRun | None:
