@@ -43,8 +43,14 @@ MAX_IMPORTS_IN_FUNCTIONS = 60
 #: 0 with the importers asking it too, counted by the attribute ``local``; 15 once
 #: ``local_path()`` is counted too, whatever holds the Storage (round 24: the public entries'
 #: "upload after converting?", the open stage's swap / link checks, Orbax's temporary mark, the
-#: safetensors reader's mmap-or-ranges choice)
-MAX_LOCAL_QUESTIONS = 15
+#: safetensors reader's mmap-or-ranges choice); 11 with round 25's Storage capabilities
+#: (``local_folder``: --against's framework loaders and convert's step= folders, which read or
+#: write local files only; ``certificate``; ``refuse_renamed_later``: Orbax's temporary mark;
+#: ``check_listing``: a listing's names refused in store/). Stay for now, the os-level checks of
+#: a local folder: convert's destination (overlap, ``check_replaceable``), the open stage's
+#: swap / Orbax step-folder checks (``locate``), a manager's local steps (``resume``), one
+#: revision agreed by processes (``import_open``), ShardReader's shards checked as read
+MAX_LOCAL_QUESTIONS = 11
 #: ``storage_for(`` called outside ``store/``: a ``Storage`` made again from a path instead of
 #: handed down (issue 71 wants 0; 37, and 1 more counted as the remote safetensors reader left
 #: ``store/``: a ``.safetensors`` object's folder; 40 with round 13's verify of a source's

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from jax_ucp._src import format as fmt
-from jax_ucp._src.errors import CheckpointError, RequestError
+from jax_ucp._src.errors import CheckpointError, RequestError, SourceError
 from jax_ucp._src.format.mapped_file import FileMap, map_file
 from jax_ucp._src.store.storage.ranged import RandomAccess, RangedObject
 from jax_ucp._src.store.storage.sparse import RemoteArchive, remote_archive
@@ -25,6 +25,7 @@ from jax_ucp._src.store.storage.sparse import RemoteArchive, remote_archive
 # URL scheme -> TensorStore kvstore driver: the object stores (``object_store``); here, so that
 # choosing a path's medium (``storage_for``) does not import the object-store code
 SCHEMES = {"s3": "s3", "gs": "gcs"}
+ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's temporary directories (its atomicity module)
 #: (root, prefix) -> its names, inside ``listed_once`` (``ObjectStorePrefix.names``)
 LISTINGS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("listings", default=None)
 
@@ -37,6 +38,14 @@ def listed_once() -> Iterator[None]:
         yield
     finally:
         LISTINGS.reset(token)
+
+
+def held(where: str, name: str) -> str:
+    """``name``, refused unless a folder can hold it (no '..', '.' or empty part, no NUL, not
+    absolute): an object name from a remote listing or a file's own data is untrusted."""
+    if any(p in ("", ".", "..") or "\0" in p for p in name.split("/")):
+        raise SourceError(f"{where[:300]!r}: an object name the folder cannot hold")
+    return name
 
 
 class Claim(Protocol):
@@ -102,6 +111,32 @@ class Storage(abc.ABC):
     def local_path(self) -> str | None:
         """``root`` as a folder ``os`` opens (None: requests only, nothing to link or swap)."""
         return self.root if self.local else None
+
+    def local_folder(self, refusal: str) -> str:
+        """``root`` as a folder ``os`` opens, for a caller that reads or writes local files only
+        (a framework's own loader, Orbax's step folders); elsewhere ``refusal`` is raised."""
+        raise RequestError(refusal)
+
+    def certificate(self, said: list[str]) -> dict | None:
+        """The certificate of the files under ``root`` (``format.certificate``; ``said``: what
+        the import checked); None where objects are read by ranges, never hashed whole."""
+        return None
+
+    def refuse_renamed_later(self) -> None:
+        """Before a save into ``root``: refused when it is Orbax's temporary directory, renamed
+        into place when written, where a rename is no atomic commit (an object store)."""
+        if ORBAX_TMP_MARK in self.root:
+            raise fmt.UCPError(
+                f"{self.root}: Orbax is saving into a temporary prefix it would then rename, "
+                f"which an object store cannot do atomically. Pass CheckpointManagerOptions("
+                f"temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath) (Orbax's "
+                f"default for gs://): each step is then committed by its commit_success.txt."
+            )
+
+    def check_listing(self) -> None:
+        """Every name under ``root`` refused unless a folder can hold it (``held``), before any
+        reader takes one: a remote listing is untrusted (a local folder's are the kernel's)."""
+        self.names()
 
     def absolute(self) -> str:
         """``root`` as a save returns it (a local path made absolute)."""
