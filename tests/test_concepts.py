@@ -34,8 +34,9 @@ PACKAGE = os.path.join(REPO, "jax_ucp", "_src")
 #: moves; 89 with round 13's features merged (against's torch byte path, the exporters by spec);
 #: 57 with the modules loaded only by their own entries (against, logits, optax_torch, the CLI's
 #: demo, import_open) importing at their top; 60 with the CLI's run-root steps lazy again (at
-#: the top they took TensorStore into ``jax-ucp --version``: 556 -> 693 ms, benchmarks/ab.py).
-MAX_IMPORTS_IN_FUNCTIONS = 60
+#: the top they took TensorStore into ``jax-ucp --version``: 556 -> 693 ms, benchmarks/ab.py);
+#: round 25: 59, verify's --against refusal the source's Storage's (``local_folder``), in api
+MAX_IMPORTS_IN_FUNCTIONS = 59
 #: ``.local`` asked of a ``Storage`` outside ``store/`` (issue 71 wants 0; 16 once the open stage
 #: asks "a manifest here?" once, ``locate.is_ucp``; 15 without ucp_source's dead remote branch;
 #: 13 with the DCP reader opening the paths it is given, a remote one through its local view;

@@ -55,7 +55,6 @@ __all__ = [
     "Comparison",
     "compare_with_source",
     "dcp_reader",
-    "local_source",
     "settings_differ",
     "source_weights",
 ]
@@ -821,19 +820,6 @@ def compare_with_source(
     result.files, result.certificate, result.planned = files_found, said, expected
     result.records = records
     return result
-
-
-def local_source(source: store.storage.Storage) -> None:
-    """Refuses a source in an object store or on the Hub (``s3://``, ``gs://``, ``hf://``),
-    naming its URL: the frameworks' own loaders read local files (a path joined from the URL
-    became ``s3:/bucket/...``)."""
-    source.local_folder(
-        f"verify(against={source.root!r}): --against reads the source with its framework's "
-        f"own loaders (safetensors' safe_open, torch.load, torch DCP's dcp.load, DeepSpeed's "
-        f"zero_to_fp32), which read local files only, and its certificate is of local "
-        f"files: copy {source.root} to a local folder (aws s3 sync, gcloud storage cp -r, "
-        f"hf download) and give that folder"
-    )
 
 
 def _check_certificate(src: str, source: dict) -> tuple[dict[str, str], str, int]:

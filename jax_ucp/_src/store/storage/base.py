@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import CheckpointError, RequestError, SourceError
+from jax_ucp._src.format import certificate
 from jax_ucp._src.format.mapped_file import FileMap, map_file
 from jax_ucp._src.store.storage.ranged import RandomAccess, RangedObject
 from jax_ucp._src.store.storage.sparse import RemoteArchive, remote_archive
@@ -41,8 +42,7 @@ def listed_once() -> Iterator[None]:
 
 
 def held(where: str, name: str) -> str:
-    """``name``, refused unless a folder can hold it (no '..', '.' or empty part, no NUL, not
-    absolute): an object name from a remote listing or a file's own data is untrusted."""
+    """``name`` unless no folder holds it ('..', '.' or an empty part, a NUL): it is untrusted."""
     if any(p in ("", ".", "..") or "\0" in p for p in name.split("/")):
         raise SourceError(f"{where[:300]!r}: an object name the folder cannot hold")
     return name
@@ -113,19 +113,18 @@ class Storage(abc.ABC):
         return self.root if self.local else None
 
     def local_folder(self, refusal: str) -> str:
-        """``root`` as a folder ``os`` opens, for a caller that reads or writes local files only
-        (a framework's own loader, Orbax's step folders); elsewhere ``refusal`` is raised."""
-        raise RequestError(refusal)
+        """``root`` for a caller of local files only (a framework's loader), else ``refusal``."""
+        if not self.local:
+            raise RequestError(refusal)
+        return self.root
 
     def certificate(self, said: list[str]) -> dict | None:
-        """The certificate of the files under ``root`` (``format.certificate``; ``said``: what
-        the import checked); None where objects are read by ranges, never hashed whole."""
-        return None
+        """``format.certificate`` of ``root`` (None where objects are read by ranges only)."""
+        return certificate.certify(self.root, said) if self.local else None
 
     def refuse_renamed_later(self) -> None:
-        """Before a save into ``root``: refused when it is Orbax's temporary directory, renamed
-        into place when written, where a rename is no atomic commit (an object store)."""
-        if ORBAX_TMP_MARK in self.root:
+        """Orbax's temporary directory refused where a rename commits nothing (an object store)."""
+        if ORBAX_TMP_MARK in self.root and not self.local:
             raise fmt.UCPError(
                 f"{self.root}: Orbax is saving into a temporary prefix it would then rename, "
                 f"which an object store cannot do atomically. Pass CheckpointManagerOptions("
@@ -134,9 +133,9 @@ class Storage(abc.ABC):
             )
 
     def check_listing(self) -> None:
-        """Every name under ``root`` refused unless a folder can hold it (``held``), before any
-        reader takes one: a remote listing is untrusted (a local folder's are the kernel's)."""
-        self.names()
+        """Each name a remote listing gives refused unless a folder holds it (``held``)."""
+        if not self.local:
+            self.names()
 
     def absolute(self) -> str:
         """``root`` as a save returns it (a local path made absolute)."""

@@ -18,7 +18,6 @@ from typing import Any
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import SaveConflictError
-from jax_ucp._src.format import certificate
 from jax_ucp._src.format.mapped_file import FileMap, map_file
 from jax_ucp._src.multihost import liveness
 from jax_ucp._src.store import host_memory
@@ -317,18 +316,6 @@ class LocalDirectory(Storage):
 
     def parent(self) -> LocalDirectory:
         return LocalDirectory(os.path.dirname(self.absolute()))
-
-    def local_folder(self, refusal: str) -> str:
-        return self.root
-
-    def certificate(self, said: list[str]) -> dict | None:
-        return certificate.certify(self.root, said)
-
-    def refuse_renamed_later(self) -> None:
-        """Nothing: Orbax's temporary directory is renamed into place atomically here."""
-
-    def check_listing(self) -> None:
-        """Nothing: the kernel's entries, each a name a folder holds."""
 
     def exists(self, name: str) -> bool:
         return os.path.exists(self.inside(name))
