@@ -34,8 +34,9 @@ PACKAGE = os.path.join(REPO, "jax_ucp", "_src")
 #: moves; 89 with round 13's features merged (against's torch byte path, the exporters by spec);
 #: 57 with the modules loaded only by their own entries (against, logits, optax_torch, the CLI's
 #: demo, import_open) importing at their top; 60 with the CLI's run-root steps lazy again (at
-#: the top they took TensorStore into ``jax-ucp --version``: 556 -> 693 ms, benchmarks/ab.py).
-MAX_IMPORTS_IN_FUNCTIONS = 60
+#: the top they took TensorStore into ``jax-ucp --version``: 556 -> 693 ms, benchmarks/ab.py);
+#: round 25: 59, verify's --against refusal the source's Storage's (``local_folder``), in api
+MAX_IMPORTS_IN_FUNCTIONS = 59
 #: ``.local`` asked of a ``Storage`` outside ``store/`` (issue 71 wants 0; 16 once the open stage
 #: asks "a manifest here?" once, ``locate.is_ucp``; 15 without ucp_source's dead remote branch;
 #: 13 with the DCP reader opening the paths it is given, a remote one through its local view;
@@ -43,8 +44,14 @@ MAX_IMPORTS_IN_FUNCTIONS = 60
 #: 0 with the importers asking it too, counted by the attribute ``local``; 15 once
 #: ``local_path()`` is counted too, whatever holds the Storage (round 24: the public entries'
 #: "upload after converting?", the open stage's swap / link checks, Orbax's temporary mark, the
-#: safetensors reader's mmap-or-ranges choice)
-MAX_LOCAL_QUESTIONS = 15
+#: safetensors reader's mmap-or-ranges choice); 11 with round 25's Storage capabilities
+#: (``local_folder``: --against's framework loaders and convert's step= folders, which read or
+#: write local files only; ``certificate``; ``refuse_renamed_later``: Orbax's temporary mark;
+#: ``check_listing``: a listing's names refused in store/). Stay for now, the os-level checks of
+#: a local folder: convert's destination (overlap, ``check_replaceable``), the open stage's
+#: swap / Orbax step-folder checks (``locate``), a manager's local steps (``resume``), one
+#: revision agreed by processes (``import_open``), ShardReader's shards checked as read
+MAX_LOCAL_QUESTIONS = 11
 #: ``storage_for(`` called outside ``store/``: a ``Storage`` made again from a path instead of
 #: handed down (issue 71 wants 0; 37, and 1 more counted as the remote safetensors reader left
 #: ``store/``: a ``.safetensors`` object's folder; 40 with round 13's verify of a source's

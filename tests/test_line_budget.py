@@ -18,22 +18,22 @@ CEILINGS = {
     "continuation": 2272,
     "exporters": 2478,
     "format": 2734,
-    "importers": 17397,
+    "importers": 17391,
     "language": 3231,
     "models": 2625,
     "multihost": 839,
-    "orbax": 421,
+    "orbax": 415,
     "restoring": 5023,
     "saving": 969,
     "sharding": 707,
-    "store": 3519,
+    "store": 3555,
     "torchfiles": 3114,
     "writer": 1674,
-    "modules": 4726,
+    "modules": 4717,
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53853
+TOTAL = 53868
 
 
 def _lines(paths) -> int:

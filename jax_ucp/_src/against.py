@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import io
 import json
 import logging
 import os
@@ -54,7 +55,6 @@ __all__ = [
     "Comparison",
     "compare_with_source",
     "dcp_reader",
-    "local_source",
     "settings_differ",
     "source_weights",
 ]
@@ -506,16 +506,17 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 def _dcp_folder_holding(src: str, key: str) -> str:
     """``src`` when it is a torch DCP folder, else its one DCP subfolder whose metadata holds
     ``key`` (the Trainer's ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` beside its files)."""
-    if (
-        os.path.isfile(os.path.join(src, ".metadata"))
-        or not os.path.isdir(src)
-        or dcp_safetensors.is_rank_local(src)
-    ):
+    storage = safe_dcp.folder(src)  # read through its Storage, as the import read it
+    try:
+        names = storage.names()
+    except (NotADirectoryError, FileNotFoundError):  # one file: the import's, named as given
         return src
-    for name in sorted(os.listdir(src)):
-        folder = os.path.join(src, name)
-        if os.path.isfile(os.path.join(folder, ".metadata")) and key in _dcp_keys(folder):
-            return folder
+    if safe_dcp.METADATA_FILE in names or dcp_safetensors.is_rank_local(storage):
+        return src
+    for name in names:
+        folder = storage.at(storage.join(name))  # a DCP folder linked in is the import's too
+        if folder.exists(safe_dcp.METADATA_FILE) and key in _dcp_keys(folder.root):
+            return folder.root
     raise SourceError(f"{src}: no torch DCP folder in it holds {key!r}")
 
 
@@ -568,9 +569,8 @@ def dcp_reader(folder: str) -> Any:
             except ModuleNotFoundError as e:
                 if e.name is None or not e.name.startswith("olmo_core"):
                     raise
-            meta_path = os.path.join(folder, ".metadata")
-            with open(meta_path, "rb") as f:
-                metadata = Unpickler(f).load()
+            data = safe_dcp.folder(folder).read(safe_dcp.METADATA_FILE, safe_dcp.MAX_METADATA_BYTES)
+            metadata = Unpickler(io.BytesIO(data or b"")).load()  # vetted: open_dcp read it
             if getattr(metadata, "storage_meta", None) is None:
                 from torch.distributed.checkpoint.metadata import (  # pyright: ignore[reportMissingImports]
                     StorageMeta,
@@ -820,20 +820,6 @@ def compare_with_source(
     result.files, result.certificate, result.planned = files_found, said, expected
     result.records = records
     return result
-
-
-def local_source(source: store.storage.Storage) -> None:
-    """Refuses a source in an object store or on the Hub (``s3://``, ``gs://``, ``hf://``),
-    naming its URL: the frameworks' own loaders read local files (a path joined from the URL
-    became ``s3:/bucket/...``)."""
-    if source.local_path() is None:
-        raise RequestError(
-            f"verify(against={source.root!r}): --against reads the source with its framework's "
-            f"own loaders (safetensors' safe_open, torch.load, torch DCP's dcp.load, DeepSpeed's "
-            f"zero_to_fp32), which read local files only, and its certificate is of local "
-            f"files: copy {source.root} to a local folder (aws s3 sync, gcloud storage cp -r, "
-            f"hf download) and give that folder"
-        )
 
 
 def _check_certificate(src: str, source: dict) -> tuple[dict[str, str], str, int]:

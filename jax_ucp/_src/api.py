@@ -223,9 +223,13 @@ def verify(
     )
     source = None if against is None else store.storage_for(against)
     if source is not None:  # refused before the checkpoint is read: the URL named
-        from jax_ucp._src.against import local_source
-
-        local_source(source)
+        source.local_folder(  # the frameworks' own loaders read local files only
+            f"verify(against={source.root!r}): --against reads the source with its framework's "
+            f"own loaders (safetensors' safe_open, torch.load, torch DCP's dcp.load, DeepSpeed's "
+            f"zero_to_fp32), which read local files only, and its certificate is of local "
+            f"files: copy {source.root} to a local folder (aws s3 sync, gcloud storage cp -r, "
+            f"hf download) and give that folder"
+        )
     from jax_ucp._src.restoring import sources
 
     storage = store.storage_for(path)  # the export's too, with against=

@@ -107,6 +107,7 @@ def convert(source, dest, options: ConvertOptions) -> str:
     """
     dest = os.fspath(dest)
     _check_target(source, dest, options)
+    source = store.storage_for(source)  # chosen once: planned, read and certified through it
     budget = options.memory_budget
     with writer.memory_budget_scope(None if budget is None else int(budget)):
         job = agreement.join(dest, options.barrier_timeout) if options.distributed else None
@@ -114,7 +115,7 @@ def convert(source, dest, options: ConvertOptions) -> str:
         items = writer.with_progress(plan.items, plan.total_params, options.progress)
         record = plan.source
         if job is None and record.get(RECORD) is not None:
-            items = _run_checked(items, record, os.fspath(source))
+            items = _run_checked(items, record, source.root)
         if job is None or job[0] == 0:  # the process that commits records it
             record = _certified(source, record)
         common: dict[str, Any] = dict(
@@ -166,29 +167,29 @@ def _as_recorded(record: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(record, default=str))
 
 
-def _certified(source, record: dict[str, Any]) -> dict[str, Any]:
+def _certified(source: store.storage.Storage, record: dict[str, Any]) -> dict[str, Any]:
     """``record`` with the certificate of the source's files (``format.certificate``), taken
     before the import reads them, which ``verify --against`` checks first; a source in an
     object store has none (its objects are read by ranged GETs, never listed whole)."""
-    if store.storage_for(source).local_path() is None:
-        return record
     said = (
         [f"megatron-core's integrity.json: {record['integrity']}"]
         if record.get("integrity")
         else []
     )
-    return {**record, certificate.KEY: certificate.certify(source, said)}
+    made = source.certificate(said)
+    return record if made is None else {**record, certificate.KEY: made}
 
 
 def _check_target(source, dest: str, options: ConvertOptions) -> None:
     """What the destination refuses, before the source is read (checked again under the save
     lock, in the transaction)."""
-    if store.storage_for(dest).local_path() is None:
-        if options.step is not None or options.distributed:
-            raise RequestError(
-                f"convert: {dest} is an object store; step= and distributed=True write local "
-                f"(or shared file system) directories only"
-            )
+    target = store.storage_for(dest)
+    if options.step is not None or options.distributed:
+        target.local_folder(
+            f"convert: {dest} is an object store; step= and distributed=True write local "
+            f"(or shared file system) directories only"
+        )
+    if target.local_path() is None:  # the checks below are of a local directory (os)
         return
     if files.overlap(dest, source):  # a forced convert there would delete what it reads
         raise RequestError(

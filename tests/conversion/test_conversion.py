@@ -148,3 +148,13 @@ def test_hostile_source_is_a_clear_error(tmp_path, case):
     with pytest.raises(jax_ucp.UCPError, match=message):
         jax_ucp.convert(src, tmp_path / "out")
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("keywords", [{"step": 3}, {"distributed": True}])
+def test_step_and_distributed_to_an_object_store_are_refused_before_reading(tmp_path, keywords):
+    """``step=`` and ``distributed=True`` write local (or shared) folders: an ``s3://``
+    destination is refused by its Storage (``local_folder``), naming it, before the source is
+    read (none here) or a server asked (none runs)."""
+    with pytest.raises(jax_ucp.RequestError, match="step= and distributed=True") as e:
+        jax_ucp.convert(tmp_path / "absent", "s3://bucket/ckpt", **keywords)
+    assert "s3://bucket/ckpt" in str(e.value)

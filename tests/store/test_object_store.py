@@ -20,9 +20,9 @@ from safetensors.numpy import save_file
 
 import jax_ucp
 from jax_ucp._src.saving import engine
-from jax_ucp._src.store.storage import object_store
+from jax_ucp._src.store.storage import object_store, storage_for
 from jax_ucp._src.writer import commit
-from jax_ucp.errors import RequestError
+from jax_ucp.errors import RequestError, SourceError
 from tests.ucp_testing import REPO, free_port, run_cli
 
 pytestmark = pytest.mark.timeout(300)
@@ -447,3 +447,23 @@ def test_no_sdk_noise_on_stderr_without_credential_files(bucket, tmp_path, monke
     assert r.returncode == 0, r.stderr[-2000:]
     for out in (p.stderr, r.stderr):
         assert ".aws/" not in out and "credentials file" not in out, out[-2000:]
+
+
+def test_a_listing_naming_an_object_no_folder_holds_is_refused_by_the_listing(bucket):
+    """An object name with an empty part (the servers keep it; '..' and '.' ones: test_hub's
+    listing): the prefix's listing
+    refuses it, naming it (``base.held``, the Hub's one check too), whoever lists; before, only
+    the importers' open stage looked, after asking whether the source was local. A folder
+    marker (``sub/``) is no file."""
+    _, root = bucket
+    url = _new(root, "odd")
+    for ok in ("w.json", "sub/"):
+        object_store.write(url, ok, b"{}")
+    prefix = storage_for(url)
+    assert prefix.names() == ["sub/", "w.json"]
+    prefix.check_listing()
+    name = "x//y.json"
+    object_store.write(url, name, b"{}")
+    with pytest.raises(SourceError, match="an object name the folder cannot hold") as e:
+        prefix.check_listing()
+    assert name in str(e.value)

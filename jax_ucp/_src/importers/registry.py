@@ -106,17 +106,10 @@ def _layouts(checkpoint_format: str) -> list[Importer]:
 
 @contextlib.contextmanager
 def _opened(storage: Storage) -> Iterator[Storage]:
-    """``storage``, listed once while its importer is chosen and planned; a remote listing
-    naming an object no folder holds (through '..', absolutely, a NUL, an empty part) refused
-    before any importer reads it in place: a listing is untrusted. Folder markers aside."""
+    """``storage``, listed once while its importer is chosen and planned; a listing naming an
+    object no folder holds refused before any importer reads it (``Storage.check_listing``)."""
     with base.listed_once():
-        if storage.local_path() is None:
-            for name in storage.names():
-                parts = name.split("/")
-                if not name.endswith("/") and any(p in ("", ".", "..") or "\0" in p for p in parts):
-                    raise SourceError(
-                        f"{storage.join(name)[:300]!r}: an object name the folder cannot hold"
-                    )
+        storage.check_listing()
         yield storage
 
 

@@ -60,13 +60,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         """
         directory = os.fspath(directory)
         storage = store.storage_for(directory)  # chosen once for the save
-        if storage.local_path() is None and local.ORBAX_TMP_MARK in directory:
-            raise fmt.UCPError(
-                f"{directory}: Orbax is saving into a temporary prefix it would then rename, which "
-                f"an object store cannot do atomically. Pass CheckpointManagerOptions("
-                f"temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath) (Orbax's "
-                f"default for gs://): each step is then committed by its commit_success.txt."
-            )
+        storage.refuse_renamed_later()
         # which step's item this is, as the run names it: a resume refuses another step's
         args = dataclasses.replace(args, source=_as_step_item(args.source, directory))
         if isinstance(args, UCPStreamSave):

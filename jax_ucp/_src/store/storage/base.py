@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from jax_ucp._src import format as fmt
-from jax_ucp._src.errors import CheckpointError, RequestError
+from jax_ucp._src.errors import CheckpointError, RequestError, SourceError
+from jax_ucp._src.format import certificate
 from jax_ucp._src.format.mapped_file import FileMap, map_file
 from jax_ucp._src.store.storage.ranged import RandomAccess, RangedObject
 from jax_ucp._src.store.storage.sparse import RemoteArchive, remote_archive
@@ -25,6 +26,7 @@ from jax_ucp._src.store.storage.sparse import RemoteArchive, remote_archive
 # URL scheme -> TensorStore kvstore driver: the object stores (``object_store``); here, so that
 # choosing a path's medium (``storage_for``) does not import the object-store code
 SCHEMES = {"s3": "s3", "gs": "gcs"}
+ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's temporary directories (its atomicity module)
 #: (root, prefix) -> its names, inside ``listed_once`` (``ObjectStorePrefix.names``)
 LISTINGS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("listings", default=None)
 
@@ -37,6 +39,13 @@ def listed_once() -> Iterator[None]:
         yield
     finally:
         LISTINGS.reset(token)
+
+
+def held(where: str, name: str) -> str:
+    """``name`` unless no folder holds it ('..', '.' or an empty part, a NUL): it is untrusted."""
+    if any(p in ("", ".", "..") or "\0" in p for p in name.split("/")):
+        raise SourceError(f"{where[:300]!r}: an object name the folder cannot hold")
+    return name
 
 
 class Claim(Protocol):
@@ -102,6 +111,31 @@ class Storage(abc.ABC):
     def local_path(self) -> str | None:
         """``root`` as a folder ``os`` opens (None: requests only, nothing to link or swap)."""
         return self.root if self.local else None
+
+    def local_folder(self, refusal: str) -> str:
+        """``root`` for a caller of local files only (a framework's loader), else ``refusal``."""
+        if not self.local:
+            raise RequestError(refusal)
+        return self.root
+
+    def certificate(self, said: list[str]) -> dict | None:
+        """``format.certificate`` of ``root`` (None where objects are read by ranges only)."""
+        return certificate.certify(self.root, said) if self.local else None
+
+    def refuse_renamed_later(self) -> None:
+        """Orbax's temporary directory refused where a rename commits nothing (an object store)."""
+        if ORBAX_TMP_MARK in self.root and not self.local:
+            raise fmt.UCPError(
+                f"{self.root}: Orbax is saving into a temporary prefix it would then rename, "
+                f"which an object store cannot do atomically. Pass CheckpointManagerOptions("
+                f"temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath) (Orbax's "
+                f"default for gs://): each step is then committed by its commit_success.txt."
+            )
+
+    def check_listing(self) -> None:
+        """Each name a remote listing gives refused unless a folder holds it (``held``)."""
+        if not self.local:
+            self.names()
 
     def absolute(self) -> str:
         """``root`` as a save returns it (a local path made absolute)."""

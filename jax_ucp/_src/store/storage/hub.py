@@ -28,7 +28,7 @@ from typing import NoReturn
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import RequestError, SourceError
-from jax_ucp._src.store.storage.base import Storage
+from jax_ucp._src.store.storage.base import Storage, held
 
 SCHEME = "hf://"
 MAX_LISTING_BYTES = 16 << 20  # the repo's file list (the Hub's JSON for a large repo: ~1 MB)
@@ -196,9 +196,7 @@ class HubRepo(Storage):
         return self._listing()[0]
 
     def _url(self, name: str) -> str:
-        full = "/".join(p for p in (self.path, name) if p)
-        if any(p in ("", ".", "..") for p in full.split("/")):
-            raise SourceError(f"{self.root}: file name {name[:100]!r} has '.' or '..' parts")
+        full = held(f"{self.root}/{name}", "/".join(p for p in (self.path, name) if p))
         return f"{_endpoint()}/{self.repo}/resolve/{self.sha}/{urllib.parse.quote(full)}"
 
     def absolute(self) -> str:
@@ -257,7 +255,8 @@ class HubRepo(Storage):
         """Every file of the repo under ``PATH`` (nested ones too) starting with ``prefix``."""
         under = f"{self.path}/" if self.path else ""
         full = under + prefix
-        return sorted(n[len(under) :] for n in self._listing()[1] if n.startswith(full))
+        listed = (n[len(under) :] for n in self._listing()[1] if n.startswith(full))
+        return sorted(n if n.endswith("/") else held(self.join(n), n) for n in listed)
 
     def identity(self) -> str:
         return self.sha

@@ -21,14 +21,13 @@ from jax_ucp._src.errors import SaveConflictError
 from jax_ucp._src.format.mapped_file import FileMap, map_file
 from jax_ucp._src.multihost import liveness
 from jax_ucp._src.store import host_memory
-from jax_ucp._src.store.storage.base import Claim, Storage, Transaction
+from jax_ucp._src.store.storage.base import ORBAX_TMP_MARK, Claim, Storage, Transaction
 from jax_ucp._src.store.storage.ranged import LocalFile, RandomAccess
 
 # Every destructive file operation and every commit is logged here (as Orbax's atomicity module
 # logs its renames): ``logging.getLogger("jax_ucp")`` shows what a save, import or export removed.
 log = logging.getLogger(__name__)
 
-ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's temporary directories (its atomicity module)
 # Orbax's step metadata file: written by writer.commit, read by restoring.steps (here, so that a
 # restore does not import the writer)
 ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"

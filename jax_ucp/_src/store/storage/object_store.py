@@ -345,17 +345,21 @@ class ObjectStorePrefix(Storage):
         write(self.root, name, data)
 
     def names(self, prefix: str = "") -> list[str]:
-        """Every object name under ``root`` (relative to it, nested ones too)."""
+        """Every object name under ``root`` (relative to it, nested ones too), each one a
+        folder can hold (``base.held``; folder markers aside)."""
         memo = base.LISTINGS.get()  # listed once inside ``base.listed_once``
         if memo is None:
-            return list_names(self.root, prefix)
+            return self._held(list_names(self.root, prefix))
         for (root, listed_prefix), names in list(memo.items()):  # a folder of a listed prefix
             under = self.root[len(root.rstrip("/")) + 1 :].strip("/") + "/"
             if not listed_prefix and self.root.startswith(root.rstrip("/") + "/") and under != "/":
                 return [n[len(under) :] for n in names if n.startswith(under + prefix)]
         if (self.root, prefix) not in memo:
-            memo[self.root, prefix] = list_names(self.root, prefix)
+            memo[self.root, prefix] = self._held(list_names(self.root, prefix))
         return list(memo[self.root, prefix])
+
+    def _held(self, names: list[str]) -> list[str]:
+        return [n if n.endswith("/") else base.held(self.join(n), n) for n in names]
 
     def delete(self, names: list[str]) -> None:
         delete_names(self.root, names)
