@@ -25,8 +25,10 @@ def is_ucp(storage: Storage, manifest: bool, explicit: bool = False) -> bool:
     or nothing there (a forced save's swap, or the error ``find_checkpoint`` gives).
     ``explicit``: importing= or format= was given, an error for a local checkpoint there."""
     path = storage.local_path()
-    if path is None:
-        return manifest
+    if path is None:  # a step's items or a manager root's: ``<item>/ucp.json``, one level more
+        return manifest or any(
+            n.endswith("/" + fmt.MANIFEST_FILE) and 1 <= n.count("/") <= 2 for n in storage.names()
+        )
     found = manifest or (
         bool(steps.ucp_items(path)) if os.path.isdir(path) else not os.path.lexists(path)
     )

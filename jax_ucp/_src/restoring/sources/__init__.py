@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from jax_ucp._src import format as fmt
 from jax_ucp._src.errors import CheckpointError
 from jax_ucp._src.restoring import locate
+from jax_ucp._src.store.storage.base import listed_once
 
 if TYPE_CHECKING:
     from jax_ucp._src.importers.plan import Importer
@@ -38,11 +39,12 @@ def opening(storage: Storage, importing=None, format=None, *, warn: bool = True)
     chosen once; ``importing`` / ``format``: those given (``RestoreOptions``' fields), or None;
     ``warn``: a run root's newer steps passed over are said (``ResumeWarning``)."""
     manifest = storage.exists(fmt.MANIFEST_FILE)
-    if locate.is_ucp(storage, manifest, explicit=importing is not None or format is not None):
-        return Opening(storage, manifest=manifest or None)
-    from jax_ucp._src.restoring.sources import import_open
+    with listed_once():  # a remote prefix: one LIST for "UCP items below?" and the detectors
+        if locate.is_ucp(storage, manifest, explicit=importing is not None or format is not None):
+            return Opening(storage, manifest=manifest or None)
+        from jax_ucp._src.restoring.sources import import_open
 
-    found = import_open.import_for(storage, importing, format, warn=warn)
+        found = import_open.import_for(storage, importing, format, warn=warn)
     if isinstance(found, tuple):
         return Opening(*found)
     try:  # an object-store prefix's one UCP item, else the error naming what each reader saw
