@@ -43,8 +43,9 @@ MAX_IMPORTS_IN_FUNCTIONS = 60
 #: 0 with the importers asking it too, counted by the attribute ``local``; 15 once
 #: ``local_path()`` is counted too, whatever holds the Storage (round 24: the public entries'
 #: "upload after converting?", the open stage's swap / link checks, Orbax's temporary mark, the
-#: safetensors reader's mmap-or-ranges choice)
-MAX_LOCAL_QUESTIONS = 15
+#: safetensors reader's mmap-or-ranges choice); 12 with one safetensors reader over a Storage
+#: (the reader maps what its medium maps: ``RandomAccess.mapped``), the detector's question left
+MAX_LOCAL_QUESTIONS = 12
 #: ``storage_for(`` called outside ``store/``: a ``Storage`` made again from a path instead of
 #: handed down (issue 71 wants 0; 37, and 1 more counted as the remote safetensors reader left
 #: ``store/``: a ``.safetensors`` object's folder; 40 with round 13's verify of a source's
@@ -54,8 +55,9 @@ MAX_LOCAL_QUESTIONS = 15
 #: export's config.json through its Storage, where it asked ``os.path.isfile``; 28 with the
 #: save engine, the Claim, the checkpoint search and verify's export handed their Storage; 27
 #: with verl handing megatron its ``dist_ckpt/`` folder's Storage; 26 with torchtune and the run-root
-#: listings handed their Storage, and resume listing a remote run's steps through one)
-MAX_STORAGE_FOR_CALLS = 26
+#: listings handed their Storage, and resume listing a remote run's steps through one; 25 with a
+#: ``.safetensors`` file's folder the same medium re-rooted ``at`` it)
+MAX_STORAGE_FOR_CALLS = 25
 #: modules decoding a safetensors header (its length bounded by ``MAX_HEADER_BYTES``): one,
 #: local and remote (``format.safetensors`` over a medium's ``Storage.reader``)
 MAX_SAFETENSORS_DECODERS = 1
