@@ -301,23 +301,24 @@ def _open(folder: Storage, name: str, what: str | None = None) -> tuple[Safetens
     if parsed.map is not None:  # views of the map, never touched: read with pread
         return parsed, {t: parsed.tensor(t) for t in parsed.header}
     end = parsed.data_start + max((e for *_, e in parsed.header.values()), default=0)
-    whole = _once(file, end) if end <= SMALL_OBJECT else None
+    whole = _once(file, parsed.data_start, end) if end <= SMALL_OBJECT else None
     return parsed, {
         t: RangedTensor(file, t, dtype, shape, parsed.data_start + b, whole)
         for t, (dtype, shape, b, _) in parsed.header.items()
     }
 
 
-def _once(file: RandomAccess, size: int) -> Callable[[], memoryview]:
-    """The first ``size`` bytes of ``file``: one read when first asked (from any thread), kept."""
+def _once(file: RandomAccess, at: int, end: int) -> Callable[[int, int], memoryview]:
+    """``cut(start, n)``: ``n`` bytes of ``file`` from ``start``, of its bytes ``[at, end)`` read
+    once when first asked (from any thread) and kept."""
     lock, kept = threading.Lock(), []
 
-    def whole() -> memoryview:
+    def cut(start: int, n: int) -> memoryview:
         with lock:
-            kept[:] = kept or [memoryview(file.read(0, size) or b"")]
-        return kept[0]
+            kept[:] = kept or [memoryview(file.read(at, end - at) or b"")]
+        return kept[0][start - at :][:n]
 
-    return whole
+    return cut
 
 
 @dataclasses.dataclass
@@ -330,14 +331,14 @@ class RangedTensor:
     dtype: np.dtype
     shape: tuple[int, ...]
     offset: int  # of its first byte in the file
-    whole: Callable[[], memoryview] | None = None
+    whole: Callable[[int, int], memoryview] | None = None
 
     def rows(self, a: int, b: int) -> np.ndarray:
         """Rows ``a:b`` of the tensor (``[0:1]`` of a scalar), one ranged read (or cut)."""
         row = math.prod(self.shape[1:]) * self.dtype.itemsize
         start, want, shown = self.offset + a * row, (b - a) * row, self.file.shown
         try:
-            got = self.file.read(start, want) if self.whole is None else self.whole()[start:][:want]
+            got = (self.whole or self.file.read)(start, want)
         except RangeError as e:  # a range past the end: the object shrank since it was opened
             got = e
         if not isinstance(got, bytes | memoryview) or len(got) != want:
