@@ -17,7 +17,7 @@ CEILINGS = {
     "cli": 1756,
     "continuation": 2272,
     "exporters": 2478,
-    "format": 2678,
+    "format": 2677,
     "importers": 17318,
     "language": 3231,
     "models": 2625,
@@ -33,7 +33,7 @@ CEILINGS = {
     "public": 368,
 }
 #: the whole library: every .py file under jax_ucp/
-TOTAL = 53728
+TOTAL = 53727
 
 
 def _lines(paths) -> int:

@@ -398,8 +398,7 @@ class SafetensorsFile:
     def tensor(self, name: str) -> np.ndarray:
         """A read-only view of ``name`` (no copy; the map stays open while the view lives),
         to be read with :mod:`jax_ucp._src.format.mapped_file` (pread), never touched directly."""
-        dtype, shape, begin, end = self.header[name]
-        start = self.data_start + begin
-        return np.frombuffer(
-            self.map, dtype, count=(end - begin) // dtype.itemsize, offset=start
-        ).reshape(shape)
+        (dtype, shape, begin, end), mm = self.header[name], self.map
+        assert mm is not None, f"{self.path}: read by ranges, no map to view"
+        count, start = (end - begin) // dtype.itemsize, self.data_start + begin
+        return np.frombuffer(mm, dtype, count=count, offset=start).reshape(shape)

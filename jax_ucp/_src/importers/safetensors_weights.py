@@ -309,8 +309,7 @@ def _open(folder: Storage, name: str, what: str | None = None) -> tuple[Safetens
 
 
 def _once(file: RandomAccess, at: int, end: int) -> Callable[[int, int], memoryview]:
-    """``cut(start, n)``: ``n`` bytes of ``file`` from ``start``, of its bytes ``[at, end)`` read
-    once when first asked (from any thread) and kept."""
+    """``cut(start, n)``: ``n`` bytes from ``start`` of ``file``'s ``[at, end)``, read once, kept."""
     lock, kept = threading.Lock(), []
 
     def cut(start: int, n: int) -> memoryview:
