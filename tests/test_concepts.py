@@ -50,8 +50,10 @@ MAX_IMPORTS_IN_FUNCTIONS = 59
 #: ``check_listing``: a listing's names refused in store/). Stay for now, the os-level checks of
 #: a local folder: convert's destination (overlap, ``check_replaceable``), the open stage's
 #: swap / Orbax step-folder checks (``locate``), a manager's local steps (``resume``), one
-#: revision agreed by processes (``import_open``), ShardReader's shards checked as read
-MAX_LOCAL_QUESTIONS = 11
+#: revision agreed by processes (``import_open``), ShardReader's shards checked as read;
+#: 8 with one safetensors reader over a Storage (the reader maps what its medium maps:
+#: ``RandomAccess.mapped``), the safetensors detector's question left
+MAX_LOCAL_QUESTIONS = 8
 #: ``storage_for(`` called outside ``store/``: a ``Storage`` made again from a path instead of
 #: handed down (issue 71 wants 0; 37, and 1 more counted as the remote safetensors reader left
 #: ``store/``: a ``.safetensors`` object's folder; 40 with round 13's verify of a source's
@@ -61,8 +63,9 @@ MAX_LOCAL_QUESTIONS = 11
 #: export's config.json through its Storage, where it asked ``os.path.isfile``; 28 with the
 #: save engine, the Claim, the checkpoint search and verify's export handed their Storage; 27
 #: with verl handing megatron its ``dist_ckpt/`` folder's Storage; 26 with torchtune and the run-root
-#: listings handed their Storage, and resume listing a remote run's steps through one)
-MAX_STORAGE_FOR_CALLS = 26
+#: listings handed their Storage, and resume listing a remote run's steps through one; 25 with a
+#: ``.safetensors`` file's folder the same medium re-rooted ``at`` it)
+MAX_STORAGE_FOR_CALLS = 25
 #: modules decoding a safetensors header (its length bounded by ``MAX_HEADER_BYTES``): one,
 #: local and remote (``format.safetensors`` over a medium's ``Storage.reader``)
 MAX_SAFETENSORS_DECODERS = 1

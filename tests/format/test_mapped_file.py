@@ -48,13 +48,14 @@ elif kind == "safetensors":
     from jax_ucp._src.format import safetensors as safetensors_format
 
     save_file({f"w{i}": np.arange(1 << 20, dtype=np.float32) + i for i in range(3)}, src)
-    real = safetensors_format.SafetensorsFile.__init__
+    real = safetensors_format.SafetensorsFile.read_from
 
-    def init(self, path, *args):  # header parsed, every tensor a view of the mapping, shrunk
-        real(self, path, *args)
+    def read_from(path, *args, **kwargs):  # header parsed through the map, then shrunk
+        out = real(path, *args, **kwargs)
         shrink(os.fspath(path), os.path.getsize(path) // 2)
+        return out
 
-    safetensors_format.SafetensorsFile.__init__ = init
+    safetensors_format.SafetensorsFile.read_from = read_from
 else:
     real = torch_dcp._file_range
 

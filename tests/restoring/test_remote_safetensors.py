@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -86,3 +87,30 @@ def test_a_truncated_object_is_an_error_naming_it(bucket_url, tmp_path):
     object_store.write(url, name, (folder / name).read_bytes()[:-8])
     with pytest.raises(jax_ucp.UCPError, match=name):
         jax_ucp.restore(url)
+
+
+@pytest.mark.parametrize(
+    ("entry", "shard"),
+    [
+        ("layers.0.proj", "model-00001-of-00002.safetensors"),
+        ("ghost", "model-00002-of-00002.safetensors"),
+    ],
+    ids=["in-another-shard", "in-no-shard"],
+)
+@pytest.mark.parametrize("medium", ["local", "s3"])
+def test_an_index_naming_the_wrong_shard_is_refused_on_every_medium(
+    bucket_url, tmp_path, medium, entry, shard
+):
+    """A tensor the index puts in a shard that does not hold it (it is in the other one, or in
+    none): refused naming the index, the tensor and the shard, locally and in an object store
+    alike (before: an object store's index was read for its file names only)."""
+    folder = _folder(tmp_path)
+    index = folder / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] | {entry: shard}
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    src = str(folder) if medium == "local" else _upload(folder, bucket_url)
+    pattern = rf"model\.safetensors\.index\.json: .*{re.escape(repr(entry))}.* {shard}"
+    with pytest.raises(jax_ucp.SourceError, match=pattern):
+        jax_ucp.convert(src, tmp_path / "out")
+    with pytest.raises(jax_ucp.SourceError, match=pattern):
+        jax_ucp.restore(src)

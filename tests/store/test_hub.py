@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save
 
 import jax_ucp
+from jax_ucp._src.importers import safetensors_weights
 from jax_ucp._src.store.storage import hub
 from tests.object_servers import HubServer
 from tests.ucp_testing import run_cli, run_workers
@@ -45,7 +46,9 @@ def synthetic_repo(seed: int = 0) -> tuple[dict[str, bytes], dict[str, np.ndarra
 
 
 @pytest.fixture
-def repo(hub_server):
+def repo(hub_server, monkeypatch):
+    """The synthetic repo, its objects read by ranges as large ones are (not whole: small)."""
+    monkeypatch.setattr(safetensors_weights, "SMALL_OBJECT", 0)
     files, arrays = synthetic_repo()
     hub_server.add("org/model", files)
     return hub_server, arrays
@@ -122,7 +125,27 @@ def test_a_sharded_repo_restores_onto_a_mesh_fetching_only_the_rows_needed(repo,
     np.testing.assert_array_equal(host["params"]["layers.0.proj"], arrays["layers.0.proj"])
 
 
-def test_a_single_file_repo_restores_and_converts(hub_server, tmp_path):
+def test_a_small_object_is_fetched_in_one_get_its_tensors_cut_from_it(hub_server):
+    """Each safetensors file under ``SMALL_OBJECT``: its header read (its length, the header,
+    the one-byte size checks), then all its tensors in one GET, whatever a restore asks."""
+    files, arrays = synthetic_repo()
+    hub_server.add("org/small", files)
+    out = jax_ucp.restore("hf://org/small", target=_target(arrays, _mesh()))
+    for name, want in arrays.items():
+        np.testing.assert_array_equal(np.asarray(out["params"][name]), want)
+    for name in (n for n in files if n.endswith(".safetensors")):
+        n = int.from_bytes(files[name][:8], "little")
+        gets = [
+            (r["start"], r["stop"])
+            for r in hub_server.log
+            if r["server"] == "cdn" and r["path"] == name
+        ]
+        whole = [g for g in gets if g not in ((0, 8), (8, 8 + n)) and g[1] - g[0] > 1]
+        assert whole == [(8 + n, len(files[name]))] and len(gets) <= 5, (name, gets)
+
+
+def test_a_single_file_repo_restores_and_converts(hub_server, tmp_path, monkeypatch):
+    monkeypatch.setattr(safetensors_weights, "SMALL_OBJECT", 0)  # read by ranges
     files, arrays = synthetic_repo(2)
     one = {"model.safetensors": save(arrays), "config.json": files["config.json"]}
     sha = hub_server.add("org/single", one)
@@ -187,6 +210,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_ucp
 from jax_ucp._src import store
+from jax_ucp._src.importers import safetensors_weights
+safetensors_weights.SMALL_OBJECT = 0  # read by ranges, as a large object is
 mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
 assert {d.process_index for d in mesh.devices[pid]} == {pid}
 arrays = dict(np.load(want))

@@ -106,44 +106,6 @@ def is_dcp_sharded(src) -> bool:
         return False
 
 
-def shard_files(src) -> list[str]:
-    """The files of the checkpoint: the index's shards, a directory's files, or ``src`` itself."""
-    return [shown for shown, _ in _shard_paths(src)]
-
-
-def _shard_paths(src) -> list[tuple[str, str]]:
-    """(path as named, real path) of each file of the checkpoint. Names from the folder or its
-    index resolve inside the folder (a Hugging Face cache snapshot: inside its cache repo,
-    whose ``blobs/`` its files link to), never to a file elsewhere."""
-    src = os.fspath(src)
-    if os.path.isfile(src):  # one file: the rule of its folder (a cache snapshot's links too)
-        folder, name = os.path.split(os.path.abspath(src))
-        return [(src, _inside(folder, name, src))]
-    index = os.path.join(src, INDEX_FILE)
-    if os.path.exists(index):
-        _inside(src, INDEX_FILE, src)  # the index itself never a link to another model's
-        first = first_tensors(read_weight_map(index, ".safetensors"))
-        out = []
-        for name, t in first.items():
-            what = f"{index}: weight_map entry {t[:100]!r}"
-            real = _inside(src, name, what)
-            if not os.path.exists(real):  # a shard deleted or renamed: the index's word for it
-                raise SourceError(f"{what} names the file {name!r}, which is not in {src}.")
-            out.append((os.path.join(src, name), real))
-        return out
-    names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
-    if len(names) > 1:
-        for name in names:  # torch DCP's unconsolidated shards: refused, naming the format
-            SafetensorsFile(os.path.join(src, name), _inside(src, name, src))
-        raise SourceError(
-            f"{src}: {len(names)} .safetensors files but no {INDEX_FILE} saying which belong to "
-            f"the model ({', '.join(names[:5])}); add the index, or pass the one file you mean."
-        )
-    if not names:
-        raise SourceError(f"{src}: no .safetensors file and no {INDEX_FILE}.")
-    return [(os.path.join(src, names[0]), _inside(src, names[0], src))]
-
-
 def _inside(src: str, name: str, what: str) -> str:
     try:
         return files.inside_checkpoint(src, name, what)
@@ -282,24 +244,33 @@ class SafetensorsFile:
             os.close(fd)
         if mapped is None or len(mapped) != size:
             raise SourceError(f"{path}: changed size while being opened.")
-        self._map: mapped_file.FileMap = mapped
+        self.map: mapped_file.FileMap | None = mapped
         self._decode(path, _Mapped(mapped), size, dcp_shard)
 
     @classmethod
     def read_from(
-        cls, path: str, file: RandomAccess, *, dcp_shard: bool = False
+        cls,
+        path: str,
+        file: RandomAccess,
+        *,
+        dcp_shard: bool = False,
+        mapped: mapped_file.FileMap | None = None,
     ) -> SafetensorsFile:
-        """The checked header of a file read by ranges elsewhere (an object store's object, a
-        Hub file): ``header`` and ``metadata`` as for a local file, no tensor views; its size
-        unknown, the data must end where its last tensor ends.
+        """The checked header of a file read by ranges (an object store's object, a Hub file),
+        or of its map (``mapped``: a local file's, whose tensors are then views of it):
+        ``header`` and ``metadata`` as for a local file; without a map its size is unknown, the
+        data must end where its last tensor ends.
 
         Args:
             path: names the file in errors.
             file: the file, read by ranges.
             dcp_shard: as for a local file.
+            mapped: the file's map (its size known: read through it).
         """
         self = cls.__new__(cls)
-        self._decode(path, file, None, dcp_shard)
+        self.map = mapped
+        size = None if mapped is None else len(mapped)
+        self._decode(path, file if mapped is None else _Mapped(mapped), size, dcp_shard)
         return self
 
     @property
@@ -427,35 +398,7 @@ class SafetensorsFile:
     def tensor(self, name: str) -> np.ndarray:
         """A read-only view of ``name`` (no copy; the map stays open while the view lives),
         to be read with :mod:`jax_ucp._src.format.mapped_file` (pread), never touched directly."""
-        dtype, shape, begin, end = self.header[name]
-        start = self.data_start + begin
-        return np.frombuffer(
-            self._map, dtype, count=(end - begin) // dtype.itemsize, offset=start
-        ).reshape(shape)
-
-
-def open_checkpoint(src) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFile]]:
-    """Every file of the checkpoint at ``src`` opened and checked, and which file holds each
-    tensor: a tensor in two files, or an index whose ``weight_map`` and the files disagree, is
-    refused naming them."""
-    src = os.fspath(src)
-    opened = [SafetensorsFile(path, real) for path, real in _shard_paths(src)]
-    owner: dict[str, SafetensorsFile] = {}
-    for f in opened:
-        for name in f.header:
-            if name in owner:
-                raise SourceError(
-                    f"{src}: tensor {name[:100]!r} is in both {owner[name].path} and {f.path}."
-                )
-            owner[name] = f
-    index = os.path.join(src, INDEX_FILE) if os.path.isdir(src) else None
-    if index and os.path.exists(index):
-        weight_map = read_weight_map(index, ".safetensors")
-        missing = sorted(set(weight_map) - set(owner))
-        unlisted = sorted(set(owner) - set(weight_map))
-        if missing or unlisted:
-            raise SourceError(
-                f"{index}: weight_map and the files disagree: missing from the files "
-                f"{missing[:5]}, not in the index {unlisted[:5]}."
-            )
-    return opened, owner
+        (dtype, shape, begin, end), mm = self.header[name], self.map
+        assert mm is not None, f"{self.path}: read by ranges, no map to view"
+        count, start = (end - begin) // dtype.itemsize, self.data_start + begin
+        return np.frombuffer(mm, dtype, count=count, offset=start).reshape(shape)

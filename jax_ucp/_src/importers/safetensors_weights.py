@@ -1,8 +1,9 @@
 """Hugging Face safetensors weights as an import plan: ``params/<HF name>`` in the stored dtype
 (of a multimodal model, :data:`TEXT_MODELS`, its text model's tensors under its own names),
-each tensor a read-only view of a memory map (read with ``pread``: the writer streams it, a direct
-restore reads each region's rows straight into its buffer), or in an object store or Hub repo a
-``Deferred`` whose rows are ranged reads.
+read by one reader over a ``Storage`` (any medium): each tensor a read-only view of the file's map
+where the medium maps it (read with ``pread``: the writer streams it, a direct restore reads each
+region's rows straight into its buffer), else a ``Deferred`` whose rows are ranged reads (a small
+object's cut from it, fetched whole once).
 
 Shared importer layer: the safetensors importer's plan, and torchtune's (its ``epoch_N/``
 folders are such weights). Format packages never import each other; what two of them share
@@ -14,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import posixpath
 import re
+import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -22,6 +26,7 @@ from jax_ucp._src import format as fmt
 from jax_ucp._src import store, writer
 from jax_ucp._src.errors import CheckpointError, SourceError
 from jax_ucp._src.format import files, safetensors
+from jax_ucp._src.format.safetensors import SafetensorsFile
 from jax_ucp._src.importers.plan import (
     ImportOptions,
     ImportPlan,
@@ -34,7 +39,6 @@ from jax_ucp._src.importers.trainer_files import (
     CONFIG_FILE,
     MAX_JSON_BYTES,
     adapter_beside_model,
-    read_json,
 )
 from jax_ucp._src.store.shard_reader import count_bytes_read
 from jax_ucp._src.store.storage import Storage
@@ -43,10 +47,9 @@ from jax_ucp._src.torchfiles import dcp_safetensors
 
 __all__ = [
     "TEXT_MODELS",
-    "RemoteTensor",
+    "RangedTensor",
     "file_tensors",
     "holds_remote",
-    "open_remote",
     "plan_safetensors",
     "text_model",
     "weight_files",
@@ -114,46 +117,40 @@ def _check_text_model(model_type: str, text: dict, renamed: dict, prefixes, shap
 
 
 def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
-    """The import of a Hugging Face safetensors checkpoint (file, directory or sharded index).
+    """The import of a Hugging Face safetensors checkpoint (file, directory or sharded index),
+    on any medium: ``path`` the source as read (a Hub repo's pinned to the commit it was read
+    at, ``hf://ORG/NAME@SHA``), ``config.json`` read through its storage.
 
     Args:
         src: a ``.safetensors`` file, a folder, or a sharded index.
         options: ``spec`` refused (Hugging Face's names are kept); ``weights_only``: the model
             weights alone, a torch optimizer beside them in ``source.skipped`` (else refused).
     """
-    spec, weights_only, share = options.spec, options.weights_only, options.share
-    refuse_spec(spec, "safetensors imports keep Hugging Face's names", SourceError)
+    refuse_spec(options.spec, "safetensors imports keep Hugging Face's names", SourceError)
     storage = store.storage_for(src)  # the importer's (torchtune's: a path)
-    src = storage.root
-    if storage.local_path() is None:  # an object store's or the Hub's: read by ranges
-        return _plan_remote(storage, options)
-    opened, owner = safetensors.open_checkpoint(src)
-    names = sorted(owner)
-    dtypes = sorted({str(owner[n].header[n][0]) for n in names})
+    folder, opened = _open_weights(storage)
+    single = folder is not storage  # one file given: that file only, no folder's config.json
+    owner = {t: (name, f, v) for name, (f, values) in opened.items() for t, v in values.items()}
+    shapes = {t: list(f.header[t][1]) for t, (_, f, _) in owner.items()}
     source = {
         "framework": "safetensors",
-        "path": os.path.abspath(src),
-        "files": [os.path.basename(f.path) for f in opened],
-        "dtypes": dtypes,
-        "metadata": {k: v for f in opened for k, v in f.metadata.items() if isinstance(v, str)},
+        "path": posixpath.join(folder.absolute(), *opened) if single else folder.absolute(),
+        "files": list(opened),
+        "dtypes": sorted({str(f.header[t][0]) for t, (_, f, _) in owner.items()}),
+        "metadata": {
+            k: v for f, _ in opened.values() for k, v in f.metadata.items() if type(v) is str
+        },
     }
-    found, config = list(names), None
-    # the model's config.json, as its weights are read (a Hub cache snapshot's link into blobs/)
-    where = f"{src}: the model's {CONFIG_FILE}"
-    if os.path.isdir(src) and os.path.isfile(
-        path := files.inside_checkpoint(src, CONFIG_FILE, where)
-    ):
-        config = read_json(path)
-    named = _with_config(source, config, {n: owner[n].header[n][1] for n in names})
-    _beside(storage if os.path.isdir(src) else None, source, found, weights_only)
-    mine = share.pick(sorted(named))
+    raw = None if single else folder.read(CONFIG_FILE, MAX_JSON_BYTES)
+    config = None if raw is None else files.strict_json(raw, folder.join(CONFIG_FILE))
+    named, found = _with_config(source, config, shapes), sorted(owner)
+    _beside(None if single else folder, source, found, options.weights_only)
+    mine = options.share.pick(sorted(named))
     items = (
-        host_item(
-            ("params", n),
-            owner[s].tensor(s),  # a mapped view: never touched, read with pread
-            {"file": os.path.basename(owner[s].path), "tensors": [s]},
-        )
-        for n, s in ((n, named[n]) for n in mine)
+        host_item(("params", n), v.deferred() if isinstance(v, RangedTensor) else v, where)
+        for n in mine
+        for name, _, v in [owner[named[n]]]
+        for where in [{"file": name, "tensors": [named[n]]}]
     )
     return ImportPlan(items, source, len(mine), source_tensors=found)
 
@@ -202,168 +199,174 @@ def _with_config(source: dict, config, shapes: dict[str, list[int]]) -> dict[str
     return named
 
 
-def _plan_remote(storage: Storage, options: ImportOptions) -> ImportPlan:
-    """The import of safetensors in an object store or a Hub repo (``hf://``): each tensor's
-    rows ranged reads (in slabs when larger than the memory budget); ``path`` the source as
-    read, a Hub repo's pinned to the commit it was read at (``hf://ORG/NAME@SHA``); the rest
-    recorded as of a local folder (``config.json`` read through the storage)."""
-    prefix, tensors, metadata = open_remote(storage)
-    names = sorted(tensors)
-    source = {
-        "framework": "safetensors",
-        "path": prefix.absolute(),
-        "files": sorted({t.shown.rpartition("/")[2] for t in tensors.values()}),
-        "dtypes": sorted({str(tensors[n].dtype) for n in names}),
-        "metadata": metadata,
-    }
-    single = storage.root.rstrip("/").endswith(".safetensors")  # one object: no folder's config
-    raw = None if single else prefix.read(CONFIG_FILE, MAX_JSON_BYTES)
-    config = None if raw is None else files.strict_json(raw, prefix.join(CONFIG_FILE))
-    named = _with_config(source, config, {n: list(tensors[n].shape) for n in names})
-    found = list(names)
-    _beside(None if single else prefix, source, found, options.weights_only)
+#: a safetensors object of at most this many bytes is fetched in one GET, its tensors cut from
+#: it: a Trainer's or adapter's small files hold hundreds of tensors, each a round trip (tens of
+#: ms to S3 or the Hub's CDN) when read alone, where 4 MiB arrive in about as long; above it each
+#: tensor's rows are ranged reads, a process fetching only the rows it restores
+SMALL_OBJECT = 4 << 20
+Tensors = dict[str, "np.ndarray | RangedTensor"]
 
-    def deferred(t: RemoteTensor) -> writer.Deferred:
-        rows = t.shape[0] if t.shape else 1
-        return writer.Deferred(
-            t.shape,
-            t.dtype,
-            lambda: t.rows(0, rows).reshape(t.shape),
-            rows=t.rows if t.shape else None,
-            ranged=True,
-        )
 
-    mine = options.share.pick(sorted(named))
-    items = (
-        host_item(("params", n), deferred(tensors[s]), {"file": tensors[s].shown, "tensors": [s]})
-        for n, s in ((n, named[n]) for n in mine)
-    )
-    return ImportPlan(items, source, len(mine), source_tensors=found)
+def _single(storage: Storage) -> bool:
+    """A ``.safetensors`` file or object given by its own path or URL, not a folder."""
+    return storage.root.rstrip("/").endswith(".safetensors")
 
 
 def holds_remote(prefix: Storage) -> bool:
-    """A ``.safetensors`` object, or a prefix / repo holding safetensors (or their index) and
-    no ``ucp.json``, in a medium that is no local directory (read by ranges)."""
-    if prefix.local_path() is not None:  # a local directory: ``format.safetensors`` maps it
-        return False
-    if prefix.root.rstrip("/").endswith(".safetensors"):
+    """:func:`_holds` in a medium that is no local directory (the detector's question)."""
+    return prefix.local_path() is None and _holds(prefix)
+
+
+def _holds(prefix: Storage) -> bool:
+    """A ``.safetensors`` file, or a folder holding safetensors (or their index) and no
+    ``ucp.json`` nor torch DCP's rank files (``importers.torch.dcp``); names only."""
+    if _single(prefix):
         return True
     if prefix.exists(fmt.MANIFEST_FILE):
         return False
-    names = prefix.names()
-    return (
-        prefix.exists(safetensors.INDEX_FILE)
-        or any("/" not in n and n.endswith(".safetensors") for n in names)
-    ) and not dcp_safetensors.holds_rank_pieces(names)  # torch DCP's (importers.torch.dcp)
+    names = [n for n in prefix.names() if "/" not in n]
+    held = prefix.exists(safetensors.INDEX_FILE) or any(n.endswith(".safetensors") for n in names)
+    return held and not dcp_safetensors.holds_rank_pieces(names)
 
 
-def _objects(prefix: Storage) -> tuple[Storage, list[str]]:
-    """(the medium, the safetensors objects in it) of the checkpoint at ``prefix``: one
-    storage, so a Hub repo's files are all read at the commit it resolved once."""
-    url = prefix.root.rstrip("/")
-    if url.endswith(".safetensors"):  # one object: read from its folder's storage
-        folder, _, name = url.rpartition("/")
-        return store.storage_for(folder), [name]
-    raw = prefix.read(safetensors.INDEX_FILE, safetensors.MAX_INDEX_BYTES)
-    if raw is None:
-        names = sorted(n for n in prefix.names() if "/" not in n and n.endswith(".safetensors"))
-        if len(names) != 1:
-            raise SourceError(
-                f"{url}: {len(names)} .safetensors objects and no {safetensors.INDEX_FILE} "
-                f"saying which belong to the model; add the index, or pass the one you mean."
-            )
-        return prefix, names
-    where = prefix.join(safetensors.INDEX_FILE)
-    return prefix, sorted(set(safetensors.weight_map_of(raw, where, ".safetensors").values()))
+def _objects(prefix: Storage) -> tuple[Storage, list[str], dict[str, str] | None]:
+    """(the folder, the safetensors files of the checkpoint at ``prefix`` in it, the index's
+    ``weight_map`` or None): one storage, a Hub repo's files all read at one commit."""
+    single = _single(prefix)
+    try:
+        raw = None if single else prefix.read(safetensors.INDEX_FILE, safetensors.MAX_INDEX_BYTES)
+    except NotADirectoryError:  # a file given by its path, whatever its name
+        raw, single = None, True
+    if single:  # one file: read from its folder
+        folder, name = posixpath.split(prefix.root.rstrip("/"))
+        return prefix.at(folder or os.curdir), [name], None
+    if raw is not None:
+        where = prefix.join(safetensors.INDEX_FILE)
+        weight_map = safetensors.weight_map_of(raw, where, ".safetensors")
+        return prefix, sorted(set(weight_map.values())), weight_map
+    names = sorted(n for n in prefix.names() if "/" not in n and n.endswith(".safetensors"))
+    if len(names) == 1:
+        return prefix, names, None
+    for name in names:  # torch DCP's unconsolidated shards: refused, naming the format
+        _open(prefix, name)
+    index = safetensors.INDEX_FILE
+    raise SourceError(
+        f"{prefix.root}: {len(names)} .safetensors files but no {index} saying which belong to "
+        f"the model ({', '.join(names[:5])}); add the index, or pass the one file you mean."
+        if names
+        else f"{prefix.root}: no .safetensors file and no {index}."
+    )
+
+
+def _open_weights(storage: Storage) -> tuple[Storage, dict[str, tuple[SafetensorsFile, Tensors]]]:
+    """(the folder, each file of the safetensors checkpoint at ``storage``: its checked header and
+    its tensors), no tensor's bytes read; a tensor in two files, or in another than the index
+    says, is refused naming them."""
+    folder, names, weight_map = _objects(storage)
+    index = folder.join(safetensors.INDEX_FILE)
+    first = safetensors.first_tensors(weight_map or {})
+    opened, owner = {}, {}
+    for name in names:
+        what = f"{index}: weight_map entry {first[name][:100]!r}" if weight_map else None
+        opened[name] = _open(folder, name, what)
+        for t in opened[name][0].header:
+            if owner.setdefault(t, name) != name:
+                raise SourceError(
+                    f"{storage.root}: tensor {t[:100]!r} is in both {folder.join(owner[t])} "
+                    f"and {folder.join(name)}."
+                )
+    listed = weight_map or owner
+    wrong = sorted(t for t in {*listed, *owner} if listed.get(t) != owner.get(t))
+    if wrong:  # a tensor in another file than the index says, in none, or not in the index
+        t = wrong[0]
+        raise SourceError(
+            f"{index}: weight_map and the files disagree on {len(wrong)} tensors: {t[:100]!r} is "
+            f"in {listed.get(t, 'no file')} by the index, {owner.get(t, 'no file')} by the headers."
+        )
+    return folder, opened
+
+
+def _open(folder: Storage, name: str, what: str | None = None) -> tuple[SafetensorsFile, Tensors]:
+    """File ``name`` of ``folder``: its header checked (through its map where the medium maps
+    it), and its tensors; ``what``: the index entry naming it, for the error if it is not there."""
+    shown = folder.join(name)
+    file = folder.reader(name, what or shown)
+    try:
+        parsed = SafetensorsFile.read_from(shown, file, mapped=file.mapped())
+    except SourceError as e:  # a shard the index names that is not there: the index's fault
+        if what is None or str(e) != f"{shown}: no such object.":
+            raise
+        gone = f"{what} names the file {name!r}, which is not in {folder.root}."
+        raise SourceError(gone) from None
+    if parsed.map is not None:  # views of the map, never touched: read with pread
+        return parsed, {t: parsed.tensor(t) for t in parsed.header}
+    end = parsed.data_start + max((e for *_, e in parsed.header.values()), default=0)
+    whole = _once(file, parsed.data_start, end) if end <= SMALL_OBJECT else None
+    return parsed, {
+        t: RangedTensor(file, t, dtype, shape, parsed.data_start + b, whole)
+        for t, (dtype, shape, b, _) in parsed.header.items()
+    }
+
+
+def _once(file: RandomAccess, at: int, end: int) -> Callable[[int, int], memoryview]:
+    """``cut(start, n)``: ``n`` bytes from ``start`` of ``file``'s ``[at, end)``, read once, kept."""
+    lock, kept = threading.Lock(), []
+
+    def cut(start: int, n: int) -> memoryview:
+        with lock:
+            kept[:] = kept or [memoryview(file.read(at, end - at) or b"")]
+        return kept[0][start - at :][:n]
+
+    return cut
 
 
 @dataclasses.dataclass
-class RemoteTensor:
-    """One tensor of a safetensors object: its rows read as byte ranges of ``file``."""
+class RangedTensor:
+    """One tensor of a safetensors file that is not mapped: its rows byte ranges of ``file``,
+    or cut from the whole (small) file read once (``whole``)."""
 
     file: RandomAccess
     name: str
     dtype: np.dtype
     shape: tuple[int, ...]
-    offset: int  # of its first byte in the object
-
-    @property
-    def shown(self) -> str:
-        return self.file.shown
-
-    @property
-    def row_bytes(self) -> int:
-        return (
-            math.prod(self.shape[1:]) * self.dtype.itemsize if self.shape else self.dtype.itemsize
-        )
+    offset: int  # of its first byte in the file
+    whole: Callable[[int, int], memoryview] | None = None
 
     def rows(self, a: int, b: int) -> np.ndarray:
-        """Rows ``a:b`` of the tensor (``[0:1]`` of a scalar), one ranged read."""
-        start, want = self.offset + a * self.row_bytes, (b - a) * self.row_bytes
+        """Rows ``a:b`` of the tensor (``[0:1]`` of a scalar), one ranged read (or cut)."""
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        start, want, shown = self.offset + a * row, (b - a) * row, self.file.shown
         try:
-            got = self.file.read(start, want)
+            got = (self.whole or self.file.read)(start, want)
         except RangeError as e:  # a range past the end: the object shrank since it was opened
+            got = e
+        if not isinstance(got, bytes | memoryview) or len(got) != want:
+            said = got if isinstance(got, RangeError) else f"got {len(got or b'')} bytes"
             raise CheckpointError(
-                f"{self.shown}: tensor {self.name!r}: rows {a}:{b} cannot be read ({e})."
-            ) from None
-        if got is None or len(got) != want:
-            raise CheckpointError(
-                f"{self.shown}: tensor {self.name!r} truncated or gone (rows {a}:{b} need "
-                f"{want} bytes from byte {start}, got "
-                f"{'no object' if got is None else len(got)})."
+                f"{shown}: tensor {self.name!r}: rows {a}:{b} ({want} bytes from byte {start}) "
+                f"cannot be read, the file truncated or gone ({said})."
             )
         count_bytes_read(want)
         return np.frombuffer(got, self.dtype).reshape((b - a, *self.shape[1:]))
 
-
-def open_remote(storage: Storage) -> tuple[Storage, dict[str, RemoteTensor], dict[str, str]]:
-    """(the medium, each tensor by name, the files' str ``__metadata__``) of the safetensors at
-    ``storage`` (a ``.safetensors`` object, or a prefix / repo holding them, with the index when
-    several), every header checked by the one decoder (``format.safetensors``); no bytes read."""
-    prefix, names = _objects(storage)
-    tensors: dict[str, RemoteTensor] = {}
-    metadata: dict[str, str] = {}
-    for name in names:
-        got, meta = _remote_file(prefix, name)
-        if twice := sorted(set(got) & set(tensors)):
-            raise SourceError(f"{storage.root}: tensor {twice[0][:100]!r} is in two objects.")
-        tensors.update(got)
-        metadata.update(meta)
-    return prefix, tensors, metadata
-
-
-def _remote_file(prefix: Storage, name: str) -> tuple[dict[str, RemoteTensor], dict[str, str]]:
-    """(each tensor, the str ``__metadata__``) of object ``name`` of ``prefix``, its header
-    checked; no tensor's bytes read."""
-    file = prefix.reader(name)
-    parsed = safetensors.SafetensorsFile.read_from(file.shown, file)
-    tensors = {
-        tensor: RemoteTensor(file, tensor, np.dtype(dtype), tuple(shape), parsed.data_start + b)
-        for tensor, (dtype, shape, b, _) in parsed.header.items()
-    }
-    return tensors, {k: v for k, v in parsed.metadata.items() if isinstance(v, str)}
+    def deferred(self) -> writer.Deferred:
+        """The tensor as the writer builds it: whole, or in row slabs."""
+        make = lambda: self.rows(0, self.shape[0] if self.shape else 1).reshape(self.shape)
+        rows = self.rows if self.shape else None
+        return writer.Deferred(self.shape, self.dtype, make, rows=rows, ranged=True)
 
 
 def weight_files(folder: Storage) -> dict[str, tuple[Storage, str]]:
     """{path or URL: (storage, name) it is read at} of the safetensors weights ``folder`` holds
-    (its index's shards, else its one file: ``format.safetensors.shard_files``, an object store's
-    or Hub repo's by the same rules); {} when it holds none (or torch DCP's rank pieces)."""
-    local = folder.local_path()
-    if local is not None:
-        paths = safetensors.shard_files(local) if safetensors.is_safetensors(local) else []
-        return {p: (folder, os.path.basename(p)) for p in paths}
-    if not holds_remote(folder):
+    (its index's shards, else its one file); {} when it holds none (or torch DCP's rank pieces)."""
+    if not _holds(folder):
         return {}
-    prefix, names = _objects(folder)
+    prefix, names, _ = _objects(folder)
     return {prefix.join(n): (prefix, n) for n in names}
 
 
-def file_tensors(folder: Storage, name: str) -> dict[str, np.ndarray | RemoteTensor]:
+def file_tensors(folder: Storage, name: str) -> Tensors:
     """Each tensor of safetensors file ``name`` of ``folder`` (:func:`weight_files`), its header
     checked: a read-only view of a local file's map (read with ``pread``), else its rows read by
-    ranges when written (:class:`RemoteTensor`)."""
-    local = folder.local_path()
-    if local is None:
-        return dict(_remote_file(folder, name)[0])
-    f = safetensors.SafetensorsFile(os.path.join(local, name))
-    return {n: f.tensor(n) for n in f.header}
+    ranges when written (:class:`RangedTensor`)."""
+    return _open(folder, name)[1]

@@ -31,7 +31,7 @@ from jax_ucp._src.format import files, safetensors
 from jax_ucp._src.format.safetensors import first_tensors, weight_map_of
 from jax_ucp._src.importers import trainer_files
 from jax_ucp._src.importers.plan import Detection, ImportPlan, refuse_spec, tensor_names
-from jax_ucp._src.importers.safetensors_weights import RemoteTensor, file_tensors, weight_files
+from jax_ucp._src.importers.safetensors_weights import RangedTensor, file_tensors, weight_files
 from jax_ucp._src.importers.torch import hf_trainer
 from jax_ucp._src.importers.torch.options import TorchOptions
 from jax_ucp._src.importers.torch_state import (
@@ -376,7 +376,7 @@ def _read_model_files(src: str, model_files: _Files):
     """The model files' tensors, ``{name: (tensor, file, source name)}``, with every tensor
     found, the non-tensor entries, and an optimizer state saved inside them with (its file,
     its source-name prefix). A name in two files is refused."""
-    model: dict[str, tuple[np.ndarray | RemoteTensor, str, str]] = {}  # -> (tensor, file, name)
+    model: dict[str, tuple[np.ndarray | RangedTensor, str, str]] = {}  # -> (tensor, file, name)
     found: list[str] = []
     other: list[str] = []
     optimizer = optimizer_at = None
@@ -396,7 +396,7 @@ def _read_model_files(src: str, model_files: _Files):
         for name, value in sd.items():
             if not isinstance(name, str):
                 raise SourceError(f"{path}: state dict key {name!r} is not a string")
-            if not isinstance(value, np.ndarray | RemoteTensor):
+            if not isinstance(value, np.ndarray | RangedTensor):
                 continue  # a nested object's tensors are accounted as skipped below
             if name in model:
                 raise SourceError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
@@ -437,12 +437,12 @@ def _has_tensors(value: Any) -> bool:
     return next(iter(tensor_names(value)), None) is not None
 
 
-def _ref(value: np.ndarray | RemoteTensor, path: str, name: str) -> TensorRef:
+def _ref(value: np.ndarray | RangedTensor, path: str, name: str) -> TensorRef:
     where = {"format": "torch_files", "file": os.path.basename(path)}
-    if isinstance(value, RemoteTensor):  # its rows read by ranges as they are written
+    if isinstance(value, RangedTensor):  # its rows read by ranges as they are written
         rows, count = (value.rows, value.shape[0]) if value.shape else (None, 1)
         read = lambda: value.rows(0, count).reshape(value.shape)
-        identity = (value.shown, value.offset, value.shape, value.dtype.str)
+        identity = (value.file.shown, value.offset, value.shape, value.dtype.str)
         return TensorRef(name, value.shape, value.dtype, read, where, identity, rows)
     return TensorRef(
         name,

@@ -273,9 +273,10 @@ class LocalDirectory(Storage):
 
     def inside(self, name: str, what: str = "") -> str:
         """The path of ``name`` under ``resolved`` that every read here takes, refused unless
-        inside the checkpoint (``format.files.inside``): a root reached through links is
-        checked as its real path, and only a name below it leaving it is refused."""
-        return fmt.files.inside(self.resolved, name, what or self.join(name))
+        inside the checkpoint (``format.files.inside_checkpoint``: a root reached through links
+        is checked as its real path; only a name below it leaving it, not a cache snapshot's
+        blob, is refused)."""
+        return fmt.files.inside_checkpoint(self.resolved, name, what or self.join(name))
 
     def ranged(self, name: str) -> tuple[dict, str]:
         """TensorStore reads the file natively: only a regular file inside the checkpoint."""

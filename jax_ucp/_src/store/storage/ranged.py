@@ -9,6 +9,7 @@ once, ``pieces``). JAX-free.
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import re
 import threading
@@ -86,6 +87,10 @@ class RandomAccess(abc.ABC):
     def size(self, at_least: int) -> int:
         """Its size, or ``at_least`` when it holds at least that many bytes; -1: no such file."""
 
+    def mapped(self) -> mapped_file.FileMap | None:
+        """The file mapped (read through ``format.mapped_file``, never touched); None: by ranges."""
+        return None
+
     def holds(self, size: int) -> bool:
         """Whether the file has at least ``size`` bytes (one byte read just before it)."""
         try:
@@ -111,6 +116,10 @@ class LocalFile(RandomAccess):
             return bytes(out[: mapped_file.preadv_full(fd, [out], offset)])
         finally:
             os.close(fd)
+
+    def mapped(self) -> mapped_file.FileMap | None:
+        with contextlib.suppress(FileNotFoundError):  # ``read`` says there is none
+            return mapped_file.map_file(self.shown)
 
     def size(self, at_least: int) -> int:
         """By ``stat``: a FIFO refused (``UnsafeFileError``), a link to nothing a ``RangeError``."""
