@@ -2,10 +2,6 @@
 
 Each block runs by itself in a fresh Python process (8 CPU devices, XLA_FLAGS as in the docs),
 as a reader copies one into a file or a notebook cell: its imports and data are its own. The
-process is forked from a server that imported jax, orbax and jax_ucp once (``tests/zygote.py``:
-no backend made, so the block's own XLA_FLAGS still decide the devices; its names are its own);
-a block that sets another environment variable, which those imports may have read, runs in a
-new interpreter instead. The
 working directory is a fresh temporary directory holding nothing of the repository, so a block
 reaches data only through the installed package (``jax_ucp.samples``) or by writing its own;
 TMPDIR is a temporary directory too. A failing block is reported with its file and line
@@ -30,7 +26,6 @@ import textwrap
 
 import pytest
 
-from tests import zygote
 from tests.test_docs_examples import MARKER
 from tests.ucp_testing import REPO
 
@@ -98,13 +93,6 @@ def test_no_block_names_a_repository_path():
             )
 
 
-#: modules the server imports once, before forking a block's process
-PRELOAD = ("numpy", "jax", "jax.numpy", "optax", "orbax.checkpoint", "flax.nnx", "jax_ucp")
-#: an environment variable set by the block, other than XLA_FLAGS (read when the first device
-#: is asked for, not at import): such a block runs in a new interpreter
-OWN_ENV = re.compile(r"os\.(environ|putenv)(?!\.setdefault\(\"XLA_FLAGS\"|\[\"XLA_FLAGS\"\] =)")
-
-
 # (file, index of the block in it): stable while the prose around the blocks changes
 ALL_BLOCKS = [(name, i) for name in FILES for i in range(len(blocks(name)))]
 
@@ -120,19 +108,18 @@ def test_python_block_runs_alone(tmp_path, name, index):
     # As pasted: nothing injected (no XLA_FLAGS; a block that needs 8 devices sets them itself).
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHONPATH=REPO, JAX_PLATFORMS="cpu", TMPDIR=str(scratch))
-    argv = [str(tmp_path / "runner.py"), os.path.join(REPO, name), str(line)]
-    argv.append(str(tmp_path / "block.py"))
-    if OWN_ENV.search(source):
-        r = subprocess.run(
-            [sys.executable, *argv], cwd=work, env=env, capture_output=True, text=True, timeout=240
-        )
-        returncode, stderr = r.returncode, r.stderr
-    else:
-        server = zygote.server(PRELOAD, {k: v for k, v in env.items() if k != "TMPDIR"})
-        returncode, _, stderr = zygote.run(server, argv, cwd=str(work), env=env, timeout=240)
-    if returncode == 0:
+    r = subprocess.run(
+        [sys.executable, str(tmp_path / "runner.py"), os.path.join(REPO, name), str(line)]
+        + [str(tmp_path / "block.py")],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    if r.returncode == 0:
         return
     reason = next((why for text, why in XFAIL.get(name, {}).items() if text in source), None)
     if reason:
         pytest.xfail(f"{name}, block at line {line}: {reason}")
-    raise AssertionError(f"{name}, block at line {line} fails alone:\n{stderr[-4000:]}")
+    raise AssertionError(f"{name}, block at line {line} fails alone:\n{r.stderr[-4000:]}")
