@@ -1,6 +1,6 @@
-"""Fresh child processes without the interpreter's start-up each time: a server process imports
-the heavy modules once (jax, orbax, jax_ucp: seconds on a loaded host, before any line of the
-child's own runs), then forks one child per request. A child starts as a fresh interpreter
+"""Fresh child processes without the interpreter's start-up each time (the hostile harness's
+children): a server process imports the heavy modules once (jax, orbax, jax_ucp: seconds on a
+loaded host, before any line of the child's own runs), then forks one child per request. A child starts as a fresh interpreter
 would be after those imports and nothing else: no JAX backend made (XLA_FLAGS and the device
 count are read when the child first asks for a device), its own session, working directory,
 environment, argv, stdout and stderr, ``random`` / ``numpy.random`` reseeded and the temporary
