@@ -58,6 +58,7 @@ def run_kind(
     long: bool = False,
     timeout=MUTATION_TIMEOUT,
     python: str = sys.executable,
+    fork: bool = False,
 ) -> list[Result]:
     """Every mutation ``indices`` of ``kind`` under ``seed``, judged; children are restarted
     after a hang or a crash (that mutation is the failure).
@@ -70,12 +71,15 @@ def run_kind(
         timeout: seconds one mutation may take before it counts as a hang.
         python: the interpreter of the children (the long run may take one with torch, so
             ``verify --against`` a torch source can read it).
+        fork: each child forked from a server that imported jax, orbax and jax_ucp once
+            (``tests/zygote.py``; this interpreter's), not started afresh: the same child, its
+            bounds and its protocol, without the seconds of imports per kind.
     """
     results: list[Result] = []
     remaining = list(indices)
     with tempfile.TemporaryDirectory(prefix=f"hostile-{kind}-") as work:
         while remaining:
-            done = _one_child(kind, seed, remaining, work, long, timeout, python)
+            done = _one_child(kind, seed, remaining, work, long, timeout, python, fork)
             results += done
             ran = {r.index for r in done}
             if not ran:  # the child could not even start: say so once, for all
@@ -86,7 +90,13 @@ def run_kind(
     return results
 
 
-def _one_child(kind, seed, indices, work, long, timeout, python) -> list[Result]:
+#: what the fork server imports: the entry points' modules (the children import them lazily)
+PRELOAD = ("numpy", "jax", "jax.numpy", "tensorstore", "orbax.checkpoint", "safetensors.numpy",
+           "jax_ucp", "jax_ucp.cli", "typer.testing", "tests.hostile.inputs", "tests.hostile.oracle",
+           "tests.hostile.mutations", "tests.hostile.spy")  # fmt: skip
+
+
+def _one_child(kind, seed, indices, work, long, timeout, python, fork) -> list[Result]:
     os.makedirs(os.path.join(work, "child"), exist_ok=True)
     cmd = [python, "-m", "tests.hostile.child", kind, str(seed),
            ",".join(map(str, indices)), os.path.join(work, "child")]  # fmt: skip
@@ -98,9 +108,15 @@ def _one_child(kind, seed, indices, work, long, timeout, python) -> list[Result]
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     env["PYTHONHASHSEED"] = "0"
     stderr = open(os.path.join(work, "stderr.txt"), "w+b")
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, start_new_session=True
-    )
+    if fork and python == sys.executable:
+        from tests import zygote
+
+        server = zygote.server(PRELOAD, env)
+        proc = zygote.popen(server, cmd[1:], cwd=REPO, env=env, stderr=stderr.fileno())
+    else:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, start_new_session=True
+        )
     assert proc.stdout is not None
     results: list[Result] = []
     current: Result | None = None

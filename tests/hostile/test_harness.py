@@ -131,7 +131,7 @@ CI_SLICE: dict[str, list[int]] = {
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", sorted(CI_SLICE))
 def test_the_ci_slice_of_hostile_copies_is_handled(kind):
-    results = run_kind(kind, CI_SEED, CI_SLICE[kind])
+    results = run_kind(kind, CI_SEED, CI_SLICE[kind], fork=True)
     assert len(results) == len(CI_SLICE[kind])
     bad = [r.report() for r in results if r.failed]
     assert not bad, "\n" + "\n".join(bad)
@@ -330,7 +330,7 @@ def test_the_harness_catches_a_careless_reader(canary, finding):
     reads), opens FIFOs, aborts on a changed byte or leaves a note beside its input: the
     harness reports each, naming the mutation and how to replay it."""
     indices = [0] if canary == "canary-fifo" else [0, 1, 2, 3]  # a hang costs its timeout
-    results = run_kind(canary, 0, indices, timeout=3)
+    results = run_kind(canary, 0, indices, timeout=3, fork=True)  # as the CI slice runs
     assert len(results) == len(indices)
     failed = [r for r in results if r.failed]
     assert failed, [r.labels for r in results]

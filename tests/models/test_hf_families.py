@@ -628,7 +628,9 @@ def test_each_family_builds_a_model_of_the_counted_size_and_its_spec_loads(famil
     )
     held = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     assert held == cfg.parameter_count()
-    logits = TransformerLM(cfg).apply(params, tokens)
+    # jitted: one compiled program (op by op, every primitive of the family compiles apart and
+    # runs eagerly: 3-4x the time); the same model, its code traced whole
+    logits = jax.jit(TransformerLM(cfg).apply)(params, tokens)
     assert logits.shape == (1, 12, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
 
 
@@ -894,17 +896,16 @@ def test_the_sliding_window_masks_keys_further_back_than_it():
 
     cfg, _ = hf_model(_config("mistral"))
     tokens = jnp.arange(10, dtype=jnp.int32)[None]
-    params = TransformerLM(cfg).init(jax.random.key(0), tokens)
+    params = jax.jit(TransformerLM(cfg).init)(jax.random.key(0), tokens)
 
-    def logits(window):
+    def logits(window):  # eager, as --logits runs it: bit for bit is each op's, not a fusion's
         return np.asarray(
             TransformerLM(dataclasses.replace(cfg, sliding_window=window)).apply(params, tokens)
         )
 
-    assert np.array_equal(logits(10), logits(None))
-    assert not np.allclose(logits(1), logits(None)) and np.allclose(
-        logits(1)[:, 0], logits(None)[:, 0]
-    )
+    full, one = logits(None), logits(1)
+    assert np.array_equal(logits(10), full)
+    assert not np.allclose(one, full) and np.allclose(one[:, 0], full[:, 0])
 
 
 def _older_config(config: dict) -> dict:
@@ -1126,11 +1127,11 @@ def test_moe_with_sigmoid_input_adds_the_experts_biases():
         moe_bias=True,
     )
     x = np.random.default_rng(0).normal(size=(1, 5, 8)).astype(np.float32)
-    params = MoE(cfg).init(jax.random.key(0), x)["params"]
+    params = jax.eval_shape(MoE(cfg).init, jax.random.key(0), x)["params"]  # shapes: refilled
     rng = np.random.default_rng(1)
     params = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
     assert set(params) == {"router", "fc1", "fc2", "fc1_bias", "fc2_bias"}
-    got = np.asarray(MoE(cfg).apply({"params": params}, x))
+    got = np.asarray(jax.jit(MoE(cfg).apply)({"params": params}, x))
     fc1, fc2 = params["fc1"]["kernel"], params["fc2"]["kernel"]
     for t in range(5):
         logits = x[0, t] @ params["router"]["kernel"] + params["router"]["bias"]
